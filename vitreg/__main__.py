@@ -1,0 +1,3 @@
+from vitreg.cli import main
+
+main()

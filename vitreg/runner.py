@@ -1,0 +1,281 @@
+"""The benchmark itself: inference and training-step throughput, timed honestly.
+
+For each task: build synthetic inputs on the device (outside any timed region), call once and time
+that call apart (it carries torch.compile's compilation and CUDA's lazy initialisation), run the
+remaining warm-up, then ``repeats`` windows of ``steps`` iterations each, timed per iteration with
+CUDA events (:mod:`vitreg.timing`). Nothing is logged, printed per iteration, or synchronised inside
+a window. Results are typed values; :mod:`vitreg.tracking` logs them.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import asdict, dataclass, field
+
+from vitreg.errors import VitregError
+from vitreg.hardware import ResolvedHardware, mfu
+from vitreg.models import ModelInfo, create_model, forward_flops_per_image, train_flops_per_image
+from vitreg.runtime import Runtime
+from vitreg.spec import BenchSpec
+from vitreg.timing import Stats, summarize, synchronize, time_window, wall_seconds
+
+
+def _stderr_progress(message: str) -> None:
+    print(f"[vitreg] {message}", file=sys.stderr, flush=True)
+
+
+@dataclass(frozen=True)
+class TaskResult:
+    """One task's figures. Throughput is images per second over a whole window; latency is per iteration."""
+
+    task: str  # "infer" or "train"
+    batch_size: int
+    img_size: int
+    steps: int
+    repeats: int
+    throughput: Stats  # img/s, one value per window
+    iter_ms: Stats  # ms per iteration (one batch), all iterations of all windows
+    first_call_s: float  # the first call alone: compilation (if any) + lazy init
+    warmup_s: float  # the rest of the warm-up
+    compiled: bool
+    gflops_per_img: float
+    achieved_tflops: float
+    mfu: float | None
+    peak_mem_allocated_mb: float | None
+    peak_mem_reserved_mb: float | None
+    world_size: int = 1
+
+    def metrics(self) -> dict[str, float]:
+        """MLflow metrics, units in the names, prefixed by the task."""
+        t = self.task
+        m = {
+            f"{t}_throughput_img_per_s": self.throughput.median,
+            f"{t}_throughput_img_per_s_min": self.throughput.min,
+            f"{t}_throughput_img_per_s_max": self.throughput.max,
+            f"{t}_throughput_cv": self.throughput.cv,
+            f"{t}_gflops_per_img": self.gflops_per_img,
+            f"{t}_achieved_tflops": self.achieved_tflops,
+            f"{t}_warmup_s": self.warmup_s,
+            f"{t}_first_call_s": self.first_call_s,
+        }
+        lat = "latency_ms" if t == "infer" else "step_ms"
+        m.update({f"{t}_{lat}_p50": self.iter_ms.median, f"{t}_{lat}_p90": self.iter_ms.p90,
+                  f"{t}_{lat}_p99": self.iter_ms.p99, f"{t}_{lat}_mean": self.iter_ms.mean})
+        if self.compiled:
+            m[f"{t}_compile_time_s"] = self.first_call_s
+        if self.mfu is not None:
+            m[f"{t}_mfu"] = self.mfu
+        if self.peak_mem_allocated_mb is not None:
+            m[f"{t}_peak_mem_allocated_mb"] = self.peak_mem_allocated_mb
+            m[f"{t}_peak_mem_reserved_mb"] = self.peak_mem_reserved_mb
+        if self.world_size > 1:
+            m[f"{t}_world_size"] = float(self.world_size)
+            m[f"{t}_throughput_img_per_s_per_gpu"] = self.throughput.median / self.world_size
+        return m
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["throughput"] = self.throughput.as_dict()
+        d["iter_ms"] = self.iter_ms.as_dict()
+        d["metrics"] = self.metrics()
+        return d
+
+
+@dataclass(frozen=True)
+class BenchResult:
+    """Everything one benchmark measured, ready for results.json and the MLflow run."""
+
+    spec: BenchSpec
+    gpu: str
+    amp: str
+    device: str
+    model: ModelInfo
+    fwd_gflops_per_img: float
+    tasks: tuple = field(default_factory=tuple)
+
+    def metrics(self) -> dict[str, float]:
+        out = {"fwd_gflops_per_img": self.fwd_gflops_per_img, "params_m": self.model.params_m}
+        for task in self.tasks:
+            out.update(task.metrics())
+        return out
+
+    def to_dict(self) -> dict:
+        return {
+            "spec": self.spec.to_params(),
+            "gpu": self.gpu,
+            "amp": self.amp,
+            "device": self.device,
+            "model": asdict(self.model),
+            "fwd_gflops_per_img": self.fwd_gflops_per_img,
+            "tasks": [t.to_dict() for t in self.tasks],
+        }
+
+
+def loss_of(output, target, criterion):
+    """Cross-entropy; DeiT distilled models train two heads (class and distillation token) on it."""
+    if isinstance(output, (tuple, list)):
+        return sum(criterion(o, target) for o in output) / len(output)
+    return criterion(output, target)
+
+
+def _memory_mb(device_type: str):
+    if device_type != "cuda":
+        return None, None  # the CPU has no allocator statistics comparable to CUDA's
+    import torch
+
+    mib = 1024 * 1024
+    return torch.cuda.max_memory_allocated() / mib, torch.cuda.max_memory_reserved() / mib
+
+
+def _reset_memory(device_type: str) -> None:
+    if device_type == "cuda":
+        import gc
+
+        import torch
+
+        gc.collect()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+
+
+def _measure(step, spec: BenchSpec, runtime: Runtime, task: str, batch_size: int, progress) -> tuple:
+    """First call timed apart, warm-up, then the timed windows. Returns (first_s, warmup_s, windows)."""
+    dev = runtime.device
+    what = f"compiling ({runtime.compile}, {runtime.compile_backend}) + first call" if runtime.compile != "off" \
+        else "first call"
+    progress(f"{task}: {what} ...")
+    first_s = wall_seconds(step, dev)
+    progress(f"{task}: first call took {first_s:.2f} s; warm-up {spec.warmup - 1} more iteration(s)")
+    warm_s = wall_seconds(lambda: [step() for _ in range(spec.warmup - 1)], dev)
+    windows = []
+    for r in range(spec.repeats):
+        win = time_window(step, spec.steps, dev)
+        windows.append(win)
+        progress(f"{task}: window {r + 1}/{spec.repeats}: {batch_size * win.iters / win.total_ms * 1e3:,.1f} img/s, "
+                 f"{win.total_ms / win.iters:.2f} ms/iter")
+    return first_s, warm_s, windows
+
+
+def _oom_guard(fn, batch_size: int, task: str):
+    import torch
+
+    try:
+        return fn()
+    except torch.OutOfMemoryError:
+        _reset_memory("cuda")
+        raise VitregError(f"{task} with batch_size={batch_size} ran out of GPU memory: "
+                          f"use a smaller batch_size (e.g. {max(1, batch_size // 2)})") from None
+
+
+def run_inference(model, info: ModelInfo, spec: BenchSpec, runtime: Runtime, hardware: ResolvedHardware,
+                  fwd_flops: int, progress=_stderr_progress, tf32: bool = False) -> TaskResult:
+    """Forward passes in eval mode under inference_mode and autocast, synthetic batch on the device."""
+    import torch
+
+    dev = runtime.torch_device
+    _reset_memory(runtime.device)
+    model.eval()
+    compiled = runtime.compile_model(model)
+    bs = spec.batch_size
+    x = torch.randn(bs, 3, info.img_size, info.img_size, device=dev)  # made once, before any timing
+
+    def step():
+        runtime.mark_step()
+        with torch.inference_mode(), runtime.autocast():
+            compiled(x)
+
+    first_s, warm_s, windows = _oom_guard(lambda: _measure(step, spec, runtime, "infer", bs, progress), bs, "infer")
+    return _task_result("infer", windows, first_s, warm_s, spec, info, runtime, hardware, fwd_flops, tf32)
+
+
+def run_train_step(model, info: ModelInfo, spec: BenchSpec, runtime: Runtime, hardware: ResolvedHardware,
+                   train_flops: int, progress=_stderr_progress, tf32: bool = False, wrap=None,
+                   world_size: int = 1) -> TaskResult:
+    """Full training steps: forward, loss, backward, (scaled) AdamW step, on a fixed synthetic batch.
+
+    ``wrap`` lets DDP wrap the model after compile decisions; ``world_size`` scales throughput to
+    the global figure (each rank processes ``batch_size`` images per step).
+    """
+    import torch
+
+    dev = runtime.torch_device
+    _reset_memory(runtime.device)
+    model.train()
+    if info.distilled and hasattr(model, "set_distilled_training"):
+        model.set_distilled_training(True)  # DeiT recipe: train both heads
+    net = wrap(model) if wrap else model
+    net = runtime.compile_model(net)
+    # fused AdamW is one kernel for all parameters on CUDA; it also takes GradScaler's scale and
+    # inf flags on the device, so fp16 steps need no host sync for the inf check.
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=runtime.device == "cuda")
+    scaler = runtime.grad_scaler()
+    criterion = torch.nn.CrossEntropyLoss()
+    bs = spec.batch_size
+    x = torch.randn(bs, 3, info.img_size, info.img_size, device=dev)
+    y = torch.randint(0, info.num_classes, (bs,), device=dev)
+
+    def step():
+        runtime.mark_step()
+        opt.zero_grad(set_to_none=True)
+        with runtime.autocast():
+            loss = loss_of(net(x), y, criterion)
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+
+    try:
+        first_s, warm_s, windows = _oom_guard(lambda: _measure(step, spec, runtime, "train", bs, progress),
+                                              bs, "train")
+    finally:
+        if info.distilled and hasattr(model, "set_distilled_training"):
+            model.set_distilled_training(False)
+    return _task_result("train", windows, first_s, warm_s, spec, info, runtime, hardware, train_flops, tf32,
+                        world_size)
+
+
+def _task_result(task, windows, first_s, warm_s, spec, info, runtime, hardware, flops_per_img, tf32,
+                 world_size: int = 1) -> TaskResult:
+    bs = spec.batch_size
+    throughputs = [world_size * bs * w.iters / w.total_ms * 1e3 for w in windows]
+    iter_ms = [ms for w in windows for ms in w.iter_ms]
+    tput = summarize(throughputs)
+    achieved = flops_per_img * tput.median / 1e12
+    peak_alloc, peak_res = _memory_mb(runtime.device)
+    return TaskResult(
+        task=task, batch_size=bs, img_size=info.img_size, steps=spec.steps, repeats=spec.repeats,
+        throughput=tput, iter_ms=summarize(iter_ms), first_call_s=first_s, warmup_s=warm_s,
+        compiled=runtime.compile != "off", gflops_per_img=flops_per_img / 1e9, achieved_tflops=achieved,
+        mfu=mfu(achieved / world_size, hardware.profile, runtime.amp, tf32),
+        peak_mem_allocated_mb=peak_alloc, peak_mem_reserved_mb=peak_res, world_size=world_size,
+    )
+
+
+def run_benchmark(spec: BenchSpec, hardware: ResolvedHardware, runtime: Runtime, progress=_stderr_progress,
+                  model_factory=None, wrap=None, world_size: int = 1) -> BenchResult:
+    """Build the model, count its FLOPs, run each task of the spec; returns a :class:`BenchResult`.
+
+    ``model_factory`` (optional) returns ``(model, ModelInfo)`` instead of :func:`create_model`, for
+    benchmarking a registered model's rebuilt weights.
+    """
+    import torch
+
+    torch.manual_seed(spec.seed)
+    tf32 = torch.get_float32_matmul_precision() != "highest"
+    model, info = model_factory() if model_factory else create_model(spec.model, spec.img_size)
+    progress(f"model {info.name}: {info.params_m:.1f} M params, {info.img_size}px, on {runtime.device} "
+             f"({hardware.detected.name}), amp={runtime.amp}, compile={runtime.compile}")
+    model = model.to(runtime.torch_device)
+    fwd_flops = forward_flops_per_image(model, info.img_size, runtime.torch_device)
+    tasks = []
+    for task in spec.tasks:
+        if task == "infer":
+            tasks.append(run_inference(model, info, spec, runtime, hardware, fwd_flops, progress, tf32))
+        else:
+            criterion = torch.nn.CrossEntropyLoss()
+            train_flops = train_flops_per_image(model, info.img_size, runtime.torch_device,
+                                                lambda out, y: loss_of(out, y, criterion))
+            tasks.append(run_train_step(model, info, spec, runtime, hardware, train_flops, progress, tf32,
+                                        wrap, world_size))
+    synchronize(runtime.device)
+    return BenchResult(spec=spec, gpu=hardware.label, amp=runtime.amp, device=runtime.device, model=info,
+                       fwd_gflops_per_img=fwd_flops / 1e9, tasks=tuple(tasks))

@@ -1,0 +1,139 @@
+"""What the user asked for, validated once: :class:`BenchSpec`.
+
+Values arrive as strings from ``mlflow run -P k=v`` and from click; :func:`parse_bool`,
+:func:`parse_int` and the ``*_CHOICES`` tuples turn them into typed, checked values, so nothing
+below this module ever sees an unparsed option. Values that depend on the hardware (``gpu=auto``,
+``amp=auto``, ``device=auto``, ``img_size=0``) stay symbolic here and are resolved by
+:mod:`vitreg.hardware` and :mod:`vitreg.models`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from dataclasses import dataclass, fields
+
+from vitreg.errors import VitregError
+
+TASKS = ("infer", "train", "both")
+AMP_CHOICES = ("auto", "off", "bf16", "fp16")
+COMPILE_CHOICES = ("off", "default", "reduce-overhead", "max-autotune")
+COMPILE_BACKENDS = ("inductor", "eager", "aot_eager", "cudagraphs")
+DEVICE_CHOICES = ("auto", "cuda", "cpu")
+
+_TRUE = ("1", "true", "yes", "on", "y", "t")
+_FALSE = ("0", "false", "no", "off", "n", "f", "")
+
+
+def parse_bool(value, name: str) -> bool:
+    """``"true"``/``"false"`` (and 1/0, yes/no, on/off) -> bool. MLflow passes every -P as a string,
+    so ``bool("false")`` would be True: parse the value, never its truthiness."""
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in _TRUE:
+        return True
+    if text in _FALSE:
+        return False
+    raise VitregError(f"{name}={value!r} is not a boolean: use {name}=true or {name}=false")
+
+
+def parse_int(value, name: str, minimum: int | None = None) -> int:
+    """An integer option, with a lower bound, from a string or an int."""
+    try:
+        number = int(str(value).strip())
+    except ValueError:
+        raise VitregError(f"{name}={value!r} is not an integer: pass e.g. {name}=64") from None
+    if minimum is not None and number < minimum:
+        raise VitregError(f"{name}={number} must be >= {minimum}: pass e.g. {name}={max(minimum, 1)}")
+    return number
+
+
+def parse_choice(value, name: str, choices: tuple[str, ...]) -> str:
+    """A value from a fixed set; a near miss gets a suggestion."""
+    text = str(value).strip().lower()
+    if text in choices:
+        return text
+    close = difflib.get_close_matches(text, choices, n=1)
+    hint = f" (did you mean {name}={close[0]}?)" if close else ""
+    raise VitregError(f"{name}={value!r} is not one of {', '.join(choices)}{hint}")
+
+
+@dataclass(frozen=True)
+class BenchSpec:
+    """One benchmark: a model, a batch, a precision, a compile mode, and how long to time it.
+
+    ``steps`` iterations make one timed window; ``repeats`` windows give the median and the
+    spread. ``warmup`` iterations run first and are never timed into the result (the first of them
+    carries compilation when ``compile`` is on, and is reported apart as ``compile_time_s``).
+    """
+
+    model: str = "vit_base_patch16_224"
+    gpu: str = "auto"
+    task: str = "both"
+    batch_size: int = 64
+    img_size: int = 0  # 0: the model's own default resolution
+    amp: str = "auto"  # auto: bf16 where the GPU has it, fp16 otherwise, off on CPU
+    compile: str = "off"
+    compile_backend: str = "inductor"
+    warmup: int = 10
+    steps: int = 30
+    repeats: int = 5
+    device: str = "auto"
+    allow_gpu_mismatch: bool = False
+    nproc: int = 1
+    seed: int = 0
+
+    def __post_init__(self):
+        # Parse in place so BenchSpec(**strings) works for -P values; frozen, hence object.__setattr__.
+        def put(name, value):
+            object.__setattr__(self, name, value)
+
+        put("model", str(self.model).strip())
+        if not self.model:
+            raise VitregError("model is empty: pass e.g. model=vit_base_patch16_224")
+        put("gpu", str(self.gpu).strip().lower() or "auto")
+        put("task", parse_choice(self.task, "task", TASKS))
+        put("batch_size", parse_int(self.batch_size, "batch_size", 1))
+        put("img_size", parse_int(self.img_size, "img_size", 0))
+        if 0 < self.img_size < 16:
+            raise VitregError(f"img_size={self.img_size} is too small: pass img_size=0 for the model default or e.g. 224")
+        put("amp", parse_choice(self.amp, "amp", AMP_CHOICES))
+        put("compile", parse_choice(self.compile, "compile", COMPILE_CHOICES))
+        put("compile_backend", parse_choice(self.compile_backend, "compile_backend", COMPILE_BACKENDS))
+        put("warmup", parse_int(self.warmup, "warmup", 1))
+        put("steps", parse_int(self.steps, "steps", 1))
+        put("repeats", parse_int(self.repeats, "repeats", 1))
+        put("device", parse_choice(self.device, "device", DEVICE_CHOICES))
+        put("allow_gpu_mismatch", parse_bool(self.allow_gpu_mismatch, "allow_gpu_mismatch"))
+        put("nproc", parse_int(self.nproc, "nproc", 1))
+        put("seed", parse_int(self.seed, "seed", 0))
+
+    @property
+    def tasks(self) -> tuple[str, ...]:
+        """The tasks to run, in order: inference first (it is cheaper and fails faster)."""
+        return ("infer", "train") if self.task == "both" else (self.task,)
+
+    def replace(self, **changes) -> "BenchSpec":
+        return dataclasses.replace(self, **changes)
+
+    def to_params(self) -> dict[str, str]:
+        """Every field as an MLflow param (strings, as MLflow stores them)."""
+        return {f.name: _param_str(getattr(self, f.name)) for f in fields(self)}
+
+    @classmethod
+    def from_options(cls, options: dict) -> "BenchSpec":
+        """Build from a dict of option values, refusing unknown keys with a suggestion."""
+        known = {f.name for f in fields(cls)}
+        for key in options:
+            if key not in known:
+                close = difflib.get_close_matches(key, sorted(known), n=1)
+                hint = f" (did you mean {close[0]}?)" if close else ""
+                raise VitregError(f"unknown bench option {key!r}{hint}; options: {', '.join(sorted(known))}")
+        return cls(**{k: v for k, v in options.items() if v is not None})
+
+
+def _param_str(value) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value)
