@@ -81,11 +81,9 @@ TASK_METRICS = {
 SHARED_METRICS = ("fwd_gflops_per_img",)
 ALL_METRICS = tuple(dict.fromkeys(TASK_METRICS["infer"] + TASK_METRICS["train"] + SHARED_METRICS))
 
-# Which way is "better" decides what a speedup is. Speed metrics get faster/slower verdicts;
-# anything else we can order gets better/worse.
+# Which way is "better" decides what a speedup is.
 _HIGHER_IS_BETTER = {"throughput_img_per_s", "throughput_img_per_s_per_gpu", "mfu"}
 _LOWER_IS_BETTER = {"peak_mem_allocated_mb", "throughput_cv"}
-_SPEED_METRICS = {"throughput_img_per_s", "throughput_img_per_s_per_gpu"}
 
 # Columns of the tidy frame that are not measurements.
 _ID_COLUMNS = ("run_id", "start_time", "source", "gpu") + CONFIG_KEYS
@@ -359,7 +357,8 @@ def compare_gpus(
         baseline = match[0]
 
     rng = np.random.default_rng(seed)
-    speed = metric in _SPEED_METRICS
+    # Time and rate metrics speak of speed; memory, MFU and CV of better/worse.
+    speed = "throughput_img" in metric or metric.startswith(("latency_ms", "step_ms"))
     up, down = (FASTER, SLOWER) if speed else (BETTER, WORSE)
     companions = [m for m in ("throughput_img_per_s", "latency_ms_p50", "step_ms_p50",
                               "peak_mem_allocated_mb", "mfu") if m != metric]
@@ -606,7 +605,7 @@ def format_table(comparison: Comparison) -> str:
     cols = varying + ["gpu", "n_runs", f"{m}_median", f"{m}_min", f"{m}_max", f"{m}_cv"]
     heads = {f"{m}_median": "median", f"{m}_min": "min", f"{m}_max": "max", f"{m}_cv": "cv",
              "n_runs": "n", "batch_size": "batch", "img_size": "img"}
-    body = [[_format_value(c, r[c]) for c in cols] for _, r in t.iterrows()]
+    body = _rows(t, cols)
     header = [heads.get(c, c) for c in cols]
     right = [c not in ("model", "task", "amp", "compile", "gpu") for c in cols]
     if comparison.baseline:
@@ -623,10 +622,16 @@ def format_table(comparison: Comparison) -> str:
         scols += ["gpu", "nproc", "n_runs", s.columns[-3], "speedup_vs_1", "efficiency"]
         lines.append(_fixed_width(
             [heads.get(c, c if c != s.columns[-3] else "median") for c in scols],
-            [[_format_value(c, r[c]) for c in scols] for _, r in s.iterrows()],
+            _rows(s, scols),
             [c not in ("model", "amp", "compile", "gpu") for c in scols],
         ))
     return "\n".join(lines)
+
+
+def _rows(df: pd.DataFrame, cols: list[str]) -> list[list[str]]:
+    """Formatted cells of ``df[cols]``, row-major."""
+    formatted = [_format_column(c, df[c].astype(object)) for c in cols]
+    return [list(r) for r in zip(*formatted)] if formatted else []
 
 
 def _split_constant(t: pd.DataFrame, keys) -> tuple[dict, list[str]]:
@@ -655,6 +660,29 @@ def _cell(v) -> str:
     return "-" if v is None or (isinstance(v, float) and math.isnan(v)) or v is pd.NA else str(v)
 
 
+def _format_column(col: str, values) -> list[str]:
+    """Format a whole column with one precision, so digits line up (1,012 next to 994, not 994.0)."""
+    vals = list(values)
+    nums = [float(v) for v in vals if isinstance(v, (float, np.floating)) and not math.isnan(v)]
+    plain = not (col.endswith(("_cv", "_spread", "mfu")) or col in _RATIO_COLUMNS
+                 or col == "efficiency" or col in _COUNT_COLUMNS)
+    if not nums or not plain:
+        return [_format_value(col, v) for v in vals]
+    scale = max(abs(x) for x in nums)
+    spec = ",.0f" if scale >= 1000 else ".1f" if scale >= 100 else ".2f" if scale >= 1 else ".3g"
+    out = []
+    for v in vals:
+        if isinstance(v, (float, np.floating)) and not math.isnan(v):
+            out.append(format(float(v), spec))
+        else:
+            out.append(_format_value(col, v))
+    return out
+
+
+_RATIO_COLUMNS = ("speedup", "ci_low", "ci_high", "speedup_vs_1", "geomean_speedup")
+_COUNT_COLUMNS = ("n_runs", "n_base", "n_new", "nproc", "batch_size", "img_size", "world_size")
+
+
 def _format_value(col: str, v) -> str:
     """Human formatting of one cell; the CSV keeps full precision."""
     if v is None or v is pd.NA or (isinstance(v, (float, np.floating)) and math.isnan(v)):
@@ -663,12 +691,11 @@ def _format_value(col: str, v) -> str:
         return str(v)
     if col.endswith("_cv") or col.endswith("_spread") or col == "efficiency":
         return f"{v * 100:.1f}%"
-    if col in ("speedup", "ci_low", "ci_high", "speedup_vs_1"):
+    if col in _RATIO_COLUMNS:
         return f"{v:.2f}x"
     if col.endswith("mfu"):
         return f"{v:.3f}"
-    if isinstance(v, (int, np.integer)) or float(v).is_integer() and col in (
-            "n_runs", "n_base", "n_new", "nproc", "batch_size", "img_size", "world_size"):
+    if isinstance(v, (int, np.integer)) or (float(v).is_integer() and col in _COUNT_COLUMNS):
         return str(int(v))
     a = abs(float(v))
     if a >= 1000:
@@ -690,14 +717,20 @@ def _display(df: pd.DataFrame) -> pd.DataFrame:
     """A string copy of ``df`` with every cell formatted for humans (markdown, HTML)."""
     out = pd.DataFrame(index=df.index)
     for c in df.columns:
-        out[c] = [_format_value(c, v) for v in df[c].astype(object)]
+        out[c] = _format_column(c, df[c].astype(object))
     return out
+
+
+def _readable(df: pd.DataFrame) -> pd.DataFrame:
+    """``df`` without columns nobody recorded (all NaN); the CSV keeps the full schema."""
+    return df.loc[:, [c for c in df.columns if not df[c].isna().all()]] if len(df) else df
 
 
 def _markdown(df: pd.DataFrame) -> str:
     """A GitHub-flavoured markdown table (tabulate is not a dependency)."""
     if df.empty:
         return "_(none)_"
+    df = _readable(df)
     shown = _display(df)
     numeric = [pd.api.types.is_numeric_dtype(df[c]) for c in df.columns]
     esc = lambda s: str(s).replace("|", "\\|").replace("\n", " ")  # noqa: E731
@@ -721,22 +754,33 @@ def write_report(comparison: Comparison, out_dir) -> list[Path]:
     multi-process train runs exist.
 
     Files are rendered into a hidden temporary directory inside ``out_dir`` and moved into place
-    only when all of them succeeded, so a failure leaves no half-written report behind (existing
-    files of the same name are replaced only on success).
+    only when all of them succeeded, so a failure leaves no half-written report behind: existing
+    files of the same name are replaced only on success, and directories this call created are
+    removed again.
     """
     out_dir = Path(out_dir)
+    missing = [p for p in (out_dir, *out_dir.parents) if not p.exists()]
     out_dir.mkdir(parents=True, exist_ok=True)
     # Same filesystem as the destination, so the final moves are atomic renames.
     tmp = Path(tempfile.mkdtemp(prefix=".vitreg-report-", dir=out_dir))
     try:
         names = _render(comparison, tmp)
-        written = []
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        for p in missing:  # innermost first: only the directories this call created
+            try:
+                p.rmdir()
+            except OSError:
+                break
+        raise
+    written = []
+    try:
         for name in names:
             os.replace(tmp / name, out_dir / name)
             written.append(out_dir / name)
-        return written
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+    return written
 
 
 def _render(c: Comparison, d: Path) -> list[str]:
@@ -796,7 +840,7 @@ def _report_markdown(c: Comparison, names: list[str]) -> str:
 
 def _report_html(c: Comparison, names: list[str]) -> str:
     def table(df):
-        return _display(df).to_html(index=False, escape=True, border=0, na_rep="-")
+        return _display(_readable(df)).to_html(index=False, escape=True, border=0, na_rep="-")
 
     body = ["<h1>vitreg GPU comparison</h1>", "<ul>"]
     body += [f"<li>{html.escape(line).replace('`', '')}</li>" for line in _about(c)]
@@ -832,13 +876,14 @@ def _figure(width: float, height: float):
 
 
 def _config_labels(t: pd.DataFrame) -> list[str]:
-    """Short labels for configurations, naming only the keys that vary (model always)."""
-    _, varying = _split_constant(t, CONFIG_KEYS)
+    """Short labels for configurations, naming only the keys that vary between them."""
+    fixed, varying = _split_constant(t, CONFIG_KEYS)
+    single_model = t["model"].nunique() == 1
     short = {"batch_size": "bs", "img_size": "img", "nproc": "x"}
     labels = []
     for _, r in t.iterrows():
-        bits = [f"{short.get(k, '')}{_cell(r[k])}" for k in varying if k != "model"]
-        labels.append(f"{r['model']}\n{' '.join(bits)}".strip())
+        bits = " ".join(f"{short.get(k, '')}{_cell(r[k])}" for k in varying if k != "model")
+        labels.append(bits or str(r["model"]) if single_model else f"{r['model']}\n{bits}".strip())
     return labels
 
 
@@ -851,7 +896,7 @@ def _plot_by_gpu(c: Comparison, path: Path) -> None:
     labels = dict(zip(keys, _config_labels(t)))
     gpus = c.gpus
     n_cfg, n_gpu = len(configs), max(1, len(gpus))
-    fig = _figure(min(40.0, max(6.0, 1.0 + n_cfg * (0.5 + 0.35 * n_gpu))), 4.8)
+    fig = _figure(min(40.0, max(6.0, 1.0 + n_cfg * (0.8 + 0.45 * n_gpu))), 5.0)
     ax = fig.add_subplot(1, 1, 1)
     width = 0.8 / n_gpu
     pos = {k: i for i, k in enumerate(configs)}
@@ -863,15 +908,29 @@ def _plot_by_gpu(c: Comparison, path: Path) -> None:
         err = np.vstack([med - rows[f"{m}_min"].to_numpy(float), rows[f"{m}_max"].to_numpy(float) - med])
         bars = ax.bar(x, med, width, yerr=err, capsize=3, label=gpu)
         if c.baseline and gpu != c.baseline:
-            for b, s in zip(bars, rows["speedup"]):
+            tops = rows[f"{m}_max"].to_numpy(float)  # above the error bar, not on it
+            for b, s, top in zip(bars, rows["speedup"], tops):
                 if pd.notna(s):
-                    ax.annotate(f"{s:.2f}x", (b.get_x() + b.get_width() / 2, b.get_height()),
+                    ax.annotate(f"{s:.2f}x", (b.get_x() + b.get_width() / 2, top),
                                 ha="center", va="bottom", fontsize=7, xytext=(0, 2),
                                 textcoords="offset points")
+    positive = t[f"{m}_min"].to_numpy(float)
+    positive = positive[np.isfinite(positive) & (positive > 0)]
+    if len(positive) and t[f"{m}_max"].max() / positive.min() > 30:
+        # ViT-Ti and ViT-L differ ~25x in throughput; on a linear axis the small bars vanish.
+        ax.set_yscale("log")
+        ax.set_ylabel(f"{m} (median, log scale; bars: min..max of runs)")
     ax.set_xticks(range(n_cfg))
-    ax.set_xticklabels([labels[k] for k in configs], fontsize=8)
-    ax.set_ylabel(f"{m} (median; bars: min..max of runs)")
+    ticks = [labels[k] for k in configs]
+    longest = max((len(line) for tick in ticks for line in tick.splitlines()), default=0)
+    # Long labels would run into each other under narrow groups; slant them instead.
+    slant = dict(rotation=25, ha="right") if longest * 0.07 > 0.8 + 0.45 * n_gpu else {}
+    ax.set_xticklabels(ticks, fontsize=8, **slant)
+    if ax.get_yscale() == "linear":
+        ax.set_ylabel(f"{m} (median; bars: min..max of runs)")
     title = f"{m} by GPU"
+    if t["model"].nunique() == 1:
+        title = f"{t['model'].iloc[0]}: {title}"
     if c.baseline:
         title += f" (speedup vs {c.baseline} above bars)"
     ax.set_title(title)

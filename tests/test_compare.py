@@ -1,0 +1,386 @@
+"""vitreg.compare on synthetic search_runs frames whose right answer is known by construction."""
+
+from __future__ import annotations
+
+import itertools
+import math
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from vitreg import compare
+from vitreg.compare import CompareError, compare_gpus, compile_amp_gains, format_table, tidy, write_report
+from vitreg.timm_import import read_timm_csv, to_runs_frame
+
+DATA = Path(__file__).parent / "data"
+_ids = itertools.count()
+
+
+def run(gpu, thr=None, *, model="deit_small_patch16_224", task="infer", amp="bf16", compile="off",
+        bs=64, img=224, nproc=None, status="FINISHED", lat=None, step=None, tag_gpu=True, **metrics):
+    """One row as mlflow.search_runs() returns it (params/tags are strings, metrics floats)."""
+    row = {
+        "run_id": f"r{next(_ids):04d}",
+        "status": status,
+        "start_time": pd.Timestamp("2025-01-01", tz="UTC"),
+        "params.model": model,
+        "params.task": task,
+        "params.gpu": "auto",
+        "params.amp": "auto",
+        "tags.amp": amp,
+        "params.compile": compile,
+        "params.batch_size": str(bs),
+        "params.img_size": str(img),
+    }
+    if tag_gpu:
+        row["tags.gpu"] = gpu
+    else:
+        row["params.gpu"] = gpu
+    if nproc is not None:
+        row["params.nproc"] = str(nproc)
+    prefixes = ["infer", "train"] if task == "both" else [task]
+    for p in prefixes:
+        if thr is not None:
+            row[f"metrics.{p}_throughput_img_per_s"] = float(thr)
+    if lat is not None:
+        row["metrics.infer_latency_ms_p50"] = float(lat)
+    if step is not None:
+        row["metrics.train_step_ms_p50"] = float(step)
+    for k, v in metrics.items():
+        row[f"metrics.{k}"] = float(v)
+    return row
+
+
+def frame(*rows):
+    return pd.DataFrame(list(rows))
+
+
+def repeats(gpu, values, **kw):
+    return [run(gpu, v, **kw) for v in values]
+
+
+def only(table, **where):
+    sel = pd.Series(True, index=table.index)
+    for k, v in where.items():
+        sel &= table[k] == v
+    rows = table[sel]
+    assert len(rows) == 1, rows
+    return rows.iloc[0]
+
+
+# ---------------------------------------------------------------------------------------- tidy
+
+
+def test_tidy_splits_both_runs_and_strips_prefixes():
+    df = frame(
+        run("h200", 2000, task="both", lat=3.1, step=40.0, fwd_gflops_per_img=9.2,
+            infer_peak_mem_allocated_mb=900, train_peak_mem_allocated_mb=5000),
+        run("a100", 1000, tag_gpu=False),  # no tags.gpu: falls back to params.gpu
+    )
+    t = tidy(df)
+    assert len(t) == 3
+    h = t[t["gpu"] == "h200"].set_index("task")
+    assert h.loc["infer", "throughput_img_per_s"] == 2000
+    assert h.loc["infer", "latency_ms_p50"] == 3.1
+    assert h.loc["infer", "peak_mem_allocated_mb"] == 900
+    assert h.loc["train", "peak_mem_allocated_mb"] == 5000
+    assert h.loc["train", "step_ms_p50"] == 40.0
+    assert math.isnan(h.loc["train", "latency_ms_p50"])
+    assert (h["fwd_gflops_per_img"] == 9.2).all()  # shared metric goes to both task rows
+    a = only(t, gpu="a100")
+    assert a["amp"] == "bf16"  # resolved tags.amp wins over params.amp=auto
+    assert a["nproc"] == 1  # missing params.nproc means one process
+    assert a["batch_size"] == 64 and a["img_size"] == 224
+    for col in compare.CONFIG_KEYS + compare.ALL_METRICS:
+        assert col in t.columns
+
+
+def test_tidy_ignores_failed_runs_and_keeps_timm_imports():
+    df = frame(
+        run("a100", 1000),
+        run("a100", 99999, status="FAILED"),
+        run("a100", 88888, status="RUNNING"),
+        {**run("rtx4090", 700, status="SCHEDULED"), "tags.source": "timm"},
+    )
+    t = tidy(df)
+    assert sorted(t["throughput_img_per_s"]) == [700, 1000]
+    assert set(t["source"]) == {"vitreg", "timm"}
+
+
+def test_failed_runs_do_not_move_the_comparison():
+    ok = repeats("a100", [1000, 1010, 990]) + repeats("h200", [2000, 2020, 1980])
+    bad = [run("h200", 10, status="FAILED"), run("a100", 1e6, status="FAILED")]
+    with_bad = compare_gpus(frame(*ok, *bad), baseline="a100").table
+    without = compare_gpus(frame(*ok), baseline="a100").table
+    pd.testing.assert_frame_equal(with_bad, without)
+    assert only(with_bad, gpu="h200")["n_runs"] == 3
+
+
+def test_empty_and_all_failed_frames_raise_compare_error():
+    with pytest.raises(CompareError, match="no runs to compare"):
+        tidy(pd.DataFrame())
+    with pytest.raises(CompareError, match="FAILED"):
+        tidy(frame(run("a100", 1, status="FAILED"), run("a100", 2, status="FAILED")))
+    assert isinstance(CompareError("x"), ValueError)
+
+
+# ---------------------------------------------------------------------------------- verdicts
+
+
+def test_clear_2x_speedup_is_faster_with_ci_excluding_one():
+    df = frame(*repeats("a100", [1000, 1012, 994, 1005, 989]),
+               *repeats("h200", [2010, 1992, 2005, 2021, 1987]))
+    c = compare_gpus(df, baseline="a100")
+    h = only(c.table, gpu="h200")
+    assert h["verdict"] == "faster"
+    assert h["speedup"] == pytest.approx(2005 / 1000)
+    assert 1 < h["ci_low"] <= h["speedup"] <= h["ci_high"]
+    assert h["n_runs"] == 5
+    assert h["throughput_img_per_s_min"] == 1987 and h["throughput_img_per_s_max"] == 2021
+    base = only(c.table, gpu="a100")
+    assert base["verdict"] == "baseline" and base["speedup"] == 1.0
+    assert c.table.iloc[0]["gpu"] == "a100"  # baseline row leads its configuration
+    assert c.geomean_speedup() == {"h200": pytest.approx(2.005)}
+    assert c.verdict_counts == {"baseline": 1, "faster": 1}
+
+    # Same data, the other way round.
+    back = only(compare_gpus(df, baseline="H200").table, gpu="a100")  # label match is case-blind
+    assert back["verdict"] == "slower"
+    assert back["ci_high"] < 1
+
+
+def test_overlapping_noisy_runs_are_within_noise():
+    df = frame(*repeats("a100", [1000, 1300, 900, 1200, 1100]),
+               *repeats("h200", [1050, 950, 1250, 1150, 1000]))
+    h = only(compare_gpus(df, baseline="a100").table, gpu="h200")
+    assert h["verdict"] == "within noise"
+    assert h["ci_low"] < 1 < h["ci_high"]
+
+
+def test_ci_excluding_one_is_not_enough_when_runs_scatter_more_than_the_change():
+    # Medians are rock steady (the bootstrap interval of their ratio is [1.1, 1.1]) but each side
+    # has an outlier run 40% away: a 10% change is not distinguishable from that scatter.
+    df = frame(*repeats("a100", [100] * 6 + [140]), *repeats("h200", [110] * 6 + [70]))
+    h = only(compare_gpus(df, baseline="a100").table, gpu="h200")
+    assert h["ci_low"] > 1
+    assert h["verdict"] == "within noise"
+
+
+def test_single_runs_get_a_point_estimate_but_no_verdict():
+    df = frame(run("a100", 1000), *repeats("h200", [2000, 2010]))
+    h = only(compare_gpus(df, baseline="a100").table, gpu="h200")
+    assert h["verdict"] == "single run"
+    assert h["speedup"] == pytest.approx(2.005)
+    assert math.isnan(h["ci_low"]) and math.isnan(h["ci_high"])
+
+
+def test_configuration_missing_on_baseline_says_no_baseline():
+    df = frame(*repeats("a100", [1000, 1001]), *repeats("h200", [2000, 2001]),
+               *repeats("h200", [500, 501], model="vit_large_patch16_224"))
+    t = compare_gpus(df, baseline="a100").table
+    assert only(t, model="vit_large_patch16_224")["verdict"] == "no baseline"
+    assert math.isnan(only(t, model="vit_large_patch16_224")["speedup"])
+
+
+def test_configurations_are_not_mixed():
+    # Same GPU pair, different batch sizes: two separate comparisons, never one pooled group.
+    df = frame(*repeats("a100", [1000, 1001], bs=64), *repeats("h200", [2000, 2002], bs=64),
+               *repeats("a100", [1500, 1502], bs=256), *repeats("h200", [4500, 4504], bs=256))
+    t = compare_gpus(df, baseline="a100").table
+    assert len(t) == 4
+    assert only(t, gpu="h200", batch_size=64)["speedup"] == pytest.approx(2001 / 1000.5)
+    assert only(t, gpu="h200", batch_size=256)["speedup"] == pytest.approx(4502 / 1501)
+
+
+def test_lower_is_better_metric_inverts_the_speedup():
+    df = frame(*[run("a100", 1000, lat=v) for v in (10.0, 10.1, 9.9)],
+               *[run("h200", 2000, lat=v) for v in (5.0, 5.05, 4.95)])
+    c = compare_gpus(df, baseline="a100", metric="latency_ms_p50")
+    h = only(c.table, gpu="h200")
+    assert not c.higher_is_better
+    assert h["speedup"] == pytest.approx(2.0)
+    assert h["verdict"] == "faster"
+    assert "latency_ms_p50_median" in c.table and "throughput_img_per_s" in c.table
+
+
+def test_baseline_gpu_without_runs_names_the_gpus_present():
+    df = frame(*repeats("a100", [1000, 1001]), *repeats("h200", [2000, 2001]))
+    with pytest.raises(CompareError) as err:
+        compare_gpus(df, baseline="v100")
+    msg = str(err.value)
+    assert "v100" in msg and "a100" in msg and "h200" in msg
+    assert "\n" not in msg
+
+
+def test_unknown_metric_lists_the_known_ones():
+    df = frame(*repeats("a100", [1000, 1001]))
+    with pytest.raises(CompareError, match="unknown metric 'imgs_per_sec'.*throughput_img_per_s"):
+        compare_gpus(df, metric="imgs_per_sec")
+    with pytest.raises(CompareError, match="no finished run recorded step_ms_p50"):
+        compare_gpus(df, metric="step_ms_p50")  # a train metric on infer-only runs
+
+
+def test_no_baseline_means_no_speedup_columns():
+    df = frame(*repeats("a100", [1000, 1001]), *repeats("h200", [2000, 2001]))
+    c = compare_gpus(df)
+    assert not {"speedup", "ci_low", "ci_high", "verdict", "baseline"} & set(c.table.columns)
+    assert c.geomean_speedup() == {} and c.verdict_counts == {}
+    assert only(c.table, gpu="h200")["throughput_img_per_s_median"] == 2000.5
+
+
+def test_bootstrap_is_reproducible_with_a_seed():
+    df = frame(*repeats("a100", [1000, 1030, 980, 1010]), *repeats("h200", [1900, 2050, 2000, 1950]))
+    a = compare_gpus(df, baseline="a100", seed=7).table
+    b = compare_gpus(df, baseline="a100", seed=7).table
+    pd.testing.assert_frame_equal(a, b)
+
+
+def test_compare_accepts_a_tidy_frame():
+    df = frame(*repeats("a100", [1000, 1001]), *repeats("h200", [2000, 2001]))
+    pd.testing.assert_frame_equal(compare_gpus(tidy(df), "a100").table, compare_gpus(df, "a100").table)
+
+
+# ------------------------------------------------------------------------ scaling and gains
+
+
+def test_scaling_efficiency_hand_computed():
+    df = frame(
+        *repeats("h200", [1000, 1000], task="train", nproc=1),
+        *repeats("h200", [1900], task="train", nproc=2),
+        *repeats("h200", [3600, 3700, 3500], task="train", nproc=4),
+        *repeats("a100", [500, 510], task="train"),  # no multi-process runs: not a scaling group
+        *repeats("h200", [800], task="train", nproc=2, model="vit_base_patch16_224"),  # no nproc=1
+    )
+    s = compare_gpus(df, baseline="h200").scaling
+    deit = s[s["model"] == "deit_small_patch16_224"].set_index("nproc")
+    assert list(deit.index) == [1, 2, 4]
+    assert deit.loc[1, "efficiency"] == pytest.approx(1.0)
+    assert deit.loc[2, "efficiency"] == pytest.approx(1900 / (2 * 1000))  # 0.95
+    assert deit.loc[4, "efficiency"] == pytest.approx(3600 / (4 * 1000))  # 0.90
+    assert deit.loc[4, "speedup_vs_1"] == pytest.approx(3.6)
+    assert deit.loc[4, "n_runs"] == 3
+    assert "a100" not in set(s["gpu"])
+    vit = s[s["model"] == "vit_base_patch16_224"]
+    assert len(vit) == 1 and math.isnan(vit.iloc[0]["efficiency"])
+
+
+def test_compile_and_amp_gains():
+    df = frame(
+        *repeats("h200", [1000, 1000], amp="off", compile="off"),
+        *repeats("h200", [1300, 1300], amp="off", compile="max-autotune"),
+        *repeats("h200", [2000, 2000], amp="bf16", compile="off"),
+        *repeats("h200", [2600], amp="bf16", compile="max-autotune"),
+        *repeats("a100", [700], amp="bf16", compile="off"),  # nothing to pair with on a100
+    )
+    g = compile_amp_gains(tidy(df)).set_index(["change", "held"])["speedup"]
+    assert g[("compile=max-autotune", "amp=off")] == pytest.approx(1.3)
+    assert g[("compile=max-autotune", "amp=bf16")] == pytest.approx(1.3)
+    assert g[("amp=bf16", "compile=off")] == pytest.approx(2.0)
+    assert g[("amp=bf16", "compile=max-autotune")] == pytest.approx(2.0)
+    assert g[("amp=bf16+compile=max-autotune", "-")] == pytest.approx(2.6)
+    assert len(g) == 5
+    assert compile_amp_gains(df)["gpu"].eq("h200").all()  # raw frame accepted too
+
+
+# ------------------------------------------------------------------------------ formatting
+
+
+def _mixed_comparison():
+    df = frame(
+        *repeats("a100", [1000, 1012, 994], amp="off"), *repeats("h200", [2010, 1992, 2005], amp="off"),
+        *repeats("a100", [2000, 2020], amp="bf16"), *repeats("h200", [4100, 4080], amp="bf16"),
+        *repeats("a100", [2500], amp="bf16", compile="max-autotune"),
+        *repeats("h200", [3900], amp="fp16"),
+    )
+    return compare_gpus(df, baseline="a100")
+
+
+def test_format_table_is_aligned_and_moves_constants_to_a_header():
+    text = format_table(_mixed_comparison())
+    lines = text.splitlines()
+    assert any(l.startswith("fixed:") and "batch_size=64" in l and "task=infer" in l for l in lines)
+    header = next(l for l in lines if l.lstrip().startswith("model"))
+    assert "speedup" in header and "verdict" in header and "batch" not in header
+    body = lines[lines.index(header):]
+    rule = body[1]
+    assert set(rule) <= {"-", " "}
+    # Every row ends its right-aligned columns where the rule's dashes end.
+    ends = [i for i in range(len(rule)) if rule[i] == "-" and (i + 1 == len(rule) or rule[i + 1] == " ")]
+    median_end = ends[header.split().index("median")]
+    for row in body[2:]:
+        assert row[median_end] != " " and (median_end + 1 >= len(row) or row[median_end + 1] == " ")
+    assert "faster" in text and "no baseline" in text and "single run" not in text
+
+
+def test_write_report_files_exist_and_round_trip(tmp_path):
+    c = _mixed_comparison()
+    out = tmp_path / "report"
+    paths = write_report(c, out)
+    names = {p.name for p in paths}
+    assert {"comparison.md", "comparison.csv", "comparison.html", "throughput_by_gpu.png",
+            "compile_amp_gains.png"} <= names
+    assert all(p.is_file() and p.stat().st_size > 0 for p in paths)
+    assert sorted(p.name for p in out.iterdir()) == sorted(names)  # no temp dir left behind
+
+    back = pd.read_csv(out / "comparison.csv")
+    pd.testing.assert_frame_equal(back, c.table, check_dtype=False)
+
+    for png in ("throughput_by_gpu.png", "compile_amp_gains.png"):
+        assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    md = (out / "comparison.md").read_text()
+    header = next(l for l in md.splitlines() if l.startswith("| model"))
+    shown = [h.strip() for h in header.strip("|").split("|")]
+    # Columns nobody recorded (latency on throughput-only runs) are left out of md/html only.
+    assert shown == [col for col in c.table.columns if c.table[col].notna().any()]
+    assert "speedup" in shown and "latency_ms_p50" not in shown
+    first_table = md.split("## Per configuration and GPU")[1].split("##")[0]
+    assert first_table.count("| deit_small_patch16_224 |") == len(c.table)
+    assert "## torch.compile and AMP gains" in md
+    html_text = (out / "comparison.html").read_text()
+    assert html_text.count("<table") >= 2 and "throughput_by_gpu.png" in html_text
+    parsed = pd.read_html(str(out / "comparison.html"))[0] if _has_lxml() else None
+    if parsed is not None:
+        assert list(parsed.columns) == shown
+
+
+def _has_lxml():
+    try:
+        import lxml  # noqa: F401
+        return True
+    except ImportError:
+        return False
+
+
+def test_write_report_without_gains_skips_that_chart(tmp_path):
+    df = frame(*repeats("a100", [1000, 1001]), *repeats("h200", [2000, 2001]))
+    names = {p.name for p in write_report(compare_gpus(df), tmp_path)}
+    assert "compile_amp_gains.png" not in names and "throughput_by_gpu.png" in names
+
+
+def test_write_report_leaves_nothing_behind_on_error(tmp_path, monkeypatch):
+    def boom(*a, **k):
+        raise RuntimeError("plot failed")
+
+    monkeypatch.setattr(compare, "_plot_gains", boom)
+    (tmp_path / "keep.txt").write_text("unrelated")
+    with pytest.raises(RuntimeError, match="plot failed"):
+        write_report(_mixed_comparison(), tmp_path)
+    assert [p.name for p in tmp_path.iterdir()] == ["keep.txt"]
+    with pytest.raises(RuntimeError):
+        write_report(_mixed_comparison(), tmp_path / "new" / "report")
+    assert not (tmp_path / "new").exists()  # directories it created are gone too
+
+
+# ------------------------------------------------------------------------------ timm mixing
+
+
+def test_imported_timm_runs_compare_against_own_runs():
+    timm = to_runs_frame(read_timm_csv(DATA / "benchmark-infer-amp-nchw-pt240-cu124-rtx4090.csv"))
+    own = frame(*repeats("h200", [15400, 15500, 15450], amp="fp16", bs=1024))
+    c = compare_gpus(pd.concat([timm, own], ignore_index=True), baseline="rtx4090")
+    h = only(c.table, gpu="h200")
+    assert h["sources"] == "vitreg"
+    assert h["verdict"] == "single run"  # a timm file holds one measurement per model
+    assert h["speedup"] == pytest.approx(15450 / 7689.02)
+    assert only(c.table, gpu="rtx4090", model="deit_small_patch16_224")["sources"] == "timm"
