@@ -20,8 +20,8 @@ Environment (all optional)::
     MLFLOW_FLASK_SERVER_SECRET_KEY  is required, and
     VITREG_ADMIN_PASSWORD         is required (12+ characters; there is no default password)
     VITREG_ADMIN_USERNAME         admin
-    VITREG_AUTH_DEFAULT_PERMISSION  READ  (what every signed-in user may do: READ, EDIT, MANAGE,
-                                  NO_PERMISSIONS)
+    VITREG_AUTH_DEFAULT_PERMISSION  READ  (what every signed-in user may do on every experiment:
+                                  READ, USE, EDIT, MANAGE, NO_PERMISSIONS)
     VITREG_AUTH_DATABASE_URI      sqlite:///<data>/basic_auth.db   (users and permissions)
 
 Artifacts are always proxied (``--serve-artifacts``): clients upload through the server, so GPU
@@ -34,6 +34,7 @@ import argparse
 import dataclasses
 import importlib.util
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -202,9 +203,13 @@ def _parse_int(name: str, value: str | int, low: int, high: int) -> int:
             raise ValueError
         number = int(str(value).strip())
     except ValueError:
-        raise ServerError(f"{name}={value!r} is not an integer; set it to a number from {low} to {high}") from None
+        raise ServerError(
+            f"{name}={value!r} is not an integer; set it to a number from {low} to {high}"
+        ) from None
     if not low <= number <= high:
-        raise ServerError(f"{name}={number} is out of range; set it to a number from {low} to {high}")
+        raise ServerError(
+            f"{name}={number} is out of range; set it to a number from {low} to {high}"
+        )
     return number
 
 
@@ -235,10 +240,13 @@ class ServerConfig:
         set_("port", _parse_int("VITREG_SERVER_PORT", self.port, 1, 65535))
         set_("workers", _parse_int("VITREG_SERVER_WORKERS", self.workers, 1, 64))
         if not self.host or any(c.isspace() for c in self.host):
-            raise ServerError(f"VITREG_SERVER_HOST={self.host!r} is not a host; use 127.0.0.1 or 0.0.0.0")
+            raise ServerError(
+                f"VITREG_SERVER_HOST={self.host!r} is not a host; use 127.0.0.1 or 0.0.0.0"
+            )
         data_dir = Path(self.data_dir).expanduser().resolve()
         set_("data_dir", data_dir)
-        set_("backend_store_uri", _check_backend_uri(self.backend_store_uri or f"sqlite:///{data_dir / 'mlflow.db'}"))
+        backend = self.backend_store_uri or f"sqlite:///{data_dir / 'mlflow.db'}"
+        set_("backend_store_uri", _check_backend_uri(backend))
         dest = self.artifacts_destination or str(data_dir / "artifacts")
         if _is_local(dest):
             dest = str(_local_path(dest).expanduser().resolve())
@@ -255,8 +263,8 @@ class ServerConfig:
     def _check_auth(self):
         if not self.secret_key:
             raise ServerError(
-                "VITREG_AUTH=true needs MLFLOW_FLASK_SERVER_SECRET_KEY; export it with a long random "
-                "value, e.g. $(python -c 'import secrets; print(secrets.token_hex(32))')"
+                "VITREG_AUTH=true needs MLFLOW_FLASK_SERVER_SECRET_KEY; export it with a long "
+                "random value, e.g. $(python -c 'import secrets; print(secrets.token_hex(32))')"
             )
         if not self.admin_password:
             raise ServerError(
@@ -269,7 +277,9 @@ class ServerConfig:
                 "'password1234'; choose another"
             )
         if not self.admin_username or not self.admin_username.strip():
-            raise ServerError("VITREG_ADMIN_USERNAME is empty; leave it unset (admin) or name the admin user")
+            raise ServerError(
+                "VITREG_ADMIN_USERNAME is empty; leave it unset (admin) or name the admin user"
+            )
         permission = self.auth_default_permission.strip().upper()
         if permission not in _PERMISSIONS:
             raise ServerError(
@@ -278,11 +288,12 @@ class ServerConfig:
             )
         object.__setattr__(self, "auth_default_permission", permission)
         auth_db = self.auth_database_uri or f"sqlite:///{self.data_dir / 'basic_auth.db'}"
-        object.__setattr__(self, "auth_database_uri", _check_backend_uri(auth_db, "VITREG_AUTH_DATABASE_URI"))
+        auth_db = _check_backend_uri(auth_db, "VITREG_AUTH_DATABASE_URI")
+        object.__setattr__(self, "auth_database_uri", auth_db)
 
     @classmethod
     def from_env(cls, environ: dict[str, str] | None = None) -> "ServerConfig":
-        """Read the ``VITREG_*`` variables (see the module docstring); raise :class:`ServerError`."""
+        """Read the ``VITREG_*`` variables (module docstring); raise :class:`ServerError`."""
         env = os.environ if environ is None else environ
         get = lambda name: (env.get(name) or "").strip() or None  # noqa: E731
         port = _parse_int("VITREG_SERVER_PORT", get("VITREG_SERVER_PORT") or "5000", 1, 65535)
@@ -396,10 +407,12 @@ def _check_port_free(cfg: ServerConfig) -> None:
         try:
             sock.bind((host, cfg.port))
         except socket.gaierror:
-            raise ServerError(f"VITREG_SERVER_HOST={cfg.host!r} does not resolve; use 127.0.0.1 or 0.0.0.0") from None
+            raise ServerError(
+                f"VITREG_SERVER_HOST={cfg.host!r} does not resolve; use 127.0.0.1 or 0.0.0.0"
+            ) from None
         except PermissionError:
             raise ServerError(
-                f"port {cfg.port} needs root privileges; set VITREG_SERVER_PORT to a port above 1023"
+                f"port {cfg.port} needs root privileges; set VITREG_SERVER_PORT above 1023"
             ) from None
         except OSError as exc:
             raise ServerError(
@@ -430,6 +443,17 @@ def _check_requirements(cfg: ServerConfig) -> None:
 
 
 def _prepare(cfg: ServerConfig) -> None:
+    try:
+        _make_folders(cfg)
+    except OSError as exc:
+        raise ServerError(
+            f"cannot write {exc.filename or cfg.data_dir} ({exc.strerror or exc}); set "
+            "VITREG_SERVER_DATA (or VITREG_BACKEND_URI / VITREG_ARTIFACTS_DESTINATION) to a "
+            "writable place"
+        ) from None
+
+
+def _make_folders(cfg: ServerConfig) -> None:
     cfg.data_dir.mkdir(parents=True, exist_ok=True)
     for uri in (cfg.backend_store_uri, cfg.auth_database_uri if cfg.auth else None):
         if uri and uri.startswith("sqlite:///") and uri != "sqlite:///:memory:":
@@ -438,8 +462,11 @@ def _prepare(cfg: ServerConfig) -> None:
         _local_path(cfg.artifacts_destination).mkdir(parents=True, exist_ok=True)
     if cfg.auth and "MLFLOW_AUTH_CONFIG_PATH" not in os.environ:
         path = cfg.auth_config_path
-        path.write_text(_auth_ini(cfg))
-        path.chmod(0o600)  # the auth database URI may hold a password
+        # 0600 from the start: the auth database URI may hold a password.
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as fh:
+            fh.write(_auth_ini(cfg))
+        path.chmod(0o600)
 
 
 def _log_tail(path: Path, offset: int, lines: int = _LOG_TAIL_LINES) -> list[str]:
@@ -452,11 +479,15 @@ def _log_tail(path: Path, offset: int, lines: int = _LOG_TAIL_LINES) -> list[str
     return [line.rstrip() for line in text.splitlines() if line.strip()][-lines:]
 
 
+_EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Exit)\b.*:")
+
+
 def _last_error(lines: list[str]) -> str:
-    """The most telling log line: the last one naming an error, else the last one."""
-    for line in reversed(lines):
-        if any(word in line for word in ("Error", "Exception", "error:", "rror ")):
-            return line.strip()
+    """The most telling log line: the last exception line, else an error line, else the last."""
+    for pattern in (_EXCEPTION_LINE, re.compile(r"\b(ERROR|error:)")):
+        for line in reversed(lines):
+            if pattern.search(line.strip()):
+                return line.strip()
     return lines[-1].strip() if lines else "no output"
 
 
@@ -471,9 +502,12 @@ def wait_healthy(url: str, timeout: float = 60.0, proc: subprocess.Popen | None 
     last = "no answer"
     while True:
         if proc is not None and proc.poll() is not None:
-            raise ServerError(f"the server exited with status {proc.returncode} before {url} answered")
+            raise ServerError(
+                f"the server exited with status {proc.returncode} before {url} answered"
+            )
         try:
-            with urllib.request.urlopen(url, timeout=max(0.5, min(5.0, deadline - time.monotonic()))) as resp:
+            wait = max(0.5, min(5.0, deadline - time.monotonic()))
+            with urllib.request.urlopen(url, timeout=wait) as resp:
                 body = resp.read(64).decode("utf-8", "replace").strip()
                 if resp.status == 200 and body == "OK":
                     return
@@ -514,7 +548,6 @@ def start(cfg: ServerConfig, wait: bool = True, timeout: float = 60.0,
             cwd=cfg.data_dir,
             start_new_session=True,
         )
-    proc.vitreg_config = cfg  # type: ignore[attr-defined]
     if not wait:
         return proc
     try:
@@ -530,6 +563,9 @@ def start(cfg: ServerConfig, wait: bool = True, timeout: float = 60.0,
                 details="\n".join(tail),
             ) from None
         raise ServerError(f"{exc} ({cfg.log_path})", details="\n".join(tail)) from None
+    except BaseException:  # Ctrl-C or SIGTERM while waiting: the server is in its own group
+        stop(proc)
+        raise
     if not quiet:
         print(f"export MLFLOW_TRACKING_URI={cfg.url}", flush=True)
     return proc
@@ -573,7 +609,8 @@ def _describe(cfg: ServerConfig) -> str:
     lines = [f"{k} = {v}" for k, v in _public_fields(cfg).items()]
     lines.append(" ".join(_redact(part) for part in build_command(cfg)))
     if _has_password(cfg.backend_store_uri):
-        lines.append("(the backend store URI reaches the server as MLFLOW_BACKEND_STORE_URI: it holds a password)")
+        lines.append("(the backend store URI holds a password: it reaches the server as "
+                     "MLFLOW_BACKEND_STORE_URI, not on the command line)")
     return "\n".join(lines)
 
 
@@ -589,6 +626,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=60.0,
                         help="seconds to wait for /health (default 60)")
     args = parser.parse_args(argv)
+
+    def _terminate(signum, _frame):
+        raise KeyboardInterrupt
+
     try:
         cfg = ServerConfig.from_env()
         if args.dry_run:
@@ -598,29 +639,33 @@ def main(argv: list[str] | None = None) -> int:
             print(f"warning: listening on {cfg.host} without authentication; anyone who can reach "
                   "this machine can read and write runs (set VITREG_AUTH=true)", file=sys.stderr)
         print(f"mlflow server on {cfg.host}:{cfg.port}, store {_redact(cfg.backend_store_uri)}, "
-              f"artifacts {cfg.artifacts_destination}, log {cfg.log_path}", file=sys.stderr, flush=True)
+              f"artifacts {cfg.artifacts_destination}, log {cfg.log_path}",
+              file=sys.stderr, flush=True)
+        # The server gets its own process group, so Ctrl-C reaches only this process: turn
+        # SIGINT/SIGTERM/SIGHUP into a clean stop (set explicitly: a shell may start us with
+        # SIGINT ignored). start() stops the server itself when interrupted while waiting.
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            signal.signal(sig, _terminate)
         proc = start(cfg, wait=True, timeout=args.timeout)
     except ServerError as exc:
         if exc.details:
             print(exc.details, file=sys.stderr)
         print(f"error: {exc}", file=sys.stderr)
         return exc.exit_code
+    except KeyboardInterrupt:
+        print("interrupted; server stopped", file=sys.stderr)
+        return 130
 
-    def _terminate(signum, _frame):
-        raise SystemExit(0)
-
-    signal.signal(signal.SIGTERM, _terminate)
     print("Serving; Ctrl-C stops it.", file=sys.stderr, flush=True)
     try:
         code = proc.wait()
-        tail = _log_tail(cfg.log_path, 0, 5)
-        print("\n".join(tail), file=sys.stderr)
-        print(f"error: mlflow server exited with status {code}; see {cfg.log_path}", file=sys.stderr)
-        return 1
-    except (KeyboardInterrupt, SystemExit):
+    except KeyboardInterrupt:
         stop(proc)
         print("server stopped", file=sys.stderr)
         return 0
+    print("\n".join(_log_tail(cfg.log_path, 0, 5)), file=sys.stderr)
+    print(f"error: mlflow server exited with status {code}; see {cfg.log_path}", file=sys.stderr)
+    return 1
 
 
 if __name__ == "__main__":

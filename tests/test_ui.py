@@ -1,0 +1,203 @@
+"""The MLflow UI shows what the README promises: runs grouped by GPU, and a compare view.
+
+Drives Debian's Chromium through Python Playwright (no ``playwright install``, no browser
+download): start a tracking server, log two runs (gpu=a100, gpu=h200), group them by the
+``gpu`` param, open the compare view of the two runs and check what is on screen.
+
+Screenshots go to ``$VITREG_UI_SHOTS`` (default: the test's tmp folder); with
+``VITREG_UPDATE_DOC_SHOTS=1`` they are also copied to ``docs/img/`` for docs/tracking.md.
+Set up a CI image with ``bash tracking/ci_ui.sh``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import textwrap
+import urllib.parse
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from vitreg import server
+
+pytestmark = [pytest.mark.slow, pytest.mark.ui]
+
+REPO = Path(__file__).resolve().parents[1]
+EXPERIMENT = "ui-check"
+METRIC = "infer_throughput_img_per_s"
+GPUS = ("a100", "h200")
+CHROMIUM = os.environ.get("VITREG_CHROMIUM", "/usr/bin/chromium")
+# No sandbox: CI containers run as root. The rest keeps Chromium off the network.
+CHROMIUM_ARGS = [
+    "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+    "--disable-background-networking", "--disable-component-update", "--disable-sync",
+]
+# The MLflow 3 UI opens in its GenAI layout with an assistant panel; ask for the classic
+# "Model training" layout up front. (The URL also says workflowType=machine_learning, in
+# case these private storage keys change.)
+UI_PREFERENCES = """
+    localStorage.setItem('mlflow.workflowType_v1', JSON.stringify('machine_learning'));
+    localStorage.setItem('mlflow.assistant.panelOpen_v1', 'false');
+    localStorage.setItem('mlflow.assistant.fab.autoOpenedOnFirstLoad_v1', 'true');
+"""
+
+
+@pytest.fixture(autouse=True)
+def _requirements() -> None:
+    """Skip (before a server is started) when the browser side is missing."""
+    if importlib.util.find_spec("playwright") is None:
+        pytest.skip("playwright is not installed (pip install playwright; tracking/ci_ui.sh)")
+    if not (os.path.isfile(CHROMIUM) and os.access(CHROMIUM, os.X_OK)):
+        pytest.skip(f"no Chromium at {CHROMIUM} (apt-get install chromium; tracking/ci_ui.sh; "
+                    "or set VITREG_CHROMIUM)")
+
+
+def _log_runs(uri: str) -> None:
+    """Log the runs the UI check looks at into experiment ``ui-check``.
+
+    Contract: at least one run per GPU label in ``GPUS``, each with the param ``gpu`` and the
+    metric ``infer_throughput_img_per_s``. For now a direct MLflow client; swap the body for
+    ``vitreg bench`` calls (``MLFLOW_EXPERIMENT_NAME=ui-check``) without touching the test.
+    """
+    code = textwrap.dedent("""
+        import sys, mlflow
+        mlflow.set_experiment(sys.argv[1])
+        for gpu, throughput in [("a100", 1187.5), ("h200", 2893.0)]:
+            with mlflow.start_run(run_name=f"vit_base-{gpu}"):
+                mlflow.log_params({"gpu": gpu, "model": "vit_base_patch16_224", "amp": "bf16"})
+                mlflow.set_tag("gpu", gpu)
+                mlflow.log_metric("infer_throughput_img_per_s", throughput)
+    """)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}
+    env.update(MLFLOW_TRACKING_URI=uri, MLFLOW_DISABLE_TELEMETRY="true")
+    proc = subprocess.run([sys.executable, "-c", code, EXPERIMENT], env=env, cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def _api(base: str, path: str, body: dict | None = None) -> dict:
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(f"{base}/api/2.0/mlflow/{path}", data=data,
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=10) as resp:
+        return json.load(resp)
+
+
+def _runs_by_gpu(base: str) -> tuple[str, dict[str, str]]:
+    """(experiment id, {gpu: run name}) as the server has them, one run per GPU."""
+    query = urllib.parse.urlencode({"experiment_name": EXPERIMENT})
+    experiment_id = _api(base, f"experiments/get-by-name?{query}")["experiment"]["experiment_id"]
+    found = _api(base, "runs/search", {"experiment_ids": [experiment_id], "max_results": 100})
+    names: dict[str, str] = {}
+    for run in found.get("runs", []):
+        params = {p["key"]: p["value"] for p in run["data"].get("params", [])}
+        names.setdefault(params.get("gpu"), run["info"]["run_name"])
+    missing = [gpu for gpu in GPUS if gpu not in names]
+    assert not missing, f"no run with param gpu={missing} in {EXPERIMENT}"
+    return experiment_id, {gpu: names[gpu] for gpu in GPUS}
+
+
+@pytest.fixture
+def shots(tmp_path) -> Path:
+    folder = Path(os.environ.get("VITREG_UI_SHOTS") or tmp_path / "shots")
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
+
+
+@pytest.fixture
+def tracking_server(tmp_path, monkeypatch):
+    for name in list(os.environ):
+        if name.startswith("MLFLOW_"):  # the config below is explicit; VITREG_UI_* must stay
+            monkeypatch.delenv(name)
+    monkeypatch.setenv("MLFLOW_DISABLE_TELEMETRY", "true")
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    cfg = server.ServerConfig(port=port, data_dir=tmp_path / "server")
+    proc = server.start(cfg, timeout=90, quiet=True)
+    try:
+        yield cfg
+    finally:
+        server.stop(proc)
+
+
+def test_group_by_gpu_and_compare(tracking_server, shots):
+    from playwright.sync_api import expect, sync_playwright
+
+    base = tracking_server.url
+    _log_runs(base)
+    experiment_id, run_names = _runs_by_gpu(base)
+
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
+        context = browser.new_context(viewport={"width": 1400, "height": 1300})
+        context.add_init_script(UI_PREFERENCES)
+        page = context.new_page()
+        page.set_default_timeout(30_000)
+        expect.set_options(timeout=30_000)
+        try:
+            # 1. The experiment's runs table.
+            page.goto(f"{base}/#/experiments/{experiment_id}/runs?workflowType=machine_learning")
+            for name in run_names.values():
+                expect(page.get_by_text(name, exact=True)).to_be_visible()
+            close_assistant = page.get_by_role("button", name="Close")
+            if close_assistant.count() and close_assistant.first.is_visible():
+                close_assistant.first.click()
+
+            # 2. Show the metric as a column, drop the columns a benchmark does not use.
+            page.get_by_role("button", name="Columns").click()
+            page.get_by_text(METRIC, exact=True).click()
+            for column in ("Dataset", "Source", "Models"):
+                page.get_by_role("dialog").get_by_text(column, exact=True).click()
+            page.keyboard.press("Escape")
+
+            # 3. Group by the gpu param (the menu lists Tags, then Params; both hold "gpu").
+            page.get_by_role("button", name="Group by").click()
+            page.get_by_role("menuitemcheckbox", name="gpu").last.click()
+            page.keyboard.press("Escape")
+            expect(page.get_by_role("button", name="Group by: gpu")).to_be_visible()
+            for gpu in GPUS:
+                expect(page.get_by_text(f"Group: {gpu}", exact=True)).to_be_visible()
+            page.screenshot(path=shots / "mlflow-ui-group-by-gpu.png")
+
+            # 4. Select the two runs and open the compare view.
+            for name in run_names.values():
+                page.get_by_role("row").filter(has_text=name).get_by_role("checkbox").first.check()
+            page.get_by_role("button", name="Compare", exact=True).click()
+            expect(page.get_by_text("Comparing 2 Runs from 1 Experiment")).to_be_visible()
+            page.wait_for_url("**/compare-runs?**")
+            # Tall enough for plot, run details, params, metrics and tags in one picture (the
+            # page scrolls inside a panel, so a full-page screenshot would not help).
+            page.set_viewport_size({"width": 1400, "height": 1900})
+            rows = page.get_by_role("row")
+            names_row = rows.filter(has_text="Run Name")
+            for name in run_names.values():
+                expect(names_row.get_by_text(name, exact=True)).to_be_in_viewport()
+            # The gpu row of the Parameters table (and of Tags, when the runs carry the tag).
+            gpu_rows = rows.filter(has=page.get_by_text("gpu", exact=True))
+            expect(gpu_rows.first).to_be_in_viewport()
+            for gpu in GPUS:
+                expect(gpu_rows.first.get_by_text(gpu, exact=True)).to_be_in_viewport()
+            # The metric's row of the Metrics table (its name links to the metric's chart).
+            expect(page.get_by_role("link", name=METRIC, exact=True)).to_be_in_viewport()
+            # Let the parallel-coordinates plot finish drawing before the picture.
+            page.wait_for_timeout(1000)
+            page.screenshot(path=shots / "mlflow-ui-compare.png")
+        except Exception:
+            page.screenshot(path=shots / "failure.png")
+            raise
+        finally:
+            browser.close()
+
+    if os.environ.get("VITREG_UPDATE_DOC_SHOTS") == "1":
+        docs = REPO / "docs" / "img"
+        docs.mkdir(parents=True, exist_ok=True)
+        for shot in ("mlflow-ui-compare.png", "mlflow-ui-group-by-gpu.png"):
+            shutil.copyfile(shots / shot, docs / shot)
