@@ -1,0 +1,18 @@
+# Source this on the lent GPU machine, from the project root, after carrying .whl/
+# (filled here by `bash ../shared/tools/gpu-wheels.sh`). The image has torch and timm but no mlflow.
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+  || { echo "wheel install failed"; exit 1; }
+# MLproject commands call `python`; a symlink to a venv's python3 would lose the venv (and torch), so wrap it
+mkdir -p /tmp/shim && printf '#!/bin/sh\nexec %s "$@"\n' "$(command -v python3)" > /tmp/shim/python && chmod +x /tmp/shim/python
+export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/shim:/tmp/site/bin:$PATH PYTHONUNBUFFERED=1
+export GPU_RUNS=${GPU_RUNS:-$PWD/gpu-runs}
+mkdir -p "$GPU_RUNS"
+export MLFLOW_TRACKING_URI=sqlite:///$GPU_RUNS/mlflow.db
+# keep the artifacts beside the db so one tarball brings the whole store back
+export MLFLOW_ARTIFACT_ROOT=$GPU_RUNS/artifacts
+python3 - <<'PY'
+import mlflow, os
+for name in ("h200-bench", "h200-ddp"):
+    if mlflow.get_experiment_by_name(name) is None:
+        mlflow.create_experiment(name, artifact_location="file://" + os.environ["MLFLOW_ARTIFACT_ROOT"] + "/" + name)
+PY
