@@ -1,0 +1,51 @@
+# vitreg: two commands set everything up on a fresh machine.
+#   make bench   venv + install + one benchmark logged to the embedded default store (sqlite:///mlflow.db)
+#   make test    venv + install + the test suite (the same command CI runs)
+# Other targets: make server (tracking server from tracking/), make ui (MLflow UI on the local store).
+
+PYTHON  ?= python3
+VENV    ?= .venv
+PY      := $(VENV)/bin/python
+# torch/torchvision pins: the pair that installs from local disk on the project's machines; any
+# torch >= 2.4 works (see pyproject.toml).
+TORCH   ?= torch==2.14.1 torchvision==0.29.1
+STAMP   := $(VENV)/.vitreg-installed
+
+# Bench parameters (any MLproject param: make bench ARGS="-P model=deit_small_patch16_224 -P compile=default").
+# Without a GPU the default is a CPU-sized run (ViT-B/16 at batch 64 would take most of an hour on 2 cores).
+HAS_GPU := $(shell nvidia-smi -L >/dev/null 2>&1 && echo 1)
+ifeq ($(HAS_GPU),1)
+BENCH_DEFAULTS ?= -P gpu=auto
+else
+BENCH_DEFAULTS ?= -P gpu=auto -P model=deit_tiny_patch16_224 -P batch_size=8 -P warmup=3 -P steps=5 -P repeats=3
+endif
+ARGS ?=
+
+.PHONY: install bench test test-fast server ui clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q $(TORCH)
+	$(PY) -m pip install -q -e '.[test,server]'
+	@touch $@
+
+bench: $(STAMP)
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" mlflow run . -e bench --env-manager local $(BENCH_DEFAULTS) $(ARGS)
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m "not slow"
+
+server: $(STAMP)
+	$(PY) -m vitreg.server
+
+ui: $(STAMP)
+	$(VENV)/bin/mlflow ui --backend-store-uri sqlite:///mlflow.db
+
+clean:
+	rm -rf $(VENV) *.egg-info .pytest_cache

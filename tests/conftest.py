@@ -1,0 +1,37 @@
+"""Shared test fixtures: a real sqlite MLflow store per test, and the repo's paths."""
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+VENV_BIN = Path(sys.executable).parent
+
+
+def subprocess_env(tracking_uri: str, **extra) -> dict:
+    """Environment for a child process: this interpreter's bin first on PATH (MLproject commands call
+    `python`), the given store, no inherited MLflow run."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}
+    env["PATH"] = f"{VENV_BIN}{os.pathsep}{env.get('PATH', '')}"
+    env["MLFLOW_TRACKING_URI"] = tracking_uri
+    env["PYTHONUNBUFFERED"] = "1"
+    env.update({k: str(v) for k, v in extra.items()})
+    return env
+
+
+@pytest.fixture
+def sqlite_store(tmp_path, monkeypatch):
+    """A fresh sqlite tracking store in tmp_path, set for this process; yields its URI."""
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    for key in ("MLFLOW_RUN_ID", "MLFLOW_EXPERIMENT_ID", "MLFLOW_EXPERIMENT_NAME"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.chdir(tmp_path)  # artifacts of the default experiment land in ./mlruns here
+    import mlflow
+
+    mlflow.set_tracking_uri(uri)
+    yield uri
+    while mlflow.active_run():
+        mlflow.end_run()

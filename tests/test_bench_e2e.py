@@ -1,0 +1,143 @@
+"""`bench` end to end: real `mlflow run` subprocesses against a real sqlite store, and every bad input."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+from click.testing import CliRunner
+
+from conftest import REPO, subprocess_env
+
+TINY = ["-P", "img_size=32", "-P", "batch_size=2", "-P", "warmup=2", "-P", "steps=3",
+        "-P", "repeats=2"]
+
+
+def mlflow_run(uri, *params, cwd):
+    return subprocess.run([sys.executable, "-m", "mlflow", "run", str(REPO), "-e", "bench", "--env-manager", "local",
+                           "--experiment-name", "e2e", *params],
+                          env=subprocess_env(uri), cwd=cwd, capture_output=True, text=True, timeout=300)
+
+
+def only_run(uri):
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(uri)
+    exp = client.get_experiment_by_name("e2e")
+    runs = client.search_runs([exp.experiment_id])
+    assert len(runs) == 1, [r.info.run_id for r in runs]
+    return client, runs[0]
+
+
+@pytest.mark.slow
+def test_mlflow_run_bench_logs_one_complete_finished_run(tmp_path):
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    proc = mlflow_run(uri, "-P", "gpu=auto", "-P", "model=test_vit", *TINY, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "infer_throughput" not in proc.stdout  # the table uses readable headers...
+    assert "img/s median" in proc.stdout and "logged run" in proc.stdout  # ...and ends the output
+    assert "window 2/2" in proc.stderr  # progress while it runs
+    client, run = only_run(uri)
+    assert run.info.status == "FINISHED"
+    p, t, m = run.data.params, run.data.tags, run.data.metrics
+    # params: as typed through -P (MLflow logs them first and they are immutable) plus ours
+    assert p["gpu"] == "auto" and p["model"] == "test_vit" and p["task"] == "both" and p["batch_size"] == "2"
+    assert {"amp", "compile", "warmup", "steps", "repeats", "device", "img_size"} <= set(p)
+    # resolved values and the environment as tags
+    assert t["gpu"] == "cpu" and t["amp"] == "off" and t["device"] == "cpu" and t["img_size"] == "32"
+    assert t["gpu_mismatch"] == "false"
+    for key in ["gpu_name", "gpu_count", "torch_version", "timm_version", "mlflow_version", "python_version",
+                "cpu_model", "hostname", "vitreg_git_sha", "os", "cuda_version", "torchvision_version"]:
+        assert key in t, key
+    assert not any(k.startswith("mlflow.") and k in ("mlflow.gpu",) for k in t)
+    for key in ["infer_throughput_img_per_s", "infer_latency_ms_p50", "infer_latency_ms_p99",
+                "train_throughput_img_per_s", "train_step_ms_p50", "fwd_gflops_per_img", "train_throughput_cv"]:
+        assert m[key] > 0, key
+    assert any(k.startswith("system/") for k in m), "system metrics are on"
+    arts = {a.path for a in client.list_artifacts(run.info.run_id)}
+    assert {"results.json", "report.md", "environment.json", "pip_freeze.txt"} <= arts
+    local = client.download_artifacts(run.info.run_id, "results.json", str(tmp_path / "dl"))
+    doc = json.loads(open(local).read())
+    assert [x["task"] for x in doc["tasks"]] == ["infer", "train"]
+    assert doc["tasks"][1]["metrics"]["train_throughput_img_per_s"] == pytest.approx(m["train_throughput_img_per_s"])
+    report = open(client.download_artifacts(run.info.run_id, "report.md", str(tmp_path / "dl2"))).read()
+    assert "## Environment" in report and "| infer |" in report.replace("| infer  |", "| infer |")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("params,needle", [
+    (["-P", "gpu=a100", "-P", "model=test_vit"], "use gpu=cpu"),
+    (["-P", "model=vit_bsae_patch16_224"], "did you mean vit_base_patch16_224"),
+])
+def test_mlflow_run_bad_input_fails_the_run(tmp_path, params, needle):
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    proc = mlflow_run(uri, *TINY, *params, cwd=tmp_path)
+    assert proc.returncode != 0
+    assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    error_lines = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert len(error_lines) == 1 and needle in error_lines[0]
+    _, run = only_run(uri)
+    assert run.info.status == "FAILED" and needle in run.data.tags["vitreg_error"]
+
+
+@pytest.fixture
+def requested_run(sqlite_store, monkeypatch):
+    """A run created the way `mlflow run` creates it: RUNNING, -P values logged, MLFLOW_RUN_ID set."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient()
+    exp = client.create_experiment("e2e")
+    run = client.create_run(exp)
+    monkeypatch.setenv("MLFLOW_RUN_ID", run.info.run_id)
+    monkeypatch.setenv("MLFLOW_EXPERIMENT_ID", exp)
+    return client, run.info.run_id
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--batch-size", "0"], "batch_size=0 must be >= 1"),
+    (["--amp", "fp8"], "amp='fp8' is not one of"),
+    (["--compile", "fastest"], "compile='fastest' is not one of"),
+    (["--device", "cuda"], "no CUDA GPU is visible"),
+    (["--img-size", "30"], "use img_size=16 or 32"),
+    (["--gpu", "h100"], "use gpu=cpu or gpu=auto"),
+    (["--model", "resnet50"], "is not a ViT/DeiT"),
+    (["--allow-gpu-mismatch", "perhaps"], "allow_gpu_mismatch=true or"),
+])
+def test_bad_input_exit_2_and_failed_run(requested_run, args, needle):
+    from vitreg.cli import main
+
+    client, run_id = requested_run
+    result = CliRunner().invoke(main, ["bench", "--model", "test_vit", "--img-size", "32", *args])
+    assert result.exit_code == 2, result.output
+    assert result.output.count("error: ") == 1 and needle in result.output
+    run = client.get_run(run_id)
+    assert run.info.status == "FAILED" and needle in run.data.tags["vitreg_error"]
+
+
+def test_mismatch_allowed_is_tagged(requested_run):
+    from vitreg.cli import main
+
+    client, run_id = requested_run
+    result = CliRunner().invoke(main, ["bench", "--model", "test_vit", "--img-size", "32", "--gpu", "a100",
+                                       "--allow-gpu-mismatch", "true", "--task", "infer", "--warmup", "1",
+                                       "--steps", "2", "--repeats", "1"])
+    assert result.exit_code == 0, result.output
+    run = client.get_run(run_id)
+    assert run.info.status == "FINISHED"
+    assert run.data.tags["gpu"] == "a100" and run.data.tags["gpu_mismatch"] == "true"
+    assert run.data.params["gpu"] == "a100" and "infer_mfu" in run.data.metrics
+
+
+@pytest.mark.slow
+def test_entry_point_script_exits_2_without_traceback(tmp_path):
+    from mlflow.tracking import MlflowClient
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = MlflowClient(uri)
+    run = client.create_run(client.create_experiment("e2e"))
+    proc = subprocess.run([sys.executable, str(REPO / "entry_points" / "bench.py"), "--batch-size", "-1"],
+                          env=subprocess_env(uri, MLFLOW_RUN_ID=run.info.run_id), cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].startswith("error: batch_size=-1")
+    assert client.get_run(run.info.run_id).info.status == "FAILED"

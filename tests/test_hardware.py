@@ -1,0 +1,79 @@
+import pytest
+
+from vitreg.errors import VitregError
+from vitreg.hardware import PROFILES, DetectedHardware, match_profile, mfu, resolve_hardware
+
+
+@pytest.mark.parametrize("name,label", [
+    ("NVIDIA H200", "h200"),
+    ("NVIDIA H100 80GB HBM3", "h100"),
+    ("NVIDIA H100 PCIe", "h100-pcie"),
+    ("NVIDIA A100-SXM4-40GB", "a100"),
+    ("NVIDIA A100-PCIE-40GB", "a100"),
+    ("NVIDIA A100-SXM4-80GB", "a100-80gb"),
+    ("NVIDIA A100 80GB PCIe", "a100-80gb"),
+    ("Tesla V100-SXM2-32GB", "v100"),
+    ("Tesla T4", "t4"),
+    ("NVIDIA L4", "l4"),
+    ("NVIDIA GeForce RTX 4090", "rtx4090"),
+])
+def test_device_names_map_to_labels(name, label):
+    assert match_profile(name).label == label
+
+
+def test_unknown_gpu_gets_its_own_label_and_no_peak():
+    p = match_profile("NVIDIA L40S")
+    assert p.label == "l40s" and p.peak_tflops == {}
+    assert mfu(100.0, p, "bf16") is None
+
+
+def test_profile_table_dense_peaks_and_defaults():
+    assert PROFILES["a100"].peak_for("bf16") == 312.0
+    assert PROFILES["h100"].peak_for("fp16") == pytest.approx(989.4)
+    assert PROFILES["h200"].peak_for("off") == pytest.approx(66.9)
+    assert PROFILES["h200"].peak_for("off", tf32=True) == pytest.approx(494.7)
+    assert PROFILES["v100"].default_amp == "fp16" and PROFILES["t4"].default_amp == "fp16"
+    assert PROFILES["a100"].default_amp == "bf16" and PROFILES["cpu"].default_amp == "off"
+    assert not PROFILES["v100"].supports_bf16
+    assert mfu(156.0, PROFILES["a100"], "bf16") == pytest.approx(0.5)
+    assert mfu(1.0, PROFILES["cpu"], "off") is None
+
+
+H200 = DetectedHardware("cuda", "NVIDIA H200", 1, PROFILES["h200"])
+CPU = DetectedHardware("cpu", "CPU (test)", 1, PROFILES["cpu"])
+
+
+def test_auto_takes_the_detected_profile():
+    assert resolve_hardware("auto", H200).label == "h200"
+    assert resolve_hardware("auto", CPU).label == "cpu"
+
+
+def test_matching_label_and_alias():
+    assert resolve_hardware("H200", H200).label == "h200"
+    assert resolve_hardware("a100-40gb", DetectedHardware("cuda", "NVIDIA A100-SXM4-40GB", 1,
+                                                          PROFILES["a100"])).label == "a100"
+
+
+def test_mismatch_is_refused_with_the_right_label():
+    with pytest.raises(VitregError) as err:
+        resolve_hardware("a100", H200)
+    msg = str(err.value)
+    assert "NVIDIA H200" in msg and "gpu=h200" in msg and "allow_gpu_mismatch=true" in msg
+
+
+def test_mismatch_on_cpu_and_override():
+    with pytest.raises(VitregError, match="use gpu=cpu"):
+        resolve_hardware("a100", CPU)
+    hw = resolve_hardware("a100", CPU, allow_mismatch=True)
+    assert hw.label == "a100" and hw.mismatch and hw.profile.peak_for("bf16") == 312.0
+
+
+def test_bf16_refused_on_a_gpu_without_it():
+    from vitreg.runtime import resolve_runtime
+
+    v100 = DetectedHardware("cuda", "Tesla V100-SXM2-32GB", 1, PROFILES["v100"])
+    with pytest.raises(VitregError, match="use amp=fp16"):
+        resolve_runtime("bf16", "off", "inductor", v100)
+    assert resolve_runtime("auto", "off", "inductor", v100).amp == "fp16"
+    assert resolve_runtime("auto", "off", "inductor", H200).amp == "bf16"
+    assert resolve_runtime("auto", "off", "inductor", CPU).amp == "off"
