@@ -101,5 +101,67 @@ def bench(experiment, run_name, **kwargs):
     run_bench(bench_kwargs_to_options(kwargs), experiment=experiment, run_name=run_name)
 
 
+@main.command()
+@click.option("--experiment", required=True, help="The experiment whose runs to compare.")
+@click.option("--baseline", default="", help="GPU label to compute speedups against (e.g. a100); empty: none.")
+@click.option("--metric", default="throughput_img_per_s", show_default=True,
+              help="Metric (task prefix stripped) to compare, e.g. latency_ms_p50, step_ms_p50.")
+@click.option("--log-experiment", default=None, envvar="MLFLOW_EXPERIMENT_NAME",
+              help="Experiment for the compare run itself (ignored under `mlflow run`).")
+@user_errors
+def compare(experiment, baseline, metric, log_experiment):
+    """Compare an experiment's runs across GPUs: table, CSV/HTML/markdown and plots as artifacts of a compare run."""
+    from vitreg.jobs import run_compare
+
+    run_compare(experiment, baseline or None, metric, log_experiment=log_experiment)
+
+
+@main.command("import-timm")
+@click.argument("csv_file", type=click.Path(dir_okay=False))
+@click.option("--gpu", default=None, help="GPU label of the file (checked against the one in its name, if any).")
+@click.option("--amp", default=None, help="Precision, when the file name does not say (off/bf16/fp16).")
+@click.option("--experiment", default=None, envvar="MLFLOW_EXPERIMENT_NAME")
+@user_errors
+def import_timm(csv_file, gpu, amp, experiment):
+    """Import a timm benchmark.py results CSV as runs tagged source=timm."""
+    from vitreg.jobs import import_timm as do_import
+
+    do_import(csv_file, gpu, amp, experiment)
+
+
+@main.command()
+@click.option("--models", required=True, help="Comma-separated model names.")
+@click.option("--amp", "amp_list", default="auto", show_default=True, help="Comma-separated, e.g. off,bf16.")
+@click.option("--compile", "compile_list", default="off", show_default=True, help="Comma-separated, e.g. off,default.")
+@click.option("--batch-size", "batch_list", default="64", show_default=True, help="Comma-separated, e.g. 32,256.")
+@click.option("--gpu", default="auto", show_default=True)
+@click.option("--task", default="both", show_default=True)
+@click.option("--img-size", "img_size", default="0", show_default=True)
+@click.option("--compile-backend", "compile_backend", default="inductor", show_default=True)
+@click.option("--warmup", default="10", show_default=True)
+@click.option("--steps", default="30", show_default=True)
+@click.option("--repeats", default="5", show_default=True)
+@click.option("--device", default="auto", show_default=True)
+@click.option("--allow-gpu-mismatch", "allow_gpu_mismatch", default="false", show_default=True)
+@click.option("--experiment", default=None, envvar="MLFLOW_EXPERIMENT_NAME")
+@user_errors
+def sweep(models, amp_list, compile_list, batch_list, experiment, **common):
+    """Run every combination of models x amp x compile x batch size as child runs of one parent run."""
+    from vitreg.jobs import run_sweep
+
+    outcome = run_sweep(models, amp_list, compile_list, batch_list, common=common, experiment=experiment)
+    if not outcome["finished"]:
+        raise VitregError(f"all {len(outcome['failed'])} sweep runs failed: see the vitreg_error tags of the child runs")
+
+
+@main.command(context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
+@click.pass_context
+def server(ctx):
+    """Start the tracking server from tracking/ (VITREG_SERVER_* variables; see tracking/README.md)."""
+    from vitreg.server import main as server_main
+
+    sys.exit(server_main(ctx.args))
+
+
 if __name__ == "__main__":  # pragma: no cover
     main()

@@ -152,6 +152,7 @@ def tracked_run(run_name: str | None = None, experiment: str | None = None, syst
     if not is_main_process():
         yield NullTracker()
         return
+    check_server()
     try:
         _select_experiment(experiment)
         if system_metrics:
@@ -203,6 +204,58 @@ def fail_requested_run(message: str) -> None:
         client.set_terminated(run_id, "FAILED")
     except Exception as exc:  # the server is the problem; say so and keep the user's error first
         print(f"[vitreg] could not mark run {run_id} FAILED: {exc}", file=sys.stderr)
+
+
+def check_server(timeout: float = 5.0) -> None:
+    """Fail fast, in one line, when the tracking URI is a server that does not answer.
+
+    MLflow's client retries for minutes against a dead server; a user deserves the answer now.
+    """
+    uri = mlflow.get_tracking_uri()
+    if not uri.startswith(("http://", "https://")):
+        return
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(uri.rstrip("/") + "/health", timeout=timeout) as resp:
+            resp.read()
+    except urllib.error.HTTPError:
+        return  # it answers (an auth wall answers 401): the server is there
+    except (urllib.error.URLError, OSError) as exc:
+        reason = getattr(exc, "reason", exc)
+        raise VitregError(f"the MLflow tracking server at {uri} does not answer ({reason}): start it with "
+                          f"`make server`, or fix/unset MLFLOW_TRACKING_URI") from None
+
+
+def create_child_run(parent: Tracker, name: str, tags: dict | None = None) -> str:
+    """A RUNNING child of ``parent`` for a subprocess to resume through MLFLOW_RUN_ID (as `mlflow run` does)."""
+    from mlflow.utils.mlflow_tags import MLFLOW_PARENT_RUN_ID, MLFLOW_RUN_NAME
+
+    all_tags = {MLFLOW_PARENT_RUN_ID: parent.run_id, MLFLOW_RUN_NAME: name,
+                **{k: str(v) for k, v in (tags or {}).items()}}
+    return MlflowClient().create_run(parent.experiment_id, tags=all_tags, run_name=name).info.run_id
+
+
+def finish_child_run(run_id: str, returncode: int, stderr: str) -> str:
+    """After the child process: its error reason ('' on success); a child that died without ending its
+    run (killed, crashed) is ended FAILED here with the last line it printed."""
+    client = MlflowClient()
+    run = client.get_run(run_id)
+    reason = run.data.tags.get(ERROR_TAG, "")
+    if returncode != 0 and not reason:
+        lines = [line for line in stderr.strip().splitlines() if line.strip()]
+        reason = lines[-1] if lines else f"exit status {returncode}"
+        client.set_tag(run_id, ERROR_TAG, reason[:4000])
+    if run.info.status == "RUNNING":
+        client.set_terminated(run_id, "FINISHED" if returncode == 0 else "FAILED")
+    return reason
+
+
+def child_runs(parent: Tracker):
+    """The parent's child runs as a search_runs DataFrame."""
+    return mlflow.search_runs(experiment_ids=[parent.experiment_id],
+                              filter_string=f"tags.mlflow.parentRunId = '{parent.run_id}'")
 
 
 def search_runs(experiment: str, filter_string: str = ""):
