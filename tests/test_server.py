@@ -373,3 +373,38 @@ def test_basic_auth(tmp_path, servers):
                               MLFLOW_TRACKING_USERNAME="admin",
                               MLFLOW_TRACKING_PASSWORD=ADMIN_PASSWORD)
     assert_artifact_on_server_disk(cfg, info, client_cwd)
+
+
+def _vitreg_bench(url: str, cwd: Path, experiment: str, **extra_env: str) -> subprocess.CompletedProcess:
+    """A real `vitreg bench` (tiny model, CPU) from a fresh process, as a GPU box would run it."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}
+    env.update(MLFLOW_TRACKING_URI=url, MLFLOW_EXPERIMENT_NAME=experiment, MLFLOW_DISABLE_TELEMETRY="true",
+               **extra_env)
+    cwd.mkdir(parents=True, exist_ok=True)
+    return subprocess.run([sys.executable, "-m", "vitreg.cli", "bench", "--model", "test_vit", "--img-size", "32",
+                           "--batch-size", "2", "--task", "infer", "--warmup", "1", "--steps", "2", "--repeats", "2"],
+                          cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.slow
+def test_bench_run_with_credentials_lands_in_the_artifact_destination(tmp_path, servers):
+    pytest.importorskip("flask_wtf", reason="basic auth needs mlflow[auth] (Flask-WTF)")
+    cfg, _, _ = running_server(servers, "auth")
+    refused = _vitreg_bench(cfg.url, tmp_path / "no-credentials", "auth-bench")
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr
+    assert refused.stderr.strip().splitlines()[-1].startswith("error: cannot start an MLflow run")
+
+    box = tmp_path / "gpu-box"
+    proc = _vitreg_bench(cfg.url, box, "auth-bench", MLFLOW_TRACKING_USERNAME="admin",
+                         MLFLOW_TRACKING_PASSWORD=ADMIN_PASSWORD)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_id = proc.stdout.split("logged run ")[1].split()[0]
+    stored = list(Path(cfg.artifacts_destination).glob(f"*/{run_id}/artifacts/results.json"))
+    assert len(stored) == 1 and json.loads(stored[0].read_text())["tasks"][0]["task"] == "infer"
+    assert sorted(p.name for p in box.iterdir()) == [], "the bench wrote into the client's folder"
+
+
+def test_bench_against_a_dead_server_is_one_line(tmp_path):
+    proc = _vitreg_bench(f"http://127.0.0.1:{free_port()}", tmp_path, "dead")
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1].startswith("error: the MLflow tracking server at http://127.0.0.1:")
