@@ -121,7 +121,7 @@ def tidy(runs_df: pd.DataFrame) -> pd.DataFrame:
     """
     if runs_df is None or len(runs_df) == 0:
         raise CompareError(
-            "no runs to compare; record some with `vitreg run`, or check the experiment name "
+            "no runs to compare; record some with `vitreg bench`, or check the experiment name "
             "and tracking URI"
         )
     df = runs_df.reset_index(drop=True)
@@ -187,7 +187,7 @@ def tidy(runs_df: pd.DataFrame) -> pd.DataFrame:
     if not parts:
         raise CompareError(
             f"the {len(df)} finished runs carry no metrics.infer_* or metrics.train_* values; "
-            "check that they are vitreg benchmark runs (vitreg run / vitreg import-timm)"
+            "check that they are vitreg benchmark runs (vitreg bench / vitreg import-timm)"
         )
     out = pd.concat(parts, ignore_index=True)
     for name in ALL_METRICS:
