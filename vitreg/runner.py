@@ -138,8 +138,11 @@ def _reset_memory(device_type: str) -> None:
         torch.cuda.reset_peak_memory_stats()
 
 
-def _measure(step, spec: BenchSpec, runtime: Runtime, task: str, batch_size: int, progress) -> tuple:
-    """First call timed apart, warm-up, then the timed windows. Returns (first_s, warmup_s, windows)."""
+def _measure(step, spec: BenchSpec, runtime: Runtime, task: str, batch_size: int, progress, align=None) -> tuple:
+    """First call timed apart, warm-up, then the timed windows. Returns (first_s, warmup_s, windows).
+
+    ``align`` (DDP only) is a barrier run after the warm-up, so every rank's windows start together.
+    """
     dev = runtime.device
     what = f"compiling ({runtime.compile}, {runtime.compile_backend}) + first call" if runtime.compile != "off" \
         else "first call"
@@ -147,6 +150,8 @@ def _measure(step, spec: BenchSpec, runtime: Runtime, task: str, batch_size: int
     first_s = wall_seconds(step, dev)
     progress(f"{task}: first call took {first_s:.2f} s; warm-up {spec.warmup - 1} more iteration(s)")
     warm_s = wall_seconds(lambda: [step() for _ in range(spec.warmup - 1)], dev)
+    if align is not None:
+        align()  # outside any timed region
     windows = []
     for r in range(spec.repeats):
         win = time_window(step, spec.steps, dev)
@@ -168,8 +173,12 @@ def _oom_guard(fn, batch_size: int, task: str):
 
 
 def run_inference(model, info: ModelInfo, spec: BenchSpec, runtime: Runtime, hardware: ResolvedHardware,
-                  fwd_flops: int, progress=_stderr_progress, tf32: bool = False) -> TaskResult:
-    """Forward passes in eval mode under inference_mode and autocast, synthetic batch on the device."""
+                  fwd_flops: int, progress=_stderr_progress, tf32: bool = False, reducer=None) -> TaskResult:
+    """Forward passes in eval mode under inference_mode and autocast, synthetic batch on the device.
+
+    Under DDP (``reducer``, a :class:`vitreg.distributed.ResultReducer`) every rank runs its own
+    unwrapped copy independently, on its own GPU; the global throughput is the sum of the ranks'.
+    """
     import torch
 
     dev = runtime.torch_device
@@ -184,17 +193,20 @@ def run_inference(model, info: ModelInfo, spec: BenchSpec, runtime: Runtime, har
         with torch.inference_mode(), runtime.autocast():
             compiled(x)
 
-    first_s, warm_s, windows = _oom_guard(lambda: _measure(step, spec, runtime, "infer", bs, progress), bs, "infer")
-    return _task_result("infer", windows, first_s, warm_s, spec, info, runtime, hardware, fwd_flops, tf32)
+    align = reducer.align if reducer is not None else None
+    first_s, warm_s, windows = _oom_guard(lambda: _measure(step, spec, runtime, "infer", bs, progress, align),
+                                          bs, "infer")
+    return _task_result("infer", windows, first_s, warm_s, spec, info, runtime, hardware, fwd_flops, tf32, reducer)
 
 
 def run_train_step(model, info: ModelInfo, spec: BenchSpec, runtime: Runtime, hardware: ResolvedHardware,
                    train_flops: int, progress=_stderr_progress, tf32: bool = False, wrap=None,
-                   world_size: int = 1) -> TaskResult:
+                   reducer=None) -> TaskResult:
     """Full training steps: forward, loss, backward, (scaled) AdamW step, on a fixed synthetic batch.
 
-    ``wrap`` lets DDP wrap the model after compile decisions; ``world_size`` scales throughput to
-    the global figure (each rank processes ``batch_size`` images per step).
+    ``wrap`` lets DDP wrap the model (before compile); ``reducer`` (a
+    :class:`vitreg.distributed.ResultReducer`) combines every rank's own timings into the global
+    figures: each rank processes ``batch_size`` images per step, rates add up across ranks.
     """
     import torch
 
@@ -224,23 +236,35 @@ def run_train_step(model, info: ModelInfo, spec: BenchSpec, runtime: Runtime, ha
         scaler.update()
 
     try:
-        first_s, warm_s, windows = _oom_guard(lambda: _measure(step, spec, runtime, "train", bs, progress),
+        align = reducer.align if reducer is not None else None
+        first_s, warm_s, windows = _oom_guard(lambda: _measure(step, spec, runtime, "train", bs, progress, align),
                                               bs, "train")
     finally:
         if info.distilled and hasattr(model, "set_distilled_training"):
             model.set_distilled_training(False)
     return _task_result("train", windows, first_s, warm_s, spec, info, runtime, hardware, train_flops, tf32,
-                        world_size)
+                        reducer)
 
 
 def _task_result(task, windows, first_s, warm_s, spec, info, runtime, hardware, flops_per_img, tf32,
-                 world_size: int = 1) -> TaskResult:
+                 reducer=None) -> TaskResult:
     bs = spec.batch_size
-    throughputs = [world_size * bs * w.iters / w.total_ms * 1e3 for w in windows]
+    throughputs = [bs * w.iters / w.total_ms * 1e3 for w in windows]  # this process's img/s, per window
     iter_ms = [ms for w in windows for ms in w.iter_ms]
-    tput = summarize(throughputs)
-    achieved = flops_per_img * tput.median / 1e12
     peak_alloc, peak_res = _memory_mb(runtime.device)
+    world_size = 1
+    if reducer is not None:
+        # DDP: a collective (every rank gets here once per task, after its windows). Global
+        # throughput per window = sum of the ranks' rates; step time per iteration = slowest rank.
+        from vitreg.distributed import RankFigures
+
+        total = reducer(task, RankFigures(tuple(throughputs), tuple(iter_ms), first_s, warm_s, peak_alloc, peak_res))
+        throughputs, iter_ms, first_s, warm_s = list(total.throughputs), list(total.iter_ms), \
+            total.first_call_s, total.warmup_s
+        peak_alloc, peak_res = total.peak_mem_allocated_mb, total.peak_mem_reserved_mb
+        world_size = reducer.world_size
+    tput = summarize(throughputs)
+    achieved = flops_per_img * tput.median / 1e12  # the whole job's TFLOP/s; MFU below is per GPU
     return TaskResult(
         task=task, batch_size=bs, img_size=info.img_size, steps=spec.steps, repeats=spec.repeats,
         throughput=tput, iter_ms=summarize(iter_ms), first_call_s=first_s, warmup_s=warm_s,
@@ -251,11 +275,13 @@ def _task_result(task, windows, first_s, warm_s, spec, info, runtime, hardware, 
 
 
 def run_benchmark(spec: BenchSpec, hardware: ResolvedHardware, runtime: Runtime, progress=_stderr_progress,
-                  model_factory=None, wrap=None, world_size: int = 1) -> BenchResult:
+                  model_factory=None, wrap=None, reducer=None) -> BenchResult:
     """Build the model, count its FLOPs, run each task of the spec; returns a :class:`BenchResult`.
 
     ``model_factory`` (optional) returns ``(model, ModelInfo)`` instead of :func:`create_model`, for
-    benchmarking a registered model's rebuilt weights.
+    benchmarking a registered model's rebuilt weights. Under DDP, ``wrap`` wraps the training model
+    and ``reducer`` (:class:`vitreg.distributed.ResultReducer`) turns each rank's figures into the
+    job's; every rank must call this with the same spec.
     """
     import torch
 
@@ -269,13 +295,13 @@ def run_benchmark(spec: BenchSpec, hardware: ResolvedHardware, runtime: Runtime,
     tasks = []
     for task in spec.tasks:
         if task == "infer":
-            tasks.append(run_inference(model, info, spec, runtime, hardware, fwd_flops, progress, tf32))
+            tasks.append(run_inference(model, info, spec, runtime, hardware, fwd_flops, progress, tf32, reducer))
         else:
             criterion = torch.nn.CrossEntropyLoss()
             train_flops = train_flops_per_image(model, info.img_size, runtime.torch_device,
                                                 lambda out, y: loss_of(out, y, criterion))
             tasks.append(run_train_step(model, info, spec, runtime, hardware, train_flops, progress, tf32,
-                                        wrap, world_size))
+                                        wrap, reducer))
     synchronize(runtime.device)
     return BenchResult(spec=spec, gpu=hardware.label, amp=runtime.amp, device=runtime.device, model=info,
                        fwd_gflops_per_img=fwd_flops / 1e9, tasks=tuple(tasks))

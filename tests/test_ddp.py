@@ -1,0 +1,426 @@
+"""DDP: `-P nproc=N` launches torchrun; one MLflow run; rank 0 logs the job's reduced figures.
+
+The slow tests are real jobs on the CPU (gloo) with the tiny ``test_vit`` at 32 px: an ``mlflow
+run`` with nproc=2, the plain ``vitreg bench --nproc 4`` path, and a rank that dies hard. The fast
+tests cover the pieces: the GPU-count check, the reduction rule, torchrun's command line, and how
+a failure's root cause is found.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+import sys
+import textwrap
+
+import pytest
+from click.testing import CliRunner
+
+from conftest import REPO, subprocess_env
+from vitreg import distributed, launch
+from vitreg.errors import VitregError
+
+TINY = {"model": "test_vit", "img_size": "32", "batch_size": "2", "warmup": "1", "steps": "2", "repeats": "2",
+        "task": "train", "device": "cpu"}
+
+
+def cli_args(options: dict) -> list[str]:
+    return launch.options_to_args(options)
+
+
+def mlflow_params(options: dict) -> list[str]:
+    return [arg for k, v in options.items() for arg in ("-P", f"{k}={v}")]
+
+
+def child_env(uri: str, **extra) -> dict:
+    return subprocess_env(uri, MLFLOW_DISABLE_TELEMETRY="true", **extra)
+
+
+def all_runs(uri: str):
+    """Every run in every experiment of the store: "exactly one run" means no stray second one anywhere."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(uri)
+    ids = [e.experiment_id for e in client.search_experiments()]
+    return client, client.search_runs(ids)
+
+
+def assert_rank0_only_logging(client, run) -> None:
+    """Each metric was logged once (a second logging rank would add a second value to its history)."""
+    for key in run.data.metrics:
+        if key.startswith("system/"):
+            continue  # sampled every few seconds by the launcher: many values by design
+        history = client.get_metric_history(run.info.run_id, key)
+        assert len(history) == 1, (key, [m.value for m in history])
+
+
+def assert_reduced(client, run, tmp_path, world: int) -> None:
+    """Global throughput = per-window sum over ranks; step time = per-iteration max over ranks."""
+    m = run.data.metrics
+    assert m["train_world_size"] == world
+    assert m["train_throughput_img_per_s_per_gpu"] == pytest.approx(m["train_throughput_img_per_s"] / world)
+    ranks = json.loads(open(client.download_artifacts(run.info.run_id, "ranks.json", str(tmp_path))).read())["train"]
+    assert [r["rank"] for r in ranks] == list(range(world))
+    per_window = [sum(ws) for ws in zip(*(r["throughput_img_per_s_windows"] for r in ranks))]
+    assert m["train_throughput_img_per_s"] == pytest.approx(statistics.median(per_window))
+    assert m["train_step_ms_p50"] >= max(r["iter_ms_p50"] for r in ranks) * (1 - 1e-9)
+
+
+# --------------------------------------------------------------------------------------------
+# end to end (CPU, gloo)
+
+
+@pytest.mark.slow
+def test_mlflow_run_nproc2_one_run_rank0_logs(tmp_path):
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    proc = subprocess.run([sys.executable, "-m", "mlflow", "run", str(REPO), "-e", "bench", "--env-manager", "local",
+                           "--experiment-name", "ddp", *mlflow_params({**TINY, "nproc": "2"})],
+                          env=child_env(uri), cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    client, runs = all_runs(uri)
+    assert len(runs) == 1, [(r.info.run_id, r.info.status) for r in runs]  # the launcher resumed mlflow's run
+    run = runs[0]
+    assert run.info.status == "FINISHED"
+    assert run.data.params["nproc"] == "2"
+    tags = run.data.tags
+    assert tags["world_size"] == "2" and tags["dist_backend"] == "gloo" and tags["nnodes"] == "1"
+    assert run.info.run_name.endswith("-ddp2")
+    assert_rank0_only_logging(client, run)
+    assert_reduced(client, run, tmp_path, 2)
+    arts = {a.path for a in client.list_artifacts(run.info.run_id)}
+    assert {"results.json", "ranks.json", "report.md", "torchrun"} <= arts
+    assert {a.path for a in client.list_artifacts(run.info.run_id, "torchrun")} == {"torchrun/rank0", "torchrun/rank1"}
+    # rank 0 speaks for the job: its progress shows (prefixed), rank 1's does not
+    assert "[rank0]: [vitreg] train: window 2/2" in proc.stderr
+    assert "[rank1]: [vitreg]" not in proc.stderr
+
+
+@pytest.mark.slow
+def test_plain_cli_nproc4_creates_one_run(tmp_path):
+    """`vitreg bench --nproc 4` without `mlflow run`: the launcher creates the run before torchrun."""
+    from vitreg.cli import main
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    args = ["bench", *cli_args({**TINY, "nproc": "4"}), "--experiment", "ddp4"]
+    # Scaling efficiency against a 1-process baseline, once the CLI has --baseline-run (bench() has it).
+    with_baseline = any(p.name == "baseline_run" for p in main.commands["bench"].params)
+    if with_baseline:
+        base_id = fake_baseline_run(uri, throughput=100.0)
+        args += ["--baseline-run", base_id]
+    proc = subprocess.run([sys.executable, "-m", "vitreg.cli", *args], env=child_env(uri), cwd=tmp_path,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    client, runs = all_runs(uri)
+    runs = [r for r in runs if r.data.tags.get("vitreg_job") == "bench"]
+    assert len(runs) == 1, [(r.info.run_id, r.info.status) for r in runs]
+    run = runs[0]
+    assert run.info.status == "FINISHED"
+    assert client.get_experiment(run.info.experiment_id).name == "ddp4"
+    assert run.data.params["nproc"] == "4" and run.data.tags["world_size"] == "4"
+    assert_rank0_only_logging(client, run)
+    assert_reduced(client, run, tmp_path, 4)
+    assert any(k.startswith("system/") for k in run.data.metrics), "the launcher samples system metrics"
+    if with_baseline:
+        m = run.data.metrics
+        assert m["train_scaling_efficiency"] == pytest.approx(m["train_throughput_img_per_s"] / (4 * 100.0))
+
+
+@pytest.mark.slow
+def test_rank_killed_hard_fails_the_run(tmp_path):
+    """Rank 0 dies by SIGKILL (as under the OOM killer), so it cannot end the run the launcher opened:
+    the launcher must, FAILED, with rank 0's last error line; nothing stays RUNNING.
+
+    The crash is injected through a sitecustomize on the workers' PYTHONPATH (only torchrun's
+    workers have RANK set), at interpreter start-up, to keep the test short.
+    """
+    inject = tmp_path / "inject"
+    inject.mkdir()
+    (inject / "sitecustomize.py").write_text(textwrap.dedent("""
+        import os, signal, sys
+        if os.environ.get("RANK") == "0" and "LOCAL_RANK" in os.environ:
+            print("RuntimeError: simulated hard crash of rank 0", file=sys.stderr, flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+    """))
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    proc = subprocess.run([sys.executable, "-m", "vitreg.cli", "bench", *cli_args({**TINY, "nproc": "2"})],
+                          env=child_env(uri, PYTHONPATH=str(inject)), cwd=tmp_path, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 1, proc.stderr[-3000:]  # a signal has no exit status of its own to pass on
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last == "error: rank 0: RuntimeError: simulated hard crash of rank 0", proc.stderr[-3000:]
+    client, runs = all_runs(uri)
+    assert len(runs) == 1
+    run = runs[0]
+    assert run.info.status == "FAILED"
+    assert run.data.tags["vitreg_error"] == "rank 0: RuntimeError: simulated hard crash of rank 0"
+    logs = {a.path for a in client.list_artifacts(run.info.run_id, "torchrun/rank0")}
+    assert "torchrun/rank0/stderr.log" in logs
+
+
+def test_bad_model_refused_before_launching(sqlite_store):
+    """Checks that need no GPU run once, in the launcher: one error, exit 2, the run FAILED."""
+    from mlflow.tracking import MlflowClient
+
+    from vitreg.cli import main
+
+    result = CliRunner().invoke(main, ["bench", *cli_args({**TINY, "nproc": "2", "model": "test_vti"})])
+    assert result.exit_code == 2, result.output
+    assert result.output.count("error: ") == 1 and "did you mean test_vit" in result.output
+    assert "launching" not in result.output
+    client = MlflowClient()
+    runs = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    assert len(runs) == 1 and runs[0].info.status == "FAILED"
+    assert "did you mean test_vit" in runs[0].data.tags["vitreg_error"]
+
+
+def fake_baseline_run(uri: str, throughput: float) -> str:
+    """A finished 1-process run of the TINY config, as bench would have logged it."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(uri)
+    exp = client.get_experiment_by_name("baseline") or client.get_experiment(client.create_experiment("baseline"))
+    run = client.create_run(exp.experiment_id, tags={
+        "model": "test_vit", "gpu": "cpu", "amp": "off", "compile": "off", "batch_size": "2", "img_size": "32",
+        "device": "cpu", "vitreg_job": "baseline"})
+    client.log_param(run.info.run_id, "nproc", "1")
+    client.log_metric(run.info.run_id, "train_throughput_img_per_s", throughput)
+    client.set_terminated(run.info.run_id, "FINISHED")
+    return run.info.run_id
+
+
+# --------------------------------------------------------------------------------------------
+# the pieces
+
+
+@pytest.mark.parametrize("nproc,device,gpus", [(4, "cpu", 0), (4, "auto", 0), (2, "auto", 2), (2, "cuda", 8),
+                                               (1, "cuda", 0), (8, "cpu", 2)])
+def test_check_nproc_allows(nproc, device, gpus):
+    launch.check_nproc(nproc, device, gpus)
+
+
+@pytest.mark.parametrize("nproc,device,gpus,needle", [
+    (4, "cuda", 2, "nproc=4 but only 2 CUDA GPUs are visible: use nproc<=2"),
+    (4, "auto", 2, "nproc=4 but only 2 CUDA GPUs are visible: use nproc<=2"),
+    (2, "cuda", 1, "nproc=2 but only 1 CUDA GPU is visible: use nproc<=1"),
+    (2, "cuda", 0, "no CUDA GPU is visible"),
+])
+def test_check_nproc_refuses_more_processes_than_gpus(nproc, device, gpus, needle):
+    with pytest.raises(VitregError, match=needle.replace("(", r"\(")):
+        launch.check_nproc(nproc, device, gpus)
+
+
+def test_check_nodes():
+    launch.check_nodes(1, 0, None)
+    launch.check_nodes(2, 1, "10.0.0.1:29500")
+    for args, needle in [((2, 0, None), "needs rdzv_endpoint=HOST:PORT"), ((2, 2, "h:1"), "node_rank=2 must be in 0..1"),
+                         ((2, 0, "nohost"), "is not HOST:PORT"), ((0, 0, None), "nnodes=0")]:
+        with pytest.raises(VitregError, match=needle):
+            launch.check_nodes(*args)
+
+
+def test_torchrun_command_single_and_multi_node(tmp_path):
+    argv = ["-m", "vitreg.cli", "bench", "--nproc", "2"]
+    one = launch.torchrun_command(argv, 2, log_dir=str(tmp_path))
+    assert one[:3] == [sys.executable, "-m", "torch.distributed.run"]
+    assert "--standalone" in one and "--nproc-per-node=2" in one and "--max-restarts=0" in one
+    # the workers' own options come after "--", out of reach of torchrun's option parser
+    assert one[one.index("vitreg.launch") + 1:] == ["--", *argv]
+    multi = launch.torchrun_command(argv, 8, nnodes=2, node_rank=1, rdzv_endpoint="node0:29500")
+    assert "--standalone" not in multi
+    assert {"--nnodes=2", "--node-rank=1", "--rdzv-endpoint=node0:29500"} <= set(multi)
+
+
+def test_options_to_args_round_trip_through_click():
+    from vitreg.cli import bench_options, bench_kwargs_to_options
+    import click
+
+    seen = {}
+
+    @click.command()
+    @bench_options
+    def cmd(**kwargs):
+        seen.update(bench_kwargs_to_options(kwargs))
+
+    options = {**TINY, "nproc": "2", "compile": "default", "allow_gpu_mismatch": True, "gpu": None}
+    result = CliRunner().invoke(cmd, launch.options_to_args(options))
+    assert result.exit_code == 0, result.output
+    assert seen["compile"] == "default" and seen["nproc"] == "2" and seen["allow_gpu_mismatch"] == "true"
+    assert seen["batch_size"] == "2" and seen["gpu"] == "auto"  # None: not passed, the default applies
+
+
+def test_reduce_figures_sums_rates_and_takes_the_slowest_step():
+    a = distributed.RankFigures((100.0, 110.0, 90.0), (10.0, 12.0, 11.0, 9.0), 2.0, 0.5, 100.0, 120.0)
+    b = distributed.RankFigures((95.0, 105.0, 100.0), (11.0, 10.0, 13.0, 9.5), 3.0, 0.4, 110.0, 115.0)
+    total = distributed.reduce_figures([a, b])
+    assert total.throughputs == (195.0, 215.0, 190.0)
+    assert total.iter_ms == (11.0, 12.0, 13.0, 9.5)
+    assert (total.first_call_s, total.warmup_s) == (3.0, 0.5)
+    assert (total.peak_mem_allocated_mb, total.peak_mem_reserved_mb) == (110.0, 120.0)
+    cpu = distributed.RankFigures((1.0,), (1.0,), 0.0, 0.0)
+    assert distributed.reduce_figures([cpu, cpu]).peak_mem_allocated_mb is None
+    with pytest.raises(ValueError, match="different numbers"):
+        distributed.reduce_figures([a, cpu])
+
+
+def test_task_result_from_reducer_is_global_and_mfu_per_gpu():
+    """The runner's figures under a reducer: throughput of the job, MFU against ONE GPU's peak."""
+    from vitreg.hardware import PROFILES, DetectedHardware, ResolvedHardware, mfu
+    from vitreg.models import ModelInfo
+    from vitreg.runner import _task_result
+    from vitreg.runtime import Runtime
+    from vitreg.spec import BenchSpec
+    from vitreg.timing import Window
+
+    class TwoIdenticalRanks:
+        world_size = 2
+
+        def align(self):
+            pass
+
+        def __call__(self, task, figures):
+            return distributed.reduce_figures([figures, figures])
+
+    spec = BenchSpec(model="test_vit", batch_size=8, steps=2, repeats=2, nproc=2)
+    info = ModelInfo("test_vit", "timm", 32, 16, 1000, 0.4, False)
+    profile = PROFILES["h100"]
+    hw = ResolvedHardware("h100", profile, DetectedHardware("cuda", "H100", 2, profile), False)
+    rt = Runtime("cpu", "bf16", "off")  # the CPU keeps _memory_mb out of CUDA; MFU only needs the profile
+    windows = [Window((10.0, 10.0), 20.0), Window((10.0, 10.0), 20.0)]  # 8 img / 10 ms = 800 img/s per rank
+    flops = 1e9
+    single = _task_result("train", windows, 1.0, 0.1, spec, info, rt, hw, flops, False)
+    double = _task_result("train", windows, 1.0, 0.1, spec, info, rt, hw, flops, False, TwoIdenticalRanks())
+    assert single.throughput.median == pytest.approx(800.0) and single.world_size == 1
+    assert double.throughput.median == pytest.approx(1600.0) and double.world_size == 2
+    assert double.metrics()["train_throughput_img_per_s_per_gpu"] == pytest.approx(800.0)
+    assert double.achieved_tflops == pytest.approx(2 * single.achieved_tflops)
+    assert double.mfu == pytest.approx(single.mfu) == pytest.approx(mfu(single.achieved_tflops, profile, "bf16"))
+
+
+@pytest.mark.parametrize("text,line", [
+    ("[vitreg] train: window 1/2\nerror: img_size=30 is not a multiple of 16\n", "img_size=30 is not a multiple of 16"),
+    ("Traceback (most recent call last):\n  File \"x.py\", line 1\n    raise RuntimeError('boom')\n"
+     "RuntimeError: boom\n", "RuntimeError: boom"),
+    ("torch.distributed.DistBackendError: NCCL error in: x\n[W] warning after\n",
+     "torch.distributed.DistBackendError: NCCL error in: x"),
+    ("[vitreg] all fine\nUserWarning: something\n", None),
+    ("", None),
+])
+def test_last_error_line(text, line):
+    assert launch.last_error_line(text) == line
+
+
+SUMMARY = """torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
+============================================================
+vitreg.launch FAILED
+------------------------------------------------------------
+Failures:
+[1]:
+  time      : 2026-11-29_19:54:36
+  host      : localhost
+  rank      : 0 (local_rank: 0)
+  exitcode  : -15 (pid: 17203)  (SIGTERM)
+------------------------------------------------------------
+Root Cause (first observed failure):
+[0]:
+  time      : 2026-11-29_19:54:35
+  host      : localhost
+  rank      : {rank} (local_rank: {rank})
+  exitcode  : {code} (pid: 17204) {sig}
+  error_file: <N/A>
+============================================================
+"""
+
+
+def fake_logs(tmp_path, stderr_by_rank: dict, exits: dict | None = None):
+    for rank, text in stderr_by_rank.items():
+        d = tmp_path / "job_abc" / "attempt_0" / str(rank)
+        d.mkdir(parents=True)
+        (d / "stderr.log").write_text(text)
+        (d / "stdout.log").write_text("")
+    (tmp_path / "exit").mkdir(exist_ok=True)
+    for rank, (code, t) in (exits or {}).items():
+        (tmp_path / "exit" / f"rank{rank}.json").write_text(
+            json.dumps({"rank": rank, "local_rank": rank, "exit_code": code, "time": t}))
+    return tmp_path
+
+
+def test_diagnose_uses_torchrun_root_cause_and_its_exit_status(tmp_path):
+    logs = fake_logs(tmp_path, {0: "", 1: "error: img_size=30 is not a multiple of 16\n"})
+    out = launch.diagnose(1, logs, nproc=2, torchrun_stderr=SUMMARY.format(rank=1, code=2, sig=""))
+    assert (out.rank, out.exit_code) == (1, 2)  # a VitregError's exit 2 survives torchrun's blanket 1
+    assert out.message == "rank 1: img_size=30 is not a multiple of 16"
+    assert set(out.rank_logs()) == {0, 1}
+
+
+def test_diagnose_signal_and_fallbacks(tmp_path):
+    logs = fake_logs(tmp_path, {0: "[vitreg] run ...\n", 1: "RuntimeError: Connection closed by peer\n"},
+                     exits={1: (1, 100.0)})
+    killed = launch.diagnose(1, logs, nproc=2, torchrun_stderr=SUMMARY.format(rank=0, code=-9, sig="(SIGKILL)"))
+    assert killed.message == "rank 0: killed by SIGKILL" and killed.exit_code == 1
+    # without torchrun's summary: the shim's exit records, then the stderr logs
+    assert launch.diagnose(1, logs, nproc=2).message == "rank 1: RuntimeError: Connection closed by peer"
+    bare = fake_logs(tmp_path / "bare", {0: "", 1: "ValueError: nope\n"})
+    assert launch.diagnose(1, bare, nproc=2).message == "rank 1: ValueError: nope"
+    assert "no rank reported an error" in launch.diagnose(1, fake_logs(tmp_path / "none", {0: ""}), nproc=1).message
+    assert launch.diagnose(0, bare, nproc=2).ok
+
+
+def test_worker_shim_records_exit_status(tmp_path, monkeypatch):
+    script = tmp_path / "w.py"
+    script.write_text("import sys\nprint('error: nope', file=sys.stderr)\nsys.exit(2)\n")
+    (tmp_path / "exit").mkdir()
+    monkeypatch.setenv(launch.ENV_LAUNCH_DIR, str(tmp_path))
+    monkeypatch.setenv("RANK", "3")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setattr(sys, "argv", list(sys.argv))
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    assert launch.worker_main(["--", str(script)]) == 2
+    rec = json.loads((tmp_path / "exit" / "rank3.json").read_text())
+    assert rec["exit_code"] == 2 and rec["local_rank"] == 1
+
+
+def test_scaling_efficiency_checks_the_baseline(sqlite_store):
+    from vitreg import bench as bench_mod
+    from vitreg.spec import BenchSpec
+
+    spec = BenchSpec(**{**TINY, "nproc": "2"})
+    base_id = fake_baseline_run(sqlite_store, throughput=100.0)
+    base = bench_mod.read_baseline(base_id, spec)
+    assert bench_mod.scaling_efficiency(base.metrics, {"train_throughput_img_per_s": 180.0}, 2) == {
+        "train_scaling_efficiency": pytest.approx(0.9)}
+    with pytest.raises(VitregError, match="another config"):
+        bench_mod.read_baseline(base_id, spec.replace(batch_size=4))
+    with pytest.raises(VitregError, match="cannot be read"):
+        bench_mod.read_baseline("0" * 32, spec)
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient()
+    multi = fake_baseline_run(sqlite_store, throughput=100.0)
+    client.log_metric(multi, "train_world_size", 2)
+    with pytest.raises(VitregError, match="must be a 1-process"):
+        bench_mod.read_baseline(multi, spec)
+
+
+def test_single_process_path_untouched_by_torchrun_env(monkeypatch):
+    """nproc=1 never launches; inside torchrun, bench never relaunches."""
+    from vitreg import bench as bench_mod
+
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    assert not bench_mod._launches_torchrun({"nproc": "1"})
+    assert not bench_mod._launches_torchrun({})
+    assert not bench_mod._launches_torchrun({"nproc": "two"})  # reported by the spec, inside its run
+    assert bench_mod._launches_torchrun({"nproc": "2"})
+    assert bench_mod._launches_torchrun({"nproc": "1"}, nnodes=2)  # one process on each of two hosts
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    assert not bench_mod._launches_torchrun({"nproc": "2"})
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert distributed.init_from_env("cpu") == distributed.World(0, 0, 1, "cpu", None, 1)  # no process group
+
+
+def test_launcher_run_only_on_node_0(sqlite_store, monkeypatch):
+    """Node 0 owns the job's run; another node's launcher opens none (unless `mlflow run` made one)."""
+    with launch.launcher_run(node_rank=1) as run:
+        assert run is None
+    with launch.launcher_run(run_name="x", node_rank=0) as run:
+        assert run is not None and run.run_id

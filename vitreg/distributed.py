@@ -1,0 +1,251 @@
+"""DDP plumbing for processes that torchrun started: the world, the process group, the wrap, and
+the reduction of what every rank measured into one set of figures.
+
+Nothing here launches processes (that is :mod:`vitreg.launch`) or logs (that is
+:mod:`vitreg.tracking`, on rank 0 only). Outside torchrun every function is a cheap no-op, so a
+single-process run never initialises a process group.
+
+How the figures combine (see :func:`reduce_figures`): every rank times its own windows with its
+own CUDA events; per window, the global throughput is the SUM of the ranks' rates (so the median
+reported is the median of global throughput), and per iteration the step time is the MAX over the
+ranks (the slowest rank sets the pace of a synchronous job). ``batch_size`` is per process (per
+GPU): a job of N ranks processes ``N * batch_size`` images per step.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+from vitreg.errors import VitregError
+
+# The variables torchrun sets in every worker (LOCAL_RANK is the one plain processes never have).
+TORCHRUN_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+@dataclass(frozen=True)
+class World:
+    """Where this process sits in the job. ``World()`` is a plain, single process."""
+
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+    device: str = "cpu"  # the torch device of this rank: "cuda:3" or "cpu"
+    backend: str | None = None  # "nccl" / "gloo" once a process group exists, else None
+    local_world_size: int = 1
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def nnodes(self) -> int:
+        return max(1, self.world_size // max(1, self.local_world_size))
+
+
+def inside_torchrun() -> bool:
+    """True in a worker that torchrun (or torch.distributed.run) started."""
+    return "LOCAL_RANK" in os.environ
+
+
+def _env_int(name: str, default: int) -> int:
+    try:
+        return int(os.environ.get(name, default))
+    except ValueError:
+        raise VitregError(f"{name}={os.environ[name]!r} is not an integer: unset it or launch with torchrun") from None
+
+
+def init_from_env(device_type: str, timeout_s: float | None = None) -> World:
+    """Join the process group torchrun describes in the environment; returns this rank's :class:`World`.
+
+    ``device_type`` is the resolved runtime device ("cuda" or "cpu"). On CUDA each rank binds to
+    GPU ``LOCAL_RANK`` (``torch.cuda.set_device``) and uses NCCL; on the CPU, gloo. Outside
+    torchrun, or in a torchrun job of one process, nothing is initialised and ``World()`` (with
+    the device set) comes back.
+    """
+    device = "cuda:0" if device_type == "cuda" else "cpu"
+    if not inside_torchrun():
+        return World(device=device)
+    rank, local_rank = _env_int("RANK", 0), _env_int("LOCAL_RANK", 0)
+    world_size, local_world = _env_int("WORLD_SIZE", 1), _env_int("LOCAL_WORLD_SIZE", 1)
+    import torch
+    import torch.distributed as dist
+
+    if device_type == "cuda":
+        visible = torch.cuda.device_count()
+        if local_rank >= visible:
+            raise VitregError(f"local rank {local_rank} has no GPU: only {visible} CUDA GPU(s) are visible on this "
+                              f"host; use nproc<={visible}")
+        # Before anything touches CUDA: every later allocation, NCCL communicator and
+        # torch.cuda.max_memory_allocated() then refers to this rank's own GPU.
+        torch.cuda.set_device(local_rank)
+        device = f"cuda:{local_rank}"
+    if world_size == 1:
+        return World(rank, local_rank, 1, device, None, local_world)
+    backend = "nccl" if device_type == "cuda" else "gloo"
+    if not dist.is_initialized():
+        kwargs = {}
+        if timeout_s:
+            import datetime
+
+            kwargs["timeout"] = datetime.timedelta(seconds=timeout_s)
+        if backend == "nccl":
+            # device_id binds the communicator to this GPU eagerly (no guessing in barrier()).
+            kwargs["device_id"] = torch.device("cuda", local_rank)
+        dist.init_process_group(backend=backend, **kwargs)  # env:// (MASTER_ADDR/PORT, RANK, WORLD_SIZE)
+    return World(rank, local_rank, world_size, device, dist.get_backend(), local_world)
+
+
+def is_main_process() -> bool:
+    """Rank 0 of the job, or a plain process (same rule as :func:`vitreg.tracking.is_main_process`)."""
+    return _env_int("RANK", 0) == 0
+
+
+def _initialized() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized()
+
+
+def barrier() -> None:
+    """Wait for every rank (a no-op without a process group)."""
+    if _initialized():
+        import torch.distributed as dist
+
+        dist.barrier()
+
+
+def destroy() -> None:
+    """Leave the process group (a no-op without one). Call once, at the end, on every rank."""
+    if _initialized():
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
+
+
+def ddp_wrap(model, world: World, *, bucket_cap_mb: float | None = None, gradient_as_bucket_view: bool = True,
+             static_graph: bool = False, find_unused_parameters: bool = False, **kwargs):
+    """``DistributedDataParallel(model)`` for this rank; the model itself when the world is one process.
+
+    ``gradient_as_bucket_view=True`` (default here, not in torch) makes gradients views into the
+    all-reduce buckets: no copy between them, and one gradient-sized buffer less of peak memory.
+    ``bucket_cap_mb`` (torch's default, 25, when None) sets how much gradient is reduced per call;
+    ``static_graph=True`` lets DDP skip per-step graph bookkeeping when the graph never changes.
+    Further keyword arguments go to DistributedDataParallel unchanged.
+    """
+    if not world.distributed:
+        return model
+    from torch.nn.parallel import DistributedDataParallel
+
+    if bucket_cap_mb is not None:
+        kwargs["bucket_cap_mb"] = bucket_cap_mb
+    if world.device.startswith("cuda"):
+        kwargs.setdefault("device_ids", [world.local_rank])
+        kwargs.setdefault("output_device", world.local_rank)
+    return DistributedDataParallel(model, gradient_as_bucket_view=gradient_as_bucket_view,
+                                   static_graph=static_graph, find_unused_parameters=find_unused_parameters,
+                                   **kwargs)
+
+
+# --------------------------------------------------------------------------------------------
+# results
+
+
+@dataclass(frozen=True)
+class RankFigures:
+    """One task's raw figures on one rank, before reduction (units as in :class:`vitreg.runner.TaskResult`)."""
+
+    throughputs: tuple  # img/s of this rank, one per timed window
+    iter_ms: tuple  # ms per iteration, every iteration of every window, in order
+    first_call_s: float
+    warmup_s: float
+    peak_mem_allocated_mb: float | None = None
+    peak_mem_reserved_mb: float | None = None
+
+
+def _max_or_none(values):
+    present = [v for v in values if v is not None]
+    return max(present) if present else None
+
+
+def reduce_figures(per_rank: list[RankFigures]) -> RankFigures:
+    """Combine every rank's figures (pure; the rule of the module docstring).
+
+    Throughput: per window, the sum of the ranks' rates. Iteration time: per iteration, the
+    slowest rank. First call, warm-up and peak memory: the largest over the ranks.
+    """
+    if not per_rank:
+        raise ValueError("reduce_figures() needs the figures of at least one rank")
+    n_windows = {len(f.throughputs) for f in per_rank}
+    n_iters = {len(f.iter_ms) for f in per_rank}
+    if len(n_windows) != 1 or len(n_iters) != 1:
+        raise ValueError(f"ranks timed different numbers of windows/iterations: {sorted(n_windows)} / {sorted(n_iters)}")
+    return RankFigures(
+        throughputs=tuple(sum(ws) for ws in zip(*(f.throughputs for f in per_rank))),
+        iter_ms=tuple(max(its) for its in zip(*(f.iter_ms for f in per_rank))),
+        first_call_s=max(f.first_call_s for f in per_rank),
+        warmup_s=max(f.warmup_s for f in per_rank),
+        peak_mem_allocated_mb=_max_or_none(f.peak_mem_allocated_mb for f in per_rank),
+        peak_mem_reserved_mb=_max_or_none(f.peak_mem_reserved_mb for f in per_rank),
+    )
+
+
+def all_reduce_results(figures: RankFigures, world: World) -> tuple[RankFigures, list[RankFigures]]:
+    """Gather every rank's figures (a collective: every rank must call it) and reduce them.
+
+    Returns ``(global_figures, per_rank_figures)``, the same on every rank. A few hundred floats
+    per task travel, once, after the timed windows: all_gather_object's pickling costs nothing here.
+    """
+    if not world.distributed or not _initialized():
+        return figures, [figures]
+    import torch.distributed as dist
+
+    gathered: list = [None] * world.world_size
+    dist.all_gather_object(gathered, figures)
+    return reduce_figures(gathered), gathered
+
+
+@dataclass
+class ResultReducer:
+    """What the runner needs from DDP, as one object (``run_benchmark(..., reducer=...)``):
+
+    - :meth:`align` before the timed windows of each task, so the ranks' windows overlap in time
+      and summing their rates means "this many images per second, together";
+    - calling it on a task's raw figures, which returns the global ones;
+    - ``per_rank`` keeps what each rank measured, per task, for the report (a straggler GPU shows).
+    """
+
+    world: World
+    per_rank: dict = field(default_factory=dict)
+
+    @property
+    def world_size(self) -> int:
+        return self.world.world_size
+
+    def align(self) -> None:
+        barrier()
+
+    def __call__(self, task: str, figures: RankFigures) -> RankFigures:
+        total, ranks = all_reduce_results(figures, self.world)
+        self.per_rank[task] = ranks
+        return total
+
+    def per_rank_report(self) -> dict:
+        """``{task: [{rank, throughput_img_per_s (median), step_ms_p50, peak_mem_allocated_mb}, ...]}``."""
+        from vitreg.timing import summarize
+
+        out = {}
+        for task, ranks in self.per_rank.items():
+            out[task] = [{
+                "rank": r,
+                "throughput_img_per_s_median": summarize(f.throughputs).median,
+                "throughput_img_per_s_windows": list(f.throughputs),
+                "iter_ms_p50": summarize(f.iter_ms).median,
+                "first_call_s": f.first_call_s,
+                "peak_mem_allocated_mb": f.peak_mem_allocated_mb,
+            } for r, f in enumerate(ranks)]
+        return out
