@@ -1,0 +1,15 @@
+"""MLproject entry point `train`: `mlflow run . -e train -P model=deit_tiny_patch16_224 -P steps=1000 [-P k=v ...]`.
+
+The same options as `vitreg train`; mlflow run passes each -P through the MLproject command line
+(undeclared ones as `--k v`) and MLFLOW_RUN_ID, which the tracking layer resumes.
+"""
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without install
+
+from vitreg.commands_train import train  # noqa: E402
+
+if __name__ == "__main__":
+    train.main(sys.argv[1:], prog_name="entry_points/train.py")

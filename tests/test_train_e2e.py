@@ -1,0 +1,277 @@
+"""`train` end to end against real sqlite stores: the click command in-process, the background logger,
+and a real `mlflow run -e train` process that is SIGKILLed after its first checkpoint and resumed."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import click
+import pytest
+import yaml
+from click.testing import CliRunner
+
+from conftest import REPO, subprocess_env
+from vitreg import tracking
+from vitreg.checkpoint import verify_checkpoint
+from vitreg.commands_train import train as train_command
+from vitreg.errors import VitregError
+from vitreg.spec import TrainSpec
+
+TINY = ["--model", "test_vit", "--img-size", "32", "--batch-size", "8", "--num-classes", "10", "--num-workers", "0",
+        "--lr", "2e-3", "--warmup-steps", "2", "--label-smoothing", "0"]
+
+# The MLproject `train` entry (also given to the lead for the real MLproject). The slow test writes it into a
+# copy of the repo when the real MLproject has no `train` entry yet.
+MLPROJECT_TRAIN = """\
+  train:
+    parameters:
+      model: {type: string, default: deit_tiny_patch16_224}
+      gpu: {type: string, default: auto}
+      img_size: {type: string, default: "0"}
+      batch_size: {type: string, default: "64"}
+      steps: {type: string, default: "0"}
+      epochs: {type: string, default: "1"}
+      lr: {type: string, default: "0.0005"}
+      weight_decay: {type: string, default: "0.05"}
+      warmup_steps: {type: string, default: "10"}
+      min_lr: {type: string, default: "1e-05"}
+      clip_grad: {type: string, default: "0.0"}
+      label_smoothing: {type: string, default: "0.1"}
+      amp: {type: string, default: auto}
+      compile: {type: string, default: "off"}
+      compile_backend: {type: string, default: inductor}
+      device: {type: string, default: auto}
+      allow_gpu_mismatch: {type: string, default: "false"}
+      data: {type: string, default: synthetic}
+      num_workers: {type: string, default: "4"}
+      num_classes: {type: string, default: "0"}
+      log_every: {type: string, default: "10"}
+      checkpoint_every: {type: string, default: "1000"}
+      resume: {type: string, default: ""}
+      distillation: {type: string, default: "none"}
+      teacher: {type: string, default: ""}
+      distill_alpha: {type: string, default: "0.5"}
+      distill_tau: {type: string, default: "1.0"}
+      register_as: {type: string, default: ""}
+      alias: {type: string, default: latest}
+      nproc: {type: string, default: "1"}
+      seed: {type: string, default: "0"}
+    command: >-
+      python entry_points/train.py --model {model} --gpu {gpu} --img-size {img_size}
+      --batch-size {batch_size} --steps {steps} --epochs {epochs} --lr {lr} --weight-decay {weight_decay}
+      --warmup-steps {warmup_steps} --min-lr {min_lr} --clip-grad {clip_grad}
+      --label-smoothing {label_smoothing} --amp {amp} --compile {compile} --compile-backend {compile_backend}
+      --device {device} --allow-gpu-mismatch {allow_gpu_mismatch} --data {data} --num-workers {num_workers}
+      --num-classes {num_classes} --log-every {log_every} --checkpoint-every {checkpoint_every}
+      --resume {resume} --distillation {distillation} --teacher {teacher} --distill-alpha {distill_alpha}
+      --distill-tau {distill_tau} --register-as {register_as} --alias {alias} --nproc {nproc} --seed {seed}
+"""
+
+
+def cli():
+    group = click.Group()  # the lead registers `train` on vitreg's group; a bare group runs it the same way
+    group.add_command(train_command)
+    return group
+
+
+def client(uri=None):
+    from mlflow.tracking import MlflowClient
+
+    return MlflowClient(uri) if uri else MlflowClient()
+
+
+def losses(c, run_id) -> dict[int, float]:
+    return {m.step: m.value for m in c.get_metric_history(run_id, "train_loss")}
+
+
+def test_mlproject_entry_matches_train_spec():
+    """Every TrainSpec field is a parameter with TrainSpec's default and reaches the command line."""
+    entry = yaml.safe_load(MLPROJECT_TRAIN)["train"]
+    defaults = TrainSpec().to_params()
+    assert set(entry["parameters"]) == set(defaults)
+    for name, param in entry["parameters"].items():
+        assert param["type"] == "string" and str(param["default"]) == defaults[name], name
+        assert f"--{name.replace('_', '-')} {{{name}}}" in entry["command"], name
+
+
+def test_cli_train_logs_run_checkpoints_and_registers(sqlite_store, tmp_path, monkeypatch):
+    from vitreg import registry
+
+    calls = []
+    monkeypatch.setattr(registry, "register_checkpoint",
+                        lambda tracker, directory, name, alias, tags: calls.append(
+                            (tracker.run_id, verify_checkpoint(directory), name, alias, tags)))
+    res = CliRunner().invoke(cli(), ["train", *TINY, "--steps", "6", "--log-every", "2", "--checkpoint-every", "3",
+                                     "--register-as", "tiny", "--alias", "champion", "--experiment", "train-e2e"])
+    assert res.exit_code == 0, res.output
+    c = client()
+    (run,) = c.search_runs([c.get_experiment_by_name("train-e2e").experiment_id])
+    rid = run.info.run_id
+    p, t, m = run.data.params, run.data.tags, run.data.metrics
+    assert run.info.status == "FINISHED" and f"logged run {rid}" in res.output
+    assert p["model"] == "test_vit" and p["steps"] == "6" and p["lr"] == "0.002" and p["gpu"] == "cpu"
+    assert t["vitreg_job"] == "train" and t["task"] == "train" and t["data"] == "synthetic" and t["amp"] == "off"
+    for key in ["train_throughput_img_per_s", "train_step_ms_p50", "train_final_loss", "train_data_wait_frac",
+                "train_gflops_per_img", "lr", "grad_norm", "train_img_per_s"]:
+        assert key in m, key
+    assert sorted(losses(c, rid)) == [2, 4, 6]
+    arts = {a.path for a in c.list_artifacts(rid, "checkpoints")}
+    assert arts == {"checkpoints/step-3", "checkpoints/step-6", "checkpoints/last"}
+    last = tracking.download_artifacts(f"runs:/{rid}/checkpoints/last", str(tmp_path / "dl"))
+    assert json.loads((last / "spec.json").read_text())["step"] == 6
+    results = json.loads(Path(c.download_artifacts(rid, "results.json")).read_text())
+    assert results["checkpoint"] == f"runs:/{rid}/checkpoints/last" and results["result"]["step"] == 6
+    # the registration hook got the final checkpoint, still on disk, with the run's figures
+    ((tracker_run, manifest, name, alias, tags),) = calls
+    assert (tracker_run, name, alias) == (rid, "tiny", "champion") and manifest["format"] == "vitreg-checkpoint-1"
+    assert tags["model"] == "test_vit" and tags["steps"] == 6 and tags["source_run_id"] == rid
+
+
+BAD = [
+    (["--data", "/nonexistent/imagenet"], "data=/nonexistent/imagenet does not exist"),
+    (["--resume", "/nonexistent/ckpt"], "resume=/nonexistent/ckpt does not exist"),
+    (["--distillation", "soft", "--teacher", "test_vit"], "use a deit_*_distilled_* model"),
+    (["--lr", "-1"], "lr=-1 must be >= 0"),
+]
+
+
+def test_cli_errors_are_one_line_and_fail_the_run(sqlite_store):
+    c = client()
+    for i, (args, needle) in enumerate(BAD):
+        res = CliRunner().invoke(cli(), ["train", *TINY, "--steps", "2", "--experiment", f"bad{i}", *args])
+        assert res.exit_code == 2 and "error: " in res.output and needle in res.output, res.output
+        assert "Traceback" not in res.output
+        (run,) = c.search_runs([c.get_experiment_by_name(f"bad{i}").experiment_id])
+        assert run.info.status == "FAILED" and needle in run.data.tags["vitreg_error"]
+
+
+def test_background_logger_with_a_run_bound_tracker(sqlite_store, monkeypatch):
+    """The threaded path: a Tracker bound to its run id (the tracking.py change proposed to the lead)
+    logs curves and checkpoints from the logger thread into the same run, and nowhere else."""
+    import mlflow
+
+    class RunBoundTracker(tracking.Tracker):
+        thread_safe = True
+
+        def log_metrics(self, metrics, step=None):
+            clean = {k: float(v) for k, v in metrics.items() if v is not None}
+            if clean:
+                mlflow.log_metrics(clean, step=step, run_id=self.run_id)
+
+        def log_artifacts(self, path, artifact_path=None):
+            mlflow.log_artifacts(str(path), artifact_path, run_id=self.run_id)
+
+    monkeypatch.setattr(tracking, "Tracker", RunBoundTracker)
+    from vitreg.train import train
+
+    result = train({"model": "test_vit", "img_size": "32", "num_classes": "10", "batch_size": "4", "steps": "4",
+                    "log_every": "1", "checkpoint_every": "2", "num_workers": "0"}, experiment="threaded",
+                   progress=lambda message: None)
+    c = client()
+    runs = c.search_runs([e.experiment_id for e in c.search_experiments()])
+    assert len(runs) == 1  # a fluent call from the thread without run_id would have opened a second run
+    rid = runs[0].info.run_id
+    assert sorted(losses(c, rid)) == [1, 2, 3, 4] and result.step == 4
+    assert {a.path for a in c.list_artifacts(rid, "checkpoints")} == {
+        "checkpoints/step-2", "checkpoints/step-4", "checkpoints/last"}
+
+
+def test_resume_source_errors(sqlite_store):
+    from vitreg.train import resolve_checkpoint_source
+
+    with pytest.raises(VitregError) as err:
+        resolve_checkpoint_source("runs:/0123456789abcdef/checkpoints/last")
+    assert "cannot be downloaded" in str(err.value) and "\n" not in str(err.value)
+
+
+# --------------------------------------------------------------------------- kill and resume
+
+
+def _project_with_train_entry(tmp_path: Path) -> Path:
+    """The repo itself when its MLproject has `train`; otherwise a copy with the entry added."""
+    if "\n  train:" in (REPO / "MLproject").read_text():
+        return REPO
+    copy = tmp_path / "project"
+    shutil.copytree(REPO, copy, ignore=shutil.ignore_patterns(".venv", ".git", "mlruns", "mlartifacts", "mlflow.db",
+                                                              "__pycache__", ".whl", ".gl", "tests", "*.egg-info",
+                                                              "out", "gpu-runs", "vitreg-data", "build", "dist"))
+    (copy / "MLproject").write_text((copy / "MLproject").read_text().rstrip("\n") + "\n" + MLPROJECT_TRAIN)
+    return copy
+
+
+def _wait_for_checkpoint(c, proc, experiment: str, deadline_s: float = 240):
+    """Poll until the run's checkpoints/last verifies; returns (run, last_dir)."""
+    deadline = time.monotonic() + deadline_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"train exited ({proc.returncode}) before its first checkpoint:\n"
+                                 + proc.stdout.read()[-3000:])
+        exp = c.get_experiment_by_name(experiment)
+        runs = c.search_runs([exp.experiment_id]) if exp else []
+        if runs:
+            last = Path(runs[0].info.artifact_uri.replace("file://", "")) / "checkpoints" / "last"
+            if (last / "manifest.json").exists():
+                try:
+                    verify_checkpoint(last)
+                    return runs[0], last
+                except VitregError:
+                    pass  # being written right now
+        time.sleep(0.01)
+    raise AssertionError("no checkpoint within the deadline")
+
+
+@pytest.mark.slow
+def test_sigkilled_training_resumes_from_its_last_checkpoint(tmp_path):
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    c = client(uri)
+    project = _project_with_train_entry(tmp_path)
+    params = {"model": "test_vit", "img_size": "32", "batch_size": "16", "num_classes": "10", "steps": "400",
+              "lr": "2e-3", "warmup_steps": "3", "label_smoothing": "0", "log_every": "1", "checkpoint_every": "15",
+              "num_workers": "0"}
+    # 1. `mlflow run -e train` in its own process group, killed (the whole group, SIGKILL: no cleanup runs)
+    #    as soon as its first checkpoint has landed in the artifact store
+    proc = subprocess.Popen([sys.executable, "-m", "mlflow", "run", str(project), "-e", "train", "--env-manager",
+                             "local", "--experiment-name", "kill", *[a for k, v in params.items()
+                                                                      for a in ("-P", f"{k}={v}")]],
+                            env=subprocess_env(uri), cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    try:
+        killed, last = _wait_for_checkpoint(c, proc, "kill")
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+    saved = json.loads((last / "spec.json").read_text())["step"]
+    assert saved % 15 == 0 and saved < 400
+    before = losses(c, killed.info.run_id)
+    assert before[1] > 1.8 and saved in before  # the loss at the checkpoint was logged before it was saved
+
+    # 2. a new run resumes from runs:/<killed>/checkpoints/last and trains 6 more steps
+    resume = f"runs:/{killed.info.run_id}/checkpoints/last"
+    args = [a for k, v in {**params, "steps": str(saved + 6), "resume": resume}.items()
+            for a in (f"--{k.replace('_', '-')}", v)]
+    done = subprocess.run([sys.executable, str(REPO / "entry_points" / "train.py"), *args, "--experiment", "resumed"],
+                          env=subprocess_env(uri), cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "resumed from" in done.stderr and f"at step {saved}" in done.stderr
+    (run,) = c.search_runs([c.get_experiment_by_name("resumed").experiment_id])
+    after = losses(c, run.info.run_id)
+    assert sorted(after) == list(range(saved + 1, saved + 7))  # continues at the saved step
+    first = after[saved + 1]
+    # the loss continues from where it was, not from the initial loss
+    assert abs(first - before[saved]) < 0.5 * (before[1] - before[saved]), (before[1], before[saved], first)
+    if saved + 1 in before:  # the killed run got one step further: resuming reproduces it exactly
+        assert first == pytest.approx(before[saved + 1], rel=1e-4)
+    assert run.data.tags["resumed_from"] == resume and run.info.status == "FINISHED"
+    lr_before = {m.step: m.value for m in c.get_metric_history(killed.info.run_id, "lr")}
+    lr_after = {m.step: m.value for m in c.get_metric_history(run.info.run_id, "lr")}
+    if saved + 1 in lr_before:
+        assert lr_after[saved + 1] == pytest.approx(lr_before[saved + 1])  # the same LR schedule
+    final = Path(c.download_artifacts(run.info.run_id, "checkpoints/last", str(tmp_path / "final")))
+    assert json.loads((final / "spec.json").read_text())["step"] == saved + 6

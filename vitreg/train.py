@@ -1,0 +1,412 @@
+"""The ``train`` job: options -> TrainSpec -> hardware -> runtime -> engine -> tracking.
+
+The same shape as :mod:`vitreg.bench`. The engine reports through callbacks; this module turns
+them into MLflow calls that never run inside a step:
+
+- curves (``train_loss``, ``lr``, ``train_img_per_s``, ``grad_norm``, ``data_wait_frac``, ``epoch``,
+  ``val_top1``) as one ``log_metrics`` batch per ``log_every`` steps;
+- checkpoints as run artifacts ``checkpoints/step-<N>/`` and then ``checkpoints/last/`` (so ``last`` is
+  always the newest, and a process killed while ``last`` is copied still leaves an intact
+  ``step-<N>``);
+- the summary metrics, ``results.json``, environment and pip freeze at the end.
+
+Those calls go through one background thread (in order) when the tracker is bound to its run id
+(``Tracker.thread_safe``; MLflow's active run is thread-local, so a fluent call from another thread
+would open a new run); otherwise they run inline at the log boundary, still outside any timed step.
+
+Registration (``register_as``) is delegated to ``vitreg.registry.register_checkpoint`` at
+:func:`register_if_requested`.
+"""
+
+from __future__ import annotations
+
+import math
+import queue
+import shlex
+import shutil
+import sys
+import tempfile
+import threading
+from dataclasses import asdict
+from pathlib import Path
+
+from vitreg import tracking
+from vitreg.bench import resolved_tags
+from vitreg.env import capture_environment, pip_freeze
+from vitreg.errors import VitregError
+from vitreg.hardware import detect_hardware, mfu, resolve_hardware
+from vitreg.models import check_model_name, create_model
+from vitreg.runtime import resolve_runtime
+from vitreg.spec import TrainSpec
+
+CHECKPOINT_ARTIFACTS = "checkpoints"
+
+
+def _progress(message: str) -> None:
+    print(f"[vitreg] {message}", file=sys.stderr, flush=True)
+
+
+# --------------------------------------------------------------------------- background logging
+
+
+class RunLogger:
+    """MLflow calls for one run, in submission order, off the training thread when that is safe.
+
+    With a thread-safe tracker (bound to its run id) a single daemon thread runs the calls; the
+    training loop only enqueues. Otherwise :meth:`submit` runs the call at once. An error in the
+    thread is raised at the next :meth:`submit` or at :meth:`close`.
+    """
+
+    def __init__(self, tracker):
+        self.tracker = tracker
+        self.threaded = bool(getattr(tracker, "thread_safe", False))
+        self._queue: queue.Queue = queue.Queue()
+        self._error: BaseException | None = None
+        self._thread = None
+        if self.threaded:
+            self._thread = threading.Thread(target=self._work, name="vitreg-mlflow-logger", daemon=True)
+            self._thread.start()
+
+    def _work(self) -> None:
+        while True:
+            item = self._queue.get()
+            try:
+                if item is None:
+                    return
+                if self._error is None:
+                    fn, args = item
+                    fn(*args)
+            except BaseException as exc:  # keep the first; the training thread raises it
+                self._error = exc
+            finally:
+                self._queue.task_done()
+
+    def _raise(self) -> None:
+        if self._error is not None:
+            error, self._error = self._error, None
+            if isinstance(error, VitregError):
+                raise error
+            raise VitregError(f"logging to MLflow at {tracking.tracking_uri()} failed: {type(error).__name__}: "
+                              f"{str(error).splitlines()[0] if str(error) else ''}") from error
+
+    def submit(self, fn, *args) -> None:
+        if not self.threaded:
+            fn(*args)
+            return
+        self._raise()
+        self._queue.put((fn, args))
+
+    def metrics(self, metrics: dict, step: int | None = None) -> None:
+        self.submit(self.tracker.log_metrics, dict(metrics), step)
+
+    def flush(self) -> None:
+        if self.threaded:
+            self._queue.join()
+            self._raise()
+
+    def close(self, timeout: float | None = None) -> None:
+        """Drain and stop the thread (``timeout`` seconds at most, on the error path)."""
+        if self._thread is None:
+            return
+        self._queue.put(None)
+        self._thread.join(timeout)
+        self._thread = None
+        self._raise()
+
+
+class CheckpointUploader:
+    """Logs each checkpoint as ``checkpoints/step-<N>`` then ``checkpoints/last``, then deletes the local
+    copies of older checkpoints (the newest stays, for registration)."""
+
+    def __init__(self, logger: RunLogger):
+        self.logger = logger
+        self._uploaded: list[Path] = []
+
+    def __call__(self, step: int, path: Path) -> None:
+        self.logger.submit(self._upload, step, Path(path))
+
+    def _upload(self, step: int, path: Path) -> None:
+        tracker = self.logger.tracker
+        tracker.log_artifacts(path, f"{CHECKPOINT_ARTIFACTS}/step-{step}")
+        tracker.log_artifacts(path, f"{CHECKPOINT_ARTIFACTS}/last")
+        for old in self._uploaded:
+            if old != path:
+                shutil.rmtree(old, ignore_errors=True)
+        self._uploaded = [path]
+
+
+# --------------------------------------------------------------------------- progress
+
+
+class Progress:
+    """A tqdm bar on a terminal (step, loss, img/s); plain lines at each log when stderr is not a terminal."""
+
+    def __init__(self, total: int, initial: int = 0, progress=_progress):
+        self.total = total
+        self.progress = progress
+        self.tty = sys.stderr.isatty()
+        self.bar = None
+        if self.tty:
+            try:
+                from tqdm import tqdm
+            except ImportError:
+                tqdm = None
+            if tqdm is not None:
+                self.bar = tqdm(total=total, initial=initial, unit="step", file=sys.stderr, dynamic_ncols=True,
+                                desc="train")
+
+    def step(self, step: int) -> None:
+        if self.bar is not None:
+            self.bar.update(1)
+
+    def log(self, step: int, metrics: dict) -> None:
+        loss, ips = metrics.get("train_loss"), metrics.get("train_img_per_s")
+        if self.bar is not None:
+            self.bar.set_postfix(loss=f"{loss:.4f}", img_s=f"{ips:,.0f}" if ips else "-", refresh=False)
+            return
+        line = f"[vitreg] step {step}/{self.total}  loss {loss:.4f}  " + (f"{ips:,.1f} img/s" if ips else "")
+        if self.tty:
+            print(f"\r{line}", end="", file=sys.stderr, flush=True)
+        else:
+            print(line, file=sys.stderr, flush=True)
+
+    def message(self, text: str) -> None:
+        if self.bar is not None:
+            self.bar.write(f"[vitreg] {text}", file=sys.stderr)
+        else:
+            if self.tty:
+                print(file=sys.stderr)
+            self.progress(text)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        elif self.tty:
+            print(file=sys.stderr)
+
+
+# --------------------------------------------------------------------------- sources
+
+
+def resolve_checkpoint_source(source: str, what: str = "resume", dst=None) -> Path:
+    """A local checkpoint directory for ``runs:/<run_id>/checkpoints/last`` (downloaded) or a local path."""
+    if "://" in source or source.startswith(("runs:/", "models:/")):
+        try:
+            if dst is not None:
+                Path(dst).mkdir(parents=True, exist_ok=True)
+            return tracking.download_artifacts(source, str(dst) if dst is not None else None)
+        except VitregError:
+            raise
+        except Exception as exc:
+            first = str(exc).splitlines()[0] if str(exc) else ""
+            raise VitregError(f"{what}={source} cannot be downloaded from {tracking.tracking_uri()} "
+                              f"({type(exc).__name__}: {first}): check the run id and that the run has "
+                              f"{CHECKPOINT_ARTIFACTS}/last (MLFLOW_TRACKING_URI must be the run's store)") from None
+    path = Path(source).expanduser()
+    if not path.exists():
+        raise VitregError(f"{what}={source} does not exist: pass runs:/<run_id>/checkpoints/last or a checkpoint "
+                          f"directory")
+    return path
+
+
+def teacher_loader(uri: str):
+    """models:/ URIs through the registry's loader; runs:/ checkpoints through download + load_model."""
+    from vitreg import checkpoint
+
+    if uri.startswith("models:/"):
+        try:
+            from vitreg.registry import load_model
+        except ImportError:
+            raise VitregError(f"teacher={uri} needs vitreg.registry.load_model, which this install lacks: pass the "
+                              f"teacher's checkpoint as runs:/<run_id>/checkpoints/last or a directory") from None
+        model, _, _ = load_model(uri)  # (model, ModelInfo, spec): the teacher is the model
+        return model
+    model, _, _ = checkpoint.load_model(resolve_checkpoint_source(uri, "teacher"))
+    return model
+
+
+# --------------------------------------------------------------------------- registration hook
+
+
+def register_if_requested(tracker, spec: TrainSpec, checkpoint_dir, tags: dict, progress=_progress):
+    """REGISTRATION HOOK: when ``register_as`` is set, hand the final checkpoint to the registry.
+
+    ``vitreg.registry.register_checkpoint(tracker, checkpoint_dir, name, alias, tags)`` creates the
+    model version from the checkpoint (already logged under ``checkpoints/last``) and sets the alias.
+    """
+    if not spec.register_as:
+        return None
+    if checkpoint_dir is None:
+        raise VitregError(f"register_as={spec.register_as} but this run wrote no checkpoint")
+    try:
+        from vitreg.registry import register_checkpoint
+    except ImportError:
+        progress(f"register_as={spec.register_as} skipped: this install has no vitreg.registry.register_checkpoint; "
+                 f"register {tracker.artifact_uri(CHECKPOINT_ARTIFACTS + '/last')} later")
+        tracker.set_tags({"registered": "false"})
+        return None
+    return register_checkpoint(tracker, Path(checkpoint_dir), spec.register_as, spec.alias, tags)
+
+
+# --------------------------------------------------------------------------- the job
+
+
+def train_tags(spec: TrainSpec, hw, runtime, info, data_kind: str) -> dict:
+    """bench's resolved tags (names people group by) plus the training ones."""
+    return {
+        **resolved_tags(spec, hw, runtime, info.img_size),
+        "vitreg_job": "train",
+        "num_classes": info.num_classes,
+        "data": data_kind,
+        "distillation": spec.distillation,
+        "teacher": spec.teacher or None,
+        "resumed_from": spec.resume or None,
+    }
+
+
+def _flops_metrics(model, info, runtime) -> dict:
+    """FLOPs of one training image (student only), counted without touching the training RNG stream."""
+    import torch
+
+    from vitreg.models import train_flops_per_image
+    from vitreg.runner import loss_of
+
+    criterion = torch.nn.CrossEntropyLoss()
+    devices = [runtime.device_index] if runtime.device == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        flops = train_flops_per_image(model, info.img_size, runtime.torch_device,
+                                      lambda out, y: loss_of(out, y, criterion))
+    return {"train_gflops_per_img": flops / 1e9, "params_m": info.params_m}
+
+
+def train(options: dict, experiment: str | None = None, run_name: str | None = None, progress=_progress,
+          command: str | None = None, *, wrap=None, world_size: int = 1, rank: int = 0, device_index: int = 0,
+          sampler_factory=None):
+    """Train one model and log it as one MLflow run; returns the engine's TrainResult.
+
+    ``wrap``/``world_size``/``rank``/``device_index``/``sampler_factory`` are for the DDP launcher
+    (one call per rank; only rank 0 talks to MLflow, through the tracking layer).
+    """
+    command = command or " ".join(shlex.quote(a) for a in sys.argv)
+    workdir = Path(tempfile.mkdtemp(prefix="vitreg-train-"))  # downloaded resume source + local checkpoints
+    try:
+        with tracking.tracked_run(run_name=run_name, experiment=experiment) as run:
+            result = _train_in_run(run, options, workdir, progress, command, run_name, wrap=wrap,
+                                   world_size=world_size, rank=rank, device_index=device_index,
+                                   sampler_factory=sampler_factory)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    if tracking.is_main_process():  # rank 0 speaks for a DDP job
+        _print_summary(result, run)
+    return result
+
+
+def _train_in_run(run, options, workdir: Path, progress, command, run_name, *, wrap, world_size, rank, device_index,
+                  sampler_factory):
+    from vitreg import checkpoint, engine
+    from vitreg.data import build_data, resolve_num_classes
+
+    spec = TrainSpec.from_options(options)
+    check_model_name(spec.model)
+    if spec.nproc > 1 and world_size == 1:
+        raise VitregError(f"nproc={spec.nproc}: multi-GPU training runs under the DDP launcher (torchrun), "
+                          f"which this install does not provide for train yet: use nproc=1")
+    detected = detect_hardware(spec.device)
+    hw = resolve_hardware(spec.gpu, detected, spec.allow_gpu_mismatch)
+    runtime = resolve_runtime(spec.amp, spec.compile, spec.compile_backend, detected, device_index)
+    num_classes = resolve_num_classes(spec)  # checks data=PATH before any model or device work
+    model, info = create_model(spec.model, spec.img_size, num_classes)
+    engine.check_distillable(spec, info)
+    resume_dir = None
+    if spec.resume:
+        resume_dir = resolve_checkpoint_source(spec.resume, dst=workdir / "resume")
+        spec = engine.resume_spec(spec, resume_dir, info, progress)  # another model fails here, early
+
+    data = build_data(spec, info, runtime.torch_device, model=model, rank=rank, world_size=world_size,
+                      sampler_factory=sampler_factory)
+    env = capture_environment()
+    run.set_name(run_name or run_name_for(spec, hw, runtime))
+    tags = train_tags(spec, hw, runtime, info, data.kind)
+    run.set_tags({**env.to_tags(), **tags})
+    params = {**spec.to_params(), "gpu": hw.label, "amp": runtime.amp, "device": runtime.device,
+              "img_size": info.img_size, "num_classes": info.num_classes}
+    skipped = run.log_params(params)
+    if skipped:
+        progress("kept the params mlflow run logged as typed (" +
+                 ", ".join(f"{k}={v}" for k, v in skipped.items()) + "); the resolved values are tags")
+    progress(f"run {run.run_id} at {tracking.tracking_uri()}; {spec.model} ({info.params_m:.1f} M params, "
+             f"{info.img_size}px, {info.num_classes} classes) on {runtime.device} ({detected.name}), "
+             f"amp={runtime.amp}, compile={spec.compile}, data={data.kind}")
+    run.log_text(env.to_json(), "environment.json")
+    run.log_text(pip_freeze(), "pip_freeze.txt")
+
+    model = model.to(runtime.torch_device)
+    summary = _flops_metrics(model, info, runtime)
+    logger = RunLogger(run)
+    start = checkpoint.read_spec(resume_dir)["step"] if resume_dir else 0
+    bar = Progress(engine.total_steps_of(spec, data.steps_per_epoch), initial=start, progress=progress)
+    ok = False
+    try:
+        def on_log(step, metrics):
+            bar.log(step, metrics)
+            logger.metrics(metrics, step)
+
+        def on_epoch_end(epoch, metrics):
+            if "val_top1" in metrics:
+                bar.message(f"epoch {epoch}: val top-1 {metrics['val_top1']:.2f}%")
+            logger.metrics({k: v for k, v in metrics.items() if k != "epoch"}, epoch * data.steps_per_epoch)
+
+        result = engine.train(
+            spec, runtime, model, info, data=data, teacher_loader=teacher_loader,
+            checkpoint_dir=workdir / CHECKPOINT_ARTIFACTS, resume_from=resume_dir,
+            checkpoint_extra={"run_id": run.run_id}, on_step=bar.step, on_log=on_log,
+            on_checkpoint=CheckpointUploader(logger), on_epoch_end=on_epoch_end, wrap=wrap, world_size=world_size,
+            rank=rank, sampler_factory=sampler_factory, is_main=tracking.is_main_process(), progress=bar.message)
+        bar.close()
+        metrics = {**summary, **result.metrics()}
+        if result.throughput_img_per_s:
+            achieved = summary["train_gflops_per_img"] * result.throughput_img_per_s / 1e3
+            metrics["train_achieved_tflops"] = achieved
+            metrics["train_mfu"] = mfu(achieved / world_size, hw.profile, runtime.amp, _tf32_on())
+        logger.metrics(metrics)
+        logger.flush()  # every checkpoint is logged before results.json says where the last one is
+        results = {
+            "spec": spec.to_params(), "gpu": hw.label, "amp": runtime.amp, "device": runtime.device,
+            "model": asdict(info), "data": data.kind, "result": result.to_dict(),
+            "metrics": {k: v for k, v in metrics.items() if v is not None},
+            "checkpoint": run.artifact_uri(f"{CHECKPOINT_ARTIFACTS}/last") if result.last_checkpoint else None,
+            "command": command,
+        }
+        run.log_dict(results, "results.json")
+        reg_tags = {"model": spec.model, "gpu": hw.label, "img_size": info.img_size,
+                    "num_classes": info.num_classes, "steps": result.step, "source_run_id": run.run_id,
+                    "train_final_loss": result.final_loss, "val_top1": result.val_top1}
+        register_if_requested(run, spec, result.last_checkpoint, reg_tags, progress)
+        ok = True
+    finally:
+        bar.close()
+        logger.close(timeout=None if ok else 60)  # on the error path, do not hang on a dead server
+    return result
+
+
+def run_name_for(spec: TrainSpec, hw, runtime) -> str:
+    return f"train-{spec.model}-{hw.label}-{runtime.amp}-bs{spec.batch_size}"
+
+
+def _tf32_on() -> bool:
+    import torch
+
+    return torch.get_float32_matmul_precision() != "highest"
+
+
+def _print_summary(result, run) -> None:
+    def fmt(value, spec=",.1f"):
+        return "-" if value is None or (isinstance(value, float) and math.isnan(value)) else format(value, spec)
+
+    print(f"trained {result.steps_run} steps (to step {result.step}/{result.total_steps}); final loss "
+          f"{fmt(result.final_loss, '.4f')}; {fmt(result.throughput_img_per_s)} img/s, step p50 "
+          f"{fmt(result.step_ms_p50, '.2f')} ms, data wait {fmt(result.data_wait_frac, '.1%')}"
+          + (f"; val top-1 {result.val_top1:.2f}%" if result.val_top1 is not None else ""))
+    if result.last_checkpoint:
+        print(f"checkpoint: {run.artifact_uri(CHECKPOINT_ARTIFACTS + '/last')}")
+    print(f"logged run {run.run_id} to {tracking.tracking_uri()} (open it with `mlflow ui`)")
