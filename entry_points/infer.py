@@ -1,0 +1,14 @@
+"""MLproject entry point `infer`: `mlflow run . -e infer -P model_uri=models:/NAME@ALIAS [-P k=v ...]`.
+
+The same options as `vitreg infer`; mlflow run passes MLFLOW_RUN_ID, which the tracking layer resumes.
+"""
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without install
+
+from vitreg.commands_registry import infer  # noqa: E402
+
+if __name__ == "__main__":
+    infer.main(sys.argv[1:], prog_name="entry_points/infer.py")

@@ -1,0 +1,369 @@
+"""Model registry: register a checkpoint, pull it back (alias, version, run), export it, benchmark it.
+
+One sqlite store per module holds a registered model ``tv`` with two versions of a tiny ``test_vit``
+(32px, 10 classes): v1 under alias ``champion``, v2 the newest (``@latest``). Both checkpoints are
+also logged as run artifacts (``checkpoints/step-<N>``, ``checkpoints/last``) like training does.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from conftest import REPO, subprocess_env
+from vitreg import registry, tracking
+from vitreg.checkpoint import save_checkpoint
+from vitreg.errors import VitregError
+from vitreg.models import create_model
+
+IMG, CLASSES = 32, 10
+
+# The MLproject `infer` entry (also given to the lead for the real MLproject). The test writes it into
+# a copy of the repo when the real MLproject has no `infer` entry yet.
+MLPROJECT_INFER = """\
+  infer:
+    parameters:
+      model_uri: {type: string}
+      gpu: {type: string, default: auto}
+      task: {type: string, default: infer}
+      batch_size: {type: string, default: "64"}
+      amp: {type: string, default: auto}
+      compile: {type: string, default: "off"}
+      compile_backend: {type: string, default: inductor}
+      warmup: {type: string, default: "10"}
+      steps: {type: string, default: "30"}
+      repeats: {type: string, default: "5"}
+      device: {type: string, default: auto}
+      allow_gpu_mismatch: {type: string, default: "false"}
+      seed: {type: string, default: "0"}
+    command: >-
+      python entry_points/infer.py --model-uri {model_uri} --gpu {gpu} --task {task}
+      --batch-size {batch_size} --amp {amp} --compile {compile} --compile-backend {compile_backend}
+      --warmup {warmup} --steps {steps} --repeats {repeats} --device {device}
+      --allow-gpu-mismatch {allow_gpu_mismatch} --seed {seed}
+"""
+
+TINY_BENCH = {"batch_size": "2", "warmup": "2", "steps": "3", "repeats": "2", "gpu": "auto"}
+
+
+def one_line(exc) -> str:
+    text = str(exc.value if hasattr(exc, "value") else exc)
+    assert "\n" not in text and text
+    return text
+
+
+def make_checkpoint(directory: Path, step: int, arch: str = "test_vit", seed: int = 0):
+    torch.manual_seed(seed)
+    model, info = create_model(arch, IMG, CLASSES)
+    path = save_checkpoint(directory, model, step=step, spec={"model": arch, "steps": str(step)}, model_info=info)
+    return path, {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def weights_equal(model, state: dict) -> bool:
+    got = model.state_dict()
+    return set(got) == set(state) and all(torch.equal(got[k].cpu(), state[k]) for k in state)
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    """A sqlite store with registered model ``tv``: v1 (@champion, step 5) and v2 (@latest, step 10)."""
+    root = tmp_path_factory.mktemp("registry")
+    uri = f"sqlite:///{root / 'mlflow.db'}"
+    with pytest.MonkeyPatch.context() as mp:
+        for key in [k for k in os.environ if k.startswith("MLFLOW_")]:
+            mp.delenv(key)
+        mp.setenv("MLFLOW_TRACKING_URI", uri)
+        mp.setenv("MLFLOW_DISABLE_TELEMETRY", "true")
+        mp.chdir(root)  # the default experiment's artifacts land in ./mlruns here
+        import mlflow
+
+        mlflow.set_tracking_uri(uri)
+        ck1, w1 = make_checkpoint(root / "ckpt" / "checkpoints" / "step-5", step=5, seed=1)
+        ck2, w2 = make_checkpoint(root / "ckpt" / "checkpoints" / "step-10", step=10, seed=2)
+        with tracking.tracked_run(run_name="train-tiny", experiment="train", system_metrics=False) as run:
+            run.set_tags({"gpu": "cpu"})
+            run.log_metrics({"train_throughput_img_per_s": 123.5})
+            run.log_artifacts(ck1, "checkpoints/step-5")
+            run.log_artifacts(ck2, "checkpoints/step-10")
+            run.log_artifacts(ck2, "checkpoints/last")
+            mv1 = registry.register_checkpoint(run, ck1, "tv", alias="champion", tags={"dataset": "synthetic"})
+            # from the run artifact, as training may; alias="latest" (the default) is MLflow's built-in
+            mv2 = registry.register_checkpoint(run, f"runs:/{run.run_id}/checkpoints/step-10", "tv")
+        yield SimpleNamespace(uri=uri, root=root, run_id=run.run_id, mv1=mv1, mv2=mv2, w1=w1, w2=w2,
+                              ck1=ck1, ck2=ck2)
+        while mlflow.active_run():
+            mlflow.end_run()
+
+
+@pytest.fixture(autouse=True)
+def _use_store(request, monkeypatch):
+    if "store" in request.fixturenames:
+        st = request.getfixturevalue("store")
+        import mlflow
+
+        monkeypatch.setenv("MLFLOW_TRACKING_URI", st.uri)
+        monkeypatch.chdir(st.root)
+        mlflow.set_tracking_uri(st.uri)
+
+
+def client():
+    from mlflow.tracking import MlflowClient
+
+    return MlflowClient()
+
+
+# --------------------------------------------------------------------------- register
+
+
+def test_register_sets_alias_tags_and_self_contained_artifacts(store):
+    c = client()
+    rm = c.get_registered_model("tv")
+    assert {k: str(v) for k, v in rm.aliases.items()} == {"champion": "1"}
+    assert rm.tags["model"] == "test_vit"
+    tags = c.get_model_version("tv", "1").tags
+    assert tags["model"] == "test_vit" and tags["gpu"] == "cpu" and tags["source_run_id"] == store.run_id
+    assert float(tags["train_throughput_img_per_s"]) == 123.5
+    assert tags["vitreg_checkpoint"] == "vitreg-checkpoint-1" and tags["step"] == "5"
+    assert tags["img_size"] == "32" and tags["num_classes"] == "10" and tags["dataset"] == "synthetic"
+    assert tags["checkpoint_source"] == f"runs:/{store.run_id}/checkpoints/step-5"
+    manifest = json.loads((store.ck1 / "manifest.json").read_text())
+    assert tags["weights_sha256"] == manifest["files"]["model.safetensors"]["sha256"]
+    v2 = c.get_model_version("tv", "2")
+    assert v2.tags["step"] == "10" and v2.aliases == []
+    assert v2.tags["checkpoint_source"] == f"runs:/{store.run_id}/checkpoints/step-10"
+    run = c.get_run(store.run_id)
+    assert run.data.tags["registered_model_name"] == "tv" and run.data.tags["registered_model_version"] == "2"
+    # the version alone holds the pt2 flavor and the checkpoint (minus the training-only state)
+    base = Path(c.get_model_version_download_uri("tv", "1").replace("file://", ""))
+    assert (base / "data" / "model.pt2").is_file() and (base / "MLmodel").is_file()
+    assert sorted(p.name for p in (base / "extra_files").iterdir()) == ["manifest.json", "model.safetensors",
+                                                                       "spec.json"]
+    assert "path: extra_files/model.safetensors" in (base / "MLmodel").read_text()
+
+
+def test_register_refuses_a_name_owned_by_another_architecture(store, tmp_path):
+    other, _ = make_checkpoint(tmp_path / "other", step=1, arch="test_vit2")
+    with tracking.tracked_run(run_name="other", system_metrics=False) as run:
+        with pytest.raises(VitregError) as exc:
+            registry.register_checkpoint(run, other, "tv", alias="champion")
+    msg = one_line(exc)
+    assert "'tv' already holds versions of test_vit, not test_vit2" in msg and "choose another register_as" in msg
+    assert {str(mv.version) for mv in client().search_model_versions("name = 'tv'")} == {"1", "2"}  # nothing logged
+
+
+@pytest.mark.parametrize("name,alias,needle", [
+    ("tv", "v3", "alias=champion"),
+    ("tv", "has space", "alias=champion"),
+    ("tv", "a/b", "alias=champion"),
+    ("a/b", "champion", "register_as=deit-tiny"),
+    ("it's", "champion", "register_as=deit-tiny"),
+])
+def test_register_refuses_unusable_names_and_aliases(store, name, alias, needle):
+    with tracking.tracked_run(run_name="alias", system_metrics=False) as run:
+        with pytest.raises(VitregError) as exc:
+            registry.register_checkpoint(run, store.ck1, name, alias=alias)
+    assert needle in one_line(exc)
+
+
+def test_register_refuses_a_tampered_checkpoint(store, tmp_path):
+    bad = tmp_path / "bad"
+    shutil.copytree(store.ck1, bad)
+    (bad / "spec.json").write_text((bad / "spec.json").read_text().replace('"num_classes": 10', '"num_classes": 11'))
+    with tracking.tracked_run(run_name="tampered", system_metrics=False) as run:
+        with pytest.raises(VitregError) as exc:
+            registry.register_checkpoint(run, bad, "tv")
+    assert "spec.json" in one_line(exc)
+
+
+# --------------------------------------------------------------------------- pull
+
+
+@pytest.mark.parametrize("uri,which,version", [
+    ("models:/tv@champion", "w1", "1"),
+    ("models:/tv/1", "w1", "1"),
+    ("models:/tv/2", "w2", "2"),
+    ("models:/tv@latest", "w2", "2"),
+    ("runs:/{run}/checkpoints/last", "w2", None),
+    ("runs:/{run}/checkpoints/step-5", "w1", None),
+])
+def test_pull_rebuilds_the_exact_weights(store, tmp_path, uri, which, version):
+    uri = uri.format(run=store.run_id)
+    result = registry.pull(uri, dst=tmp_path / "dl")
+    assert weights_equal(result.model, getattr(store, which))
+    assert result.info.name == "test_vit" and result.info.img_size == IMG and result.info.num_classes == CLASSES
+    assert result.output_shape == (2, CLASSES) and not result.model.training
+    assert result.registered_model_version == version and result.run_id == store.run_id
+    assert str(tmp_path / "dl") in result.describe()
+    out = result.model(torch.randn(3, 3, IMG, IMG))
+    assert out.shape == (3, CLASSES) and torch.isfinite(out).all()
+
+
+def test_load_model_returns_model_info_and_spec(store):
+    model, info, spec = registry.load_model("models:/tv@champion")
+    assert weights_equal(model, store.w1) and info.name == spec["model"] == "test_vit" and spec["step"] == 5
+
+
+def test_pull_refuses_a_tampered_registry_artifact(store, tmp_path):
+    base = Path(client().get_model_version_download_uri("tv", "1").replace("file://", ""))
+    weights = base / "extra_files" / "model.safetensors"
+    original = weights.read_bytes()
+    try:
+        data = bytearray(original)
+        data[-100] ^= 0xFF  # same size, one byte flipped in the tensor data
+        weights.write_bytes(bytes(data))
+        with pytest.raises(VitregError) as exc:
+            registry.pull("models:/tv@champion", dst=tmp_path / "dl")
+        assert "model.safetensors sha256 mismatch" in one_line(exc)
+    finally:
+        weights.write_bytes(original)
+
+
+@pytest.mark.parametrize("uri,needles", [
+    ("models:/tv@nope", ["no alias 'nope'", "aliases champion (v1)", "versions 2, 1", "@latest = v2"]),
+    ("models:/tv/7", ["no version 7", "versions 2, 1"]),
+    ("models:/nope@champion", ["no registered model 'nope'", "registered models are tv"]),
+    ("models:/tv/Production", ["models:/NAME@ALIAS or models:/NAME/VERSION"]),
+    ("runs:/{run}/checkpoints/lastt", ["no artifact 'checkpoints/lastt'", "last/", "step-10/", "step-5/"]),
+    ("runs:/{run}/checkpoints", ["holds several checkpoints", "runs:/{run}/checkpoints/last"]),
+    ("runs:/0123456789abcdef/checkpoints/last", ["no run '0123456789abcdef'"]),
+    ("s3:/bucket/x", ["use models:/NAME@ALIAS"]),
+])
+def test_pull_errors_name_what_exists(store, tmp_path, uri, needles):
+    with pytest.raises(VitregError) as exc:
+        registry.pull(uri.format(run=store.run_id), dst=tmp_path / "dl")
+    msg = one_line(exc)
+    for needle in needles:
+        assert needle.format(run=store.run_id) in msg, msg
+
+
+@pytest.mark.slow
+def test_pull_cli_out_folder_loads_with_timm_and_safetensors_only(store, tmp_path):
+    from vitreg.commands_registry import pull
+
+    out = tmp_path / "export"
+    res = CliRunner().invoke(pull, ["models:/tv@champion", "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    assert "pulled models:/tv@champion (= models:/tv/1)" in res.output and str(out) in res.output
+    assert sorted(p.name for p in out.iterdir()) == ["README.md", "manifest.json", "model.safetensors", "spec.json"]
+    readme = (out / "README.md").read_text()
+    code = readme.split("```python\n", 1)[1].split("```", 1)[0]
+    assert len(code.strip().splitlines()) == 4  # the import line + 3 lines
+    # run the README's code with vitreg and mlflow made unimportable, in the folder, in a fresh process
+    script = "import sys\nsys.modules['vitreg'] = None\nsys.modules['mlflow'] = None\n" + code + textwrap.dedent("""
+        import torch
+        torch.manual_seed(0)
+        x = torch.randn(2, 3, spec["img_size"], spec["img_size"])
+        with torch.no_grad():
+            print(json.dumps(model(x).tolist()))
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], cwd=out, capture_output=True, text=True, timeout=120,
+                          env={k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_", "PYTHONPATH"))})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    model, _, _ = registry.load_model("models:/tv/1")
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, IMG, IMG)
+    with torch.no_grad():
+        expected = model(x)
+    assert torch.allclose(torch.tensor(json.loads(proc.stdout.strip().splitlines()[-1])), expected, atol=1e-5)
+
+
+def test_pull_cli_unknown_alias_is_one_line_exit_2(store):
+    from vitreg.commands_registry import pull
+
+    res = CliRunner().invoke(pull, ["models:/tv@nope"])
+    assert res.exit_code == 2
+    errors = [line for line in res.output.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "aliases champion (v1)" in errors[0]
+
+
+# --------------------------------------------------------------------------- infer
+
+
+def test_infer_in_process_from_a_run_checkpoint(store):
+    from vitreg.infer import infer
+
+    result = infer(f"runs:/{store.run_id}/checkpoints/last", {**TINY_BENCH}, experiment="infer-local",
+                   progress=lambda message: None)
+    assert [t.task for t in result.tasks] == ["infer"] and result.model.name == "test_vit"
+    runs = client().search_runs([client().get_experiment_by_name("infer-local").experiment_id])
+    assert len(runs) == 1
+    run = runs[0]
+    t, m = run.data.tags, run.data.metrics
+    assert run.info.status == "FINISHED" and t["vitreg_job"] == "infer" and t["model"] == "test_vit"
+    assert t["model_uri"] == f"runs:/{store.run_id}/checkpoints/last" and t["source_run_id"] == store.run_id
+    assert "registered_model_name" not in t and m["infer_throughput_img_per_s"] > 0
+    assert "train_throughput_img_per_s" not in m
+
+
+@pytest.mark.parametrize("options,needle", [
+    ({"model": "vit_base_patch16_224"}, "model comes from the registered model's spec.json"),
+    ({"img_size": "224"}, "img_size comes from the registered model's spec.json"),
+    ({"nproc": "2"}, "pass nproc=1"),
+])
+def test_infer_refuses_options_the_checkpoint_decides(store, options, needle):
+    from vitreg.infer import infer
+
+    with pytest.raises(VitregError) as exc:
+        infer("models:/tv/1", {**TINY_BENCH, **options}, progress=lambda message: None)
+    assert needle in one_line(exc)
+
+
+def test_infer_cli_unknown_alias_fails_the_run_in_one_line(store):
+    from vitreg.commands_registry import infer
+
+    res = CliRunner().invoke(infer, ["--model-uri", "models:/tv@nope", "--batch-size", "2", "--experiment", "bad"])
+    assert res.exit_code == 2 and "error: registered model 'tv' has no alias 'nope'" in res.output
+    c = client()
+    (run,) = c.search_runs([c.get_experiment_by_name("bad").experiment_id])
+    assert run.info.status == "FAILED" and "no alias 'nope'" in run.data.tags["vitreg_error"]
+
+
+def _project_with_infer_entry(tmp_path: Path) -> Path:
+    """The repo itself when its MLproject has `infer`; otherwise a copy with the entry added."""
+    if "\n  infer:" in (REPO / "MLproject").read_text():
+        return REPO
+    copy = tmp_path / "project"
+    shutil.copytree(REPO, copy, ignore=shutil.ignore_patterns(".venv", ".git", "mlruns", "mlartifacts", "mlflow.db",
+                                                              "__pycache__", ".whl", ".gl", "tests", "*.egg-info",
+                                                              "out", "gpu-runs", "vitreg-data", "build", "dist"))
+    (copy / "MLproject").write_text((copy / "MLproject").read_text().rstrip("\n") + "\n" + MLPROJECT_INFER)
+    return copy
+
+
+@pytest.mark.slow
+def test_mlflow_run_infer_entry_end_to_end(store, tmp_path):
+    project = _project_with_infer_entry(tmp_path)
+    params = ["-P", "model_uri=models:/tv@champion"] + [a for k, v in TINY_BENCH.items() for a in ("-P", f"{k}={v}")]
+    proc = subprocess.run([sys.executable, "-m", "mlflow", "run", str(project), "-e", "infer", "--env-manager",
+                           "local", "--experiment-name", "infer-e2e", *params],
+                          env=subprocess_env(store.uri), cwd=store.root, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "img/s median" in proc.stdout and "last_infer_run_id=" in proc.stdout
+    c = client()
+    runs = c.search_runs([c.get_experiment_by_name("infer-e2e").experiment_id])
+    assert len(runs) == 1
+    run = runs[0]
+    t, p, m = run.data.tags, run.data.params, run.data.metrics
+    assert run.info.status == "FINISHED"
+    assert t["model_uri"] == "models:/tv@champion" and t["registered_model_name"] == "tv"
+    assert t["registered_model_version"] == "1" and t["registered_model_alias"] == "champion"
+    assert t["vitreg_job"] == "infer" and t["model"] == "test_vit" and t["img_size"] == "32" and t["gpu"] == "cpu"
+    assert p["model_uri"] == "models:/tv@champion" and p["task"] == "infer" and p["model"] == "test_vit"
+    for key in ["infer_throughput_img_per_s", "infer_latency_ms_p50", "infer_latency_ms_p99", "fwd_gflops_per_img"]:
+        assert m[key] > 0, key
+    assert "train_throughput_img_per_s" not in m
+    arts = {a.path for a in c.list_artifacts(run.info.run_id)}
+    assert {"results.json", "report.md", "environment.json", "model_spec.json"} <= arts
+    vtags = c.get_model_version("tv", "1").tags
+    assert vtags["last_infer_run_id"] == run.info.run_id and vtags["last_infer_gpu"] == "cpu"
+    assert float(vtags["last_infer_throughput_img_per_s"]) == pytest.approx(m["infer_throughput_img_per_s"], rel=1e-5)

@@ -1,0 +1,87 @@
+"""``vitreg pull`` and ``vitreg infer``: thin click shells over :mod:`vitreg.registry` and :mod:`vitreg.infer`.
+
+Registered in :mod:`vitreg.cli` with ``main.add_command(pull)`` / ``main.add_command(infer)``. This
+module does not import :mod:`vitreg.cli` at import time (cli imports this module), so the
+one-line-error handling is looked up when a command runs.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import click
+
+from vitreg.spec import AMP_CHOICES, COMPILE_BACKENDS, COMPILE_CHOICES, DEVICE_CHOICES, TASKS, BenchSpec
+
+_DEFAULTS = BenchSpec.__dataclass_fields__
+
+
+def _default(name):
+    return _DEFAULTS[name].default
+
+
+def _user_errors(fn):
+    """vitreg.cli.user_errors, resolved at call time (error: ... on stderr, exit 2, run marked FAILED)."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        from vitreg.cli import user_errors
+
+        return user_errors(fn)(*args, **kwargs)
+
+    return wrapper
+
+
+@click.command()
+@click.argument("model_uri")
+@click.option("--out", "out_dir", default=None, type=click.Path(file_okay=False),
+              help="also write a self-contained folder: model.safetensors, spec.json, manifest.json, README.md.")
+@_user_errors
+def pull(model_uri, out_dir):
+    """Pull a registered model and rebuild it as a timm model (sha256-verified, forward-checked).
+
+    MODEL_URI: models:/NAME@ALIAS, models:/NAME/VERSION, runs:/RUN_ID/checkpoints/last or a local
+    checkpoint folder.
+    """
+    from vitreg.registry import pull as pull_model
+
+    click.echo(pull_model(model_uri, out_dir=out_dir).describe())
+
+
+def infer_options(fn):
+    """The ``infer`` options (the MLproject ``infer`` params). Model and img_size come from the checkpoint."""
+    opts = [
+        click.option("--model-uri", "model_uri", required=True,
+                     help="models:/NAME@ALIAS, models:/NAME/VERSION or runs:/RUN_ID/checkpoints/last."),
+        click.option("--gpu", default=_default("gpu"), show_default=True,
+                     help="GPU label (a100, h100, h200, l4, t4, v100, rtx4090, cpu, ...) or auto."),
+        click.option("--task", default="infer", show_default=True, help="/".join(TASKS)),
+        click.option("--batch-size", "batch_size", default=str(_default("batch_size")), show_default=True),
+        click.option("--amp", default=_default("amp"), show_default=True, help="/".join(AMP_CHOICES)),
+        click.option("--compile", "compile_", default=_default("compile"), show_default=True,
+                     help="/".join(COMPILE_CHOICES)),
+        click.option("--compile-backend", "compile_backend", default=_default("compile_backend"),
+                     show_default=True, help="/".join(COMPILE_BACKENDS)),
+        click.option("--warmup", default=str(_default("warmup")), show_default=True),
+        click.option("--steps", default=str(_default("steps")), show_default=True, help="iterations per timed window."),
+        click.option("--repeats", default=str(_default("repeats")), show_default=True, help="timed windows."),
+        click.option("--device", default=_default("device"), show_default=True, help="/".join(DEVICE_CHOICES)),
+        click.option("--allow-gpu-mismatch", "allow_gpu_mismatch", default="false", show_default=True),
+        click.option("--seed", default=str(_default("seed")), show_default=True),
+        click.option("--experiment", default=None, envvar="MLFLOW_EXPERIMENT_NAME",
+                     help="MLflow experiment (ignored under `mlflow run`, which picks its own)."),
+        click.option("--run-name", "run_name", default=None, help="MLflow run name."),
+    ]
+    for opt in reversed(opts):
+        fn = opt(fn)
+    return fn
+
+
+@click.command()
+@infer_options
+@_user_errors
+def infer(model_uri, experiment, run_name, compile_, **kwargs):
+    """Benchmark a registered model's weights (task=infer by default) and link the run to its version."""
+    from vitreg.infer import infer as run_infer
+
+    run_infer(model_uri, {**kwargs, "compile": compile_}, experiment=experiment, run_name=run_name)
