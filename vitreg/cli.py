@@ -68,7 +68,7 @@ def bench_options(fn):
         click.option("--allow-gpu-mismatch", "allow_gpu_mismatch", default="false", show_default=True,
                      help="true: file the run under --gpu even if the hardware differs (tagged gpu_mismatch=true)."),
         click.option("--nproc", default=str(_default("nproc")), show_default=True,
-                     help="processes (GPUs) on this host; >1 launches torchrun."),
+                     help="processes (GPUs) per host; >1 launches torchrun; batch_size is per process."),
         click.option("--seed", default=str(_default("seed")), show_default=True),
     ]
     for opt in reversed(opts):
@@ -93,12 +93,23 @@ def main():
 @click.option("--experiment", default=None, envvar="MLFLOW_EXPERIMENT_NAME",
               help="MLflow experiment (ignored under `mlflow run`, which picks its own).")
 @click.option("--run-name", default=None, help="MLflow run name (default: model-gpu-amp-compile-bsN).")
+@click.option("--nnodes", default="1", show_default=True,
+              help="hosts in a multi-host DDP job: the same command on each, with its --node-rank and one --rdzv-endpoint.")
+@click.option("--node-rank", "node_rank", default="0", show_default=True,
+              help="this host's index, 0..nnodes-1; node 0 holds rank 0, which logs the MLflow run.")
+@click.option("--rdzv-endpoint", "rdzv_endpoint", default="", help="HOST:PORT on node 0 that every host can reach (nnodes>1).")
+@click.option("--baseline-run", "baseline_run", default="",
+              help="run id of a nproc=1 run of the same config: logs train_scaling_efficiency = img/s_N / (N x img/s_1).")
 @user_errors
-def bench(experiment, run_name, **kwargs):
+def bench(experiment, run_name, nnodes, node_rank, rdzv_endpoint, baseline_run, **kwargs):
     """Benchmark inference and/or training of one model and log one MLflow run."""
     from vitreg.bench import bench as run_bench
+    from vitreg.spec import parse_int
 
-    run_bench(bench_kwargs_to_options(kwargs), experiment=experiment, run_name=run_name)
+    # Not in bench_options: those are forwarded to the torchrun ranks, which BenchSpec checks.
+    run_bench(bench_kwargs_to_options(kwargs), experiment=experiment, run_name=run_name,
+              nnodes=parse_int(nnodes, "nnodes", 1), node_rank=parse_int(node_rank, "node_rank", 0),
+              rdzv_endpoint=rdzv_endpoint.strip() or None, baseline_run=baseline_run.strip() or None)
 
 
 @main.command()
@@ -162,6 +173,14 @@ def server(ctx):
 
     sys.exit(server_main(ctx.args))
 
+
+from vitreg.commands_registry import infer as infer_command, pull as pull_command  # noqa: E402
+
+from vitreg.commands_train import train as train_command  # noqa: E402
+
+main.add_command(pull_command)
+main.add_command(infer_command)
+main.add_command(train_command)
 
 if __name__ == "__main__":  # pragma: no cover
     main()

@@ -42,6 +42,10 @@ def tracking_uri() -> str:
 class Tracker:
     """Logging calls against one active run. Every call is a batch, never one call per value."""
 
+    #: Every call names this run's id, so any thread may make it (MLflow's active run is thread-local:
+    #: a fluent call without run_id from another thread would start a new run).
+    thread_safe = True
+
     def __init__(self, run):
         self.run = run
         self.run_id = run.info.run_id
@@ -76,10 +80,14 @@ class Tracker:
         if clean:
             mlflow.set_tags(clean)
 
-    def log_metrics(self, metrics: dict, step: int | None = None) -> None:
+    def log_metrics(self, metrics: dict, step: int | None = None, synchronous: bool = True) -> None:
         clean = {k: float(v) for k, v in metrics.items() if v is not None}
         if clean:
-            mlflow.log_metrics(clean, step=step)
+            mlflow.log_metrics(clean, step=step, run_id=self.run_id, synchronous=synchronous)
+
+    def flush(self) -> None:
+        """Wait for metrics logged with synchronous=False."""
+        mlflow.flush_async_logging()
 
     def log_text(self, text: str, artifact_file: str) -> None:
         mlflow.log_text(text, artifact_file)
@@ -88,10 +96,10 @@ class Tracker:
         mlflow.log_text(json.dumps(data, indent=2, sort_keys=True, default=str), artifact_file)
 
     def log_artifact(self, path, artifact_path: str | None = None) -> None:
-        mlflow.log_artifact(str(path), artifact_path)
+        mlflow.log_artifact(str(path), artifact_path, run_id=self.run_id)
 
     def log_artifacts(self, path, artifact_path: str | None = None) -> None:
-        mlflow.log_artifacts(str(path), artifact_path)
+        mlflow.log_artifacts(str(path), artifact_path, run_id=self.run_id)
 
     def artifact_uri(self, path: str = "") -> str:
         return f"runs:/{self.run_id}/{path}" if path else f"runs:/{self.run_id}"
@@ -117,7 +125,10 @@ class NullTracker(Tracker):
     def set_name(self, name):
         pass
 
-    def log_metrics(self, metrics, step=None):
+    def log_metrics(self, metrics, step=None, synchronous=True):
+        pass
+
+    def flush(self):
         pass
 
     def log_text(self, text, artifact_file):
