@@ -34,6 +34,17 @@ def _progress(message: str) -> None:
     print(f"[vitreg] {message}", file=sys.stderr, flush=True)
 
 
+def log_setup(run, params: dict, env, progress) -> None:
+    """Params (MLflow keeps what `mlflow run` logged as typed; resolved values are tags), then
+    environment.json and pip_freeze.txt. Shared by bench, infer and train."""
+    skipped = run.log_params(params)
+    if skipped:
+        progress("kept the params mlflow run logged as typed (" +
+                 ", ".join(f"{k}={v}" for k, v in skipped.items()) + "); the resolved values are tags")
+    run.log_text(env.to_json(), "environment.json")
+    run.log_text(pip_freeze(), "pip_freeze.txt")
+
+
 def resolved_tags(spec: BenchSpec, hw, runtime, img_size: int) -> dict:
     """What actually ran, under the names people group by (see tracking's note on params vs tags)."""
     return {
@@ -100,14 +111,9 @@ def bench(options: dict, experiment: str | None = None, run_name: str | None = N
                       **world_tags(world, runtime, env)})
         params = {**spec.to_params(), "gpu": hw.label, "amp": runtime.amp, "device": runtime.device,
                   "img_size": info.img_size}
-        skipped = run.log_params(params)
-        if skipped:
-            progress("kept the params mlflow run logged as typed (" +
-                     ", ".join(f"{k}={v}" for k, v in skipped.items()) + "); the resolved values are tags")
+        log_setup(run, params, env, progress)
         progress(f"run {run.run_id} at {tracking.tracking_uri()}; gpu={hw.label} ({detected.name}), "
                  f"amp={runtime.amp}, compile={spec.compile}")
-        run.log_text(env.to_json(), "environment.json")
-        run.log_text(pip_freeze(), "pip_freeze.txt")
 
         result = run_benchmark(spec, hw, runtime, progress, model_factory=lambda: (model, info),
                                wrap=wrap, reducer=reducer)

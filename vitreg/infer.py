@@ -13,8 +13,8 @@ import sys
 import tempfile
 
 from vitreg import registry, tracking
-from vitreg.bench import resolved_tags
-from vitreg.env import capture_environment, pip_freeze
+from vitreg.bench import log_setup, resolved_tags
+from vitreg.env import capture_environment
 from vitreg.errors import VitregError
 from vitreg.hardware import detect_hardware, resolve_hardware
 from vitreg.report import report_markdown, results_table
@@ -61,14 +61,9 @@ def infer(model_uri: str, options: dict, experiment: str | None = None, run_name
         run.set_tags({**env.to_tags(), **resolved_tags(spec, hw, runtime, info.img_size), **link_tags(pulled)})
         params = {**spec.to_params(), "gpu": hw.label, "amp": runtime.amp, "device": runtime.device,
                   "img_size": info.img_size, "model_uri": model_uri}
-        skipped = run.log_params(params)
-        if skipped:
-            progress("kept the params mlflow run logged as typed (" +
-                     ", ".join(f"{k}={v}" for k, v in skipped.items()) + "); the resolved values are tags")
+        log_setup(run, params, env, progress)
         progress(f"run {run.run_id} at {tracking.tracking_uri()}; {short} ({info.name}) on gpu={hw.label} "
                  f"({detected.name}), amp={runtime.amp}, compile={spec.compile}")
-        run.log_text(env.to_json(), "environment.json")
-        run.log_text(pip_freeze(), "pip_freeze.txt")
         run.log_dict(pulled.spec, "model_spec.json")
 
         result = run_benchmark(spec, hw, runtime, progress, model_factory=lambda: (pulled.model, info))

@@ -59,14 +59,40 @@ def parse_choice(value, name: str, choices: tuple[str, ...]) -> str:
     raise VitregError(f"{name}={value!r} is not one of {', '.join(choices)}{hint}")
 
 
+class _Spec:
+    """What BenchSpec and TrainSpec share: params for MLflow, construction from option dicts."""
+
+    _kind = "spec"  # named in the unknown-option message
+
+    def replace(self, **changes):
+        return dataclasses.replace(self, **changes)
+
+    def to_params(self) -> dict[str, str]:
+        """Every field as an MLflow param (strings, as MLflow stores them)."""
+        return {f.name: _param_str(getattr(self, f.name)) for f in fields(self)}
+
+    @classmethod
+    def from_options(cls, options: dict):
+        """Build from a dict of option values, refusing unknown keys with a suggestion."""
+        known = {f.name for f in fields(cls)}
+        for key in options:
+            if key not in known:
+                close = difflib.get_close_matches(key, sorted(known), n=1)
+                hint = f" (did you mean {close[0]}?)" if close else ""
+                raise VitregError(f"unknown {cls._kind} option {key!r}{hint}; options: {', '.join(sorted(known))}")
+        return cls(**{k: v for k, v in options.items() if v is not None})
+
+
 @dataclass(frozen=True)
-class BenchSpec:
+class BenchSpec(_Spec):
     """One benchmark: a model, a batch, a precision, a compile mode, and how long to time it.
 
     ``steps`` iterations make one timed window; ``repeats`` windows give the median and the
     spread. ``warmup`` iterations run first and are never timed into the result (the first of them
     carries compilation when ``compile`` is on, and is reported apart as ``compile_time_s``).
     """
+
+    _kind = "bench"  # a class attribute (no annotation), not a field
 
     model: str = "vit_base_patch16_224"
     gpu: str = "auto"
@@ -114,23 +140,6 @@ class BenchSpec:
         """The tasks to run, in order: inference first (it is cheaper and fails faster)."""
         return ("infer", "train") if self.task == "both" else (self.task,)
 
-    def replace(self, **changes) -> "BenchSpec":
-        return dataclasses.replace(self, **changes)
-
-    def to_params(self) -> dict[str, str]:
-        """Every field as an MLflow param (strings, as MLflow stores them)."""
-        return {f.name: _param_str(getattr(self, f.name)) for f in fields(self)}
-
-    @classmethod
-    def from_options(cls, options: dict) -> "BenchSpec":
-        """Build from a dict of option values, refusing unknown keys with a suggestion."""
-        known = {f.name for f in fields(cls)}
-        for key in options:
-            if key not in known:
-                close = difflib.get_close_matches(key, sorted(known), n=1)
-                hint = f" (did you mean {close[0]}?)" if close else ""
-                raise VitregError(f"unknown bench option {key!r}{hint}; options: {', '.join(sorted(known))}")
-        return cls(**{k: v for k, v in options.items() if v is not None})
 
 
 def _param_str(value) -> str:
@@ -163,7 +172,7 @@ def parse_float(value, name: str, minimum: float | None = None, maximum: float |
 
 
 @dataclass(frozen=True)
-class TrainSpec:
+class TrainSpec(_Spec):
     """One training run: model, data, optimisation, precision, checkpoints, distillation, registration.
 
     ``steps`` counts optimizer updates; ``steps=0`` trains ``epochs`` passes over the data instead (a
@@ -174,6 +183,8 @@ class TrainSpec:
     (built with random weights: vitreg never downloads), a ``models:/`` URI of a registered model,
     or a local checkpoint directory.
     """
+
+    _kind = "train"  # a class attribute (no annotation), not a field
 
     model: str = "deit_tiny_patch16_224"
     gpu: str = "auto"
@@ -274,20 +285,3 @@ class TrainSpec:
     def synthetic(self) -> bool:
         return self.data == "synthetic"
 
-    def replace(self, **changes) -> "TrainSpec":
-        return dataclasses.replace(self, **changes)
-
-    def to_params(self) -> dict[str, str]:
-        """Every field as an MLflow param (strings, as MLflow stores them)."""
-        return {f.name: _param_str(getattr(self, f.name)) for f in fields(self)}
-
-    @classmethod
-    def from_options(cls, options: dict) -> "TrainSpec":
-        """Build from a dict of option values, refusing unknown keys with a suggestion."""
-        known = {f.name for f in fields(cls)}
-        for key in options:
-            if key not in known:
-                close = difflib.get_close_matches(key, sorted(known), n=1)
-                hint = f" (did you mean {close[0]}?)" if close else ""
-                raise VitregError(f"unknown train option {key!r}{hint}; options: {', '.join(sorted(known))}")
-        return cls(**{k: v for k, v in options.items() if v is not None})
