@@ -27,7 +27,7 @@ from vitreg.models import check_model_name, create_model
 from vitreg.report import report_markdown, results_table
 from vitreg.runner import BenchResult, run_benchmark
 from vitreg.runtime import resolve_runtime
-from vitreg.spec import BenchSpec, parse_int
+from vitreg.spec import BenchSpec
 
 
 def _progress(message: str) -> None:
@@ -74,7 +74,7 @@ def bench(options: dict, experiment: str | None = None, run_name: str | None = N
     (and ``infer_scaling_efficiency``) = throughput_N / (N * throughput_1).
     """
     command = command or " ".join(shlex.quote(a) for a in sys.argv)
-    if _launches_torchrun(options, nnodes):
+    if launch.wants_torchrun(options, nnodes):
         return _launch_bench(options, experiment, run_name, progress, nnodes, node_rank, rdzv_endpoint,
                              baseline_run)
     world = distributed.World()
@@ -140,18 +140,6 @@ def bench(options: dict, experiment: str | None = None, run_name: str | None = N
 
 def _quiet(message: str) -> None:
     pass
-
-
-def _launches_torchrun(options: dict, nnodes: int = 1) -> bool:
-    """nproc > 1 (or several hosts) and not yet under torchrun: this process launches the ranks."""
-    if distributed.inside_torchrun():
-        return False
-    if nnodes != 1:
-        return True  # check_nodes() in the launcher refuses nnodes < 1
-    try:
-        return parse_int(1 if options.get("nproc") is None else options["nproc"], "nproc", 1) > 1
-    except VitregError:
-        return False  # the single-process path reports it, inside its run, as for any bad option
 
 
 def _launch_bench(options, experiment, run_name, progress, nnodes, node_rank, rdzv_endpoint, baseline_run):
