@@ -407,13 +407,13 @@ def test_single_process_path_untouched_by_torchrun_env(monkeypatch):
     from vitreg import bench as bench_mod
 
     monkeypatch.delenv("LOCAL_RANK", raising=False)
-    assert not bench_mod._launches_torchrun({"nproc": "1"})
-    assert not bench_mod._launches_torchrun({})
-    assert not bench_mod._launches_torchrun({"nproc": "two"})  # reported by the spec, inside its run
-    assert bench_mod._launches_torchrun({"nproc": "2"})
-    assert bench_mod._launches_torchrun({"nproc": "1"}, nnodes=2)  # one process on each of two hosts
+    assert not launch.wants_torchrun({"nproc": "1"})
+    assert not launch.wants_torchrun({})
+    assert not launch.wants_torchrun({"nproc": "two"})  # reported by the spec, inside its run
+    assert launch.wants_torchrun({"nproc": "2"})
+    assert launch.wants_torchrun({"nproc": "1"}, nnodes=2)  # one process on each of two hosts
     monkeypatch.setenv("LOCAL_RANK", "0")
-    assert not bench_mod._launches_torchrun({"nproc": "2"})
+    assert not launch.wants_torchrun({"nproc": "2"})
     monkeypatch.setenv("WORLD_SIZE", "1")
     assert distributed.init_from_env("cpu") == distributed.World(0, 0, 1, "cpu", None, 1)  # no process group
 
