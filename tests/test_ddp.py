@@ -404,8 +404,6 @@ def test_scaling_efficiency_checks_the_baseline(sqlite_store):
 
 def test_single_process_path_untouched_by_torchrun_env(monkeypatch):
     """nproc=1 never launches; inside torchrun, bench never relaunches."""
-    from vitreg import bench as bench_mod
-
     monkeypatch.delenv("LOCAL_RANK", raising=False)
     assert not launch.wants_torchrun({"nproc": "1"})
     assert not launch.wants_torchrun({})
