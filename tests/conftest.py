@@ -30,8 +30,14 @@ def sqlite_store(tmp_path, monkeypatch):
         monkeypatch.delenv(key, raising=False)
     monkeypatch.chdir(tmp_path)  # artifacts of the default experiment land in ./mlruns here
     import mlflow
+    import mlflow.tracking.fluent as fluent
 
+    # set_experiment() (a `--experiment` test) leaves its id in the fluent module and in os.environ,
+    # where the next test's fresh store has no such experiment: start each test without it
+    fluent._active_experiment_id = None
     mlflow.set_tracking_uri(uri)
     yield uri
     while mlflow.active_run():
         mlflow.end_run()
+    fluent._active_experiment_id = None
+    os.environ.pop("MLFLOW_EXPERIMENT_ID", None)

@@ -48,7 +48,9 @@ HELP = {
     "distill_tau": "temperature of soft distillation.",
     "register_as": "register the final checkpoint as this model name (empty: do not register).",
     "alias": "alias of the registered version.",
-    "nproc": "processes (GPUs) on this host; >1 runs under torchrun (DDP).",
+    "nproc": "processes (GPUs) on this host; >1 launches torchrun (DDP, one MLflow run, rank 0 logs); "
+             "batch_size is per process. Refused if larger than the visible GPUs; any number with --device cpu "
+             "(gloo).",
     "seed": "seed of the model init and the data.",
 }
 

@@ -249,3 +249,109 @@ class ResultReducer:
                 "peak_mem_allocated_mb": f.peak_mem_allocated_mb,
             } for r, f in enumerate(ranks)]
         return out
+
+
+# --------------------------------------------------------------------------------------------
+# training: joining the world, the loss at log boundaries, the figures at the end
+
+
+def join_world(nproc: int, device: str) -> World:
+    """This rank's World for a job of ``nproc`` processes per host on ``device`` (auto/cuda/cpu).
+
+    Refuses a torchrun whose process count differs from ``nproc`` (the logged param, so the run
+    says what ran). Call it before anything touches CUDA: on a GPU it binds GPU ``LOCAL_RANK``.
+    """
+    local_world = _env_int("LOCAL_WORLD_SIZE", 1)
+    if nproc != local_world:
+        raise VitregError(f"nproc={nproc} but torchrun started {local_world} process(es) on this node: pass "
+                          f"nproc={local_world}, or run without torchrun and let vitreg launch it")
+    import torch
+
+    return init_from_env("cuda" if device != "cpu" and torch.cuda.is_available() else "cpu")
+
+
+#: How each per-rank training figure combines into the job's (see :func:`reduce_train_figures`).
+TRAIN_FIGURE_RULES = {
+    "throughput_img_per_s": "sum",  # the ranks train at the same time: their rates add up
+    "step_ms_p50": "max",  # a synchronous job goes at the pace of its slowest rank
+    "step_ms_p90": "max",
+    "data_wait_frac": "max",  # the rank most starved by its loader
+    "first_step_s": "max",
+    "measured_steps": "min",
+}
+
+
+def reduce_train_figures(per_rank: list[dict]) -> dict:
+    """Combine the ranks' end-of-training figures (pure): rates summed, times and waits the largest.
+
+    A figure that any rank lacks (None) is None for the job: a partial sum would understate it.
+    """
+    if not per_rank:
+        raise ValueError("reduce_train_figures() needs the figures of at least one rank")
+    out = {}
+    for key, rule in TRAIN_FIGURE_RULES.items():
+        values = [f.get(key) for f in per_rank]
+        if any(v is None for v in values):
+            out[key] = None
+        else:
+            out[key] = {"sum": sum, "max": max, "min": min}[rule](values)
+    return out
+
+
+@dataclass
+class TrainReducer:
+    """What the training loop needs from DDP (``engine.train(..., reducer=...)``), as one object.
+
+    - :meth:`interval` at a log boundary: ONE all-reduce of two numbers, the interval's mean loss
+      and img/s of this rank; returns the job's mean loss and summed img/s. Never called per step:
+      the log boundary is already the loop's one sync point.
+    - :meth:`align` after a step at which rank 0 saved a checkpoint or validated, so the other
+      ranks wait for it there, not inside their next timed step;
+    - :meth:`figures` once, after the last step: gathers every rank's figures (a few floats,
+      pickled once) and returns the job's, keeping each rank's in ``per_rank`` for ``ranks.json``.
+
+    Both are collectives: every rank calls them at the same step.
+    """
+
+    world: World
+    per_rank: list = field(default_factory=list)
+    #: this rank's own loss of the last interval (before averaging), for ranks.json
+    last_local_loss: float | None = None
+    intervals: int = 0  # log boundaries reduced so far (one all-reduce each)
+
+    @property
+    def world_size(self) -> int:
+        return self.world.world_size
+
+    def interval(self, loss, img_per_s: float | None) -> tuple[float, float | None]:
+        """``(mean loss over ranks, summed img/s)``; ``loss`` is this rank's interval mean, a 0-d tensor."""
+        import torch
+
+        local = torch.stack([loss.detach().float().reshape(()),
+                             torch.tensor(float(img_per_s or 0.0), dtype=torch.float32, device=loss.device)])
+        total = local.clone()
+        if self.world.distributed and _initialized():
+            import torch.distributed as dist
+
+            dist.all_reduce(total)  # SUM: gloo has no AVG; divided below
+        # one host copy of both: the sync this log boundary makes anyway
+        (self.last_local_loss, _), (loss_sum, rate) = torch.stack([local, total]).tolist()
+        self.intervals += 1
+        return loss_sum / self.world_size, (rate if img_per_s is not None else None)
+
+    def align(self) -> None:
+        """Wait for every rank (after rank 0's checkpoint or validation, outside the timed steps)."""
+        barrier()
+
+    def figures(self, local: dict) -> dict:
+        """Gather every rank's end-of-training figures; returns the job's (:func:`reduce_train_figures`)."""
+        local = {**local, "final_loss": self.last_local_loss}
+        if self.world.distributed and _initialized():
+            import torch.distributed as dist
+
+            gathered: list = [None] * self.world_size
+            dist.all_gather_object(gathered, local)
+        else:
+            gathered = [local]
+        self.per_rank = [{"rank": r, **f} for r, f in enumerate(gathered)]
+        return reduce_train_figures(gathered)

@@ -20,8 +20,12 @@ GPU, ``perf_counter`` on the CPU); ``throughput_img_per_s`` is images over the s
 times, so checkpoint writes, validation and logging between steps are not counted.
 
 DDP: pass ``wrap`` (a function that wraps the model, e.g. in DistributedDataParallel; applied before
-torch.compile, as bench does), ``world_size``/``rank`` (data sharding, global img/s), and
-``is_main=False`` on ranks that must not write checkpoints or run validation.
+torch.compile, as bench does), ``world_size``/``rank`` (data sharding), ``is_main=False`` on ranks
+that must not write checkpoints or run validation, and ``reducer`` (a
+:class:`vitreg.distributed.TrainReducer`): at each log boundary it all-reduces the interval's loss
+(mean over ranks) and img/s (sum), one collective per boundary and none per step; at the end the
+job's throughput is the sum of the ranks' and its step time the slowest rank's. Every rank must
+make the same number of steps (the data gives each rank the same number of batches).
 """
 
 from __future__ import annotations
@@ -360,7 +364,8 @@ def train(spec, runtime, model, info, *, data=None, teacher=None, teacher_loader
           checkpoint_dir=None, resume_from=None, checkpoint_extra: dict | None = None,
           on_step: Callable | None = None, on_log: Callable | None = None, on_checkpoint: Callable | None = None,
           on_epoch_end: Callable | None = None, wrap: Callable | None = None, world_size: int = 1, rank: int = 0,
-          sampler_factory: Callable | None = None, is_main: bool = True, progress=_stderr) -> TrainResult:
+          sampler_factory: Callable | None = None, is_main: bool = True, reducer=None,
+          progress=_stderr) -> TrainResult:
     """Train ``model`` (built by :func:`vitreg.models.create_model`, described by ``info``) as ``spec`` says.
 
     ``data`` defaults to :func:`vitreg.data.build_data`; ``teacher`` to :func:`create_teacher` when
@@ -413,7 +418,9 @@ def train(spec, runtime, model, info, *, data=None, teacher=None, teacher_loader
     params = [p for p in model.parameters() if p.requires_grad]
     clip = spec.clip_grad
     images_per_step = spec.batch_size * world_size
+    checkpoints = checkpoint_dir is not None  # on every rank: when rank 0 saves, the others wait for it
     checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir is not None and is_main else None
+    has_val = getattr(data, "val", None) is not None
     clock = _StepClock(runtime.device)
 
     step = start_step
@@ -493,15 +500,20 @@ def train(spec, runtime, model, info, *, data=None, teacher=None, teacher_loader
                 times = clock.collect()  # syncs (CUDA) once for the interval
                 step_ms.extend(times)
                 waits.extend(interval_waits)
-                final_loss = (loss_sum / interval_steps).item()
-                if not math.isfinite(final_loss):
+                seconds = sum(times) / 1e3
+                if reducer is not None:  # one all-reduce: the job's mean loss and summed img/s
+                    local_rate = spec.batch_size * len(times) / seconds if seconds > 0 else None
+                    final_loss, img_per_s = reducer.interval(loss_sum / interval_steps, local_rate)
+                else:
+                    final_loss = (loss_sum / interval_steps).item()
+                    img_per_s = images_per_step * len(times) / seconds if seconds > 0 else None
+                if not math.isfinite(final_loss):  # the same (reduced) value on every rank: all stop here
                     raise VitregError(f"the training loss became {final_loss} by step {step}: lower lr (now "
                                       f"{spec.lr:g}), set clip_grad=1.0, or use amp=bf16 instead of fp16")
-                seconds = sum(times) / 1e3
                 metrics = {
                     "train_loss": final_loss,
                     "lr": lr_used,
-                    "train_img_per_s": images_per_step * len(times) / seconds if seconds > 0 else None,
+                    "train_img_per_s": img_per_s,
                     "grad_norm": float(norm) if norm is not None else None,
                     "data_wait_frac": min(1.0, sum(interval_waits) / seconds) if seconds > 0 else None,
                     "epoch": step / spe,
@@ -521,11 +533,16 @@ def train(spec, runtime, model, info, *, data=None, teacher=None, teacher_loader
                     epoch_metrics.update(val_top1=val_top1, val_loss=val_loss)
                 if on_epoch_end:
                     on_epoch_end(step // spe, epoch_metrics)
-            if checkpoint_dir is not None and (
-                    step == total or (spec.checkpoint_every and step % spec.checkpoint_every == 0)):
-                if step == total and is_main and getattr(data, "val", None) is not None and evaluated_at != step:
+            checkpoint_due = checkpoints and (
+                step == total or bool(spec.checkpoint_every and step % spec.checkpoint_every == 0))
+            if checkpoint_dir is not None and checkpoint_due:
+                if step == total and is_main and has_val and evaluated_at != step:
                     run_val(step)  # the checkpoint carries the final val_top1
                 save(step)
+            if reducer is not None and step < total and (checkpoint_due or (epoch_done and has_val)):
+                # rank 0 validated or saved between steps, outside its clock; without this the other
+                # ranks would wait for it inside their next timed step (in DDP's all-reduce)
+                reducer.align()
         if is_main and getattr(data, "val", None) is not None and evaluated_at != step:
             run_val(step)
     except torch.OutOfMemoryError:
@@ -543,14 +560,24 @@ def train(spec, runtime, model, info, *, data=None, teacher=None, teacher_loader
     measured = step_ms[warm:]
     measured_s = sum(measured) / 1e3
     stats = summarize(measured) if measured else None
+    figures = {  # this rank's
+        "throughput_img_per_s": spec.batch_size * len(measured) / measured_s if measured_s > 0 else None,
+        "step_ms_p50": stats.median if stats else None, "step_ms_p90": stats.p90 if stats else None,
+        "data_wait_frac": min(1.0, sum(waits[warm:]) / measured_s) if measured_s > 0 else None,
+        "first_step_s": first_step_s, "measured_steps": len(measured),
+    }
+    if reducer is not None:
+        figures = reducer.figures(figures)  # sum of the ranks' rates, the slowest rank's times
+    elif figures["throughput_img_per_s"] is not None:
+        figures["throughput_img_per_s"] *= world_size  # no reducer: every rank assumed as fast as this one
     return TrainResult(
         final_loss=final_loss, step=step, start_step=start_step, steps_run=steps_run, epoch=step // spe,
         total_steps=total, steps_per_epoch=spe, batch_size=spec.batch_size, world_size=world_size,
         images=steps_run * images_per_step,
-        throughput_img_per_s=images_per_step * len(measured) / measured_s if measured_s > 0 else None,
-        step_ms_p50=stats.median if stats else None, step_ms_p90=stats.p90 if stats else None,
-        measured_steps=len(measured),
-        data_wait_frac=min(1.0, sum(waits[warm:]) / measured_s) if measured_s > 0 else None,
-        first_step_s=first_step_s, compile_time_s=first_step_s if runtime.compile != "off" else None,
+        throughput_img_per_s=figures["throughput_img_per_s"],
+        step_ms_p50=figures["step_ms_p50"], step_ms_p90=figures["step_ms_p90"],
+        measured_steps=int(figures["measured_steps"]), data_wait_frac=figures["data_wait_frac"],
+        first_step_s=figures["first_step_s"],
+        compile_time_s=figures["first_step_s"] if runtime.compile != "off" else None,
         val_top1=val_top1, val_loss=val_loss, last_checkpoint=last_checkpoint,
     )

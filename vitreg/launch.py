@@ -57,6 +57,24 @@ def launched_by_vitreg() -> bool:
     return inside_torchrun() and bool(os.environ.get(ENV_LAUNCH_DIR))
 
 
+def wants_torchrun(options: dict, nnodes: int = 1) -> bool:
+    """True when this process must launch the ranks: ``nproc > 1`` (or several hosts), not yet under torchrun.
+
+    An ``nproc`` that does not parse gives False: the single-process path reports it, inside its
+    run, as for any bad option.
+    """
+    if inside_torchrun():
+        return False
+    if nnodes != 1:
+        return True  # check_nodes() in the launcher refuses nnodes < 1
+    from vitreg.spec import parse_int
+
+    try:
+        return parse_int(1 if options.get("nproc") is None else options["nproc"], "nproc", 1) > 1
+    except VitregError:
+        return False
+
+
 def visible_gpu_count() -> int:
     """CUDA GPUs this process can see (honours CUDA_VISIBLE_DEVICES); 0 without CUDA."""
     import torch

@@ -16,10 +16,24 @@ would open a new run); otherwise they run inline at the log boundary, still outs
 
 Registration (``register_as``) is delegated to ``vitreg.registry.register_checkpoint`` at
 :func:`register_if_requested`.
+
+DDP (``nproc > 1``), as ``bench`` does it: the process the user started becomes the launcher
+(:func:`_launch_train`). It opens the one MLflow run (or resumes ``mlflow run``'s), checks what
+needs no GPU (model name, data layout, ``nproc`` against the visible GPUs; any ``nproc`` on the
+CPU, with gloo), and re-executes the same ``train`` under torchrun through
+:func:`vitreg.launch.launch_tracked`, which ends the run FAILED with the failing rank's error and
+passes its exit status on. Each rank joins the process group, trains its own shard (an
+``EpochSampler`` shard of an ImageFolder, or synthetic batches seeded by rank) with
+``batch_size`` images per process, and only rank 0 logs (the others get a NullTracker), writes
+checkpoints and registers. Curves carry the loss averaged over the ranks and img/s summed over
+them; the summary throughput is the sum of the ranks' rates and the step time the slowest
+rank's (``ranks.json`` keeps each rank's). The ranks wait for rank 0 at a barrier before leaving,
+so none exits while rank 0 still uploads or registers.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import queue
 import shlex
@@ -30,8 +44,8 @@ import threading
 from dataclasses import asdict
 from pathlib import Path
 
-from vitreg import tracking
-from vitreg.bench import resolved_tags
+from vitreg import distributed, launch, tracking
+from vitreg.bench import resolved_tags, world_tags
 from vitreg.env import capture_environment, pip_freeze
 from vitreg.errors import VitregError
 from vitreg.hardware import detect_hardware, mfu, resolve_hardware
@@ -44,6 +58,10 @@ CHECKPOINT_ARTIFACTS = "checkpoints"
 
 def _progress(message: str) -> None:
     print(f"[vitreg] {message}", file=sys.stderr, flush=True)
+
+
+def _quiet(message: str) -> None:
+    pass
 
 
 # --------------------------------------------------------------------------- background logging
@@ -59,7 +77,8 @@ class RunLogger:
 
     def __init__(self, tracker):
         self.tracker = tracker
-        self.threaded = bool(getattr(tracker, "thread_safe", False))
+        # a NullTracker (ranks other than 0) does nothing: no thread for it
+        self.threaded = bool(getattr(tracker, "thread_safe", False)) and not isinstance(tracker, tracking.NullTracker)
         self._queue: queue.Queue = queue.Queue()
         self._error: BaseException | None = None
         self._thread = None
@@ -141,10 +160,11 @@ class CheckpointUploader:
 class Progress:
     """A tqdm bar on a terminal (step, loss, img/s); plain lines at each log when stderr is not a terminal."""
 
-    def __init__(self, total: int, initial: int = 0, progress=_progress):
+    def __init__(self, total: int, initial: int = 0, progress=_progress, enabled: bool = True):
         self.total = total
         self.progress = progress
-        self.tty = sys.stderr.isatty()
+        self.enabled = enabled  # False on DDP ranks other than 0: rank 0 speaks for the job
+        self.tty = enabled and sys.stderr.isatty()
         self.bar = None
         if self.tty:
             try:
@@ -160,6 +180,8 @@ class Progress:
             self.bar.update(1)
 
     def log(self, step: int, metrics: dict) -> None:
+        if not self.enabled:
+            return
         loss, ips = metrics.get("train_loss"), metrics.get("train_img_per_s")
         if self.bar is not None:
             self.bar.set_postfix(loss=f"{loss:.4f}", img_s=f"{ips:,.0f}" if ips else "-", refresh=False)
@@ -171,6 +193,8 @@ class Progress:
             print(line, file=sys.stderr, flush=True)
 
     def message(self, text: str) -> None:
+        if not self.enabled:
+            return
         if self.bar is not None:
             self.bar.write(f"[vitreg] {text}", file=sys.stderr)
         else:
@@ -280,71 +304,114 @@ def _flops_metrics(model, info, runtime) -> dict:
 
 
 def train(options: dict, experiment: str | None = None, run_name: str | None = None, progress=_progress,
-          command: str | None = None, *, wrap=None, world_size: int = 1, rank: int = 0, device_index: int = 0,
-          sampler_factory=None):
+          command: str | None = None, *, sampler_factory=None):
     """Train one model and log it as one MLflow run; returns the engine's TrainResult.
 
-    ``wrap``/``world_size``/``rank``/``device_index``/``sampler_factory`` are for the DDP launcher
-    (one call per rank; only rank 0 talks to MLflow, through the tracking layer).
+    ``nproc > 1`` outside torchrun launches torchrun (see the module docstring) and returns None in
+    this launching process. Inside torchrun (a vitreg launcher's, or one the user started) this is
+    one rank of the job. ``sampler_factory(dataset)`` replaces the built-in rank-sharded sampler of
+    ImageFolder data (it must give every rank the same number of batches).
     """
     command = command or " ".join(shlex.quote(a) for a in sys.argv)
+    if launch.wants_torchrun(options):
+        return _launch_train(options, experiment, run_name, progress)
     workdir = Path(tempfile.mkdtemp(prefix="vitreg-train-"))  # downloaded resume source + local checkpoints
+    world = distributed.World()
     try:
-        with tracking.tracked_run(run_name=run_name, experiment=experiment) as run:
-            result = _train_in_run(run, options, workdir, progress, command, run_name, wrap=wrap,
-                                   world_size=world_size, rank=rank, device_index=device_index,
-                                   sampler_factory=sampler_factory)
+        # Under a vitreg launcher, the launcher samples system metrics for the whole job (one sampler per run).
+        with tracking.tracked_run(run_name=run_name, experiment=experiment,
+                                  system_metrics=not launch.launched_by_vitreg()) as run:
+            result, world = _train_in_run(run, options, workdir, progress, command, run_name,
+                                          sampler_factory=sampler_factory)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
-    if tracking.is_main_process():  # rank 0 speaks for a DDP job
+    if world.distributed:
+        # Rank 0 gets here after its uploads, registration and end_run: until then the other ranks
+        # wait, so torchrun never sees the job "done" (or tears it down) while rank 0 is still logging.
+        distributed.barrier()
+        distributed.destroy()
+    if world.is_main:  # rank 0 speaks for a DDP job
         _print_summary(result, run)
     return result
 
 
-def _train_in_run(run, options, workdir: Path, progress, command, run_name, *, wrap, world_size, rank, device_index,
-                  sampler_factory):
+def _launch_train(options, experiment, run_name, progress):
+    """The launcher: one run for the whole job, the checks that need no GPU, torchrun, the verdict."""
+    from vitreg.data import resolve_num_classes
+
+    with launch.launcher_run(run_name, experiment) as run:
+        spec = TrainSpec.from_options(options)
+        check_model_name(spec.model)  # fail here, once, rather than in every rank
+        resolve_num_classes(spec.replace(num_classes=0))  # data=PATH: its layout, once (not per rank)
+        if spec.resume and not spec.resume.startswith(("runs:/", "models:/")) and "://" not in spec.resume:
+            resolve_checkpoint_source(spec.resume)  # a local path that does not exist
+        launch.check_nproc(spec.nproc, spec.device, launch.visible_gpu_count())
+        argv = ["-m", "vitreg.cli", "train", *launch.options_to_args(options)]
+        if run_name:
+            argv += ["--run-name", run_name]
+        progress(f"run {run.run_id} at {tracking.tracking_uri()}: {spec.nproc} processes (DDP), "
+                 f"batch_size={spec.batch_size} per process ({spec.nproc * spec.batch_size} images per step)")
+        launch.launch_tracked(argv, spec.nproc, run, progress=progress)
+    return None
+
+
+def _train_in_run(run, options, workdir: Path, progress, command, run_name, *, sampler_factory):
+    """One process's training inside its run; returns ``(TrainResult, World)``."""
     from vitreg import checkpoint, engine
     from vitreg.data import build_data, resolve_num_classes
 
     spec = TrainSpec.from_options(options)
     check_model_name(spec.model)
-    if spec.nproc > 1 and world_size == 1:
-        raise VitregError(f"nproc={spec.nproc}: multi-GPU training runs under the DDP launcher (torchrun), "
-                          f"which this install does not provide for train yet: use nproc=1")
+    world = distributed.World()
+    wrap = reducer = None
+    if distributed.inside_torchrun():
+        # A rank of a DDP job: bind this rank's GPU before anything touches CUDA, join the group.
+        world = distributed.join_world(spec.nproc, spec.device)
+        if world.distributed:
+            # as bench: gradients as views into the all-reduce buckets (no copy, less peak memory)
+            wrap = functools.partial(distributed.ddp_wrap, world=world)
+            reducer = distributed.TrainReducer(world)
+    main = world.is_main
+    if not main:
+        progress = _quiet  # rank 0 speaks for the job; errors still reach every rank's stderr
     detected = detect_hardware(spec.device)
     hw = resolve_hardware(spec.gpu, detected, spec.allow_gpu_mismatch)
-    runtime = resolve_runtime(spec.amp, spec.compile, spec.compile_backend, detected, device_index)
+    runtime = resolve_runtime(spec.amp, spec.compile, spec.compile_backend, detected,
+                              device_index=world.local_rank if detected.device == "cuda" else 0)
     num_classes = resolve_num_classes(spec)  # checks data=PATH before any model or device work
     model, info = create_model(spec.model, spec.img_size, num_classes)
     engine.check_distillable(spec, info)
     resume_dir = None
     if spec.resume:
-        resume_dir = resolve_checkpoint_source(spec.resume, dst=workdir / "resume")
+        resume_dir = resolve_checkpoint_source(spec.resume, dst=workdir / "resume")  # every rank reads it
         spec = engine.resume_spec(spec, resume_dir, info, progress)  # another model fails here, early
 
-    data = build_data(spec, info, runtime.torch_device, model=model, rank=rank, world_size=world_size,
+    data = build_data(spec, info, runtime.torch_device, model=model, rank=world.rank, world_size=world.world_size,
                       sampler_factory=sampler_factory)
-    env = capture_environment()
-    run.set_name(run_name or run_name_for(spec, hw, runtime))
-    tags = train_tags(spec, hw, runtime, info, data.kind)
-    run.set_tags({**env.to_tags(), **tags})
-    params = {**spec.to_params(), "gpu": hw.label, "amp": runtime.amp, "device": runtime.device,
-              "img_size": info.img_size, "num_classes": info.num_classes}
-    skipped = run.log_params(params)
-    if skipped:
-        progress("kept the params mlflow run logged as typed (" +
-                 ", ".join(f"{k}={v}" for k, v in skipped.items()) + "); the resolved values are tags")
-    progress(f"run {run.run_id} at {tracking.tracking_uri()}; {spec.model} ({info.params_m:.1f} M params, "
-             f"{info.img_size}px, {info.num_classes} classes) on {runtime.device} ({detected.name}), "
-             f"amp={runtime.amp}, compile={spec.compile}, data={data.kind}")
-    run.log_text(env.to_json(), "environment.json")
-    run.log_text(pip_freeze(), "pip_freeze.txt")
+    if main:
+        env = capture_environment()
+        run.set_name(run_name or run_name_for(spec, hw, runtime, world.world_size))
+        tags = train_tags(spec, hw, runtime, info, data.kind)
+        run.set_tags({**env.to_tags(), **tags, **world_tags(world, runtime, env)})
+        params = {**spec.to_params(), "gpu": hw.label, "amp": runtime.amp, "device": runtime.device,
+                  "img_size": info.img_size, "num_classes": info.num_classes}
+        skipped = run.log_params(params)
+        if skipped:
+            progress("kept the params mlflow run logged as typed (" +
+                     ", ".join(f"{k}={v}" for k, v in skipped.items()) + "); the resolved values are tags")
+        ddp = f", {world.world_size} ranks ({world.backend})" if world.distributed else ""
+        progress(f"run {run.run_id} at {tracking.tracking_uri()}; {spec.model} ({info.params_m:.1f} M params, "
+                 f"{info.img_size}px, {info.num_classes} classes) on {runtime.device} ({detected.name}){ddp}, "
+                 f"amp={runtime.amp}, compile={spec.compile}, data={data.kind}")
+        run.log_text(env.to_json(), "environment.json")
+        run.log_text(pip_freeze(), "pip_freeze.txt")
 
     model = model.to(runtime.torch_device)
-    summary = _flops_metrics(model, info, runtime)
+    summary = _flops_metrics(model, info, runtime) if main else {}
     logger = RunLogger(run)
     start = checkpoint.read_spec(resume_dir)["step"] if resume_dir else 0
-    bar = Progress(engine.total_steps_of(spec, data.steps_per_epoch), initial=start, progress=progress)
+    bar = Progress(engine.total_steps_of(spec, data.steps_per_epoch), initial=start, progress=progress,
+                   enabled=main)
     ok = False
     try:
         def on_log(step, metrics):
@@ -360,37 +427,47 @@ def _train_in_run(run, options, workdir: Path, progress, command, run_name, *, w
             spec, runtime, model, info, data=data, teacher_loader=teacher_loader,
             checkpoint_dir=workdir / CHECKPOINT_ARTIFACTS, resume_from=resume_dir,
             checkpoint_extra={"run_id": run.run_id}, on_step=bar.step, on_log=on_log,
-            on_checkpoint=CheckpointUploader(logger), on_epoch_end=on_epoch_end, wrap=wrap, world_size=world_size,
-            rank=rank, sampler_factory=sampler_factory, is_main=tracking.is_main_process(), progress=bar.message)
+            on_checkpoint=CheckpointUploader(logger), on_epoch_end=on_epoch_end, wrap=wrap,
+            world_size=world.world_size, rank=world.rank, sampler_factory=sampler_factory, is_main=main,
+            reducer=reducer, progress=bar.message)
         bar.close()
-        metrics = {**summary, **result.metrics()}
-        if result.throughput_img_per_s:
-            achieved = summary["train_gflops_per_img"] * result.throughput_img_per_s / 1e3
-            metrics["train_achieved_tflops"] = achieved
-            metrics["train_mfu"] = mfu(achieved / world_size, hw.profile, runtime.amp, _tf32_on())
-        logger.metrics(metrics)
-        logger.flush()  # every checkpoint is logged before results.json says where the last one is
-        results = {
-            "spec": spec.to_params(), "gpu": hw.label, "amp": runtime.amp, "device": runtime.device,
-            "model": asdict(info), "data": data.kind, "result": result.to_dict(),
-            "metrics": {k: v for k, v in metrics.items() if v is not None},
-            "checkpoint": run.artifact_uri(f"{CHECKPOINT_ARTIFACTS}/last") if result.last_checkpoint else None,
-            "command": command,
-        }
-        run.log_dict(results, "results.json")
-        reg_tags = {"model": spec.model, "gpu": hw.label, "img_size": info.img_size,
-                    "num_classes": info.num_classes, "steps": result.step, "source_run_id": run.run_id,
-                    "train_final_loss": result.final_loss, "val_top1": result.val_top1}
-        register_if_requested(run, spec, result.last_checkpoint, reg_tags, progress)
+        if main:
+            _log_results(run, logger, spec, hw, runtime, info, data, result, summary, reducer, command, progress)
         ok = True
     finally:
         bar.close()
         logger.close(timeout=None if ok else 60)  # on the error path, do not hang on a dead server
-    return result
+    return result, world
 
 
-def run_name_for(spec: TrainSpec, hw, runtime) -> str:
-    return f"train-{spec.model}-{hw.label}-{runtime.amp}-bs{spec.batch_size}"
+def _log_results(run, logger, spec, hw, runtime, info, data, result, summary, reducer, command, progress):
+    """Rank 0 (or the one process): summary metrics, results.json, ranks.json, registration."""
+    metrics = {**summary, **result.metrics()}
+    if result.throughput_img_per_s:
+        achieved = summary["train_gflops_per_img"] * result.throughput_img_per_s / 1e3
+        metrics["train_achieved_tflops"] = achieved
+        metrics["train_mfu"] = mfu(achieved / result.world_size, hw.profile, runtime.amp, _tf32_on())
+    logger.metrics(metrics)
+    logger.flush()  # every checkpoint is logged before results.json says where the last one is
+    results = {
+        "spec": spec.to_params(), "gpu": hw.label, "amp": runtime.amp, "device": runtime.device,
+        "model": asdict(info), "data": data.kind, "result": result.to_dict(),
+        "metrics": {k: v for k, v in metrics.items() if v is not None},
+        "checkpoint": run.artifact_uri(f"{CHECKPOINT_ARTIFACTS}/last") if result.last_checkpoint else None,
+        "command": command,
+    }
+    run.log_dict(results, "results.json")
+    if reducer is not None:
+        run.log_dict({"train": reducer.per_rank}, "ranks.json")  # each rank's own figures: stragglers show
+    reg_tags = {"model": spec.model, "gpu": hw.label, "img_size": info.img_size,
+                "num_classes": info.num_classes, "steps": result.step, "source_run_id": run.run_id,
+                "train_final_loss": result.final_loss, "val_top1": result.val_top1}
+    register_if_requested(run, spec, result.last_checkpoint, reg_tags, progress)
+
+
+def run_name_for(spec: TrainSpec, hw, runtime, world_size: int = 1) -> str:
+    ddp = f"-ddp{world_size}" if world_size > 1 else ""
+    return f"train-{spec.model}-{hw.label}-{runtime.amp}-bs{spec.batch_size}{ddp}"
 
 
 def _tf32_on() -> bool:

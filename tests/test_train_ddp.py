@@ -1,0 +1,211 @@
+"""DDP for `train`: `--nproc N` launches torchrun; one MLflow run; rank 0 logs, checkpoints and registers.
+
+The slow tests are real jobs on the CPU (gloo) with the tiny ``test_vit`` at 32 px: a 2-process
+training that registers its checkpoint, and a job whose ranks fail. The fast tests cover the
+launcher's checks, the reduction rule and the engine's use of the reducer (one collective per log
+boundary, none per step).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+import sys
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from conftest import subprocess_env
+from vitreg import distributed, launch
+from vitreg.checkpoint import verify_checkpoint
+
+TINY = {"model": "test_vit", "img_size": "32", "batch_size": "8", "num_classes": "10", "num_workers": "0",
+        "lr": "2e-3", "warmup_steps": "2", "label_smoothing": "0", "device": "cpu"}
+STEPS, LOG_EVERY, CKPT_EVERY = 8, 2, 4
+
+
+def all_runs(uri: str):
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(uri)
+    return client, client.search_runs([e.experiment_id for e in client.search_experiments()])
+
+
+def vitreg_train(tmp_path, uri, options: dict, timeout=180):
+    return subprocess.run([sys.executable, "-m", "vitreg.cli", "train", *launch.options_to_args(options)],
+                          env=subprocess_env(uri, MLFLOW_DISABLE_TELEMETRY="true"), cwd=tmp_path,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+# --------------------------------------------------------------------------------------------
+# end to end (CPU, gloo)
+
+
+@pytest.mark.slow
+def test_train_nproc2_one_run_rank0_logs_checkpoints_and_registers(tmp_path):
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    proc = vitreg_train(tmp_path, uri, {**TINY, "nproc": "2", "steps": str(STEPS), "log_every": str(LOG_EVERY),
+                                        "checkpoint_every": str(CKPT_EVERY), "register_as": "tiny-ddp",
+                                        "alias": "champion", "experiment": "ddp-train"})
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    client, runs = all_runs(uri)
+    assert len(runs) == 1, [(r.info.run_id, r.info.status) for r in runs]  # ranks resumed the launcher's run
+    run = runs[0]
+    rid, m, tags = run.info.run_id, run.data.metrics, run.data.tags
+    assert run.info.status == "FINISHED" and run.info.run_name == "train-test_vit-cpu-off-bs8-ddp2"
+    assert run.data.params["nproc"] == "2"
+    assert tags["world_size"] == "2" and tags["dist_backend"] == "gloo" and tags["vitreg_job"] == "train"
+
+    # rank 0 alone logged: one value per step of every curve, one value of every summary metric
+    for key in m:
+        if key.startswith("system/"):
+            continue  # sampled by the launcher every few seconds
+        steps = [h.step for h in client.get_metric_history(rid, key)]
+        assert len(steps) == len(set(steps)), (key, steps)
+    assert [h.step for h in client.get_metric_history(rid, "train_loss")] == list(range(LOG_EVERY, STEPS + 1, LOG_EVERY))
+    assert len(client.get_metric_history(rid, "train_throughput_img_per_s")) == 1
+
+    # the figures of the job: rates summed over the ranks, the slowest rank's step time, the mean loss
+    assert m["train_world_size"] == 2 and m["train_images"] == STEPS * 8 * 2
+    assert m["train_throughput_img_per_s_per_gpu"] == pytest.approx(m["train_throughput_img_per_s"] / 2)
+    ranks = json.loads(open(client.download_artifacts(rid, "ranks.json", str(tmp_path))).read())["train"]
+    assert [r["rank"] for r in ranks] == [0, 1]
+    assert m["train_throughput_img_per_s"] == pytest.approx(sum(r["throughput_img_per_s"] for r in ranks))
+    assert m["train_step_ms_p50"] == pytest.approx(max(r["step_ms_p50"] for r in ranks))
+    assert ranks[0]["final_loss"] != ranks[1]["final_loss"]  # each rank trained on its own batches
+    assert m["train_final_loss"] == pytest.approx(statistics.mean(r["final_loss"] for r in ranks), rel=1e-5)
+
+    # checkpoints written and uploaded once, by rank 0; the registered version comes from the last one
+    assert {a.path for a in client.list_artifacts(rid, "checkpoints")} == {
+        "checkpoints/step-4", "checkpoints/step-8", "checkpoints/last"}
+    last = client.download_artifacts(rid, "checkpoints/last", str(tmp_path / "last"))
+    verify_checkpoint(last)
+    spec = json.loads(open(f"{last}/spec.json").read())
+    assert spec["step"] == STEPS and spec["world_size"] == 2
+    versions = client.search_model_versions("name = 'tiny-ddp'")
+    assert len(versions) == 1 and versions[0].run_id == rid
+    assert str(client.get_model_version_by_alias("tiny-ddp", "champion").version) == str(versions[0].version)
+    assert tags["registered_model_version"] == str(versions[0].version)
+
+    # rank 0 speaks for the job; rank 1 says nothing, and both ranks' logs are in the run
+    assert "[rank0]: [vitreg] step 8/8" in proc.stderr and "[rank1]: [vitreg]" not in proc.stderr
+    assert f"logged run {rid}" in proc.stdout
+    assert {a.path for a in client.list_artifacts(rid, "torchrun")} == {"torchrun/rank0", "torchrun/rank1"}
+
+
+@pytest.mark.slow
+def test_failing_ranks_fail_the_run_with_their_error_and_status(tmp_path):
+    """An error only the ranks see (the student has no distillation token): exit 2 (the ranks' own
+    VitregError status, not torchrun's 1), one FAILED run whose vitreg_error names the rank."""
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    proc = vitreg_train(tmp_path, uri, {**TINY, "nproc": "2", "steps": "2", "distillation": "soft",
+                                        "teacher": "test_vit"})
+    assert proc.returncode == 2, proc.stderr[-4000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: rank ") and "needs a distillation token" in last, proc.stderr[-3000:]
+    _, runs = all_runs(uri)
+    assert len(runs) == 1 and runs[0].info.status == "FAILED"
+    assert runs[0].data.tags["vitreg_error"] == last[len("error: "):]
+
+
+# --------------------------------------------------------------------------------------------
+# the launcher's checks (in-process, nothing launched)
+
+
+@pytest.mark.parametrize("extra,needle", [
+    ({"model": "test_vti"}, "did you mean test_vit"),
+    ({"device": "cuda"}, "no CUDA GPU is visible"),
+    ({"data": "/nonexistent/imagenet"}, "does not exist"),
+])
+def test_launcher_refuses_before_launching(sqlite_store, monkeypatch, extra, needle):
+    from mlflow.tracking import MlflowClient
+
+    from vitreg.cli import main
+
+    monkeypatch.setattr(launch, "visible_gpu_count", lambda: 0)
+    result = CliRunner().invoke(main, ["train", *launch.options_to_args({**TINY, "nproc": "2", **extra})])
+    assert result.exit_code == 2, result.output
+    assert result.output.count("error: ") == 1 and needle in result.output and "launching" not in result.output, result.output
+    client = MlflowClient()
+    (run,) = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    assert run.info.status == "FAILED" and needle in run.data.tags["vitreg_error"]
+
+
+def test_wants_torchrun(monkeypatch):
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    assert launch.wants_torchrun({"nproc": "2"}) and launch.wants_torchrun({"nproc": "1"}, nnodes=2)
+    assert not launch.wants_torchrun({"nproc": "1"}) and not launch.wants_torchrun({})
+    assert not launch.wants_torchrun({"nproc": "two"})  # reported by the spec, inside its run
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    assert not launch.wants_torchrun({"nproc": "2"})  # a rank never relaunches
+
+
+def test_join_world_refuses_another_process_count(monkeypatch):
+    from vitreg.errors import VitregError
+
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    with pytest.raises(VitregError, match="nproc=2 but torchrun started 4 process"):
+        distributed.join_world(2, "cpu")
+
+
+# --------------------------------------------------------------------------------------------
+# the reduction
+
+
+def test_reduce_train_figures_sums_rates_and_takes_the_slowest():
+    a = {"throughput_img_per_s": 100.0, "step_ms_p50": 10.0, "step_ms_p90": 12.0, "data_wait_frac": 0.1,
+         "first_step_s": 2.0, "measured_steps": 20, "final_loss": 1.0}
+    b = {"throughput_img_per_s": 90.0, "step_ms_p50": 11.0, "step_ms_p90": 11.5, "data_wait_frac": 0.3,
+         "first_step_s": 1.0, "measured_steps": 20, "final_loss": 3.0}
+    out = distributed.reduce_train_figures([a, b])
+    assert out == {"throughput_img_per_s": 190.0, "step_ms_p50": 11.0, "step_ms_p90": 12.0, "data_wait_frac": 0.3,
+                   "first_step_s": 2.0, "measured_steps": 20}
+    assert distributed.reduce_train_figures([a, {**b, "throughput_img_per_s": None}])["throughput_img_per_s"] is None
+    with pytest.raises(ValueError):
+        distributed.reduce_train_figures([])
+
+
+class CountingReducer(distributed.TrainReducer):
+    """A one-process TrainReducer that pretends a second, identical rank: counts its collectives."""
+
+    def __init__(self):
+        super().__init__(distributed.World(world_size=2, local_world_size=2))
+        self.figure_calls = 0
+
+    def interval(self, loss, img_per_s):
+        half, rate = super().interval(loss, img_per_s)  # no process group: the local sums, divided by 2
+        return half * 2, (rate * 2 if rate is not None else None)
+
+    def figures(self, local):
+        self.figure_calls += 1
+        local = {**local, "final_loss": self.last_local_loss}
+        twin = {**local, "step_ms_p50": local["step_ms_p50"] * 1.5}  # a slower second rank
+        self.per_rank = [local, twin]
+        return distributed.reduce_train_figures([local, twin])
+
+
+def test_engine_reduces_once_per_log_boundary_and_once_at_the_end():
+    from vitreg import engine
+    from vitreg.hardware import PROFILES, DetectedHardware
+    from vitreg.models import create_model
+    from vitreg.runtime import resolve_runtime
+    from vitreg.spec import TrainSpec
+
+    spec = TrainSpec(model="test_vit", img_size=32, num_classes=10, batch_size=4, steps=7, log_every=3,
+                     label_smoothing=0)
+    runtime = resolve_runtime("off", "off", "inductor", DetectedHardware("cpu", "CPU", 1, PROFILES["cpu"]))
+    torch.manual_seed(0)
+    model, info = create_model(spec.model, spec.img_size, spec.num_classes)
+    reducer, logs = CountingReducer(), {}
+    result = engine.train(spec, runtime, model, info, world_size=2, reducer=reducer,
+                          on_log=lambda step, metrics: logs.__setitem__(step, metrics), progress=lambda m: None)
+    assert sorted(logs) == [3, 6, 7] and reducer.intervals == 3  # the boundaries, never per step
+    assert reducer.figure_calls == 1
+    local = reducer.per_rank[0]
+    assert result.throughput_img_per_s == pytest.approx(2 * local["throughput_img_per_s"])
+    assert result.step_ms_p50 == pytest.approx(1.5 * local["step_ms_p50"])
+    assert result.final_loss == pytest.approx(logs[7]["train_loss"]) == pytest.approx(local["final_loss"])
+    assert result.images == 7 * 4 * 2
