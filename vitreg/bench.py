@@ -14,7 +14,6 @@ only rank 0 logs the figures reduced over all ranks (:mod:`vitreg.distributed`).
 from __future__ import annotations
 
 import functools
-import os
 import shlex
 import sys
 from dataclasses import dataclass
@@ -86,7 +85,7 @@ def bench(options: dict, experiment: str | None = None, run_name: str | None = N
         wrap = reducer = None
         if distributed.inside_torchrun():
             # A rank of a DDP job: bind this rank's GPU before anything touches CUDA, join the group.
-            world = _join_world(spec)
+            world = distributed.join_world(spec.nproc, spec.device)
             if world.distributed:
                 wrap = functools.partial(distributed.ddp_wrap, world=world)
                 reducer = distributed.ResultReducer(world)
@@ -163,18 +162,6 @@ def _launch_bench(options, experiment, run_name, progress, nnodes, node_rank, rd
             world_size = int(metrics.get("train_world_size") or metrics.get("infer_world_size") or spec.nproc * nnodes)
             log_scaling_efficiency(run, baseline, metrics, world_size, dict(logged.data.tags), progress)
     return None
-
-
-def _join_world(spec: BenchSpec) -> distributed.World:
-    """This rank's World; refuses a torchrun whose process count differs from ``nproc`` (the logged param)."""
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    if spec.nproc != local_world:
-        raise VitregError(f"nproc={spec.nproc} but torchrun started {local_world} process(es) on this node: pass "
-                          f"nproc={local_world}, or run without torchrun and let vitreg launch it")
-    import torch
-
-    device_type = "cuda" if spec.device != "cpu" and torch.cuda.is_available() else "cpu"
-    return distributed.init_from_env(device_type)
 
 
 def world_tags(world: distributed.World, runtime, env) -> dict:
