@@ -23,7 +23,9 @@ ck() {  # independent loop
   timeout ${CK_TIMEOUT:-60} python3 benchmarks/independent_check.py --batch-size 256 --warmup 10 --iters 20 --repeats 5 "$@" \
     2>/dev/null | tee -a $OUT/independent.jsonl | cut -c1-200 | tee -a $LOG
 }
-# in priority order: the independent-loop agreement first, then the other models, then compile
+# in priority order: the independent-loop agreement first, then the other models, then compile.
+# SKIP_DONE=1 skips what docs/benchmarks.md already has (the eager rows and compiled ViT-B).
+if [ "${SKIP_DONE:-0}" != 1 ]; then
 vb --model vit_base_patch16_224 --compile off
 ck --model vit_base_patch16_224 --task infer; ck --model vit_base_patch16_224 --task train
 vb --model deit_small_patch16_224 --compile off
@@ -31,6 +33,7 @@ ck --model deit_small_patch16_224 --task infer; ck --model deit_small_patch16_22
 vb --model deit_tiny_patch16_224 --compile off
 vb --model deit_base_patch16_224 --compile off
 vb --model vit_base_patch16_224 --compile default
+fi
 ck --model vit_base_patch16_224 --task infer --compile default
 vb --model deit_small_patch16_224 --compile default
 vb --model deit_tiny_patch16_224 --compile default
