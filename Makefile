@@ -35,8 +35,11 @@ $(STAMP): pyproject.toml
 bench: $(STAMP)
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" mlflow run . -e bench --env-manager local $(BENCH_DEFAULTS) $(ARGS)
 
+# Two workers (this project's machines have 2 cores); --dist loadfile keeps a module's servers in one worker.
+PYTEST_ARGS ?= -n 2 --dist loadfile
+
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow"
