@@ -379,6 +379,9 @@ def _train_in_run(run, options, workdir: Path, progress, command, run_name, *, s
     runtime = resolve_runtime(spec.amp, spec.compile, spec.compile_backend, detected,
                               device_index=world.local_rank if detected.device == "cuda" else 0)
     num_classes = resolve_num_classes(spec)  # checks data=PATH before any model or device work
+    import torch
+
+    torch.manual_seed(spec.seed)  # the model's init, as --seed promises (DDP then copies rank 0's weights)
     model, info = create_model(spec.model, spec.img_size, num_classes)
     engine.check_distillable(spec, info)
     resume_dir = None
