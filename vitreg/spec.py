@@ -64,6 +64,19 @@ class _Spec:
 
     _kind = "spec"  # named in the unknown-option message
 
+    def _put(self, name, value):
+        object.__setattr__(self, name, value)  # frozen dataclass: parse in place in __post_init__
+
+    def _parse_model_gpu_img(self) -> None:
+        """The options every spec shares: model (non-empty), gpu label, img_size (0 or >= 16)."""
+        self._put("model", str(self.model).strip())
+        if not self.model:
+            raise VitregError(f"model is empty: pass e.g. model={type(self).model}")
+        self._put("gpu", str(self.gpu).strip().lower() or "auto")
+        self._put("img_size", parse_int(self.img_size, "img_size", 0))
+        if 0 < self.img_size < 16:
+            raise VitregError(f"img_size={self.img_size} is too small: pass img_size=0 for the model default or e.g. 224")
+
     def replace(self, **changes):
         return dataclasses.replace(self, **changes)
 
@@ -111,19 +124,11 @@ class BenchSpec(_Spec):
     seed: int = 0
 
     def __post_init__(self):
-        # Parse in place so BenchSpec(**strings) works for -P values; frozen, hence object.__setattr__.
-        def put(name, value):
-            object.__setattr__(self, name, value)
-
-        put("model", str(self.model).strip())
-        if not self.model:
-            raise VitregError("model is empty: pass e.g. model=vit_base_patch16_224")
-        put("gpu", str(self.gpu).strip().lower() or "auto")
+        # Parse in place so BenchSpec(**strings) works for -P values.
+        put = self._put
+        self._parse_model_gpu_img()
         put("task", parse_choice(self.task, "task", TASKS))
         put("batch_size", parse_int(self.batch_size, "batch_size", 1))
-        put("img_size", parse_int(self.img_size, "img_size", 0))
-        if 0 < self.img_size < 16:
-            raise VitregError(f"img_size={self.img_size} is too small: pass img_size=0 for the model default or e.g. 224")
         put("amp", parse_choice(self.amp, "amp", AMP_CHOICES))
         put("compile", parse_choice(self.compile, "compile", COMPILE_CHOICES))
         put("compile_backend", parse_choice(self.compile_backend, "compile_backend", COMPILE_BACKENDS))
@@ -219,16 +224,8 @@ class TrainSpec(_Spec):
     seed: int = 0
 
     def __post_init__(self):
-        def put(name, value):
-            object.__setattr__(self, name, value)
-
-        put("model", str(self.model).strip())
-        if not self.model:
-            raise VitregError("model is empty: pass e.g. model=deit_tiny_patch16_224")
-        put("gpu", str(self.gpu).strip().lower() or "auto")
-        put("img_size", parse_int(self.img_size, "img_size", 0))
-        if 0 < self.img_size < 16:
-            raise VitregError(f"img_size={self.img_size} is too small: pass img_size=0 for the model default or e.g. 224")
+        put = self._put
+        self._parse_model_gpu_img()
         put("batch_size", parse_int(self.batch_size, "batch_size", 1))
         put("steps", parse_int(self.steps, "steps", 0))
         put("epochs", parse_int(self.epochs, "epochs", 0))
