@@ -19,18 +19,15 @@ import sys
 from dataclasses import dataclass
 
 from vitreg import distributed, launch, tracking
-from vitreg.errors import VitregError
+from vitreg.console import progress, quiet
 from vitreg.env import capture_environment, pip_freeze
+from vitreg.errors import VitregError
 from vitreg.hardware import detect_hardware, resolve_hardware
 from vitreg.models import check_model_name, create_model
 from vitreg.report import report_markdown, results_table
 from vitreg.runner import BenchResult, run_benchmark
 from vitreg.runtime import resolve_runtime
 from vitreg.spec import BenchSpec
-
-
-def _progress(message: str) -> None:
-    print(f"[vitreg] {message}", file=sys.stderr, flush=True)
 
 
 def log_setup(run, params: dict, env, progress) -> None:
@@ -63,7 +60,7 @@ def resolved_tags(spec: BenchSpec, hw, runtime, img_size: int) -> dict:
 
 
 def bench(options: dict, experiment: str | None = None, run_name: str | None = None,
-          progress=_progress, command: str | None = None, *, nnodes: int = 1, node_rank: int = 0,
+          progress=progress, command: str | None = None, *, nnodes: int = 1, node_rank: int = 0,
           rdzv_endpoint: str | None = None, baseline_run: str | None = None) -> BenchResult | None:
     """Run one benchmark and log it as one MLflow run. Raises VitregError on bad input (run ends FAILED).
 
@@ -90,7 +87,7 @@ def bench(options: dict, experiment: str | None = None, run_name: str | None = N
                 wrap = functools.partial(distributed.ddp_wrap, world=world)
                 reducer = distributed.ResultReducer(world)
                 if not world.is_main:
-                    progress = _quiet  # rank 0 speaks for the job; errors still reach every rank's stderr
+                    progress = quiet  # rank 0 speaks for the job; errors still reach every rank's stderr
         # baseline_run under a torchrun the user started: rank 0 checks it now, before the GPU time
         # (under a vitreg launcher, the launcher checked it and relates the figures itself).
         baseline = None
@@ -135,10 +132,6 @@ def bench(options: dict, experiment: str | None = None, run_name: str | None = N
 
 # --------------------------------------------------------------------------------------------
 # DDP: the launcher side and the rank side
-
-
-def _quiet(message: str) -> None:
-    pass
 
 
 def _launch_bench(options, experiment, run_name, progress, nnodes, node_rank, rdzv_endpoint, baseline_run):

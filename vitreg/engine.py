@@ -31,7 +31,6 @@ make the same number of steps (the data gives each rank the same number of batch
 from __future__ import annotations
 
 import math
-import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -41,16 +40,13 @@ import torch
 import torch.nn.functional as F
 
 from vitreg import checkpoint as ckpt
+from vitreg.console import progress
 from vitreg.errors import VitregError
 from vitreg.runner import loss_of
 from vitreg.timing import summarize, synchronize
 
 THROUGHPUT_WARMUP_STEPS = 10  # as BenchSpec.warmup: steps after the first that are not timed into the result
 WARMUP_LR_INIT = 1e-6  # DeiT's warmup_lr: where the linear warm-up starts
-
-
-def _stderr(message: str) -> None:
-    print(f"[vitreg] {message}", file=sys.stderr, flush=True)
 
 
 # --------------------------------------------------------------------------- loss
@@ -144,7 +140,7 @@ def build_criterion(spec, info, teacher=None):
     return DistillationLoss(base, teacher, spec.distillation, spec.distill_alpha, spec.distill_tau)
 
 
-def create_teacher(spec, info, device, loader: Callable | None = None, progress=_stderr):
+def create_teacher(spec, info, device, loader: Callable | None = None, progress=progress):
     """The teacher for ``spec.teacher``, in eval mode on ``device``, without gradients.
 
     - ``models:/...`` or ``runs:/...``: ``loader(uri)`` (the registry's loader, passed in so the engine
@@ -210,7 +206,7 @@ def build_scheduler(optimizer, spec, total_steps: int):
                              t_in_epochs=False)
 
 
-def resume_spec(spec, resume_from, info, progress=_stderr):
+def resume_spec(spec, resume_from, info, progress=progress):
     """The spec a resumed run trains with: this one, with the checkpoint's ``seed``.
 
     The seed defines the synthetic data set (its class prototypes) and the sample order of an
@@ -365,7 +361,7 @@ def train(spec, runtime, model, info, *, data=None, teacher=None, teacher_loader
           on_step: Callable | None = None, on_log: Callable | None = None, on_checkpoint: Callable | None = None,
           on_epoch_end: Callable | None = None, wrap: Callable | None = None, world_size: int = 1, rank: int = 0,
           sampler_factory: Callable | None = None, is_main: bool = True, reducer=None,
-          progress=_stderr) -> TrainResult:
+          progress=progress) -> TrainResult:
     """Train ``model`` (built by :func:`vitreg.models.create_model`, described by ``info``) as ``spec`` says.
 
     ``data`` defaults to :func:`vitreg.data.build_data`; ``teacher`` to :func:`create_teacher` when

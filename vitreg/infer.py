@@ -14,6 +14,7 @@ import tempfile
 
 from vitreg import registry, tracking
 from vitreg.bench import log_setup, resolved_tags
+from vitreg.console import progress
 from vitreg.env import capture_environment
 from vitreg.errors import VitregError
 from vitreg.hardware import detect_hardware, resolve_hardware
@@ -22,16 +23,12 @@ from vitreg.runner import BenchResult, run_benchmark
 from vitreg.runtime import resolve_runtime
 from vitreg.spec import BenchSpec, parse_int
 
-def _progress(message: str) -> None:
-    print(f"[vitreg] {message}", file=sys.stderr, flush=True)
-
-
 #: Options that the registered checkpoint decides, not the user.
 FROM_CHECKPOINT = ("model", "img_size")
 
 
 def infer(model_uri: str, options: dict, experiment: str | None = None, run_name: str | None = None,
-          progress=_progress, command: str | None = None) -> BenchResult:
+          progress=progress, command: str | None = None) -> BenchResult:
     """Pull ``model_uri`` and benchmark it (task=infer unless ``options['task']`` says otherwise) as one run."""
     command = command or " ".join(shlex.quote(a) for a in sys.argv)
     model_uri = str(model_uri or "").strip()

@@ -15,11 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from vitreg import tracking
+from vitreg.console import progress
 from vitreg.errors import VitregError
-
-
-def _progress(message: str) -> None:
-    print(f"[vitreg] {message}", file=sys.stderr, flush=True)
 
 
 # ---------------------------------------------------------------- compare
@@ -33,7 +30,7 @@ def benchmark_runs(experiment: str):
 
 
 def run_compare(experiment: str, baseline: str | None = None, metric: str = "throughput_img_per_s",
-                run_name: str | None = None, log_experiment: str | None = None, progress=_progress):
+                run_name: str | None = None, log_experiment: str | None = None, progress=progress):
     """Compare the experiment's runs across GPUs; log the table and plots as artifacts of a compare run.
 
     The comparison is computed (and every input checked) before a run is opened, so a bad request
@@ -66,7 +63,7 @@ def run_compare(experiment: str, baseline: str | None = None, metric: str = "thr
 # ---------------------------------------------------------------- import-timm
 
 def import_timm(path: str, gpu: str | None = None, amp: str | None = None, experiment: str | None = None,
-                progress=_progress) -> list[str]:
+                progress=progress) -> list[str]:
     """Log each row of a timm ``benchmark.py`` CSV as a run tagged ``source=timm``; returns the run ids."""
     from vitreg.timm_import import read_timm_csv
 
@@ -140,7 +137,7 @@ def _child_command(combo: Combination, batch_size: int, common: dict) -> list[st
 
 def run_sweep(models: str, amp: str = "auto", compile: str = "off", batch_size: str = "64",
               common: dict | None = None, experiment: str | None = None, max_oom_retries: int = 3,
-              progress=_progress) -> dict:
+              progress=progress) -> dict:
     """Run every combination as a child run of one parent run, each in its own process.
 
     A child that fails is recorded FAILED with its reason and the sweep goes on; a child that ran

@@ -22,7 +22,6 @@ from __future__ import annotations
 import json
 import re
 import shutil
-import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,6 +30,7 @@ import mlflow
 from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
+from vitreg.console import progress
 from vitreg.errors import VitregError
 
 #: Where the checkpoint files live inside a registered model version's artifacts.
@@ -45,10 +45,6 @@ EXAMPLE_BATCH = 2
 _ALIAS_RE = re.compile(r"^[\w\-]+$")
 _NAME_RE = re.compile(r"^[\w.\-]+$")
 _VERSION_ALIAS_RE = re.compile(r"^[vV]\d+$")
-
-
-def _progress(message: str) -> None:
-    print(f"[vitreg] {message}", file=sys.stderr, flush=True)
 
 
 def _checkpoint():
@@ -67,7 +63,7 @@ def _first_line(exc: BaseException) -> str:
 
 
 def register_checkpoint(tracker, checkpoint_dir, name: str, alias: str | None = "latest", tags: dict | None = None,
-                        input_example_size: int | None = None, progress=_progress):
+                        input_example_size: int | None = None, progress=progress):
     """Register a vitreg checkpoint as a new version of registered model ``name``; returns the ModelVersion.
 
     ``tracker`` is the :class:`vitreg.tracking.Tracker` of the run that produced the checkpoint: the
@@ -288,7 +284,7 @@ class _Located:
     run_id: str | None = None
 
 
-def pull(uri: str, out_dir=None, dst=None, progress=_progress) -> PullResult:
+def pull(uri: str, out_dir=None, dst=None, progress=progress) -> PullResult:
     """Download, verify (sha256), rebuild and smoke-test a registered model; optionally export it.
 
     ``dst`` is where the downloaded files go (default: a new temporary folder, kept and printed).

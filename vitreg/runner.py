@@ -9,19 +9,15 @@ a window. Results are typed values; :mod:`vitreg.tracking` logs them.
 
 from __future__ import annotations
 
-import sys
 from dataclasses import asdict, dataclass, field
 
+from vitreg.console import progress
 from vitreg.errors import VitregError
 from vitreg.hardware import ResolvedHardware, mfu
 from vitreg.models import ModelInfo, create_model, forward_flops_per_image, train_flops_per_image
 from vitreg.runtime import Runtime
 from vitreg.spec import BenchSpec
 from vitreg.timing import Stats, summarize, synchronize, time_window, wall_seconds
-
-
-def _stderr_progress(message: str) -> None:
-    print(f"[vitreg] {message}", file=sys.stderr, flush=True)
 
 
 @dataclass(frozen=True)
@@ -173,7 +169,7 @@ def _oom_guard(fn, batch_size: int, task: str):
 
 
 def run_inference(model, info: ModelInfo, spec: BenchSpec, runtime: Runtime, hardware: ResolvedHardware,
-                  fwd_flops: int, progress=_stderr_progress, tf32: bool = False, reducer=None) -> TaskResult:
+                  fwd_flops: int, progress=progress, tf32: bool = False, reducer=None) -> TaskResult:
     """Forward passes in eval mode under inference_mode and autocast, synthetic batch on the device.
 
     Under DDP (``reducer``, a :class:`vitreg.distributed.ResultReducer`) every rank runs its own
@@ -200,7 +196,7 @@ def run_inference(model, info: ModelInfo, spec: BenchSpec, runtime: Runtime, har
 
 
 def run_train_step(model, info: ModelInfo, spec: BenchSpec, runtime: Runtime, hardware: ResolvedHardware,
-                   train_flops: int, progress=_stderr_progress, tf32: bool = False, wrap=None,
+                   train_flops: int, progress=progress, tf32: bool = False, wrap=None,
                    reducer=None) -> TaskResult:
     """Full training steps: forward, loss, backward, (scaled) AdamW step, on a fixed synthetic batch.
 
@@ -274,7 +270,7 @@ def _task_result(task, windows, first_s, warm_s, spec, info, runtime, hardware, 
     )
 
 
-def run_benchmark(spec: BenchSpec, hardware: ResolvedHardware, runtime: Runtime, progress=_stderr_progress,
+def run_benchmark(spec: BenchSpec, hardware: ResolvedHardware, runtime: Runtime, progress=progress,
                   model_factory=None, wrap=None, reducer=None) -> BenchResult:
     """Build the model, count its FLOPs, run each task of the spec; returns a :class:`BenchResult`.
 

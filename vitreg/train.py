@@ -46,6 +46,7 @@ from pathlib import Path
 
 from vitreg import distributed, launch, tracking
 from vitreg.bench import resolved_tags, world_tags
+from vitreg.console import progress, quiet
 from vitreg.env import capture_environment, pip_freeze
 from vitreg.errors import VitregError
 from vitreg.hardware import detect_hardware, mfu, resolve_hardware
@@ -54,14 +55,6 @@ from vitreg.runtime import resolve_runtime
 from vitreg.spec import TrainSpec
 
 CHECKPOINT_ARTIFACTS = "checkpoints"
-
-
-def _progress(message: str) -> None:
-    print(f"[vitreg] {message}", file=sys.stderr, flush=True)
-
-
-def _quiet(message: str) -> None:
-    pass
 
 
 # --------------------------------------------------------------------------- background logging
@@ -160,7 +153,7 @@ class CheckpointUploader:
 class Progress:
     """A tqdm bar on a terminal (step, loss, img/s); plain lines at each log when stderr is not a terminal."""
 
-    def __init__(self, total: int, initial: int = 0, progress=_progress, enabled: bool = True):
+    def __init__(self, total: int, initial: int = 0, progress=progress, enabled: bool = True):
         self.total = total
         self.progress = progress
         self.enabled = enabled  # False on DDP ranks other than 0: rank 0 speaks for the job
@@ -252,7 +245,7 @@ def teacher_loader(uri: str):
 # --------------------------------------------------------------------------- registration hook
 
 
-def register_if_requested(tracker, spec: TrainSpec, checkpoint_dir, tags: dict, progress=_progress):
+def register_if_requested(tracker, spec: TrainSpec, checkpoint_dir, tags: dict, progress=progress):
     """REGISTRATION HOOK: when ``register_as`` is set, hand the final checkpoint to the registry.
 
     ``vitreg.registry.register_checkpoint(tracker, checkpoint_dir, name, alias, tags)`` creates the
@@ -303,7 +296,7 @@ def _flops_metrics(model, info, runtime) -> dict:
     return {"train_gflops_per_img": flops / 1e9, "params_m": info.params_m}
 
 
-def train(options: dict, experiment: str | None = None, run_name: str | None = None, progress=_progress,
+def train(options: dict, experiment: str | None = None, run_name: str | None = None, progress=progress,
           command: str | None = None, *, sampler_factory=None):
     """Train one model and log it as one MLflow run; returns the engine's TrainResult.
 
@@ -373,7 +366,7 @@ def _train_in_run(run, options, workdir: Path, progress, command, run_name, *, s
             reducer = distributed.TrainReducer(world)
     main = world.is_main
     if not main:
-        progress = _quiet  # rank 0 speaks for the job; errors still reach every rank's stderr
+        progress = quiet  # rank 0 speaks for the job; errors still reach every rank's stderr
     detected = detect_hardware(spec.device)
     hw = resolve_hardware(spec.gpu, detected, spec.allow_gpu_mismatch)
     runtime = resolve_runtime(spec.amp, spec.compile, spec.compile_backend, detected,
