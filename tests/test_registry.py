@@ -28,31 +28,6 @@ from vitreg.models import create_model
 
 IMG, CLASSES = 32, 10
 
-# The MLproject `infer` entry (also given to the lead for the real MLproject). The test writes it into
-# a copy of the repo when the real MLproject has no `infer` entry yet.
-MLPROJECT_INFER = """\
-  infer:
-    parameters:
-      model_uri: {type: string}
-      gpu: {type: string, default: auto}
-      task: {type: string, default: infer}
-      batch_size: {type: string, default: "64"}
-      amp: {type: string, default: auto}
-      compile: {type: string, default: "off"}
-      compile_backend: {type: string, default: inductor}
-      warmup: {type: string, default: "10"}
-      steps: {type: string, default: "30"}
-      repeats: {type: string, default: "5"}
-      device: {type: string, default: auto}
-      allow_gpu_mismatch: {type: string, default: "false"}
-      seed: {type: string, default: "0"}
-    command: >-
-      python entry_points/infer.py --model-uri {model_uri} --gpu {gpu} --task {task}
-      --batch-size {batch_size} --amp {amp} --compile {compile} --compile-backend {compile_backend}
-      --warmup {warmup} --steps {steps} --repeats {repeats} --device {device}
-      --allow-gpu-mismatch {allow_gpu_mismatch} --seed {seed}
-"""
-
 TINY_BENCH = {"batch_size": "2", "warmup": "2", "steps": "3", "repeats": "2", "gpu": "auto"}
 
 
@@ -328,23 +303,10 @@ def test_infer_cli_unknown_alias_fails_the_run_in_one_line(store):
     assert run.info.status == "FAILED" and "no alias 'nope'" in run.data.tags["vitreg_error"]
 
 
-def _project_with_infer_entry(tmp_path: Path) -> Path:
-    """The repo itself when its MLproject has `infer`; otherwise a copy with the entry added."""
-    if "\n  infer:" in (REPO / "MLproject").read_text():
-        return REPO
-    copy = tmp_path / "project"
-    shutil.copytree(REPO, copy, ignore=shutil.ignore_patterns(".venv", ".git", "mlruns", "mlartifacts", "mlflow.db",
-                                                              "__pycache__", ".whl", ".gl", "tests", "*.egg-info",
-                                                              "out", "gpu-runs", "vitreg-data", "build", "dist"))
-    (copy / "MLproject").write_text((copy / "MLproject").read_text().rstrip("\n") + "\n" + MLPROJECT_INFER)
-    return copy
-
-
 @pytest.mark.slow
 def test_mlflow_run_infer_entry_end_to_end(store, tmp_path):
-    project = _project_with_infer_entry(tmp_path)
     params = ["-P", "model_uri=models:/tv@champion"] + [a for k, v in TINY_BENCH.items() for a in ("-P", f"{k}={v}")]
-    proc = subprocess.run([sys.executable, "-m", "mlflow", "run", str(project), "-e", "infer", "--env-manager",
+    proc = subprocess.run([sys.executable, "-m", "mlflow", "run", str(REPO), "-e", "infer", "--env-manager",
                            "local", "--experiment-name", "infer-e2e", *params],
                           env=subprocess_env(store.uri), cwd=store.root, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -27,54 +26,6 @@ from vitreg.spec import TrainSpec
 TINY = ["--model", "test_vit", "--img-size", "32", "--batch-size", "8", "--num-classes", "10", "--num-workers", "0",
         "--lr", "2e-3", "--warmup-steps", "2", "--label-smoothing", "0"]
 
-# The MLproject `train` entry (also given to the lead for the real MLproject). The slow test writes it into a
-# copy of the repo when the real MLproject has no `train` entry yet.
-MLPROJECT_TRAIN = """\
-  train:
-    parameters:
-      model: {type: string, default: deit_tiny_patch16_224}
-      gpu: {type: string, default: auto}
-      img_size: {type: string, default: "0"}
-      batch_size: {type: string, default: "64"}
-      steps: {type: string, default: "0"}
-      epochs: {type: string, default: "1"}
-      lr: {type: string, default: "0.0005"}
-      weight_decay: {type: string, default: "0.05"}
-      warmup_steps: {type: string, default: "10"}
-      min_lr: {type: string, default: "1e-05"}
-      clip_grad: {type: string, default: "0.0"}
-      label_smoothing: {type: string, default: "0.1"}
-      amp: {type: string, default: auto}
-      compile: {type: string, default: "off"}
-      compile_backend: {type: string, default: inductor}
-      device: {type: string, default: auto}
-      allow_gpu_mismatch: {type: string, default: "false"}
-      data: {type: string, default: synthetic}
-      num_workers: {type: string, default: "4"}
-      num_classes: {type: string, default: "0"}
-      log_every: {type: string, default: "10"}
-      checkpoint_every: {type: string, default: "1000"}
-      resume: {type: string, default: ""}
-      distillation: {type: string, default: "none"}
-      teacher: {type: string, default: ""}
-      distill_alpha: {type: string, default: "0.5"}
-      distill_tau: {type: string, default: "1.0"}
-      register_as: {type: string, default: ""}
-      alias: {type: string, default: latest}
-      nproc: {type: string, default: "1"}
-      seed: {type: string, default: "0"}
-    command: >-
-      python entry_points/train.py --model {model} --gpu {gpu} --img-size {img_size}
-      --batch-size {batch_size} --steps {steps} --epochs {epochs} --lr {lr} --weight-decay {weight_decay}
-      --warmup-steps {warmup_steps} --min-lr {min_lr} --clip-grad {clip_grad}
-      --label-smoothing {label_smoothing} --amp {amp} --compile {compile} --compile-backend {compile_backend}
-      --device {device} --allow-gpu-mismatch {allow_gpu_mismatch} --data {data} --num-workers {num_workers}
-      --num-classes {num_classes} --log-every {log_every} --checkpoint-every {checkpoint_every}
-      --resume {resume} --distillation {distillation} --teacher {teacher} --distill-alpha {distill_alpha}
-      --distill-tau {distill_tau} --register-as {register_as} --alias {alias} --nproc {nproc} --seed {seed}
-"""
-
-
 def cli():
     group = click.Group()  # the lead registers `train` on vitreg's group; a bare group runs it the same way
     group.add_command(train_command)
@@ -93,7 +44,7 @@ def losses(c, run_id) -> dict[int, float]:
 
 def test_mlproject_entry_matches_train_spec():
     """Every TrainSpec field is a parameter with TrainSpec's default and reaches the command line."""
-    entry = yaml.safe_load(MLPROJECT_TRAIN)["train"]
+    entry = yaml.safe_load((REPO / "MLproject").read_text())["entry_points"]["train"]
     defaults = TrainSpec().to_params()
     assert set(entry["parameters"]) == set(defaults)
     for name, param in entry["parameters"].items():
@@ -194,18 +145,6 @@ def test_resume_source_errors(sqlite_store):
 # --------------------------------------------------------------------------- kill and resume
 
 
-def _project_with_train_entry(tmp_path: Path) -> Path:
-    """The repo itself when its MLproject has `train`; otherwise a copy with the entry added."""
-    if "\n  train:" in (REPO / "MLproject").read_text():
-        return REPO
-    copy = tmp_path / "project"
-    shutil.copytree(REPO, copy, ignore=shutil.ignore_patterns(".venv", ".git", "mlruns", "mlartifacts", "mlflow.db",
-                                                              "__pycache__", ".whl", ".gl", "tests", "*.egg-info",
-                                                              "out", "gpu-runs", "vitreg-data", "build", "dist"))
-    (copy / "MLproject").write_text((copy / "MLproject").read_text().rstrip("\n") + "\n" + MLPROJECT_TRAIN)
-    return copy
-
-
 def _wait_for_checkpoint(c, proc, experiment: str, deadline_s: float = 240):
     """Poll until the run's checkpoints/last verifies; returns (run, last_dir)."""
     deadline = time.monotonic() + deadline_s
@@ -231,13 +170,12 @@ def _wait_for_checkpoint(c, proc, experiment: str, deadline_s: float = 240):
 def test_sigkilled_training_resumes_from_its_last_checkpoint(tmp_path):
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     c = client(uri)
-    project = _project_with_train_entry(tmp_path)
     params = {"model": "test_vit", "img_size": "32", "batch_size": "16", "num_classes": "10", "steps": "400",
               "lr": "2e-3", "warmup_steps": "3", "label_smoothing": "0", "log_every": "1", "checkpoint_every": "15",
               "num_workers": "0"}
     # 1. `mlflow run -e train` in its own process group, killed (the whole group, SIGKILL: no cleanup runs)
     #    as soon as its first checkpoint has landed in the artifact store
-    proc = subprocess.Popen([sys.executable, "-m", "mlflow", "run", str(project), "-e", "train", "--env-manager",
+    proc = subprocess.Popen([sys.executable, "-m", "mlflow", "run", str(REPO), "-e", "train", "--env-manager",
                              "local", "--experiment-name", "kill", *[a for k, v in params.items()
                                                                       for a in ("-P", f"{k}={v}")]],
                             env=subprocess_env(uri), cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
