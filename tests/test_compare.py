@@ -18,7 +18,7 @@ _ids = itertools.count()
 
 
 def run(gpu, thr=None, *, model="deit_small_patch16_224", task="infer", amp="bf16", compile="off",
-        bs=64, img=224, nproc=None, status="FINISHED", lat=None, step=None, tag_gpu=True, **metrics):
+        bs=64, img=224, nproc=None, status="FINISHED", lat=None, step=None, tag_gpu=True, ddp=None, **metrics):
     """One row as mlflow.search_runs() returns it (params/tags are strings, metrics floats)."""
     row = {
         "run_id": f"r{next(_ids):04d}",
@@ -39,6 +39,8 @@ def run(gpu, thr=None, *, model="deit_small_patch16_224", task="infer", amp="bf1
         row["params.gpu"] = gpu
     if nproc is not None:
         row["params.nproc"] = str(nproc)
+    if ddp is not None:  # (bucket MB, static graph) as MLflow logs them: strings
+        row["params.ddp_bucket_mb"], row["params.ddp_static_graph"] = str(ddp[0]), str(ddp[1]).lower()
     prefixes = ["infer", "train"] if task == "both" else [task]
     for p in prefixes:
         if thr is not None:
@@ -263,6 +265,26 @@ def test_scaling_efficiency_hand_computed():
     assert "a100" not in set(s["gpu"])
     vit = s[s["model"] == "vit_base_patch16_224"]
     assert len(vit) == 1 and math.isnan(vit.iloc[0]["efficiency"])
+
+
+def test_ddp_settings_are_separate_configurations_that_scale_from_the_same_single_process_runs():
+    df = frame(
+        *repeats("h200", [1000, 1000], task="train", nproc=1, ddp=(25, False)),
+        *repeats("h200", [1000], task="train", nproc=1, ddp=(100, True)),  # no DDP in 1 process: same config
+        *repeats("h200", [1800], task="train", nproc=2),  # logged before the settings existed: torch defaults
+        *repeats("h200", [1800], task="train", nproc=2, ddp=("25.0", False)),
+        *repeats("h200", [1960, 1940], task="train", nproc=2, ddp=(100, True)),
+    )
+    table = compare_gpus(df).table
+    assert sorted(table["ddp"]) == ["-", "bucket100+static", "bucket25"]
+    assert only(table, ddp="-")["n_runs"] == 3
+    assert only(table, ddp="bucket25")["n_runs"] == 2
+    s = compare_gpus(df).scaling.set_index("ddp")
+    assert list(s["nproc"]) == [1, 2, 2]
+    assert s.loc["bucket25", "efficiency"] == pytest.approx(1800 / 2000)
+    assert s.loc["bucket100+static", "efficiency"] == pytest.approx(1950 / 2000)
+    assert s.loc["bucket100+static", "n_runs"] == 2
+    assert "bucket100+static" in format_table(compare_gpus(df))
 
 
 def test_compile_and_amp_gains():

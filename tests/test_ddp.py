@@ -422,3 +422,25 @@ def test_launcher_run_only_on_node_0(sqlite_store, monkeypatch):
         assert run is None
     with launch.launcher_run(run_name="x", node_rank=0) as run:
         assert run is not None and run.run_id
+
+
+def test_ddp_wrap_applies_the_bucket_size_and_static_graph(tmp_path):
+    """A real DistributedDataParallel over a one-process gloo group (the World claims two ranks so
+    that ddp_wrap wraps at all: the settings are what is tested, not the communication)."""
+    import torch
+    import torch.distributed as dist
+
+    from vitreg.distributed import World, ddp_wrap
+    from vitreg.spec import BenchSpec
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        world = World(rank=0, local_rank=0, world_size=2, device="cpu", backend="gloo")
+        spec = BenchSpec(ddp_bucket_mb="2", ddp_static_graph="true")
+        ddp = ddp_wrap(torch.nn.Linear(4, 4), world, **spec.ddp_options())
+        assert ddp.bucket_bytes_cap == 2 * 1024 * 1024 and ddp.static_graph is True
+        default = ddp_wrap(torch.nn.Linear(4, 4), world, **BenchSpec().ddp_options())
+        assert default.bucket_bytes_cap == 25 * 1024 * 1024 and default.static_graph is False
+        assert ddp_wrap(lin := torch.nn.Linear(4, 4), World(), **spec.ddp_options()) is lin  # one process
+    finally:
+        dist.destroy_process_group()

@@ -34,6 +34,9 @@ def test_parse_bool(value, expected):
     ({"task": "inference"}, "is not one of infer, train, both"),
     ({"allow_gpu_mismatch": "maybe"}, "use allow_gpu_mismatch=true or allow_gpu_mismatch=false"),
     ({"img_size": "8"}, "img_size=8 is too small"),
+    ({"ddp_bucket_mb": "0"}, "ddp_bucket_mb=0 must be > 0"),
+    ({"ddp_bucket_mb": "big"}, "ddp_bucket_mb='big' is not a number"),
+    ({"ddp_static_graph": "sometimes"}, "use ddp_static_graph=true or ddp_static_graph=false"),
 ])
 def test_bad_values_give_one_line_errors(kwargs, needle):
     with pytest.raises(VitregError) as err:
@@ -51,3 +54,12 @@ def test_to_params_round_trip():
     params = spec.to_params()
     assert params["allow_gpu_mismatch"] == "true" and params["batch_size"] == "8"
     assert BenchSpec(**params) == spec
+
+
+def test_ddp_options_parse_from_strings_for_bench_and_train():
+    from vitreg.spec import TrainSpec
+
+    for cls in (BenchSpec, TrainSpec):
+        assert cls().ddp_options() == {"bucket_cap_mb": 25.0, "static_graph": False}
+        spec = cls(ddp_bucket_mb="100", ddp_static_graph="true")
+        assert spec.ddp_options() == {"bucket_cap_mb": 100.0, "static_graph": True}

@@ -84,7 +84,7 @@ def bench(options: dict, experiment: str | None = None, run_name: str | None = N
             # A rank of a DDP job: bind this rank's GPU before anything touches CUDA, join the group.
             world = distributed.join_world(spec.nproc, spec.device)
             if world.distributed:
-                wrap = functools.partial(distributed.ddp_wrap, world=world)
+                wrap = functools.partial(distributed.ddp_wrap, world=world, **spec.ddp_options())
                 reducer = distributed.ResultReducer(world)
                 if not world.is_main:
                     progress = quiet  # rank 0 speaks for the job; errors still reach every rank's stderr
@@ -104,7 +104,7 @@ def bench(options: dict, experiment: str | None = None, run_name: str | None = N
         ddp = f"-ddp{world.world_size}" if world.distributed else ""
         run.set_name(run_name or f"{spec.model}-{hw.label}-{runtime.amp}-{spec.compile}-bs{spec.batch_size}{ddp}")
         run.set_tags({**env.to_tags(), **resolved_tags(spec, hw, runtime, info.img_size),
-                      **world_tags(world, runtime, env)})
+                      **world_tags(world, runtime, env, spec)})
         params = {**spec.to_params(), "gpu": hw.label, "amp": runtime.amp, "device": runtime.device,
                   "img_size": info.img_size}
         log_setup(run, params, env, progress)
@@ -157,12 +157,14 @@ def _launch_bench(options, experiment, run_name, progress, nnodes, node_rank, rd
     return None
 
 
-def world_tags(world: distributed.World, runtime, env) -> dict:
+def world_tags(world: distributed.World, runtime, env, spec=None) -> dict:
     """Tags of a DDP run; none for a single process (its tags stay as they were)."""
     if not world.distributed:
         return {}
     tags = {"world_size": world.world_size, "nnodes": world.nnodes, "dist_backend": world.backend,
             "host_gpu_count": env.gpu_count}
+    if spec is not None and spec.task != "infer":  # inference runs no DDP: each rank its own copy
+        tags.update(ddp_bucket_mb=f"{spec.ddp_bucket_mb:g}", ddp_static_graph=str(spec.ddp_static_graph).lower())
     if runtime.device == "cuda":
         tags["gpu_count"] = world.world_size  # the GPUs this run used, not the ones the host has
     return tags

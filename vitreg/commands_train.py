@@ -51,6 +51,8 @@ HELP = {
     "nproc": "processes (GPUs) on this host; >1 launches torchrun (DDP, one MLflow run, rank 0 logs); "
              "batch_size is per process. Refused if larger than the visible GPUs; any number with --device cpu "
              "(gloo).",
+    "ddp_bucket_mb": "DDP gradient bucket size in MB (torch's bucket_cap_mb), with nproc>1.",
+    "ddp_static_graph": "true: DDP static_graph (skips per-step graph bookkeeping), with nproc>1.",
     "seed": "seed of the model init and the data.",
 }
 

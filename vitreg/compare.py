@@ -32,6 +32,7 @@ import numpy as np
 import pandas as pd
 
 from vitreg.errors import VitregError
+from vitreg.spec import DDP_BUCKET_MB
 
 __all__ = [
     "CONFIG_KEYS",
@@ -52,7 +53,7 @@ class CompareError(VitregError):
 
 # A configuration is everything that changes the work done per image except the GPU. Two runs
 # with equal keys measure the same thing, so their spread is noise and their GPUs are comparable.
-CONFIG_KEYS = ("model", "task", "amp", "compile", "batch_size", "img_size", "nproc")
+CONFIG_KEYS = ("model", "task", "amp", "compile", "batch_size", "img_size", "nproc", "ddp")
 TASKS = ("infer", "train")
 
 # Metric names after the task prefix is stripped. tidy() guarantees these columns exist (NaN
@@ -159,6 +160,7 @@ def tidy(runs_df: pd.DataFrame) -> pd.DataFrame:
     base["batch_size"] = _integer(df, "params.batch_size")
     base["img_size"] = _integer(df, "params.img_size")
     base["nproc"] = _integer(df, "params.nproc").fillna(1)
+    base["ddp"] = _ddp_setting(df, base["nproc"])
 
     parts = []
     for task in TASKS:
@@ -215,6 +217,23 @@ def _coalesce(df: pd.DataFrame, *cols: str) -> pd.Series:
         if s is not None:
             out = out.where(out.notna(), s)
     return out.where(out.notna(), np.nan).astype(object)
+
+
+def _ddp_setting(df: pd.DataFrame, nproc: pd.Series) -> pd.Series:
+    """The DDP settings as one configuration string: ``-`` for single-process runs (the settings do
+    nothing there), else ``bucket<MB>`` plus ``+static`` for ``ddp_static_graph=true``. Runs that
+    predate the settings (no params) ran with torch's defaults, which is what they get here."""
+    bucket = pd.to_numeric(df["params.ddp_bucket_mb"], errors="coerce") if "params.ddp_bucket_mb" in df else None
+    static = _text(df, "params.ddp_static_graph")
+    out = []
+    for i in range(len(df)):
+        if nproc.iloc[i] is pd.NA or int(nproc.iloc[i]) <= 1:
+            out.append("-")
+            continue
+        mb = bucket.iloc[i] if bucket is not None and pd.notna(bucket.iloc[i]) else DDP_BUCKET_MB
+        flag = static.iloc[i] if static is not None else None
+        out.append(f"bucket{mb:g}" + ("+static" if isinstance(flag, str) and flag.lower() in ("1", "true", "yes", "on") else ""))
+    return pd.Series(out, index=df.index, dtype=object)
 
 
 def _integer(df: pd.DataFrame, col: str) -> pd.Series:
@@ -514,23 +533,26 @@ def scaling_efficiency(runs_df: pd.DataFrame, metric: str = "throughput_img_per_
     multi-process train runs exist. Accepts raw search_runs output or :func:`tidy` output.
     """
     keys = ["model", "task", "amp", "compile", "batch_size", "img_size", "gpu"]
-    columns = keys + ["nproc", "n_runs", f"{metric}_median", "speedup_vs_1", "efficiency"]
+    columns = keys + ["nproc", "ddp", "n_runs", f"{metric}_median", "speedup_vs_1", "efficiency"]
     runs = _ensure_tidy(runs_df)
     train = runs[(runs["task"] == "train") & runs[metric].notna()]
     rows = []
     for key, grp in train.groupby(keys, dropna=False, sort=True):
         if not (grp["nproc"] > 1).any():
             continue
-        stats = grp.groupby("nproc")[metric].agg(["median", "count"]).sort_index()
-        one = stats["median"].get(1, np.nan)
-        for n, (med, count) in stats.iterrows():
+        # every DDP setting (ddp column) of N > 1 scales from the same single-process runs
+        stats = grp.groupby(["nproc", "ddp"])[metric].agg(["median", "count"]).sort_index()
+        ones = grp.loc[grp["nproc"] == 1, metric]
+        one = float(ones.median()) if len(ones) else np.nan
+        for (n, ddp), (med, count) in stats.iterrows():
             rows.append(dict(
                 zip(keys, key),
                 nproc=int(n),
+                ddp=ddp,
                 n_runs=int(count),
                 **{f"{metric}_median": float(med)},
-                speedup_vs_1=float(med / one) if one else np.nan,
-                efficiency=float(med / (n * one)) if one else np.nan,
+                speedup_vs_1=float(med / one) if one == one else np.nan,
+                efficiency=float(med / (n * one)) if one == one else np.nan,
             ))
     out = pd.DataFrame(rows, columns=columns)
     return out.astype({"nproc": "Int64", "batch_size": "Int64", "img_size": "Int64"})
@@ -549,7 +571,7 @@ def compile_amp_gains(tidy_df: pd.DataFrame, metric: str = "throughput_img_per_s
     Rows appear only where both sides exist. ``speedup = new/base`` (throughput) or base/new for
     time-like metrics, so >1 always means the change helped. Accepts raw search_runs output too.
     """
-    keys = ["model", "task", "gpu", "batch_size", "img_size", "nproc"]
+    keys = ["model", "task", "gpu", "batch_size", "img_size", "nproc", "ddp"]
     columns = keys + ["change", "held", "base_median", "new_median", "speedup", "n_base", "n_new"]
     runs = _ensure_tidy(tidy_df)
     higher = _polarity(metric, runs)
@@ -619,11 +641,11 @@ def format_table(comparison: Comparison) -> str:
         s = comparison.scaling
         lines.append("\nscaling (train, weak scaling vs nproc=1):")
         scols = _split_constant(s, ["model", "amp", "compile", "batch_size", "img_size"])[1]
-        scols += ["gpu", "nproc", "n_runs", s.columns[-3], "speedup_vs_1", "efficiency"]
+        scols += ["gpu", "nproc", "ddp", "n_runs", s.columns[-3], "speedup_vs_1", "efficiency"]
         lines.append(_fixed_width(
             [heads.get(c, c if c != s.columns[-3] else "median") for c in scols],
             _rows(s, scols),
-            [c not in ("model", "amp", "compile", "gpu") for c in scols],
+            [c not in ("model", "amp", "compile", "gpu", "ddp") for c in scols],
         ))
     return "\n".join(lines)
 

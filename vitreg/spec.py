@@ -20,6 +20,7 @@ AMP_CHOICES = ("auto", "off", "bf16", "fp16")
 COMPILE_CHOICES = ("off", "default", "reduce-overhead", "max-autotune")
 COMPILE_BACKENDS = ("inductor", "eager", "aot_eager", "cudagraphs")
 DEVICE_CHOICES = ("auto", "cuda", "cpu")
+DDP_BUCKET_MB = 25.0  # torch's DistributedDataParallel default bucket_cap_mb
 
 _TRUE = ("1", "true", "yes", "on", "y", "t")
 _FALSE = ("0", "false", "no", "off", "n", "f", "")
@@ -77,6 +78,18 @@ class _Spec:
         if 0 < self.img_size < 16:
             raise VitregError(f"img_size={self.img_size} is too small: pass img_size=0 for the model default or e.g. 224")
 
+    def _parse_ddp(self) -> None:
+        """The DistributedDataParallel settings (used only when nproc/nnodes make a DDP job)."""
+        self._put("ddp_bucket_mb", parse_float(self.ddp_bucket_mb, "ddp_bucket_mb"))
+        if self.ddp_bucket_mb <= 0:
+            raise VitregError(f"ddp_bucket_mb={self.ddp_bucket_mb:g} must be > 0: pass e.g. "
+                              f"ddp_bucket_mb={DDP_BUCKET_MB:g} (torch's default)")
+        self._put("ddp_static_graph", parse_bool(self.ddp_static_graph, "ddp_static_graph"))
+
+    def ddp_options(self) -> dict:
+        """Keyword arguments for :func:`vitreg.distributed.ddp_wrap`."""
+        return {"bucket_cap_mb": self.ddp_bucket_mb, "static_graph": self.ddp_static_graph}
+
     def replace(self, **changes):
         return dataclasses.replace(self, **changes)
 
@@ -121,6 +134,8 @@ class BenchSpec(_Spec):
     device: str = "auto"
     allow_gpu_mismatch: bool = False
     nproc: int = 1
+    ddp_bucket_mb: float = DDP_BUCKET_MB
+    ddp_static_graph: bool = False
     seed: int = 0
 
     def __post_init__(self):
@@ -138,6 +153,7 @@ class BenchSpec(_Spec):
         put("device", parse_choice(self.device, "device", DEVICE_CHOICES))
         put("allow_gpu_mismatch", parse_bool(self.allow_gpu_mismatch, "allow_gpu_mismatch"))
         put("nproc", parse_int(self.nproc, "nproc", 1))
+        self._parse_ddp()
         put("seed", parse_int(self.seed, "seed", 0))
 
     @property
@@ -221,6 +237,8 @@ class TrainSpec(_Spec):
     register_as: str = ""
     alias: str = "latest"
     nproc: int = 1
+    ddp_bucket_mb: float = DDP_BUCKET_MB
+    ddp_static_graph: bool = False
     seed: int = 0
 
     def __post_init__(self):
@@ -271,6 +289,7 @@ class TrainSpec(_Spec):
         put("register_as", str(self.register_as or "").strip())
         put("alias", str(self.alias or "").strip() or "latest")
         put("nproc", parse_int(self.nproc, "nproc", 1))
+        self._parse_ddp()
         put("seed", parse_int(self.seed, "seed", 0))
 
     @property

@@ -362,7 +362,7 @@ def _train_in_run(run, options, workdir: Path, progress, command, run_name, *, s
         world = distributed.join_world(spec.nproc, spec.device)
         if world.distributed:
             # as bench: gradients as views into the all-reduce buckets (no copy, less peak memory)
-            wrap = functools.partial(distributed.ddp_wrap, world=world)
+            wrap = functools.partial(distributed.ddp_wrap, world=world, **spec.ddp_options())
             reducer = distributed.TrainReducer(world)
     main = world.is_main
     if not main:
@@ -388,7 +388,7 @@ def _train_in_run(run, options, workdir: Path, progress, command, run_name, *, s
         env = capture_environment()
         run.set_name(run_name or run_name_for(spec, hw, runtime, world.world_size))
         tags = train_tags(spec, hw, runtime, info, data.kind)
-        run.set_tags({**env.to_tags(), **tags, **world_tags(world, runtime, env)})
+        run.set_tags({**env.to_tags(), **tags, **world_tags(world, runtime, env, spec)})
         params = {**spec.to_params(), "gpu": hw.label, "amp": runtime.amp, "device": runtime.device,
                   "img_size": info.img_size, "num_classes": info.num_classes}
         skipped = run.log_params(params)
