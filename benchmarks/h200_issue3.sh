@@ -5,8 +5,9 @@
 #     --gpu h200` at nproc=1, then nproc=2 with --baseline-run <the nproc=1 run> (train_scaling_efficiency);
 # (b) DeiT-Ti trained 300 steps on synthetic data, registered as models:/deit-tiny-h200@champion, pulled
 #     back (--out under /tmp) and benchmarked with `vitreg infer`; the loss read back from the store;
-# (c) if time is left: the same DeiT-Ti training under DDP (`vitreg train --nproc 2`, NCCL), 100 steps.
-# Order = priority: ViT-B (a), (b), DeiT-S (a), (c). Progress with timestamps goes to $OUT/log.txt; the
+# (c) if time is left: the same DeiT-Ti training under DDP (`vitreg train --nproc 2`, NCCL), 100 steps;
+# (d) if time is left: DeiT-S at nproc=2 again with other DDP settings (DDP_VARIANTS: static graph, bigger buckets).
+# Order = priority: ViT-B (a), (b), DeiT-S (a), (c), (d). Progress with timestamps goes to $OUT/log.txt; the
 # MLflow store (mlflow.db + artifacts, minus weights and optimizer states, which would not come back) to
 # $OUT/store.tgz. DEADLINE: no item starts after it; every item's timeout is cut to end by HARD, so the
 # whole call stays under 9 minutes. Each command's own stdout/stderr stay in $WORK (/tmp), with a tail in
@@ -36,6 +37,8 @@ BENCH_BS=${BENCH_BS:-128}; BENCH_EXTRA=${BENCH_EXTRA:-}
 TRAIN_MODEL=${TRAIN_MODEL:-deit_tiny_patch16_224}; TRAIN_STEPS=${TRAIN_STEPS:-300}; TRAIN_BS=${TRAIN_BS:-256}
 TRAIN_EXTRA=${TRAIN_EXTRA:-}; DDP_STEPS=${DDP_STEPS:-100}
 INFER_EXTRA=${INFER_EXTRA:-}
+# after everything else, if time is left: DeiT-S (the last bench model) again at nproc=2 with these DDP settings
+DDP_VARIANTS=${DDP_VARIANTS:-"--ddp-static-graph true|--ddp-bucket-mb 100 --ddp-static-graph true"}
 REG=${REG:-deit-tiny-h200}
 PULL_DIR=/tmp/$REG-pulled
 
@@ -70,10 +73,18 @@ bench() {  # bench MODEL NPROC [more options]: sets RUN to the run id
   [ "$rc" -eq 0 ] && [ -n "$RUN" ] || { why "$rc" "$f.err"; RUN=; return 1; }
   say "  run $RUN"
 }
+declare -A BASE  # model -> its nproc=1 run
 bench_pair() {  # nproc=1, then nproc=2 against it
   local base
   bench "$1" 1 && base=$RUN || base=
+  BASE[$1]=$base
   bench "$1" 2 ${base:+--baseline-run "$base"}
+}
+ddp_variants() {  # more nproc=2 runs of the last bench model with other DDP settings (DDP_VARIANTS, |-separated)
+  local model=$1 variant; local IFS='|'
+  for variant in $DDP_VARIANTS; do
+    IFS=' '; bench "$model" 2 ${BASE[$model]:+--baseline-run "${BASE[$model]}"} $variant; IFS='|'
+  done
 }
 
 TRAIN_RUN=
@@ -153,6 +164,7 @@ first_model=${1:-}; shift; rest_models="$*"
 train_register_pull_infer
 for model in $rest_models; do bench_pair "$model"; done
 train_ddp
+last_model=${rest_models##* }; ddp_variants "${last_model:-$first_model}"
 
 say "summary of this call's runs:"
 python3 - "$START" <<'PY' 2>&1 | tee -a "$LOG"
@@ -173,6 +185,7 @@ for name in ("h200-ddp", "h200-train", "h200-bench"):
               + (f"{tp:10,.0f} img/s" if tp else "         - img/s")
               + (f"  step p50 {m['train_step_ms_p50']:.2f} ms" if "train_step_ms_p50" in m else "")
               + (f"  scaling eff {eff:.3f}" if eff else "")
+              + (f"  ddp bucket {t['ddp_bucket_mb']} MB static {t['ddp_static_graph']}" if "ddp_bucket_mb" in t else "")
               + (f"  error: {t['vitreg_error'][:120]}" if t.get("vitreg_error") else ""))
 PY
 say "done"
