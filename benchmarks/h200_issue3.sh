@@ -161,7 +161,7 @@ PY
 set -- $BENCH_MODELS
 first_model=${1:-}; shift; rest_models="$*"
 [ -n "$first_model" ] && bench_pair "$first_model"
-train_register_pull_infer
+[ "${SKIP_TRAIN:-0}" = 1 ] || train_register_pull_infer  # SKIP_TRAIN=1: (b) was done in an earlier call
 for model in $rest_models; do bench_pair "$model"; done
 train_ddp
 last_model=${rest_models##* }; ddp_variants "${last_model:-$first_model}"

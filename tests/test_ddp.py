@@ -226,6 +226,9 @@ def test_torchrun_command_single_and_multi_node(tmp_path):
     assert "--standalone" in one and "--nproc-per-node=2" in one and "--max-restarts=0" in one
     # the workers' own options come after "--", out of reach of torchrun's option parser
     assert one[one.index("vitreg.launch") + 1:] == ["--", *argv]
+    # only options torch 2.2+ knows: torch 2.11's torchrun passed --log-line-prefix-template on to
+    # the workers' python (exit 2 on the H200s); the rank prefix comes from LINE_PREFIX_ENV instead
+    assert not any(c.startswith("--log-line-prefix") for c in one)
     multi = launch.torchrun_command(argv, 8, nnodes=2, node_rank=1, rdzv_endpoint="node0:29500")
     assert "--standalone" not in multi
     assert {"--nnodes=2", "--node-rank=1", "--rdzv-endpoint=node0:29500"} <= set(multi)

@@ -125,6 +125,11 @@ def options_to_args(options: dict) -> list[str]:
     return args
 
 
+# torchrun prefixes every console line of a worker with this (the launcher's diagnosis reads it)
+LINE_PREFIX_ENV = "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"
+LINE_PREFIX = "[rank${rank}]: "
+
+
 def torchrun_command(argv: list[str], nproc: int, nnodes: int = 1, node_rank: int = 0,
                      rdzv_endpoint: str | None = None, log_dir: str | None = None) -> list[str]:
     """The torchrun command line that runs ``argv`` (python arguments) through the worker shim."""
@@ -137,9 +142,12 @@ def torchrun_command(argv: list[str], nproc: int, nnodes: int = 1, node_rank: in
         cmd += [f"--nnodes={nnodes}", f"--node-rank={node_rank}", f"--rdzv-endpoint={rdzv_endpoint}"]
     cmd.append("--max-restarts=0")  # a benchmark that failed once is not retried into a different number
     if log_dir:
-        # every rank's output goes to the console (prefixed with its rank) and to log_dir, where the
-        # launcher finds the root cause of a failure and from where it logs them as artifacts
-        cmd += [f"--log-dir={log_dir}", "--tee=3", "--log-line-prefix-template=[rank${rank}]: "]
+        # every rank's output goes to the console and to log_dir, where the launcher finds the root
+        # cause of a failure and from where it logs them as artifacts. The "[rank<N>]: " prefix of
+        # each console line is set by LINE_PREFIX_ENV in launch_torchrun's environment: torchrun
+        # reads that variable in every version since 2.2, while its --log-line-prefix-template flag
+        # is recent (torch 2.11's torchrun hands the unknown flag to the workers' python, which exits 2).
+        cmd += [f"--log-dir={log_dir}", "--tee=3"]
     # "--": torchrun's argparse would otherwise read the workers' options as its own abbreviations
     # (`--nproc` is ambiguous with its --nproc-per-node); the shim drops it.
     return cmd + ["-m", "vitreg.launch", "--", *argv]
@@ -290,7 +298,7 @@ def launch_torchrun(argv: list[str], nproc: int, nnodes: int = 1, node_rank: int
     log_dir = Path(log_dir or tempfile.mkdtemp(prefix="vitreg-torchrun-"))
     (log_dir / _EXIT_DIR).mkdir(parents=True, exist_ok=True)
     cmd = torchrun_command(argv, nproc, nnodes, node_rank, rdzv_endpoint, str(log_dir))
-    child_env = {**os.environ, **(env or {}), ENV_LAUNCH_DIR: str(log_dir)}
+    child_env = {**os.environ, **(env or {}), ENV_LAUNCH_DIR: str(log_dir), LINE_PREFIX_ENV: LINE_PREFIX}
     if progress:
         progress("launching: " + " ".join(shlex.quote(c) for c in cmd))
     # torchrun's stderr (its own messages and the workers' tee'd stderr) passes through this
