@@ -7,6 +7,8 @@
 #     back (--out under /tmp) and benchmarked with `vitreg infer`; the loss read back from the store;
 # (c) if time is left: the same DeiT-Ti training under DDP (`vitreg train --nproc 2`, NCCL), 100 steps;
 # (d) if time is left: DeiT-S at nproc=2 again with other DDP settings (DDP_VARIANTS: static graph, bigger buckets).
+# Each (a) pair is followed by the independent plain DDP loop (benchmarks/ddp_check.py) at N=1 and N=2 (with the
+# profiler's NCCL time per step) on the same configuration; DDP_CHECK=0 skips it.
 # Order = priority: ViT-B (a), (b), DeiT-S (a), (c), (d). Progress with timestamps goes to $OUT/log.txt; the
 # MLflow store (mlflow.db + artifacts, minus weights and optimizer states, which would not come back) to
 # $OUT/store.tgz. DEADLINE: no item starts after it; every item's timeout is cut to end by HARD, so the
@@ -18,7 +20,8 @@
 #   OUT=$R/out WORK=$R/work GPU=cpu AMP=off BENCH_MODELS="test_vit deit_tiny_patch16_224" BENCH_BS=4 \
 #   BENCH_EXTRA="--img-size 32 --device cpu --warmup 1 --steps 3 --repeats 2" TRAIN_MODEL=test_vit TRAIN_STEPS=50 \
 #   TRAIN_BS=16 DDP_STEPS=25 TRAIN_EXTRA="--img-size 32 --device cpu --num-classes 10 --lr 2e-3 --label-smoothing 0" \
-#   INFER_EXTRA="--device cpu --warmup 2 --steps 5 --repeats 2" bash benchmarks/h200_issue3.sh
+#   INFER_EXTRA="--device cpu --warmup 2 --steps 5 --repeats 2" \
+#   PLAIN_EXTRA="--device cpu --img-size 32 --amp off --warmup 1 --iters 3 --repeats 2" bash benchmarks/h200_issue3.sh
 set -u
 START=$(date +%s)
 DEADLINE=${DEADLINE:-420}  # seconds after START: no new item starts
@@ -37,6 +40,8 @@ BENCH_BS=${BENCH_BS:-128}; BENCH_EXTRA=${BENCH_EXTRA:-}
 TRAIN_MODEL=${TRAIN_MODEL:-deit_tiny_patch16_224}; TRAIN_STEPS=${TRAIN_STEPS:-300}; TRAIN_BS=${TRAIN_BS:-256}
 TRAIN_EXTRA=${TRAIN_EXTRA:-}; DDP_STEPS=${DDP_STEPS:-100}
 INFER_EXTRA=${INFER_EXTRA:-}
+# the plain DDP loop's options matching BENCH_EXTRA (e.g. "--device cpu --img-size 32 --amp off" in rehearsal)
+PLAIN_EXTRA=${PLAIN_EXTRA:-"--amp $AMP"}; [ "$AMP" = bf16 ] || [ "$AMP" = off ] || PLAIN_EXTRA=
 # after everything else, if time is left: DeiT-S (the last bench model) again at nproc=2 with these DDP settings
 DDP_VARIANTS=${DDP_VARIANTS:-"--ddp-static-graph true|--ddp-bucket-mb 100 --ddp-static-graph true"}
 REG=${REG:-deit-tiny-h200}
@@ -79,6 +84,18 @@ bench_pair() {  # nproc=1, then nproc=2 against it
   bench "$1" 1 && base=$RUN || base=
   BASE[$1]=$base
   bench "$1" 2 ${base:+--baseline-run "$base"}
+  plain "$1" 1; plain "$1" 2 --profile
+}
+plain() {  # plain MODEL NPROC [ddp_check options]: the independent DDP loop (benchmarks/ddp_check.py) on the same config
+  local model=$1 nproc=$2; shift 2
+  [ "${DDP_CHECK:-1}" = 1 ] || return 0
+  left "ddp_check $model nproc=$nproc" || return 1
+  say "torchrun --standalone --nproc-per-node=$nproc benchmarks/ddp_check.py --model $model --batch-size $BENCH_BS $PLAIN_EXTRA $*"
+  timeout "$(tmo 150)" python3 -m torch.distributed.run --standalone --nproc-per-node="$nproc" benchmarks/ddp_check.py \
+    --model "$model" --batch-size "$BENCH_BS" $PLAIN_EXTRA "$@" >>"$OUT/ddp_check.jsonl" 2>"$WORK/plain.err"
+  local rc=$?
+  grep -E '^ddp_check: ' "$WORK/plain.err" | sed 's/^/  /' | tee -a "$LOG"
+  [ "$rc" -eq 0 ] || why "$rc" "$WORK/plain.err"
 }
 ddp_variants() {  # more nproc=2 runs of the last bench model with other DDP settings (DDP_VARIANTS, |-separated)
   local model=$1 variant; local IFS='|'
