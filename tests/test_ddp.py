@@ -154,6 +154,9 @@ def test_rank_killed_hard_fails_the_run(tmp_path):
     run = runs[0]
     assert run.info.status == "FAILED"
     assert run.data.tags["vitreg_error"] == "rank 0: RuntimeError: simulated hard crash of rank 0"
+    # the ranks never logged, yet the launcher labelled the run: it is found by model, job and params
+    assert run.data.tags["model"] == TINY["model"] and run.data.tags["vitreg_job"] == "bench"
+    assert run.data.params["nproc"] == "2" and run.data.params["batch_size"] == TINY["batch_size"]
     logs = {a.path for a in client.list_artifacts(run.info.run_id, "torchrun/rank0")}
     assert "torchrun/rank0/stderr.log" in logs
 

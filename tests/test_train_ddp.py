@@ -110,6 +110,7 @@ def test_failing_ranks_fail_the_run_with_their_error_and_status(tmp_path):
     _, runs = all_runs(uri)
     assert len(runs) == 1 and runs[0].info.status == "FAILED"
     assert runs[0].data.tags["vitreg_error"] == last[len("error: "):]
+    assert runs[0].data.tags["vitreg_job"] == "train" and runs[0].data.params["distillation"] == "soft"
 
 
 # --------------------------------------------------------------------------------------------

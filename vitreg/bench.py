@@ -59,6 +59,17 @@ def resolved_tags(spec: BenchSpec, hw, runtime, img_size: int) -> dict:
     }
 
 
+def label_launcher_run(run, spec, job: str) -> None:
+    """Params and the configuration tags on a DDP job's run before torchrun starts, so that a job
+    whose ranks never get to log (a crash at start-up) is still found by model, task, batch and job
+    in the UI. Rank 0 later adds the resolved tags (gpu, amp, ...) and the environment."""
+    if run is None:
+        return
+    run.log_params(spec.to_params())
+    run.set_tags({"model": spec.model, "task": spec.task, "compile": spec.compile, "batch_size": spec.batch_size,
+                  "nproc": spec.nproc, "vitreg_job": job})
+
+
 def bench(options: dict, experiment: str | None = None, run_name: str | None = None,
           progress=progress, command: str | None = None, *, nnodes: int = 1, node_rank: int = 0,
           rdzv_endpoint: str | None = None, baseline_run: str | None = None) -> BenchResult | None:
@@ -142,6 +153,7 @@ def _launch_bench(options, experiment, run_name, progress, nnodes, node_rank, rd
         launch.check_nodes(nnodes, node_rank, rdzv_endpoint)
         launch.check_nproc(spec.nproc, spec.device, launch.visible_gpu_count())
         baseline = read_baseline(baseline_run, spec) if baseline_run and node_rank == 0 else None
+        label_launcher_run(run, spec, "bench")
         argv = ["-m", "vitreg.cli", "bench", *launch.options_to_args(options)]
         if run_name:
             argv += ["--run-name", run_name]

@@ -45,7 +45,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from vitreg import distributed, launch, tracking
-from vitreg.bench import resolved_tags, world_tags
+from vitreg.bench import label_launcher_run, resolved_tags, world_tags
 from vitreg.console import progress, quiet
 from vitreg.env import capture_environment, pip_freeze
 from vitreg.errors import VitregError
@@ -339,6 +339,7 @@ def _launch_train(options, experiment, run_name, progress):
         if spec.resume and not spec.resume.startswith(("runs:/", "models:/")) and "://" not in spec.resume:
             resolve_checkpoint_source(spec.resume)  # a local path that does not exist
         launch.check_nproc(spec.nproc, spec.device, launch.visible_gpu_count())
+        label_launcher_run(run, spec, "train")
         argv = ["-m", "vitreg.cli", "train", *launch.options_to_args(options)]
         if run_name:
             argv += ["--run-name", run_name]
