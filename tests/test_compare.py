@@ -287,6 +287,19 @@ def test_ddp_settings_are_separate_configurations_that_scale_from_the_same_singl
     assert "bucket100+static" in format_table(compare_gpus(df))
 
 
+def test_multi_host_runs_scale_by_their_world_size_not_the_per_host_nproc():
+    two_hosts = run("h200", 3800, task="train", nproc=2)  # 2 processes on each of 2 hosts
+    two_hosts["tags.world_size"] = "4"
+    via_params = run("h200", 3700, task="train", nproc=2)  # logged by `mlflow run -P nnodes=2`, no tag
+    via_params["params.nnodes"] = "2"
+    df = frame(*repeats("h200", [1000], task="train", nproc=1), two_hosts, via_params,
+               *repeats("h200", [1900], task="train", nproc=2))
+    s = compare_gpus(df).scaling.set_index("nproc")
+    assert list(s.index) == [1, 2, 4]
+    assert s.loc[4, "n_runs"] == 2 and s.loc[4, "efficiency"] == pytest.approx(3750 / 4000)
+    assert s.loc[2, "efficiency"] == pytest.approx(0.95)
+
+
 def test_compile_and_amp_gains():
     df = frame(
         *repeats("h200", [1000, 1000], amp="off", compile="off"),

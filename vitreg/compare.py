@@ -115,7 +115,9 @@ def tidy(runs_df: pd.DataFrame) -> pd.DataFrame:
     not recorded, plus any other ``metrics.<task>_*`` the runs carry).
 
     ``gpu`` is the resolved ``tags.gpu``, falling back to ``params.gpu``; ``amp`` likewise prefers
-    the resolved ``tags.amp``. ``nproc`` defaults to 1. ``batch_size``, ``img_size`` and ``nproc``
+    the resolved ``tags.amp``. ``nproc`` is the number of processes in the whole job: the
+    ``world_size`` tag of DDP runs (``nproc x nnodes`` for several hosts), else ``params.nproc``
+    (times ``params.nnodes``), else 1. ``batch_size``, ``img_size`` and ``nproc``
     are nullable integers.
 
     Raises :class:`CompareError` when the frame is empty or holds no finished run with metrics.
@@ -159,7 +161,10 @@ def tidy(runs_df: pd.DataFrame) -> pd.DataFrame:
     base["compile"] = _coalesce(df, "params.compile", "tags.compile").fillna(_MISSING)
     base["batch_size"] = _integer(df, "params.batch_size")
     base["img_size"] = _integer(df, "params.img_size")
-    base["nproc"] = _integer(df, "params.nproc").fillna(1)
+    # processes in the whole job: a multi-host run's params.nproc is per host, its world_size tag is
+    # what scaled (runs without the tag: nproc x nnodes, which is what the launcher starts)
+    per_host = _integer(df, "params.nproc").fillna(1)
+    base["nproc"] = _integer(df, "tags.world_size").fillna(per_host * _integer(df, "params.nnodes").fillna(1))
     base["ddp"] = _ddp_setting(df, base["nproc"])
 
     parts = []
