@@ -84,6 +84,17 @@ def test_cli_train_logs_run_checkpoints_and_registers(sqlite_store, tmp_path, mo
     assert (tracker_run, name, alias) == (rid, "tiny", "champion") and manifest["format"] == "vitreg-checkpoint-1"
     assert tags["model"] == "test_vit" and tags["steps"] == 6 and tags["source_run_id"] == rid
 
+    # the checkpoint as a distillation teacher: downloaded, loaded, and its download folder gone
+    import tempfile
+
+    from vitreg.train import teacher_loader
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    teacher = teacher_loader(f"runs:/{rid}/checkpoints/last")
+    assert sum(p.numel() for p in teacher.parameters()) > 0
+    assert list((tmp_path / "tmp").iterdir()) == []
+
 
 BAD = [
     (["--data", "/nonexistent/imagenet"], "data=/nonexistent/imagenet does not exist"),

@@ -238,6 +238,11 @@ def teacher_loader(uri: str):
                               f"teacher's checkpoint as runs:/<run_id>/checkpoints/last or a directory") from None
         model, _, _ = load_model(uri)  # (model, ModelInfo, spec): the teacher is the model
         return model
+    if "://" in uri or uri.startswith("runs:/"):
+        # downloaded into a folder of our own that goes once the weights are in memory
+        with tempfile.TemporaryDirectory(prefix="vitreg-teacher-") as tmp:
+            model, _, _ = checkpoint.load_model(resolve_checkpoint_source(uri, "teacher", dst=tmp))
+        return model
     model, _, _ = checkpoint.load_model(resolve_checkpoint_source(uri, "teacher"))
     return model
 
