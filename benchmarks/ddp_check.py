@@ -109,9 +109,10 @@ def main():
             seconds = time.perf_counter() - t
         rates.append(args.batch_size * args.iters / seconds)
 
-    mine = torch.tensor([statistics.median(rates), min(rates), max(rates)], dtype=torch.float64)
+    # NCCL gathers device tensors only: input and outputs on this rank's device
+    mine = torch.tensor([statistics.median(rates), min(rates), max(rates)], dtype=torch.float64, device=dev)
     every = [torch.zeros_like(mine) for _ in range(world)]
-    dist.all_gather(every, mine.to(dev) if cuda else mine)
+    dist.all_gather(every, mine)
     every = [t.cpu().tolist() for t in every]
 
     prof = {}
@@ -128,7 +129,10 @@ def main():
         if cuda:
             def device_us(e):
                 return getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)
-            kernels = [e for e in events if device_us(e) > 0]
+            from torch.autograd import DeviceType
+
+            # the kernels themselves (the CPU ops that launched them carry the same time again)
+            kernels = [e for e in events if e.device_type == DeviceType.CUDA and device_us(e) > 0]
             nccl = sum(device_us(e) for e in kernels if "nccl" in e.key.lower())
             busy = sum(device_us(e) for e in kernels)
         else:

@@ -69,7 +69,7 @@ def bench_options(fn):
                      help="true: file the run under --gpu even if the hardware differs (tagged gpu_mismatch=true)."),
         click.option("--nproc", default=str(_default("nproc")), show_default=True,
                      help="processes (GPUs) per host; >1 launches torchrun; batch_size is per process."),
-        click.option("--ddp-bucket-mb", "ddp_bucket_mb", default=f"{_default('ddp_bucket_mb'):g}", show_default=True,
+        click.option("--ddp-bucket-mb", "ddp_bucket_mb", default=str(_default("ddp_bucket_mb")), show_default=True,
                      help="DDP gradient bucket size in MB (torch's bucket_cap_mb): gradient all-reduced per call."),
         click.option("--ddp-static-graph", "ddp_static_graph", default="false", show_default=True,
                      help="true: DDP static_graph (skips per-step graph bookkeeping; the graph must not change)."),
