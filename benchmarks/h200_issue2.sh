@@ -39,4 +39,6 @@ vb --model deit_small_patch16_224 --compile default
 vb --model deit_tiny_patch16_224 --compile default
 vb --model deit_base_patch16_224 --compile default
 say "done"
-tar czf $OUT/store.tgz -C "$GPU_RUNS" . && say "store packed"
+# weights and input examples stay behind (a store that holds a training run's would not come back)
+tar czf $OUT/store.tgz --exclude='*.safetensors' --exclude='*.pt' --exclude='*.pt2' --exclude='*.pth' \
+  --exclude='*input_example.json' -C "$GPU_RUNS" . && say "store packed: $(du -h $OUT/store.tgz | cut -f1)"
