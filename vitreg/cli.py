@@ -6,36 +6,15 @@ MLflow run, if one was opened, has already been marked FAILED by the tracking la
 
 from __future__ import annotations
 
-import functools
 import sys
 
 import click
 
+from vitreg.cli_common import bench_default, user_errors
 from vitreg.errors import VitregError
-from vitreg.spec import AMP_CHOICES, COMPILE_BACKENDS, COMPILE_CHOICES, DEVICE_CHOICES, TASKS, BenchSpec
+from vitreg.spec import AMP_CHOICES, COMPILE_BACKENDS, COMPILE_CHOICES, DEVICE_CHOICES, TASKS
 
-_DEFAULTS = BenchSpec.__dataclass_fields__
-
-
-def _default(name):
-    return _DEFAULTS[name].default
-
-
-def user_errors(fn):
-    """Turn VitregError into a one-line message and exit 2 (no traceback), everywhere in the CLI."""
-
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        try:
-            return fn(*args, **kwargs)
-        except VitregError as exc:
-            from vitreg import tracking
-
-            tracking.fail_requested_run(str(exc))
-            click.echo(f"error: {exc}", err=True)
-            sys.exit(exc.exit_code)
-
-    return wrapper
+_default = bench_default
 
 
 def bench_options(fn):

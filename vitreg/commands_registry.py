@@ -1,42 +1,24 @@
 """``vitreg pull`` and ``vitreg infer``: thin click shells over :mod:`vitreg.registry` and :mod:`vitreg.infer`.
 
-Registered in :mod:`vitreg.cli` with ``main.add_command(pull)`` / ``main.add_command(infer)``. This
-module does not import :mod:`vitreg.cli` at import time (cli imports this module), so the
-one-line-error handling is looked up when a command runs.
+Registered in :mod:`vitreg.cli` with ``main.add_command(pull)`` / ``main.add_command(infer)``; the
+one-line-error handling and the bench defaults come from :mod:`vitreg.cli_common`, as cli's do.
 """
 
 from __future__ import annotations
 
-import functools
-
 import click
 
-from vitreg.spec import AMP_CHOICES, COMPILE_BACKENDS, COMPILE_CHOICES, DEVICE_CHOICES, TASKS, BenchSpec
+from vitreg.cli_common import bench_default, user_errors
+from vitreg.spec import AMP_CHOICES, COMPILE_BACKENDS, COMPILE_CHOICES, DEVICE_CHOICES, TASKS
 
-_DEFAULTS = BenchSpec.__dataclass_fields__
-
-
-def _default(name):
-    return _DEFAULTS[name].default
-
-
-def _user_errors(fn):
-    """vitreg.cli.user_errors, resolved at call time (error: ... on stderr, exit 2, run marked FAILED)."""
-
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        from vitreg.cli import user_errors
-
-        return user_errors(fn)(*args, **kwargs)
-
-    return wrapper
+_default = bench_default
 
 
 @click.command()
 @click.argument("model_uri")
 @click.option("--out", "out_dir", default=None, type=click.Path(file_okay=False),
               help="also write a self-contained folder: model.safetensors, spec.json, manifest.json, README.md.")
-@_user_errors
+@user_errors
 def pull(model_uri, out_dir):
     """Pull a registered model and rebuild it as a timm model (sha256-verified, forward-checked).
 
@@ -79,7 +61,7 @@ def infer_options(fn):
 
 @click.command()
 @infer_options
-@_user_errors
+@user_errors
 def infer(model_uri, experiment, run_name, compile_, **kwargs):
     """Benchmark a registered model's weights (task=infer by default) and link the run to its version."""
     from vitreg.infer import infer as run_infer

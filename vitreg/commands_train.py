@@ -8,11 +8,11 @@ as ``--k v``.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import MISSING, fields
 
 import click
 
+from vitreg.cli_common import user_errors
 from vitreg.spec import (AMP_CHOICES, COMPILE_BACKENDS, COMPILE_CHOICES, DEVICE_CHOICES, DISTILLATION_CHOICES,
                          TrainSpec)
 
@@ -57,18 +57,6 @@ HELP = {
 }
 
 
-def _user_errors(fn):
-    """vitreg.cli.user_errors, looked up at call time (cli imports this module to register the command)."""
-
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        from vitreg.cli import user_errors
-
-        return user_errors(fn)(*args, **kwargs)
-
-    return wrapper
-
-
 def _param_default(f) -> str:
     value = f.default if f.default is not MISSING else ""
     if isinstance(value, bool):
@@ -98,7 +86,7 @@ def options_from_kwargs(kwargs: dict) -> dict:
 @click.option("--experiment", default=None, envvar="MLFLOW_EXPERIMENT_NAME",
               help="MLflow experiment (ignored under `mlflow run`, which picks its own).")
 @click.option("--run-name", default=None, help="MLflow run name (default: train-model-gpu-amp-bsN).")
-@_user_errors
+@user_errors
 def train(experiment, run_name, **kwargs):
     """Train a ViT/DeiT (synthetic data or an ImageFolder), log curves and checkpoints to one MLflow run."""
     from vitreg.train import train as run_train
