@@ -136,6 +136,46 @@ def test_register_refuses_a_name_owned_by_another_architecture(store, tmp_path):
     assert {str(mv.version) for mv in client().search_model_versions("name = 'tv'")} == {"1", "2"}  # nothing logged
 
 
+def test_register_cli_registers_a_run_checkpoint_after_the_fact(store):
+    from vitreg.commands_registry import register
+
+    res = CliRunner().invoke(register, [f"runs:/{store.run_id}/checkpoints/step-5", "--name", "tv-later",
+                                        "--alias", "best"])
+    assert res.exit_code == 0, res.output
+    mv = client().get_model_version_by_alias("tv-later", "best")
+    assert mv.run_id == store.run_id and mv.tags["source_run_id"] == store.run_id and mv.tags["step"] == "5"
+    assert f"registered models:/tv-later/{mv.version} (@best) from run {store.run_id}" in res.output
+    model, _, _ = registry.load_model("models:/tv-later@best")
+    assert weights_equal(model, store.w1)
+
+
+@pytest.mark.parametrize("source,needle", [
+    ("models:/tv@champion", "is not a run's checkpoint: pass runs:/<run_id>/checkpoints/last"),
+    ("runs:/0123456789abcdef/checkpoints/last", "no run 0123456789abcdef at sqlite:"),
+])
+def test_register_cli_bad_sources_are_one_line_exit_2(store, source, needle):
+    from vitreg.commands_registry import register
+
+    res = CliRunner().invoke(register, [source, "--name", "tv-x"])
+    assert res.exit_code == 2
+    errors = [line for line in res.output.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and needle in errors[0], res.output
+
+
+def test_train_refuses_a_register_as_of_another_architecture_before_training(store):
+    from vitreg.cli import main
+
+    res = CliRunner().invoke(main, ["train", "--model", "test_vit2", "--img-size", "32", "--num-classes", "10",
+                                    "--num-workers", "0", "--steps", "500", "--device", "cpu", "--register-as", "tv",
+                                    "--experiment", "early-refusal"])
+    assert res.exit_code == 2, res.output
+    assert "'tv' already holds versions of test_vit, not test_vit2" in res.output
+    exp = client().get_experiment_by_name("early-refusal")
+    (run,) = client().search_runs([exp.experiment_id])
+    assert run.info.status == "FAILED" and "already holds versions" in run.data.tags["vitreg_error"]
+    assert "train_loss" not in run.data.metrics  # refused before the first step
+
+
 @pytest.mark.parametrize("name,alias,needle", [
     ("tv", "v3", "alias=champion"),
     ("tv", "has space", "alias=champion"),

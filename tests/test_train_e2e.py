@@ -96,6 +96,25 @@ def test_cli_train_logs_run_checkpoints_and_registers(sqlite_store, tmp_path, mo
     assert list((tmp_path / "tmp").iterdir()) == []
 
 
+def test_a_registration_that_fails_after_training_names_the_command_to_retry(sqlite_store, monkeypatch):
+    from vitreg import registry
+    from vitreg.errors import VitregError
+
+    def refuse(*args, **kwargs):
+        raise VitregError("could not register 'tiny' at the server: 503 Service Unavailable")
+
+    monkeypatch.setattr(registry, "register_checkpoint", refuse)
+    res = CliRunner().invoke(cli(), ["train", *TINY, "--steps", "2", "--register-as", "tiny", "--alias", "champion",
+                                     "--experiment", "late-refusal"])
+    assert res.exit_code == 2
+    (run,) = client().search_runs([client().get_experiment_by_name("late-refusal").experiment_id])
+    rid = run.info.run_id
+    retry = f"`vitreg register runs:/{rid}/checkpoints/last --name tiny --alias champion`"
+    assert f"503 Service Unavailable (the checkpoint is logged: once fixed, {retry})" in res.output
+    assert run.info.status == "FAILED" and retry in run.data.tags["vitreg_error"]
+    assert "checkpoints/last" in {a.path for a in client().list_artifacts(rid, "checkpoints")}
+
+
 BAD = [
     (["--data", "/nonexistent/imagenet"], "data=/nonexistent/imagenet does not exist"),
     (["--resume", "/nonexistent/ckpt"], "resume=/nonexistent/ckpt does not exist"),

@@ -157,11 +157,12 @@ def server(ctx):
     sys.exit(server_main(ctx.args))
 
 
-from vitreg.commands_registry import infer as infer_command, pull as pull_command  # noqa: E402
+from vitreg.commands_registry import infer as infer_command, pull as pull_command, register as register_command  # noqa: E402,E501
 
 from vitreg.commands_train import train as train_command  # noqa: E402
 
 main.add_command(pull_command)
+main.add_command(register_command)
 main.add_command(infer_command)
 main.add_command(train_command)
 

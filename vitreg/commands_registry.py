@@ -15,6 +15,21 @@ _default = bench_default
 
 
 @click.command()
+@click.argument("checkpoint_uri")
+@click.option("--name", required=True, help="registered model name (created if new; its versions must be the same architecture).")
+@click.option("--alias", default="latest", show_default=True,
+              help="alias to move to the new version (latest: none set; MLflow resolves @latest to the newest).")
+@user_errors
+def register(checkpoint_uri, name, alias):
+    """Register a run's checkpoint (runs:/<run_id>/checkpoints/last) as a new model version."""
+    from vitreg.registry import register_run_checkpoint
+
+    mv = register_run_checkpoint(checkpoint_uri, name, alias)
+    click.echo(f"registered models:/{mv.name}/{mv.version}" + (f" (@{alias})" if alias.lower() != "latest" else "")
+               + f" from run {mv.run_id}")
+
+
+@click.command()
 @click.argument("model_uri")
 @click.option("--out", "out_dir", default=None, type=click.Path(file_okay=False),
               help="also write a self-contained folder: model.safetensors, spec.json, manifest.json, README.md.")

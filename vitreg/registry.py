@@ -82,10 +82,7 @@ def register_checkpoint(tracker, checkpoint_dir, name: str, alias: str | None = 
         return None
     ckpt = _checkpoint()
     _check_alias(alias)
-    name = str(name).strip()
-    if not _NAME_RE.match(name):
-        raise VitregError(f"registered model name {name!r} is not usable: use letters, digits, '-', '_' or '.', "
-                          f"e.g. register_as=deit-tiny")
+    name = _check_name(name)
     client = MlflowClient()
     with tempfile.TemporaryDirectory(prefix="vitreg-register-") as tmp:
         source_desc = str(checkpoint_dir)
@@ -133,6 +130,45 @@ def register_checkpoint(tracker, checkpoint_dir, name: str, alias: str | None = 
         where += f", models:/{name}@{alias}{note}"
     progress(f"registered {spec['model']} as {where}, models:/{name}@latest")
     return mv
+
+
+_RUN_CHECKPOINT_RE = re.compile(r"^runs:/([0-9a-fA-F]+)/(checkpoints/[\w.\-]+)/?$")
+
+
+def register_run_checkpoint(uri: str, name: str, alias: str | None = "latest", progress=progress):
+    """Register a checkpoint that a run logged (``runs:/<run_id>/checkpoints/last`` or ``.../step-<N>``)
+    after the fact: the model is logged under that run and the version linked to it, exactly as
+    ``train -P register_as=NAME`` does at the end of training. Returns the ModelVersion."""
+    match = _RUN_CHECKPOINT_RE.match(str(uri).strip())
+    if not match:
+        raise VitregError(f"{uri} is not a run's checkpoint: pass runs:/<run_id>/checkpoints/last "
+                          f"(or .../checkpoints/step-<N>), as a train run logs them")
+    run_id = match.group(1)
+    client = MlflowClient()
+    try:
+        run = _mlflow_call(lambda: client.get_run(run_id), "find the run")
+    except MlflowException:
+        raise VitregError(f"no run {run_id} at {mlflow.get_tracking_uri()}: check the run id and MLFLOW_TRACKING_URI") \
+            from None
+    from vitreg.tracking import Tracker
+
+    return register_checkpoint(Tracker(run), f"runs:/{run_id}/{match.group(2)}", name, alias, progress=progress)
+
+
+def check_registration(name: str, alias: str | None, arch: str) -> None:
+    """The registration checks that need no checkpoint: a usable name and alias, and a registered
+    model ``name`` that holds no other architecture. ``train`` runs them before training, so a bad
+    ``register_as`` fails in seconds rather than after the whole training."""
+    _check_alias(alias)
+    _check_owner(MlflowClient(), _check_name(name), arch)
+
+
+def _check_name(name: str) -> str:
+    name = str(name).strip()
+    if not _NAME_RE.match(name):
+        raise VitregError(f"registered model name {name!r} is not usable: use letters, digits, '-', '_' or '.', "
+                          f"e.g. register_as=deit-tiny")
+    return name
 
 
 def _check_alias(alias: str | None) -> None:

@@ -250,6 +250,17 @@ def teacher_loader(uri: str):
 # --------------------------------------------------------------------------- registration hook
 
 
+def check_registration(spec: TrainSpec) -> None:
+    """``register_as``/``alias`` checked against the registry before training (no-op without them)."""
+    if not spec.register_as:
+        return
+    try:
+        from vitreg.registry import check_registration as check
+    except ImportError:
+        return  # register_if_requested says so at the end
+    check(spec.register_as, spec.alias, spec.model)
+
+
 def register_if_requested(tracker, spec: TrainSpec, checkpoint_dir, tags: dict, progress=progress):
     """REGISTRATION HOOK: when ``register_as`` is set, hand the final checkpoint to the registry.
 
@@ -267,7 +278,13 @@ def register_if_requested(tracker, spec: TrainSpec, checkpoint_dir, tags: dict, 
                  f"register {tracker.artifact_uri(CHECKPOINT_ARTIFACTS + '/last')} later")
         tracker.set_tags({"registered": "false"})
         return None
-    return register_checkpoint(tracker, Path(checkpoint_dir), spec.register_as, spec.alias, tags)
+    try:
+        return register_checkpoint(tracker, Path(checkpoint_dir), spec.register_as, spec.alias, tags)
+    except VitregError as exc:
+        # the training is done and its checkpoint logged: say how to register it once the cause is fixed
+        raise VitregError(f"{exc} (the checkpoint is logged: once fixed, `vitreg register "
+                          f"runs:/{tracker.run_id}/{CHECKPOINT_ARTIFACTS}/last --name {spec.register_as}"
+                          + (f" --alias {spec.alias}`)" if spec.alias.lower() != "latest" else "`)")) from None
 
 
 # --------------------------------------------------------------------------- the job
@@ -340,6 +357,7 @@ def _launch_train(options, experiment, run_name, progress):
     with launch.launcher_run(run_name, experiment) as run:
         spec = TrainSpec.from_options(options)
         check_model_name(spec.model)  # fail here, once, rather than in every rank
+        check_registration(spec)
         resolve_num_classes(spec.replace(num_classes=0))  # data=PATH: its layout, once (not per rank)
         if spec.resume and not spec.resume.startswith(("runs:/", "models:/")) and "://" not in spec.resume:
             resolve_checkpoint_source(spec.resume)  # a local path that does not exist
@@ -361,6 +379,8 @@ def _train_in_run(run, options, workdir: Path, progress, command, run_name, *, s
 
     spec = TrainSpec.from_options(options)
     check_model_name(spec.model)
+    if distributed.is_main_process():
+        check_registration(spec)  # rank 0 registers: a bad register_as fails before any training
     world = distributed.World()
     wrap = reducer = None
     if distributed.inside_torchrun():
