@@ -97,6 +97,43 @@ def test_train_nproc2_one_run_rank0_logs_checkpoints_and_registers(tmp_path):
     assert {a.path for a in client.list_artifacts(rid, "torchrun")} == {"torchrun/rank0", "torchrun/rank1"}
 
 
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("job", ["train", "bench"])
+def test_two_hosts_on_one_machine_make_one_run_logged_by_node_0(tmp_path, job):
+    """Two launchers as two hosts (nnodes=2, node_rank 0 and 1, one rendezvous endpoint), one process
+    each: one MLflow run, from node 0, with world size 2; node 1's launcher opens none."""
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    if job == "train":
+        options = {**TINY, "steps": "4", "log_every": "2", "checkpoint_every": "0"}
+    else:
+        options = {k: TINY[k] for k in ("model", "img_size", "batch_size", "device")}
+        options.update(task="train", warmup="1", steps="2", repeats="2")
+    hosts = ["--nnodes", "2", "--rdzv-endpoint", f"127.0.0.1:{_free_port()}"]
+    procs = [subprocess.Popen([sys.executable, "-m", "vitreg.cli", job, *launch.options_to_args(options), *hosts,
+                               "--node-rank", str(node)],
+                              env=subprocess_env(uri, MLFLOW_DISABLE_TELEMETRY="true"), cwd=tmp_path,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for node in (0, 1)]
+    outs = [p.communicate(timeout=240) for p in procs]
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 0, err[-3000:]
+    client, runs = all_runs(uri)
+    assert len(runs) == 1, [(r.info.run_id, r.info.status) for r in runs]
+    run = runs[0]
+    assert run.info.status == "FINISHED"
+    assert run.data.tags["world_size"] == "2" and run.data.tags["nnodes"] == "2"
+    assert run.data.metrics["train_world_size"] == 2
+    assert f"logged run {run.info.run_id}" in outs[0][0] and "logged run" not in outs[1][0]
+
+
 @pytest.mark.slow
 def test_failing_ranks_fail_the_run_with_their_error_and_status(tmp_path):
     """An error only the ranks see (the student has no distillation token): exit 2 (the ranks' own

@@ -319,17 +319,19 @@ def _flops_metrics(model, info, runtime) -> dict:
 
 
 def train(options: dict, experiment: str | None = None, run_name: str | None = None, progress=progress,
-          command: str | None = None, *, sampler_factory=None):
+          command: str | None = None, *, sampler_factory=None, nnodes: int = 1, node_rank: int = 0,
+          rdzv_endpoint: str | None = None):
     """Train one model and log it as one MLflow run; returns the engine's TrainResult.
 
     ``nproc > 1`` outside torchrun launches torchrun (see the module docstring) and returns None in
-    this launching process. Inside torchrun (a vitreg launcher's, or one the user started) this is
+    this launching process; ``nnodes``/``node_rank``/``rdzv_endpoint`` spread the job over several
+    hosts (the same command on each; node 0 holds rank 0, the run, the checkpoints and the registration). Inside torchrun (a vitreg launcher's, or one the user started) this is
     one rank of the job. ``sampler_factory(dataset)`` replaces the built-in rank-sharded sampler of
     ImageFolder data (it must give every rank the same number of batches).
     """
     command = command or " ".join(shlex.quote(a) for a in sys.argv)
-    if launch.wants_torchrun(options):
-        return _launch_train(options, experiment, run_name, progress)
+    if launch.wants_torchrun(options, nnodes):
+        return _launch_train(options, experiment, run_name, progress, nnodes, node_rank, rdzv_endpoint)
     workdir = Path(tempfile.mkdtemp(prefix="vitreg-train-"))  # downloaded resume source + local checkpoints
     world = distributed.World()
     try:
@@ -350,14 +352,16 @@ def train(options: dict, experiment: str | None = None, run_name: str | None = N
     return result
 
 
-def _launch_train(options, experiment, run_name, progress):
+def _launch_train(options, experiment, run_name, progress, nnodes=1, node_rank=0, rdzv_endpoint=None):
     """The launcher: one run for the whole job, the checks that need no GPU, torchrun, the verdict."""
     from vitreg.data import resolve_num_classes
 
-    with launch.launcher_run(run_name, experiment) as run:
+    with launch.launcher_run(run_name, experiment, node_rank) as run:  # None on a node other than 0
         spec = TrainSpec.from_options(options)
         check_model_name(spec.model)  # fail here, once, rather than in every rank
-        check_registration(spec)
+        launch.check_nodes(nnodes, node_rank, rdzv_endpoint)
+        if node_rank == 0:
+            check_registration(spec)
         resolve_num_classes(spec.replace(num_classes=0))  # data=PATH: its layout, once (not per rank)
         if spec.resume and not spec.resume.startswith(("runs:/", "models:/")) and "://" not in spec.resume:
             resolve_checkpoint_source(spec.resume)  # a local path that does not exist
@@ -366,9 +370,12 @@ def _launch_train(options, experiment, run_name, progress):
         argv = ["-m", "vitreg.cli", "train", *launch.options_to_args(options)]
         if run_name:
             argv += ["--run-name", run_name]
-        progress(f"run {run.run_id} at {tracking.tracking_uri()}: {spec.nproc} processes (DDP), "
-                 f"batch_size={spec.batch_size} per process ({spec.nproc * spec.batch_size} images per step)")
-        launch.launch_tracked(argv, spec.nproc, run, progress=progress)
+        world = spec.nproc * nnodes
+        if run is not None:
+            progress(f"run {run.run_id} at {tracking.tracking_uri()}: {spec.nproc} process(es) per node x {nnodes} "
+                     f"node(s) (DDP), batch_size={spec.batch_size} per process ({world * spec.batch_size} images "
+                     f"per step)")
+        launch.launch_tracked(argv, spec.nproc, run, nnodes, node_rank, rdzv_endpoint, progress)
     return None
 
 
