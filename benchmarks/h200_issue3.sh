@@ -83,7 +83,7 @@ bench_pair() {  # nproc=1, then nproc=2 against it
   local base
   bench "$1" 1 && base=$RUN || base=
   BASE[$1]=$base
-  bench "$1" 2 ${base:+--baseline-run "$base"}
+  bench "$1" 2 ${base:+--baseline-run "$base"} --profile-steps 5  # + the all-reduce time per step, after the windows
   plain "$1" 1; plain "$1" 2 --profile
 }
 plain() {  # plain MODEL NPROC [ddp_check options]: the independent DDP loop (benchmarks/ddp_check.py) on the same config
@@ -100,7 +100,7 @@ plain() {  # plain MODEL NPROC [ddp_check options]: the independent DDP loop (be
 ddp_variants() {  # more nproc=2 runs of the last bench model with other DDP settings (DDP_VARIANTS, |-separated)
   local model=$1 variant; local IFS='|'
   for variant in $DDP_VARIANTS; do
-    IFS=' '; bench "$model" 2 ${BASE[$model]:+--baseline-run "${BASE[$model]}"} $variant; IFS='|'
+    IFS=' '; bench "$model" 2 ${BASE[$model]:+--baseline-run "${BASE[$model]}"} --profile-steps 5 $variant; IFS='|'
   done
 }
 
@@ -202,6 +202,7 @@ for name in ("h200-ddp", "h200-train", "h200-bench"):
               + (f"{tp:10,.0f} img/s" if tp else "         - img/s")
               + (f"  step p50 {m['train_step_ms_p50']:.2f} ms" if "train_step_ms_p50" in m else "")
               + (f"  scaling eff {eff:.3f}" if eff else "")
+              + (f"  all-reduce {m['train_allreduce_ms_per_step']:.2f} ms/step" if "train_allreduce_ms_per_step" in m else "")
               + (f"  ddp bucket {t['ddp_bucket_mb']} MB static {t['ddp_static_graph']}" if "ddp_bucket_mb" in t else "")
               + (f"  error: {t['vitreg_error'][:120]}" if t.get("vitreg_error") else ""))
 PY

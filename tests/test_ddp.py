@@ -75,7 +75,7 @@ def assert_reduced(client, run, tmp_path, world: int) -> None:
 def test_mlflow_run_nproc2_one_run_rank0_logs(tmp_path):
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     proc = subprocess.run([sys.executable, "-m", "mlflow", "run", str(REPO), "-e", "bench", "--env-manager", "local",
-                           "--experiment-name", "ddp", *mlflow_params({**TINY, "nproc": "2"})],
+                           "--experiment-name", "ddp", *mlflow_params({**TINY, "nproc": "2", "profile_steps": "2"})],
                           env=child_env(uri), cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     client, runs = all_runs(uri)
@@ -94,6 +94,9 @@ def test_mlflow_run_nproc2_one_run_rank0_logs(tmp_path):
     # rank 0 speaks for the job: its progress shows (prefixed), rank 1's does not
     assert "[rank0]: [vitreg] train: window 2/2" in proc.stderr
     assert "[rank1]: [vitreg]" not in proc.stderr
+    # profile_steps=2: gloo's all-reduce time per step, from the profiler after the windows (no device on CPU)
+    assert run.data.metrics["train_allreduce_ms_per_step"] > 0
+    assert "train_device_busy_ms_per_step" not in run.data.metrics
 
 
 @pytest.mark.slow
@@ -450,3 +453,20 @@ def test_ddp_wrap_applies_the_bucket_size_and_static_graph(tmp_path):
         assert ddp_wrap(lin := torch.nn.Linear(4, 4), World(), **spec.ddp_options()) is lin  # one process
     finally:
         dist.destroy_process_group()
+
+
+def test_profile_comm_counts_gloo_all_reduce_and_nothing_else(tmp_path):
+    import torch
+    import torch.distributed as dist
+
+    from vitreg.profiling import profile_comm
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        grad = torch.ones(10_000)
+        with_comm = profile_comm(lambda: dist.all_reduce(grad), 3, "cpu")
+        without = profile_comm(lambda: grad * 2, 3, "cpu")
+    finally:
+        dist.destroy_process_group()
+    assert with_comm.steps == 3 and with_comm.allreduce_ms_per_step > 0 and with_comm.device_busy_ms_per_step is None
+    assert without.allreduce_ms_per_step == 0

@@ -52,6 +52,9 @@ def bench_options(fn):
                      help="DDP gradient bucket size in MB (torch's bucket_cap_mb): gradient all-reduced per call."),
         click.option("--ddp-static-graph", "ddp_static_graph", default="false", show_default=True,
                      help="true: DDP static_graph (skips per-step graph bookkeeping; the graph must not change)."),
+        click.option("--profile-steps", "profile_steps", default=str(_default("profile_steps")), show_default=True,
+                     help="train: after the timed windows, this many more steps under torch.profiler, logging "
+                          "train_allreduce_ms_per_step and (GPU) train_device_busy_ms_per_step; 0 = none."),
         click.option("--seed", default=str(_default("seed")), show_default=True),
     ]
     for opt in reversed(opts):

@@ -234,6 +234,21 @@ class ResultReducer:
         self.per_rank[task] = ranks
         return total
 
+    def slowest_profile(self, profile):
+        """A :class:`vitreg.profiling.CommProfile` per rank -> the job's: the largest of each figure
+        (a collective: every rank must call it)."""
+        if not self.world.distributed or not _initialized():
+            return profile
+        import dataclasses
+
+        import torch.distributed as dist
+
+        gathered: list = [None] * self.world.world_size
+        dist.all_gather_object(gathered, profile)
+        busy = [p.device_busy_ms_per_step for p in gathered if p.device_busy_ms_per_step is not None]
+        return dataclasses.replace(profile, allreduce_ms_per_step=max(p.allreduce_ms_per_step for p in gathered),
+                                   device_busy_ms_per_step=max(busy) if busy else None)
+
     def per_rank_report(self) -> dict:
         """``{task: [{rank, throughput_img_per_s (median), step_ms_p50, peak_mem_allocated_mb}, ...]}``."""
         from vitreg.timing import summarize

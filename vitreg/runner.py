@@ -9,7 +9,7 @@ a window. Results are typed values; :mod:`vitreg.tracking` logs them.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 from vitreg.console import progress
 from vitreg.errors import VitregError
@@ -40,6 +40,9 @@ class TaskResult:
     peak_mem_allocated_mb: float | None
     peak_mem_reserved_mb: float | None
     world_size: int = 1
+    # profile_steps > 0 (train): from torch.profiler after the windows; the slowest rank's under DDP
+    allreduce_ms_per_step: float | None = None
+    device_busy_ms_per_step: float | None = None
 
     def metrics(self) -> dict[str, float]:
         """MLflow metrics, units in the names, prefixed by the task."""
@@ -64,6 +67,10 @@ class TaskResult:
         if self.peak_mem_allocated_mb is not None:
             m[f"{t}_peak_mem_allocated_mb"] = self.peak_mem_allocated_mb
             m[f"{t}_peak_mem_reserved_mb"] = self.peak_mem_reserved_mb
+        if self.allreduce_ms_per_step is not None:
+            m[f"{t}_allreduce_ms_per_step"] = self.allreduce_ms_per_step
+        if self.device_busy_ms_per_step is not None:
+            m[f"{t}_device_busy_ms_per_step"] = self.device_busy_ms_per_step
         if self.world_size > 1:
             m[f"{t}_world_size"] = float(self.world_size)
             m[f"{t}_throughput_img_per_s_per_gpu"] = self.throughput.median / self.world_size
@@ -235,11 +242,23 @@ def run_train_step(model, info: ModelInfo, spec: BenchSpec, runtime: Runtime, ha
         align = reducer.align if reducer is not None else None
         first_s, warm_s, windows = _oom_guard(lambda: _measure(step, spec, runtime, "train", bs, progress, align),
                                               bs, "train")
+        comm = None
+        if spec.profile_steps:
+            from vitreg.profiling import profile_comm
+
+            progress(f"train: {spec.profile_steps} more step(s) under torch.profiler (not timed)")
+            comm = profile_comm(step, spec.profile_steps, runtime.device)
+            if reducer is not None:
+                comm = reducer.slowest_profile(comm)
     finally:
         if info.distilled and hasattr(model, "set_distilled_training"):
             model.set_distilled_training(False)
-    return _task_result("train", windows, first_s, warm_s, spec, info, runtime, hardware, train_flops, tf32,
-                        reducer)
+    result = _task_result("train", windows, first_s, warm_s, spec, info, runtime, hardware, train_flops, tf32,
+                          reducer)
+    if comm is not None:
+        result = replace(result, allreduce_ms_per_step=comm.allreduce_ms_per_step,
+                                     device_busy_ms_per_step=comm.device_busy_ms_per_step)
+    return result
 
 
 def _task_result(task, windows, first_s, warm_s, spec, info, runtime, hardware, flops_per_img, tf32,

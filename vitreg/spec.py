@@ -136,6 +136,7 @@ class BenchSpec(_Spec):
     nproc: int = 1
     ddp_bucket_mb: float = DDP_BUCKET_MB
     ddp_static_graph: bool = False
+    profile_steps: int = 0  # train: N more steps under torch.profiler after the timed windows (0: none)
     seed: int = 0
 
     def __post_init__(self):
@@ -154,6 +155,7 @@ class BenchSpec(_Spec):
         put("allow_gpu_mismatch", parse_bool(self.allow_gpu_mismatch, "allow_gpu_mismatch"))
         put("nproc", parse_int(self.nproc, "nproc", 1))
         self._parse_ddp()
+        put("profile_steps", parse_int(self.profile_steps, "profile_steps", 0))
         put("seed", parse_int(self.seed, "seed", 0))
 
     @property
