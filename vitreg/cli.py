@@ -10,12 +10,9 @@ import sys
 
 import click
 
-from vitreg.cli_common import bench_default, user_errors
+from vitreg.cli_common import bench_default, host_kwargs, host_options, user_errors
 from vitreg.errors import VitregError
 from vitreg.spec import AMP_CHOICES, COMPILE_BACKENDS, COMPILE_CHOICES, DEVICE_CHOICES, TASKS
-
-_default = bench_default
-
 
 def bench_options(fn):
     """The bench options, shared by ``vitreg bench`` and ``entry_points/bench.py`` (the MLproject params).
@@ -24,38 +21,40 @@ def bench_options(fn):
     the same thing.
     """
     opts = [
-        click.option("--gpu", default=_default("gpu"), show_default=True,
+        click.option("--gpu", default=bench_default("gpu"), show_default=True,
                      help="GPU label (a100, a100-80gb, h100, h100-pcie, h200, l4, t4, v100, rtx4090, cpu) or auto; "
                           "checked against the detected hardware."),
-        click.option("--model", default=_default("model"), show_default=True,
+        click.option("--model", default=bench_default("model"), show_default=True,
                      help="timm vit_*/deit_*/deit3_* name, or torchvision:vit_b_16."),
-        click.option("--task", default=_default("task"), show_default=True, help="/".join(TASKS)),
-        click.option("--batch-size", "batch_size", default=str(_default("batch_size")), show_default=True),
-        click.option("--img-size", "img_size", default=str(_default("img_size")), show_default=True,
+        click.option("--task", default=bench_default("task"), show_default=True, help="/".join(TASKS)),
+        click.option("--batch-size", "batch_size", default=str(bench_default("batch_size")), show_default=True),
+        click.option("--img-size", "img_size", default=str(bench_default("img_size")), show_default=True,
                      help="0 = the model's default resolution."),
-        click.option("--amp", default=_default("amp"), show_default=True,
+        click.option("--amp", default=bench_default("amp"), show_default=True,
                      help=f"{'/'.join(AMP_CHOICES)}; auto = bf16 where the GPU has it, fp16 on V100/T4, off on CPU."),
-        click.option("--compile", "compile_", default=_default("compile"), show_default=True,
+        click.option("--compile", "compile_", default=bench_default("compile"), show_default=True,
                      help="/".join(COMPILE_CHOICES)),
-        click.option("--compile-backend", "compile_backend", default=_default("compile_backend"), show_default=True,
+        click.option("--compile-backend", "compile_backend", default=bench_default("compile_backend"),
+                     show_default=True,
                      help="/".join(COMPILE_BACKENDS)),
-        click.option("--warmup", default=str(_default("warmup")), show_default=True,
+        click.option("--warmup", default=str(bench_default("warmup")), show_default=True,
                      help="untimed iterations (the first one is timed apart as compile/first-call time)."),
-        click.option("--steps", default=str(_default("steps")), show_default=True, help="iterations per timed window."),
-        click.option("--repeats", default=str(_default("repeats")), show_default=True, help="timed windows."),
-        click.option("--device", default=_default("device"), show_default=True, help="/".join(DEVICE_CHOICES)),
+        click.option("--steps", default=str(bench_default("steps")), show_default=True,
+                     help="iterations per timed window."),
+        click.option("--repeats", default=str(bench_default("repeats")), show_default=True, help="timed windows."),
+        click.option("--device", default=bench_default("device"), show_default=True, help="/".join(DEVICE_CHOICES)),
         click.option("--allow-gpu-mismatch", "allow_gpu_mismatch", default="false", show_default=True,
                      help="true: file the run under --gpu even if the hardware differs (tagged gpu_mismatch=true)."),
-        click.option("--nproc", default=str(_default("nproc")), show_default=True,
+        click.option("--nproc", default=str(bench_default("nproc")), show_default=True,
                      help="processes (GPUs) per host; >1 launches torchrun; batch_size is per process."),
-        click.option("--ddp-bucket-mb", "ddp_bucket_mb", default=str(_default("ddp_bucket_mb")), show_default=True,
+        click.option("--ddp-bucket-mb", "ddp_bucket_mb", default=str(bench_default("ddp_bucket_mb")), show_default=True,
                      help="DDP gradient bucket size in MB (torch's bucket_cap_mb): gradient all-reduced per call."),
         click.option("--ddp-static-graph", "ddp_static_graph", default="false", show_default=True,
                      help="true: DDP static_graph (skips per-step graph bookkeeping; the graph must not change)."),
-        click.option("--profile-steps", "profile_steps", default=str(_default("profile_steps")), show_default=True,
+        click.option("--profile-steps", "profile_steps", default=str(bench_default("profile_steps")), show_default=True,
                      help="train: after the timed windows, this many more steps under torch.profiler, logging "
                           "train_allreduce_ms_per_step and (GPU) train_device_busy_ms_per_step; 0 = none."),
-        click.option("--seed", default=str(_default("seed")), show_default=True),
+        click.option("--seed", default=str(bench_default("seed")), show_default=True),
     ]
     for opt in reversed(opts):
         fn = opt(fn)
@@ -79,23 +78,17 @@ def main():
 @click.option("--experiment", default=None, envvar="MLFLOW_EXPERIMENT_NAME",
               help="MLflow experiment (ignored under `mlflow run`, which picks its own).")
 @click.option("--run-name", default=None, help="MLflow run name (default: model-gpu-amp-compile-bsN).")
-@click.option("--nnodes", default="1", show_default=True,
-              help="hosts in a multi-host DDP job: the same command on each, with its --node-rank and one --rdzv-endpoint.")
-@click.option("--node-rank", "node_rank", default="0", show_default=True,
-              help="this host's index, 0..nnodes-1; node 0 holds rank 0, which logs the MLflow run.")
-@click.option("--rdzv-endpoint", "rdzv_endpoint", default="", help="HOST:PORT on node 0 that every host can reach (nnodes>1).")
+@host_options
 @click.option("--baseline-run", "baseline_run", default="",
               help="run id of a nproc=1 run of the same config: logs train_scaling_efficiency = img/s_N / (N x img/s_1).")
 @user_errors
 def bench(experiment, run_name, nnodes, node_rank, rdzv_endpoint, baseline_run, **kwargs):
     """Benchmark inference and/or training of one model and log one MLflow run."""
     from vitreg.bench import bench as run_bench
-    from vitreg.spec import parse_int
 
     # Not in bench_options: those are forwarded to the torchrun ranks, which BenchSpec checks.
     run_bench(bench_kwargs_to_options(kwargs), experiment=experiment, run_name=run_name,
-              nnodes=parse_int(nnodes, "nnodes", 1), node_rank=parse_int(node_rank, "node_rank", 0),
-              rdzv_endpoint=rdzv_endpoint.strip() or None, baseline_run=baseline_run.strip() or None)
+              **host_kwargs(nnodes, node_rank, rdzv_endpoint), baseline_run=baseline_run.strip() or None)
 
 
 @main.command()

@@ -11,9 +11,6 @@ import click
 from vitreg.cli_common import bench_default, user_errors
 from vitreg.spec import AMP_CHOICES, COMPILE_BACKENDS, COMPILE_CHOICES, DEVICE_CHOICES, TASKS
 
-_default = bench_default
-
-
 @click.command()
 @click.argument("checkpoint_uri")
 @click.option("--name", required=True, help="registered model name (created if new; its versions must be the same architecture).")
@@ -50,21 +47,22 @@ def infer_options(fn):
     opts = [
         click.option("--model-uri", "model_uri", required=True,
                      help="models:/NAME@ALIAS, models:/NAME/VERSION or runs:/RUN_ID/checkpoints/last."),
-        click.option("--gpu", default=_default("gpu"), show_default=True,
+        click.option("--gpu", default=bench_default("gpu"), show_default=True,
                      help="GPU label (a100, h100, h200, l4, t4, v100, rtx4090, cpu, ...) or auto."),
         click.option("--task", default="infer", show_default=True, help="/".join(TASKS)),
-        click.option("--batch-size", "batch_size", default=str(_default("batch_size")), show_default=True),
-        click.option("--amp", default=_default("amp"), show_default=True, help="/".join(AMP_CHOICES)),
-        click.option("--compile", "compile_", default=_default("compile"), show_default=True,
+        click.option("--batch-size", "batch_size", default=str(bench_default("batch_size")), show_default=True),
+        click.option("--amp", default=bench_default("amp"), show_default=True, help="/".join(AMP_CHOICES)),
+        click.option("--compile", "compile_", default=bench_default("compile"), show_default=True,
                      help="/".join(COMPILE_CHOICES)),
-        click.option("--compile-backend", "compile_backend", default=_default("compile_backend"),
+        click.option("--compile-backend", "compile_backend", default=bench_default("compile_backend"),
                      show_default=True, help="/".join(COMPILE_BACKENDS)),
-        click.option("--warmup", default=str(_default("warmup")), show_default=True),
-        click.option("--steps", default=str(_default("steps")), show_default=True, help="iterations per timed window."),
-        click.option("--repeats", default=str(_default("repeats")), show_default=True, help="timed windows."),
-        click.option("--device", default=_default("device"), show_default=True, help="/".join(DEVICE_CHOICES)),
+        click.option("--warmup", default=str(bench_default("warmup")), show_default=True),
+        click.option("--steps", default=str(bench_default("steps")), show_default=True,
+                     help="iterations per timed window."),
+        click.option("--repeats", default=str(bench_default("repeats")), show_default=True, help="timed windows."),
+        click.option("--device", default=bench_default("device"), show_default=True, help="/".join(DEVICE_CHOICES)),
         click.option("--allow-gpu-mismatch", "allow_gpu_mismatch", default="false", show_default=True),
-        click.option("--seed", default=str(_default("seed")), show_default=True),
+        click.option("--seed", default=str(bench_default("seed")), show_default=True),
         click.option("--experiment", default=None, envvar="MLFLOW_EXPERIMENT_NAME",
                      help="MLflow experiment (ignored under `mlflow run`, which picks its own)."),
         click.option("--run-name", "run_name", default=None, help="MLflow run name."),

@@ -12,7 +12,7 @@ from dataclasses import MISSING, fields
 
 import click
 
-from vitreg.cli_common import user_errors
+from vitreg.cli_common import host_kwargs, host_options, user_errors
 from vitreg.spec import (AMP_CHOICES, COMPILE_BACKENDS, COMPILE_CHOICES, DEVICE_CHOICES, DISTILLATION_CHOICES,
                          TrainSpec)
 
@@ -86,22 +86,14 @@ def options_from_kwargs(kwargs: dict) -> dict:
 @click.option("--experiment", default=None, envvar="MLFLOW_EXPERIMENT_NAME",
               help="MLflow experiment (ignored under `mlflow run`, which picks its own).")
 @click.option("--run-name", default=None, help="MLflow run name (default: train-model-gpu-amp-bsN).")
-@click.option("--nnodes", default="1", show_default=True,
-              help="hosts in a multi-host DDP job: the same command on each, with its --node-rank and one --rdzv-endpoint.")
-@click.option("--node-rank", "--node_rank", "node_rank", default="0", show_default=True,
-              help="this host's index, 0..nnodes-1; node 0 holds rank 0, which logs the run and writes the checkpoints.")
-@click.option("--rdzv-endpoint", "--rdzv_endpoint", "rdzv_endpoint", default="",
-              help="HOST:PORT on node 0 that every host can reach (nnodes>1).")
+@host_options
 @user_errors
 def train(experiment, run_name, nnodes, node_rank, rdzv_endpoint, **kwargs):
     """Train a ViT/DeiT (synthetic data or an ImageFolder), log curves and checkpoints to one MLflow run."""
-    from vitreg.spec import parse_int
     from vitreg.train import train as run_train
 
-    # Not TrainSpec fields: they say where this host sits, and are not forwarded to the ranks.
     run_train(options_from_kwargs(kwargs), experiment=experiment, run_name=run_name,
-              nnodes=parse_int(nnodes, "nnodes", 1), node_rank=parse_int(node_rank, "node_rank", 0),
-              rdzv_endpoint=rdzv_endpoint.strip() or None)
+              **host_kwargs(nnodes, node_rank, rdzv_endpoint))
 
 
 if __name__ == "__main__":  # pragma: no cover

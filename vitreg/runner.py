@@ -257,7 +257,7 @@ def run_train_step(model, info: ModelInfo, spec: BenchSpec, runtime: Runtime, ha
                           reducer)
     if comm is not None:
         result = replace(result, allreduce_ms_per_step=comm.allreduce_ms_per_step,
-                                     device_busy_ms_per_step=comm.device_busy_ms_per_step)
+                         device_busy_ms_per_step=comm.device_busy_ms_per_step)
     return result
 
 
