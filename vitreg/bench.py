@@ -13,7 +13,6 @@ only rank 0 logs the figures reduced over all ranks (:mod:`vitreg.distributed`).
 
 from __future__ import annotations
 
-import functools
 import shlex
 import sys
 from dataclasses import dataclass
@@ -90,15 +89,9 @@ def bench(options: dict, experiment: str | None = None, run_name: str | None = N
                               system_metrics=not launch.launched_by_vitreg()) as run:
         spec = BenchSpec.from_options(options)
         check_model_name(spec.model)  # cheap, and before any device work
-        wrap = reducer = None
-        if distributed.inside_torchrun():
-            # A rank of a DDP job: bind this rank's GPU before anything touches CUDA, join the group.
-            world = distributed.join_world(spec.nproc, spec.device)
-            if world.distributed:
-                wrap = functools.partial(distributed.ddp_wrap, world=world, **spec.ddp_options())
-                reducer = distributed.ResultReducer(world)
-                if not world.is_main:
-                    progress = quiet  # rank 0 speaks for the job; errors still reach every rank's stderr
+        world, wrap, reducer = distributed.join_job(spec, distributed.ResultReducer)
+        if not world.is_main:
+            progress = quiet  # rank 0 speaks for the job; errors still reach every rank's stderr
         # baseline_run under a torchrun the user started: rank 0 checks it now, before the GPU time
         # (under a vitreg launcher, the launcher checked it and relates the figures itself).
         baseline = None

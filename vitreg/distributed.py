@@ -100,6 +100,24 @@ def init_from_env(device_type: str, timeout_s: float | None = None) -> World:
     return World(rank, local_rank, world_size, device, dist.get_backend(), local_world)
 
 
+def join_job(spec, reducer_factory):
+    """This process's place in a DDP job, set up the same way for bench and train: ``(world, wrap, reducer)``.
+
+    In a torchrun worker this binds the rank's GPU (before anything touches CUDA) and joins the
+    process group; with more than one rank, ``wrap`` wraps a model in DistributedDataParallel with
+    the spec's DDP settings and ``reducer`` is ``reducer_factory(world)``. A plain process (or a
+    one-rank job) gets ``wrap = reducer = None``.
+    """
+    if not inside_torchrun():
+        return World(), None, None
+    world = join_world(spec.nproc, spec.device)
+    if not world.distributed:
+        return world, None, None
+    import functools
+
+    return world, functools.partial(ddp_wrap, world=world, **spec.ddp_options()), reducer_factory(world)
+
+
 def is_main_process() -> bool:
     """Rank 0 of the job, or a plain process (same rule as :func:`vitreg.tracking.is_main_process`)."""
     return _env_int("RANK", 0) == 0

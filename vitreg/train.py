@@ -33,7 +33,6 @@ so none exits while rank 0 still uploads or registers.
 
 from __future__ import annotations
 
-import functools
 import math
 import queue
 import shlex
@@ -388,15 +387,7 @@ def _train_in_run(run, options, workdir: Path, progress, command, run_name, *, s
     check_model_name(spec.model)
     if distributed.is_main_process():
         check_registration(spec)  # rank 0 registers: a bad register_as fails before any training
-    world = distributed.World()
-    wrap = reducer = None
-    if distributed.inside_torchrun():
-        # A rank of a DDP job: bind this rank's GPU before anything touches CUDA, join the group.
-        world = distributed.join_world(spec.nproc, spec.device)
-        if world.distributed:
-            # as bench: gradients as views into the all-reduce buckets (no copy, less peak memory)
-            wrap = functools.partial(distributed.ddp_wrap, world=world, **spec.ddp_options())
-            reducer = distributed.TrainReducer(world)
+    world, wrap, reducer = distributed.join_job(spec, distributed.TrainReducer)
     main = world.is_main
     if not main:
         progress = quiet  # rank 0 speaks for the job; errors still reach every rank's stderr
