@@ -9,6 +9,13 @@ the ranks' median rates) and the slowest rank's median step time. vitreg's `benc
 
     torchrun --standalone --nproc-per-node=2 benchmarks/ddp_check.py --model deit_small_patch16_224 --batch-size 128
     torchrun --standalone --nproc-per-node=2 benchmarks/ddp_check.py --model deit_small_patch16_224 --static-graph --profile
+    torchrun --standalone --nproc-per-node=2 benchmarks/ddp_check.py --model deit_small_patch16_224 --cuda-graph
+
+``--cuda-graph`` (CUDA only) captures the whole step (forward, backward with DDP's all-reduce, AdamW)
+in one CUDA graph and replays it, following PyTorch's recipe for DDP (docs, "CUDA Graphs", "Usage with
+DistributedDataParallel"): NCCL's async error handling off before the process group exists, DDP built
+on a side stream, 11 eager DDP steps before the capture, autocast without its cast cache, a
+capturable optimizer.
 
 ``--profile`` then runs ``profile_steps`` more steps under torch.profiler and reports, per step, the
 time the GPU spent in NCCL kernels (all-reduce) and in all kernels, from rank 0's trace: how much
@@ -18,6 +25,7 @@ all_reduce operations' CPU time.
 """
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -45,7 +53,12 @@ def main():
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--profile-steps", type=int, default=5)
+    ap.add_argument("--cuda-graph", action="store_true", help="capture the whole step in one CUDA graph, replay it")
     args = ap.parse_args()
+    if args.cuda_graph and args.device != "cuda":
+        ap.error("--cuda-graph needs --device cuda")
+    if args.cuda_graph:
+        os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "0"  # before the process group: PyTorch's DDP + graphs recipe
 
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     cuda = args.device == "cuda"
@@ -60,20 +73,26 @@ def main():
     torch.manual_seed(0)
     model = timm.create_model(args.model, pretrained=False, img_size=args.img_size).to(dev)
     model.train()
-    ddp = DistributedDataParallel(model, device_ids=[local_rank] if cuda else None, bucket_cap_mb=args.bucket_mb,
-                                  gradient_as_bucket_view=not args.no_bucket_view, static_graph=args.static_graph)
+    side = torch.cuda.Stream() if args.cuda_graph else None
+    if side is not None:
+        side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():  # graphs: DDP built on a side stream
+        ddp = DistributedDataParallel(model, device_ids=[local_rank] if cuda else None, bucket_cap_mb=args.bucket_mb,
+                                      gradient_as_bucket_view=not args.no_bucket_view, static_graph=args.static_graph)
+    if side is not None:
+        torch.cuda.current_stream().wait_stream(side)
     net = ddp if args.compile == "off" else torch.compile(
         ddp, **({} if args.compile == "default" else {"mode": args.compile}))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=cuda)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=cuda, capturable=args.cuda_graph)
     dtype = torch.bfloat16 if args.amp == "bf16" else None
     torch.manual_seed(1 + rank)  # each rank its own batch, as DDP training has
     x = torch.randn(args.batch_size, 3, args.img_size, args.img_size, device=dev)
     y = torch.randint(0, 1000, (args.batch_size,), device=dev)
     ce = torch.nn.CrossEntropyLoss()
 
-    def step():
+    def eager_step():
         opt.zero_grad(set_to_none=True)
-        with torch.autocast(dev.type, dtype=dtype, enabled=dtype is not None):
+        with torch.autocast(dev.type, dtype=dtype, enabled=dtype is not None, cache_enabled=not args.cuda_graph):
             loss = ce(net(x), y)
         loss.backward()
         opt.step()
@@ -82,9 +101,25 @@ def main():
         if cuda:
             torch.cuda.synchronize()
 
+    def capture():
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(11):  # DDP needs 11 eager iterations before a capture
+                eager_step()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            eager_step()  # grads set to None first: the captured backward writes them in the graph's pool
+        graph.replay()
+        return graph.replay
+
     sync()
     t0 = time.perf_counter()
-    step()
+    if args.cuda_graph:
+        step = capture()  # first "step": 11 eager steps, the capture, one replay
+    else:
+        step = eager_step
+        step()
     sync()
     first_s = time.perf_counter() - t0
     for _ in range(args.warmup - 1):
@@ -144,7 +179,7 @@ def main():
     if rank == 0:
         medians = [r[0] for r in every]
         slowest = max(1e3 * args.batch_size / m for m in medians)
-        line = f"ddp_check: N={world} {sum(medians):,.0f} img/s, slowest rank's step {slowest:.2f} ms"
+        line = f"ddp_check: N={world}{' cuda-graph' if args.cuda_graph else ''} {sum(medians):,.0f} img/s, slowest rank's step {slowest:.2f} ms"
         if prof:
             busy = prof["device_busy_ms_per_step"]
             line += f"; all-reduce {prof['allreduce_ms_per_step']:.2f} ms/step" + (
@@ -153,7 +188,7 @@ def main():
         print(json.dumps({
             "check": "ddp", "model": args.model, "world_size": world, "batch_size_per_rank": args.batch_size,
             "amp": args.amp, "compile": args.compile, "bucket_mb": args.bucket_mb, "static_graph": args.static_graph,
-            "gradient_as_bucket_view": not args.no_bucket_view,
+            "gradient_as_bucket_view": not args.no_bucket_view, "cuda_graph": args.cuda_graph,
             "img_per_s": sum(medians), "img_per_s_per_rank": medians,
             "step_ms_p50_slowest": slowest,
             "first_step_s": first_s, **prof,

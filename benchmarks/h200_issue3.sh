@@ -9,6 +9,9 @@
 # (d) if time is left: DeiT-S at nproc=2 again with other DDP settings (DDP_VARIANTS: static graph, bigger buckets).
 # Each (a) pair is followed by the independent plain DDP loop (benchmarks/ddp_check.py) at N=1 and N=2 (with the
 # profiler's NCCL time per step) on the same configuration; DDP_CHECK=0 skips it.
+# SKIP_TRAIN=1 / SKIP_TRAIN_DDP=1 leave out (b) / (c); DDP_VARIANTS="" leaves out (d). With
+# BENCH_EXTRA="--cuda-graph true" PLAIN_EXTRA="--amp bf16 --cuda-graph" both vitreg and the plain loop replay
+# whole-step CUDA graphs.
 # Order = priority: ViT-B (a), (b), DeiT-S (a), (c), (d). Progress with timestamps goes to $OUT/log.txt; the
 # MLflow store (mlflow.db + artifacts, minus weights and optimizer states, which would not come back) to
 # $OUT/store.tgz. DEADLINE: no item starts after it; every item's timeout is cut to end by HARD, so the
@@ -43,7 +46,7 @@ INFER_EXTRA=${INFER_EXTRA:-}
 # the plain DDP loop's options matching BENCH_EXTRA (e.g. "--device cpu --img-size 32 --amp off" in rehearsal)
 PLAIN_EXTRA=${PLAIN_EXTRA:-"--amp $AMP"}; [ "$AMP" = bf16 ] || [ "$AMP" = off ] || PLAIN_EXTRA=
 # after everything else, if time is left: DeiT-S (the last bench model) again at nproc=2 with these DDP settings
-DDP_VARIANTS=${DDP_VARIANTS:-"--ddp-static-graph true|--ddp-bucket-mb 100 --ddp-static-graph true"}
+DDP_VARIANTS=${DDP_VARIANTS-"--ddp-static-graph true|--ddp-bucket-mb 100 --ddp-static-graph true"}
 REG=${REG:-deit-tiny-h200}
 PULL_DIR=/tmp/$REG-pulled
 
@@ -180,7 +183,7 @@ first_model=${1:-}; shift; rest_models="$*"
 [ -n "$first_model" ] && bench_pair "$first_model"
 [ "${SKIP_TRAIN:-0}" = 1 ] || train_register_pull_infer  # SKIP_TRAIN=1: (b) was done in an earlier call
 for model in $rest_models; do bench_pair "$model"; done
-train_ddp
+[ "${SKIP_TRAIN_DDP:-0}" = 1 ] || train_ddp  # SKIP_TRAIN_DDP=1: (c) was done in an earlier call
 last_model=${rest_models##* }; ddp_variants "${last_model:-$first_model}"
 
 say "summary of this call's runs:"
@@ -204,6 +207,7 @@ for name in ("h200-ddp", "h200-train", "h200-bench"):
               + (f"  scaling eff {eff:.3f}" if eff else "")
               + (f"  all-reduce {m['train_allreduce_ms_per_step']:.2f} ms/step" if "train_allreduce_ms_per_step" in m else "")
               + (f"  ddp bucket {t['ddp_bucket_mb']} MB static {t['ddp_static_graph']}" if "ddp_bucket_mb" in t else "")
+              + ("  cuda-graph" if t.get("cuda_graph") == "true" else "")
               + (f"  error: {t['vitreg_error'][:120]}" if t.get("vitreg_error") else ""))
 PY
 say "done"

@@ -102,6 +102,7 @@ def requested_run(sqlite_store, monkeypatch):
     (["--gpu", "h100"], "use gpu=cpu or gpu=auto"),
     (["--model", "resnet50"], "is not a ViT/DeiT"),
     (["--allow-gpu-mismatch", "perhaps"], "allow_gpu_mismatch=true or"),
+    (["--cuda-graph", "true"], "cuda_graph=true needs a CUDA GPU and this run is on cpu: pass cuda_graph=false"),
 ])
 def test_bad_input_exit_2_and_failed_run(requested_run, args, needle):
     from vitreg.cli import main

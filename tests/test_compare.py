@@ -300,6 +300,29 @@ def test_multi_host_runs_scale_by_their_world_size_not_the_per_host_nproc():
     assert s.loc[2, "efficiency"] == pytest.approx(0.95)
 
 
+def test_cuda_graph_runs_are_their_own_configuration_and_scale_from_graphed_single_process_runs():
+    def graphed(rows, value="true"):
+        for r in rows:
+            r["params.cuda_graph"] = value
+        return rows
+
+    df = frame(
+        *repeats("h200", [5000, 5200], task="train", nproc=1),  # before the option existed: plain
+        *repeats("h200", [7800], task="train", nproc=2),
+        *graphed(repeats("h200", [9000, 9200], task="train", nproc=1)),
+        *graphed(repeats("h200", [17900], task="train", nproc=2)),
+        *graphed(repeats("h200", [5100], task="train", nproc=1), "false"),
+    )
+    table = compare_gpus(df).table
+    assert sorted(set(table["compile"])) == ["off", "off+cudagraph"]
+    s = compare_gpus(df).scaling.set_index(["compile", "nproc"])
+    assert s.loc[("off+cudagraph", 2), "efficiency"] == pytest.approx(17900 / (2 * 9100))
+    assert s.loc[("off", 2), "efficiency"] == pytest.approx(7800 / (2 * 5100))  # median of 5000, 5100, 5200
+    gains = compile_amp_gains(df).set_index(["change", "nproc"])["speedup"]
+    assert gains[("compile=off+cudagraph", 1)] == pytest.approx(9100 / 5100)
+    assert "off+cudagraph" in format_table(compare_gpus(df))
+
+
 def test_compile_and_amp_gains():
     df = frame(
         *repeats("h200", [1000, 1000], amp="off", compile="off"),

@@ -180,6 +180,20 @@ def test_bad_model_refused_before_launching(sqlite_store):
     assert "did you mean test_vit" in runs[0].data.tags["vitreg_error"]
 
 
+def test_cuda_graph_on_cpu_refused_before_launching(sqlite_store):
+    from mlflow.tracking import MlflowClient
+
+    from vitreg.cli import main
+
+    result = CliRunner().invoke(main, ["bench", *cli_args({**TINY, "nproc": "2", "cuda_graph": "true"})])
+    assert result.exit_code == 2, result.output
+    assert result.output.count("error: ") == 1 and "cuda_graph=true needs a CUDA GPU" in result.output
+    assert "launching" not in result.output
+    runs = MlflowClient().search_runs([e.experiment_id for e in MlflowClient().search_experiments()])
+    assert len(runs) == 1 and runs[0].info.status == "FAILED"
+    assert "cuda_graph=true needs a CUDA GPU" in runs[0].data.tags["vitreg_error"]
+
+
 def fake_baseline_run(uri: str, throughput: float) -> str:
     """A finished 1-process run of the TINY config, as bench would have logged it."""
     from mlflow.tracking import MlflowClient
@@ -390,6 +404,8 @@ def test_worker_shim_records_exit_status(tmp_path, monkeypatch):
 
 
 def test_scaling_efficiency_checks_the_baseline(sqlite_store):
+    from mlflow.tracking import MlflowClient
+
     from vitreg import bench as bench_mod
     from vitreg.spec import BenchSpec
 
@@ -400,10 +416,11 @@ def test_scaling_efficiency_checks_the_baseline(sqlite_store):
         "train_scaling_efficiency": pytest.approx(0.9)}
     with pytest.raises(VitregError, match="another config"):
         bench_mod.read_baseline(base_id, spec.replace(batch_size=4))
+    MlflowClient().set_tag(base_id, "cuda_graph", "false")
+    with pytest.raises(VitregError, match="cuda_graph=false there, true here"):
+        bench_mod.read_baseline(base_id, spec.replace(cuda_graph=True))
     with pytest.raises(VitregError, match="cannot be read"):
         bench_mod.read_baseline("0" * 32, spec)
-    from mlflow.tracking import MlflowClient
-
     client = MlflowClient()
     multi = fake_baseline_run(sqlite_store, throughput=100.0)
     client.log_metric(multi, "train_world_size", 2)

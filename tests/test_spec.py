@@ -37,6 +37,10 @@ def test_parse_bool(value, expected):
     ({"ddp_bucket_mb": "0"}, "ddp_bucket_mb=0 must be > 0"),
     ({"ddp_bucket_mb": "big"}, "ddp_bucket_mb='big' is not a number"),
     ({"ddp_static_graph": "sometimes"}, "use ddp_static_graph=true or ddp_static_graph=false"),
+    ({"cuda_graph": "graphs"}, "use cuda_graph=true or cuda_graph=false"),
+    ({"cuda_graph": "true", "amp": "fp16"}, "use amp=bf16 or amp=off, or cuda_graph=false"),
+    ({"cuda_graph": "true", "compile": "reduce-overhead"}, "use compile=off or compile=default with cuda_graph=true"),
+    ({"cuda_graph": "true", "compile": "default", "compile_backend": "cudagraphs"}, "compile_backend=cudagraphs both"),
 ])
 def test_bad_values_give_one_line_errors(kwargs, needle):
     with pytest.raises(VitregError) as err:
@@ -63,3 +67,10 @@ def test_ddp_options_parse_from_strings_for_bench_and_train():
         assert cls().ddp_options() == {"bucket_cap_mb": 25.0, "static_graph": False}
         spec = cls(ddp_bucket_mb="100", ddp_static_graph="true")
         assert spec.ddp_options() == {"bucket_cap_mb": 100.0, "static_graph": True}
+
+
+def test_cuda_graph_is_off_by_default_and_goes_with_eager_or_default_compile():
+    assert BenchSpec().cuda_graph is False
+    assert BenchSpec(cuda_graph="true", amp="bf16").cuda_graph is True
+    assert BenchSpec(cuda_graph="true", compile="default", amp="off").to_params()["cuda_graph"] == "true"
+    assert BenchSpec(cuda_graph="false", amp="fp16", compile="max-autotune").cuda_graph is False

@@ -21,6 +21,7 @@ from vitreg import distributed, launch, tracking
 from vitreg.console import progress, quiet
 from vitreg.env import capture_environment, pip_freeze
 from vitreg.errors import VitregError
+from vitreg.graphs import require_cuda
 from vitreg.hardware import detect_hardware, resolve_hardware
 from vitreg.models import check_model_name, create_model
 from vitreg.report import report_markdown, results_table
@@ -42,7 +43,7 @@ def log_setup(run, params: dict, env, progress) -> None:
 
 def resolved_tags(spec: BenchSpec, hw, runtime, img_size: int) -> dict:
     """What actually ran, under the names people group by (see tracking's note on params vs tags)."""
-    return {
+    tags = {
         "gpu": hw.label,
         "amp": runtime.amp,
         "device": runtime.device,
@@ -56,6 +57,9 @@ def resolved_tags(spec: BenchSpec, hw, runtime, img_size: int) -> dict:
         "detected_gpu": hw.detected.profile.label,
         "vitreg_job": "bench",
     }
+    if hasattr(spec, "cuda_graph"):  # bench's and infer's specs; train captures nothing
+        tags["cuda_graph"] = str(spec.cuda_graph).lower()
+    return tags
 
 
 def label_launcher_run(run, spec, job: str) -> None:
@@ -65,8 +69,11 @@ def label_launcher_run(run, spec, job: str) -> None:
     if run is None:
         return
     run.log_params(spec.to_params())
-    run.set_tags({"model": spec.model, "task": spec.task, "compile": spec.compile, "batch_size": spec.batch_size,
-                  "nproc": spec.nproc, "vitreg_job": job})
+    tags = {"model": spec.model, "task": spec.task, "compile": spec.compile, "batch_size": spec.batch_size,
+            "nproc": spec.nproc, "vitreg_job": job}
+    if hasattr(spec, "cuda_graph"):  # bench's
+        tags["cuda_graph"] = str(spec.cuda_graph).lower()
+    run.set_tags(tags)
 
 
 def bench(options: dict, experiment: str | None = None, run_name: str | None = None,
@@ -106,7 +113,9 @@ def bench(options: dict, experiment: str | None = None, run_name: str | None = N
         model, info = create_model(spec.model, spec.img_size)  # on the CPU: checks img_size before GPU work
         env = capture_environment()
         ddp = f"-ddp{world.world_size}" if world.distributed else ""
-        run.set_name(run_name or f"{spec.model}-{hw.label}-{runtime.amp}-{spec.compile}-bs{spec.batch_size}{ddp}")
+        graph = "-graph" if spec.cuda_graph else ""
+        run.set_name(run_name or
+                     f"{spec.model}-{hw.label}-{runtime.amp}-{spec.compile}{graph}-bs{spec.batch_size}{ddp}")
         run.set_tags({**env.to_tags(), **resolved_tags(spec, hw, runtime, info.img_size),
                       **world_tags(world, runtime, env, spec)})
         params = {**spec.to_params(), "gpu": hw.label, "amp": runtime.amp, "device": runtime.device,
@@ -145,6 +154,8 @@ def _launch_bench(options, experiment, run_name, progress, nnodes, node_rank, rd
         check_model_name(spec.model)  # fail here, once, rather than in every rank
         launch.check_nodes(nnodes, node_rank, rdzv_endpoint)
         launch.check_nproc(spec.nproc, spec.device, launch.visible_gpu_count())
+        if spec.cuda_graph and (spec.device == "cpu" or not launch.visible_gpu_count()):
+            require_cuda(True, "cpu")  # once here, not in every rank
         baseline = read_baseline(baseline_run, spec) if baseline_run and node_rank == 0 else None
         label_launcher_run(run, spec, "bench")
         argv = ["-m", "vitreg.cli", "bench", *launch.options_to_args(options)]
@@ -179,7 +190,7 @@ def world_tags(world: distributed.World, runtime, env, spec=None) -> dict:
 # scaling efficiency against a 1-process baseline run
 
 # Resolved values (tags) that must agree for two runs to measure the same work per process.
-SCALING_CONFIG_TAGS = ("model", "gpu", "amp", "compile", "batch_size", "img_size", "device")
+SCALING_CONFIG_TAGS = ("model", "gpu", "amp", "compile", "cuda_graph", "batch_size", "img_size", "device")
 
 
 @dataclass(frozen=True)
@@ -211,7 +222,8 @@ def read_baseline(run_id: str, spec: BenchSpec) -> Baseline:
         raise VitregError(f"baseline_run={run_id} has no {' or '.join(t + '_throughput_img_per_s' for t in spec.tasks)}: "
                           f"pass a run of task={spec.task} (or both)")
     # What is already concrete in the spec must match now; auto values are compared after the run.
-    wanted = {"model": spec.model, "compile": spec.compile, "batch_size": str(spec.batch_size)}
+    wanted = {"model": spec.model, "compile": spec.compile, "batch_size": str(spec.batch_size),
+              "cuda_graph": str(spec.cuda_graph).lower()}
     if spec.gpu != "auto":
         wanted["gpu"] = spec.gpu
     if spec.amp != "auto":
@@ -221,7 +233,7 @@ def read_baseline(run_id: str, spec: BenchSpec) -> Baseline:
     diff = [f"{k}={tags.get(k)} there, {v} here" for k, v in wanted.items() if tags.get(k) not in (None, v)]
     if diff:
         raise VitregError(f"baseline_run={run_id} is another config ({'; '.join(diff)}): pass a 1-process run "
-                          f"of the same model, batch_size, amp, compile and gpu")
+                          f"of the same model, batch_size, amp, compile, cuda_graph and gpu")
     return Baseline(run_id, metrics, tags)
 
 

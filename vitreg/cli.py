@@ -54,6 +54,9 @@ def bench_options(fn):
         click.option("--profile-steps", "profile_steps", default=str(bench_default("profile_steps")), show_default=True,
                      help="train: after the timed windows, this many more steps under torch.profiler, logging "
                           "train_allreduce_ms_per_step and (GPU) train_device_busy_ms_per_step; 0 = none."),
+        click.option("--cuda-graph", "cuda_graph", default="false", show_default=True,
+                     help="true (CUDA, amp bf16/off): capture each step (train: forward, backward with DDP's "
+                          "all-reduce, AdamW) in one CUDA graph and time its replays."),
         click.option("--seed", default=str(bench_default("seed")), show_default=True),
     ]
     for opt in reversed(opts):

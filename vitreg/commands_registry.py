@@ -62,6 +62,8 @@ def infer_options(fn):
         click.option("--repeats", default=str(bench_default("repeats")), show_default=True, help="timed windows."),
         click.option("--device", default=bench_default("device"), show_default=True, help="/".join(DEVICE_CHOICES)),
         click.option("--allow-gpu-mismatch", "allow_gpu_mismatch", default="false", show_default=True),
+        click.option("--cuda-graph", "cuda_graph", default="false", show_default=True,
+                     help="true (CUDA, amp bf16/off): capture each step in one CUDA graph and time its replays."),
         click.option("--seed", default=str(bench_default("seed")), show_default=True),
         click.option("--experiment", default=None, envvar="MLFLOW_EXPERIMENT_NAME",
                      help="MLflow experiment (ignored under `mlflow run`, which picks its own)."),

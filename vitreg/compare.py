@@ -115,7 +115,7 @@ def tidy(runs_df: pd.DataFrame) -> pd.DataFrame:
     not recorded, plus any other ``metrics.<task>_*`` the runs carry).
 
     ``gpu`` is the resolved ``tags.gpu``, falling back to ``params.gpu``; ``amp`` likewise prefers
-    the resolved ``tags.amp``. ``nproc`` is the number of processes in the whole job: the
+    the resolved ``tags.amp``. ``compile`` ends in ``+cudagraph`` for ``cuda_graph=true`` runs. ``nproc`` is the number of processes in the whole job: the
     ``world_size`` tag of DDP runs (``nproc x nnodes`` for several hosts), else ``params.nproc``
     (times ``params.nnodes``), else 1. ``batch_size``, ``img_size`` and ``nproc``
     are nullable integers.
@@ -158,7 +158,7 @@ def tidy(runs_df: pd.DataFrame) -> pd.DataFrame:
     base["model"] = _coalesce(df, "params.model", "tags.model").fillna(_MISSING)
     task_param = _coalesce(df, "params.task").str.lower()
     base["amp"] = _coalesce(df, "tags.amp", "params.amp").fillna(_MISSING)
-    base["compile"] = _coalesce(df, "params.compile", "tags.compile").fillna(_MISSING)
+    base["compile"] = _with_cuda_graph(df, _coalesce(df, "params.compile", "tags.compile").fillna(_MISSING))
     base["batch_size"] = _integer(df, "params.batch_size")
     base["img_size"] = _integer(df, "params.img_size")
     # processes in the whole job: a multi-host run's params.nproc is per host, its world_size tag is
@@ -222,6 +222,15 @@ def _coalesce(df: pd.DataFrame, *cols: str) -> pd.Series:
         if s is not None:
             out = out.where(out.notna(), s)
     return out.where(out.notna(), np.nan).astype(object)
+
+
+def _with_cuda_graph(df: pd.DataFrame, compile_: pd.Series) -> pd.Series:
+    """``compile`` plus ``+cudagraph`` for runs whose steps were replayed from a CUDA graph
+    (``cuda_graph=true``): a different way of running the same step, kept apart like a compile mode
+    (and, in :func:`compile_amp_gains`, compared with plain ``off`` as one)."""
+    graph = _coalesce(df, "params.cuda_graph", "tags.cuda_graph")
+    on = graph.map(lambda v: isinstance(v, str) and v.lower() in ("1", "true", "yes", "on")).astype(bool)
+    return compile_.where(~on, compile_.astype(str) + "+cudagraph")
 
 
 def _ddp_setting(df: pd.DataFrame, nproc: pd.Series) -> pd.Series:

@@ -110,6 +110,10 @@ def join_job(spec, reducer_factory):
     """
     if not inside_torchrun():
         return World(), None, None
+    if getattr(spec, "cuda_graph", False):  # bench only: captured steps need this before the process group
+        from vitreg.graphs import prepare_process_group
+
+        prepare_process_group()
     world = join_world(spec.nproc, spec.device)
     if not world.distributed:
         return world, None, None

@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass, field, replace
 
 from vitreg.console import progress
 from vitreg.errors import VitregError
+from vitreg.graphs import EAGER_STEPS_BEFORE_CAPTURE, capture, require_cuda, side_stream
 from vitreg.hardware import ResolvedHardware, mfu
 from vitreg.models import ModelInfo, create_model, forward_flops_per_image, train_flops_per_image
 from vitreg.runtime import Runtime
@@ -114,6 +115,10 @@ class BenchResult:
         }
 
 
+#: eager forward passes before an inference capture (no DDP there: a few to settle the allocator)
+INFER_EAGER_STEPS_BEFORE_CAPTURE = 3
+
+
 def loss_of(output, target, criterion):
     """Cross-entropy; DeiT distilled models train two heads (class and distillation token) on it."""
     if isinstance(output, (tuple, list)):
@@ -141,16 +146,31 @@ def _reset_memory(device_type: str) -> None:
         torch.cuda.reset_peak_memory_stats()
 
 
-def _measure(step, spec: BenchSpec, runtime: Runtime, task: str, batch_size: int, progress, align=None) -> tuple:
-    """First call timed apart, warm-up, then the timed windows. Returns (first_s, warmup_s, windows).
+def _measure(step, spec: BenchSpec, runtime: Runtime, task: str, batch_size: int, progress, align=None,
+             graph_eager_steps: int = 0) -> tuple:
+    """First call timed apart, warm-up, then the timed windows. Returns (first_s, warmup_s, windows, step).
 
     ``align`` (DDP only) is a barrier run after the warm-up, so every rank's windows start together.
+    ``graph_eager_steps`` > 0 (``cuda_graph=true``): the "first call" is that many eager steps, the
+    capture of one more into a CUDA graph and one replay (:func:`vitreg.graphs.capture`); every
+    later call, timed or not, is a replay, and the returned ``step`` is the replay.
     """
     dev = runtime.device
     what = f"compiling ({runtime.compile}, {runtime.compile_backend}) + first call" if runtime.compile != "off" \
         else "first call"
+    made = []
+    if graph_eager_steps:
+        what = what.replace("first call", f"{graph_eager_steps} eager steps + CUDA graph capture")
+
+        def first():
+            made.append(capture(step, graph_eager_steps))
+    else:
+        def first():
+            step()
+            made.append(step)
     progress(f"{task}: {what} ...")
-    first_s = wall_seconds(step, dev)
+    first_s = wall_seconds(first, dev)
+    step = made[0]
     progress(f"{task}: first call took {first_s:.2f} s; warm-up {spec.warmup - 1} more iteration(s)")
     warm_s = wall_seconds(lambda: [step() for _ in range(spec.warmup - 1)], dev)
     if align is not None:
@@ -161,7 +181,7 @@ def _measure(step, spec: BenchSpec, runtime: Runtime, task: str, batch_size: int
         windows.append(win)
         progress(f"{task}: window {r + 1}/{spec.repeats}: {batch_size * win.iters / win.total_ms * 1e3:,.1f} img/s, "
                  f"{win.total_ms / win.iters:.2f} ms/iter")
-    return first_s, warm_s, windows
+    return first_s, warm_s, windows, step
 
 
 def _oom_guard(fn, batch_size: int, task: str):
@@ -193,12 +213,13 @@ def run_inference(model, info: ModelInfo, spec: BenchSpec, runtime: Runtime, har
 
     def step():
         runtime.mark_step()
-        with torch.inference_mode(), runtime.autocast():
+        with torch.inference_mode(), runtime.autocast(cache=not spec.cuda_graph):
             compiled(x)
 
     align = reducer.align if reducer is not None else None
-    first_s, warm_s, windows = _oom_guard(lambda: _measure(step, spec, runtime, "infer", bs, progress, align),
-                                          bs, "infer")
+    eager = INFER_EAGER_STEPS_BEFORE_CAPTURE if spec.cuda_graph else 0
+    first_s, warm_s, windows, _ = _oom_guard(
+        lambda: _measure(step, spec, runtime, "infer", bs, progress, align, eager), bs, "infer")
     return _task_result("infer", windows, first_s, warm_s, spec, info, runtime, hardware, fwd_flops, tf32, reducer)
 
 
@@ -218,11 +239,14 @@ def run_train_step(model, info: ModelInfo, spec: BenchSpec, runtime: Runtime, ha
     model.train()
     if info.distilled and hasattr(model, "set_distilled_training"):
         model.set_distilled_training(True)  # DeiT recipe: train both heads
-    net = wrap(model) if wrap else model
+    graphed = spec.cuda_graph
+    with side_stream(graphed and wrap is not None):  # DDP is built on a side stream before a capture
+        net = wrap(model) if wrap else model
     net = runtime.compile_model(net)
     # fused AdamW is one kernel for all parameters on CUDA; it also takes GradScaler's scale and
-    # inf flags on the device, so fp16 steps need no host sync for the inf check.
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=runtime.device == "cuda")
+    # inf flags on the device, so fp16 steps need no host sync for the inf check. capturable:
+    # its step count lives on the GPU, so a CUDA graph replay advances it.
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=runtime.device == "cuda", capturable=graphed)
     scaler = runtime.grad_scaler()
     criterion = torch.nn.CrossEntropyLoss()
     bs = spec.batch_size
@@ -231,8 +255,8 @@ def run_train_step(model, info: ModelInfo, spec: BenchSpec, runtime: Runtime, ha
 
     def step():
         runtime.mark_step()
-        opt.zero_grad(set_to_none=True)
-        with runtime.autocast():
+        opt.zero_grad(set_to_none=True)  # under a capture: the backward writes fresh grads on every replay
+        with runtime.autocast(cache=not graphed):
             loss = loss_of(net(x), y, criterion)
         scaler.scale(loss).backward()
         scaler.step(opt)
@@ -240,8 +264,9 @@ def run_train_step(model, info: ModelInfo, spec: BenchSpec, runtime: Runtime, ha
 
     try:
         align = reducer.align if reducer is not None else None
-        first_s, warm_s, windows = _oom_guard(lambda: _measure(step, spec, runtime, "train", bs, progress, align),
-                                              bs, "train")
+        eager = EAGER_STEPS_BEFORE_CAPTURE if graphed else 0
+        first_s, warm_s, windows, step = _oom_guard(
+            lambda: _measure(step, spec, runtime, "train", bs, progress, align, eager), bs, "train")
         comm = None
         if spec.profile_steps:
             from vitreg.profiling import profile_comm
@@ -300,6 +325,7 @@ def run_benchmark(spec: BenchSpec, hardware: ResolvedHardware, runtime: Runtime,
     """
     import torch
 
+    require_cuda(spec.cuda_graph, runtime.device, runtime.amp)
     torch.manual_seed(spec.seed)
     tf32 = torch.get_float32_matmul_precision() != "highest"
     model, info = model_factory() if model_factory else create_model(spec.model, spec.img_size)

@@ -34,13 +34,17 @@ class Runtime:
 
         return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.amp)
 
-    def autocast(self):
-        """Autocast context for the active precision (a no-op context when amp is off)."""
+    def autocast(self, cache: bool = True):
+        """Autocast context for the active precision (a no-op context when amp is off).
+
+        ``cache=False`` turns off autocast's cache of casted weights, which a CUDA graph capture
+        needs (a cast cached at capture would never be redone on replay).
+        """
         import torch
 
         if self.amp == "off":
             return contextlib.nullcontext()
-        return torch.autocast(device_type=self.device, dtype=self.autocast_dtype)
+        return torch.autocast(device_type=self.device, dtype=self.autocast_dtype, cache_enabled=cache)
 
     def grad_scaler(self):
         """fp16 needs loss scaling to keep small gradients from flushing to zero; bf16 and fp32 do not."""

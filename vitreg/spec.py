@@ -137,6 +137,7 @@ class BenchSpec(_Spec):
     ddp_bucket_mb: float = DDP_BUCKET_MB
     ddp_static_graph: bool = False
     profile_steps: int = 0  # train: N more steps under torch.profiler after the timed windows (0: none)
+    cuda_graph: bool = False  # capture each task's step in one CUDA graph and time its replays (vitreg.graphs)
     seed: int = 0
 
     def __post_init__(self):
@@ -156,7 +157,20 @@ class BenchSpec(_Spec):
         put("nproc", parse_int(self.nproc, "nproc", 1))
         self._parse_ddp()
         put("profile_steps", parse_int(self.profile_steps, "profile_steps", 0))
+        put("cuda_graph", parse_bool(self.cuda_graph, "cuda_graph"))
+        self._check_cuda_graph()
         put("seed", parse_int(self.seed, "seed", 0))
+
+    def _check_cuda_graph(self) -> None:
+        if not self.cuda_graph:
+            return
+        if self.amp == "fp16":
+            raise VitregError("cuda_graph=true cannot capture fp16's GradScaler (it checks for infs on the host): "
+                              "use amp=bf16 or amp=off, or cuda_graph=false")
+        if self.compile in ("reduce-overhead", "max-autotune") or self.compile_backend == "cudagraphs":
+            what = f"compile={self.compile}" if self.compile_backend != "cudagraphs" else "compile_backend=cudagraphs"
+            raise VitregError(f"cuda_graph=true and {what} both make CUDA graphs: use compile=off or compile=default "
+                              f"with cuda_graph=true, or cuda_graph=false")
 
     @property
     def tasks(self) -> tuple[str, ...]:
