@@ -6,13 +6,13 @@
 # (b) DeiT-Ti trained 300 steps on synthetic data, registered as models:/deit-tiny-h200@champion, pulled
 #     back (--out under /tmp) and benchmarked with `vitreg infer`; the loss read back from the store;
 # (c) if time is left: the same DeiT-Ti training under DDP (`vitreg train --nproc 2`, NCCL), 100 steps;
-# (d) if time is left: DeiT-S at nproc=2 again with other DDP settings (DDP_VARIANTS: static graph, bigger buckets).
-# Each (a) pair is followed by the independent plain DDP loop (benchmarks/ddp_check.py) at N=1 and N=2 (with the
-# profiler's NCCL time per step) on the same configuration; DDP_CHECK=0 skips it.
+# (d) each (a) pair is followed by more nproc=2 runs with other DDP settings (DDP_VARIANTS: static graph, bigger
+#     buckets, a comm hook), then the independent plain DDP loop (benchmarks/ddp_check.py) at N=1 and N=2 (with the
+#     profiler's NCCL time per step) on the same configuration (PLAIN_VARIANTS: more N=2 runs); DDP_CHECK=0 skips it.
 # SKIP_TRAIN=1 / SKIP_TRAIN_DDP=1 leave out (b) / (c); DDP_VARIANTS="" leaves out (d). With
 # BENCH_EXTRA="--cuda-graph true" PLAIN_EXTRA="--amp bf16 --cuda-graph" both vitreg and the plain loop replay
 # whole-step CUDA graphs.
-# Order = priority: ViT-B (a), (b), DeiT-S (a), (c), (d). Progress with timestamps goes to $OUT/log.txt; the
+# Order = priority: the first model's (a)+(d), (b), the other models' (a)+(d), (c). Progress with timestamps goes to $OUT/log.txt; the
 # MLflow store (mlflow.db + artifacts, minus weights and optimizer states, which would not come back) to
 # $OUT/store.tgz. DEADLINE: no item starts after it; every item's timeout is cut to end by HARD, so the
 # whole call stays under 9 minutes. Each command's own stdout/stderr stay in $WORK (/tmp), with a tail in
@@ -45,8 +45,10 @@ TRAIN_EXTRA=${TRAIN_EXTRA:-}; DDP_STEPS=${DDP_STEPS:-100}
 INFER_EXTRA=${INFER_EXTRA:-}
 # the plain DDP loop's options matching BENCH_EXTRA (e.g. "--device cpu --img-size 32 --amp off" in rehearsal)
 PLAIN_EXTRA=${PLAIN_EXTRA:-"--amp $AMP"}; [ "$AMP" = bf16 ] || [ "$AMP" = off ] || PLAIN_EXTRA=
-# after everything else, if time is left: DeiT-S (the last bench model) again at nproc=2 with these DDP settings
+# after each model's nproc=2 run: more nproc=2 runs with these DDP settings (|-separated; "" for none), and more
+# plain-loop N=2 runs with PLAIN_VARIANTS; PLAIN_N1=0 leaves out the plain loop's N=1
 DDP_VARIANTS=${DDP_VARIANTS-"--ddp-static-graph true|--ddp-bucket-mb 100 --ddp-static-graph true"}
+PLAIN_VARIANTS=${PLAIN_VARIANTS-}
 REG=${REG:-deit-tiny-h200}
 PULL_DIR=/tmp/$REG-pulled
 
@@ -82,31 +84,34 @@ bench() {  # bench MODEL NPROC [more options]: sets RUN to the run id
   say "  run $RUN"
 }
 declare -A BASE  # model -> its nproc=1 run
-bench_pair() {  # nproc=1, then nproc=2 against it
-  local base
+bench_pair() {  # nproc=1, then nproc=2 against it, each DDP variant at nproc=2, then the plain loop
+  local base variant
   bench "$1" 1 && base=$RUN || base=
   BASE[$1]=$base
   bench "$1" 2 ${base:+--baseline-run "$base"} --profile-steps 5  # + the all-reduce time per step, after the windows
-  plain "$1" 1; plain "$1" 2 --profile
+  local IFS='|'
+  for variant in $DDP_VARIANTS; do
+    IFS=' '; bench "$1" 2 ${base:+--baseline-run "$base"} --profile-steps 5 $variant; IFS='|'
+  done
+  IFS=' '
+  [ "${PLAIN_N1:-1}" = 1 ] && plain "$1" 1
+  plain "$1" 2 --profile
+  IFS='|'
+  for variant in $PLAIN_VARIANTS; do
+    IFS=' '; plain "$1" 2 --profile $variant; IFS='|'
+  done
 }
 plain() {  # plain MODEL NPROC [ddp_check options]: the independent DDP loop (benchmarks/ddp_check.py) on the same config
   local model=$1 nproc=$2; shift 2
   [ "${DDP_CHECK:-1}" = 1 ] || return 0
   left "ddp_check $model nproc=$nproc" || return 1
   say "torchrun --standalone --nproc-per-node=$nproc benchmarks/ddp_check.py --model $model --batch-size $BENCH_BS $PLAIN_EXTRA $*"
-  timeout "$(tmo 150)" python3 -m torch.distributed.run --standalone --nproc-per-node="$nproc" benchmarks/ddp_check.py \
+  timeout "$(tmo 120)" python3 -m torch.distributed.run --standalone --nproc-per-node="$nproc" benchmarks/ddp_check.py \
     --model "$model" --batch-size "$BENCH_BS" $PLAIN_EXTRA "$@" >>"$OUT/ddp_check.jsonl" 2>"$WORK/plain.err"
   local rc=$?
   grep -E '^ddp_check: ' "$WORK/plain.err" | sed 's/^/  /' | tee -a "$LOG"
   [ "$rc" -eq 0 ] || why "$rc" "$WORK/plain.err"
 }
-ddp_variants() {  # more nproc=2 runs of the last bench model with other DDP settings (DDP_VARIANTS, |-separated)
-  local model=$1 variant; local IFS='|'
-  for variant in $DDP_VARIANTS; do
-    IFS=' '; bench "$model" 2 ${BASE[$model]:+--baseline-run "${BASE[$model]}"} --profile-steps 5 $variant; IFS='|'
-  done
-}
-
 TRAIN_RUN=
 train_register_pull_infer() {
   left "train $TRAIN_MODEL" || return 1
@@ -184,7 +189,6 @@ first_model=${1:-}; shift; rest_models="$*"
 [ "${SKIP_TRAIN:-0}" = 1 ] || train_register_pull_infer  # SKIP_TRAIN=1: (b) was done in an earlier call
 for model in $rest_models; do bench_pair "$model"; done
 [ "${SKIP_TRAIN_DDP:-0}" = 1 ] || train_ddp  # SKIP_TRAIN_DDP=1: (c) was done in an earlier call
-last_model=${rest_models##* }; ddp_variants "${last_model:-$first_model}"
 
 say "summary of this call's runs:"
 python3 - "$START" <<'PY' 2>&1 | tee -a "$LOG"
@@ -207,6 +211,7 @@ for name in ("h200-ddp", "h200-train", "h200-bench"):
               + (f"  scaling eff {eff:.3f}" if eff else "")
               + (f"  all-reduce {m['train_allreduce_ms_per_step']:.2f} ms/step" if "train_allreduce_ms_per_step" in m else "")
               + (f"  ddp bucket {t['ddp_bucket_mb']} MB static {t['ddp_static_graph']}" if "ddp_bucket_mb" in t else "")
+              + (f" hook {t['ddp_comm_hook']}" if t.get("ddp_comm_hook", "none") != "none" else "")
               + ("  cuda-graph" if t.get("cuda_graph") == "true" else "")
               + (f"  error: {t['vitreg_error'][:120]}" if t.get("vitreg_error") else ""))
 PY

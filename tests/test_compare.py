@@ -18,7 +18,8 @@ _ids = itertools.count()
 
 
 def run(gpu, thr=None, *, model="deit_small_patch16_224", task="infer", amp="bf16", compile="off",
-        bs=64, img=224, nproc=None, status="FINISHED", lat=None, step=None, tag_gpu=True, ddp=None, **metrics):
+        bs=64, img=224, nproc=None, status="FINISHED", lat=None, step=None, tag_gpu=True, ddp=None,
+        ddp_comm_hook=None, **metrics):
     """One row as mlflow.search_runs() returns it (params/tags are strings, metrics floats)."""
     row = {
         "run_id": f"r{next(_ids):04d}",
@@ -41,6 +42,8 @@ def run(gpu, thr=None, *, model="deit_small_patch16_224", task="infer", amp="bf1
         row["params.nproc"] = str(nproc)
     if ddp is not None:  # (bucket MB, static graph) as MLflow logs them: strings
         row["params.ddp_bucket_mb"], row["params.ddp_static_graph"] = str(ddp[0]), str(ddp[1]).lower()
+    if ddp_comm_hook is not None:
+        row["params.ddp_comm_hook"] = ddp_comm_hook
     prefixes = ["infer", "train"] if task == "both" else [task]
     for p in prefixes:
         if thr is not None:
@@ -274,16 +277,18 @@ def test_ddp_settings_are_separate_configurations_that_scale_from_the_same_singl
         *repeats("h200", [1800], task="train", nproc=2),  # logged before the settings existed: torch defaults
         *repeats("h200", [1800], task="train", nproc=2, ddp=("25.0", False)),
         *repeats("h200", [1960, 1940], task="train", nproc=2, ddp=(100, True)),
+        *repeats("h200", [1980], task="train", nproc=2, ddp=(25, False), ddp_comm_hook="bf16"),
     )
     table = compare_gpus(df).table
-    assert sorted(table["ddp"]) == ["-", "bucket100+static", "bucket25"]
+    assert sorted(table["ddp"]) == ["-", "bucket100+static", "bucket25", "bucket25+bf16"]
     assert only(table, ddp="-")["n_runs"] == 3
     assert only(table, ddp="bucket25")["n_runs"] == 2
     s = compare_gpus(df).scaling.set_index("ddp")
-    assert list(s["nproc"]) == [1, 2, 2]
+    assert list(s["nproc"]) == [1, 2, 2, 2]
     assert s.loc["bucket25", "efficiency"] == pytest.approx(1800 / 2000)
     assert s.loc["bucket100+static", "efficiency"] == pytest.approx(1950 / 2000)
     assert s.loc["bucket100+static", "n_runs"] == 2
+    assert s.loc["bucket25+bf16", "efficiency"] == pytest.approx(0.99)
     assert "bucket100+static" in format_table(compare_gpus(df))
 
 

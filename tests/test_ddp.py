@@ -450,7 +450,7 @@ def test_launcher_run_only_on_node_0(sqlite_store, monkeypatch):
         assert run is not None and run.run_id
 
 
-def test_ddp_wrap_applies_the_bucket_size_and_static_graph(tmp_path):
+def test_ddp_wrap_applies_the_bucket_size_static_graph_and_comm_hook(tmp_path):
     """A real DistributedDataParallel over a one-process gloo group (the World claims two ranks so
     that ddp_wrap wraps at all: the settings are what is tested, not the communication)."""
     import torch
@@ -468,6 +468,17 @@ def test_ddp_wrap_applies_the_bucket_size_and_static_graph(tmp_path):
         default = ddp_wrap(torch.nn.Linear(4, 4), world, **BenchSpec().ddp_options())
         assert default.bucket_bytes_cap == 25 * 1024 * 1024 and default.static_graph is False
         assert ddp_wrap(lin := torch.nn.Linear(4, 4), World(), **spec.ddp_options()) is lin  # one process
+
+        # comm_hook=bf16: the gradients come back through a bf16 all-reduce, so they are bf16 values
+        def grads(comm_hook):
+            torch.manual_seed(0)
+            net = ddp_wrap(torch.nn.Linear(64, 64), world, comm_hook=comm_hook)
+            net(torch.randn(8, 64)).square().sum().backward()
+            return net.module.weight.grad
+
+        plain, hooked = grads("none"), grads("bf16")
+        assert torch.equal(hooked, hooked.bfloat16().float()) and not torch.equal(plain, plain.bfloat16().float())
+        assert torch.allclose(hooked, plain, rtol=1e-2, atol=1e-3)
     finally:
         dist.destroy_process_group()
 

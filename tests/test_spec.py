@@ -64,9 +64,11 @@ def test_ddp_options_parse_from_strings_for_bench_and_train():
     from vitreg.spec import TrainSpec
 
     for cls in (BenchSpec, TrainSpec):
-        assert cls().ddp_options() == {"bucket_cap_mb": 25.0, "static_graph": False}
-        spec = cls(ddp_bucket_mb="100", ddp_static_graph="true")
-        assert spec.ddp_options() == {"bucket_cap_mb": 100.0, "static_graph": True}
+        assert cls().ddp_options() == {"bucket_cap_mb": 25.0, "static_graph": False, "comm_hook": "none"}
+        spec = cls(ddp_bucket_mb="100", ddp_static_graph="true", ddp_comm_hook="BF16")
+        assert spec.ddp_options() == {"bucket_cap_mb": 100.0, "static_graph": True, "comm_hook": "bf16"}
+        with pytest.raises(VitregError, match="ddp_comm_hook='int8' is not one of none, fp16, bf16"):
+            cls(ddp_comm_hook="int8")
 
 
 def test_cuda_graph_is_off_by_default_and_goes_with_eager_or_default_compile():

@@ -49,7 +49,7 @@ def test_train_nproc2_one_run_rank0_logs_checkpoints_and_registers(tmp_path):
     proc = vitreg_train(tmp_path, uri, {**TINY, "nproc": "2", "steps": str(STEPS), "log_every": str(LOG_EVERY),
                                         "checkpoint_every": str(CKPT_EVERY), "register_as": "tiny-ddp",
                                         "alias": "champion", "experiment": "ddp-train",
-                                        "ddp_bucket_mb": "1", "ddp_static_graph": "true"})
+                                        "ddp_bucket_mb": "1", "ddp_static_graph": "true", "ddp_comm_hook": "bf16"})
     assert proc.returncode == 0, proc.stderr[-4000:]
     client, runs = all_runs(uri)
     assert len(runs) == 1, [(r.info.run_id, r.info.status) for r in runs]  # ranks resumed the launcher's run
@@ -58,7 +58,7 @@ def test_train_nproc2_one_run_rank0_logs_checkpoints_and_registers(tmp_path):
     assert run.info.status == "FINISHED" and run.info.run_name == "train-test_vit-cpu-off-bs8-ddp2"
     assert run.data.params["nproc"] == "2"
     assert tags["world_size"] == "2" and tags["dist_backend"] == "gloo" and tags["vitreg_job"] == "train"
-    assert tags["ddp_bucket_mb"] == "1" and tags["ddp_static_graph"] == "true"
+    assert tags["ddp_bucket_mb"] == "1" and tags["ddp_static_graph"] == "true" and tags["ddp_comm_hook"] == "bf16"
 
     # rank 0 alone logged: one value per step of every curve, one value of every summary metric
     for key in m:

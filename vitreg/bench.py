@@ -180,7 +180,8 @@ def world_tags(world: distributed.World, runtime, env, spec=None) -> dict:
     tags = {"world_size": world.world_size, "nnodes": world.nnodes, "dist_backend": world.backend,
             "host_gpu_count": env.gpu_count}
     if spec is not None and spec.task != "infer":  # inference runs no DDP: each rank its own copy
-        tags.update(ddp_bucket_mb=f"{spec.ddp_bucket_mb:g}", ddp_static_graph=str(spec.ddp_static_graph).lower())
+        tags.update(ddp_bucket_mb=f"{spec.ddp_bucket_mb:g}", ddp_static_graph=str(spec.ddp_static_graph).lower(),
+                    ddp_comm_hook=spec.ddp_comm_hook)
     if runtime.device == "cuda":
         tags["gpu_count"] = world.world_size  # the GPUs this run used, not the ones the host has
     return tags

@@ -51,6 +51,8 @@ def bench_options(fn):
                      help="DDP gradient bucket size in MB (torch's bucket_cap_mb): gradient all-reduced per call."),
         click.option("--ddp-static-graph", "ddp_static_graph", default="false", show_default=True,
                      help="true: DDP static_graph (skips per-step graph bookkeeping; the graph must not change)."),
+        click.option("--ddp-comm-hook", "ddp_comm_hook", default=bench_default("ddp_comm_hook"), show_default=True,
+                     help="none, or bf16/fp16: DDP all-reduces the gradients in that precision (torch's compress hook)."),
         click.option("--profile-steps", "profile_steps", default=str(bench_default("profile_steps")), show_default=True,
                      help="train: after the timed windows, this many more steps under torch.profiler, logging "
                           "train_allreduce_ms_per_step and (GPU) train_device_busy_ms_per_step; 0 = none."),

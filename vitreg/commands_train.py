@@ -53,6 +53,8 @@ HELP = {
              "(gloo).",
     "ddp_bucket_mb": "DDP gradient bucket size in MB (torch's bucket_cap_mb), with nproc>1.",
     "ddp_static_graph": "true: DDP static_graph (skips per-step graph bookkeeping), with nproc>1.",
+    "ddp_comm_hook": "none, or bf16/fp16: DDP all-reduces the gradients in that precision (torch's compress hook), "
+                     "with nproc>1.",
     "seed": "seed of the model init and the data.",
 }
 

@@ -235,10 +235,12 @@ def _with_cuda_graph(df: pd.DataFrame, compile_: pd.Series) -> pd.Series:
 
 def _ddp_setting(df: pd.DataFrame, nproc: pd.Series) -> pd.Series:
     """The DDP settings as one configuration string: ``-`` for single-process runs (the settings do
-    nothing there), else ``bucket<MB>`` plus ``+static`` for ``ddp_static_graph=true``. Runs that
-    predate the settings (no params) ran with torch's defaults, which is what they get here."""
+    nothing there), else ``bucket<MB>`` plus ``+static`` for ``ddp_static_graph=true`` and ``+bf16``
+    / ``+fp16`` for a ``ddp_comm_hook``. Runs that predate the settings (no params) ran with torch's
+    defaults, which is what they get here."""
     bucket = pd.to_numeric(df["params.ddp_bucket_mb"], errors="coerce") if "params.ddp_bucket_mb" in df else None
     static = _text(df, "params.ddp_static_graph")
+    hook = _text(df, "params.ddp_comm_hook")
     out = []
     for i in range(len(df)):
         if nproc.iloc[i] is pd.NA or int(nproc.iloc[i]) <= 1:
@@ -246,7 +248,9 @@ def _ddp_setting(df: pd.DataFrame, nproc: pd.Series) -> pd.Series:
             continue
         mb = bucket.iloc[i] if bucket is not None and pd.notna(bucket.iloc[i]) else DDP_BUCKET_MB
         flag = static.iloc[i] if static is not None else None
-        out.append(f"bucket{mb:g}" + ("+static" if isinstance(flag, str) and flag.lower() in ("1", "true", "yes", "on") else ""))
+        comm = hook.iloc[i] if hook is not None else None
+        out.append(f"bucket{mb:g}" + ("+static" if isinstance(flag, str) and flag.lower() in ("1", "true", "yes", "on") else "")
+                   + (f"+{comm.lower()}" if isinstance(comm, str) and comm.lower() != "none" else ""))
     return pd.Series(out, index=df.index, dtype=object)
 
 

@@ -20,6 +20,8 @@ AMP_CHOICES = ("auto", "off", "bf16", "fp16")
 COMPILE_CHOICES = ("off", "default", "reduce-overhead", "max-autotune")
 COMPILE_BACKENDS = ("inductor", "eager", "aot_eager", "cudagraphs")
 DEVICE_CHOICES = ("auto", "cuda", "cpu")
+#: DDP communication hooks: none (fp32 gradients all-reduced), or torch's fp16/bf16 compress hooks
+DDP_COMM_HOOKS = ("none", "fp16", "bf16")
 DDP_BUCKET_MB = 25.0  # torch's DistributedDataParallel default bucket_cap_mb
 
 _TRUE = ("1", "true", "yes", "on", "y", "t")
@@ -85,10 +87,12 @@ class _Spec:
             raise VitregError(f"ddp_bucket_mb={self.ddp_bucket_mb:g} must be > 0: pass e.g. "
                               f"ddp_bucket_mb={DDP_BUCKET_MB:g} (torch's default)")
         self._put("ddp_static_graph", parse_bool(self.ddp_static_graph, "ddp_static_graph"))
+        self._put("ddp_comm_hook", parse_choice(self.ddp_comm_hook, "ddp_comm_hook", DDP_COMM_HOOKS))
 
     def ddp_options(self) -> dict:
         """Keyword arguments for :func:`vitreg.distributed.ddp_wrap`."""
-        return {"bucket_cap_mb": self.ddp_bucket_mb, "static_graph": self.ddp_static_graph}
+        return {"bucket_cap_mb": self.ddp_bucket_mb, "static_graph": self.ddp_static_graph,
+                "comm_hook": self.ddp_comm_hook}
 
     def replace(self, **changes):
         return dataclasses.replace(self, **changes)
@@ -136,6 +140,7 @@ class BenchSpec(_Spec):
     nproc: int = 1
     ddp_bucket_mb: float = DDP_BUCKET_MB
     ddp_static_graph: bool = False
+    ddp_comm_hook: str = "none"  # none, or fp16/bf16: gradients all-reduced in that precision (DDP's compress hooks)
     profile_steps: int = 0  # train: N more steps under torch.profiler after the timed windows (0: none)
     cuda_graph: bool = False  # capture each task's step in one CUDA graph and time its replays (vitreg.graphs)
     seed: int = 0
@@ -255,6 +260,7 @@ class TrainSpec(_Spec):
     nproc: int = 1
     ddp_bucket_mb: float = DDP_BUCKET_MB
     ddp_static_graph: bool = False
+    ddp_comm_hook: str = "none"
     seed: int = 0
 
     def __post_init__(self):
