@@ -77,3 +77,13 @@ def test_bf16_refused_on_a_gpu_without_it():
     assert resolve_runtime("auto", "off", "inductor", v100).amp == "fp16"
     assert resolve_runtime("auto", "off", "inductor", H200).amp == "bf16"
     assert resolve_runtime("auto", "off", "inductor", CPU).amp == "off"
+
+
+def test_nccl_env_is_recorded_sorted_and_only_nccl():
+    from vitreg.env import capture_environment, nccl_env
+
+    env = {"NCCL_MAX_CTAS": "8", "PATH": "/bin", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "0", "NCCL_NVLS_ENABLE": "0",
+           "MY_NCCL_X": "1"}
+    assert nccl_env(env) == "NCCL_MAX_CTAS=8;NCCL_NVLS_ENABLE=0;TORCH_NCCL_ASYNC_ERROR_HANDLING=0"
+    assert nccl_env({}) == ""
+    assert "nccl_env" in capture_environment().to_tags()

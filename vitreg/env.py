@@ -86,6 +86,8 @@ class EnvInfo:
     cpu_count: int
     hostname: str
     vitreg_git_sha: str
+    #: NCCL_* and TORCH_NCCL_* variables set in the process (they change DDP figures), "K=V;K=V" sorted
+    nccl_env: str = ""
 
     def to_tags(self) -> dict[str, str]:
         return {k: ("" if v is None else str(v)) for k, v in asdict(self).items()}
@@ -129,7 +131,15 @@ def capture_environment() -> EnvInfo:
         cpu_count=os.cpu_count() or 0,
         hostname=socket.gethostname(),
         vitreg_git_sha=git_sha(),
+        nccl_env=nccl_env(),
     )
+
+
+def nccl_env(environ=None) -> str:
+    """The NCCL settings of this process as ``"K=V;K=V"``, sorted: NCCL_* and TORCH_NCCL_* variables
+    (channel counts, NVLS, async error handling...), which move DDP throughput without any code change."""
+    environ = os.environ if environ is None else environ
+    return ";".join(f"{k}={environ[k]}" for k in sorted(environ) if k.startswith(("NCCL_", "TORCH_NCCL_")))
 
 
 def pip_freeze() -> str:
