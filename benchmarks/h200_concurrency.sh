@@ -11,7 +11,8 @@
 # clocks, the host), not DDP. nvidia-smi samples SM clock, power and throttle reasons every 500 ms into
 # $OUT/smi.csv meanwhile, and each phase's start/end times go to the log, so the samples can be cut by phase.
 # Then, if time is left, vitreg itself: `vitreg bench --task train --cuda-graph true` at nproc=1 and nproc=2 with
-# each of VITREG_VARIANTS (|-separated) against that nproc=1 run, for the first model.
+# each of VITREG_VARIANTS (|-separated; leading VAR=value words go to the environment, e.g. "NCCL_MAX_CTAS=8")
+# against that nproc=1 run, for the first model. MODELS="" leaves out the plain-loop phases.
 # Rehearsed on a CPU (2 cores, ~1.5 min):
 #   R=/tmp/rehearse-c; mkdir -p $R/runs; PATH=$PWD/.venv/bin:$PATH PYTHONPATH=$PWD GPU_RUNS=$R/runs \
 #   MLFLOW_TRACKING_URI=sqlite:///$R/runs/mlflow.db ENV_SCRIPT=none OUT=$R/out WORK=$R/work MODELS=test_vit \
@@ -63,15 +64,15 @@ for model in $MODELS; do
   say "phase end $model"
 done
 
-set -- $MODELS
-vmodel=$1
+VMODEL=${VMODEL:-${MODELS%% *}}; vmodel=${VMODEL:-vit_base_patch16_224}
 RUN=
-bench() {  # bench NPROC [options]: vitreg bench of the first model, sets RUN
-  local n=$1 f=$WORK/vitreg-n$1-$(date +%s); shift; RUN=
+bench() {  # bench NPROC [VAR=value ...] [options]: vitreg bench of the first model (VAR=value: its environment)
+  local n=$1 f=$WORK/vitreg-n$1-$(date +%s) envs=() opts=() word; shift; RUN=
+  for word in "$@"; do [[ $word =~ ^[A-Z_][A-Z0-9_]*= ]] && envs+=("$word") || opts+=("$word"); done
   left "vitreg bench nproc=$n $*" || return 1
-  say "vitreg bench --model $vmodel --nproc $n --task train $VITREG_EXTRA $*"
-  MLFLOW_EXPERIMENT_NAME=h200-ddp timeout "$(tmo 150)" python3 -m vitreg.cli bench --model "$vmodel" --nproc "$n" \
-    --task train $VITREG_EXTRA "$@" >"$f.out" 2>"$f.err"
+  say "${envs[*]:+${envs[*]} }vitreg bench --model $vmodel --nproc $n --task train $VITREG_EXTRA ${opts[*]}"
+  env "${envs[@]}" MLFLOW_EXPERIMENT_NAME=h200-ddp timeout "$(tmo 150)" python3 -m vitreg.cli bench --model "$vmodel" \
+    --nproc "$n" --task train $VITREG_EXTRA "${opts[@]}" >"$f.out" 2>"$f.err"
   local rc=$?
   sed -E 's/^\[rank0\]: //' "$f.out" | grep -E '^(task|train) ' | tee -a "$LOG"
   grep -hE 'scaling vs baseline_run|not logging scaling' "$f.err" | sed -E 's/^.*\[vitreg\] //' | tee -a "$LOG"
