@@ -27,7 +27,7 @@ ENV_SCRIPT=${ENV_SCRIPT:-benchmarks/gpu_env.sh}
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 OUT=${OUT:-/tmp/concurrency-out}; mkdir -p "$OUT"; WORK=${WORK:-/tmp/concurrency}; mkdir -p "$WORK"
 LOG=$OUT/log.txt
-MODELS=${MODELS:-"vit_base_patch16_224 deit_small_patch16_224"}
+MODELS=${MODELS-"vit_base_patch16_224 deit_small_patch16_224"}
 PLAIN_EXTRA=${PLAIN_EXTRA:-"--batch-size 128 --amp bf16 --cuda-graph --iters 30 --repeats 10"}
 VITREG_VARIANTS=${VITREG_VARIANTS-"--ddp-bucket-mb 100|--ddp-static-graph true"}
 VITREG_EXTRA=${VITREG_EXTRA:-"--amp bf16 --batch-size 128 --gpu h200 --cuda-graph true"}

@@ -292,6 +292,18 @@ def test_ddp_settings_are_separate_configurations_that_scale_from_the_same_singl
     assert "bucket100+static" in format_table(compare_gpus(df))
 
 
+def test_ddp_runs_whose_params_hold_the_requested_img_size_scale_from_the_resolved_one():
+    """A DDP launcher logs the params before any rank builds the model: params.img_size=0 ("the
+    model's default") next to the resolved tags.img_size=224 that the 1-process run also has."""
+    one = run("h200", 1000, task="train", nproc=1)
+    one["tags.img_size"] = "224"
+    two = run("h200", 1940, task="train", nproc=2, img=0)
+    two["tags.img_size"] = "224"
+    s = compare_gpus(frame(one, two)).scaling.set_index("nproc")
+    assert list(s.index) == [1, 2] and s.loc[2, "img_size"] == 224
+    assert s.loc[2, "efficiency"] == pytest.approx(0.97)
+
+
 def test_multi_host_runs_scale_by_their_world_size_not_the_per_host_nproc():
     two_hosts = run("h200", 3800, task="train", nproc=2)  # 2 processes on each of 2 hosts
     two_hosts["tags.world_size"] = "4"

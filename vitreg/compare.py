@@ -114,8 +114,8 @@ def tidy(runs_df: pd.DataFrame) -> pd.DataFrame:
     ``latency_ms_p50``, ``step_ms_p50``, ...; all of :data:`ALL_METRICS` are present, NaN where
     not recorded, plus any other ``metrics.<task>_*`` the runs carry).
 
-    ``gpu`` is the resolved ``tags.gpu``, falling back to ``params.gpu``; ``amp`` likewise prefers
-    the resolved ``tags.amp``. ``compile`` ends in ``+cudagraph`` for ``cuda_graph=true`` runs. ``nproc`` is the number of processes in the whole job: the
+    ``gpu`` is the resolved ``tags.gpu``, falling back to ``params.gpu``; ``amp`` and ``img_size``
+    likewise prefer the resolved ``tags.amp`` / ``tags.img_size``. ``compile`` ends in ``+cudagraph`` for ``cuda_graph=true`` runs. ``nproc`` is the number of processes in the whole job: the
     ``world_size`` tag of DDP runs (``nproc x nnodes`` for several hosts), else ``params.nproc``
     (times ``params.nnodes``), else 1. ``batch_size``, ``img_size`` and ``nproc``
     are nullable integers.
@@ -160,7 +160,11 @@ def tidy(runs_df: pd.DataFrame) -> pd.DataFrame:
     base["amp"] = _coalesce(df, "tags.amp", "params.amp").fillna(_MISSING)
     base["compile"] = _with_cuda_graph(df, _coalesce(df, "params.compile", "tags.compile").fillna(_MISSING))
     base["batch_size"] = _integer(df, "params.batch_size")
-    base["img_size"] = _integer(df, "params.img_size")
+    # the resolved size (tag) first: params.img_size may be the request, 0 = "the model's default",
+    # as a DDP launcher logs it before any rank has built the model
+    img = pd.to_numeric(_coalesce(df, "tags.img_size"), errors="coerce").round().astype("Int64")
+    img = img.where(img > 0, pd.NA)
+    base["img_size"] = img.fillna(_integer(df, "params.img_size"))
     # processes in the whole job: a multi-host run's params.nproc is per host, its world_size tag is
     # what scaled (runs without the tag: nproc x nnodes, which is what the launcher starts)
     per_host = _integer(df, "params.nproc").fillna(1)
