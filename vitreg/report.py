@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from vitreg.env import EnvInfo
-from vitreg.runner import BenchResult, TaskResult
+from vitreg.graphs import EAGER_STEPS_BEFORE_CAPTURE
+from vitreg.runner import INFER_EAGER_STEPS_BEFORE_CAPTURE, BenchResult, TaskResult
 
 
 def _fmt(value, spec=",.1f", none="-") -> str:
@@ -66,6 +67,8 @@ def report_markdown(result: BenchResult, env: EnvInfo, command: str | None = Non
         ["image size", str(result.model.img_size)],
         ["precision", f"{result.amp} (autocast)" if result.amp != "off" else "fp32"],
         ["compile", f"{spec.compile} ({spec.compile_backend})" if spec.compile != "off" else "off (eager)"],
+        ["CUDA graph", f"yes: each step captured once (after {EAGER_STEPS_BEFORE_CAPTURE} eager steps for train, "
+                       f"{INFER_EAGER_STEPS_BEFORE_CAPTURE} for infer), timed as replays" if spec.cuda_graph else "no"],
         ["timing", f"{spec.warmup} warm-up iters, {spec.repeats} windows x {spec.steps} iters, "
                    f"{'CUDA events' if result.device == 'cuda' else 'perf_counter'}"],
         ["forward GFLOPs / image", f"{result.fwd_gflops_per_img:.2f}"],

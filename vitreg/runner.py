@@ -265,14 +265,14 @@ def run_train_step(model, info: ModelInfo, spec: BenchSpec, runtime: Runtime, ha
     try:
         align = reducer.align if reducer is not None else None
         eager = EAGER_STEPS_BEFORE_CAPTURE if graphed else 0
-        first_s, warm_s, windows, step = _oom_guard(
+        first_s, warm_s, windows, timed_step = _oom_guard(
             lambda: _measure(step, spec, runtime, "train", bs, progress, align, eager), bs, "train")
         comm = None
         if spec.profile_steps:
             from vitreg.profiling import profile_comm
 
             progress(f"train: {spec.profile_steps} more step(s) under torch.profiler (not timed)")
-            comm = profile_comm(step, spec.profile_steps, runtime.device)
+            comm = profile_comm(timed_step, spec.profile_steps, runtime.device)  # the replay, when graphed
             if reducer is not None:
                 comm = reducer.slowest_profile(comm)
     finally:
