@@ -142,3 +142,28 @@ def test_entry_point_script_exits_2_without_traceback(tmp_path):
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert proc.stderr.strip().splitlines()[-1].startswith("error: batch_size=-1")
     assert client.get_run(run.info.run_id).info.status == "FAILED"
+
+
+@pytest.mark.parametrize("entry_name,extra", [
+    ("bench", {"nnodes": "1", "node_rank": "0", "rdzv_endpoint": "", "baseline_run": ""}),
+    ("infer", {"model_uri": None}),
+])
+def test_mlproject_bench_and_infer_entries_match_bench_spec(entry_name, extra):
+    """bench: every BenchSpec field is a parameter with BenchSpec's default and reaches the command line
+    (plus the launcher's options); infer: the same for the fields it takes (its model comes from the URI)."""
+    import yaml
+
+    from vitreg.spec import BenchSpec
+
+    entry = yaml.safe_load((REPO / "MLproject").read_text())["entry_points"][entry_name]
+    spec = BenchSpec().to_params()
+    params = entry["parameters"]
+    if entry_name == "bench":
+        assert set(params) == set(spec) | set(extra)
+    else:  # infer: no model/img_size (the checkpoint's) and no DDP options (one process)
+        assert "cuda_graph" in params and set(params) - set(extra) <= set(spec)
+    for name, param in params.items():
+        assert param["type"] == "string", name
+        if name in spec and name != "task":
+            assert str(param["default"]) == spec[name], name
+        assert f"--{name.replace('_', '-')} {{{name}}}" in entry["command"], name
