@@ -90,7 +90,14 @@ def capture(step, eager_steps: int = EAGER_STEPS_BEFORE_CAPTURE):
     # check for capture-unsafe CUDA calls in this thread only: the watchdog's are not the step's
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-        step()
+    try:
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+            step()
+    except torch.OutOfMemoryError:
+        raise  # the runner's memory guard names the batch size to try
+    except RuntimeError as exc:  # a host sync or an uncapturable op inside the step
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise VitregError(f"cuda_graph=true: this step cannot be captured in a CUDA graph ({first[:200]}): "
+                          f"pass cuda_graph=false") from exc
     graph.replay()  # the capture itself ran nothing
     return graph.replay
