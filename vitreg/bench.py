@@ -57,9 +57,12 @@ def resolved_tags(spec: BenchSpec, hw, runtime, img_size: int) -> dict:
         "detected_gpu": hw.detected.profile.label,
         "vitreg_job": "bench",
     }
-    if hasattr(spec, "cuda_graph"):  # bench's and infer's specs; train captures nothing
-        tags["cuda_graph"] = str(spec.cuda_graph).lower()
-    return tags
+    return {**tags, **_graph_tag(spec)}
+
+
+def _graph_tag(spec) -> dict:
+    """``{"cuda_graph": "true"/"false"}`` for bench's and infer's specs; nothing for train's (it captures nothing)."""
+    return {"cuda_graph": str(spec.cuda_graph).lower()} if hasattr(spec, "cuda_graph") else {}
 
 
 def label_launcher_run(run, spec, job: str) -> None:
@@ -69,11 +72,8 @@ def label_launcher_run(run, spec, job: str) -> None:
     if run is None:
         return
     run.log_params(spec.to_params())
-    tags = {"model": spec.model, "task": spec.task, "compile": spec.compile, "batch_size": spec.batch_size,
-            "nproc": spec.nproc, "vitreg_job": job}
-    if hasattr(spec, "cuda_graph"):  # bench's
-        tags["cuda_graph"] = str(spec.cuda_graph).lower()
-    run.set_tags(tags)
+    run.set_tags({"model": spec.model, "task": spec.task, "compile": spec.compile, "batch_size": spec.batch_size,
+                  "nproc": spec.nproc, "vitreg_job": job, **_graph_tag(spec)})
 
 
 def bench(options: dict, experiment: str | None = None, run_name: str | None = None,
@@ -153,8 +153,9 @@ def _launch_bench(options, experiment, run_name, progress, nnodes, node_rank, rd
         spec = BenchSpec.from_options(options)
         check_model_name(spec.model)  # fail here, once, rather than in every rank
         launch.check_nodes(nnodes, node_rank, rdzv_endpoint)
-        launch.check_nproc(spec.nproc, spec.device, launch.visible_gpu_count())
-        if spec.cuda_graph and (spec.device == "cpu" or not launch.visible_gpu_count()):
+        gpus = launch.visible_gpu_count()
+        launch.check_nproc(spec.nproc, spec.device, gpus)
+        if spec.cuda_graph and (spec.device == "cpu" or not gpus):
             require_cuda(True, "cpu")  # once here, not in every rank
         baseline = read_baseline(baseline_run, spec) if baseline_run and node_rank == 0 else None
         label_launcher_run(run, spec, "bench")
@@ -223,8 +224,7 @@ def read_baseline(run_id: str, spec: BenchSpec) -> Baseline:
         raise VitregError(f"baseline_run={run_id} has no {' or '.join(t + '_throughput_img_per_s' for t in spec.tasks)}: "
                           f"pass a run of task={spec.task} (or both)")
     # What is already concrete in the spec must match now; auto values are compared after the run.
-    wanted = {"model": spec.model, "compile": spec.compile, "batch_size": str(spec.batch_size),
-              "cuda_graph": str(spec.cuda_graph).lower()}
+    wanted = {"model": spec.model, "compile": spec.compile, "batch_size": str(spec.batch_size), **_graph_tag(spec)}
     if spec.gpu != "auto":
         wanted["gpu"] = spec.gpu
     if spec.amp != "auto":

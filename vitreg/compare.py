@@ -32,7 +32,7 @@ import numpy as np
 import pandas as pd
 
 from vitreg.errors import VitregError
-from vitreg.spec import DDP_BUCKET_MB
+from vitreg.spec import _TRUE, DDP_BUCKET_MB
 
 __all__ = [
     "CONFIG_KEYS",
@@ -115,7 +115,8 @@ def tidy(runs_df: pd.DataFrame) -> pd.DataFrame:
     not recorded, plus any other ``metrics.<task>_*`` the runs carry).
 
     ``gpu`` is the resolved ``tags.gpu``, falling back to ``params.gpu``; ``amp`` and ``img_size``
-    likewise prefer the resolved ``tags.amp`` / ``tags.img_size``. ``compile`` ends in ``+cudagraph`` for ``cuda_graph=true`` runs. ``nproc`` is the number of processes in the whole job: the
+    likewise prefer the resolved ``tags.amp`` / ``tags.img_size``. ``compile`` ends in
+    ``+cudagraph`` for ``cuda_graph=true`` runs. ``nproc`` is the number of processes in the whole job: the
     ``world_size`` tag of DDP runs (``nproc x nnodes`` for several hosts), else ``params.nproc``
     (times ``params.nnodes``), else 1. ``batch_size``, ``img_size`` and ``nproc``
     are nullable integers.
@@ -162,7 +163,7 @@ def tidy(runs_df: pd.DataFrame) -> pd.DataFrame:
     base["batch_size"] = _integer(df, "params.batch_size")
     # the resolved size (tag) first: params.img_size may be the request, 0 = "the model's default",
     # as a DDP launcher logs it before any rank has built the model
-    img = pd.to_numeric(_coalesce(df, "tags.img_size"), errors="coerce").round().astype("Int64")
+    img = _integer(df, "tags.img_size")
     img = img.where(img > 0, pd.NA)
     base["img_size"] = img.fillna(_integer(df, "params.img_size"))
     # processes in the whole job: a multi-host run's params.nproc is per host, its world_size tag is
@@ -228,12 +229,16 @@ def _coalesce(df: pd.DataFrame, *cols: str) -> pd.Series:
     return out.where(out.notna(), np.nan).astype(object)
 
 
+def _is_true(value) -> bool:
+    """A logged boolean param ('true', 'True', '1', ...) as the spec parsed it; missing is false."""
+    return isinstance(value, str) and value.strip().lower() in _TRUE
+
+
 def _with_cuda_graph(df: pd.DataFrame, compile_: pd.Series) -> pd.Series:
     """``compile`` plus ``+cudagraph`` for runs whose steps were replayed from a CUDA graph
     (``cuda_graph=true``): a different way of running the same step, kept apart like a compile mode
     (and, in :func:`compile_amp_gains`, compared with plain ``off`` as one)."""
-    graph = _coalesce(df, "params.cuda_graph", "tags.cuda_graph")
-    on = graph.map(lambda v: isinstance(v, str) and v.lower() in ("1", "true", "yes", "on")).astype(bool)
+    on = _coalesce(df, "params.cuda_graph", "tags.cuda_graph").map(_is_true).astype(bool)
     return compile_.where(~on, compile_.astype(str) + "+cudagraph")
 
 
@@ -251,9 +256,9 @@ def _ddp_setting(df: pd.DataFrame, nproc: pd.Series) -> pd.Series:
             out.append("-")
             continue
         mb = bucket.iloc[i] if bucket is not None and pd.notna(bucket.iloc[i]) else DDP_BUCKET_MB
-        flag = static.iloc[i] if static is not None else None
+        static_on = static is not None and _is_true(static.iloc[i])
         comm = hook.iloc[i] if hook is not None else None
-        out.append(f"bucket{mb:g}" + ("+static" if isinstance(flag, str) and flag.lower() in ("1", "true", "yes", "on") else "")
+        out.append(f"bucket{mb:g}" + ("+static" if static_on else "")
                    + (f"+{comm.lower()}" if isinstance(comm, str) and comm.lower() != "none" else ""))
     return pd.Series(out, index=df.index, dtype=object)
 

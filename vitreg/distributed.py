@@ -226,18 +226,28 @@ def reduce_figures(per_rank: list[RankFigures]) -> RankFigures:
     )
 
 
+def gather_objects(obj, world: World) -> list:
+    """Every rank's ``obj``, in rank order (a collective: every rank must call it); ``[obj]`` without
+    a process group. For the few floats each rank reports once, after its timed work:
+    all_gather_object's pickling costs nothing there."""
+    if not world.distributed or not _initialized():
+        return [obj]
+    import torch.distributed as dist
+
+    gathered: list = [None] * world.world_size
+    dist.all_gather_object(gathered, obj)
+    return gathered
+
+
 def all_reduce_results(figures: RankFigures, world: World) -> tuple[RankFigures, list[RankFigures]]:
     """Gather every rank's figures (a collective: every rank must call it) and reduce them.
 
     Returns ``(global_figures, per_rank_figures)``, the same on every rank. A few hundred floats
-    per task travel, once, after the timed windows: all_gather_object's pickling costs nothing here.
+    per task travel, once, after the timed windows.
     """
-    if not world.distributed or not _initialized():
-        return figures, [figures]
-    import torch.distributed as dist
-
-    gathered: list = [None] * world.world_size
-    dist.all_gather_object(gathered, figures)
+    gathered = gather_objects(figures, world)
+    if len(gathered) == 1:
+        return figures, gathered
     return reduce_figures(gathered), gathered
 
 
@@ -269,17 +279,13 @@ class ResultReducer:
     def slowest_profile(self, profile):
         """A :class:`vitreg.profiling.CommProfile` per rank -> the job's: the largest of each figure
         (a collective: every rank must call it)."""
-        if not self.world.distributed or not _initialized():
+        gathered = gather_objects(profile, self.world)
+        if len(gathered) == 1:
             return profile
         import dataclasses
 
-        import torch.distributed as dist
-
-        gathered: list = [None] * self.world.world_size
-        dist.all_gather_object(gathered, profile)
-        busy = [p.device_busy_ms_per_step for p in gathered if p.device_busy_ms_per_step is not None]
         return dataclasses.replace(profile, allreduce_ms_per_step=max(p.allreduce_ms_per_step for p in gathered),
-                                   device_busy_ms_per_step=max(busy) if busy else None)
+                                   device_busy_ms_per_step=_max_or_none(p.device_busy_ms_per_step for p in gathered))
 
     def per_rank_report(self) -> dict:
         """``{task: [{rank, throughput_img_per_s (median), step_ms_p50, peak_mem_allocated_mb}, ...]}``."""
@@ -393,12 +399,6 @@ class TrainReducer:
     def figures(self, local: dict) -> dict:
         """Gather every rank's end-of-training figures; returns the job's (:func:`reduce_train_figures`)."""
         local = {**local, "final_loss": self.last_local_loss}
-        if self.world.distributed and _initialized():
-            import torch.distributed as dist
-
-            gathered: list = [None] * self.world_size
-            dist.all_gather_object(gathered, local)
-        else:
-            gathered = [local]
+        gathered = gather_objects(local, self.world)
         self.per_rank = [{"rank": r, **f} for r, f in enumerate(gathered)]
         return reduce_train_figures(gathered)

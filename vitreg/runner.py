@@ -158,19 +158,15 @@ def _measure(step, spec: BenchSpec, runtime: Runtime, task: str, batch_size: int
     dev = runtime.device
     what = f"compiling ({runtime.compile}, {runtime.compile_backend}) + first call" if runtime.compile != "off" \
         else "first call"
-    made = []
     if graph_eager_steps:
         what = what.replace("first call", f"{graph_eager_steps} eager steps + CUDA graph capture")
-
-        def first():
-            made.append(capture(step, graph_eager_steps))
-    else:
-        def first():
-            step()
-            made.append(step)
     progress(f"{task}: {what} ...")
-    first_s = wall_seconds(first, dev)
-    step = made[0]
+    if graph_eager_steps:
+        replays = []
+        first_s = wall_seconds(lambda: replays.append(capture(step, graph_eager_steps)), dev)
+        step = replays[0]
+    else:
+        first_s = wall_seconds(step, dev)
     progress(f"{task}: first call took {first_s:.2f} s; warm-up {spec.warmup - 1} more iteration(s)")
     warm_s = wall_seconds(lambda: [step() for _ in range(spec.warmup - 1)], dev)
     if align is not None:
