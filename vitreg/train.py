@@ -324,8 +324,9 @@ def train(options: dict, experiment: str | None = None, run_name: str | None = N
 
     ``nproc > 1`` outside torchrun launches torchrun (see the module docstring) and returns None in
     this launching process; ``nnodes``/``node_rank``/``rdzv_endpoint`` spread the job over several
-    hosts (the same command on each; node 0 holds rank 0, the run, the checkpoints and the registration). Inside torchrun (a vitreg launcher's, or one the user started) this is
-    one rank of the job. ``sampler_factory(dataset)`` replaces the built-in rank-sharded sampler of
+    hosts (the same command on each; node 0 holds rank 0, the run, the checkpoints and the
+    registration). Inside torchrun (a vitreg launcher's, or one the user started) this is one rank
+    of the job. ``sampler_factory(dataset)`` replaces the built-in rank-sharded sampler of
     ImageFolder data (it must give every rank the same number of batches).
     """
     command = command or " ".join(shlex.quote(a) for a in sys.argv)
