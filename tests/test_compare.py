@@ -292,6 +292,32 @@ def test_ddp_settings_are_separate_configurations_that_scale_from_the_same_singl
     assert "bucket100+static" in format_table(compare_gpus(df))
 
 
+def test_nccl_variables_that_differ_between_ddp_runs_are_part_of_their_configuration():
+    """The nccl_env tag as vitreg logs it: a variable set in some DDP runs and not others (or set to
+    other values) is a configuration of its own; one every DDP run shares (NCCL_VERSION, or the
+    TORCH_NCCL_* setting every graphed run makes) and the 1-process runs' variables are not shown."""
+    def tagged(thr, nproc, env):
+        row = run("h200", thr, task="train", nproc=nproc, ddp=(25, False))
+        row["tags.nccl_env"] = env
+        return row
+    common = "NCCL_VERSION=2.28.3-1;TORCH_NCCL_ASYNC_ERROR_HANDLING=0"
+    df = frame(
+        tagged(1000, 1, "NCCL_VERSION=2.28.3-1"),
+        tagged(1000, 1, "NCCL_MAX_CTAS=8;NCCL_VERSION=2.28.3-1"),  # no DDP in 1 process: same config
+        tagged(1900, 2, common), tagged(1920, 2, common),
+        tagged(1940, 2, "NCCL_MAX_CTAS=8;" + common),
+        tagged(1800, 2, "NCCL_ALGO=Ring;NCCL_MAX_CTAS=2;" + common),
+    )
+    s = compare_gpus(df).scaling.set_index("ddp")
+    assert list(s.index) == ["-", "bucket25", "bucket25+NCCL_ALGO=Ring+NCCL_MAX_CTAS=2", "bucket25+NCCL_MAX_CTAS=8"]
+    assert s.loc["-", "n_runs"] == 2
+    assert s.loc["bucket25", "n_runs"] == 2 and s.loc["bucket25", "efficiency"] == pytest.approx(0.955)
+    assert s.loc["bucket25+NCCL_MAX_CTAS=8", "efficiency"] == pytest.approx(0.97)
+    same = frame(tagged(1000, 1, ""), tagged(1900, 2, "NCCL_MAX_CTAS=8;" + common),
+                 tagged(1920, 2, "NCCL_MAX_CTAS=8;" + common))
+    assert list(compare_gpus(same).scaling["ddp"]) == ["-", "bucket25"]
+
+
 def test_ddp_runs_whose_params_hold_the_requested_img_size_scale_from_the_resolved_one():
     """A DDP launcher logs the params before any rank builds the model: params.img_size=0 ("the
     model's default") next to the resolved tags.img_size=224 that the 1-process run also has."""

@@ -244,23 +244,36 @@ def _with_cuda_graph(df: pd.DataFrame, compile_: pd.Series) -> pd.Series:
 
 def _ddp_setting(df: pd.DataFrame, nproc: pd.Series) -> pd.Series:
     """The DDP settings as one configuration string: ``-`` for single-process runs (the settings do
-    nothing there), else ``bucket<MB>`` plus ``+static`` for ``ddp_static_graph=true`` and ``+bf16``
-    / ``+fp16`` for a ``ddp_comm_hook``. Runs that predate the settings (no params) ran with torch's
-    defaults, which is what they get here."""
+    nothing there), else ``bucket<MB>`` plus ``+static`` for ``ddp_static_graph=true``, ``+bf16``
+    / ``+fp16`` for a ``ddp_comm_hook``, and ``+NAME=VALUE`` for each NCCL variable of the run's
+    ``nccl_env`` tag that is not the same in every multi-process run compared (``NCCL_MAX_CTAS=8`` on
+    some runs and not on others; a variable every run has, such as the image's ``NCCL_VERSION``, says
+    nothing and is left out). Runs that predate the settings (no params) ran with torch's defaults,
+    which is what they get here."""
     bucket = pd.to_numeric(df["params.ddp_bucket_mb"], errors="coerce") if "params.ddp_bucket_mb" in df else None
     static = _text(df, "params.ddp_static_graph")
     hook = _text(df, "params.ddp_comm_hook")
-    out = []
-    for i in range(len(df)):
-        if nproc.iloc[i] is pd.NA or int(nproc.iloc[i]) <= 1:
-            out.append("-")
-            continue
+    multi = [i for i in range(len(df)) if nproc.iloc[i] is not pd.NA and int(nproc.iloc[i]) > 1]
+    nccl = _nccl_differences(_text(df, "tags.nccl_env"), multi)
+    out = ["-"] * len(df)
+    for i in multi:
         mb = bucket.iloc[i] if bucket is not None and pd.notna(bucket.iloc[i]) else DDP_BUCKET_MB
         static_on = static is not None and _is_true(static.iloc[i])
         comm = hook.iloc[i] if hook is not None else None
-        out.append(f"bucket{mb:g}" + ("+static" if static_on else "")
-                   + (f"+{comm.lower()}" if isinstance(comm, str) and comm.lower() != "none" else ""))
+        out[i] = (f"bucket{mb:g}" + ("+static" if static_on else "")
+                  + (f"+{comm.lower()}" if isinstance(comm, str) and comm.lower() != "none" else "")
+                  + "".join(f"+{k}={v}" for k, v in nccl[i]))
     return pd.Series(out, index=df.index, dtype=object)
+
+
+def _nccl_differences(tags: pd.Series | None, rows: list[int]) -> dict[int, list[tuple[str, str]]]:
+    """For each of ``rows``: the ``(name, value)`` pairs of its ``nccl_env`` tag (``"K=V;K=V"``)
+    whose variable is not set to one same value in all of ``rows``, sorted by name."""
+    env = {i: dict(kv.split("=", 1) for kv in (tags.iloc[i] or "").split(";") if "=" in kv) if tags is not None else {}
+           for i in rows}
+    names = set().union(*env.values()) if env else set()
+    varying = {k for k in names if len({e.get(k) for e in env.values()}) > 1}
+    return {i: sorted((k, v) for k, v in e.items() if k in varying) for i, e in env.items()}
 
 
 def _integer(df: pd.DataFrame, col: str) -> pd.Series:
