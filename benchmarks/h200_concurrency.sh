@@ -9,7 +9,8 @@
 #   ddp         N=2 over NCCL (--profile: NCCL kernel time per step).
 # If "concurrent" loses what "ddp" loses against "alone", the loss is the two GPUs being busy at once (power,
 # clocks, the host), not DDP. nvidia-smi samples SM clock, power and throttle reasons every 500 ms into
-# $OUT/smi.csv meanwhile, and each phase's start/end times go to the log, so the samples can be cut by phase.
+# $OUT/smi.csv meanwhile, and each phase's start/end times go to the log, so the samples can be cut by phase
+# (`python3 benchmarks/smi_phases.py $OUT/smi.csv $OUT/log.txt` does that for the vitreg phases).
 # Then, if time is left, vitreg itself: `vitreg bench --task train --cuda-graph true` at nproc=1 and nproc=2 with
 # each of VITREG_VARIANTS (|-separated; leading VAR=value words go to the environment, e.g. "NCCL_MAX_CTAS=8")
 # against that nproc=1 run, for the first model. MODELS="" leaves out the plain-loop phases.
