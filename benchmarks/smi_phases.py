@@ -34,13 +34,14 @@ def phases(path):
 
 def main(smi, *logs):
     rows = list(samples(smi))
+    gpus = sorted({r[1] for r in rows})
     for log in logs:
         marks = list(phases(log))
         for (t0, what), (t1, _) in zip(marks, marks[1:]):
             if "vitreg bench" not in what:
                 continue
             print(re.sub(r" --(amp|batch-size|gpu|task) \S+", "", what.replace("vitreg bench ", ""))[:150])
-            for gpu in sorted({r[1] for r in rows}):
+            for gpu in gpus:
                 s = [r for r in rows if t0 <= r[0] < t1 and r[1] == gpu and r[3] > 250]
                 if s:
                     capped = sum(1 for r in s if r[4] & SW_POWER_CAP) / len(s)

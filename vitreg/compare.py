@@ -269,11 +269,14 @@ def _ddp_setting(df: pd.DataFrame, nproc: pd.Series) -> pd.Series:
 def _nccl_differences(tags: pd.Series | None, rows: list[int]) -> dict[int, list[tuple[str, str]]]:
     """For each of ``rows``: the ``(name, value)`` pairs of its ``nccl_env`` tag (``"K=V;K=V"``)
     whose variable is not set to one same value in all of ``rows``, sorted by name."""
-    env = {i: dict(kv.split("=", 1) for kv in (tags.iloc[i] or "").split(";") if "=" in kv) if tags is not None else {}
-           for i in rows}
-    names = set().union(*env.values()) if env else set()
-    varying = {k for k in names if len({e.get(k) for e in env.values()}) > 1}
+    env = {i: _nccl_vars(tags.iloc[i] if tags is not None else None) for i in rows}
+    varying = {k for k in set().union(*env.values()) if len({e.get(k) for e in env.values()}) > 1}
     return {i: sorted((k, v) for k, v in e.items() if k in varying) for i, e in env.items()}
+
+
+def _nccl_vars(tag: str | None) -> dict[str, str]:
+    """An ``nccl_env`` tag (``"K=V;K=V"``, as :func:`vitreg.env.nccl_env` writes it) as a dict; missing: empty."""
+    return dict(kv.split("=", 1) for kv in (tag or "").split(";") if "=" in kv)
 
 
 def _integer(df: pd.DataFrame, col: str) -> pd.Series:
