@@ -45,7 +45,7 @@ test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow"
 
 server: $(STAMP)
-	$(PY) -m vitreg.server
+	$(PY) -m vitreg.deploy.server
 
 ui: $(STAMP)
 	$(VENV)/bin/mlflow ui --backend-store-uri sqlite:///mlflow.db

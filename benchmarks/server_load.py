@@ -25,8 +25,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from vitreg import server  # noqa: E402
-from vitreg.timing import percentile  # noqa: E402
+from vitreg.deploy import server  # noqa: E402
+from vitreg.measure.timing import percentile  # noqa: E402
 
 EXPERIMENT = "load"
 

@@ -5,7 +5,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without install
 
-from vitreg.cli import main  # noqa: E402
+from vitreg.cli.main import main  # noqa: E402
 
 if __name__ == "__main__":
     main(["compare", *sys.argv[1:]], prog_name="entry_points/compare.py")

@@ -106,7 +106,7 @@ def requested_run(sqlite_store, monkeypatch):
     (["--cuda-graph", "true"], "cuda_graph=true needs a CUDA GPU and this run is on cpu: pass cuda_graph=false"),
 ])
 def test_bad_input_exit_2_and_failed_run(requested_run, args, needle):
-    from vitreg.cli import main
+    from vitreg.cli.main import main
 
     client, run_id = requested_run
     result = CliRunner().invoke(main, ["bench", "--model", "test_vit", "--img-size", "32", *args])
@@ -117,7 +117,7 @@ def test_bad_input_exit_2_and_failed_run(requested_run, args, needle):
 
 
 def test_mismatch_allowed_is_tagged(requested_run):
-    from vitreg.cli import main
+    from vitreg.cli.main import main
 
     client, run_id = requested_run
     result = CliRunner().invoke(main, ["bench", "--model", "test_vit", "--img-size", "32", "--gpu", "a100",
@@ -154,7 +154,7 @@ def test_mlproject_bench_and_infer_entries_match_bench_spec(entry_name, extra):
     (plus the launcher's options); infer: the same for the fields it takes (its model comes from the URI)."""
     import yaml
 
-    from vitreg.spec import BenchSpec
+    from vitreg.config.spec import BenchSpec
 
     entry = yaml.safe_load((REPO / "MLproject").read_text())["entry_points"][entry_name]
     spec = BenchSpec().to_params()

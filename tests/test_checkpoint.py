@@ -1,4 +1,4 @@
-"""vitreg.checkpoint: the on-disk format other modules rely on, round trips, and refusals."""
+"""vitreg.train.checkpoint: the on-disk format other modules rely on, round trips, and refusals."""
 
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ import shutil
 import pytest
 import torch
 
-from vitreg import checkpoint as ckpt
+from vitreg.train import checkpoint as ckpt
 from vitreg.errors import VitregError
-from vitreg.models import create_model
-from vitreg.spec import TrainSpec
+from vitreg.models.factory import create_model
+from vitreg.config.spec import TrainSpec
 
 IMG, CLASSES = 32, 10
 

@@ -1,4 +1,4 @@
-"""vitreg.compare on synthetic search_runs frames whose right answer is known by construction."""
+"""vitreg.analysis.comparison on synthetic search_runs frames whose right answer is known by construction."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from vitreg import compare
-from vitreg.compare import CompareError, compare_gpus, compile_amp_gains, format_table, tidy, write_report
-from vitreg.timm_import import read_timm_csv, to_runs_frame
+from vitreg.analysis import comparison as compare
+from vitreg.analysis.comparison import CompareError, compare_gpus, compile_amp_gains, format_table, tidy, write_report
+from vitreg.analysis.timm_csv import read_timm_csv, to_runs_frame
 
 DATA = Path(__file__).parent / "data"
 _ids = itertools.count()

@@ -18,7 +18,8 @@ import pytest
 from click.testing import CliRunner
 
 from conftest import REPO, subprocess_env
-from vitreg import distributed, launch
+from vitreg.dist import world as distributed
+from vitreg.dist import launcher as launch
 from vitreg.errors import VitregError
 
 TINY = {"model": "test_vit", "img_size": "32", "batch_size": "2", "warmup": "1", "steps": "2", "repeats": "2",
@@ -102,7 +103,7 @@ def test_mlflow_run_nproc2_one_run_rank0_logs(tmp_path):
 @pytest.mark.slow
 def test_plain_cli_nproc4_creates_one_run(tmp_path):
     """`vitreg bench --nproc 4` without `mlflow run`: the launcher creates the run before torchrun."""
-    from vitreg.cli import main
+    from vitreg.cli.main import main
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     args = ["bench", *cli_args({**TINY, "nproc": "4"}), "--experiment", "ddp4"]
@@ -168,7 +169,7 @@ def test_bad_model_refused_before_launching(sqlite_store):
     """Checks that need no GPU run once, in the launcher: one error, exit 2, the run FAILED."""
     from mlflow.tracking import MlflowClient
 
-    from vitreg.cli import main
+    from vitreg.cli.main import main
 
     result = CliRunner().invoke(main, ["bench", *cli_args({**TINY, "nproc": "2", "model": "test_vti"})])
     assert result.exit_code == 2, result.output
@@ -183,7 +184,7 @@ def test_bad_model_refused_before_launching(sqlite_store):
 def test_cuda_graph_on_cpu_refused_before_launching(sqlite_store):
     from mlflow.tracking import MlflowClient
 
-    from vitreg.cli import main
+    from vitreg.cli.main import main
 
     result = CliRunner().invoke(main, ["bench", *cli_args({**TINY, "nproc": "2", "cuda_graph": "true"})])
     assert result.exit_code == 2, result.output
@@ -245,7 +246,7 @@ def test_torchrun_command_single_and_multi_node(tmp_path):
     assert one[:3] == [sys.executable, "-m", "torch.distributed.run"]
     assert "--standalone" in one and "--nproc-per-node=2" in one and "--max-restarts=0" in one
     # the workers' own options come after "--", out of reach of torchrun's option parser
-    assert one[one.index("vitreg.launch") + 1:] == ["--", *argv]
+    assert one[one.index("vitreg.dist.launcher") + 1:] == ["--", *argv]
     # only options torch 2.2+ knows: torch 2.11's torchrun passed --log-line-prefix-template on to
     # the workers' python (exit 2 on the H200s); the rank prefix comes from LINE_PREFIX_ENV instead
     assert not any(c.startswith("--log-line-prefix") for c in one)
@@ -255,7 +256,7 @@ def test_torchrun_command_single_and_multi_node(tmp_path):
 
 
 def test_options_to_args_round_trip_through_click():
-    from vitreg.cli import bench_options, bench_kwargs_to_options
+    from vitreg.cli.main import bench_options, bench_kwargs_to_options
     import click
 
     seen = {}
@@ -288,12 +289,12 @@ def test_reduce_figures_sums_rates_and_takes_the_slowest_step():
 
 def test_task_result_from_reducer_is_global_and_mfu_per_gpu():
     """The runner's figures under a reducer: throughput of the job, MFU against ONE GPU's peak."""
-    from vitreg.hardware import PROFILES, DetectedHardware, ResolvedHardware, mfu
-    from vitreg.models import ModelInfo
-    from vitreg.runner import _task_result
-    from vitreg.runtime import Runtime
-    from vitreg.spec import BenchSpec
-    from vitreg.timing import Window
+    from vitreg.hardware.profiles import PROFILES, DetectedHardware, ResolvedHardware, mfu
+    from vitreg.models.factory import ModelInfo
+    from vitreg.bench.runner import _task_result
+    from vitreg.hardware.runtime import Runtime
+    from vitreg.config.spec import BenchSpec
+    from vitreg.measure.timing import Window
 
     class TwoIdenticalRanks:
         world_size = 2
@@ -335,7 +336,7 @@ def test_last_error_line(text, line):
 
 SUMMARY = """torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
 ============================================================
-vitreg.launch FAILED
+vitreg.dist.launcher FAILED
 ------------------------------------------------------------
 Failures:
 [1]:
@@ -406,8 +407,8 @@ def test_worker_shim_records_exit_status(tmp_path, monkeypatch):
 def test_scaling_efficiency_checks_the_baseline(sqlite_store):
     from mlflow.tracking import MlflowClient
 
-    from vitreg import bench as bench_mod
-    from vitreg.spec import BenchSpec
+    from vitreg.bench import job as bench_mod
+    from vitreg.config.spec import BenchSpec
 
     spec = BenchSpec(**{**TINY, "nproc": "2"})
     base_id = fake_baseline_run(sqlite_store, throughput=100.0)
@@ -456,8 +457,8 @@ def test_ddp_wrap_applies_the_bucket_size_static_graph_and_comm_hook(tmp_path):
     import torch
     import torch.distributed as dist
 
-    from vitreg.distributed import World, ddp_wrap
-    from vitreg.spec import BenchSpec
+    from vitreg.dist.world import World, ddp_wrap
+    from vitreg.config.spec import BenchSpec
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:
@@ -487,7 +488,7 @@ def test_profile_comm_counts_gloo_all_reduce_and_nothing_else(tmp_path):
     import torch
     import torch.distributed as dist
 
-    from vitreg.profiling import profile_comm
+    from vitreg.measure.profiling import profile_comm
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:

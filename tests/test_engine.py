@@ -8,13 +8,13 @@ import numpy as np
 import pytest
 import torch
 
-from vitreg import engine
-from vitreg.data import SyntheticData, build_data, resolve_num_classes
+from vitreg.train import loop as engine
+from vitreg.train.data import SyntheticData, build_data, resolve_num_classes
 from vitreg.errors import VitregError
-from vitreg.hardware import PROFILES, DetectedHardware
-from vitreg.models import create_model
-from vitreg.runtime import resolve_runtime
-from vitreg.spec import TrainSpec
+from vitreg.hardware.profiles import PROFILES, DetectedHardware
+from vitreg.models.factory import create_model
+from vitreg.hardware.runtime import resolve_runtime
+from vitreg.config.spec import TrainSpec
 
 CPU = DetectedHardware("cpu", "CPU (test)", 1, PROFILES["cpu"])
 IMG, CLASSES = 32, 10

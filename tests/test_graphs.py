@@ -1,11 +1,11 @@
-"""vitreg.graphs on a CPU: what can run without CUDA (the refusals, the side-stream no-op, the error a failed
+"""vitreg.measure.graphs on a CPU: what can run without CUDA (the refusals, the side-stream no-op, the error a failed
 capture turns into). The capture itself runs on the GPU only (docs/benchmarks.md has its H200 runs)."""
 
 import contextlib
 
 import pytest
 
-from vitreg import graphs
+from vitreg.measure import graphs
 from vitreg.errors import VitregError
 
 

@@ -1,7 +1,7 @@
 import pytest
 
 from vitreg.errors import VitregError
-from vitreg.hardware import PROFILES, DetectedHardware, match_profile, mfu, resolve_hardware
+from vitreg.hardware.profiles import PROFILES, DetectedHardware, match_profile, mfu, resolve_hardware
 
 
 @pytest.mark.parametrize("name,label", [
@@ -69,7 +69,7 @@ def test_mismatch_on_cpu_and_override():
 
 
 def test_bf16_refused_on_a_gpu_without_it():
-    from vitreg.runtime import resolve_runtime
+    from vitreg.hardware.runtime import resolve_runtime
 
     v100 = DetectedHardware("cuda", "Tesla V100-SXM2-32GB", 1, PROFILES["v100"])
     with pytest.raises(VitregError, match="use amp=fp16"):
@@ -80,7 +80,7 @@ def test_bf16_refused_on_a_gpu_without_it():
 
 
 def test_nccl_env_is_recorded_sorted_and_only_nccl():
-    from vitreg.env import capture_environment, nccl_env
+    from vitreg.hardware.env import capture_environment, nccl_env
 
     env = {"NCCL_MAX_CTAS": "8", "PATH": "/bin", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "0", "NCCL_NVLS_ENABLE": "0",
            "MY_NCCL_X": "1"}

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from vitreg.cli import main
+from vitreg.cli.main import main
 
 DATA = Path(__file__).parent / "data"
 
@@ -98,7 +98,7 @@ def test_sweep_unknown_value_refused_before_running(sqlite_store):
 def test_sweep_children_failures_and_oom_retry(sqlite_store, monkeypatch, tmp_path):
     """Three combinations: one fine, one failing (compile error: unknown backend mode), one OOM at batch 4
     that is retried at batch 3, then 2 (the fake GPU holds 2 images)."""
-    import vitreg.jobs as jobs
+    import vitreg.compare.job as jobs
     from mlflow.tracking import MlflowClient
 
     script = tmp_path / "fake_child.py"
@@ -106,7 +106,7 @@ def test_sweep_children_failures_and_oom_retry(sqlite_store, monkeypatch, tmp_pa
         "import sys\n"
         "from vitreg import tracking\n"
         "from vitreg.errors import VitregError\n"
-        "from vitreg.cli import main\n"
+        "from vitreg.cli.main import main\n"
         "args = sys.argv[1:]\n"
         "bs = int(args[args.index('--batch-size') + 1])\n"
         "if args[args.index('--amp') + 1] == 'fp16':\n"

@@ -21,10 +21,11 @@ import torch
 from click.testing import CliRunner
 
 from conftest import REPO, subprocess_env
-from vitreg import registry, tracking
-from vitreg.checkpoint import save_checkpoint
+from vitreg.tracking import registry
+from vitreg.tracking import runs as tracking
+from vitreg.train.checkpoint import save_checkpoint
 from vitreg.errors import VitregError
-from vitreg.models import create_model
+from vitreg.models.factory import create_model
 
 IMG, CLASSES = 32, 10
 
@@ -137,7 +138,7 @@ def test_register_refuses_a_name_owned_by_another_architecture(store, tmp_path):
 
 
 def test_register_cli_registers_a_run_checkpoint_after_the_fact(store):
-    from vitreg.commands_registry import register
+    from vitreg.cli.registry_cmds import register
 
     res = CliRunner().invoke(register, [f"runs:/{store.run_id}/checkpoints/step-5", "--name", "tv-later",
                                         "--alias", "best"])
@@ -154,7 +155,7 @@ def test_register_cli_registers_a_run_checkpoint_after_the_fact(store):
     ("runs:/0123456789abcdef/checkpoints/last", "no run 0123456789abcdef at sqlite:"),
 ])
 def test_register_cli_bad_sources_are_one_line_exit_2(store, source, needle):
-    from vitreg.commands_registry import register
+    from vitreg.cli.registry_cmds import register
 
     res = CliRunner().invoke(register, [source, "--name", "tv-x"])
     assert res.exit_code == 2
@@ -163,7 +164,7 @@ def test_register_cli_bad_sources_are_one_line_exit_2(store, source, needle):
 
 
 def test_train_refuses_a_register_as_of_another_architecture_before_training(store):
-    from vitreg.cli import main
+    from vitreg.cli.main import main
 
     res = CliRunner().invoke(main, ["train", "--model", "test_vit2", "--img-size", "32", "--num-classes", "10",
                                     "--num-workers", "0", "--steps", "500", "--device", "cpu", "--register-as", "tv",
@@ -263,7 +264,7 @@ def test_pull_errors_name_what_exists(store, tmp_path, uri, needles):
 
 @pytest.mark.slow
 def test_pull_cli_out_folder_loads_with_timm_and_safetensors_only(store, tmp_path):
-    from vitreg.commands_registry import pull
+    from vitreg.cli.registry_cmds import pull
 
     out = tmp_path / "export"
     res = CliRunner().invoke(pull, ["models:/tv@champion", "--out", str(out)])
@@ -293,7 +294,7 @@ def test_pull_cli_out_folder_loads_with_timm_and_safetensors_only(store, tmp_pat
 
 
 def test_pull_cli_unknown_alias_is_one_line_exit_2(store):
-    from vitreg.commands_registry import pull
+    from vitreg.cli.registry_cmds import pull
 
     res = CliRunner().invoke(pull, ["models:/tv@nope"])
     assert res.exit_code == 2
@@ -305,7 +306,7 @@ def test_pull_cli_unknown_alias_is_one_line_exit_2(store):
 
 
 def test_infer_in_process_from_a_run_checkpoint(store):
-    from vitreg.infer import infer
+    from vitreg.bench.infer import infer
 
     result = infer(f"runs:/{store.run_id}/checkpoints/last", {**TINY_BENCH}, experiment="infer-local",
                    progress=lambda message: None)
@@ -326,7 +327,7 @@ def test_infer_in_process_from_a_run_checkpoint(store):
     ({"nproc": "2"}, "pass nproc=1"),
 ])
 def test_infer_refuses_options_the_checkpoint_decides(store, options, needle):
-    from vitreg.infer import infer
+    from vitreg.bench.infer import infer
 
     with pytest.raises(VitregError) as exc:
         infer("models:/tv/1", {**TINY_BENCH, **options}, progress=lambda message: None)
@@ -334,7 +335,7 @@ def test_infer_refuses_options_the_checkpoint_decides(store, options, needle):
 
 
 def test_infer_cli_unknown_alias_fails_the_run_in_one_line(store):
-    from vitreg.commands_registry import infer
+    from vitreg.cli.registry_cmds import infer
 
     res = CliRunner().invoke(infer, ["--model-uri", "models:/tv@nope", "--batch-size", "2", "--experiment", "bad"])
     assert res.exit_code == 2 and "error: registered model 'tv' has no alias 'nope'" in res.output

@@ -4,10 +4,10 @@ import json
 
 import pytest
 
-from vitreg.hardware import PROFILES, DetectedHardware, resolve_hardware
-from vitreg.runner import run_benchmark
-from vitreg.runtime import resolve_runtime
-from vitreg.spec import BenchSpec
+from vitreg.hardware.profiles import PROFILES, DetectedHardware, resolve_hardware
+from vitreg.bench.runner import run_benchmark
+from vitreg.hardware.runtime import resolve_runtime
+from vitreg.config.spec import BenchSpec
 
 CPU = DetectedHardware("cpu", "CPU (test)", 1, PROFILES["cpu"])
 

@@ -1,4 +1,4 @@
-"""vitreg.server: configuration checks (fast) and real ``mlflow server`` processes (slow).
+"""vitreg.deploy.server: configuration checks (fast) and real ``mlflow server`` processes (slow).
 
 The slow tests start servers on free loopback ports, log a run through MLflow's client in a
 separate Python process and look at where things land on disk.
@@ -23,8 +23,8 @@ from pathlib import Path
 
 import pytest
 
-from vitreg import server
-from vitreg.server import ServerConfig, ServerError
+from vitreg.deploy import server
+from vitreg.deploy.server import ServerConfig, ServerError
 
 PG_URI = "postgresql://vitreg:vitreg@127.0.0.1:5432/vitreg"
 SECRET_KEY = "test-secret-key-0123456789abcdef"
@@ -126,7 +126,7 @@ def test_bad_input_is_one_line_server_error(env, names, tmp_path):
 def test_main_exits_2_with_one_error_line(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("VITREG_")}
     env.update(VITREG_SERVER_PORT="not-a-port", PYTHONPATH=str(REPO))
-    proc = subprocess.run([sys.executable, "-m", "vitreg.server"], env=env, cwd=tmp_path,
+    proc = subprocess.run([sys.executable, "-m", "vitreg.deploy.server"], env=env, cwd=tmp_path,
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2
     assert proc.stderr.splitlines() == [

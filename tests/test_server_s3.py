@@ -1,4 +1,4 @@
-"""vitreg.server with an S3-compatible artifact destination (moto standing in for MinIO).
+"""vitreg.deploy.server with an S3-compatible artifact destination (moto standing in for MinIO).
 
 A real ``mlflow server`` (SQLite store, ``--artifacts-destination s3://...``) talks to a local
 moto S3 server; a client process without AWS variables, and unable to import boto3, logs a run
@@ -15,8 +15,8 @@ import sys
 import pytest
 
 from test_server import CLIENT, free_port
-from vitreg import server
-from vitreg.server import ServerConfig
+from vitreg.deploy import server
+from vitreg.deploy.server import ServerConfig
 
 BUCKET = "vitreg-artifacts"
 PREFIX = "mlflow"

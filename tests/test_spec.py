@@ -1,7 +1,7 @@
 import pytest
 
 from vitreg.errors import VitregError
-from vitreg.spec import BenchSpec, parse_bool
+from vitreg.config.spec import BenchSpec, parse_bool
 
 
 def test_strings_from_mlflow_are_parsed():
@@ -61,7 +61,7 @@ def test_to_params_round_trip():
 
 
 def test_ddp_options_parse_from_strings_for_bench_and_train():
-    from vitreg.spec import TrainSpec
+    from vitreg.config.spec import TrainSpec
 
     for cls in (BenchSpec, TrainSpec):
         assert cls().ddp_options() == {"bucket_cap_mb": 25.0, "static_graph": False, "comm_hook": "none"}

@@ -2,7 +2,7 @@ import time
 
 import pytest
 
-from vitreg.timing import percentile, summarize, time_window, wall_seconds
+from vitreg.measure.timing import percentile, summarize, time_window, wall_seconds
 
 
 def test_perf_counter_window_measures_a_known_sleep():

@@ -1,4 +1,4 @@
-"""vitreg.timm_import against timm benchmark.py's real CSV layout and file naming."""
+"""vitreg.analysis.timm_csv against timm benchmark.py's real CSV layout and file naming."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from vitreg.compare import tidy
-from vitreg.timm_import import (
+from vitreg.analysis.comparison import tidy
+from vitreg.analysis.timm_csv import (
     ImportedRun,
     TimmImportError,
     parse_timm_filename,
@@ -142,7 +142,7 @@ def test_gpu_disagreeing_with_file_name_names_both():
 @pytest.mark.parametrize("spelling", ["rtx4090", "RTX 4090", "NVIDIA GeForce RTX 4090", "4090"])
 def test_gpu_agreeing_in_another_spelling_is_accepted(spelling):
     runs = read_timm_csv(INFER, gpu=spelling)
-    assert {r.params["gpu"] for r in runs} == {"rtx4090"}  # vitreg.hardware's label
+    assert {r.params["gpu"] for r in runs} == {"rtx4090"}  # vitreg.hardware.profiles's label
     assert {r.tags["gpu"] for r in runs} == {"rtx4090"}
 
 

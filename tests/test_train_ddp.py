@@ -18,8 +18,9 @@ import torch
 from click.testing import CliRunner
 
 from conftest import subprocess_env
-from vitreg import distributed, launch
-from vitreg.checkpoint import verify_checkpoint
+from vitreg.dist import world as distributed
+from vitreg.dist import launcher as launch
+from vitreg.train.checkpoint import verify_checkpoint
 
 TINY = {"model": "test_vit", "img_size": "32", "batch_size": "8", "num_classes": "10", "num_workers": "0",
         "lr": "2e-3", "warmup_steps": "2", "label_smoothing": "0", "device": "cpu"}
@@ -162,7 +163,7 @@ def test_failing_ranks_fail_the_run_with_their_error_and_status(tmp_path):
 def test_launcher_refuses_before_launching(sqlite_store, monkeypatch, extra, needle):
     from mlflow.tracking import MlflowClient
 
-    from vitreg.cli import main
+    from vitreg.cli.main import main
 
     monkeypatch.setattr(launch, "visible_gpu_count", lambda: 0)
     result = CliRunner().invoke(main, ["train", *launch.options_to_args({**TINY, "nproc": "2", **extra})])
@@ -228,11 +229,11 @@ class CountingReducer(distributed.TrainReducer):
 
 
 def test_engine_reduces_once_per_log_boundary_and_once_at_the_end():
-    from vitreg import engine
-    from vitreg.hardware import PROFILES, DetectedHardware
-    from vitreg.models import create_model
-    from vitreg.runtime import resolve_runtime
-    from vitreg.spec import TrainSpec
+    from vitreg.train import loop as engine
+    from vitreg.hardware.profiles import PROFILES, DetectedHardware
+    from vitreg.models.factory import create_model
+    from vitreg.hardware.runtime import resolve_runtime
+    from vitreg.config.spec import TrainSpec
 
     spec = TrainSpec(model="test_vit", img_size=32, num_classes=10, batch_size=4, steps=7, log_every=3,
                      label_smoothing=0)

@@ -17,11 +17,11 @@ import yaml
 from click.testing import CliRunner
 
 from conftest import REPO, subprocess_env
-from vitreg import tracking
-from vitreg.checkpoint import verify_checkpoint
-from vitreg.commands_train import train as train_command
+from vitreg.tracking import runs as tracking
+from vitreg.train.checkpoint import verify_checkpoint
+from vitreg.cli.train_cmd import train as train_command
 from vitreg.errors import VitregError
-from vitreg.spec import TrainSpec
+from vitreg.config.spec import TrainSpec
 
 TINY = ["--model", "test_vit", "--img-size", "32", "--batch-size", "8", "--num-classes", "10", "--num-workers", "0",
         "--lr", "2e-3", "--warmup-steps", "2", "--label-smoothing", "0"]
@@ -54,7 +54,7 @@ def test_mlproject_entry_matches_train_spec():
 
 
 def test_cli_train_logs_run_checkpoints_and_registers(sqlite_store, tmp_path, monkeypatch):
-    from vitreg import registry
+    from vitreg.tracking import registry
 
     calls = []
     monkeypatch.setattr(registry, "register_checkpoint",
@@ -88,7 +88,7 @@ def test_cli_train_logs_run_checkpoints_and_registers(sqlite_store, tmp_path, mo
     # the checkpoint as a distillation teacher: downloaded, loaded, and its download folder gone
     import tempfile
 
-    from vitreg.train import teacher_loader
+    from vitreg.train.job import teacher_loader
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
     (tmp_path / "tmp").mkdir()
@@ -98,7 +98,7 @@ def test_cli_train_logs_run_checkpoints_and_registers(sqlite_store, tmp_path, mo
 
 
 def test_a_registration_that_fails_after_training_names_the_command_to_retry(sqlite_store, monkeypatch):
-    from vitreg import registry
+    from vitreg.tracking import registry
     from vitreg.errors import VitregError
 
     def refuse(*args, **kwargs):
@@ -151,7 +151,7 @@ def test_background_logger_with_a_run_bound_tracker(sqlite_store, monkeypatch):
             mlflow.log_artifacts(str(path), artifact_path, run_id=self.run_id)
 
     monkeypatch.setattr(tracking, "Tracker", RunBoundTracker)
-    from vitreg.train import train
+    from vitreg.train.job import train
 
     result = train({"model": "test_vit", "img_size": "32", "num_classes": "10", "batch_size": "4", "steps": "4",
                     "log_every": "1", "checkpoint_every": "2", "num_workers": "0"}, experiment="threaded",
@@ -166,7 +166,7 @@ def test_background_logger_with_a_run_bound_tracker(sqlite_store, monkeypatch):
 
 
 def test_resume_source_errors(sqlite_store):
-    from vitreg.train import resolve_checkpoint_source
+    from vitreg.train.job import resolve_checkpoint_source
 
     with pytest.raises(VitregError) as err:
         resolve_checkpoint_source("runs:/0123456789abcdef/checkpoints/last")

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from vitreg import server
+from vitreg.deploy import server
 
 pytestmark = [pytest.mark.slow, pytest.mark.ui]
 

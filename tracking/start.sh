@@ -7,7 +7,7 @@
 # Runs from the repository root, so the default data folder is <repo>/vitreg-data. When
 # tracking/server.env exists (copy tracking/server.env.example), its values are exported first
 # and win over the same variables in your shell. Python: $PYTHON, else the repo's .venv, else
-# python3. Everything else is in vitreg/server.py (`python -m vitreg.server --help`).
+# python3. Everything else is in vitreg/server.py (`python -m vitreg.deploy.server --help`).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 if [ -f tracking/server.env ]; then
@@ -19,4 +19,4 @@ fi
 if [ -z "${PYTHON:-}" ]; then
     if [ -x .venv/bin/python ]; then PYTHON=.venv/bin/python; else PYTHON=python3; fi
 fi
-exec "$PYTHON" -m vitreg.server "$@"
+exec "$PYTHON" -m vitreg.deploy.server "$@"

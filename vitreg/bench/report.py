@@ -1,0 +1,91 @@
+"""Human-readable output: the terminal table and report.md (environment block + results table)."""
+
+from __future__ import annotations
+
+from vitreg.hardware.env import EnvInfo
+from vitreg.measure.graphs import EAGER_STEPS_BEFORE_CAPTURE
+from vitreg.bench.runner import INFER_EAGER_STEPS_BEFORE_CAPTURE, BenchResult, TaskResult
+
+
+def _fmt(value, spec=",.1f", none="-") -> str:
+    return none if value is None else format(value, spec)
+
+
+def _rows(result: BenchResult) -> list[list[str]]:
+    rows = []
+    for t in result.tasks:
+        lat = t.iter_ms
+        rows.append([
+            t.task,
+            str(t.batch_size),
+            f"{_fmt(t.throughput.median)} ({_fmt(t.throughput.min)}-{_fmt(t.throughput.max)})",
+            f"{t.throughput.cv * 100:.1f}%",
+            f"{lat.median:.2f} / {lat.p90:.2f} / {lat.p99:.2f}",
+            _fmt(t.first_call_s, ".2f") if t.compiled else "-",
+            _fmt(t.peak_mem_allocated_mb, ",.0f"),
+            _fmt(t.achieved_tflops, ".3g"),
+            "-" if t.mfu is None else f"{t.mfu * 100:.1f}%",
+        ])
+    return rows
+
+
+HEADERS = ["task", "batch", "img/s median (min-max)", "CV", "ms/iter p50 / p90 / p99", "compile s",
+           "peak alloc MiB", "TFLOP/s", "MFU"]
+
+
+def results_table(result: BenchResult) -> str:
+    """Fixed-width table for the terminal."""
+    rows = [HEADERS] + _rows(result)
+    widths = [max(len(r[i]) for r in rows) for i in range(len(HEADERS))]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def markdown_table(headers: list[str], rows: list[list[str]]) -> str:
+    out = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
+    out += ["| " + " | ".join(r) + " |" for r in rows]
+    return "\n".join(out)
+
+
+def report_markdown(result: BenchResult, env: EnvInfo, command: str | None = None) -> str:
+    """report.md: what ran, where, and what it measured."""
+    spec = result.spec
+    env_rows = [
+        ["GPU", f"{env.gpu_name} x{env.gpu_count} ({_fmt(env.gpu_memory_gb, '.0f')} GB, cc {env.compute_capability or '-'})"
+         if env.gpu_count else f"none (CPU: {env.cpu_model}, {env.cpu_count} cores)"],
+        ["label", f"{result.gpu}"],
+        ["driver / CUDA / cuDNN / NCCL",
+         f"{env.driver_version or '-'} / {env.cuda_version or '-'} / {env.cudnn_version or '-'} / {env.nccl_version or '-'}"],
+        ["torch / torchvision / timm / mlflow",
+         f"{env.torch_version} / {env.torchvision_version} / {env.timm_version} / {env.mlflow_version}"],
+        ["python / OS", f"{env.python_version} / {env.os}"],
+        ["host / vitreg commit", f"{env.hostname} / {env.vitreg_git_sha}"],
+    ]
+    cfg_rows = [
+        ["model", f"{result.model.name} ({result.model.source}, {result.model.params_m:.1f} M params)"],
+        ["image size", str(result.model.img_size)],
+        ["precision", f"{result.amp} (autocast)" if result.amp != "off" else "fp32"],
+        ["compile", f"{spec.compile} ({spec.compile_backend})" if spec.compile != "off" else "off (eager)"],
+        ["CUDA graph", f"yes: each step captured once (after {EAGER_STEPS_BEFORE_CAPTURE} eager steps for train, "
+                       f"{INFER_EAGER_STEPS_BEFORE_CAPTURE} for infer), timed as replays" if spec.cuda_graph else "no"],
+        ["timing", f"{spec.warmup} warm-up iters, {spec.repeats} windows x {spec.steps} iters, "
+                   f"{'CUDA events' if result.device == 'cuda' else 'perf_counter'}"],
+        ["forward GFLOPs / image", f"{result.fwd_gflops_per_img:.2f}"],
+    ]
+    parts = [f"# vitreg benchmark: {result.model.name} on {result.gpu}", ""]
+    if command:
+        parts += ["```", command, "```", ""]
+    parts += ["## Environment", "", markdown_table(["", ""], env_rows), "",
+              "## Configuration", "", markdown_table(["", ""], cfg_rows), "",
+              "## Results", "", markdown_table(HEADERS, _rows(result)), "",
+              "Throughput: images per second over a whole timed window, median of the windows (min-max in "
+              "brackets); CV: std/mean of the window throughputs. Latency: one iteration (one batch) in ms. "
+              "Training iterations are forward + loss + backward + optimizer step. MFU: achieved FLOP/s over the "
+              "GPU's dense datasheet peak for the active precision. Compile time: the first call alone, apart "
+              "from the timed windows.", ""]
+    return "\n".join(parts)
+
+
+def task_by_name(result: BenchResult, name: str) -> TaskResult | None:
+    return next((t for t in result.tasks if t.task == name), None)

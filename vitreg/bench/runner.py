@@ -1,0 +1,344 @@
+"""The benchmark itself: inference and training-step throughput, timed honestly.
+
+For each task: build synthetic inputs on the device (outside any timed region), call once and time
+that call apart (it carries torch.compile's compilation and CUDA's lazy initialisation), run the
+remaining warm-up, then ``repeats`` windows of ``steps`` iterations each, timed per iteration with
+CUDA events (:mod:`vitreg.measure.timing`). Nothing is logged, printed per iteration, or synchronised inside
+a window. Results are typed values; :mod:`vitreg.tracking.runs` logs them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, replace
+
+from vitreg.console import progress
+from vitreg.errors import VitregError
+from vitreg.measure.graphs import EAGER_STEPS_BEFORE_CAPTURE, capture, require_cuda, side_stream
+from vitreg.hardware.profiles import ResolvedHardware, mfu
+from vitreg.models.factory import ModelInfo, create_model, forward_flops_per_image, train_flops_per_image
+from vitreg.hardware.runtime import Runtime
+from vitreg.config.spec import BenchSpec
+from vitreg.measure.timing import Stats, summarize, synchronize, time_window, wall_seconds
+
+
+@dataclass(frozen=True)
+class TaskResult:
+    """One task's figures. Throughput is images per second over a whole window; latency is per iteration."""
+
+    task: str  # "infer" or "train"
+    batch_size: int
+    img_size: int
+    steps: int
+    repeats: int
+    throughput: Stats  # img/s, one value per window
+    iter_ms: Stats  # ms per iteration (one batch), all iterations of all windows
+    first_call_s: float  # the first call alone: compilation (if any) + lazy init
+    warmup_s: float  # the rest of the warm-up
+    compiled: bool
+    gflops_per_img: float
+    achieved_tflops: float
+    mfu: float | None
+    peak_mem_allocated_mb: float | None
+    peak_mem_reserved_mb: float | None
+    world_size: int = 1
+    # profile_steps > 0 (train): from torch.profiler after the windows; the slowest rank's under DDP
+    allreduce_ms_per_step: float | None = None
+    device_busy_ms_per_step: float | None = None
+
+    def metrics(self) -> dict[str, float]:
+        """MLflow metrics, units in the names, prefixed by the task."""
+        t = self.task
+        m = {
+            f"{t}_throughput_img_per_s": self.throughput.median,
+            f"{t}_throughput_img_per_s_min": self.throughput.min,
+            f"{t}_throughput_img_per_s_max": self.throughput.max,
+            f"{t}_throughput_cv": self.throughput.cv,
+            f"{t}_gflops_per_img": self.gflops_per_img,
+            f"{t}_achieved_tflops": self.achieved_tflops,
+            f"{t}_warmup_s": self.warmup_s,
+            f"{t}_first_call_s": self.first_call_s,
+        }
+        lat = "latency_ms" if t == "infer" else "step_ms"
+        m.update({f"{t}_{lat}_p50": self.iter_ms.median, f"{t}_{lat}_p90": self.iter_ms.p90,
+                  f"{t}_{lat}_p99": self.iter_ms.p99, f"{t}_{lat}_mean": self.iter_ms.mean})
+        if self.compiled:
+            m[f"{t}_compile_time_s"] = self.first_call_s
+        if self.mfu is not None:
+            m[f"{t}_mfu"] = self.mfu
+        if self.peak_mem_allocated_mb is not None:
+            m[f"{t}_peak_mem_allocated_mb"] = self.peak_mem_allocated_mb
+            m[f"{t}_peak_mem_reserved_mb"] = self.peak_mem_reserved_mb
+        if self.allreduce_ms_per_step is not None:
+            m[f"{t}_allreduce_ms_per_step"] = self.allreduce_ms_per_step
+        if self.device_busy_ms_per_step is not None:
+            m[f"{t}_device_busy_ms_per_step"] = self.device_busy_ms_per_step
+        if self.world_size > 1:
+            m[f"{t}_world_size"] = float(self.world_size)
+            m[f"{t}_throughput_img_per_s_per_gpu"] = self.throughput.median / self.world_size
+        return m
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["throughput"] = self.throughput.as_dict()
+        d["iter_ms"] = self.iter_ms.as_dict()
+        d["metrics"] = self.metrics()
+        return d
+
+
+@dataclass(frozen=True)
+class BenchResult:
+    """Everything one benchmark measured, ready for results.json and the MLflow run."""
+
+    spec: BenchSpec
+    gpu: str
+    amp: str
+    device: str
+    model: ModelInfo
+    fwd_gflops_per_img: float
+    tasks: tuple = field(default_factory=tuple)
+
+    def metrics(self) -> dict[str, float]:
+        out = {"fwd_gflops_per_img": self.fwd_gflops_per_img, "params_m": self.model.params_m}
+        for task in self.tasks:
+            out.update(task.metrics())
+        return out
+
+    def to_dict(self) -> dict:
+        return {
+            "spec": self.spec.to_params(),
+            "gpu": self.gpu,
+            "amp": self.amp,
+            "device": self.device,
+            "model": asdict(self.model),
+            "fwd_gflops_per_img": self.fwd_gflops_per_img,
+            "tasks": [t.to_dict() for t in self.tasks],
+        }
+
+
+#: eager forward passes before an inference capture (no DDP there: a few to settle the allocator)
+INFER_EAGER_STEPS_BEFORE_CAPTURE = 3
+
+
+def loss_of(output, target, criterion):
+    """Cross-entropy; DeiT distilled models train two heads (class and distillation token) on it."""
+    if isinstance(output, (tuple, list)):
+        return sum(criterion(o, target) for o in output) / len(output)
+    return criterion(output, target)
+
+
+def _memory_mb(device_type: str):
+    if device_type != "cuda":
+        return None, None  # the CPU has no allocator statistics comparable to CUDA's
+    import torch
+
+    mib = 1024 * 1024
+    return torch.cuda.max_memory_allocated() / mib, torch.cuda.max_memory_reserved() / mib
+
+
+def _reset_memory(device_type: str) -> None:
+    if device_type == "cuda":
+        import gc
+
+        import torch
+
+        gc.collect()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+
+
+def _measure(step, spec: BenchSpec, runtime: Runtime, task: str, batch_size: int, progress, align=None,
+             graph_eager_steps: int = 0) -> tuple:
+    """First call timed apart, warm-up, then the timed windows. Returns (first_s, warmup_s, windows, step).
+
+    ``align`` (DDP only) is a barrier run after the warm-up, so every rank's windows start together.
+    ``graph_eager_steps`` > 0 (``cuda_graph=true``): the "first call" is that many eager steps, the
+    capture of one more into a CUDA graph and one replay (:func:`vitreg.measure.graphs.capture`); every
+    later call, timed or not, is a replay, and the returned ``step`` is the replay.
+    """
+    dev = runtime.device
+    what = f"compiling ({runtime.compile}, {runtime.compile_backend}) + first call" if runtime.compile != "off" \
+        else "first call"
+    if graph_eager_steps:
+        what = what.replace("first call", f"{graph_eager_steps} eager steps + CUDA graph capture")
+    progress(f"{task}: {what} ...")
+    if graph_eager_steps:
+        replays = []
+        first_s = wall_seconds(lambda: replays.append(capture(step, graph_eager_steps)), dev)
+        step = replays[0]
+    else:
+        first_s = wall_seconds(step, dev)
+    progress(f"{task}: first call took {first_s:.2f} s; warm-up {spec.warmup - 1} more iteration(s)")
+    warm_s = wall_seconds(lambda: [step() for _ in range(spec.warmup - 1)], dev)
+    if align is not None:
+        align()  # outside any timed region
+    windows = []
+    for r in range(spec.repeats):
+        win = time_window(step, spec.steps, dev)
+        windows.append(win)
+        progress(f"{task}: window {r + 1}/{spec.repeats}: {batch_size * win.iters / win.total_ms * 1e3:,.1f} img/s, "
+                 f"{win.total_ms / win.iters:.2f} ms/iter")
+    return first_s, warm_s, windows, step
+
+
+def _oom_guard(fn, batch_size: int, task: str):
+    import torch
+
+    try:
+        return fn()
+    except torch.OutOfMemoryError:
+        _reset_memory("cuda")
+        raise VitregError(f"{task} with batch_size={batch_size} ran out of GPU memory: "
+                          f"use a smaller batch_size (e.g. {max(1, batch_size // 2)})") from None
+
+
+def run_inference(model, info: ModelInfo, spec: BenchSpec, runtime: Runtime, hardware: ResolvedHardware,
+                  fwd_flops: int, progress=progress, tf32: bool = False, reducer=None) -> TaskResult:
+    """Forward passes in eval mode under inference_mode and autocast, synthetic batch on the device.
+
+    Under DDP (``reducer``, a :class:`vitreg.dist.world.ResultReducer`) every rank runs its own
+    unwrapped copy independently, on its own GPU; the global throughput is the sum of the ranks'.
+    """
+    import torch
+
+    dev = runtime.torch_device
+    _reset_memory(runtime.device)
+    model.eval()
+    compiled = runtime.compile_model(model)
+    bs = spec.batch_size
+    x = torch.randn(bs, 3, info.img_size, info.img_size, device=dev)  # made once, before any timing
+
+    def step():
+        runtime.mark_step()
+        with torch.inference_mode(), runtime.autocast(cache=not spec.cuda_graph):
+            compiled(x)
+
+    align = reducer.align if reducer is not None else None
+    eager = INFER_EAGER_STEPS_BEFORE_CAPTURE if spec.cuda_graph else 0
+    first_s, warm_s, windows, _ = _oom_guard(
+        lambda: _measure(step, spec, runtime, "infer", bs, progress, align, eager), bs, "infer")
+    return _task_result("infer", windows, first_s, warm_s, spec, info, runtime, hardware, fwd_flops, tf32, reducer)
+
+
+def run_train_step(model, info: ModelInfo, spec: BenchSpec, runtime: Runtime, hardware: ResolvedHardware,
+                   train_flops: int, progress=progress, tf32: bool = False, wrap=None,
+                   reducer=None) -> TaskResult:
+    """Full training steps: forward, loss, backward, (scaled) AdamW step, on a fixed synthetic batch.
+
+    ``wrap`` lets DDP wrap the model (before compile); ``reducer`` (a
+    :class:`vitreg.dist.world.ResultReducer`) combines every rank's own timings into the global
+    figures: each rank processes ``batch_size`` images per step, rates add up across ranks.
+    """
+    import torch
+
+    dev = runtime.torch_device
+    _reset_memory(runtime.device)
+    model.train()
+    if info.distilled and hasattr(model, "set_distilled_training"):
+        model.set_distilled_training(True)  # DeiT recipe: train both heads
+    graphed = spec.cuda_graph
+    with side_stream(graphed and wrap is not None):  # DDP is built on a side stream before a capture
+        net = wrap(model) if wrap else model
+    net = runtime.compile_model(net)
+    # fused AdamW is one kernel for all parameters on CUDA; it also takes GradScaler's scale and
+    # inf flags on the device, so fp16 steps need no host sync for the inf check. capturable:
+    # its step count lives on the GPU, so a CUDA graph replay advances it.
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=runtime.device == "cuda", capturable=graphed)
+    scaler = runtime.grad_scaler()
+    criterion = torch.nn.CrossEntropyLoss()
+    bs = spec.batch_size
+    x = torch.randn(bs, 3, info.img_size, info.img_size, device=dev)
+    y = torch.randint(0, info.num_classes, (bs,), device=dev)
+
+    def step():
+        runtime.mark_step()
+        opt.zero_grad(set_to_none=True)  # under a capture: the backward writes fresh grads on every replay
+        with runtime.autocast(cache=not graphed):
+            loss = loss_of(net(x), y, criterion)
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+
+    try:
+        align = reducer.align if reducer is not None else None
+        eager = EAGER_STEPS_BEFORE_CAPTURE if graphed else 0
+        first_s, warm_s, windows, timed_step = _oom_guard(
+            lambda: _measure(step, spec, runtime, "train", bs, progress, align, eager), bs, "train")
+        comm = None
+        if spec.profile_steps:
+            from vitreg.measure.profiling import profile_comm
+
+            progress(f"train: {spec.profile_steps} more step(s) under torch.profiler (not timed)")
+            comm = profile_comm(timed_step, spec.profile_steps, runtime.device)  # the replay, when graphed
+            if reducer is not None:
+                comm = reducer.slowest_profile(comm)
+    finally:
+        if info.distilled and hasattr(model, "set_distilled_training"):
+            model.set_distilled_training(False)
+    result = _task_result("train", windows, first_s, warm_s, spec, info, runtime, hardware, train_flops, tf32,
+                          reducer)
+    if comm is not None:
+        result = replace(result, allreduce_ms_per_step=comm.allreduce_ms_per_step,
+                         device_busy_ms_per_step=comm.device_busy_ms_per_step)
+    return result
+
+
+def _task_result(task, windows, first_s, warm_s, spec, info, runtime, hardware, flops_per_img, tf32,
+                 reducer=None) -> TaskResult:
+    bs = spec.batch_size
+    throughputs = [bs * w.iters / w.total_ms * 1e3 for w in windows]  # this process's img/s, per window
+    iter_ms = [ms for w in windows for ms in w.iter_ms]
+    peak_alloc, peak_res = _memory_mb(runtime.device)
+    world_size = 1
+    if reducer is not None:
+        # DDP: a collective (every rank gets here once per task, after its windows). Global
+        # throughput per window = sum of the ranks' rates; step time per iteration = slowest rank.
+        from vitreg.dist.world import RankFigures
+
+        total = reducer(task, RankFigures(tuple(throughputs), tuple(iter_ms), first_s, warm_s, peak_alloc, peak_res))
+        throughputs, iter_ms, first_s, warm_s = list(total.throughputs), list(total.iter_ms), \
+            total.first_call_s, total.warmup_s
+        peak_alloc, peak_res = total.peak_mem_allocated_mb, total.peak_mem_reserved_mb
+        world_size = reducer.world_size
+    tput = summarize(throughputs)
+    achieved = flops_per_img * tput.median / 1e12  # the whole job's TFLOP/s; MFU below is per GPU
+    return TaskResult(
+        task=task, batch_size=bs, img_size=info.img_size, steps=spec.steps, repeats=spec.repeats,
+        throughput=tput, iter_ms=summarize(iter_ms), first_call_s=first_s, warmup_s=warm_s,
+        compiled=runtime.compile != "off", gflops_per_img=flops_per_img / 1e9, achieved_tflops=achieved,
+        mfu=mfu(achieved / world_size, hardware.profile, runtime.amp, tf32),
+        peak_mem_allocated_mb=peak_alloc, peak_mem_reserved_mb=peak_res, world_size=world_size,
+    )
+
+
+def run_benchmark(spec: BenchSpec, hardware: ResolvedHardware, runtime: Runtime, progress=progress,
+                  model_factory=None, wrap=None, reducer=None) -> BenchResult:
+    """Build the model, count its FLOPs, run each task of the spec; returns a :class:`BenchResult`.
+
+    ``model_factory`` (optional) returns ``(model, ModelInfo)`` instead of :func:`create_model`, for
+    benchmarking a registered model's rebuilt weights. Under DDP, ``wrap`` wraps the training model
+    and ``reducer`` (:class:`vitreg.dist.world.ResultReducer`) turns each rank's figures into the
+    job's; every rank must call this with the same spec.
+    """
+    import torch
+
+    require_cuda(spec.cuda_graph, runtime.device, runtime.amp)
+    torch.manual_seed(spec.seed)
+    tf32 = torch.get_float32_matmul_precision() != "highest"
+    model, info = model_factory() if model_factory else create_model(spec.model, spec.img_size)
+    progress(f"model {info.name}: {info.params_m:.1f} M params, {info.img_size}px, on {runtime.device} "
+             f"({hardware.detected.name}), amp={runtime.amp}, compile={runtime.compile}")
+    model = model.to(runtime.torch_device)
+    fwd_flops = forward_flops_per_image(model, info.img_size, runtime.torch_device)
+    tasks = []
+    for task in spec.tasks:
+        if task == "infer":
+            tasks.append(run_inference(model, info, spec, runtime, hardware, fwd_flops, progress, tf32, reducer))
+        else:
+            criterion = torch.nn.CrossEntropyLoss()
+            train_flops = train_flops_per_image(model, info.img_size, runtime.torch_device,
+                                                lambda out, y: loss_of(out, y, criterion))
+            tasks.append(run_train_step(model, info, spec, runtime, hardware, train_flops, progress, tf32,
+                                        wrap, reducer))
+    synchronize(runtime.device)
+    return BenchResult(spec=spec, gpu=hardware.label, amp=runtime.amp, device=runtime.device, model=info,
+                       fwd_gflops_per_img=fwd_flops / 1e9, tasks=tuple(tasks))

@@ -1,0 +1,3 @@
+from vitreg.cli.main import main
+
+main()

@@ -1,0 +1,404 @@
+"""DDP plumbing for processes that torchrun started: the world, the process group, the wrap, and
+the reduction of what every rank measured into one set of figures.
+
+Nothing here launches processes (that is :mod:`vitreg.dist.launcher`) or logs (that is
+:mod:`vitreg.tracking.runs`, on rank 0 only). Outside torchrun every function is a cheap no-op, so a
+single-process run never initialises a process group.
+
+How the figures combine (see :func:`reduce_figures`): every rank times its own windows with its
+own CUDA events; per window, the global throughput is the SUM of the ranks' rates (so the median
+reported is the median of global throughput), and per iteration the step time is the MAX over the
+ranks (the slowest rank sets the pace of a synchronous job). ``batch_size`` is per process (per
+GPU): a job of N ranks processes ``N * batch_size`` images per step.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+from vitreg.errors import VitregError
+
+# The variables torchrun sets in every worker (LOCAL_RANK is the one plain processes never have).
+TORCHRUN_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+@dataclass(frozen=True)
+class World:
+    """Where this process sits in the job. ``World()`` is a plain, single process."""
+
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+    device: str = "cpu"  # the torch device of this rank: "cuda:3" or "cpu"
+    backend: str | None = None  # "nccl" / "gloo" once a process group exists, else None
+    local_world_size: int = 1
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def nnodes(self) -> int:
+        return max(1, self.world_size // max(1, self.local_world_size))
+
+
+def inside_torchrun() -> bool:
+    """True in a worker that torchrun (or torch.distributed.run) started."""
+    return "LOCAL_RANK" in os.environ
+
+
+def _env_int(name: str, default: int) -> int:
+    try:
+        return int(os.environ.get(name, default))
+    except ValueError:
+        raise VitregError(f"{name}={os.environ[name]!r} is not an integer: unset it or launch with torchrun") from None
+
+
+def init_from_env(device_type: str, timeout_s: float | None = None) -> World:
+    """Join the process group torchrun describes in the environment; returns this rank's :class:`World`.
+
+    ``device_type`` is the resolved runtime device ("cuda" or "cpu"). On CUDA each rank binds to
+    GPU ``LOCAL_RANK`` (``torch.cuda.set_device``) and uses NCCL; on the CPU, gloo. Outside
+    torchrun, or in a torchrun job of one process, nothing is initialised and ``World()`` (with
+    the device set) comes back.
+    """
+    device = "cuda:0" if device_type == "cuda" else "cpu"
+    if not inside_torchrun():
+        return World(device=device)
+    rank, local_rank = _env_int("RANK", 0), _env_int("LOCAL_RANK", 0)
+    world_size, local_world = _env_int("WORLD_SIZE", 1), _env_int("LOCAL_WORLD_SIZE", 1)
+    import torch
+    import torch.distributed as dist
+
+    if device_type == "cuda":
+        visible = torch.cuda.device_count()
+        if local_rank >= visible:
+            raise VitregError(f"local rank {local_rank} has no GPU: only {visible} CUDA GPU(s) are visible on this "
+                              f"host; use nproc<={visible}")
+        # Before anything touches CUDA: every later allocation, NCCL communicator and
+        # torch.cuda.max_memory_allocated() then refers to this rank's own GPU.
+        torch.cuda.set_device(local_rank)
+        device = f"cuda:{local_rank}"
+    if world_size == 1:
+        return World(rank, local_rank, 1, device, None, local_world)
+    backend = "nccl" if device_type == "cuda" else "gloo"
+    if not dist.is_initialized():
+        kwargs = {}
+        if timeout_s:
+            import datetime
+
+            kwargs["timeout"] = datetime.timedelta(seconds=timeout_s)
+        if backend == "nccl":
+            # device_id binds the communicator to this GPU eagerly (no guessing in barrier()).
+            kwargs["device_id"] = torch.device("cuda", local_rank)
+        dist.init_process_group(backend=backend, **kwargs)  # env:// (MASTER_ADDR/PORT, RANK, WORLD_SIZE)
+    return World(rank, local_rank, world_size, device, dist.get_backend(), local_world)
+
+
+def join_job(spec, reducer_factory):
+    """This process's place in a DDP job, set up the same way for bench and train: ``(world, wrap, reducer)``.
+
+    In a torchrun worker this binds the rank's GPU (before anything touches CUDA) and joins the
+    process group; with more than one rank, ``wrap`` wraps a model in DistributedDataParallel with
+    the spec's DDP settings and ``reducer`` is ``reducer_factory(world)``. A plain process (or a
+    one-rank job) gets ``wrap = reducer = None``.
+    """
+    if not inside_torchrun():
+        return World(), None, None
+    if getattr(spec, "cuda_graph", False):  # bench only: captured steps need this before the process group
+        from vitreg.measure.graphs import prepare_process_group
+
+        prepare_process_group()
+    world = join_world(spec.nproc, spec.device)
+    if not world.distributed:
+        return world, None, None
+    import functools
+
+    return world, functools.partial(ddp_wrap, world=world, **spec.ddp_options()), reducer_factory(world)
+
+
+def is_main_process() -> bool:
+    """Rank 0 of the job, or a plain process (same rule as :func:`vitreg.tracking.runs.is_main_process`)."""
+    return _env_int("RANK", 0) == 0
+
+
+def _initialized() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized()
+
+
+def barrier() -> None:
+    """Wait for every rank (a no-op without a process group)."""
+    if _initialized():
+        import torch.distributed as dist
+
+        dist.barrier()
+
+
+def destroy() -> None:
+    """Leave the process group (a no-op without one). Call once, at the end, on every rank."""
+    if _initialized():
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
+
+
+def ddp_wrap(model, world: World, *, bucket_cap_mb: float | None = None, gradient_as_bucket_view: bool = True,
+             static_graph: bool = False, find_unused_parameters: bool = False, comm_hook: str = "none", **kwargs):
+    """``DistributedDataParallel(model)`` for this rank; the model itself when the world is one process.
+
+    ``gradient_as_bucket_view=True`` (default here, not in torch) makes gradients views into the
+    all-reduce buckets: no copy between them, and one gradient-sized buffer less of peak memory.
+    ``bucket_cap_mb`` (torch's default, 25, when None) sets how much gradient is reduced per call;
+    ``static_graph=True`` lets DDP skip per-step graph bookkeeping when the graph never changes.
+    ``comm_hook="bf16"`` / ``"fp16"`` registers torch's compress hook: each bucket is cast to that
+    precision, divided by the world size and all-reduced, then copied back into the fp32 gradients
+    (half the bytes on the wire, gradients rounded to 8 / 11 significant bits once per step).
+    Further keyword arguments go to DistributedDataParallel unchanged.
+    """
+    if not world.distributed:
+        return model
+    from torch.nn.parallel import DistributedDataParallel
+
+    if bucket_cap_mb is not None:
+        kwargs["bucket_cap_mb"] = bucket_cap_mb
+    if world.device.startswith("cuda"):
+        kwargs.setdefault("device_ids", [world.local_rank])
+        kwargs.setdefault("output_device", world.local_rank)
+    ddp = DistributedDataParallel(model, gradient_as_bucket_view=gradient_as_bucket_view,
+                                  static_graph=static_graph, find_unused_parameters=find_unused_parameters, **kwargs)
+    if comm_hook != "none":
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        hooks = {"fp16": default_hooks.fp16_compress_hook, "bf16": default_hooks.bf16_compress_hook}
+        if comm_hook not in hooks:
+            raise VitregError(f"ddp_comm_hook={comm_hook!r} is not one of none, {', '.join(hooks)}")
+        ddp.register_comm_hook(None, hooks[comm_hook])  # None: the default (whole-world) group
+    return ddp
+
+
+# --------------------------------------------------------------------------------------------
+# results
+
+
+@dataclass(frozen=True)
+class RankFigures:
+    """One task's raw figures on one rank, before reduction (units as in :class:`vitreg.bench.runner.TaskResult`)."""
+
+    throughputs: tuple  # img/s of this rank, one per timed window
+    iter_ms: tuple  # ms per iteration, every iteration of every window, in order
+    first_call_s: float
+    warmup_s: float
+    peak_mem_allocated_mb: float | None = None
+    peak_mem_reserved_mb: float | None = None
+
+
+def _max_or_none(values):
+    present = [v for v in values if v is not None]
+    return max(present) if present else None
+
+
+def reduce_figures(per_rank: list[RankFigures]) -> RankFigures:
+    """Combine every rank's figures (pure; the rule of the module docstring).
+
+    Throughput: per window, the sum of the ranks' rates. Iteration time: per iteration, the
+    slowest rank. First call, warm-up and peak memory: the largest over the ranks.
+    """
+    if not per_rank:
+        raise ValueError("reduce_figures() needs the figures of at least one rank")
+    n_windows = {len(f.throughputs) for f in per_rank}
+    n_iters = {len(f.iter_ms) for f in per_rank}
+    if len(n_windows) != 1 or len(n_iters) != 1:
+        raise ValueError(f"ranks timed different numbers of windows/iterations: {sorted(n_windows)} / {sorted(n_iters)}")
+    return RankFigures(
+        throughputs=tuple(sum(ws) for ws in zip(*(f.throughputs for f in per_rank))),
+        iter_ms=tuple(max(its) for its in zip(*(f.iter_ms for f in per_rank))),
+        first_call_s=max(f.first_call_s for f in per_rank),
+        warmup_s=max(f.warmup_s for f in per_rank),
+        peak_mem_allocated_mb=_max_or_none(f.peak_mem_allocated_mb for f in per_rank),
+        peak_mem_reserved_mb=_max_or_none(f.peak_mem_reserved_mb for f in per_rank),
+    )
+
+
+def gather_objects(obj, world: World) -> list:
+    """Every rank's ``obj``, in rank order (a collective: every rank must call it); ``[obj]`` without
+    a process group. For the few floats each rank reports once, after its timed work:
+    all_gather_object's pickling costs nothing there."""
+    if not world.distributed or not _initialized():
+        return [obj]
+    import torch.distributed as dist
+
+    gathered: list = [None] * world.world_size
+    dist.all_gather_object(gathered, obj)
+    return gathered
+
+
+def all_reduce_results(figures: RankFigures, world: World) -> tuple[RankFigures, list[RankFigures]]:
+    """Gather every rank's figures (a collective: every rank must call it) and reduce them.
+
+    Returns ``(global_figures, per_rank_figures)``, the same on every rank. A few hundred floats
+    per task travel, once, after the timed windows.
+    """
+    gathered = gather_objects(figures, world)
+    if len(gathered) == 1:
+        return figures, gathered
+    return reduce_figures(gathered), gathered
+
+
+@dataclass
+class ResultReducer:
+    """What the runner needs from DDP, as one object (``run_benchmark(..., reducer=...)``):
+
+    - :meth:`align` before the timed windows of each task, so the ranks' windows overlap in time
+      and summing their rates means "this many images per second, together";
+    - calling it on a task's raw figures, which returns the global ones;
+    - ``per_rank`` keeps what each rank measured, per task, for the report (a straggler GPU shows).
+    """
+
+    world: World
+    per_rank: dict = field(default_factory=dict)
+
+    @property
+    def world_size(self) -> int:
+        return self.world.world_size
+
+    def align(self) -> None:
+        barrier()
+
+    def __call__(self, task: str, figures: RankFigures) -> RankFigures:
+        total, ranks = all_reduce_results(figures, self.world)
+        self.per_rank[task] = ranks
+        return total
+
+    def slowest_profile(self, profile):
+        """A :class:`vitreg.measure.profiling.CommProfile` per rank -> the job's: the largest of each figure
+        (a collective: every rank must call it)."""
+        gathered = gather_objects(profile, self.world)
+        if len(gathered) == 1:
+            return profile
+        import dataclasses
+
+        return dataclasses.replace(profile, allreduce_ms_per_step=max(p.allreduce_ms_per_step for p in gathered),
+                                   device_busy_ms_per_step=_max_or_none(p.device_busy_ms_per_step for p in gathered))
+
+    def per_rank_report(self) -> dict:
+        """``{task: [{rank, throughput_img_per_s (median), step_ms_p50, peak_mem_allocated_mb}, ...]}``."""
+        from vitreg.measure.timing import summarize
+
+        out = {}
+        for task, ranks in self.per_rank.items():
+            out[task] = [{
+                "rank": r,
+                "throughput_img_per_s_median": summarize(f.throughputs).median,
+                "throughput_img_per_s_windows": list(f.throughputs),
+                "iter_ms_p50": summarize(f.iter_ms).median,
+                "first_call_s": f.first_call_s,
+                "peak_mem_allocated_mb": f.peak_mem_allocated_mb,
+            } for r, f in enumerate(ranks)]
+        return out
+
+
+# --------------------------------------------------------------------------------------------
+# training: joining the world, the loss at log boundaries, the figures at the end
+
+
+def join_world(nproc: int, device: str) -> World:
+    """This rank's World for a job of ``nproc`` processes per host on ``device`` (auto/cuda/cpu).
+
+    Refuses a torchrun whose process count differs from ``nproc`` (the logged param, so the run
+    says what ran). Call it before anything touches CUDA: on a GPU it binds GPU ``LOCAL_RANK``.
+    """
+    local_world = _env_int("LOCAL_WORLD_SIZE", 1)
+    if nproc != local_world:
+        raise VitregError(f"nproc={nproc} but torchrun started {local_world} process(es) on this node: pass "
+                          f"nproc={local_world}, or run without torchrun and let vitreg launch it")
+    import torch
+
+    return init_from_env("cuda" if device != "cpu" and torch.cuda.is_available() else "cpu")
+
+
+#: How each per-rank training figure combines into the job's (see :func:`reduce_train_figures`).
+TRAIN_FIGURE_RULES = {
+    "throughput_img_per_s": "sum",  # the ranks train at the same time: their rates add up
+    "step_ms_p50": "max",  # a synchronous job goes at the pace of its slowest rank
+    "step_ms_p90": "max",
+    "data_wait_frac": "max",  # the rank most starved by its loader
+    "first_step_s": "max",
+    "measured_steps": "min",
+}
+
+
+def reduce_train_figures(per_rank: list[dict]) -> dict:
+    """Combine the ranks' end-of-training figures (pure): rates summed, times and waits the largest.
+
+    A figure that any rank lacks (None) is None for the job: a partial sum would understate it.
+    """
+    if not per_rank:
+        raise ValueError("reduce_train_figures() needs the figures of at least one rank")
+    out = {}
+    for key, rule in TRAIN_FIGURE_RULES.items():
+        values = [f.get(key) for f in per_rank]
+        if any(v is None for v in values):
+            out[key] = None
+        else:
+            out[key] = {"sum": sum, "max": max, "min": min}[rule](values)
+    return out
+
+
+@dataclass
+class TrainReducer:
+    """What the training loop needs from DDP (``engine.train(..., reducer=...)``), as one object.
+
+    - :meth:`interval` at a log boundary: ONE all-reduce of two numbers, the interval's mean loss
+      and img/s of this rank; returns the job's mean loss and summed img/s. Never called per step:
+      the log boundary is already the loop's one sync point.
+    - :meth:`align` after a step at which rank 0 saved a checkpoint or validated, so the other
+      ranks wait for it there, not inside their next timed step;
+    - :meth:`figures` once, after the last step: gathers every rank's figures (a few floats,
+      pickled once) and returns the job's, keeping each rank's in ``per_rank`` for ``ranks.json``.
+
+    Both are collectives: every rank calls them at the same step.
+    """
+
+    world: World
+    per_rank: list = field(default_factory=list)
+    #: this rank's own loss of the last interval (before averaging), for ranks.json
+    last_local_loss: float | None = None
+    intervals: int = 0  # log boundaries reduced so far (one all-reduce each)
+
+    @property
+    def world_size(self) -> int:
+        return self.world.world_size
+
+    def interval(self, loss, img_per_s: float | None) -> tuple[float, float | None]:
+        """``(mean loss over ranks, summed img/s)``; ``loss`` is this rank's interval mean, a 0-d tensor."""
+        import torch
+
+        local = torch.stack([loss.detach().float().reshape(()),
+                             torch.tensor(float(img_per_s or 0.0), dtype=torch.float32, device=loss.device)])
+        total = local.clone()
+        if self.world.distributed and _initialized():
+            import torch.distributed as dist
+
+            dist.all_reduce(total)  # SUM: gloo has no AVG; divided below
+        # one host copy of both: the sync this log boundary makes anyway
+        (self.last_local_loss, _), (loss_sum, rate) = torch.stack([local, total]).tolist()
+        self.intervals += 1
+        return loss_sum / self.world_size, (rate if img_per_s is not None else None)
+
+    def align(self) -> None:
+        """Wait for every rank (after rank 0's checkpoint or validation, outside the timed steps)."""
+        barrier()
+
+    def figures(self, local: dict) -> dict:
+        """Gather every rank's end-of-training figures; returns the job's (:func:`reduce_train_figures`)."""
+        local = {**local, "final_loss": self.last_local_loss}
+        gathered = gather_objects(local, self.world)
+        self.per_rank = [{"rank": r, **f} for r, f in enumerate(gathered)]
+        return reduce_train_figures(gathered)

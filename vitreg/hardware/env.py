@@ -1,0 +1,152 @@
+"""The environment a number was measured in: GPU, driver, CUDA stack, library versions, host.
+
+Nothing here runs at import time; :func:`capture_environment` reads it when asked. Versions of
+packages are read from their installed metadata (no imports of mlflow here: only the tracking
+layer talks to MLflow).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import socket
+import subprocess
+from dataclasses import asdict, dataclass
+from importlib import metadata
+from pathlib import Path
+
+PROJECT_ROOT = Path(__file__).resolve().parents[2]
+
+
+def _version(dist: str) -> str:
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.lower().startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def git_sha(path: Path = PROJECT_ROOT) -> str:
+    """The project's commit (with ``-dirty`` when the tree has changes), or ``unknown`` outside git."""
+    try:
+        sha = subprocess.run(["git", "-C", str(path), "rev-parse", "HEAD"], capture_output=True, text=True,
+                             timeout=10, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(path), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+        return sha + ("-dirty" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def _nvml_driver() -> str | None:
+    try:
+        import pynvml  # from nvidia-ml-py
+    except ImportError:
+        return None
+    try:
+        pynvml.nvmlInit()
+        try:
+            version = pynvml.nvmlSystemGetDriverVersion()
+            return version.decode() if isinstance(version, bytes) else version
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception:  # no driver, no GPU, or NVML refuses: not our error to raise
+        return None
+
+
+@dataclass(frozen=True)
+class EnvInfo:
+    """One record of the environment; :meth:`to_tags` gives the MLflow tags (names from DESIGN.md)."""
+
+    gpu_name: str
+    gpu_count: int
+    gpu_memory_gb: float | None
+    compute_capability: str | None
+    driver_version: str | None
+    cuda_version: str | None
+    cudnn_version: str | None
+    nccl_version: str | None
+    torch_version: str
+    torchvision_version: str
+    timm_version: str
+    mlflow_version: str
+    python_version: str
+    os: str
+    cpu_model: str
+    cpu_count: int
+    hostname: str
+    vitreg_git_sha: str
+    #: NCCL_* and TORCH_NCCL_* variables set in the process (they change DDP figures), "K=V;K=V" sorted
+    nccl_env: str = ""
+
+    def to_tags(self) -> dict[str, str]:
+        return {k: ("" if v is None else str(v)) for k, v in asdict(self).items()}
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2, sort_keys=True)
+
+
+def capture_environment() -> EnvInfo:
+    import torch
+
+    gpu_name, gpu_count, mem_gb, cc = "none", 0, None, None
+    nccl = None
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        gpu_name, gpu_count = props.name, torch.cuda.device_count()
+        mem_gb = round(props.total_memory / 1024**3, 1)
+        cc = f"{props.major}.{props.minor}"
+    try:
+        if torch.distributed.is_available() and torch.cuda.is_available():
+            nccl = ".".join(str(v) for v in torch.cuda.nccl.version())
+    except Exception:  # NCCL missing from this build
+        nccl = None
+    cudnn = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
+    return EnvInfo(
+        gpu_name=gpu_name,
+        gpu_count=gpu_count,
+        gpu_memory_gb=mem_gb,
+        compute_capability=cc,
+        driver_version=_nvml_driver(),
+        cuda_version=torch.version.cuda,
+        cudnn_version=str(cudnn) if cudnn else None,
+        nccl_version=nccl,
+        torch_version=torch.__version__,
+        torchvision_version=_version("torchvision"),
+        timm_version=_version("timm"),
+        mlflow_version=_version("mlflow"),
+        python_version=platform.python_version(),
+        os=platform.platform(),
+        cpu_model=cpu_model(),
+        cpu_count=os.cpu_count() or 0,
+        hostname=socket.gethostname(),
+        vitreg_git_sha=git_sha(),
+        nccl_env=nccl_env(),
+    )
+
+
+def nccl_env(environ=None) -> str:
+    """The NCCL settings of this process as ``"K=V;K=V"``, sorted: NCCL_* and TORCH_NCCL_* variables
+    (channel counts, NVLS, async error handling...), which move DDP throughput without any code change."""
+    environ = os.environ if environ is None else environ
+    return ";".join(f"{k}={environ[k]}" for k in sorted(environ) if k.startswith(("NCCL_", "TORCH_NCCL_")))
+
+
+def pip_freeze() -> str:
+    """``name==version`` of every installed distribution, sorted (what ``pip freeze`` shows, without pip)."""
+    seen = {}
+    for dist in metadata.distributions():
+        name = dist.metadata.get("Name")
+        if name:
+            seen[name.lower()] = f"{name}=={dist.version}"
+    return "\n".join(seen[k] for k in sorted(seen)) + "\n"

@@ -1,0 +1,161 @@
+"""GPU profiles: short labels, dense datasheet peaks, detection and the label check.
+
+A run's ``gpu`` label is what people group by in the MLflow UI, so a wrong label poisons every
+comparison made with it. :func:`resolve_hardware` therefore detects the hardware first and refuses
+an explicit label that does not match (unless the user says ``allow_gpu_mismatch``), before any
+GPU work starts.
+
+Peaks are the vendors' *dense* tensor-core figures (no 2:4 sparsity), in TFLOP/s, per dtype of
+the matrix units that AMP uses: ``bf16``, ``fp16``, ``tf32`` and plain ``fp32``. MFU is achieved
+FLOP/s over that peak; a profile without a peak for the active dtype (CPU, unknown GPU) reports
+no MFU rather than a made-up one.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+from vitreg.errors import VitregError
+
+
+@dataclass(frozen=True)
+class GpuProfile:
+    """One kind of accelerator, as the datasheet describes it."""
+
+    label: str
+    name: str  # human name, e.g. "NVIDIA A100 40GB (SXM)"
+    peak_tflops: dict = field(default_factory=dict)  # dtype -> dense TFLOP/s
+    memory_gb: float | None = None
+    compute_capability: str | None = None
+    patterns: tuple = ()  # regexes over the NVML / torch device name, most specific first
+
+    @property
+    def supports_bf16(self) -> bool:
+        return "bf16" in self.peak_tflops
+
+    @property
+    def default_amp(self) -> str:
+        """bf16 where the tensor cores have it (Ampere and later), fp16 on V100/T4, off on CPU."""
+        if self.label == "cpu":
+            return "off"
+        return "bf16" if self.supports_bf16 else "fp16"
+
+    def peak_for(self, amp: str, tf32: bool = False) -> float | None:
+        """Dense peak TFLOP/s of the units the active precision runs on, or None."""
+        if amp in ("bf16", "fp16"):
+            return self.peak_tflops.get(amp)
+        return self.peak_tflops.get("tf32" if tf32 else "fp32")
+
+
+# Dense datasheet peaks (TFLOP/s). Sources: NVIDIA V100, A100, H100, H200, L4, T4 datasheets and the
+# Ada (RTX 4090) whitepaper (fp16/bf16 with fp32 accumulate, which is what PyTorch uses).
+PROFILES: dict[str, GpuProfile] = {
+    p.label: p
+    for p in [
+        GpuProfile("v100", "NVIDIA V100 (SXM2)", {"fp16": 125.0, "fp32": 15.7}, 32, "7.0", (r"v100",)),
+        GpuProfile("t4", "NVIDIA T4", {"fp16": 65.0, "fp32": 8.1}, 16, "7.5", (r"\bt4\b",)),
+        GpuProfile("a100", "NVIDIA A100 40GB", {"bf16": 312.0, "fp16": 312.0, "tf32": 156.0, "fp32": 19.5},
+                   40, "8.0", (r"a100(?!.*80)",)),
+        GpuProfile("a100-80gb", "NVIDIA A100 80GB", {"bf16": 312.0, "fp16": 312.0, "tf32": 156.0, "fp32": 19.5},
+                   80, "8.0", (r"a100.*80",)),
+        GpuProfile("l4", "NVIDIA L4", {"bf16": 121.0, "fp16": 121.0, "tf32": 60.0, "fp32": 30.3}, 24, "8.9",
+                   (r"\bl4\b",)),
+        GpuProfile("rtx4090", "NVIDIA GeForce RTX 4090", {"bf16": 165.2, "fp16": 165.2, "tf32": 82.6, "fp32": 82.6},
+                   24, "8.9", (r"rtx\s*4090",)),
+        GpuProfile("h100-pcie", "NVIDIA H100 PCIe", {"bf16": 756.0, "fp16": 756.0, "tf32": 378.0, "fp32": 51.0},
+                   80, "9.0", (r"h100.*pcie",)),
+        GpuProfile("h100", "NVIDIA H100 SXM", {"bf16": 989.4, "fp16": 989.4, "tf32": 494.7, "fp32": 66.9},
+                   80, "9.0", (r"h100",)),
+        GpuProfile("h200", "NVIDIA H200 SXM", {"bf16": 989.4, "fp16": 989.4, "tf32": 494.7, "fp32": 66.9},
+                   141, "9.0", (r"h200",)),
+        GpuProfile("cpu", "CPU", {}, None, None, ()),
+    ]
+}
+
+# Labels people type that mean one of ours.
+ALIASES = {"a100-40gb": "a100", "h100-sxm": "h100", "4090": "rtx4090", "v100-32gb": "v100", "v100-16gb": "v100"}
+
+
+@dataclass(frozen=True)
+class DetectedHardware:
+    """What is actually there: the device name as the driver reports it and its matching profile."""
+
+    device: str  # "cuda" or "cpu"
+    name: str
+    count: int
+    profile: GpuProfile
+
+
+def match_profile(device_name: str) -> GpuProfile:
+    """The profile for a CUDA device name; an unknown GPU gets a profile of its own with no peaks."""
+    lowered = device_name.lower()
+    # H100 PCIe before H100, A100 80GB before A100: the dict order above puts the specific ones first
+    # within each family, and each pattern excludes the others where needed.
+    for profile in PROFILES.values():
+        if any(re.search(p, lowered) for p in profile.patterns):
+            return profile
+    slug = re.sub(r"[^a-z0-9]+", "-", lowered.replace("nvidia", "")).strip("-") or "unknown-gpu"
+    return GpuProfile(slug, device_name, {}, None, None, ())
+
+
+def detect_hardware(device: str = "auto") -> DetectedHardware:
+    """Look at the machine (CUDA device 0 where there is one) without allocating anything on it."""
+    import torch
+
+    if device in ("auto", "cuda") and torch.cuda.is_available():
+        name = torch.cuda.get_device_name(0)
+        return DetectedHardware("cuda", name, torch.cuda.device_count(), match_profile(name))
+    if device == "cuda":
+        raise VitregError("device=cuda but no CUDA GPU is visible (torch.cuda.is_available() is False): "
+                          "use device=auto or device=cpu, or check the driver / CUDA_VISIBLE_DEVICES")
+    from vitreg.hardware.env import cpu_model
+
+    return DetectedHardware("cpu", f"CPU ({cpu_model()})", 1, PROFILES["cpu"])
+
+
+def normalize_label(label: str) -> str:
+    text = label.strip().lower()
+    return ALIASES.get(text, text)
+
+
+@dataclass(frozen=True)
+class ResolvedHardware:
+    """The label a run is filed under, the profile used for MFU, and whether the user overrode a mismatch."""
+
+    label: str
+    profile: GpuProfile
+    detected: DetectedHardware
+    mismatch: bool
+
+
+def resolve_hardware(requested: str, detected: DetectedHardware, allow_mismatch: bool = False) -> ResolvedHardware:
+    """Check the requested label against the detected hardware.
+
+    ``auto`` takes the detected profile. An explicit label must name what is there; otherwise a
+    one-line error names the detected GPU and the label to use. With ``allow_mismatch`` the run
+    goes ahead under the requested label (MFU against that label's peaks) and is tagged
+    ``gpu_mismatch=true`` so it can be filtered out of honest comparisons.
+    """
+    label = normalize_label(requested)
+    if label == "auto":
+        return ResolvedHardware(detected.profile.label, detected.profile, detected, False)
+    known = label in PROFILES
+    if label == detected.profile.label:
+        return ResolvedHardware(label, detected.profile, detected, False)
+    if not allow_mismatch:
+        what = "" if known else f" ({label!r} is not a known label; known: {', '.join(PROFILES)})"
+        raise VitregError(
+            f"gpu={requested} does not match the detected hardware {detected.name!r}{what}: "
+            f"use gpu={detected.profile.label} or gpu=auto (or allow_gpu_mismatch=true to file it as {label} anyway)"
+        )
+    profile = PROFILES.get(label, GpuProfile(label, label, {}, None, None, ()))
+    return ResolvedHardware(label, profile, detected, True)
+
+
+def mfu(achieved_tflops: float, profile: GpuProfile, amp: str, tf32: bool = False) -> float | None:
+    """Model FLOP utilisation: achieved over dense datasheet peak for the active dtype (None if unknown)."""
+    peak = profile.peak_for(amp, tf32)
+    if not peak:
+        return None
+    return achieved_tflops / peak

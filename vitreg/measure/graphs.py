@@ -1,0 +1,103 @@
+"""Whole-step CUDA graphs (``cuda_graph=true``): capture one step, replay it.
+
+A training step of a small model (DeiT-S at 128 images per GPU) launches hundreds of kernels that
+each run for microseconds; the host cannot queue them as fast as an H200 runs them, so the GPU
+waits on Python, and under DDP the ranks wait on each other's Python too. A CUDA graph records
+the step's kernels once (forward, loss, backward with DDP's bucketed all-reduce, AdamW) and
+replays them with one launch, so the step costs what the GPU needs and the all-reduce overlaps
+the backward as DDP intends.
+
+The recipe is PyTorch's (CUDA semantics notes, "CUDA Graphs", whole-network capture and "Usage
+with DistributedDataParallel"):
+
+- a capturable optimizer (``AdamW(fused=True, capturable=True)``: its step counter on the GPU);
+- autocast without its weight-cast cache (``cache_enabled=False``): a cached cast would be made
+  once at capture and never again;
+- gradients set to None before the capture, so the captured backward writes them into the
+  graph's own memory on every replay instead of accumulating;
+- warm-up steps on a side stream before the capture; under DDP, the wrap itself built on a side
+  stream, :data:`EAGER_STEPS_BEFORE_CAPTURE` eager steps (DDP samples runtime statistics with
+  CUDA timers during its first 10 iterations, which cannot be captured), and NCCL's asynchronous
+  error handling off before the process group exists (:func:`prepare_process_group`).
+
+Only what the step does on the GPU is replayed: the inputs are the benchmark's fixed synthetic
+batch, the learning rate is constant, and nothing reads the loss, which is why this is a bench
+option and not a ``train`` one. fp16 (GradScaler's host-side checks) and inductor's own CUDA
+graph modes are refused by :class:`vitreg.config.spec.BenchSpec`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+from vitreg.errors import VitregError
+
+#: eager steps before the capture: DDP's runtime statistics (CUDA timers) run in its first 10
+#: iterations and every 100th after; the capture, the 12th, must be none of them
+EAGER_STEPS_BEFORE_CAPTURE = 11
+
+
+def require_cuda(cuda_graph: bool, device_type: str, amp: str = "off") -> None:
+    """Refuse ``cuda_graph=true`` on a device without CUDA graphs (the CPU), and with fp16 that
+    ``amp=auto`` resolved to (an explicit ``amp=fp16`` is refused by the spec already)."""
+    if not cuda_graph:
+        return
+    if device_type != "cuda":
+        raise VitregError(f"cuda_graph=true needs a CUDA GPU and this run is on {device_type}: "
+                          f"pass cuda_graph=false (or run it on a GPU)")
+    if amp == "fp16":
+        raise VitregError("cuda_graph=true cannot capture fp16's GradScaler and amp resolved to fp16 on this GPU: "
+                          "pass amp=off, or cuda_graph=false")
+
+
+def prepare_process_group() -> None:
+    """Before ``init_process_group`` in a DDP job whose steps are captured: NCCL's asynchronous
+    error handling (the watchdog aborting communicators) does not mix with captured collectives."""
+    os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "0"
+
+
+@contextlib.contextmanager
+def side_stream(enabled: bool):
+    """Run the block on a fresh CUDA stream (DDP must be built on one before a full-backward
+    capture); the current stream waits for it afterwards. A no-op context when not ``enabled``."""
+    if not enabled:
+        yield
+        return
+    import torch
+
+    current = torch.cuda.current_stream()
+    side = torch.cuda.Stream()
+    side.wait_stream(current)
+    with torch.cuda.stream(side):
+        yield
+    current.wait_stream(side)
+
+
+def capture(step, eager_steps: int = EAGER_STEPS_BEFORE_CAPTURE):
+    """Run ``step()`` ``eager_steps`` times on a side stream, capture one more call into a CUDA
+    graph, replay it once; returns the graph's ``replay`` (one call = one step).
+
+    ``step`` must do only GPU work on tensors that live as long as the graph (the synthetic batch,
+    the model, the optimizer's state), and must set gradients to None before its backward.
+    """
+    import torch
+
+    with side_stream(True):
+        for _ in range(eager_steps):
+            step()
+    # let the eager steps' collectives finish (NCCL's watchdog thread polls their events), and
+    # check for capture-unsafe CUDA calls in this thread only: the watchdog's are not the step's
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+            step()
+    except torch.OutOfMemoryError:
+        raise  # the runner's memory guard names the batch size to try
+    except RuntimeError as exc:  # a host sync or an uncapturable op inside the step
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise VitregError(f"cuda_graph=true: this step cannot be captured in a CUDA graph ({first[:200]}): "
+                          f"pass cuda_graph=false") from exc
+    graph.replay()  # the capture itself ran nothing
+    return graph.replay

@@ -1,0 +1,154 @@
+"""Model creation and FLOP counting.
+
+Every model is built with random weights (``pretrained=False``): benchmarks do not need trained
+weights, and vitreg never reaches a model hub. Trained weights come back through our own
+safetensors checkpoints (:mod:`vitreg.tracking.registry`).
+
+Names: any timm ViT/DeiT (``vit_*``, ``deit_*``, ``deit3_*``, ``test_vit*``) or a torchvision ViT
+as ``torchvision:vit_b_16`` (the model the seeds benchmark).
+"""
+
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass
+
+from vitreg.errors import VitregError
+
+TIMM_PREFIXES = ("vit_", "deit_", "deit3_", "test_vit")
+TORCHVISION_VITS = ("vit_b_16", "vit_b_32", "vit_l_16", "vit_l_32", "vit_h_14")
+TORCHVISION_PREFIX = "torchvision:"
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """Facts about a model that the runner and the report need."""
+
+    name: str
+    source: str  # "timm" or "torchvision"
+    img_size: int
+    patch_size: int
+    num_classes: int
+    params_m: float
+    distilled: bool  # DeiT distilled models return (cls, dist) heads in training
+
+
+def _timm_names() -> list[str]:
+    import timm
+
+    return [n for n in timm.list_models() if n.startswith(TIMM_PREFIXES)]
+
+
+def check_model_name(name: str) -> None:
+    """Refuse a name we cannot build, suggesting the closest real ones."""
+    if name.startswith(TORCHVISION_PREFIX):
+        arch = name[len(TORCHVISION_PREFIX):]
+        if arch not in TORCHVISION_VITS:
+            close = difflib.get_close_matches(arch, TORCHVISION_VITS, n=3)
+            raise VitregError(f"unknown torchvision model {name!r}: use one of "
+                              f"{', '.join(TORCHVISION_PREFIX + c for c in (close or TORCHVISION_VITS))}")
+        return
+    names = _timm_names()
+    if name in names:
+        return
+    import timm
+
+    if timm.is_model(name):
+        raise VitregError(f"model {name!r} is not a ViT/DeiT: vitreg benchmarks timm vit_*/deit_*/deit3_* models "
+                          f"and torchvision:vit_b_16; e.g. model=vit_base_patch16_224")
+    close = difflib.get_close_matches(name, names, n=3, cutoff=0.6)
+    hint = f"did you mean {', '.join(close)}?" if close else "see timm.list_models('vit_*')"
+    raise VitregError(f"unknown model {name!r}: {hint}")
+
+
+def create_model(name: str, img_size: int = 0, num_classes: int = 1000):
+    """Build the model on the CPU with random weights; returns ``(model, ModelInfo)``.
+
+    ``img_size=0`` keeps the model's default resolution. Any other size must be a multiple of the
+    patch size: ViT position embeddings are built for the size given here, and a size the patch
+    grid does not divide fails only at the first forward pass, deep inside the model.
+    """
+    check_model_name(name)
+    if name.startswith(TORCHVISION_PREFIX):
+        import torchvision
+
+        arch = name[len(TORCHVISION_PREFIX):]
+        patch = int(arch.rsplit("_", 1)[1])
+        size = img_size or 224
+        _check_img_size(name, size, patch)
+        model = getattr(torchvision.models, arch)(weights=None, image_size=size, num_classes=num_classes)
+        source, distilled = "torchvision", False
+    else:
+        import timm
+
+        default_cfg = timm.models.get_pretrained_cfg(name)
+        default_size = int(default_cfg.input_size[-1]) if default_cfg is not None else 224
+        size = img_size or default_size
+        probe = timm.create_model(name, pretrained=False, num_classes=num_classes,
+                                  **({"img_size": size} if img_size else {}))
+        patch = int(_pair(probe.patch_embed.patch_size)[0])
+        _check_img_size(name, size, patch)
+        model = probe
+        source = "timm"
+        distilled = bool(getattr(model, "dist_token", None) is not None)
+    params_m = sum(p.numel() for p in model.parameters()) / 1e6
+    return model, ModelInfo(name, source, size, patch, num_classes, params_m, distilled)
+
+
+def _pair(value):
+    return value if isinstance(value, (tuple, list)) else (value, value)
+
+
+def _check_img_size(name: str, size: int, patch: int) -> None:
+    if size % patch:
+        lower, upper = size // patch * patch, (size // patch + 1) * patch
+        options = " or ".join(str(s) for s in (lower, upper) if s >= patch)
+        raise VitregError(f"img_size={size} is not a multiple of {name}'s patch size {patch}: use img_size={options}")
+
+
+def count_flops(fn, *args) -> int:
+    """FLOPs of one call of ``fn(*args)`` as PyTorch's FlopCounterMode counts them (2 per multiply-add).
+
+    It counts the matrix products and attention that dominate a ViT; element-wise work (GELU,
+    LayerNorm, softmax) is not counted, which is the usual convention for MFU.
+    """
+    from torch.utils.flop_counter import FlopCounterMode
+
+    counter = FlopCounterMode(display=False)
+    with counter:
+        fn(*args)
+    return int(counter.get_total_flops())
+
+
+def forward_flops_per_image(model, img_size: int, device) -> int:
+    """Forward FLOPs for one image, counted on the real (uncompiled) model in eval mode."""
+    import torch
+
+    was_training = model.training
+    model.eval()
+    try:
+        x = torch.randn(1, 3, img_size, img_size, device=device)
+        with torch.no_grad():
+            return count_flops(model, x)
+    finally:
+        model.train(was_training)
+
+
+def train_flops_per_image(model, img_size: int, device, loss_fn) -> int:
+    """Forward + backward FLOPs for one image (about 3x the forward), counted, not assumed."""
+    import torch
+
+    was_training = model.training
+    model.train()
+    try:
+        x = torch.randn(1, 3, img_size, img_size, device=device)
+        y = torch.zeros(1, dtype=torch.long, device=device)
+
+        def step():
+            loss_fn(model(x), y).backward()
+
+        flops = count_flops(step)
+        model.zero_grad(set_to_none=True)
+        return flops
+    finally:
+        model.train(was_training)

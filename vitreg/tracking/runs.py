@@ -1,0 +1,288 @@
+"""The MLflow side of vitreg: runs, params, tags, batched metrics, artifacts, search.
+
+This module and :mod:`vitreg.tracking.registry` are the only ones that import mlflow. Runners and training
+loops return typed results; this layer logs them, outside any timed region.
+
+Conventions:
+- ``mlflow run`` creates the run, logs every ``-P`` value as a param and passes ``MLFLOW_RUN_ID``;
+  :func:`tracked_run` resumes that run. MLflow params are immutable, so a resolved value that differs
+  from what the user typed (``gpu=auto`` -> ``h200``) cannot replace the param: resolved values are
+  always set as tags of the same name (``gpu``, ``amp``, ``device``, ``img_size``), and as params
+  wherever MLflow has not already logged the request. Group and compare by the tags.
+- Under torchrun every rank sees the same run id: only rank 0 talks to MLflow.
+- A run that fails ends FAILED with the one-line reason in the ``vitreg_error`` tag; never RUNNING.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+import mlflow
+from mlflow.tracking import MlflowClient
+
+from vitreg.errors import VitregError
+
+ERROR_TAG = "vitreg_error"
+
+
+def is_main_process() -> bool:
+    """Rank 0 of a torchrun job, or a plain process."""
+    return int(os.environ.get("RANK", "0")) == 0
+
+
+def tracking_uri() -> str:
+    return mlflow.get_tracking_uri()
+
+
+class Tracker:
+    """Logging calls against one active run. Every call is a batch, never one call per value."""
+
+    #: Every call names this run's id, so any thread may make it (MLflow's active run is thread-local:
+    #: a fluent call without run_id from another thread would start a new run).
+    thread_safe = True
+
+    def __init__(self, run):
+        self.run = run
+        self.run_id = run.info.run_id
+        self.experiment_id = run.info.experiment_id
+        self._client = MlflowClient()
+
+    def existing_params(self) -> dict[str, str]:
+        return dict(self._client.get_run(self.run_id).data.params)
+
+    def log_params(self, params: dict) -> dict[str, str]:
+        """Log params, skipping keys MLflow already holds with another value (the ``-P`` request).
+
+        Returns the skipped ``{key: already_logged_value}`` so callers can say so.
+        """
+        existing = self.existing_params()
+        fresh, skipped = {}, {}
+        for key, value in params.items():
+            value = str(value)
+            if key in existing and existing[key] != value:
+                skipped[key] = existing[key]
+            elif key not in existing:
+                fresh[key] = value
+        if fresh:
+            mlflow.log_params(fresh)
+        return skipped
+
+    def set_name(self, name: str) -> None:
+        self._client.update_run(self.run_id, name=name)
+
+    def set_tags(self, tags: dict) -> None:
+        clean = {k: str(v) for k, v in tags.items() if v is not None and not k.startswith("mlflow.")}
+        if clean:
+            mlflow.set_tags(clean)
+
+    def log_metrics(self, metrics: dict, step: int | None = None, synchronous: bool = True) -> None:
+        clean = {k: float(v) for k, v in metrics.items() if v is not None}
+        if clean:
+            mlflow.log_metrics(clean, step=step, run_id=self.run_id, synchronous=synchronous)
+
+    def flush(self) -> None:
+        """Wait for metrics logged with synchronous=False."""
+        mlflow.flush_async_logging()
+
+    def log_text(self, text: str, artifact_file: str) -> None:
+        mlflow.log_text(text, artifact_file)
+
+    def log_dict(self, data: dict, artifact_file: str) -> None:
+        mlflow.log_text(json.dumps(data, indent=2, sort_keys=True, default=str), artifact_file)
+
+    def log_artifact(self, path, artifact_path: str | None = None) -> None:
+        mlflow.log_artifact(str(path), artifact_path, run_id=self.run_id)
+
+    def log_artifacts(self, path, artifact_path: str | None = None) -> None:
+        mlflow.log_artifacts(str(path), artifact_path, run_id=self.run_id)
+
+    def artifact_uri(self, path: str = "") -> str:
+        return f"runs:/{self.run_id}/{path}" if path else f"runs:/{self.run_id}"
+
+
+class NullTracker(Tracker):
+    """What ranks other than 0 get: the same calls, doing nothing."""
+
+    def __init__(self):
+        self.run = None
+        self.run_id = os.environ.get("MLFLOW_RUN_ID", "")
+        self.experiment_id = os.environ.get("MLFLOW_EXPERIMENT_ID", "")
+
+    def existing_params(self):
+        return {}
+
+    def log_params(self, params):
+        return {}
+
+    def set_tags(self, tags):
+        pass
+
+    def set_name(self, name):
+        pass
+
+    def log_metrics(self, metrics, step=None, synchronous=True):
+        pass
+
+    def flush(self):
+        pass
+
+    def log_text(self, text, artifact_file):
+        pass
+
+    def log_dict(self, data, artifact_file):
+        pass
+
+    def log_artifact(self, path, artifact_path=None):
+        pass
+
+    def log_artifacts(self, path, artifact_path=None):
+        pass
+
+
+def _select_experiment(experiment: str | None) -> None:
+    # Under `mlflow run` the experiment is already chosen (MLFLOW_EXPERIMENT_ID / the run id), and
+    # set_experiment() would fight it; only a plain `vitreg` call picks one.
+    if experiment and not os.environ.get("MLFLOW_RUN_ID"):
+        mlflow.set_experiment(experiment)
+
+
+@contextlib.contextmanager
+def tracked_run(run_name: str | None = None, experiment: str | None = None, system_metrics: bool = True,
+                tags: dict | None = None, nested: bool = False):
+    """Start (or resume, under ``mlflow run``) a run and yield a :class:`Tracker`.
+
+    On :class:`VitregError` the run ends FAILED with the message in the ``vitreg_error`` tag; on
+    Ctrl-C it ends KILLED; on any other exception FAILED with the exception's type and message.
+    Ranks other than 0 get a :class:`NullTracker` and never touch the server.
+    """
+    if not is_main_process():
+        yield NullTracker()
+        return
+    check_server()
+    try:
+        _select_experiment(experiment)
+        if system_metrics:
+            # GPU utilisation, memory and power curves (psutil + nvidia-ml-py) sampled in a thread.
+            mlflow.set_system_metrics_sampling_interval(2)
+            mlflow.set_system_metrics_samples_before_logging(1)
+        run = mlflow.start_run(run_name=None if os.environ.get("MLFLOW_RUN_ID") else run_name,
+                               log_system_metrics=system_metrics, tags=tags, nested=nested)
+    except mlflow.exceptions.MlflowException as exc:
+        raise VitregError(f"cannot start an MLflow run at {mlflow.get_tracking_uri()}: "
+                          f"{str(exc).splitlines()[0]} (check MLFLOW_TRACKING_URI / the server)") from None
+    except Exception as exc:  # connection refused, DNS, ...: say where, not a traceback
+        raise VitregError(f"cannot reach the MLflow tracking server at {mlflow.get_tracking_uri()}: "
+                          f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''} "
+                          f"(start it with `make server` or unset MLFLOW_TRACKING_URI)") from None
+    tracker = Tracker(run)
+    try:
+        yield tracker
+    except VitregError as exc:
+        _fail(str(exc), "FAILED")
+        raise
+    except KeyboardInterrupt:
+        _fail("interrupted (Ctrl-C)", "KILLED")
+        raise
+    except BaseException as exc:
+        _fail(f"{type(exc).__name__}: {exc}", "FAILED")
+        raise
+    else:
+        mlflow.end_run("FINISHED")
+
+
+def _fail(message: str, status: str) -> None:
+    try:
+        mlflow.set_tag(ERROR_TAG, " ".join(message.split())[:4000])
+    finally:
+        mlflow.end_run(status)
+
+
+def fail_requested_run(message: str) -> None:
+    """Mark the run that ``mlflow run`` created FAILED when we fail before :func:`tracked_run` opened it."""
+    run_id = os.environ.get("MLFLOW_RUN_ID")
+    if not run_id or not is_main_process():
+        return
+    try:
+        client = MlflowClient()
+        if client.get_run(run_id).info.status != "RUNNING":
+            return  # tracked_run already ended it, with the reason
+        client.set_tag(run_id, ERROR_TAG, " ".join(message.split())[:4000])
+        client.set_terminated(run_id, "FAILED")
+    except Exception as exc:  # the server is the problem; say so and keep the user's error first
+        print(f"[vitreg] could not mark run {run_id} FAILED: {exc}", file=sys.stderr)
+
+
+def check_server(timeout: float = 5.0) -> None:
+    """Fail fast, in one line, when the tracking URI is a server that does not answer.
+
+    MLflow's client retries for minutes against a dead server; a user deserves the answer now.
+    """
+    uri = mlflow.get_tracking_uri()
+    if not uri.startswith(("http://", "https://")):
+        return
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(uri.rstrip("/") + "/health", timeout=timeout) as resp:
+            resp.read()
+    except urllib.error.HTTPError:
+        return  # it answers (an auth wall answers 401): the server is there
+    except (urllib.error.URLError, OSError) as exc:
+        reason = getattr(exc, "reason", exc)
+        raise VitregError(f"the MLflow tracking server at {uri} does not answer ({reason}): start it with "
+                          f"`make server`, or fix/unset MLFLOW_TRACKING_URI") from None
+
+
+def create_child_run(parent: Tracker, name: str, tags: dict | None = None) -> str:
+    """A RUNNING child of ``parent`` for a subprocess to resume through MLFLOW_RUN_ID (as `mlflow run` does)."""
+    from mlflow.utils.mlflow_tags import MLFLOW_PARENT_RUN_ID, MLFLOW_RUN_NAME
+
+    all_tags = {MLFLOW_PARENT_RUN_ID: parent.run_id, MLFLOW_RUN_NAME: name,
+                **{k: str(v) for k, v in (tags or {}).items()}}
+    return MlflowClient().create_run(parent.experiment_id, tags=all_tags, run_name=name).info.run_id
+
+
+def finish_child_run(run_id: str, returncode: int, stderr: str) -> str:
+    """After the child process: its error reason ('' on success); a child that died without ending its
+    run (killed, crashed) is ended FAILED here with the last line it printed."""
+    client = MlflowClient()
+    run = client.get_run(run_id)
+    reason = run.data.tags.get(ERROR_TAG, "")
+    if returncode != 0 and not reason:
+        lines = [line for line in stderr.strip().splitlines() if line.strip()]
+        reason = lines[-1] if lines else f"exit status {returncode}"
+        client.set_tag(run_id, ERROR_TAG, reason[:4000])
+    if run.info.status == "RUNNING":
+        client.set_terminated(run_id, "FINISHED" if returncode == 0 else "FAILED")
+    return reason
+
+
+def child_runs(parent: Tracker):
+    """The parent's child runs as a search_runs DataFrame."""
+    return mlflow.search_runs(experiment_ids=[parent.experiment_id],
+                              filter_string=f"tags.mlflow.parentRunId = '{parent.run_id}'")
+
+
+def search_runs(experiment: str, filter_string: str = ""):
+    """All runs of an experiment (by name) as a pandas DataFrame, MLflow's ``search_runs`` columns."""
+    exp = MlflowClient().get_experiment_by_name(experiment)
+    if exp is None:
+        raise VitregError(f"experiment {experiment!r} does not exist at {mlflow.get_tracking_uri()}: "
+                          f"check the name (mlflow experiments search) or MLFLOW_TRACKING_URI")
+    return mlflow.search_runs(experiment_ids=[exp.experiment_id], filter_string=filter_string,
+                              output_format="pandas")
+
+
+def get_run(run_id: str):
+    return MlflowClient().get_run(run_id)
+
+
+def download_artifacts(artifact_uri: str, dst: str | None = None) -> Path:
+    dst = dst or tempfile.mkdtemp(prefix="vitreg-")
+    return Path(mlflow.artifacts.download_artifacts(artifact_uri=artifact_uri, dst_path=dst))

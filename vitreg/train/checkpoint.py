@@ -1,0 +1,303 @@
+"""Training checkpoints: safetensors weights, a torch training state, the spec, a sha256 manifest.
+
+A checkpoint is a directory::
+
+    model.safetensors   the unwrapped module's state_dict (contiguous CPU tensors); no pickle
+    train_state.pt      optimizer, LR scheduler, GradScaler, step, epoch, RNG states (torch.save)
+    spec.json           {"model", "img_size", "num_classes", "distilled", "step", "epoch",
+                         "train_spec", "vitreg_version", ...}: enough to rebuild the model
+    manifest.json       {"format": "vitreg-checkpoint-1", "files": {name: {"sha256", "bytes"}}}
+
+Rebuilding a model (:func:`load_model`, what ``pull`` and the registry use) reads only JSON and
+safetensors, so a checkpoint from anywhere can be loaded without running its code. Resuming
+(:func:`load_training_state`) also reads ``train_state.pt``, with ``weights_only=True``: tensors and
+plain containers only. Every load verifies the manifest first, so a truncated upload or an edited
+file fails with a one-line :class:`~vitreg.errors.VitregError` naming the file, not deep in torch.
+
+The directory is written under a temporary name and renamed into place, so a process killed while
+saving leaves the previous checkpoint (or nothing), never a half-written one under the real name.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import shutil
+import time
+from pathlib import Path
+
+from vitreg.errors import VitregError
+from vitreg.models.factory import ModelInfo, create_model
+
+FORMAT = "vitreg-checkpoint-1"
+WEIGHTS = "model.safetensors"
+STATE = "train_state.pt"
+SPEC = "spec.json"
+MANIFEST = "manifest.json"
+_VERIFIED: dict = {}  # resolved dir -> file stamps at the last successful verification in this process
+_RESERVED = ("model", "img_size", "num_classes", "distilled", "step", "epoch", "train_spec", "vitreg_version",
+             "source", "patch_size", "params_m", "format", "torch_version", "timm_version", "created_unix")
+
+
+def unwrap_model(model):
+    """The plain ``nn.Module`` under torch.compile (``_orig_mod``) and DDP (``module``) wrappers."""
+    seen = 0
+    while seen < 8:
+        if hasattr(model, "_orig_mod"):
+            model = model._orig_mod
+        elif type(model).__name__ in ("DistributedDataParallel", "DataParallel") and hasattr(model, "module"):
+            model = model.module
+        else:
+            break
+        seen += 1
+    return model
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 22), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _rng_state() -> dict:
+    import numpy as np
+    import torch
+
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    state = {
+        "python": random.getstate(),
+        "torch": torch.get_rng_state(),
+        # numpy's state holds an ndarray, which weights_only loading refuses: store it as a tensor
+        "numpy": {"kind": kind, "keys": torch.from_numpy(keys.astype("int64")), "pos": int(pos),
+                  "has_gauss": int(has_gauss), "cached_gaussian": float(cached)},
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    import numpy as np
+    import torch
+
+    if "python" in state:
+        version, internal, gauss = state["python"]
+        random.setstate((version, tuple(internal), gauss))
+    if "torch" in state:
+        torch.set_rng_state(state["torch"])
+    if "numpy" in state:
+        s = state["numpy"]
+        np.random.set_state((s["kind"], s["keys"].numpy().astype("uint32"), s["pos"], s["has_gauss"],
+                             s["cached_gaussian"]))
+    if state.get("cuda") and torch.cuda.is_available():
+        saved = state["cuda"]
+        for index in range(min(len(saved), torch.cuda.device_count())):  # another box may have fewer GPUs
+            torch.cuda.set_rng_state(saved[index], index)
+
+
+def _weights_of(model) -> dict:
+    # copy=True: separate CPU tensors even for a CPU model, so no two entries share storage (safetensors
+    # refuses shared storage) and training can go on while the file is written.
+    return {k: v.detach().to("cpu", copy=True).contiguous() for k, v in unwrap_model(model).state_dict().items()}
+
+
+def save_checkpoint(directory, model, *, optimizer=None, scheduler=None, scaler=None, step: int, epoch: int = 0,
+                    spec: dict, model_info: ModelInfo, extra: dict | None = None) -> Path:
+    """Write a checkpoint directory (replacing one already there) and return its path.
+
+    ``spec`` is the training spec as params (``TrainSpec.to_params()``); ``extra`` adds top-level keys
+    to ``spec.json`` (e.g. ``classes``, the loss); it may not override the keys this function writes.
+    """
+    import safetensors.torch
+    import torch
+
+    import vitreg
+
+    directory = Path(directory)
+    clash = sorted(set(extra or {}) & set(_RESERVED))
+    if clash:
+        raise ValueError(f"extra may not override checkpoint keys {clash}")
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    partial = directory.with_name(f".{directory.name}.partial-{os.getpid()}")
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir()
+    try:
+        safetensors.torch.save_file(_weights_of(model), str(partial / WEIGHTS),
+                                    metadata={"format": "pt", "model": model_info.name, "step": str(step)})
+        state = {
+            "step": int(step),
+            "epoch": int(epoch),
+            "optimizer": optimizer.state_dict() if optimizer is not None else None,
+            "scheduler": scheduler.state_dict() if scheduler is not None else None,
+            "scaler": scaler.state_dict() if scaler is not None else None,
+            "rng": _rng_state(),
+        }
+        torch.save(state, partial / STATE)
+        import timm
+
+        spec_json = {
+            "format": FORMAT,
+            "model": model_info.name,
+            "source": model_info.source,
+            "img_size": model_info.img_size,
+            "patch_size": model_info.patch_size,
+            "num_classes": model_info.num_classes,
+            "params_m": model_info.params_m,
+            "distilled": model_info.distilled,
+            "step": int(step),
+            "epoch": int(epoch),
+            "train_spec": dict(spec),
+            "vitreg_version": vitreg.__version__,
+            "torch_version": torch.__version__,
+            "timm_version": timm.__version__,
+            "created_unix": time.time(),
+            **(extra or {}),
+        }
+        (partial / SPEC).write_text(json.dumps(spec_json, indent=2, sort_keys=True, default=str))
+        files = {name: {"sha256": _sha256(partial / name), "bytes": (partial / name).stat().st_size}
+                 for name in (WEIGHTS, STATE, SPEC)}
+        # the manifest goes last: its presence means every file it lists was complete when it was written
+        (partial / MANIFEST).write_text(json.dumps({"format": FORMAT, "files": files}, indent=2, sort_keys=True))
+        if directory.exists():
+            shutil.rmtree(directory)
+        os.replace(partial, directory)
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+    return directory
+
+
+def verify_checkpoint(directory) -> dict:
+    """Check every file against the manifest; return the manifest. One-line VitregError otherwise."""
+    directory = Path(directory)
+    fix = "point resume/pull at another checkpoint (e.g. an earlier checkpoints/step-<N>)"
+    if not directory.is_dir():
+        raise VitregError(f"checkpoint {directory} does not exist or is not a directory: pass a checkpoint "
+                          f"directory (with {MANIFEST}) or runs:/<run_id>/checkpoints/last")
+    manifest_path = directory / MANIFEST
+    if not manifest_path.is_file():
+        raise VitregError(f"checkpoint {directory} has no {MANIFEST} (incomplete or not a vitreg checkpoint): {fix}")
+    try:
+        manifest = json.loads(manifest_path.read_text())
+        files = manifest["files"]
+    except (ValueError, KeyError, TypeError):
+        raise VitregError(f"checkpoint {directory}: {MANIFEST} is not valid JSON with a 'files' map: {fix}") from None
+    if manifest.get("format") != FORMAT:
+        raise VitregError(f"checkpoint {directory} has format {manifest.get('format')!r}, not {FORMAT!r}: "
+                          f"it was written by another tool or vitreg version; {fix}")
+    for required in (WEIGHTS, SPEC):
+        if required not in files:
+            raise VitregError(f"checkpoint {directory}: {MANIFEST} does not list {required}: {fix}")
+    stamps = []
+    for name, entry in files.items():
+        path = directory / name
+        if not path.is_file():
+            raise VitregError(f"checkpoint {directory}: {name} is missing: {fix}")
+        stat = path.stat()
+        if stat.st_size != entry["bytes"]:
+            what = "truncated" if stat.st_size < entry["bytes"] else "larger than recorded"
+            raise VitregError(f"checkpoint {directory}: {name} is {what} ({stat.st_size} of {entry['bytes']} bytes): "
+                              f"{fix}")
+        stamps.append((name, stat.st_size, stat.st_mtime_ns, stat.st_ino, entry["sha256"]))
+    key = str(directory.resolve())
+    stamp = (manifest_path.stat().st_mtime_ns, tuple(stamps))
+    if _VERIFIED.get(key) == stamp:
+        return manifest  # hashed already in this process and not touched since: skip re-reading gigabytes
+    for name, entry in files.items():
+        if _sha256(directory / name) != entry["sha256"]:
+            raise VitregError(f"checkpoint {directory}: {name} sha256 mismatch (modified or corrupted since it was "
+                              f"saved): {fix}")
+    _VERIFIED[key] = stamp
+    return manifest
+
+
+def read_spec(directory) -> dict:
+    """``spec.json`` of a verified checkpoint."""
+    directory = Path(directory)
+    verify_checkpoint(directory)
+    return json.loads((directory / SPEC).read_text())
+
+
+def _load_weights(model, directory: Path, device="cpu") -> None:
+    import safetensors.torch
+
+    state = safetensors.torch.load_file(str(directory / WEIGHTS), device=str(device))
+    module = unwrap_model(model)
+    result = module.load_state_dict(state, strict=False)
+    if result.missing_keys or result.unexpected_keys:
+        parts = []
+        if result.missing_keys:
+            parts.append(f"{len(result.missing_keys)} missing (e.g. {result.missing_keys[0]})")
+        if result.unexpected_keys:
+            parts.append(f"{len(result.unexpected_keys)} unexpected (e.g. {result.unexpected_keys[0]})")
+        raise VitregError(f"checkpoint {directory} does not fit {type(module).__name__}: weights "
+                          f"{', '.join(parts)}; it was saved for another model or timm version")
+
+
+def load_model(directory, device="cpu"):
+    """Rebuild the model a checkpoint holds: ``(model, ModelInfo, spec_json)``, in eval mode on ``device``.
+
+    Verifies the manifest, builds the timm/torchvision model from ``spec.json`` (random init, no hub),
+    loads ``model.safetensors`` strictly. Never unpickles anything.
+    """
+    directory = Path(directory)
+    spec_json = read_spec(directory)
+    model, info = create_model(spec_json["model"], int(spec_json["img_size"]), int(spec_json["num_classes"]))
+    _load_weights(model, directory)
+    model = model.to(device).eval()
+    return model, info, spec_json
+
+
+def check_compatible(directory, info: ModelInfo) -> dict:
+    """Refuse to resume ``directory`` into a model other than ``info`` describes; returns spec.json."""
+    spec_json = read_spec(directory)
+    for key, want in (("model", info.name), ("img_size", info.img_size), ("num_classes", info.num_classes)):
+        have = spec_json.get(key)
+        if str(have) != str(want):
+            raise VitregError(f"checkpoint {directory} is for {key}={have}, this run has {key}={want}: "
+                              f"pass {key}={have} to resume it, or another checkpoint")
+    return spec_json
+
+
+def load_training_state(directory, model, optimizer=None, scheduler=None, scaler=None) -> tuple[int, int]:
+    """Restore weights, optimizer, scheduler, scaler and RNG states from ``directory``; returns ``(step, epoch)``.
+
+    ``train_state.pt`` is read with ``torch.load(weights_only=True)``: tensors and plain containers, no
+    arbitrary objects. The optimizer's implementation flags (``fused``/``foreach``/``capturable``) stay
+    those of the optimizer passed in, so a checkpoint from a GPU (fused AdamW) resumes on a CPU.
+    """
+    import torch
+
+    directory = Path(directory)
+    manifest = verify_checkpoint(directory)
+    if STATE not in manifest["files"]:
+        raise VitregError(f"checkpoint {directory} has no {STATE} (weights only): it can be pulled but not resumed; "
+                          f"start a new run from it instead")
+    _load_weights(model, directory)
+    try:
+        state = torch.load(directory / STATE, map_location="cpu", weights_only=True)
+    except Exception as exc:
+        raise VitregError(f"checkpoint {directory}: {STATE} cannot be loaded with weights_only=True "
+                          f"({type(exc).__name__}); it was not written by vitreg") from None
+    if optimizer is not None and state.get("optimizer") is not None:
+        impl = [{k: g[k] for k in ("fused", "foreach", "capturable", "differentiable") if k in g}
+                for g in optimizer.param_groups]
+        try:
+            optimizer.load_state_dict(state["optimizer"])
+        except ValueError as exc:
+            raise VitregError(f"checkpoint {directory}: optimizer state does not fit this model "
+                              f"({' '.join(str(exc).split())})") from None
+        for group, flags in zip(optimizer.param_groups, impl):
+            group.update(flags)
+    if scheduler is not None and state.get("scheduler") is not None:
+        scheduler.load_state_dict(state["scheduler"])
+    if scaler is not None and state.get("scaler"):
+        if scaler.is_enabled():
+            scaler.load_state_dict(state["scaler"])
+    if state.get("rng"):
+        _set_rng_state(state["rng"])
+    return int(state["step"]), int(state.get("epoch", 0))

@@ -1,0 +1,247 @@
+"""Training data: synthetic class-conditional batches made on the device, or an ImageFolder tree.
+
+Both kinds give the engine the same thing: ``steps_per_epoch``, ``num_classes`` and
+``batches(epoch, start)``, an iterator of ``(images, labels)`` already on the device, starting at
+batch ``start`` of ``epoch``, so a resumed run sees exactly the batches it would have seen.
+
+Synthetic data (the default) needs no disk and no loader processes, so a training run measures the
+model, not the input pipeline: each class has a fixed random low-resolution "prototype" image; a
+sample is its prototype, upsampled, plus Gaussian noise. The loss can therefore fall (there is
+something to learn), and batch ``k`` is a pure function of ``(seed, rank, k)``.
+
+``data=PATH`` is a torchvision ``ImageFolder`` layout, ``PATH/train/<class>/*.jpg`` and optionally
+``PATH/val/<class>/*.jpg``, read by a DataLoader (``num_workers`` processes, pinned memory,
+persistent workers) with timm's ``create_transform`` (random-resized-crop + flip + colour jitter for
+training, resize + centre crop for validation, the model's mean/std and interpolation).
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from vitreg.errors import VitregError
+
+SYNTHETIC_IMAGES_PER_EPOCH = 10_000  # what one "epoch" of synthetic data means (steps = this // batch_size)
+SYNTHETIC_DEFAULT_CLASSES = 1000  # an ImageNet-sized head, as the benchmarks use
+_PROTOTYPE_SIZE = 4  # class prototypes are 4x4 images upsampled: cheap for 1000 classes, still separable
+_NOISE_STD = 1.0
+
+
+class SyntheticData:
+    """Class-conditional tensors generated on the device, deterministic per (seed, rank, step)."""
+
+    kind = "synthetic"
+
+    def __init__(self, num_classes: int, img_size: int, batch_size: int, device, seed: int = 0, rank: int = 0,
+                 world_size: int = 1, images_per_epoch: int = SYNTHETIC_IMAGES_PER_EPOCH):
+        import torch
+
+        self.num_classes = num_classes
+        self.img_size = img_size
+        self.batch_size = batch_size
+        self.device = torch.device(device)
+        self.seed = seed
+        self.rank = rank
+        self.world_size = world_size
+        self.classes = [str(i) for i in range(num_classes)]
+        self.train_images = images_per_epoch
+        self.steps_per_epoch = max(1, images_per_epoch // (batch_size * world_size))
+        self.val = None  # no held-out set: val_top1 is reported for ImageFolder data only
+        # The same prototypes on every rank (seeded by seed alone), made on the CPU for determinism
+        # across devices, then moved once.
+        g = torch.Generator().manual_seed(seed)
+        self._prototypes = torch.randn(num_classes, 3, _PROTOTYPE_SIZE, _PROTOTYPE_SIZE, generator=g).to(self.device)
+        self._gen = torch.Generator(device=self.device)
+
+    def batch(self, index: int):
+        """Global batch ``index`` (0-based over the whole run) for this rank."""
+        import torch
+        import torch.nn.functional as F
+
+        # seed from (seed, rank, index) so a resumed run regenerates exactly the batches it would have seen;
+        # manual_seed is host-side bookkeeping, no device sync
+        self._gen.manual_seed((self.seed * 1_000_003 + self.rank) * 1_000_000_007 + index)
+        labels = torch.randint(0, self.num_classes, (self.batch_size,), generator=self._gen, device=self.device)
+        means = F.interpolate(self._prototypes[labels], size=(self.img_size, self.img_size), mode="nearest")
+        noise = torch.randn(means.shape, generator=self._gen, device=self.device) * _NOISE_STD
+        return means + noise, labels
+
+    def batches(self, epoch: int, start: int = 0):
+        for i in range(start, self.steps_per_epoch):
+            yield self.batch(epoch * self.steps_per_epoch + i)
+
+
+class EpochSampler:
+    """A seeded permutation per epoch, sharded over ranks, that can start part-way through.
+
+    Like ``DistributedSampler`` (pads to a multiple of the world size, ``set_epoch``), plus
+    ``set_start(n)`` to skip the first ``n`` samples of this rank's shard without loading them,
+    which is what resuming mid-epoch needs.
+    """
+
+    def __init__(self, size: int, seed: int = 0, rank: int = 0, world_size: int = 1, shuffle: bool = True):
+        self.size = size
+        self.seed = seed
+        self.rank = rank
+        self.world_size = world_size
+        self.shuffle = shuffle
+        self.epoch = 0
+        self.start = 0
+        self.per_rank = math.ceil(size / world_size)
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def set_start(self, start: int) -> None:
+        self.start = start
+
+    def _indices(self) -> list[int]:
+        import torch
+
+        if self.shuffle:
+            g = torch.Generator().manual_seed(self.seed + self.epoch)
+            order = torch.randperm(self.size, generator=g).tolist()
+        else:
+            order = list(range(self.size))
+        total = self.per_rank * self.world_size
+        order += order[: total - len(order)]  # pad so every rank gets the same count
+        return order[self.rank:total:self.world_size]
+
+    def __iter__(self):
+        return iter(self._indices()[self.start:])
+
+    def __len__(self) -> int:
+        return self.per_rank - self.start
+
+
+class FolderData:
+    """``PATH/train`` (and ``PATH/val``) as DataLoaders that put batches on the device."""
+
+    kind = "folder"
+
+    def __init__(self, root, img_size: int, batch_size: int, device, num_workers: int = 4, seed: int = 0,
+                 rank: int = 0, world_size: int = 1, model=None, num_classes: int = 0, sampler_factory=None):
+        import torch
+        from torchvision import datasets
+
+        self.root = Path(root).expanduser()
+        train_dir, val_dir = _check_layout(self.root)
+        transform_train, transform_val = _transforms(img_size, model)
+        try:
+            self.train_set = datasets.ImageFolder(str(train_dir), transform=transform_train)
+        except (FileNotFoundError, OSError) as exc:
+            raise VitregError(f"data={root}: {train_dir} has class folders but no images torchvision can read "
+                              f"({' '.join(str(exc).split())[:160]}): put .jpg/.png files in train/<class>/") from None
+        self.classes = list(self.train_set.classes)
+        self.num_classes = len(self.classes)
+        if num_classes and num_classes != self.num_classes:
+            raise VitregError(f"num_classes={num_classes} but data={root} has {self.num_classes} class folders in "
+                              f"train/: pass num_classes=0 (take it from the data) or num_classes={self.num_classes}")
+        if len(self.train_set) < batch_size * world_size:
+            raise VitregError(f"data={root} has {len(self.train_set)} training images, fewer than one batch "
+                              f"(batch_size={batch_size} x {world_size} process(es)): use a smaller batch_size")
+        self.train_images = len(self.train_set)
+        self.device = torch.device(device)
+        self.batch_size = batch_size
+        pin = self.device.type == "cuda"
+        loader_kw = dict(num_workers=num_workers, pin_memory=pin, persistent_workers=num_workers > 0,
+                         **({"prefetch_factor": 4} if num_workers > 0 else {}))
+        if sampler_factory is not None:
+            self.sampler = sampler_factory(self.train_set)
+        else:
+            self.sampler = EpochSampler(len(self.train_set), seed=seed, rank=rank, world_size=world_size)
+        # drop_last: every step has the same shape (no recompile, honest per-step timing)
+        self.loader = torch.utils.data.DataLoader(self.train_set, batch_size=batch_size, sampler=self.sampler,
+                                                  drop_last=True, **loader_kw)
+        self.steps_per_epoch = len(self.train_set) // world_size // batch_size
+        self.val = None
+        if val_dir is not None:
+            try:
+                val_set = datasets.ImageFolder(str(val_dir), transform=transform_val)
+            except (FileNotFoundError, OSError) as exc:
+                raise VitregError(f"data={root}: {val_dir} has no readable images "
+                                  f"({' '.join(str(exc).split())[:160]}): fill val/<class>/ or remove val/") from None
+            if list(val_set.classes) != self.classes:
+                missing = sorted(set(self.classes) ^ set(val_set.classes))[:3]
+                raise VitregError(f"data={root}: val/ and train/ have different class folders (e.g. {missing}): "
+                                  f"make val/ hold the same class names as train/")
+            self.val = torch.utils.data.DataLoader(val_set, batch_size=batch_size, shuffle=False, drop_last=False,
+                                                   num_workers=num_workers, pin_memory=pin)
+
+    def batches(self, epoch: int, start: int = 0):
+        if hasattr(self.sampler, "set_epoch"):
+            self.sampler.set_epoch(epoch)
+        if hasattr(self.sampler, "set_start"):
+            self.sampler.set_start(start * self.batch_size)
+            skip = 0
+        else:
+            skip = start  # a sampler without set_start: skip batches the slow way
+        for i, (images, labels) in enumerate(self.loader):
+            if i < skip:
+                continue
+            # non_blocking with pinned memory: the copy overlaps the previous step's GPU work
+            yield images.to(self.device, non_blocking=True), labels.to(self.device, non_blocking=True)
+
+    def val_batches(self):
+        for images, labels in self.val:
+            yield images.to(self.device, non_blocking=True), labels.to(self.device, non_blocking=True)
+
+
+_IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
+
+
+def _class_dirs(path: Path) -> list[Path]:
+    return sorted(p for p in path.iterdir() if p.is_dir() and not p.name.startswith("."))
+
+
+def _check_layout(root: Path):
+    layout = "PATH/train/<class>/*.jpg (and optionally PATH/val/<class>/*.jpg)"
+    if not root.exists():
+        raise VitregError(f"data={root} does not exist: pass data=synthetic or a folder laid out as {layout}")
+    if not root.is_dir():
+        raise VitregError(f"data={root} is a file, not a folder: pass data=synthetic or a folder laid out as {layout}")
+    train_dir = root / "train"
+    if not train_dir.is_dir():
+        raise VitregError(f"data={root} has no train/ sub-folder: lay it out as {layout}")
+    if not _class_dirs(train_dir):
+        raise VitregError(f"data={root}: train/ has no class folders: put each class's images in train/<class>/ "
+                          f"({layout})")
+    val_dir = root / "val"
+    if val_dir.is_dir() and not _class_dirs(val_dir):
+        raise VitregError(f"data={root}: val/ has no class folders: put images in val/<class>/ or remove val/")
+    return train_dir, (val_dir if val_dir.is_dir() else None)
+
+
+def _transforms(img_size: int, model=None):
+    from timm.data import create_transform, resolve_data_config
+
+    config = resolve_data_config({}, model=model) if model is not None else {}
+    config["input_size"] = (3, img_size, img_size)
+    return create_transform(**config, is_training=True), create_transform(**config, is_training=False)
+
+
+def build_data(spec, info, device, model=None, rank: int = 0, world_size: int = 1, sampler_factory=None):
+    """The training data a :class:`~vitreg.config.spec.TrainSpec` asks for, for a model described by ``info``.
+
+    ``sampler_factory(dataset)`` (for DDP launchers) replaces the built-in rank-sharded sampler of
+    ImageFolder data; synthetic data is sharded by seeding each rank differently.
+    """
+    if spec.synthetic:
+        num_classes = spec.num_classes or SYNTHETIC_DEFAULT_CLASSES
+        return SyntheticData(num_classes, info.img_size, spec.batch_size, device, spec.seed, rank, world_size)
+    return FolderData(spec.data, info.img_size, spec.batch_size, device, spec.num_workers, spec.seed, rank,
+                      world_size, model=model, num_classes=spec.num_classes or info.num_classes,
+                      sampler_factory=sampler_factory)
+
+
+def resolve_num_classes(spec) -> int:
+    """The head size before the model exists: ``num_classes``, else the class folders of ``data``."""
+    if spec.num_classes:
+        return spec.num_classes
+    if spec.synthetic:
+        return SYNTHETIC_DEFAULT_CLASSES
+    from torchvision.datasets.folder import find_classes
+
+    train_dir, _ = _check_layout(Path(spec.data).expanduser())
+    return len(find_classes(str(train_dir))[0])  # exactly what ImageFolder will count
