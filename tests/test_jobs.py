@@ -98,13 +98,13 @@ def test_sweep_unknown_value_refused_before_running(sqlite_store):
 def test_sweep_children_failures_and_oom_retry(sqlite_store, monkeypatch, tmp_path):
     """Three combinations: one fine, one failing (compile error: unknown backend mode), one OOM at batch 4
     that is retried at batch 3, then 2 (the fake GPU holds 2 images)."""
-    import vitreg.compare.job as jobs
+    import vitreg.bench.sweep as jobs
     from mlflow.tracking import MlflowClient
 
     script = tmp_path / "fake_child.py"
     script.write_text(
         "import sys\n"
-        "from vitreg import tracking\n"
+        "from vitreg.tracking import runs as tracking\n"
         "from vitreg.errors import VitregError\n"
         "from vitreg.cli.main import main\n"
         "args = sys.argv[1:]\n"

@@ -142,7 +142,7 @@ def import_timm(csv_file, gpu, amp, experiment):
 @user_errors
 def sweep(models, amp_list, compile_list, batch_list, experiment, **common):
     """Run every combination of models x amp x compile x batch size as child runs of one parent run."""
-    from vitreg.compare.job import run_sweep
+    from vitreg.bench.sweep import run_sweep
 
     outcome = run_sweep(models, amp_list, compile_list, batch_list, common=common, experiment=experiment)
     if not outcome["finished"]:
