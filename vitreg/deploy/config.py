@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from vitreg.errors import VitregError
+from vitreg.tracking.uris import redact
 
 # SQLAlchemy dialects MLflow's tracking store accepts (mlflow/store/db/db_types.py). For each
 # driver: the module it imports and the pip requirement that provides it.
@@ -56,22 +57,6 @@ class ServerError(VitregError):
     def __init__(self, message: str, details: str | None = None):
         super().__init__(message)
         self.details = details
-
-
-def redact(uri: str) -> str:
-    """``scheme://user:secret@host/db`` -> ``scheme://user:***@host/db`` for logs and errors."""
-    parts = urllib.parse.urlsplit(uri)
-    if parts.password is None:
-        return uri
-    netloc = parts.netloc.replace(f":{parts.password}@", ":***@", 1)
-    return urllib.parse.urlunsplit(parts._replace(netloc=netloc))
-
-
-def has_password(uri: str) -> bool:
-    try:
-        return urllib.parse.urlsplit(uri).password is not None
-    except ValueError:
-        return False
 
 
 def uri_scheme(uri: str) -> str:

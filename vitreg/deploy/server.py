@@ -42,8 +42,9 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from vitreg.deploy.config import (ARTIFACT_CLIENTS, ServerConfig, ServerError, driver_requirement, has_password,
-                                  importable, is_local, local_path, public_fields, redact, uri_scheme)
+from vitreg.deploy.config import (ARTIFACT_CLIENTS, ServerConfig, ServerError, driver_requirement, importable,
+                                  is_local, local_path, public_fields, uri_scheme)
+from vitreg.tracking.uris import has_password, redact
 
 _LOG_TAIL_LINES = 15  # server log lines shown when start-up fails
 
