@@ -40,16 +40,18 @@ def test_doubles_while_it_fits_then_backs_off_between_the_last_fit_and_the_oom()
     assert [b for b, _ in choice.series()] == [64, 128, 256, 512]
 
 
-def test_a_midpoint_that_fits_is_taken_when_it_is_faster():
-    choice = find_batch(fake_probe(800), GPU)
+def test_a_midpoint_that_fits_is_taken_when_it_is_clearly_faster():
+    choice = find_batch(fake_probe(800), GPU)  # 768: 9231 img/s, 3.8 % over 512's 8889
     assert choice.batch == 768 and choice.probes[-1].batch == 768 and choice.probes[-1].fits
+    slower = find_batch(fake_probe(800, rate=lambda b: min(b, 512 * 1.005)), GPU)  # 768: +0.5 % only
+    assert slower.batch == 512 and slower.probes[-1].batch == 768
 
 
 def test_stops_doubling_when_throughput_no_longer_improves():
     flat = fake_probe(10_000, rate=lambda b: min(b, 256) * 10.0 + b * 0.001)
     choice = find_batch(flat, GPU)
     assert [p.batch for p in choice.probes] == [64, 128, 256, 512]
-    assert (choice.batch, choice.stopped) == (512, "plateau")  # the fastest probe, even by a hair
+    assert (choice.batch, choice.stopped) == (256, "plateau")  # 512 is faster by a hair only: not worth it
 
 
 def test_a_start_that_does_not_fit_is_decayed_first():
@@ -81,7 +83,7 @@ def test_nothing_fits_is_one_line_naming_the_fix():
         find_batch(fake_probe(0), SearchLimits(64, 4096, 3, 1e9))
 
 
-def test_a_real_search_on_cpu_is_small_and_picks_its_fastest_probe():
+def test_a_real_search_on_cpu_is_small_and_picks_the_smallest_batch_near_the_fastest():
     import timm
 
     model = timm.create_model("test_vit", pretrained=False, img_size=32).eval()
@@ -98,4 +100,5 @@ def test_a_real_search_on_cpu_is_small_and_picks_its_fastest_probe():
     choice = find_batch(timed_probe(make_step, "cpu", steps=2, warmup=1), limits)
     assert 1 <= len(choice.probes) <= limits.max_probes and all(p.fits for p in choice.probes)
     assert all(p.batch <= limits.limit for p in choice.probes) and choice.probes[0].batch == limits.start
-    assert choice.batch == max(choice.probes, key=lambda p: p.img_per_s).batch
+    fastest = max(p.img_per_s for p in choice.probes)
+    assert choice.batch == min(p.batch for p in choice.probes if p.img_per_s * (1 + limits.min_gain) >= fastest)

@@ -11,7 +11,7 @@ from tests.conftest import REPO
 from vitreg.errors import VitregError
 from vitreg.hardware.precision import (PRECISION_CHOICES, autocast, input_dtype, math_mode, prepare_model,
                                        resolve_precision)
-from vitreg.hardware.profiles import PROFILES, mfu
+from vitreg.hardware.profiles import PROFILES
 
 
 def tiny_vit():
@@ -55,12 +55,15 @@ def test_fp8_without_torchao_names_the_install(monkeypatch):
         resolve_precision("fp8", "cuda", capability=(9, 0))
 
 
-def test_mfu_is_measured_against_the_units_that_ran():
+def test_mfu_is_measured_against_the_units_that_ran(monkeypatch):
     h200 = PROFILES["h200"]
-    assert mfu(494.7 / 2, h200, *resolve_precision("tf32", "cuda", capability=(9, 0)).mfu_args) == pytest.approx(0.5)
-    assert mfu(989.4 / 4, h200, *resolve_precision("bf16-weights", "cpu").mfu_args) == pytest.approx(0.25)
-    assert mfu(66.9, h200, *resolve_precision("off", "cpu").mfu_args) == pytest.approx(1.0)
-    assert resolve_precision("bf16-weights", "cpu").mfu_args == ("bf16", False)
+    assert resolve_precision("tf32", "cuda", capability=(9, 0)).mfu(494.7 / 2, h200) == pytest.approx(0.5)
+    assert resolve_precision("bf16-weights", "cpu").mfu(989.4 / 4, h200) == pytest.approx(0.25)
+    assert resolve_precision("off", "cpu").mfu(66.9, h200) == pytest.approx(1.0)
+    assert resolve_precision("bf16", "cpu").mfu(1.0, PROFILES["cpu"]) is None
+    monkeypatch.setitem(sys.modules, "torchao", type(sys)("torchao"))
+    monkeypatch.setitem(sys.modules, "torchao.quantization", type(sys)("torchao.quantization"))
+    assert resolve_precision("fp8", "cuda", capability=(9, 0)).mfu(500.0, h200) is None  # no FP8 peak yet
 
 
 def _tf32_state():

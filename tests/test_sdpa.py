@@ -86,3 +86,19 @@ def test_compiled_on_cpu_inductor_decomposes_attention():
     step = infer_step(compiled)
     step()
     assert detect_backend(step, "cpu") == "unfused"
+
+
+def test_torchs_reasons_are_kept_short_and_on_one_line():
+    import warnings
+
+    from vitreg.hardware.sdpa import _reasons
+
+    def warning(text):
+        return warnings.WarningMessage(text, UserWarning, "sdp_utils.cpp", 1)
+
+    caught = [warning("Flash attention kernel not used because: (Triggered internally at sdp_utils.cpp:900.)"),
+              warning("Flash attention only supports fp16 and bf16.\n(Triggered internally at sdp_utils.cpp:1.)"),
+              warning("Flash attention only supports fp16 and bf16.\n")]
+    assert _reasons(caught) == "Flash attention kernel not used because: Flash attention only supports fp16 and bf16."
+    assert _reasons([]) == "torch has no such kernel for this device"
+    assert len(_reasons([warning("x" * 500)])) == 240

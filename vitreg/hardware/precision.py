@@ -51,16 +51,14 @@ class Precision:
     def inference_only(self) -> bool:
         return self.amp in INFERENCE_ONLY
 
-    @property
-    def mfu_args(self) -> tuple[str, bool]:
-        """``(amp, tf32)`` for :func:`vitreg.hardware.profiles.mfu`, which knows bf16/fp16/tf32/fp32 peaks.
+    def mfu(self, achieved_tflops: float, profile) -> float | None:
+        """Achieved over the dense peak of the units this mode runs on (a GpuProfile's ``peak_tflops``).
 
-        fp8 has no peak in the profiles yet: its MFU is ``None`` (``"fp8"`` is not a key) rather than
-        one measured against the wrong units.
+        None where the profile has no such peak (CPU, an unknown GPU, ``fp8`` until the profiles
+        carry FP8 peaks) rather than a ratio against the wrong units.
         """
-        if self.peak_dtype == "tf32":
-            return "off", True
-        return self.peak_dtype, False
+        peak = profile.peak_tflops.get(self.peak_dtype)
+        return achieved_tflops / peak if peak else None
 
 
 def _precision(amp: str) -> Precision:

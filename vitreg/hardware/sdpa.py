@@ -85,10 +85,20 @@ def check_backend(choice: str, device: str, dtype, num_heads: int, head_dim: int
             if backward:
                 out.sum().backward()
         except RuntimeError:
-            why = [str(w.message).split("\n")[0] for w in caught] or ["torch has no such kernel here"]
             raise VitregError(f"sdpa={choice} cannot run on {device} for {str(dtype).replace('torch.', '')} "
-                              f"attention of {num_heads} heads x {head_dim} dims ({why[0]}): "
+                              f"attention of {num_heads} heads x {head_dim} dims ({_reasons(caught)}): "
                               f"use sdpa=auto (or another backend)") from None
+
+
+def _reasons(caught, limit: int = 240) -> str:
+    """torch's own reasons, from the warnings its backend selection gave (one per failed check)."""
+    reasons = []
+    for warning in caught:
+        text = " ".join(str(warning.message).split("(Triggered internally")[0].split())
+        if text and text not in reasons:
+            reasons.append(text)
+    joined = " ".join(reasons) or "torch has no such kernel for this device"
+    return joined if len(joined) <= limit else joined[:limit - 3] + "..."
 
 
 def backends_in(event_names) -> str:

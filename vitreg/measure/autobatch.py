@@ -6,8 +6,10 @@ error (see :func:`is_out_of_memory`). The search doubles the batch while through
 improves by ``min_gain`` and the batch fits; after an out-of-memory it steps back down a grid of
 powers of two and their midpoints (2048 -> 1536 -> 1024, as timm's batch decay does) until one
 fits. A batch that does not fit even at the start is decayed the same way. The number of probes
-and their total time are bounded; the chosen batch is the fastest probe (the smaller on a tie).
-Every probe is returned, for a metric series and the report.
+and their total time are bounded. The chosen batch is the smallest one within ``min_gain`` of the
+fastest probe: a larger batch that is not clearly faster only costs memory and latency, and a
+choice made within probe noise would not repeat from run to run. Every probe is returned, for a
+metric series and the report.
 
 :func:`timed_probe` builds a real probe from a step factory; :data:`SEARCH_LIMITS` holds the
 bounds per device (a CPU gets a small search: its throughput flattens early and it has no
@@ -108,8 +110,9 @@ def find_batch(probe, limits: SearchLimits, clock=time.monotonic) -> BatchChoice
         tried = ", ".join(str(p.batch) for p in probes)
         raise VitregError(f"batch_size=auto found no batch that fits (tried {tried}): "
                           f"use a smaller model or img_size, or give batch_size=<n>")
-    best = max(fitting, key=lambda p: (p.img_per_s, -p.batch))
-    return BatchChoice(best.batch, tuple(probes), stopped)
+    fastest = max(p.img_per_s for p in fitting)
+    chosen = min(p.batch for p in fitting if p.img_per_s * (1 + limits.min_gain) >= fastest)
+    return BatchChoice(chosen, tuple(probes), stopped)
 
 
 def _search(run, limits: SearchLimits) -> str:
