@@ -39,14 +39,14 @@ def test_a_model_that_computes_attention_itself_shows_unfused():
 
 
 def test_a_backend_torch_cannot_run_here_is_refused_in_one_line():
-    heads, head_dim = attention_shape(tiny_vit())
+    heads, head_dim, tokens = attention_shape(tiny_vit())
     with pytest.raises(VitregError) as err:
-        check_backend("efficient", "cpu", torch.float32, heads, head_dim, seq_len=5)
+        check_backend("efficient", "cpu", torch.float32, heads, head_dim, tokens)
     message = str(err.value)
     assert message.startswith("sdpa=efficient cannot run on cpu for float32") and "use sdpa=auto" in message
     assert "\n" not in message
     with pytest.raises(VitregError, match="sdpa=cudnn cannot run on cpu"):
-        check_backend("cudnn", "cpu", torch.bfloat16, heads, head_dim, seq_len=5)
+        check_backend("cudnn", "cpu", torch.bfloat16, heads, head_dim, tokens)
 
 
 @pytest.mark.parametrize("choice", ["auto", "flash", "math"])
@@ -54,9 +54,11 @@ def test_backends_cpu_has_pass_the_check_forward_and_backward(choice):
     check_backend(choice, "cpu", torch.float32, 2, 32, seq_len=5, backward=True)
 
 
-def test_attention_shape_of_timm_and_torch_attention():
-    assert attention_shape(tiny_vit()) == (2, 32)
-    assert attention_shape(torch.nn.MultiheadAttention(64, 4)) == (4, 16)
+def test_attention_shape_of_timm_and_torchvision_vits():
+    import torchvision
+
+    assert attention_shape(tiny_vit()) == (2, 32, 5)  # 32 px / patch 16 = 2 x 2 patches + the class token
+    assert attention_shape(torchvision.models.vit_b_16(weights=None)) == (12, 64, 197)
     with pytest.raises(VitregError, match="use sdpa=auto"):
         attention_shape(torch.nn.Linear(2, 2))
 

@@ -58,19 +58,33 @@ def sdpa_context(choice: str):
     return sdpa_kernel([_backend(choice)])
 
 
-def attention_shape(model) -> tuple[int, int]:
-    """``(num_heads, head_dim)`` of the model's first timm attention block; ViT-B/16's is (12, 64)."""
+def attention_shape(model) -> tuple[int, int, int]:
+    """``(num_heads, head_dim, tokens)`` of the model's attention; ViT-B/16 at 224 px: (12, 64, 197)."""
+    heads = head_dim = None
     for module in model.modules():
-        if hasattr(module, "num_heads") and hasattr(module, "head_dim"):
-            return int(module.num_heads), int(module.head_dim)
+        if hasattr(module, "num_heads") and hasattr(module, "head_dim"):  # timm Attention
+            heads, head_dim = int(module.num_heads), int(module.head_dim)
+            break
         if hasattr(module, "num_heads") and hasattr(module, "embed_dim"):  # torch.nn.MultiheadAttention
-            return int(module.num_heads), int(module.embed_dim) // int(module.num_heads)
-    raise VitregError("sdpa= needs a model with attention blocks: use sdpa=auto for this model")
+            heads, head_dim = int(module.num_heads), int(module.embed_dim) // int(module.num_heads)
+            break
+    if heads is None:
+        raise VitregError("sdpa= needs a model with attention blocks: use sdpa=auto for this model")
+    if hasattr(model, "seq_length"):  # torchvision VisionTransformer
+        return heads, head_dim, int(model.seq_length)
+    patch_embed = getattr(model, "patch_embed", None)
+    patches = getattr(patch_embed, "num_patches", None)
+    # a model of unknown layout gets ViT-B/16's 197 tokens: backend limits depend on dtype and head_dim
+    tokens = int(patches) + int(getattr(model, "num_prefix_tokens", 1)) if patches else 197
+    return heads, head_dim, tokens
 
 
 def check_backend(choice: str, device: str, dtype, num_heads: int, head_dim: int, seq_len: int,
                   backward: bool = False) -> None:
-    """Run one SDPA call of this shape under ``choice``; refuse in one line if torch cannot."""
+    """Run one SDPA call of this shape (:func:`attention_shape`) under ``choice``; refuse in one line if torch cannot.
+
+    ``backward=True`` for training: some backends have a forward kernel but no backward for a shape.
+    """
     if choice == "auto":
         return
     import torch
