@@ -15,7 +15,8 @@ from vitreg.console import progress
 from vitreg.errors import VitregError
 from vitreg.measure.graphs import EAGER_STEPS_BEFORE_CAPTURE, capture, require_cuda, side_stream
 from vitreg.hardware.profiles import ResolvedHardware, mfu
-from vitreg.models.factory import ModelInfo, create_model, forward_flops_per_image, train_flops_per_image
+from vitreg.models.factory import ModelInfo, create_model
+from vitreg.models.flops import forward_flops_per_image, train_flops_per_image
 from vitreg.hardware.runtime import Runtime
 from vitreg.config.spec import BenchSpec
 from vitreg.measure.timing import Stats, summarize, synchronize, time_window, wall_seconds
