@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import pandas as pd
+
+from vitreg.analysis.render import markdown_table
 from vitreg.bench.runner import INFER_EAGER_STEPS_BEFORE_CAPTURE, BenchResult
 from vitreg.hardware.env import EnvInfo
 from vitreg.measure.graphs import EAGER_STEPS_BEFORE_CAPTURE
@@ -34,9 +37,7 @@ def results_table(result: BenchResult) -> str:
 
 
 def _markdown(headers: list[str], rows: list[list[str]]) -> str:
-    out = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
-    out += ["| " + " | ".join(r) + " |" for r in rows]
-    return "\n".join(out)
+    return markdown_table(pd.DataFrame(rows, columns=headers))
 
 
 def report_markdown(result: BenchResult, env: EnvInfo, command: str | None = None) -> str:
