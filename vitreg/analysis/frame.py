@@ -30,12 +30,13 @@ ID_COLUMNS = ("run_id", "start_time", "source", "gpu") + CONFIG_KEYS
 
 MISSING = "?"  # shown for a configuration string nobody recorded
 
+NO_RUNS = "no runs to compare; record some with `vitreg bench`, or check the experiment name and tracking URI"
+
 
 def require_tidy(frame) -> None:
     """CompareError unless ``frame`` has the tidy frame's identifying columns."""
     if frame is None or len(frame) == 0:
-        raise CompareError("no runs to compare; record some with `vitreg bench`, or check the experiment name "
-                           "and tracking URI")
+        raise CompareError(NO_RUNS)
     missing = [c for c in ID_COLUMNS if c not in frame.columns]
     if missing:
         raise CompareError(f"not a tidy runs frame (no {', '.join(missing)} columns): build it with "

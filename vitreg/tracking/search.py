@@ -11,7 +11,8 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from vitreg.analysis.frame import ALL_METRICS, ID_COLUMNS, MISSING, SHARED_METRICS, TASK_METRICS, CompareError
+from vitreg.analysis.frame import (ALL_METRICS, ID_COLUMNS, MISSING, NO_RUNS, SHARED_METRICS, TASK_METRICS,
+                                   CompareError)
 from vitreg.config.spec import _TRUE, DDP_BUCKET_MB
 from vitreg.measure.metrics import TASKS
 
@@ -63,10 +64,7 @@ def tidy(runs_df: pd.DataFrame) -> pd.DataFrame:
     Raises :class:`CompareError` when the frame is empty or holds no finished run with metrics.
     """
     if runs_df is None or len(runs_df) == 0:
-        raise CompareError(
-            "no runs to compare; record some with `vitreg bench`, or check the experiment name "
-            "and tracking URI"
-        )
+        raise CompareError(NO_RUNS)
     df, source = _finished(runs_df.reset_index(drop=True))
     base = _configurations(df, source)
     task_param = _coalesce(df, "params.task").str.lower()
