@@ -1,6 +1,7 @@
 """The persistent compile cache (cold, then warm in a fresh process) and the ticker shown while compiling."""
 
 import json
+import os
 import subprocess
 import sys
 import threading
@@ -39,8 +40,6 @@ def test_default_folder_follows_the_environment(monkeypatch, tmp_path):
 def test_the_folder_is_made_and_handed_to_inductor(monkeypatch, tmp_path):
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/elsewhere")
     folder = use_compile_cache(tmp_path / "new" / "cache")
-    import os
-
     from torch._inductor.runtime.cache_dir_utils import cache_dir
 
     assert folder.is_dir() and list(folder.iterdir()) == []  # the write check leaves nothing behind
@@ -64,8 +63,7 @@ def test_no_compile_means_the_cache_was_unused():
 def test_a_second_process_finds_the_graphs_warm_and_compiles_faster(tmp_path):
     def compile_once():
         done = subprocess.run([sys.executable, "-c", COMPILE_ONCE, str(tmp_path / "cache")], capture_output=True,
-                              text=True, timeout=600, cwd=REPO, env={**__import__("os").environ,
-                                                                     "PYTHONPATH": str(REPO)})
+                              text=True, timeout=600, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
         assert done.returncode == 0, done.stderr
         return json.loads(done.stdout.strip().splitlines()[-1])
 

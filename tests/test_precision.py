@@ -1,6 +1,7 @@
 """Precision modes: what each one runs, what it refuses, and that TF32 is switched back off after a run."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -86,6 +87,18 @@ def test_tf32_is_on_inside_the_run_and_restored_after_even_on_error():
     finally:
         torch.set_float32_matmul_precision(before[0])
         torch.backends.cudnn.allow_tf32 = before[2]
+
+
+def test_a_mode_that_needs_no_change_leaves_torchs_defaults_untouched():
+    # torch records an explicit "highest" differently from its untouched default ("none" per backend),
+    # and inductor's CPU code generation tells them apart: a fresh process shows the difference.
+    code = ("import torch\nfrom vitreg.hardware.precision import math_mode, resolve_precision\n"
+            "with math_mode(resolve_precision('bf16', 'cpu')):\n"
+            "    print(torch.backends.mkldnn.matmul.fp32_precision, torch.backends.cuda.matmul.fp32_precision)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO,
+                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["none", "none"]
 
 
 def test_weights_cast_runs_without_autocast_in_that_dtype():

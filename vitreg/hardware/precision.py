@@ -147,21 +147,26 @@ def input_dtype(precision: Precision):
 def math_mode(precision: Precision):
     """TF32 matmuls and convolutions on for a ``tf32`` run, strict fp32 matmuls otherwise; restored on exit.
 
-    Strict is set explicitly so a caller who switched TF32 on globally (timm's benchmark.py does)
-    cannot make an ``amp=off`` figure a TF32 one without the tag saying so.
+    Strict is enforced where a caller switched TF32 on globally (timm's benchmark.py does), so an
+    ``amp=off`` figure cannot silently be a TF32 one. Where the setting is already what the mode
+    needs, nothing is touched: torch records an explicit ``highest`` differently from its untouched
+    default, and inductor's CPU code generation tells the two apart.
     """
     import torch
 
-    # Only the two switches whose getters stay consistent are touched: torch 2.9+ refuses to report the
-    # matmul precision once the legacy cuda.matmul.allow_tf32 flag and the global setting disagree.
+    wanted = "high" if precision.tf32 else "highest"
     saved = torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32
-    torch.set_float32_matmul_precision("high" if precision.tf32 else "highest")
+    # Only these two switches are touched: torch 2.9+ refuses to report the matmul precision once
+    # the legacy cuda.matmul.allow_tf32 flag and the global setting disagree.
+    if saved[0] != wanted:
+        torch.set_float32_matmul_precision(wanted)
     if precision.tf32:
         torch.backends.cudnn.allow_tf32 = True
     try:
         yield
     finally:
-        torch.set_float32_matmul_precision(saved[0])
+        if saved[0] != wanted:
+            torch.set_float32_matmul_precision(saved[0])
         torch.backends.cudnn.allow_tf32 = saved[1]
 
 
