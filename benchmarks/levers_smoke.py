@@ -69,8 +69,7 @@ def sdpa_checks():
 
 def precision_rates():
     from vitreg.errors import VitregError
-    from vitreg.hardware.precision import input_dtype, math_mode, prepare_model, resolve_precision
-    from vitreg.measure.autobatch import timed_probe
+    from vitreg.hardware.precision import math_mode, prepare_model, resolve_precision
 
     for amp in ("off", "tf32", "bf16", "bf16-weights", "fp16-weights", "fp8"):
         try:
@@ -78,12 +77,17 @@ def precision_rates():
         except VitregError as err:
             say(check="precision", amp=amp, refused=str(err))
             continue
-        model = prepare_model(vit_b(), precision)
         with math_mode(precision):
-            rate = timed_probe(lambda b: infer_step(model, b, input_dtype(precision), precision), "cuda",
-                               steps=10, warmup=3)(256)
+            rate = eager_rate(prepare_model(vit_b(), precision), precision, 256)
         say(check="precision", amp=amp, label=precision.label, eager_infer_img_per_s_bs256=round(rate))
-        del model
+
+
+def eager_rate(model, precision, batch):
+    from vitreg.hardware.precision import input_dtype
+    from vitreg.measure.autobatch import timed_probe
+
+    return timed_probe(lambda b: infer_step(model, b, input_dtype(precision), precision), "cuda",
+                       steps=10, warmup=3)(batch)
 
 
 def autobatch(out):

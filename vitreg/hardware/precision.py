@@ -127,8 +127,7 @@ def prepare_model(model, precision: Precision):
     if precision.weights_dtype:
         model = model.to(torch_dtype(precision.weights_dtype))
     if precision.fp8:
-        from torchao.quantization import (Float8DynamicActivationFloat8WeightConfig, PerRow,
-                                          quantize_)
+        from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerRow, quantize_
 
         # torchao swaps each nn.Linear's weight for a float8 tensor subclass; the matmul then
         # quantizes its activation per row at run time and calls the FP8 tensor-core GEMM.
