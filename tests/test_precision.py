@@ -42,6 +42,7 @@ def test_tf32_and_fp8_labels_on_a_gpu_that_has_them(monkeypatch):
     ("fp8", "cuda", (8, 0), ("infer",), "here compute capability 8.0: use amp=bf16-weights"),
     ("tf32", "cpu", None, ("infer",), "use amp=off on CPU"),
     ("tf32", "cuda", (7, 0), ("infer",), "this GPU has 7.0: use amp=fp16 or amp=off"),
+    ("bf16-weights", "cuda", (7, 5), ("infer",), "this GPU has 7.5: use amp=fp16-weights"),
     ("int8", "cpu", None, ("infer",), "use one of off, tf32"),
 ])
 def test_refusals_are_one_line_naming_the_fix(amp, device, capability, tasks, needle):

@@ -87,6 +87,9 @@ def resolve_precision(amp: str, device: str, tasks: tuple[str, ...] = ("infer",)
                           f"use task=infer, or amp=bf16 (autocast) to train")
     if amp == "tf32":
         _require_tf32(device, capability)
+    if amp == "bf16-weights" and device == "cuda" and capability is not None and tuple(capability) < (8, 0):
+        raise VitregError(f"amp=bf16-weights needs bf16 tensor cores (compute capability >= 8.0), this GPU has "
+                          f"{capability[0]}.{capability[1]}: use amp=fp16-weights")
     if amp == "fp8":
         _require_fp8(device, capability)
     return _precision(amp)
