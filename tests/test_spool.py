@@ -49,10 +49,27 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+@pytest.fixture(scope="module")
+def _module_store(tmp_path_factory):
+    """One sqlite store for the module (creating one costs seconds); each test has its own experiment."""
+    uri = f"sqlite:///{tmp_path_factory.mktemp('store') / 'mlflow.db'}"
+    prepare_store(uri)  # one migration, before the delivery thread and the test both open it
+    return uri
+
+
 @pytest.fixture
-def store(sqlite_store):
-    prepare_store(sqlite_store)  # one migration before the delivery thread and the test both open it
-    return sqlite_store
+def store(_module_store, monkeypatch, tmp_path):
+    import mlflow
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", _module_store)
+    monkeypatch.chdir(tmp_path)
+    mlflow.set_tracking_uri(_module_store)
+    return _module_store
+
+
+@pytest.fixture
+def experiment(request):
+    return request.node.name[:60]
 
 
 @pytest.fixture
@@ -89,9 +106,9 @@ def log_training(tracker, steps: int, start: int = 0) -> float:
     return slowest
 
 
-def write_offline_run(root: Path, tmp_path: Path, steps: int = 2500) -> Spool:
+def write_offline_run(root: Path, tmp_path: Path, experiment: str, steps: int = 2500) -> Spool:
     """An offline run with everything a run logs; the artifact's original is deleted at once."""
-    tracker = SpoolingTracker.open("spooled", run_name="offline-run", root=root, offline=True)
+    tracker = SpoolingTracker.open(experiment, run_name="offline-run", root=root, offline=True)
     tracker.log_params({"model": "test_vit", "batch_size": 8})
     tracker.set_tags({"gpu": "cpu", "amp": "off"})
     log_training(tracker, steps)
@@ -169,16 +186,16 @@ def test_a_password_in_the_tracking_uri_is_not_written_to_the_spool(tmp_path):
 # --------------------------------------------------------------------------- offline, sync, exactly once
 
 
-def test_offline_writes_only_the_spool_and_sync_delivers_it_once(store, tmp_path, monkeypatch, capsys):
+def test_offline_writes_only_the_spool_and_sync_delivers_it_once(store, experiment, tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("VITREG_OFFLINE", "1")
     root = tmp_path / "spool"
     began = time.monotonic()
-    spool = write_offline_run(root, tmp_path)
+    spool = write_offline_run(root, tmp_path, experiment)
     assert time.monotonic() - began < 5
     err = capsys.readouterr().err.strip()
     assert err == f"[vitreg] logged locally to {spool.path}; deliver it with: vitreg sync --spool {spool.path}"
     client = MlflowClient()
-    assert client.get_experiment_by_name("spooled") is None, "offline: nothing reached the store"
+    assert client.get_experiment_by_name(experiment) is None, "offline: nothing reached the store"
     kept = shutil.copytree(spool.path, tmp_path / "kept-copy")
     spool_id = spool.run_record["spool_id"]
 
@@ -186,7 +203,7 @@ def test_offline_writes_only_the_spool_and_sync_delivers_it_once(store, tmp_path
     assert result.exit_code == 0, result.output
     assert result.output.startswith(f"delivered {spool.path} -> run ")
     assert not spool.path.exists(), "a delivered spool is removed"
-    (run,) = client.search_runs([client.get_experiment_by_name("spooled").experiment_id])
+    (run,) = client.search_runs([client.get_experiment_by_name(experiment).experiment_id])
     assert run.info.run_name == "offline-run" and run.data.tags[SPOOL_ID_TAG] == spool_id
     assert_delivered_once(client, run.info.run_id, 2500)
 
@@ -196,9 +213,9 @@ def test_offline_writes_only_the_spool_and_sync_delivers_it_once(store, tmp_path
     assert CliRunner().invoke(sync_command, ["--spool", str(root)]).output.startswith("nothing to deliver")
 
 
-def test_an_interrupted_sync_resumes_without_duplicates(store, tmp_path, monkeypatch):
+def test_an_interrupted_sync_resumes_without_duplicates(store, experiment, tmp_path, monkeypatch):
     root = tmp_path / "spool"
-    write_offline_run(root, tmp_path)
+    write_offline_run(root, tmp_path, experiment)
     real_log_batch = MlflowClient.log_batch
     calls = {"n": 0}
 
@@ -213,7 +230,7 @@ def test_an_interrupted_sync_resumes_without_duplicates(store, tmp_path, monkeyp
         sync(root)
     assert "\n" not in str(err.value)
     client = MlflowClient()
-    (run,) = client.search_runs([client.get_experiment_by_name("spooled").experiment_id])
+    (run,) = client.search_runs([client.get_experiment_by_name(experiment).experiment_id])
     assert 0 < int(run.data.tags[SEQ_TAG]) and run.info.status == "RUNNING"
     assert len(client.get_metric_history(run.info.run_id, "loss")) < 2500
 
@@ -224,9 +241,9 @@ def test_an_interrupted_sync_resumes_without_duplicates(store, tmp_path, monkeyp
     assert_delivered_once(client, run.info.run_id, 2500)
 
 
-def test_a_crash_right_after_creating_the_run_makes_no_second_run(store, tmp_path, monkeypatch):
+def test_a_crash_right_after_creating_the_run_makes_no_second_run(store, experiment, tmp_path, monkeypatch):
     root = tmp_path / "spool"
-    write_offline_run(root, tmp_path, steps=10)
+    write_offline_run(root, tmp_path, experiment, steps=10)
 
     def refused(self, *args, **kwargs):
         raise ConnectionError("[Errno 111] Connection refused")
@@ -237,13 +254,13 @@ def test_a_crash_right_after_creating_the_run_makes_no_second_run(store, tmp_pat
     monkeypatch.undo()
     sync(root)
     client = MlflowClient()
-    runs = client.search_runs([client.get_experiment_by_name("spooled").experiment_id])
+    runs = client.search_runs([client.get_experiment_by_name(experiment).experiment_id])
     assert len(runs) == 1
     assert_delivered_once(client, runs[0].info.run_id, 10)
 
 
-def test_live_delivery_to_a_store_that_works(store, tmp_path):
-    tracker = SpoolingTracker.open("live", run_name="ok", root=tmp_path / "spool", heartbeat_s=0.2)
+def test_live_delivery_to_a_store_that_works(store, experiment, tmp_path):
+    tracker = SpoolingTracker.open(experiment, run_name="ok", root=tmp_path / "spool", heartbeat_s=0.2)
     assert log_training(tracker, 300) < 0.05
     tracker.log_params({"model": "test_vit", "batch_size": 8})
     tracker.set_tags({"gpu": "cpu", "amp": "off"})
@@ -359,9 +376,9 @@ SYNC_CHILD = "import sys; from vitreg.tracking.sync import sync; sync(sys.argv[1
 
 
 @pytest.mark.slow
-def test_a_sync_process_killed_midway_resumes(store, tmp_path):
+def test_a_sync_process_killed_midway_resumes(store, experiment, tmp_path):
     root = tmp_path / "spool"
-    spool = write_offline_run(root, tmp_path, steps=15000)  # 30 log_batch calls of 1000 points
+    spool = write_offline_run(root, tmp_path, experiment, steps=15000)  # 30 log_batch calls of 1000 points
     child = subprocess.Popen([sys.executable, "-c", SYNC_CHILD, str(root)], cwd=tmp_path,
                              env=subprocess_env(store, PYTHONPATH=str(REPO)),
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -370,7 +387,7 @@ def test_a_sync_process_killed_midway_resumes(store, tmp_path):
     seq = -1
     while seq < 0:
         assert child.poll() is None and time.monotonic() < deadline, "the sync ended before it could be killed"
-        exp = client.get_experiment_by_name("spooled")
+        exp = client.get_experiment_by_name(experiment)
         runs = client.search_runs([exp.experiment_id]) if exp else []
         seq = int(runs[0].data.tags.get(SEQ_TAG, -1)) if runs else -1
         time.sleep(0.05)

@@ -165,7 +165,7 @@ class Spool:
         with self._write_lock:
             if self._fh is None:
                 if self._next_seq is None:  # reopened (sync): continue after what is there
-                    self._next_seq = len(self.records_or_empty())
+                    self._next_seq = len(self._records_or_empty())
                 self._fh = open(self.path / JOURNAL, "a", encoding="utf-8")
             record = {"seq": self._next_seq, **record}
             self._fh.write(json.dumps(record, separators=(",", ":")) + "\n")
@@ -173,7 +173,7 @@ class Spool:
             self._next_seq += 1
         return record
 
-    def records_or_empty(self) -> list[dict]:
+    def _records_or_empty(self) -> list[dict]:
         return self.records() if (self.path / JOURNAL).exists() else []
 
     def fsync(self) -> None:
@@ -223,17 +223,6 @@ class Spool:
 
     def append_end(self, status: str, end_time_ms: int | None = None) -> dict:
         return self._append({"kind": "end", "status": status, "end_time": end_time_ms or now_ms()})
-
-    # ----------------------------------------------------------------- describing
-
-    def summary(self, delivered_seq: int = -1) -> str:
-        """``<dir> (N records: M metric points, ...)`` of what is left after ``delivered_seq``."""
-        left = [r for r in self.records() if r["seq"] > delivered_seq]
-        points = sum(len(r["metrics"]) for r in left if r["kind"] == "metrics")
-        artifacts = sum(r["kind"] == "artifact" for r in left)
-        ended = next((r["status"] for r in left if r["kind"] == "end"), None)
-        status = f", status {ended}" if ended else ""
-        return f"{self.path} ({len(left)} records: {points} metric points, {artifacts} artifacts{status})"
 
 
 @contextlib.contextmanager
