@@ -397,3 +397,16 @@ def test_a_sync_process_killed_midway_resumes(store, experiment, tmp_path):
     (resumed,) = sync(root)
     assert 0 < resumed.records < 15005, "the killed sync had delivered a part, the resumed one the rest"
     assert_delivered_once(client, resumed.run_id, 15000)
+
+
+def test_short_http_requests_is_process_wide_while_any_delivery_runs(monkeypatch):
+    from vitreg.tracking.delivery import short_http_requests
+
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "120")
+    monkeypatch.setenv("VITREG_HTTP_TIMEOUT_S", "4")
+    with short_http_requests():
+        with short_http_requests():  # a second tracker or a sync in the same process
+            assert os.environ["MLFLOW_HTTP_REQUEST_TIMEOUT"] == "4"
+        assert os.environ["MLFLOW_HTTP_REQUEST_MAX_RETRIES"] == "0", "the first one still delivers"
+    assert os.environ["MLFLOW_HTTP_REQUEST_TIMEOUT"] == "120"
+    assert "MLFLOW_HTTP_REQUEST_MAX_RETRIES" not in os.environ

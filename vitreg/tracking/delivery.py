@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import threading
 import time
 from pathlib import Path
 
@@ -28,6 +29,7 @@ from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 from mlflow.utils.mlflow_tags import MLFLOW_RUN_NAME
 
+from vitreg.config.spec import parse_float
 from vitreg.errors import StoreError, VitregError
 from vitreg.tracking.spool import MAX_METRICS, MAX_PARAMS, MAX_TAGS, Spool
 from vitreg.tracking.uris import redact
@@ -37,28 +39,42 @@ SPOOL_ID_TAG = "vitreg_spool_id"
 HEARTBEAT_TAG = "vitreg_heartbeat"  # unix seconds, refreshed while the process that logs the run is alive
 _MAX_ENTITIES = 1000  # log_batch: metrics + params + tags together
 
-#: One attempt per request, failing within the timeout: a dead server costs seconds, not minutes.
-HTTP_REQUEST_TIMEOUT_S = 10
+_short_http_users = 0  # trackers and syncs inside short_http_requests(); the last one out restores
+_short_http_lock = threading.Lock()
+_saved_http_settings: dict[str, str | None] = {}
+
+
+def http_timeout_s() -> int:
+    """``VITREG_HTTP_TIMEOUT_S`` (default 10): the most one request to the server may take during delivery."""
+    return int(parse_float(os.environ.get("VITREG_HTTP_TIMEOUT_S") or 10, "VITREG_HTTP_TIMEOUT_S", minimum=1))
 
 
 @contextlib.contextmanager
-def short_http_requests(timeout_s: int = HTTP_REQUEST_TIMEOUT_S):
-    """MLflow HTTP requests of this process make one attempt of at most ``timeout_s`` while inside.
+def short_http_requests():
+    """While inside, MLflow HTTP requests of this process make one attempt of at most ``http_timeout_s()``.
 
-    MLflow reads these variables at every request, so they must stay set while delivery runs; they are
-    process-wide (MLflow has no per-client setting), and restored on exit.
+    The caller owns the back-off: a dead server then costs seconds, not MLflow's minutes of retries.
+    MLflow reads these variables at every request and has no per-client setting, so they are set for
+    the whole process while any delivery runs, and restored when the last one ends.
     """
-    settings = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": str(int(timeout_s))}
-    saved = {name: os.environ.get(name) for name in settings}
-    os.environ.update(settings)
+    global _short_http_users
+    with _short_http_lock:
+        if _short_http_users == 0:
+            settings = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": str(http_timeout_s())}
+            _saved_http_settings.update({name: os.environ.get(name) for name in settings})
+            os.environ.update(settings)
+        _short_http_users += 1
     try:
         yield
     finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
+        with _short_http_lock:
+            _short_http_users -= 1
+            if _short_http_users == 0:
+                for name, value in _saved_http_settings.items():
+                    if value is None:
+                        os.environ.pop(name, None)
+                    else:
+                        os.environ[name] = value
 
 
 def heartbeat_value() -> str:
