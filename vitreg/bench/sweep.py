@@ -106,9 +106,12 @@ def run_sweep(models: str, amp: str = "auto", compile: str = "off", batch_size: 
         parent.log_metrics({"n_finished": len(outcome["finished"]), "n_failed": len(outcome["failed"])})
         children = tracking.child_runs(parent)
         if len(outcome["finished"]):
-            from vitreg.analysis.comparison import compare_gpus, format_table, write_report
+            from vitreg.analysis.comparison import compare_gpus
+            from vitreg.analysis.render import format_table
+            from vitreg.analysis.report import write_report
+            from vitreg.tracking.search import tidy
 
-            comparison = compare_gpus(children, baseline=None)
+            comparison = compare_gpus(tidy(children), baseline=None)
             with tempfile.TemporaryDirectory(prefix="vitreg-sweep-") as tmp:
                 for f in write_report(comparison, tmp):
                     parent.log_artifact(f, "comparison")
