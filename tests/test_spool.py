@@ -25,7 +25,7 @@ from mlflow.tracking import MlflowClient
 from vitreg.cli.runs_cmds import sync as sync_command
 from vitreg.errors import VitregError
 from vitreg.tracking import spool as spool_mod
-from vitreg.tracking.delivery import SEQ_TAG, SPOOL_ID_TAG
+from vitreg.tracking.delivery import SPOOL_ID_TAG, seq_tag
 from vitreg.tracking.spool import Spool, flush_timeout_s, offline_mode, spool_root
 from vitreg.tracking.spooling import SpoolingTracker
 from vitreg.tracking.store import prepare_store
@@ -130,7 +130,7 @@ def assert_delivered_once(client: MlflowClient, run_id: str, steps: int) -> None
     assert sorted(m.step for m in history) == list(range(steps)), "every step exactly once"
     assert {m.step: m.value for m in history}[steps - 1] == pytest.approx(1.0 / steps)
     assert len(client.get_metric_history(run_id, "lr")) == steps
-    paths = {a.path for a in client.list_artifacts(run_id)} | {a.path for a in client.list_artifacts(run_id, "checkpoints")}
+    paths = {a.path for folder in (None, "checkpoints") for a in client.list_artifacts(run_id, folder)}
     assert {"results.json", "checkpoints/last.safetensors"} <= paths
     local = client.download_artifacts(run_id, "checkpoints/last.safetensors")
     assert Path(local).read_bytes() == b"weights" * 100
@@ -231,7 +231,7 @@ def test_an_interrupted_sync_resumes_without_duplicates(store, experiment, tmp_p
     assert "\n" not in str(err.value)
     client = MlflowClient()
     (run,) = client.search_runs([client.get_experiment_by_name(experiment).experiment_id])
-    assert 0 < int(run.data.tags[SEQ_TAG]) and run.info.status == "RUNNING"
+    assert 0 < int(run.data.tags[seq_tag(run.data.tags[SPOOL_ID_TAG])]) and run.info.status == "RUNNING"
     assert len(client.get_metric_history(run.info.run_id, "loss")) < 2500
 
     monkeypatch.setattr(MlflowClient, "log_batch", real_log_batch)
@@ -257,6 +257,24 @@ def test_a_crash_right_after_creating_the_run_makes_no_second_run(store, experim
     runs = client.search_runs([client.get_experiment_by_name(experiment).experiment_id])
     assert len(runs) == 1
     assert_delivered_once(client, runs[0].info.run_id, 10)
+
+
+def test_two_processes_logging_into_one_run_are_both_delivered(store, experiment, tmp_path):
+    """A launcher and its rank 0 under `mlflow run`: one run id, two journals, each delivered in full."""
+    client = MlflowClient()
+    run_id = client.create_run(client.create_experiment(experiment)).info.run_id
+    client.log_param(run_id, "gpu", "auto")  # mlflow run's -P value
+    root = tmp_path / "spool"
+    for first in (0, 10):
+        tracker = SpoolingTracker.open(experiment, run_id=run_id, root=root, offline=True,
+                                       existing_params={"gpu": "auto"})
+        assert tracker.log_params({"gpu": "cpu", "model": "test_vit"}) == {"gpu": "auto"}
+        log_training(tracker, 10, start=first)
+        tracker.close("FINISHED", timeout_s=0)
+    assert [r.run_id for r in sync(root)] == [run_id, run_id]
+    run = client.get_run(run_id)
+    assert sorted(m.step for m in client.get_metric_history(run_id, "loss")) == list(range(20))
+    assert run.data.params == {"gpu": "auto", "model": "test_vit"} and run.info.status == "FINISHED"
 
 
 def test_live_delivery_to_a_store_that_works(store, experiment, tmp_path):
@@ -389,7 +407,7 @@ def test_a_sync_process_killed_midway_resumes(store, experiment, tmp_path):
         assert child.poll() is None and time.monotonic() < deadline, "the sync ended before it could be killed"
         exp = client.get_experiment_by_name(experiment)
         runs = client.search_runs([exp.experiment_id]) if exp else []
-        seq = int(runs[0].data.tags.get(SEQ_TAG, -1)) if runs else -1
+        seq = int(runs[0].data.tags.get(seq_tag(spool.run_record["spool_id"]), -1)) if runs else -1
         time.sleep(0.05)
     child.send_signal(signal.SIGKILL)
     child.wait()

@@ -1,7 +1,7 @@
 """Deliver a spool's records to an MLflow tracking store exactly once, in order, in batches.
 
-The server says what it already has: every batch carries the tag ``vitreg_spool_seq`` = the sequence
-number of the last journal record it covers, so a delivery that starts again (the next attempt of the
+The server says what it already has: every batch carries the tag ``vitreg_spool_seq.<spool id>`` = the
+sequence number of the last journal record it covers, so a delivery that starts again (the next attempt of the
 background thread, or ``vitreg sync`` after a crash) skips what the run already holds. MLflow's SQL store
 writes a ``log_batch``'s params, then metrics, then tags: the sequence tag lands last, and a batch cut
 short before it is sent again whole, which MLflow absorbs (a metric point identical in key, value,
@@ -34,7 +34,6 @@ from vitreg.errors import StoreError, VitregError
 from vitreg.tracking.spool import MAX_METRICS, MAX_PARAMS, MAX_TAGS, Spool
 from vitreg.tracking.uris import redact
 
-SEQ_TAG = "vitreg_spool_seq"
 SPOOL_ID_TAG = "vitreg_spool_id"
 HEARTBEAT_TAG = "vitreg_heartbeat"  # unix seconds, refreshed while the process that logs the run is alive
 _MAX_ENTITIES = 1000  # log_batch: metrics + params + tags together
@@ -75,6 +74,12 @@ def short_http_requests():
                         os.environ.pop(name, None)
                     else:
                         os.environ[name] = value
+
+
+def seq_tag(spool_id: str) -> str:
+    """The tag holding how far one spool got on its run: per spool, as two processes may log to one run
+    (a launcher and its rank 0 under ``mlflow run``'s run id), each with its own journal."""
+    return f"vitreg_spool_seq.{spool_id}"
 
 
 def heartbeat_value() -> str:
@@ -139,6 +144,7 @@ class Delivery:
         self.delivered_seq = -1
         self._server_params: dict[str, str] = {}
         self._run_record = spool.run_record
+        self._seq_tag = seq_tag(self._run_record["spool_id"])
 
     # ----------------------------------------------------------------- the server's run
 
@@ -147,10 +153,8 @@ class Delivery:
         if self.run_id is None:
             run = self._known_run() or self._tagged_run() or self._create_run()
             self.run_id = run.info.run_id
-            self.delivered_seq = int(run.data.tags.get(SEQ_TAG, -1))
+            self.delivered_seq = int(run.data.tags.get(self._seq_tag, -1))
             self._server_params = dict(run.data.params)
-            if run.data.tags.get(SPOOL_ID_TAG) != self._run_record["spool_id"]:
-                self.client.set_tag(self.run_id, SPOOL_ID_TAG, self._run_record["spool_id"])
         return self.run_id
 
     def _known_run(self):
@@ -243,7 +247,7 @@ class Delivery:
         # A param MLflow already holds with another value is the `mlflow run -P` request: params are
         # immutable and the resolved value is a tag of the same name, so it is not sent again.
         params = {k: v for k, v in batch.params.items() if self._server_params.get(k, v) == v}
-        tags = {**batch.tags, SEQ_TAG: str(batch.last_seq)}
+        tags = {**batch.tags, self._seq_tag: str(batch.last_seq)}
         if self.heartbeat:
             tags[HEARTBEAT_TAG] = heartbeat_value()
         self.client.log_batch(

@@ -11,7 +11,7 @@ A spool is a folder ``<root>/<spool id>/`` holding
 Appending is a local write and flush (no network, no fsync); :meth:`Spool.fsync` makes the journal
 durable and is called at batch boundaries (before each delivery attempt and at the end). A line torn by
 a crash is the last one and is ignored on reading. Delivery (live, or later with ``vitreg sync``) sends
-records in order; the server run's ``vitreg_spool_seq`` tag says how far it got (see
+records in order; the server run's ``vitreg_spool_seq.<spool id>`` tag says how far it got (see
 :mod:`vitreg.tracking.delivery`). A fully delivered spool is removed.
 
 Settings (environment): ``VITREG_SPOOL_DIR`` (the root; default ``$XDG_DATA_HOME/vitreg/spool``, i.e.
@@ -114,7 +114,8 @@ class Spool:
             return [Spool(path)]
         if not path.is_dir():
             return []
-        found = [p for p in path.iterdir() if (p / JOURNAL).is_file()]
+        # An empty journal is a crash inside create(), before the run was described: nothing to deliver
+        found = [p for p in path.iterdir() if (p / JOURNAL).is_file() and (p / JOURNAL).stat().st_size]
         return [Spool(p) for p in sorted(found, key=lambda p: (p / JOURNAL).stat().st_mtime)]
 
     def lock(self) -> None:

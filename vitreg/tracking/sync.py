@@ -2,7 +2,7 @@
 
 Each spool goes to the tracking URI given, else the one it was logged against, else the current one
 (``MLFLOW_TRACKING_URI``). Delivery resumes where the server's run says it stopped (its
-``vitreg_spool_seq`` tag, see :mod:`vitreg.tracking.delivery`): a second sync adds nothing, a sync cut
+``vitreg_spool_seq.<spool id>`` tag, see :mod:`vitreg.tracking.delivery`): a second sync adds nothing, a sync cut
 short resumes. A delivered spool is removed; a spool held by a running process is left to it.
 """
 
