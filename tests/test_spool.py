@@ -163,6 +163,15 @@ def test_a_spool_is_held_by_one_process(tmp_path):
     Spool(spool.path).lock()
 
 
+def test_find_lists_spools_and_skips_one_left_empty_by_a_crash(tmp_path):
+    first = Spool.create("exp", root=tmp_path)
+    (tmp_path / "crashed-in-create").mkdir()
+    (tmp_path / "crashed-in-create" / "journal.jsonl").touch()
+    assert [s.path for s in Spool.find(tmp_path)] == [first.path]
+    assert [s.path for s in Spool.find(first.path)] == [first.path]
+    assert Spool.find(tmp_path / "nothing-here") == []
+
+
 def test_settings(monkeypatch, tmp_path):
     assert flush_timeout_s() == 30.0
     monkeypatch.setenv("VITREG_FLUSH_TIMEOUT_S", "2.5")
@@ -428,3 +437,34 @@ def test_short_http_requests_is_process_wide_while_any_delivery_runs(monkeypatch
         assert os.environ["MLFLOW_HTTP_REQUEST_MAX_RETRIES"] == "0", "the first one still delivers"
     assert os.environ["MLFLOW_HTTP_REQUEST_TIMEOUT"] == "120"
     assert "MLFLOW_HTTP_REQUEST_MAX_RETRIES" not in os.environ
+
+
+SILENT_SERVER_CHILD = """
+import sys, time
+from vitreg.tracking.spooling import SpoolingTracker
+tracker = SpoolingTracker.open("exp", root=sys.argv[1], tracking_uri=sys.argv[2])
+for step in range(200):
+    tracker.log_metrics({"loss": 1.0}, step=step)
+print("closing", flush=True)
+tracker.close("FINISHED")
+"""
+
+
+@pytest.mark.slow
+def test_a_server_that_accepts_but_never_answers_costs_the_process_the_flush_timeout(tmp_path):
+    with socket.socket() as silent:  # the kernel accepts connections; nobody ever answers them
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(64)
+        uri = f"http://127.0.0.1:{silent.getsockname()[1]}"
+        child = subprocess.Popen([sys.executable, "-c", SILENT_SERVER_CHILD, str(tmp_path / "spool"), uri],
+                                 env=subprocess_env(uri, PYTHONPATH=str(REPO), VITREG_FLUSH_TIMEOUT_S="2"),
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        assert child.stdout.readline().strip() == "closing"
+        closing = time.monotonic()
+        _, err = child.communicate(timeout=60)
+        ended_after = time.monotonic() - closing
+    assert child.returncode == 0, err
+    assert ended_after < 4, f"the process took {ended_after:.1f} s to end after its work (bound: 2 s)"
+    assert "did not take it in 2 s" in err and "vitreg sync --spool" in err
+    (spool,) = Spool.find(tmp_path / "spool")
+    assert sum(r["kind"] == "metrics" for r in spool.records()) == 200
