@@ -23,11 +23,11 @@ from click.testing import CliRunner
 from mlflow.tracking import MlflowClient
 
 from vitreg.cli.runs_cmds import sync as sync_command
-from vitreg.errors import VitregError
+from vitreg.errors import StoreError, VitregError
 from vitreg.tracking import spool as spool_mod
-from vitreg.tracking.delivery import SPOOL_ID_TAG, seq_tag
+from vitreg.tracking.delivery import SPOOL_ID_TAG, experiment_id_for, seq_tag
 from vitreg.tracking.spool import Spool, flush_timeout_s, offline_mode, spool_root
-from vitreg.tracking.spooling import SpoolingTracker
+from vitreg.tracking.spooling import SpoolingTracker, open_run
 from vitreg.tracking.store import prepare_store
 from vitreg.tracking.sync import SyncError, sync
 
@@ -286,6 +286,39 @@ def test_two_processes_logging_into_one_run_are_both_delivered(store, experiment
     assert run.data.params == {"gpu": "auto", "model": "test_vit"} and run.info.status == "FINISHED"
 
 
+def test_open_run_creates_or_continues_the_run_with_one_request(store, experiment, tmp_path, monkeypatch):
+    import mlflow
+
+    client = MlflowClient()
+    tracker = open_run(experiment, run_name="fresh", tags={"gpu": "cpu"}, root=tmp_path / "a")
+    assert tracker.run_id and client.get_run(tracker.run_id).info.status == "RUNNING", "known from the start"
+    assert mlflow.active_run() is None, "not MLflow's fluent run: its atexit hook must not end it"
+    assert tracker.close(timeout_s=30) is True
+    run = client.get_run(tracker.run_id)
+    assert (run.info.status, run.info.run_name, run.data.tags["gpu"]) == ("FINISHED", "fresh", "cpu")
+
+    requested = client.create_run(experiment_id_for(client, "mlproject"), run_name="from-mlflow-run")
+    client.log_param(requested.info.run_id, "gpu", "auto")
+    monkeypatch.setenv("MLFLOW_RUN_ID", requested.info.run_id)
+    continued = open_run(experiment, run_name="ignored", root=tmp_path / "b")
+    assert continued.run_id == requested.info.run_id
+    assert continued.log_params({"gpu": "cpu", "model": "test_vit"}) == {"gpu": "auto"}
+    assert continued.close(timeout_s=30) is True
+    run = client.get_run(requested.info.run_id)
+    assert run.info.status == "FINISHED" and run.data.params == {"gpu": "auto", "model": "test_vit"}
+
+
+def test_open_run_against_a_dead_store_is_one_line_within_seconds(tmp_path, monkeypatch):
+    import mlflow
+
+    monkeypatch.setattr(mlflow, "get_tracking_uri", lambda: f"http://bob:pw@127.0.0.1:{free_port()}")
+    began = time.monotonic()
+    with pytest.raises(StoreError, match="Connection refused") as err:
+        open_run("exp", root=tmp_path)
+    assert time.monotonic() - began < 10 and "\n" not in str(err.value) and "bob:***@" in str(err.value)
+    assert Spool.find(tmp_path) == []
+
+
 def test_live_delivery_to_a_store_that_works(store, experiment, tmp_path):
     tracker = SpoolingTracker.open(experiment, run_name="ok", root=tmp_path / "spool", heartbeat_s=0.2)
     assert log_training(tracker, 300) < 0.05
@@ -441,7 +474,7 @@ def test_short_http_requests_is_process_wide_while_any_delivery_runs(monkeypatch
 
 SILENT_SERVER_CHILD = """
 import sys, time
-from vitreg.tracking.spooling import SpoolingTracker
+from vitreg.tracking.spooling import SpoolingTracker, open_run
 tracker = SpoolingTracker.open("exp", root=sys.argv[1], tracking_uri=sys.argv[2])
 for step in range(200):
     tracker.log_metrics({"loss": 1.0}, step=step)

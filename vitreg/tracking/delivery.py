@@ -113,6 +113,19 @@ def first_line(exc: BaseException) -> str:
     return line if len(line) <= 200 else line[:197] + "..."
 
 
+def experiment_id_for(client: MlflowClient, name: str) -> str:
+    """The id of the experiment called ``name``, created if the store has none."""
+    experiment = client.get_experiment_by_name(name)
+    if experiment is not None:
+        return experiment.experiment_id
+    try:
+        return client.create_experiment(name)
+    except MlflowException as exc:  # created meanwhile by another process
+        if exc.error_code != "RESOURCE_ALREADY_EXISTS":
+            raise
+        return client.get_experiment_by_name(name).experiment_id
+
+
 class _Batch:
     """Up to one log_batch call of records, and the last sequence number it covers."""
 
@@ -170,16 +183,7 @@ class Delivery:
             raise
 
     def _experiment_id(self) -> str:
-        name = self._run_record.get("experiment_name") or "Default"
-        experiment = self.client.get_experiment_by_name(name)
-        if experiment is not None:
-            return experiment.experiment_id
-        try:
-            return self.client.create_experiment(name)
-        except MlflowException as exc:  # created meanwhile by another process
-            if exc.error_code != "RESOURCE_ALREADY_EXISTS":
-                raise
-            return self.client.get_experiment_by_name(name).experiment_id
+        return experiment_id_for(self.client, self._run_record.get("experiment_name") or "Default")
 
     def _tagged_run(self):
         spool_id = self._run_record["spool_id"]

@@ -12,14 +12,16 @@ Offline (``offline=true`` / ``VITREG_OFFLINE=1``) nothing is sent at all.
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
 
+import mlflow
 from mlflow.tracking import MlflowClient
 from mlflow.utils.mlflow_tags import MLFLOW_RUN_NAME
 
 from vitreg.console import progress
-from vitreg.tracking.delivery import Delivery, first_line, short_http_requests
+from vitreg.tracking.delivery import Delivery, experiment_id_for, first_line, short_http_requests, store_errors
 from vitreg.tracking.spool import Spool, flush_timeout_s, offline_mode
 from vitreg.tracking.stale import heartbeat_period_s
 
@@ -215,3 +217,33 @@ class SpoolingTracker:
         if any(r["kind"] == "end" and r["seq"] <= delivered for r in records):
             self._done.set()
         return time.monotonic() + self._heartbeat_s if beat_due else next_beat
+
+
+def open_run(experiment_name: str = "Default", run_name: str | None = None, tags: dict | None = None,
+             offline=None, root=None) -> SpoolingTracker:
+    """Start (or, under ``mlflow run``, continue) a run the spooled way and return its tracker.
+
+    Online this costs one short request (a dead store fails it in seconds, one line naming the store): it
+    creates the run, or reads ``mlflow run``'s (``MLFLOW_RUN_ID``) for its experiment and its ``-P``
+    params, so the run id is known from the start (for the registry, child runs, ``runs:/`` URIs). The
+    run is not MLflow's fluent active run: nothing but the tracker ends it. Offline nothing is sent, and
+    ``vitreg sync`` creates the run later.
+    """
+    offline = offline_mode(offline)
+    uri = mlflow.get_tracking_uri()
+    run_id, existing, experiment_id = os.environ.get("MLFLOW_RUN_ID") or None, {}, None
+    if not offline:
+        with short_http_requests(), store_errors(uri, "starting the run"):
+            client = MlflowClient(tracking_uri=uri)
+            if run_id:
+                run = client.get_run(run_id)
+                experiment_name = client.get_experiment(run.info.experiment_id).name
+            else:
+                run = client.create_run(experiment_id_for(client, experiment_name), run_name=run_name)
+            run_id, existing, experiment_id = run.info.run_id, dict(run.data.params), run.info.experiment_id
+    tracker = SpoolingTracker.open(experiment_name, run_name=run_name, run_id=run_id, tracking_uri=uri,
+                                   root=root, offline=offline, existing_params=existing,
+                                   experiment_id=experiment_id)
+    if tags:
+        tracker.set_tags(tags)
+    return tracker
