@@ -325,6 +325,7 @@ def test_live_delivery_to_a_store_that_works(store, experiment, tmp_path):
     tracker.log_params({"model": "test_vit", "batch_size": 8})
     tracker.set_tags({"gpu": "cpu", "amp": "off"})
     assert tracker.close(timeout_s=30) is True
+    assert tracker.close("FAILED") is True, "a second close changes nothing"
     assert not tracker.spool.path.exists()
     client = MlflowClient()
     run = client.get_run(tracker.run_id)

@@ -57,6 +57,7 @@ class SpoolingTracker:
         self._pending_lock = threading.Lock()
         self._wake, self._stopped, self._done = threading.Event(), threading.Event(), threading.Event()
         self._last_error = ""
+        self._closed: bool | None = None
         self._delivery = None
         self._thread = None
         if not self.offline:
@@ -152,7 +153,12 @@ class SpoolingTracker:
         Otherwise the spool stays (locked until this process ends or delivery stops) and one line says
         where it is and how to deliver it.
         """
-        timeout = flush_timeout_s(timeout_s)
+        if self._closed is not None:
+            return self._closed  # one end per run: a second close (an error path after the first) is a no-op
+        self._closed = self._close(status, flush_timeout_s(timeout_s))
+        return self._closed
+
+    def _close(self, status: str, timeout: float) -> bool:
         self._journal([self.spool.append_end(status)])
         self.spool.fsync()
         if self.offline:
@@ -167,7 +173,7 @@ class SpoolingTracker:
             self._thread.join()
             self.spool.remove()
             return True
-        reason = f"the tracking server did not take it in {timeout:g} s ({self._last_error or 'still sending'}): "
+        reason = f"the tracking store did not take it in {timeout:g} s ({self._last_error or 'still sending'}): "
         progress(reason + sync_hint(self.spool))
         return False
 
