@@ -10,6 +10,7 @@ import sys
 
 import click
 
+import vitreg
 from vitreg.cli.common import command_options, launcher_options, split_options, user_errors
 from vitreg.errors import VitregError
 
@@ -18,6 +19,7 @@ from vitreg.errors import VitregError
 @click.version_option(package_name="vitreg")
 def main():
     """vitreg: ViT/DeiT benchmarks with compile/AMP/DDP, tracked in MLflow."""
+    vitreg.freeze_at_exit()
 
 
 @main.command()

@@ -468,4 +468,7 @@ def _record_exit(status: int) -> None:
 
 
 if __name__ == "__main__":
+    from vitreg import freeze_at_exit
+
+    freeze_at_exit()  # before the worker's own imports (torch, mlflow): their exit handlers run first
     sys.exit(worker_main(sys.argv[1:]))
