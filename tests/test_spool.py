@@ -179,9 +179,12 @@ def test_settings(monkeypatch, tmp_path):
     monkeypatch.setenv("VITREG_FLUSH_TIMEOUT_S", "soon")
     with pytest.raises(VitregError, match="VITREG_FLUSH_TIMEOUT_S"):
         flush_timeout_s()
-    assert offline_mode() is False
+    assert offline_mode() is False and offline_mode("true") is True and offline_mode(False) is False
     monkeypatch.setenv("VITREG_OFFLINE", "1")
-    assert offline_mode() is True and offline_mode("false") is False
+    assert offline_mode() is True and offline_mode("false") is True, "the variable holds for the session"
+    monkeypatch.setenv("VITREG_OFFLINE", "maybe")
+    with pytest.raises(VitregError, match="VITREG_OFFLINE='maybe' is not a boolean"):
+        offline_mode()
     assert spool_root({"HOME": "/h"}) == Path.home() / ".local/share/vitreg/spool"
     assert spool_root({"XDG_DATA_HOME": "/d"}) == Path("/d/vitreg/spool")
     assert spool_root({"VITREG_SPOOL_DIR": str(tmp_path)}) == tmp_path

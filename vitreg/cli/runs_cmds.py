@@ -12,7 +12,7 @@ from pathlib import Path
 import click
 
 from vitreg.cli.common import user_errors
-from vitreg.config.spec import parse_float
+from vitreg.config.parse import parse_float
 from vitreg.errors import VitregError
 
 _STALE_AFTER_S = "600"  # twenty heartbeat periods: a run silent that long has no process behind it

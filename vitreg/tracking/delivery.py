@@ -29,7 +29,7 @@ from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 from mlflow.utils.mlflow_tags import MLFLOW_RUN_NAME
 
-from vitreg.config.spec import parse_float
+from vitreg.config.parse import parse_float
 from vitreg.errors import StoreError, VitregError
 from vitreg.tracking.spool import MAX_METRICS, MAX_PARAMS, MAX_TAGS, Spool
 from vitreg.tracking.uris import redact

@@ -31,7 +31,7 @@ import time
 import uuid
 from pathlib import Path
 
-from vitreg.config.spec import parse_bool, parse_float
+from vitreg.config.parse import parse_bool, parse_float
 from vitreg.errors import VitregError
 from vitreg.tracking.uris import has_password
 
@@ -53,10 +53,13 @@ def spool_root(env: dict | None = None) -> Path:
 
 
 def offline_mode(value=None) -> bool:
-    """``offline=true`` (the option, when given) or ``VITREG_OFFLINE=1``: log to the spool only."""
-    if value is None:
-        value = os.environ.get("VITREG_OFFLINE", "false") or "false"
-    return parse_bool(value, "offline")
+    """``offline=true`` (the option) or ``VITREG_OFFLINE=1`` (either one): log to the spool only.
+
+    Either, not the option over the variable: ``mlflow run`` passes every param's default (``false``),
+    which must not undo a ``VITREG_OFFLINE=1`` set for a whole session without a network.
+    """
+    option = parse_bool(value, "offline") if value is not None else False
+    return option or parse_bool(os.environ.get("VITREG_OFFLINE") or "false", "VITREG_OFFLINE")
 
 
 def flush_timeout_s(value=None) -> float:

@@ -18,7 +18,7 @@ import time
 from mlflow.entities import ViewType
 from mlflow.tracking import MlflowClient
 
-from vitreg.config.spec import parse_float
+from vitreg.config.parse import parse_float
 from vitreg.errors import VitregError
 from vitreg.tracking.delivery import HEARTBEAT_TAG, short_http_requests, store_errors
 from vitreg.tracking.runs import ERROR_TAG
