@@ -74,7 +74,7 @@ def now_ms() -> int:
 
 
 def _chunks(items: list, size: int) -> list[list]:
-    return [items[i:i + size] for i in range(0, len(items), size)] or [[]]
+    return [items[i:i + size] for i in range(0, len(items), size)]
 
 
 class SpoolBusy(VitregError):
@@ -188,18 +188,16 @@ class Spool:
 
     def append_params(self, params: dict) -> list[dict]:
         items = sorted((str(k), str(v)) for k, v in params.items())
-        return [self._append({"kind": "params", "params": dict(part)}) for part in _chunks(items, MAX_PARAMS)
-                if part]
+        return [self._append({"kind": "params", "params": dict(part)}) for part in _chunks(items, MAX_PARAMS)]
 
     def append_tags(self, tags: dict) -> list[dict]:
         items = sorted((str(k), str(v)) for k, v in tags.items() if v is not None)
-        return [self._append({"kind": "tags", "tags": dict(part)}) for part in _chunks(items, MAX_TAGS) if part]
+        return [self._append({"kind": "tags", "tags": dict(part)}) for part in _chunks(items, MAX_TAGS)]
 
     def append_metrics(self, metrics: dict, step: int | None = None, timestamp_ms: int | None = None) -> list[dict]:
         stamp = now_ms() if timestamp_ms is None else timestamp_ms
         points = [[str(k), float(v), stamp, int(step or 0)] for k, v in metrics.items() if v is not None]
-        return [self._append({"kind": "metrics", "metrics": part}) for part in _chunks(points, MAX_METRICS)
-                if part]
+        return [self._append({"kind": "metrics", "metrics": part}) for part in _chunks(points, MAX_METRICS)]
 
     def append_artifact(self, local_path, artifact_path: str | None = None) -> dict:
         """Copy a file or folder into the spool (the original may be deleted at once) and journal it."""
