@@ -73,7 +73,7 @@ def test_layout_spec_and_manifest(saved):
     assert (spec["model"], spec["img_size"], spec["num_classes"], spec["distilled"], spec["step"]) == \
         ("test_vit", IMG, CLASSES, False, 2)
     assert spec["train_spec"]["steps"] == "10" and spec["vitreg_version"] and spec["classes"][0] == "a"
-    manifest = ckpt.verify_checkpoint(path)
+    manifest = ckpt.verify_checkpoint(path).manifest
     assert manifest["format"] == "vitreg-checkpoint-1"
     assert set(manifest["files"]) == {"model.safetensors", "train_state.pt", "spec.json"}
     assert all(len(f["sha256"]) == 64 and f["bytes"] > 0 for f in manifest["files"].values())
