@@ -12,7 +12,7 @@ from vitreg.train import checkpoint as ckpt
 from vitreg.train import loop as engine
 from vitreg.train import losses, optim
 from vitreg.train.data import SyntheticData, build_data, resolve_num_classes
-from vitreg.errors import VitregError
+from vitreg.errors import OutOfMemory, VitregError
 from vitreg.hardware.profiles import PROFILES, DetectedHardware
 from vitreg.models.factory import create_model
 from vitreg.hardware.runtime import resolve_runtime
@@ -309,3 +309,17 @@ def test_distillation_needs_a_distilled_student():
     with pytest.raises(VitregError) as err:
         fit(spec)
     assert "use a deit_*_distilled_* model" in one_line(err)
+
+
+def test_out_of_memory_in_a_step_is_typed_and_names_a_smaller_batch(monkeypatch):
+    spec = TrainSpec(**TINY, steps=2)
+    model, info = create_model(spec.model, spec.img_size, CLASSES)
+
+    def out_of_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setattr(model, "forward", out_of_memory)
+    with pytest.raises(OutOfMemory) as err:
+        engine.train(spec, runtime_for(spec), model, info, progress=lambda message: None)
+    assert one_line(err) == ("training with batch_size=16 ran out of GPU memory: use a smaller batch_size "
+                             "(e.g. 8)")

@@ -145,3 +145,20 @@ def test_sweep_children_failures_and_oom_retry(sqlite_store, monkeypatch, tmp_pa
     assert sum("compile error" in c.data.tags["vitreg_error"] for c in failed) == 2
     files = {a.path for a in MlflowClient().list_artifacts(parent[0].info.run_id, "comparison")}
     assert "comparison/comparison.md" in files
+
+
+def test_a_failed_run_tags_the_kind_of_its_error(sqlite_store):
+    """What sweep branches on: the error's class travels as the child run's vitreg_error_kind tag."""
+    from mlflow.tracking import MlflowClient
+
+    from vitreg.errors import OutOfMemory, VitregError
+    from vitreg.tracking import runs as tracking
+
+    for name, error in (("oom", OutOfMemory("infer with batch_size=8 ran out of GPU memory")),
+                        ("bad", VitregError("ran out of GPU memory, says the text only"))):
+        with pytest.raises(VitregError):
+            with tracking.tracked_run(run_name=name, experiment="kinds", system_metrics=False):
+                raise error
+    tags = {r.info.run_name: r.data.tags for r in _runs(MlflowClient(), "kinds")}
+    assert tags["oom"]["vitreg_error_kind"] == "OutOfMemory" and tags["bad"]["vitreg_error_kind"] == "VitregError"
+    assert tags["oom"]["vitreg_error"] == "infer with batch_size=8 ran out of GPU memory"

@@ -61,7 +61,8 @@ def register_checkpoint(tracker, checkpoint_dir, name: str, alias: str | None = 
     client = MlflowClient()
     with tempfile.TemporaryDirectory(prefix="vitreg-register-") as tmp:
         source = str(checkpoint_dir)
-        checkpoint = resolve_checkpoint(source, Path(tmp) / "download", what="checkpoint", progress=progress).checkpoint
+        located = resolve_checkpoint(source, Path(tmp) / "download", what="checkpoint", progress=progress)
+        checkpoint = located.checkpoint
         model, info, spec = ckpt.load_model(checkpoint)
         _check_owner(client, name, spec["model"])
         try:
@@ -94,7 +95,7 @@ def _log_and_register(client, tracker, model, info, spec, checkpoint, source, na
         pip_requirements=_pip_requirements(), extra_files=[str(p) for p in staged], run_id=tracker.run_id,
         # MLflow would reload the pt2 and serve the example (~half the time), and only warn on failure
         validate_serving_input=False,
-        metadata={CHECKPOINT_TAG: checkpoint.manifest.get("format", "vitreg-checkpoint"), "vitreg_model": spec["model"]})
+        metadata={CHECKPOINT_TAG: checkpoint.manifest["format"], "vitreg_model": spec["model"]})
     version_tags = _version_tags(client, tracker.run_id, spec, info, checkpoint, source, tags)
     mv = mlflow.register_model(logged.model_uri, name, tags=version_tags)
     _tag_registered_model(client, name, spec["model"])
@@ -192,8 +193,6 @@ def _pip_requirements() -> list[str]:
 
 def _version_tags(client, run_id: str, spec: dict, info, checkpoint, source: str, extra: dict | None) -> dict:
     run = client.get_run(run_id)
-    manifest = checkpoint.manifest
-    weights = manifest["files"].get(ckpt.WEIGHTS, {})
     tags = {
         "model": spec["model"],
         "img_size": spec.get("img_size", info.img_size),
@@ -205,18 +204,19 @@ def _version_tags(client, run_id: str, spec: dict, info, checkpoint, source: str
         "source_run_id": run_id,
         "gpu": run.data.tags.get("gpu") or run.data.params.get("gpu"),
         "train_throughput_img_per_s": run.data.metrics.get("train_throughput_img_per_s"),
-        CHECKPOINT_TAG: manifest.get("format", "vitreg-checkpoint"),
-        "checkpoint_source": source if source.startswith(("runs:/", "models:/")) else _run_relative(checkpoint.directory,
-                                                                                                  run_id),
-        "weights_sha256": weights.get("sha256"),
+        CHECKPOINT_TAG: checkpoint.manifest["format"],
+        "checkpoint_source": _checkpoint_source(source, checkpoint.directory, run_id),
+        "weights_sha256": checkpoint.manifest["files"][ckpt.WEIGHTS]["sha256"],
     }
     tags.update(extra or {})
     return {k: str(v) for k, v in tags.items() if v is not None and not str(k).startswith("mlflow.")}
 
 
-def _run_relative(directory: Path, run_id: str) -> str:
-    # Training saves checkpoints/step-<N>/ and checkpoints/last/ locally and logs them under the
-    # same names: name the run artifact when the folder looks like one, else the local path.
+def _checkpoint_source(source: str, directory: Path, run_id: str) -> str:
+    # A URI names itself. Training saves checkpoints/step-<N>/ and checkpoints/last/ locally and logs
+    # them under the same names: name the run artifact when the folder looks like one, else the local path.
+    if source.startswith(("runs:/", "models:/")):
+        return source
     directory = Path(directory).resolve()
     if directory.parent.name == "checkpoints":
         return f"runs:/{run_id}/checkpoints/{directory.name}"

@@ -192,8 +192,10 @@ def train(spec, runtime, model, info, *, data=None, teacher=None, teacher_loader
     :func:`resume_spec` of it, so that the data is the one the checkpoint was trained on.
     """
     hooks = _Hooks(on_step, on_log, on_checkpoint, on_epoch_end)
-    setup = _prepare(spec, runtime, model, info, data, teacher, teacher_loader, checkpoint_dir, resume_from,
-                     checkpoint_extra, hooks, wrap, world_size, rank, sampler_factory, is_main, reducer, progress)
+    setup = _prepare(spec, runtime, model, info, data=data, teacher=teacher, teacher_loader=teacher_loader,
+                     checkpoint_dir=checkpoint_dir, resume_from=resume_from, checkpoint_extra=checkpoint_extra,
+                     hooks=hooks, wrap=wrap, world_size=world_size, rank=rank, sampler_factory=sampler_factory,
+                     is_main=is_main, reducer=reducer, progress=progress)
     tally = _Tally(step=setup.start_step, clock=StepClock(runtime.device),
                    loss_sum=torch.zeros((), dtype=torch.float32, device=runtime.torch_device))
     try:
@@ -218,7 +220,7 @@ def train(spec, runtime, model, info, *, data=None, teacher=None, teacher_loader
     return _finish(setup, tally)
 
 
-def _prepare(spec, runtime, model, info, data, teacher, teacher_loader, checkpoint_dir, resume_from,
+def _prepare(spec, runtime, model, info, *, data, teacher, teacher_loader, checkpoint_dir, resume_from,
              checkpoint_extra, hooks, wrap, world_size, rank, sampler_factory, is_main, reducer, progress) -> _Setup:
     """Model on the device, data, criterion (with the teacher), optimizer, schedule, the resumed state, compile."""
     from vitreg.train.data import build_data
@@ -369,7 +371,8 @@ def _maybe_end_epoch(setup: _Setup, tally: _Tally) -> bool:
 def _maybe_checkpoint(setup: _Setup, tally: _Tally) -> bool:
     """Every ``checkpoint_every`` steps and at the end; returns whether one was due (on every rank)."""
     step, spec = tally.step, setup.spec
-    due = setup.checkpoints and (step == setup.total or bool(spec.checkpoint_every and step % spec.checkpoint_every == 0))
+    every = spec.checkpoint_every
+    due = setup.checkpoints and (step == setup.total or bool(every and step % every == 0))
     if setup.checkpoint_dir is None or not due:
         return due
     if step == setup.total and setup.has_val and tally.evaluated_at != step:

@@ -128,7 +128,7 @@ def create_teacher(spec, info, device, loader: Callable | None = None, progress=
     name = spec.teacher
     if "://" in name or name.startswith(("models:/", "runs:/")):
         if loader is None:
-            raise VitregError(f"teacher={name} needs the model registry loader (vitreg.tracking.registry.load_model), "
+            raise VitregError(f"teacher={name} needs the checkpoint loader (vitreg.tracking.checkpoints.load_model), "
                               f"which is not available here: pass a checkpoint directory or a timm name")
         loaded = loader(name)
         teacher = loaded[0] if isinstance(loaded, (tuple, list)) else loaded
