@@ -13,11 +13,12 @@ STAMP   := $(VENV)/.vitreg-installed
 
 # Bench parameters (any MLproject param: make bench ARGS="-P model=deit_small_patch16_224 -P compile=default").
 # Without a GPU the default is a CPU-sized run (ViT-B/16 at batch 64 would take most of an hour on 2 cores).
+# A param given in ARGS replaces the default of the same name (mlflow run refuses a repeated -P).
 HAS_GPU := $(shell nvidia-smi -L >/dev/null 2>&1 && echo 1)
 ifeq ($(HAS_GPU),1)
-BENCH_DEFAULTS ?= -P gpu=auto
+BENCH_DEFAULTS ?= gpu=auto
 else
-BENCH_DEFAULTS ?= -P gpu=auto -P model=deit_tiny_patch16_224 -P batch_size=8 -P warmup=3 -P steps=5 -P repeats=3
+BENCH_DEFAULTS ?= gpu=auto model=deit_tiny_patch16_224 batch_size=8 warmup=3 steps=5 repeats=3
 endif
 ARGS ?=
 
@@ -33,7 +34,11 @@ $(STAMP): pyproject.toml
 	@touch $@
 
 bench: $(STAMP)
-	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" mlflow run . -e bench --env-manager local $(BENCH_DEFAULTS) $(ARGS)
+	@defaults=""; for kv in $(BENCH_DEFAULTS); do \
+	  case " $(ARGS) " in *"-P $${kv%%=*}="*) ;; *) defaults="$$defaults -P $$kv" ;; esac; \
+	done; \
+	echo "mlflow run . -e bench --env-manager local$$defaults $(ARGS)"; \
+	PATH="$(abspath $(VENV))/bin:$$PATH" mlflow run . -e bench --env-manager local $$defaults $(ARGS)
 
 # Two workers (this project's machines have 2 cores); --dist loadfile keeps a module's servers in one worker.
 PYTEST_ARGS ?= -n 2 --dist loadfile

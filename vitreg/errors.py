@@ -22,6 +22,10 @@ class VitregError(ValueError):
         super().__init__(" ".join(str(message).split()))
 
 
+class StoreError(VitregError):
+    """The tracking store (a local database file or a server) cannot be used; the message names it."""
+
+
 class OutOfMemory(VitregError):
     """The GPU ran out of memory at this batch size: a smaller batch may fit (``sweep`` retries one)."""
 
