@@ -123,9 +123,12 @@ def _ran_out_of_memory(child_id: str) -> bool:
 
 
 def _log_comparison(parent) -> None:
-    from vitreg.analysis.comparison import compare_gpus, format_table, write_report
+    from vitreg.analysis.comparison import compare_gpus
+    from vitreg.analysis.render import format_table
+    from vitreg.analysis.report import write_report
+    from vitreg.tracking.search import tidy
 
-    comparison = compare_gpus(tracking.child_runs(parent), baseline=None)
+    comparison = compare_gpus(tidy(tracking.child_runs(parent)), baseline=None)
     with tempfile.TemporaryDirectory(prefix="vitreg-sweep-") as tmp:
         for f in write_report(comparison, tmp):
             parent.log_artifact(f, "comparison")
