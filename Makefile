@@ -1,7 +1,8 @@
 # vitreg: two commands set everything up on a fresh machine.
 #   make bench   venv + install + one benchmark logged to the embedded default store (sqlite:///mlflow.db)
 #   make test    venv + install + the test suite (the same command CI runs)
-# Other targets: make server (tracking server from tracking/), make ui (MLflow UI on the local store).
+# Other targets: make server (tracking server from tracking/), make ui (MLflow UI on the local store),
+#   make mlproject (MLproject and the README parameter tables, from vitreg/config/options.py).
 
 PYTHON  ?= python3
 VENV    ?= .venv
@@ -22,7 +23,7 @@ BENCH_DEFAULTS ?= gpu=auto model=deit_tiny_patch16_224 batch_size=8 warmup=3 ste
 endif
 ARGS ?=
 
-.PHONY: install bench test test-fast server ui clean
+.PHONY: install bench test test-fast mlproject server ui clean
 
 install: $(STAMP)
 
@@ -48,6 +49,10 @@ test: $(STAMP)
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow"
+
+# MLproject and the README's parameter tables, rewritten from the option table (vitreg/config/options.py)
+mlproject: $(STAMP)
+	$(PY) -m vitreg.config.generate
 
 server: $(STAMP)
 	$(PY) -m vitreg.deploy.server

@@ -10,6 +10,7 @@ import sys
 import tempfile
 from dataclasses import dataclass
 
+from vitreg.config.options import options_to_args
 from vitreg.tracking import runs as tracking
 from vitreg.console import progress
 from vitreg.errors import OutOfMemory, VitregError
@@ -58,11 +59,8 @@ def decay_batch(batch_size: int) -> int:
 
 
 def _child_command(combo: Combination, batch_size: int, common: dict) -> list[str]:
-    args = [sys.executable, "-m", "vitreg.cli", "bench"]
     options = {**common, "model": combo.model, "amp": combo.amp, "compile": combo.compile, "batch_size": batch_size}
-    for key, value in options.items():
-        args += [f"--{key.replace('_', '-')}", str(value)]
-    return args
+    return [sys.executable, "-m", "vitreg.cli", "bench", *options_to_args(options)]
 
 
 def run_sweep(models: str, amp: str = "auto", compile: str = "off", batch_size: str = "64",

@@ -16,6 +16,7 @@ import urllib.parse
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from vitreg.config.parse import parse_bool, parse_int
 from vitreg.errors import VitregError
 from vitreg.tracking.uris import redact
 
@@ -44,8 +45,6 @@ ARTIFACT_CLIENTS = {
     "wasbs": ("azure.storage.blob", "azure-storage-blob azure-identity"),
 }
 _PERMISSIONS = ("READ", "USE", "EDIT", "MANAGE", "NO_PERMISSIONS")
-_TRUE = {"1", "true", "yes", "on"}
-_FALSE = {"0", "false", "no", "off", ""}
 
 
 class ServerError(VitregError):
@@ -131,29 +130,12 @@ def local_path(dest: str) -> Path:
     return Path(dest)
 
 
-def _parse_bool(name: str, value: str) -> bool:
-    low = value.strip().lower()
-    if low in _TRUE:
-        return True
-    if low in _FALSE:
-        return False
-    raise ServerError(f"{name}={value!r} is not a boolean; use true or false")
+def _parse_port(value) -> int:
+    return parse_int(value, "VITREG_SERVER_PORT", 1, 65535, error=ServerError)
 
 
-def _parse_int(name: str, value: str | int, low: int, high: int) -> int:
-    try:
-        if isinstance(value, bool) or isinstance(value, float):
-            raise ValueError
-        number = int(str(value).strip())
-    except ValueError:
-        raise ServerError(
-            f"{name}={value!r} is not an integer; set it to a number from {low} to {high}"
-        ) from None
-    if not low <= number <= high:
-        raise ServerError(
-            f"{name}={number} is out of range; set it to a number from {low} to {high}"
-        )
-    return number
+def _parse_workers(value) -> int:
+    return parse_int(value, "VITREG_SERVER_WORKERS", 1, 64, error=ServerError)
 
 
 @dataclass(frozen=True)
@@ -180,8 +162,8 @@ class ServerConfig:
 
     def __post_init__(self):
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731 (frozen)
-        set_("port", _parse_int("VITREG_SERVER_PORT", self.port, 1, 65535))
-        set_("workers", _parse_int("VITREG_SERVER_WORKERS", self.workers, 1, 64))
+        set_("port", _parse_port(self.port))
+        set_("workers", _parse_workers(self.workers))
         if not self.host or any(c.isspace() for c in self.host):
             raise ServerError(
                 f"VITREG_SERVER_HOST={self.host!r} is not a host; use 127.0.0.1 or 0.0.0.0"
@@ -239,9 +221,9 @@ class ServerConfig:
         """Read the ``VITREG_*`` variables (module docstring); raise :class:`ServerError`."""
         env = os.environ if environ is None else environ
         get = lambda name: (env.get(name) or "").strip() or None  # noqa: E731
-        port = _parse_int("VITREG_SERVER_PORT", get("VITREG_SERVER_PORT") or "5000", 1, 65535)
-        workers = _parse_int("VITREG_SERVER_WORKERS", get("VITREG_SERVER_WORKERS") or "1", 1, 64)
-        auth = _parse_bool("VITREG_AUTH", env.get("VITREG_AUTH", "false"))
+        port = _parse_port(get("VITREG_SERVER_PORT") or "5000")
+        workers = _parse_workers(get("VITREG_SERVER_WORKERS") or "1")
+        auth = parse_bool(env.get("VITREG_AUTH", "false"), "VITREG_AUTH", error=ServerError)
         return cls(
             host=get("VITREG_SERVER_HOST") or "127.0.0.1",
             port=port,

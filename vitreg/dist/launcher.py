@@ -35,6 +35,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from vitreg.config.options import options_to_args  # noqa: F401 - the jobs build the ranks' argv with it
 from vitreg.dist.world import inside_torchrun
 from vitreg.errors import VitregError
 
@@ -111,18 +112,6 @@ def check_nodes(nnodes: int, node_rank: int, rdzv_endpoint: str | None) -> None:
                           f"that every node can reach, e.g. rdzv_endpoint=10.0.0.1:29500")
     if rdzv_endpoint and not re.fullmatch(r"\[?[\w.\-:]+\]?:\d+", rdzv_endpoint):
         raise VitregError(f"rdzv_endpoint={rdzv_endpoint!r} is not HOST:PORT: pass e.g. rdzv_endpoint=10.0.0.1:29500")
-
-
-def options_to_args(options: dict) -> list[str]:
-    """``{"batch_size": "64", "compile": "off"}`` -> ``["--batch-size", "64", "--compile", "off"]`` (None skipped)."""
-    args = []
-    for key, value in options.items():
-        if value is None:
-            continue
-        if isinstance(value, bool):
-            value = "true" if value else "false"
-        args += [f"--{key.replace('_', '-')}", str(value)]
-    return args
 
 
 # torchrun prefixes every console line of a worker with this (the launcher's diagnosis reads it)
@@ -479,4 +468,7 @@ def _record_exit(status: int) -> None:
 
 
 if __name__ == "__main__":
+    from vitreg import freeze_at_exit
+
+    freeze_at_exit()  # before the worker's own imports (torch, mlflow): their exit handlers run first
     sys.exit(worker_main(sys.argv[1:]))
