@@ -26,6 +26,12 @@ class StoreError(VitregError):
     """The tracking store (a local database file or a server) cannot be used; the message names it."""
 
 
+class CheckpointError(VitregError):
+    """A checkpoint's files are there and match their manifest, but what they hold cannot be used (a
+    spec.json with wrong types or keys, weights that are not safetensors or do not fit the model); the
+    message names the file."""
+
+
 class OutOfMemory(VitregError):
     """The GPU ran out of memory at this batch size: a smaller batch may fit (``sweep`` retries one)."""
 

@@ -13,7 +13,9 @@ safetensors, so a checkpoint from anywhere can be loaded without running its cod
 (:func:`load_training_state`) also reads ``train_state.pt``, with ``weights_only=True``: tensors and
 plain containers only. :func:`verify_checkpoint` checks every file against the manifest once and
 returns a :class:`VerifiedCheckpoint` that the loaders take, so a truncated upload or an edited file
-fails with a one-line :class:`~vitreg.errors.VitregError` naming the file, not deep in torch.
+fails with a one-line :class:`~vitreg.errors.VitregError` naming the file, not deep in torch. Files
+that match their manifest are still checked for what they hold (:mod:`vitreg.train.checkpoint_checks`):
+``spec.json`` as strictly as user input, the weights' names and shapes against the built model.
 
 The directory is written under a temporary name and renamed into place, so a process killed while
 saving leaves the previous checkpoint (or nothing), never a half-written one under the real name.
@@ -30,8 +32,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from vitreg.errors import VitregError
+from vitreg.errors import CheckpointError, VitregError
 from vitreg.models.factory import ModelInfo, create_model
+from vitreg.train.checkpoint_checks import FIX, check_weights, validate_spec
 
 FORMAT = "vitreg-checkpoint-1"
 WEIGHTS = "model.safetensors"
@@ -174,7 +177,8 @@ def save_checkpoint(directory, model, *, optimizer=None, scheduler=None, scaler=
 
 @dataclass(frozen=True)
 class VerifiedCheckpoint:
-    """A checkpoint directory whose files matched their manifest (sizes and sha256) when it was verified.
+    """A checkpoint directory whose files matched their manifest (sizes and sha256) when it was verified,
+    and whose ``spec`` (spec.json, its keys parsed to their types) passed :func:`validate_spec`.
 
     Verify once (:func:`verify_checkpoint`), then hand this on: the functions below take it as it
     is, and verify a plain directory themselves.
@@ -182,7 +186,7 @@ class VerifiedCheckpoint:
 
     directory: Path
     manifest: dict
-    spec: dict  # spec.json
+    spec: dict  # spec.json, validated
 
     @property
     def step(self) -> int:
@@ -190,7 +194,7 @@ class VerifiedCheckpoint:
 
 
 def verify_checkpoint(directory) -> VerifiedCheckpoint:
-    """Check every file against the manifest and read ``spec.json``. One-line VitregError otherwise."""
+    """Check every file against the manifest, read and validate ``spec.json``. One-line VitregError otherwise."""
     directory = Path(directory)
     fix = "point resume/pull at another checkpoint (e.g. an earlier checkpoints/step-<N>)"
     manifest = _read_manifest(directory, fix)
@@ -209,8 +213,8 @@ def verify_checkpoint(directory) -> VerifiedCheckpoint:
     try:
         spec_json = json.loads((directory / SPEC).read_text())
     except ValueError:
-        raise VitregError(f"checkpoint {directory}: {SPEC} is not valid JSON: {fix}") from None
-    return VerifiedCheckpoint(directory, manifest, spec_json)
+        raise CheckpointError(f"checkpoint {directory}: {SPEC} is not valid JSON: {fix}") from None
+    return VerifiedCheckpoint(directory, manifest, validate_spec(spec_json, directory / SPEC))
 
 
 def _read_manifest(directory: Path, fix: str) -> dict:
@@ -223,8 +227,14 @@ def _read_manifest(directory: Path, fix: str) -> dict:
     try:
         manifest = json.loads(manifest_path.read_text())
         files = manifest["files"]
+        entries_ok = isinstance(files, dict) and all(
+            isinstance(e, dict) and isinstance(e.get("bytes"), int) and isinstance(e.get("sha256"), str)
+            for e in files.values())
     except (ValueError, KeyError, TypeError):
-        raise VitregError(f"checkpoint {directory}: {MANIFEST} is not valid JSON with a 'files' map: {fix}") from None
+        entries_ok = False
+    if not entries_ok:
+        raise VitregError(f"checkpoint {directory}: {MANIFEST} is not valid JSON with a 'files' map of "
+                          f"{{sha256, bytes}}: {fix}")
     if manifest.get("format") != FORMAT:
         raise VitregError(f"checkpoint {directory} has format {manifest.get('format')!r}, not {FORMAT!r}: "
                           f"it was written by another tool or vitreg version; {fix}")
@@ -240,19 +250,12 @@ def ensure_verified(checkpoint) -> VerifiedCheckpoint:
 
 
 def _load_weights(model, directory: Path, device="cpu") -> None:
+    """The weights into ``model``, after their names and shapes were checked against it (no tensor read before)."""
     import safetensors.torch
 
-    state = safetensors.torch.load_file(str(directory / WEIGHTS), device=str(device))
     module = unwrap_model(model)
-    result = module.load_state_dict(state, strict=False)
-    if result.missing_keys or result.unexpected_keys:
-        parts = []
-        if result.missing_keys:
-            parts.append(f"{len(result.missing_keys)} missing (e.g. {result.missing_keys[0]})")
-        if result.unexpected_keys:
-            parts.append(f"{len(result.unexpected_keys)} unexpected (e.g. {result.unexpected_keys[0]})")
-        raise VitregError(f"checkpoint {directory} does not fit {type(module).__name__}: weights "
-                          f"{', '.join(parts)}; it was saved for another model or timm version")
+    check_weights(module, directory / WEIGHTS)
+    module.load_state_dict(safetensors.torch.load_file(str(directory / WEIGHTS), device=str(device)))
 
 
 def load_model(checkpoint, device="cpu"):
@@ -264,7 +267,10 @@ def load_model(checkpoint, device="cpu"):
     """
     checkpoint = ensure_verified(checkpoint)
     spec_json = checkpoint.spec
-    model, info = create_model(spec_json["model"], int(spec_json["img_size"]), int(spec_json["num_classes"]))
+    try:
+        model, info = create_model(spec_json["model"], spec_json["img_size"], spec_json["num_classes"])
+    except VitregError as exc:  # a model name or size that cannot be built: the file is the culprit
+        raise CheckpointError(f"{checkpoint.directory / SPEC}: {exc}; {FIX}") from None
     _load_weights(model, checkpoint.directory)
     model = model.to(device).eval()
     return model, info, spec_json
@@ -276,7 +282,7 @@ def check_compatible(checkpoint, info: ModelInfo) -> dict:
     for key, want in (("model", info.name), ("img_size", info.img_size), ("num_classes", info.num_classes)):
         have = checkpoint.spec.get(key)
         if str(have) != str(want):
-            raise VitregError(f"checkpoint {checkpoint.directory} is for {key}={have}, this run has {key}={want}: "
+            raise VitregError(f"checkpoint {checkpoint.directory / SPEC} is for {key}={have}, this run has {key}={want}: "
                               f"pass {key}={have} to resume it, or another checkpoint")
     return checkpoint.spec
 
@@ -289,34 +295,72 @@ def load_training_state(checkpoint, model, optimizer=None, scheduler=None, scale
     arbitrary objects. The optimizer's implementation flags (``fused``/``foreach``/``capturable``) stay
     those of the optimizer passed in, so a checkpoint from a GPU (fused AdamW) resumes on a CPU.
     """
-    import torch
-
     checkpoint = ensure_verified(checkpoint)
     directory = checkpoint.directory
     if STATE not in checkpoint.manifest["files"]:
         raise VitregError(f"checkpoint {directory} has no {STATE} (weights only): it can be pulled but not resumed; "
                           f"start a new run from it instead")
     _load_weights(model, directory)
-    try:
-        state = torch.load(directory / STATE, map_location="cpu", weights_only=True)
-    except Exception as exc:
-        raise VitregError(f"checkpoint {directory}: {STATE} cannot be loaded with weights_only=True "
-                          f"({type(exc).__name__}); it was not written by vitreg") from None
+    state = _read_state(directory / STATE)
     if optimizer is not None and state.get("optimizer") is not None:
-        impl = [{k: g[k] for k in ("fused", "foreach", "capturable", "differentiable") if k in g}
-                for g in optimizer.param_groups]
-        try:
-            optimizer.load_state_dict(state["optimizer"])
-        except ValueError as exc:
-            raise VitregError(f"checkpoint {directory}: optimizer state does not fit this model "
-                              f"({' '.join(str(exc).split())})") from None
-        for group, flags in zip(optimizer.param_groups, impl):
-            group.update(flags)
-    if scheduler is not None and state.get("scheduler") is not None:
-        scheduler.load_state_dict(state["scheduler"])
-    if scaler is not None and state.get("scaler"):
-        if scaler.is_enabled():
+        _load_optimizer(optimizer, state["optimizer"], directory / STATE)
+    try:  # the rest are plain containers a hand-made file can get wrong in any way: one line for all
+        if scheduler is not None and state.get("scheduler") is not None:
+            _check_like(state["scheduler"], scheduler.state_dict(), "scheduler")
+            scheduler.load_state_dict(state["scheduler"])
+        if scaler is not None and state.get("scaler") and scaler.is_enabled():
             scaler.load_state_dict(state["scaler"])
-    if state.get("rng"):
-        _set_rng_state(state["rng"])
-    return int(state["step"]), int(state.get("epoch", 0))
+        if state.get("rng"):
+            _set_rng_state(state["rng"])
+    except (TypeError, ValueError, KeyError, IndexError, AttributeError, RuntimeError) as exc:
+        raise CheckpointError(f"{directory / STATE}: the scheduler, scaler or RNG state cannot be restored "
+                              f"({type(exc).__name__}: {' '.join(str(exc).split())[:120]}); {FIX}") from None
+    return state["step"], state["epoch"]
+
+
+def _check_like(saved, fresh: dict, what: str) -> None:
+    """``saved`` has no key of ``fresh`` with a value of another type (a schedule's length as a string would
+    only fail steps later, inside the LR computation)."""
+    if not isinstance(saved, dict):
+        raise TypeError(f"{what} state is a {type(saved).__name__}, not a dict")
+    number = (int, float)
+    for key, value in fresh.items():
+        if key in saved and value is not None and saved[key] is not None:
+            same = isinstance(saved[key], number) if isinstance(value, number) else isinstance(saved[key], type(value))
+            if not same or isinstance(saved[key], bool) != isinstance(value, bool):
+                raise TypeError(f"{what} {key}={saved[key]!r} is not a {type(value).__name__}")
+
+
+def _read_state(path: Path) -> dict:
+    """``train_state.pt`` as a dict with an int ``step`` and ``epoch`` (torch.load with weights_only=True)."""
+    import torch
+
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:
+        raise CheckpointError(f"{path} cannot be loaded with weights_only=True ({type(exc).__name__}); it was not "
+                              f"written by vitreg") from None
+    if not isinstance(state, dict) or not isinstance(state.get("step"), int) or state["step"] < 0:
+        raise CheckpointError(f"{path} holds no training state with a step (a dict with step, optimizer, scheduler, "
+                              f"...); {FIX}")
+    epoch = state.get("epoch", 0)
+    return {**state, "epoch": epoch if isinstance(epoch, int) else 0}
+
+
+def _load_optimizer(optimizer, saved, path: Path) -> None:
+    """The saved optimizer state, refused unless every tensor of it has its parameter's shape."""
+    impl = [{k: g[k] for k in ("fused", "foreach", "capturable", "differentiable") if k in g}
+            for g in optimizer.param_groups]
+    try:
+        optimizer.load_state_dict(saved)
+    except (ValueError, KeyError, TypeError, IndexError, RuntimeError) as exc:
+        raise CheckpointError(f"{path}: optimizer state does not fit this model "
+                              f"({' '.join(str(exc).split())[:160]})") from None
+    for group, flags in zip(optimizer.param_groups, impl):
+        group.update(flags)
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            for name, value in optimizer.state.get(param, {}).items():
+                if getattr(value, "ndim", 0) and tuple(value.shape) != tuple(param.shape):
+                    raise CheckpointError(f"{path}: optimizer state {name} has shape {list(value.shape)} for a "
+                                          f"parameter of shape {list(param.shape)}: it was saved for another model")
