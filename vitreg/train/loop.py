@@ -18,6 +18,11 @@ The loop is a sequence of named steps over two values: :class:`_Setup` (what :fu
 built: model, data, optimizer, schedule, scaler, criterion) and :class:`_Tally` (what changes as
 updates run: the step, the interval's loss and times, the last validation and checkpoint).
 
+Ctrl-C, and SIGTERM/SIGHUP once :func:`vitreg.signals.install` routes them, stop the loop between
+updates (:mod:`vitreg.train.stopping` holds them for the length of one): the open interval is logged, a
+checkpoint of the step reached is written, and the ``KeyboardInterrupt`` goes on up carrying the
+:class:`TrainResult` so far as its ``partial_result``, for the job to log before the run ends KILLED.
+
 Throughput is measured as bench's train task measures it: the first step (compilation, lazy init)
 is timed apart, the next steps are a warm-up, and the rest are timed per step (CUDA events on the
 GPU, ``perf_counter`` on the CPU); ``throughput_img_per_s`` is images over the sum of those step
@@ -41,16 +46,18 @@ from pathlib import Path
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 
 from vitreg.console import progress
 from vitreg.errors import VitregError, out_of_memory_as_error
 from vitreg.measure.timing import summarize, synchronize
+from vitreg.signals import interrupted_reason
 from vitreg.train import checkpoint as ckpt
 from vitreg.train.clock import StepClock
+from vitreg.train.evaluation import evaluate, grad_norm
 from vitreg.train.losses import build_criterion, check_distillable, create_teacher
 from vitreg.train.optim import build_optimizer, build_scheduler
 from vitreg.train.result import TrainResult
+from vitreg.train.stopping import update_is_atomic
 
 THROUGHPUT_WARMUP_STEPS = 10  # as BenchSpec.warmup: steps after the first that are not timed into the result
 
@@ -73,43 +80,6 @@ def resume_spec(spec, checkpoint: ckpt.VerifiedCheckpoint, info, progress=progre
 
 def total_steps_of(spec, steps_per_epoch: int) -> int:
     return spec.steps if spec.steps > 0 else spec.epochs * steps_per_epoch
-
-
-# --------------------------------------------------------------------------- evaluation
-
-
-@torch.no_grad()
-def evaluate(model, data, runtime) -> tuple[float, float]:
-    """Top-1 (percent) and mean CE over ``data.val``, on the plain model in eval mode (a distilled DeiT
-    averages its two heads there)."""
-    was_training = model.training
-    model.eval()
-    device = runtime.torch_device
-    correct = torch.zeros((), dtype=torch.long, device=device)
-    loss_sum = torch.zeros((), dtype=torch.float32, device=device)
-    count = 0
-    try:
-        for images, labels in data.val_batches():
-            with runtime.autocast():
-                out = model(images)
-            if isinstance(out, (tuple, list)):
-                out = sum(out) / len(out)
-            out = out.float()
-            loss_sum += F.cross_entropy(out, labels, reduction="sum")
-            correct += (out.argmax(dim=1) == labels).sum()
-            count += labels.numel()
-    finally:
-        model.train(was_training)
-    if not count:
-        return float("nan"), float("nan")
-    return correct.item() * 100.0 / count, loss_sum.item() / count  # the sync, once, after the loop
-
-
-def _grad_norm(parameters) -> torch.Tensor:
-    grads = [p.grad for p in parameters if p.grad is not None]
-    if hasattr(torch.nn.utils, "get_total_norm"):
-        return torch.nn.utils.get_total_norm(grads)
-    return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
 
 
 # --------------------------------------------------------------------------- the loop
@@ -198,6 +168,7 @@ def train(spec, runtime, model, info, *, data=None, teacher=None, teacher_loader
                      is_main=is_main, reducer=reducer, progress=progress)
     tally = _Tally(step=setup.start_step, clock=StepClock(runtime.device),
                    loss_sum=torch.zeros((), dtype=torch.float32, device=runtime.torch_device))
+    stop = None
     try:
         with out_of_memory_as_error("training", spec.batch_size):
             while tally.step < setup.total:
@@ -213,11 +184,33 @@ def train(spec, runtime, model, info, *, data=None, teacher=None, teacher_loader
                     setup.reducer.align()
             if setup.is_main and setup.has_val and tally.evaluated_at != tally.step:
                 _validate(setup, tally)
+    except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM/SIGHUP through vitreg.signals: keep what was done
+        stop = exc
+        _stop_at_step(setup, tally, progress, interrupted_reason(exc))
     finally:
         if info.distilled and hasattr(model, "set_distilled_training"):
             model.set_distilled_training(False)
     synchronize(runtime.device)
-    return _finish(setup, tally)
+    result = _finish(setup, tally, interrupted_reason(stop) if stop is not None else None)
+    if stop is not None:
+        stop.partial_result = result  # the job logs it, then lets the interrupt end the run KILLED
+        raise stop
+    return result
+
+
+def _stop_at_step(setup: _Setup, tally: _Tally, progress, reason: str) -> None:
+    """After an interrupt between updates: the open interval's metrics and a checkpoint of the step reached.
+
+    Under DDP the other ranks may stop at another step, so nothing that needs them (the interval's
+    all-reduce) runs here; rank 0's checkpoint needs no one.
+    """
+    if tally.interval_steps and setup.reducer is None:
+        _log(setup, tally)
+    saved = tally.last_checkpoint is not None and Path(tally.last_checkpoint).name == f"step-{tally.step}"
+    if setup.checkpoint_dir is not None and tally.step > setup.start_step and not saved:
+        _save_checkpoint(setup, tally)
+    where = f"; final checkpoint step-{tally.step}" if tally.last_checkpoint else ""
+    progress(f"{reason}: stopped at step {tally.step}/{setup.total}{where}")
 
 
 def _prepare(spec, runtime, model, info, *, data, teacher, teacher_loader, checkpoint_dir, resume_from,
@@ -303,20 +296,21 @@ def _step(setup: _Setup, tally: _Tally) -> bool:
     if spec.clip_grad > 0 or boundary:
         setup.scaler.unscale_(setup.optimizer)  # true gradients for the norm (fp16); step() knows they are unscaled
         tally.norm = torch.nn.utils.clip_grad_norm_(setup.params, spec.clip_grad) if spec.clip_grad > 0 \
-            else _grad_norm(setup.params)
-    tally.lr = setup.optimizer.param_groups[0]["lr"]
-    setup.scaler.step(setup.optimizer)
-    setup.scaler.update()
-    setup.optimizer.zero_grad(set_to_none=True)
-    tally.loss_sum += loss.detach().float()  # stays on the device: no sync
-    tally.clock.stop()
-    tally.step += 1
-    setup.scheduler.step_update(tally.step)
-    if first:
-        synchronize(runtime.device)
-        tally.first_step_s = time.perf_counter() - t_first
-    tally.interval_steps += 1
-    tally.interval_waits.append(wait)
+            else grad_norm(setup.params)
+    with update_is_atomic():  # Ctrl-C/SIGTERM wait for the update and the step count to agree
+        tally.lr = setup.optimizer.param_groups[0]["lr"]
+        setup.scaler.step(setup.optimizer)
+        setup.scaler.update()
+        setup.optimizer.zero_grad(set_to_none=True)
+        tally.loss_sum += loss.detach().float()  # stays on the device: no sync
+        tally.clock.stop()
+        tally.step += 1
+        setup.scheduler.step_update(tally.step)
+        if first:
+            synchronize(runtime.device)
+            tally.first_step_s = time.perf_counter() - t_first
+        tally.interval_steps += 1
+        tally.interval_waits.append(wait)
     if setup.hooks.on_step:
         setup.hooks.on_step(tally.step)
     return boundary
@@ -377,6 +371,13 @@ def _maybe_checkpoint(setup: _Setup, tally: _Tally) -> bool:
         return due
     if step == setup.total and setup.has_val and tally.evaluated_at != step:
         _validate(setup, tally)  # the checkpoint carries the final val_top1
+    _save_checkpoint(setup, tally)
+    return due
+
+
+def _save_checkpoint(setup: _Setup, tally: _Tally) -> None:
+    """``step-<N>`` of the step reached, announced to ``on_checkpoint``."""
+    step, spec = tally.step, setup.spec
     data, loss = setup.data, tally.final_loss
     extra = {"classes": list(data.classes) if data.kind == "folder" else None, "data": data.kind,
              "train_loss": loss if math.isfinite(loss) else None, "world_size": setup.world_size,
@@ -388,7 +389,6 @@ def _maybe_checkpoint(setup: _Setup, tally: _Tally) -> bool:
     tally.last_checkpoint = str(path)
     if setup.hooks.on_checkpoint:
         setup.hooks.on_checkpoint(step, path)
-    return due
 
 
 def _validate(setup: _Setup, tally: _Tally) -> None:
@@ -396,7 +396,7 @@ def _validate(setup: _Setup, tally: _Tally) -> None:
     tally.evaluated_at = tally.step
 
 
-def _finish(setup: _Setup, tally: _Tally) -> TrainResult:
+def _finish(setup: _Setup, tally: _Tally, stopped_by: str | None = None) -> TrainResult:
     """This run's figures after the first step and the warm-up, combined over the ranks."""
     spec, world_size = setup.spec, setup.world_size
     steps_run = tally.step - setup.start_step
@@ -423,5 +423,5 @@ def _finish(setup: _Setup, tally: _Tally) -> TrainResult:
         measured_steps=int(figures["measured_steps"]), data_wait_frac=figures["data_wait_frac"],
         first_step_s=figures["first_step_s"],
         compile_time_s=figures["first_step_s"] if setup.runtime.compile != "off" else None,
-        val_top1=tally.val_top1, val_loss=tally.val_loss, last_checkpoint=tally.last_checkpoint,
+        val_top1=tally.val_top1, val_loss=tally.val_loss, last_checkpoint=tally.last_checkpoint, stopped_by=stopped_by,
     )

@@ -29,6 +29,7 @@ class TrainResult:
     val_top1: float | None  # percent, last evaluation
     val_loss: float | None
     last_checkpoint: str | None
+    stopped_by: str | None = None  # why the run ended before total_steps (Ctrl-C, SIGTERM, SIGHUP); None: it did not
 
     def metrics(self) -> dict[str, float]:
         m = {

@@ -1,0 +1,132 @@
+"""SIGTERM and SIGHUP during `train`, for real: a child process that installs vitreg.signals (as the CLI
+entry does) is signalled mid-training. It must stop between updates, write and log a checkpoint of
+the step it reached and the results so far, end its run KILLED, remove its temp folders, and exit
+128 + the signal number. And the hold that keeps an update whole: unit-tested with real signals."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import subprocess_env
+
+#: What the CLI entry does once the lead wires vitreg.signals in: install, run, exit 128+N on a stop signal
+#: (click turns any KeyboardInterrupt into Abort, so the exit status is read off the Abort's cause).
+ENTRY = textwrap.dedent("""
+    import sys
+    import click
+    import vitreg.signals
+    from vitreg.cli.main import main
+    vitreg.signals.install()
+    try:
+        main(standalone_mode=False)
+    except click.Abort as abort:
+        cause = abort.__cause__
+        sys.exit(cause.exit_code if isinstance(cause, vitreg.signals.Terminated) else 1)
+""")
+TRAIN = ["train", "--model", "test_vit", "--img-size", "32", "--batch-size", "8", "--num-classes", "10",
+         "--num-workers", "0", "--steps", "100000", "--log-every", "5", "--checkpoint-every", "1000",
+         "--warmup-steps", "2", "--device", "cpu", "--experiment", "sig"]
+
+
+def _client(uri):
+    from mlflow.tracking import MlflowClient
+
+    return MlflowClient(uri)
+
+
+def _wait_for_steps(c, proc, at_least: int, deadline_s: float = 240):
+    """The run, once it has logged train_loss at a step >= ``at_least``."""
+    deadline = time.monotonic() + deadline_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"train exited ({proc.returncode}) early:\n{proc.stdout.read()[-3000:]}")
+        try:
+            exp = c.get_experiment_by_name("sig")
+            runs = c.search_runs([exp.experiment_id]) if exp else []
+            if runs and any(m.step >= at_least for m in c.get_metric_history(runs[0].info.run_id, "train_loss")):
+                return runs[0]
+        except Exception:  # the store being created by the child
+            pass
+        time.sleep(0.2)
+    raise AssertionError("no logged steps within the deadline")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP], ids=["SIGTERM", "SIGHUP"])
+def test_a_stop_signal_ends_train_killed_with_a_final_checkpoint_and_no_temp_folder(tmp_path, sig):
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    tmpdir = tmp_path / "tmp"
+    tmpdir.mkdir()
+    proc = subprocess.Popen([sys.executable, "-c", ENTRY, *TRAIN], env=subprocess_env(uri, TMPDIR=tmpdir),
+                            cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    c = _client(uri)
+    try:
+        run = _wait_for_steps(c, proc, 10)
+        assert any(p.name.startswith("vitreg-") for p in tmpdir.iterdir())  # the folder the stop must remove
+        proc.send_signal(sig)
+        output = proc.communicate(timeout=180)[0]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 128 + sig, output[-3000:]
+    assert "Traceback" not in output, output[-3000:]
+    run = c.get_run(run.info.run_id)
+    assert run.info.status == "KILLED"
+    steps = sorted(m.step for m in c.get_metric_history(run.info.run_id, "train_loss"))
+    reached = steps[-1]
+    assert 10 <= reached < 100000
+    last = Path(c.download_artifacts(run.info.run_id, "checkpoints/last", str(tmp_path / "last")))
+    assert json.loads((last / "spec.json").read_text())["step"] == reached  # the open interval was logged too
+    from vitreg.train.checkpoint import verify_checkpoint
+
+    verify_checkpoint(last)
+    results = json.loads(Path(c.download_artifacts(run.info.run_id, "results.json", str(tmp_path))).read_text())
+    assert results["result"]["step"] == reached and signal.Signals(sig).name in results["result"]["stopped_by"]
+    assert run.data.metrics["train_steps"] == reached
+    assert f"stopped at step {reached}" in output
+    assert not [p.name for p in tmpdir.iterdir() if p.name.startswith("vitreg-")]
+
+
+HOLD = textwrap.dedent("""
+    import os, signal, sys
+    from vitreg.train.stopping import update_is_atomic
+    done = []
+    try:
+        with update_is_atomic():
+            os.kill(os.getpid(), signal.SIG{first})
+            {second}
+            done.append("update")
+    except KeyboardInterrupt:
+        print("interrupted after", done)
+        sys.exit(3)
+""")
+
+
+def _hold(first: str, second: str = "pass"):
+    code = HOLD.replace("{first}", first).replace("{second}", second)
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)})
+
+
+def test_a_signal_inside_an_update_is_delivered_after_it():
+    done = _hold("INT")  # Python's Ctrl-C handler: KeyboardInterrupt, once the block is complete
+    assert done.returncode == 3 and "interrupted after ['update']" in done.stdout, done.stderr
+
+
+def test_sigterm_without_a_handler_still_ends_the_process_after_the_update():
+    done = _hold("TERM")  # no vitreg.signals installed: the default action, deferred, not lost
+    assert done.returncode == -signal.SIGTERM, (done.returncode, done.stdout, done.stderr)
+
+
+def test_a_second_signal_inside_an_update_exits_at_once():
+    done = _hold("INT", "os.kill(os.getpid(), signal.SIGTERM)")
+    assert done.returncode == 128 + signal.SIGTERM and "interrupted" not in done.stdout, done.stdout
