@@ -12,7 +12,9 @@ something to learn), and batch ``k`` is a pure function of ``(seed, rank, k)``.
 ``data=PATH`` is a torchvision ``ImageFolder`` layout, ``PATH/train/<class>/*.jpg`` and optionally
 ``PATH/val/<class>/*.jpg``, read by a DataLoader (``num_workers`` processes, pinned memory,
 persistent workers) with timm's ``create_transform`` (random-resized-crop + flip + colour jitter for
-training, resize + centre crop for validation, the model's mean/std and interpolation).
+training, resize + centre crop for validation, the model's mean/std and interpolation). An image that
+cannot be decoded stops the run with one line naming the file (:class:`UndecodableImage`), with or
+without loader processes.
 """
 
 from __future__ import annotations
@@ -26,6 +28,35 @@ SYNTHETIC_IMAGES_PER_EPOCH = 10_000  # what one "epoch" of synthetic data means 
 SYNTHETIC_DEFAULT_CLASSES = 1000  # an ImageNet-sized head, as the benchmarks use
 _PROTOTYPE_SIZE = 4  # class prototypes are 4x4 images upsampled: cheap for 1000 classes, still separable
 _NOISE_STD = 1.0
+
+
+class UndecodableImage(VitregError):
+    """An image file of ``data=PATH`` that PIL cannot decode; the message names the file.
+
+    Refused, not skipped: skipping would change the data set under the run (the epoch's length, the
+    class balance, and the sample order a resumed run must see again) without anyone deciding it, and
+    finding every bad file first would mean decoding the whole folder before the first step. A broken
+    file is usually a broken copy, which the user wants to hear about.
+    """
+
+    @classmethod
+    def from_loader(cls, exc: "UndecodableImage") -> "UndecodableImage":
+        """The worker's own message: a DataLoader worker's error reaches the main process as a new
+        exception whose text is the worker's whole traceback, ending in ``UndecodableImage: <message>``."""
+        return cls(str(exc).rpartition(f"{cls.__name__}: ")[2])
+
+
+def load_image(path: str):
+    """ImageFolder's loader (PIL, RGB), with an undecodable file as one line naming it."""
+    from PIL import Image
+
+    try:
+        with open(path, "rb") as fh:
+            image = Image.open(fh)
+            return image.convert("RGB")
+    except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as exc:
+        detail = " ".join(str(exc).split())[:120] or type(exc).__name__
+        raise UndecodableImage(f"image {path} cannot be decoded ({detail}): replace or remove the file") from None
 
 
 class SyntheticData:
@@ -129,7 +160,7 @@ class FolderData:
         train_dir, val_dir = _check_layout(self.root)
         transform_train, transform_val = _transforms(img_size, model)
         try:
-            self.train_set = datasets.ImageFolder(str(train_dir), transform=transform_train)
+            self.train_set = datasets.ImageFolder(str(train_dir), transform=transform_train, loader=load_image)
         except (FileNotFoundError, OSError) as exc:
             raise VitregError(f"data={root}: {train_dir} has class folders but no images torchvision can read "
                               f"({' '.join(str(exc).split())[:160]}): put .jpg/.png files in train/<class>/") from None
@@ -158,7 +189,7 @@ class FolderData:
         self.val = None
         if val_dir is not None:
             try:
-                val_set = datasets.ImageFolder(str(val_dir), transform=transform_val)
+                val_set = datasets.ImageFolder(str(val_dir), transform=transform_val, loader=load_image)
             except (FileNotFoundError, OSError) as exc:
                 raise VitregError(f"data={root}: {val_dir} has no readable images "
                                   f"({' '.join(str(exc).split())[:160]}): fill val/<class>/ or remove val/") from None
@@ -177,15 +208,23 @@ class FolderData:
             skip = 0
         else:
             skip = start  # a sampler without set_start: skip batches the slow way
-        for i, (images, labels) in enumerate(self.loader):
+        for i, (images, labels) in enumerate(_decoded(self.loader)):
             if i < skip:
                 continue
             # non_blocking with pinned memory: the copy overlaps the previous step's GPU work
             yield images.to(self.device, non_blocking=True), labels.to(self.device, non_blocking=True)
 
     def val_batches(self):
-        for images, labels in self.val:
+        for images, labels in _decoded(self.val):
             yield images.to(self.device, non_blocking=True), labels.to(self.device, non_blocking=True)
+
+
+def _decoded(loader):
+    """``loader``'s batches, with a worker's UndecodableImage as the worker's one line."""
+    try:
+        yield from loader
+    except UndecodableImage as exc:
+        raise UndecodableImage.from_loader(exc) from None
 
 
 _IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")

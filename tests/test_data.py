@@ -1,0 +1,54 @@
+"""An ImageFolder with a file PIL cannot decode: `train` stops with one line naming the file, with and
+without DataLoader worker processes (whose errors reach the main process as a traceback string)."""
+
+from __future__ import annotations
+
+import pytest
+from click.testing import CliRunner
+
+from vitreg.cli.main import main
+
+
+@pytest.fixture
+def folder_with_a_corrupt_jpeg(tmp_path):
+    """train/<a|b>/ with 8 real PNGs and one .jpg that is a truncated JPEG: 9 images, 3 batches of 3."""
+    import io
+
+    from PIL import Image
+
+    root = tmp_path / "data"
+    for i in range(8):
+        cls = root / "train" / "ab"[i % 2]
+        cls.mkdir(parents=True, exist_ok=True)
+        Image.new("RGB", (40, 40), (30 * i, 20, 200 - 20 * i)).save(cls / f"{i}.png")
+    buffer = io.BytesIO()
+    Image.new("RGB", (40, 40), (1, 2, 3)).save(buffer, format="JPEG")
+    bad = root / "train" / "b" / "broken.jpg"
+    bad.write_bytes(buffer.getvalue()[:40])  # the header and no image data, as a cut-off copy leaves it
+    return root, bad
+
+
+@pytest.mark.parametrize("workers", ["0", "2"])
+def test_an_undecodable_image_is_one_line_naming_the_file(sqlite_store, folder_with_a_corrupt_jpeg, workers):
+    from mlflow.tracking import MlflowClient
+
+    root, bad = folder_with_a_corrupt_jpeg
+    res = CliRunner().invoke(main, ["train", "--model", "test_vit", "--img-size", "32", "--batch-size", "3",
+                                    "--steps", "3", "--data", str(root), "--num-workers", workers, "--device", "cpu",
+                                    "--experiment", "corrupt"])
+    assert res.exit_code == 2, (res.output[-3000:], res.exception)
+    errors = [line for line in res.output.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and str(bad) in errors[0] and "cannot be decoded" in errors[0], res.output
+    assert "Traceback" not in res.output and "DataLoader worker" not in errors[0]
+    c = MlflowClient()
+    (run,) = c.search_runs([c.get_experiment_by_name("corrupt").experiment_id])
+    tag = run.data.tags["vitreg_error"]
+    assert run.info.status == "FAILED" and str(bad) in tag and "Traceback" not in tag, tag
+
+
+def test_the_same_folder_without_the_broken_file_trains(sqlite_store, folder_with_a_corrupt_jpeg):
+    root, bad = folder_with_a_corrupt_jpeg
+    bad.unlink()
+    res = CliRunner().invoke(main, ["train", "--model", "test_vit", "--img-size", "32", "--batch-size", "2",
+                                    "--steps", "3", "--data", str(root), "--num-workers", "0", "--device", "cpu"])
+    assert res.exit_code == 0, (res.output[-3000:], res.exception)
