@@ -55,3 +55,72 @@ def test_the_floor_is_below_what_a_real_step_holds():
     tensors += [v for state in opt.state.values() for v in state.values() if torch.is_tensor(v) and v.dim()]
     held = sum(t.numel() * t.element_size() for t in tensors) + x.numel() * x.element_size() + sum(saved)
     assert 0 < minimum_bytes(fp, 8, train=True) <= held
+
+
+def test_check_batch_fits_takes_a_model_info_and_the_dearer_task():
+    from vitreg.models.memory import check_batch_fits
+
+    _, info = create_model("test_vit", 32, 10)
+    fp = footprint("test_vit", 32, 10)
+    infer_only = minimum_bytes(fp, 64, train=False)
+    check_batch_fits(info, 64, ("infer",), "cpu", available=infer_only)  # exactly the floor fits
+    with pytest.raises(VitregError, match=r"train at batch_size=64, img_size=32 .* this host has"):
+        check_batch_fits(info, 64, ("infer", "train"), "cpu", available=infer_only)
+    with pytest.raises(VitregError, match=r"GPU 1 has"):
+        check_batch_fits("vit_base_patch16_224", 10**6, ("infer",), "cuda", device_index=1, available=GIB)
+
+
+def test_a_batch_in_the_millions_is_refused_by_train_before_any_step(sqlite_store):
+    from click.testing import CliRunner
+    from mlflow.tracking import MlflowClient
+
+    from vitreg.cli.main import main
+
+    res = CliRunner().invoke(main, ["train", "--model", "test_vit", "--img-size", "32", "--batch-size", "100000000",
+                                    "--steps", "2", "--num-classes", "10", "--device", "cpu", "--experiment", "huge"])
+    assert res.exit_code == 2 and "Traceback" not in res.output, (res.output[-2000:], res.exception)
+    assert "error: train at batch_size=100000000" in res.output and "use batch_size=" in res.output
+    c = MlflowClient()
+    (run,) = c.search_runs([c.get_experiment_by_name("huge").experiment_id])
+    assert run.info.status == "FAILED"
+
+
+def test_nproc_beyond_the_host_is_refused_with_the_number_that_fits():
+    from vitreg.models.memory import PROCESS_BASELINE_BYTES, check_nproc_fits
+
+    fp = footprint("test_vit", 32, 10)
+    check_nproc_fits(4, fp, "cuda", available=4 * (PROCESS_BASELINE_BYTES + fp.weight_bytes))
+    with pytest.raises(VitregError, match=r"nproc=64 processes need at least .* free: use nproc=8 or less"):
+        check_nproc_fits(64, fp, "cuda", available=8 * (PROCESS_BASELINE_BYTES + fp.weight_bytes) + 1)
+    with pytest.raises(VitregError, match=r"use a smaller model"):
+        check_nproc_fits(2, fp, "cpu", available=PROCESS_BASELINE_BYTES)
+
+
+def test_the_process_baseline_is_below_what_a_bare_torch_process_holds():
+    """The floor per process stays under the unique memory of `python -c "import torch, timm"` here."""
+    import subprocess
+    import sys
+
+    from vitreg.models.memory import PROCESS_BASELINE_BYTES
+
+    code = "import psutil, torch, timm; print(psutil.Process().memory_full_info().uss)"
+    uss = int(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
+    assert PROCESS_BASELINE_BYTES < uss
+
+
+@pytest.mark.slow
+def test_nproc_far_above_the_host_is_refused_before_torchrun(sqlite_store):
+    """`train --nproc 100000 --device cpu`: refused by the launcher, one line, its run FAILED, no worker started."""
+    from click.testing import CliRunner
+    from mlflow.tracking import MlflowClient
+
+    from vitreg.cli.main import main
+
+    res = CliRunner().invoke(main, ["train", "--model", "test_vit", "--img-size", "32", "--batch-size", "2",
+                                    "--steps", "2", "--num-classes", "10", "--device", "cpu", "--nproc", "100000",
+                                    "--experiment", "many"])
+    assert res.exit_code == 2 and "Traceback" not in res.output, (res.output[-2000:], res.exception)
+    assert "error: nproc=100000 processes need at least" in res.output
+    c = MlflowClient()
+    runs = c.search_runs([c.get_experiment_by_name("many").experiment_id])
+    assert runs and all(r.info.status == "FAILED" for r in runs)

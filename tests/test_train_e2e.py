@@ -218,6 +218,7 @@ def test_sigkilled_training_resumes_from_its_last_checkpoint(tmp_path):
         proc.wait(timeout=30)
     saved = json.loads((last / "spec.json").read_text())["step"]
     assert saved % 15 == 0 and saved < 400
+    assert c.get_run(killed.info.run_id).info.status == "RUNNING"  # SIGKILL: nothing ended it
     before = losses(c, killed.info.run_id)
     assert before[1] > 1.8 and saved in before  # the loss at the checkpoint was logged before it was saved
 
@@ -238,6 +239,11 @@ def test_sigkilled_training_resumes_from_its_last_checkpoint(tmp_path):
     if saved + 1 in before:  # the killed run got one step further: resuming reproduces it exactly
         assert first == pytest.approx(before[saved + 1], rel=1e-4)
     assert run.data.tags["resumed_from"] == resume and run.info.status == "FINISHED"
+    # the SIGKILLed run, left RUNNING by its dead process, is closed KILLED by the run that resumed it
+    old = c.get_run(killed.info.run_id)
+    assert old.info.status == "KILLED" and old.data.tags["vitreg_resumed_by"] == run.info.run_id
+    assert "resumed by run " + run.info.run_id in old.data.tags["vitreg_error"]
+    assert run.data.tags["vitreg_resumed_from"] == killed.info.run_id
     lr_before = {m.step: m.value for m in c.get_metric_history(killed.info.run_id, "lr")}
     lr_after = {m.step: m.value for m in c.get_metric_history(run.info.run_id, "lr")}
     if saved + 1 in lr_before:

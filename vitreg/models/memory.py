@@ -86,6 +86,58 @@ def check_step_fits(fp: Footprint, batch_size: int, train: bool, available: int,
                       f"least {_gib(need)} but {where} has {_gib(available)} free: use {hint}")
 
 
+#: Host memory a process holds of its own once torch and timm are imported, before any model: the
+#: unique set size (USS; shared libraries count once for all processes) of `python -c "import torch,
+#: timm"` measured with psutil on the CI host was 399 MiB; the floor stays below it.
+PROCESS_BASELINE_BYTES = 300 * 1024**2
+
+
+def check_batch_fits(model, batch_size: int, tasks, device_type: str, device_index: int = 0,
+                     available: int | None = None) -> None:
+    """Refuse a batch whose step cannot fit the device it runs on, before anything is allocated.
+
+    ``model``: a :class:`Footprint`, a ``ModelInfo`` (its name, img_size and num_classes) or a model
+    name (its default size). ``tasks``: ``"infer"`` and/or ``"train"``; the dearer one decides.
+    ``available``: free bytes (default: what the device reports now).
+    """
+    fp = _footprint_of(model)
+    if available is None:
+        free, where = device_available(device_type, device_index)
+    else:
+        free, where = available, f"GPU {device_index}" if device_type == "cuda" else "this host"
+    for task in tasks:
+        check_step_fits(fp, batch_size, task == "train", free, where)
+
+
+def check_nproc_fits(nproc: int, model, device_type: str, available: int | None = None) -> None:
+    """Refuse ``nproc`` processes on this host when their floor of host memory exceeds what is free.
+
+    Each process needs :data:`PROCESS_BASELINE_BYTES` plus the model's weights (every rank builds the
+    model on the CPU, DDP then copies rank 0's); on the CPU (gloo) it also runs its step there. Run
+    before the launcher starts anyone: past this, the OOM killer takes the launcher and leaves orphans.
+    """
+    fp = _footprint_of(model)
+    available = _host_available() if available is None else available
+    per_process = PROCESS_BASELINE_BYTES + fp.weight_bytes
+    if device_type == "cpu":
+        per_process += minimum_bytes(fp, 1, train=True) - fp.weight_bytes  # a step of batch 1, at least
+    if nproc * per_process <= available:
+        return
+    fits = available // per_process
+    fix = f"use nproc={fits} or less" if fits else "use a smaller model or img_size"
+    held = "torch, the model's weights" + (" and a step" if device_type == "cpu" else "")
+    raise VitregError(f"nproc={nproc} processes need at least {_gib(nproc * per_process)} of host memory "
+                      f"({_gib(per_process)} each: {held}) but this host has {_gib(available)} free: {fix}")
+
+
+def _footprint_of(model) -> Footprint:
+    if isinstance(model, Footprint):
+        return model
+    if isinstance(model, str):
+        return footprint(model)
+    return footprint(model.name, model.img_size, model.num_classes)
+
+
 def _host_available() -> int:
     import psutil
 

@@ -51,7 +51,8 @@ from vitreg.hardware.env import capture_environment, pip_freeze
 from vitreg.hardware.profiles import detect_hardware, mfu, resolve_hardware
 from vitreg.hardware.runtime import resolve_runtime
 from vitreg.models.factory import check_model_name, create_model
-from vitreg.tracking import checkpoints
+from vitreg.models.memory import check_batch_fits, check_nproc_fits, footprint
+from vitreg.tracking import checkpoints, lineage
 from vitreg.tracking import runs as tracking
 from vitreg.train.progress import Progress
 from vitreg.train.registration import check_registration, register_if_requested
@@ -151,7 +152,11 @@ def _launch_train(options, experiment, run_name, progress, nnodes=1, node_rank=0
         resolve_num_classes(spec.replace(num_classes=0))  # data=PATH: its layout, once (not per rank)
         if spec.resume and not spec.resume.startswith(("runs:/", "models:/")) and "://" not in spec.resume:
             resolve_checkpoint_source(spec.resume)  # a local path that does not exist
-        launch.check_nproc(spec.nproc, spec.device, launch.visible_gpu_count())
+        gpus = launch.visible_gpu_count()
+        launch.check_nproc(spec.nproc, spec.device, gpus)
+        # host memory for every rank, before any is started: past it the OOM killer takes the launcher
+        check_nproc_fits(spec.nproc, footprint(spec.model, spec.img_size, resolve_num_classes(spec)),
+                         "cpu" if spec.device == "cpu" or not gpus else "cuda")
         label_launcher_run(run, spec, "train")
         argv = ["-m", "vitreg.cli", "train", *launch.options_to_args(options)]
         if run_name:
@@ -187,11 +192,14 @@ def _train_in_run(run, options, workdir: Path, progress, command, run_name, *, s
     num_classes = resolve_num_classes(spec)  # checks data=PATH before any model or device work
     torch.manual_seed(spec.seed)  # the model's init, as --seed promises (DDP then copies rank 0's weights)
     model, info = create_model(spec.model, spec.img_size, num_classes)
+    check_batch_fits(info, spec.batch_size, ("train",), runtime.device, runtime.device_index)  # before any step
     check_distillable(spec, info)
     resume = None
     if spec.resume:  # every rank reads it; verified here, once, and handed to the loop
         resume = resolve_checkpoint_source(spec.resume, workdir / "resume", progress)
         spec = loop.resume_spec(spec, resume, info, progress)  # another model fails here, early
+        if world.is_main and isinstance(resume.spec.get("run_id"), str):  # the run that saved it
+            lineage.link_resumed(run.run_id, resume.spec["run_id"], progress)
     data = build_data(spec, info, runtime.torch_device, model=model, rank=world.rank, world_size=world.world_size,
                       sampler_factory=sampler_factory)
     if world.is_main:
@@ -199,15 +207,23 @@ def _train_in_run(run, options, workdir: Path, progress, command, run_name, *, s
     model = model.to(runtime.torch_device)
     summary = _flops_metrics(model, info, runtime) if world.is_main else {}
     logger = RunLogger(run)
-    ok = False
+    ok, stop = False, None
     try:
-        result = _run_loop(run, logger, spec, runtime, model, info, data, world, wrap, reducer, resume, workdir,
-                           sampler_factory, progress)
+        try:
+            result = _run_loop(run, logger, spec, runtime, model, info, data, world, wrap, reducer, resume, workdir,
+                               sampler_factory, progress)
+        except KeyboardInterrupt as exc:  # stopped between updates: log what was done, then end the run KILLED
+            result, stop = getattr(exc, "partial_result", None), exc
+            if result is None:
+                raise
         if world.is_main:
-            _log_results(run, logger, spec, hw, runtime, info, data, result, summary, reducer, command)
+            _log_results(run, logger, spec, hw, runtime, info, data, result, summary, reducer, command,
+                         register=stop is None)  # a stopped run's model is not the one register_as asked for
         ok = True
     finally:
         logger.close(timeout=None if ok else 60)  # on the error path, do not hang on a dead server
+    if stop is not None:
+        raise stop
     return result, world
 
 
@@ -260,7 +276,7 @@ def _run_loop(run, logger, spec, runtime, model, info, data, world, wrap, reduce
         bar.close()  # before the results are logged, so their lines print below the bar
 
 
-def _log_results(run, logger, spec, hw, runtime, info, data, result, summary, reducer, command):
+def _log_results(run, logger, spec, hw, runtime, info, data, result, summary, reducer, command, register=True):
     """Rank 0 (or the one process): summary metrics, results.json, ranks.json, registration."""
     metrics = {**summary, **result.metrics()}
     if result.throughput_img_per_s:
@@ -279,6 +295,8 @@ def _log_results(run, logger, spec, hw, runtime, info, data, result, summary, re
     run.log_dict(results, "results.json")
     if reducer is not None:
         run.log_dict({"train": reducer.per_rank}, "ranks.json")  # each rank's own figures: stragglers show
+    if not register:
+        return
     reg_tags = {"model": spec.model, "gpu": hw.label, "img_size": info.img_size,
                 "num_classes": info.num_classes, "steps": result.step, "source_run_id": run.run_id,
                 "train_final_loss": result.final_loss, "val_top1": result.val_top1}
