@@ -254,9 +254,9 @@ def _baseline(baseline: str | None, values: list[str], metric: str, by: str) -> 
         return None
     match = [v for v in values if v.lower() == str(baseline).strip().lower()]
     if not match:
-        what = "GPU" if by == DEFAULT_AXIS else f"{by}"
+        what, present = ("GPU", "GPUs present") if by == DEFAULT_AXIS else (by, f"{by} values present")
         raise CompareError(
-            f"baseline {what} {baseline!r} has no finished runs with {metric}; {by} values present: "
+            f"baseline {what} {baseline!r} has no finished runs with {metric}; {present}: "
             f"{', '.join(values)}; pass one of them as the baseline"
         )
     return match[0]

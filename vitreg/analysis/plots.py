@@ -151,7 +151,7 @@ def _value_axis(ax, t: pd.DataFrame, m: str) -> None:
     what = f"{m}" + (f" ({unit})" if unit else "") + ", median of runs"
     if log:
         ax.set_yscale("log")
-        ax.set_ylim(low.min() / 2, top * 4)
+        ax.set_ylim(low.min() / 4, top * 3)  # the smallest bar keeps a fifth of the height or so
         what += ", log scale"
     elif np.isfinite(top) and top > 0:
         ax.set_ylim(0, top * 1.3)

@@ -205,7 +205,8 @@ def frame_markdown(df: pd.DataFrame) -> str:
     if df.empty:
         return "_(none)_"
     df = readable(df)
-    return markdown_table(display(df), [pd.api.types.is_numeric_dtype(df[c]) for c in df.columns])
+    return markdown_table(display(df), [pd.api.types.is_numeric_dtype(df[c]) and not pd.api.types.is_bool_dtype(df[c])
+                                        for c in df.columns])
 
 
 def frame_html(df: pd.DataFrame) -> str:

@@ -97,14 +97,22 @@ def _about(c: Comparison) -> list[str]:
     return lines
 
 
+def _geomeans(c: Comparison) -> pd.DataFrame:
+    """The geometric-mean speedups as a table; ``mismatch`` marks a value whose mean takes in mislabelled
+    runs (only with include_mismatch)."""
+    geo = c.geomean_speedup()
+    rows = c.table[c.table["speedup"].notna()] if c.baseline else c.table.iloc[:0]
+    marked = {str(v) for v in rows.loc[rows["mismatch"], c.by]}
+    return pd.DataFrame({c.by: list(geo), "geomean_speedup": list(geo.values()),
+                         "mismatch": [v in marked for v in geo]})
+
+
 def _report_markdown(c: Comparison, names: list[str]) -> str:
     parts = [f"# vitreg {_axis(c)} comparison", ""] + [f"- {line}" for line in _about(c)]
     parts += ["", f"## Per configuration and {_axis(c)}", "", frame_markdown(c.table), ""]
-    geo = c.geomean_speedup()
-    if geo:
-        parts += ["## Geometric-mean speedup vs baseline", "",
-                  frame_markdown(pd.DataFrame({c.by: list(geo), "geomean_speedup": list(geo.values())})),
-                  ""]
+    geo = _geomeans(c)
+    if not geo.empty:
+        parts += ["## Geometric-mean speedup vs baseline", "", frame_markdown(geo), ""]
     parts += ["![metric by GPU](throughput_by_gpu.png)", ""]
     if not c.scaling.empty:
         parts += ["## Multi-process scaling (train)", "", frame_markdown(c.scaling), ""]
@@ -119,10 +127,9 @@ def _report_html(c: Comparison, names: list[str]) -> str:
     body = [f"<h1>vitreg {html.escape(_axis(c))} comparison</h1>", "<ul>"]
     body += [f"<li>{html.escape(line).replace('`', '')}</li>" for line in _about(c)]
     body += ["</ul>", f"<h2>Per configuration and {html.escape(_axis(c))}</h2>", frame_html(c.table)]
-    geo = c.geomean_speedup()
-    if geo:
-        body += ["<h2>Geometric-mean speedup vs baseline</h2>",
-                 frame_html(pd.DataFrame({c.by: list(geo), "geomean_speedup": list(geo.values())}))]
+    geo = _geomeans(c)
+    if not geo.empty:
+        body += ["<h2>Geometric-mean speedup vs baseline</h2>", frame_html(geo)]
     body.append('<p><img src="throughput_by_gpu.png" alt="metric by GPU"></p>')
     if not c.scaling.empty:
         body += ["<h2>Multi-process scaling (train)</h2>", frame_html(c.scaling)]
@@ -133,6 +140,6 @@ def _report_html(c: Comparison, names: list[str]) -> str:
     style = ("body{font-family:sans-serif;margin:2em}table{border-collapse:collapse;font-size:90%}"
              "th,td{border:1px solid #ccc;padding:2px 8px;text-align:right}"
              "th{background:#f4f4f4}img{max-width:100%}")
-    return ("<!doctype html>\n<html><head><meta charset=\"utf-8\"><title>vitreg {html.escape(_axis(c))} comparison"
-            f"</title><style>{style}</style></head>\n<body>\n" + "\n".join(body) +
+    return ("<!doctype html>\n<html><head><meta charset=\"utf-8\">"
+            f"<title>vitreg {html.escape(_axis(c))} comparison</title><style>{style}</style></head>\n<body>\n" + "\n".join(body) +
             "\n</body></html>\n")
