@@ -692,3 +692,63 @@ def test_linear_chart_and_gains_chart_are_readable(tmp_path):
     gains = plots.plot_gains(c, tmp_path / "gains.png")
     texts = _assert_readable(gains, tmp_path / "gains.png")
     assert {f"{v:.2f}x" for v in c.gains["speedup"]} <= set(texts) and gains.axes[0].get_xlabel().startswith("speedup")
+
+
+# ------------------------------------------------------------------------------ the compare command
+
+
+def _log_bench_like(client, exp_id, gpu, values, tags=None):
+    """Runs as `vitreg bench` logs them (params, resolved tags, per-task metrics), plus ``tags``."""
+    for value in values:
+        rid = client.create_run(exp_id, run_name=f"test_vit-{gpu}").info.run_id
+        for k, v in {"gpu": gpu, "model": "test_vit", "task": "infer", "amp": "off", "compile": "off",
+                     "batch_size": "2", "img_size": "32", "nproc": "1"}.items():
+            client.log_param(rid, k, v)
+        for k, v in {"gpu": gpu, "amp": "off", "vitreg_job": "bench", **(tags or {})}.items():
+            client.set_tag(rid, k, v)
+        client.log_metric(rid, "infer_throughput_img_per_s", value)
+        client.log_metric(rid, "infer_mfu", 0.0001)
+        client.set_terminated(rid, "FINISHED")
+
+
+def _compare_cli(*args):
+    from click.testing import CliRunner
+
+    from vitreg.cli.main import main
+
+    result = CliRunner().invoke(main, ["compare", *args])
+    assert result.exit_code == 0, result.output
+    return result.output
+
+
+def test_compare_command_keeps_cpu_runs_filed_as_gpus_out_of_verdicts(sqlite_store):
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient()
+    exp = client.create_experiment("filed")
+    cpu = {"gpu_mismatch": "true", "detected_gpu": "cpu", "device": "cpu", "gpu_name": "none"}
+    _log_bench_like(client, exp, "a100", [100, 101, 99], cpu)
+    _log_bench_like(client, exp, "h200", [671, 675, 668], cpu)
+    out = _compare_cli("--experiment", "filed", "--baseline", "a100")
+    assert "faster" not in out and "6.71x" not in out and "MISLABELLED (!)" in out and "mislabelled" in out
+    # logged beside the runs it compared, and it says so
+    (run,) = [r for r in client.search_runs([exp]) if r.data.tags.get("vitreg_job") == "compare"]
+    assert f"experiment 'filed', id {exp}" in out and run.data.metrics["n_mislabelled_runs"] == 6
+    assert not [k for k in run.data.metrics if k.startswith("speedup_geomean")]
+    out = _compare_cli("--experiment", "filed", "--baseline", "a100", "--include-mismatch", "true")
+    assert "6.71x" in out and "faster (mislabelled)" in out  # the compare run of the first call was not compared
+
+
+def test_compare_command_by_torch_version(sqlite_store):
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient()
+    exp = client.create_experiment("upgrade")
+    _log_bench_like(client, exp, "h200", [1000, 1004, 998], {"torch_version": "2.8.0"})
+    _log_bench_like(client, exp, "h200", [900, 903, 897], {"torch_version": "2.9.0"})
+    out = _compare_cli("--experiment", "upgrade", "--by", "torch_version", "--baseline", "2.8.0")
+    assert "compared along: torch_version" in out
+    row = next(line for line in out.splitlines() if line.lstrip().startswith("2.9.0") or " 2.9.0 " in line)
+    assert "slower" in row and "0.90x" in row
+    (run,) = [r for r in client.search_runs([exp]) if r.data.tags.get("vitreg_job") == "compare"]
+    assert run.data.params["by"] == "torch_version" and run.data.metrics["speedup_geomean_2.9.0"] == pytest.approx(0.9, rel=0.01)

@@ -1,4 +1,5 @@
-"""The comparison for people: a fixed-width terminal table, markdown and HTML tables, cell formats.
+"""The comparison for people: a fixed-width terminal table, markdown and HTML tables, cell formats;
+and the rows of a bench result's table.
 
 Pure formatting over frames (:class:`vitreg.analysis.comparison.Comparison` and the bench report's
 rows); the CSV keeps full precision, these show each column with one precision.
@@ -12,6 +13,10 @@ import numpy as np
 import pandas as pd
 
 from vitreg.analysis.frame import CONFIG_KEYS, DEFAULT_AXIS
+from vitreg.measure.metrics import REPORT_COLUMNS
+
+#: the bench report's results table (report.md, the terminal, the run's note): one row per task
+RESULT_HEADERS = ["task", "batch"] + [col.header for col in REPORT_COLUMNS]
 
 
 def format_table(comparison) -> str:
@@ -212,3 +217,14 @@ def frame_markdown(df: pd.DataFrame) -> str:
 def frame_html(df: pd.DataFrame) -> str:
     """A result frame as an HTML table, recorded columns only, formatted like :func:`frame_markdown`."""
     return display(readable(df)).to_html(index=False, escape=True, border=0, na_rep="-")
+
+
+def result_rows(tasks) -> list[list[str]]:
+    """The cells of :data:`RESULT_HEADERS`, one row per task of a bench result. ``tasks``: dicts with
+    ``task``, ``batch_size`` and ``metrics`` (``<task>_``-prefixed names), as results.json holds them."""
+    rows = []
+    for t in tasks:
+        prefix = f"{t['task']}_"
+        values = {k[len(prefix):]: v for k, v in t["metrics"].items() if k.startswith(prefix)}
+        rows.append([t["task"], str(t["batch_size"])] + [col.render(t["task"], values) for col in REPORT_COLUMNS])
+    return rows
