@@ -47,6 +47,7 @@ def test_run_name_puts_the_gpu_first_and_the_throughput_second():
     assert (run_name("a100", "deit_small_patch16_224", "off", 64, "max-autotune", nproc=2, cuda_graph=True,
                      throughputs={"infer": 3000.0, "train": 1000.4})
             == "a100 · infer 3,000 · train 1,000 img/s · deit_s16 · fp32 · bs64 · max-autotune · cudagraph · x2")
+    assert run_name("cpu", "test_vit", "off", 2, throughputs={"infer": 6.0708}) == "cpu · 6.07 img/s · test_vit · fp32 · bs2"
 
 
 def test_note_holds_the_report_table_from_the_results_dict():
@@ -60,12 +61,13 @@ def test_note_holds_the_report_table_from_the_results_dict():
     for row in report._rows(result):
         assert all(cell in table for cell in row)
     note = run_note(as_json)
-    assert note.startswith("**test_vit** on **h200** (cuda), precision bf16") and table in note
+    assert note.startswith("**test_vit** on **h200** (cuda, precision bf16): infer **1,234 img/s**; train **1,234 img/s**")
+    assert table in note
     assert "report.md" in note and "MISLABELLED" not in note and "1.2%" in note  # MFU of the infer row
     assert NOTE_TAG == "mlflow.note.content"
 
 
 def test_note_of_a_mislabelled_run_says_so_and_has_no_mfu():
     note = run_note(_bench(_task("infer")).to_dict(), ran_on="cpu")
-    assert note.startswith("**MISLABELLED**: filed as `h200` but ran on `cpu`")
+    assert note.splitlines()[2].startswith("**MISLABELLED**: filed as `h200` but ran on `cpu`")
     assert "1.2%" not in note and "1,234.5" in note

@@ -35,11 +35,16 @@ def short_model(model: str) -> str:
     return short[: -len("_224")] if short != model and short.endswith("_224") else short
 
 
+def rate(value: float) -> str:
+    """An img/s figure as a name shows it: ``8,635``, ``12.9``, ``6.07`` (three digits at least)."""
+    return f"{value:,.0f}" if abs(value) >= 100 else f"{value:.3g}"
+
+
 def throughput_text(throughputs: dict[str, float]) -> str:
     """``{"infer": 8635.2}`` -> ``8,635 img/s``; two tasks: ``infer 8,635 · train 2,101 img/s``."""
     if len(throughputs) == 1:
-        return f"{next(iter(throughputs.values())):,.0f} img/s"
-    return SEP.join(f"{task} {value:,.0f}" for task, value in throughputs.items()) + " img/s"
+        return f"{rate(next(iter(throughputs.values())))} img/s"
+    return SEP.join(f"{task} {rate(value)}" for task, value in throughputs.items()) + " img/s"
 
 
 def run_name(gpu: str, model: str, amp: str, batch_size: int, compile: str = "off", *, nproc: int = 1,
@@ -74,11 +79,12 @@ def run_note(result: dict, ran_on: str | None = None) -> str:
     """The run's description: what ran, the results table, and where the rest is. ``ran_on``: the
     hardware that really ran a run filed under another GPU label (allow_gpu_mismatch), said first."""
     model = result["model"]["name"] if isinstance(result.get("model"), dict) else result.get("model", "?")
-    lines = []
+    speeds = "; ".join(f"{t['task']} **{rate(t['metrics'][t['task'] + '_throughput_img_per_s'])} img/s**"
+                       for t in result["tasks"])
+    lines = [f"**{model}** on **{result['gpu']}** ({result['device']}, precision {result['amp']}): {speeds}", ""]
     if ran_on:
         lines += [f"**MISLABELLED**: filed as `{result['gpu']}` but ran on `{ran_on}`; its figures are not "
                   f"{result['gpu']}'s (compare leaves it out of speedups unless include_mismatch=true).", ""]
-    lines += [f"**{model}** on **{result['gpu']}** ({result['device']}), precision {result['amp']}", "",
-              results_markdown(result, mfu=not ran_on), "",
+    lines += [results_markdown(result, mfu=not ran_on), "",
               "Full report: artifact `report.md`; every number: `results.json`."]
     return "\n".join(lines)

@@ -254,3 +254,28 @@ def _integer(df: pd.DataFrame, col: str) -> pd.Series:
         return pd.Series(pd.NA, index=df.index, dtype="Int64")
     num = pd.to_numeric(df[col], errors="coerce")
     return num.round().astype("Int64")
+
+
+def experiment_links(store_uri: str, ui_url: str) -> list[str]:
+    """``NAME (N runs): URL`` for each experiment of ``store_uri`` that has runs, URL being its runs list
+    in the MLflow UI at ``ui_url`` (MLflow 3's UI opens an experiment on its GenAI overview; ``/runs``
+    opens the runs). Nothing when the store holds no runs yet."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=store_uri)
+    links = []
+    for exp in client.search_experiments():
+        n = len(client.search_runs([exp.experiment_id], max_results=1000))
+        if n:
+            links.append(f"{exp.name} ({n} runs): {ui_url}/#/experiments/{exp.experiment_id}/runs")
+    return links
+
+
+def print_experiment_links(store_uri: str, ui_url: str) -> None:
+    """What ``make ui`` says before the UI starts: where each experiment's runs are."""
+    links = experiment_links(store_uri, ui_url)
+    print(f"MLflow UI on {ui_url} (store {store_uri}); the runs of each experiment:" if links else
+          f"MLflow UI on {ui_url}: no runs in {store_uri} yet (make bench logs one); experiments: "
+          f"{ui_url}/#/experiments")
+    for line in links:
+        print(f"  {line}")
