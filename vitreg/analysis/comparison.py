@@ -41,7 +41,8 @@ class Comparison:
     configuration: >1 is better, so for latency-like metrics it is baseline/value), ``ci_low``,
     ``ci_high`` (bootstrap interval of that factor) and ``verdict``.
 
-    ``values`` are the axis values compared, the baseline first; ``gpus`` the GPU labels of the runs.
+    ``values`` are the axis values compared, the baseline first; ``gpus`` the GPU labels of the runs
+    (the same as ``values`` when comparing GPUs). ``baseline_label`` names the baseline with its axis.
     ``scaling`` is :func:`scaling_efficiency` of the same runs, ``gains`` is
     :func:`compile_amp_gains`, ``runs`` the tidy rows the numbers came from.
     """
@@ -67,6 +68,13 @@ class Comparison:
         if "verdict" not in self.table:
             return {}
         return {str(k): int(v) for k, v in self.table["verdict"].value_counts().items()}
+
+    @property
+    def baseline_label(self) -> str | None:
+        """``a100`` when comparing GPUs, ``torch_version=2.8.0`` along another axis."""
+        if self.baseline is None:
+            return None
+        return self.baseline if self.by == DEFAULT_AXIS else f"{self.by}={self.baseline}"
 
     @property
     def mislabelled(self) -> pd.DataFrame:
@@ -171,6 +179,7 @@ def compare_runs(
     ask = _Question(metric, by, baseline, higher, include_mismatch, n_boot, confidence,
                     np.random.default_rng(seed), tuple(m for m in COMPANIONS if m != metric))
     keys = [k for k in (*CONFIG_KEYS, "gpu") if k != by]
+    ordered = ([baseline] if baseline else []) + [v for v in values if v != baseline]
     rows = []
     # dropna=False: a configuration with an unrecorded batch size is still a configuration.
     for config, cfg_runs in measured.groupby(keys, dropna=False, sort=True):
@@ -183,12 +192,12 @@ def compare_runs(
         confidence=confidence,
         n_boot=n_boot,
         seed=seed,
-        gpus=sorted(measured["gpu"].astype(str).unique()),
+        gpus=ordered if by == DEFAULT_AXIS else sorted(measured["gpu"].astype(str).unique()),
         runs=measured.reset_index(drop=True),
         scaling=scaling_efficiency(runs, include_mismatch=include_mismatch),
         gains=compile_amp_gains(runs, include_mismatch=include_mismatch),
         by=by,
-        values=([baseline] if baseline else []) + [v for v in values if v != baseline],
+        values=ordered,
         include_mismatch=include_mismatch,
     )
 

@@ -33,9 +33,8 @@ def format_table(comparison) -> str:
     direction = "higher is better" if comparison.higher_is_better else "lower is better"
     lines = [f"metric: {m} (median over runs, {direction})"]
     if comparison.baseline:
-        named = comparison.baseline if by == DEFAULT_AXIS else f"{by}={comparison.baseline}"
         lines.append(
-            f"baseline: {named}; speedup >1 = better than baseline; "
+            f"baseline: {comparison.baseline_label}; speedup >1 = better than baseline; "
             f"{comparison.confidence:.0%} bootstrap CI ({comparison.n_boot} resamples)"
         )
     lines += caveats(comparison)

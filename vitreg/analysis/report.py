@@ -88,7 +88,7 @@ def _about(c: Comparison) -> list[str]:
     ]
     if c.baseline:
         lines += [
-            f"baseline: `{c.baseline if c.by == DEFAULT_AXIS else f'{c.by}={c.baseline}'}`; speedup > 1 means better than the baseline on the same "
+            f"baseline: `{c.baseline_label}`; speedup > 1 means better than the baseline on the same "
             "configuration",
             f"verdict: faster/slower only when the {c.confidence:.0%} bootstrap interval of the "
             f"ratio of medians ({c.n_boot} resamples, seed {c.seed}) excludes 1 and the change "
@@ -140,6 +140,6 @@ def _report_html(c: Comparison, names: list[str]) -> str:
     style = ("body{font-family:sans-serif;margin:2em}table{border-collapse:collapse;font-size:90%}"
              "th,td{border:1px solid #ccc;padding:2px 8px;text-align:right}"
              "th{background:#f4f4f4}img{max-width:100%}")
-    return ("<!doctype html>\n<html><head><meta charset=\"utf-8\">"
-            f"<title>vitreg {html.escape(_axis(c))} comparison</title><style>{style}</style></head>\n<body>\n" + "\n".join(body) +
+    head = f"<title>vitreg {html.escape(_axis(c))} comparison</title><style>{style}</style>"
+    return (f"<!doctype html>\n<html><head><meta charset=\"utf-8\">{head}</head>\n<body>\n" + "\n".join(body) +
             "\n</body></html>\n")
