@@ -10,6 +10,8 @@ property is about parsing and refusing, not about waiting for a big run to finis
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 hypothesis = pytest.importorskip("hypothesis")
@@ -20,7 +22,8 @@ from click.testing import CliRunner  # noqa: E402
 from vitreg.cli.main import main  # noqa: E402
 from vitreg.config.options import options_of  # noqa: E402
 
-EXAMPLES = 60
+#: sized for < 60 s on a CPU; VITREG_FUZZ_EXAMPLES=500 hunts longer
+EXAMPLES = int(os.environ.get("VITREG_FUZZ_EXAMPLES", "50"))
 BASE = {
     "bench": ["bench", "--model", "test_vit", "--img-size", "32", "--batch-size", "2", "--warmup", "1", "--steps", "1",
               "--repeats", "1", "--device", "cpu", "--task", "infer"],

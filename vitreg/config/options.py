@@ -31,6 +31,7 @@ DEVICE_CHOICES = ("auto", "cuda", "cpu")
 DDP_COMM_HOOKS = ("none", "fp16", "bf16")
 DDP_BUCKET_MB = 25.0  # torch's DistributedDataParallel default bucket_cap_mb
 DISTILLATION_CHOICES = ("none", "soft", "hard")
+SEED_MAX = 2**63 - 1  # torch.manual_seed takes a 64-bit integer; larger ones were an overflow traceback
 
 
 @dataclass(frozen=True)
@@ -73,7 +74,7 @@ class Option:
         if self.kind == "bool":
             return parse_bool(value, self.name)
         if self.kind == "int":
-            return parse_int(value, self.name, self.minimum)
+            return parse_int(value, self.name, self.minimum, self.maximum)
         if self.kind == "float":
             return parse_float(value, self.name, self.minimum, self.maximum, self.below)
         if self.kind == "choice":
@@ -254,6 +255,7 @@ OPTIONS: tuple[Option, ...] = (
                "(docs/benchmarks.md) it took DeiT-S DDP training (128 per GPU) from 76.7 % scaling efficiency to "
                "96.5-97.1 %, and to 97.7-98.4 % with `compile=default`"),
     Option("seed", "int", 0, "seed of the model init and the data.", ("bench", "infer", "train"), minimum=0,
+           maximum=SEED_MAX,
            doc="torch seed for weights and synthetic data"),
     Option("nnodes", "int", 1, "hosts in a multi-host DDP job: the same command on each, with its --node-rank and one "
            "--rdzv-endpoint.", _DDP, minimum=1, spec_field=False,

@@ -92,7 +92,8 @@ class SyntheticData:
 
         # seed from (seed, rank, index) so a resumed run regenerates exactly the batches it would have seen;
         # manual_seed is host-side bookkeeping, no device sync
-        self._gen.manual_seed((self.seed * 1_000_003 + self.rank) * 1_000_000_007 + index)
+        # (modulo 2**63: a Generator's seed is a 64-bit integer; smaller values are as they always were)
+        self._gen.manual_seed(((self.seed * 1_000_003 + self.rank) * 1_000_000_007 + index) % (1 << 63))
         labels = torch.randint(0, self.num_classes, (self.batch_size,), generator=self._gen, device=self.device)
         means = F.interpolate(self._prototypes[labels], size=(self.img_size, self.img_size), mode="nearest")
         noise = torch.randn(means.shape, generator=self._gen, device=self.device) * _NOISE_STD
