@@ -124,3 +124,9 @@ def test_nproc_far_above_the_host_is_refused_before_torchrun(sqlite_store):
     c = MlflowClient()
     runs = c.search_runs([c.get_experiment_by_name("many").experiment_id])
     assert runs and all(r.info.status == "FAILED" for r in runs)
+
+
+def test_sizes_whose_tensors_overflow_64_bits_are_one_line():
+    """Found by the property test: img_size=10**10 overflowed torch's size arithmetic on the meta device."""
+    with pytest.raises(VitregError, match=r"img_size=10000000000 .* overflow 64 bits\): use a smaller img_size"):
+        create_model("test_vit", 10**10)

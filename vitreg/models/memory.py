@@ -40,8 +40,15 @@ def footprint(name: str, img_size: int = 0, num_classes: int = 1000) -> Footprin
 
     from vitreg.models.factory import build
 
-    with torch.device("meta"):
-        model, _source, size, patch = build(name, img_size, num_classes)
+    try:
+        with torch.device("meta"):
+            model, _source, size, patch = build(name, img_size, num_classes)
+    except RuntimeError as exc:  # even a weightless tensor's size must fit 64 bits
+        if "overflow" not in str(exc).lower():
+            raise
+        raise VitregError(f"{name} at img_size={img_size} (num_classes={num_classes}) has tensors too large to "
+                          f"address (their sizes overflow 64 bits): use a smaller img_size (0 = the model's "
+                          f"default) or num_classes") from None
     width = int(getattr(model, "embed_dim", 0) or getattr(model, "hidden_dim", 0))
     blocks = getattr(model, "blocks", None)
     depth = len(blocks) if blocks is not None else len(model.encoder.layers)
