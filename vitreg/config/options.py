@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from vitreg.config.parse import parse_bool, parse_choice, parse_float, parse_int
+from vitreg.errors import VitregError
 
 COMMANDS = ("bench", "infer", "sweep", "train", "compare")
 KINDS = ("str", "int", "float", "bool", "choice")
@@ -74,7 +75,10 @@ class Option:
         if self.kind == "bool":
             return parse_bool(value, self.name)
         if self.kind == "int":
-            return parse_int(value, self.name, self.minimum, self.maximum)
+            number = parse_int(value, self.name, self.minimum)
+            if self.maximum is not None and number > self.maximum:
+                raise VitregError(f"{self.name}={number} must be <= {int(self.maximum)}")
+            return number
         if self.kind == "float":
             return parse_float(value, self.name, self.minimum, self.maximum, self.below)
         if self.kind == "choice":
