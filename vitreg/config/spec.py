@@ -315,11 +315,6 @@ class TrainSpec(_Spec):
         put("seed", parse_int(self.seed, "seed", 0))
 
     @property
-    def task(self) -> str:
-        """Always ``"train"``: lets the bench helpers that read ``spec.task`` (resolved tags) take a TrainSpec."""
-        return "train"
-
-    @property
     def synthetic(self) -> bool:
         return self.data == "synthetic"
 
