@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -502,3 +503,65 @@ def test_profile_comm_counts_gloo_all_reduce_and_nothing_else(tmp_path):
         dist.destroy_process_group()
     assert with_comm.steps == 3 and with_comm.allreduce_ms_per_step > 0 and with_comm.device_busy_ms_per_step is None
     assert without.allreduce_ms_per_step == 0
+
+
+def test_handoff_replays_rank0_calls_into_the_launchers_run(sqlite_store, tmp_path):
+    """Rank 0's tracker calls, written down and read back as they come, land in the launcher's run
+    as if rank 0 had made them; the launcher reads the job's figures from the hand-off itself."""
+    from mlflow.tracking import MlflowClient
+
+    from vitreg.tracking import handoff
+    from vitreg.tracking import runs as tracking
+
+    folder = tmp_path / "handoff"
+    ckpt = tmp_path / "work" / "checkpoints" / "step-2"
+    ckpt.mkdir(parents=True)
+    (ckpt / "model.safetensors").write_bytes(b"weights")
+    with tracking.tracked_run(run_name="launcher", system_metrics=False) as run:
+        handoff.announce_run(folder, run.run_id, run.experiment_id)
+        rank0 = handoff.HandoffTracker(folder)
+        assert rank0.run_id == run.run_id and rank0.artifact_uri("x") == f"runs:/{run.run_id}/x"
+        reader = handoff.HandoffReader(folder)
+        assert reader.read_new() == []  # nothing written yet
+        rank0.set_name("bench-ddp2")
+        rank0.log_params({"nproc": 2})
+        rank0.log_metrics({"train_loss": 2.0}, step=2)
+        handoff.replay(folder, reader.read_new(), run, progress=lambda message: None)  # while the job runs
+        rank0.set_tags({"gpu": "cpu", "mlflow.user": "no", "empty": None})
+        rank0.log_metrics({"train_throughput_img_per_s": 400.0, "train_world_size": 2})
+        rank0.log_dict({"tasks": [1]}, "results.json")
+        rank0.log_artifacts(ckpt, "checkpoints/step-2")
+        assert rank0.register_checkpoint(ckpt, "tiny", "champion", {"steps": 2}) is None  # the launcher's
+        shutil.rmtree(tmp_path / "work")  # rank 0's own folder goes: the hand-off kept copies
+        with open(folder / handoff.CALLS, "a") as out:
+            out.write('{"call": "set_tags", "tags": {"cut": ')  # a rank killed mid-line
+        handoff.replay(folder, reader.read_new(), run, progress=lambda message: None)
+    handed = reader.handoff
+    assert handed.metrics == {"train_throughput_img_per_s": 400.0, "train_world_size": 2.0}
+    assert handed.tags == {"gpu": "cpu"}
+    request = handed.registration
+    assert request["name"] == "tiny" and request["tags"] == {"steps": 2}
+    assert (request["path"] / "model.safetensors").read_bytes() == b"weights"
+    assert request["path"].parent.name == "checkpoints"  # so the registry names it as a run artifact
+
+    client = MlflowClient()
+    logged = client.get_run(run.run_id)
+    assert logged.info.run_name == "bench-ddp2" and logged.data.params == {"nproc": "2"}
+    assert logged.data.tags["gpu"] == "cpu" and "cut" not in logged.data.tags
+    assert logged.data.metrics["train_throughput_img_per_s"] == 400.0
+    assert [m.step for m in client.get_metric_history(run.run_id, "train_loss")] == [2]
+    assert {a.path for a in client.list_artifacts(run.run_id)} >= {"results.json", "checkpoints"}
+    assert [a.path for a in client.list_artifacts(run.run_id, "checkpoints/step-2")] == [
+        "checkpoints/step-2/model.safetensors"]
+
+
+def test_trackers_share_one_interface():
+    from vitreg.tracking import handoff
+    from vitreg.tracking import runs as tracking
+
+    calls = {name for name in vars(tracking.Tracker) if not name.startswith("_")} - {"run_id", "experiment_id"}
+    for impl in (tracking.MlflowTracker, tracking.NullTracker, handoff.HandoffTracker):
+        assert tracking.Tracker in impl.__mro__  # each implements the protocol explicitly
+        assert all(callable(getattr(impl, name)) for name in calls - {"thread_safe"}), impl
+    null = tracking.NullTracker()
+    assert null.log_params({"a": 1}) == {} and null.register_checkpoint("x", "n", None, {}) is None

@@ -145,12 +145,13 @@ def torchrun_command(argv: list[str], nproc: int, nnodes: int = 1, node_rank: in
 
 def launch_torchrun(argv: list[str], nproc: int, nnodes: int = 1, node_rank: int = 0,
                     rdzv_endpoint: str | None = None, env: dict | None = None, log_dir: str | None = None,
-                    progress=None) -> LaunchOutcome:
+                    progress=None, while_running=None, poll_s: float = 2.0) -> LaunchOutcome:
     """Run ``argv`` (python arguments: ``["-m", "vitreg.cli", "bench", ...]`` or ``["script.py", ...]``)
     in ``nproc`` workers per node under torchrun; wait; return the :class:`LaunchOutcome`.
 
-    The workers get ``env`` (this process's environment by default). Ctrl-C (or any exception
-    here) stops torchrun, which stops its workers, before it propagates.
+    The workers get ``env`` (this process's environment by default). ``while_running()`` is called
+    every ``poll_s`` seconds until torchrun exits. Ctrl-C (or any exception here, one of
+    ``while_running`` included) stops torchrun, which stops its workers, before it propagates.
     """
     log_dir = Path(log_dir or tempfile.mkdtemp(prefix="vitreg-torchrun-"))
     cmd = torchrun_command(argv, nproc, nnodes, node_rank, rdzv_endpoint, str(log_dir))
@@ -158,7 +159,13 @@ def launch_torchrun(argv: list[str], nproc: int, nnodes: int = 1, node_rank: int
         progress("launching: " + " ".join(shlex.quote(c) for c in cmd))
     proc = subprocess.Popen(cmd, env={**(os.environ if env is None else env), LINE_PREFIX_ENV: LINE_PREFIX})
     try:
-        returncode = proc.wait()
+        while True:
+            try:
+                returncode = proc.wait(timeout=poll_s)
+                break
+            except subprocess.TimeoutExpired:
+                if while_running:
+                    while_running()
     except BaseException:
         proc.terminate()  # torchrun turns SIGTERM into stopping its workers
         try:
@@ -195,33 +202,39 @@ def launched(argv: list[str], nproc: int, run=None, nnodes: int = 1, node_rank: 
     and yield what rank 0 handed back (a :class:`vitreg.tracking.handoff.Handoff`, whose files last
     until the block ends).
 
-    Rank 0's calls and every rank's output (``torchrun/rank<N>/stdout.log|stderr.log``) are logged
-    to ``run`` first, whatever the outcome. On failure raises :class:`LaunchError` with the root
+    Rank 0's calls are logged to ``run`` as they come (every few seconds) and every rank's output
+    (``torchrun/rank<N>/stdout.log|stderr.log``) at the end, whatever the outcome. On failure raises :class:`LaunchError` with the root
     cause (the surrounding ``tracked_run`` then ends the run FAILED with it in ``vitreg_error``).
     """
     from vitreg.tracking import handoff as handback
     from vitreg.tracking import runs as tracking
 
     launch_dir = Path(tempfile.mkdtemp(prefix="vitreg-launch-"))
+    handed = handback.HandoffReader(launch_dir / _HANDOFF)
     keep_logs = False
+
+    def log_handed() -> None:  # rank 0's calls so far, into the run (none on a node other than 0)
+        calls = handed.read_new()
+        if run is not None:
+            handback.replay(handed.directory, calls, run, progress or (lambda message: None))
+
     try:
-        handback.announce_run(launch_dir / _HANDOFF, run.run_id if run else "", str(run.experiment_id) if run else "")
+        handback.announce_run(handed.directory, run.run_id if run else "", str(run.experiment_id) if run else "")
         env = {**tracking.without_requested_run(os.environ), ENV_LAUNCH_DIR: str(launch_dir)}
         started = time.monotonic()
         outcome = launch_torchrun(argv, nproc, nnodes, node_rank, rdzv_endpoint, env, str(launch_dir / _LOGS),
-                                  progress)
+                                  progress, while_running=log_handed)
         if progress:
             progress(f"torchrun {'finished' if outcome.ok else 'failed'} after {time.monotonic() - started:.1f} s")
-        handoff = handback.read_handoff(launch_dir / _HANDOFF)
+        log_handed()
         if run is not None:
             _log_rank_logs(run, outcome)
-            handback.replay(handoff, run, progress or (lambda message: None))
         if not outcome.ok:
             keep_logs = run is None
             if keep_logs and progress:
                 progress(f"the ranks' logs are in {outcome.log_dir}")
             raise LaunchError(outcome.message, outcome.exit_code)
-        yield handoff
+        yield handed.handoff
     finally:
         if not keep_logs:
             shutil.rmtree(launch_dir, ignore_errors=True)

@@ -3,9 +3,10 @@
 Under a vitreg launcher no rank talks to MLflow. Rank 0 gets a :class:`HandoffTracker` on a
 folder the launcher gave it: every tracker call becomes one JSON line of ``calls.jsonl`` (in call
 order) and every file or folder to log is copied (hard-linked where it can be) under ``files/``.
-When torchrun is done, the launcher reads the folder (:func:`read_handoff`) and replays the calls
-into the run it holds (:func:`replay`); the figures it relates to a baseline come from the same
-:class:`Handoff`, not from the store. The launcher writes ``run.json`` first, so that rank 0 names
+While torchrun runs, and once more when it is done, the launcher reads the new lines
+(:class:`HandoffReader`) and replays them into the run it holds (:func:`replay`): curves and
+checkpoints show up during a training as they would from rank 0 itself. The figures the launcher
+relates to a baseline come from the same :class:`Handoff`, not from the store. The launcher writes ``run.json`` first, so that rank 0 names
 the run it is logging for (progress lines, checkpoint metadata, artifact URIs).
 """
 
@@ -138,26 +139,40 @@ class Handoff:
         return {**found[-1], "path": self.directory / found[-1]["path"]} if found else None
 
 
-def read_handoff(directory) -> Handoff:
-    """The calls rank 0 wrote; none if it wrote nothing (it failed first, or this node holds no rank 0).
-    A last line cut short (rank 0 killed while writing it) is dropped."""
-    directory = Path(directory)
-    calls = []
-    try:
-        lines = (directory / CALLS).read_text().splitlines()
-    except FileNotFoundError:
-        lines = []
-    for line in lines:
+class HandoffReader:
+    """Reads rank 0's calls as they are written: each :meth:`read_new` returns the complete lines
+    added since the last one (a line still being written waits for the next read; one cut short
+    by a rank killed while writing it is never read). No file yet: no calls (rank 0 failed first,
+    or this node holds no rank 0)."""
+
+    def __init__(self, directory):
+        self.directory = Path(directory)
+        self._offset = 0
+        self._calls: list[dict] = []
+
+    def read_new(self) -> list[dict]:
         try:
-            calls.append(json.loads(line))
-        except ValueError:
-            break
-    return Handoff(directory, tuple(calls))
+            with open(self.directory / CALLS, "rb") as f:
+                f.seek(self._offset)
+                chunk = f.read()
+        except FileNotFoundError:
+            return []
+        complete = chunk[:chunk.rfind(b"\n") + 1]
+        self._offset += len(complete)
+        new = [json.loads(line) for line in complete.decode().splitlines() if line]
+        self._calls += new
+        return new
+
+    @property
+    def handoff(self) -> Handoff:
+        return Handoff(self.directory, tuple(self._calls))
 
 
-def replay(handoff: Handoff, tracker: Tracker, progress) -> None:
-    """Log rank 0's calls into ``tracker``'s run, in order; registration is left to the caller."""
-    for c in handoff.calls:
+def replay(directory, calls: list[dict], tracker: Tracker, progress) -> None:
+    """Log rank 0's ``calls`` (from the hand-off in ``directory``) into ``tracker``'s run, in order;
+    registration is left to the caller."""
+    directory = Path(directory)
+    for c in calls:
         call = c["call"]
         if call == "log_params":
             note_skipped_params(tracker.log_params(c["params"]), progress)
@@ -170,4 +185,4 @@ def replay(handoff: Handoff, tracker: Tracker, progress) -> None:
         elif call == "log_text":
             tracker.log_text(c["text"], c["artifact_file"])
         elif call in ("log_artifact", "log_artifacts"):
-            getattr(tracker, call)(handoff.directory / c["path"], c["artifact_path"])
+            getattr(tracker, call)(directory / c["path"], c["artifact_path"])

@@ -18,17 +18,18 @@ Registration (``register_as``) is delegated to ``vitreg.tracking.registry.regist
 :func:`register_if_requested`.
 
 DDP (``nproc > 1``), as ``bench`` does it: the process the user started becomes the launcher
-(:func:`_launch_train`). It opens the one MLflow run (or resumes ``mlflow run``'s), checks what
+(:func:`_launch_train`). It holds the one MLflow run (or resumes ``mlflow run``'s), checks what
 needs no GPU (model name, data layout, ``nproc`` against the visible GPUs; any ``nproc`` on the
-CPU, with gloo), and re-executes the same ``train`` under torchrun through
-:func:`vitreg.dist.launcher.launch_tracked`, which ends the run FAILED with the failing rank's error and
-passes its exit status on. Each rank joins the process group, trains its own shard (an
-``EpochSampler`` shard of an ImageFolder, or synthetic batches seeded by rank) with
-``batch_size`` images per process, and only rank 0 logs (the others get a NullTracker), writes
-checkpoints and registers. Curves carry the loss averaged over the ranks and img/s summed over
-them; the summary throughput is the sum of the ranks' rates and the step time the slowest
-rank's (``ranks.json`` keeps each rank's). The ranks wait for rank 0 at a barrier before leaving,
-so none exits while rank 0 still uploads or registers.
+CPU, with gloo), and runs the same ``train`` under torchrun through
+:func:`vitreg.dist.launcher.launched`, which logs what rank 0 hands back, ends the run FAILED with
+the failing rank's error and passes its exit status on. Each rank joins the process group, trains
+its own shard (an ``EpochSampler`` shard of an ImageFolder, or synthetic batches seeded by rank)
+with ``batch_size`` images per process; no rank talks to MLflow: rank 0's tracker hands its calls
+(curves, checkpoints, the registration request) to the launcher, the others get a NullTracker.
+Curves carry the loss averaged over the ranks and img/s summed over them; the summary throughput
+is the sum of the ranks' rates and the step time the slowest rank's (``ranks.json`` keeps each
+rank's). The ranks wait for rank 0 at a barrier before leaving, so none exits while rank 0 still
+hands back its checkpoints. The launcher registers the checkpoint once the hand-off is logged.
 """
 
 from __future__ import annotations
