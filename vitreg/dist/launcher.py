@@ -51,11 +51,6 @@ class LaunchError(VitregError):
         self.exit_code = exit_code if exit_code > 0 else 1
 
 
-def launched_by_vitreg() -> bool:
-    """True in a worker of :func:`launch_torchrun` (the launcher owns the run and its system metrics)."""
-    return inside_torchrun() and bool(os.environ.get(ENV_LAUNCH_DIR))
-
-
 def needs_torchrun(nproc: int, nnodes: int = 1) -> bool:
     """The plan of a parsed job: torchrun for ``nproc > 1`` or several hosts, else this one process."""
     return nproc > 1 or nnodes != 1  # check_nodes() refuses nnodes < 1
@@ -203,8 +198,9 @@ def launched(argv: list[str], nproc: int, run=None, nnodes: int = 1, node_rank: 
     until the block ends).
 
     Rank 0's calls are logged to ``run`` as they come (every few seconds) and every rank's output
-    (``torchrun/rank<N>/stdout.log|stderr.log``) at the end, whatever the outcome. On failure raises :class:`LaunchError` with the root
-    cause (the surrounding ``tracked_run`` then ends the run FAILED with it in ``vitreg_error``).
+    (``torchrun/rank<N>/stdout.log|stderr.log``) at the end, whatever the outcome. On failure raises
+    :class:`LaunchError` with the root cause (the surrounding ``tracked_run`` then ends the run
+    FAILED with it in ``vitreg_error``).
     """
     from vitreg.tracking import handoff as handback
     from vitreg.tracking import runs as tracking

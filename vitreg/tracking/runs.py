@@ -200,6 +200,11 @@ def requested_run_id() -> str | None:
     return os.environ.get("MLFLOW_RUN_ID") or None
 
 
+def env_for_run(env: dict, run_id: str, experiment_id: str) -> dict:
+    """``env`` for a child process that resumes run ``run_id`` (as ``mlflow run`` hands a process its run)."""
+    return {**env, "MLFLOW_RUN_ID": run_id, "MLFLOW_EXPERIMENT_ID": str(experiment_id)}
+
+
 def without_requested_run(env: dict) -> dict:
     """``env`` without the variables through which ``mlflow run`` hands a process its run: for child
     processes that must not log into (or end) this process's run."""
