@@ -1,7 +1,8 @@
 # vitreg: two commands set everything up on a fresh machine.
 #   make bench   venv + install + one benchmark logged to the embedded default store (sqlite:///mlflow.db)
 #   make test    venv + install + the test suite (the same command CI runs)
-# Other targets: make server (tracking server from tracking/), make ui (MLflow UI on the local store).
+# Other targets: make server (tracking server from tracking/), make ui (MLflow UI on the local store),
+#   make mlproject (MLproject and the README parameter tables, from vitreg/config/options.py).
 
 PYTHON  ?= python3
 VENV    ?= .venv
@@ -13,15 +14,16 @@ STAMP   := $(VENV)/.vitreg-installed
 
 # Bench parameters (any MLproject param: make bench ARGS="-P model=deit_small_patch16_224 -P compile=default").
 # Without a GPU the default is a CPU-sized run (ViT-B/16 at batch 64 would take most of an hour on 2 cores).
+# A param given in ARGS replaces the default of the same name (mlflow run refuses a repeated -P).
 HAS_GPU := $(shell nvidia-smi -L >/dev/null 2>&1 && echo 1)
 ifeq ($(HAS_GPU),1)
-BENCH_DEFAULTS ?= -P gpu=auto
+BENCH_DEFAULTS ?= gpu=auto
 else
-BENCH_DEFAULTS ?= -P gpu=auto -P model=deit_tiny_patch16_224 -P batch_size=8 -P warmup=3 -P steps=5 -P repeats=3
+BENCH_DEFAULTS ?= gpu=auto model=deit_tiny_patch16_224 batch_size=8 warmup=3 steps=5 repeats=3
 endif
 ARGS ?=
 
-.PHONY: install bench test test-fast server ui clean
+.PHONY: install bench test test-fast mlproject server ui clean
 
 install: $(STAMP)
 
@@ -33,7 +35,11 @@ $(STAMP): pyproject.toml
 	@touch $@
 
 bench: $(STAMP)
-	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" mlflow run . -e bench --env-manager local $(BENCH_DEFAULTS) $(ARGS)
+	@defaults=""; for kv in $(BENCH_DEFAULTS); do \
+	  case " $(ARGS) " in *"-P $${kv%%=*}="*) ;; *) defaults="$$defaults -P $$kv" ;; esac; \
+	done; \
+	echo "mlflow run . -e bench --env-manager local$$defaults $(ARGS)"; \
+	PATH="$(abspath $(VENV))/bin:$$PATH" mlflow run . -e bench --env-manager local $$defaults $(ARGS)
 
 # Two workers (this project's machines have 2 cores); --dist loadfile keeps a module's servers in one worker.
 PYTEST_ARGS ?= -n 2 --dist loadfile
@@ -43,6 +49,10 @@ test: $(STAMP)
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow"
+
+# MLproject and the README's parameter tables, rewritten from the option table (vitreg/config/options.py)
+mlproject: $(STAMP)
+	$(PY) -m vitreg.config.generate
 
 server: $(STAMP)
 	$(PY) -m vitreg.deploy.server

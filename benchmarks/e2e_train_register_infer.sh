@@ -5,7 +5,7 @@
 #   2. the loss is read back from the store: it must fall;
 #   3. vitreg pull models:/tiny-e2e@champion --out DIR: sha256-verified, rebuilt, forward-checked;
 #   4. vitreg infer --model-uri models:/tiny-e2e@champion: a benchmark run linked to the version both ways.
-# The same flow as benchmarks/h200_issue3.sh (b), minutes smaller. From the project root:
+# The same flow as benchmarks/ddp_scaling.sh (b), minutes smaller. From the project root:
 #   bash benchmarks/e2e_train_register_infer.sh            (NPROC=2 trains with 2 gloo processes, DDP)
 # Exits non-zero if any step fails or any check does not hold. The summary goes to the screen and to
 # $OUT/log.txt (OUT defaults to the temporary store folder, kept when a step fails or with KEEP=1).

@@ -1,4 +1,4 @@
-"""nvidia-smi samples cut by the phases of an h200_concurrency.sh log: per vitreg bench phase and GPU, the
+"""nvidia-smi samples cut by the phases of an ddp_concurrency.sh log: per vitreg bench phase and GPU, the
 median SM clock, the median power and how often the SW power-cap throttle reason was set, over the samples
 above 250 W (the GPU working, not idling between phases).
 

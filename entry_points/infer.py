@@ -8,7 +8,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without install
 
-from vitreg.cli.registry_cmds import infer  # noqa: E402
+from vitreg.cli.main import main  # noqa: E402
 
 if __name__ == "__main__":
-    infer.main(sys.argv[1:], prog_name="entry_points/infer.py")
+    main(["infer", *sys.argv[1:]], prog_name="entry_points/infer.py")

@@ -9,7 +9,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without install
 
-from vitreg.cli.train_cmd import train  # noqa: E402
+from vitreg.cli.main import main  # noqa: E402
 
 if __name__ == "__main__":
-    train.main(sys.argv[1:], prog_name="entry_points/train.py")
+    main(["train", *sys.argv[1:]], prog_name="entry_points/train.py")

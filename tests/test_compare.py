@@ -1,4 +1,5 @@
-"""vitreg.analysis.comparison on synthetic search_runs frames whose right answer is known by construction."""
+"""vitreg.analysis (and vitreg.tracking.search's tidy frame) on synthetic search_runs frames whose right
+answer is known by construction."""
 
 from __future__ import annotations
 
@@ -9,9 +10,14 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from vitreg.analysis import comparison as compare
-from vitreg.analysis.comparison import CompareError, compare_gpus, compile_amp_gains, format_table, tidy, write_report
-from vitreg.analysis.timm_csv import read_timm_csv, to_runs_frame
+from vitreg.analysis import frame as schema
+from vitreg.analysis import plots
+from vitreg.analysis.comparison import compare_gpus, compile_amp_gains
+from vitreg.analysis.frame import CompareError
+from vitreg.analysis.render import format_table, markdown_table
+from vitreg.analysis.report import write_report
+from vitreg.analysis.timm_csv import read_timm_csv
+from vitreg.tracking.search import runs_frame, tidy
 
 DATA = Path(__file__).parent / "data"
 _ids = itertools.count()
@@ -58,7 +64,13 @@ def run(gpu, thr=None, *, model="deit_small_patch16_224", task="infer", amp="bf1
 
 
 def frame(*rows):
+    """The rows as mlflow.search_runs() returns them."""
     return pd.DataFrame(list(rows))
+
+
+def runs(*rows):
+    """The rows as the tidy frame the analysis works on."""
+    return tidy(frame(*rows))
 
 
 def repeats(gpu, values, **kw):
@@ -97,7 +109,7 @@ def test_tidy_splits_both_runs_and_strips_prefixes():
     assert a["amp"] == "bf16"  # resolved tags.amp wins over params.amp=auto
     assert a["nproc"] == 1  # missing params.nproc means one process
     assert a["batch_size"] == 64 and a["img_size"] == 224
-    for col in compare.CONFIG_KEYS + compare.ALL_METRICS:
+    for col in schema.CONFIG_KEYS + schema.ALL_METRICS:
         assert col in t.columns
 
 
@@ -116,8 +128,8 @@ def test_tidy_ignores_failed_runs_and_keeps_timm_imports():
 def test_failed_runs_do_not_move_the_comparison():
     ok = repeats("a100", [1000, 1010, 990]) + repeats("h200", [2000, 2020, 1980])
     bad = [run("h200", 10, status="FAILED"), run("a100", 1e6, status="FAILED")]
-    with_bad = compare_gpus(frame(*ok, *bad), baseline="a100").table
-    without = compare_gpus(frame(*ok), baseline="a100").table
+    with_bad = compare_gpus(runs(*ok, *bad), baseline="a100").table
+    without = compare_gpus(runs(*ok), baseline="a100").table
     pd.testing.assert_frame_equal(with_bad, without)
     assert only(with_bad, gpu="h200")["n_runs"] == 3
 
@@ -134,7 +146,7 @@ def test_empty_and_all_failed_frames_raise_compare_error():
 
 
 def test_clear_2x_speedup_is_faster_with_ci_excluding_one():
-    df = frame(*repeats("a100", [1000, 1012, 994, 1005, 989]),
+    df = runs(*repeats("a100", [1000, 1012, 994, 1005, 989]),
                *repeats("h200", [2010, 1992, 2005, 2021, 1987]))
     c = compare_gpus(df, baseline="a100")
     h = only(c.table, gpu="h200")
@@ -156,7 +168,7 @@ def test_clear_2x_speedup_is_faster_with_ci_excluding_one():
 
 
 def test_overlapping_noisy_runs_are_within_noise():
-    df = frame(*repeats("a100", [1000, 1300, 900, 1200, 1100]),
+    df = runs(*repeats("a100", [1000, 1300, 900, 1200, 1100]),
                *repeats("h200", [1050, 950, 1250, 1150, 1000]))
     h = only(compare_gpus(df, baseline="a100").table, gpu="h200")
     assert h["verdict"] == "within noise"
@@ -166,14 +178,14 @@ def test_overlapping_noisy_runs_are_within_noise():
 def test_ci_excluding_one_is_not_enough_when_runs_scatter_more_than_the_change():
     # Medians are rock steady (the bootstrap interval of their ratio is [1.1, 1.1]) but each side
     # has an outlier run 40% away: a 10% change is not distinguishable from that scatter.
-    df = frame(*repeats("a100", [100] * 6 + [140]), *repeats("h200", [110] * 6 + [70]))
+    df = runs(*repeats("a100", [100] * 6 + [140]), *repeats("h200", [110] * 6 + [70]))
     h = only(compare_gpus(df, baseline="a100").table, gpu="h200")
     assert h["ci_low"] > 1
     assert h["verdict"] == "within noise"
 
 
 def test_single_runs_get_a_point_estimate_but_no_verdict():
-    df = frame(run("a100", 1000), *repeats("h200", [2000, 2010]))
+    df = runs(run("a100", 1000), *repeats("h200", [2000, 2010]))
     h = only(compare_gpus(df, baseline="a100").table, gpu="h200")
     assert h["verdict"] == "single run"
     assert h["speedup"] == pytest.approx(2.005)
@@ -181,7 +193,7 @@ def test_single_runs_get_a_point_estimate_but_no_verdict():
 
 
 def test_configuration_missing_on_baseline_says_no_baseline():
-    df = frame(*repeats("a100", [1000, 1001]), *repeats("h200", [2000, 2001]),
+    df = runs(*repeats("a100", [1000, 1001]), *repeats("h200", [2000, 2001]),
                *repeats("h200", [500, 501], model="vit_large_patch16_224"))
     t = compare_gpus(df, baseline="a100").table
     assert only(t, model="vit_large_patch16_224")["verdict"] == "no baseline"
@@ -190,7 +202,7 @@ def test_configuration_missing_on_baseline_says_no_baseline():
 
 def test_configurations_are_not_mixed():
     # Same GPU pair, different batch sizes: two separate comparisons, never one pooled group.
-    df = frame(*repeats("a100", [1000, 1001], bs=64), *repeats("h200", [2000, 2002], bs=64),
+    df = runs(*repeats("a100", [1000, 1001], bs=64), *repeats("h200", [2000, 2002], bs=64),
                *repeats("a100", [1500, 1502], bs=256), *repeats("h200", [4500, 4504], bs=256))
     t = compare_gpus(df, baseline="a100").table
     assert len(t) == 4
@@ -199,7 +211,7 @@ def test_configurations_are_not_mixed():
 
 
 def test_lower_is_better_metric_inverts_the_speedup():
-    df = frame(*[run("a100", 1000, lat=v) for v in (10.0, 10.1, 9.9)],
+    df = runs(*[run("a100", 1000, lat=v) for v in (10.0, 10.1, 9.9)],
                *[run("h200", 2000, lat=v) for v in (5.0, 5.05, 4.95)])
     c = compare_gpus(df, baseline="a100", metric="latency_ms_p50")
     h = only(c.table, gpu="h200")
@@ -210,7 +222,7 @@ def test_lower_is_better_metric_inverts_the_speedup():
 
 
 def test_baseline_gpu_without_runs_names_the_gpus_present():
-    df = frame(*repeats("a100", [1000, 1001]), *repeats("h200", [2000, 2001]))
+    df = runs(*repeats("a100", [1000, 1001]), *repeats("h200", [2000, 2001]))
     with pytest.raises(CompareError) as err:
         compare_gpus(df, baseline="v100")
     msg = str(err.value)
@@ -219,7 +231,7 @@ def test_baseline_gpu_without_runs_names_the_gpus_present():
 
 
 def test_unknown_metric_lists_the_known_ones():
-    df = frame(*repeats("a100", [1000, 1001]))
+    df = runs(*repeats("a100", [1000, 1001]))
     with pytest.raises(CompareError, match="unknown metric 'imgs_per_sec'.*throughput_img_per_s"):
         compare_gpus(df, metric="imgs_per_sec")
     with pytest.raises(CompareError, match="no finished run recorded step_ms_p50"):
@@ -227,7 +239,7 @@ def test_unknown_metric_lists_the_known_ones():
 
 
 def test_no_baseline_means_no_speedup_columns():
-    df = frame(*repeats("a100", [1000, 1001]), *repeats("h200", [2000, 2001]))
+    df = runs(*repeats("a100", [1000, 1001]), *repeats("h200", [2000, 2001]))
     c = compare_gpus(df)
     assert not {"speedup", "ci_low", "ci_high", "verdict", "baseline"} & set(c.table.columns)
     assert c.geomean_speedup() == {} and c.verdict_counts == {}
@@ -235,22 +247,24 @@ def test_no_baseline_means_no_speedup_columns():
 
 
 def test_bootstrap_is_reproducible_with_a_seed():
-    df = frame(*repeats("a100", [1000, 1030, 980, 1010]), *repeats("h200", [1900, 2050, 2000, 1950]))
+    df = runs(*repeats("a100", [1000, 1030, 980, 1010]), *repeats("h200", [1900, 2050, 2000, 1950]))
     a = compare_gpus(df, baseline="a100", seed=7).table
     b = compare_gpus(df, baseline="a100", seed=7).table
     pd.testing.assert_frame_equal(a, b)
 
 
-def test_compare_accepts_a_tidy_frame():
-    df = frame(*repeats("a100", [1000, 1001]), *repeats("h200", [2000, 2001]))
-    pd.testing.assert_frame_equal(compare_gpus(tidy(df), "a100").table, compare_gpus(df, "a100").table)
+def test_compare_takes_the_tidy_frame_and_names_it_when_given_raw_runs():
+    raw = frame(*repeats("a100", [1000, 1001]), *repeats("h200", [2000, 2001]))
+    with pytest.raises(CompareError, match=r"not a tidy runs frame.*tidy\(\)"):
+        compare_gpus(raw, "a100")
+    assert only(compare_gpus(tidy(raw), "a100").table, gpu="h200")["speedup"] == pytest.approx(2000.5 / 1000.5)
 
 
 # ------------------------------------------------------------------------ scaling and gains
 
 
 def test_scaling_efficiency_hand_computed():
-    df = frame(
+    df = runs(
         *repeats("h200", [1000, 1000], task="train", nproc=1),
         *repeats("h200", [1900], task="train", nproc=2),
         *repeats("h200", [3600, 3700, 3500], task="train", nproc=4),
@@ -271,7 +285,7 @@ def test_scaling_efficiency_hand_computed():
 
 
 def test_ddp_settings_are_separate_configurations_that_scale_from_the_same_single_process_runs():
-    df = frame(
+    df = runs(
         *repeats("h200", [1000, 1000], task="train", nproc=1, ddp=(25, False)),
         *repeats("h200", [1000], task="train", nproc=1, ddp=(100, True)),  # no DDP in 1 process: same config
         *repeats("h200", [1800], task="train", nproc=2),  # logged before the settings existed: torch defaults
@@ -301,7 +315,7 @@ def test_nccl_variables_that_differ_between_ddp_runs_are_part_of_their_configura
         row["tags.nccl_env"] = env
         return row
     common = "NCCL_VERSION=2.28.3-1;TORCH_NCCL_ASYNC_ERROR_HANDLING=0"
-    df = frame(
+    df = runs(
         tagged(1000, 1, "NCCL_VERSION=2.28.3-1"),
         tagged(1000, 1, "NCCL_MAX_CTAS=8;NCCL_VERSION=2.28.3-1"),  # no DDP in 1 process: same config
         tagged(1900, 2, common), tagged(1920, 2, common),
@@ -313,7 +327,7 @@ def test_nccl_variables_that_differ_between_ddp_runs_are_part_of_their_configura
     assert s.loc["-", "n_runs"] == 2
     assert s.loc["bucket25", "n_runs"] == 2 and s.loc["bucket25", "efficiency"] == pytest.approx(0.955)
     assert s.loc["bucket25+NCCL_MAX_CTAS=8", "efficiency"] == pytest.approx(0.97)
-    same = frame(tagged(1000, 1, ""), tagged(1900, 2, "NCCL_MAX_CTAS=8;" + common),
+    same = runs(tagged(1000, 1, ""), tagged(1900, 2, "NCCL_MAX_CTAS=8;" + common),
                  tagged(1920, 2, "NCCL_MAX_CTAS=8;" + common))
     assert list(compare_gpus(same).scaling["ddp"]) == ["-", "bucket25"]
 
@@ -325,7 +339,7 @@ def test_ddp_runs_whose_params_hold_the_requested_img_size_scale_from_the_resolv
     one["tags.img_size"] = "224"
     two = run("h200", 1940, task="train", nproc=2, img=0)
     two["tags.img_size"] = "224"
-    s = compare_gpus(frame(one, two)).scaling.set_index("nproc")
+    s = compare_gpus(runs(one, two)).scaling.set_index("nproc")
     assert list(s.index) == [1, 2] and s.loc[2, "img_size"] == 224
     assert s.loc[2, "efficiency"] == pytest.approx(0.97)
 
@@ -335,7 +349,7 @@ def test_multi_host_runs_scale_by_their_world_size_not_the_per_host_nproc():
     two_hosts["tags.world_size"] = "4"
     via_params = run("h200", 3700, task="train", nproc=2)  # logged by `mlflow run -P nnodes=2`, no tag
     via_params["params.nnodes"] = "2"
-    df = frame(*repeats("h200", [1000], task="train", nproc=1), two_hosts, via_params,
+    df = runs(*repeats("h200", [1000], task="train", nproc=1), two_hosts, via_params,
                *repeats("h200", [1900], task="train", nproc=2))
     s = compare_gpus(df).scaling.set_index("nproc")
     assert list(s.index) == [1, 2, 4]
@@ -349,7 +363,7 @@ def test_cuda_graph_runs_are_their_own_configuration_and_scale_from_graphed_sing
             r["params.cuda_graph"] = value
         return rows
 
-    df = frame(
+    df = runs(
         *repeats("h200", [5000, 5200], task="train", nproc=1),  # before the option existed: plain
         *repeats("h200", [7800], task="train", nproc=2),
         *graphed(repeats("h200", [9000, 9200], task="train", nproc=1)),
@@ -367,28 +381,28 @@ def test_cuda_graph_runs_are_their_own_configuration_and_scale_from_graphed_sing
 
 
 def test_compile_and_amp_gains():
-    df = frame(
+    df = runs(
         *repeats("h200", [1000, 1000], amp="off", compile="off"),
         *repeats("h200", [1300, 1300], amp="off", compile="max-autotune"),
         *repeats("h200", [2000, 2000], amp="bf16", compile="off"),
         *repeats("h200", [2600], amp="bf16", compile="max-autotune"),
         *repeats("a100", [700], amp="bf16", compile="off"),  # nothing to pair with on a100
     )
-    g = compile_amp_gains(tidy(df)).set_index(["change", "held"])["speedup"]
+    g = compile_amp_gains(df).set_index(["change", "held"])["speedup"]
     assert g[("compile=max-autotune", "amp=off")] == pytest.approx(1.3)
     assert g[("compile=max-autotune", "amp=bf16")] == pytest.approx(1.3)
     assert g[("amp=bf16", "compile=off")] == pytest.approx(2.0)
     assert g[("amp=bf16", "compile=max-autotune")] == pytest.approx(2.0)
     assert g[("amp=bf16+compile=max-autotune", "-")] == pytest.approx(2.6)
     assert len(g) == 5
-    assert compile_amp_gains(df)["gpu"].eq("h200").all()  # raw frame accepted too
+    assert compile_amp_gains(df)["gpu"].eq("h200").all()
 
 
 # ------------------------------------------------------------------------------ formatting
 
 
 def _mixed_comparison():
-    df = frame(
+    df = runs(
         *repeats("a100", [1000, 1012, 994], amp="off"), *repeats("h200", [2010, 1992, 2005], amp="off"),
         *repeats("a100", [2000, 2020], amp="bf16"), *repeats("h200", [4100, 4080], amp="bf16"),
         *repeats("a100", [2500], amp="bf16", compile="max-autotune"),
@@ -445,6 +459,13 @@ def test_write_report_files_exist_and_round_trip(tmp_path):
         assert list(parsed.columns) == shown
 
 
+def test_markdown_tables_keep_cells_whole_and_align_numbers_right():
+    md = markdown_table(pd.DataFrame({"gpu": ["a|b"], "img/s": ["1,000"]}), [False, True]).splitlines()
+    assert [c.strip() for c in md[0].strip("|").split("|")] == ["gpu", "img/s"]
+    assert md[1].startswith("|:") and md[1].endswith(":|")  # left, then right aligned
+    assert "a\\|b" in md[2] and "1,000" in md[2]  # the pipe is escaped, the number kept as written
+
+
 def _has_lxml():
     try:
         import lxml  # noqa: F401
@@ -454,7 +475,7 @@ def _has_lxml():
 
 
 def test_write_report_without_gains_skips_that_chart(tmp_path):
-    df = frame(*repeats("a100", [1000, 1001]), *repeats("h200", [2000, 2001]))
+    df = runs(*repeats("a100", [1000, 1001]), *repeats("h200", [2000, 2001]))
     names = {p.name for p in write_report(compare_gpus(df), tmp_path)}
     assert "compile_amp_gains.png" not in names and "throughput_by_gpu.png" in names
 
@@ -463,7 +484,7 @@ def test_write_report_leaves_nothing_behind_on_error(tmp_path, monkeypatch):
     def boom(*a, **k):
         raise RuntimeError("plot failed")
 
-    monkeypatch.setattr(compare, "_plot_gains", boom)
+    monkeypatch.setattr(plots, "plot_gains", boom)
     (tmp_path / "keep.txt").write_text("unrelated")
     with pytest.raises(RuntimeError, match="plot failed"):
         write_report(_mixed_comparison(), tmp_path)
@@ -477,9 +498,9 @@ def test_write_report_leaves_nothing_behind_on_error(tmp_path, monkeypatch):
 
 
 def test_imported_timm_runs_compare_against_own_runs():
-    timm = to_runs_frame(read_timm_csv(DATA / "benchmark-infer-amp-nchw-pt240-cu124-rtx4090.csv"))
+    timm = runs_frame(read_timm_csv(DATA / "benchmark-infer-amp-nchw-pt240-cu124-rtx4090.csv"))
     own = frame(*repeats("h200", [15400, 15500, 15450], amp="fp16", bs=1024))
-    c = compare_gpus(pd.concat([timm, own], ignore_index=True), baseline="rtx4090")
+    c = compare_gpus(tidy(pd.concat([timm, own], ignore_index=True)), baseline="rtx4090")
     h = only(c.table, gpu="h200")
     assert h["sources"] == "vitreg"
     assert h["verdict"] == "single run"  # a timm file holds one measurement per model

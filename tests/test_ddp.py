@@ -259,15 +259,15 @@ def test_torchrun_command_single_and_multi_node(tmp_path):
 
 
 def test_options_to_args_round_trip_through_click():
-    from vitreg.cli.main import bench_options, bench_kwargs_to_options
+    from vitreg.cli.common import command_options
     import click
 
     seen = {}
 
     @click.command()
-    @bench_options
+    @command_options("bench")
     def cmd(**kwargs):
-        seen.update(bench_kwargs_to_options(kwargs))
+        seen.update(kwargs)
 
     options = {**TINY, "nproc": "2", "compile": "default", "allow_gpu_mismatch": True, "gpu": None}
     result = CliRunner().invoke(cmd, launch.options_to_args(options))

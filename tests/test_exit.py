@@ -1,23 +1,56 @@
-"""vitreg's exit handler (vitreg/__init__.py): the shutdown collections are skipped, no other exit handler is."""
+"""vitreg's exit handler (vitreg.freeze_at_exit): in CLI processes and torchrun workers the shutdown collections
+are skipped, and no other exit handler is; importing vitreg as a library changes nothing at exit."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+PROBE = "import atexit, gc\ndef probe(when):\n    atexit.register(lambda: print(when, 'frozen', gc.get_freeze_count() > 0))\n"
 
 
-def test_objects_are_frozen_only_after_every_exit_handler_registered_later_has_run():
-    code = textwrap.dedent("""
-        import atexit, gc
-        atexit.register(lambda: print("registered before vitreg: frozen", gc.get_freeze_count() > 0))
-        import vitreg
-        atexit.register(lambda: print("registered after vitreg: frozen", gc.get_freeze_count() > 0))
-        print("working")
-    """)
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+def run_python(code: str, *args: str) -> list[str]:
+    proc = subprocess.run([sys.executable, "-c", PROBE + textwrap.dedent(code), *args], capture_output=True,
+                          text=True, timeout=60, cwd=REPO)
     assert proc.returncode == 0, proc.stderr
-    # atexit runs last-registered first: the handlers that mlflow and others register on import run
-    # before vitreg's freeze; only one registered before vitreg was imported sees it
-    assert proc.stdout.splitlines() == ["working", "registered after vitreg: frozen False",
-                                        "registered before vitreg: frozen True"]
+    return proc.stdout.splitlines()
+
+
+def test_cli_freezes_objects_only_after_every_exit_handler_its_command_registered_has_run():
+    lines = run_python("""
+        probe("registered before the CLI:")
+        from vitreg.cli.main import main
+
+        @main.command("probe")
+        def probe_command():
+            probe("registered by the command:")  # as mlflow's, torch's handlers are, on import
+            print("working")
+
+        main(["probe"])
+    """)
+    # atexit runs last-registered first: the handlers the command's imports register run before the
+    # freeze (registered when the CLI started); only one registered before the CLI started sees it
+    assert lines == ["working", "registered by the command: frozen False", "registered before the CLI: frozen True"]
+
+
+def test_torchrun_worker_shim_freezes_after_the_worker_s_own_handlers(tmp_path):
+    worker = tmp_path / "worker.py"
+    worker.write_text(PROBE + 'probe("registered by the worker:")\nprint("working")\n')
+    lines = run_python("""
+        import runpy, sys
+        probe("registered before the shim:")
+        sys.argv = ["vitreg.dist.launcher", "--", sys.argv[1]]
+        runpy.run_module("vitreg.dist.launcher", run_name="__main__", alter_sys=True)
+    """, str(worker))
+    assert lines == ["working", "registered by the worker: frozen False", "registered before the shim: frozen True"]
+
+
+def test_importing_vitreg_registers_nothing():
+    lines = run_python("""
+        probe("registered before the imports:")  # would run after a freeze the imports registered
+        import vitreg, vitreg.cli.main, vitreg.config.spec, vitreg.dist.launcher
+    """)
+    assert lines == ["registered before the imports: frozen False"]

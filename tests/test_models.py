@@ -2,7 +2,8 @@ import pytest
 import torch
 
 from vitreg.errors import VitregError
-from vitreg.models.factory import count_flops, create_model, forward_flops_per_image
+from vitreg.models.factory import create_model
+from vitreg.models.flops import count_flops, forward_flops_per_image
 
 
 def test_flop_counter_matches_a_hand_count_for_linear():

@@ -169,7 +169,10 @@ def test_port_in_use(tmp_path):
 
 
 def test_missing_driver_names_the_pip_requirement(tmp_path, monkeypatch):
-    monkeypatch.setattr(server, "_importable", lambda module: False)
+    from vitreg.deploy import config
+
+    for module in (config, server):  # the config's checks and the start-up's both ask
+        monkeypatch.setattr(module, "importable", lambda module: False)
     with pytest.raises(ServerError, match=r"pip install 'psycopg\[binary\]'"):
         ServerConfig(backend_store_uri="postgresql://u:p@127.0.0.1/db", data_dir=tmp_path)
     cfg = ServerConfig(artifacts_destination="s3://bucket/x", data_dir=tmp_path, port=free_port())

@@ -7,14 +7,13 @@ from pathlib import Path
 
 import pytest
 
-from vitreg.analysis.comparison import tidy
 from vitreg.analysis.timm_csv import (
     ImportedRun,
     TimmImportError,
     parse_timm_filename,
     read_timm_csv,
-    to_runs_frame,
 )
+from vitreg.tracking.search import runs_frame, tidy
 
 DATA = Path(__file__).parent / "data"
 INFER = DATA / "benchmark-infer-amp-nchw-pt240-cu124-rtx4090.csv"
@@ -119,7 +118,7 @@ vit_large_patch16_224,224,610.4,419.3,256,59.7,43.77,190.5,671.9,128,224,304.33
 
 
 def test_imported_runs_tidy_like_tracked_runs():
-    t = tidy(to_runs_frame(read_timm_csv(INFER) + read_timm_csv(TRAIN)))
+    t = tidy(runs_frame(read_timm_csv(INFER) + read_timm_csv(TRAIN)))
     assert set(t["source"]) == {"timm"} and set(t["gpu"]) == {"rtx4090"}
     row = t[(t["model"] == "vit_base_patch16_224") & (t["task"] == "infer")].iloc[0]
     assert row["throughput_img_per_s"] == 2577.84 and row["latency_ms_p50"] == 397.191

@@ -15,3 +15,7 @@ class VitregError(ValueError):
     def __init__(self, message: str):
         # One line, always: the message ends up in a terminal, a tag and a table cell.
         super().__init__(" ".join(str(message).split()))
+
+
+class StoreError(VitregError):
+    """The tracking store (a local database file or a server) cannot be used; the message names it."""

@@ -41,7 +41,6 @@ __all__ = [
     "TimmImportError",
     "parse_timm_filename",
     "read_timm_csv",
-    "to_runs_frame",
 ]
 
 
@@ -207,22 +206,6 @@ def read_timm_csv(path, gpu: str | None = None, *, amp: str | None = None) -> li
             "check that timm's benchmark.py finished"
         )
     return runs
-
-
-def to_runs_frame(runs: list[ImportedRun]) -> pd.DataFrame:
-    """The records as a ``mlflow.search_runs()``-shaped frame (status FINISHED, synthetic run ids).
-
-    Lets ``vitreg.analysis.comparison`` work on an imported CSV without a tracking server, and tests build
-    realistic frames.
-    """
-    rows = []
-    for i, r in enumerate(runs):
-        row = {"run_id": f"timm-{i:05d}", "status": "FINISHED", "start_time": pd.NaT}
-        row.update({f"params.{k}": v for k, v in r.params.items()})
-        row.update({f"tags.{k}": v for k, v in r.tags.items()})
-        row.update({f"metrics.{k}": float(v) for k, v in r.metrics.items()})
-        rows.append(row)
-    return pd.DataFrame(rows)
 
 
 # --------------------------------------------------------------------------------------------

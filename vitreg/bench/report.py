@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import pandas as pd
+
+from vitreg.analysis.render import markdown_table
+from vitreg.bench.runner import INFER_EAGER_STEPS_BEFORE_CAPTURE, BenchResult
 from vitreg.hardware.env import EnvInfo
 from vitreg.measure.graphs import EAGER_STEPS_BEFORE_CAPTURE
-from vitreg.bench.runner import INFER_EAGER_STEPS_BEFORE_CAPTURE, BenchResult, TaskResult
+from vitreg.measure.metrics import REPORT_COLUMNS
 
 
 def _fmt(value, spec=",.1f", none="-") -> str:
@@ -14,23 +18,13 @@ def _fmt(value, spec=",.1f", none="-") -> str:
 def _rows(result: BenchResult) -> list[list[str]]:
     rows = []
     for t in result.tasks:
-        lat = t.iter_ms
-        rows.append([
-            t.task,
-            str(t.batch_size),
-            f"{_fmt(t.throughput.median)} ({_fmt(t.throughput.min)}-{_fmt(t.throughput.max)})",
-            f"{t.throughput.cv * 100:.1f}%",
-            f"{lat.median:.2f} / {lat.p90:.2f} / {lat.p99:.2f}",
-            _fmt(t.first_call_s, ".2f") if t.compiled else "-",
-            _fmt(t.peak_mem_allocated_mb, ",.0f"),
-            _fmt(t.achieved_tflops, ".3g"),
-            "-" if t.mfu is None else f"{t.mfu * 100:.1f}%",
-        ])
+        prefix = f"{t.task}_"
+        values = {k[len(prefix):]: v for k, v in t.metrics().items() if k.startswith(prefix)}
+        rows.append([t.task, str(t.batch_size)] + [col.render(t.task, values) for col in REPORT_COLUMNS])
     return rows
 
 
-HEADERS = ["task", "batch", "img/s median (min-max)", "CV", "ms/iter p50 / p90 / p99", "compile s",
-           "peak alloc MiB", "TFLOP/s", "MFU"]
+HEADERS = ["task", "batch"] + [col.header for col in REPORT_COLUMNS]
 
 
 def results_table(result: BenchResult) -> str:
@@ -42,10 +36,8 @@ def results_table(result: BenchResult) -> str:
     return "\n".join(lines)
 
 
-def markdown_table(headers: list[str], rows: list[list[str]]) -> str:
-    out = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
-    out += ["| " + " | ".join(r) + " |" for r in rows]
-    return "\n".join(out)
+def _markdown(headers: list[str], rows: list[list[str]]) -> str:
+    return markdown_table(pd.DataFrame(rows, columns=headers))
 
 
 def report_markdown(result: BenchResult, env: EnvInfo, command: str | None = None) -> str:
@@ -76,9 +68,9 @@ def report_markdown(result: BenchResult, env: EnvInfo, command: str | None = Non
     parts = [f"# vitreg benchmark: {result.model.name} on {result.gpu}", ""]
     if command:
         parts += ["```", command, "```", ""]
-    parts += ["## Environment", "", markdown_table(["", ""], env_rows), "",
-              "## Configuration", "", markdown_table(["", ""], cfg_rows), "",
-              "## Results", "", markdown_table(HEADERS, _rows(result)), "",
+    parts += ["## Environment", "", _markdown(["", ""], env_rows), "",
+              "## Configuration", "", _markdown(["", ""], cfg_rows), "",
+              "## Results", "", _markdown(HEADERS, _rows(result)), "",
               "Throughput: images per second over a whole timed window, median of the windows (min-max in "
               "brackets); CV: std/mean of the window throughputs. Latency: one iteration (one batch) in ms. "
               "Training iterations are forward + loss + backward + optimizer step. MFU: achieved FLOP/s over the "
@@ -86,6 +78,3 @@ def report_markdown(result: BenchResult, env: EnvInfo, command: str | None = Non
               "from the timed windows.", ""]
     return "\n".join(parts)
 
-
-def task_by_name(result: BenchResult, name: str) -> TaskResult | None:
-    return next((t for t in result.tasks if t.task == name), None)

@@ -15,9 +15,11 @@ from vitreg.console import progress
 from vitreg.errors import VitregError
 from vitreg.measure.graphs import EAGER_STEPS_BEFORE_CAPTURE, capture, require_cuda, side_stream
 from vitreg.hardware.profiles import ResolvedHardware, mfu
-from vitreg.models.factory import ModelInfo, create_model, forward_flops_per_image, train_flops_per_image
+from vitreg.models.factory import ModelInfo, create_model
+from vitreg.models.flops import forward_flops_per_image, train_flops_per_image
 from vitreg.hardware.runtime import Runtime
 from vitreg.config.spec import BenchSpec
+from vitreg.measure.metrics import ITERATION_TIME, job_metrics, task_metrics
 from vitreg.measure.timing import Stats, summarize, synchronize, time_window, wall_seconds
 
 
@@ -46,36 +48,31 @@ class TaskResult:
     device_busy_ms_per_step: float | None = None
 
     def metrics(self) -> dict[str, float]:
-        """MLflow metrics, units in the names, prefixed by the task."""
-        t = self.task
-        m = {
-            f"{t}_throughput_img_per_s": self.throughput.median,
-            f"{t}_throughput_img_per_s_min": self.throughput.min,
-            f"{t}_throughput_img_per_s_max": self.throughput.max,
-            f"{t}_throughput_cv": self.throughput.cv,
-            f"{t}_gflops_per_img": self.gflops_per_img,
-            f"{t}_achieved_tflops": self.achieved_tflops,
-            f"{t}_warmup_s": self.warmup_s,
-            f"{t}_first_call_s": self.first_call_s,
-        }
-        lat = "latency_ms" if t == "infer" else "step_ms"
-        m.update({f"{t}_{lat}_p50": self.iter_ms.median, f"{t}_{lat}_p90": self.iter_ms.p90,
-                  f"{t}_{lat}_p99": self.iter_ms.p99, f"{t}_{lat}_mean": self.iter_ms.mean})
-        if self.compiled:
-            m[f"{t}_compile_time_s"] = self.first_call_s
-        if self.mfu is not None:
-            m[f"{t}_mfu"] = self.mfu
-        if self.peak_mem_allocated_mb is not None:
-            m[f"{t}_peak_mem_allocated_mb"] = self.peak_mem_allocated_mb
-            m[f"{t}_peak_mem_reserved_mb"] = self.peak_mem_reserved_mb
-        if self.allreduce_ms_per_step is not None:
-            m[f"{t}_allreduce_ms_per_step"] = self.allreduce_ms_per_step
-        if self.device_busy_ms_per_step is not None:
-            m[f"{t}_device_busy_ms_per_step"] = self.device_busy_ms_per_step
-        if self.world_size > 1:
-            m[f"{t}_world_size"] = float(self.world_size)
-            m[f"{t}_throughput_img_per_s_per_gpu"] = self.throughput.median / self.world_size
-        return m
+        """MLflow metrics, units in the names, prefixed by the task (named in :mod:`vitreg.measure.metrics`)."""
+        it = ITERATION_TIME[self.task]
+        distributed = self.world_size > 1
+        return task_metrics(self.task, {
+            "throughput_img_per_s": self.throughput.median,
+            "throughput_img_per_s_min": self.throughput.min,
+            "throughput_img_per_s_max": self.throughput.max,
+            "throughput_cv": self.throughput.cv,
+            "gflops_per_img": self.gflops_per_img,
+            "achieved_tflops": self.achieved_tflops,
+            "warmup_s": self.warmup_s,
+            "first_call_s": self.first_call_s,
+            f"{it}_p50": self.iter_ms.median,
+            f"{it}_p90": self.iter_ms.p90,
+            f"{it}_p99": self.iter_ms.p99,
+            f"{it}_mean": self.iter_ms.mean,
+            "compile_time_s": self.first_call_s if self.compiled else None,
+            "mfu": self.mfu,
+            "peak_mem_allocated_mb": self.peak_mem_allocated_mb,
+            "peak_mem_reserved_mb": self.peak_mem_reserved_mb,
+            "allreduce_ms_per_step": self.allreduce_ms_per_step,
+            "device_busy_ms_per_step": self.device_busy_ms_per_step,
+            "world_size": self.world_size if distributed else None,
+            "throughput_img_per_s_per_gpu": self.throughput.median / self.world_size if distributed else None,
+        })
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -98,7 +95,7 @@ class BenchResult:
     tasks: tuple = field(default_factory=tuple)
 
     def metrics(self) -> dict[str, float]:
-        out = {"fwd_gflops_per_img": self.fwd_gflops_per_img, "params_m": self.model.params_m}
+        out = job_metrics({"fwd_gflops_per_img": self.fwd_gflops_per_img, "params_m": self.model.params_m})
         for task in self.tasks:
             out.update(task.metrics())
         return out

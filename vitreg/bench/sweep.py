@@ -10,6 +10,7 @@ import sys
 import tempfile
 from dataclasses import dataclass
 
+from vitreg.config.options import options_to_args
 from vitreg.tracking import runs as tracking
 from vitreg.console import progress
 from vitreg.errors import VitregError
@@ -58,11 +59,8 @@ def decay_batch(batch_size: int) -> int:
 
 
 def _child_command(combo: Combination, batch_size: int, common: dict) -> list[str]:
-    args = [sys.executable, "-m", "vitreg.cli", "bench"]
     options = {**common, "model": combo.model, "amp": combo.amp, "compile": combo.compile, "batch_size": batch_size}
-    for key, value in options.items():
-        args += [f"--{key.replace('_', '-')}", str(value)]
-    return args
+    return [sys.executable, "-m", "vitreg.cli", "bench", *options_to_args(options)]
 
 
 def run_sweep(models: str, amp: str = "auto", compile: str = "off", batch_size: str = "64",
@@ -106,9 +104,12 @@ def run_sweep(models: str, amp: str = "auto", compile: str = "off", batch_size: 
         parent.log_metrics({"n_finished": len(outcome["finished"]), "n_failed": len(outcome["failed"])})
         children = tracking.child_runs(parent)
         if len(outcome["finished"]):
-            from vitreg.analysis.comparison import compare_gpus, format_table, write_report
+            from vitreg.analysis.comparison import compare_gpus
+            from vitreg.analysis.render import format_table
+            from vitreg.analysis.report import write_report
+            from vitreg.tracking.search import tidy
 
-            comparison = compare_gpus(children, baseline=None)
+            comparison = compare_gpus(tidy(children), baseline=None)
             with tempfile.TemporaryDirectory(prefix="vitreg-sweep-") as tmp:
                 for f in write_report(comparison, tmp):
                     parent.log_artifact(f, "comparison")

@@ -1,5 +1,5 @@
-"""What every ``vitreg`` subcommand module shares: one-line user errors, the bench defaults and the
-multi-host options of the DDP jobs (bench, train).
+"""What every ``vitreg`` subcommand module shares: the click options from the option table, one-line
+user errors, and the launcher's own options of the DDP jobs (bench, train).
 
 A module of its own so that :mod:`vitreg.cli` and the command modules it registers
 (:mod:`vitreg.cli.registry_cmds`, :mod:`vitreg.cli.train_cmd`) import it without importing each other.
@@ -12,13 +12,43 @@ import sys
 
 import click
 
+from vitreg.config.options import option, options_of
 from vitreg.errors import VitregError
-from vitreg.config.spec import BenchSpec
 
 
-def bench_default(name: str):
-    """BenchSpec's default for ``name`` (the click options show the same defaults as the spec)."""
-    return BenchSpec.__dataclass_fields__[name].default
+def command_options(command: str):
+    """Decorator: every option of ``command`` in :data:`vitreg.config.options.OPTIONS`, as click options.
+
+    Values stay strings, parsed by the spec (or :func:`launcher_options`), so ``--flag false`` and
+    ``-P flag=false`` mean the same thing; each option keyword is its name (``compile``, ``batch_size``).
+    """
+
+    def decorate(fn):
+        for opt in reversed(options_of(command)):
+            if opt.required:
+                settings = {"required": True}
+            else:
+                settings = {"default": opt.default_text if opt.default is not None else None,
+                            "show_default": bool(opt.default_text)}
+            fn = click.option(*opt.flags, opt.name, help=opt.help, envvar=opt.envvar, **settings)(fn)
+        return fn
+
+    return decorate
+
+
+def split_options(command: str, values: dict) -> tuple[dict, dict]:
+    """A command's click values as (the spec's fields, the command's own options), both by name."""
+    fields = {o.name for o in options_of(command) if o.spec_field}
+    return ({k: v for k, v in values.items() if k in fields},
+            {k: v for k, v in values.items() if k not in fields})
+
+
+def launcher_options(command: str, own: dict) -> dict:
+    """The multi-host options of a DDP job (``nnodes``, ``node_rank``, ``rdzv_endpoint``), parsed, as
+    keyword arguments of ``bench()`` and ``train()``. Not spec fields: the launcher uses them and does
+    not forward them to the ranks."""
+    parsed = {name: option(command, name).parse(own[name]) for name in ("nnodes", "node_rank", "rdzv_endpoint")}
+    return {**parsed, "rdzv_endpoint": parsed["rdzv_endpoint"] or None}
 
 
 def user_errors(fn):
@@ -39,29 +69,3 @@ def user_errors(fn):
             sys.exit(exc.exit_code)
 
     return wrapper
-
-
-def host_options(fn):
-    """``--nnodes``, ``--node-rank``, ``--rdzv-endpoint``: where this host sits in a multi-host DDP job.
-    Not spec fields: the launcher uses them and does not forward them to the ranks. Both spellings
-    (``--node-rank``/``--node_rank``), as ``mlflow run`` appends undeclared ``-P k=v`` as ``--k v``."""
-    opts = [
-        click.option("--nnodes", default="1", show_default=True,
-                     help="hosts in a multi-host DDP job: the same command on each, with its --node-rank and one "
-                          "--rdzv-endpoint."),
-        click.option("--node-rank", "--node_rank", "node_rank", default="0", show_default=True,
-                     help="this host's index, 0..nnodes-1; node 0 holds rank 0, which logs the MLflow run."),
-        click.option("--rdzv-endpoint", "--rdzv_endpoint", "rdzv_endpoint", default="",
-                     help="HOST:PORT on node 0 that every host can reach (nnodes>1)."),
-    ]
-    for opt in reversed(opts):
-        fn = opt(fn)
-    return fn
-
-
-def host_kwargs(nnodes: str, node_rank: str, rdzv_endpoint: str) -> dict:
-    """:func:`host_options`' strings, parsed, as keyword arguments of ``bench()`` and ``train()``."""
-    from vitreg.config.spec import parse_int
-
-    return {"nnodes": parse_int(nnodes, "nnodes", 1), "node_rank": parse_int(node_rank, "node_rank", 0),
-            "rdzv_endpoint": rdzv_endpoint.strip() or None}

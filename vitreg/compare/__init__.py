@@ -1,1 +1,1 @@
-"""vitreg.analysis.comparison."""
+"""The cross-GPU jobs: compare and import-timm."""

@@ -1,7 +1,8 @@
 """The cross-GPU jobs: ``compare`` and ``import-timm``.
 
-Each reads or writes runs only through :mod:`vitreg.tracking.runs`; the statistics live in
-:mod:`vitreg.analysis.comparison` and the parsing in :mod:`vitreg.analysis.timm_csv`, both pure.
+Each reads runs through :mod:`vitreg.tracking.search` (MLflow's frame -> the tidy frame) and writes
+them through :mod:`vitreg.tracking.runs`; the statistics live in :mod:`vitreg.analysis` and the
+parsing in :mod:`vitreg.analysis.timm_csv`, all pure.
 """
 
 from __future__ import annotations
@@ -16,14 +17,6 @@ from vitreg.errors import VitregError
 
 # ---------------------------------------------------------------- compare
 
-def benchmark_runs(experiment: str):
-    """The experiment's benchmark runs (bench, infer, train, timm imports), not its compare/sweep parents."""
-    runs = tracking.search_runs(experiment)
-    if "tags.vitreg_job" in runs:
-        runs = runs[~runs["tags.vitreg_job"].isin(["compare", "sweep"])]
-    return runs
-
-
 def run_compare(experiment: str, baseline: str | None = None, metric: str = "throughput_img_per_s",
                 run_name: str | None = None, log_experiment: str | None = None, progress=progress):
     """Compare the experiment's runs across GPUs; log the table and plots as artifacts of a compare run.
@@ -31,10 +24,13 @@ def run_compare(experiment: str, baseline: str | None = None, metric: str = "thr
     The comparison is computed (and every input checked) before a run is opened, so a bad request
     leaves no half-written run behind.
     """
-    from vitreg.analysis.comparison import compare_gpus, format_table, write_report
+    from vitreg.analysis.comparison import compare_gpus
+    from vitreg.analysis.render import format_table
+    from vitreg.analysis.report import write_report
+    from vitreg.tracking.search import benchmark_runs, tidy
 
     tracking.check_server()
-    runs = benchmark_runs(experiment)
+    runs = tidy(benchmark_runs(experiment))
     comparison = compare_gpus(runs, baseline=baseline or None, metric=metric)
     with tempfile.TemporaryDirectory(prefix="vitreg-compare-") as tmp:
         files = write_report(comparison, tmp)

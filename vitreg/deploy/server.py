@@ -1,8 +1,8 @@
 """Start and stop the team's MLflow tracking server (``python -m vitreg.deploy.server``).
 
 The server is MLflow's own ``mlflow server``, run as a child process of this interpreter: this
-module never imports mlflow (only ``vitreg/tracking.py`` and ``vitreg/registry.py`` may). It turns
-environment variables into a :class:`ServerConfig`, the config into a command line
+module never imports mlflow (only ``vitreg/tracking/`` may). It turns
+environment variables into a :class:`~vitreg.deploy.config.ServerConfig`, the config into a command line
 (:func:`build_command`), starts it with its output in ``<data>/server.log`` (:func:`start`), waits
 until ``GET /health`` answers ``OK`` (:func:`wait_healthy`) and stops it again (:func:`stop`).
 
@@ -31,8 +31,6 @@ boxes need no S3 credentials and nothing lands in a client's working directory.
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import importlib.util
 import os
 import re
 import signal
@@ -41,12 +39,14 @@ import subprocess
 import sys
 import time
 import urllib.error
-import urllib.parse
 import urllib.request
-from dataclasses import dataclass, field
 from pathlib import Path
 
-from vitreg.errors import VitregError
+from vitreg.deploy.config import (ARTIFACT_CLIENTS, ServerConfig, ServerError, driver_requirement, importable,
+                                  is_local, local_path, public_fields, uri_scheme)
+from vitreg.tracking.uris import has_password, redact
+
+_LOG_TAIL_LINES = 15  # server log lines shown when start-up fails
 
 __all__ = [
     "ServerConfig",
@@ -58,293 +58,6 @@ __all__ = [
     "stop",
     "wait_healthy",
 ]
-
-# SQLAlchemy dialects MLflow's tracking store accepts (mlflow/store/db/db_types.py). For each
-# driver: the module it imports and the pip requirement that provides it.
-_DIALECTS = ("sqlite", "postgresql", "mysql", "mssql")
-_DRIVERS = {
-    "psycopg": ("psycopg", "psycopg[binary]"),
-    "psycopg2": ("psycopg2", "psycopg2-binary"),
-    "pymysql": ("pymysql", "PyMySQL"),
-    "mysqldb": ("MySQLdb", "mysqlclient"),
-    "pymssql": ("pymssql", "pymssql"),
-    "pyodbc": ("pyodbc", "pyodbc"),
-}
-# A URI without "+driver" gets SQLAlchemy's default driver, which changed between releases
-# (postgresql: psycopg2 up to SQLAlchemy 2.0, psycopg 3 from 2.1). vitreg names the driver
-# that is installed instead, trying these in order.
-_DEFAULT_DRIVERS = {
-    "postgresql": ("psycopg", "psycopg2"),
-    "mysql": ("pymysql", "mysqldb"),
-    "mssql": ("pymssql", "pyodbc"),
-}
-_ARTIFACT_CLIENTS = {
-    "s3": ("boto3", "boto3"),
-    "gs": ("google.cloud.storage", "google-cloud-storage"),
-    "wasbs": ("azure.storage.blob", "azure-storage-blob azure-identity"),
-}
-_PERMISSIONS = ("READ", "USE", "EDIT", "MANAGE", "NO_PERMISSIONS")
-_TRUE = {"1", "true", "yes", "on"}
-_FALSE = {"0", "false", "no", "off", ""}
-_LOG_TAIL_LINES = 15
-
-
-class ServerError(VitregError):
-    """The server cannot be configured or started; the one-line message says what to do.
-
-    ``details`` optionally holds more lines (the tail of the server log) for a terminal.
-    """
-
-    def __init__(self, message: str, details: str | None = None):
-        super().__init__(message)
-        self.details = details
-
-
-def _redact(uri: str) -> str:
-    """``scheme://user:secret@host/db`` -> ``scheme://user:***@host/db`` for logs and errors."""
-    parts = urllib.parse.urlsplit(uri)
-    if parts.password is None:
-        return uri
-    netloc = parts.netloc.replace(f":{parts.password}@", ":***@", 1)
-    return urllib.parse.urlunsplit(parts._replace(netloc=netloc))
-
-
-def _has_password(uri: str) -> bool:
-    try:
-        return urllib.parse.urlsplit(uri).password is not None
-    except ValueError:
-        return False
-
-
-def _scheme(uri: str) -> str:
-    return uri.split(":", 1)[0].lower() if ":" in uri else ""
-
-
-def _check_backend_uri(uri: str, name: str = "VITREG_BACKEND_URI") -> str:
-    """Validate a database URI (``name`` is the variable it came from).
-
-    Makes a relative SQLite path absolute (the server runs in the data folder) and spells out
-    the installed driver when the URI names none (``postgresql://`` -> ``postgresql+psycopg://``).
-    """
-    scheme = _scheme(uri)
-    dialect, _, driver = scheme.partition("+")
-    if dialect == "postgres":
-        raise ServerError(
-            f"{name} scheme '{scheme}' is not understood by SQLAlchemy; "
-            "write postgresql://user:password@host:5432/db"
-        )
-    if dialect not in _DIALECTS or "://" not in uri:
-        raise ServerError(
-            f"{name} scheme '{scheme or uri}' is not supported; use "
-            "sqlite:////absolute/path/mlflow.db or postgresql://user:password@host:5432/db "
-            "(mysql:// and mssql:// also work)"
-        )
-    if driver and driver not in _DRIVERS:
-        raise ServerError(
-            f"{name} driver '{driver}' is unknown; use one of "
-            f"{', '.join(sorted(_DRIVERS))} or leave it out"
-        )
-    if dialect == "sqlite":
-        if not uri.startswith("sqlite:///"):
-            raise ServerError(f"{name} for SQLite needs three slashes: sqlite:///path/mlflow.db")
-        path = uri[len("sqlite:///"):]
-        if path and path != ":memory:" and not path.startswith("/"):
-            uri = "sqlite:///" + str(Path(path).resolve())
-        return uri
-    if not driver:
-        candidates = _DEFAULT_DRIVERS[dialect]
-        installed = [d for d in candidates if _importable(_DRIVERS[d][0])]
-        if not installed:
-            requirement = _DRIVERS[candidates[0]][1]
-            raise ServerError(
-                f"{name} ({dialect}) needs a database driver; run "
-                f"{Path(sys.executable).name} -m pip install '{requirement}'"
-            )
-        uri = f"{dialect}+{installed[0]}" + uri[len(scheme):]
-    return uri
-
-
-def _importable(module: str) -> bool:
-    try:
-        return importlib.util.find_spec(module) is not None
-    except (ImportError, ValueError):
-        return False
-
-
-def _driver_requirement(uri: str) -> tuple[str, str] | None:
-    driver = _scheme(uri).partition("+")[2]
-    return _DRIVERS.get(driver)
-
-
-def _is_local(dest: str) -> bool:
-    scheme = _scheme(dest)
-    # A one-letter "scheme" is a Windows drive letter, not a URI.
-    return scheme in ("", "file") or len(scheme) == 1
-
-
-def _local_path(dest: str) -> Path:
-    if dest.startswith("file://"):
-        return Path(urllib.parse.urlsplit(dest).path)
-    return Path(dest)
-
-
-def _parse_bool(name: str, value: str) -> bool:
-    low = value.strip().lower()
-    if low in _TRUE:
-        return True
-    if low in _FALSE:
-        return False
-    raise ServerError(f"{name}={value!r} is not a boolean; use true or false")
-
-
-def _parse_int(name: str, value: str | int, low: int, high: int) -> int:
-    try:
-        if isinstance(value, bool) or isinstance(value, float):
-            raise ValueError
-        number = int(str(value).strip())
-    except ValueError:
-        raise ServerError(
-            f"{name}={value!r} is not an integer; set it to a number from {low} to {high}"
-        ) from None
-    if not low <= number <= high:
-        raise ServerError(
-            f"{name}={number} is out of range; set it to a number from {low} to {high}"
-        )
-    return number
-
-
-@dataclass(frozen=True)
-class ServerConfig:
-    """Everything needed to run one tracking server. Build it with :meth:`from_env`.
-
-    ``backend_store_uri`` and ``artifacts_destination`` default to a SQLite file and a folder
-    inside ``data_dir``. Secrets (``admin_password``, ``secret_key``) stay out of ``repr``.
-    """
-
-    host: str = "127.0.0.1"
-    port: int = 5000
-    workers: int = 1
-    data_dir: Path = Path("vitreg-data")
-    backend_store_uri: str | None = None
-    artifacts_destination: str | None = None
-    allowed_hosts: str | None = None
-    auth: bool = False
-    admin_username: str = "admin"
-    admin_password: str | None = field(default=None, repr=False)
-    secret_key: str | None = field(default=None, repr=False)
-    auth_default_permission: str = "READ"
-    auth_database_uri: str | None = None
-
-    def __post_init__(self):
-        set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731 (frozen)
-        set_("port", _parse_int("VITREG_SERVER_PORT", self.port, 1, 65535))
-        set_("workers", _parse_int("VITREG_SERVER_WORKERS", self.workers, 1, 64))
-        if not self.host or any(c.isspace() for c in self.host):
-            raise ServerError(
-                f"VITREG_SERVER_HOST={self.host!r} is not a host; use 127.0.0.1 or 0.0.0.0"
-            )
-        data_dir = Path(self.data_dir).expanduser().resolve()
-        set_("data_dir", data_dir)
-        backend = self.backend_store_uri or f"sqlite:///{data_dir / 'mlflow.db'}"
-        set_("backend_store_uri", _check_backend_uri(backend))
-        dest = self.artifacts_destination or str(data_dir / "artifacts")
-        if _is_local(dest):
-            dest = str(_local_path(dest).expanduser().resolve())
-        set_("artifacts_destination", dest)
-        if self.allowed_hosts is not None and not self.allowed_hosts.strip():
-            set_("allowed_hosts", None)
-        if self.auth:
-            self._check_auth()
-
-    def __repr__(self) -> str:
-        shown = ", ".join(f"{k}={v!r}" for k, v in _public_fields(self).items())
-        return f"ServerConfig({shown})"
-
-    def _check_auth(self):
-        if not self.secret_key:
-            raise ServerError(
-                "VITREG_AUTH=true needs MLFLOW_FLASK_SERVER_SECRET_KEY; export it with a long "
-                "random value, e.g. $(python -c 'import secrets; print(secrets.token_hex(32))')"
-            )
-        if not self.admin_password:
-            raise ServerError(
-                "VITREG_AUTH=true needs VITREG_ADMIN_PASSWORD (12+ characters) for the admin user; "
-                "there is no default password"
-            )
-        if len(self.admin_password) < 12 or self.admin_password == "password1234":
-            raise ServerError(
-                "VITREG_ADMIN_PASSWORD must have 12+ characters and not be MLflow's old default "
-                "'password1234'; choose another"
-            )
-        if not self.admin_username or not self.admin_username.strip():
-            raise ServerError(
-                "VITREG_ADMIN_USERNAME is empty; leave it unset (admin) or name the admin user"
-            )
-        permission = self.auth_default_permission.strip().upper()
-        if permission not in _PERMISSIONS:
-            raise ServerError(
-                f"VITREG_AUTH_DEFAULT_PERMISSION={self.auth_default_permission!r} is unknown; "
-                f"use one of {', '.join(_PERMISSIONS)}"
-            )
-        object.__setattr__(self, "auth_default_permission", permission)
-        auth_db = self.auth_database_uri or f"sqlite:///{self.data_dir / 'basic_auth.db'}"
-        auth_db = _check_backend_uri(auth_db, "VITREG_AUTH_DATABASE_URI")
-        object.__setattr__(self, "auth_database_uri", auth_db)
-
-    @classmethod
-    def from_env(cls, environ: dict[str, str] | None = None) -> "ServerConfig":
-        """Read the ``VITREG_*`` variables (module docstring); raise :class:`ServerError`."""
-        env = os.environ if environ is None else environ
-        get = lambda name: (env.get(name) or "").strip() or None  # noqa: E731
-        port = _parse_int("VITREG_SERVER_PORT", get("VITREG_SERVER_PORT") or "5000", 1, 65535)
-        workers = _parse_int("VITREG_SERVER_WORKERS", get("VITREG_SERVER_WORKERS") or "1", 1, 64)
-        auth = _parse_bool("VITREG_AUTH", env.get("VITREG_AUTH", "false"))
-        return cls(
-            host=get("VITREG_SERVER_HOST") or "127.0.0.1",
-            port=port,
-            workers=workers,
-            data_dir=Path(get("VITREG_SERVER_DATA") or "vitreg-data"),
-            backend_store_uri=get("VITREG_BACKEND_URI"),
-            artifacts_destination=get("VITREG_ARTIFACTS_DESTINATION"),
-            allowed_hosts=get("VITREG_ALLOWED_HOSTS"),
-            auth=auth,
-            admin_username=get("VITREG_ADMIN_USERNAME") or "admin",
-            # Passwords are taken verbatim: leading/trailing spaces are part of them.
-            admin_password=env.get("VITREG_ADMIN_PASSWORD") or None,
-            secret_key=env.get("MLFLOW_FLASK_SERVER_SECRET_KEY") or None,
-            auth_default_permission=get("VITREG_AUTH_DEFAULT_PERMISSION") or "READ",
-            auth_database_uri=get("VITREG_AUTH_DATABASE_URI"),
-        )
-
-    @property
-    def _wildcard(self) -> bool:
-        return self.host in ("0.0.0.0", "::", "[::]")
-
-    @property
-    def url(self) -> str:
-        """What clients put in ``MLFLOW_TRACKING_URI`` (this machine's name for a wildcard bind)."""
-        host = socket.gethostname() if self._wildcard else self.host
-        return f"http://{_bracket(host)}:{self.port}"
-
-    @property
-    def health_url(self) -> str:
-        host = ("::1" if ":" in self.host else "127.0.0.1") if self._wildcard else self.host
-        return f"http://{_bracket(host)}:{self.port}/health"
-
-    @property
-    def log_path(self) -> Path:
-        return self.data_dir / "server.log"
-
-    @property
-    def auth_config_path(self) -> Path:
-        """The basic-auth ini; an ``MLFLOW_AUTH_CONFIG_PATH`` already in the environment wins."""
-        given = os.environ.get("MLFLOW_AUTH_CONFIG_PATH")
-        return Path(given) if given else self.data_dir / "basic_auth.ini"
-
-
-def _bracket(host: str) -> str:
-    return f"[{host}]" if ":" in host and not host.startswith("[") else host
-
 
 def build_command(cfg: ServerConfig) -> list[str]:
     """The ``mlflow server`` command line for ``cfg``, run with this interpreter.
@@ -358,7 +71,7 @@ def build_command(cfg: ServerConfig) -> list[str]:
         "--port", str(cfg.port),
         "--workers", str(cfg.workers),
     ]
-    if not _has_password(cfg.backend_store_uri):
+    if not has_password(cfg.backend_store_uri):
         cmd += ["--backend-store-uri", cfg.backend_store_uri]
     cmd += ["--serve-artifacts", "--artifacts-destination", cfg.artifacts_destination]
     if cfg.allowed_hosts:
@@ -374,7 +87,7 @@ def child_env(cfg: ServerConfig, base: dict[str, str] | None = None) -> dict[str
     # MLflow's job runner (GenAI scorers, trace rollups) is not used here and makes start-up
     # slower (~6 s with 1 worker without it); an explicit setting in the environment still wins.
     env.setdefault("MLFLOW_SERVER_ENABLE_JOB_EXECUTION", "false")
-    if _has_password(cfg.backend_store_uri):
+    if has_password(cfg.backend_store_uri):
         env["MLFLOW_BACKEND_STORE_URI"] = cfg.backend_store_uri
     if cfg.auth:
         env["MLFLOW_FLASK_SERVER_SECRET_KEY"] = cfg.secret_key
@@ -426,16 +139,16 @@ def _check_requirements(cfg: ServerConfig) -> None:
     needs: list[tuple[str, str, str]] = []
     for name, uri in (("VITREG_BACKEND_URI", cfg.backend_store_uri),
                       ("VITREG_AUTH_DATABASE_URI", cfg.auth_database_uri if cfg.auth else None)):
-        req = _driver_requirement(uri) if uri else None
+        req = driver_requirement(uri) if uri else None
         if req:
             needs.append((name, *req))
-    client = _ARTIFACT_CLIENTS.get(_scheme(cfg.artifacts_destination))
+    client = ARTIFACT_CLIENTS.get(uri_scheme(cfg.artifacts_destination))
     if client:
         needs.append(("VITREG_ARTIFACTS_DESTINATION", *client))
     if cfg.auth:
         needs.append(("VITREG_AUTH", "flask_wtf", "mlflow[auth]"))
     for name, module, requirement in needs:
-        if not _importable(module):
+        if not importable(module):
             raise ServerError(
                 f"{name} needs the Python package {requirement!r}; run "
                 f"{Path(sys.executable).name} -m pip install '{requirement}'"
@@ -458,8 +171,8 @@ def _make_folders(cfg: ServerConfig) -> None:
     for uri in (cfg.backend_store_uri, cfg.auth_database_uri if cfg.auth else None):
         if uri and uri.startswith("sqlite:///") and uri != "sqlite:///:memory:":
             Path(uri[len("sqlite:///"):]).parent.mkdir(parents=True, exist_ok=True)
-    if _is_local(cfg.artifacts_destination):
-        _local_path(cfg.artifacts_destination).mkdir(parents=True, exist_ok=True)
+    if is_local(cfg.artifacts_destination):
+        local_path(cfg.artifacts_destination).mkdir(parents=True, exist_ok=True)
     if cfg.auth and "MLFLOW_AUTH_CONFIG_PATH" not in os.environ:
         path = cfg.auth_config_path
         # 0600 from the start: the auth database URI may hold a password.
@@ -536,7 +249,7 @@ def start(cfg: ServerConfig, wait: bool = True, timeout: float = 60.0,
     cmd = build_command(cfg)
     with open(cfg.log_path, "ab") as log:
         offset = log.tell()
-        shown = " ".join(_redact(part) for part in cmd)
+        shown = " ".join(redact(part) for part in cmd)
         log.write(f"=== vitreg.deploy.server {time.strftime('%Y-%m-%d %H:%M:%S')}: {shown}\n".encode())
         log.flush()
         proc = subprocess.Popen(
@@ -596,19 +309,10 @@ def _signal_group(proc: subprocess.Popen, sig: int, quiet_only: bool = False) ->
                 pass
 
 
-def _public_fields(cfg: ServerConfig) -> dict:
-    """The config's fields without secrets, passwords in URIs masked."""
-    rows = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.repr}
-    rows["backend_store_uri"] = _redact(cfg.backend_store_uri)
-    if cfg.auth_database_uri:
-        rows["auth_database_uri"] = _redact(cfg.auth_database_uri)
-    return rows
-
-
 def _describe(cfg: ServerConfig) -> str:
-    lines = [f"{k} = {v}" for k, v in _public_fields(cfg).items()]
-    lines.append(" ".join(_redact(part) for part in build_command(cfg)))
-    if _has_password(cfg.backend_store_uri):
+    lines = [f"{k} = {v}" for k, v in public_fields(cfg).items()]
+    lines.append(" ".join(redact(part) for part in build_command(cfg)))
+    if has_password(cfg.backend_store_uri):
         lines.append("(the backend store URI holds a password: it reaches the server as "
                      "MLFLOW_BACKEND_STORE_URI, not on the command line)")
     return "\n".join(lines)
@@ -638,7 +342,7 @@ def main(argv: list[str] | None = None) -> int:
         if cfg._wildcard and not cfg.auth:
             print(f"warning: listening on {cfg.host} without authentication; anyone who can reach "
                   "this machine can read and write runs (set VITREG_AUTH=true)", file=sys.stderr)
-        print(f"mlflow server on {cfg.host}:{cfg.port}, store {_redact(cfg.backend_store_uri)}, "
+        print(f"mlflow server on {cfg.host}:{cfg.port}, store {redact(cfg.backend_store_uri)}, "
               f"artifacts {cfg.artifacts_destination}, log {cfg.log_path}",
               file=sys.stderr, flush=True)
         # The server gets its own process group, so Ctrl-C reaches only this process: turn

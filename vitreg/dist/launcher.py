@@ -32,6 +32,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from vitreg.config.options import options_to_args  # noqa: F401 - the jobs build the ranks' argv with it
 from vitreg.dist.diagnose import LaunchOutcome, diagnose, record_error
 from vitreg.dist.world import inside_torchrun, is_main_process
 from vitreg.errors import VitregError
@@ -92,18 +93,6 @@ def check_nodes(nnodes: int, node_rank: int, rdzv_endpoint: str | None) -> None:
                           f"that every node can reach, e.g. rdzv_endpoint=10.0.0.1:29500")
     if rdzv_endpoint and not re.fullmatch(r"\[?[\w.\-:]+\]?:\d+", rdzv_endpoint):
         raise VitregError(f"rdzv_endpoint={rdzv_endpoint!r} is not HOST:PORT: pass e.g. rdzv_endpoint=10.0.0.1:29500")
-
-
-def options_to_args(options: dict) -> list[str]:
-    """``{"batch_size": "64", "compile": "off"}`` -> ``["--batch-size", "64", "--compile", "off"]`` (None skipped)."""
-    args = []
-    for key, value in options.items():
-        if value is None:
-            continue
-        if isinstance(value, bool):
-            value = "true" if value else "false"
-        args += [f"--{key.replace('_', '-')}", str(value)]
-    return args
 
 
 # torchrun prefixes every console line of a worker with this: the ranks' output tells which rank said what
@@ -330,4 +319,7 @@ def worker_main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
+    from vitreg import freeze_at_exit
+
+    freeze_at_exit()  # before the worker's own imports (torch, mlflow): their exit handlers run first
     sys.exit(worker_main(sys.argv[1:]))

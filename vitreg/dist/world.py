@@ -8,7 +8,8 @@ single-process run never initialises a process group.
 How the figures combine (see :func:`reduce_figures`): every rank times its own windows with its
 own CUDA events; per window, the global throughput is the SUM of the ranks' rates (so the median
 reported is the median of global throughput), and per iteration the step time is the MAX over the
-ranks (the slowest rank sets the pace of a synchronous job). ``batch_size`` is per process (per
+ranks (the slowest rank sets the pace of a synchronous job): each metric's rule is declared in
+:mod:`vitreg.measure.metrics`. ``batch_size`` is per process (per
 GPU): a job of N ranks processes ``N * batch_size`` images per step.
 """
 
@@ -18,6 +19,7 @@ import os
 from dataclasses import dataclass, field
 
 from vitreg.errors import VitregError
+from vitreg.measure.metrics import combine
 
 # The variables torchrun sets in every worker (LOCAL_RANK is the one plain processes never have).
 TORCHRUN_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -199,13 +201,20 @@ class RankFigures:
     peak_mem_reserved_mb: float | None = None
 
 
-def _max_or_none(values):
-    present = [v for v in values if v is not None]
-    return max(present) if present else None
+#: The metric (:mod:`vitreg.measure.metrics`) whose rank rule each field of RankFigures follows;
+#: an infer task's iterations are latency_ms_*, which combine like step_ms_* (the slowest rank).
+FIGURE_METRICS = {
+    "throughputs": "throughput_img_per_s",
+    "iter_ms": "step_ms_p50",
+    "first_call_s": "first_call_s",
+    "warmup_s": "warmup_s",
+    "peak_mem_allocated_mb": "peak_mem_allocated_mb",
+    "peak_mem_reserved_mb": "peak_mem_reserved_mb",
+}
 
 
 def reduce_figures(per_rank: list[RankFigures]) -> RankFigures:
-    """Combine every rank's figures (pure; the rule of the module docstring).
+    """Combine every rank's figures (pure) by the metric table's rank rules, as the module docstring says.
 
     Throughput: per window, the sum of the ranks' rates. Iteration time: per iteration, the
     slowest rank. First call, warm-up and peak memory: the largest over the ranks.
@@ -216,14 +225,8 @@ def reduce_figures(per_rank: list[RankFigures]) -> RankFigures:
     n_iters = {len(f.iter_ms) for f in per_rank}
     if len(n_windows) != 1 or len(n_iters) != 1:
         raise ValueError(f"ranks timed different numbers of windows/iterations: {sorted(n_windows)} / {sorted(n_iters)}")
-    return RankFigures(
-        throughputs=tuple(sum(ws) for ws in zip(*(f.throughputs for f in per_rank))),
-        iter_ms=tuple(max(its) for its in zip(*(f.iter_ms for f in per_rank))),
-        first_call_s=max(f.first_call_s for f in per_rank),
-        warmup_s=max(f.warmup_s for f in per_rank),
-        peak_mem_allocated_mb=_max_or_none(f.peak_mem_allocated_mb for f in per_rank),
-        peak_mem_reserved_mb=_max_or_none(f.peak_mem_reserved_mb for f in per_rank),
-    )
+    return RankFigures(**{fld: combine(name, [getattr(f, fld) for f in per_rank])
+                          for fld, name in FIGURE_METRICS.items()})
 
 
 def gather_objects(obj, world: World) -> list:
@@ -284,8 +287,8 @@ class ResultReducer:
             return profile
         import dataclasses
 
-        return dataclasses.replace(profile, allreduce_ms_per_step=max(p.allreduce_ms_per_step for p in gathered),
-                                   device_busy_ms_per_step=_max_or_none(p.device_busy_ms_per_step for p in gathered))
+        fields = ("allreduce_ms_per_step", "device_busy_ms_per_step")
+        return dataclasses.replace(profile, **{f: combine(f, [getattr(p, f) for p in gathered]) for f in fields})
 
     def per_rank_report(self) -> dict:
         """``{task: [{rank, throughput_img_per_s (median), step_ms_p50, peak_mem_allocated_mb}, ...]}``."""
@@ -323,15 +326,10 @@ def join_world(nproc: int, device: str) -> World:
     return init_from_env("cuda" if device != "cpu" and torch.cuda.is_available() else "cpu")
 
 
-#: How each per-rank training figure combines into the job's (see :func:`reduce_train_figures`).
-TRAIN_FIGURE_RULES = {
-    "throughput_img_per_s": "sum",  # the ranks train at the same time: their rates add up
-    "step_ms_p50": "max",  # a synchronous job goes at the pace of its slowest rank
-    "step_ms_p90": "max",
-    "data_wait_frac": "max",  # the rank most starved by its loader
-    "first_step_s": "max",
-    "measured_steps": "min",
-}
+#: The training loop's end-of-training figures; each combines by its rank rule in the metric table
+#: (rates summed, step times and loader waits the slowest rank's, measured steps the fewest).
+TRAIN_FIGURES = ("throughput_img_per_s", "step_ms_p50", "step_ms_p90", "data_wait_frac", "first_step_s",
+                 "measured_steps")
 
 
 def reduce_train_figures(per_rank: list[dict]) -> dict:
@@ -342,12 +340,9 @@ def reduce_train_figures(per_rank: list[dict]) -> dict:
     if not per_rank:
         raise ValueError("reduce_train_figures() needs the figures of at least one rank")
     out = {}
-    for key, rule in TRAIN_FIGURE_RULES.items():
+    for key in TRAIN_FIGURES:
         values = [f.get(key) for f in per_rank]
-        if any(v is None for v in values):
-            out[key] = None
-        else:
-            out[key] = {"sum": sum, "max": max, "min": min}[rule](values)
+        out[key] = None if any(v is None for v in values) else combine(key, values)
     return out
 
 

@@ -23,7 +23,7 @@ with DistributedDataParallel"):
 Only what the step does on the GPU is replayed: the inputs are the benchmark's fixed synthetic
 batch, the learning rate is constant, and nothing reads the loss, which is why this is a bench
 option and not a ``train`` one. fp16 (GradScaler's host-side checks) and inductor's own CUDA
-graph modes are refused by :class:`vitreg.config.spec.BenchSpec`.
+graph modes are refused by :func:`vitreg.config.spec.check_cuda_graph`.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import os
 
+from vitreg.config.spec import check_cuda_graph
 from vitreg.errors import VitregError
 
 #: eager steps before the capture: DDP's runtime statistics (CUDA timers) run in its first 10
@@ -41,14 +42,8 @@ EAGER_STEPS_BEFORE_CAPTURE = 11
 def require_cuda(cuda_graph: bool, device_type: str, amp: str = "off") -> None:
     """Refuse ``cuda_graph=true`` on a device without CUDA graphs (the CPU), and with fp16 that
     ``amp=auto`` resolved to (an explicit ``amp=fp16`` is refused by the spec already)."""
-    if not cuda_graph:
-        return
-    if device_type != "cuda":
-        raise VitregError(f"cuda_graph=true needs a CUDA GPU and this run is on {device_type}: "
-                          f"pass cuda_graph=false (or run it on a GPU)")
-    if amp == "fp16":
-        raise VitregError("cuda_graph=true cannot capture fp16's GradScaler and amp resolved to fp16 on this GPU: "
-                          "pass amp=off, or cuda_graph=false")
+    if cuda_graph:
+        check_cuda_graph(amp, device_type=device_type, amp_resolved=True)
 
 
 def prepare_process_group() -> None:

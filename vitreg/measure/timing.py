@@ -9,10 +9,11 @@ inside the timed region. On the CPU, work is synchronous and ``perf_counter`` is
 
 from __future__ import annotations
 
-import math
 import statistics
 import time
 from dataclasses import asdict, dataclass
+
+import numpy as np
 
 
 @dataclass(frozen=True)
@@ -40,18 +41,17 @@ class Stats:
 
 def percentile(values, q: float) -> float:
     """Linear-interpolated percentile (numpy's default method), q in [0, 100]."""
-    data = sorted(values)
+    data = list(values)
     if not data:
         raise ValueError("percentile of an empty sample")
-    pos = (len(data) - 1) * q / 100.0
-    lo, hi = math.floor(pos), math.ceil(pos)
-    return data[lo] + (data[hi] - data[lo]) * (pos - lo)
+    return float(np.percentile(data, q))
 
 
 def summarize(values) -> Stats:
     data = [float(v) for v in values]
     if not data:
         raise ValueError("summarize() needs at least one value")
+    p10, p90, p99 = (float(p) for p in np.percentile(data, [10, 90, 99]))
     return Stats(
         n=len(data),
         median=statistics.median(data),
@@ -59,9 +59,9 @@ def summarize(values) -> Stats:
         std=statistics.pstdev(data) if len(data) > 1 else 0.0,
         min=min(data),
         max=max(data),
-        p10=percentile(data, 10),
-        p90=percentile(data, 90),
-        p99=percentile(data, 99),
+        p10=p10,
+        p90=p90,
+        p99=p99,
     )
 
 

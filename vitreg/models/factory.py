@@ -66,8 +66,21 @@ def create_model(name: str, img_size: int = 0, num_classes: int = 1000):
 
     ``img_size=0`` keeps the model's default resolution. Any other size must be a multiple of the
     patch size: ViT position embeddings are built for the size given here, and a size the patch
-    grid does not divide fails only at the first forward pass, deep inside the model.
+    grid does not divide fails only at the first forward pass, deep inside the model. A size whose
+    weights alone would not fit in this host's memory is refused before they are allocated
+    (:mod:`vitreg.models.memory` measures them on PyTorch's meta device first).
     """
+    from vitreg.models.memory import check_host_fits, footprint
+
+    check_host_fits(footprint(name, img_size, num_classes), f"model={name} with img_size={img_size or 'default'}")
+    model, source, size, patch = build(name, img_size, num_classes)
+    distilled = bool(getattr(model, "dist_token", None) is not None)
+    params_m = sum(p.numel() for p in model.parameters()) / 1e6
+    return model, ModelInfo(name, source, size, patch, num_classes, params_m, distilled)
+
+
+def build(name: str, img_size: int, num_classes: int):
+    """``(model, source, img_size, patch_size)`` on the current default device (the CPU, or ``meta``)."""
     check_model_name(name)
     if name.startswith(TORCHVISION_PREFIX):
         import torchvision
@@ -76,23 +89,26 @@ def create_model(name: str, img_size: int = 0, num_classes: int = 1000):
         patch = int(arch.rsplit("_", 1)[1])
         size = img_size or 224
         _check_img_size(name, size, patch)
-        model = getattr(torchvision.models, arch)(weights=None, image_size=size, num_classes=num_classes)
-        source, distilled = "torchvision", False
-    else:
-        import timm
+        return getattr(torchvision.models, arch)(weights=None, image_size=size, num_classes=num_classes), \
+            "torchvision", size, patch
+    import timm
 
-        default_cfg = timm.models.get_pretrained_cfg(name)
-        default_size = int(default_cfg.input_size[-1]) if default_cfg is not None else 224
-        size = img_size or default_size
-        probe = timm.create_model(name, pretrained=False, num_classes=num_classes,
-                                  **({"img_size": size} if img_size else {}))
-        patch = int(_pair(probe.patch_embed.patch_size)[0])
-        _check_img_size(name, size, patch)
-        model = probe
-        source = "timm"
-        distilled = bool(getattr(model, "dist_token", None) is not None)
-    params_m = sum(p.numel() for p in model.parameters()) / 1e6
-    return model, ModelInfo(name, source, size, patch, num_classes, params_m, distilled)
+    default_cfg = timm.models.get_pretrained_cfg(name)
+    size = img_size or (int(default_cfg.input_size[-1]) if default_cfg is not None else 224)
+    patch = _timm_patch_size(name)
+    _check_img_size(name, size, patch)  # before building: the position embeddings are sized by it
+    model = timm.create_model(name, pretrained=False, num_classes=num_classes, **({"img_size": size} if img_size else {}))
+    return model, "timm", size, patch
+
+
+def _timm_patch_size(name: str) -> int:
+    """The patch size of a timm ViT, read from a weightless (meta-device) instance at its default size."""
+    import timm
+    import torch
+
+    with torch.device("meta"):
+        probe = timm.create_model(name, pretrained=False)
+    return int(_pair(probe.patch_embed.patch_size)[0])
 
 
 def _pair(value):
@@ -104,51 +120,3 @@ def _check_img_size(name: str, size: int, patch: int) -> None:
         lower, upper = size // patch * patch, (size // patch + 1) * patch
         options = " or ".join(str(s) for s in (lower, upper) if s >= patch)
         raise VitregError(f"img_size={size} is not a multiple of {name}'s patch size {patch}: use img_size={options}")
-
-
-def count_flops(fn, *args) -> int:
-    """FLOPs of one call of ``fn(*args)`` as PyTorch's FlopCounterMode counts them (2 per multiply-add).
-
-    It counts the matrix products and attention that dominate a ViT; element-wise work (GELU,
-    LayerNorm, softmax) is not counted, which is the usual convention for MFU.
-    """
-    from torch.utils.flop_counter import FlopCounterMode
-
-    counter = FlopCounterMode(display=False)
-    with counter:
-        fn(*args)
-    return int(counter.get_total_flops())
-
-
-def forward_flops_per_image(model, img_size: int, device) -> int:
-    """Forward FLOPs for one image, counted on the real (uncompiled) model in eval mode."""
-    import torch
-
-    was_training = model.training
-    model.eval()
-    try:
-        x = torch.randn(1, 3, img_size, img_size, device=device)
-        with torch.no_grad():
-            return count_flops(model, x)
-    finally:
-        model.train(was_training)
-
-
-def train_flops_per_image(model, img_size: int, device, loss_fn) -> int:
-    """Forward + backward FLOPs for one image (about 3x the forward), counted, not assumed."""
-    import torch
-
-    was_training = model.training
-    model.train()
-    try:
-        x = torch.randn(1, 3, img_size, img_size, device=device)
-        y = torch.zeros(1, dtype=torch.long, device=device)
-
-        def step():
-            loss_fn(model(x), y).backward()
-
-        flops = count_flops(step)
-        model.zero_grad(set_to_none=True)
-        return flops
-    finally:
-        model.train(was_training)

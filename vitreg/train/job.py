@@ -305,7 +305,7 @@ def _flops_metrics(model, info, runtime) -> dict:
     """FLOPs of one training image (student only), counted without touching the training RNG stream."""
     import torch
 
-    from vitreg.models.factory import train_flops_per_image
+    from vitreg.models.flops import train_flops_per_image
     from vitreg.bench.runner import loss_of
 
     criterion = torch.nn.CrossEntropyLoss()

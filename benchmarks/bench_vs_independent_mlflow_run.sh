@@ -1,6 +1,6 @@
 #!/bin/bash
-# Issue 2, eager half, on one H200: vitreg bench runs (through `mlflow run`) + the independent loop.
-# Run on the device machine: bash benchmarks/h200_issue2_eager.sh  (results under $OUT)
+# vitreg vs the independent loop, eager, on one H200: vitreg bench runs (through `mlflow run`) + the independent loop.
+# Run on the device machine: bash benchmarks/bench_vs_independent_mlflow_run.sh  (results under $OUT)
 set -u
 source benchmarks/gpu_env.sh
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,temperature.gpu,power.draw --format=csv | tee $OUT/nvidia-smi.txt

@@ -1,7 +1,7 @@
 #!/bin/bash
-# Issue 2 figures on one H200: vitreg bench (bf16, batch 256; compile off and default) for ViT-B/16 and
+# vitreg vs the independent loop on one H200: vitreg bench (bf16, batch 256; compile off and default) for ViT-B/16 and
 # DeiT-Ti/S/B, each next to the independent CUDA-event loop (benchmarks/independent_check.py) for the same
-# configuration. Run on the device machine from the project root:  bash benchmarks/h200_issue2.sh
+# configuration. Run on the device machine from the project root:  bash benchmarks/bench_vs_independent.sh
 # Writes $OUT/log.txt (progress with timestamps), $OUT/independent.jsonl and $OUT/store.tgz (the MLflow
 # store: mlflow.db + artifacts). A deadline keeps the whole call inside the device's 10-minute limit.
 set -u

@@ -1,6 +1,6 @@
 #!/bin/bash
-# Issue 3 on an nvidia-h200-x2 machine (2 H200s), from the project root, with .whl/ carried (gpu_env.sh):
-#   bash benchmarks/h200_issue3.sh
+# DDP scaling on an nvidia-h200-x2 machine (2 H200s), from the project root, with .whl/ carried (gpu_env.sh):
+#   bash benchmarks/ddp_scaling.sh
 # (a) training throughput of ViT-B/16 and DeiT-S: `vitreg bench --task train --amp bf16 --batch-size 128
 #     --gpu h200` at nproc=1, then nproc=2 with --baseline-run <the nproc=1 run> (train_scaling_efficiency);
 # (b) DeiT-Ti trained 300 steps on synthetic data, registered as models:/deit-tiny-h200@champion, pulled
@@ -24,7 +24,7 @@
 #   BENCH_EXTRA="--img-size 32 --device cpu --warmup 1 --steps 3 --repeats 2" TRAIN_MODEL=test_vit TRAIN_STEPS=50 \
 #   TRAIN_BS=16 DDP_STEPS=25 TRAIN_EXTRA="--img-size 32 --device cpu --num-classes 10 --lr 2e-3 --label-smoothing 0" \
 #   INFER_EXTRA="--device cpu --warmup 2 --steps 5 --repeats 2" \
-#   PLAIN_EXTRA="--device cpu --img-size 32 --amp off --warmup 1 --iters 3 --repeats 2" bash benchmarks/h200_issue3.sh
+#   PLAIN_EXTRA="--device cpu --img-size 32 --amp off --warmup 1 --iters 3 --repeats 2" bash benchmarks/ddp_scaling.sh
 set -u
 START=$(date +%s)
 DEADLINE=${DEADLINE:-420}  # seconds after START: no new item starts

@@ -1,7 +1,7 @@
 #!/bin/bash
 # Where the last few per cent of 2-GPU scaling go, on an nvidia-h200-x2 machine (2 H200s), from the project root
 # with .whl/ carried (gpu_env.sh):
-#   bash benchmarks/h200_concurrency.sh
+#   bash benchmarks/ddp_concurrency.sh
 # For each model (MODELS), the plain DDP loop (benchmarks/ddp_check.py, whole-step CUDA graphs, bf16, 128 images
 # per GPU) three ways, each over the same long windows (PLAIN_EXTRA):
 #   alone       N=1 on GPU 0 while GPU 1 idles;
@@ -19,7 +19,7 @@
 #   MLFLOW_TRACKING_URI=sqlite:///$R/runs/mlflow.db ENV_SCRIPT=none OUT=$R/out WORK=$R/work MODELS=test_vit \
 #   PLAIN_EXTRA="--device cpu --img-size 32 --amp off --batch-size 4 --iters 3 --repeats 2" \
 #   VITREG_EXTRA="--device cpu --img-size 32 --amp off --batch-size 4 --gpu cpu --warmup 1 --steps 3 --repeats 2" \
-#   bash benchmarks/h200_concurrency.sh
+#   bash benchmarks/ddp_concurrency.sh
 set -u
 START=$(date +%s)
 DEADLINE=${DEADLINE:-420}; HARD=${HARD:-510}

@@ -1,0 +1,132 @@
+"""The comparison as files: comparison.md / .csv / .html, the charts, and the gains and scaling CSVs."""
+
+from __future__ import annotations
+
+import html
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import pandas as pd
+
+from vitreg.analysis import plots
+from vitreg.analysis.comparison import Comparison
+from vitreg.analysis.render import frame_html, frame_markdown
+
+
+def write_report(comparison: Comparison, out_dir) -> list[Path]:
+    """Write the comparison as files in ``out_dir`` and return their paths.
+
+    Always ``comparison.md``, ``comparison.csv`` (exactly ``comparison.table``, full precision),
+    ``comparison.html`` and ``throughput_by_gpu.png`` (grouped bars of the metric's median per
+    configuration and GPU, error bars spanning the runs' min..max); ``compile_amp_gains.png`` /
+    ``compile_amp_gains.csv`` when compile or AMP variants can be paired, ``scaling.csv`` when
+    multi-process train runs exist.
+
+    Files are rendered into a hidden temporary directory inside ``out_dir`` and moved into place
+    only when all of them succeeded, so a failure leaves no half-written report behind: existing
+    files of the same name are replaced only on success, and directories this call created are
+    removed again.
+    """
+    out_dir = Path(out_dir)
+    missing = [p for p in (out_dir, *out_dir.parents) if not p.exists()]
+    out_dir.mkdir(parents=True, exist_ok=True)
+    # Same filesystem as the destination, so the final moves are atomic renames.
+    tmp = Path(tempfile.mkdtemp(prefix=".vitreg-report-", dir=out_dir))
+    try:
+        names = _render(comparison, tmp)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        for p in missing:  # innermost first: only the directories this call created
+            try:
+                p.rmdir()
+            except OSError:
+                break
+        raise
+    written = []
+    try:
+        for name in names:
+            os.replace(tmp / name, out_dir / name)
+            written.append(out_dir / name)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return written
+
+
+def _render(c: Comparison, d: Path) -> list[str]:
+    names = []
+    c.table.to_csv(d / "comparison.csv", index=False)
+    names.append("comparison.csv")
+    plots.plot_by_gpu(c, d / "throughput_by_gpu.png")
+    names.append("throughput_by_gpu.png")
+    if not c.gains.empty:
+        c.gains.to_csv(d / "compile_amp_gains.csv", index=False)
+        plots.plot_gains(c, d / "compile_amp_gains.png")
+        names += ["compile_amp_gains.csv", "compile_amp_gains.png"]
+    if not c.scaling.empty:
+        c.scaling.to_csv(d / "scaling.csv", index=False)
+        names.append("scaling.csv")
+    (d / "comparison.md").write_text(_report_markdown(c, names), encoding="utf-8")
+    (d / "comparison.html").write_text(_report_html(c, names), encoding="utf-8")
+    return ["comparison.md", "comparison.html"] + names
+
+
+def _about(c: Comparison) -> list[str]:
+    direction = "higher is better" if c.higher_is_better else "lower is better"
+    s = c.summary()
+    lines = [
+        f"metric: `{c.metric}` (median over repeated runs, {direction})",
+        f"runs: {s['n_runs']} finished runs, {s['n_configurations']} configurations, "
+        f"GPUs: {', '.join(c.gpus)}",
+    ]
+    if c.baseline:
+        lines += [
+            f"baseline: `{c.baseline}`; speedup > 1 means better than the baseline on the same "
+            "configuration",
+            f"verdict: faster/slower only when the {c.confidence:.0%} bootstrap interval of the "
+            f"ratio of medians ({c.n_boot} resamples, seed {c.seed}) excludes 1 and the change "
+            "exceeds both sides' run-to-run spread; 'single run' when either side ran once",
+        ]
+    return lines
+
+
+def _report_markdown(c: Comparison, names: list[str]) -> str:
+    parts = ["# vitreg GPU comparison", ""] + [f"- {line}" for line in _about(c)]
+    parts += ["", "## Per configuration and GPU", "", frame_markdown(c.table), ""]
+    geo = c.geomean_speedup()
+    if geo:
+        parts += ["## Geometric-mean speedup vs baseline", "",
+                  frame_markdown(pd.DataFrame({"gpu": list(geo), "geomean_speedup": list(geo.values())})),
+                  ""]
+    parts += ["![metric by GPU](throughput_by_gpu.png)", ""]
+    if not c.scaling.empty:
+        parts += ["## Multi-process scaling (train)", "", frame_markdown(c.scaling), ""]
+    if not c.gains.empty:
+        parts += ["## torch.compile and AMP gains", "", frame_markdown(c.gains), ""]
+        if "compile_amp_gains.png" in names:
+            parts += ["![compile and AMP gains](compile_amp_gains.png)", ""]
+    return "\n".join(parts)
+
+
+def _report_html(c: Comparison, names: list[str]) -> str:
+    body = ["<h1>vitreg GPU comparison</h1>", "<ul>"]
+    body += [f"<li>{html.escape(line).replace('`', '')}</li>" for line in _about(c)]
+    body += ["</ul>", "<h2>Per configuration and GPU</h2>", frame_html(c.table)]
+    geo = c.geomean_speedup()
+    if geo:
+        body += ["<h2>Geometric-mean speedup vs baseline</h2>",
+                 frame_html(pd.DataFrame({"gpu": list(geo), "geomean_speedup": list(geo.values())}))]
+    body.append('<p><img src="throughput_by_gpu.png" alt="metric by GPU"></p>')
+    if not c.scaling.empty:
+        body += ["<h2>Multi-process scaling (train)</h2>", frame_html(c.scaling)]
+    if not c.gains.empty:
+        body += ["<h2>torch.compile and AMP gains</h2>", frame_html(c.gains)]
+        if "compile_amp_gains.png" in names:
+            body.append('<p><img src="compile_amp_gains.png" alt="compile and AMP gains"></p>')
+    style = ("body{font-family:sans-serif;margin:2em}table{border-collapse:collapse;font-size:90%}"
+             "th,td{border:1px solid #ccc;padding:2px 8px;text-align:right}"
+             "th{background:#f4f4f4}img{max-width:100%}")
+    return ("<!doctype html>\n<html><head><meta charset=\"utf-8\"><title>vitreg GPU comparison"
+            f"</title><style>{style}</style></head>\n<body>\n" + "\n".join(body) +
+            "\n</body></html>\n")

@@ -1,0 +1,91 @@
+"""When is a difference between two groups of benchmark runs real?
+
+The statistics are deliberately modest. Benchmarks repeat a handful of times, so every group is
+summarised by its median and range, and a GPU is only called "faster" or "slower" than the
+baseline when a bootstrap interval of the ratio of medians excludes 1 *and* the change is larger
+than either side's own run-to-run spread. With one run on either side there is no way to tell
+noise from signal, and the verdict says so ("single run") instead of guessing.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+# Verdict vocabulary, kept in one place so the CLI and tests can refer to it.
+FASTER, SLOWER, BETTER, WORSE = "faster", "slower", "better", "worse"
+WITHIN_NOISE, SINGLE_RUN = "within noise", "single run"
+BASELINE, NO_BASELINE = "baseline", "no baseline"
+
+
+def improvement(value: float, base: float, higher: bool) -> float:
+    """The factor by which ``value`` is better than ``base`` (>1: better), NaN against zero."""
+    num, den = (value, base) if higher else (base, value)
+    return float(num / den) if den else np.nan
+
+
+def cv(vals: np.ndarray) -> float:
+    """Sample std / |mean|; NaN for fewer than two values or a zero mean."""
+    if len(vals) < 2 or not np.mean(vals):
+        return np.nan
+    return float(np.std(vals, ddof=1) / abs(np.mean(vals)))
+
+
+def spread(vals: np.ndarray) -> float:
+    """(max - min) / |median|: the runs' own range, relative."""
+    med = np.median(vals)
+    return float((np.max(vals) - np.min(vals)) / abs(med)) if med else np.nan
+
+
+def bootstrap_ci(vals, base_vals, higher: bool, n_boot: int, rng, confidence: float) -> tuple[float, float]:
+    """Percentile bootstrap interval of the improvement factor (ratio of medians), resampling each
+    side's runs independently (``scipy.stats.bootstrap``, ``n_boot`` resamples drawn from ``rng``)."""
+    from scipy.stats import bootstrap
+
+    def ratio(a, b, axis=-1):
+        ma, mb = np.median(a, axis=axis), np.median(b, axis=axis)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            return ma / mb if higher else mb / ma
+
+    res = bootstrap((np.asarray(vals, float), np.asarray(base_vals, float)), ratio, n_resamples=n_boot,
+                    confidence_level=confidence, method="percentile", paired=False, vectorized=True, rng=rng)
+    lo, hi = res.confidence_interval
+    if not (math.isfinite(lo) and math.isfinite(hi)):
+        return np.nan, np.nan
+    return float(lo), float(hi)
+
+
+def versus(vals, base_vals, is_baseline: bool, higher: bool, speed: bool, n_boot: int, rng,
+           confidence: float) -> dict:
+    """Speedup, interval and verdict of one group of runs against the baseline group.
+
+    ``speed``: the metric is a rate or a time, so a change is "faster"/"slower" rather than
+    "better"/"worse".
+    """
+    if is_baseline:
+        return dict(speedup=1.0, ci_low=np.nan, ci_high=np.nan, verdict=BASELINE)
+    if base_vals is None:
+        return dict(speedup=np.nan, ci_low=np.nan, ci_high=np.nan, verdict=NO_BASELINE)
+    med, base_med = float(np.median(vals)), float(np.median(base_vals))
+    speedup = improvement(med, base_med, higher)
+    if len(vals) < 2 or len(base_vals) < 2:
+        return dict(speedup=speedup, ci_low=np.nan, ci_high=np.nan, verdict=SINGLE_RUN)
+    lo, hi = bootstrap_ci(vals, base_vals, higher, n_boot, rng, confidence)
+    # Relative change of the metric itself, judged against each side's run-to-run range: a CI
+    # from 3 runs can exclude 1 by luck, but not while the change is smaller than the scatter.
+    change = abs(med - base_med) / abs(base_med) if base_med else math.inf
+    noise = max(spread(vals), spread(base_vals))
+    if (lo > 1 or hi < 1) and change > noise:
+        up, down = (FASTER, SLOWER) if speed else (BETTER, WORSE)
+        verdict = up if speedup > 1 else down
+    else:
+        verdict = WITHIN_NOISE
+    return dict(speedup=speedup, ci_low=lo, ci_high=hi, verdict=verdict)
+
+
+def geomean(values) -> float | None:
+    """Geometric mean of the positive values; None when there are none."""
+    v = np.asarray(list(values), float)
+    v = v[v > 0]
+    return float(np.exp(np.mean(np.log(v)))) if len(v) else None

@@ -1,0 +1,284 @@
+"""Every option of ``bench``, ``infer``, ``sweep``, ``train`` and ``compare``, declared once: :data:`OPTIONS`.
+
+From this table come the click options of each command (:func:`vitreg.cli.common.command_options`),
+the MLproject params and command lines and the README's parameter tables
+(:mod:`vitreg.config.generate`, ``make mlproject``), the fields of BenchSpec and TrainSpec and how each
+is parsed (:mod:`vitreg.config.spec`), and the argv that hands options to a child process
+(:func:`options_to_args`).
+
+**Adding an option** is one :class:`Option` entry below, then ``make mlproject`` (it rewrites
+MLproject and the README tables; tests/test_options.py fails until you do), plus its behaviour where
+the spec's value is used. An option whose meaning or default differs between commands (``steps``:
+iterations per timed window in bench, optimizer updates in train) is two entries with the same name
+and disjoint commands.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from vitreg.config.parse import parse_bool, parse_choice, parse_float, parse_int
+
+COMMANDS = ("bench", "infer", "sweep", "train", "compare")
+KINDS = ("str", "int", "float", "bool", "choice")
+
+TASKS = ("infer", "train", "both")
+AMP_CHOICES = ("auto", "off", "bf16", "fp16")
+COMPILE_CHOICES = ("off", "default", "reduce-overhead", "max-autotune")
+COMPILE_BACKENDS = ("inductor", "eager", "aot_eager", "cudagraphs")
+DEVICE_CHOICES = ("auto", "cuda", "cpu")
+#: DDP communication hooks: none (fp32 gradients all-reduced), or torch's fp16/bf16 compress hooks
+DDP_COMM_HOOKS = ("none", "fp16", "bf16")
+DDP_BUCKET_MB = 25.0  # torch's DistributedDataParallel default bucket_cap_mb
+DISTILLATION_CHOICES = ("none", "soft", "hard")
+
+
+@dataclass(frozen=True)
+class Option:
+    """One option: what it is called, what it holds, who takes it, what it means."""
+
+    name: str  # the MLproject param and spec field; the flags are --name-with-dashes and --name_as_is
+    kind: str  # one of KINDS
+    default: object  # typed (64, 25.0, False, "auto"); None: no default
+    help: str  # the click help
+    commands: tuple[str, ...]  # the vitreg commands (and MLproject entry points) that take it
+    choices: tuple[str, ...] = ()
+    minimum: float | None = None
+    maximum: float | None = None
+    below: float | None = None  # exclusive upper bound
+    doc: str | None = None  # the README's meaning, when longer than the help
+    spec_field: bool = True  # a BenchSpec/TrainSpec field; False: the command's own (launcher, run, sweep lists)
+    mlproject: bool = True  # False: a click option only (the experiment and run name: `mlflow run` picks its own)
+    required: bool = False  # the vitreg command refuses to run without it (its MLproject param may still default)
+    envvar: str | None = None
+    lowercase: bool = False
+
+    @property
+    def flags(self) -> list[str]:
+        """Both spellings: ``mlflow run`` appends an undeclared ``-P k=v`` as ``--k v``."""
+        dashed = f"--{self.name.replace('_', '-')}"
+        return [dashed] if "_" not in self.name else [dashed, f"--{self.name}"]
+
+    @property
+    def default_text(self) -> str:
+        """The default as MLflow and click hold it (a string; booleans as true/false)."""
+        return "" if self.default is None else param_text(self.default)
+
+    @property
+    def meaning(self) -> str:
+        return self.doc or self.help
+
+    def parse(self, value):
+        """The typed value of ``value`` (a string or already typed); a bad one raises VitregError."""
+        if self.kind == "bool":
+            return parse_bool(value, self.name)
+        if self.kind == "int":
+            return parse_int(value, self.name, self.minimum)
+        if self.kind == "float":
+            return parse_float(value, self.name, self.minimum, self.maximum, self.below)
+        if self.kind == "choice":
+            return parse_choice(value, self.name, self.choices)
+        text = str(value if value is not None else "").strip()
+        return (text.lower() if self.lowercase else text) or self.default
+
+
+def param_text(value) -> str:
+    """A value as an MLflow param or a command-line word: booleans as true/false."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value)
+
+
+def options_to_args(options: dict) -> list[str]:
+    """``{"batch_size": "64", "compile": "off"}`` -> ``["--batch-size", "64", "--compile", "off"]`` (None skipped):
+    the argv that hands options to a child vitreg process (a torchrun rank, a sweep child)."""
+    args = []
+    for key, value in options.items():
+        if value is not None:
+            args += [f"--{key.replace('_', '-')}", param_text(value)]
+    return args
+
+
+def options_of(command: str) -> list[Option]:
+    """The options ``command`` takes, in table order."""
+    return [o for o in OPTIONS if command in o.commands]
+
+
+def spec_options(command: str) -> list[Option]:
+    """The options that are fields of ``command``'s spec (BenchSpec for bench, TrainSpec for train)."""
+    return [o for o in options_of(command) if o.spec_field]
+
+
+def option(command: str, name: str) -> Option:
+    """``command``'s option called ``name``."""
+    (found,) = [o for o in options_of(command) if o.name == name]
+    return found
+
+
+_GPU_LABELS = "a100, a100-80gb, h100, h100-pcie, h200, l4, t4, v100, rtx4090, cpu"
+_DDP = ("bench", "train")  # the commands that run one job on several processes (and hosts)
+_RUNS = ("bench", "infer", "sweep", "train")  # the commands that log benchmark or training runs
+_TIMED = ("bench", "infer", "sweep")  # the commands that time windows of iterations
+
+OPTIONS: tuple[Option, ...] = (
+    Option("model_uri", "str", None, "models:/NAME@ALIAS, models:/NAME/VERSION or runs:/RUN_ID/checkpoints/last.",
+           ("infer",), required=True, spec_field=False),
+    Option("models", "str", "vit_base_patch16_224", "Comma-separated model names.", ("sweep",),
+           required=True, spec_field=False),
+    Option("amp", "str", "auto", "Comma-separated, e.g. off,bf16.", ("sweep",), spec_field=False),
+    Option("compile", "str", "off", "Comma-separated, e.g. off,default.", ("sweep",), spec_field=False),
+    Option("batch_size", "str", "64", "Comma-separated, e.g. 32,256.", ("sweep",), spec_field=False),
+    Option("gpu", "str", "auto", f"GPU label ({_GPU_LABELS}) or auto; checked against the detected hardware.", _RUNS,
+           lowercase=True,
+           doc="GPU label: `v100`, `t4`, `a100`, `a100-80gb`, `l4`, `rtx4090`, `h100`, `h100-pcie`, `h200`, `cpu`, "
+               "or `auto` (detect). An explicit label must match the detected hardware, or the run is refused "
+               "before any GPU work."),
+    Option("model", "str", "vit_base_patch16_224", "timm vit_*/deit_*/deit3_* name, or torchvision:vit_b_16.",
+           ("bench",),
+           doc="any timm `vit_*`, `deit_*`, `deit3_*` name (distilled DeiTs train both heads), or "
+               "`torchvision:vit_b_16` (also `vit_b_32`, `vit_l_16`, `vit_l_32`, `vit_h_14`). Always random "
+               "weights (`pretrained=False`)."),
+    Option("model", "str", "deit_tiny_patch16_224",
+           "timm vit_*/deit_*/deit3_* name (deit_*_distilled_* for distillation), or torchvision:vit_b_16.",
+           ("train",), doc="timm `vit_`/`deit_`/`deit3_` name, `torchvision:vit_b_16`"),
+    Option("task", "choice", "both", "/".join(TASKS), ("bench", "sweep"), choices=TASKS,
+           doc="`infer`, `train` or `both`"),
+    Option("task", "choice", "infer", "/".join(TASKS), ("infer",), choices=TASKS),
+    Option("batch_size", "int", 64, "images per step per process.", ("bench", "infer", "train"), minimum=1,
+           doc="images per iteration (per GPU with `nproc` > 1)"),
+    Option("img_size", "int", 0, "0 = the model's default resolution.", ("bench", "sweep", "train"), minimum=0,
+           doc="input resolution; `0` = the model's default. Must be a multiple of the patch size."),
+    Option("amp", "choice", "auto",
+           f"{'/'.join(AMP_CHOICES)}; auto = bf16 where the GPU has it, fp16 on V100/T4, off on CPU.",
+           ("bench", "infer", "train"), choices=AMP_CHOICES,
+           doc="`off` (fp32), `bf16`, `fp16` (autocast; fp16 training uses GradScaler). `auto` = bf16 where the "
+               "GPU has it, fp16 on V100/T4, off on CPU."),
+    Option("compile", "choice", "off", "/".join(COMPILE_CHOICES), ("bench", "infer", "train"),
+           choices=COMPILE_CHOICES, doc="`off`, `default`, `reduce-overhead`, `max-autotune` (torch.compile modes)"),
+    Option("compile_backend", "choice", "inductor", "/".join(COMPILE_BACKENDS), _RUNS, choices=COMPILE_BACKENDS,
+           doc="torch.compile backend (`eager` / `aot_eager` for debugging; modes apply to inductor only)"),
+    Option("warmup", "int", 10, "untimed iterations (the first one is timed apart as compile/first-call time).",
+           _TIMED, minimum=1,
+           doc="untimed iterations; the first is timed apart (`*_first_call_s`, and `*_compile_time_s` when "
+               "compiling)"),
+    Option("steps", "int", 30, "iterations per timed window.", _TIMED, minimum=1, doc="iterations per timed window"),
+    Option("repeats", "int", 5, "timed windows.", _TIMED, minimum=1, doc="timed windows (median and spread over them)"),
+    Option("steps", "int", 0, "optimizer updates in all (counted from step 0, also when resuming); 0 = use --epochs.",
+           ("train",), minimum=0,
+           doc="optimizer updates in all (counted from 0, also on resume); `steps=0` uses `epochs`"),
+    Option("epochs", "int", 1, "passes over the data when --steps is 0 (a synthetic epoch is 10,000 images).",
+           ("train",), minimum=0, doc="passes over the data when `steps=0` (a synthetic epoch is 10,000 images)"),
+    Option("lr", "float", 5e-4, "peak learning rate (AdamW). DeiT: 5e-4 x batch/512.", ("train",), minimum=0.0,
+           doc="peak learning rate (AdamW; DeiT: 5e-4 x batch/512): warm-up, then cosine to `min_lr` at the last "
+               "step"),
+    Option("weight_decay", "float", 0.05, "AdamW weight decay (not on biases, norms, position embeddings, tokens).",
+           ("train",), minimum=0.0, doc="AdamW; none on biases, norms, position embedding, tokens"),
+    Option("warmup_steps", "int", 10, "linear LR warm-up steps (from 1e-6), then a cosine to --min-lr at the last step.",
+           ("train",), minimum=0, doc="linear LR warm-up steps (from 1e-6), before the cosine"),
+    Option("min_lr", "float", 1e-5, "LR at the end of the cosine.", ("train",), minimum=0.0,
+           doc="LR at the end of the cosine (the last step)"),
+    Option("clip_grad", "float", 0.0, "max global gradient norm; 0 = no clipping.", ("train",), minimum=0.0,
+           doc="max global gradient norm, 0 = off"),
+    Option("label_smoothing", "float", 0.1, "label smoothing of the cross-entropy (DeiT: 0.1).", ("train",),
+           minimum=0.0, below=1.0, doc="label smoothing of the cross-entropy (DeiT: 0.1)"),
+    Option("data", "str", "synthetic", "synthetic (class-conditional tensors made on the device) or a folder with "
+           "train/<class>/ and optionally val/<class>/ (torchvision ImageFolder).", ("train",),
+           doc="`synthetic` (class-conditional tensors made on the device) or a folder with `train/<class>/` "
+               "(and `val/<class>/`, for top-1 each epoch)"),
+    Option("num_workers", "int", 4, "DataLoader processes for --data PATH.", ("train",), minimum=0,
+           doc="DataLoader processes for `data=PATH`"),
+    Option("num_classes", "int", 0, "classifier classes; 0 = the class folders of --data (1000 for synthetic).",
+           ("train",), minimum=0, doc="classifier classes; `0` = the class folders of `data` (1000 for synthetic)"),
+    Option("log_every", "int", 10, "steps between logged metrics (the only CPU-GPU sync of the loop).", ("train",),
+           minimum=1, doc="metrics interval (the loop's only GPU sync)"),
+    Option("checkpoint_every", "int", 1000,
+           "steps between checkpoints (checkpoints/step-<N> and checkpoints/last); 0 = only at the end.",
+           ("train",), minimum=0, doc="checkpoint interval (0 = only at the end)"),
+    Option("resume", "str", "", "runs:/<run_id>/checkpoints/last or a checkpoint directory: continue at its step, "
+           "same LR schedule.", ("train",), doc="`runs:/<id>/checkpoints/last` or a checkpoint folder"),
+    Option("distillation", "choice", "none", f"{'/'.join(DISTILLATION_CHOICES)} (DeiT), for deit_*_distilled_* models.",
+           ("train",), choices=DISTILLATION_CHOICES, doc="DeiT's none/soft/hard"),
+    Option("teacher", "str", "", "timm name (random weights: vitreg never downloads), models:/<name>@<alias>, "
+           "runs:/... or a checkpoint directory.", ("train",),
+           doc="timm name (random weights: vitreg never downloads), `models:/<name>@<alias>`, `runs:/...` or a "
+               "checkpoint folder"),
+    Option("distill_alpha", "float", 0.5, "weight of the distillation loss.", ("train",), minimum=0.0, maximum=1.0,
+           doc="weight of the distillation loss (0 to 1)"),
+    Option("distill_tau", "float", 1.0, "temperature of soft distillation.", ("train",), minimum=0.0,
+           doc="temperature of soft distillation"),
+    Option("register_as", "str", "", "register the final checkpoint as this model name (empty: do not register).",
+           ("train",), doc="register the final checkpoint as this model name (`\"\"`: do not register)"),
+    Option("alias", "str", "latest", "alias of the registered version.", ("train",),
+           doc="alias of the registered version; `latest` always means the newest version"),
+    Option("device", "choice", "auto", "/".join(DEVICE_CHOICES), _RUNS, choices=DEVICE_CHOICES,
+           doc="`auto`, `cuda`, `cpu`"),
+    Option("allow_gpu_mismatch", "bool", False,
+           "true: file the run under --gpu even if the hardware differs (tagged gpu_mismatch=true).", _RUNS,
+           doc="`true` files the run under `gpu` even when the hardware differs, tagged `gpu_mismatch=true`"),
+    Option("nproc", "int", 1, "processes (GPUs) on this host; >1 launches torchrun (DDP, one MLflow run, rank 0 logs); "
+           "batch_size is per process. Refused if larger than the visible GPUs; any number with --device cpu (gloo).",
+           _DDP, minimum=1,
+           doc="processes per host, one per GPU. `>1` runs `torchrun --standalone` under the hood; `batch_size` is "
+               "per process, so one step of the job is `nproc x batch_size` images. Refused if larger than the "
+               "visible GPUs; with `device=cpu` any number of gloo processes runs. For `infer`, each process runs "
+               "its own copy (no DDP) and the throughputs add up."),
+    Option("ddp_bucket_mb", "float", DDP_BUCKET_MB,
+           "DDP gradient bucket size in MB (torch's bucket_cap_mb): gradient all-reduced per call, with nproc>1.",
+           _DDP,
+           doc="DDP gradient bucket size in MB (torch's `bucket_cap_mb`): how much gradient one all-reduce carries. "
+               "Train with `nproc>1` only; tagged on the run"),
+    Option("ddp_static_graph", "bool", False,
+           "true: DDP static_graph (skips per-step graph bookkeeping; the graph must not change), with nproc>1.", _DDP,
+           doc="`true` sets DDP's `static_graph` (no per-step graph bookkeeping; the model's graph must not change). "
+               "`compare` keeps runs with different DDP settings apart (its `ddp` column) and scales each from the "
+               "same `nproc=1` runs"),
+    Option("ddp_comm_hook", "choice", "none",
+           "none, or bf16/fp16: DDP all-reduces the gradients in that precision (torch's compress hook), with nproc>1.",
+           _DDP, choices=DDP_COMM_HOOKS,
+           doc="`bf16` / `fp16`: DDP all-reduces the gradients in that precision (torch's compress hooks: half the "
+               "bytes, gradients rounded once per step). Tagged; `compare`'s `ddp` column shows it as `+bf16`"),
+    Option("profile_steps", "int", 0, "train: after the timed windows, this many more steps under torch.profiler, "
+           "logging train_allreduce_ms_per_step and (GPU) train_device_busy_ms_per_step; 0 = none.", ("bench",),
+           minimum=0,
+           doc="train: after the timed windows, this many more steps under `torch.profiler`; logs "
+               "`train_allreduce_ms_per_step` (NCCL kernel time per step on GPU, gloo's all_reduce CPU time on CPU; "
+               "the slowest rank's) and, on GPU, `train_device_busy_ms_per_step`. A long all-reduce next to a small "
+               "gradient means the ranks wait for each other. Never inside the timed windows"),
+    Option("cuda_graph", "bool", False, "true (CUDA, amp bf16/off): capture each step (train: forward, backward with "
+           "DDP's all-reduce, AdamW) in one CUDA graph and time its replays.", ("bench", "infer"),
+           doc="`true` (CUDA; `amp` bf16 or off; `compile` off or default): each task's step — for train the "
+               "forward, loss, backward with DDP's all-reduce and AdamW — is captured in one CUDA graph after 11 "
+               "eager steps and the timed iterations are replays, so Python's kernel launches and DDP's host-side "
+               "work leave the step. `*_first_call_s` then holds the eager steps and the capture. `compare` shows "
+               "these runs as `compile=<mode>+cudagraph` and scales them from graphed `nproc=1` runs. On two H200s "
+               "(docs/benchmarks.md) it took DeiT-S DDP training (128 per GPU) from 76.7 % scaling efficiency to "
+               "96.5-97.1 %, and to 97.7-98.4 % with `compile=default`"),
+    Option("seed", "int", 0, "seed of the model init and the data.", ("bench", "infer", "train"), minimum=0,
+           doc="torch seed for weights and synthetic data"),
+    Option("nnodes", "int", 1, "hosts in a multi-host DDP job: the same command on each, with its --node-rank and one "
+           "--rdzv-endpoint.", _DDP, minimum=1, spec_field=False,
+           doc="hosts in a multi-host job: run the same command on every host with its own `node_rank` and the "
+               "same `rdzv_endpoint`. Node 0 holds rank 0 and the MLflow run (start it there with `mlflow run` or "
+               "`vitreg bench`); other hosts use `vitreg bench --node-rank k`, which opens no run."),
+    Option("node_rank", "int", 0, "this host's index, 0..nnodes-1; node 0 holds rank 0, which logs the MLflow run.",
+           _DDP, minimum=0, spec_field=False, doc="this host's index, `0`...`nnodes-1`"),
+    Option("rdzv_endpoint", "str", "", "HOST:PORT on node 0 that every host can reach (nnodes>1).", _DDP,
+           spec_field=False, doc="`HOST:PORT` on node 0 that every host can reach; required when `nnodes>1`"),
+    Option("baseline_run", "str", "", "run id of a nproc=1 run of the same config: logs train_scaling_efficiency = "
+           "img/s_N / (N x img/s_1).", ("bench",), spec_field=False,
+           doc="run id of a finished `nproc=1` run of the same configuration: logs `train_scaling_efficiency` (and "
+               "`infer_scaling_efficiency`) = throughput_N / (N x throughput_1)"),
+    Option("experiment", "str", None, "MLflow experiment (ignored under `mlflow run`, which picks its own).", _RUNS,
+           spec_field=False, mlproject=False, envvar="MLFLOW_EXPERIMENT_NAME"),
+    Option("run_name", "str", None, "MLflow run name (default: made of the model, GPU, amp, compile and batch size).",
+           ("bench", "infer", "train"), spec_field=False, mlproject=False),
+    Option("experiment", "str", None, "The experiment whose runs to compare.", ("compare",), required=True,
+           spec_field=False),
+    Option("baseline", "str", "", "GPU label to compute speedups against (e.g. a100); empty: none.", ("compare",),
+           spec_field=False),
+    Option("metric", "str", "throughput_img_per_s",
+           "Metric (task prefix stripped) to compare, e.g. latency_ms_p50, step_ms_p50.", ("compare",),
+           spec_field=False),
+    Option("log_experiment", "str", None, "Experiment for the compare run itself (ignored under `mlflow run`).",
+           ("compare",), spec_field=False, mlproject=False, envvar="MLFLOW_EXPERIMENT_NAME"),
+)

@@ -1,0 +1,71 @@
+"""Text -> typed value, with a one-line error naming the fix: the parsers of every vitreg option.
+
+Values arrive as strings (``mlflow run -P k=v``, click, environment variables), so a bool is parsed
+from its text, never from its truthiness (``bool("false")`` is True). ``error`` lets a caller raise
+its own :class:`VitregError` subclass (the tracking server's ``ServerError``).
+"""
+
+from __future__ import annotations
+
+import difflib
+
+from vitreg.errors import VitregError
+
+TRUE = ("1", "true", "yes", "on", "y", "t")
+FALSE = ("0", "false", "no", "off", "n", "f", "")
+
+
+def parse_bool(value, name: str, error: type[VitregError] = VitregError) -> bool:
+    """``"true"``/``"false"`` (and 1/0, yes/no, on/off) -> bool."""
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in TRUE:
+        return True
+    if text in FALSE:
+        return False
+    raise error(f"{name}={value!r} is not a boolean: use {name}=true or {name}=false")
+
+
+def parse_int(value, name: str, minimum: int | None = None, maximum: int | None = None,
+              error: type[VitregError] = VitregError) -> int:
+    """An integer from a string or an int, at least ``minimum`` and, given a ``maximum``, within
+    ``minimum..maximum`` (the message then names the range)."""
+    ranged = f"set it to a number from {minimum} to {maximum}" if maximum is not None else None
+    try:
+        number = int(str(value).strip())
+    except ValueError:
+        raise error(f"{name}={value!r} is not an integer; {ranged or f'pass e.g. {name}=64'}") from None
+    if ranged and not minimum <= number <= maximum:
+        raise error(f"{name}={number} is out of range; {ranged}")
+    if minimum is not None and number < minimum:
+        raise error(f"{name}={number} must be >= {minimum}: pass e.g. {name}={max(minimum, 1)}")
+    return number
+
+
+def parse_float(value, name: str, minimum: float | None = None, maximum: float | None = None,
+                below: float | None = None) -> float:
+    """A finite float from a string or a number, with bounds (``below`` is exclusive)."""
+    try:
+        number = float(str(value).strip())
+    except ValueError:
+        raise VitregError(f"{name}={value!r} is not a number: pass e.g. {name}=0.1") from None
+    if number != number or number in (float("inf"), float("-inf")):
+        raise VitregError(f"{name}={value!r} must be a finite number")
+    if minimum is not None and number < minimum:
+        raise VitregError(f"{name}={number:g} must be >= {minimum:g}")
+    if maximum is not None and number > maximum:
+        raise VitregError(f"{name}={number:g} must be <= {maximum:g}")
+    if below is not None and number >= below:
+        raise VitregError(f"{name}={number:g} must be < {below:g}")
+    return number
+
+
+def parse_choice(value, name: str, choices: tuple[str, ...]) -> str:
+    """A value from a fixed set (case-insensitive); a near miss gets a suggestion."""
+    text = str(value).strip().lower()
+    if text in choices:
+        return text
+    close = difflib.get_close_matches(text, choices, n=1)
+    hint = f" (did you mean {name}={close[0]}?)" if close else ""
+    raise VitregError(f"{name}={value!r} is not one of {', '.join(choices)}{hint}")

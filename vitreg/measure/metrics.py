@@ -1,0 +1,194 @@
+"""Every benchmark metric, declared once: name, unit, which way is better, how DDP ranks combine it.
+
+The runner names its results from this table (:func:`task_metrics`), the DDP reducers take their
+rules from it (:func:`combine`), the bench report lays out :data:`REPORT_COLUMNS` from it, and
+compare takes its stable columns and its idea of "better" from it. MLflow sees the names: a
+per-task metric is logged as ``<task>_<name>`` (``infer_latency_ms_p50``), a job-level one as is
+(``fwd_gflops_per_img``). Renaming an entry renames a logged metric; add, don't rename.
+
+How ranks combine (``ranks``): every rank of a DDP job times its own windows.
+
+- ``sum``: the ranks work at the same time, so their rates add up (per window: the figure is
+  then taken over the summed windows, e.g. the median of global throughput);
+- ``max``: the slowest rank sets the pace of a synchronous job (per iteration for step times),
+  and the largest rank's figure is the job's for memory and one-off times;
+- ``min``: the rank that got least far (steps measured);
+- ``per_gpu``: the job's summed figure divided by its world size;
+- ``world``: the job's size itself;
+- ``same``: equal on every rank (work per image, parameters): nothing to combine;
+- ``job``: computed after the reduction from the job's own figures (achieved TFLOP/s, MFU, scaling).
+"""
+
+from __future__ import annotations
+
+import string
+from dataclasses import dataclass
+
+TASKS = ("infer", "train")
+HIGHER, LOWER, NEITHER = "higher", "lower", "none"
+RANK_RULES = ("sum", "max", "min", "per_gpu", "world", "same", "job")
+
+#: the name family of one timed iteration: a forward pass (infer) or a whole training step (train)
+ITERATION_TIME = {"infer": "latency_ms", "train": "step_ms"}
+
+
+@dataclass(frozen=True)
+class Metric:
+    name: str  # per-task metrics without their task prefix
+    unit: str  # "" for ratios and counts
+    better: str  # HIGHER, LOWER or NEITHER (what compare calls a speedup)
+    ranks: str  # one of RANK_RULES
+    fmt: str  # format spec of one value in the bench report
+    tasks: tuple = TASKS  # () for a job-level metric (no prefix)
+    compared: tuple = ()  # the tasks whose compare frame always has this column (NaN where unrecorded)
+    speed: bool = False  # compare says "faster"/"slower" (not "better"/"worse") of a change in it
+    doc: str = ""
+
+
+def _iteration(stat: str, task: str, compared: bool, doc: str) -> Metric:
+    return Metric(f"{ITERATION_TIME[task]}_{stat}", "ms", LOWER, "max", ".2f", (task,),
+                  (task,) if compared else (), True, doc)
+
+
+_ITERATION_DOC = "ms per iteration (one batch), over every timed iteration; the slowest rank per iteration"
+
+METRICS: tuple[Metric, ...] = (
+    Metric("throughput_img_per_s", "img/s", HIGHER, "sum", ",.1f", compared=TASKS, speed=True,
+           doc="images per second over a whole timed window, median of the windows"),
+    Metric("throughput_img_per_s_min", "img/s", HIGHER, "sum", ",.1f", speed=True, doc="slowest window"),
+    Metric("throughput_img_per_s_max", "img/s", HIGHER, "sum", ",.1f", speed=True, doc="fastest window"),
+    *(_iteration(s, "infer", s != "mean", _ITERATION_DOC) for s in ("p50", "p90", "p99", "mean")),
+    *(_iteration(s, "train", s == "p50", _ITERATION_DOC) for s in ("p50", "p90", "p99", "mean")),
+    Metric("peak_mem_allocated_mb", "MiB", LOWER, "max", ",.0f", compared=TASKS,
+           doc="torch.cuda.max_memory_allocated (CUDA only)"),
+    Metric("peak_mem_reserved_mb", "MiB", LOWER, "max", ",.0f", doc="torch.cuda.max_memory_reserved (CUDA only)"),
+    Metric("mfu", "", HIGHER, "job", ".1%", compared=TASKS,
+           doc="achieved FLOP/s per GPU over the GPU's dense datasheet peak for the precision"),
+    Metric("throughput_cv", "", LOWER, "sum", ".1%", compared=TASKS, doc="std/mean of the window throughputs"),
+    Metric("world_size", "", NEITHER, "world", "d", compared=("train",), doc="processes of a DDP job (nproc>1)"),
+    Metric("throughput_img_per_s_per_gpu", "img/s", HIGHER, "per_gpu", ",.1f", compared=("train",), speed=True,
+           doc="throughput_img_per_s / world_size (nproc>1)"),
+    Metric("gflops_per_img", "GFLOP", NEITHER, "same", ".2f", doc="work per image of the task (train: fwd+bwd)"),
+    Metric("achieved_tflops", "TFLOP/s", HIGHER, "job", ".3g", doc="gflops_per_img x throughput, whole job"),
+    Metric("first_call_s", "s", LOWER, "max", ".2f", doc="the first call alone: compilation (if any) + lazy init"),
+    Metric("warmup_s", "s", LOWER, "max", ".2f", doc="the rest of the warm-up"),
+    Metric("compile_time_s", "s", LOWER, "max", ".2f", doc="first_call_s when compile is on"),
+    Metric("allreduce_ms_per_step", "ms", LOWER, "max", ".2f", ("train",),
+           doc="profile_steps>0: all-reduce kernel time per step (torch.profiler)"),
+    Metric("device_busy_ms_per_step", "ms", LOWER, "max", ".2f", ("train",),
+           doc="profile_steps>0: GPU busy time per step (torch.profiler)"),
+    Metric("scaling_efficiency", "", HIGHER, "job", ".1%",
+           doc="nproc>1 with baseline_run: throughput_N / (N x throughput_1)"),
+    # the train job's end-of-training figures
+    Metric("data_wait_frac", "", LOWER, "max", ".1%", ("train",), doc="host time blocked on the loader / step time"),
+    Metric("first_step_s", "s", LOWER, "max", ".2f", ("train",), doc="the first training step alone"),
+    Metric("measured_steps", "", NEITHER, "min", "d", ("train",), doc="steps timed after the warm-up (not logged)"),
+    Metric("final_loss", "", LOWER, "job", ".4f", ("train",), doc="mean training loss of the last interval"),
+    Metric("images", "", NEITHER, "job", ",d", ("train",), doc="images trained on, whole job"),
+    Metric("steps", "", NEITHER, "job", ",d", ("train",), doc="optimizer steps"),
+    # job-level: logged without a task prefix
+    Metric("fwd_gflops_per_img", "GFLOP", NEITHER, "same", ".2f", (), TASKS, doc="one forward pass of one image"),
+    Metric("params_m", "M", NEITHER, "same", ".1f", (), doc="model parameters, millions"),
+)
+
+BY_NAME: dict[str, Metric] = {m.name: m for m in METRICS}
+
+
+def metric(name: str) -> Metric:
+    """The declared metric ``name`` (without a task prefix); KeyError names the table."""
+    try:
+        return BY_NAME[name]
+    except KeyError:
+        raise KeyError(f"metric {name!r} is not declared in vitreg.measure.metrics.METRICS") from None
+
+
+def task_metrics(task: str, values: dict) -> dict[str, float]:
+    """``{"<task>_<name>": value}`` for each of ``values`` that is not None (not measured): every
+    name must be declared, and declared for ``task`` where it has a value, so a result cannot log a
+    metric the table does not know."""
+    out = {}
+    for name, value in values.items():
+        declared = metric(name).tasks
+        if value is not None:
+            if task not in declared:
+                raise KeyError(f"metric {name!r} is not declared for task {task!r}")
+            out[f"{task}_{name}"] = float(value)
+    return out
+
+
+def job_metrics(values: dict) -> dict[str, float]:
+    """Job-level metrics (no prefix), checked against the table like :func:`task_metrics`."""
+    for name in values:
+        if metric(name).tasks:
+            raise KeyError(f"metric {name!r} is per task: log it through task_metrics()")
+    return {name: float(v) for name, v in values.items() if v is not None}
+
+
+def compared_metrics(task: str) -> tuple[str, ...]:
+    """The per-task metrics compare's frame always carries for ``task``, in table order."""
+    return tuple(m.name for m in METRICS if m.tasks and task in m.compared)
+
+
+def compared_job_metrics() -> tuple[str, ...]:
+    """The job-level metrics compare's frame carries on every task row of a run."""
+    return tuple(m.name for m in METRICS if not m.tasks and m.compared)
+
+
+def better(name: str) -> str:
+    return metric(name).better
+
+
+def combine(name: str, per_rank: list):
+    """The job's value of metric ``name`` from every rank's (by its ``ranks`` rule).
+
+    Tuples (one value per window or per iteration) combine element by element. A None (a figure
+    that rank could not measure, e.g. CUDA memory on the CPU) is left out; all None gives None.
+    """
+    rule = metric(name).ranks
+    reducers = {"sum": sum, "max": max, "min": min}
+    if rule not in reducers:
+        raise ValueError(f"metric {name!r} ({rule!r}) is not combined from the ranks' figures")
+    present = [v for v in per_rank if v is not None]
+    if not present:
+        return None
+    if isinstance(present[0], tuple):
+        return tuple(reducers[rule](vs) for vs in zip(*present))
+    return reducers[rule](present)
+
+
+# --------------------------------------------------------------------------------------------
+# how the bench report shows them (terminal table and report.md)
+
+
+@dataclass(frozen=True)
+class Column:
+    """One column of the bench report. ``cell`` is a str.format template over the task's
+    metrics without prefix; ``{iter_p50}`` stands for the task's iteration time (latency_ms_p50 or
+    step_ms_p50). An empty ``{name}`` field takes the metric's own ``fmt``. A cell whose metrics
+    the task did not record shows ``-``."""
+
+    header: str
+    cell: str
+
+    def fields(self) -> list[str]:
+        return [f for _, f, _, _ in string.Formatter().parse(self.cell) if f]
+
+    def render(self, task: str, values: dict) -> str:
+        resolved = {}
+        for field in self.fields():
+            name = field.replace("iter_", ITERATION_TIME[task] + "_", 1) if field.startswith("iter_") else field
+            if values.get(name) is None:
+                return "-"
+            resolved[field] = format(values[name], metric(name).fmt)
+        return self.cell.format(**resolved)
+
+
+REPORT_COLUMNS: tuple[Column, ...] = (
+    Column("img/s median (min-max)", "{throughput_img_per_s} ({throughput_img_per_s_min}-{throughput_img_per_s_max})"),
+    Column("CV", "{throughput_cv}"),
+    Column("ms/iter p50 / p90 / p99", "{iter_p50} / {iter_p90} / {iter_p99}"),
+    Column("compile s", "{compile_time_s}"),
+    Column("peak alloc MiB", "{peak_mem_allocated_mb}"),
+    Column("TFLOP/s", "{achieved_tflops}"),
+    Column("MFU", "{mfu}"),
+)

@@ -1,0 +1,102 @@
+"""The least memory a benchmark needs, known before anything is allocated.
+
+A batch or an image size nobody can run (a batch of millions, an image of a million pixels a side) would
+otherwise end in an allocation traceback, or get the process killed by the OOM killer. The model is built
+once on PyTorch's ``meta`` device (shapes, no storage) to read its parameter count, width, depth and
+token count; from those come lower bounds: what the weights, one input batch and the activations that
+must exist at once take. A bound is a floor, never a guess from above, so nothing that could run is
+refused; what it catches is what cannot.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from vitreg.errors import VitregError
+
+GIB = 1024**3
+FP32_BYTES = 4
+HALF_BYTES = 2  # activations are at least bf16/fp16 wide
+
+
+@dataclass(frozen=True)
+class Footprint:
+    """Sizes of a model at one resolution, read from a weightless instance."""
+
+    params: int
+    tokens: int  # sequence length: patches + class/distillation tokens
+    width: int  # embedding dimension
+    depth: int  # transformer blocks
+    img_size: int
+
+    @property
+    def weight_bytes(self) -> int:
+        return self.params * FP32_BYTES
+
+
+def footprint(name: str, img_size: int = 0, num_classes: int = 1000) -> Footprint:
+    """Build ``name`` on the meta device (no memory) and read its sizes; refuses bad names/sizes as create_model does."""
+    import torch
+
+    from vitreg.models.factory import build
+
+    with torch.device("meta"):
+        model, _source, size, patch = build(name, img_size, num_classes)
+    width = int(getattr(model, "embed_dim", 0) or getattr(model, "hidden_dim", 0))
+    blocks = getattr(model, "blocks", None)
+    depth = len(blocks) if blocks is not None else len(model.encoder.layers)
+    extra = 1 + int(getattr(model, "dist_token", None) is not None)
+    params = sum(p.numel() for p in model.parameters())
+    return Footprint(params, (size // patch) ** 2 + extra, width, depth, size)
+
+
+def minimum_bytes(fp: Footprint, batch_size: int, train: bool) -> int:
+    """The floor of one step's memory: weights (+ gradients and AdamW's two moments when training), the
+    fp32 input batch, and the block outputs that must be alive together (one in inference, every block's
+    in training, which keeps them for the backward pass)."""
+    weights = fp.weight_bytes * (4 if train else 1)
+    inputs = batch_size * 3 * fp.img_size**2 * FP32_BYTES
+    activation = batch_size * fp.tokens * fp.width * HALF_BYTES
+    return weights + inputs + activation * (fp.depth if train else 1)
+
+
+def _gib(n: float) -> str:
+    return f"{n / GIB:,.1f} GiB"
+
+
+def check_host_fits(fp: Footprint, what: str, available: int | None = None) -> None:
+    """Refuse a model whose weights alone exceed this host's available memory (before building it)."""
+    available = _host_available() if available is None else available
+    if fp.weight_bytes > available:
+        raise VitregError(f"{what} has {fp.params / 1e6:,.0f} M parameters ({_gib(fp.weight_bytes)} of weights), more "
+                          f"than this host's {_gib(available)} of free memory: use a smaller img_size (0 = the "
+                          f"model's default)")
+
+
+def check_step_fits(fp: Footprint, batch_size: int, train: bool, available: int, where: str) -> None:
+    """Refuse a batch whose floor (:func:`minimum_bytes`) exceeds ``available`` bytes on ``where``."""
+    need = minimum_bytes(fp, batch_size, train)
+    if need <= available:
+        return
+    fits = batch_size
+    while fits > 1 and minimum_bytes(fp, fits, train) > available:
+        fits //= 2
+    hint = f"batch_size={fits} or less" if minimum_bytes(fp, fits, train) <= available else "a smaller img_size"
+    raise VitregError(f"{'train' if train else 'infer'} at batch_size={batch_size}, img_size={fp.img_size} needs at "
+                      f"least {_gib(need)} but {where} has {_gib(available)} free: use {hint}")
+
+
+def _host_available() -> int:
+    import psutil
+
+    return int(psutil.virtual_memory().available)
+
+
+def device_available(device_type: str, index: int = 0) -> tuple[int, str]:
+    """``(free bytes, a name for messages)`` of the device a step runs on."""
+    if device_type == "cuda":
+        import torch
+
+        free, _total = torch.cuda.mem_get_info(index)
+        return int(free), f"GPU {index}"
+    return _host_available(), "this host"

@@ -1,0 +1,230 @@
+"""Runs out of the tracking store, as the tidy frame :mod:`vitreg.analysis` works on.
+
+This is the one place that knows MLflow's ``search_runs()`` column names (``run_id``, ``status``,
+``params.*``, ``tags.*``, ``metrics.<task>_*``) and vitreg's params and tags in them
+(``tags.nccl_env``, ``params.nnodes``, ...): :func:`tidy` turns them into one row per (run, task)
+with plain columns (:mod:`vitreg.analysis.frame`).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+
+from vitreg.analysis.frame import (ALL_METRICS, ID_COLUMNS, MISSING, NO_RUNS, SHARED_METRICS, TASK_METRICS,
+                                   CompareError)
+from vitreg.config.spec import _TRUE, DDP_BUCKET_MB
+from vitreg.measure.metrics import TASKS
+
+
+def benchmark_runs(experiment: str) -> pd.DataFrame:
+    """The experiment's benchmark runs (bench, infer, train, timm imports), not its compare/sweep parents."""
+    from vitreg.tracking import runs as tracking
+
+    runs = tracking.search_runs(experiment)
+    if "tags.vitreg_job" in runs:
+        runs = runs[~runs["tags.vitreg_job"].isin(["compare", "sweep"])]
+    return runs
+
+
+def runs_frame(records) -> pd.DataFrame:
+    """Records with ``params`` / ``tags`` / ``metrics`` dicts (such as timm imports) as a
+    ``search_runs()``-shaped frame (status FINISHED, synthetic run ids): compare an imported CSV
+    without a tracking server, and build realistic frames in tests."""
+    rows = []
+    for i, r in enumerate(records):
+        row = {"run_id": f"timm-{i:05d}", "status": "FINISHED", "start_time": pd.NaT}
+        row.update({f"params.{k}": v for k, v in r.params.items()})
+        row.update({f"tags.{k}": v for k, v in r.tags.items()})
+        row.update({f"metrics.{k}": float(v) for k, v in r.metrics.items()})
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def tidy(runs_df: pd.DataFrame) -> pd.DataFrame:
+    """Reshape ``mlflow.search_runs()`` output into one row per (run, task).
+
+    Keeps FINISHED runs and runs imported from timm (``tags.source == "timm"``); everything else
+    (FAILED, RUNNING, KILLED) is dropped because its numbers are partial or absent.
+
+    Columns of the result: ``run_id, start_time, source, gpu`` and the configuration keys
+    (``task`` is the row's own task, ``infer`` or ``train``: a ``task=both`` run yields one row of
+    each, so it is comparable with single-task runs), followed by the task's metrics with the
+    ``infer_`` / ``train_`` prefix stripped (``throughput_img_per_s``, ``latency_ms_p50``,
+    ``step_ms_p50``, ...; all of ``ALL_METRICS`` are present, NaN where not recorded, plus any
+    other ``metrics.<task>_*`` the runs carry).
+
+    ``gpu`` is the resolved ``tags.gpu``, falling back to ``params.gpu``; ``amp`` and ``img_size``
+    likewise prefer the resolved ``tags.amp`` / ``tags.img_size``. ``compile`` ends in
+    ``+cudagraph`` for ``cuda_graph=true`` runs. ``nproc`` is the number of processes in the whole job: the
+    ``world_size`` tag of DDP runs (``nproc x nnodes`` for several hosts), else ``params.nproc``
+    (times ``params.nnodes``), else 1. ``batch_size``, ``img_size`` and ``nproc``
+    are nullable integers.
+
+    Raises :class:`CompareError` when the frame is empty or holds no finished run with metrics.
+    """
+    if runs_df is None or len(runs_df) == 0:
+        raise CompareError(NO_RUNS)
+    df, source = _finished(runs_df.reset_index(drop=True))
+    base = _configurations(df, source)
+    task_param = _coalesce(df, "params.task").str.lower()
+    parts = [p for p in (_task_rows(df, base, task, task_param) for task in TASKS) if p is not None]
+    if not parts:
+        raise CompareError(
+            f"the {len(df)} finished runs carry no metrics.infer_* or metrics.train_* values; "
+            "check that they are vitreg benchmark runs (vitreg bench / vitreg import-timm)"
+        )
+    out = pd.concat(parts, ignore_index=True)
+    for name in ALL_METRICS:
+        if name not in out:
+            out[name] = np.nan
+    extra = [c for c in out.columns if c not in ID_COLUMNS and c not in ALL_METRICS]
+    out = out[list(ID_COLUMNS) + list(ALL_METRICS) + sorted(extra)]
+    return out.sort_values(["model", "task", "gpu", "run_id"], kind="stable").reset_index(drop=True)
+
+
+def _finished(df: pd.DataFrame) -> tuple[pd.DataFrame, pd.Series]:
+    """The rows worth comparing (FINISHED, or imported from timm) and their ``source``."""
+    status = _text(df, "status")
+    if status is None:
+        # A frame built by hand (or by runs_frame) may omit status; such rows are results, not in-flight runs.
+        status = pd.Series("FINISHED", index=df.index, dtype=object)
+    source = _text(df, "tags.source")
+    source = source.fillna("vitreg") if source is not None else pd.Series("vitreg", index=df.index)
+    keep = (status.str.upper() == "FINISHED") | (source == "timm")
+    if not keep.any():
+        counts = status.fillna("UNKNOWN").value_counts()
+        seen = ", ".join(f"{n}x {s}" for s, n in counts.items())
+        raise CompareError(
+            f"none of the {len(df)} runs finished ({seen}); only FINISHED runs are compared, "
+            "so re-run the failed benchmarks (their error is in the vitreg_error tag)"
+        )
+    return df[keep].reset_index(drop=True), source[keep].reset_index(drop=True)
+
+
+def _configurations(df: pd.DataFrame, source: pd.Series) -> pd.DataFrame:
+    """The identifying columns of each run (all but ``task``), from its params and resolved tags."""
+    base = pd.DataFrame(index=df.index)
+    base["run_id"] = _text(df, "run_id") if "run_id" in df else df.index.astype(str)
+    base["start_time"] = df["start_time"] if "start_time" in df else pd.NaT
+    base["source"] = source
+    gpu = _coalesce(df, "tags.gpu", "params.gpu")
+    # params.gpu may be the request ("auto"), which says nothing about the hardware.
+    gpu = gpu.where(gpu.str.lower() != "auto")
+    base["gpu"] = gpu.fillna("unknown")
+    base["model"] = _coalesce(df, "params.model", "tags.model").fillna(MISSING)
+    base["amp"] = _coalesce(df, "tags.amp", "params.amp").fillna(MISSING)
+    base["compile"] = _with_cuda_graph(df, _coalesce(df, "params.compile", "tags.compile").fillna(MISSING))
+    base["batch_size"] = _integer(df, "params.batch_size")
+    # the resolved size (tag) first: params.img_size may be the request, 0 = "the model's default",
+    # as a DDP launcher logs it before any rank has built the model
+    img = _integer(df, "tags.img_size")
+    img = img.where(img > 0, pd.NA)
+    base["img_size"] = img.fillna(_integer(df, "params.img_size"))
+    # processes in the whole job: a multi-host run's params.nproc is per host, its world_size tag is
+    # what scaled (runs without the tag: nproc x nnodes, which is what the launcher starts)
+    per_host = _integer(df, "params.nproc").fillna(1)
+    base["nproc"] = _integer(df, "tags.world_size").fillna(per_host * _integer(df, "params.nnodes").fillna(1))
+    base["ddp"] = _ddp_setting(df, base["nproc"])
+    return base
+
+
+def _task_rows(df: pd.DataFrame, base: pd.DataFrame, task: str, task_param: pd.Series) -> pd.DataFrame | None:
+    """One row per run that ran ``task`` and recorded something for it; None when none did."""
+    prefix = f"metrics.{task}_"
+    values = {c[len(prefix):]: pd.to_numeric(df[c], errors="coerce") for c in df.columns if c.startswith(prefix)}
+    recorded = pd.Series(False, index=df.index)
+    for v in values.values():
+        recorded |= v.notna()
+    # The task param is authoritative; without it (hand-made frames) trust the metrics.
+    wanted = task_param.isin([task, "both"]).fillna(False) | (task_param.isna() & recorded)
+    wanted &= recorded  # a task that logged nothing has nothing to compare
+    if not wanted.any():
+        return None
+    part = base[wanted].copy()
+    part["task"] = task
+    for name in TASK_METRICS[task]:
+        part[name] = np.nan
+    for name, v in values.items():
+        part[name] = v[wanted].astype(float)
+    for name in SHARED_METRICS:
+        col = f"metrics.{name}"
+        part[name] = pd.to_numeric(df.loc[wanted, col], errors="coerce") if col in df else np.nan
+    return part
+
+
+def _text(df: pd.DataFrame, col: str) -> pd.Series | None:
+    """The column as object-dtype strings, with NaN/None/'' all meaning missing."""
+    if col not in df:
+        return None
+    s = df[col].astype(object)
+    s = s.where(s.notna(), None).map(lambda v: None if v is None else str(v).strip())
+    return s.where(s.map(lambda v: bool(v)), None).astype(object)
+
+
+def _coalesce(df: pd.DataFrame, *cols: str) -> pd.Series:
+    """First non-missing value across ``cols``, row by row (missing stays NaN)."""
+    out = pd.Series([None] * len(df), index=df.index, dtype=object)
+    for col in cols:
+        s = _text(df, col)
+        if s is not None:
+            out = out.where(out.notna(), s)
+    return out.where(out.notna(), np.nan).astype(object)
+
+
+def _is_true(value) -> bool:
+    """A logged boolean param ('true', 'True', '1', ...) as the spec parsed it; missing is false."""
+    return isinstance(value, str) and value.strip().lower() in _TRUE
+
+
+def _with_cuda_graph(df: pd.DataFrame, compile_: pd.Series) -> pd.Series:
+    """``compile`` plus ``+cudagraph`` for runs whose steps were replayed from a CUDA graph
+    (``cuda_graph=true``): a different way of running the same step, kept apart like a compile mode
+    (and, in compile_amp_gains, compared with plain ``off`` as one)."""
+    on = _coalesce(df, "params.cuda_graph", "tags.cuda_graph").map(_is_true).astype(bool)
+    return compile_.where(~on, compile_.astype(str) + "+cudagraph")
+
+
+def _ddp_setting(df: pd.DataFrame, nproc: pd.Series) -> pd.Series:
+    """The DDP settings as one configuration string: ``-`` for single-process runs (the settings do
+    nothing there), else ``bucket<MB>`` plus ``+static`` for ``ddp_static_graph=true``, ``+bf16``
+    / ``+fp16`` for a ``ddp_comm_hook``, and ``+NAME=VALUE`` for each NCCL variable of the run's
+    ``nccl_env`` tag that is not the same in every multi-process run compared (``NCCL_MAX_CTAS=8`` on
+    some runs and not on others; a variable every run has, such as the image's ``NCCL_VERSION``, says
+    nothing and is left out). Runs that predate the settings (no params) ran with torch's defaults,
+    which is what they get here."""
+    bucket = pd.to_numeric(df["params.ddp_bucket_mb"], errors="coerce") if "params.ddp_bucket_mb" in df else None
+    static = _text(df, "params.ddp_static_graph")
+    hook = _text(df, "params.ddp_comm_hook")
+    multi = [i for i in range(len(df)) if nproc.iloc[i] is not pd.NA and int(nproc.iloc[i]) > 1]
+    nccl = _nccl_differences(_text(df, "tags.nccl_env"), multi)
+    out = ["-"] * len(df)
+    for i in multi:
+        mb = bucket.iloc[i] if bucket is not None and pd.notna(bucket.iloc[i]) else DDP_BUCKET_MB
+        static_on = static is not None and _is_true(static.iloc[i])
+        comm = hook.iloc[i] if hook is not None else None
+        out[i] = (f"bucket{mb:g}" + ("+static" if static_on else "")
+                  + (f"+{comm.lower()}" if isinstance(comm, str) and comm.lower() != "none" else "")
+                  + "".join(f"+{k}={v}" for k, v in nccl[i]))
+    return pd.Series(out, index=df.index, dtype=object)
+
+
+def _nccl_differences(tags: pd.Series | None, rows: list[int]) -> dict[int, list[tuple[str, str]]]:
+    """For each of ``rows``: the ``(name, value)`` pairs of its ``nccl_env`` tag (``"K=V;K=V"``)
+    whose variable is not set to one same value in all of ``rows``, sorted by name."""
+    env = {i: _nccl_vars(tags.iloc[i] if tags is not None else None) for i in rows}
+    varying = {k for k in set().union(*env.values()) if len({e.get(k) for e in env.values()}) > 1}
+    return {i: sorted((k, v) for k, v in e.items() if k in varying) for i, e in env.items()}
+
+
+def _nccl_vars(tag: str | None) -> dict[str, str]:
+    """An ``nccl_env`` tag (``"K=V;K=V"``, as :func:`vitreg.hardware.env.nccl_env` writes it) as a dict; missing: empty."""
+    return dict(kv.split("=", 1) for kv in (tag or "").split(";") if "=" in kv)
+
+
+def _integer(df: pd.DataFrame, col: str) -> pd.Series:
+    """A param column ('64', '64.0', NaN) as a nullable integer."""
+    if col not in df:
+        return pd.Series(pd.NA, index=df.index, dtype="Int64")
+    num = pd.to_numeric(df[col], errors="coerce")
+    return num.round().astype("Int64")

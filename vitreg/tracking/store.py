@@ -1,0 +1,53 @@
+"""A local sqlite tracking store, made ready once even when several processes start on it together.
+
+MLflow's tracking store creates and migrates a fresh sqlite schema in every process that opens it, with
+no lock: processes that start together on a new ``mlflow.db`` race in the migration (``_alembic_tmp_tags
+already exists``) and can leave the file broken for every later client. :func:`prepare_store` takes an
+exclusive lock beside the database file while this process builds its store (migrating it if needed);
+MLflow caches that store per URI, so later calls in the process reuse it without migrating again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+from pathlib import Path
+
+from mlflow.tracking import MlflowClient
+
+from vitreg.errors import StoreError
+
+
+def sqlite_path(uri: str) -> Path | None:
+    """The database file of a ``sqlite:///`` URI (None for any other store, or an in-memory one)."""
+    if not uri.startswith("sqlite:///") or uri.endswith(":memory:"):
+        return None
+    return Path(uri[len("sqlite:///"):].split("?", 1)[0])
+
+
+@contextlib.contextmanager
+def _exclusive(lock_path: Path):
+    with open(lock_path, "a") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)  # released when the file closes, also if this process dies
+        yield
+
+
+def prepare_store(uri: str) -> None:
+    """Create (or open) the sqlite store at ``uri`` under a file lock; nothing for other stores.
+
+    Raises :class:`StoreError`, naming the file, when it cannot be created or is not a usable store.
+    """
+    path = sqlite_path(uri)
+    if path is None:
+        return
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with _exclusive(path.with_name(path.name + ".lock")):
+            MlflowClient(tracking_uri=uri)  # builds the store: creates and migrates the schema if it is new
+    except OSError as exc:
+        raise StoreError(f"the tracking store {path} cannot be created ({exc.strerror or exc}): "
+                         f"set MLFLOW_TRACKING_URI to a writable place") from None
+    except Exception as exc:  # noqa: BLE001 - sqlalchemy/alembic errors: name the file, not a server
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise StoreError(f"the tracking store {path} is not a usable MLflow database ({first}): move it "
+                         f"away (a new one is created) or point MLFLOW_TRACKING_URI elsewhere") from None
