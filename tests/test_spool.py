@@ -1,0 +1,507 @@
+"""The local spool, its delivery and ``vitreg sync``: nothing lost, nothing delivered twice.
+
+Fast tests use a real sqlite store and fake servers (a dead port, an HTTP server answering 503); the
+slow ones kill a real ``mlflow server`` by PID in the middle of a run, and a real ``vitreg sync``
+process in the middle of its delivery.
+"""
+
+from __future__ import annotations
+
+import http.server
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+from mlflow.tracking import MlflowClient
+
+from vitreg.cli.runs_cmds import sync as sync_command
+from vitreg.errors import StoreError, VitregError
+from vitreg.tracking import spool as spool_mod
+from vitreg.tracking.delivery import SPOOL_ID_TAG, experiment_id_for, seq_tag
+from vitreg.tracking.spool import Spool, flush_timeout_s, offline_mode, spool_root
+from vitreg.tracking.spooling import SpoolingTracker, open_run
+from vitreg.tracking.store import prepare_store
+from vitreg.tracking.sync import SyncError, sync
+
+from conftest import REPO, subprocess_env
+
+
+@pytest.fixture(autouse=True)
+def _clean_env(monkeypatch):
+    """No VITREG_* / MLflow settings from the developer's shell leak into a test."""
+    for name in list(os.environ):
+        if name.startswith(("VITREG_", "MLFLOW_HTTP", "MLFLOW_RUN_ID", "MLFLOW_EXPERIMENT")):
+            monkeypatch.delenv(name)
+    monkeypatch.setenv("MLFLOW_DISABLE_TELEMETRY", "true")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def _module_store(tmp_path_factory):
+    """One sqlite store for the module (creating one costs seconds); each test has its own experiment."""
+    uri = f"sqlite:///{tmp_path_factory.mktemp('store') / 'mlflow.db'}"
+    prepare_store(uri)  # one migration, before the delivery thread and the test both open it
+    return uri
+
+
+@pytest.fixture
+def store(_module_store, monkeypatch, tmp_path):
+    import mlflow
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", _module_store)
+    monkeypatch.chdir(tmp_path)
+    mlflow.set_tracking_uri(_module_store)
+    return _module_store
+
+
+@pytest.fixture
+def experiment(request):
+    return request.node.name[:60]
+
+
+@pytest.fixture
+def server_503():
+    """An HTTP server that is up (``/health`` answers OK) but answers 503 to every API call."""
+
+    class Busy(http.server.BaseHTTPRequestHandler):
+        def _answer(self):
+            ok = self.path == "/health"
+            body = b"OK" if ok else b'{"error_code": "TEMPORARILY_UNAVAILABLE", "message": "busy"}'
+            self.send_response(200 if ok else 503)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        do_GET = do_POST = do_PUT = do_PATCH = do_DELETE = _answer
+
+        def log_message(self, *args):
+            pass
+
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Busy)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{httpd.server_address[1]}"
+    httpd.shutdown()
+
+
+def log_training(tracker, steps: int, start: int = 0) -> float:
+    """What a training loop logs; returns the slowest single call in seconds."""
+    slowest = 0.0
+    for step in range(start, start + steps):
+        began = time.perf_counter()
+        tracker.log_metrics({"loss": 1.0 / (step + 1), "lr": 0.001}, step=step)
+        slowest = max(slowest, time.perf_counter() - began)
+    return slowest
+
+
+def write_offline_run(root: Path, tmp_path: Path, experiment: str, steps: int = 2500) -> Spool:
+    """An offline run with everything a run logs; the artifact's original is deleted at once."""
+    tracker = SpoolingTracker.open(experiment, run_name="offline-run", root=root, offline=True)
+    tracker.log_params({"model": "test_vit", "batch_size": 8})
+    tracker.set_tags({"gpu": "cpu", "amp": "off"})
+    log_training(tracker, steps)
+    ckpt = tmp_path / "last.safetensors"
+    ckpt.write_bytes(b"weights" * 100)
+    tracker.log_artifact(ckpt, "checkpoints")
+    ckpt.unlink()  # the spool holds its own copy
+    tracker.log_dict({"top1": 0.5}, "results.json")
+    tracker.close("FINISHED", timeout_s=0)
+    return tracker.spool
+
+
+def assert_delivered_once(client: MlflowClient, run_id: str, steps: int) -> None:
+    run = client.get_run(run_id)
+    assert run.info.status == "FINISHED"
+    assert run.data.params == {"model": "test_vit", "batch_size": "8"}
+    assert run.data.tags["gpu"] == "cpu" and run.data.tags["amp"] == "off"
+    history = client.get_metric_history(run_id, "loss")
+    assert sorted(m.step for m in history) == list(range(steps)), "every step exactly once"
+    assert {m.step: m.value for m in history}[steps - 1] == pytest.approx(1.0 / steps)
+    assert len(client.get_metric_history(run_id, "lr")) == steps
+    paths = {a.path for folder in (None, "checkpoints") for a in client.list_artifacts(run_id, folder)}
+    assert {"results.json", "checkpoints/last.safetensors"} <= paths
+    local = client.download_artifacts(run_id, "checkpoints/last.safetensors")
+    assert Path(local).read_bytes() == b"weights" * 100
+
+
+# --------------------------------------------------------------------------- the journal and settings
+
+
+def test_journal_numbers_records_and_drops_a_torn_last_line(tmp_path):
+    spool = Spool.create("exp", run_name="r", root=tmp_path)
+    spool.append_params({f"p{i}": i for i in range(150)})  # more than one log_batch takes: two records
+    spool.append_metrics({"loss": 0.5}, step=3, timestamp_ms=1234)
+    spool.append_end("FINISHED")
+    spool.release()
+    with open(spool.path / "journal.jsonl", "a") as fh:
+        fh.write('{"seq": 5, "kind": "tags", "ta')  # a crash in the middle of a write
+    records = Spool(spool.path).records()
+    assert [r["seq"] for r in records] == [0, 1, 2, 3, 4]
+    assert [r["kind"] for r in records] == ["run", "params", "params", "metrics", "end"]
+    assert len(records[1]["params"]) == 100 and len(records[2]["params"]) == 50
+    assert records[3]["metrics"] == [["loss", 0.5, 1234, 3]]
+    assert records[0]["experiment_name"] == "exp" and len(records[0]["spool_id"]) == 32
+
+
+def test_a_spool_is_held_by_one_process(tmp_path):
+    spool = Spool.create("exp", root=tmp_path)
+    with pytest.raises(VitregError, match="in use by a running process"):
+        Spool(spool.path).lock()
+    spool.release()
+    Spool(spool.path).lock()
+
+
+def test_find_lists_spools_and_skips_one_left_empty_by_a_crash(tmp_path):
+    first = Spool.create("exp", root=tmp_path)
+    (tmp_path / "crashed-in-create").mkdir()
+    (tmp_path / "crashed-in-create" / "journal.jsonl").touch()
+    assert [s.path for s in Spool.find(tmp_path)] == [first.path]
+    assert [s.path for s in Spool.find(first.path)] == [first.path]
+    assert Spool.find(tmp_path / "nothing-here") == []
+
+
+def test_settings(monkeypatch, tmp_path):
+    assert flush_timeout_s() == 30.0
+    monkeypatch.setenv("VITREG_FLUSH_TIMEOUT_S", "2.5")
+    assert flush_timeout_s() == 2.5 and flush_timeout_s(7) == 7.0
+    monkeypatch.setenv("VITREG_FLUSH_TIMEOUT_S", "soon")
+    with pytest.raises(VitregError, match="VITREG_FLUSH_TIMEOUT_S"):
+        flush_timeout_s()
+    assert offline_mode() is False and offline_mode("true") is True and offline_mode(False) is False
+    monkeypatch.setenv("VITREG_OFFLINE", "1")
+    assert offline_mode() is True and offline_mode("false") is True, "the variable holds for the session"
+    monkeypatch.setenv("VITREG_OFFLINE", "maybe")
+    with pytest.raises(VitregError, match="VITREG_OFFLINE='maybe' is not a boolean"):
+        offline_mode()
+    assert spool_root({"HOME": "/h"}) == Path.home() / ".local/share/vitreg/spool"
+    assert spool_root({"XDG_DATA_HOME": "/d"}) == Path("/d/vitreg/spool")
+    assert spool_root({"VITREG_SPOOL_DIR": str(tmp_path)}) == tmp_path
+
+
+def test_a_password_in_the_tracking_uri_is_not_written_to_the_spool(tmp_path):
+    spool = Spool.create("exp", tracking_uri="http://alice:s3cret@127.0.0.1:5000", root=tmp_path)
+    assert "s3cret" not in (spool.path / "journal.jsonl").read_text()
+
+
+# --------------------------------------------------------------------------- offline, sync, exactly once
+
+
+def test_offline_writes_only_the_spool_and_sync_delivers_it_once(store, experiment, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("VITREG_OFFLINE", "1")
+    root = tmp_path / "spool"
+    began = time.monotonic()
+    spool = write_offline_run(root, tmp_path, experiment)
+    assert time.monotonic() - began < 5
+    err = capsys.readouterr().err.strip()
+    assert err == f"[vitreg] logged locally to {spool.path}; deliver it with: vitreg sync --spool {spool.path}"
+    client = MlflowClient()
+    assert client.get_experiment_by_name(experiment) is None, "offline: nothing reached the store"
+    kept = shutil.copytree(spool.path, tmp_path / "kept-copy")
+    spool_id = spool.run_record["spool_id"]
+
+    result = CliRunner().invoke(sync_command, ["--spool", str(root)], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    assert result.output.startswith(f"delivered {spool.path} -> run ")
+    assert not spool.path.exists(), "a delivered spool is removed"
+    (run,) = client.search_runs([client.get_experiment_by_name(experiment).experiment_id])
+    assert run.info.run_name == "offline-run" and run.data.tags[SPOOL_ID_TAG] == spool_id
+    assert_delivered_once(client, run.info.run_id, 2500)
+
+    again = sync(kept)  # the same journal once more: the server says it has it all
+    assert [(r.run_id, r.records) for r in again] == [(run.info.run_id, 0)]
+    assert_delivered_once(client, run.info.run_id, 2500)
+    assert CliRunner().invoke(sync_command, ["--spool", str(root)]).output.startswith("nothing to deliver")
+
+
+def test_an_interrupted_sync_resumes_without_duplicates(store, experiment, tmp_path, monkeypatch):
+    root = tmp_path / "spool"
+    write_offline_run(root, tmp_path, experiment)
+    real_log_batch = MlflowClient.log_batch
+    calls = {"n": 0}
+
+    def failing_after_two(self, *args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] > 2:
+            raise ConnectionError("[Errno 104] Connection reset by peer")
+        return real_log_batch(self, *args, **kwargs)
+
+    monkeypatch.setattr(MlflowClient, "log_batch", failing_after_two)
+    with pytest.raises(SyncError, match=r"\(Connection reset by peer\); still spooled: 1 run\(s\)") as err:
+        sync(root)
+    assert "\n" not in str(err.value)
+    client = MlflowClient()
+    (run,) = client.search_runs([client.get_experiment_by_name(experiment).experiment_id])
+    assert 0 < int(run.data.tags[seq_tag(run.data.tags[SPOOL_ID_TAG])]) and run.info.status == "RUNNING"
+    assert len(client.get_metric_history(run.info.run_id, "loss")) < 2500
+
+    monkeypatch.setattr(MlflowClient, "log_batch", real_log_batch)
+    (resumed,) = sync(root)
+    assert resumed.run_id == run.info.run_id, "found again by its spool id: no second run"
+    assert len(client.search_runs([run.info.experiment_id])) == 1
+    assert_delivered_once(client, run.info.run_id, 2500)
+
+
+def test_a_crash_right_after_creating_the_run_makes_no_second_run(store, experiment, tmp_path, monkeypatch):
+    root = tmp_path / "spool"
+    write_offline_run(root, tmp_path, experiment, steps=10)
+
+    def refused(self, *args, **kwargs):
+        raise ConnectionError("[Errno 111] Connection refused")
+
+    monkeypatch.setattr(MlflowClient, "log_batch", refused)
+    with pytest.raises(SyncError):
+        sync(root)
+    monkeypatch.undo()
+    sync(root)
+    client = MlflowClient()
+    runs = client.search_runs([client.get_experiment_by_name(experiment).experiment_id])
+    assert len(runs) == 1
+    assert_delivered_once(client, runs[0].info.run_id, 10)
+
+
+def test_two_processes_logging_into_one_run_are_both_delivered(store, experiment, tmp_path):
+    """A launcher and its rank 0 under `mlflow run`: one run id, two journals, each delivered in full."""
+    client = MlflowClient()
+    run_id = client.create_run(client.create_experiment(experiment)).info.run_id
+    client.log_param(run_id, "gpu", "auto")  # mlflow run's -P value
+    root = tmp_path / "spool"
+    for first in (0, 10):
+        tracker = SpoolingTracker.open(experiment, run_id=run_id, root=root, offline=True,
+                                       existing_params={"gpu": "auto"})
+        assert tracker.log_params({"gpu": "cpu", "model": "test_vit"}) == {"gpu": "auto"}
+        log_training(tracker, 10, start=first)
+        tracker.close("FINISHED", timeout_s=0)
+    assert [r.run_id for r in sync(root)] == [run_id, run_id]
+    run = client.get_run(run_id)
+    assert sorted(m.step for m in client.get_metric_history(run_id, "loss")) == list(range(20))
+    assert run.data.params == {"gpu": "auto", "model": "test_vit"} and run.info.status == "FINISHED"
+
+
+def test_open_run_creates_or_continues_the_run_with_one_request(store, experiment, tmp_path, monkeypatch):
+    import mlflow
+
+    client = MlflowClient()
+    tracker = open_run(experiment, run_name="fresh", tags={"gpu": "cpu"}, root=tmp_path / "a")
+    assert tracker.run_id and client.get_run(tracker.run_id).info.status == "RUNNING", "known from the start"
+    assert mlflow.active_run() is None, "not MLflow's fluent run: its atexit hook must not end it"
+    assert tracker.close(timeout_s=30) is True
+    run = client.get_run(tracker.run_id)
+    assert (run.info.status, run.info.run_name, run.data.tags["gpu"]) == ("FINISHED", "fresh", "cpu")
+
+    requested = client.create_run(experiment_id_for(client, "mlproject"), run_name="from-mlflow-run")
+    client.log_param(requested.info.run_id, "gpu", "auto")
+    monkeypatch.setenv("MLFLOW_RUN_ID", requested.info.run_id)
+    continued = open_run(experiment, run_name="ignored", root=tmp_path / "b")
+    assert continued.run_id == requested.info.run_id
+    assert continued.log_params({"gpu": "cpu", "model": "test_vit"}) == {"gpu": "auto"}
+    assert continued.close(timeout_s=30) is True
+    run = client.get_run(requested.info.run_id)
+    assert run.info.status == "FINISHED" and run.data.params == {"gpu": "auto", "model": "test_vit"}
+
+
+def test_open_run_against_a_dead_store_is_one_line_within_seconds(tmp_path, monkeypatch):
+    import mlflow
+
+    monkeypatch.setattr(mlflow, "get_tracking_uri", lambda: f"http://bob:pw@127.0.0.1:{free_port()}")
+    began = time.monotonic()
+    with pytest.raises(StoreError, match="Connection refused") as err:
+        open_run("exp", root=tmp_path)
+    assert time.monotonic() - began < 10 and "\n" not in str(err.value) and "bob:***@" in str(err.value)
+    assert Spool.find(tmp_path) == []
+
+
+def test_live_delivery_to_a_store_that_works(store, experiment, tmp_path):
+    tracker = SpoolingTracker.open(experiment, run_name="ok", root=tmp_path / "spool", heartbeat_s=0.2)
+    assert log_training(tracker, 300) < 0.05
+    tracker.log_params({"model": "test_vit", "batch_size": 8})
+    tracker.set_tags({"gpu": "cpu", "amp": "off"})
+    assert tracker.close(timeout_s=30) is True
+    assert tracker.close("FAILED") is True, "a second close changes nothing"
+    assert not tracker.spool.path.exists()
+    client = MlflowClient()
+    run = client.get_run(tracker.run_id)
+    assert run.info.status == "FINISHED" and float(run.data.tags["vitreg_heartbeat"]) > time.time() - 60
+    assert sorted(m.step for m in client.get_metric_history(tracker.run_id, "loss")) == list(range(300))
+
+
+def test_log_params_keeps_what_the_run_already_holds(tmp_path):
+    tracker = SpoolingTracker.open("exp", root=tmp_path, offline=True, existing_params={"gpu": "auto"})
+    assert tracker.log_params({"gpu": "h200", "model": "test_vit"}) == {"gpu": "auto"}
+    tracker.close(timeout_s=0)
+    params = [r["params"] for r in tracker.spool.records() if r["kind"] == "params"]
+    assert params == [{"model": "test_vit"}]
+
+
+# --------------------------------------------------------------------------- servers that do not answer
+
+
+def test_a_dead_server_never_blocks_the_loop_and_the_end_is_bounded(tmp_path, monkeypatch, capsys):
+    tracker = SpoolingTracker.open("exp", run_name="r", root=tmp_path / "spool",
+                                   tracking_uri=f"http://127.0.0.1:{free_port()}")
+    began = time.monotonic()
+    slowest = log_training(tracker, 2000)
+    assert slowest < 0.05 and time.monotonic() - began < 2
+    closing = time.monotonic()
+    assert tracker.close(timeout_s=1.5) is False
+    assert time.monotonic() - closing < 2.5
+    line = capsys.readouterr().err.strip()
+    assert "\n" not in line and "Connection refused" in line
+    assert line.endswith(f"logged locally to {tracker.spool.path}; deliver it with: vitreg sync --spool "
+                         f"{tracker.spool.path}")
+    records = Spool(tracker.spool.path).records()
+    assert sum(len(r["metrics"]) for r in records if r["kind"] == "metrics") == 4000
+    assert records[-1]["kind"] == "end"
+
+
+def test_a_server_answering_503_does_not_hold_the_process(tmp_path, monkeypatch, server_503):
+    tracker = SpoolingTracker.open("exp", root=tmp_path / "spool", tracking_uri=server_503)
+    log_training(tracker, 100)
+    time.sleep(1)  # let the delivery thread meet the 503s
+    closing = time.monotonic()
+    assert tracker.close(timeout_s=2) is False
+    assert time.monotonic() - closing < 3
+    time.sleep(0.3)  # the thread lets go of the spool once it stops
+    began = time.monotonic()
+    result = CliRunner().invoke(sync_command, ["--spool", str(tmp_path / "spool")])
+    assert time.monotonic() - began < 10, "MLflow's own retries would take minutes"
+    assert result.exit_code == 2
+    assert result.output.count("\n") == 1 and result.output.startswith("error: the tracking store at ")
+    assert "HTTP 503" in result.output and "still spooled: 1 run(s)" in result.output
+    assert tracker.spool.path.exists()
+
+
+# --------------------------------------------------------------------------- real servers, killed
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    os.killpg(proc.pid, signal.SIGKILL)  # the server and its workers: no clean shutdown
+    proc.wait(timeout=10)
+
+
+@pytest.mark.slow
+def test_server_killed_mid_run_then_sync_delivers_everything_once(tmp_path, monkeypatch):
+    from vitreg.deploy import server
+    from vitreg.deploy.server import ServerConfig
+
+    cfg = ServerConfig(port=free_port(), data_dir=tmp_path / "server")
+    proc = server.start(cfg, timeout=90)
+    try:
+        client = MlflowClient(cfg.url)
+        tracker = SpoolingTracker.open("outage", run_name="train", root=tmp_path / "spool", tracking_uri=cfg.url,
+                                       heartbeat_s=0.5)
+        tracker.log_params({"model": "test_vit", "batch_size": 8})
+        tracker.set_tags({"gpu": "cpu", "amp": "off"})
+        log_training(tracker, 100)
+        deadline = time.monotonic() + 30
+        while not tracker.run_id or len(client.get_metric_history(tracker.run_id, "loss")) < 100:
+            assert time.monotonic() < deadline, "the first 100 steps never reached the live server"
+            time.sleep(0.2)
+        _kill_group(proc)
+
+        began = time.monotonic()
+        slowest = log_training(tracker, 500, start=100)
+        assert slowest < 0.05 and time.monotonic() - began < 2, "the loop waited on a dead server"
+        ckpt = tmp_path / "last.safetensors"
+        ckpt.write_bytes(b"weights" * 100)
+        tracker.log_artifact(ckpt, "checkpoints")
+        ckpt.unlink()
+        tracker.log_dict({"top1": 0.5}, "results.json")
+        closing = time.monotonic()
+        assert tracker.close("FINISHED", timeout_s=3) is False
+        assert time.monotonic() - closing < 4
+        kept = shutil.copytree(tracker.spool.path, tmp_path / "kept-copy")
+
+        proc = server.start(cfg, timeout=90)
+        time.sleep(0.5)  # the closed tracker's thread has let go of the spool
+        result = CliRunner().invoke(sync_command, ["--spool", str(tmp_path / "spool")], catch_exceptions=False)
+        assert result.exit_code == 0, result.output
+        assert f"-> run {tracker.run_id} " in result.output
+        assert_delivered_once(client, tracker.run_id, 600)
+        assert len(client.search_runs([client.get_experiment_by_name("outage").experiment_id])) == 1
+        assert [r.records for r in sync(kept)] == [0]
+        assert_delivered_once(client, tracker.run_id, 600)
+    finally:
+        server.stop(proc)
+
+
+SYNC_CHILD = "import sys; from vitreg.tracking.sync import sync; sync(sys.argv[1])"
+
+
+@pytest.mark.slow
+def test_a_sync_process_killed_midway_resumes(store, experiment, tmp_path):
+    root = tmp_path / "spool"
+    spool = write_offline_run(root, tmp_path, experiment, steps=15000)  # 30 log_batch calls of 1000 points
+    child = subprocess.Popen([sys.executable, "-c", SYNC_CHILD, str(root)], cwd=tmp_path,
+                             env=subprocess_env(store, PYTHONPATH=str(REPO)),
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    client = MlflowClient()
+    deadline = time.monotonic() + 60
+    seq = -1
+    while seq < 0:
+        assert child.poll() is None and time.monotonic() < deadline, "the sync ended before it could be killed"
+        exp = client.get_experiment_by_name(experiment)
+        runs = client.search_runs([exp.experiment_id]) if exp else []
+        seq = int(runs[0].data.tags.get(seq_tag(spool.run_record["spool_id"]), -1)) if runs else -1
+        time.sleep(0.05)
+    child.send_signal(signal.SIGKILL)
+    child.wait()
+    assert spool.path.exists()
+    (resumed,) = sync(root)
+    assert 0 < resumed.records < 15005, "the killed sync had delivered a part, the resumed one the rest"
+    assert_delivered_once(client, resumed.run_id, 15000)
+
+
+def test_short_http_requests_is_process_wide_while_any_delivery_runs(monkeypatch):
+    from vitreg.tracking.delivery import short_http_requests
+
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "120")
+    monkeypatch.setenv("VITREG_HTTP_TIMEOUT_S", "4")
+    with short_http_requests():
+        with short_http_requests():  # a second tracker or a sync in the same process
+            assert os.environ["MLFLOW_HTTP_REQUEST_TIMEOUT"] == "4"
+        assert os.environ["MLFLOW_HTTP_REQUEST_MAX_RETRIES"] == "0", "the first one still delivers"
+    assert os.environ["MLFLOW_HTTP_REQUEST_TIMEOUT"] == "120"
+    assert "MLFLOW_HTTP_REQUEST_MAX_RETRIES" not in os.environ
+
+
+SILENT_SERVER_CHILD = """
+import sys, time
+from vitreg.tracking.spooling import SpoolingTracker, open_run
+tracker = SpoolingTracker.open("exp", root=sys.argv[1], tracking_uri=sys.argv[2])
+for step in range(200):
+    tracker.log_metrics({"loss": 1.0}, step=step)
+print("closing", flush=True)
+tracker.close("FINISHED")
+"""
+
+
+@pytest.mark.slow
+def test_a_server_that_accepts_but_never_answers_costs_the_process_the_flush_timeout(tmp_path):
+    with socket.socket() as silent:  # the kernel accepts connections; nobody ever answers them
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(64)
+        uri = f"http://127.0.0.1:{silent.getsockname()[1]}"
+        child = subprocess.Popen([sys.executable, "-c", SILENT_SERVER_CHILD, str(tmp_path / "spool"), uri],
+                                 env=subprocess_env(uri, PYTHONPATH=str(REPO), VITREG_FLUSH_TIMEOUT_S="2"),
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        assert child.stdout.readline().strip() == "closing"
+        closing = time.monotonic()
+        _, err = child.communicate(timeout=60)
+        ended_after = time.monotonic() - closing
+    assert child.returncode == 0, err
+    assert ended_after < 4, f"the process took {ended_after:.1f} s to end after its work (bound: 2 s)"
+    assert "did not take it in 2 s" in err and "vitreg sync --spool" in err
+    (spool,) = Spool.find(tmp_path / "spool")
+    assert sum(r["kind"] == "metrics" for r in spool.records()) == 200

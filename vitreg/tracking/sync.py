@@ -1,0 +1,84 @@
+"""``vitreg sync``: deliver the runs a process could not (server down, offline mode, killed) exactly once.
+
+Each spool goes to the tracking URI given, else the one it was logged against, else the current one
+(``MLFLOW_TRACKING_URI``). Delivery resumes where the server's run says it stopped (its
+``vitreg_spool_seq.<spool id>`` tag, see :mod:`vitreg.tracking.delivery`): a second sync adds nothing, a sync cut
+short resumes. A delivered spool is removed; a spool held by a running process is left to it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import mlflow
+from mlflow.tracking import MlflowClient
+
+from vitreg.errors import VitregError
+from vitreg.tracking.delivery import Delivery, first_line, short_http_requests
+from vitreg.tracking.spool import Spool, SpoolBusy, held, spool_root
+from vitreg.tracking.uris import redact
+
+
+class SyncError(VitregError):
+    """The tracking store did not take a spool; the message says what is still spooled."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Synced:
+    spool: Path
+    run_id: str | None  # None: left alone (in use by a running process)
+    records: int  # journal records delivered by this sync (0 when the server already had them all)
+
+    def describe(self) -> str:
+        if self.run_id is None:
+            return f"left {self.spool}: in use by a running process, which delivers it itself"
+        return f"delivered {self.spool} -> run {self.run_id} ({self.records} new records)"
+
+
+def _target_uri(spool: Spool, tracking_uri: str | None) -> str:
+    return tracking_uri or spool.run_record.get("tracking_uri") or mlflow.get_tracking_uri()
+
+
+def sync_one(spool: Spool, tracking_uri: str | None = None) -> Synced:
+    """Deliver one spool (locking it); raises :class:`SpoolBusy` when a running process holds it."""
+    with held(spool):
+        records = spool.records()
+        delivery = Delivery(spool, MlflowClient(tracking_uri=_target_uri(spool, tracking_uri)))
+        delivery.connect()
+        new = sum(r["seq"] > delivery.delivered_seq and r["kind"] != "run" for r in records)
+        delivery.push(records)
+    spool.remove()
+    return Synced(spool.path, delivery.run_id, new)
+
+
+def pending(spool_dir: Path | None = None) -> list[Spool]:
+    """The spools waiting under ``spool_dir`` (default: :func:`~vitreg.tracking.spool.spool_root`)."""
+    return Spool.find(Path(spool_dir) if spool_dir else spool_root())
+
+
+def _left(spool_dir: Path | None) -> str:
+    spools = pending(spool_dir)
+    records = [r for spool in spools for r in spool.records() if r["kind"] != "run"]
+    points = sum(len(r.get("metrics", ())) for r in records)
+    return f"{len(spools)} run(s) under {spool_dir or spool_root()} ({len(records)} records, {points} metric points)"
+
+
+def sync(spool_dir: Path | None = None, tracking_uri: str | None = None) -> list[Synced]:
+    """Deliver every spool under ``spool_dir`` (a spool folder, or a folder of them).
+
+    Raises :class:`SyncError` (one line: the store, the reason, what is still spooled) at the first spool
+    the store does not take; spools delivered before it stay delivered.
+    """
+    done = []
+    with short_http_requests():
+        for spool in pending(spool_dir):
+            try:
+                done.append(sync_one(spool, tracking_uri))
+            except SpoolBusy:
+                done.append(Synced(spool.path, None, 0))
+            except Exception as exc:  # noqa: BLE001 - unreachable, 5xx, refused: say so in one line
+                raise SyncError(f"the tracking store at {redact(_target_uri(spool, tracking_uri))} did not take "
+                                f"the spool {spool.path} ({first_line(exc)}); still spooled: "
+                                f"{_left(spool_dir)}; run `vitreg sync` again when the store is back") from None
+    return done
