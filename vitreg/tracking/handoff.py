@@ -96,6 +96,9 @@ class HandoffTracker(Tracker):
     def log_dict(self, data, artifact_file):
         self._write("log_text", text=dict_text(data), artifact_file=artifact_file)
 
+    def set_note(self, text):
+        self._write("set_note", text=text)
+
     def log_artifact(self, path, artifact_path=None):
         self._write("log_artifact", path=self._keep(path), artifact_path=artifact_path)
 
@@ -184,5 +187,7 @@ def replay(directory, calls: list[dict], tracker: Tracker, progress) -> None:
             tracker.log_metrics(c["metrics"], c["step"])
         elif call == "log_text":
             tracker.log_text(c["text"], c["artifact_file"])
+        elif call == "set_note":
+            tracker.set_note(c["text"])
         elif call in ("log_artifact", "log_artifacts"):
             getattr(tracker, call)(directory / c["path"], c["artifact_path"])

@@ -54,7 +54,7 @@ def register_checkpoint(tracker, checkpoint_dir, name: str, alias: str | None = 
     whose versions are another architecture. Ranks other than 0 (a NullTracker) register nothing and
     get ``None``.
     """
-    if getattr(tracker, "run", None) is None:
+    if not tracker.run_id:  # a rank that does not log (NullTracker)
         return None
     _check_alias(alias)
     name = _check_name(name)

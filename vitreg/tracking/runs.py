@@ -28,10 +28,14 @@ import mlflow
 from mlflow.tracking import MlflowClient
 
 from vitreg.dist.world import is_main_process
-from vitreg.errors import VitregError
+from vitreg.errors import StoreError, VitregError
+from vitreg.signals import interrupted_reason
+from vitreg.tracking.delivery import ERROR_KIND_TAG, ERROR_TAG, first_line, short_http_requests, store_errors
+from vitreg.tracking.spool import offline_mode
+from vitreg.tracking.spooling import open_run
+from vitreg.tracking.store import prepare_store
+from vitreg.tracking.uris import redact, without_credentials
 
-ERROR_TAG = "vitreg_error"
-ERROR_KIND_TAG = "vitreg_error_kind"  # the VitregError subclass, e.g. OutOfMemory: what a parent branches on
 
 
 def tracking_uri() -> str:
@@ -60,6 +64,7 @@ class Tracker(Protocol):
     def log_dict(self, data: dict, artifact_file: str) -> None: ...
     def log_artifact(self, path, artifact_path: str | None = None) -> None: ...
     def log_artifacts(self, path, artifact_path: str | None = None) -> None: ...
+    def set_note(self, text: str) -> None: ...
     def register_checkpoint(self, checkpoint_dir, name: str, alias: str | None, tags: dict): ...
 
     def artifact_uri(self, path: str = "") -> str:
@@ -142,6 +147,10 @@ class MlflowTracker(Tracker):
     def log_artifacts(self, path, artifact_path: str | None = None) -> None:
         mlflow.log_artifacts(str(path), artifact_path, run_id=self.run_id)
 
+    def set_note(self, text: str) -> None:
+        """The run's description in the MLflow UI (MLflow's own ``mlflow.note.content`` tag)."""
+        self._client.set_tag(self.run_id, "mlflow.note.content", text)
+
     def register_checkpoint(self, checkpoint_dir, name: str, alias: str | None, tags: dict):
         """A new version of registered model ``name`` from ``checkpoint_dir``, logged under this run."""
         from vitreg.tracking.registry import register_checkpoint
@@ -185,6 +194,9 @@ class NullTracker(Tracker):
     def log_artifacts(self, path, artifact_path=None):
         pass
 
+    def set_note(self, text):
+        pass
+
     def register_checkpoint(self, checkpoint_dir, name, alias, tags):
         return None
 
@@ -212,62 +224,74 @@ def without_requested_run(env: dict) -> dict:
     return {k: v for k, v in env.items() if k not in ("MLFLOW_RUN_ID", "MLFLOW_EXPERIMENT_ID")}
 
 
-def _select_experiment(experiment: str | None) -> None:
-    # Under `mlflow run` the experiment is already chosen (MLFLOW_EXPERIMENT_ID / the run id), and
-    # set_experiment() would fight it; only a plain `vitreg` call picks one.
-    if experiment and not requested_run_id():
-        mlflow.set_experiment(experiment)
+def _experiment_name(experiment: str | None) -> str:
+    """The experiment a new run goes to: the one asked for, else MLflow's own environment choice, else Default.
+    (Under ``mlflow run`` the run exists already and names its experiment.)"""
+    if experiment:
+        return experiment
+    if os.environ.get("MLFLOW_EXPERIMENT_NAME"):
+        return os.environ["MLFLOW_EXPERIMENT_NAME"]
+    if os.environ.get("MLFLOW_EXPERIMENT_ID"):
+        with short_http_requests(), store_errors(mlflow.get_tracking_uri(), "reading the experiment"):
+            return MlflowClient().get_experiment(os.environ["MLFLOW_EXPERIMENT_ID"]).name
+    return "Default"
 
 
 @contextlib.contextmanager
 def tracked_run(run_name: str | None = None, experiment: str | None = None, system_metrics: bool = True,
-                tags: dict | None = None, nested: bool = False):
-    """Start (or resume, under ``mlflow run``) a run and yield its :class:`MlflowTracker`.
+                tags: dict | None = None, offline: bool | None = None):
+    """Start (or resume, under ``mlflow run``) a run and yield its tracker: a
+    :class:`~vitreg.tracking.spooling.SpoolingTracker`, so the work never waits on the server and nothing
+    measured is lost when the server goes away (it stays in the local spool; ``vitreg sync`` delivers it).
 
-    On :class:`VitregError` the run ends FAILED with the message in the ``vitreg_error`` tag; on
-    Ctrl-C it ends KILLED; on any other exception FAILED with the exception's type and message.
-    Ranks other than 0 get a :class:`NullTracker` and never touch the server.
+    The run always ends with a true status: FINISHED; FAILED on :class:`VitregError` (the message in the
+    ``vitreg_error`` tag, its class in ``vitreg_error_kind``) or any other exception; KILLED on Ctrl-C,
+    SIGTERM or SIGHUP. Ranks other than 0 get a :class:`NullTracker` and never touch the server.
     """
     if not is_main_process():
         yield NullTracker()
         return
-    check_server()
-    try:
-        _select_experiment(experiment)
-        if system_metrics:
-            # GPU utilisation, memory and power curves (psutil + nvidia-ml-py) sampled in a thread.
-            mlflow.set_system_metrics_sampling_interval(2)
-            mlflow.set_system_metrics_samples_before_logging(1)
-        run = mlflow.start_run(run_name=None if requested_run_id() else run_name,
-                               log_system_metrics=system_metrics, tags=tags, nested=nested)
-    except mlflow.exceptions.MlflowException as exc:
-        raise VitregError(f"cannot start an MLflow run at {mlflow.get_tracking_uri()}: "
-                          f"{str(exc).splitlines()[0]} (check MLFLOW_TRACKING_URI / the server)") from None
-    except Exception as exc:  # connection refused, DNS, ...: say where, not a traceback
-        raise VitregError(f"cannot reach the MLflow tracking server at {mlflow.get_tracking_uri()}: "
-                          f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''} "
-                          f"(start it with `make server` or unset MLFLOW_TRACKING_URI)") from None
-    tracker = MlflowTracker(run)
+    uri = mlflow.get_tracking_uri()
+    prepare_store(uri)  # a fresh sqlite file: created once, under a lock, even with several processes at once
+    if not offline_mode(offline):
+        check_server()
+    tracker = open_run(_experiment_name(experiment), None if requested_run_id() else run_name, tags=tags,
+                       offline=offline)
+    monitor = _system_metrics(tracker) if system_metrics else None
     try:
         yield tracker
     except VitregError as exc:
-        _fail(str(exc), "FAILED", kind=type(exc).__name__)
+        _end(tracker, monitor, "FAILED", str(exc), type(exc).__name__)
         raise
-    except KeyboardInterrupt:
-        _fail("interrupted (Ctrl-C)", "KILLED")
+    except KeyboardInterrupt as exc:  # Ctrl-C, and SIGTERM/SIGHUP (vitreg.signals.Terminated)
+        _end(tracker, monitor, "KILLED", interrupted_reason(exc))
         raise
     except BaseException as exc:
-        _fail(f"{type(exc).__name__}: {exc}", "FAILED")
+        _end(tracker, monitor, "FAILED", f"{type(exc).__name__}: {exc}")
         raise
     else:
-        mlflow.end_run("FINISHED")
+        _end(tracker, monitor, "FINISHED")
 
 
-def _fail(message: str, status: str, kind: str | None = None) -> None:
-    try:
-        mlflow.set_tags({ERROR_TAG: " ".join(message.split())[:4000], **({ERROR_KIND_TAG: kind} if kind else {})})
-    finally:
-        mlflow.end_run(status)
+def _system_metrics(tracker):
+    """GPU utilisation, memory and power curves (psutil + nvidia-ml-py), sampled every 2 s in a thread
+    that logs them itself; none offline (nothing reaches the server then)."""
+    if not tracker.run_id or tracker.offline:
+        return None
+    from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+
+    monitor = SystemMetricsMonitor(tracker.run_id, sampling_interval=2, samples_before_logging=1)
+    monitor.start()
+    return monitor
+
+
+def _end(tracker, monitor, status: str, message: str | None = None, kind: str | None = None) -> None:
+    if monitor is not None:
+        with short_http_requests():
+            monitor.finish()
+    if message:
+        tracker.set_tags({ERROR_TAG: " ".join(message.split())[:4000], **({ERROR_KIND_TAG: kind} if kind else {})})
+    tracker.close(status)
 
 
 def fail_requested_run(message: str) -> None:
@@ -276,19 +300,21 @@ def fail_requested_run(message: str) -> None:
     if not run_id or not is_main_process():
         return
     try:
-        client = MlflowClient()
-        if client.get_run(run_id).info.status != "RUNNING":
-            return  # tracked_run already ended it, with the reason
-        client.set_tag(run_id, ERROR_TAG, " ".join(message.split())[:4000])
-        client.set_terminated(run_id, "FAILED")
+        with short_http_requests():  # a dead server costs seconds here, not MLflow's minutes of retries
+            client = MlflowClient()
+            if client.get_run(run_id).info.status != "RUNNING":
+                return  # tracked_run already ended it, with the reason
+            client.set_tag(run_id, ERROR_TAG, " ".join(message.split())[:4000])
+            client.set_terminated(run_id, "FAILED")
     except Exception as exc:  # the server is the problem; say so and keep the user's error first
-        print(f"[vitreg] could not mark run {run_id} FAILED: {exc}", file=sys.stderr)
+        print(f"[vitreg] could not mark run {run_id} FAILED: {first_line(exc)}", file=sys.stderr)
 
 
 def check_server(timeout: float = 5.0) -> None:
     """Fail fast, in one line, when the tracking URI is a server that does not answer.
 
-    MLflow's client retries for minutes against a dead server; a user deserves the answer now.
+    MLflow's client retries for minutes against a dead server; a user deserves the answer now. A URI with
+    credentials (``http://user:password@host``) is checked with them as a header, and shown masked.
     """
     uri = mlflow.get_tracking_uri()
     if not uri.startswith(("http://", "https://")):
@@ -296,15 +322,17 @@ def check_server(timeout: float = 5.0) -> None:
     import urllib.error
     import urllib.request
 
+    base, headers = without_credentials(uri)
     try:
-        with urllib.request.urlopen(uri.rstrip("/") + "/health", timeout=timeout) as resp:
+        with urllib.request.urlopen(urllib.request.Request(base.rstrip("/") + "/health", headers=headers),
+                                    timeout=timeout) as resp:
             resp.read()
     except urllib.error.HTTPError:
         return  # it answers (an auth wall answers 401): the server is there
-    except (urllib.error.URLError, OSError) as exc:
+    except (urllib.error.URLError, OSError, ValueError) as exc:
         reason = getattr(exc, "reason", exc)
-        raise VitregError(f"the MLflow tracking server at {uri} does not answer ({reason}): start it with "
-                          f"`make server`, or fix/unset MLFLOW_TRACKING_URI") from None
+        raise StoreError(f"the MLflow tracking server at {redact(uri)} does not answer ({reason}): start it with "
+                         f"`make server`, or fix/unset MLFLOW_TRACKING_URI") from None
 
 
 def create_child_run(parent: MlflowTracker, name: str, tags: dict | None = None) -> str:
