@@ -1,7 +1,6 @@
-"""SIGTERM and SIGHUP during `train`, for real: a child process that installs vitreg.signals (as the CLI
-entry does) is signalled mid-training. It must stop between updates, write and log a checkpoint of
-the step it reached and the results so far, end its run KILLED, remove its temp folders, and exit
-128 + the signal number. And the hold that keeps an update whole: unit-tested with real signals."""
+"""SIGTERM and SIGHUP during `train`, for real: a `vitreg train` child process is signalled mid-training.
+It must stop between updates, write and log a checkpoint of the step it reached and the results so far,
+end its run KILLED, remove its temp folders, and exit 128 + the signal number. And the hold that keeps an update whole: unit-tested with real signals."""
 
 from __future__ import annotations
 
@@ -18,20 +17,6 @@ import pytest
 
 from conftest import subprocess_env
 
-#: What the CLI entry does once the lead wires vitreg.signals in: install, run, exit 128+N on a stop signal
-#: (click turns any KeyboardInterrupt into Abort, so the exit status is read off the Abort's cause).
-ENTRY = textwrap.dedent("""
-    import sys
-    import click
-    import vitreg.signals
-    from vitreg.cli.main import main
-    vitreg.signals.install()
-    try:
-        main(standalone_mode=False)
-    except click.Abort as abort:
-        cause = abort.__cause__
-        sys.exit(cause.exit_code if isinstance(cause, vitreg.signals.Terminated) else 1)
-""")
 TRAIN = ["train", "--model", "test_vit", "--img-size", "32", "--batch-size", "8", "--num-classes", "10",
          "--num-workers", "0", "--steps", "100000", "--log-every", "5", "--checkpoint-every", "1000",
          "--warmup-steps", "2", "--device", "cpu", "--experiment", "sig"]
@@ -66,7 +51,7 @@ def test_a_stop_signal_ends_train_killed_with_a_final_checkpoint_and_no_temp_fol
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     tmpdir = tmp_path / "tmp"
     tmpdir.mkdir()
-    proc = subprocess.Popen([sys.executable, "-c", ENTRY, *TRAIN], env=subprocess_env(uri, TMPDIR=tmpdir),
+    proc = subprocess.Popen([sys.executable, "-m", "vitreg.cli", *TRAIN], env=subprocess_env(uri, TMPDIR=tmpdir),
                             cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     c = _client(uri)
     try:

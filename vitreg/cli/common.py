@@ -14,6 +14,7 @@ import click
 
 from vitreg.config.options import option, options_of
 from vitreg.errors import VitregError
+from vitreg.signals import Terminated
 
 
 def command_options(command: str):
@@ -60,10 +61,15 @@ def user_errors(fn):
         try:
             return fn(*args, **kwargs)
         except VitregError as exc:
+            from vitreg.dist.diagnose import record_error
             from vitreg.tracking import runs as tracking
 
             tracking.fail_requested_run(str(exc))
+            record_error(str(exc), exc.exit_code)  # in a torchrun worker: the launcher's root cause
             click.echo(f"error: {exc}", err=True)
+            sys.exit(exc.exit_code)
+        except Terminated as exc:  # SIGTERM/SIGHUP: the run is KILLED already (tracked_run); say so in one line
+            click.echo(f"error: {exc}; the run is marked KILLED", err=True)
             sys.exit(exc.exit_code)
 
     return wrapper

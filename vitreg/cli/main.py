@@ -11,6 +11,7 @@ import sys
 import click
 
 import vitreg
+from vitreg import signals
 from vitreg.cli.common import command_options, launcher_options, split_options, user_errors
 from vitreg.config.options import option
 from vitreg.errors import VitregError
@@ -21,6 +22,7 @@ from vitreg.errors import VitregError
 def main():
     """vitreg: ViT/DeiT benchmarks with compile/AMP/DDP, tracked in MLflow."""
     vitreg.freeze_at_exit()
+    signals.install()  # SIGTERM/SIGHUP end the run KILLED, like Ctrl-C, instead of leaving it RUNNING
 
 
 @main.command()

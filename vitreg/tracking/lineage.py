@@ -22,24 +22,32 @@ RESUMED_FROM_TAG = "vitreg_resumed_from"  # on the new run: the run id of the ch
 RESUMED_BY_TAG = "vitreg_resumed_by"  # on the old run: the newest run that resumed it
 
 
-def link_resumed(new_run_id: str, old_run_id: str, progress=lambda message: None) -> bool:
-    """Tag both runs and end the old one KILLED if it is still RUNNING; False if the old run is not in
-    this store (a checkpoint copied from elsewhere), where only the new run is tagged."""
-    client = MlflowClient()
-    client.set_tag(new_run_id, RESUMED_FROM_TAG, old_run_id)
+def close_resumed(old_run_id: str, new_run_id: str, progress=lambda message: None) -> bool:
+    """Tag the old run with its successor and end it KILLED if it is still RUNNING (and not alive).
+
+    The new run's own tag (:data:`RESUMED_FROM_TAG`) goes through its tracker like its other tags. The
+    old run is another run, edited directly; a store that does not hold it (a checkpoint copied from
+    elsewhere) or cannot be reached now only costs a line: the training goes on. Returns whether the
+    old run was found.
+    """
     if old_run_id == new_run_id:
         return True
+    client = MlflowClient()
     try:
         old = client.get_run(old_run_id)
+        client.set_tag(old_run_id, RESUMED_BY_TAG, new_run_id)
+        if old.info.status == "RUNNING" and not _alive(old):
+            client.set_tag(old_run_id, ERROR_TAG, f"ended without a final status (the process was killed); "
+                                                  f"resumed by run {new_run_id}")
+            client.set_terminated(old_run_id, "KILLED")
+            progress(f"run {old_run_id} was still RUNNING (its process was killed): marked KILLED, resumed by "
+                     f"this run")
     except MlflowException:
         progress(f"the checkpoint's run {old_run_id} is not in this store: only this run is tagged with it")
         return False
-    client.set_tag(old_run_id, RESUMED_BY_TAG, new_run_id)
-    if old.info.status == "RUNNING" and not _alive(old):
-        client.set_tag(old_run_id, ERROR_TAG, f"ended without a final status (the process was killed); resumed by "
-                                              f"run {new_run_id}")
-        client.set_terminated(old_run_id, "KILLED")
-        progress(f"run {old_run_id} was still RUNNING (its process was killed): marked KILLED, resumed by this run")
+    except Exception as exc:  # the store is unreachable now: not a reason to stop a training
+        progress(f"could not tag the checkpoint's run {old_run_id} ({type(exc).__name__}): it keeps its status")
+        return False
     return True
 
 
