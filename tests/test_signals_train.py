@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from conftest import subprocess_env
+from vitreg.tracking.store import prepare_store
 
 TRAIN = ["train", "--model", "test_vit", "--img-size", "32", "--batch-size", "8", "--num-classes", "10",
          "--num-workers", "0", "--steps", "100000", "--log-every", "5", "--checkpoint-every", "1000",
@@ -51,6 +52,7 @@ def test_a_stop_signal_ends_train_killed_with_a_final_checkpoint_and_no_temp_fol
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     tmpdir = tmp_path / "tmp"
     tmpdir.mkdir()
+    prepare_store(uri)  # created here, once: this process polls it while the child logs into it
     proc = subprocess.Popen([sys.executable, "-m", "vitreg.cli", *TRAIN], env=subprocess_env(uri, TMPDIR=tmpdir),
                             cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     c = _client(uri)

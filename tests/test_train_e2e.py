@@ -18,6 +18,7 @@ from click.testing import CliRunner
 
 from conftest import REPO, subprocess_env
 from vitreg.tracking import runs as tracking
+from vitreg.tracking.store import prepare_store
 from vitreg.train.checkpoint import verify_checkpoint
 from vitreg.cli.train_cmd import train as train_command
 from vitreg.errors import VitregError
@@ -204,6 +205,7 @@ def test_sigkilled_training_resumes_from_its_last_checkpoint(tmp_path):
     params = {"model": "test_vit", "img_size": "32", "batch_size": "16", "num_classes": "10", "steps": "400",
               "lr": "2e-3", "warmup_steps": "3", "label_smoothing": "0", "log_every": "1", "checkpoint_every": "15",
               "num_workers": "0"}
+    prepare_store(uri)  # created here, once: this process polls it while the child logs into it
     # 1. `mlflow run -e train` in its own process group, killed (the whole group, SIGKILL: no cleanup runs)
     #    as soon as its first checkpoint has landed in the artifact store
     proc = subprocess.Popen([sys.executable, "-m", "mlflow", "run", str(REPO), "-e", "train", "--env-manager",

@@ -2,28 +2,24 @@
 
 A run whose process was SIGKILLed (the OOM killer, ``kill -9``, a lost node) stays RUNNING in MLflow,
 since nothing was left to end it. Resuming its checkpoint is the proof that it is over: the new run
-closes it KILLED, and tags both ends so either run leads to the other. A RUNNING run whose heartbeat
-is fresh (its process is alive: someone resumed a copy of a checkpoint of a run still training) is
-only tagged.
+closes it KILLED, and tags both ends so either run leads to the other. A heartbeat cannot tell here: a
+run SIGKILLed a second ago still has a fresh one. Should the old run's process be alive after all (a
+checkpoint of a run still training, resumed elsewhere), its own end sets the status it really ended with.
 """
 
 from __future__ import annotations
 
-import time
-
 from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
-from vitreg.tracking.delivery import HEARTBEAT_TAG
 from vitreg.tracking.runs import ERROR_TAG
-from vitreg.tracking.stale import heartbeat_period_s
 
 RESUMED_FROM_TAG = "vitreg_resumed_from"  # on the new run: the run id of the checkpoint it continues
 RESUMED_BY_TAG = "vitreg_resumed_by"  # on the old run: the newest run that resumed it
 
 
 def close_resumed(old_run_id: str, new_run_id: str, progress=lambda message: None) -> bool:
-    """Tag the old run with its successor and end it KILLED if it is still RUNNING (and not alive).
+    """Tag the old run with its successor and end it KILLED if it is still RUNNING.
 
     The new run's own tag (:data:`RESUMED_FROM_TAG`) goes through its tracker like its other tags. The
     old run is another run, edited directly; a store that does not hold it (a checkpoint copied from
@@ -36,7 +32,7 @@ def close_resumed(old_run_id: str, new_run_id: str, progress=lambda message: Non
     try:
         old = client.get_run(old_run_id)
         client.set_tag(old_run_id, RESUMED_BY_TAG, new_run_id)
-        if old.info.status == "RUNNING" and not _alive(old):
+        if old.info.status == "RUNNING":
             client.set_tag(old_run_id, ERROR_TAG, f"ended without a final status (the process was killed); "
                                                   f"resumed by run {new_run_id}")
             client.set_terminated(old_run_id, "KILLED")
@@ -50,10 +46,3 @@ def close_resumed(old_run_id: str, new_run_id: str, progress=lambda message: Non
         return False
     return True
 
-
-def _alive(run) -> bool:
-    """Its process refreshed the heartbeat within two periods."""
-    try:
-        return time.time() - float(run.data.tags[HEARTBEAT_TAG]) < 2 * heartbeat_period_s()
-    except (KeyError, TypeError, ValueError):
-        return False
