@@ -12,6 +12,7 @@ import click
 
 import vitreg
 from vitreg.cli.common import command_options, launcher_options, split_options, user_errors
+from vitreg.cli.invocation import command_line
 from vitreg.errors import VitregError
 
 
@@ -31,7 +32,7 @@ def bench(**values):
 
     options, own = split_options("bench", values)  # options: forwarded to the torchrun ranks, checked by BenchSpec
     run_bench(options, experiment=own["experiment"], run_name=own["run_name"], **launcher_options("bench", own),
-              baseline_run=own["baseline_run"].strip() or None)
+              baseline_run=own["baseline_run"].strip() or None, command=command_line(click.get_current_context()))
 
 
 @main.command()
