@@ -14,6 +14,7 @@ import vitreg
 from vitreg.cli.common import command_options, launcher_options, split_options, user_errors
 from vitreg.cli.invocation import command_line
 from vitreg.errors import VitregError
+from vitreg.tracking.quiet import quiet_artifact_downloads
 
 
 @click.group()
@@ -21,6 +22,7 @@ from vitreg.errors import VitregError
 def main():
     """vitreg: ViT/DeiT benchmarks with compile/AMP/DDP, tracked in MLflow."""
     vitreg.freeze_at_exit()
+    quiet_artifact_downloads()  # vitreg's progress lines say what is downloaded; MLflow's bars only clutter
 
 
 @main.command()
