@@ -52,6 +52,13 @@ def test_help_text_as_printed():
     assert "--experiment, --experiment-name TEXT" in out
 
 
+@pytest.mark.parametrize("command,required", [("bench", []), ("train", []), ("infer", ["--model-uri", "m"]),
+                                              ("sweep", ["--models", "test_vit"])])
+def test_experiment_takes_mlflow_run_s_spelling_too(command, required):
+    ctx = command_of(command).make_context(command, ["--experiment-name", "laptop", *required])
+    assert ctx.params["experiment"] == "laptop"
+
+
 def completions(args: list[str], incomplete: str) -> list[str]:
     complete = ShellComplete(main, {}, "vitreg", "_VITREG_COMPLETE")
     return [item.value for item in complete.get_completions(args, incomplete)]

@@ -4,6 +4,7 @@ the ``vitreg`` command line otherwise), not ``entry_points/bench.py``."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -17,12 +18,16 @@ TINY = {"model": "test_vit", "img_size": "32", "task": "infer", "batch_size": "2
 
 
 def report_of_only_run(experiment: str) -> str:
-    import mlflow
+    """report.md of the experiment's one run, read where the README says it lands with the default
+    store: ./mlruns/<experiment id>/<run id>/artifacts/ (sqlite_store runs in tmp_path)."""
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient()
-    (run,) = client.search_runs([client.get_experiment_by_name(experiment).experiment_id])
-    return mlflow.artifacts.load_text(f"runs:/{run.info.run_id}/report.md")
+    experiment_id = client.get_experiment_by_name(experiment).experiment_id
+    (run,) = client.search_runs([experiment_id])
+    artifacts = Path("mlruns") / experiment_id / run.info.run_id / "artifacts"
+    assert (artifacts / "results.json").is_file()
+    return (artifacts / "report.md").read_text()
 
 
 def test_vitreg_bench_report_shows_the_vitreg_command_and_no_machine_cuda_on_cpu(sqlite_store):
