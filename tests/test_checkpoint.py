@@ -73,7 +73,7 @@ def test_layout_spec_and_manifest(saved):
     assert (spec["model"], spec["img_size"], spec["num_classes"], spec["distilled"], spec["step"]) == \
         ("test_vit", IMG, CLASSES, False, 2)
     assert spec["train_spec"]["steps"] == "10" and spec["vitreg_version"] and spec["classes"][0] == "a"
-    manifest = ckpt.verify_checkpoint(path)
+    manifest = ckpt.verify_checkpoint(path).manifest
     assert manifest["format"] == "vitreg-checkpoint-1"
     assert set(manifest["files"]) == {"model.safetensors", "train_state.pt", "spec.json"}
     assert all(len(f["sha256"]) == 64 and f["bytes"] > 0 for f in manifest["files"].values())
@@ -197,3 +197,20 @@ def test_wrapped_model_saves_plain_keys_and_replaces(tmp_path):
     assert not any(k.startswith("_orig_mod") for k in loaded.state_dict())
     with pytest.raises(ValueError):
         ckpt.save_checkpoint(tmp_path / "x", model, step=1, spec={}, model_info=info, extra={"model": "other"})
+
+
+def test_a_verified_checkpoint_is_not_hashed_again(saved, monkeypatch):
+    """verify_checkpoint hashes every file once; the loaders take its result as it is."""
+    path, model, info, opt, sched = saved
+    verified = ckpt.verify_checkpoint(path)
+    assert verified.directory == path and verified.step == 2 and verified.spec["classes"][0] == "a"
+
+    def no_hash(p):
+        raise AssertionError(f"{p} hashed again")
+
+    monkeypatch.setattr(ckpt, "_sha256", no_hash)
+    loaded, _, spec = ckpt.load_model(verified)
+    assert spec == verified.spec and ckpt.check_compatible(verified, info) == verified.spec
+    assert ckpt.load_training_state(verified, loaded, torch.optim.AdamW(loaded.parameters(), lr=1e-3)) == (2, 0)
+    with pytest.raises(AssertionError, match="hashed again"):
+        ckpt.load_model(path)  # a plain directory is verified (hashed) where it is loaded

@@ -8,9 +8,11 @@ import numpy as np
 import pytest
 import torch
 
+from vitreg.train import checkpoint as ckpt
 from vitreg.train import loop as engine
+from vitreg.train import losses, optim
 from vitreg.train.data import SyntheticData, build_data, resolve_num_classes
-from vitreg.errors import VitregError
+from vitreg.errors import OutOfMemory, VitregError
 from vitreg.hardware.profiles import PROFILES, DetectedHardware
 from vitreg.models.factory import create_model
 from vitreg.hardware.runtime import resolve_runtime
@@ -86,7 +88,7 @@ def test_unknown_option_suggests():
 def test_lr_schedule_warmup_then_cosine():
     spec = TrainSpec(lr=1e-3, min_lr=1e-5, warmup_steps=4)
     opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=spec.lr)
-    sched = engine.build_scheduler(opt, spec, total_steps=24)
+    sched = optim.build_scheduler(opt, spec, total_steps=24)
 
     def lr_at(update):
         sched.step_update(update)
@@ -100,7 +102,7 @@ def test_lr_schedule_warmup_then_cosine():
     assert lr_at(14) == pytest.approx((lr + lo) / 2)  # cosine half-way over the 20 post-warm-up updates
     assert lr_at(24) == pytest.approx(lo)
     # a run shorter than its warm-up still ends at min_lr
-    short = engine.build_scheduler(opt, TrainSpec(warmup_steps=100, lr=1e-3, min_lr=1e-5), total_steps=5)
+    short = optim.build_scheduler(opt, TrainSpec(warmup_steps=100, lr=1e-3, min_lr=1e-5), total_steps=5)
     short.step_update(5)
     assert opt.param_groups[0]["lr"] == pytest.approx(1e-5)
 
@@ -129,15 +131,15 @@ def test_distillation_loss_against_hand_values():
     alpha, tau = 0.5, 2.0
     base_loss = math.log(1 + math.exp(-2.0))  # CE of [2, 0] at class 0
 
-    none = engine.DistillationLoss(base, teacher, "none", alpha, tau)
+    none = losses.DistillationLoss(base, teacher, "none", alpha, tau)
     assert none(None, (cls, dist), labels).item() == pytest.approx(base_loss)
 
-    hard = engine.DistillationLoss(base, teacher, "hard", alpha, tau)
+    hard = losses.DistillationLoss(base, teacher, "hard", alpha, tau)
     hard_kd = math.log(1 + math.exp(-1.0))  # CE of the distillation head [0, 1] at the teacher's argmax (1)
     assert hard(None, (cls, dist), labels).item() == pytest.approx((1 - alpha) * base_loss + alpha * hard_kd)
     assert teacher.grad_enabled is False  # the teacher runs under no_grad
 
-    soft = engine.DistillationLoss(base, teacher, "soft", alpha, tau)
+    soft = losses.DistillationLoss(base, teacher, "soft", alpha, tau)
     log_p = _log_softmax([0.0 / tau, 1.0 / tau])
     log_q = _log_softmax([1.0 / tau, 3.0 / tau])
     kl = sum(math.exp(q) * (q - p) for p, q in zip(log_p, log_q))  # KL(teacher || student), summed
@@ -152,7 +154,7 @@ def test_label_smoothing_matches_timm():
     from timm.loss import LabelSmoothingCrossEntropy
 
     logits, labels = torch.randn(4, CLASSES), torch.randint(0, CLASSES, (4,))
-    crit = engine.build_criterion(TrainSpec(label_smoothing=0.1), None)
+    crit = losses.build_criterion(TrainSpec(label_smoothing=0.1), None)
     assert crit(None, logits, labels).item() == pytest.approx(LabelSmoothingCrossEntropy(0.1)(logits, labels).item(),
                                                               rel=1e-5)
 
@@ -254,8 +256,13 @@ def test_resume_continues_exactly(tmp_path):
 
     with pytest.raises(Stop):
         fit(spec, checkpoint_dir=tmp_path / "a", on_checkpoint=stop_at_6)
-    result, logs, resumed = fit(spec.replace(seed=99), checkpoint_dir=tmp_path / "b",
-                                resume_from=tmp_path / "a" / "step-6")
+    # verified once, then handed on; another seed is replaced by the checkpoint's (it defines the data)
+    checkpoint = ckpt.verify_checkpoint(tmp_path / "a" / "step-6")
+    messages = []
+    _, info = create_model(spec.model, spec.img_size, CLASSES)
+    resumed_spec = engine.resume_spec(spec.replace(seed=99), checkpoint, info, progress=messages.append)
+    assert resumed_spec == spec and "the checkpoint's seed=0" in messages[0]
+    result, logs, resumed = fit(resumed_spec, checkpoint_dir=tmp_path / "b", resume_from=checkpoint)
     assert result.start_step == 6 and result.steps_run == 6 and sorted(logs) == list(range(7, 13))
     for step in range(7, 13):
         assert logs[step]["train_loss"] == pytest.approx(straight_logs[step]["train_loss"], rel=1e-5)
@@ -302,3 +309,17 @@ def test_distillation_needs_a_distilled_student():
     with pytest.raises(VitregError) as err:
         fit(spec)
     assert "use a deit_*_distilled_* model" in one_line(err)
+
+
+def test_out_of_memory_in_a_step_is_typed_and_names_a_smaller_batch(monkeypatch):
+    spec = TrainSpec(**TINY, steps=2)
+    model, info = create_model(spec.model, spec.img_size, CLASSES)
+
+    def out_of_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setattr(model, "forward", out_of_memory)
+    with pytest.raises(OutOfMemory) as err:
+        engine.train(spec, runtime_for(spec), model, info, progress=lambda message: None)
+    assert one_line(err) == ("training with batch_size=16 ran out of GPU memory: use a smaller batch_size "
+                             "(e.g. 8)")

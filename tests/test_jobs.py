@@ -105,7 +105,7 @@ def test_sweep_children_failures_and_oom_retry(sqlite_store, monkeypatch, tmp_pa
     script.write_text(
         "import sys\n"
         "from vitreg.tracking import runs as tracking\n"
-        "from vitreg.errors import VitregError\n"
+        "from vitreg.errors import OutOfMemory, VitregError\n"
         "from vitreg.cli.main import main\n"
         "args = sys.argv[1:]\n"
         "bs = int(args[args.index('--batch-size') + 1])\n"
@@ -114,7 +114,7 @@ def test_sweep_children_failures_and_oom_retry(sqlite_store, monkeypatch, tmp_pa
         "if bs > 2:\n"
         "    try:\n"
         "        with tracking.tracked_run(system_metrics=False):\n"
-        "            raise VitregError(f'train with batch_size={bs} ran out of GPU memory: use a smaller batch_size')\n"
+        "            raise OutOfMemory(f'train with batch_size={bs} ran out of GPU memory: use a smaller batch_size')\n"
         "    except VitregError as e:\n"
         "        print('error:', e, file=sys.stderr); sys.exit(2)\n"
         "main(['bench', *args])\n")
@@ -141,6 +141,24 @@ def test_sweep_children_failures_and_oom_retry(sqlite_store, monkeypatch, tmp_pa
     assert len(retried) == 1 and retried[0].data.params["batch_size"] == "2"
     assert len(failed) == 3
     assert sum("ran out of GPU memory" in c.data.tags["vitreg_error"] for c in failed) == 1
+    assert [c.data.tags.get("vitreg_error_kind") for c in failed].count("OutOfMemory") == 1  # what sweep retries on
     assert sum("compile error" in c.data.tags["vitreg_error"] for c in failed) == 2
     files = {a.path for a in MlflowClient().list_artifacts(parent[0].info.run_id, "comparison")}
     assert "comparison/comparison.md" in files
+
+
+def test_a_failed_run_tags_the_kind_of_its_error(sqlite_store):
+    """What sweep branches on: the error's class travels as the child run's vitreg_error_kind tag."""
+    from mlflow.tracking import MlflowClient
+
+    from vitreg.errors import OutOfMemory, VitregError
+    from vitreg.tracking import runs as tracking
+
+    for name, error in (("oom", OutOfMemory("infer with batch_size=8 ran out of GPU memory")),
+                        ("bad", VitregError("ran out of GPU memory, says the text only"))):
+        with pytest.raises(VitregError):
+            with tracking.tracked_run(run_name=name, experiment="kinds", system_metrics=False):
+                raise error
+    tags = {r.info.run_name: r.data.tags for r in _runs(MlflowClient(), "kinds")}
+    assert tags["oom"]["vitreg_error_kind"] == "OutOfMemory" and tags["bad"]["vitreg_error_kind"] == "VitregError"
+    assert tags["oom"]["vitreg_error"] == "infer with batch_size=8 ran out of GPU memory"

@@ -21,7 +21,7 @@ import torch
 from click.testing import CliRunner
 
 from conftest import REPO, subprocess_env
-from vitreg.tracking import registry
+from vitreg.tracking import checkpoints, registry
 from vitreg.tracking import runs as tracking
 from vitreg.train.checkpoint import save_checkpoint
 from vitreg.errors import VitregError
@@ -146,7 +146,7 @@ def test_register_cli_registers_a_run_checkpoint_after_the_fact(store):
     mv = client().get_model_version_by_alias("tv-later", "best")
     assert mv.run_id == store.run_id and mv.tags["source_run_id"] == store.run_id and mv.tags["step"] == "5"
     assert f"registered models:/tv-later/{mv.version} (@best) from run {store.run_id}" in res.output
-    model, _, _ = registry.load_model("models:/tv-later@best")
+    model, _, _ = checkpoints.load_model("models:/tv-later@best")
     assert weights_equal(model, store.w1)
 
 
@@ -214,7 +214,7 @@ def test_register_refuses_a_tampered_checkpoint(store, tmp_path):
 ])
 def test_pull_rebuilds_the_exact_weights(store, tmp_path, uri, which, version):
     uri = uri.format(run=store.run_id)
-    result = registry.pull(uri, dst=tmp_path / "dl")
+    result = checkpoints.pull(uri, dst=tmp_path / "dl")
     assert weights_equal(result.model, getattr(store, which))
     assert result.info.name == "test_vit" and result.info.img_size == IMG and result.info.num_classes == CLASSES
     assert result.output_shape == (2, CLASSES) and not result.model.training
@@ -225,7 +225,10 @@ def test_pull_rebuilds_the_exact_weights(store, tmp_path, uri, which, version):
 
 
 def test_load_model_returns_model_info_and_spec(store):
-    model, info, spec = registry.load_model("models:/tv@champion")
+    from vitreg.tracking.registry import load_model  # the README's import path
+
+    assert load_model is checkpoints.load_model
+    model, info, spec = load_model("models:/tv@champion")
     assert weights_equal(model, store.w1) and info.name == spec["model"] == "test_vit" and spec["step"] == 5
 
 
@@ -238,7 +241,7 @@ def test_pull_refuses_a_tampered_registry_artifact(store, tmp_path):
         data[-100] ^= 0xFF  # same size, one byte flipped in the tensor data
         weights.write_bytes(bytes(data))
         with pytest.raises(VitregError) as exc:
-            registry.pull("models:/tv@champion", dst=tmp_path / "dl")
+            checkpoints.pull("models:/tv@champion", dst=tmp_path / "dl")
         assert "model.safetensors sha256 mismatch" in one_line(exc)
     finally:
         weights.write_bytes(original)
@@ -256,7 +259,7 @@ def test_pull_refuses_a_tampered_registry_artifact(store, tmp_path):
 ])
 def test_pull_errors_name_what_exists(store, tmp_path, uri, needles):
     with pytest.raises(VitregError) as exc:
-        registry.pull(uri.format(run=store.run_id), dst=tmp_path / "dl")
+        checkpoints.pull(uri.format(run=store.run_id), dst=tmp_path / "dl")
     msg = one_line(exc)
     for needle in needles:
         assert needle.format(run=store.run_id) in msg, msg
@@ -285,7 +288,7 @@ def test_pull_cli_out_folder_loads_with_timm_and_safetensors_only(store, tmp_pat
     proc = subprocess.run([sys.executable, "-c", script], cwd=out, capture_output=True, text=True, timeout=120,
                           env={k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_", "PYTHONPATH"))})
     assert proc.returncode == 0, proc.stderr[-2000:]
-    model, _, _ = registry.load_model("models:/tv/1")
+    model, _, _ = checkpoints.load_model("models:/tv/1")
     torch.manual_seed(0)
     x = torch.randn(2, 3, IMG, IMG)
     with torch.no_grad():

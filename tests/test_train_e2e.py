@@ -59,7 +59,7 @@ def test_cli_train_logs_run_checkpoints_and_registers(sqlite_store, tmp_path, mo
     calls = []
     monkeypatch.setattr(registry, "register_checkpoint",
                         lambda tracker, directory, name, alias, tags: calls.append(
-                            (tracker.run_id, verify_checkpoint(directory), name, alias, tags)))
+                            (tracker.run_id, verify_checkpoint(directory).manifest, name, alias, tags)))
     res = CliRunner().invoke(cli(), ["train", *TINY, "--steps", "6", "--log-every", "2", "--checkpoint-every", "3",
                                      "--register-as", "tiny", "--alias", "champion", "--experiment", "train-e2e"])
     assert res.exit_code == 0, res.output

@@ -1,10 +1,15 @@
-"""The one exception type that means "the user asked for something we cannot do".
+"""The exception types that mean "the user asked for something we cannot do".
 
 Every check on user input raises :class:`VitregError` with a one-line message that names the fix.
 The CLI turns it into ``error: <message>`` on stderr and exit status 2; the tracking layer marks the
-MLflow run FAILED and stores the message in the ``vitreg_error`` tag. Anything else is a bug and
-keeps its traceback.
+MLflow run FAILED, stores the message in the ``vitreg_error`` tag and the class name in
+``vitreg_error_kind`` (so a parent process, e.g. ``sweep``, branches on the kind, not on the text).
+Anything else is a bug and keeps its traceback.
 """
+
+from __future__ import annotations
+
+import contextlib
 
 
 class VitregError(ValueError):
@@ -19,3 +24,27 @@ class VitregError(ValueError):
 
 class StoreError(VitregError):
     """The tracking store (a local database file or a server) cannot be used; the message names it."""
+
+
+class OutOfMemory(VitregError):
+    """The GPU ran out of memory at this batch size: a smaller batch may fit (``sweep`` retries one)."""
+
+
+@contextlib.contextmanager
+def out_of_memory_as_error(what: str, batch_size: int):
+    """Turn torch's out-of-memory error inside the block into :class:`OutOfMemory` naming a smaller batch.
+
+    The cached blocks are released first, so whatever runs after the error (the run's tracking, a
+    retry in the same process) has the memory back.
+    """
+    import torch
+
+    try:
+        yield
+    except torch.OutOfMemoryError:
+        import gc
+
+        gc.collect()
+        torch.cuda.empty_cache()
+        raise OutOfMemory(f"{what} with batch_size={batch_size} ran out of GPU memory: use a smaller batch_size "
+                          f"(e.g. {max(1, batch_size // 2)})") from None

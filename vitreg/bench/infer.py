@@ -12,8 +12,7 @@ import shlex
 import sys
 import tempfile
 
-from vitreg.tracking import registry
-
+from vitreg.tracking import checkpoints
 from vitreg.tracking import runs as tracking
 from vitreg.bench.job import log_setup, resolved_tags
 from vitreg.console import progress
@@ -49,7 +48,7 @@ def infer(model_uri: str, options: dict, experiment: str | None = None, run_name
         hw = resolve_hardware(pre.gpu, detected, pre.allow_gpu_mismatch)
         runtime = resolve_runtime(pre.amp, pre.compile, pre.compile_backend, detected)
         with tempfile.TemporaryDirectory(prefix="vitreg-infer-") as tmp:
-            pulled = registry.pull(model_uri, dst=tmp, progress=progress)
+            pulled = checkpoints.pull(model_uri, dst=tmp, progress=progress)
         info = pulled.info
         spec = BenchSpec.from_options({**options, "model": info.name, "img_size": info.img_size})
         env = capture_environment()
@@ -71,14 +70,14 @@ def infer(model_uri: str, options: dict, experiment: str | None = None, run_name
         run.log_metrics(metrics)
         run.log_dict(result.to_dict(), "results.json")
         run.log_text(report_markdown(result, env, command), "report.md")
-        registry.link_infer_run(pulled, run.run_id, metrics, gpu=hw.label)
+        checkpoints.link_infer_run(pulled, run.run_id, metrics, gpu=hw.label)
     print(results_table(result))
     linked = f"; tagged {pulled.version_uri} last_infer_run_id={run.run_id}" if pulled.version_uri else ""
     print(f"logged run {run.run_id} to {tracking.tracking_uri()}{linked} (open it with `mlflow ui`)")
     return result
 
 
-def link_tags(pulled: registry.PullResult) -> dict:
+def link_tags(pulled: checkpoints.PullResult) -> dict:
     """Run tags that point at what was benchmarked."""
     tags = {"vitreg_job": "infer", "model_uri": pulled.uri, "source_run_id": pulled.run_id,
             "checkpoint_step": pulled.spec.get("step")}

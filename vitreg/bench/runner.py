@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, replace
 
 from vitreg.console import progress
-from vitreg.errors import VitregError
+from vitreg.errors import out_of_memory_as_error
 from vitreg.measure.graphs import EAGER_STEPS_BEFORE_CAPTURE, capture, require_cuda, side_stream
 from vitreg.hardware.profiles import ResolvedHardware, mfu
 from vitreg.models.factory import ModelInfo, create_model
@@ -21,6 +21,7 @@ from vitreg.hardware.runtime import Runtime
 from vitreg.config.spec import BenchSpec
 from vitreg.measure.metrics import ITERATION_TIME, job_metrics, task_metrics
 from vitreg.measure.timing import Stats, summarize, synchronize, time_window, wall_seconds
+from vitreg.train.losses import loss_of
 
 
 @dataclass(frozen=True)
@@ -116,13 +117,6 @@ class BenchResult:
 INFER_EAGER_STEPS_BEFORE_CAPTURE = 3
 
 
-def loss_of(output, target, criterion):
-    """Cross-entropy; DeiT distilled models train two heads (class and distillation token) on it."""
-    if isinstance(output, (tuple, list)):
-        return sum(criterion(o, target) for o in output) / len(output)
-    return criterion(output, target)
-
-
 def _memory_mb(device_type: str):
     if device_type != "cuda":
         return None, None  # the CPU has no allocator statistics comparable to CUDA's
@@ -178,14 +172,8 @@ def _measure(step, spec: BenchSpec, runtime: Runtime, task: str, batch_size: int
 
 
 def _oom_guard(fn, batch_size: int, task: str):
-    import torch
-
-    try:
+    with out_of_memory_as_error(task, batch_size):
         return fn()
-    except torch.OutOfMemoryError:
-        _reset_memory("cuda")
-        raise VitregError(f"{task} with batch_size={batch_size} ran out of GPU memory: "
-                          f"use a smaller batch_size (e.g. {max(1, batch_size // 2)})") from None
 
 
 def run_inference(model, info: ModelInfo, spec: BenchSpec, runtime: Runtime, hardware: ResolvedHardware,

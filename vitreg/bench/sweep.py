@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from vitreg.config.options import options_to_args
 from vitreg.tracking import runs as tracking
 from vitreg.console import progress
-from vitreg.errors import VitregError
+from vitreg.errors import OutOfMemory, VitregError
 
 SWEEP_LISTS = ("models", "amp", "compile", "batch_size")
 
@@ -69,9 +69,9 @@ def run_sweep(models: str, amp: str = "auto", compile: str = "off", batch_size: 
     """Run every combination as a child run of one parent run, each in its own process.
 
     A child that fails is recorded FAILED with its reason and the sweep goes on; a child that ran
-    out of GPU memory is retried with a smaller batch (``decay_batch``), the batch it used is its
-    ``batch_size`` param and the one asked for is its ``requested_batch_size`` tag. The parent logs
-    the comparison table of its children.
+    out of GPU memory (its run's ``vitreg_error_kind`` tag is ``OutOfMemory``) is retried with a
+    smaller batch (``decay_batch``), the batch it used is its ``batch_size`` param and the one asked
+    for is its ``requested_batch_size`` tag. The parent logs the comparison table of its children.
     """
     common = dict(common or {})
     combos = plan_sweep(models, amp, compile, batch_size, common)
@@ -82,37 +82,52 @@ def run_sweep(models: str, amp: str = "auto", compile: str = "off", batch_size: 
         parent.log_params({"models": models, "amp_list": amp, "compile_list": compile, "batch_size_list": batch_size,
                            "n_combinations": len(combos)})
         for i, combo in enumerate(combos, 1):
-            bs = combo.batch_size
-            for attempt in range(max_oom_retries + 1):
-                progress(f"sweep {i}/{len(combos)}: {combo.label()} (batch {bs})")
-                child_id = tracking.create_child_run(parent, f"{combo.label()}" + (f"-retry{attempt}" if attempt else ""),
-                                                     {"requested_batch_size": combo.batch_size, "sweep_index": i})
-                env = {**os.environ, "MLFLOW_RUN_ID": child_id, "MLFLOW_EXPERIMENT_ID": parent.experiment_id}
-                proc = subprocess.run(_child_command(combo, bs, common), env=env, capture_output=True, text=True)
-                sys.stdout.write(proc.stdout)
-                reason = tracking.finish_child_run(child_id, proc.returncode, proc.stderr)
-                if proc.returncode == 0:
-                    outcome["finished"].append(child_id)
-                    break
-                progress(f"sweep {i}/{len(combos)}: FAILED: {reason}")
-                outcome["failed"].append(child_id)
-                smaller = decay_batch(bs)
-                if "out of GPU memory" not in reason or smaller < 1 or attempt == max_oom_retries:
-                    break
-                progress(f"out of memory at batch {bs}: retrying with batch {smaller}")
-                bs = smaller
+            _run_combination(parent, combo, f"sweep {i}/{len(combos)}", i, common, max_oom_retries, outcome,
+                             progress)
         parent.log_metrics({"n_finished": len(outcome["finished"]), "n_failed": len(outcome["failed"])})
-        children = tracking.child_runs(parent)
-        if len(outcome["finished"]):
-            from vitreg.analysis.comparison import compare_gpus
-            from vitreg.analysis.render import format_table
-            from vitreg.analysis.report import write_report
-            from vitreg.tracking.search import tidy
-
-            comparison = compare_gpus(tidy(children), baseline=None)
-            with tempfile.TemporaryDirectory(prefix="vitreg-sweep-") as tmp:
-                for f in write_report(comparison, tmp):
-                    parent.log_artifact(f, "comparison")
-            print(format_table(comparison))
+        if outcome["finished"]:
+            _log_comparison(parent)
     progress(f"sweep {parent.run_id}: {len(outcome['finished'])} finished, {len(outcome['failed'])} failed")
     return outcome
+
+
+def _run_combination(parent, combo: Combination, label: str, index: int, common: dict, max_oom_retries: int,
+                     outcome: dict, progress) -> None:
+    """One combination: a child run, and a retry with a smaller batch after each out-of-memory failure."""
+    bs = combo.batch_size
+    for attempt in range(max_oom_retries + 1):
+        progress(f"{label}: {combo.label()} (batch {bs})")
+        child_id = tracking.create_child_run(parent, f"{combo.label()}" + (f"-retry{attempt}" if attempt else ""),
+                                             {"requested_batch_size": combo.batch_size, "sweep_index": index})
+        env = {**os.environ, "MLFLOW_RUN_ID": child_id, "MLFLOW_EXPERIMENT_ID": parent.experiment_id}
+        proc = subprocess.run(_child_command(combo, bs, common), env=env, capture_output=True, text=True)
+        sys.stdout.write(proc.stdout)
+        reason = tracking.finish_child_run(child_id, proc.returncode, proc.stderr)
+        if proc.returncode == 0:
+            outcome["finished"].append(child_id)
+            return
+        progress(f"{label}: FAILED: {reason}")
+        outcome["failed"].append(child_id)
+        smaller = decay_batch(bs)
+        if not _ran_out_of_memory(child_id) or smaller < 1 or attempt == max_oom_retries:
+            return
+        progress(f"out of memory at batch {bs}: retrying with batch {smaller}")
+        bs = smaller
+
+
+def _ran_out_of_memory(child_id: str) -> bool:
+    # the child is another process: its error's class reaches us as the tag its tracked_run set
+    return tracking.get_run(child_id).data.tags.get(tracking.ERROR_KIND_TAG) == OutOfMemory.__name__
+
+
+def _log_comparison(parent) -> None:
+    from vitreg.analysis.comparison import compare_gpus
+    from vitreg.analysis.render import format_table
+    from vitreg.analysis.report import write_report
+    from vitreg.tracking.search import tidy
+
+    comparison = compare_gpus(tidy(tracking.child_runs(parent)), baseline=None)
+    with tempfile.TemporaryDirectory(prefix="vitreg-sweep-") as tmp:
+        for f in write_report(comparison, tmp):
+            parent.log_artifact(f, "comparison")
+    print(format_table(comparison))

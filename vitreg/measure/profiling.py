@@ -1,4 +1,8 @@
-"""Where a training step's time goes under DDP, from torch.profiler: run after the timed windows.
+"""Where a step's time goes, from torch.profiler: run after the timed windows, never inside them.
+
+:func:`trace_steps` (``profile=true``) records a few steady-state steps and writes a Chrome trace
+(open it in Perfetto or chrome://tracing) and a table of the 20 ops with the most self time, for
+the job to log as artifacts.
 
 :func:`profile_comm` runs ``steps`` more training steps under the profiler and returns, per step,
 the time spent in gradient all-reduce and, on a GPU, the time the GPU spent in kernels at all.
@@ -13,6 +17,13 @@ no device figure. Never part of the timed windows: the profiler slows the steps 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
+
+from vitreg.errors import VitregError
+
+TRACE_FILE = "trace.json.gz"  # torch gzips a Chrome trace whose name ends in .gz: ViT-B's is ~10x smaller
+OPS_TABLE_FILE = "top_ops.txt"
+TOP_OPS = 20
 
 
 @dataclass(frozen=True)
@@ -50,3 +61,46 @@ def profile_comm(step, steps: int, device: str) -> CommProfile:
                            if "all_reduce" in e.key.lower() and "gloo" in e.key.lower())
         busy = None
     return CommProfile(steps=steps, allreduce_ms_per_step=allreduce_us / 1e3 / steps, device_busy_ms_per_step=busy)
+
+
+@dataclass(frozen=True)
+class TraceFiles:
+    trace: Path  # Chrome trace
+    ops_table: Path  # key_averages().table, top ops by self time on the device (CPU time on a CPU)
+    steps: int
+
+
+def check_profile_request(profile: bool, cuda_graph: bool) -> None:
+    """Refuse ``profile=true`` with ``cuda_graph=true``: a replayed graph is one opaque launch to the profiler."""
+    if profile and cuda_graph:
+        raise VitregError("profile=true cannot see inside a CUDA graph replay (one launch, no ops): "
+                          "use cuda_graph=false to profile, or profile=false")
+
+
+def trace_steps(step, steps: int, device: str, out_dir, warmup: int = 1) -> TraceFiles:
+    """Run ``warmup`` untraced steps, then ``steps`` under torch.profiler; write both files to ``out_dir``.
+
+    The warm-up step keeps one-off work (allocator growth, lazy initialisation, a recompile) out of
+    the trace, so it shows the steady state that the timed windows measured.
+    """
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device == "cuda"
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    for _ in range(warmup):
+        step()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    if cuda:
+        torch.cuda.synchronize()
+    with profile(activities=activities, record_shapes=False) as prof:
+        for _ in range(steps):
+            step()
+        if cuda:
+            torch.cuda.synchronize()
+    files = TraceFiles(out / TRACE_FILE, out / OPS_TABLE_FILE, steps)
+    prof.export_chrome_trace(str(files.trace))
+    sort_by = "self_cuda_time_total" if cuda else "self_cpu_time_total"
+    files.ops_table.write_text(prof.key_averages().table(sort_by=sort_by, row_limit=TOP_OPS) + "\n")
+    return files

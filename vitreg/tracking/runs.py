@@ -28,6 +28,7 @@ from mlflow.tracking import MlflowClient
 from vitreg.errors import VitregError
 
 ERROR_TAG = "vitreg_error"
+ERROR_KIND_TAG = "vitreg_error_kind"  # the VitregError subclass, e.g. OutOfMemory: what a parent branches on
 
 
 def is_main_process() -> bool:
@@ -183,7 +184,7 @@ def tracked_run(run_name: str | None = None, experiment: str | None = None, syst
     try:
         yield tracker
     except VitregError as exc:
-        _fail(str(exc), "FAILED")
+        _fail(str(exc), "FAILED", kind=type(exc).__name__)
         raise
     except KeyboardInterrupt:
         _fail("interrupted (Ctrl-C)", "KILLED")
@@ -195,9 +196,9 @@ def tracked_run(run_name: str | None = None, experiment: str | None = None, syst
         mlflow.end_run("FINISHED")
 
 
-def _fail(message: str, status: str) -> None:
+def _fail(message: str, status: str, kind: str | None = None) -> None:
     try:
-        mlflow.set_tag(ERROR_TAG, " ".join(message.split())[:4000])
+        mlflow.set_tags({ERROR_TAG: " ".join(message.split())[:4000], **({ERROR_KIND_TAG: kind} if kind else {})})
     finally:
         mlflow.end_run(status)
 

@@ -1,1 +1,1 @@
-"""vitreg.train.job."""
+"""Training: the step loop, its losses, optimizer and schedule, data, checkpoints, and the ``train`` job."""

@@ -11,8 +11,9 @@ A checkpoint is a directory::
 Rebuilding a model (:func:`load_model`, what ``pull`` and the registry use) reads only JSON and
 safetensors, so a checkpoint from anywhere can be loaded without running its code. Resuming
 (:func:`load_training_state`) also reads ``train_state.pt``, with ``weights_only=True``: tensors and
-plain containers only. Every load verifies the manifest first, so a truncated upload or an edited
-file fails with a one-line :class:`~vitreg.errors.VitregError` naming the file, not deep in torch.
+plain containers only. :func:`verify_checkpoint` checks every file against the manifest once and
+returns a :class:`VerifiedCheckpoint` that the loaders take, so a truncated upload or an edited file
+fails with a one-line :class:`~vitreg.errors.VitregError` naming the file, not deep in torch.
 
 The directory is written under a temporary name and renamed into place, so a process killed while
 saving leaves the previous checkpoint (or nothing), never a half-written one under the real name.
@@ -26,6 +27,7 @@ import os
 import random
 import shutil
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from vitreg.errors import VitregError
@@ -36,7 +38,6 @@ WEIGHTS = "model.safetensors"
 STATE = "train_state.pt"
 SPEC = "spec.json"
 MANIFEST = "manifest.json"
-_VERIFIED: dict = {}  # resolved dir -> file stamps at the last successful verification in this process
 _RESERVED = ("model", "img_size", "num_classes", "distilled", "step", "epoch", "train_spec", "vitreg_version",
              "source", "patch_size", "params_m", "format", "torch_version", "timm_version", "created_unix")
 
@@ -171,10 +172,48 @@ def save_checkpoint(directory, model, *, optimizer=None, scheduler=None, scaler=
     return directory
 
 
-def verify_checkpoint(directory) -> dict:
-    """Check every file against the manifest; return the manifest. One-line VitregError otherwise."""
+@dataclass(frozen=True)
+class VerifiedCheckpoint:
+    """A checkpoint directory whose files matched their manifest (sizes and sha256) when it was verified.
+
+    Verify once (:func:`verify_checkpoint`), then hand this on: the functions below take it as it
+    is, and verify a plain directory themselves.
+    """
+
+    directory: Path
+    manifest: dict
+    spec: dict  # spec.json
+
+    @property
+    def step(self) -> int:
+        return int(self.spec["step"])
+
+
+def verify_checkpoint(directory) -> VerifiedCheckpoint:
+    """Check every file against the manifest and read ``spec.json``. One-line VitregError otherwise."""
     directory = Path(directory)
     fix = "point resume/pull at another checkpoint (e.g. an earlier checkpoints/step-<N>)"
+    manifest = _read_manifest(directory, fix)
+    for name, entry in manifest["files"].items():
+        path = directory / name
+        if not path.is_file():
+            raise VitregError(f"checkpoint {directory}: {name} is missing: {fix}")
+        size = path.stat().st_size
+        if size != entry["bytes"]:
+            what = "truncated" if size < entry["bytes"] else "larger than recorded"
+            raise VitregError(f"checkpoint {directory}: {name} is {what} ({size} of {entry['bytes']} bytes): {fix}")
+    for name, entry in manifest["files"].items():  # sizes first: a truncated upload fails without hashing gigabytes
+        if _sha256(directory / name) != entry["sha256"]:
+            raise VitregError(f"checkpoint {directory}: {name} sha256 mismatch (modified or corrupted since it was "
+                              f"saved): {fix}")
+    try:
+        spec_json = json.loads((directory / SPEC).read_text())
+    except ValueError:
+        raise VitregError(f"checkpoint {directory}: {SPEC} is not valid JSON: {fix}") from None
+    return VerifiedCheckpoint(directory, manifest, spec_json)
+
+
+def _read_manifest(directory: Path, fix: str) -> dict:
     if not directory.is_dir():
         raise VitregError(f"checkpoint {directory} does not exist or is not a directory: pass a checkpoint "
                           f"directory (with {MANIFEST}) or runs:/<run_id>/checkpoints/last")
@@ -192,34 +231,12 @@ def verify_checkpoint(directory) -> dict:
     for required in (WEIGHTS, SPEC):
         if required not in files:
             raise VitregError(f"checkpoint {directory}: {MANIFEST} does not list {required}: {fix}")
-    stamps = []
-    for name, entry in files.items():
-        path = directory / name
-        if not path.is_file():
-            raise VitregError(f"checkpoint {directory}: {name} is missing: {fix}")
-        stat = path.stat()
-        if stat.st_size != entry["bytes"]:
-            what = "truncated" if stat.st_size < entry["bytes"] else "larger than recorded"
-            raise VitregError(f"checkpoint {directory}: {name} is {what} ({stat.st_size} of {entry['bytes']} bytes): "
-                              f"{fix}")
-        stamps.append((name, stat.st_size, stat.st_mtime_ns, stat.st_ino, entry["sha256"]))
-    key = str(directory.resolve())
-    stamp = (manifest_path.stat().st_mtime_ns, tuple(stamps))
-    if _VERIFIED.get(key) == stamp:
-        return manifest  # hashed already in this process and not touched since: skip re-reading gigabytes
-    for name, entry in files.items():
-        if _sha256(directory / name) != entry["sha256"]:
-            raise VitregError(f"checkpoint {directory}: {name} sha256 mismatch (modified or corrupted since it was "
-                              f"saved): {fix}")
-    _VERIFIED[key] = stamp
     return manifest
 
 
-def read_spec(directory) -> dict:
-    """``spec.json`` of a verified checkpoint."""
-    directory = Path(directory)
-    verify_checkpoint(directory)
-    return json.loads((directory / SPEC).read_text())
+def ensure_verified(checkpoint) -> VerifiedCheckpoint:
+    """``checkpoint`` itself when it is verified already, else the verification of that directory."""
+    return checkpoint if isinstance(checkpoint, VerifiedCheckpoint) else verify_checkpoint(checkpoint)
 
 
 def _load_weights(model, directory: Path, device="cpu") -> None:
@@ -238,33 +255,35 @@ def _load_weights(model, directory: Path, device="cpu") -> None:
                           f"{', '.join(parts)}; it was saved for another model or timm version")
 
 
-def load_model(directory, device="cpu"):
+def load_model(checkpoint, device="cpu"):
     """Rebuild the model a checkpoint holds: ``(model, ModelInfo, spec_json)``, in eval mode on ``device``.
 
-    Verifies the manifest, builds the timm/torchvision model from ``spec.json`` (random init, no hub),
-    loads ``model.safetensors`` strictly. Never unpickles anything.
+    ``checkpoint``: a :class:`VerifiedCheckpoint`, or a directory (verified here). Builds the
+    timm/torchvision model from ``spec.json`` (random init, no hub), loads ``model.safetensors``
+    strictly. Never unpickles anything.
     """
-    directory = Path(directory)
-    spec_json = read_spec(directory)
+    checkpoint = ensure_verified(checkpoint)
+    spec_json = checkpoint.spec
     model, info = create_model(spec_json["model"], int(spec_json["img_size"]), int(spec_json["num_classes"]))
-    _load_weights(model, directory)
+    _load_weights(model, checkpoint.directory)
     model = model.to(device).eval()
     return model, info, spec_json
 
 
-def check_compatible(directory, info: ModelInfo) -> dict:
-    """Refuse to resume ``directory`` into a model other than ``info`` describes; returns spec.json."""
-    spec_json = read_spec(directory)
+def check_compatible(checkpoint, info: ModelInfo) -> dict:
+    """Refuse to resume ``checkpoint`` into a model other than ``info`` describes; returns spec.json."""
+    checkpoint = ensure_verified(checkpoint)
     for key, want in (("model", info.name), ("img_size", info.img_size), ("num_classes", info.num_classes)):
-        have = spec_json.get(key)
+        have = checkpoint.spec.get(key)
         if str(have) != str(want):
-            raise VitregError(f"checkpoint {directory} is for {key}={have}, this run has {key}={want}: "
+            raise VitregError(f"checkpoint {checkpoint.directory} is for {key}={have}, this run has {key}={want}: "
                               f"pass {key}={have} to resume it, or another checkpoint")
-    return spec_json
+    return checkpoint.spec
 
 
-def load_training_state(directory, model, optimizer=None, scheduler=None, scaler=None) -> tuple[int, int]:
-    """Restore weights, optimizer, scheduler, scaler and RNG states from ``directory``; returns ``(step, epoch)``.
+def load_training_state(checkpoint, model, optimizer=None, scheduler=None, scaler=None) -> tuple[int, int]:
+    """Restore weights, optimizer, scheduler, scaler and RNG states from ``checkpoint`` (verified, or a
+    directory verified here); returns ``(step, epoch)``.
 
     ``train_state.pt`` is read with ``torch.load(weights_only=True)``: tensors and plain containers, no
     arbitrary objects. The optimizer's implementation flags (``fused``/``foreach``/``capturable``) stay
@@ -272,9 +291,9 @@ def load_training_state(directory, model, optimizer=None, scheduler=None, scaler
     """
     import torch
 
-    directory = Path(directory)
-    manifest = verify_checkpoint(directory)
-    if STATE not in manifest["files"]:
+    checkpoint = ensure_verified(checkpoint)
+    directory = checkpoint.directory
+    if STATE not in checkpoint.manifest["files"]:
         raise VitregError(f"checkpoint {directory} has no {STATE} (weights only): it can be pulled but not resumed; "
                           f"start a new run from it instead")
     _load_weights(model, directory)

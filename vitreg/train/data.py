@@ -1,6 +1,6 @@
 """Training data: synthetic class-conditional batches made on the device, or an ImageFolder tree.
 
-Both kinds give the engine the same thing: ``steps_per_epoch``, ``num_classes`` and
+Both kinds give the loop the same thing: ``steps_per_epoch``, ``num_classes`` and
 ``batches(epoch, start)``, an iterator of ``(images, labels)`` already on the device, starting at
 batch ``start`` of ``epoch``, so a resumed run sees exactly the batches it would have seen.
 

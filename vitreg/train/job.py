@@ -1,7 +1,7 @@
-"""The ``train`` job: options -> TrainSpec -> hardware -> runtime -> engine -> tracking.
+"""The ``train`` job: options -> TrainSpec -> hardware -> runtime -> loop -> results -> tracking.
 
-The same shape as :mod:`vitreg.bench.job`. The engine reports through callbacks; this module turns
-them into MLflow calls that never run inside a step:
+The same shape as :mod:`vitreg.bench.job`. The loop (:mod:`vitreg.train.loop`) reports through
+callbacks; :mod:`vitreg.train.run_logger` turns them into MLflow calls that never run inside a step:
 
 - curves (``train_loss``, ``lr``, ``train_img_per_s``, ``grad_norm``, ``data_wait_frac``, ``epoch``,
   ``val_top1``) as one ``log_metrics`` batch per ``log_every`` steps;
@@ -14,8 +14,9 @@ Those calls go through one background thread (in order) when the tracker is boun
 (``Tracker.thread_safe``; MLflow's active run is thread-local, so a fluent call from another thread
 would open a new run); otherwise they run inline at the log boundary, still outside any timed step.
 
-Registration (``register_as``) is delegated to ``vitreg.tracking.registry.register_checkpoint`` at
-:func:`register_if_requested`.
+Checkpoint sources (``resume=``, ``teacher=``) go through the one resolver,
+:func:`vitreg.tracking.checkpoints.resolve_checkpoint`; registration (``register_as``) through
+:mod:`vitreg.train.registration`.
 
 DDP (``nproc > 1``), as ``bench`` does it: the process the user started becomes the launcher
 (:func:`_launch_train`). It opens the one MLflow run (or resumes ``mlflow run``'s), checks what
@@ -34,260 +35,41 @@ so none exits while rank 0 still uploads or registers.
 from __future__ import annotations
 
 import math
-import queue
 import shlex
 import shutil
 import sys
 import tempfile
-import threading
 from dataclasses import asdict
 from pathlib import Path
 
-from vitreg.dist import world as distributed
-
-from vitreg.dist import launcher as launch
-
-from vitreg.tracking import runs as tracking
 from vitreg.bench.job import label_launcher_run, resolved_tags, world_tags
-from vitreg.console import progress, quiet
-from vitreg.hardware.env import capture_environment, pip_freeze
-from vitreg.errors import VitregError
-from vitreg.hardware.profiles import detect_hardware, mfu, resolve_hardware
-from vitreg.models.factory import check_model_name, create_model
-from vitreg.hardware.runtime import resolve_runtime
 from vitreg.config.spec import TrainSpec
-
-CHECKPOINT_ARTIFACTS = "checkpoints"
-
-
-# --------------------------------------------------------------------------- background logging
-
-
-class RunLogger:
-    """MLflow calls for one run, in submission order, off the training thread when that is safe.
-
-    With a thread-safe tracker (bound to its run id) a single daemon thread runs the calls; the
-    training loop only enqueues. Otherwise :meth:`submit` runs the call at once. An error in the
-    thread is raised at the next :meth:`submit` or at :meth:`close`.
-    """
-
-    def __init__(self, tracker):
-        self.tracker = tracker
-        # a NullTracker (ranks other than 0) does nothing: no thread for it
-        self.threaded = bool(getattr(tracker, "thread_safe", False)) and not isinstance(tracker, tracking.NullTracker)
-        self._queue: queue.Queue = queue.Queue()
-        self._error: BaseException | None = None
-        self._thread = None
-        if self.threaded:
-            self._thread = threading.Thread(target=self._work, name="vitreg-mlflow-logger", daemon=True)
-            self._thread.start()
-
-    def _work(self) -> None:
-        while True:
-            item = self._queue.get()
-            try:
-                if item is None:
-                    return
-                if self._error is None:
-                    fn, args = item
-                    fn(*args)
-            except BaseException as exc:  # keep the first; the training thread raises it
-                self._error = exc
-            finally:
-                self._queue.task_done()
-
-    def _raise(self) -> None:
-        if self._error is not None:
-            error, self._error = self._error, None
-            if isinstance(error, VitregError):
-                raise error
-            raise VitregError(f"logging to MLflow at {tracking.tracking_uri()} failed: {type(error).__name__}: "
-                              f"{str(error).splitlines()[0] if str(error) else ''}") from error
-
-    def submit(self, fn, *args) -> None:
-        if not self.threaded:
-            fn(*args)
-            return
-        self._raise()
-        self._queue.put((fn, args))
-
-    def metrics(self, metrics: dict, step: int | None = None) -> None:
-        self.submit(self.tracker.log_metrics, dict(metrics), step)
-
-    def flush(self) -> None:
-        if self.threaded:
-            self._queue.join()
-            self._raise()
-
-    def close(self, timeout: float | None = None) -> None:
-        """Drain and stop the thread (``timeout`` seconds at most, on the error path)."""
-        if self._thread is None:
-            return
-        self._queue.put(None)
-        self._thread.join(timeout)
-        self._thread = None
-        self._raise()
-
-
-class CheckpointUploader:
-    """Logs each checkpoint as ``checkpoints/step-<N>`` then ``checkpoints/last``, then deletes the local
-    copies of older checkpoints (the newest stays, for registration)."""
-
-    def __init__(self, logger: RunLogger):
-        self.logger = logger
-        self._uploaded: list[Path] = []
-
-    def __call__(self, step: int, path: Path) -> None:
-        self.logger.submit(self._upload, step, Path(path))
-
-    def _upload(self, step: int, path: Path) -> None:
-        tracker = self.logger.tracker
-        tracker.log_artifacts(path, f"{CHECKPOINT_ARTIFACTS}/step-{step}")
-        tracker.log_artifacts(path, f"{CHECKPOINT_ARTIFACTS}/last")
-        for old in self._uploaded:
-            if old != path:
-                shutil.rmtree(old, ignore_errors=True)
-        self._uploaded = [path]
-
-
-# --------------------------------------------------------------------------- progress
-
-
-class Progress:
-    """A tqdm bar on a terminal (step, loss, img/s); plain lines at each log when stderr is not a terminal."""
-
-    def __init__(self, total: int, initial: int = 0, progress=progress, enabled: bool = True):
-        self.total = total
-        self.progress = progress
-        self.enabled = enabled  # False on DDP ranks other than 0: rank 0 speaks for the job
-        self.tty = enabled and sys.stderr.isatty()
-        self.bar = None
-        if self.tty:
-            try:
-                from tqdm import tqdm
-            except ImportError:
-                tqdm = None
-            if tqdm is not None:
-                self.bar = tqdm(total=total, initial=initial, unit="step", file=sys.stderr, dynamic_ncols=True,
-                                desc="train")
-
-    def step(self, step: int) -> None:
-        if self.bar is not None:
-            self.bar.update(1)
-
-    def log(self, step: int, metrics: dict) -> None:
-        if not self.enabled:
-            return
-        loss, ips = metrics.get("train_loss"), metrics.get("train_img_per_s")
-        if self.bar is not None:
-            self.bar.set_postfix(loss=f"{loss:.4f}", img_s=f"{ips:,.0f}" if ips else "-", refresh=False)
-            return
-        line = f"[vitreg] step {step}/{self.total}  loss {loss:.4f}  " + (f"{ips:,.1f} img/s" if ips else "")
-        if self.tty:
-            print(f"\r{line}", end="", file=sys.stderr, flush=True)
-        else:
-            print(line, file=sys.stderr, flush=True)
-
-    def message(self, text: str) -> None:
-        if not self.enabled:
-            return
-        if self.bar is not None:
-            self.bar.write(f"[vitreg] {text}", file=sys.stderr)
-        else:
-            if self.tty:
-                print(file=sys.stderr)
-            self.progress(text)
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
-        elif self.tty:
-            print(file=sys.stderr)
+from vitreg.console import progress, quiet
+from vitreg.dist import launcher as launch
+from vitreg.dist import world as distributed
+from vitreg.hardware.env import capture_environment, pip_freeze
+from vitreg.hardware.profiles import detect_hardware, mfu, resolve_hardware
+from vitreg.hardware.runtime import resolve_runtime
+from vitreg.models.factory import check_model_name, create_model
+from vitreg.tracking import checkpoints
+from vitreg.tracking import runs as tracking
+from vitreg.train.progress import Progress
+from vitreg.train.registration import check_registration, register_if_requested
+from vitreg.train.run_logger import CHECKPOINT_ARTIFACTS, CheckpointUploader, RunLogger
 
 
 # --------------------------------------------------------------------------- sources
 
 
-def resolve_checkpoint_source(source: str, what: str = "resume", dst=None) -> Path:
-    """A local checkpoint directory for ``runs:/<run_id>/checkpoints/last`` (downloaded) or a local path."""
-    if "://" in source or source.startswith(("runs:/", "models:/")):
-        try:
-            if dst is not None:
-                Path(dst).mkdir(parents=True, exist_ok=True)
-            return tracking.download_artifacts(source, str(dst) if dst is not None else None)
-        except VitregError:
-            raise
-        except Exception as exc:
-            first = str(exc).splitlines()[0] if str(exc) else ""
-            raise VitregError(f"{what}={source} cannot be downloaded from {tracking.tracking_uri()} "
-                              f"({type(exc).__name__}: {first}): check the run id and that the run has "
-                              f"{CHECKPOINT_ARTIFACTS}/last (MLFLOW_TRACKING_URI must be the run's store)") from None
-    path = Path(source).expanduser()
-    if not path.exists():
-        raise VitregError(f"{what}={source} does not exist: pass runs:/<run_id>/checkpoints/last or a checkpoint "
-                          f"directory")
-    return path
+def resolve_checkpoint_source(source: str, dst=None, progress=progress):
+    """The verified checkpoint ``resume=`` names (a runs:/ or models:/ one downloaded into ``dst``)."""
+    return checkpoints.resolve_checkpoint(source, dst, what="resume", progress=progress).checkpoint
 
 
 def teacher_loader(uri: str):
-    """models:/ URIs through the registry's loader; runs:/ checkpoints through download + load_model."""
-    from vitreg.train import checkpoint
-
-    if uri.startswith("models:/"):
-        try:
-            from vitreg.tracking.registry import load_model
-        except ImportError:
-            raise VitregError(f"teacher={uri} needs vitreg.tracking.registry.load_model, which this install lacks: pass the "
-                              f"teacher's checkpoint as runs:/<run_id>/checkpoints/last or a directory") from None
-        model, _, _ = load_model(uri)  # (model, ModelInfo, spec): the teacher is the model
-        return model
-    if "://" in uri or uri.startswith("runs:/"):
-        # downloaded into a folder of our own that goes once the weights are in memory
-        with tempfile.TemporaryDirectory(prefix="vitreg-teacher-") as tmp:
-            model, _, _ = checkpoint.load_model(resolve_checkpoint_source(uri, "teacher", dst=tmp))
-        return model
-    model, _, _ = checkpoint.load_model(resolve_checkpoint_source(uri, "teacher"))
+    """The teacher model a ``teacher=`` URI names, downloaded into a folder that goes once it is loaded."""
+    model, _, _ = checkpoints.load_model(uri)
     return model
-
-
-# --------------------------------------------------------------------------- registration hook
-
-
-def check_registration(spec: TrainSpec) -> None:
-    """``register_as``/``alias`` checked against the registry before training (no-op without them)."""
-    if not spec.register_as:
-        return
-    try:
-        from vitreg.tracking.registry import check_registration as check
-    except ImportError:
-        return  # register_if_requested says so at the end
-    check(spec.register_as, spec.alias, spec.model)
-
-
-def register_if_requested(tracker, spec: TrainSpec, checkpoint_dir, tags: dict, progress=progress):
-    """REGISTRATION HOOK: when ``register_as`` is set, hand the final checkpoint to the registry.
-
-    ``vitreg.tracking.registry.register_checkpoint(tracker, checkpoint_dir, name, alias, tags)`` creates the
-    model version from the checkpoint (already logged under ``checkpoints/last``) and sets the alias.
-    """
-    if not spec.register_as:
-        return None
-    if checkpoint_dir is None:
-        raise VitregError(f"register_as={spec.register_as} but this run wrote no checkpoint")
-    try:
-        from vitreg.tracking.registry import register_checkpoint
-    except ImportError:
-        progress(f"register_as={spec.register_as} skipped: this install has no vitreg.tracking.registry.register_checkpoint; "
-                 f"register {tracker.artifact_uri(CHECKPOINT_ARTIFACTS + '/last')} later")
-        tracker.set_tags({"registered": "false"})
-        return None
-    try:
-        return register_checkpoint(tracker, Path(checkpoint_dir), spec.register_as, spec.alias, tags)
-    except VitregError as exc:
-        # the training is done and its checkpoint logged: say how to register it once the cause is fixed
-        raise VitregError(f"{exc} (the checkpoint is logged: once fixed, `vitreg register "
-                          f"runs:/{tracker.run_id}/{CHECKPOINT_ARTIFACTS}/last --name {spec.register_as}"
-                          + (f" --alias {spec.alias}`)" if spec.alias.lower() != "latest" else "`)")) from None
 
 
 # --------------------------------------------------------------------------- the job
@@ -311,7 +93,7 @@ def _flops_metrics(model, info, runtime) -> dict:
     import torch
 
     from vitreg.models.flops import train_flops_per_image
-    from vitreg.bench.runner import loss_of
+    from vitreg.train.losses import loss_of
 
     criterion = torch.nn.CrossEntropyLoss()
     devices = [runtime.device_index] if runtime.device == "cuda" else []
@@ -385,88 +167,100 @@ def _launch_train(options, experiment, run_name, progress, nnodes=1, node_rank=0
 
 def _train_in_run(run, options, workdir: Path, progress, command, run_name, *, sampler_factory):
     """One process's training inside its run; returns ``(TrainResult, World)``."""
-    from vitreg.train import checkpoint
-    from vitreg.train import loop as engine
+    import torch
+
+    from vitreg.train import loop
     from vitreg.train.data import build_data, resolve_num_classes
+    from vitreg.train.losses import check_distillable
 
     spec = TrainSpec.from_options(options)
     check_model_name(spec.model)
     if distributed.is_main_process():
         check_registration(spec)  # rank 0 registers: a bad register_as fails before any training
     world, wrap, reducer = distributed.join_job(spec, distributed.TrainReducer)
-    main = world.is_main
-    if not main:
+    if not world.is_main:
         progress = quiet  # rank 0 speaks for the job; errors still reach every rank's stderr
     detected = detect_hardware(spec.device)
     hw = resolve_hardware(spec.gpu, detected, spec.allow_gpu_mismatch)
     runtime = resolve_runtime(spec.amp, spec.compile, spec.compile_backend, detected,
                               device_index=world.local_rank if detected.device == "cuda" else 0)
     num_classes = resolve_num_classes(spec)  # checks data=PATH before any model or device work
-    import torch
-
     torch.manual_seed(spec.seed)  # the model's init, as --seed promises (DDP then copies rank 0's weights)
     model, info = create_model(spec.model, spec.img_size, num_classes)
-    engine.check_distillable(spec, info)
-    resume_dir = None
-    if spec.resume:
-        resume_dir = resolve_checkpoint_source(spec.resume, dst=workdir / "resume")  # every rank reads it
-        spec = engine.resume_spec(spec, resume_dir, info, progress)  # another model fails here, early
-
+    check_distillable(spec, info)
+    resume = None
+    if spec.resume:  # every rank reads it; verified here, once, and handed to the loop
+        resume = resolve_checkpoint_source(spec.resume, workdir / "resume", progress)
+        spec = loop.resume_spec(spec, resume, info, progress)  # another model fails here, early
     data = build_data(spec, info, runtime.torch_device, model=model, rank=world.rank, world_size=world.world_size,
                       sampler_factory=sampler_factory)
-    if main:
-        env = capture_environment()
-        run.set_name(run_name or run_name_for(spec, hw, runtime, world.world_size))
-        tags = train_tags(spec, hw, runtime, info, data.kind)
-        run.set_tags({**env.to_tags(), **tags, **world_tags(world, runtime, env, spec)})
-        params = {**spec.to_params(), "gpu": hw.label, "amp": runtime.amp, "device": runtime.device,
-                  "img_size": info.img_size, "num_classes": info.num_classes}
-        skipped = run.log_params(params)
-        if skipped:
-            progress("kept the params mlflow run logged as typed (" +
-                     ", ".join(f"{k}={v}" for k, v in skipped.items()) + "); the resolved values are tags")
-        ddp = f", {world.world_size} ranks ({world.backend})" if world.distributed else ""
-        progress(f"run {run.run_id} at {tracking.tracking_uri()}; {spec.model} ({info.params_m:.1f} M params, "
-                 f"{info.img_size}px, {info.num_classes} classes) on {runtime.device} ({detected.name}){ddp}, "
-                 f"amp={runtime.amp}, compile={spec.compile}, data={data.kind}")
-        run.log_text(env.to_json(), "environment.json")
-        run.log_text(pip_freeze(), "pip_freeze.txt")
-
+    if world.is_main:
+        _log_setup(run, spec, hw, runtime, detected, info, data, world, run_name, progress)
     model = model.to(runtime.torch_device)
-    summary = _flops_metrics(model, info, runtime) if main else {}
+    summary = _flops_metrics(model, info, runtime) if world.is_main else {}
     logger = RunLogger(run)
-    start = checkpoint.read_spec(resume_dir)["step"] if resume_dir else 0
-    bar = Progress(engine.total_steps_of(spec, data.steps_per_epoch), initial=start, progress=progress,
-                   enabled=main)
     ok = False
     try:
-        def on_log(step, metrics):
-            bar.log(step, metrics)
-            logger.metrics(metrics, step)
-
-        def on_epoch_end(epoch, metrics):
-            if "val_top1" in metrics:
-                bar.message(f"epoch {epoch}: val top-1 {metrics['val_top1']:.2f}%")
-            logger.metrics({k: v for k, v in metrics.items() if k != "epoch"}, epoch * data.steps_per_epoch)
-
-        result = engine.train(
-            spec, runtime, model, info, data=data, teacher_loader=teacher_loader,
-            checkpoint_dir=workdir / CHECKPOINT_ARTIFACTS, resume_from=resume_dir,
-            checkpoint_extra={"run_id": run.run_id}, on_step=bar.step, on_log=on_log,
-            on_checkpoint=CheckpointUploader(logger), on_epoch_end=on_epoch_end, wrap=wrap,
-            world_size=world.world_size, rank=world.rank, sampler_factory=sampler_factory, is_main=main,
-            reducer=reducer, progress=bar.message)
-        bar.close()
-        if main:
-            _log_results(run, logger, spec, hw, runtime, info, data, result, summary, reducer, command, progress)
+        result = _run_loop(run, logger, spec, runtime, model, info, data, world, wrap, reducer, resume, workdir,
+                           sampler_factory, progress)
+        if world.is_main:
+            _log_results(run, logger, spec, hw, runtime, info, data, result, summary, reducer, command)
         ok = True
     finally:
-        bar.close()
         logger.close(timeout=None if ok else 60)  # on the error path, do not hang on a dead server
     return result, world
 
 
-def _log_results(run, logger, spec, hw, runtime, info, data, result, summary, reducer, command, progress):
+def _log_setup(run, spec, hw, runtime, detected, info, data, world, run_name, progress) -> None:
+    """Rank 0, before the first step: the run's name, tags, params, environment and pip freeze."""
+    env = capture_environment()
+    run.set_name(run_name or run_name_for(spec, hw, runtime, world.world_size))
+    tags = train_tags(spec, hw, runtime, info, data.kind)
+    run.set_tags({**env.to_tags(), **tags, **world_tags(world, runtime, env, spec)})
+    params = {**spec.to_params(), "gpu": hw.label, "amp": runtime.amp, "device": runtime.device,
+              "img_size": info.img_size, "num_classes": info.num_classes}
+    skipped = run.log_params(params)
+    if skipped:
+        progress("kept the params mlflow run logged as typed (" +
+                 ", ".join(f"{k}={v}" for k, v in skipped.items()) + "); the resolved values are tags")
+    ddp = f", {world.world_size} ranks ({world.backend})" if world.distributed else ""
+    progress(f"run {run.run_id} at {tracking.tracking_uri()}; {spec.model} ({info.params_m:.1f} M params, "
+             f"{info.img_size}px, {info.num_classes} classes) on {runtime.device} ({detected.name}){ddp}, "
+             f"amp={runtime.amp}, compile={spec.compile}, data={data.kind}")
+    run.log_text(env.to_json(), "environment.json")
+    run.log_text(pip_freeze(), "pip_freeze.txt")
+
+
+def _run_loop(run, logger, spec, runtime, model, info, data, world, wrap, reducer, resume, workdir,
+              sampler_factory, progress):
+    """The loop, its callbacks wired to the progress bar and the run logger; returns its TrainResult."""
+    from vitreg.train import loop
+
+    bar = Progress(loop.total_steps_of(spec, data.steps_per_epoch), initial=resume.step if resume else 0,
+                   progress=progress, enabled=world.is_main)
+
+    def on_log(step, metrics):
+        bar.log(step, metrics)
+        logger.metrics(metrics, step)
+
+    def on_epoch_end(epoch, metrics):
+        if "val_top1" in metrics:
+            bar.message(f"epoch {epoch}: val top-1 {metrics['val_top1']:.2f}%")
+        logger.metrics({k: v for k, v in metrics.items() if k != "epoch"}, epoch * data.steps_per_epoch)
+
+    try:
+        return loop.train(
+            spec, runtime, model, info, data=data, teacher_loader=teacher_loader,
+            checkpoint_dir=workdir / CHECKPOINT_ARTIFACTS, resume_from=resume,
+            checkpoint_extra={"run_id": run.run_id}, on_step=bar.step, on_log=on_log,
+            on_checkpoint=CheckpointUploader(logger), on_epoch_end=on_epoch_end, wrap=wrap,
+            world_size=world.world_size, rank=world.rank, sampler_factory=sampler_factory, is_main=world.is_main,
+            reducer=reducer, progress=bar.message)
+    finally:
+        bar.close()  # before the results are logged, so their lines print below the bar
+
+
+def _log_results(run, logger, spec, hw, runtime, info, data, result, summary, reducer, command):
     """Rank 0 (or the one process): summary metrics, results.json, ranks.json, registration."""
     metrics = {**summary, **result.metrics()}
     if result.throughput_img_per_s:
@@ -488,7 +282,7 @@ def _log_results(run, logger, spec, hw, runtime, info, data, result, summary, re
     reg_tags = {"model": spec.model, "gpu": hw.label, "img_size": info.img_size,
                 "num_classes": info.num_classes, "steps": result.step, "source_run_id": run.run_id,
                 "train_final_loss": result.final_loss, "val_top1": result.val_top1}
-    register_if_requested(run, spec, result.last_checkpoint, reg_tags, progress)
+    register_if_requested(run, spec, result.last_checkpoint, reg_tags)
 
 
 def run_name_for(spec: TrainSpec, hw, runtime, world_size: int = 1) -> str:

@@ -1,0 +1,96 @@
+"""The persistent compile cache (cold, then warm in a fresh process) and the ticker shown while compiling."""
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from tests.conftest import REPO
+from vitreg.errors import VitregError
+from vitreg.hardware.compile_cache import CacheProbe, default_cache_dir, use_compile_cache
+from vitreg.measure.ticker import ticking
+
+COMPILE_ONCE = """
+import json, sys, time
+from vitreg.hardware.compile_cache import CacheProbe, use_compile_cache
+use_compile_cache(sys.argv[1])
+import torch
+model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 4))
+compiled, x = torch.compile(model), torch.randn(8, 16)
+probe, start = CacheProbe().start(), time.perf_counter()
+compiled(x).sum().backward()  # a training graph: forward and backward through AOTAutograd and inductor
+print(json.dumps({"state": probe.state(), "seconds": time.perf_counter() - start}))
+"""
+
+
+def test_default_folder_follows_the_environment(monkeypatch, tmp_path):
+    monkeypatch.delenv("VITREG_COMPILE_CACHE", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert default_cache_dir() == tmp_path / "xdg" / "vitreg" / "inductor"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    assert str(default_cache_dir()).endswith(".cache/vitreg/inductor")
+    monkeypatch.setenv("VITREG_COMPILE_CACHE", str(tmp_path / "mine"))
+    assert default_cache_dir() == tmp_path / "mine"
+
+
+def test_the_folder_is_made_and_handed_to_inductor(monkeypatch, tmp_path):
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/elsewhere")
+    folder = use_compile_cache(tmp_path / "new" / "cache")
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    assert folder.is_dir() and list(folder.iterdir()) == []  # the write check leaves nothing behind
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(folder) == cache_dir()
+
+
+def test_an_unwritable_folder_is_refused_in_one_line(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    with pytest.raises(VitregError) as err:
+        use_compile_cache(blocker / "cache")  # a folder under a plain file cannot exist, even for root
+    assert "is not writable" in str(err.value) and "set compile_cache=" in str(err.value)
+    assert "\n" not in str(err.value)
+
+
+def test_no_compile_means_the_cache_was_unused():
+    assert CacheProbe().start().state() == "unused"
+
+
+@pytest.mark.slow
+def test_a_second_process_finds_the_graphs_warm_and_compiles_faster(tmp_path):
+    def compile_once():
+        done = subprocess.run([sys.executable, "-c", COMPILE_ONCE, str(tmp_path / "cache")], capture_output=True,
+                              text=True, timeout=600, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
+        assert done.returncode == 0, done.stderr
+        return json.loads(done.stdout.strip().splitlines()[-1])
+
+    cold, warm = compile_once(), compile_once()
+    assert (cold["state"], warm["state"]) == ("cold", "warm")
+    assert warm["seconds"] < cold["seconds"] / 2, (cold, warm)
+
+
+def test_the_ticker_reports_while_the_block_runs_and_stops_after():
+    said = []
+    with ticking("compiling (max-autotune)", every_s=0.05, say=said.append):
+        time.sleep(0.35)
+    count = len(said)
+    time.sleep(0.2)
+    assert len(said) == count >= 3  # nothing after the block: the timed windows that follow stay quiet
+    assert said[0].startswith("compiling (max-autotune) ... ") and said[0].endswith(" s")
+    assert not [t for t in threading.enumerate() if t.name == "vitreg-ticker"]
+
+
+def test_a_quick_block_says_nothing_and_an_error_still_stops_the_ticker():
+    said = []
+    with ticking("compiling (default)", every_s=5, say=said.append):
+        pass
+    with pytest.raises(KeyError), ticking("compiling (default)", every_s=0.01, say=said.append):
+        time.sleep(0.05)
+        raise KeyError("boom")
+    time.sleep(0.05)
+    count = len(said)
+    time.sleep(0.05)
+    assert len(said) == count and not [t for t in threading.enumerate() if t.name == "vitreg-ticker"]

@@ -1,0 +1,181 @@
+"""Precision modes: which number format the weights, the activations and the matrix units use.
+
+The ``amp`` option names one of these modes; :func:`resolve_precision` turns it into a
+:class:`Precision` (refusing what the hardware or the task cannot do), and the runner applies it in
+three places: :func:`prepare_model` once after the FLOPs are counted (casts or quantizes the
+weights), :func:`math_mode` around the whole run (TF32 switches, restored afterwards) and
+:func:`autocast` around each step. ``Precision.label`` says what ran, for the ``precision`` tag.
+
+Modes (``amp=`` value -> label):
+- ``off``     -> ``fp32``: fp32 weights and activations, matmuls in strict fp32 (cuDNN convolutions
+  follow torch's own default, which already allows TF32 for them).
+- ``tf32``    -> ``tf32``: fp32 weights and activations; matmuls and convolutions on the TF32 tensor
+  cores (10-bit mantissa inputs, fp32 accumulate). MFU against the TF32 peak. Ampere or later.
+- ``bf16`` / ``fp16`` -> ``autocast-bf16`` / ``autocast-fp16``: fp32 master weights, autocast
+  casts each op's inputs (today's ``amp``); trains and infers.
+- ``bf16-weights`` / ``fp16-weights`` -> same label: the weights themselves cast to bf16/fp16 and
+  the input batch too, no autocast (timm ``benchmark.py --precision bf16``). Inference only: no
+  fp32 master copy, so an optimizer step would round every update away.
+- ``fp8``     -> ``fp8-torchao-rowwise``: torchao float8 dynamic activation + weight quantization
+  of the Linear layers (row-wise scales), the rest in bf16 weights. Inference only, compute
+  capability >= 8.9, torchao installed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+from vitreg.errors import VitregError
+
+AUTOCAST_MODES = ("bf16", "fp16")
+WEIGHT_MODES = ("bf16-weights", "fp16-weights")
+PRECISION_CHOICES = ("off", "tf32", *AUTOCAST_MODES, *WEIGHT_MODES, "fp8")
+INFERENCE_ONLY = (*WEIGHT_MODES, "fp8")
+FP8_MIN_CAPABILITY = (8, 9)  # Ada and Hopper have FP8 tensor cores; Ampere does not
+
+
+@dataclass(frozen=True)
+class Precision:
+    """A resolved precision mode (see the module docstring for each one)."""
+
+    amp: str  # the option value, one of PRECISION_CHOICES
+    label: str  # what ran, for the ``precision`` tag and report.md
+    autocast_dtype: str | None  # "bf16"/"fp16" under autocast, else None
+    weights_dtype: str | None  # "bf16"/"fp16" when the weights (and inputs) are cast, else None
+    tf32: bool  # TF32 matmuls/convolutions switched on for the run
+    fp8: bool
+    peak_dtype: str  # the key of GpuProfile.peak_tflops that MFU is measured against
+
+    @property
+    def inference_only(self) -> bool:
+        return self.amp in INFERENCE_ONLY
+
+    def mfu(self, achieved_tflops: float, profile) -> float | None:
+        """Achieved over the dense peak of the units this mode runs on (a GpuProfile's ``peak_tflops``).
+
+        None where the profile has no such peak (CPU, an unknown GPU, ``fp8`` until the profiles
+        carry FP8 peaks) rather than a ratio against the wrong units.
+        """
+        peak = profile.peak_tflops.get(self.peak_dtype)
+        return achieved_tflops / peak if peak else None
+
+
+def _precision(amp: str) -> Precision:
+    if amp in AUTOCAST_MODES:
+        return Precision(amp, f"autocast-{amp}", amp, None, False, False, amp)
+    if amp in WEIGHT_MODES:
+        dtype = amp.split("-")[0]
+        return Precision(amp, amp, None, dtype, False, False, dtype)
+    if amp == "fp8":
+        return Precision(amp, "fp8-torchao-rowwise", None, "bf16", False, True, "fp8")
+    if amp == "tf32":
+        return Precision(amp, "tf32", None, None, True, False, "tf32")
+    return Precision("off", "fp32", None, None, False, False, "fp32")
+
+
+def resolve_precision(amp: str, device: str, tasks: tuple[str, ...] = ("infer",),
+                      capability: tuple[int, int] | None = None) -> Precision:
+    """Check that ``amp`` can run here and for these tasks; ``capability`` is the GPU's (major, minor).
+
+    ``amp=auto`` must already be resolved (``vitreg.hardware.runtime.resolve_runtime`` does it).
+    """
+    if amp not in PRECISION_CHOICES:
+        raise VitregError(f"amp={amp} is not a precision mode: use one of {', '.join(PRECISION_CHOICES)}")
+    if amp in INFERENCE_ONLY and "train" in tasks:
+        raise VitregError(f"amp={amp} is inference only (no fp32 master weights to train): "
+                          f"use task=infer, or amp=bf16 (autocast) to train")
+    if amp == "tf32":
+        _require_tf32(device, capability)
+    if amp == "bf16-weights" and device == "cuda" and capability is not None and tuple(capability) < (8, 0):
+        raise VitregError(f"amp=bf16-weights needs bf16 tensor cores (compute capability >= 8.0), this GPU has "
+                          f"{capability[0]}.{capability[1]}: use amp=fp16-weights")
+    if amp == "fp8":
+        _require_fp8(device, capability)
+    return _precision(amp)
+
+
+def _require_tf32(device: str, capability) -> None:
+    if device != "cuda":
+        raise VitregError("amp=tf32 needs an NVIDIA GPU (TF32 is a tensor-core format): use amp=off on CPU")
+    if capability is not None and tuple(capability) < (8, 0):
+        raise VitregError(f"amp=tf32 needs compute capability >= 8.0 (Ampere), this GPU has "
+                          f"{capability[0]}.{capability[1]}: use amp=fp16 or amp=off")
+
+
+def _require_fp8(device: str, capability) -> None:
+    if device != "cuda" or capability is None or tuple(capability) < FP8_MIN_CAPABILITY:
+        have = "CPU" if device != "cuda" else f"compute capability {'.'.join(map(str, capability or ('?',)))}"
+        raise VitregError(f"amp=fp8 needs FP8 tensor cores (compute capability >= 8.9: L4, RTX 4090, H100, H200), "
+                          f"here {have}: use amp=bf16-weights or amp=bf16")
+    try:
+        import torchao.quantization  # noqa: F401  (the optional extra)
+    except ImportError:
+        raise VitregError("amp=fp8 needs torchao (the optional fp8 extra): pip install torchao, "
+                          "or use amp=bf16-weights") from None
+
+
+def torch_dtype(name: str | None):
+    import torch
+
+    return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(name)
+
+
+def prepare_model(model, precision: Precision):
+    """Cast or quantize the weights in place for the mode; returns the model.
+
+    Call once, after FLOPs are counted (the counter feeds an fp32 batch) and before torch.compile.
+    The input batch must then be made in :func:`input_dtype`.
+    """
+    if precision.weights_dtype:
+        model = model.to(torch_dtype(precision.weights_dtype))
+    if precision.fp8:
+        from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerRow, quantize_
+
+        # torchao swaps each nn.Linear's weight for a float8 tensor subclass; the matmul then
+        # quantizes its activation per row at run time and calls the FP8 tensor-core GEMM.
+        quantize_(model, Float8DynamicActivationFloat8WeightConfig(granularity=PerRow()))
+    return model
+
+
+def input_dtype(precision: Precision):
+    """The dtype of the synthetic batch: the weights' dtype where they were cast, else fp32."""
+    import torch
+
+    return torch_dtype(precision.weights_dtype) or torch.float32
+
+
+@contextlib.contextmanager
+def math_mode(precision: Precision):
+    """TF32 matmuls and convolutions on for a ``tf32`` run, strict fp32 matmuls otherwise; restored on exit.
+
+    Strict is enforced where a caller switched TF32 on globally (timm's benchmark.py does), so an
+    ``amp=off`` figure cannot silently be a TF32 one. Where the setting is already what the mode
+    needs, nothing is touched: torch records an explicit ``highest`` differently from its untouched
+    default, and inductor's CPU code generation tells the two apart.
+    """
+    import torch
+
+    wanted = "high" if precision.tf32 else "highest"
+    saved = torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32
+    # Only these two switches are touched: torch 2.9+ refuses to report the matmul precision once
+    # the legacy cuda.matmul.allow_tf32 flag and the global setting disagree.
+    if saved[0] != wanted:
+        torch.set_float32_matmul_precision(wanted)
+    if precision.tf32:
+        torch.backends.cudnn.allow_tf32 = True
+    try:
+        yield
+    finally:
+        if saved[0] != wanted:
+            torch.set_float32_matmul_precision(saved[0])
+        torch.backends.cudnn.allow_tf32 = saved[1]
+
+
+def autocast(precision: Precision, device: str, cache: bool = True):
+    """Autocast for the autocast modes, a no-op context for every other mode."""
+    import torch
+
+    if not precision.autocast_dtype:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device, dtype=torch_dtype(precision.autocast_dtype), cache_enabled=cache)

@@ -1,0 +1,142 @@
+"""Which scaled-dot-product-attention kernel runs: chosen by ``sdpa=``, checked by a real call, read back.
+
+timm's ViT attention calls ``F.scaled_dot_product_attention`` (when ``timm.layers.use_fused_attn()``
+is on, the default), and torch picks a kernel per call among its backends. ``sdpa=auto`` leaves
+that choice to torch; ``flash``, ``cudnn``, ``efficient`` or ``math`` allow that backend alone
+(``torch.nn.attention.sdpa_kernel``).
+
+- :func:`check_backend` runs one tiny SDPA call under the requested backend on the run's device,
+  dtype and attention shape, and refuses in one line if torch cannot run it there (the reason is
+  torch's own warning). A table of GPU generations would go stale with every torch release.
+- :func:`sdpa_context` is the context to hold around every step, the first (compiling) one
+  included: inductor resolves the SDPA backend when it traces the graph.
+- :func:`detect_backend` runs one step under torch.profiler and names the backend whose op or
+  kernel actually ran (``sdpa_backend`` tag), whatever was requested.
+
+On CPU torch has two of them, both real CPU kernels: ``flash`` (op
+``aten::_scaled_dot_product_flash_attention_for_cpu``, what ``auto`` picks) and ``math``;
+``efficient`` and ``cudnn`` are CUDA-only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+
+from vitreg.errors import VitregError
+
+SDPA_CHOICES = ("auto", "flash", "cudnn", "efficient", "math")
+
+# Substrings of profiler event names (CPU-side aten ops and CUDA kernel names) per backend. The
+# aten op is recorded whenever the dispatcher runs it, eager or from an inductor graph; the kernel
+# names catch a launch whose op was not recorded.
+BACKEND_MARKERS = {
+    "flash": ("_scaled_dot_product_flash_attention", "flash_fwd", "flash_bwd", "pytorch_flash"),
+    "efficient": ("_scaled_dot_product_efficient_attention", "_efficient_attention", "fmha_cutlass"),
+    "cudnn": ("_scaled_dot_product_cudnn_attention", "_cudnn_attention", "cudnn_generated_fort_native_sdpa"),
+    "math": ("_scaled_dot_product_attention_math",),
+}
+NO_SDPA = "unfused"  # no fused SDPA op ran: attention as separate matmuls and softmax (model code, or
+# inductor decomposing the math backend)
+
+
+def _backend(choice: str):
+    from torch.nn.attention import SDPBackend
+
+    return {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
+            "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}[choice]
+
+
+def sdpa_context(choice: str):
+    """The backend restriction for ``sdpa=choice`` (``auto``: no restriction)."""
+    if choice not in SDPA_CHOICES:
+        raise VitregError(f"sdpa={choice} is not a backend: use one of {', '.join(SDPA_CHOICES)}")
+    if choice == "auto":
+        return contextlib.nullcontext()
+    from torch.nn.attention import sdpa_kernel
+
+    return sdpa_kernel([_backend(choice)])
+
+
+def attention_shape(model) -> tuple[int, int, int]:
+    """``(num_heads, head_dim, tokens)`` of the model's attention; ViT-B/16 at 224 px: (12, 64, 197)."""
+    heads = head_dim = None
+    for module in model.modules():
+        if hasattr(module, "num_heads") and hasattr(module, "head_dim"):  # timm Attention
+            heads, head_dim = int(module.num_heads), int(module.head_dim)
+            break
+        if hasattr(module, "num_heads") and hasattr(module, "embed_dim"):  # torch.nn.MultiheadAttention
+            heads, head_dim = int(module.num_heads), int(module.embed_dim) // int(module.num_heads)
+            break
+    if heads is None:
+        raise VitregError("sdpa= needs a model with attention blocks: use sdpa=auto for this model")
+    if hasattr(model, "seq_length"):  # torchvision VisionTransformer
+        return heads, head_dim, int(model.seq_length)
+    patch_embed = getattr(model, "patch_embed", None)
+    patches = getattr(patch_embed, "num_patches", None)
+    # a model of unknown layout gets ViT-B/16's 197 tokens: backend limits depend on dtype and head_dim
+    tokens = int(patches) + int(getattr(model, "num_prefix_tokens", 1)) if patches else 197
+    return heads, head_dim, tokens
+
+
+def check_backend(choice: str, device: str, dtype, num_heads: int, head_dim: int, seq_len: int,
+                  backward: bool = False) -> None:
+    """Run one SDPA call of this shape (:func:`attention_shape`) under ``choice``; refuse in one line if torch cannot.
+
+    ``backward=True`` for training: some backends have a forward kernel but no backward for a shape.
+    """
+    if choice == "auto":
+        return
+    import torch
+    import torch.nn.functional as F
+
+    shape = (1, num_heads, seq_len, head_dim)
+    q = torch.randn(shape, device=device, dtype=dtype, requires_grad=backward)
+    with warnings.catch_warnings(record=True) as caught, sdpa_context(choice):
+        warnings.simplefilter("always")
+        try:
+            out = F.scaled_dot_product_attention(q, q, q)
+            if backward:
+                out.sum().backward()
+        except RuntimeError:
+            raise VitregError(f"sdpa={choice} cannot run on {device} for {str(dtype).replace('torch.', '')} "
+                              f"attention of {num_heads} heads x {head_dim} dims ({_reasons(caught)}): "
+                              f"use sdpa=auto (or another backend)") from None
+
+
+def _reasons(caught, limit: int = 240) -> str:
+    """torch's own reasons, from the warnings its backend selection gave (one per failed check)."""
+    reasons = []
+    for warning in caught:
+        text = " ".join(str(warning.message).split("(Triggered internally")[0].split())
+        if text and text not in reasons:
+            reasons.append(text)
+    joined = " ".join(reasons) or "torch has no such kernel for this device"
+    return joined if len(joined) <= limit else joined[:limit - 3] + "..."
+
+
+def backends_in(event_names) -> str:
+    """The backend(s) the profiler event names show: ``flash``, ``math+flash`` or ``unfused``."""
+    names = [n.lower() for n in event_names]
+    found = sorted(b for b, markers in BACKEND_MARKERS.items()
+                   if any(m.lower() in n for n in names for m in markers))
+    return "+".join(found) or NO_SDPA
+
+
+def detect_backend(step, device: str) -> str:
+    """Run ``step()`` once under torch.profiler and return :func:`backends_in` of what ran.
+
+    Call it outside the timed windows, under the same :func:`sdpa_context` as the run, on a step
+    that launches kernels one by one (a CUDA-graph replay hides them: detect on a warm compiled
+    step before capture, or on the eager model).
+    """
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        step()
+        if cuda:
+            torch.cuda.synchronize()
+    return backends_in(e.name for e in prof.events())

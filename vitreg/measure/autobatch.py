@@ -1,0 +1,176 @@
+"""``batch_size=auto``: the batch with the best throughput that fits, found by short probes.
+
+:func:`find_batch` is the search and knows nothing of models: it calls ``probe(batch)``, which
+runs a few timed steps at that batch and returns images per second, or raises an out-of-memory
+error (see :func:`is_out_of_memory`). The search doubles the batch while throughput still
+improves by ``min_gain`` and the batch fits; after an out-of-memory it steps back down a grid of
+powers of two and their midpoints (2048 -> 1536 -> 1024, as timm's batch decay does) until one
+fits. A batch that does not fit even at the start is decayed the same way. The number of probes
+and their total time are bounded. The chosen batch is the smallest one within ``min_gain`` of the
+fastest probe: a larger batch that is not clearly faster only costs memory and latency, and a
+choice made within probe noise would not repeat from run to run. Every probe is returned, for a
+metric series and the report.
+
+:func:`timed_probe` builds a real probe from a step factory; :data:`SEARCH_LIMITS` holds the
+bounds per device (a CPU gets a small search: its throughput flattens early and it has no
+out-of-memory error to stop at).
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+from dataclasses import dataclass
+
+from vitreg.errors import VitregError
+
+
+@dataclass(frozen=True)
+class SearchLimits:
+    start: int
+    limit: int  # the largest batch ever probed
+    max_probes: int
+    max_seconds: float
+    min_gain: float = 0.03  # a doubling must add 3 % throughput to be worth its memory and latency
+
+
+SEARCH_LIMITS = {"cuda": SearchLimits(start=64, limit=4096, max_probes=10, max_seconds=240.0),
+                 "cpu": SearchLimits(start=8, limit=64, max_probes=4, max_seconds=60.0)}
+
+
+@dataclass(frozen=True)
+class Probe:
+    batch: int
+    img_per_s: float | None  # None: out of memory
+
+    @property
+    def fits(self) -> bool:
+        return self.img_per_s is not None
+
+
+@dataclass(frozen=True)
+class BatchChoice:
+    batch: int
+    probes: tuple[Probe, ...]  # in the order they ran
+    stopped: str  # why the search ended: "plateau", "oom", "limit" or "budget"
+
+    def series(self) -> list[tuple[int, float]]:
+        """``(batch, img/s)`` of the probes that fit, for a metric logged with step=batch."""
+        return [(p.batch, p.img_per_s) for p in self.probes if p.fits]
+
+    def summary(self) -> str:
+        """One line for a tag: ``64:8100,128:9050,256:oom``."""
+        return ",".join(f"{p.batch}:{p.img_per_s:.0f}" if p.fits else f"{p.batch}:oom" for p in self.probes)
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """torch's CUDA out-of-memory error, or vitreg's translation of it (a class named ``OutOfMemory``)."""
+    import torch
+
+    return isinstance(exc, torch.OutOfMemoryError) or any(
+        cls.__name__ == "OutOfMemory" for cls in type(exc).__mro__)
+
+
+def decay_step(batch: int) -> int:
+    """The next smaller batch on the grid 1, 2, 3, 4, 6, 8, 12, 16, 24, ... (0 below 1)."""
+    if batch <= 1:
+        return 0
+    power = 1 << (batch - 1).bit_length() - 1  # the largest power of two below batch
+    midpoint = power + power // 2
+    return midpoint if power >= 2 and midpoint < batch else power
+
+
+class _Budget(Exception):
+    """The probe count or time bound was reached."""
+
+
+def find_batch(probe, limits: SearchLimits, clock=time.monotonic) -> BatchChoice:
+    """Search as the module docstring says; raises VitregError if no probed batch fits."""
+    probes: list[Probe] = []
+    t0 = clock()
+
+    def run(batch: int) -> Probe:
+        if len(probes) >= limits.max_probes or clock() - t0 > limits.max_seconds:
+            raise _Budget
+        try:
+            result = Probe(batch, float(probe(batch)))
+        except Exception as exc:
+            if not is_out_of_memory(exc):
+                raise
+            result = Probe(batch, None)
+        probes.append(result)
+        return result
+
+    try:
+        stopped = _search(run, limits)
+    except _Budget:
+        stopped = "budget"
+    fitting = [p for p in probes if p.fits]
+    if not fitting:
+        tried = ", ".join(str(p.batch) for p in probes)
+        raise VitregError(f"batch_size=auto found no batch that fits (tried {tried}): "
+                          f"use a smaller model or img_size, or give batch_size=<n>")
+    fastest = max(p.img_per_s for p in fitting)
+    chosen = min(p.batch for p in fitting if p.img_per_s * (1 + limits.min_gain) >= fastest)
+    return BatchChoice(chosen, tuple(probes), stopped)
+
+
+def _search(run, limits: SearchLimits) -> str:
+    batch = min(limits.start, limits.limit)
+    current = run(batch)
+    while not current.fits:  # too big to start with: decay until one fits
+        batch = decay_step(batch)
+        if batch == 0:
+            return "oom"
+        current = run(batch)
+    while current.batch * 2 <= limits.limit:
+        bigger = run(current.batch * 2)
+        if not bigger.fits:
+            return _back_off(run, current.batch, bigger.batch)
+        if bigger.img_per_s < current.img_per_s * (1 + limits.min_gain):
+            return "plateau"
+        current = bigger
+    return "limit"
+
+
+def _back_off(run, fits: int, too_big: int) -> str:
+    """After ``too_big`` ran out of memory, try the grid points between it and ``fits``, largest first."""
+    batch = decay_step(too_big)
+    while batch > fits and not run(batch).fits:
+        batch = decay_step(batch)
+    return "oom"
+
+
+def timed_probe(make_step, device: str, steps: int = 3, warmup: int = 2):
+    """A probe for :func:`find_batch`: ``make_step(batch)`` returns a step callable for that batch.
+
+    The probe runs ``warmup`` untimed steps, then ``steps`` timed ones between two synchronizes,
+    and returns img/s. The step and its tensors are dropped and the allocator's cache emptied
+    after each probe, so one probe's memory does not make the next one run out.
+    """
+    from vitreg.measure.timing import synchronize
+
+    def probe(batch: int) -> float:
+        step = make_step(batch)
+        try:
+            for _ in range(warmup):
+                step()
+            synchronize(device)
+            start = time.perf_counter()
+            for _ in range(steps):
+                step()
+            synchronize(device)
+            return batch * steps / (time.perf_counter() - start)
+        finally:
+            del step
+            _release_memory(device)
+
+    return probe
+
+
+def _release_memory(device: str) -> None:
+    gc.collect()
+    if device == "cuda":
+        import torch
+
+        torch.cuda.empty_cache()

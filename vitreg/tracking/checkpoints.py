@@ -1,0 +1,394 @@
+"""Checkpoints in the tracking store: resolve a models:/, runs:/ or local source into one verified
+checkpoint, pull it back as a real timm model, export it.
+
+:func:`resolve_checkpoint` is the one resolver; ``train`` (resume=, teacher=), ``pull``, ``infer``
+and registration all use it. Sources it accepts: ``models:/NAME@ALIAS`` (``@latest`` is MLflow's
+built-in newest version), ``models:/NAME/VERSION``, ``models:/m-<id>`` (a logged model),
+``runs:/RUN_ID/checkpoints/last`` (any run folder holding a checkpoint), another artifact URI
+(``s3://...``), and a local checkpoint folder. The checkpoint is verified once, there, and handed on
+as a :class:`~vitreg.train.checkpoint.VerifiedCheckpoint`.
+
+A registered version holds the checkpoint (``model.safetensors``, ``spec.json``, ``manifest.json``)
+in the logged model's ``extra_files/``. :func:`pull` reads that: it verifies the sha256 of every
+file, rebuilds the timm model from ``spec.json`` and loads the safetensors weights. Nothing is
+unpickled, and the pt2 graph is never loaded (it is a GraphModule pinned to the device it was
+exported on, not the timm model).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import mlflow
+from mlflow.exceptions import MlflowException
+from mlflow.tracking import MlflowClient
+
+from vitreg.console import progress
+from vitreg.errors import VitregError
+from vitreg.train import checkpoint as ckpt
+
+#: Where the checkpoint files live inside a registered model version's artifacts.
+CHECKPOINT_SUBDIR = "extra_files"
+#: Training-only state (optimizer, scheduler, scaler): not needed to use a model, ~2x the weights.
+TRAIN_ONLY_FILES = (ckpt.STATE,)
+#: Tag that marks a model version as a vitreg checkpoint (value: the checkpoint format).
+CHECKPOINT_TAG = "vitreg_checkpoint"
+SOURCES = "models:/NAME@ALIAS, models:/NAME/VERSION, runs:/RUN_ID/checkpoints/last or a local checkpoint folder"
+
+
+def first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+# --------------------------------------------------------------------------- resolve
+
+
+@dataclass(frozen=True)
+class Located:
+    """A verified checkpoint and where it came from."""
+
+    checkpoint: ckpt.VerifiedCheckpoint
+    name: str | None = None  # the registered model, when the source named a version
+    version: str | None = None
+    alias: str | None = None
+    run_id: str | None = None  # the run that logged it
+
+
+def resolve_checkpoint(source: str, dst=None, what: str = "model_uri", progress=progress) -> Located:
+    """The one checkpoint ``source`` names (see the module docstring), verified.
+
+    A remote source is downloaded into ``dst`` (default: a new temporary folder, the caller's to
+    remove). ``what`` is the option that holds ``source`` (``resume``, ``teacher``, ``model_uri``):
+    error messages name it. Unknown models, aliases, versions and run paths raise VitregError naming
+    what exists.
+    """
+    source = str(source).strip()
+    if source.startswith(("models:/", "runs:/")) or "://" in source:
+        dst = Path(dst) if dst is not None else Path(tempfile.mkdtemp(prefix="vitreg-checkpoint-"))
+        client = MlflowClient()
+        if source.startswith("models:/"):
+            directory, origin = _download_model_version(client, source, dst, what, progress)
+        elif source.startswith("runs:/"):
+            directory, origin = _download_run_path(client, source, dst, what, progress)
+        else:
+            directory, origin = _download_artifact_uri(source, dst, what, progress), {}
+    else:
+        path = Path(source).expanduser()
+        if not path.is_dir():
+            raise VitregError(f"{what}={source} does not exist: use {SOURCES}")
+        directory, origin = _find_checkpoint(path, source), {}
+    return Located(ckpt.verify_checkpoint(directory), **origin)
+
+
+def mlflow_call(fn, what: str):
+    try:
+        return fn()
+    except MlflowException:
+        raise
+    except Exception as exc:  # connection refused, DNS, ...
+        raise VitregError(f"cannot reach the MLflow tracking server at {mlflow.get_tracking_uri()} to {what}: "
+                          f"{first_line(exc)} (check MLFLOW_TRACKING_URI)") from None
+
+
+def _registered_names(client) -> list[str]:
+    try:
+        return sorted(rm.name for rm in client.search_registered_models(max_results=50))
+    except MlflowException:
+        return []
+
+
+def _inventory(client, name: str) -> str:
+    """'aliases champion (v2), staging (v1); versions 1, 2, 3' for an error message."""
+    rm = client.get_registered_model(name)
+    versions = sorted((int(mv.version) for mv in client.search_model_versions(f"name = '{name}'")), reverse=True)
+    aliases = ", ".join(f"{a} (v{v})" for a, v in sorted((rm.aliases or {}).items())) or "none"
+    shown = ", ".join(map(str, versions[:20])) + (", ..." if len(versions) > 20 else "")
+    return f"aliases {aliases}; versions {shown or 'none'}" + (f" (@latest = v{versions[0]})" if versions else "")
+
+
+def _download_model_version(client, uri: str, dst: Path, what: str, progress) -> tuple[Path, dict]:
+    body = uri[len("models:/"):].strip("/")
+    if body.startswith("m-") and "/" not in body and "@" not in body:  # a logged model id (MLflow 3)
+        return _find_checkpoint(_download(f"models:/{body}", dst, progress), uri), {}
+    alias = version = None
+    if "/" in body:
+        name, suffix = body.split("/", 1)
+        if suffix.isdigit():
+            version = suffix
+        elif suffix.lower() == "latest":
+            alias = "latest"
+        else:
+            name = body  # reported below
+    else:
+        name, _, alias = body.rpartition("@") if "@" in body else (body, "", None)
+    if not name or (alias is None and version is None):
+        raise VitregError(f"{what}={uri} is not a model URI: use models:/NAME@ALIAS or models:/NAME/VERSION "
+                          f"(e.g. models:/deit-tiny@champion, models:/deit-tiny/3)")
+    try:
+        mlflow_call(lambda: client.get_registered_model(name), f"look up {name!r}")
+    except MlflowException:
+        names = _registered_names(client)
+        have = f"registered models are {', '.join(names)}" if names else "there are no registered models yet"
+        raise VitregError(f"no registered model {name!r} at {mlflow.get_tracking_uri()}: {have}") from None
+    if version is None:
+        if alias.lower() == "latest":
+            versions = [int(mv.version) for mv in client.search_model_versions(f"name = '{name}'")]
+            if not versions:
+                raise VitregError(f"registered model {name!r} has no versions yet: register one first")
+            version = str(max(versions))
+        else:
+            aliases = client.get_registered_model(name).aliases or {}
+            if alias not in aliases:
+                raise VitregError(f"registered model {name!r} has no alias {alias!r}: it has "
+                                  f"{_inventory(client, name)}")
+            version = str(aliases[alias])
+    try:
+        mv = client.get_model_version(name, version)
+    except MlflowException:
+        raise VitregError(f"registered model {name!r} has no version {version}: it has "
+                          f"{_inventory(client, name)}") from None
+    if CHECKPOINT_TAG not in (mv.tags or {}):
+        progress(f"models:/{name}/{version} has no {CHECKPOINT_TAG} tag; looking for checkpoint files anyway")
+    base = mlflow_call(lambda: client.get_model_version_download_uri(name, version), "resolve the version")
+    label = f"models:/{name}/{version}" + (f" (@{alias})" if alias else "")
+    try:
+        local = _download(f"{base.rstrip('/')}/{CHECKPOINT_SUBDIR}", dst, progress, label)
+    except (MlflowException, OSError):
+        raise VitregError(f"{label} holds no vitreg checkpoint ({CHECKPOINT_SUBDIR}/manifest.json): it was not "
+                          f"registered by vitreg; pull a version registered by `train` or register_checkpoint") \
+            from None
+    return _find_checkpoint(local, label), {"name": name, "version": str(version), "alias": alias, "run_id": mv.run_id}
+
+
+def _download_run_path(client, uri: str, dst: Path, what: str, progress) -> tuple[Path, dict]:
+    body = uri[len("runs:/"):].strip("/")
+    run_id, _, path = body.partition("/")
+    if not run_id:
+        raise VitregError(f"{what}={uri} names no run: use runs:/RUN_ID/checkpoints/last")
+    try:
+        mlflow_call(lambda: client.get_run(run_id), f"look up run {run_id}")
+    except MlflowException:
+        raise VitregError(f"{what}={uri} cannot be downloaded: no run {run_id!r} at {mlflow.get_tracking_uri()}: "
+                          f"check the run id (mlflow runs list) or MLFLOW_TRACKING_URI") from None
+    path = path.strip("/")
+    entries = client.list_artifacts(run_id, path or None)
+    names = {Path(e.path).name: e for e in entries}
+    if "manifest.json" not in names:
+        subdirs = [e.path for e in entries if e.is_dir and any(
+            Path(x.path).name == "manifest.json" for x in client.list_artifacts(run_id, e.path))]
+        if subdirs:
+            options = ", ".join(f"runs:/{run_id}/{p}" for p in sorted(subdirs))
+            raise VitregError(f"{uri} holds several checkpoints: pull one of {options}")
+        parent = str(Path(path).parent) if path and "/" in path else None
+        siblings = sorted(Path(e.path).name + ("/" if e.is_dir else "") for e in client.list_artifacts(run_id, parent))
+        if entries:
+            raise VitregError(f"{uri} holds no vitreg checkpoint (manifest.json + spec.json): point at a "
+                              f"checkpoint folder such as runs:/{run_id}/checkpoints/last")
+        where = f"{parent}/" if parent else "the run's artifact root"
+        raise VitregError(f"run {run_id} has no artifact {path!r}: {where} holds "
+                          f"{', '.join(siblings) or 'nothing'}")
+    local = _download(f"runs:/{run_id}/{path}" if path else f"runs:/{run_id}", dst, progress)
+    return _find_checkpoint(local, uri), {"run_id": run_id}
+
+
+def _download_artifact_uri(uri: str, dst: Path, what: str, progress) -> Path:
+    try:
+        local = _download(uri, dst, progress)
+    except (MlflowException, OSError) as exc:
+        raise VitregError(f"{what}={uri} cannot be downloaded from {mlflow.get_tracking_uri()} ({first_line(exc)}): "
+                          f"check the URI (MLFLOW_TRACKING_URI must be its store)") from None
+    return _find_checkpoint(local, uri)
+
+
+def _download(artifact_uri: str, dst: Path, progress, label: str | None = None) -> Path:
+    dst.mkdir(parents=True, exist_ok=True)
+    progress(f"downloading {label or artifact_uri} into {dst} ...")
+    return Path(mlflow_call(lambda: mlflow.artifacts.download_artifacts(artifact_uri=artifact_uri,
+                                                                         dst_path=str(dst)), "download"))
+
+
+def _find_checkpoint(root: Path, label: str) -> Path:
+    """The one folder under ``root`` that holds manifest.json + spec.json."""
+    root = Path(root)
+    found = sorted({p.parent for p in root.rglob("manifest.json") if (p.parent / "spec.json").is_file()})
+    if len(found) == 1:
+        return found[0]
+    if not found:
+        raise VitregError(f"{label} holds no vitreg checkpoint (manifest.json + spec.json): point at a "
+                          f"checkpoint folder such as runs:/RUN_ID/checkpoints/last")
+    rel = ", ".join(str(p.relative_to(root)) for p in found)
+    raise VitregError(f"{label} holds several checkpoints ({rel}): pull one of them")
+
+
+
+# --------------------------------------------------------------------------- pull
+
+
+@dataclass
+class PullResult:
+    """A pulled model: the rebuilt timm model, where its files are, and where it came from."""
+
+    uri: str
+    model: object
+    info: object  # vitreg.models.factory.ModelInfo
+    spec: dict
+    checkpoint_dir: Path  # the verified files (a download folder, or the local folder given)
+    registered_model_name: str | None = None
+    registered_model_version: str | None = None
+    alias: str | None = None
+    run_id: str | None = None  # the run that produced the checkpoint
+    out_dir: Path | None = None
+    output_shape: tuple = ()
+    files: list = field(default_factory=list)
+
+    @property
+    def version_uri(self) -> str | None:
+        if self.registered_model_name and self.registered_model_version:
+            return f"models:/{self.registered_model_name}/{self.registered_model_version}"
+        return None
+
+    def describe(self) -> str:
+        what = self.version_uri or self.uri
+        if self.alias:
+            what = f"{self.uri} (= {self.version_uri})"
+        lines = [f"pulled {what}: {self.info.name}, {self.info.img_size}px, {self.info.num_classes} classes, "
+                 f"{self.info.params_m:.1f} M params, step {self.spec.get('step', '?')}",
+                 f"  files:   {self.checkpoint_dir} (sha256 verified)",
+                 f"  forward: {tuple(self.output_shape)} finite on a random batch"]
+        if self.run_id:
+            lines.append(f"  run:     {self.run_id}")
+        if self.out_dir:
+            lines.append(f"  out:     {self.out_dir} (model.safetensors, spec.json, manifest.json, README.md)")
+        return "\n".join(lines)
+
+
+def pull(uri: str, out_dir=None, dst=None, progress=progress) -> PullResult:
+    """Download, verify (sha256), rebuild and smoke-test a registered model; optionally export it.
+
+    ``dst`` is where the downloaded files go (default: a new temporary folder, kept and printed).
+    ``out_dir`` additionally receives a self-contained copy: ``model.safetensors``, ``spec.json``,
+    ``manifest.json`` and a README.md showing how to load it with timm + safetensors alone.
+    Unknown models, aliases, versions and run paths raise VitregError naming what exists.
+    """
+    uri = str(uri).strip()
+    own_dst = dst is None  # a folder we create: removed on failure, and when --out holds the files
+    dst = Path(tempfile.mkdtemp(prefix="vitreg-pull-")) if own_dst else Path(dst)
+    try:
+        located = resolve_checkpoint(uri, dst, progress=progress)
+        directory = located.checkpoint.directory
+        model, info, spec = ckpt.load_model(located.checkpoint)
+        shape = forward_check(model, info)
+        result = PullResult(uri=uri, model=model, info=info, spec=spec, checkpoint_dir=directory,
+                            registered_model_name=located.name, registered_model_version=located.version,
+                            alias=located.alias, run_id=located.run_id, output_shape=shape,
+                            files=sorted(p.name for p in directory.iterdir()))
+        if out_dir:
+            result.out_dir = export_folder(located.checkpoint, Path(out_dir), uri)
+            if own_dst:
+                result.checkpoint_dir = result.out_dir
+                shutil.rmtree(dst, ignore_errors=True)
+    except BaseException:
+        if own_dst:
+            shutil.rmtree(dst, ignore_errors=True)
+        raise
+    return result
+
+
+def load_model(uri: str, device: str = "cpu"):
+    """``(model, ModelInfo, spec_json)`` of a registered model or checkpoint URI (see :func:`pull`)."""
+    with tempfile.TemporaryDirectory(prefix="vitreg-pull-") as tmp:
+        result = pull(uri, dst=tmp, progress=lambda message: None)
+    return result.model.to(device), result.info, result.spec
+
+
+def forward_check(model, info, batch: int = 2) -> tuple:
+    """One forward pass on a random batch: the output must be (batch, num_classes) and finite."""
+    import torch
+
+    x = torch.randn(batch, 3, info.img_size, info.img_size, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        out = model(x)
+    outputs = out if isinstance(out, (tuple, list)) else (out,)
+    for o in outputs:
+        if tuple(o.shape) != (batch, info.num_classes):
+            raise VitregError(f"pulled {info.name} returns shape {tuple(o.shape)} for a batch of {batch}, expected "
+                              f"{(batch, info.num_classes)}: its spec.json does not match its weights")
+        if not bool(torch.isfinite(o).all()):
+            raise VitregError(f"pulled {info.name} returns non-finite outputs: the weights are broken (NaN/inf); "
+                              f"pull another version")
+    return tuple(outputs[0].shape)
+
+
+# --------------------------------------------------------------------------- export
+
+
+def stage_files(checkpoint: ckpt.VerifiedCheckpoint, stage: Path) -> list[Path]:
+    """Copy the checkpoint minus training-only state into ``stage``, with a manifest listing exactly that."""
+    stage.mkdir(parents=True, exist_ok=True)
+    manifest = checkpoint.manifest
+    files = {k: v for k, v in manifest["files"].items() if k not in TRAIN_ONLY_FILES}
+    for rel in files:
+        if "/" in rel:
+            raise VitregError(f"checkpoint {checkpoint.directory} lists a nested file {rel!r}: vitreg checkpoints "
+                              f"are flat folders")
+        shutil.copy2(checkpoint.directory / rel, stage / rel)
+    (stage / ckpt.MANIFEST).write_text(json.dumps({**manifest, "files": files}, indent=2, sort_keys=True))
+    return [stage / rel for rel in sorted(files)] + [stage / ckpt.MANIFEST]
+
+
+_README = """\
+# {model} ({source})
+
+Exported by `vitreg pull {source} --out DIR`. Weights: `model.safetensors` (sha256 in
+`manifest.json`); architecture: `spec.json` (timm `{model}`, {img_size}px, {num_classes} classes).
+
+Load it with timm + safetensors only (no vitreg, no MLflow, nothing unpickled):
+
+```python
+import json, safetensors.torch, {lib}
+spec = json.load(open("spec.json"))
+{build}
+model.load_state_dict(safetensors.torch.load_file("model.safetensors")); model.eval()
+```
+"""
+
+TIMM_BUILD = ('model = timm.create_model(spec["model"], pretrained=False, img_size=spec["img_size"], '
+              'num_classes=spec["num_classes"])')
+TORCHVISION_BUILD = ('model = getattr(torchvision.models, spec["model"].split(":", 1)[1])(weights=None, '
+                     'image_size=spec["img_size"], num_classes=spec["num_classes"])')
+
+
+def export_folder(checkpoint: ckpt.VerifiedCheckpoint, out: Path, source: str) -> Path:
+    """Copy the verified files into ``out`` and write a README.md with the 3-line loader."""
+    if out.resolve() == checkpoint.directory.resolve():
+        raise VitregError(f"--out {out} is the download folder itself: pass another folder")
+    stage_files(checkpoint, out)
+    spec = checkpoint.spec
+    torchvision = str(spec["model"]).startswith("torchvision:")
+    (out / "README.md").write_text(_README.format(
+        model=spec["model"], source=source, img_size=spec.get("img_size"), num_classes=spec.get("num_classes"),
+        lib="torchvision" if torchvision else "timm", build=TORCHVISION_BUILD if torchvision else TIMM_BUILD))
+    ckpt.verify_checkpoint(out)  # the copy, as a user will load it
+    return out
+
+
+# --------------------------------------------------------------------------- infer linkage
+
+
+def link_infer_run(result: PullResult, run_id: str, metrics: dict, gpu: str | None = None) -> None:
+    """Tag the model version (when the URI named one) with the infer run that benchmarked it."""
+    if not result.version_uri:
+        return
+    client = MlflowClient()
+    tags = {"last_infer_run_id": run_id, "last_infer_gpu": gpu}
+    for key in ("infer_throughput_img_per_s", "infer_latency_ms_p50"):
+        if key in metrics:
+            tags[f"last_{key}"] = f"{metrics[key]:.6g}"
+    for key, value in tags.items():
+        if value is not None:
+            client.set_model_version_tag(result.registered_model_name, result.registered_model_version, key, value)

@@ -1,0 +1,148 @@
+"""Training losses: label-smoothed cross-entropy on one or two heads, and DeiT's distillation loss.
+
+``criterion(inputs, outputs, labels)`` is the one signature the loop calls: a distillation loss needs
+the inputs (the teacher sees the same images as the student). :func:`create_teacher` builds that
+teacher from ``teacher=``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from vitreg.console import progress
+from vitreg.errors import VitregError
+from vitreg.train import checkpoint as ckpt
+
+
+def loss_of(output, target, criterion):
+    """Cross-entropy; DeiT distilled models train two heads (class and distillation token) on it."""
+    if isinstance(output, (tuple, list)):
+        return sum(criterion(o, target) for o in output) / len(output)
+    return criterion(output, target)
+
+
+class DistillationLoss(torch.nn.Module):
+    """DeiT's distillation loss (facebookresearch/deit ``losses.py``), unchanged in substance.
+
+    ``outputs`` is ``(class_head, dist_head)`` for a distilled model in training mode. The base
+    criterion trains the class head on the labels; the distillation head learns from the teacher:
+
+    - ``none``: base loss only;
+    - ``soft``: KL(student_dist/tau || teacher/tau) * tau^2, summed and divided by the number of logits;
+    - ``hard``: cross-entropy of the distillation head against the teacher's argmax;
+
+    and the loss is ``(1 - alpha) * base + alpha * distillation``. The teacher runs under
+    ``torch.no_grad`` (and under whatever autocast the caller opened, so it shares the student's
+    precision).
+    """
+
+    def __init__(self, base_criterion, teacher_model, distillation_type: str, alpha: float, tau: float):
+        super().__init__()
+        if distillation_type not in ("none", "soft", "hard"):
+            raise ValueError(f"distillation_type {distillation_type!r}")
+        self.base_criterion = base_criterion
+        self.teacher_model = teacher_model
+        self.distillation_type = distillation_type
+        self.alpha = alpha
+        self.tau = tau
+
+    def forward(self, inputs, outputs, labels):
+        outputs_kd = None
+        if not isinstance(outputs, torch.Tensor):
+            outputs, outputs_kd = outputs  # (class head, distillation head)
+        base_loss = self.base_criterion(outputs, labels)
+        if self.distillation_type == "none":
+            return base_loss
+        if outputs_kd is None:
+            raise ValueError("distillation needs a model that returns (class, distillation) outputs in training: "
+                             "a deit_*_distilled_* model with set_distilled_training(True)")
+        with torch.no_grad():
+            teacher_outputs = self.teacher_model(inputs)
+        if self.distillation_type == "soft":
+            T = self.tau
+            # log_target=True: both sides are log-probabilities, which is stabler than probabilities
+            distillation_loss = F.kl_div(
+                F.log_softmax(outputs_kd / T, dim=1),
+                F.log_softmax(teacher_outputs / T, dim=1),
+                reduction="sum",
+                log_target=True,
+            ) * (T * T) / outputs_kd.numel()
+        else:
+            distillation_loss = F.cross_entropy(outputs_kd, teacher_outputs.argmax(dim=1))
+        return base_loss * (1 - self.alpha) + distillation_loss * self.alpha
+
+
+class TwoHeadLoss(torch.nn.Module):
+    """``distillation=none`` on a distilled DeiT: both heads on the labels, averaged (bench's train loss).
+
+    DeiT itself trains only the class head then, leaving the distillation head random while the
+    eval output averages the two; training both keeps the eval output meaningful and the step
+    identical to what ``vitreg bench`` times.
+    """
+
+    def __init__(self, base_criterion):
+        super().__init__()
+        self.base_criterion = base_criterion
+
+    def forward(self, inputs, outputs, labels):
+        return loss_of(outputs, labels, self.base_criterion)
+
+
+def check_distillable(spec, info) -> None:
+    """DeiT distillation trains the distillation token's head: the student must have one."""
+    if spec.distillation != "none" and not info.distilled:
+        raise VitregError(f"distillation={spec.distillation} needs a distillation token, which {info.name} lacks: "
+                          f"use a deit_*_distilled_* model (e.g. deit_tiny_distilled_patch16_224) or distillation=none")
+
+
+def build_criterion(spec, info, teacher=None):
+    """``criterion(inputs, outputs, labels)`` for the spec: label-smoothed CE, with DeiT distillation."""
+    # torch's label_smoothing is the same loss as timm's LabelSmoothingCrossEntropy
+    # ((1 - s) * NLL + s * mean(-log p)) and compiles without a custom op
+    base = torch.nn.CrossEntropyLoss(label_smoothing=spec.label_smoothing)
+    if spec.distillation == "none":
+        return TwoHeadLoss(base)
+    check_distillable(spec, info)
+    if teacher is None:
+        raise VitregError(f"distillation={spec.distillation} needs teacher=...: a timm name, models:/<name>@<alias> "
+                          f"or a checkpoint directory")
+    return DistillationLoss(base, teacher, spec.distillation, spec.distill_alpha, spec.distill_tau)
+
+
+def create_teacher(spec, info, device, loader: Callable | None = None, progress=progress):
+    """The teacher for ``spec.teacher``, in eval mode on ``device``, without gradients.
+
+    - ``models:/...`` or ``runs:/...``: ``loader(uri)`` (the registry's loader, passed in so training
+      does not import the tracking layer); it returns a module or a ``(module, ...)`` tuple;
+    - a local checkpoint directory: :func:`vitreg.train.checkpoint.load_model`;
+    - otherwise a timm model name, built with **random weights** (vitreg never downloads from a
+      hub): fine for timing distillation, useless for accuracy. For a real teacher, train or
+      register one and pass its ``models:/`` URI.
+    """
+    from vitreg.models.factory import create_model
+
+    name = spec.teacher
+    if "://" in name or name.startswith(("models:/", "runs:/")):
+        if loader is None:
+            raise VitregError(f"teacher={name} needs the checkpoint loader (vitreg.tracking.checkpoints.load_model), "
+                              f"which is not available here: pass a checkpoint directory or a timm name")
+        loaded = loader(name)
+        teacher = loaded[0] if isinstance(loaded, (tuple, list)) else loaded
+    elif Path(name).expanduser().is_dir():
+        teacher, _, _ = ckpt.load_model(Path(name).expanduser())
+    else:
+        teacher, _ = create_model(name, info.img_size, info.num_classes)
+        progress(f"teacher {name} has random weights (vitreg builds timm models with pretrained=False): "
+                 f"distillation from it only exercises the code path; pass teacher=models:/<name>@<alias> "
+                 f"for a trained teacher")
+    classes = getattr(teacher, "num_classes", None)
+    if isinstance(classes, int) and classes != info.num_classes:
+        raise VitregError(f"teacher {name} has {classes} classes, the student {info.num_classes}: "
+                          f"use a teacher trained on the same classes (or num_classes={classes})")
+    teacher = teacher.to(device).eval()
+    teacher.requires_grad_(False)
+    return teacher
