@@ -48,7 +48,7 @@ def test_follow_umask_fixes_what_safetensors_writes(tmp_path, umask):
     assert mode(path) == 0o666 & ~umask
 
 
-@pytest.mark.xfail(strict=True, reason="until vitreg/tracking/registry.py's _stage_files copies with "
+@pytest.mark.xfail(strict=True, reason="until vitreg/tracking/checkpoints.py stage_files copies with "
                    "copy_as_new_file (a strict xfail: it fails once the fix is in, to drop this marker)")
 def test_pull_out_folder_follows_the_umask(tmp_path):
     from click.testing import CliRunner

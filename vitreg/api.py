@@ -31,13 +31,19 @@ def bench(*, experiment: str | None = None, run_name: str | None = None, **optio
     return run_bench(options, experiment=experiment, run_name=run_name, command=command, **own)
 
 
-def compare(experiment: str, baseline: str | None = None, metric: str = "throughput_img_per_s", **analysis):
+def compare(experiment: str, baseline: str | None = None, metric: str = "throughput_img_per_s", by: str = "gpu",
+            include_mismatch: bool = False, **analysis):
     """The comparison ``vitreg compare`` prints, computed from the experiment's runs without logging a
-    compare run; ``analysis`` goes to :func:`vitreg.analysis.comparison.compare_gpus` (``n_boot``, ``seed``,
-    ``confidence``). Its ``table`` is a DataFrame, one row per (configuration, GPU)."""
-    from vitreg.analysis.comparison import compare_gpus
+    compare run: along ``by`` (``gpu``, or a tag/param such as ``torch_version``, ``compile``), runs
+    whose hardware is not their GPU label left out of speedups unless ``include_mismatch``.
+    ``analysis`` goes to :func:`vitreg.analysis.comparison.compare_runs` (``n_boot``, ``seed``,
+    ``confidence``). Its ``table`` is a DataFrame, one row per (configuration, ``by`` value)."""
+    from vitreg.analysis.comparison import compare_runs
+    from vitreg.tracking.search import benchmark_runs, tidy
 
-    return compare_gpus(runs(experiment), baseline=baseline or None, metric=metric, **analysis)
+    runs_frame = tidy(benchmark_runs(experiment), axes=(by,))
+    return compare_runs(runs_frame, baseline=baseline or None, metric=metric, by=by,
+                        include_mismatch=include_mismatch, **analysis)
 
 
 def runs(experiment: str):
