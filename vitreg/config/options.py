@@ -52,12 +52,13 @@ class Option:
     required: bool = False  # the vitreg command refuses to run without it (its MLproject param may still default)
     envvar: str | None = None
     lowercase: bool = False
+    aliases: tuple[str, ...] = ()  # more click flags for it (``--experiment-name``, as ``mlflow run`` spells it)
 
     @property
     def flags(self) -> list[str]:
-        """Both spellings: ``mlflow run`` appends an undeclared ``-P k=v`` as ``--k v``."""
+        """Both spellings (``mlflow run`` appends an undeclared ``-P k=v`` as ``--k v``), then the aliases."""
         dashed = f"--{self.name.replace('_', '-')}"
-        return [dashed] if "_" not in self.name else [dashed, f"--{self.name}"]
+        return ([dashed] if "_" not in self.name else [dashed, f"--{self.name}"]) + list(self.aliases)
 
     @property
     def default_text(self) -> str:
@@ -269,7 +270,7 @@ OPTIONS: tuple[Option, ...] = (
            doc="run id of a finished `nproc=1` run of the same configuration: logs `train_scaling_efficiency` (and "
                "`infer_scaling_efficiency`) = throughput_N / (N x throughput_1)"),
     Option("experiment", "str", None, "MLflow experiment (ignored under `mlflow run`, which picks its own).", _RUNS,
-           spec_field=False, mlproject=False, envvar="MLFLOW_EXPERIMENT_NAME"),
+           spec_field=False, mlproject=False, envvar="MLFLOW_EXPERIMENT_NAME", aliases=("--experiment-name",)),
     Option("run_name", "str", None, "MLflow run name (default: made of the model, GPU, amp, compile and batch size).",
            ("bench", "infer", "train"), spec_field=False, mlproject=False),
     Option("experiment", "str", None, "The experiment whose runs to compare.", ("compare",), required=True,
