@@ -40,6 +40,12 @@ def test_mlflow_run_bench_logs_one_complete_finished_run(tmp_path):
     client, run = only_run(uri)
     assert run.info.status == "FINISHED"
     p, t, m = run.data.params, run.data.tags, run.data.metrics
+    # the runs list reads without set-up: GPU label first, then the figures (issue 14); the page's note
+    assert run.info.run_name.startswith("cpu · infer ") and run.info.run_name.split(" · ")[3:] == [
+        "test_vit", "fp32", "bs2"] and "img/s" in run.info.run_name, run.info.run_name
+    assert "img/s" in t["mlflow.note.content"] and "| infer" in t["mlflow.note.content"]
+    page = f"#/experiments/{run.info.experiment_id}/runs/{run.info.run_id}"
+    assert f"logged run {run.info.run_id}" in proc.stdout and page in proc.stdout  # where to open it
     # params: as typed through -P (MLflow logs them first and they are immutable) plus ours
     assert p["gpu"] == "auto" and p["model"] == "test_vit" and p["task"] == "both" and p["batch_size"] == "2"
     assert {"amp", "compile", "warmup", "steps", "repeats", "device", "img_size"} <= set(p)

@@ -51,7 +51,7 @@ from vitreg.hardware.env import capture_environment, pip_freeze
 from vitreg.hardware.profiles import detect_hardware, mfu, resolve_hardware
 from vitreg.hardware.runtime import resolve_runtime
 from vitreg.models.factory import check_model_name, create_model
-from vitreg.tracking import checkpoints
+from vitreg.tracking import checkpoints, naming
 from vitreg.tracking import runs as tracking
 from vitreg.tracking.tags import label_launcher_run, resolved_tags, world_tags
 from vitreg.train.progress import Progress
@@ -291,8 +291,9 @@ def _log_results(run, logger, spec, hw, runtime, info, data, result, summary, re
 
 
 def run_name_for(spec: TrainSpec, hw, runtime, world_size: int = 1) -> str:
-    ddp = f"-ddp{world_size}" if world_size > 1 else ""
-    return f"train-{spec.model}-{hw.label}-{runtime.amp}-bs{spec.batch_size}{ddp}"
+    """GPU label first, as every vitreg run is named (the runs list cuts names short)."""
+    return naming.run_name(hw.label, spec.model, runtime.amp, spec.batch_size, spec.compile, nproc=world_size,
+                           job="train")
 
 
 def _tf32_on() -> bool:
@@ -311,4 +312,4 @@ def _print_summary(result, run) -> None:
           + (f"; val top-1 {result.val_top1:.2f}%" if result.val_top1 is not None else ""))
     if result.last_checkpoint:
         print(f"checkpoint: {run.artifact_uri(CHECKPOINT_ARTIFACTS + '/last')}")
-    print(f"logged run {run.run_id} to {tracking.tracking_uri()} (open it with `mlflow ui`)")
+    print(tracking.where_logged(run))
