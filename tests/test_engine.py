@@ -220,6 +220,16 @@ def test_folder_data_errors(tmp_path):
 # --------------------------------------------------------------------------- the loop
 
 
+def test_the_live_rate_leaves_out_the_first_step_as_the_summary_does():
+    """A compiled run's first step holds the compilation: the live img/s must not count it (issue 14)."""
+    spec = TrainSpec(**{**TINY, "compile": "default", "compile_backend": "eager"}, steps=24, log_every=24)
+    result, logs, _ = fit(spec)
+    live, summary = logs[24]["train_img_per_s"], result.throughput_img_per_s
+    # the first step is the slow one, slow enough that counting it would move the rate out of the band below
+    assert result.first_step_s > 30 * result.step_ms_p50 / 1e3
+    assert 0.6 < live / summary < 1.6, (live, summary)
+
+
 def test_synthetic_loss_falls_and_metrics():
     spec = TrainSpec(**TINY, steps=30, lr=2e-3, warmup_steps=3, log_every=5)
     result, logs, _ = fit(spec)
