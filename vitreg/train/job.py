@@ -48,8 +48,8 @@ from vitreg.console import progress, quiet
 from vitreg.dist import launcher as launch
 from vitreg.dist import world as distributed
 from vitreg.hardware.env import capture_environment, pip_freeze
-from vitreg.hardware.profiles import detect_hardware, mfu, resolve_hardware
-from vitreg.hardware.runtime import resolve_runtime
+from vitreg.hardware.profiles import detect_hardware, resolve_hardware
+from vitreg.hardware.runtime import resolve_runtime, run_context
 from vitreg.models.factory import check_model_name, create_model
 from vitreg.tracking import checkpoints
 from vitreg.tracking import runs as tracking
@@ -201,8 +201,10 @@ def _train_in_run(run, options, workdir: Path, progress, command, run_name, *, s
     logger = RunLogger(run)
     ok = False
     try:
-        result = _run_loop(run, logger, spec, runtime, model, info, data, world, wrap, reducer, resume, workdir,
-                           sampler_factory, progress)
+        # TF32 switches (amp=tf32), the SDPA backend and the compile cache, around every step
+        with run_context(runtime, model, spec.sdpa, spec.compile_cache, train=True):
+            result = _run_loop(run, logger, spec, runtime, model, info, data, world, wrap, reducer, resume,
+                               workdir, sampler_factory, progress)
         if world.is_main:
             _log_results(run, logger, spec, hw, runtime, info, data, result, summary, reducer, command)
         ok = True
@@ -266,7 +268,7 @@ def _log_results(run, logger, spec, hw, runtime, info, data, result, summary, re
     if result.throughput_img_per_s:
         achieved = summary["train_gflops_per_img"] * result.throughput_img_per_s / 1e3
         metrics["train_achieved_tflops"] = achieved
-        metrics["train_mfu"] = mfu(achieved / result.world_size, hw.profile, runtime.amp, _tf32_on())
+        metrics["train_mfu"] = runtime.precision.mfu(achieved / result.world_size, hw.profile)
     logger.metrics(metrics)
     logger.flush()  # every checkpoint is logged before results.json says where the last one is
     results = {
@@ -288,12 +290,6 @@ def _log_results(run, logger, spec, hw, runtime, info, data, result, summary, re
 def run_name_for(spec: TrainSpec, hw, runtime, world_size: int = 1) -> str:
     ddp = f"-ddp{world_size}" if world_size > 1 else ""
     return f"train-{spec.model}-{hw.label}-{runtime.amp}-bs{spec.batch_size}{ddp}"
-
-
-def _tf32_on() -> bool:
-    import torch
-
-    return torch.get_float32_matmul_precision() != "highest"
 
 
 def _print_summary(result, run) -> None:
