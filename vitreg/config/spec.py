@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 from dataclasses import dataclass, fields
+from typing import Literal  # noqa: F401 - named in the batch annotation below
 
 from vitreg.config.options import AUTO_BATCH, DDP_BUCKET_MB, param_text, spec_options
 from vitreg.config.parse import TRUE as _TRUE, parse_bool, parse_int  # noqa: F401 - other modules import them from here

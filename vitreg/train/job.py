@@ -80,6 +80,8 @@ def train_tags(spec: TrainSpec, hw, runtime, info, data_kind: str) -> dict:
     return {
         **resolved_tags(spec, hw, runtime, info.img_size),
         "vitreg_job": "train",
+        "precision": runtime.precision.label,  # what ran: fp32, tf32, autocast-bf16, autocast-fp16
+        "sdpa": spec.sdpa,
         "num_classes": info.num_classes,
         "data": data_kind,
         "distillation": spec.distillation,
