@@ -28,12 +28,12 @@ if [ "${DRY:-0}" = 1 ]; then  # the CPU, a tiny model, a few steps: checks the s
   OUT=${OUT:-/tmp/levers-dry}; mkdir -p "$OUT"
   export PYTHONPATH=$PWD PATH=${VENV:-$PWD/.venv}/bin:$PATH PYTHONUNBUFFERED=1 GPU_RUNS=$OUT/gpu-runs
   mkdir -p "$GPU_RUNS"; export MLFLOW_TRACKING_URI=sqlite:///$GPU_RUNS/mlflow.db
-  GPU=cpu; MODEL=test_vit; TV_MODEL=test_vit; BIG=16; MID=8; SMALL=4
+  GPU=cpu; AUTO_AMP=off; MODEL=test_vit; TV_MODEL=test_vit; BIG=16; MID=8; SMALL=4
   SIZE=(--img-size 32); SIZE_P=(-P model=test_vit -P img_size=32 -P warmup=2 -P steps=3 -P repeats=2)
   TIMING=(--warmup 2 --steps 3 --repeats 2); CK_TIMING=(--device cpu --img-size 32 --warmup 2 --iters 3 --repeats 2)
 else
   source benchmarks/gpu_env.sh
-  GPU=h200; MODEL=vit_base_patch16_224; TV_MODEL=torchvision:vit_b_16; BIG=1024; MID=256; SMALL=32
+  GPU=h200; AUTO_AMP=bf16; MODEL=vit_base_patch16_224; TV_MODEL=torchvision:vit_b_16; BIG=1024; MID=256; SMALL=32
   SIZE=(); SIZE_P=()
   TIMING=(--warmup 10 --steps 20 --repeats 5); CK_TIMING=(--warmup 10 --iters 20 --repeats 5)
 fi
@@ -72,8 +72,8 @@ if want 1; then
     2>$OUT/last_stderr.txt | tee $OUT/last_table.txt | table
   grep -E 'batch_size=auto chose' $OUT/last_stderr.txt | sed 's/^/    /' | tee -a $LOG
   BI=$(batch_of infer); BT=$(batch_of train)
-  [ -n "$BI" ] && ck --model $MODEL --task infer --amp bf16 --batch-size $BI
-  [ -n "$BT" ] && ck --model $MODEL --task train --amp bf16 --batch-size $BT
+  [ -n "$BI" ] && ck --model $MODEL --task infer --amp $AUTO_AMP --batch-size $BI  # what amp=auto resolves to
+  [ -n "$BT" ] && ck --model $MODEL --task train --amp $AUTO_AMP --batch-size $BT
 fi
 if want 2; then
   vb --model $TV_MODEL --task infer --amp tf32 --batch-size $SMALL --compile off
