@@ -57,8 +57,15 @@ mlproject: $(STAMP)
 server: $(STAMP)
 	$(PY) -m vitreg.deploy.server
 
+# The MLflow UI on the local store, as lean as vitreg.deploy.server starts a server (no job runner, one
+# worker); it first prints each experiment's runs list (MLflow 3's UI opens on its GenAI home).
+UI_STORE ?= sqlite:///mlflow.db
+UI_PORT  ?= 5000
 ui: $(STAMP)
-	$(VENV)/bin/mlflow ui --backend-store-uri sqlite:///mlflow.db
+	@$(PY) -c 'import sys; from vitreg.tracking.search import print_experiment_links as links; links(*sys.argv[1:])' \
+	  "$(UI_STORE)" "http://127.0.0.1:$(UI_PORT)"
+	MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false $(VENV)/bin/mlflow ui --backend-store-uri "$(UI_STORE)" \
+	  --host 127.0.0.1 --port $(UI_PORT) --workers 1
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache

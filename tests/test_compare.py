@@ -4,6 +4,7 @@ answer is known by construction."""
 from __future__ import annotations
 
 import itertools
+import re
 import math
 from pathlib import Path
 
@@ -12,7 +13,7 @@ import pytest
 
 from vitreg.analysis import frame as schema
 from vitreg.analysis import plots
-from vitreg.analysis.comparison import compare_gpus, compile_amp_gains
+from vitreg.analysis.comparison import compare_gpus, compare_runs, compile_amp_gains
 from vitreg.analysis.frame import CompareError
 from vitreg.analysis.render import format_table, markdown_table
 from vitreg.analysis.report import write_report
@@ -506,3 +507,248 @@ def test_imported_timm_runs_compare_against_own_runs():
     assert h["verdict"] == "single run"  # a timm file holds one measurement per model
     assert h["speedup"] == pytest.approx(15450 / 7689.02)
     assert only(c.table, gpu="rtx4090", model="deit_small_patch16_224")["sources"] == "timm"
+
+
+# ------------------------------------------------------------------------------ mislabelled runs
+
+ON_CPU = {"tags.gpu_mismatch": "true", "tags.detected_gpu": "cpu", "tags.device": "cpu", "tags.gpu_name": "none"}
+
+
+def filed(gpu, values, tags=ON_CPU, **kw):
+    """Runs filed under ``gpu`` that carry ``tags`` (by default: what allow_gpu_mismatch=true on a CPU logs)."""
+    return [{**r, **tags} for r in repeats(gpu, values, **kw)]
+
+
+def _cpu_runs_as_a100_and_h200():
+    # the issue's case: CPU runs filed as a100 and h200 look 6.7x apart (test_vit at two batch sizes, say)
+    return runs(*filed("a100", [100, 101, 99], mfu=0.0001), *filed("h200", [671, 675, 668], mfu=0.0004))
+
+
+def test_mislabelled_runs_get_no_speedup_or_verdict_and_no_mfu():
+    c = compare_runs(_cpu_runs_as_a100_and_h200(), baseline="a100")
+    assert c.table["mismatch"].all() and (c.table["ran_on"] == "cpu").all()
+    assert c.table["speedup"].isna().all() and c.table["mfu"].isna().all()
+    assert set(c.table["verdict"]) == {"mislabelled"}
+    assert c.geomean_speedup() == {} and c.summary()["n_mislabelled_runs"] == 6
+    text = format_table(c)
+    assert "faster" not in text and "6.7" not in text
+    assert "MISLABELLED (!): 6 run(s) filed under a GPU that did not run them: a100 (ran on cpu), h200 (ran on cpu)" in text
+    assert "left out of speedups and verdicts (include_mismatch=true" in text
+    assert text.count("cpu (!)") == 2  # the "ran on" column of each row
+
+
+def test_include_mismatch_compares_them_marked():
+    c = compare_runs(_cpu_runs_as_a100_and_h200(), baseline="a100", include_mismatch=True)
+    h = only(c.table, gpu="h200")
+    assert h["speedup"] == pytest.approx(6.71) and h["verdict"] == "faster (mislabelled)"
+    assert only(c.table, gpu="a100")["verdict"] == "baseline (mislabelled)"
+    assert math.isnan(h["mfu"])  # never against a peak the hardware does not have
+    text = format_table(c)
+    assert "6.71x" in text and "faster (mislabelled)" in text and "NOT their label's" in text
+
+
+def test_mislabelled_reports_mark_every_table_and_chart(tmp_path):
+    c = compare_runs(_cpu_runs_as_a100_and_h200(), baseline="a100", include_mismatch=True)
+    write_report(c, tmp_path)
+    md = (tmp_path / "comparison.md").read_text()
+    assert "MISLABELLED (!)" in md and len(re.findall(r"\| MISLABELLED +\| cpu +\|", md)) == 2
+    assert re.search(r"\| h200 +\| +6.71x \| MISLABELLED", md)  # the geometric mean too
+    html_text = (tmp_path / "comparison.html").read_text()
+    assert "MISLABELLED (!)" in html_text and html_text.count("<td>MISLABELLED</td>") == 3
+    back = pd.read_csv(tmp_path / "comparison.csv")
+    assert back["mismatch"].all() and set(back["verdict"]) == {"baseline (mislabelled)", "faster (mislabelled)"}
+    fig = plots.plot_by_gpu(c, tmp_path / "again.png")
+    texts = [t.get_text() for t in fig.findobj(_text_type()) if t.get_text()]
+    assert any("MISLABELLED" in t for t in texts)  # the title and the legend say so
+    assert any("a100: MISLABELLED (ran on cpu)" == t for t in texts)
+    assert all(p.get_hatch() == plots.MISLABELLED_HATCH for p in fig.axes[0].patches)
+
+
+@pytest.mark.parametrize("tags", [
+    {"tags.detected_gpu": "a100"},  # a label that is not what was detected, without the tag (older runs)
+    {"tags.device": "cpu"},  # a CPU run under a GPU label
+    {"tags.gpu_name": "none"},  # no CUDA device at all
+    {"tags.gpu_mismatch": "true"},  # the tag alone
+], ids=["detected", "device", "gpu_name", "tag"])
+def test_each_sign_of_other_hardware_marks_a_run(tags):
+    t = runs(*filed("h200", [2000, 2010], tags=tags), *repeats("h200", [1000, 1010]), *repeats("a100", [500, 505]))
+    assert t["mismatch"].sum() == 2
+    c = compare_runs(t, baseline="a100")
+    honest, bad = only(c.table, gpu="h200", mismatch=False), only(c.table, gpu="h200", mismatch=True)
+    assert honest["n_runs"] == 2 and honest["speedup"] == pytest.approx(2.0)  # never pooled with the bad ones
+    assert bad["verdict"] == "mislabelled"
+
+
+def test_honest_runs_are_not_marked():
+    t = runs(*filed("cpu", [10, 11], tags={"tags.device": "cpu", "tags.detected_gpu": "cpu", "tags.gpu_mismatch": "false"}),
+             *filed("h200", [900, 905], tags={"tags.device": "cuda", "tags.detected_gpu": "h200", "tags.gpu_name": "NVIDIA H200"}))
+    assert not t["mismatch"].any()
+    assert "MISLABELLED" not in format_table(compare_runs(t, baseline="cpu"))
+
+
+def test_mislabelled_runs_stay_out_of_gains_unless_asked():
+    t = runs(*filed("h200", [100, 100], amp="off"), *filed("h200", [130, 130], amp="off", compile="default"),
+             *repeats("a100", [1000, 1000], amp="off"), *repeats("a100", [1200, 1200], amp="off", compile="default"))
+    assert list(compile_amp_gains(t)["gpu"]) == ["a100"]
+    both = compile_amp_gains(t, include_mismatch=True).set_index("gpu")
+    assert bool(both.loc["h200", "mismatch"]) and both.loc["h200", "speedup"] == pytest.approx(1.3)
+
+
+# ------------------------------------------------------------------------------ compare along any axis
+
+
+def versions(version, values, **kw):
+    return filed("h200", values, tags={"tags.torch_version": version}, **kw)
+
+
+def test_compare_by_torch_version_pairs_runs_that_differ_only_in_it():
+    t = tidy(frame(*versions("2.8.0", [1000, 1010, 995]), *versions("2.9.0", [1200, 1190, 1210]),
+                   *versions("2.8.0", [500, 505], amp="off"), *versions("2.9.0", [498, 503], amp="off"),
+                   *repeats("a100", [400, 401])),  # no torch_version tag: its own "?" value
+             axes=("torch_version",))
+    c = compare_runs(t, by="torch_version", baseline="2.8.0")
+    assert c.values[0] == "2.8.0" and c.by == "torch_version"
+    assert only(c.table, torch_version="2.9.0", amp="bf16", gpu="h200")["verdict"] == "faster"
+    assert only(c.table, torch_version="2.9.0", amp="off")["verdict"] == "within noise"
+    assert only(c.table, torch_version="?")["verdict"] == "no baseline"  # a100 ran under no known version
+    assert c.geomean_speedup() == {"2.9.0": pytest.approx(math.sqrt(1200 / 1000 * 500.5 / 502.5), rel=1e-3)}
+    text = format_table(c)
+    assert "compared along: torch_version" in text and "baseline: torch_version=2.8.0" in text
+
+
+def test_compare_by_a_configuration_key():
+    t = runs(*repeats("h200", [1000, 1002], compile="off"), *repeats("h200", [1500, 1504], compile="default"))
+    c = compare_runs(t, by="compile", baseline="off")
+    assert only(c.table, compile="default")["speedup"] == pytest.approx(1502 / 1001)
+    assert only(c.table, compile="default")["verdict"] == "faster"
+
+
+def test_compare_by_an_axis_no_run_records_names_the_fix():
+    with pytest.raises(CompareError, match="no run records 'torch_version'.*--by gpu"):
+        compare_runs(runs(*repeats("a100", [1, 2])), by="torch_version")
+    t = tidy(frame(*versions("2.8.0", [1, 2])), axes=("torch_version",))
+    with pytest.raises(CompareError, match="baseline torch_version '2.7.0'.*torch_version values present: 2.8.0"):
+        compare_runs(t, by="torch_version", baseline="2.7.0")
+
+
+# ------------------------------------------------------------------------------ charts read at a glance
+
+
+def _text_type():
+    from matplotlib.text import Text
+
+    return Text
+
+
+def _assert_readable(fig, png: Path):
+    """Every text inside the figure, plain tick numbers, and the PNG the size the figure promised."""
+    import matplotlib.image
+
+    renderer = fig.canvas.get_renderer()
+    box = fig.bbox
+    drawn = fig.get_tightbbox(renderer)  # inches: everything drawn, tick labels included
+    assert drawn.x0 >= -0.01 and drawn.y0 >= -0.01 and drawn.x1 <= fig.get_figwidth() + 0.01 \
+        and drawn.y1 <= fig.get_figheight() + 0.01, drawn
+    ticks = {id(t) for ax in fig.axes for t in ax.get_xticklabels(which="both") + ax.get_yticklabels(which="both")}
+    texts = [t for t in fig.findobj(_text_type()) if t.get_visible() and t.get_text().strip() and id(t) not in ticks]
+    for t in texts:
+        ext = t.get_window_extent(renderer)
+        assert ext.x0 >= box.x0 - 1 and ext.y0 >= box.y0 - 1 and ext.x1 <= box.x1 + 1 and ext.y1 <= box.y1 + 1, \
+            (t.get_text(), ext, box)
+    for ax in fig.axes:
+        ticks = [t.get_text() for t in ax.get_yticklabels() + ax.get_xticklabels() if t.get_text()]
+        assert ticks and not any("$" in t or "x10" in t or "×" in t or "^" in t for t in ticks), ticks
+        assert ax.get_xlabel() and ax.get_ylabel() or ax.get_xlabel()
+    height, width = matplotlib.image.imread(png).shape[:2]
+    assert (width, height) == tuple(round(v * plots.DPI) for v in fig.get_size_inches())
+    return [t.get_text() for t in texts]
+
+
+def test_throughput_chart_is_readable(tmp_path):
+    # ViT-Ti next to ViT-L: 30x apart (the log axis case), with a long title (a baseline and a long model name)
+    df = runs(*repeats("a100", [9000, 9100], model="vit_tiny_patch16_224"),
+              *repeats("h200", [16000, 16100], model="vit_tiny_patch16_224"),
+              *repeats("a100", [250, 252], model="vit_large_patch16_224"),
+              *repeats("h200", [450, 455], model="vit_large_patch16_224"))
+    c = compare_runs(df, baseline="a100")
+    fig = plots.plot_by_gpu(c, tmp_path / "by_gpu.png")
+    texts = _assert_readable(fig, tmp_path / "by_gpu.png")
+    ax = fig.axes[0]
+    assert ax.get_yscale() == "log" and "(img/s)" in ax.get_ylabel() and ax.get_xlabel().startswith("configuration")
+    assert "1,000" in [t.get_text() for t in ax.get_yticklabels()]  # not 10^3
+    assert {"9,050", "16,050\n1.77x", "251", "452\n1.80x"} <= set(texts)  # every bar says its value
+    bars = [p for p in ax.patches if p.get_height() > 0]
+    assert len(bars) == 4 and min(p.get_height() for p in bars) / max(p.get_height() for p in bars) < 0.03
+    lo, hi = ax.get_ylim()
+    # on the log axis the smallest bar takes a visible share of the plot's height
+    assert math.log(251 / lo) / math.log(hi / lo) > 0.15
+
+
+def test_linear_chart_and_gains_chart_are_readable(tmp_path):
+    c = _mixed_comparison()
+    fig = plots.plot_by_gpu(c, tmp_path / "by_gpu.png")
+    _assert_readable(fig, tmp_path / "by_gpu.png")
+    assert fig.axes[0].get_yscale() == "linear" and fig.axes[0].get_ylim()[0] == 0
+    gains = plots.plot_gains(c, tmp_path / "gains.png")
+    texts = _assert_readable(gains, tmp_path / "gains.png")
+    assert {f"{v:.2f}x" for v in c.gains["speedup"]} <= set(texts) and gains.axes[0].get_xlabel().startswith("speedup")
+
+
+# ------------------------------------------------------------------------------ the compare command
+
+
+def _log_bench_like(client, exp_id, gpu, values, tags=None):
+    """Runs as `vitreg bench` logs them (params, resolved tags, per-task metrics), plus ``tags``."""
+    for value in values:
+        rid = client.create_run(exp_id, run_name=f"test_vit-{gpu}").info.run_id
+        for k, v in {"gpu": gpu, "model": "test_vit", "task": "infer", "amp": "off", "compile": "off",
+                     "batch_size": "2", "img_size": "32", "nproc": "1"}.items():
+            client.log_param(rid, k, v)
+        for k, v in {"gpu": gpu, "amp": "off", "vitreg_job": "bench", **(tags or {})}.items():
+            client.set_tag(rid, k, v)
+        client.log_metric(rid, "infer_throughput_img_per_s", value)
+        client.log_metric(rid, "infer_mfu", 0.0001)
+        client.set_terminated(rid, "FINISHED")
+
+
+def _compare_cli(*args):
+    from click.testing import CliRunner
+
+    from vitreg.cli.main import main
+
+    result = CliRunner().invoke(main, ["compare", *args])
+    assert result.exit_code == 0, result.output
+    return result.output
+
+
+def test_compare_command_keeps_cpu_runs_filed_as_gpus_out_of_verdicts(sqlite_store):
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient()
+    exp = client.create_experiment("filed")
+    cpu = {"gpu_mismatch": "true", "detected_gpu": "cpu", "device": "cpu", "gpu_name": "none"}
+    _log_bench_like(client, exp, "a100", [100, 101, 99], cpu)
+    _log_bench_like(client, exp, "h200", [671, 675, 668], cpu)
+    out = _compare_cli("--experiment", "filed", "--baseline", "a100")
+    assert "faster" not in out and "6.71x" not in out and "MISLABELLED (!)" in out and "mislabelled" in out
+    # logged beside the runs it compared, and it says so
+    (run,) = [r for r in client.search_runs([exp]) if r.data.tags.get("vitreg_job") == "compare"]
+    assert f"experiment 'filed', id {exp}" in out and run.data.metrics["n_mislabelled_runs"] == 6
+    assert not [k for k in run.data.metrics if k.startswith("speedup_geomean")]
+    out = _compare_cli("--experiment", "filed", "--baseline", "a100", "--include-mismatch", "true")
+    assert "6.71x" in out and "faster (mislabelled)" in out  # the compare run of the first call was not compared
+
+
+def test_compare_command_by_torch_version(sqlite_store):
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient()
+    exp = client.create_experiment("upgrade")
+    _log_bench_like(client, exp, "h200", [1000, 1004, 998], {"torch_version": "2.8.0"})
+    _log_bench_like(client, exp, "h200", [900, 903, 897], {"torch_version": "2.9.0"})
+    out = _compare_cli("--experiment", "upgrade", "--by", "torch_version", "--baseline", "2.8.0")
+    assert "compared along: torch_version" in out
+    row = next(line for line in out.splitlines() if line.lstrip().startswith("2.9.0") or " 2.9.0 " in line)
+    assert "slower" in row and "0.90x" in row
+    (run,) = [r for r in client.search_runs([exp]) if r.data.tags.get("vitreg_job") == "compare"]
+    assert run.data.params["by"] == "torch_version" and run.data.metrics["speedup_geomean_2.9.0"] == pytest.approx(0.9, rel=0.01)

@@ -9,6 +9,8 @@ a failure's root cause is found.
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -19,6 +21,7 @@ from click.testing import CliRunner
 
 from conftest import REPO, subprocess_env
 from vitreg.dist import world as distributed
+from vitreg.dist import diagnose as diagnosis
 from vitreg.dist import launcher as launch
 from vitreg.errors import VitregError
 
@@ -331,77 +334,81 @@ def test_task_result_from_reducer_is_global_and_mfu_per_gpu():
     ("", None),
 ])
 def test_last_error_line(text, line):
-    assert launch.last_error_line(text) == line
+    assert diagnosis.last_error_line(text) == line
 
 
-SUMMARY = """torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
-============================================================
-vitreg.dist.launcher FAILED
-------------------------------------------------------------
-Failures:
-[1]:
-  time      : 2026-11-29_19:54:36
-  host      : localhost
-  rank      : 0 (local_rank: 0)
-  exitcode  : -15 (pid: 17203)  (SIGTERM)
-------------------------------------------------------------
-Root Cause (first observed failure):
-[0]:
-  time      : 2026-11-29_19:54:35
-  host      : localhost
-  rank      : {rank} (local_rank: {rank})
-  exitcode  : {code} (pid: 17204) {sig}
-  error_file: <N/A>
-============================================================
-"""
-
-
-def fake_logs(tmp_path, stderr_by_rank: dict, exits: dict | None = None):
+def fake_logs(tmp_path, stderr_by_rank: dict, errors: dict | None = None):
+    """torchrun's log folder: each rank's stderr, and the error files of ``errors`` ({rank: (message, code)}),
+    written in that order (the first written is the root cause)."""
     for rank, text in stderr_by_rank.items():
         d = tmp_path / "job_abc" / "attempt_0" / str(rank)
         d.mkdir(parents=True)
         (d / "stderr.log").write_text(text)
         (d / "stdout.log").write_text("")
-    (tmp_path / "exit").mkdir(exist_ok=True)
-    for rank, (code, t) in (exits or {}).items():
-        (tmp_path / "exit" / f"rank{rank}.json").write_text(
-            json.dumps({"rank": rank, "local_rank": rank, "exit_code": code, "time": t}))
+    for when, (rank, (message, code)) in enumerate((errors or {}).items()):
+        path = tmp_path / "job_abc" / "attempt_0" / str(rank) / "error.json"
+        path.write_text(json.dumps({"message": {"message": message, "errorCode": code,
+                                                "extraInfo": {"py_callstack": "", "timestamp": "0"}}}))
+        os.utime(path, (1000.0 + when, 1000.0 + when))
     return tmp_path
 
 
-def test_diagnose_uses_torchrun_root_cause_and_its_exit_status(tmp_path):
-    logs = fake_logs(tmp_path, {0: "", 1: "error: img_size=30 is not a multiple of 16\n"})
-    out = launch.diagnose(1, logs, nproc=2, torchrun_stderr=SUMMARY.format(rank=1, code=2, sig=""))
+def test_diagnose_takes_the_first_error_file_and_its_exit_status(tmp_path):
+    logs = fake_logs(tmp_path, {0: "RuntimeError: Connection closed by peer\n", 1: "error: img_size=30 is not a multiple of 16\n"},
+                     errors={1: ("img_size=30 is not a multiple of 16", 2), 0: ("RuntimeError: Connection closed by peer", 1)})
+    out = diagnosis.diagnose(1, logs, nproc=2)
     assert (out.rank, out.exit_code) == (1, 2)  # a VitregError's exit 2 survives torchrun's blanket 1
     assert out.message == "rank 1: img_size=30 is not a multiple of 16"
     assert set(out.rank_logs()) == {0, 1}
+    on_node_1 = diagnosis.diagnose(1, logs, nproc=2, node_rank=1)
+    assert on_node_1.rank == 3 and set(on_node_1.rank_logs()) == {2, 3}  # global ranks: node-major
 
 
-def test_diagnose_signal_and_fallbacks(tmp_path):
-    logs = fake_logs(tmp_path, {0: "[vitreg] run ...\n", 1: "RuntimeError: Connection closed by peer\n"},
-                     exits={1: (1, 100.0)})
-    killed = launch.diagnose(1, logs, nproc=2, torchrun_stderr=SUMMARY.format(rank=0, code=-9, sig="(SIGKILL)"))
-    assert killed.message == "rank 0: killed by SIGKILL" and killed.exit_code == 1
-    # without torchrun's summary: the shim's exit records, then the stderr logs
-    assert launch.diagnose(1, logs, nproc=2).message == "rank 1: RuntimeError: Connection closed by peer"
-    bare = fake_logs(tmp_path / "bare", {0: "", 1: "ValueError: nope\n"})
-    assert launch.diagnose(1, bare, nproc=2).message == "rank 1: ValueError: nope"
-    assert "no rank reported an error" in launch.diagnose(1, fake_logs(tmp_path / "none", {0: ""}), nproc=1).message
-    assert launch.diagnose(0, bare, nproc=2).ok
+def test_diagnose_fallbacks(tmp_path):
+    # an error file without a message (the shim's record of a bare sys.exit(3)): the stderr's last error line
+    logs = fake_logs(tmp_path, {0: "[vitreg] run ...\n", 1: "ValueError: nope\n"}, errors={1: ("", 3)})
+    assert (diagnosis.diagnose(1, logs, nproc=2).message, diagnosis.diagnose(1, logs, nproc=2).exit_code) == (
+        "rank 1: ValueError: nope", 3)
+    # no error file (killed by a signal): the first rank whose stderr ends with an error, torchrun's status
+    bare = fake_logs(tmp_path / "bare", {0: "", 1: "RuntimeError: simulated hard crash\n"})
+    killed = diagnosis.diagnose(1, bare, nproc=2)
+    assert killed.message == "rank 1: RuntimeError: simulated hard crash" and killed.exit_code == 1
+    silent = fake_logs(tmp_path / "silent", {0: ""}, errors={0: ("", 1)})
+    assert diagnosis.diagnose(1, silent, nproc=1).message == "rank 0 exited with status 1 without an error message (killed?)"
+    assert "no rank reported an error" in diagnosis.diagnose(1, fake_logs(tmp_path / "none", {0: ""}), nproc=1).message
+    assert diagnosis.diagnose(0, bare, nproc=2).ok
 
 
-def test_worker_shim_records_exit_status(tmp_path, monkeypatch):
-    script = tmp_path / "w.py"
-    script.write_text("import sys\nprint('error: nope', file=sys.stderr)\nsys.exit(2)\n")
-    (tmp_path / "exit").mkdir()
-    monkeypatch.setenv(launch.ENV_LAUNCH_DIR, str(tmp_path))
-    monkeypatch.setenv("RANK", "3")
-    monkeypatch.setenv("LOCAL_RANK", "1")
+@pytest.mark.parametrize("script,status,message", [
+    ("import sys\nprint('error: nope', file=sys.stderr)\nsys.exit(2)\n", 2, ""),
+    ("raise RuntimeError('boom')\n", 1, "RuntimeError: boom"),
+])
+def test_worker_shim_writes_the_error_file(tmp_path, monkeypatch, script, status, message):
+    path = tmp_path / "w.py"
+    path.write_text(script)
+    error_file = tmp_path / "0" / "error.json"
+    monkeypatch.setenv(diagnosis.ERROR_FILE_ENV, str(error_file))
     monkeypatch.setattr(sys, "argv", list(sys.argv))
     monkeypatch.setattr(sys, "path", list(sys.path))
-    assert launch.worker_main(["--", str(script)]) == 2
-    rec = json.loads((tmp_path / "exit" / "rank3.json").read_text())
-    assert rec["exit_code"] == 2 and rec["local_rank"] == 1
+    assert launch.worker_main(["--", str(path)]) == status
+    error = json.loads(error_file.read_text())["message"]
+    assert error["errorCode"] == status and error["message"] == message
+    assert int(error["extraInfo"]["timestamp"]) > 0  # torch elastic's format: torchrun's summary reads it too
+
+
+def test_cli_error_in_a_worker_goes_to_its_error_file(sqlite_store, tmp_path, monkeypatch):
+    """vitreg's one-line message is what the launcher shows: the CLI writes it before the shim's exit record."""
+    error_file = tmp_path / "error.json"
+    monkeypatch.setenv(diagnosis.ERROR_FILE_ENV, str(error_file))
+    from vitreg.cli.main import main
+
+    result = CliRunner().invoke(main, ["bench", *cli_args({**TINY, "model": "test_vti"})])
+    assert result.exit_code == 2
+    error = json.loads(error_file.read_text())["message"]
+    assert error["errorCode"] == 2 and "did you mean test_vit" in error["message"]
+    assert f"error: {error['message']}" in result.output
+    diagnosis.record_error("a later failure", 1)  # the first failure recorded wins
+    assert json.loads(error_file.read_text())["message"]["message"] == error["message"]
 
 
 def test_scaling_efficiency_checks_the_baseline(sqlite_store):
@@ -430,15 +437,12 @@ def test_scaling_efficiency_checks_the_baseline(sqlite_store):
 
 
 def test_single_process_path_untouched_by_torchrun_env(monkeypatch):
-    """nproc=1 never launches; inside torchrun, bench never relaunches."""
-    monkeypatch.delenv("LOCAL_RANK", raising=False)
-    assert not launch.wants_torchrun({"nproc": "1"})
-    assert not launch.wants_torchrun({})
-    assert not launch.wants_torchrun({"nproc": "two"})  # reported by the spec, inside its run
-    assert launch.wants_torchrun({"nproc": "2"})
-    assert launch.wants_torchrun({"nproc": "1"}, nnodes=2)  # one process on each of two hosts
+    """nproc=1 on one host runs here; inside torchrun, bench never relaunches (it runs as a rank)."""
+    assert not launch.needs_torchrun(1)
+    assert launch.needs_torchrun(2)
+    assert launch.needs_torchrun(1, nnodes=2)  # one process on each of two hosts
     monkeypatch.setenv("LOCAL_RANK", "0")
-    assert not launch.wants_torchrun({"nproc": "2"})
+    assert distributed.inside_torchrun()
     monkeypatch.setenv("WORLD_SIZE", "1")
     assert distributed.init_from_env("cpu") == distributed.World(0, 0, 1, "cpu", None, 1)  # no process group
 
@@ -499,3 +503,65 @@ def test_profile_comm_counts_gloo_all_reduce_and_nothing_else(tmp_path):
         dist.destroy_process_group()
     assert with_comm.steps == 3 and with_comm.allreduce_ms_per_step > 0 and with_comm.device_busy_ms_per_step is None
     assert without.allreduce_ms_per_step == 0
+
+
+def test_handoff_replays_rank0_calls_into_the_launchers_run(sqlite_store, tmp_path):
+    """Rank 0's tracker calls, written down and read back as they come, land in the launcher's run
+    as if rank 0 had made them; the launcher reads the job's figures from the hand-off itself."""
+    from mlflow.tracking import MlflowClient
+
+    from vitreg.tracking import handoff
+    from vitreg.tracking import runs as tracking
+
+    folder = tmp_path / "handoff"
+    ckpt = tmp_path / "work" / "checkpoints" / "step-2"
+    ckpt.mkdir(parents=True)
+    (ckpt / "model.safetensors").write_bytes(b"weights")
+    with tracking.tracked_run(run_name="launcher", system_metrics=False) as run:
+        handoff.announce_run(folder, run.run_id, run.experiment_id)
+        rank0 = handoff.HandoffTracker(folder)
+        assert rank0.run_id == run.run_id and rank0.artifact_uri("x") == f"runs:/{run.run_id}/x"
+        reader = handoff.HandoffReader(folder)
+        assert reader.read_new() == []  # nothing written yet
+        rank0.set_name("bench-ddp2")
+        rank0.log_params({"nproc": 2})
+        rank0.log_metrics({"train_loss": 2.0}, step=2)
+        handoff.replay(folder, reader.read_new(), run, progress=lambda message: None)  # while the job runs
+        rank0.set_tags({"gpu": "cpu", "mlflow.user": "no", "empty": None})
+        rank0.log_metrics({"train_throughput_img_per_s": 400.0, "train_world_size": 2})
+        rank0.log_dict({"tasks": [1]}, "results.json")
+        rank0.log_artifacts(ckpt, "checkpoints/step-2")
+        assert rank0.register_checkpoint(ckpt, "tiny", "champion", {"steps": 2}) is None  # the launcher's
+        shutil.rmtree(tmp_path / "work")  # rank 0's own folder goes: the hand-off kept copies
+        with open(folder / handoff.CALLS, "a") as out:
+            out.write('{"call": "set_tags", "tags": {"cut": ')  # a rank killed mid-line
+        handoff.replay(folder, reader.read_new(), run, progress=lambda message: None)
+    handed = reader.handoff
+    assert handed.metrics == {"train_throughput_img_per_s": 400.0, "train_world_size": 2.0}
+    assert handed.tags == {"gpu": "cpu"}
+    request = handed.registration
+    assert request["name"] == "tiny" and request["tags"] == {"steps": 2}
+    assert (request["path"] / "model.safetensors").read_bytes() == b"weights"
+    assert request["path"].parent.name == "checkpoints"  # so the registry names it as a run artifact
+
+    client = MlflowClient()
+    logged = client.get_run(run.run_id)
+    assert logged.info.run_name == "bench-ddp2" and logged.data.params == {"nproc": "2"}
+    assert logged.data.tags["gpu"] == "cpu" and "cut" not in logged.data.tags
+    assert logged.data.metrics["train_throughput_img_per_s"] == 400.0
+    assert [m.step for m in client.get_metric_history(run.run_id, "train_loss")] == [2]
+    assert {a.path for a in client.list_artifacts(run.run_id)} >= {"results.json", "checkpoints"}
+    assert [a.path for a in client.list_artifacts(run.run_id, "checkpoints/step-2")] == [
+        "checkpoints/step-2/model.safetensors"]
+
+
+def test_trackers_share_one_interface():
+    from vitreg.tracking import handoff
+    from vitreg.tracking import runs as tracking
+
+    calls = {name for name in vars(tracking.Tracker) if not name.startswith("_")} - {"run_id", "experiment_id"}
+    for impl in (tracking.MlflowTracker, tracking.NullTracker, handoff.HandoffTracker):
+        assert tracking.Tracker in impl.__mro__  # each implements the protocol explicitly
+        assert all(callable(getattr(impl, name)) for name in calls - {"thread_safe"}), impl
+    null = tracking.NullTracker()
+    assert null.log_params({"a": 1}) == {} and null.register_checkpoint("x", "n", None, {}) is None

@@ -24,7 +24,7 @@ from mlflow.tracking import MlflowClient
 
 from vitreg.cli.runs_cmds import sync as sync_command
 from vitreg.errors import StoreError, VitregError
-from vitreg.tracking import spool as spool_mod
+
 from vitreg.tracking.delivery import SPOOL_ID_TAG, experiment_id_for, seq_tag
 from vitreg.tracking.spool import Spool, flush_timeout_s, offline_mode, spool_root
 from vitreg.tracking.spooling import SpoolingTracker, open_run
@@ -501,7 +501,9 @@ def test_a_server_that_accepts_but_never_answers_costs_the_process_the_flush_tim
         _, err = child.communicate(timeout=60)
         ended_after = time.monotonic() - closing
     assert child.returncode == 0, err
-    assert ended_after < 4, f"the process took {ended_after:.1f} s to end after its work (bound: 2 s)"
+    # the 2 s flush timeout, plus the interpreter's shutdown, which takes seconds on a loaded 2-core machine;
+    # without the bound, MLflow's own retries hold such a process for minutes
+    assert ended_after < 2 + 5, f"the process took {ended_after:.1f} s to end after its work (flush timeout: 2 s)"
     assert "did not take it in 2 s" in err and "vitreg sync --spool" in err
     (spool,) = Spool.find(tmp_path / "spool")
     assert sum(r["kind"] == "metrics" for r in spool.records()) == 200

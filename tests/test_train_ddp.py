@@ -174,13 +174,21 @@ def test_launcher_refuses_before_launching(sqlite_store, monkeypatch, extra, nee
     assert run.info.status == "FAILED" and needle in run.data.tags["vitreg_error"]
 
 
-def test_wants_torchrun(monkeypatch):
-    monkeypatch.delenv("LOCAL_RANK", raising=False)
-    assert launch.wants_torchrun({"nproc": "2"}) and launch.wants_torchrun({"nproc": "1"}, nnodes=2)
-    assert not launch.wants_torchrun({"nproc": "1"}) and not launch.wants_torchrun({})
-    assert not launch.wants_torchrun({"nproc": "two"})  # reported by the spec, inside its run
+def test_needs_torchrun():
+    assert launch.needs_torchrun(2) and launch.needs_torchrun(1, nnodes=2)
+    assert not launch.needs_torchrun(1)
+
+
+def test_a_rank_never_relaunches(sqlite_store, monkeypatch):
+    """Inside torchrun, train is one rank of the job whatever its nproc: it checks that torchrun's
+    process count is the nproc asked for, where a launcher would have launched."""
+    from vitreg.errors import VitregError
+    from vitreg.train.job import train
+
     monkeypatch.setenv("LOCAL_RANK", "0")
-    assert not launch.wants_torchrun({"nproc": "2"})  # a rank never relaunches
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    with pytest.raises(VitregError, match="nproc=2 but torchrun started 1 process"):
+        train({**TINY, "nproc": "2", "steps": "1"}, progress=lambda message: None)
 
 
 def test_join_world_refuses_another_process_count(monkeypatch):

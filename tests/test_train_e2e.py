@@ -149,7 +149,7 @@ def test_background_logger_with_a_run_bound_tracker(sqlite_store, monkeypatch):
     logs curves and checkpoints from the logger thread into the same run, and nowhere else."""
     import mlflow
 
-    class RunBoundTracker(tracking.Tracker):
+    class RunBoundTracker(tracking.MlflowTracker):
         thread_safe = True
 
         def log_metrics(self, metrics, step=None):
@@ -160,7 +160,7 @@ def test_background_logger_with_a_run_bound_tracker(sqlite_store, monkeypatch):
         def log_artifacts(self, path, artifact_path=None):
             mlflow.log_artifacts(str(path), artifact_path, run_id=self.run_id)
 
-    monkeypatch.setattr(tracking, "Tracker", RunBoundTracker)
+    monkeypatch.setattr(tracking, "MlflowTracker", RunBoundTracker)
     from vitreg.train.job import train
 
     result = train({"model": "test_vit", "img_size": "32", "num_classes": "10", "batch_size": "4", "steps": "4",

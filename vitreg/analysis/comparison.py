@@ -1,11 +1,13 @@
-"""Compare recorded benchmark runs across GPUs: configuration by configuration, with speedups
-against a baseline GPU, multi-process scaling and what torch.compile / AMP buy.
+"""Compare recorded benchmark runs along one axis (across GPUs by default; or torch versions,
+compile modes, ...): configuration by configuration, with speedups against a baseline value,
+multi-process scaling and what torch.compile / AMP buy. Mislabelled runs (filed under a GPU that
+did not run them) are shown, marked, and kept out of speedups and verdicts unless asked for.
 
 Everything here is a pure function over the tidy runs frame (:mod:`vitreg.analysis.frame`, built
 by :func:`vitreg.tracking.search.tidy`); whether a difference is real is :mod:`vitreg.analysis.stats`'
 call, and rendering is :mod:`vitreg.analysis.render`'s. The flow is::
 
-    tidy frame --compare_gpus()--> Comparison --format_table()  (terminal)
+    tidy frame --compare_runs()--> Comparison --format_table()  (terminal)
                                               `-write_report()  (md/csv/html/png)
 """
 
@@ -16,11 +18,12 @@ from dataclasses import dataclass, field
 import numpy as np
 import pandas as pd
 
-from vitreg.analysis.frame import CONFIG_KEYS, ID_COLUMNS, SHARED_METRICS, CompareError, require_tidy
-from vitreg.analysis.stats import cv, geomean, improvement, spread, versus
+from vitreg.analysis.frame import (CONFIG_KEYS, DEFAULT_AXIS, HARDWARE_COLUMNS, ID_COLUMNS, MISSING, SHARED_METRICS,
+                                   CompareError, require_tidy)
+from vitreg.analysis.stats import MISLABELLED, cv, geomean, improvement, spread, versus
 from vitreg.measure.metrics import BY_NAME, HIGHER, LOWER
 
-__all__ = ["Comparison", "compare_gpus", "compile_amp_gains", "scaling_efficiency"]
+__all__ = ["Comparison", "compare_runs", "compare_gpus", "compile_amp_gains", "scaling_efficiency"]
 
 # The companion metrics every comparison row carries (medians), besides the one compared.
 COMPANIONS = ("throughput_img_per_s", "latency_ms_p50", "step_ms_p50", "peak_mem_allocated_mb", "mfu")
@@ -28,15 +31,18 @@ COMPANIONS = ("throughput_img_per_s", "latency_ms_p50", "step_ms_p50", "peak_mem
 
 @dataclass
 class Comparison:
-    """The result of :func:`compare_gpus`.
+    """The result of :func:`compare_runs`: runs compared along one axis (``by``: the GPU by default).
 
-    ``table`` has one row per (configuration, gpu): the :data:`CONFIG_KEYS`, ``gpu``, ``n_runs``,
-    ``sources``, ``<metric>_median/_min/_max/_cv/_spread`` (cv = sample std / mean; spread =
-    (max-min)/median), medians of the companion metrics, and, when a baseline was chosen,
-    ``baseline``, ``speedup`` (improvement factor vs the baseline's median for the same
-    configuration: >1 is better, so for latency-like metrics it is baseline/gpu), ``ci_low``,
+    ``table`` has one row per (configuration, axis value, mislabelled or not): the :data:`CONFIG_KEYS`,
+    ``gpu``, the axis column when it is not one of those, ``n_runs``, ``sources``, ``mismatch`` and
+    ``ran_on`` (see :data:`HARDWARE_COLUMNS`), ``<metric>_median/_min/_max/_cv/_spread`` (cv = sample
+    std / mean; spread = (max-min)/median), medians of the companion metrics, and, when a baseline was
+    chosen, ``baseline``, ``speedup`` (improvement factor vs the baseline's median for the same
+    configuration: >1 is better, so for latency-like metrics it is baseline/value), ``ci_low``,
     ``ci_high`` (bootstrap interval of that factor) and ``verdict``.
 
+    ``values`` are the axis values compared, the baseline first; ``gpus`` the GPU labels of the runs
+    (the same as ``values`` when comparing GPUs). ``baseline_label`` names the baseline with its axis.
     ``scaling`` is :func:`scaling_efficiency` of the same runs, ``gains`` is
     :func:`compile_amp_gains`, ``runs`` the tidy rows the numbers came from.
     """
@@ -52,33 +58,52 @@ class Comparison:
     runs: pd.DataFrame = field(repr=False)
     scaling: pd.DataFrame = field(repr=False)
     gains: pd.DataFrame = field(repr=False)
+    by: str = DEFAULT_AXIS
+    values: list[str] = field(default_factory=list)
+    include_mismatch: bool = False
 
     @property
     def verdict_counts(self) -> dict[str, int]:
-        """How many (configuration, gpu) rows got each verdict (empty without a baseline)."""
+        """How many table rows got each verdict (empty without a baseline)."""
         if "verdict" not in self.table:
             return {}
         return {str(k): int(v) for k, v in self.table["verdict"].value_counts().items()}
 
+    @property
+    def baseline_label(self) -> str | None:
+        """``a100`` when comparing GPUs, ``torch_version=2.8.0`` along another axis."""
+        if self.baseline is None:
+            return None
+        return self.baseline if self.by == DEFAULT_AXIS else f"{self.by}={self.baseline}"
+
+    @property
+    def mislabelled(self) -> pd.DataFrame:
+        """The table rows of mislabelled runs (filed under a GPU that did not run them)."""
+        return self.table[self.table["mismatch"]]
+
     def geomean_speedup(self) -> dict[str, float]:
-        """Per non-baseline GPU, the geometric mean speedup over configurations both ran.
+        """Per non-baseline axis value, the geometric mean speedup over configurations both ran.
 
         A one-number summary for tags/metrics; the per-configuration rows stay the real answer.
         """
         if self.baseline is None:
             return {}
-        rows = self.table[(self.table["gpu"] != self.baseline) & self.table["speedup"].notna()]
-        means = {str(gpu): geomean(g["speedup"]) for gpu, g in rows.groupby("gpu", sort=True)}
-        return {gpu: m for gpu, m in means.items() if m is not None}
+        rows = self.table[(self.table[self.by] != self.baseline) & self.table["speedup"].notna()]
+        means = {str(value): geomean(g["speedup"]) for value, g in rows.groupby(self.by, sort=True)}
+        return {value: m for value, m in means.items() if m is not None}
 
     def summary(self) -> dict:
         """Flat facts about the comparison, convenient for MLflow params/metrics or JSON."""
         cfg = self.table[list(CONFIG_KEYS)].drop_duplicates()
         return {
             "metric": self.metric,
+            "by": self.by,
             "baseline": self.baseline,
+            "values": list(self.values),
             "gpus": list(self.gpus),
             "n_runs": int(self.runs["run_id"].nunique()),
+            "n_mislabelled_runs": int(self.runs.loc[self.runs["mismatch"], "run_id"].nunique()),
+            "include_mismatch": self.include_mismatch,
             "n_configurations": int(len(cfg)),
             "n_rows": int(len(self.table)),
             "verdicts": self.verdict_counts,
@@ -86,20 +111,43 @@ class Comparison:
         }
 
 
-def compare_gpus(
+@dataclass(frozen=True)
+class _Question:
+    """What :func:`compare_runs` was asked, as every block of runs needs it."""
+
+    metric: str
+    by: str
+    baseline: str | None
+    higher: bool
+    include_mismatch: bool
+    n_boot: int
+    confidence: float
+    rng: np.random.Generator
+    companions: tuple[str, ...]
+
+    @property
+    def speed(self) -> bool:
+        return BY_NAME[self.metric].speed
+
+
+def compare_runs(
     runs: pd.DataFrame,
     baseline: str | None = None,
     metric: str = "throughput_img_per_s",
     n_boot: int = 2000,
     seed: int = 0,
     confidence: float = 0.95,
+    by: str = DEFAULT_AXIS,
+    include_mismatch: bool = False,
 ) -> Comparison:
-    """Compare GPUs configuration by configuration.
+    """Compare runs along ``by`` (the GPU, or any column the tidy frame carries: ``torch_version``,
+    ``compile``, ``amp``, ...), configuration by configuration.
 
-    ``runs`` is a tidy runs frame. Runs are grouped by :data:`CONFIG_KEYS` plus ``gpu``; each
-    group is summarised by the median of ``metric`` and its spread. With ``baseline`` (a GPU label
-    such as ``"a100"``, matched case-insensitively) each group also gets a speedup against the
-    baseline GPU's group for the same configuration:
+    ``runs`` is a tidy runs frame. Runs are grouped by everything that identifies a configuration
+    (:data:`CONFIG_KEYS` and ``gpu``) except ``by``, so a group holds runs that differ only along the
+    axis; each (group, axis value) is summarised by the median of ``metric`` and its spread. With
+    ``baseline`` (a value of the axis, such as ``"a100"`` or ``"2.8.0"``, matched case-insensitively)
+    each also gets a speedup against the baseline value's runs of the same configuration:
 
     * both sides have >= 2 runs: percentile bootstrap (``n_boot`` resamples of each side's runs,
       independently, ``seed`` for reproducibility) of the ratio of medians. The verdict is
@@ -107,13 +155,17 @@ def compare_gpus(
       1 *and* the relative change exceeds both sides' own spread ((max-min)/median of the runs);
       otherwise "within noise".
     * either side has a single run: point estimate only, verdict "single run".
-    * the baseline GPU never ran the configuration: verdict "no baseline".
+    * the baseline value never ran the configuration: verdict "no baseline".
 
-    ``baseline=None`` gives the per-GPU summary without speedup columns.
+    Mislabelled runs (``mismatch``: their hardware is not their GPU label) are rows of their own,
+    never pooled with honest runs; they get no speedup and the verdict "mislabelled", and are no
+    baseline, unless ``include_mismatch`` (then their verdicts say "(mislabelled)").
+
+    ``baseline=None`` gives the per-value summary without speedup columns.
 
     Raises :class:`CompareError` for an empty frame, an unknown ``metric`` (the message lists the
-    available ones), a metric no run recorded, or a baseline GPU with no runs (the message lists
-    the GPUs present).
+    available ones), a metric no run recorded, an axis no run records, or a baseline with no runs
+    (the message lists the values present).
     """
     if n_boot < 100:
         raise CompareError(f"n_boot={n_boot} is too few bootstrap resamples; use at least 100 (default 2000)")
@@ -121,38 +173,77 @@ def compare_gpus(
         raise CompareError(f"confidence={confidence} must be in [0.5, 1), e.g. 0.95")
     require_tidy(runs)
     higher = _polarity(metric, runs)
-    measured = _measured(runs, metric)
-    gpus = sorted(measured["gpu"].astype(str).unique())
-    baseline = _baseline(baseline, gpus, metric)
-    rng = np.random.default_rng(seed)
-    speed = BY_NAME[metric].speed
-    companions = [m for m in COMPANIONS if m != metric]
+    measured = _along(_measured(runs, metric), by)
+    values = sorted(measured[by].unique())
+    baseline = _baseline(baseline, values, metric, by)
+    ask = _Question(metric, by, baseline, higher, include_mismatch, n_boot, confidence,
+                    np.random.default_rng(seed), tuple(m for m in COMPANIONS if m != metric))
+    keys = [k for k in (*CONFIG_KEYS, "gpu") if k != by]
+    ordered = ([baseline] if baseline else []) + [v for v in values if v != baseline]
     rows = []
     # dropna=False: a configuration with an unrecorded batch size is still a configuration.
-    for config, cfg_runs in measured.groupby(list(CONFIG_KEYS), dropna=False, sort=True):
-        by_gpu = {str(g): grp for g, grp in cfg_runs.groupby("gpu", sort=True)}
-        base_vals = by_gpu[baseline][metric].to_numpy(float) if baseline in by_gpu else None
-        # Baseline first, then the rest best-first, so each block reads top-down.
-        for gpu in sorted(by_gpu, key=lambda g: (g != baseline, _sort_value(by_gpu[g][metric], higher))):
-            row = _summary_row(config, gpu, by_gpu[gpu], metric, companions)
-            if baseline is not None:
-                vals = by_gpu[gpu][metric].to_numpy(float)
-                row.update(versus(vals, base_vals, gpu == baseline, higher, speed, n_boot, rng, confidence))
-                row["baseline"] = baseline
-            rows.append(row)
+    for config, cfg_runs in measured.groupby(keys, dropna=False, sort=True):
+        rows += _block(dict(zip(keys, config)), cfg_runs, ask)
     return Comparison(
-        table=_table(rows, metric, companions, baseline is not None),
+        table=_table(rows, ask),
         metric=metric,
         baseline=baseline,
         higher_is_better=higher,
         confidence=confidence,
         n_boot=n_boot,
         seed=seed,
-        gpus=([baseline] if baseline else []) + [g for g in gpus if g != baseline],
+        gpus=ordered if by == DEFAULT_AXIS else sorted(measured["gpu"].astype(str).unique()),
         runs=measured.reset_index(drop=True),
-        scaling=scaling_efficiency(runs),
-        gains=compile_amp_gains(runs),
+        scaling=scaling_efficiency(runs, include_mismatch=include_mismatch),
+        gains=compile_amp_gains(runs, include_mismatch=include_mismatch),
+        by=by,
+        values=ordered,
+        include_mismatch=include_mismatch,
     )
+
+
+#: the name bench/sweep.py (and code written before compare --by) calls it by
+compare_gpus = compare_runs
+
+
+def _block(config: dict, cfg_runs: pd.DataFrame, ask: _Question) -> list[dict]:
+    """The rows of one configuration: one per (axis value, mislabelled or not), each against the baseline."""
+    groups = {(str(v), bool(m)): grp for (v, m), grp in cfg_runs.groupby([ask.by, "mismatch"], sort=True)}
+    base_key = next((k for k in ((ask.baseline, False), (ask.baseline, True))
+                     if k in groups and (ask.include_mismatch or not k[1])), None)
+    base_vals = groups[base_key][ask.metric].to_numpy(float) if base_key else None
+    # Baseline first, then honest rows best-first, then mislabelled ones, so each block reads top-down.
+    order = sorted(groups, key=lambda k: (k != base_key, k[1], _sort_value(groups[k][ask.metric], ask.higher)))
+    rows = []
+    for key in order:
+        row = _summary_row({**config, ask.by: key[0]}, groups[key], ask)
+        if ask.baseline is None:
+            rows.append(row)
+            continue
+        if key[1] and not ask.include_mismatch:
+            row.update(speedup=np.nan, ci_low=np.nan, ci_high=np.nan, verdict=MISLABELLED)
+        else:
+            vals = groups[key][ask.metric].to_numpy(float)
+            row.update(versus(vals, base_vals, key == base_key, ask.higher, ask.speed, ask.n_boot, ask.rng,
+                              ask.confidence))
+            if key[1]:
+                row["verdict"] += f" ({MISLABELLED})"
+        row["baseline"] = ask.baseline
+        rows.append(row)
+    return rows
+
+
+def _along(measured: pd.DataFrame, by: str) -> pd.DataFrame:
+    """The runs with the axis as strings (so ``64`` and ``"2.8.0"`` match a typed baseline alike);
+    CompareError when no run records it."""
+    if by not in measured or measured[by].isna().all():
+        raise CompareError(
+            f"no run records {by!r} (as a tag or param); compare --by gpu (the default) or another tag or "
+            "param the runs carry: torch_version, timm_version, vitreg_git_sha, compile, amp, batch_size"
+        )
+    out = measured.copy()
+    out[by] = [MISSING if v is None or v is pd.NA or v != v else str(v) for v in out[by].astype(object)]
+    return out
 
 
 def _measured(runs: pd.DataFrame, metric: str) -> pd.DataFrame:
@@ -166,27 +257,30 @@ def _measured(runs: pd.DataFrame, metric: str) -> pd.DataFrame:
     return measured
 
 
-def _baseline(baseline: str | None, gpus: list[str], metric: str) -> str | None:
-    """The baseline GPU as the runs spell it (matched case-blind); CompareError when none ran."""
+def _baseline(baseline: str | None, values: list[str], metric: str, by: str) -> str | None:
+    """The baseline as the runs spell it (matched case-blind); CompareError when none ran."""
     if baseline is None:
         return None
-    match = [g for g in gpus if g.lower() == str(baseline).strip().lower()]
+    match = [v for v in values if v.lower() == str(baseline).strip().lower()]
     if not match:
+        what, present = ("GPU", "GPUs present") if by == DEFAULT_AXIS else (by, f"{by} values present")
         raise CompareError(
-            f"baseline GPU {baseline!r} has no finished runs with {metric}; GPUs present: "
-            f"{', '.join(gpus)}; pass one of them as the baseline"
+            f"baseline {what} {baseline!r} has no finished runs with {metric}; {present}: "
+            f"{', '.join(values)}; pass one of them as the baseline"
         )
     return match[0]
 
 
-def _summary_row(config: tuple, gpu: str, grp: pd.DataFrame, metric: str, companions: list[str]) -> dict:
-    """One (configuration, gpu) group: its runs' median and spread of ``metric``, companions' medians."""
+def _summary_row(row: dict, grp: pd.DataFrame, ask: _Question) -> dict:
+    """One (configuration, axis value) group: its runs' median and spread of the metric, companions' medians."""
+    metric = ask.metric
     vals = grp[metric].to_numpy(float)
-    row = dict(zip(CONFIG_KEYS, config))
+    row = dict(row)
     row.update(
-        gpu=gpu,
         n_runs=int(len(vals)),
         sources="+".join(sorted(grp["source"].astype(str).unique())),
+        mismatch=bool(grp["mismatch"].any()),
+        ran_on="+".join(sorted(grp["ran_on"].dropna().astype(str).unique())) or np.nan,
         **{
             f"{metric}_median": float(np.median(vals)),
             f"{metric}_min": float(vals.min()),
@@ -195,19 +289,21 @@ def _summary_row(config: tuple, gpu: str, grp: pd.DataFrame, metric: str, compan
             f"{metric}_spread": spread(vals),
         },
     )
-    for m in companions:
+    for m in ask.companions:
         row[m] = float(grp[m].median()) if grp[m].notna().any() else np.nan
     return row
 
 
-def _table(rows: list[dict], metric: str, companions: list[str], versus_baseline: bool) -> pd.DataFrame:
+def _table(rows: list[dict], ask: _Question) -> pd.DataFrame:
     table = pd.DataFrame(rows)
-    lead = list(CONFIG_KEYS) + ["gpu", "n_runs", "sources"]
-    stats = [f"{metric}_{s}" for s in ("median", "min", "max", "cv", "spread")]
-    tail = ["baseline", "speedup", "ci_low", "ci_high", "verdict"] if versus_baseline else []
-    table = table[lead + stats + companions + tail]
+    identity = list(dict.fromkeys([*CONFIG_KEYS, "gpu", ask.by]))
+    lead = identity + ["n_runs", "sources", *HARDWARE_COLUMNS]
+    stats = [f"{ask.metric}_{s}" for s in ("median", "min", "max", "cv", "spread")]
+    tail = ["baseline", "speedup", "ci_low", "ci_high", "verdict"] if ask.baseline is not None else []
+    table = table[lead + stats + list(ask.companions) + tail]
     for key in ("batch_size", "img_size", "nproc"):
-        table[key] = table[key].astype("Int64")
+        if key != ask.by:  # the axis stays as the strings the baseline was matched against
+            table[key] = table[key].astype("Int64")
     return table.reset_index(drop=True)
 
 
@@ -219,7 +315,8 @@ def _sort_value(s: pd.Series, higher: bool) -> float:
 def _polarity(metric: str, runs: pd.DataFrame) -> bool:
     """True when a larger value of ``metric`` is better (the metric table says); CompareError for
     a metric the runs do not have or one with no better direction."""
-    measurable = [c for c in runs.columns if c not in ID_COLUMNS and c not in SHARED_METRICS]
+    measurable = [c for c in runs.columns if c not in ID_COLUMNS and c not in SHARED_METRICS
+                  and pd.api.types.is_numeric_dtype(runs[c])]
     if metric not in measurable:
         raise CompareError(
             f"unknown metric {metric!r}; use one of: {', '.join(sorted(measurable))} "
@@ -242,7 +339,13 @@ def _suggest_metric(runs: pd.DataFrame) -> str:
 # scaling and compile/amp gains
 
 
-def scaling_efficiency(runs: pd.DataFrame, metric: str = "throughput_img_per_s") -> pd.DataFrame:
+def _honest(runs: pd.DataFrame, include_mismatch: bool) -> pd.DataFrame:
+    """The runs whose hardware is their label (all runs with ``include_mismatch``)."""
+    return runs if include_mismatch else runs[~runs["mismatch"]]
+
+
+def scaling_efficiency(runs: pd.DataFrame, metric: str = "throughput_img_per_s",
+                       include_mismatch: bool = False) -> pd.DataFrame:
     """Multi-process (DDP) scaling of train runs.
 
     Train runs are grouped by configuration minus ``nproc`` (same per-process batch, i.e. weak
@@ -250,12 +353,14 @@ def scaling_efficiency(runs: pd.DataFrame, metric: str = "throughput_img_per_s")
     ``speedup_vs_1 = median(N) / median(1)`` and ``efficiency = median(N) / (N * median(1))``,
     where ``metric`` is the global ``train_throughput_img_per_s``. Both are NaN when the group
     has no single-process run to scale from. Returns an empty frame (same columns) when no
-    multi-process train runs exist.
+    multi-process train runs exist. Mislabelled runs are left out (``include_mismatch``: they scale
+    among themselves, marked in the ``mismatch`` column).
     """
-    keys = ["model", "task", "amp", "compile", "batch_size", "img_size", "gpu"]
+    keys = ["model", "task", "amp", "compile", "batch_size", "img_size", "gpu", "mismatch"]
     columns = keys + ["nproc", "ddp", "n_runs", f"{metric}_median", "speedup_vs_1", "efficiency"]
     require_tidy(runs)
-    train = runs[(runs["task"] == "train") & runs[metric].notna()]
+    train = _honest(runs, include_mismatch)
+    train = train[(train["task"] == "train") & train[metric].notna()]
     rows = []
     for key, grp in train.groupby(keys, dropna=False, sort=True):
         if not (grp["nproc"] > 1).any():
@@ -278,7 +383,8 @@ def scaling_efficiency(runs: pd.DataFrame, metric: str = "throughput_img_per_s")
     return out.astype({"nproc": "Int64", "batch_size": "Int64", "img_size": "Int64"})
 
 
-def compile_amp_gains(runs: pd.DataFrame, metric: str = "throughput_img_per_s") -> pd.DataFrame:
+def compile_amp_gains(runs: pd.DataFrame, metric: str = "throughput_img_per_s",
+                      include_mismatch: bool = False) -> pd.DataFrame:
     """What ``torch.compile`` and mixed precision buy, per (model, task, gpu, batch, img, nproc).
 
     Compares medians of ``metric`` between configurations that differ only in ``compile`` or
@@ -289,12 +395,14 @@ def compile_amp_gains(runs: pd.DataFrame, metric: str = "throughput_img_per_s") 
     * ``change="amp=<dtype>+compile=<mode>"``, ``held="-"``: both vs neither.
 
     Rows appear only where both sides exist. ``speedup = new/base`` (throughput) or base/new for
-    time-like metrics, so >1 always means the change helped.
+    time-like metrics, so >1 always means the change helped. Mislabelled runs are left out
+    (``include_mismatch``: paired among themselves, marked in the ``mismatch`` column).
     """
-    keys = ["model", "task", "gpu", "batch_size", "img_size", "nproc", "ddp"]
+    keys = ["model", "task", "gpu", "batch_size", "img_size", "nproc", "ddp", "mismatch"]
     columns = keys + ["change", "held", "base_median", "new_median", "speedup", "n_base", "n_new"]
     require_tidy(runs)
     higher = _polarity(metric, runs)
+    runs = _honest(runs, include_mismatch)
     runs = runs[runs[metric].notna()]
     rows = []
     for key, grp in runs.groupby(keys, dropna=False, sort=True):

@@ -25,8 +25,16 @@ TASK_METRICS = {task: compared_metrics(task) for task in TASKS}
 SHARED_METRICS = compared_job_metrics()
 ALL_METRICS = tuple(dict.fromkeys(sum(TASK_METRICS.values(), ()) + SHARED_METRICS))
 
+# Facts about where a run really ran: ``mismatch`` is true for a mislabelled run (tagged
+# gpu_mismatch=true, or its detected hardware is not the GPU it is filed under), ``ran_on`` names that
+# hardware (NaN where nothing says). A mislabelled run's numbers are not its label's.
+HARDWARE_COLUMNS = ("mismatch", "ran_on")
+
 # Columns of the tidy frame that are not measurements.
-ID_COLUMNS = ("run_id", "start_time", "source", "gpu") + CONFIG_KEYS
+ID_COLUMNS = ("run_id", "start_time", "source", "gpu") + CONFIG_KEYS + HARDWARE_COLUMNS
+
+# What a comparison is along (compare --by) unless asked otherwise.
+DEFAULT_AXIS = "gpu"
 
 MISSING = "?"  # shown for a configuration string nobody recorded
 

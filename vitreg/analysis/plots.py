@@ -1,32 +1,55 @@
-"""The comparison's charts: the metric by GPU per configuration, and what compile / AMP buy.
+"""The comparison's charts: the metric along the compared axis per configuration, and what compile / AMP buy.
 
 Matplotlib's object API with an explicit Agg canvas: no pyplot global state and no GUI backend,
-so this works headless and does not change the caller's matplotlib backend.
+so this works headless and does not change the caller's matplotlib backend. Every chart is meant
+to be read at a glance: constrained layout keeps the title, labels and legend inside the figure,
+the axis says its unit, ticks are plain numbers, every bar carries its value, and mislabelled runs
+are hatched and named as such in the legend.
 """
 
 from __future__ import annotations
 
+import textwrap
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 
 from vitreg.analysis.frame import CONFIG_KEYS
-from vitreg.analysis.render import cell, split_constant
+from vitreg.analysis.render import cell, format_value, split_constant
+from vitreg.measure.metrics import BY_NAME
+
+DPI = 110
+# Above this max/min ratio a linear axis turns the small bars into slivers (ViT-Ti vs ViT-L: ~25x).
+LOG_AXIS_RATIO = 30
+MISLABELLED_HATCH = "//"
 
 
 def _figure(width: float, height: float):
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(width, height))
+    fig = Figure(figsize=(width, height), dpi=DPI, layout="constrained")
     FigureCanvasAgg(fig)
     return fig
 
 
-def _config_labels(t: pd.DataFrame) -> list[str]:
+def _wrapped(text: str, width_in: float, fontsize: float = 11) -> str:
+    """``text`` broken into lines that fit ``width_in`` inches at ``fontsize`` (a character is ~0.6 em)."""
+    return "\n".join(textwrap.wrap(text, max(20, int(width_in * 72 / (fontsize * 0.6)))))
+
+
+def _plain_ticks(axis) -> None:
+    """Tick labels as plain numbers (1,000 and 0.5, never 10^3 or 6x10^2), minor ticks unlabelled."""
+    from matplotlib.ticker import FuncFormatter, NullFormatter
+
+    axis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:,.0f}" if abs(v) >= 10 else f"{v:g}"))
+    axis.set_minor_formatter(NullFormatter())
+
+
+def _config_labels(t: pd.DataFrame, keys: list[str]) -> list[str]:
     """Short labels for configurations, naming only the keys that vary between them."""
-    fixed, varying = split_constant(t, CONFIG_KEYS)
+    varying = split_constant(t, keys)[1]
     single_model = t["model"].nunique() == 1
     short = {"batch_size": "bs", "img_size": "img", "nproc": "x"}
     labels = []
@@ -36,76 +59,130 @@ def _config_labels(t: pd.DataFrame) -> list[str]:
     return labels
 
 
-def plot_by_gpu(c, path: Path) -> None:
-    t = c.table
+def _series(t: pd.DataFrame, c) -> list[tuple[str, bool]]:
+    """The bars of each group: (axis value, mislabelled?) in the comparison's order, honest first."""
+    present = set(zip(t[c.by].astype(str), t["mismatch"].astype(bool)))
+    return [(v, m) for v in c.values for m in (False, True) if (v, m) in present]
+
+
+def _series_label(t: pd.DataFrame, c, value: str, mismatch: bool) -> str:
+    if not mismatch:
+        return value
+    ran_on = sorted(t.loc[(t[c.by].astype(str) == value) & t["mismatch"], "ran_on"].dropna().astype(str).unique())
+    return f"{value}: MISLABELLED (ran on {', '.join(ran_on) or '?'})"
+
+
+def _bar_label(c, m: str, r) -> str:
+    """The value printed on a bar: its median and, against a baseline, the speedup or why there is none."""
+    med = float(r[f"{m}_median"])
+    text = f"{med:,.0f}" if abs(med) >= 100 else format_value(m, med)
+    if c.baseline is None or r[c.by] == c.baseline and not r["mismatch"]:
+        return text
+    if pd.notna(r["speedup"]):
+        return f"{text}\n{r['speedup']:.2f}x"
+    return f"{text}\n{r['verdict']}" if r["mismatch"] else text
+
+
+def plot_by_gpu(c, path: Path):
+    """Grouped bars of the metric's median per configuration and axis value (whiskers: the runs' min..max),
+    saved to ``path``; returns the figure (tests read its layout)."""
+    t = c.table.reset_index(drop=True)
     m = c.metric
-    cfg = t[list(CONFIG_KEYS)].astype(object).where(t[list(CONFIG_KEYS)].notna(), None)
-    keys = [tuple(r) for r in cfg.itertuples(index=False)]
-    configs = list(dict.fromkeys(keys))
-    labels = dict(zip(keys, _config_labels(t)))
-    gpus = c.gpus
-    n_cfg, n_gpu = len(configs), max(1, len(gpus))
-    fig = _figure(min(40.0, max(6.0, 1.0 + n_cfg * (0.8 + 0.45 * n_gpu))), 5.0)
+    keys = [k for k in (*CONFIG_KEYS, "gpu") if k != c.by]
+    cfg = t[keys].astype(object).where(t[keys].notna(), None)
+    row_keys = [tuple(r) for r in cfg.itertuples(index=False)]
+    configs = list(dict.fromkeys(row_keys))
+    labels = dict(zip(row_keys, _config_labels(t, keys)))
+    series = _series(t, c)
+    n_cfg, n_bar = len(configs), max(1, len(series))
+    width_in = min(40.0, max(7.0, 2.5 + n_cfg * (0.8 + 0.5 * n_bar)))
+    fig = _figure(width_in, 5.5)
     ax = fig.add_subplot(1, 1, 1)
-    width = 0.8 / n_gpu
+    width = 0.8 / n_bar
     pos = {k: i for i, k in enumerate(configs)}
-    for j, gpu in enumerate(gpus):
-        sel = t["gpu"] == gpu
+    for j, (value, mismatch) in enumerate(series):
+        sel = ((t[c.by].astype(str) == value) & (t["mismatch"] == mismatch)).to_numpy()
         rows = t[sel]
-        x = np.array([pos[k] for k, s in zip(keys, sel) if s], float) + (j - (n_gpu - 1) / 2) * width
+        x = np.array([pos[k] for k, s in zip(row_keys, sel) if s], float) + (j - (n_bar - 1) / 2) * width
         med = rows[f"{m}_median"].to_numpy(float)
         err = np.vstack([med - rows[f"{m}_min"].to_numpy(float), rows[f"{m}_max"].to_numpy(float) - med])
-        bars = ax.bar(x, med, width, yerr=err, capsize=3, label=gpu)
-        if c.baseline and gpu != c.baseline:
-            tops = rows[f"{m}_max"].to_numpy(float)  # above the error bar, not on it
-            for b, s, top in zip(bars, rows["speedup"], tops):
-                if pd.notna(s):
-                    ax.annotate(f"{s:.2f}x", (b.get_x() + b.get_width() / 2, top),
-                                ha="center", va="bottom", fontsize=7, xytext=(0, 2),
-                                textcoords="offset points")
-    positive = t[f"{m}_min"].to_numpy(float)
-    positive = positive[np.isfinite(positive) & (positive > 0)]
-    if len(positive) and t[f"{m}_max"].max() / positive.min() > 30:
-        # ViT-Ti and ViT-L differ ~25x in throughput; on a linear axis the small bars vanish.
-        ax.set_yscale("log")
-        ax.set_ylabel(f"{m} (median, log scale; bars: min..max of runs)")
+        bars = ax.bar(x, med, width, yerr=err, capsize=3, label=_series_label(t, c, value, mismatch),
+                      hatch=MISLABELLED_HATCH if mismatch else None, edgecolor="black" if mismatch else None,
+                      alpha=0.55 if mismatch else 1.0)
+        for b, top, (_, r) in zip(bars, rows[f"{m}_max"].to_numpy(float), rows.iterrows()):
+            # above the whisker, not on it
+            ax.annotate(_bar_label(c, m, r), (b.get_x() + b.get_width() / 2, top), ha="center", va="bottom",
+                        fontsize=7, xytext=(0, 2), textcoords="offset points")
+    _value_axis(ax, t, m)
     ax.set_xticks(range(n_cfg))
     ticks = [labels[k] for k in configs]
     longest = max((len(line) for tick in ticks for line in tick.splitlines()), default=0)
     # Long labels would run into each other under narrow groups; slant them instead.
-    slant = dict(rotation=25, ha="right") if longest * 0.07 > 0.8 + 0.45 * n_gpu else {}
+    slant = dict(rotation=25, ha="right") if longest * 0.07 > 0.8 + 0.5 * n_bar else {}
     ax.set_xticklabels(ticks, fontsize=8, **slant)
-    if ax.get_yscale() == "linear":
-        ax.set_ylabel(f"{m} (median; bars: min..max of runs)")
-    title = f"{m} by GPU"
+    varying = [k for k in split_constant(t, keys)[1] if k != "model"]
+    ax.set_xlabel("configuration" + (f" ({', '.join(varying)})" if varying else ""))
+    fig.suptitle(_wrapped(_title(c, t), width_in - 0.4))
+    fig.legend(title=c.by, fontsize=8, loc="outside lower center", ncols=min(n_bar, 4))
+    ax.grid(axis="y", alpha=0.3)
+    fig.savefig(path, dpi=DPI)
+    return fig
+
+
+def _title(c, t: pd.DataFrame) -> str:
+    title = f"{c.metric} by {c.by}"
     if t["model"].nunique() == 1:
         title = f"{t['model'].iloc[0]}: {title}"
     if c.baseline:
-        title += f" (speedup vs {c.baseline} above bars)"
-    ax.set_title(title)
-    ax.legend(title="gpu", fontsize=8)
-    ax.grid(axis="y", alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+        title += f" (on the bars: median; speedup vs {c.baseline})"
+    if t["mismatch"].any():
+        title += "; hatched: MISLABELLED runs" + ("" if c.include_mismatch else ", no speedup")
+    return title
 
 
-def plot_gains(c, path: Path) -> None:
-    g = c.gains
+def _value_axis(ax, t: pd.DataFrame, m: str) -> None:
+    """The metric's axis: its unit in the label, plain ticks, room above the bars for their labels, and
+    a log scale only where a linear one would shrink the small bars to slivers."""
+    unit = BY_NAME[m].unit if m in BY_NAME else ""
+    top = float(np.nanmax(t[f"{m}_max"].to_numpy(float)))
+    low = t[f"{m}_min"].to_numpy(float)
+    low = low[np.isfinite(low) & (low > 0)]
+    log = bool(len(low)) and top / low.min() > LOG_AXIS_RATIO
+    what = f"{m}" + (f" ({unit})" if unit else "") + ", median of runs"
+    if log:
+        ax.set_yscale("log")
+        ax.set_ylim(low.min() / 4, top * 3)  # the smallest bar keeps a fifth of the height or so
+        what += ", log scale"
+    elif np.isfinite(top) and top > 0:
+        ax.set_ylim(0, top * 1.3)
+    ax.set_ylabel(_wrapped(what + "; whiskers: min..max", 5.0, 10), fontsize=9)
+    _plain_ticks(ax.yaxis)
+
+
+def plot_gains(c, path: Path):
+    """Horizontal bars of what compile / AMP changed (speedup of the median), saved to ``path``;
+    returns the figure."""
+    g = c.gains.reset_index(drop=True)
     labels = [f"{r.model} {r.task} {r.gpu} bs{cell(r.batch_size)}: {r.change}"
-              + ("" if r.held == "-" else f" ({r.held})") for r in g.itertuples(index=False)]
-    fig = _figure(9.0, min(40.0, max(2.5, 0.8 + 0.32 * len(g))))
+              + ("" if r.held == "-" else f" ({r.held})") + (" [MISLABELLED]" if r.mismatch else "")
+              for r in g.itertuples(index=False)]
+    fig = _figure(10.0, min(40.0, max(3.0, 1.4 + 0.34 * len(g))))
     ax = fig.add_subplot(1, 1, 1)
     y = np.arange(len(g))[::-1]
     s = g["speedup"].to_numpy(float)
-    ax.barh(y, s, color=["tab:green" if v >= 1 else "tab:red" for v in s])
+    ax.barh(y, s, color=["tab:green" if v >= 1 else "tab:red" for v in s],
+            hatch=[MISLABELLED_HATCH if bad else None for bad in g["mismatch"]])
     ax.axvline(1.0, color="black", linewidth=1)
     ax.set_yticks(y)
     ax.set_yticklabels(labels, fontsize=8)
-    ax.set_xlabel("speedup of median throughput (>1 = the change helped)")
-    ax.set_title("torch.compile and AMP gains")
+    finite = s[np.isfinite(s)]
+    ax.set_xlim(0, max(1.0, float(finite.max()) if len(finite) else 1.0) * 1.2)  # room for the labels
+    _plain_ticks(ax.xaxis)
+    ax.set_xlabel("speedup of median throughput_img_per_s (x; >1 = the change helped)")
+    fig.suptitle("torch.compile and AMP gains" + ("; MISLABELLED runs hatched" if g["mismatch"].any() else ""))
     for yy, v in zip(y, s):
         if np.isfinite(v):
             ax.annotate(f"{v:.2f}x", (v, yy), xytext=(3, 0), textcoords="offset points",
                         va="center", fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=DPI)
+    return fig

@@ -1,4 +1,5 @@
-"""The comparison for people: a fixed-width terminal table, markdown and HTML tables, cell formats.
+"""The comparison for people: a fixed-width terminal table, markdown and HTML tables, cell formats;
+and the rows of a bench result's table.
 
 Pure formatting over frames (:class:`vitreg.analysis.comparison.Comparison` and the bench report's
 rows); the CSV keeps full precision, these show each column with one precision.
@@ -11,7 +12,11 @@ import math
 import numpy as np
 import pandas as pd
 
-from vitreg.analysis.frame import CONFIG_KEYS
+from vitreg.analysis.frame import CONFIG_KEYS, DEFAULT_AXIS
+from vitreg.measure.metrics import REPORT_COLUMNS
+
+#: the bench report's results table (report.md, the terminal, the run's note): one row per task
+RESULT_HEADERS = ["task", "batch"] + [col.header for col in REPORT_COLUMNS]
 
 
 def format_table(comparison) -> str:
@@ -19,26 +24,33 @@ def format_table(comparison) -> str:
 
     Configuration keys that are the same on every row move to a header line so the table only
     shows what varies; exact values are in the CSV written by :func:`vitreg.analysis.report.write_report`.
+    Mislabelled runs get a "ran on" column and a warning line that says what was done with them.
     """
     t = comparison.table
     m = comparison.metric
-    fixed, varying = split_constant(t, CONFIG_KEYS)
+    by = comparison.by
+    fixed, varying = split_constant(t, [k for k in (*CONFIG_KEYS, "gpu") if k != by])
     direction = "higher is better" if comparison.higher_is_better else "lower is better"
     lines = [f"metric: {m} (median over runs, {direction})"]
     if comparison.baseline:
         lines.append(
-            f"baseline: {comparison.baseline}; speedup >1 = better than baseline; "
+            f"baseline: {comparison.baseline_label}; speedup >1 = better than baseline; "
             f"{comparison.confidence:.0%} bootstrap CI ({comparison.n_boot} resamples)"
         )
+    lines += caveats(comparison)
     if fixed:
         lines.append("fixed: " + " ".join(f"{k}={cell(v)}" for k, v in fixed.items()))
-
-    cols = varying + ["gpu", "n_runs", f"{m}_median", f"{m}_min", f"{m}_max", f"{m}_cv"]
+    marked = bool(t["mismatch"].any())
+    cols = varying + [by] + (["ran_on"] if marked else [])
+    cols += ["n_runs", f"{m}_median", f"{m}_min", f"{m}_max", f"{m}_cv"]
     heads = {f"{m}_median": "median", f"{m}_min": "min", f"{m}_max": "max", f"{m}_cv": "cv",
-             "n_runs": "n", "batch_size": "batch", "img_size": "img"}
+             "n_runs": "n", "batch_size": "batch", "img_size": "img", "ran_on": "ran on"}
     body = _rows(t, cols)
+    if marked:  # the hardware of honest rows is their label: leave the cell blank, flag the others
+        for row, mismatch in zip(body, t["mismatch"]):
+            row[cols.index("ran_on")] = f"{row[cols.index('ran_on')]} (!)" if mismatch else ""
     header = [heads.get(c, c) for c in cols]
-    right = [c not in ("model", "task", "amp", "compile", "gpu") for c in cols]
+    right = [c not in ("model", "task", "amp", "compile", "gpu", "ran_on", by) for c in cols]
     if comparison.baseline:
         header += ["speedup", f"{comparison.confidence:.0%} CI", "verdict"]
         right += [True, True, False]
@@ -47,16 +59,37 @@ def format_table(comparison) -> str:
                     str(r["verdict"])]
     lines.append(_fixed_width(header, body, right))
     if not comparison.scaling.empty:
-        s = comparison.scaling
-        lines.append("\nscaling (train, weak scaling vs nproc=1):")
-        scols = split_constant(s, ["model", "amp", "compile", "batch_size", "img_size"])[1]
-        scols += ["gpu", "nproc", "ddp", "n_runs", s.columns[-3], "speedup_vs_1", "efficiency"]
-        lines.append(_fixed_width(
-            [heads.get(c, c if c != s.columns[-3] else "median") for c in scols],
-            _rows(s, scols),
-            [c not in ("model", "amp", "compile", "gpu", "ddp") for c in scols],
-        ))
+        lines += ["", "scaling (train, weak scaling vs nproc=1):", _scaling_table(comparison.scaling, heads)]
     return "\n".join(lines)
+
+
+def caveats(comparison) -> list[str]:
+    """How to read the rows beyond metric and baseline: the axis when it is not the GPU, and what was
+    done with mislabelled runs (the terminal's header lines; the reports' list items)."""
+    c = comparison
+    lines = []
+    if c.by != DEFAULT_AXIS:
+        lines.append(f"compared along: {c.by} (runs that differ only in {c.by}: same GPU and configuration)")
+    bad = c.mislabelled
+    if len(bad):
+        filed = ", ".join(sorted({f"{g} (ran on {cell(r)})" for g, r in zip(bad["gpu"], bad["ran_on"])}))
+        what = ("included as asked (include_mismatch=true): their speedups are NOT their label's"
+                if c.include_mismatch else
+                "left out of speedups and verdicts (include_mismatch=true compares them anyway)")
+        lines.append(f"MISLABELLED (!): {int(bad['n_runs'].sum())} run(s) filed under a GPU that did not run "
+                     f"them: {filed}; {what}")
+    return lines
+
+
+def _scaling_table(s: pd.DataFrame, heads: dict) -> str:
+    scols = split_constant(s, ["model", "amp", "compile", "batch_size", "img_size"])[1]
+    scols += ["gpu"] + (["mismatch"] if s["mismatch"].any() else [])
+    scols += ["nproc", "ddp", "n_runs", s.columns[-3], "speedup_vs_1", "efficiency"]
+    return _fixed_width(
+        [heads.get(c, c if c != s.columns[-3] else "median") for c in scols],
+        _rows(s, scols),
+        [c not in ("model", "amp", "compile", "gpu", "ddp", "mismatch") for c in scols],
+    )
 
 
 def _rows(df: pd.DataFrame, cols: list[str]) -> list[list[str]]:
@@ -118,6 +151,8 @@ def format_value(col: str, v) -> str:
     """Human formatting of one cell; the CSV keeps full precision."""
     if v is None or v is pd.NA or (isinstance(v, (float, np.floating)) and math.isnan(v)):
         return "-"
+    if col == "mismatch":  # the mark of a mislabelled run; honest rows stay quiet
+        return "MISLABELLED" if v else ""
     if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, float, np.integer, np.floating)):
         return str(v)
     if col.endswith("_cv") or col.endswith("_spread") or col == "efficiency":
@@ -174,9 +209,21 @@ def frame_markdown(df: pd.DataFrame) -> str:
     if df.empty:
         return "_(none)_"
     df = readable(df)
-    return markdown_table(display(df), [pd.api.types.is_numeric_dtype(df[c]) for c in df.columns])
+    return markdown_table(display(df), [pd.api.types.is_numeric_dtype(df[c]) and not pd.api.types.is_bool_dtype(df[c])
+                                        for c in df.columns])
 
 
 def frame_html(df: pd.DataFrame) -> str:
     """A result frame as an HTML table, recorded columns only, formatted like :func:`frame_markdown`."""
     return display(readable(df)).to_html(index=False, escape=True, border=0, na_rep="-")
+
+
+def result_rows(tasks) -> list[list[str]]:
+    """The cells of :data:`RESULT_HEADERS`, one row per task of a bench result. ``tasks``: dicts with
+    ``task``, ``batch_size`` and ``metrics`` (``<task>_``-prefixed names), as results.json holds them."""
+    rows = []
+    for t in tasks:
+        prefix = f"{t['task']}_"
+        values = {k[len(prefix):]: v for k, v in t["metrics"].items() if k.startswith(prefix)}
+        rows.append([t["task"], str(t["batch_size"])] + [col.render(t["task"], values) for col in REPORT_COLUMNS])
+    return rows

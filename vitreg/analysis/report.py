@@ -12,7 +12,8 @@ import pandas as pd
 
 from vitreg.analysis import plots
 from vitreg.analysis.comparison import Comparison
-from vitreg.analysis.render import frame_html, frame_markdown
+from vitreg.analysis.frame import DEFAULT_AXIS
+from vitreg.analysis.render import caveats, frame_html, frame_markdown
 
 
 def write_report(comparison: Comparison, out_dir) -> list[Path]:
@@ -72,17 +73,22 @@ def _render(c: Comparison, d: Path) -> list[str]:
     return ["comparison.md", "comparison.html"] + names
 
 
+def _axis(c: Comparison) -> str:
+    return "GPU" if c.by == DEFAULT_AXIS else c.by
+
+
 def _about(c: Comparison) -> list[str]:
     direction = "higher is better" if c.higher_is_better else "lower is better"
     s = c.summary()
     lines = [
         f"metric: `{c.metric}` (median over repeated runs, {direction})",
         f"runs: {s['n_runs']} finished runs, {s['n_configurations']} configurations, "
-        f"GPUs: {', '.join(c.gpus)}",
+        f"GPUs: {', '.join(c.gpus)}" + ("" if c.by == DEFAULT_AXIS else f", {c.by}: {', '.join(c.values)}"),
+        *caveats(c),
     ]
     if c.baseline:
         lines += [
-            f"baseline: `{c.baseline}`; speedup > 1 means better than the baseline on the same "
+            f"baseline: `{c.baseline_label}`; speedup > 1 means better than the baseline on the same "
             "configuration",
             f"verdict: faster/slower only when the {c.confidence:.0%} bootstrap interval of the "
             f"ratio of medians ({c.n_boot} resamples, seed {c.seed}) excludes 1 and the change "
@@ -91,14 +97,22 @@ def _about(c: Comparison) -> list[str]:
     return lines
 
 
-def _report_markdown(c: Comparison, names: list[str]) -> str:
-    parts = ["# vitreg GPU comparison", ""] + [f"- {line}" for line in _about(c)]
-    parts += ["", "## Per configuration and GPU", "", frame_markdown(c.table), ""]
+def _geomeans(c: Comparison) -> pd.DataFrame:
+    """The geometric-mean speedups as a table; ``mismatch`` marks a value whose mean takes in mislabelled
+    runs (only with include_mismatch)."""
     geo = c.geomean_speedup()
-    if geo:
-        parts += ["## Geometric-mean speedup vs baseline", "",
-                  frame_markdown(pd.DataFrame({"gpu": list(geo), "geomean_speedup": list(geo.values())})),
-                  ""]
+    rows = c.table[c.table["speedup"].notna()] if c.baseline else c.table.iloc[:0]
+    marked = {str(v) for v in rows.loc[rows["mismatch"], c.by]}
+    return pd.DataFrame({c.by: list(geo), "geomean_speedup": list(geo.values()),
+                         "mismatch": [v in marked for v in geo]})
+
+
+def _report_markdown(c: Comparison, names: list[str]) -> str:
+    parts = [f"# vitreg {_axis(c)} comparison", ""] + [f"- {line}" for line in _about(c)]
+    parts += ["", f"## Per configuration and {_axis(c)}", "", frame_markdown(c.table), ""]
+    geo = _geomeans(c)
+    if not geo.empty:
+        parts += ["## Geometric-mean speedup vs baseline", "", frame_markdown(geo), ""]
     parts += ["![metric by GPU](throughput_by_gpu.png)", ""]
     if not c.scaling.empty:
         parts += ["## Multi-process scaling (train)", "", frame_markdown(c.scaling), ""]
@@ -110,13 +124,12 @@ def _report_markdown(c: Comparison, names: list[str]) -> str:
 
 
 def _report_html(c: Comparison, names: list[str]) -> str:
-    body = ["<h1>vitreg GPU comparison</h1>", "<ul>"]
+    body = [f"<h1>vitreg {html.escape(_axis(c))} comparison</h1>", "<ul>"]
     body += [f"<li>{html.escape(line).replace('`', '')}</li>" for line in _about(c)]
-    body += ["</ul>", "<h2>Per configuration and GPU</h2>", frame_html(c.table)]
-    geo = c.geomean_speedup()
-    if geo:
-        body += ["<h2>Geometric-mean speedup vs baseline</h2>",
-                 frame_html(pd.DataFrame({"gpu": list(geo), "geomean_speedup": list(geo.values())}))]
+    body += ["</ul>", f"<h2>Per configuration and {html.escape(_axis(c))}</h2>", frame_html(c.table)]
+    geo = _geomeans(c)
+    if not geo.empty:
+        body += ["<h2>Geometric-mean speedup vs baseline</h2>", frame_html(geo)]
     body.append('<p><img src="throughput_by_gpu.png" alt="metric by GPU"></p>')
     if not c.scaling.empty:
         body += ["<h2>Multi-process scaling (train)</h2>", frame_html(c.scaling)]
@@ -127,6 +140,6 @@ def _report_html(c: Comparison, names: list[str]) -> str:
     style = ("body{font-family:sans-serif;margin:2em}table{border-collapse:collapse;font-size:90%}"
              "th,td{border:1px solid #ccc;padding:2px 8px;text-align:right}"
              "th{background:#f4f4f4}img{max-width:100%}")
-    return ("<!doctype html>\n<html><head><meta charset=\"utf-8\"><title>vitreg GPU comparison"
-            f"</title><style>{style}</style></head>\n<body>\n" + "\n".join(body) +
+    head = f"<title>vitreg {html.escape(_axis(c))} comparison</title><style>{style}</style>"
+    return (f"<!doctype html>\n<html><head><meta charset=\"utf-8\">{head}</head>\n<body>\n" + "\n".join(body) +
             "\n</body></html>\n")

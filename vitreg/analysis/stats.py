@@ -17,6 +17,8 @@ import numpy as np
 FASTER, SLOWER, BETTER, WORSE = "faster", "slower", "better", "worse"
 WITHIN_NOISE, SINGLE_RUN = "within noise", "single run"
 BASELINE, NO_BASELINE = "baseline", "no baseline"
+# A run filed under a GPU that did not run it: no speedup and no verdict unless asked for (then a suffix).
+MISLABELLED = "mislabelled"
 
 
 def improvement(value: float, base: float, higher: bool) -> float:

@@ -14,7 +14,7 @@ import tempfile
 
 from vitreg.tracking import checkpoints
 from vitreg.tracking import runs as tracking
-from vitreg.bench.job import log_setup, resolved_tags
+from vitreg.tracking.tags import log_setup, resolved_tags
 from vitreg.console import progress
 from vitreg.hardware.env import capture_environment
 from vitreg.errors import VitregError
@@ -56,7 +56,7 @@ def infer(model_uri: str, options: dict, experiment: str | None = None, run_name
         what = (f"{pulled.registered_model_name}-v{pulled.registered_model_version}" if pulled.version_uri
                 else f"{info.name}-run-{(pulled.run_id or 'local')[:8]}")
         run.set_name(run_name or f"infer-{what}-{hw.label}-{runtime.amp}-{spec.compile}-bs{spec.batch_size}")
-        run.set_tags({**env.to_tags(), **resolved_tags(spec, hw, runtime, info.img_size), **link_tags(pulled)})
+        run.set_tags({**env.to_tags(), **resolved_tags(spec, hw, runtime, info.img_size, task=spec.task, cuda_graph=spec.cuda_graph), **link_tags(pulled)})
         params = {**spec.to_params(), "gpu": hw.label, "amp": runtime.amp, "device": runtime.device,
                   "img_size": info.img_size, "model_uri": model_uri}
         log_setup(run, params, env, progress)

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import pandas as pd
 
-from vitreg.analysis.render import markdown_table
+from vitreg.analysis.render import RESULT_HEADERS, markdown_table, result_rows
 from vitreg.bench.runner import INFER_EAGER_STEPS_BEFORE_CAPTURE, BenchResult
 from vitreg.hardware.env import EnvInfo
 from vitreg.measure.graphs import EAGER_STEPS_BEFORE_CAPTURE
-from vitreg.measure.metrics import REPORT_COLUMNS
 
 
 def _fmt(value, spec=",.1f", none="-") -> str:
@@ -16,15 +15,10 @@ def _fmt(value, spec=",.1f", none="-") -> str:
 
 
 def _rows(result: BenchResult) -> list[list[str]]:
-    rows = []
-    for t in result.tasks:
-        prefix = f"{t.task}_"
-        values = {k[len(prefix):]: v for k, v in t.metrics().items() if k.startswith(prefix)}
-        rows.append([t.task, str(t.batch_size)] + [col.render(t.task, values) for col in REPORT_COLUMNS])
-    return rows
+    return result_rows({"task": t.task, "batch_size": t.batch_size, "metrics": t.metrics()} for t in result.tasks)
 
 
-HEADERS = ["task", "batch"] + [col.header for col in REPORT_COLUMNS]
+HEADERS = RESULT_HEADERS
 
 
 def results_table(result: BenchResult) -> str:

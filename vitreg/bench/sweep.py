@@ -99,7 +99,7 @@ def _run_combination(parent, combo: Combination, label: str, index: int, common:
         progress(f"{label}: {combo.label()} (batch {bs})")
         child_id = tracking.create_child_run(parent, f"{combo.label()}" + (f"-retry{attempt}" if attempt else ""),
                                              {"requested_batch_size": combo.batch_size, "sweep_index": index})
-        env = {**os.environ, "MLFLOW_RUN_ID": child_id, "MLFLOW_EXPERIMENT_ID": parent.experiment_id}
+        env = tracking.env_for_run(os.environ, child_id, parent.experiment_id)
         proc = subprocess.run(_child_command(combo, bs, common), env=env, capture_output=True, text=True)
         sys.stdout.write(proc.stdout)
         reason = tracking.finish_child_run(child_id, proc.returncode, proc.stderr)

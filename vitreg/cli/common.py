@@ -60,9 +60,11 @@ def user_errors(fn):
         try:
             return fn(*args, **kwargs)
         except VitregError as exc:
+            from vitreg.dist.diagnose import record_error
             from vitreg.tracking import runs as tracking
 
             tracking.fail_requested_run(str(exc))
+            record_error(str(exc), exc.exit_code)  # in a torchrun worker: the launcher's root cause
             click.echo(f"error: {exc}", err=True)
             sys.exit(exc.exit_code)
 

@@ -12,6 +12,7 @@ import click
 
 import vitreg
 from vitreg.cli.common import command_options, launcher_options, split_options, user_errors
+from vitreg.config.options import option
 from vitreg.errors import VitregError
 
 
@@ -37,11 +38,13 @@ def bench(**values):
 @main.command()
 @command_options("compare")
 @user_errors
-def compare(experiment, baseline, metric, log_experiment):
-    """Compare an experiment's runs across GPUs: table, CSV/HTML/markdown and plots as artifacts of a compare run."""
+def compare(experiment, baseline, metric, log_experiment, by, include_mismatch):
+    """Compare an experiment's runs across GPUs (or --by another axis): table, CSV/HTML/markdown and plots as
+    artifacts of a compare run, logged beside the runs compared."""
     from vitreg.compare.job import run_compare
 
-    run_compare(experiment, baseline or None, metric, log_experiment=log_experiment)
+    run_compare(experiment, baseline or None, metric, log_experiment=log_experiment, by=by.strip() or "gpu",
+                include_mismatch=option("compare", "include_mismatch").parse(include_mismatch))
 
 
 @main.command("import-timm")

@@ -1,4 +1,4 @@
-"""The cross-GPU jobs: ``compare`` and ``import-timm``.
+"""The comparison jobs: ``compare`` and ``import-timm``.
 
 Each reads runs through :mod:`vitreg.tracking.search` (MLflow's frame -> the tidy frame) and writes
 them through :mod:`vitreg.tracking.runs`; the statistics live in :mod:`vitreg.analysis` and the
@@ -18,37 +18,48 @@ from vitreg.errors import VitregError
 # ---------------------------------------------------------------- compare
 
 def run_compare(experiment: str, baseline: str | None = None, metric: str = "throughput_img_per_s",
-                run_name: str | None = None, log_experiment: str | None = None, progress=progress):
-    """Compare the experiment's runs across GPUs; log the table and plots as artifacts of a compare run.
+                run_name: str | None = None, log_experiment: str | None = None, progress=progress,
+                by: str = "gpu", include_mismatch: bool = False):
+    """Compare the experiment's runs along ``by`` (across GPUs by default); log the table and plots as
+    artifacts of a compare run.
 
-    The comparison is computed (and every input checked) before a run is opened, so a bad request
-    leaves no half-written run behind.
+    The compare run goes into the compared experiment itself, beside the runs it read, unless
+    ``log_experiment`` names another (under ``mlflow run`` it is the run ``mlflow run`` opened, in the
+    experiment that chose). The comparison is computed (and every input checked) before a run is
+    opened, so a bad request leaves no half-written run behind.
     """
-    from vitreg.analysis.comparison import compare_gpus
+    from vitreg.analysis.comparison import compare_runs
     from vitreg.analysis.render import format_table
     from vitreg.analysis.report import write_report
     from vitreg.tracking.search import benchmark_runs, tidy
 
     tracking.check_server()
-    runs = tidy(benchmark_runs(experiment))
-    comparison = compare_gpus(runs, baseline=baseline or None, metric=metric)
+    runs = tidy(benchmark_runs(experiment), axes=(by,))
+    comparison = compare_runs(runs, baseline=baseline or None, metric=metric, by=by,
+                              include_mismatch=include_mismatch)
     with tempfile.TemporaryDirectory(prefix="vitreg-compare-") as tmp:
         files = write_report(comparison, tmp)
-        with tracking.tracked_run(run_name=run_name or f"compare-{experiment}", experiment=log_experiment,
-                                  system_metrics=False) as run:
-            run.set_tags({"vitreg_job": "compare", "compared_experiment": experiment})
-            run.log_params({"experiment": experiment, "baseline": baseline or "", "metric": metric})
-            summary = comparison.summary()
-            metrics = {"n_runs": summary["n_runs"], "n_configurations": summary["n_configurations"]}
-            metrics.update({f"speedup_geomean_{gpu}": v for gpu, v in summary["geomean_speedup"].items()})
-            run.log_metrics(metrics)
-            run.log_dict(summary, "comparison_summary.json")
-            for f in files:
-                run.log_artifact(f, "comparison")
+        with tracking.tracked_run(run_name=run_name or f"compare-{experiment}" + ("" if by == "gpu" else f"-by-{by}"),
+                                  experiment=log_experiment or experiment, system_metrics=False) as run:
+            _log_comparison(run, comparison, experiment, files)
     print(format_table(comparison))
-    progress(f"compare run {run.run_id}: {len(files)} files under artifacts/comparison "
-             f"({', '.join(Path(f).name for f in files)})")
+    progress(f"compare run {run.run_id} (experiment {log_experiment or experiment!r}, id {run.experiment_id}): "
+             f"{len(files)} files under artifacts/comparison ({', '.join(Path(f).name for f in files)})")
     return comparison
+
+
+def _log_comparison(run, comparison, experiment: str, files) -> None:
+    run.set_tags({"vitreg_job": "compare", "compared_experiment": experiment, "compared_by": comparison.by})
+    run.log_params({"experiment": experiment, "baseline": comparison.baseline or "", "metric": comparison.metric,
+                    "by": comparison.by, "include_mismatch": str(comparison.include_mismatch).lower()})
+    summary = comparison.summary()
+    metrics = {"n_runs": summary["n_runs"], "n_configurations": summary["n_configurations"],
+               "n_mislabelled_runs": summary["n_mislabelled_runs"]}
+    metrics.update({f"speedup_geomean_{value}": v for value, v in summary["geomean_speedup"].items()})
+    run.log_metrics(metrics)
+    run.log_dict(summary, "comparison_summary.json")
+    for f in files:
+        run.log_artifact(f, "comparison")
 
 
 # ---------------------------------------------------------------- import-timm

@@ -322,11 +322,16 @@ OPTIONS: tuple[Option, ...] = (
            ("bench", "infer", "train"), spec_field=False, mlproject=False),
     Option("experiment", "str", None, "The experiment whose runs to compare.", ("compare",), required=True,
            spec_field=False),
-    Option("baseline", "str", "", "GPU label to compute speedups against (e.g. a100); empty: none.", ("compare",),
-           spec_field=False),
+    Option("baseline", "str", "", "the --by value to compute speedups against (a GPU label such as a100; 2.8.0 "
+           "with --by torch_version); empty: none.", ("compare",), spec_field=False),
     Option("metric", "str", "throughput_img_per_s",
            "Metric (task prefix stripped) to compare, e.g. latency_ms_p50, step_ms_p50.", ("compare",),
            spec_field=False),
     Option("log_experiment", "str", None, "Experiment for the compare run itself (ignored under `mlflow run`).",
            ("compare",), spec_field=False, mlproject=False, envvar="MLFLOW_EXPERIMENT_NAME"),
+    Option("by", "str", "gpu", "the axis to compare along: gpu, or any tag or param the runs carry (torch_version, "
+           "compile, amp, timm_version, vitreg_git_sha, ...); runs are paired when they differ only in it.",
+           ("compare",), spec_field=False),
+    Option("include_mismatch", "bool", False, "true: give mislabelled runs (gpu_mismatch=true, or hardware that is not "
+           "their GPU label) speedups and verdicts too; they are marked either way.", ("compare",), spec_field=False),
 )

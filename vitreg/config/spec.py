@@ -176,10 +176,5 @@ class TrainSpec(_Spec):
             raise VitregError("distill_tau=0 divides by zero: pass distill_tau=1.0 (DeiT's) or another positive value")
 
     @property
-    def task(self) -> str:
-        """Always ``"train"``: lets the bench helpers that read ``spec.task`` (resolved tags) take a TrainSpec."""
-        return "train"
-
-    @property
     def synthetic(self) -> bool:
         return self.data == "synthetic"

@@ -2,7 +2,7 @@
 the reduction of what every rank measured into one set of figures.
 
 Nothing here launches processes (that is :mod:`vitreg.dist.launcher`) or logs (that is
-:mod:`vitreg.tracking.runs`, on rank 0 only). Outside torchrun every function is a cheap no-op, so a
+:mod:`vitreg.tracking`). Outside torchrun every function is a cheap no-op, so a
 single-process run never initialises a process group.
 
 How the figures combine (see :func:`reduce_figures`): every rank times its own windows with its
@@ -102,17 +102,17 @@ def init_from_env(device_type: str, timeout_s: float | None = None) -> World:
     return World(rank, local_rank, world_size, device, dist.get_backend(), local_world)
 
 
-def join_job(spec, reducer_factory):
+def join_job(spec, reducer_factory, cuda_graph: bool = False):
     """This process's place in a DDP job, set up the same way for bench and train: ``(world, wrap, reducer)``.
 
     In a torchrun worker this binds the rank's GPU (before anything touches CUDA) and joins the
     process group; with more than one rank, ``wrap`` wraps a model in DistributedDataParallel with
     the spec's DDP settings and ``reducer`` is ``reducer_factory(world)``. A plain process (or a
-    one-rank job) gets ``wrap = reducer = None``.
+    one-rank job) gets ``wrap = reducer = None``. ``cuda_graph``: the job captures CUDA graphs (bench).
     """
     if not inside_torchrun():
         return World(), None, None
-    if getattr(spec, "cuda_graph", False):  # bench only: captured steps need this before the process group
+    if cuda_graph:  # captured steps need this before the process group
         from vitreg.measure.graphs import prepare_process_group
 
         prepare_process_group()
@@ -125,7 +125,7 @@ def join_job(spec, reducer_factory):
 
 
 def is_main_process() -> bool:
-    """Rank 0 of the job, or a plain process (same rule as :func:`vitreg.tracking.runs.is_main_process`)."""
+    """Rank 0 of the job, or a plain process."""
     return _env_int("RANK", 0) == 0
 
 

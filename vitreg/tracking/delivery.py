@@ -36,6 +36,8 @@ from vitreg.tracking.uris import redact
 
 SPOOL_ID_TAG = "vitreg_spool_id"
 HEARTBEAT_TAG = "vitreg_heartbeat"  # unix seconds, refreshed while the process that logs the run is alive
+ERROR_TAG = "vitreg_error"  # the one-line reason a run ended FAILED or KILLED
+ERROR_KIND_TAG = "vitreg_error_kind"  # the VitregError subclass, e.g. OutOfMemory: what a parent branches on
 _MAX_ENTITIES = 1000  # log_batch: metrics + params + tags together
 
 _short_http_users = 0  # trackers and syncs inside short_http_requests(); the last one out restores

@@ -54,7 +54,7 @@ def register_checkpoint(tracker, checkpoint_dir, name: str, alias: str | None = 
     whose versions are another architecture. Ranks other than 0 (a NullTracker) register nothing and
     get ``None``.
     """
-    if getattr(tracker, "run", None) is None:
+    if not tracker.run_id:  # a rank that does not log (NullTracker)
         return None
     _check_alias(alias)
     name = _check_name(name)
@@ -126,9 +126,9 @@ def register_run_checkpoint(uri: str, name: str, alias: str | None = "latest", p
     except MlflowException:
         raise VitregError(f"no run {run_id} at {mlflow.get_tracking_uri()}: check the run id and MLFLOW_TRACKING_URI") \
             from None
-    from vitreg.tracking.runs import Tracker
+    from vitreg.tracking.runs import MlflowTracker
 
-    return register_checkpoint(Tracker(run), f"runs:/{run_id}/{match.group(2)}", name, alias, progress=progress)
+    return register_checkpoint(MlflowTracker(run), f"runs:/{run_id}/{match.group(2)}", name, alias, progress=progress)
 
 
 def check_registration(name: str, alias: str | None, arch: str) -> None:

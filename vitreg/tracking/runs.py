@@ -9,7 +9,8 @@ Conventions:
   from what the user typed (``gpu=auto`` -> ``h200``) cannot replace the param: resolved values are
   always set as tags of the same name (``gpu``, ``amp``, ``device``, ``img_size``), and as params
   wherever MLflow has not already logged the request. Group and compare by the tags.
-- Under torchrun every rank sees the same run id: only rank 0 talks to MLflow.
+- Under torchrun only rank 0 logs; under a vitreg launcher no rank talks to MLflow: rank 0 hands its
+  calls to the launcher (:mod:`vitreg.tracking.handoff`), which logs them into the run it holds.
 - A run that fails ends FAILED with the one-line reason in the ``vitreg_error`` tag; never RUNNING.
 """
 
@@ -21,30 +22,73 @@ import os
 import sys
 import tempfile
 from pathlib import Path
+from typing import Protocol
 
 import mlflow
 from mlflow.tracking import MlflowClient
 
-from vitreg.errors import VitregError
+from vitreg.dist.world import is_main_process
+from vitreg.errors import StoreError, VitregError
+from vitreg.signals import interrupted_reason
+from vitreg.tracking.delivery import ERROR_KIND_TAG, ERROR_TAG, first_line, short_http_requests, store_errors
+from vitreg.tracking.spool import offline_mode
+from vitreg.tracking.spooling import open_run
+from vitreg.tracking.store import prepare_store
+from vitreg.tracking.uris import redact, without_credentials
 
-ERROR_TAG = "vitreg_error"
-ERROR_KIND_TAG = "vitreg_error_kind"  # the VitregError subclass, e.g. OutOfMemory: what a parent branches on
-
-
-def is_main_process() -> bool:
-    """Rank 0 of a torchrun job, or a plain process."""
-    return int(os.environ.get("RANK", "0")) == 0
 
 
 def tracking_uri() -> str:
     return mlflow.get_tracking_uri()
 
 
-class Tracker:
-    """Logging calls against one active run. Every call is a batch, never one call per value."""
+class Tracker(Protocol):
+    """What a job logs through: the calls against one run, each a batch (never one call per value).
 
-    #: Every call names this run's id, so any thread may make it (MLflow's active run is thread-local:
-    #: a fluent call without run_id from another thread would start a new run).
+    Implementations: :class:`MlflowTracker` (a run in the MLflow store), :class:`NullTracker`
+    (ranks that do not log) and :class:`vitreg.tracking.handoff.HandoffTracker` (rank 0 under a
+    vitreg launcher: the calls are written down for the launcher to replay into its run).
+    """
+
+    run_id: str
+    experiment_id: str
+    #: True when any thread may make the calls (the train job then logs from a background thread).
+    thread_safe: bool
+
+    def log_params(self, params: dict) -> dict[str, str]: ...
+    def set_name(self, name: str) -> None: ...
+    def set_tags(self, tags: dict) -> None: ...
+    def log_metrics(self, metrics: dict, step: int | None = None, synchronous: bool = True) -> None: ...
+    def flush(self) -> None: ...
+    def log_text(self, text: str, artifact_file: str) -> None: ...
+    def log_dict(self, data: dict, artifact_file: str) -> None: ...
+    def log_artifact(self, path, artifact_path: str | None = None) -> None: ...
+    def log_artifacts(self, path, artifact_path: str | None = None) -> None: ...
+    def set_note(self, text: str) -> None: ...
+    def register_checkpoint(self, checkpoint_dir, name: str, alias: str | None, tags: dict): ...
+
+    def artifact_uri(self, path: str = "") -> str:
+        return f"runs:/{self.run_id}/{path}" if path else f"runs:/{self.run_id}"
+
+
+def clean_tags(tags: dict) -> dict[str, str]:
+    """Tags as MLflow stores them: strings, no None, never MLflow's reserved ``mlflow.`` prefix."""
+    return {k: str(v) for k, v in tags.items() if v is not None and not k.startswith("mlflow.")}
+
+
+def clean_metrics(metrics: dict) -> dict[str, float]:
+    return {k: float(v) for k, v in metrics.items() if v is not None}
+
+
+def dict_text(data: dict) -> str:
+    """A dict artifact's text (``default=str``: paths and other values a result holds)."""
+    return json.dumps(data, indent=2, sort_keys=True, default=str)
+
+
+class MlflowTracker(Tracker):
+    """One run of the MLflow store. Every call names the run's id, so any thread may make it (MLflow's
+    active run is thread-local: a fluent call without run_id from another thread would start a new run)."""
+
     thread_safe = True
 
     def __init__(self, run):
@@ -53,15 +97,14 @@ class Tracker:
         self.experiment_id = run.info.experiment_id
         self._client = MlflowClient()
 
-    def existing_params(self) -> dict[str, str]:
-        return dict(self._client.get_run(self.run_id).data.params)
-
     def log_params(self, params: dict) -> dict[str, str]:
         """Log params, skipping keys MLflow already holds with another value (the ``-P`` request).
 
         Returns the skipped ``{key: already_logged_value}`` so callers can say so.
         """
-        existing = self.existing_params()
+        from mlflow.entities import Param
+
+        existing = dict(self._client.get_run(self.run_id).data.params)
         fresh, skipped = {}, {}
         for key, value in params.items():
             value = str(value)
@@ -70,19 +113,21 @@ class Tracker:
             elif key not in existing:
                 fresh[key] = value
         if fresh:
-            mlflow.log_params(fresh)
+            self._client.log_batch(self.run_id, params=[Param(k, v) for k, v in fresh.items()])
         return skipped
 
     def set_name(self, name: str) -> None:
         self._client.update_run(self.run_id, name=name)
 
     def set_tags(self, tags: dict) -> None:
-        clean = {k: str(v) for k, v in tags.items() if v is not None and not k.startswith("mlflow.")}
+        from mlflow.entities import RunTag
+
+        clean = clean_tags(tags)
         if clean:
-            mlflow.set_tags(clean)
+            self._client.log_batch(self.run_id, tags=[RunTag(k, v) for k, v in clean.items()])
 
     def log_metrics(self, metrics: dict, step: int | None = None, synchronous: bool = True) -> None:
-        clean = {k: float(v) for k, v in metrics.items() if v is not None}
+        clean = clean_metrics(metrics)
         if clean:
             mlflow.log_metrics(clean, step=step, run_id=self.run_id, synchronous=synchronous)
 
@@ -91,10 +136,10 @@ class Tracker:
         mlflow.flush_async_logging()
 
     def log_text(self, text: str, artifact_file: str) -> None:
-        mlflow.log_text(text, artifact_file)
+        mlflow.log_text(text, artifact_file, run_id=self.run_id)
 
     def log_dict(self, data: dict, artifact_file: str) -> None:
-        mlflow.log_text(json.dumps(data, indent=2, sort_keys=True, default=str), artifact_file)
+        mlflow.log_text(dict_text(data), artifact_file, run_id=self.run_id)
 
     def log_artifact(self, path, artifact_path: str | None = None) -> None:
         mlflow.log_artifact(str(path), artifact_path, run_id=self.run_id)
@@ -102,28 +147,33 @@ class Tracker:
     def log_artifacts(self, path, artifact_path: str | None = None) -> None:
         mlflow.log_artifacts(str(path), artifact_path, run_id=self.run_id)
 
-    def artifact_uri(self, path: str = "") -> str:
-        return f"runs:/{self.run_id}/{path}" if path else f"runs:/{self.run_id}"
+    def set_note(self, text: str) -> None:
+        """The run's description in the MLflow UI (MLflow's own ``mlflow.note.content`` tag)."""
+        self._client.set_tag(self.run_id, "mlflow.note.content", text)
+
+    def register_checkpoint(self, checkpoint_dir, name: str, alias: str | None, tags: dict):
+        """A new version of registered model ``name`` from ``checkpoint_dir``, logged under this run."""
+        from vitreg.tracking.registry import register_checkpoint
+
+        return register_checkpoint(self, checkpoint_dir, name, alias, tags)
 
 
 class NullTracker(Tracker):
-    """What ranks other than 0 get: the same calls, doing nothing."""
+    """What ranks that do not log get: the same calls, doing nothing."""
 
-    def __init__(self):
-        self.run = None
-        self.run_id = os.environ.get("MLFLOW_RUN_ID", "")
-        self.experiment_id = os.environ.get("MLFLOW_EXPERIMENT_ID", "")
+    thread_safe = False  # nothing to log: no thread for it
 
-    def existing_params(self):
-        return {}
+    def __init__(self, run_id: str = "", experiment_id: str = ""):
+        self.run_id = run_id
+        self.experiment_id = experiment_id
 
     def log_params(self, params):
         return {}
 
-    def set_tags(self, tags):
+    def set_name(self, name):
         pass
 
-    def set_name(self, name):
+    def set_tags(self, tags):
         pass
 
     def log_metrics(self, metrics, step=None, synchronous=True):
@@ -144,84 +194,127 @@ class NullTracker(Tracker):
     def log_artifacts(self, path, artifact_path=None):
         pass
 
+    def set_note(self, text):
+        pass
 
-def _select_experiment(experiment: str | None) -> None:
-    # Under `mlflow run` the experiment is already chosen (MLFLOW_EXPERIMENT_ID / the run id), and
-    # set_experiment() would fight it; only a plain `vitreg` call picks one.
-    if experiment and not os.environ.get("MLFLOW_RUN_ID"):
-        mlflow.set_experiment(experiment)
+    def register_checkpoint(self, checkpoint_dir, name, alias, tags):
+        return None
+
+
+def note_skipped_params(skipped: dict, progress) -> None:
+    """Say which params ``mlflow run`` had already logged as typed (the resolved values are tags)."""
+    if skipped:
+        progress("kept the params mlflow run logged as typed (" +
+                 ", ".join(f"{k}={v}" for k, v in skipped.items()) + "); the resolved values are tags")
+
+
+def requested_run_id() -> str | None:
+    """The run ``mlflow run`` asked this process to log into (``MLFLOW_RUN_ID``), if any."""
+    return os.environ.get("MLFLOW_RUN_ID") or None
+
+
+def env_for_run(env: dict, run_id: str, experiment_id: str) -> dict:
+    """``env`` for a child process that resumes run ``run_id`` (as ``mlflow run`` hands a process its run)."""
+    return {**env, "MLFLOW_RUN_ID": run_id, "MLFLOW_EXPERIMENT_ID": str(experiment_id)}
+
+
+def without_requested_run(env: dict) -> dict:
+    """``env`` without the variables through which ``mlflow run`` hands a process its run: for child
+    processes that must not log into (or end) this process's run."""
+    return {k: v for k, v in env.items() if k not in ("MLFLOW_RUN_ID", "MLFLOW_EXPERIMENT_ID")}
+
+
+def _experiment_name(experiment: str | None) -> str:
+    """The experiment a new run goes to: the one asked for, else MLflow's own environment choice, else Default.
+    (Under ``mlflow run`` the run exists already and names its experiment.)"""
+    if experiment:
+        return experiment
+    if os.environ.get("MLFLOW_EXPERIMENT_NAME"):
+        return os.environ["MLFLOW_EXPERIMENT_NAME"]
+    if os.environ.get("MLFLOW_EXPERIMENT_ID"):
+        with short_http_requests(), store_errors(mlflow.get_tracking_uri(), "reading the experiment"):
+            return MlflowClient().get_experiment(os.environ["MLFLOW_EXPERIMENT_ID"]).name
+    return "Default"
 
 
 @contextlib.contextmanager
 def tracked_run(run_name: str | None = None, experiment: str | None = None, system_metrics: bool = True,
-                tags: dict | None = None, nested: bool = False):
-    """Start (or resume, under ``mlflow run``) a run and yield a :class:`Tracker`.
+                tags: dict | None = None, offline: bool | None = None):
+    """Start (or resume, under ``mlflow run``) a run and yield its tracker: a
+    :class:`~vitreg.tracking.spooling.SpoolingTracker`, so the work never waits on the server and nothing
+    measured is lost when the server goes away (it stays in the local spool; ``vitreg sync`` delivers it).
 
-    On :class:`VitregError` the run ends FAILED with the message in the ``vitreg_error`` tag; on
-    Ctrl-C it ends KILLED; on any other exception FAILED with the exception's type and message.
-    Ranks other than 0 get a :class:`NullTracker` and never touch the server.
+    The run always ends with a true status: FINISHED; FAILED on :class:`VitregError` (the message in the
+    ``vitreg_error`` tag, its class in ``vitreg_error_kind``) or any other exception; KILLED on Ctrl-C,
+    SIGTERM or SIGHUP. Ranks other than 0 get a :class:`NullTracker` and never touch the server.
     """
     if not is_main_process():
         yield NullTracker()
         return
-    check_server()
-    try:
-        _select_experiment(experiment)
-        if system_metrics:
-            # GPU utilisation, memory and power curves (psutil + nvidia-ml-py) sampled in a thread.
-            mlflow.set_system_metrics_sampling_interval(2)
-            mlflow.set_system_metrics_samples_before_logging(1)
-        run = mlflow.start_run(run_name=None if os.environ.get("MLFLOW_RUN_ID") else run_name,
-                               log_system_metrics=system_metrics, tags=tags, nested=nested)
-    except mlflow.exceptions.MlflowException as exc:
-        raise VitregError(f"cannot start an MLflow run at {mlflow.get_tracking_uri()}: "
-                          f"{str(exc).splitlines()[0]} (check MLFLOW_TRACKING_URI / the server)") from None
-    except Exception as exc:  # connection refused, DNS, ...: say where, not a traceback
-        raise VitregError(f"cannot reach the MLflow tracking server at {mlflow.get_tracking_uri()}: "
-                          f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''} "
-                          f"(start it with `make server` or unset MLFLOW_TRACKING_URI)") from None
-    tracker = Tracker(run)
+    uri = mlflow.get_tracking_uri()
+    prepare_store(uri)  # a fresh sqlite file: created once, under a lock, even with several processes at once
+    if not offline_mode(offline):
+        check_server()
+    tracker = open_run(_experiment_name(experiment), None if requested_run_id() else run_name, tags=tags,
+                       offline=offline)
+    monitor = _system_metrics(tracker) if system_metrics else None
     try:
         yield tracker
     except VitregError as exc:
-        _fail(str(exc), "FAILED", kind=type(exc).__name__)
+        _end(tracker, monitor, "FAILED", str(exc), type(exc).__name__)
         raise
-    except KeyboardInterrupt:
-        _fail("interrupted (Ctrl-C)", "KILLED")
+    except KeyboardInterrupt as exc:  # Ctrl-C, and SIGTERM/SIGHUP (vitreg.signals.Terminated)
+        _end(tracker, monitor, "KILLED", interrupted_reason(exc))
         raise
     except BaseException as exc:
-        _fail(f"{type(exc).__name__}: {exc}", "FAILED")
+        _end(tracker, monitor, "FAILED", f"{type(exc).__name__}: {exc}")
         raise
     else:
-        mlflow.end_run("FINISHED")
+        _end(tracker, monitor, "FINISHED")
 
 
-def _fail(message: str, status: str, kind: str | None = None) -> None:
-    try:
-        mlflow.set_tags({ERROR_TAG: " ".join(message.split())[:4000], **({ERROR_KIND_TAG: kind} if kind else {})})
-    finally:
-        mlflow.end_run(status)
+def _system_metrics(tracker):
+    """GPU utilisation, memory and power curves (psutil + nvidia-ml-py), sampled every 2 s in a thread
+    that logs them itself; none offline (nothing reaches the server then)."""
+    if not tracker.run_id or tracker.offline:
+        return None
+    from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+
+    monitor = SystemMetricsMonitor(tracker.run_id, sampling_interval=2, samples_before_logging=1)
+    monitor.start()
+    return monitor
+
+
+def _end(tracker, monitor, status: str, message: str | None = None, kind: str | None = None) -> None:
+    if monitor is not None:
+        with short_http_requests():
+            monitor.finish()
+    if message:
+        tracker.set_tags({ERROR_TAG: " ".join(message.split())[:4000], **({ERROR_KIND_TAG: kind} if kind else {})})
+    tracker.close(status)
 
 
 def fail_requested_run(message: str) -> None:
     """Mark the run that ``mlflow run`` created FAILED when we fail before :func:`tracked_run` opened it."""
-    run_id = os.environ.get("MLFLOW_RUN_ID")
+    run_id = requested_run_id()
     if not run_id or not is_main_process():
         return
     try:
-        client = MlflowClient()
-        if client.get_run(run_id).info.status != "RUNNING":
-            return  # tracked_run already ended it, with the reason
-        client.set_tag(run_id, ERROR_TAG, " ".join(message.split())[:4000])
-        client.set_terminated(run_id, "FAILED")
+        with short_http_requests():  # a dead server costs seconds here, not MLflow's minutes of retries
+            client = MlflowClient()
+            if client.get_run(run_id).info.status != "RUNNING":
+                return  # tracked_run already ended it, with the reason
+            client.set_tag(run_id, ERROR_TAG, " ".join(message.split())[:4000])
+            client.set_terminated(run_id, "FAILED")
     except Exception as exc:  # the server is the problem; say so and keep the user's error first
-        print(f"[vitreg] could not mark run {run_id} FAILED: {exc}", file=sys.stderr)
+        print(f"[vitreg] could not mark run {run_id} FAILED: {first_line(exc)}", file=sys.stderr)
 
 
 def check_server(timeout: float = 5.0) -> None:
     """Fail fast, in one line, when the tracking URI is a server that does not answer.
 
-    MLflow's client retries for minutes against a dead server; a user deserves the answer now.
+    MLflow's client retries for minutes against a dead server; a user deserves the answer now. A URI with
+    credentials (``http://user:password@host``) is checked with them as a header, and shown masked.
     """
     uri = mlflow.get_tracking_uri()
     if not uri.startswith(("http://", "https://")):
@@ -229,18 +322,20 @@ def check_server(timeout: float = 5.0) -> None:
     import urllib.error
     import urllib.request
 
+    base, headers = without_credentials(uri)
     try:
-        with urllib.request.urlopen(uri.rstrip("/") + "/health", timeout=timeout) as resp:
+        with urllib.request.urlopen(urllib.request.Request(base.rstrip("/") + "/health", headers=headers),
+                                    timeout=timeout) as resp:
             resp.read()
     except urllib.error.HTTPError:
         return  # it answers (an auth wall answers 401): the server is there
-    except (urllib.error.URLError, OSError) as exc:
+    except (urllib.error.URLError, OSError, ValueError) as exc:
         reason = getattr(exc, "reason", exc)
-        raise VitregError(f"the MLflow tracking server at {uri} does not answer ({reason}): start it with "
-                          f"`make server`, or fix/unset MLFLOW_TRACKING_URI") from None
+        raise StoreError(f"the MLflow tracking server at {redact(uri)} does not answer ({reason}): start it with "
+                         f"`make server`, or fix/unset MLFLOW_TRACKING_URI") from None
 
 
-def create_child_run(parent: Tracker, name: str, tags: dict | None = None) -> str:
+def create_child_run(parent: MlflowTracker, name: str, tags: dict | None = None) -> str:
     """A RUNNING child of ``parent`` for a subprocess to resume through MLFLOW_RUN_ID (as `mlflow run` does)."""
     from mlflow.utils.mlflow_tags import MLFLOW_PARENT_RUN_ID, MLFLOW_RUN_NAME
 
@@ -264,7 +359,7 @@ def finish_child_run(run_id: str, returncode: int, stderr: str) -> str:
     return reason
 
 
-def child_runs(parent: Tracker):
+def child_runs(parent: MlflowTracker):
     """The parent's child runs as a search_runs DataFrame."""
     return mlflow.search_runs(experiment_ids=[parent.experiment_id],
                               filter_string=f"tags.mlflow.parentRunId = '{parent.run_id}'")

@@ -41,7 +41,7 @@ def runs_frame(records) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def tidy(runs_df: pd.DataFrame) -> pd.DataFrame:
+def tidy(runs_df: pd.DataFrame, axes: tuple[str, ...] = ()) -> pd.DataFrame:
     """Reshape ``mlflow.search_runs()`` output into one row per (run, task).
 
     Keeps FINISHED runs and runs imported from timm (``tags.source == "timm"``); everything else
@@ -61,12 +61,23 @@ def tidy(runs_df: pd.DataFrame) -> pd.DataFrame:
     (times ``params.nnodes``), else 1. ``batch_size``, ``img_size`` and ``nproc``
     are nullable integers.
 
+    ``mismatch`` is true for a mislabelled run: tagged ``gpu_mismatch=true``, or its ``detected_gpu``
+    tag is not its ``gpu``, or it ran on the CPU (``device=cpu``, ``gpu_name=none``) under a GPU label;
+    ``ran_on`` is the hardware it ran on where that is known (else NaN). A mislabelled run's ``mfu`` is NaN: it
+    was computed against the peak of hardware that did not run it.
+
+    ``axes``: more columns to carry, each the run's tag of that name, else its param (``torch_version``,
+    ``timm_version``, ``vitreg_git_sha``, ...), NaN where the run has neither; compare goes along them.
+
     Raises :class:`CompareError` when the frame is empty or holds no finished run with metrics.
     """
     if runs_df is None or len(runs_df) == 0:
         raise CompareError(NO_RUNS)
     df, source = _finished(runs_df.reset_index(drop=True))
     base = _configurations(df, source)
+    carried = [a for a in dict.fromkeys(axes) if a not in ID_COLUMNS]
+    for axis in carried:
+        base[axis] = _coalesce(df, f"tags.{axis}", f"params.{axis}")
     task_param = _coalesce(df, "params.task").str.lower()
     parts = [p for p in (_task_rows(df, base, task, task_param) for task in TASKS) if p is not None]
     if not parts:
@@ -78,8 +89,9 @@ def tidy(runs_df: pd.DataFrame) -> pd.DataFrame:
     for name in ALL_METRICS:
         if name not in out:
             out[name] = np.nan
-    extra = [c for c in out.columns if c not in ID_COLUMNS and c not in ALL_METRICS]
-    out = out[list(ID_COLUMNS) + list(ALL_METRICS) + sorted(extra)]
+    out.loc[out["mismatch"], "mfu"] = np.nan
+    extra = [c for c in out.columns if c not in ID_COLUMNS and c not in ALL_METRICS and c not in carried]
+    out = out[list(ID_COLUMNS) + carried + list(ALL_METRICS) + sorted(extra)]
     return out.sort_values(["model", "task", "gpu", "run_id"], kind="stable").reset_index(drop=True)
 
 
@@ -126,7 +138,22 @@ def _configurations(df: pd.DataFrame, source: pd.Series) -> pd.DataFrame:
     per_host = _integer(df, "params.nproc").fillna(1)
     base["nproc"] = _integer(df, "tags.world_size").fillna(per_host * _integer(df, "params.nnodes").fillna(1))
     base["ddp"] = _ddp_setting(df, base["nproc"])
+    base["mismatch"], base["ran_on"] = _hardware(df, base["gpu"])
     return base
+
+
+def _hardware(df: pd.DataFrame, gpu: pd.Series) -> tuple[pd.Series, pd.Series]:
+    """(mislabelled?, the hardware it ran on) per run, from what the run says of its hardware: the
+    ``gpu_mismatch`` tag vitreg sets when a label is forced, the detected profile (``detected_gpu``), and
+    the device or GPU name (a CPU run under a GPU label, from runs that predate the other tags)."""
+    label = gpu.astype(str).str.lower()
+    flagged = _coalesce(df, "tags.gpu_mismatch").map(_is_true).astype(bool)
+    detected = _coalesce(df, "tags.detected_gpu").str.lower()
+    on_cpu = ((_coalesce(df, "tags.device").str.lower() == "cpu")
+              | (_coalesce(df, "tags.gpu_name").str.lower() == "none"))
+    ran_on = detected.where(detected.notna(), pd.Series(np.where(on_cpu, "cpu", None), index=df.index))
+    mismatch = flagged | (ran_on.notna() & (ran_on != label) & (label != "unknown"))
+    return mismatch.astype(bool), ran_on.astype(object).where(ran_on.notna(), np.nan)
 
 
 def _task_rows(df: pd.DataFrame, base: pd.DataFrame, task: str, task_param: pd.Series) -> pd.DataFrame | None:
@@ -228,3 +255,28 @@ def _integer(df: pd.DataFrame, col: str) -> pd.Series:
         return pd.Series(pd.NA, index=df.index, dtype="Int64")
     num = pd.to_numeric(df[col], errors="coerce")
     return num.round().astype("Int64")
+
+
+def experiment_links(store_uri: str, ui_url: str) -> list[str]:
+    """``NAME (N runs): URL`` for each experiment of ``store_uri`` that has runs, URL being its runs list
+    in the MLflow UI at ``ui_url`` (MLflow 3's UI opens an experiment on its GenAI overview; ``/runs``
+    opens the runs). Nothing when the store holds no runs yet."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=store_uri)
+    links = []
+    for exp in client.search_experiments():
+        n = len(client.search_runs([exp.experiment_id], max_results=1000))
+        if n:
+            links.append(f"{exp.name} ({n} runs): {ui_url}/#/experiments/{exp.experiment_id}/runs")
+    return links
+
+
+def print_experiment_links(store_uri: str, ui_url: str) -> None:
+    """What ``make ui`` says before the UI starts: where each experiment's runs are."""
+    links = experiment_links(store_uri, ui_url)
+    print(f"MLflow UI on {ui_url} (store {store_uri}); the runs of each experiment:" if links else
+          f"MLflow UI on {ui_url}: no runs in {store_uri} yet (make bench logs one); experiments: "
+          f"{ui_url}/#/experiments")
+    for line in links:
+        print(f"  {line}")

@@ -25,6 +25,7 @@ from vitreg.tracking.delivery import Delivery, experiment_id_for, first_line, sh
 from vitreg.tracking.spool import Spool, flush_timeout_s, offline_mode
 from vitreg.tracking.stale import heartbeat_period_s
 
+MLFLOW_NOTE = "mlflow.note.content"  # MLflow's run description
 _DELIVERY_INTERVAL_S = 1.0  # at most one round of requests a second while the work goes on
 _WAKE_AT_RECORDS = 200  # ... or sooner, when this many records are pending
 _BACKOFF_FIRST_S, _BACKOFF_MAX_S = 0.5, 8.0
@@ -144,6 +145,38 @@ class SpoolingTracker:
     def artifact_uri(self, path: str = "") -> str:
         base = f"runs:/{self.run_id}"
         return f"{base}/{path}" if path else base
+
+    def set_note(self, text: str) -> None:
+        """The run's description in the MLflow UI (MLflow's own ``mlflow.note.content`` tag)."""
+        self._journal(self.spool.append_tags({MLFLOW_NOTE: text}))
+
+    def wait_delivered(self, timeout_s: float) -> bool:
+        """Wake the delivery thread; True once everything journaled so far is on the server (False offline,
+        or when ``timeout_s`` passes first)."""
+        if self.offline:
+            return False
+        deadline = time.monotonic() + timeout_s
+        while True:
+            with self._pending_lock:
+                if not self._pending:
+                    return True
+            if time.monotonic() >= deadline:
+                return False
+            self._wake.set()
+            time.sleep(0.05)
+
+    def register_checkpoint(self, checkpoint_dir, name: str, alias: str | None, tags: dict):
+        """Register once the run's files are on the server (the version points at them); a run still in the
+        spool cannot be registered yet: one line says how to do it after ``vitreg sync``."""
+        from vitreg.errors import VitregError
+        from vitreg.tracking.registry import register_checkpoint
+
+        if not self.wait_delivered(flush_timeout_s(None)):
+            raise VitregError(f"cannot register {name!r} yet: the run is not on the tracking server "
+                              f"({self._last_error or 'offline'}); deliver it with `vitreg sync --spool "
+                              f"{self.spool.path}`, then `vitreg register {self.artifact_uri('checkpoints/last')} "
+                              f"--name {name}`")
+        return register_checkpoint(self, checkpoint_dir, name, alias, tags)
 
     # ----------------------------------------------------------------- the end
 

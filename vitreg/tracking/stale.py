@@ -20,8 +20,7 @@ from mlflow.tracking import MlflowClient
 
 from vitreg.config.parse import parse_float
 from vitreg.errors import VitregError
-from vitreg.tracking.delivery import HEARTBEAT_TAG, short_http_requests, store_errors
-from vitreg.tracking.runs import ERROR_TAG
+from vitreg.tracking.delivery import ERROR_TAG, HEARTBEAT_TAG, short_http_requests, store_errors
 
 DEFAULT_HEARTBEAT_S = 30.0
 DEFAULT_STALE_AFTER_S = 600.0

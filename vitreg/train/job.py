@@ -19,17 +19,18 @@ Checkpoint sources (``resume=``, ``teacher=``) go through the one resolver,
 :mod:`vitreg.train.registration`.
 
 DDP (``nproc > 1``), as ``bench`` does it: the process the user started becomes the launcher
-(:func:`_launch_train`). It opens the one MLflow run (or resumes ``mlflow run``'s), checks what
+(:func:`_launch_train`). It holds the one MLflow run (or resumes ``mlflow run``'s), checks what
 needs no GPU (model name, data layout, ``nproc`` against the visible GPUs; any ``nproc`` on the
-CPU, with gloo), and re-executes the same ``train`` under torchrun through
-:func:`vitreg.dist.launcher.launch_tracked`, which ends the run FAILED with the failing rank's error and
-passes its exit status on. Each rank joins the process group, trains its own shard (an
-``EpochSampler`` shard of an ImageFolder, or synthetic batches seeded by rank) with
-``batch_size`` images per process, and only rank 0 logs (the others get a NullTracker), writes
-checkpoints and registers. Curves carry the loss averaged over the ranks and img/s summed over
-them; the summary throughput is the sum of the ranks' rates and the step time the slowest
-rank's (``ranks.json`` keeps each rank's). The ranks wait for rank 0 at a barrier before leaving,
-so none exits while rank 0 still uploads or registers.
+CPU, with gloo), and runs the same ``train`` under torchrun through
+:func:`vitreg.dist.launcher.launched`, which logs what rank 0 hands back, ends the run FAILED with
+the failing rank's error and passes its exit status on. Each rank joins the process group, trains
+its own shard (an ``EpochSampler`` shard of an ImageFolder, or synthetic batches seeded by rank)
+with ``batch_size`` images per process; no rank talks to MLflow: rank 0's tracker hands its calls
+(curves, checkpoints, the registration request) to the launcher, the others get a NullTracker.
+Curves carry the loss averaged over the ranks and img/s summed over them; the summary throughput
+is the sum of the ranks' rates and the step time the slowest rank's (``ranks.json`` keeps each
+rank's). The ranks wait for rank 0 at a barrier before leaving, so none exits while rank 0 still
+hands back its checkpoints. The launcher registers the checkpoint once the hand-off is logged.
 """
 
 from __future__ import annotations
@@ -42,7 +43,6 @@ import tempfile
 from dataclasses import asdict
 from pathlib import Path
 
-from vitreg.bench.job import label_launcher_run, resolved_tags, world_tags
 from vitreg.config.spec import TrainSpec
 from vitreg.console import progress, quiet
 from vitreg.dist import launcher as launch
@@ -53,6 +53,7 @@ from vitreg.hardware.runtime import resolve_runtime, run_context
 from vitreg.models.factory import check_model_name, create_model
 from vitreg.tracking import checkpoints
 from vitreg.tracking import runs as tracking
+from vitreg.tracking.tags import label_launcher_run, resolved_tags, world_tags
 from vitreg.train.progress import Progress
 from vitreg.train.registration import check_registration, register_if_requested
 from vitreg.train.run_logger import CHECKPOINT_ARTIFACTS, CheckpointUploader, RunLogger
@@ -78,7 +79,7 @@ def teacher_loader(uri: str):
 def train_tags(spec: TrainSpec, hw, runtime, info, data_kind: str) -> dict:
     """bench's resolved tags (names people group by) plus the training ones."""
     return {
-        **resolved_tags(spec, hw, runtime, info.img_size),
+        **resolved_tags(spec, hw, runtime, info.img_size, task="train"),
         "vitreg_job": "train",
         "precision": runtime.precision.label,  # what ran: fp32, tf32, autocast-bf16, autocast-fp16
         "sdpa": spec.sdpa,
@@ -110,29 +111,31 @@ def train(options: dict, experiment: str | None = None, run_name: str | None = N
           rdzv_endpoint: str | None = None):
     """Train one model and log it as one MLflow run; returns the engine's TrainResult.
 
-    ``nproc > 1`` outside torchrun launches torchrun (see the module docstring) and returns None in
-    this launching process; ``nnodes``/``node_rank``/``rdzv_endpoint`` spread the job over several
-    hosts (the same command on each; node 0 holds rank 0, the run, the checkpoints and the
+    ``nproc > 1`` (or ``nnodes > 1``) launches torchrun (see the module docstring) and returns None
+    in this launching process; ``nnodes``/``node_rank``/``rdzv_endpoint`` spread the job over
+    several hosts (the same command on each; node 0 holds rank 0, the run, the checkpoints and the
     registration). Inside torchrun (a vitreg launcher's, or one the user started) this is one rank
     of the job. ``sampler_factory(dataset)`` replaces the built-in rank-sharded sampler of
     ImageFolder data (it must give every rank the same number of batches).
     """
     command = command or " ".join(shlex.quote(a) for a in sys.argv)
-    if launch.wants_torchrun(options, nnodes):
-        return _launch_train(options, experiment, run_name, progress, nnodes, node_rank, rdzv_endpoint)
+    inside = distributed.inside_torchrun()
     workdir = Path(tempfile.mkdtemp(prefix="vitreg-train-"))  # downloaded resume source + local checkpoints
     world = distributed.World()
     try:
-        # Under a vitreg launcher, the launcher samples system metrics for the whole job (one sampler per run).
-        with tracking.tracked_run(run_name=run_name, experiment=experiment,
-                                  system_metrics=not launch.launched_by_vitreg()) as run:
+        opened = (launch.rank_run(run_name, experiment) if inside else
+                  launch.launcher_run(run_name, experiment, node_rank if nnodes > 1 else 0))
+        with opened as run:
+            spec = None if inside else TrainSpec.from_options(options)  # the launcher's plan
+            if spec is not None and launch.needs_torchrun(spec.nproc, nnodes):
+                return _launch_train(run, spec, options, run_name, progress, nnodes, node_rank, rdzv_endpoint)
             result, world = _train_in_run(run, options, workdir, progress, command, run_name,
                                           sampler_factory=sampler_factory)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     if world.distributed:
-        # Rank 0 gets here after its uploads, registration and end_run: until then the other ranks
-        # wait, so torchrun never sees the job "done" (or tears it down) while rank 0 is still logging.
+        # Rank 0 gets here after its uploads: until then the other ranks wait, so torchrun never
+        # sees the job "done" (or tears it down) while rank 0 is still handing back or logging.
         distributed.barrier()
         distributed.destroy()
     if world.is_main:  # rank 0 speaks for a DDP job
@@ -140,30 +143,32 @@ def train(options: dict, experiment: str | None = None, run_name: str | None = N
     return result
 
 
-def _launch_train(options, experiment, run_name, progress, nnodes=1, node_rank=0, rdzv_endpoint=None):
-    """The launcher: one run for the whole job, the checks that need no GPU, torchrun, the verdict."""
+def _launch_train(run, spec: TrainSpec, options, run_name, progress, nnodes=1, node_rank=0, rdzv_endpoint=None):
+    """The launcher (``run`` is None on a node other than 0): the checks that need no GPU, torchrun,
+    then the registration rank 0 asked for, against the run its hand-off was logged into."""
     from vitreg.train.data import resolve_num_classes
 
-    with launch.launcher_run(run_name, experiment, node_rank) as run:  # None on a node other than 0
-        spec = TrainSpec.from_options(options)
-        check_model_name(spec.model)  # fail here, once, rather than in every rank
-        launch.check_nodes(nnodes, node_rank, rdzv_endpoint)
-        if node_rank == 0:
-            check_registration(spec)
-        resolve_num_classes(spec.replace(num_classes=0))  # data=PATH: its layout, once (not per rank)
-        if spec.resume and not spec.resume.startswith(("runs:/", "models:/")) and "://" not in spec.resume:
-            resolve_checkpoint_source(spec.resume)  # a local path that does not exist
-        launch.check_nproc(spec.nproc, spec.device, launch.visible_gpu_count())
-        label_launcher_run(run, spec, "train")
-        argv = ["-m", "vitreg.cli", "train", *launch.options_to_args(options)]
-        if run_name:
-            argv += ["--run-name", run_name]
-        world = spec.nproc * nnodes
-        if run is not None:
-            progress(f"run {run.run_id} at {tracking.tracking_uri()}: {spec.nproc} process(es) per node x {nnodes} "
-                     f"node(s) (DDP), batch_size={spec.batch_size} per process ({world * spec.batch_size} images "
-                     f"per step)")
-        launch.launch_tracked(argv, spec.nproc, run, nnodes, node_rank, rdzv_endpoint, progress)
+    check_model_name(spec.model)  # fail here, once, rather than in every rank
+    launch.check_nodes(nnodes, node_rank, rdzv_endpoint)
+    if node_rank == 0:
+        check_registration(spec)
+    resolve_num_classes(spec.replace(num_classes=0))  # data=PATH: its layout, once (not per rank)
+    if spec.resume and not spec.resume.startswith(("runs:/", "models:/")) and "://" not in spec.resume:
+        resolve_checkpoint_source(spec.resume)  # a local path that does not exist
+    launch.check_nproc(spec.nproc, spec.device, launch.visible_gpu_count())
+    label_launcher_run(run, spec, "train", task="train")
+    argv = ["-m", "vitreg.cli", "train", *launch.options_to_args(options)]
+    if run_name:
+        argv += ["--run-name", run_name]
+    world = spec.nproc * nnodes
+    if run is not None:
+        progress(f"run {run.run_id} at {tracking.tracking_uri()}: {spec.nproc} process(es) per node x {nnodes} "
+                 f"node(s) (DDP), batch_size={spec.batch_size} per process ({world * spec.batch_size} images "
+                 f"per step)")
+    with launch.launched(argv, spec.nproc, run, nnodes, node_rank, rdzv_endpoint, progress) as handed:
+        request = handed.registration
+        if run is not None and request is not None:
+            register_if_requested(run, spec, request["path"], request["tags"])
     return None
 
 

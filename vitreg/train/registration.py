@@ -18,13 +18,14 @@ def check_registration(spec: TrainSpec) -> None:
 
 def register_if_requested(tracker, spec: TrainSpec, checkpoint_dir, tags: dict):
     """When ``register_as`` is set, register the final checkpoint (already logged under ``checkpoints/last``)
-    as a new version of that model and move the alias; returns the ModelVersion, or None."""
+    as a new version of that model and move the alias; returns the ModelVersion, or None. Under a
+    vitreg launcher rank 0's tracker hands the request back, and the launcher calls this with its run."""
     if not spec.register_as:
         return None
     if checkpoint_dir is None:
         raise VitregError(f"register_as={spec.register_as} but this run wrote no checkpoint")
     try:
-        return registry.register_checkpoint(tracker, Path(checkpoint_dir), spec.register_as, spec.alias, tags)
+        return tracker.register_checkpoint(Path(checkpoint_dir), spec.register_as, spec.alias, tags)
     except VitregError as exc:
         # the training is done and its checkpoint logged: say how to register it once the cause is fixed
         raise VitregError(f"{exc} (the checkpoint is logged: once fixed, `vitreg register "

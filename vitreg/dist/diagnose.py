@@ -1,0 +1,128 @@
+"""Why a torchrun job failed: the root-cause rank, its one-line error and its own exit status.
+
+Failures come back the way torch elastic passes them: torchrun gives every worker an error file
+(``TORCHELASTIC_ERROR_FILE``, ``<log_dir>/<run>/attempt_<N>/<local_rank>/error.json``) and a worker
+that fails writes its error there (:func:`record_error`, in torch's format, so torchrun's own failure
+summary shows it too). The first file written names the root cause. A worker killed by a signal
+writes nothing; then the last error line of a worker's stderr log names it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"
+
+
+def record_error(message: str, exit_code: int, callstack: str = "") -> None:
+    """In a torchrun worker: write this worker's failure to its error file (a no-op elsewhere).
+
+    The first failure recorded wins (vitreg's own ``error: ...`` before the worker shim's exit)."""
+    path = os.environ.get(ERROR_FILE_ENV)
+    if not path or os.path.exists(path):
+        return
+    data = {"message": {"message": message, "errorCode": exit_code,
+                        "extraInfo": {"py_callstack": callstack, "timestamp": str(int(time.time()))}}}
+    try:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(data))
+    except OSError:
+        pass  # the launcher then falls back to the stderr logs
+
+
+_ERROR_LINE = re.compile(r"(?:[A-Za-z_]\w*\.)*[A-Za-z_]\w*(?:Error|Exception|Interrupt|Exit)(?::.*)?")
+
+
+def last_error_line(text: str) -> str | None:
+    """The last line of a worker's stderr that states an error: vitreg's ``error: ...`` or the last
+    line of a Python traceback (``RuntimeError: ...``). None if there is none."""
+    for line in reversed(text.splitlines()):
+        if not line or line[0].isspace():
+            continue  # traceback frames and their source lines are indented
+        line = line.rstrip()
+        if line.startswith("error: "):
+            return line[len("error: "):]
+        if _ERROR_LINE.fullmatch(line):
+            return line
+    return None
+
+
+@dataclass(frozen=True)
+class LaunchOutcome:
+    """What became of a torchrun job, as seen from this host's launcher."""
+
+    returncode: int  # torchrun's own status (1 whenever a worker failed)
+    exit_code: int  # the status to exit with: the root-cause worker's own one where it recorded it
+    rank: int | None  # the root-cause rank (global), if one could be named
+    error: str | None  # its one-line error
+    log_dir: Path
+    nproc: int = 1
+    node_rank: int = 0
+
+    @property
+    def ok(self) -> bool:
+        return self.returncode == 0
+
+    @property
+    def message(self) -> str:
+        if self.ok:
+            return "all ranks finished"
+        if self.rank is None:
+            return (f"torchrun exited with status {self.returncode} and no rank reported an error (a rendezvous "
+                    f"or launch failure, or ranks killed by a signal such as the OOM killer's): see the output above")
+        if self.error:
+            return f"rank {self.rank}: {self.error}"
+        return f"rank {self.rank} exited with status {self.exit_code} without an error message (killed?)"
+
+    def rank_logs(self) -> dict[int, dict[str, Path]]:
+        """``{global_rank: {"stdout": path, "stderr": path}}`` of the files torchrun wrote."""
+        out: dict[int, dict[str, Path]] = {}
+        for path in sorted(self.log_dir.glob("*/attempt_*/*/std*.log")):
+            out.setdefault(self._global(path.parent), {})[path.stem] = path
+        return out
+
+    def _global(self, rank_dir: Path) -> int:
+        return self.node_rank * self.nproc + int(rank_dir.name)  # static rendezvous: node-major ranks
+
+
+def _error_files(log_dir: Path) -> list[tuple[float, Path, dict]]:
+    """Every worker's error file, first written first: ``(time, rank folder, the error)``."""
+    found = []
+    for path in log_dir.glob("*/attempt_*/*/error.json"):
+        try:
+            error = json.loads(path.read_text())["message"]
+            found.append((path.stat().st_mtime, path.parent, error))
+        except (ValueError, KeyError, TypeError, OSError):
+            continue
+    return sorted(found, key=lambda f: f[0])
+
+
+def _stderr_of(rank_dir: Path) -> str:
+    path = rank_dir / "stderr.log"
+    return path.read_text(errors="replace") if path.exists() else ""
+
+
+def diagnose(returncode: int, log_dir: Path, nproc: int, node_rank: int = 0) -> LaunchOutcome:
+    """Name the root cause of a failed job: the first error file written, else the first rank (rank 0
+    first) whose stderr ends with an error line; its message, and its exit status where it recorded one."""
+    log_dir = Path(log_dir)
+    outcome = LaunchOutcome(returncode, returncode, None, None, log_dir, nproc, node_rank)
+    if returncode == 0:
+        return LaunchOutcome(0, 0, None, None, log_dir, nproc, node_rank)
+    errors = _error_files(log_dir)
+    if errors:
+        _, rank_dir, error = errors[0]
+        message = error.get("message") or last_error_line(_stderr_of(rank_dir))
+        code = int(error.get("errorCode") or returncode)
+        return LaunchOutcome(returncode, code, outcome._global(rank_dir), message, log_dir, nproc, node_rank)
+    rank_dirs = sorted({p.parent for p in log_dir.glob("*/attempt_*/*/stderr.log")}, key=lambda d: int(d.name))
+    for rank_dir in rank_dirs:
+        error = last_error_line(_stderr_of(rank_dir))
+        if error:
+            return LaunchOutcome(returncode, returncode, outcome._global(rank_dir), error, log_dir, nproc, node_rank)
+    return outcome

@@ -1,0 +1,193 @@
+"""Rank 0 -> launcher: what a rank would log, written down for the launcher to log.
+
+Under a vitreg launcher no rank talks to MLflow. Rank 0 gets a :class:`HandoffTracker` on a
+folder the launcher gave it: every tracker call becomes one JSON line of ``calls.jsonl`` (in call
+order) and every file or folder to log is copied (hard-linked where it can be) under ``files/``.
+While torchrun runs, and once more when it is done, the launcher reads the new lines
+(:class:`HandoffReader`) and replays them into the run it holds (:func:`replay`): curves and
+checkpoints show up during a training as they would from rank 0 itself. The figures the launcher
+relates to a baseline come from the same :class:`Handoff`, not from the store. The launcher writes ``run.json`` first, so that rank 0 names
+the run it is logging for (progress lines, checkpoint metadata, artifact URIs).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+from vitreg.tracking.runs import Tracker, clean_metrics, clean_tags, dict_text, note_skipped_params
+
+CALLS = "calls.jsonl"
+RUN = "run.json"
+FILES = "files"
+
+
+def announce_run(directory, run_id: str, experiment_id: str) -> None:
+    """The launcher's side, before torchrun: which run rank 0's calls are for ("" for none)."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / RUN).write_text(json.dumps({"run_id": run_id, "experiment_id": experiment_id}))
+
+
+def _copy(src: Path, dst: Path) -> None:
+    """Hard links where the file system allows (a checkpoint is not copied twice), else copies."""
+    def link_or_copy(a, b):
+        try:
+            os.link(a, b)
+        except OSError:
+            shutil.copy2(a, b)
+
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    if src.is_dir():
+        shutil.copytree(src, dst, copy_function=link_or_copy)
+    else:
+        link_or_copy(src, dst)
+
+
+class HandoffTracker(Tracker):
+    """Rank 0's tracker under a vitreg launcher: writes every call down (see the module docstring)."""
+
+    thread_safe = True  # one lock orders the lines
+
+    def __init__(self, directory):
+        self.directory = Path(directory)
+        run = json.loads((self.directory / RUN).read_text())
+        self.run_id, self.experiment_id = run["run_id"], run["experiment_id"]
+        self._lock = threading.Lock()
+        self._files = 0
+
+    def _write(self, call: str, **fields) -> None:
+        with self._lock, open(self.directory / CALLS, "a") as out:
+            out.write(json.dumps({"call": call, **fields}, default=str) + "\n")
+
+    def _keep(self, path) -> str:
+        """A copy of ``path`` under files/ that outlives the rank's own temporary folders. The parent
+        folder's name is kept: the registry names ``checkpoints/<name>`` folders as run artifacts."""
+        path = Path(path)
+        with self._lock:
+            self._files += 1
+            rel = f"{FILES}/{self._files}/{path.parent.name or 'root'}/{path.name}"
+        _copy(path, self.directory / rel)
+        return rel
+
+    def log_params(self, params):
+        self._write("log_params", params={k: str(v) for k, v in params.items()})
+        return {}  # the launcher's replay finds out what `mlflow run` already logged
+
+    def set_name(self, name):
+        self._write("set_name", name=name)
+
+    def set_tags(self, tags):
+        self._write("set_tags", tags=clean_tags(tags))
+
+    def log_metrics(self, metrics, step=None, synchronous=True):
+        self._write("log_metrics", metrics=clean_metrics(metrics), step=step)
+
+    def flush(self):
+        pass  # every line is written when the call returns
+
+    def log_text(self, text, artifact_file):
+        self._write("log_text", text=text, artifact_file=artifact_file)
+
+    def log_dict(self, data, artifact_file):
+        self._write("log_text", text=dict_text(data), artifact_file=artifact_file)
+
+    def set_note(self, text):
+        self._write("set_note", text=text)
+
+    def log_artifact(self, path, artifact_path=None):
+        self._write("log_artifact", path=self._keep(path), artifact_path=artifact_path)
+
+    def log_artifacts(self, path, artifact_path=None):
+        self._write("log_artifacts", path=self._keep(path), artifact_path=artifact_path)
+
+    def register_checkpoint(self, checkpoint_dir, name, alias, tags):
+        """Registration is the launcher's, after the replay (the version reads the run's figures)."""
+        self._write("register_checkpoint", path=self._keep(checkpoint_dir), name=name, alias=alias, tags=tags)
+        return None
+
+
+@dataclass(frozen=True)
+class Handoff:
+    """What rank 0 handed back: its calls, in order, and where its files are."""
+
+    directory: Path
+    calls: tuple
+
+    @property
+    def metrics(self) -> dict[str, float]:
+        """The summary metrics (logged without a step): the job's results."""
+        out: dict[str, float] = {}
+        for c in self.calls:
+            if c["call"] == "log_metrics" and c["step"] is None:
+                out.update(c["metrics"])
+        return out
+
+    @property
+    def tags(self) -> dict[str, str]:
+        out: dict[str, str] = {}
+        for c in self.calls:
+            if c["call"] == "set_tags":
+                out.update(c["tags"])
+        return out
+
+    @property
+    def registration(self) -> dict | None:
+        """The last ``register_checkpoint`` call (its ``path`` made absolute), or None."""
+        found = [c for c in self.calls if c["call"] == "register_checkpoint"]
+        return {**found[-1], "path": self.directory / found[-1]["path"]} if found else None
+
+
+class HandoffReader:
+    """Reads rank 0's calls as they are written: each :meth:`read_new` returns the complete lines
+    added since the last one (a line still being written waits for the next read; one cut short
+    by a rank killed while writing it is never read). No file yet: no calls (rank 0 failed first,
+    or this node holds no rank 0)."""
+
+    def __init__(self, directory):
+        self.directory = Path(directory)
+        self._offset = 0
+        self._calls: list[dict] = []
+
+    def read_new(self) -> list[dict]:
+        try:
+            with open(self.directory / CALLS, "rb") as f:
+                f.seek(self._offset)
+                chunk = f.read()
+        except FileNotFoundError:
+            return []
+        complete = chunk[:chunk.rfind(b"\n") + 1]
+        self._offset += len(complete)
+        new = [json.loads(line) for line in complete.decode().splitlines() if line]
+        self._calls += new
+        return new
+
+    @property
+    def handoff(self) -> Handoff:
+        return Handoff(self.directory, tuple(self._calls))
+
+
+def replay(directory, calls: list[dict], tracker: Tracker, progress) -> None:
+    """Log rank 0's ``calls`` (from the hand-off in ``directory``) into ``tracker``'s run, in order;
+    registration is left to the caller."""
+    directory = Path(directory)
+    for c in calls:
+        call = c["call"]
+        if call == "log_params":
+            note_skipped_params(tracker.log_params(c["params"]), progress)
+        elif call == "set_name":
+            tracker.set_name(c["name"])
+        elif call == "set_tags":
+            tracker.set_tags(c["tags"])
+        elif call == "log_metrics":
+            tracker.log_metrics(c["metrics"], c["step"])
+        elif call == "log_text":
+            tracker.log_text(c["text"], c["artifact_file"])
+        elif call == "set_note":
+            tracker.set_note(c["text"])
+        elif call in ("log_artifact", "log_artifacts"):
+            getattr(tracker, call)(directory / c["path"], c["artifact_path"])

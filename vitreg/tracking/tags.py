@@ -1,0 +1,69 @@
+"""What every job's run is labelled with: the setup params and artifacts, the resolved tags, the DDP tags.
+
+Shared by the bench, infer and train jobs, so that none of them imports another. Each caller says
+what it ran (``task``, ``cuda_graph``, the DDP settings) rather than this module guessing it from
+the spec's type.
+"""
+
+from __future__ import annotations
+
+from vitreg.hardware.env import pip_freeze
+from vitreg.tracking.runs import note_skipped_params
+
+
+def log_setup(run, params: dict, env, progress) -> None:
+    """Params (MLflow keeps what `mlflow run` logged as typed; resolved values are tags), then
+    environment.json and pip_freeze.txt."""
+    note_skipped_params(run.log_params(params), progress)
+    run.log_text(env.to_json(), "environment.json")
+    run.log_text(pip_freeze(), "pip_freeze.txt")
+
+
+def _graph_tag(cuda_graph: bool | None) -> dict:
+    """``{"cuda_graph": "true"/"false"}`` for the jobs that can capture; nothing for the others (None)."""
+    return {} if cuda_graph is None else {"cuda_graph": str(cuda_graph).lower()}
+
+
+def resolved_tags(spec, hw, runtime, img_size: int, *, task: str, cuda_graph: bool | None = None) -> dict:
+    """What actually ran, under the names people group by (see tracking's note on params vs tags)."""
+    tags = {
+        "gpu": hw.label,
+        "amp": runtime.amp,
+        "device": runtime.device,
+        "img_size": img_size,
+        "model": spec.model,
+        "task": task,
+        "compile": spec.compile,
+        "batch_size": spec.batch_size,
+        "nproc": spec.nproc,
+        "gpu_mismatch": "true" if hw.mismatch else "false",
+        "detected_gpu": hw.detected.profile.label,
+        "vitreg_job": "bench",
+    }
+    return {**tags, **_graph_tag(cuda_graph)}
+
+
+def label_launcher_run(run, spec, job: str, *, task: str, cuda_graph: bool | None = None) -> None:
+    """Params and the configuration tags on a DDP job's run before torchrun starts, so that a job
+    whose ranks never get to log (a crash at start-up) is still found by model, task, batch and job
+    in the UI. Rank 0's hand-off later adds the resolved tags (gpu, amp, ...) and the environment."""
+    if run is None:
+        return
+    run.log_params(spec.to_params())
+    run.set_tags({"model": spec.model, "task": task, "compile": spec.compile, "batch_size": spec.batch_size,
+                  "nproc": spec.nproc, "vitreg_job": job, **_graph_tag(cuda_graph)})
+
+
+def world_tags(world, runtime, env, ddp_spec=None) -> dict:
+    """Tags of a DDP run; none for a single process (its tags stay as they were). ``ddp_spec``: the
+    spec whose DDP settings wrapped a model (None when nothing was wrapped: inference only)."""
+    if not world.distributed:
+        return {}
+    tags = {"world_size": world.world_size, "nnodes": world.nnodes, "dist_backend": world.backend,
+            "host_gpu_count": env.gpu_count}
+    if ddp_spec is not None:
+        tags.update(ddp_bucket_mb=f"{ddp_spec.ddp_bucket_mb:g}",
+                    ddp_static_graph=str(ddp_spec.ddp_static_graph).lower(), ddp_comm_hook=ddp_spec.ddp_comm_hook)
+    if runtime.device == "cuda":
+        tags["gpu_count"] = world.world_size  # the GPUs this run used, not the ones the host has
+    return tags
