@@ -27,7 +27,7 @@ def results_table(result: BenchResult) -> str:
     widths = [max(len(r[i]) for r in rows) for i in range(len(HEADERS))]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
+    return "\n".join([result.summary_line(), *lines])
 
 
 def _markdown(headers: list[str], rows: list[list[str]]) -> str:
@@ -77,7 +77,7 @@ def report_markdown(result: BenchResult, env: EnvInfo, command: str | None = Non
     cfg_rows = [
         ["model", f"{result.model.name} ({result.model.source}, {result.model.params_m:.1f} M params)"],
         ["image size", str(result.model.img_size)],
-        ["precision", f"{result.amp} (autocast)" if result.amp != "off" else "fp32"],
+        ["precision / attention", result.summary_line()],
         ["compile", f"{spec.compile} ({spec.compile_backend})" if spec.compile != "off" else "off (eager)"],
         ["CUDA graph", f"yes: each step captured once (after {EAGER_STEPS_BEFORE_CAPTURE} eager steps for train, "
                        f"{INFER_EAGER_STEPS_BEFORE_CAPTURE} for infer), timed as replays" if spec.cuda_graph else "no"],
