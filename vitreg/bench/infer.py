@@ -15,7 +15,7 @@ import tempfile
 
 from vitreg.tracking import checkpoints, naming
 from vitreg.tracking import runs as tracking
-from vitreg.tracking.tags import log_setup, resolved_tags
+from vitreg.tracking.tags import log_setup, log_what_ran, resolved_tags
 from vitreg.console import progress
 from vitreg.hardware.env import capture_environment
 from vitreg.errors import VitregError
@@ -71,6 +71,7 @@ def infer(model_uri: str, options: dict, experiment: str | None = None, run_name
 
         metrics = result.metrics()
         run.log_metrics(metrics)
+        log_what_ran(run, result)
         run.log_dict(result.to_dict(), "results.json")
         run.log_text(report_markdown(result, env, command), "report.md")
         checkpoints.link_infer_run(pulled, run.run_id, metrics, gpu=hw.label)

@@ -32,7 +32,7 @@ from vitreg.measure.graphs import require_cuda
 from vitreg.models.factory import check_model_name, create_model
 from vitreg.tracking import naming
 from vitreg.tracking import runs as tracking
-from vitreg.tracking.tags import label_launcher_run, log_setup, resolved_tags, world_tags
+from vitreg.tracking.tags import label_launcher_run, log_setup, log_what_ran, resolved_tags, world_tags
 
 
 def bench(options: dict, experiment: str | None = None, run_name: str | None = None,
@@ -109,6 +109,7 @@ def _bench_in_run(run, spec: BenchSpec, run_name, progress, command, baseline_ru
                            reducer=reducer)
 
     run.log_metrics(result.metrics())
+    log_what_ran(run, result)
     run.log_dict(result.to_dict(), "results.json")
     if reducer is not None:
         run.log_dict(reducer.per_rank_report(), "ranks.json")  # each rank's own figures: stragglers show

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from vitreg.config.options import options_to_args
 from vitreg.tracking import runs as tracking
 from vitreg.console import progress
+from vitreg.config.options import AUTO_BATCH
 from vitreg.errors import OutOfMemory, VitregError
 
 SWEEP_LISTS = ("models", "amp", "compile", "batch_size")
@@ -109,8 +110,10 @@ def _run_combination(parent, combo: Combination, label: str, index: int, common:
             return
         progress(f"{label}: FAILED: {reason}")
         outcome["failed"].append(child_id)
+        if bs == AUTO_BATCH or not _ran_out_of_memory(child_id) or attempt == max_oom_retries:
+            return  # batch_size=auto backs off inside the child already
         smaller = decay_batch(bs)
-        if not _ran_out_of_memory(child_id) or smaller < 1 or attempt == max_oom_retries:
+        if smaller < 1:
             return
         progress(f"out of memory at batch {bs}: retrying with batch {smaller}")
         bs = smaller
