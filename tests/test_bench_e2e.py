@@ -40,6 +40,12 @@ def test_mlflow_run_bench_logs_one_complete_finished_run(tmp_path):
     client, run = only_run(uri)
     assert run.info.status == "FINISHED"
     p, t, m = run.data.params, run.data.tags, run.data.metrics
+    # the runs list reads without set-up: GPU label first, then the figures (issue 14); the page's note
+    assert run.info.run_name.startswith("cpu · infer ") and run.info.run_name.split(" · ")[3:] == [
+        "test_vit", "fp32", "bs2"] and "img/s" in run.info.run_name, run.info.run_name
+    assert "img/s" in t["mlflow.note.content"] and "| infer" in t["mlflow.note.content"]
+    page = f"#/experiments/{run.info.experiment_id}/runs/{run.info.run_id}"
+    assert f"logged run {run.info.run_id}" in proc.stdout and page in proc.stdout  # where to open it
     # params: as typed through -P (MLflow logs them first and they are immutable) plus ours
     assert p["gpu"] == "auto" and p["model"] == "test_vit" and p["task"] == "both" and p["batch_size"] == "2"
     assert {"amp", "compile", "warmup", "steps", "repeats", "device", "img_size"} <= set(p)
@@ -95,7 +101,17 @@ def requested_run(sqlite_store, monkeypatch):
 
 @pytest.mark.parametrize("args,needle", [
     (["--batch-size", "0"], "batch_size=0 must be >= 1"),
-    (["--amp", "fp8"], "amp='fp8' is not one of"),
+    (["--amp", "int8"], "amp='int8' is not one of"),
+    (["--batch-size", "lots"], "batch_size='lots' is not an integer or auto"),
+    (["--amp", "fp8"], "amp=fp8 is inference only"),
+    (["--amp", "bf16-weights", "--task", "train"], "use task=infer, or amp=bf16 (autocast) to train"),
+    (["--amp", "fp8", "--task", "infer"], "amp=fp8 needs FP8 tensor cores (compute capability >= 8.9"),
+    (["--amp", "tf32"], "amp=tf32 needs an NVIDIA GPU"),
+    (["--sdpa", "efficient"], "sdpa=efficient cannot run on cpu"),
+    (["--sdpa", "cudnn", "--task", "infer"], "sdpa=cudnn cannot run on cpu"),
+    (["--compile", "default", "--compile-cache", "/dev/null/cache"], "compile cache folder '/dev/null/cache' is not "
+                                                                      "writable"),
+    (["--profile", "true", "--cuda-graph", "true"], "profile=true cannot see inside a CUDA graph replay"),
     (["--compile", "fastest"], "compile='fastest' is not one of"),
     (["--device", "cuda"], "no CUDA GPU is visible"),
     (["--img-size", "30"], "use img_size=16 or 32"),
@@ -114,6 +130,43 @@ def test_bad_input_exit_2_and_failed_run(requested_run, args, needle):
     assert result.output.count("error: ") == 1 and needle in result.output
     run = client.get_run(run_id)
     assert run.info.status == "FAILED" and needle in run.data.tags["vitreg_error"]
+
+
+@pytest.mark.parametrize("gpu,needle", [
+    ("h200", "amp=fp8 needs torchao (the optional fp8 extra): pip install torchao"),
+    ("a100", "amp=fp8 needs FP8 tensor cores (compute capability >= 8.9: L4, RTX 4090, H100, H200), here compute "
+             "capability 8.0"),
+])
+def test_fp8_refused_on_a_gpu_without_fp8_or_without_torchao(requested_run, monkeypatch, gpu, needle):
+    """The GPU is faked (detection only: the refusal comes before any device work); torchao is made absent."""
+    from vitreg.bench import job
+    from vitreg.cli.main import main
+    from vitreg.hardware.profiles import PROFILES, DetectedHardware
+
+    monkeypatch.setattr(job, "detect_hardware", lambda device: DetectedHardware("cuda", PROFILES[gpu].name, 1,
+                                                                                PROFILES[gpu]))
+    monkeypatch.setitem(sys.modules, "torchao", None)  # import torchao raises ImportError
+    monkeypatch.setitem(sys.modules, "torchao.quantization", None)
+    client, run_id = requested_run
+    result = CliRunner().invoke(main, ["bench", "--model", "test_vit", "--amp", "fp8", "--task", "infer"])
+    assert result.exit_code == 2, result.output
+    assert result.output.count("error: ") == 1 and needle in result.output
+    run = client.get_run(run_id)
+    assert run.info.status == "FAILED" and needle in run.data.tags["vitreg_error"]
+
+
+def test_batch_size_auto_on_cpu_runs_a_small_search(requested_run):
+    from vitreg.cli.main import main
+
+    client, run_id = requested_run
+    result = CliRunner().invoke(main, ["bench", "--model", "test_vit", "--img-size", "32", "--task", "infer",
+                                       "--batch-size", "auto", "--warmup", "1", "--steps", "2", "--repeats", "1"])
+    assert result.exit_code == 0, result.output
+    run = client.get_run(run_id)
+    assert run.info.status == "FINISHED" and run.data.tags["batch_size"] == "auto"
+    local = client.download_artifacts(run_id, "results.json")
+    (infer,) = json.loads(open(local).read())["tasks"]
+    assert infer["batch_choice"]["probes"][0]["batch"] == 8 and infer["batch_size"] == infer["batch_choice"]["batch"]
 
 
 def test_mismatch_allowed_is_tagged(requested_run):

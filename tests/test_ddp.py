@@ -315,8 +315,8 @@ def test_task_result_from_reducer_is_global_and_mfu_per_gpu():
     rt = Runtime("cpu", "bf16", "off")  # the CPU keeps _memory_mb out of CUDA; MFU only needs the profile
     windows = [Window((10.0, 10.0), 20.0), Window((10.0, 10.0), 20.0)]  # 8 img / 10 ms = 800 img/s per rank
     flops = 1e9
-    single = _task_result("train", windows, 1.0, 0.1, spec, info, rt, hw, flops, False)
-    double = _task_result("train", windows, 1.0, 0.1, spec, info, rt, hw, flops, False, TwoIdenticalRanks())
+    single = _task_result("train", windows, 1.0, 0.1, spec, info, rt, hw, flops)
+    double = _task_result("train", windows, 1.0, 0.1, spec, info, rt, hw, flops, TwoIdenticalRanks())
     assert single.throughput.median == pytest.approx(800.0) and single.world_size == 1
     assert double.throughput.median == pytest.approx(1600.0) and double.world_size == 2
     assert double.metrics()["train_throughput_img_per_s_per_gpu"] == pytest.approx(800.0)

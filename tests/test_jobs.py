@@ -1,5 +1,6 @@
 """compare / sweep / import-timm through the CLI against a real sqlite store."""
 
+import re
 import sys
 from pathlib import Path
 
@@ -128,6 +129,8 @@ def test_sweep_children_failures_and_oom_retry(sqlite_store, monkeypatch, tmp_pa
                                        "--img-size", "32", "--task", "infer", "--warmup", "1", "--steps", "2",
                                        "--repeats", "2", "--experiment", "sw"])
     assert result.exit_code == 0, result.output
+    # each child's own phases show as they come, under its place in the sweep (issue 14)
+    assert re.search(r"sweep 1/\d: infer: window 2/2: ", result.output), result.output[-3000:]
     runs = _runs(MlflowClient(), "sw")
     parent = [r for r in runs if r.data.tags.get("vitreg_job") == "sweep"]
     children = [r for r in runs if r.data.tags.get("mlflow.parentRunId")]

@@ -17,6 +17,7 @@ from vitreg.bench.runner import BenchResult, TaskResult
 from vitreg.config.spec import BenchSpec
 from vitreg.dist import world
 from vitreg.measure import metrics
+from vitreg.measure.autobatch import BatchChoice, Probe
 from vitreg.measure.profiling import CommProfile
 from vitreg.measure.timing import summarize
 from vitreg.models.factory import ModelInfo
@@ -36,7 +37,8 @@ def _task(task: str, **kw) -> TaskResult:
                   first_call_s=12.5, warmup_s=0.75, compiled=True, gflops_per_img=4.6, achieved_tflops=5.678,
                   mfu=0.0123, peak_mem_allocated_mb=12345.6, peak_mem_reserved_mb=13000.0, world_size=2,
                   allreduce_ms_per_step=1.5 if task == "train" else None,
-                  device_busy_ms_per_step=2.5 if task == "train" else None)
+                  device_busy_ms_per_step=2.5 if task == "train" else None,
+                  batch_choice=BatchChoice(64, (Probe(32, 1000.0), Probe(64, 1200.0), Probe(128, None)), "oom"))
     return TaskResult(**{**fields, **kw})
 
 
@@ -73,10 +75,13 @@ def test_logged_names_are_the_ones_mlflow_always_had():
 
 
 def test_the_runner_logs_every_declared_metric_and_only_those():
-    logged = {k for k in _bench(_task("infer"), _task("train")).metrics()}
+    bench = _bench(_task("infer"), _task("train"))
+    logged = set(bench.metrics()) | {k for _, values in bench.series() for k in values}  # series: with a step
     declared = {f"{t}_{m.name}" for m in metrics.METRICS for t in m.tasks if m.name not in NOT_FROM_THE_RUNNER}
     declared |= {m.name for m in metrics.METRICS if not m.tasks}
     assert logged == declared
+    assert [(step, *values) for step, values in bench.series()][:2] == [
+        (32, "infer_batch_probe_img_per_s"), (64, "infer_batch_probe_img_per_s")]  # the probes that fit
     with pytest.raises(KeyError, match="not declared for task 'infer'"):
         metrics.task_metrics("infer", {"allreduce_ms_per_step": 1.0})
     assert metrics.task_metrics("infer", {"allreduce_ms_per_step": None}) == {}  # unmeasured: nothing logged

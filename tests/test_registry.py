@@ -373,3 +373,18 @@ def test_mlflow_run_infer_entry_end_to_end(store, tmp_path):
     vtags = c.get_model_version("tv", "1").tags
     assert vtags["last_infer_run_id"] == run.info.run_id and vtags["last_infer_gpu"] == "cpu"
     assert float(vtags["last_infer_throughput_img_per_s"]) == pytest.approx(m["infer_throughput_img_per_s"], rel=1e-5)
+
+
+@pytest.mark.parametrize("args", [
+    ["pull", "models:/tv@champion"],
+    ["infer", "--model-uri", "models:/tv/1", "--batch-size", "2", "--warmup", "1", "--steps", "2", "--repeats", "1",
+     "--experiment", "quiet"],
+])
+def test_pull_and_infer_print_no_download_progress_bar(store, args):
+    from vitreg.cli.main import main
+
+    # unset, as on a user's machine (MLflow's default: bars on); the CLI turns them off for its downloads
+    res = CliRunner(env={"MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR": None}).invoke(main, args)
+    assert res.exit_code == 0, res.output
+    assert "downloading models:/tv" in res.output  # vitreg's own progress line says it
+    assert "Downloading artifacts" not in res.output and "it/s]" not in res.output, res.output

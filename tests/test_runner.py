@@ -13,7 +13,8 @@ CPU = DetectedHardware("cpu", "CPU (test)", 1, PROFILES["cpu"])
 
 
 def _run(**kw):
-    spec = BenchSpec(model="test_vit", img_size=32, batch_size=2, warmup=2, steps=3, repeats=2, **kw)
+    spec = BenchSpec(**{"model": "test_vit", "img_size": 32, "batch_size": 2, "warmup": 2, "steps": 3, "repeats": 2,
+                        **kw})
     hw = resolve_hardware("auto", CPU)
     rt = resolve_runtime(spec.amp, spec.compile, spec.compile_backend, CPU)
     messages = []
@@ -64,3 +65,62 @@ def test_mfu_against_a_mismatched_label_uses_that_peak():
     rt = resolve_runtime("off", "off", "inductor", CPU)
     m = run_benchmark(spec, hw, rt, progress=lambda _: None).metrics()
     assert m["infer_mfu"] == pytest.approx(m["infer_achieved_tflops"] / 19.5)
+
+
+def test_batch_size_auto_on_cpu_searches_a_small_range_and_says_what_it_chose():
+    result, messages = _run(task="infer", batch_size="auto")
+    (infer,) = result.tasks
+    choice = infer.batch_choice
+    assert choice is not None and infer.batch_size == choice.batch
+    assert [p.batch for p in choice.probes][0] == 8 and all(p.batch <= 64 for p in choice.probes)
+    tags = result.tags()
+    assert tags["infer_batch_size_chosen"] == str(choice.batch) and tags["infer_batch_probes"] == choice.summary()
+    assert [step for step, _ in result.series()] == [p.batch for p in choice.probes if p.fits]
+    assert any("batch_size=auto chose" in m for m in messages)
+    assert result.to_dict()["tasks"][0]["batch_choice"]["batch"] == choice.batch
+
+
+def test_what_ran_is_in_the_tags_precision_and_the_sdpa_backend_read_from_the_kernels():
+    result, _ = _run(sdpa="math")
+    tags = result.tags()
+    assert tags["precision"] == "fp32" and tags["sdpa"] == "math"
+    # timm's test_vit calls F.scaled_dot_product_attention; restricted to math, that op is what ran
+    assert tags["infer_sdpa_backend"] == tags["train_sdpa_backend"] == tags["sdpa_backend"] == "math"
+    assert "compile_cache_dir" not in tags and "infer_compile_cache" not in tags  # not compiling
+    assert "precision fp32; sdpa=math (ran: infer math, train math)" in report_table(result)
+
+
+def report_table(result):
+    from vitreg.bench.report import results_table
+
+    return results_table(result)
+
+
+def test_weights_cast_runs_inference_in_bf16_and_is_labelled():
+    result, _ = _run(task="infer", amp="bf16-weights")
+    assert result.precision == "bf16-weights" and result.tags()["precision"] == "bf16-weights"
+    assert result.metrics()["infer_throughput_img_per_s"] > 0
+
+
+def test_compiling_records_the_cache_folder_and_state_and_restores_the_process_settings(tmp_path, monkeypatch):
+    import os
+
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    result, messages = _run(task="infer", compile="default", compile_backend="eager",
+                            compile_cache=str(tmp_path / "cache"))
+    assert result.compile_cache_dir == str(tmp_path / "cache") and (tmp_path / "cache").is_dir()
+    assert result.tags()["infer_compile_cache"] == "unused"  # the eager backend compiles no inductor graph
+    assert "TORCHINDUCTOR_CACHE_DIR" not in os.environ  # set for the run only
+    assert any("compile cache unused" in m for m in messages)
+
+
+def test_profile_true_writes_a_trace_and_the_top_ops_per_task_outside_the_windows():
+    from pathlib import Path
+
+    result, messages = _run(profile="true")
+    folder = Path(result.profile_dir)
+    for task in ("infer", "train"):
+        assert (folder / task / "trace.json.gz").stat().st_size > 0
+        assert "Self CPU" in (folder / task / "top_ops.txt").read_text()
+    assert result.tasks[0].iter_ms.n == 2 * 3  # the traced steps are not timed
+    assert any("profile=true" in m for m in messages)

@@ -108,3 +108,23 @@ def test_compiled_on_cpu_inductor_decomposes_attention():
                           cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip().splitlines()[-1] == "unfused"
+
+
+def test_run_context_refuses_a_backend_before_the_run_and_holds_the_choice_around_it():
+    from vitreg.hardware.profiles import PROFILES, DetectedHardware
+    from vitreg.hardware.runtime import resolve_runtime, run_context
+
+    runtime = resolve_runtime("off", "off", "inductor", DetectedHardware("cpu", "CPU", 1, PROFILES["cpu"]))
+    model = tiny_vit()
+    with pytest.raises(VitregError, match="sdpa=efficient cannot run on cpu"):
+        with run_context(runtime, model, "efficient", train=True):
+            pytest.fail("the block must not run")
+    with run_context(runtime, model, "math") as cache_dir:
+        assert cache_dir is None  # not compiling: no cache folder is touched
+        assert detect_backend(infer_step(model), "cpu") == "math"
+    assert detect_backend(infer_step(model), "cpu") == "flash"  # restored: torch's own pick again
+
+
+def test_a_replay_of_inductors_graphs_that_shows_no_sdpa_op_is_unknown_not_unfused():
+    assert detect_backend(lambda: None, "cpu", replays_graphs=True) == "unknown"
+    assert detect_backend(lambda: None, "cpu") == "unfused"

@@ -56,7 +56,7 @@ def test_train_nproc2_one_run_rank0_logs_checkpoints_and_registers(tmp_path):
     assert len(runs) == 1, [(r.info.run_id, r.info.status) for r in runs]  # ranks resumed the launcher's run
     run = runs[0]
     rid, m, tags = run.info.run_id, run.data.metrics, run.data.tags
-    assert run.info.status == "FINISHED" and run.info.run_name == "train-test_vit-cpu-off-bs8-ddp2"
+    assert run.info.status == "FINISHED" and run.info.run_name == "cpu · train · test_vit · fp32 · bs8 · x2"
     assert run.data.params["nproc"] == "2"
     assert tags["world_size"] == "2" and tags["dist_backend"] == "gloo" and tags["vitreg_job"] == "train"
     assert tags["ddp_bucket_mb"] == "1" and tags["ddp_static_graph"] == "true" and tags["ddp_comm_hook"] == "bf16"

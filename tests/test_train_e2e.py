@@ -122,7 +122,17 @@ BAD = [
     (["--resume", "/nonexistent/ckpt"], "resume=/nonexistent/ckpt does not exist"),
     (["--distillation", "soft", "--teacher", "test_vit"], "use a deit_*_distilled_* model"),
     (["--lr", "-1"], "lr=-1 must be >= 0"),
+    (["--amp", "bf16-weights"], "amp='bf16-weights' is not one of"),  # inference only: not a train choice
+    (["--amp", "tf32"], "amp=tf32 needs an NVIDIA GPU"),
+    (["--sdpa", "efficient"], "sdpa=efficient cannot run on cpu"),
 ]
+
+
+def test_train_tags_the_precision_and_holds_the_sdpa_backend(sqlite_store):
+    res = CliRunner().invoke(cli(), ["train", *TINY, "--steps", "2", "--sdpa", "math", "--experiment", "levers"])
+    assert res.exit_code == 0, res.output
+    (run,) = client().search_runs([client().get_experiment_by_name("levers").experiment_id])
+    assert run.data.tags["precision"] == "fp32" and run.data.tags["sdpa"] == "math"
 
 
 def test_cli_errors_are_one_line_and_fail_the_run(sqlite_store):

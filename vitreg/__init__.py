@@ -1,7 +1,12 @@
-"""vitreg: an MLflow-tracked experiment registry for Vision Transformer benchmarks."""
+"""vitreg: an MLflow-tracked experiment registry for Vision Transformer benchmarks.
+
+From Python: ``vitreg.bench(...)``, ``vitreg.compare(...)`` and ``vitreg.runs(...)`` (:mod:`vitreg.api`).
+Importing vitreg imports nothing heavy (no torch, mlflow or pandas) and registers nothing.
+"""
 
 import atexit
 import gc
+import types
 
 __version__ = "0.1.0"
 
@@ -23,3 +28,29 @@ def freeze_at_exit() -> None:
     if not _freeze_registered:
         atexit.register(gc.freeze)
         _freeze_registered = True
+
+
+def runs(experiment: str):
+    """The experiment's finished benchmark runs as one DataFrame: :func:`vitreg.api.runs`."""
+    from vitreg import api
+
+    return api.runs(experiment)
+
+
+class _CallablePackage(types.ModuleType):
+    """``vitreg.bench`` and ``vitreg.compare`` are packages and, called, the API functions of those names.
+
+    A plain function ``vitreg.bench`` could not stay: importing the package ``vitreg.bench`` (any
+    ``import vitreg.bench.job``) sets the attribute ``vitreg.bench`` to the package, replacing it.
+    So the packages themselves answer the call, with :func:`vitreg.api.bench` / :func:`vitreg.api.compare`.
+    """
+
+    def __call__(self, *args, **kwargs):
+        from vitreg import api
+
+        return getattr(api, self.__name__.rpartition(".")[2])(*args, **kwargs)
+
+
+from vitreg import bench, compare  # noqa: E402  (their __init__ is a docstring: nothing heavy)
+
+bench.__class__ = compare.__class__ = _CallablePackage

@@ -8,13 +8,14 @@ version are linked both ways: the run gets ``model_uri``, ``registered_model_nam
 
 from __future__ import annotations
 
+import functools
 import shlex
 import sys
 import tempfile
 
-from vitreg.tracking import checkpoints
+from vitreg.tracking import checkpoints, naming
 from vitreg.tracking import runs as tracking
-from vitreg.tracking.tags import log_setup, resolved_tags
+from vitreg.tracking.tags import log_setup, log_what_ran, resolved_tags
 from vitreg.console import progress
 from vitreg.hardware.env import capture_environment
 from vitreg.errors import VitregError
@@ -55,7 +56,9 @@ def infer(model_uri: str, options: dict, experiment: str | None = None, run_name
         short = pulled.version_uri or model_uri
         what = (f"{pulled.registered_model_name}-v{pulled.registered_model_version}" if pulled.version_uri
                 else f"{info.name}-run-{(pulled.run_id or 'local')[:8]}")
-        run.set_name(run_name or f"infer-{what}-{hw.label}-{runtime.amp}-{spec.compile}-bs{spec.batch_size}")
+        name = functools.partial(naming.run_name, hw.label, what, runtime.amp, spec.batch_size, spec.compile,
+                                 cuda_graph=spec.cuda_graph, job="infer")
+        run.set_name(run_name or name())
         run.set_tags({**env.to_tags(), **resolved_tags(spec, hw, runtime, info.img_size, task=spec.task, cuda_graph=spec.cuda_graph), **link_tags(pulled)})
         params = {**spec.to_params(), "gpu": hw.label, "amp": runtime.amp, "device": runtime.device,
                   "img_size": info.img_size, "model_uri": model_uri}
@@ -68,12 +71,17 @@ def infer(model_uri: str, options: dict, experiment: str | None = None, run_name
 
         metrics = result.metrics()
         run.log_metrics(metrics)
+        log_what_ran(run, result)
         run.log_dict(result.to_dict(), "results.json")
         run.log_text(report_markdown(result, env, command), "report.md")
         checkpoints.link_infer_run(pulled, run.run_id, metrics, gpu=hw.label)
+        if not run_name:
+            run.set_name(name(throughputs={t.task: t.throughput.median for t in result.tasks}))
+        run.set_note(naming.run_note(result.to_dict(), ran_on=hw.detected.name if hw.mismatch else None))
     print(results_table(result))
-    linked = f"; tagged {pulled.version_uri} last_infer_run_id={run.run_id}" if pulled.version_uri else ""
-    print(f"logged run {run.run_id} to {tracking.tracking_uri()}{linked} (open it with `mlflow ui`)")
+    if pulled.version_uri:
+        print(f"tagged {pulled.version_uri} last_infer_run_id={run.run_id}")
+    print(tracking.where_logged(run))
     return result
 
 

@@ -13,6 +13,7 @@ also relates them to ``baseline_run``. With ``nproc == 1`` none of that happens.
 
 from __future__ import annotations
 
+import functools
 import shlex
 import sys
 from dataclasses import dataclass
@@ -29,8 +30,9 @@ from vitreg.hardware.profiles import detect_hardware, resolve_hardware
 from vitreg.hardware.runtime import resolve_runtime
 from vitreg.measure.graphs import require_cuda
 from vitreg.models.factory import check_model_name, create_model
+from vitreg.tracking import naming
 from vitreg.tracking import runs as tracking
-from vitreg.tracking.tags import label_launcher_run, log_setup, resolved_tags, world_tags
+from vitreg.tracking.tags import label_launcher_run, log_setup, log_what_ran, resolved_tags, world_tags
 
 
 def bench(options: dict, experiment: str | None = None, run_name: str | None = None,
@@ -68,7 +70,7 @@ def bench(options: dict, experiment: str | None = None, run_name: str | None = N
 
 
 def _print_logged(run) -> None:
-    print(f"logged run {run.run_id} to {tracking.tracking_uri()} (open it with `mlflow ui`)")
+    print(tracking.where_logged(run))
 
 
 def _bench_in_run(run, spec: BenchSpec, run_name, progress, command, baseline_run):
@@ -90,9 +92,9 @@ def _bench_in_run(run, spec: BenchSpec, run_name, progress, command, baseline_ru
                               device_index=world.local_rank if detected.device == "cuda" else 0)
     model, info = create_model(spec.model, spec.img_size)  # on the CPU: checks img_size before GPU work
     env = capture_environment()
-    ddp = f"-ddp{world.world_size}" if world.distributed else ""
-    graph = "-graph" if spec.cuda_graph else ""
-    run.set_name(run_name or f"{spec.model}-{hw.label}-{runtime.amp}-{spec.compile}{graph}-bs{spec.batch_size}{ddp}")
+    name = functools.partial(naming.run_name, hw.label, spec.model, runtime.amp, compile=spec.compile,
+                             nproc=world.world_size, cuda_graph=spec.cuda_graph)
+    run.set_name(run_name or name(spec.batch_size))  # GPU label first: the runs list cuts names short
     tags = {**env.to_tags(),
             **resolved_tags(spec, hw, runtime, info.img_size, task=spec.task, cuda_graph=spec.cuda_graph),
             **world_tags(world, runtime, env, spec if "train" in spec.tasks else None)}  # infer wraps no DDP
@@ -107,6 +109,7 @@ def _bench_in_run(run, spec: BenchSpec, run_name, progress, command, baseline_ru
                            reducer=reducer)
 
     run.log_metrics(result.metrics())
+    log_what_ran(run, result)
     run.log_dict(result.to_dict(), "results.json")
     if reducer is not None:
         run.log_dict(reducer.per_rank_report(), "ranks.json")  # each rank's own figures: stragglers show
@@ -114,6 +117,9 @@ def _bench_in_run(run, spec: BenchSpec, run_name, progress, command, baseline_ru
             log_scaling_efficiency(run, baseline, result.metrics(), world.world_size, tracking.clean_tags(tags),
                                    progress)
     run.log_text(report_markdown(result, env, command), "report.md")
+    if not run_name:  # now with the figure: the runs list reads without any column set-up
+        run.set_name(name(result.tasks[0].batch_size, throughputs={t.task: t.throughput.median for t in result.tasks}))
+    run.set_note(naming.run_note(result.to_dict(), ran_on=hw.detected.name if hw.mismatch else None))
     return result, world
 
 

@@ -27,22 +27,48 @@ def results_table(result: BenchResult) -> str:
     widths = [max(len(r[i]) for r in rows) for i in range(len(HEADERS))]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
+    return "\n".join([result.summary_line(), *lines])
 
 
 def _markdown(headers: list[str], rows: list[list[str]]) -> str:
     return markdown_table(pd.DataFrame(rows, columns=headers))
 
 
+def cudnn_text(raw: str | None) -> str | None:
+    """torch's cuDNN version integer as a version: ``91002`` -> ``9.10.2`` (cuDNN 9 packs
+    major*10000 + minor*100 + patch), ``8907`` -> ``8.9.7`` (cuDNN 8: major*1000 + minor*100 + patch)."""
+    if not raw or not str(raw).isdigit():
+        return raw
+    number = int(raw)
+    major, rest = divmod(number, 10000) if number >= 10000 else divmod(number, 1000)
+    return f"{major}.{rest // 100}.{rest % 100}"
+
+
+def _cuda_rows(result: BenchResult, env: EnvInfo) -> list[list[str]]:
+    """The GPU software stack. torch reports the CUDA, cuDNN and NCCL it was built with, also on a host
+    without a GPU: where no GPU ran they are shown as the build's (or not at all for a CPU-only build)."""
+    stack = f"{env.cuda_version or '-'} / {cudnn_text(env.cudnn_version) or '-'} / {env.nccl_version or '-'}"
+    if result.device == "cuda":
+        return [["driver / CUDA / cuDNN / NCCL", f"{env.driver_version or '-'} / {stack}"]]
+    if env.cuda_version:
+        return [["torch build: CUDA / cuDNN / NCCL", f"{stack} (not used: no GPU ran)"]]
+    return []
+
+
+def _gpu_text(result: BenchResult, env: EnvInfo) -> str:
+    if not env.gpu_count:
+        return f"none (CPU: {env.cpu_model}, {env.cpu_count} cores)"
+    gpus = f"{env.gpu_name} x{env.gpu_count} ({_fmt(env.gpu_memory_gb, '.0f')} GB, cc {env.compute_capability or '-'})"
+    return gpus if result.device == "cuda" else f"{gpus}, not used: the run was on {result.device}"
+
+
 def report_markdown(result: BenchResult, env: EnvInfo, command: str | None = None) -> str:
     """report.md: what ran, where, and what it measured."""
     spec = result.spec
     env_rows = [
-        ["GPU", f"{env.gpu_name} x{env.gpu_count} ({_fmt(env.gpu_memory_gb, '.0f')} GB, cc {env.compute_capability or '-'})"
-         if env.gpu_count else f"none (CPU: {env.cpu_model}, {env.cpu_count} cores)"],
+        ["GPU", _gpu_text(result, env)],
         ["label", f"{result.gpu}"],
-        ["driver / CUDA / cuDNN / NCCL",
-         f"{env.driver_version or '-'} / {env.cuda_version or '-'} / {env.cudnn_version or '-'} / {env.nccl_version or '-'}"],
+        *_cuda_rows(result, env),
         ["torch / torchvision / timm / mlflow",
          f"{env.torch_version} / {env.torchvision_version} / {env.timm_version} / {env.mlflow_version}"],
         ["python / OS", f"{env.python_version} / {env.os}"],
@@ -51,7 +77,7 @@ def report_markdown(result: BenchResult, env: EnvInfo, command: str | None = Non
     cfg_rows = [
         ["model", f"{result.model.name} ({result.model.source}, {result.model.params_m:.1f} M params)"],
         ["image size", str(result.model.img_size)],
-        ["precision", f"{result.amp} (autocast)" if result.amp != "off" else "fp32"],
+        ["precision / attention", result.summary_line()],
         ["compile", f"{spec.compile} ({spec.compile_backend})" if spec.compile != "off" else "off (eager)"],
         ["CUDA graph", f"yes: each step captured once (after {EAGER_STEPS_BEFORE_CAPTURE} eager steps for train, "
                        f"{INFER_EAGER_STEPS_BEFORE_CAPTURE} for infer), timed as replays" if spec.cuda_graph else "no"],

@@ -3,16 +3,19 @@ parent run, each in its own process; the parent logs the comparison of its child
 
 from __future__ import annotations
 
+import collections
 import itertools
 import os
 import subprocess
 import sys
 import tempfile
+import threading
 from dataclasses import dataclass
 
 from vitreg.config.options import options_to_args
 from vitreg.tracking import runs as tracking
 from vitreg.console import progress
+from vitreg.config.options import AUTO_BATCH
 from vitreg.errors import OutOfMemory, VitregError
 
 SWEEP_LISTS = ("models", "amp", "compile", "batch_size")
@@ -100,19 +103,36 @@ def _run_combination(parent, combo: Combination, label: str, index: int, common:
         child_id = tracking.create_child_run(parent, f"{combo.label()}" + (f"-retry{attempt}" if attempt else ""),
                                              {"requested_batch_size": combo.batch_size, "sweep_index": index})
         env = tracking.env_for_run(os.environ, child_id, parent.experiment_id)
-        proc = subprocess.run(_child_command(combo, bs, common), env=env, capture_output=True, text=True)
-        sys.stdout.write(proc.stdout)
-        reason = tracking.finish_child_run(child_id, proc.returncode, proc.stderr)
-        if proc.returncode == 0:
+        returncode, stderr_tail = _run_child(_child_command(combo, bs, common), env, label, progress)
+        reason = tracking.finish_child_run(child_id, returncode, stderr_tail)
+        if returncode == 0:
             outcome["finished"].append(child_id)
             return
         progress(f"{label}: FAILED: {reason}")
         outcome["failed"].append(child_id)
+        if bs == AUTO_BATCH or not _ran_out_of_memory(child_id) or attempt == max_oom_retries:
+            return  # batch_size=auto backs off inside the child already
         smaller = decay_batch(bs)
-        if not _ran_out_of_memory(child_id) or smaller < 1 or attempt == max_oom_retries:
+        if smaller < 1:
             return
         progress(f"out of memory at batch {bs}: retrying with batch {smaller}")
         bs = smaller
+
+
+def _run_child(cmd: list[str], env: dict, label: str, progress) -> tuple[int, str]:
+    """Run one child bench; its progress lines show as they come, prefixed with the sweep's position
+    (``sweep 2/4: infer: window 3/5: ...``), its results table as it prints it. Returns its exit status
+    and the tail of its stderr (where its one-line error is)."""
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    relay = threading.Thread(target=lambda: sys.stdout.writelines(proc.stdout), daemon=True)
+    relay.start()
+    tail: collections.deque = collections.deque(maxlen=40)
+    for line in proc.stderr:
+        tail.append(line)
+        if line.strip():
+            progress(f"{label}: {line.rstrip().removeprefix('[vitreg] ')}")
+    relay.join()
+    return proc.wait(), "".join(tail)
 
 
 def _ran_out_of_memory(child_id: str) -> bool:

@@ -12,6 +12,7 @@ import sys
 
 import click
 
+from vitreg.cli.param_types import param_type
 from vitreg.config.options import option, options_of
 from vitreg.errors import VitregError
 from vitreg.signals import Terminated
@@ -22,6 +23,8 @@ def command_options(command: str):
 
     Values stay strings, parsed by the spec (or :func:`launcher_options`), so ``--flag false`` and
     ``-P flag=false`` mean the same thing; each option keyword is its name (``compile``, ``batch_size``).
+    Each option's click type (:func:`vitreg.cli.param_types.param_type`) only shows its kind, choices
+    and bounds in --help and completes its values: it accepts any text.
     """
 
     def decorate(fn):
@@ -31,7 +34,8 @@ def command_options(command: str):
             else:
                 settings = {"default": opt.default_text if opt.default is not None else None,
                             "show_default": bool(opt.default_text)}
-            fn = click.option(*opt.flags, opt.name, help=opt.help, envvar=opt.envvar, **settings)(fn)
+            fn = click.option(*opt.flags, opt.name, type=param_type(opt), help=opt.help, envvar=opt.envvar,
+                              **settings)(fn)
         return fn
 
     return decorate

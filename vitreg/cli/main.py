@@ -13,8 +13,10 @@ import click
 import vitreg
 from vitreg import signals
 from vitreg.cli.common import command_options, launcher_options, split_options, user_errors
+from vitreg.cli.invocation import command_line
 from vitreg.config.options import option
 from vitreg.errors import VitregError
+from vitreg.tracking.quiet import quiet_artifact_downloads
 
 
 @click.group()
@@ -23,6 +25,7 @@ def main():
     """vitreg: ViT/DeiT benchmarks with compile/AMP/DDP, tracked in MLflow."""
     vitreg.freeze_at_exit()
     signals.install()  # SIGTERM/SIGHUP end the run KILLED, like Ctrl-C, instead of leaving it RUNNING
+    quiet_artifact_downloads()  # vitreg's progress lines say what is downloaded; MLflow's bars only clutter
 
 
 @main.command()
@@ -34,7 +37,7 @@ def bench(**values):
 
     options, own = split_options("bench", values)  # options: forwarded to the torchrun ranks, checked by BenchSpec
     run_bench(options, experiment=own["experiment"], run_name=own["run_name"], **launcher_options("bench", own),
-              baseline_run=own["baseline_run"].strip() or None)
+              baseline_run=own["baseline_run"].strip() or None, command=command_line(click.get_current_context()))
 
 
 @main.command()
@@ -87,12 +90,15 @@ def server(ctx):
 
 from vitreg.cli.registry_cmds import infer as infer_command, pull as pull_command, register as register_command  # noqa: E402,E501
 
+from vitreg.cli.runs_cmds import runs as runs_command, sync as sync_command  # noqa: E402
 from vitreg.cli.train_cmd import train as train_command  # noqa: E402
 
 main.add_command(pull_command)
 main.add_command(register_command)
 main.add_command(infer_command)
 main.add_command(train_command)
+main.add_command(runs_command)
+main.add_command(sync_command)
 
 if __name__ == "__main__":  # pragma: no cover
     main()

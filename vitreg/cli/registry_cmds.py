@@ -9,6 +9,8 @@ from __future__ import annotations
 import click
 
 from vitreg.cli.common import command_options, split_options, user_errors
+from vitreg.cli.invocation import command_line
+
 
 @click.command()
 @click.argument("checkpoint_uri")
@@ -49,4 +51,5 @@ def infer(**values):
     from vitreg.bench.infer import infer as run_infer
 
     options, own = split_options("infer", values)
-    run_infer(own["model_uri"], options, experiment=own["experiment"], run_name=own["run_name"])
+    run_infer(own["model_uri"], options, experiment=own["experiment"], run_name=own["run_name"],
+              command=command_line(click.get_current_context()))

@@ -1,5 +1,5 @@
-"""``vitreg sync`` and ``vitreg runs --stale``: thin click shells over :mod:`vitreg.tracking.sync` and
-:mod:`vitreg.tracking.stale`.
+"""``vitreg sync``, ``vitreg runs --stale`` and ``vitreg runs --csv``: thin click shells over
+:mod:`vitreg.tracking.sync`, :mod:`vitreg.tracking.stale` and :func:`vitreg.api.runs`.
 
 Registered on the group with ``main.add_command(sync)`` and ``main.add_command(runs)``.
 """
@@ -40,15 +40,22 @@ def sync(spool_dir, tracking_uri):
 @click.command("runs")
 @click.option("--stale", is_flag=True, help="list RUNNING runs whose process is gone (no heartbeat).")
 @click.option("--fix", is_flag=True, help="with --stale: end those runs KILLED, the reason in vitreg_error.")
-@click.option("--experiment", default=None, help="look in this experiment only (default: all).")
+@click.option("--csv", "as_csv", is_flag=True,
+              help="write the experiment's finished runs as CSV to stdout, one row per (run, task).")
+@click.option("--experiment", "--experiment-name", "experiment", default=None,
+              help="look in this experiment only (default: all; --csv needs one).")
 @click.option("--older-than", "older_than", default=_STALE_AFTER_S, show_default=True,
               help="seconds without a heartbeat (or, for a run that never sent one, since its start).")
 @user_errors
-def runs(stale, fix, experiment, older_than):
-    """Runs left RUNNING by a killed process: list them (--stale) and end them KILLED (--fix)."""
+def runs(stale, fix, as_csv, experiment, older_than):
+    """An experiment's runs as one table (--csv), or runs left RUNNING by a killed process: list them
+    (--stale) and end them KILLED (--fix)."""
+    if as_csv:
+        _write_csv(stale, experiment)
+        return
     if not stale:
         raise VitregError("vitreg runs lists runs left RUNNING by a process that is gone: pass --stale "
-                          "(and --fix to end them KILLED)")
+                          "(and --fix to end them KILLED), or --csv --experiment NAME for an experiment's results")
     seconds = parse_float(older_than, "--older-than", minimum=0)
     from vitreg.tracking.stale import find_stale, mark_killed
 
@@ -63,3 +70,14 @@ def runs(stale, fix, experiment, older_than):
         click.echo(f"{len(found)} stale run(s); end them with: vitreg runs --stale --fix")
     else:
         click.echo(f"no RUNNING run silent for more than {seconds:g} s")
+
+
+def _write_csv(stale: bool, experiment: str | None) -> None:
+    """The tidy frame of :func:`vitreg.api.runs` (what ``vitreg compare`` compares) as CSV on stdout."""
+    if stale:
+        raise VitregError("--csv writes finished runs and --stale lists unfinished ones: pass one of them")
+    if not experiment:
+        raise VitregError("--csv needs the experiment: pass --experiment NAME")
+    from vitreg.api import runs as runs_frame
+
+    click.echo(runs_frame(experiment).to_csv(index=False), nl=False)

@@ -19,12 +19,16 @@ from dataclasses import dataclass
 
 from vitreg.config.parse import parse_bool, parse_choice, parse_float, parse_int
 from vitreg.errors import VitregError
+from vitreg.hardware.precision import INFERENCE_ONLY, PRECISION_CHOICES
+from vitreg.hardware.sdpa import SDPA_CHOICES
 
 COMMANDS = ("bench", "infer", "sweep", "train", "compare")
-KINDS = ("str", "int", "float", "bool", "choice")
+KINDS = ("str", "int", "float", "bool", "choice", "batch")  # batch: an int >= 1 or "auto"
 
 TASKS = ("infer", "train", "both")
-AMP_CHOICES = ("auto", "off", "bf16", "fp16")
+AMP_CHOICES = ("auto", *PRECISION_CHOICES)  # bench and infer
+TRAIN_AMP_CHOICES = tuple(c for c in AMP_CHOICES if c not in INFERENCE_ONLY)
+AUTO_BATCH = "auto"  # batch_size=auto: the runner searches the batch (vitreg.measure.autobatch)
 COMPILE_CHOICES = ("off", "default", "reduce-overhead", "max-autotune")
 COMPILE_BACKENDS = ("inductor", "eager", "aot_eager", "cudagraphs")
 DEVICE_CHOICES = ("auto", "cuda", "cpu")
@@ -54,12 +58,13 @@ class Option:
     required: bool = False  # the vitreg command refuses to run without it (its MLproject param may still default)
     envvar: str | None = None
     lowercase: bool = False
+    aliases: tuple[str, ...] = ()  # more click flags for it (``--experiment-name``, as ``mlflow run`` spells it)
 
     @property
     def flags(self) -> list[str]:
-        """Both spellings: ``mlflow run`` appends an undeclared ``-P k=v`` as ``--k v``."""
+        """Both spellings (``mlflow run`` appends an undeclared ``-P k=v`` as ``--k v``), then the aliases."""
         dashed = f"--{self.name.replace('_', '-')}"
-        return [dashed] if "_" not in self.name else [dashed, f"--{self.name}"]
+        return ([dashed] if "_" not in self.name else [dashed, f"--{self.name}"]) + list(self.aliases)
 
     @property
     def default_text(self) -> str:
@@ -83,8 +88,21 @@ class Option:
             return parse_float(value, self.name, self.minimum, self.maximum, self.below)
         if self.kind == "choice":
             return parse_choice(value, self.name, self.choices)
+        if self.kind == "batch":
+            return parse_batch(value, self.name)
         text = str(value if value is not None else "").strip()
         return (text.lower() if self.lowercase else text) or self.default
+
+
+def parse_batch(value, name: str):
+    """``"auto"`` (any case) -> :data:`AUTO_BATCH`, else an int >= 1."""
+    text = str(value).strip().lower()
+    if text == AUTO_BATCH:
+        return AUTO_BATCH
+    if not text.lstrip("+-").isdigit():
+        raise VitregError(f"{name}={value!r} is not an integer or auto: pass e.g. {name}=64, or {name}=auto "
+                          f"(search the fastest batch that fits)")
+    return parse_int(text, name, 1)
 
 
 def param_text(value) -> str:
@@ -149,15 +167,40 @@ OPTIONS: tuple[Option, ...] = (
     Option("task", "choice", "both", "/".join(TASKS), ("bench", "sweep"), choices=TASKS,
            doc="`infer`, `train` or `both`"),
     Option("task", "choice", "infer", "/".join(TASKS), ("infer",), choices=TASKS),
-    Option("batch_size", "int", 64, "images per step per process.", ("bench", "infer", "train"), minimum=1,
+    Option("batch_size", "batch", AUTO_BATCH, "images per step per process, or auto: the fastest batch that fits, "
+           "searched per task before timing (GPU: from 256 up; CPU: 8 to 64).", ("bench", "infer"),
+           doc="images per iteration (per GPU with `nproc` > 1), or `auto` (the default): before timing, each task "
+               "probes batches (GPU: 256, doubling while throughput gains 3 %, backing off after an out-of-memory; "
+               "CPU: 8 to 64) and takes the smallest within 3 % of the fastest. Logged as the "
+               "`<task>_batch_probe_img_per_s` series (step = batch) and the `<task>_batch_size_chosen` tag; the "
+               "`batch_size` tag stays `auto`. With `nproc` > 1 every rank probes alone and all take the smallest "
+               "choice"),
+    Option("batch_size", "int", 64, "images per step per process.", ("train",), minimum=1,
            doc="images per iteration (per GPU with `nproc` > 1)"),
     Option("img_size", "int", 0, "0 = the model's default resolution.", ("bench", "sweep", "train"), minimum=0,
            doc="input resolution; `0` = the model's default. Must be a multiple of the patch size."),
     Option("amp", "choice", "auto",
            f"{'/'.join(AMP_CHOICES)}; auto = bf16 where the GPU has it, fp16 on V100/T4, off on CPU.",
-           ("bench", "infer", "train"), choices=AMP_CHOICES,
-           doc="`off` (fp32), `bf16`, `fp16` (autocast; fp16 training uses GradScaler). `auto` = bf16 where the "
-               "GPU has it, fp16 on V100/T4, off on CPU."),
+           ("bench", "infer"), choices=AMP_CHOICES,
+           doc="precision: `off` (strict fp32), `tf32` (fp32, TF32 matmuls; MFU against the TF32 peak), `bf16`, "
+               "`fp16` (autocast), `bf16-weights` / `fp16-weights` (weights and input cast, no autocast; infer only), "
+               "`fp8` (torchao float8 Linear layers; infer only, compute capability >= 8.9, `pip install torchao`). "
+               "`auto` = bf16 where the GPU has it, fp16 on V100/T4, off on CPU. Tagged `precision`"),
+    Option("amp", "choice", "auto",
+           f"{'/'.join(TRAIN_AMP_CHOICES)}; auto = bf16 where the GPU has it, fp16 on V100/T4, off on CPU.",
+           ("train",), choices=TRAIN_AMP_CHOICES,
+           doc="`off` (strict fp32), `tf32` (fp32, TF32 matmuls), `bf16`, `fp16` (autocast; fp16 training uses "
+               "GradScaler). `auto` = bf16 where the GPU has it, fp16 on V100/T4, off on CPU."),
+    Option("sdpa", "choice", "auto", f"attention kernel: {'/'.join(SDPA_CHOICES)} (auto: torch picks).",
+           ("bench", "infer", "train"), choices=SDPA_CHOICES,
+           doc="scaled-dot-product-attention backend: `auto` (torch picks per call), `flash`, `cudnn`, "
+               "`efficient`, `math`. A backend that cannot run here is refused before the run; the backend that "
+               "ran, read from the profiler, is tagged `<task>_sdpa_backend`"),
+    Option("compile_cache", "str", "", "folder of the persistent torch.compile cache (empty: $VITREG_COMPILE_CACHE "
+           "or ~/.cache/vitreg/inductor).", ("bench", "infer", "train"),
+           doc="folder of the persistent inductor / FX-graph cache, used when compiling (`\"\"`: "
+               "`$VITREG_COMPILE_CACHE`, else `~/.cache/vitreg/inductor`). The first call's cache state (`cold`, "
+               "`warm`, `partial`) is tagged `<task>_compile_cache`, next to `<task>_compile_time_s`"),
     Option("compile", "choice", "off", "/".join(COMPILE_CHOICES), ("bench", "infer", "train"),
            choices=COMPILE_CHOICES, doc="`off`, `default`, `reduce-overhead`, `max-autotune` (torch.compile modes)"),
     Option("compile_backend", "choice", "inductor", "/".join(COMPILE_BACKENDS), _RUNS, choices=COMPILE_BACKENDS,
@@ -258,6 +301,11 @@ OPTIONS: tuple[Option, ...] = (
                "these runs as `compile=<mode>+cudagraph` and scales them from graphed `nproc=1` runs. On two H200s "
                "(docs/benchmarks.md) it took DeiT-S DDP training (128 per GPU) from 76.7 % scaling efficiency to "
                "96.5-97.1 %, and to 97.7-98.4 % with `compile=default`"),
+    Option("profile", "bool", False, "true: after the timed windows, a torch.profiler Chrome trace of a few steps "
+           "and a top-20 ops table per task (artifacts under profile/).", ("bench", "infer"),
+           doc="`true`: after the timed windows (never inside them), a few steady-state steps of each task under "
+               "`torch.profiler`: a Chrome trace (`profile/<task>/trace.json.gz`, open it in Perfetto) and the 20 "
+               "ops with the most self time (`profile/<task>/top_ops.txt`). Not with `cuda_graph=true`"),
     Option("seed", "int", 0, "seed of the model init and the data.", ("bench", "infer", "train"), minimum=0,
            maximum=SEED_MAX,
            doc="torch seed for weights and synthetic data"),
@@ -275,7 +323,7 @@ OPTIONS: tuple[Option, ...] = (
            doc="run id of a finished `nproc=1` run of the same configuration: logs `train_scaling_efficiency` (and "
                "`infer_scaling_efficiency`) = throughput_N / (N x throughput_1)"),
     Option("experiment", "str", None, "MLflow experiment (ignored under `mlflow run`, which picks its own).", _RUNS,
-           spec_field=False, mlproject=False, envvar="MLFLOW_EXPERIMENT_NAME"),
+           spec_field=False, mlproject=False, envvar="MLFLOW_EXPERIMENT_NAME", aliases=("--experiment-name",)),
     Option("run_name", "str", None, "MLflow run name (default: made of the model, GPU, amp, compile and batch size).",
            ("bench", "infer", "train"), spec_field=False, mlproject=False),
     Option("experiment", "str", None, "The experiment whose runs to compare.", ("compare",), required=True,

@@ -14,12 +14,17 @@ from __future__ import annotations
 import dataclasses
 import difflib
 from dataclasses import dataclass, fields
+from typing import Literal  # noqa: F401 - named in the batch annotation below
 
-from vitreg.config.options import DDP_BUCKET_MB, param_text, spec_options
+from vitreg.config.options import AUTO_BATCH, DDP_BUCKET_MB, param_text, spec_options
 from vitreg.config.parse import TRUE as _TRUE, parse_bool, parse_int  # noqa: F401 - other modules import them from here
 from vitreg.errors import VitregError
+from vitreg.hardware.precision import check_tasks
+from vitreg.measure.profiling import check_profile_request
 
-_ANNOTATIONS = {"str": "str", "choice": "str", "int": "int", "float": "float", "bool": "bool"}
+# batch: an int, or the one word AUTO_BATCH ("auto") for a searched batch
+_ANNOTATIONS = {"str": "str", "choice": "str", "int": "int", "float": "float", "bool": "bool",
+                "batch": 'int | Literal["auto"]'}
 
 
 def spec_of(command: str):
@@ -118,8 +123,15 @@ class BenchSpec(_Spec):
     """
 
     def _check(self) -> None:
+        check_tasks(self.amp, self.tasks)
+        check_profile_request(self.profile, self.cuda_graph)
         if self.cuda_graph:
             check_cuda_graph(self.amp, self.compile, self.compile_backend)
+
+    @property
+    def auto_batch(self) -> bool:
+        """``batch_size=auto``: each task's batch is searched before it is timed."""
+        return self.batch_size == AUTO_BATCH
 
     @property
     def tasks(self) -> tuple[str, ...]:

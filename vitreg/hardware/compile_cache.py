@@ -15,6 +15,7 @@ call and says ``warm`` (every graph was a hit), ``cold`` (every graph was compil
 
 from __future__ import annotations
 
+import contextlib
 import os
 import uuid
 from dataclasses import dataclass
@@ -53,6 +54,28 @@ def use_compile_cache(folder: str | os.PathLike | None = None) -> Path:
     inductor_config.autotune_local_cache = True
     functorch_config.enable_autograd_cache = True
     return path
+
+
+@contextlib.contextmanager
+def compile_cache_folder(folder: str | os.PathLike | None = None):
+    """:func:`use_compile_cache` for the length of a ``with`` block; the process's previous cache settings
+    come back on exit (a test suite or a notebook that runs several benchmarks keeps its own)."""
+    import torch._functorch.config as functorch_config
+    import torch._inductor.config as inductor_config
+
+    saved_env = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    saved = (inductor_config.fx_graph_cache, inductor_config.autotune_local_cache,
+             functorch_config.enable_autograd_cache)
+    path = use_compile_cache(folder)
+    try:
+        yield path
+    finally:
+        if saved_env is None:
+            os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
+        else:
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = saved_env
+        (inductor_config.fx_graph_cache, inductor_config.autotune_local_cache,
+         functorch_config.enable_autograd_cache) = saved
 
 
 def _require_writable(path: Path) -> None:

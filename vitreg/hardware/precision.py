@@ -61,7 +61,8 @@ class Precision:
         return achieved_tflops / peak if peak else None
 
 
-def _precision(amp: str) -> Precision:
+def precision_of(amp: str) -> Precision:
+    """The mode ``amp`` names, unchecked (:func:`resolve_precision` checks it against the hardware)."""
     if amp in AUTOCAST_MODES:
         return Precision(amp, f"autocast-{amp}", amp, None, False, False, amp)
     if amp in WEIGHT_MODES:
@@ -82,9 +83,7 @@ def resolve_precision(amp: str, device: str, tasks: tuple[str, ...] = ("infer",)
     """
     if amp not in PRECISION_CHOICES:
         raise VitregError(f"amp={amp} is not a precision mode: use one of {', '.join(PRECISION_CHOICES)}")
-    if amp in INFERENCE_ONLY and "train" in tasks:
-        raise VitregError(f"amp={amp} is inference only (no fp32 master weights to train): "
-                          f"use task=infer, or amp=bf16 (autocast) to train")
+    check_tasks(amp, tasks)
     if amp == "tf32":
         _require_tf32(device, capability)
     if amp == "bf16-weights" and device == "cuda" and capability is not None and tuple(capability) < (8, 0):
@@ -92,7 +91,14 @@ def resolve_precision(amp: str, device: str, tasks: tuple[str, ...] = ("infer",)
                           f"{capability[0]}.{capability[1]}: use amp=fp16-weights")
     if amp == "fp8":
         _require_fp8(device, capability)
-    return _precision(amp)
+    return precision_of(amp)
+
+
+def check_tasks(amp: str, tasks: tuple[str, ...]) -> None:
+    """Refuse an inference-only mode for a run that trains (the spec calls this before any hardware work)."""
+    if amp in INFERENCE_ONLY and "train" in tasks:
+        raise VitregError(f"amp={amp} is inference only (no fp32 master weights to train): "
+                          f"use task=infer, or amp=bf16 (autocast) to train")
 
 
 def _require_tf32(device: str, capability) -> None:

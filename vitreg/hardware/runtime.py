@@ -1,4 +1,4 @@
-"""How a model runs: device, autocast dtype, GradScaler, torch.compile.
+"""How a model runs: device, precision, GradScaler, torch.compile, and what a run holds around its steps.
 
 Shared by the benchmark runner and the training loop, so both measure the same thing.
 """
@@ -9,7 +9,10 @@ import contextlib
 from dataclasses import dataclass
 
 from vitreg.errors import VitregError
+from vitreg.hardware import precision as precisions
+from vitreg.hardware.compile_cache import compile_cache_folder
 from vitreg.hardware.profiles import DetectedHardware
+from vitreg.hardware.sdpa import attention_shape, check_backend, sdpa_context
 
 
 @dataclass(frozen=True)
@@ -17,7 +20,7 @@ class Runtime:
     """The resolved execution settings of a run (no ``auto`` left in them)."""
 
     device: str  # "cuda" or "cpu" (the device type; DDP picks the index)
-    amp: str  # "off", "bf16" or "fp16"
+    amp: str  # a precision mode, one of vitreg.hardware.precision.PRECISION_CHOICES (auto resolved)
     compile: str  # "off", "default", "reduce-overhead", "max-autotune"
     compile_backend: str = "inductor"
     device_index: int = 0
@@ -29,22 +32,20 @@ class Runtime:
         return torch.device(self.device, self.device_index) if self.device == "cuda" else torch.device("cpu")
 
     @property
-    def autocast_dtype(self):
-        import torch
+    def precision(self) -> precisions.Precision:
+        return precisions.precision_of(self.amp)
 
-        return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.amp)
+    @property
+    def autocast_dtype(self):
+        return precisions.torch_dtype(self.precision.autocast_dtype)
 
     def autocast(self, cache: bool = True):
-        """Autocast context for the active precision (a no-op context when amp is off).
+        """Autocast context for the active precision (a no-op context for the modes without autocast).
 
         ``cache=False`` turns off autocast's cache of casted weights, which a CUDA graph capture
         needs (a cast cached at capture would never be redone on replay).
         """
-        import torch
-
-        if self.amp == "off":
-            return contextlib.nullcontext()
-        return torch.autocast(device_type=self.device, dtype=self.autocast_dtype, cache_enabled=cache)
+        return precisions.autocast(self.precision, self.device, cache)
 
     def grad_scaler(self):
         """fp16 needs loss scaling to keep small gradients from flushing to zero; bf16 and fp32 do not."""
@@ -79,7 +80,7 @@ class Runtime:
 
 def resolve_runtime(amp: str, compile: str, compile_backend: str, detected: DetectedHardware,
                     device_index: int = 0) -> Runtime:
-    """Turn ``amp=auto`` into a dtype the hardware has, and refuse one it lacks."""
+    """Turn ``amp=auto`` into a dtype the hardware has, and refuse a precision mode it lacks."""
     profile = detected.profile
     if amp == "auto":
         amp = profile.default_amp if detected.device == "cuda" else "off"
@@ -88,4 +89,43 @@ def resolve_runtime(amp: str, compile: str, compile_backend: str, detected: Dete
 
         if not (profile.supports_bf16 or (not profile.peak_tflops and torch.cuda.is_bf16_supported())):
             raise VitregError(f"amp=bf16 but {detected.name} has no bf16 tensor cores: use amp=fp16 (or amp=auto)")
+    capability = _capability(detected, device_index) if detected.device == "cuda" else None
+    precisions.resolve_precision(amp, detected.device, capability=capability)
     return Runtime(detected.device, amp, compile, compile_backend, device_index)
+
+
+def _capability(detected: DetectedHardware, device_index: int) -> tuple[int, int]:
+    """The GPU's compute capability: its profile's, else (an unknown GPU) the driver's."""
+    if detected.profile.compute_capability:
+        major, minor = detected.profile.compute_capability.split(".")
+        return int(major), int(minor)
+    import torch
+
+    return torch.cuda.get_device_capability(device_index)
+
+
+def compute_dtype(runtime: Runtime):
+    """The dtype the model's matmuls and attention see: the autocast or weights dtype, else fp32."""
+    import torch
+
+    p = runtime.precision
+    return precisions.torch_dtype(p.autocast_dtype or p.weights_dtype) or torch.float32
+
+
+@contextlib.contextmanager
+def run_context(runtime: Runtime, model, sdpa: str = "auto", compile_cache: str = "", train: bool = False):
+    """What a benchmark or training run holds around all of its steps, the first (compiling) one included.
+
+    In order: the SDPA backend is checked by one real call of the model's attention shape (a
+    one-line refusal before any long work), the compile cache folder is set (before the first
+    compile: inductor reads it when it compiles) when compiling, then the precision's math mode
+    (TF32 switches) and the SDPA backend restriction. Everything is restored on exit. Yields the
+    compile cache folder (None when not compiling).
+    """
+    if sdpa != "auto":
+        check_backend(sdpa, runtime.torch_device, compute_dtype(runtime), *attention_shape(model), backward=train)
+    with contextlib.ExitStack() as stack:
+        cache_dir = stack.enter_context(compile_cache_folder(compile_cache)) if runtime.compile != "off" else None
+        stack.enter_context(precisions.math_mode(runtime.precision))
+        stack.enter_context(sdpa_context(sdpa))
+        yield cache_dir

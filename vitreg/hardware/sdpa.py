@@ -123,12 +123,17 @@ def backends_in(event_names) -> str:
     return "+".join(found) or NO_SDPA
 
 
-def detect_backend(step, device: str) -> str:
+UNKNOWN = "unknown"  # the step replays inductor's CUDA graphs: no op is recorded, so nothing can be told
+
+
+def detect_backend(step, device: str, replays_graphs: bool = False) -> str:
     """Run ``step()`` once under torch.profiler and return :func:`backends_in` of what ran.
 
     Call it outside the timed windows, under the same :func:`sdpa_context` as the run, on a step
     that launches kernels one by one (a CUDA-graph replay hides them: detect on a warm compiled
-    step before capture, or on the eager model).
+    step before capture, or on the eager model). ``replays_graphs``: the step replays inductor's
+    CUDA graphs (compile=reduce-overhead/max-autotune), so finding no SDPA op means :data:`UNKNOWN`,
+    not :data:`NO_SDPA`.
     """
     import torch
     from torch.profiler import ProfilerActivity, profile
@@ -139,4 +144,5 @@ def detect_backend(step, device: str) -> str:
         step()
         if cuda:
             torch.cuda.synchronize()
-    return backends_in(e.name for e in prof.events())
+    found = backends_in(e.name for e in prof.events())
+    return UNKNOWN if found == NO_SDPA and replays_graphs else found

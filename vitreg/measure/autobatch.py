@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import gc
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from vitreg.errors import VitregError
 
@@ -32,9 +32,14 @@ class SearchLimits:
     max_probes: int
     max_seconds: float
     min_gain: float = 0.03  # a doubling must add 3 % throughput to be worth its memory and latency
+    probe_steps: int = 3  # timed steps per probe (timed_probe)
+    probe_warmup: int = 2
 
 
-SEARCH_LIMITS = {"cuda": SearchLimits(start=64, limit=4096, max_probes=10, max_seconds=240.0),
+# A GPU search starts at 256, timm benchmark.py's default batch: batch_size=auto (bench's default)
+# then never times a smaller batch than timm's defaults on a GPU where 256 fits.
+SEARCH_LIMITS = {"cuda": SearchLimits(start=256, limit=4096, max_probes=10, max_seconds=240.0, probe_steps=10,
+                                     probe_warmup=3),
                  "cpu": SearchLimits(start=8, limit=64, max_probes=4, max_seconds=60.0)}
 
 
@@ -166,6 +171,37 @@ def timed_probe(make_step, device: str, steps: int = 3, warmup: int = 2):
             _release_memory(device)
 
     return probe
+
+
+def search_batch(make_step, task: str, device: str, torch_device, distributed: bool, progress) -> BatchChoice:
+    """The runner's search: :func:`find_batch` over :func:`timed_probe` of ``make_step`` within this
+    device's :data:`SEARCH_LIMITS`, saying what it does; under DDP (``distributed``) the ranks'
+    smallest choice (:func:`smallest_over_ranks`), so every rank times the same batch.
+
+    ``make_step`` should run the eager model: a compiled probe would compile once per batch
+    (minutes under max-autotune), and torch.compile turns to dynamic shapes after the second batch,
+    which would then be the graph the timed windows run.
+    """
+    limits = SEARCH_LIMITS[device]
+    progress(f"{task}: batch_size=auto: probing batches {limits.start} to {limits.limit} on {device}")
+    choice = find_batch(timed_probe(make_step, device, limits.probe_steps, limits.probe_warmup), limits)
+    if distributed:
+        choice = replace(choice, batch=smallest_over_ranks(choice.batch, torch_device))
+    progress(f"{task}: batch_size=auto chose {choice.batch} (img/s per probe {choice.summary()}; "
+             f"stopped: {choice.stopped})")
+    return choice
+
+
+def smallest_over_ranks(batch: int, torch_device) -> int:
+    """The smallest ``batch`` over the ranks of the process group (``batch`` itself without one)."""
+    import torch
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return batch
+    value = torch.tensor([batch], device=torch_device)  # on the GPU for NCCL, on the CPU for gloo
+    dist.all_reduce(value, op=dist.ReduceOp.MIN)
+    return int(value.item())
 
 
 def _release_memory(device: str) -> None:

@@ -77,6 +77,9 @@ METRICS: tuple[Metric, ...] = (
            doc="profile_steps>0: all-reduce kernel time per step (torch.profiler)"),
     Metric("device_busy_ms_per_step", "ms", LOWER, "max", ".2f", ("train",),
            doc="profile_steps>0: GPU busy time per step (torch.profiler)"),
+    Metric("batch_probe_img_per_s", "img/s", HIGHER, "job", ",.0f", speed=True,
+           doc="batch_size=auto: one probe's img/s (eager, a few steps), logged with step = the probed batch; "
+               "under DDP rank 0's probes"),
     Metric("scaling_efficiency", "", HIGHER, "job", ".1%",
            doc="nproc>1 with baseline_run: throughput_N / (N x throughput_1)"),
     # the train job's end-of-training figures

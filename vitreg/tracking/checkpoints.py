@@ -29,6 +29,8 @@ from mlflow.tracking import MlflowClient
 
 from vitreg.console import progress
 from vitreg.errors import VitregError
+from vitreg.tracking.filemodes import copy_as_new_file
+from vitreg.tracking.quiet import quiet_artifact_downloads
 from vitreg.train import checkpoint as ckpt
 
 #: Where the checkpoint files live inside a registered model version's artifacts.
@@ -206,6 +208,7 @@ def _download_artifact_uri(uri: str, dst: Path, what: str, progress) -> Path:
 
 
 def _download(artifact_uri: str, dst: Path, progress, label: str | None = None) -> Path:
+    quiet_artifact_downloads()  # also for Python callers (load_model): the line below says what is downloaded
     dst.mkdir(parents=True, exist_ok=True)
     progress(f"downloading {label or artifact_uri} into {dst} ...")
     return Path(mlflow_call(lambda: mlflow.artifacts.download_artifacts(artifact_uri=artifact_uri,
@@ -336,7 +339,7 @@ def stage_files(checkpoint: ckpt.VerifiedCheckpoint, stage: Path) -> list[Path]:
         if "/" in rel:
             raise VitregError(f"checkpoint {checkpoint.directory} lists a nested file {rel!r}: vitreg checkpoints "
                               f"are flat folders")
-        shutil.copy2(checkpoint.directory / rel, stage / rel)
+        copy_as_new_file(checkpoint.directory / rel, stage / rel)  # the user's umask, not safetensors' 0600
     (stage / ckpt.MANIFEST).write_text(json.dumps({**manifest, "files": files}, indent=2, sort_keys=True))
     return [stage / rel for rel in sorted(files)] + [stage / ckpt.MANIFEST]
 

@@ -48,13 +48,15 @@ def throughput_text(throughputs: dict[str, float]) -> str:
 
 
 def run_name(gpu: str, model: str, amp: str, batch_size: int, compile: str = "off", *, nproc: int = 1,
-             cuda_graph: bool = False, throughputs: dict[str, float] | None = None) -> str:
+             cuda_graph: bool = False, throughputs: dict[str, float] | None = None, job: str | None = None) -> str:
     """The run's name: GPU label first, then the throughput (``throughputs``: per task, once measured),
-    then model, precision, batch size and what else changes the figure (compile mode, CUDA graph,
-    processes)."""
+    then the job when it is not a benchmark (``train``, ``infer``), model, precision, batch size and what
+    else changes the figure (compile mode, CUDA graph, processes)."""
     parts = [gpu]
     if throughputs:
         parts.append(throughput_text(throughputs))
+    if job:
+        parts.append(job)
     parts += [short_model(model), "fp32" if amp == "off" else amp, f"bs{batch_size}"]
     if compile != "off":
         parts.append("compile" if compile == "default" else compile)

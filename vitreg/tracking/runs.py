@@ -335,6 +335,17 @@ def check_server(timeout: float = 5.0) -> None:
                          f"`make server`, or fix/unset MLFLOW_TRACKING_URI") from None
 
 
+def where_logged(tracker) -> str:
+    """The line a job ends with: the run and how to open it (its page on a server; ``make ui`` locally)."""
+    uri = mlflow.get_tracking_uri()
+    page = f"#/experiments/{tracker.experiment_id}/runs/{tracker.run_id}"
+    if uri.startswith(("http://", "https://")):
+        base = without_credentials(uri)[0].rstrip("/")
+        return f"logged run {tracker.run_id} to {redact(uri)}: {base}/{page}"
+    return (f"logged run {tracker.run_id} to {uri}: open it with `make ui` (or `mlflow ui --backend-store-uri "
+            f"{uri}`), then http://127.0.0.1:5000/{page}")
+
+
 def create_child_run(parent: MlflowTracker, name: str, tags: dict | None = None) -> str:
     """A RUNNING child of ``parent`` for a subprocess to resume through MLFLOW_RUN_ID (as `mlflow run` does)."""
     from mlflow.utils.mlflow_tags import MLFLOW_PARENT_RUN_ID, MLFLOW_RUN_NAME

@@ -7,6 +7,8 @@ the spec's type.
 
 from __future__ import annotations
 
+import shutil
+
 from vitreg.hardware.env import pip_freeze
 from vitreg.tracking.runs import note_skipped_params
 
@@ -67,3 +69,15 @@ def world_tags(world, runtime, env, ddp_spec=None) -> dict:
     if runtime.device == "cuda":
         tags["gpu_count"] = world.world_size  # the GPUs this run used, not the ones the host has
     return tags
+
+
+def log_what_ran(run, result) -> None:
+    """What a bench result says actually ran (precision, SDPA backend, compile cache, the batch chosen
+    by batch_size=auto) as tags, the batch probes as a series (step = the batch probed), the profiler's
+    trace as artifacts."""
+    run.set_tags(result.tags())
+    for step, values in result.series():
+        run.log_metrics(values, step=step)
+    if result.profile_dir:
+        run.log_artifacts(result.profile_dir, "profile")  # copied (into the spool) before it returns
+        shutil.rmtree(result.profile_dir, ignore_errors=True)

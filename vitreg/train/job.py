@@ -48,11 +48,11 @@ from vitreg.console import progress, quiet
 from vitreg.dist import launcher as launch
 from vitreg.dist import world as distributed
 from vitreg.hardware.env import capture_environment, pip_freeze
-from vitreg.hardware.profiles import detect_hardware, mfu, resolve_hardware
-from vitreg.hardware.runtime import resolve_runtime
+from vitreg.hardware.profiles import detect_hardware, resolve_hardware
+from vitreg.hardware.runtime import resolve_runtime, run_context
 from vitreg.models.factory import check_model_name, create_model
 from vitreg.models.memory import check_batch_fits, check_nproc_fits, footprint
-from vitreg.tracking import checkpoints, lineage
+from vitreg.tracking import checkpoints, lineage, naming
 from vitreg.tracking import runs as tracking
 from vitreg.tracking.tags import label_launcher_run, resolved_tags, world_tags
 from vitreg.train.progress import Progress
@@ -82,6 +82,8 @@ def train_tags(spec: TrainSpec, hw, runtime, info, data_kind: str) -> dict:
     return {
         **resolved_tags(spec, hw, runtime, info.img_size, task="train"),
         "vitreg_job": "train",
+        "precision": runtime.precision.label,  # what ran: fp32, tf32, autocast-bf16, autocast-fp16
+        "sdpa": spec.sdpa,
         "num_classes": info.num_classes,
         "data": data_kind,
         "distillation": spec.distillation,
@@ -216,8 +218,10 @@ def _train_in_run(run, options, workdir: Path, progress, command, run_name, *, s
     ok, stop = False, None
     try:
         try:
-            result = _run_loop(run, logger, spec, runtime, model, info, data, world, wrap, reducer, resume, workdir,
-                               sampler_factory, progress)
+            # TF32 switches (amp=tf32), the SDPA backend and the compile cache, around every step
+            with run_context(runtime, model, spec.sdpa, spec.compile_cache, train=True):
+                result = _run_loop(run, logger, spec, runtime, model, info, data, world, wrap, reducer, resume,
+                                   workdir, sampler_factory, progress)
         except KeyboardInterrupt as exc:  # stopped between updates: log what was done, then end the run KILLED
             result, stop = getattr(exc, "partial_result", None), exc
             if result is None:
@@ -288,7 +292,7 @@ def _log_results(run, logger, spec, hw, runtime, info, data, result, summary, re
     if result.throughput_img_per_s:
         achieved = summary["train_gflops_per_img"] * result.throughput_img_per_s / 1e3
         metrics["train_achieved_tflops"] = achieved
-        metrics["train_mfu"] = mfu(achieved / result.world_size, hw.profile, runtime.amp, _tf32_on())
+        metrics["train_mfu"] = runtime.precision.mfu(achieved / result.world_size, hw.profile)
     logger.metrics(metrics)
     logger.flush()  # every checkpoint is logged before results.json says where the last one is
     results = {
@@ -310,14 +314,9 @@ def _log_results(run, logger, spec, hw, runtime, info, data, result, summary, re
 
 
 def run_name_for(spec: TrainSpec, hw, runtime, world_size: int = 1) -> str:
-    ddp = f"-ddp{world_size}" if world_size > 1 else ""
-    return f"train-{spec.model}-{hw.label}-{runtime.amp}-bs{spec.batch_size}{ddp}"
-
-
-def _tf32_on() -> bool:
-    import torch
-
-    return torch.get_float32_matmul_precision() != "highest"
+    """GPU label first, as every vitreg run is named (the runs list cuts names short)."""
+    return naming.run_name(hw.label, spec.model, runtime.amp, spec.batch_size, spec.compile, nproc=world_size,
+                           job="train")
 
 
 def _print_summary(result, run) -> None:
@@ -330,4 +329,4 @@ def _print_summary(result, run) -> None:
           + (f"; val top-1 {result.val_top1:.2f}%" if result.val_top1 is not None else ""))
     if result.last_checkpoint:
         print(f"checkpoint: {run.artifact_uri(CHECKPOINT_ARTIFACTS + '/last')}")
-    print(f"logged run {run.run_id} to {tracking.tracking_uri()} (open it with `mlflow ui`)")
+    print(tracking.where_logged(run))

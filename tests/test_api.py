@@ -1,0 +1,113 @@
+"""vitreg from Python (vitreg.bench / vitreg.compare / vitreg.runs) and `vitreg runs --csv`: typed results
+and one DataFrame of many runs, from a real sqlite store; `import vitreg` stays cheap."""
+
+from __future__ import annotations
+
+import io
+import os
+import subprocess
+import sys
+
+import pytest
+from click.testing import CliRunner
+
+import vitreg
+from conftest import REPO
+from vitreg.errors import VitregError
+
+TINY = dict(model="test_vit", img_size=32, batch_size=2, warmup=1, steps=2, repeats=1)
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    """A sqlite store with experiment ``api``: one infer run and one train run of test_vit, made by vitreg.bench."""
+    root = tmp_path_factory.mktemp("api")
+    uri = f"sqlite:///{root / 'mlflow.db'}"
+    with pytest.MonkeyPatch.context() as mp:
+        for key in [k for k in os.environ if k.startswith("MLFLOW_")]:
+            mp.delenv(key)
+        mp.setenv("MLFLOW_TRACKING_URI", uri)
+        mp.chdir(root)
+        import mlflow
+
+        mlflow.set_tracking_uri(uri)
+        infer = vitreg.bench(task="infer", experiment="api", **TINY)
+        train = vitreg.bench(task="train", experiment="api", run_name="api-train", **{**TINY, "batch_size": "4"})
+        yield uri, infer, train
+
+
+def test_import_vitreg_is_cheap_and_bench_stays_callable_after_its_package_is_imported():
+    code = ("import sys, vitreg\n"
+            "print(sorted(m for m in ('torch', 'mlflow', 'pandas', 'numpy', 'timm', 'click') if m in sys.modules))\n"
+            "import vitreg.bench.job, vitreg.compare.job\n"  # sets the attributes vitreg.bench/compare to the packages
+            "print(callable(vitreg.bench), callable(vitreg.compare), callable(vitreg.runs))\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines() == ["[]", "True True True"]
+
+
+def test_bench_returns_the_typed_result_and_logs_the_run(store):
+    from mlflow.tracking import MlflowClient
+
+    uri, infer, train = store
+    assert [t.task for t in infer.tasks] == ["infer"] and [t.task for t in train.tasks] == ["train"]
+    assert infer.model.name == "test_vit" and infer.metrics()["infer_throughput_img_per_s"] > 0
+    assert train.tasks[0].batch_size == 4  # "4" as text means the same as 4
+    client = MlflowClient(uri)
+    runs = client.search_runs([client.get_experiment_by_name("api").experiment_id], order_by=["start_time"])
+    assert [r.data.tags["mlflow.runName"] for r in runs][1] == "api-train"
+    assert all(r.info.status == "FINISHED" for r in runs)
+
+
+def test_bench_report_shows_the_python_call(store):
+    import mlflow
+    from mlflow.tracking import MlflowClient
+
+    uri, _, _ = store
+    client = MlflowClient(uri)
+    (run,) = client.search_runs([client.get_experiment_by_name("api").experiment_id], "tags.task = 'train'")
+    report = mlflow.artifacts.load_text(f"runs:/{run.info.run_id}/report.md")
+    assert ("vitreg.bench(task='train', model='test_vit', img_size=32, batch_size='4', warmup=1, steps=2, "
+            "repeats=1)") in report
+
+
+def test_bench_bad_input_is_the_cli_s_one_line_error(store):
+    with pytest.raises(VitregError, match=r"unknown bench option 'batchsize' \(did you mean batch_size\?\)"):
+        vitreg.bench(batchsize=2, experiment="api-bad", model="test_vit")
+    with pytest.raises(VitregError, match="amp='fp8' is not one of"):
+        vitreg.bench(amp="fp8", experiment="api-bad", **TINY)
+
+
+def test_runs_is_one_frame_and_the_csv_holds_the_same(store):
+    import pandas as pd
+
+    from vitreg.cli.main import main
+
+    frame = vitreg.runs("api")
+    assert isinstance(frame, pd.DataFrame) and sorted(frame["task"]) == ["infer", "train"]
+    assert (frame["gpu"] == "cpu").all() and (frame["throughput_img_per_s"] > 0).all()
+    result = CliRunner().invoke(main, ["runs", "--experiment", "api", "--csv"])
+    assert result.exit_code == 0, result.output
+    read = pd.read_csv(io.StringIO(result.stdout))
+    assert list(read.columns) == list(frame.columns)
+    assert list(read["run_id"]) == list(frame["run_id"])
+    assert read["throughput_img_per_s"].tolist() == pytest.approx(frame["throughput_img_per_s"].tolist())
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--csv"], "--csv needs the experiment: pass --experiment NAME"),
+    (["--csv", "--stale", "--experiment", "api"], "--csv writes finished runs and --stale lists unfinished ones: "
+                                                  "pass one of them"),
+])
+def test_runs_csv_refusals_are_one_line(store, args, needle):
+    from vitreg.cli.main import main
+
+    result = CliRunner().invoke(main, ["runs", *args])
+    assert result.exit_code == 2 and result.output.strip() == f"error: {needle}"
+
+
+def test_compare_returns_the_comparison(store):
+    comparison = vitreg.compare("api")
+    assert comparison.gpus == ["cpu"] and comparison.metric == "throughput_img_per_s"
+    assert set(comparison.table["task"]) == {"infer", "train"} and (comparison.table["n_runs"] == 1).all()
+    assert comparison.summary()["n_runs"] == 2

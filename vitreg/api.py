@@ -1,0 +1,60 @@
+"""vitreg from Python: :func:`bench`, :func:`compare` and :func:`runs`, also reachable as ``vitreg.bench(...)``,
+``vitreg.compare(...)`` and ``vitreg.runs(...)``.
+
+Each takes the options of the command of the same name (the option table's names, typed values or
+strings) and returns what the command computed: a :class:`~vitreg.bench.runner.BenchResult`, a
+:class:`~vitreg.analysis.comparison.Comparison`, the tidy runs frame. Bad input raises
+:class:`~vitreg.errors.VitregError` with the same one-line message the CLI prints. The heavy imports
+(torch, mlflow, pandas) happen inside the calls, so ``import vitreg`` stays cheap.
+"""
+
+from __future__ import annotations
+
+from vitreg.config.options import option
+
+_BENCH_LAUNCHER = ("nnodes", "node_rank", "rdzv_endpoint", "baseline_run")  # bench()'s own keyword arguments
+
+
+def bench(*, experiment: str | None = None, run_name: str | None = None, **options):
+    """Run one benchmark and log it as one MLflow run, as ``vitreg bench`` does; returns its BenchResult
+    (None in the launching process of an ``nproc > 1`` job: its ranks log).
+
+    ``vitreg.bench(model="deit_tiny_patch16_224", batch_size=8, task="infer", experiment="laptop")``
+    """
+    from vitreg.bench.job import bench as run_bench
+
+    command = _call_text("bench", options)
+    own = {name: option("bench", name).parse(options.pop(name)) for name in _BENCH_LAUNCHER if name in options}
+    for name in ("rdzv_endpoint", "baseline_run"):
+        if name in own:
+            own[name] = own[name] or None  # "" (the table's default) means none
+    return run_bench(options, experiment=experiment, run_name=run_name, command=command, **own)
+
+
+def compare(experiment: str, baseline: str | None = None, metric: str = "throughput_img_per_s", by: str = "gpu",
+            include_mismatch: bool = False, **analysis):
+    """The comparison ``vitreg compare`` prints, computed from the experiment's runs without logging a
+    compare run: along ``by`` (``gpu``, or a tag/param such as ``torch_version``, ``compile``), runs
+    whose hardware is not their GPU label left out of speedups unless ``include_mismatch``.
+    ``analysis`` goes to :func:`vitreg.analysis.comparison.compare_runs` (``n_boot``, ``seed``,
+    ``confidence``). Its ``table`` is a DataFrame, one row per (configuration, ``by`` value)."""
+    from vitreg.analysis.comparison import compare_runs
+    from vitreg.tracking.search import benchmark_runs, tidy
+
+    runs_frame = tidy(benchmark_runs(experiment), axes=(by,))
+    return compare_runs(runs_frame, baseline=baseline or None, metric=metric, by=by,
+                        include_mismatch=include_mismatch, **analysis)
+
+
+def runs(experiment: str):
+    """The experiment's finished benchmark runs as one DataFrame, one row per (run, task): its
+    configuration columns, then every metric without its task prefix (``throughput_img_per_s``,
+    ``latency_ms_p50``, ...). The frame ``vitreg runs --experiment NAME --csv`` writes."""
+    from vitreg.tracking.search import benchmark_runs, tidy
+
+    return tidy(benchmark_runs(experiment))
+
+
+def _call_text(command: str, options: dict) -> str:
+    """``vitreg.bench(model='test_vit', batch_size=2)``: the call, as report.md's command block shows it."""
+    return f"vitreg.{command}({', '.join(f'{k}={v!r}' for k, v in options.items())})"

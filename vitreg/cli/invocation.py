@@ -1,0 +1,44 @@
+"""The command a user typed to start this job, as report.md shows it.
+
+Under ``mlflow run`` the process sees only the MLproject command line (``entry_points/bench.py --gpu auto
+--model ... `` with every param, defaults included) and MLFLOW_RUN_ID / MLFLOW_TRACKING_URI /
+MLFLOW_EXPERIMENT_ID; ``mlflow run``'s own flags (``--env-manager``, ``--experiment-name``) never reach
+it. So the command is rebuilt from the params: ``mlflow run . -e bench -P k=v`` for each param that
+differs from its default, which runs the same job. A ``vitreg`` command is rebuilt from the options
+given on its command line or in the environment, in the option table's order.
+"""
+
+from __future__ import annotations
+
+import shlex
+from pathlib import PurePath
+
+import click
+from click.core import ParameterSource
+
+from vitreg.config.options import options_of, param_text
+
+ENTRY_POINTS_DIR = "entry_points"  # the MLproject scripts call the CLI with prog_name="entry_points/<name>.py"
+
+
+def command_line(ctx: click.Context) -> str:
+    """``mlflow run . -e bench -P model=deit_tiny_patch16_224`` or ``vitreg bench --model deit_tiny_patch16_224``."""
+    command = ctx.info_name
+    prog = PurePath(ctx.find_root().info_name or "vitreg")
+    if prog.parent.name == ENTRY_POINTS_DIR:
+        return _mlflow_run(prog.stem, ctx.params)
+    given = [o for o in options_of(command) if ctx.get_parameter_source(o.name) in
+             (ParameterSource.COMMANDLINE, ParameterSource.ENVIRONMENT) and ctx.params.get(o.name) is not None]
+    words = ["vitreg", command]
+    for o in given:
+        words += [o.flags[0], param_text(ctx.params[o.name])]
+    return shlex.join(words)
+
+
+def _mlflow_run(entry_point: str, values: dict) -> str:
+    words = ["mlflow", "run", ".", "-e", entry_point]
+    for o in options_of(entry_point):
+        value = values.get(o.name)
+        if o.mlproject and value is not None and param_text(value) != o.default_text:
+            words += ["-P", f"{o.name}={param_text(value)}"]
+    return shlex.join(words)

@@ -1,0 +1,106 @@
+"""The click type of each option in the option table: what ``--help`` shows and what shell completion
+offers, never what is accepted.
+
+Every type here hands the text on exactly as typed (:meth:`_AsTyped.convert`): the spec parses it
+(:meth:`vitreg.config.options.Option.parse`), so a bad value is vitreg's one-line ``error: ...``
+(exit 2, and under ``mlflow run`` the run marked FAILED) whether it came from ``--amp``, ``-P amp=``
+or an environment variable. Click's own checks would print a multi-line usage error instead and
+leave the MLflow run RUNNING.
+"""
+
+from __future__ import annotations
+
+import click
+from click.shell_completion import CompletionItem
+
+from vitreg.config.options import Option
+
+
+class _AsTyped:
+    """Mixed into a click type: keep its metavar, range text and completion, skip its conversion."""
+
+    def convert(self, value, param, ctx):
+        return value
+
+
+class ChoiceText(_AsTyped, click.Choice):
+    """``[off|bf16|fp16|auto]`` in --help; completes the choices (case-insensitively)."""
+
+
+class IntText(_AsTyped, click.IntRange):
+    """``INTEGER RANGE`` and ``[x>=1]`` in --help."""
+
+
+class IntTextUnbounded(_AsTyped, click.types.IntParamType):
+    """``INTEGER`` in --help (no bounds to show)."""
+
+
+class FloatText(_AsTyped, click.FloatRange):
+    """``FLOAT RANGE`` and e.g. ``[0.0<=x<1.0]`` in --help."""
+
+
+class FloatTextUnbounded(_AsTyped, click.types.FloatParamType):
+    """``FLOAT`` in --help (no bounds to show)."""
+
+
+class BoolText(_AsTyped, click.types.BoolParamType):
+    """``BOOLEAN`` in --help; completes ``true`` and ``false`` (the spellings MLflow params use)."""
+
+    def shell_complete(self, ctx, param, incomplete):
+        return [CompletionItem(word) for word in ("true", "false") if word.startswith(incomplete.lower())]
+
+
+class GpuLabel(_AsTyped, click.types.StringParamType):
+    """``GPU`` in --help; completes the GPU profiles' labels and ``auto``."""
+
+    name = "gpu"
+
+    def shell_complete(self, ctx, param, incomplete):
+        from vitreg.hardware.profiles import PROFILES
+
+        labels = ["auto", *sorted(PROFILES)]
+        return [CompletionItem(label) for label in labels if label.startswith(incomplete.lower())]
+
+
+class ModelName(_AsTyped, click.types.StringParamType):
+    """``MODEL`` in --help; completes the timm and torchvision names vitreg builds (importing timm: a
+    second or two per TAB)."""
+
+    name = "model"
+
+    def shell_complete(self, ctx, param, incomplete):
+        import timm
+
+        from vitreg.models.factory import TIMM_PREFIXES, TORCHVISION_PREFIX, TORCHVISION_VITS
+
+        names = [n for n in timm.list_models() if n.startswith(TIMM_PREFIXES)]
+        names += [TORCHVISION_PREFIX + arch for arch in TORCHVISION_VITS]
+        return [CompletionItem(name) for name in names if name.startswith(incomplete)]
+
+
+class Text(_AsTyped, click.types.StringParamType):
+    """``TEXT``: free text, completed by nothing."""
+
+
+def param_type(opt: Option) -> click.ParamType:
+    """The click type that shows ``opt``'s kind, choices and bounds (and completes its values)."""
+    if opt.kind == "choice":
+        return ChoiceText(opt.choices, case_sensitive=False)
+    if opt.kind == "bool":
+        return BoolText()
+    if opt.kind in ("int", "float"):
+        return _number_type(opt)
+    if opt.name == "gpu":
+        return GpuLabel()
+    if opt.name == "model" and opt.spec_field:
+        return ModelName()
+    return Text()
+
+
+def _number_type(opt: Option) -> click.ParamType:
+    upper = opt.maximum if opt.below is None else opt.below
+    if opt.minimum is None and upper is None:
+        return IntTextUnbounded() if opt.kind == "int" else FloatTextUnbounded()
+    if opt.kind == "int":
+        return IntText(min=opt.minimum, max=upper, max_open=opt.below is not None)
+    return FloatText(min=opt.minimum, max=upper, max_open=opt.below is not None)
