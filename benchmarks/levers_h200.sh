@@ -61,7 +61,7 @@ ck() {  # the independent loop for the same settings
     | tee -a $OUT/independent.jsonl | cut -c1-220 | tee -a $LOG
   grep -E 'Error|error|inference only|needs' $OUT/last_ck_stderr.txt | tail -1 | sed 's/^/    /' | tee -a $LOG
 }
-CC=/tmp/vitreg-levers-cache-$START  # item 3's fresh compile cache folder; item 4 reuses it warm
+FRESH_CACHE=/tmp/vitreg-levers-cache-$START  # (not CC: triton reads CC as its C compiler) item 3's fresh compile cache folder; item 4 reuses it warm
 [ "${DRY:-0}" = 1 ] || nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,temperature.gpu,power.draw \
   --format=csv,noheader | tee -a $LOG
 say "items:$ITEMS deadline ${DEADLINE}s"
@@ -83,10 +83,10 @@ if want 2; then
 fi
 BEST_INFER=(--model $MODEL --task infer --amp bf16-weights --sdpa flash --compile default --batch-size $BIG)
 if want 3; then
-  rm -rf $CC; vb "${BEST_INFER[@]}" --compile-cache $CC
+  rm -rf $FRESH_CACHE; vb "${BEST_INFER[@]}" --compile-cache $FRESH_CACHE
   ck --model $MODEL --task infer --amp bf16-weights --sdpa flash --compile default --batch-size $BIG
 fi
-want 4 && vb "${BEST_INFER[@]}" --compile-cache $CC
+want 4 && vb "${BEST_INFER[@]}" --compile-cache $FRESH_CACHE
 if want 5; then
   vb --model $MODEL --task train --amp bf16 --sdpa flash --compile default --batch-size $MID
   ck --model $MODEL --task train --amp bf16 --sdpa flash --compile default --batch-size $MID

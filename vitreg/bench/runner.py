@@ -29,8 +29,10 @@ from vitreg.hardware.profiles import ResolvedHardware
 from vitreg.measure.profiling import trace_steps
 from vitreg.measure.ticker import ticking
 from vitreg.models.factory import ModelInfo, create_model
+from vitreg.models.memory import check_batch_fits
 from vitreg.models.flops import forward_flops_per_image, train_flops_per_image
 from vitreg.hardware.runtime import Runtime, run_context
+from vitreg.config.options import AUTO_BATCH
 from vitreg.config.spec import BenchSpec
 from vitreg.measure.metrics import ITERATION_TIME, job_metrics, task_metrics
 from vitreg.measure.timing import Stats, summarize, synchronize, time_window, wall_seconds
@@ -427,6 +429,8 @@ def run_benchmark(spec: BenchSpec, hardware: ResolvedHardware, runtime: Runtime,
     precision = runtime.precision
     progress(f"model {info.name}: {info.params_m:.1f} M params, {info.img_size}px, on {runtime.device} "
              f"({hardware.detected.name}), precision={precision.label}, sdpa={spec.sdpa}, compile={runtime.compile}")
+    if spec.batch_size != AUTO_BATCH:  # a batch nobody can run is refused before anything is allocated
+        check_batch_fits(info, spec.batch_size, spec.tasks, runtime.device, runtime.device_index)
     model = model.to(runtime.torch_device)
     fwd_flops = forward_flops_per_image(model, info.img_size, runtime.torch_device)
     model = prepare_model(model, precision)
