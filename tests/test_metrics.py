@@ -13,7 +13,7 @@ from vitreg.analysis import comparison
 from vitreg.analysis.frame import ALL_METRICS, SHARED_METRICS, TASK_METRICS, CompareError
 from vitreg.analysis.timm_csv import read_timm_csv
 from vitreg.bench import report
-from vitreg.bench.runner import BenchResult, TaskResult
+from vitreg.bench.results import BenchResult, TaskResult
 from vitreg.config.spec import BenchSpec
 from vitreg.dist import world
 from vitreg.measure import metrics

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from vitreg.bench import report
-from vitreg.bench.runner import BenchResult, TaskResult
+from vitreg.bench.results import BenchResult, TaskResult
 from vitreg.config.spec import BenchSpec
 from vitreg.measure.timing import summarize
 from vitreg.models.factory import ModelInfo

@@ -21,7 +21,8 @@ from vitreg.hardware.env import capture_environment
 from vitreg.errors import VitregError
 from vitreg.hardware.profiles import detect_hardware, resolve_hardware
 from vitreg.bench.report import report_markdown, results_table
-from vitreg.bench.runner import BenchResult, run_benchmark
+from vitreg.bench.results import BenchResult
+from vitreg.bench.runner import run_benchmark
 from vitreg.hardware.runtime import resolve_runtime
 from vitreg.config.spec import BenchSpec, parse_int
 

@@ -19,7 +19,8 @@ import sys
 from dataclasses import dataclass
 
 from vitreg.bench.report import report_markdown, results_table
-from vitreg.bench.runner import BenchResult, run_benchmark
+from vitreg.bench.results import BenchResult
+from vitreg.bench.runner import run_benchmark
 from vitreg.config.spec import BenchSpec
 from vitreg.console import progress, quiet
 from vitreg.dist import launcher as launch

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pandas as pd
 
 from vitreg.analysis.render import RESULT_HEADERS, markdown_table, result_rows
-from vitreg.bench.runner import INFER_EAGER_STEPS_BEFORE_CAPTURE, BenchResult
+from vitreg.bench.results import BenchResult
+from vitreg.bench.runner import INFER_EAGER_STEPS_BEFORE_CAPTURE
 from vitreg.hardware.env import EnvInfo
 from vitreg.measure.graphs import EAGER_STEPS_BEFORE_CAPTURE
 
