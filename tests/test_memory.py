@@ -109,16 +109,17 @@ def test_the_process_baseline_is_below_what_a_bare_torch_process_holds():
 
 
 @pytest.mark.slow
-def test_nproc_far_above_the_host_is_refused_before_torchrun(sqlite_store):
-    """`train --nproc 100000 --device cpu`: refused by the launcher, one line, its run FAILED, no worker started."""
+@pytest.mark.parametrize("job", [["train", "--steps", "2", "--num-classes", "10"], ["bench", "--task", "train"]])
+def test_nproc_far_above_the_host_is_refused_before_torchrun(sqlite_store, job):
+    """`train|bench --nproc 100000 --device cpu`: refused by the launcher, one line, its run FAILED, no worker
+    started."""
     from click.testing import CliRunner
     from mlflow.tracking import MlflowClient
 
     from vitreg.cli.main import main
 
-    res = CliRunner().invoke(main, ["train", "--model", "test_vit", "--img-size", "32", "--batch-size", "2",
-                                    "--steps", "2", "--num-classes", "10", "--device", "cpu", "--nproc", "100000",
-                                    "--experiment", "many"])
+    res = CliRunner().invoke(main, [*job, "--model", "test_vit", "--img-size", "32", "--batch-size", "2",
+                                    "--device", "cpu", "--nproc", "100000", "--experiment", "many"])
     assert res.exit_code == 2 and "Traceback" not in res.output, (res.output[-2000:], res.exception)
     assert "error: nproc=100000 processes need at least" in res.output
     c = MlflowClient()
