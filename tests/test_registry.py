@@ -388,3 +388,50 @@ def test_pull_and_infer_print_no_download_progress_bar(store, args):
     assert res.exit_code == 0, res.output
     assert "downloading models:/tv" in res.output  # vitreg's own progress line says it
     assert "Downloading artifacts" not in res.output and "it/s]" not in res.output, res.output
+
+
+@pytest.mark.slow
+def test_a_registered_model_serves_with_mlflow_models_serve(store, tmp_path):
+    """`mlflow models serve -m models:/NAME@ALIAS --env-manager local` (README): a real server process and a
+    real request; the pt2 flavor answers one row of logits per image."""
+    import json
+    import socket
+    import subprocess
+    import sys
+    import time
+    import urllib.request
+
+    import numpy as np
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    from conftest import subprocess_env
+
+    env = subprocess_env(store.uri, MLFLOW_DISABLE_TELEMETRY="true")  # the venv's bin on PATH (uvicorn), as activated
+    log = open(tmp_path / "serve.log", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "mlflow", "models", "serve", "-m", "models:/tv@champion",
+                             "--env-manager", "local", "--host", "127.0.0.1", "-p", str(port), "-w", "1"],
+                            env=env, cwd=store.root, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/ping", timeout=2) as resp:
+                    if resp.status == 200:
+                        break
+            except OSError:
+                pass
+            assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "serve.log").read_text()[-3000:]
+            time.sleep(1)
+        batch = np.random.default_rng(0).standard_normal((2, 3, IMG, IMG), dtype=np.float32)
+        request = urllib.request.Request(f"http://127.0.0.1:{port}/invocations", method="POST",
+                                         data=json.dumps({"inputs": batch.tolist()}).encode(),
+                                         headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=60) as resp:
+            predictions = np.asarray(json.loads(resp.read())["predictions"])
+        assert predictions.shape == (2, CLASSES) and np.isfinite(predictions).all()
+    finally:
+        os.killpg(proc.pid, 15)
+        proc.wait(30)
+        log.close()
