@@ -1,6 +1,7 @@
 """Shared test fixtures: a real sqlite MLflow store per test, and the repo's paths."""
 
 import os
+import socket
 import sys
 from pathlib import Path
 
@@ -8,6 +9,13 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 VENV_BIN = Path(sys.executable).parent
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now (for a server a test starts)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def subprocess_env(tracking_uri: str, **extra) -> dict:

@@ -395,7 +395,6 @@ def test_a_registered_model_serves_with_mlflow_models_serve(store, tmp_path):
     """`mlflow models serve -m models:/NAME@ALIAS --env-manager local` (README): a real server process and a
     real request; the pt2 flavor answers one row of logits per image."""
     import json
-    import socket
     import subprocess
     import sys
     import time
@@ -403,10 +402,9 @@ def test_a_registered_model_serves_with_mlflow_models_serve(store, tmp_path):
 
     import numpy as np
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    from conftest import subprocess_env
+    from conftest import free_port, subprocess_env
+
+    port = free_port()
 
     env = subprocess_env(store.uri, MLFLOW_DISABLE_TELEMETRY="true")  # the venv's bin on PATH (uvicorn), as activated
     log = open(tmp_path / "serve.log", "w")

@@ -23,6 +23,8 @@ from pathlib import Path
 
 import pytest
 
+from conftest import free_port
+
 from vitreg.deploy import server
 from vitreg.deploy.server import ServerConfig, ServerError
 
@@ -39,12 +41,6 @@ def _clean_env(monkeypatch):
         if name.startswith(("VITREG_", "MLFLOW_")):
             monkeypatch.delenv(name)
     monkeypatch.setenv("MLFLOW_DISABLE_TELEMETRY", "true")
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def one_line(exc: BaseException) -> str:

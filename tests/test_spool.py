@@ -31,7 +31,7 @@ from vitreg.tracking.spooling import SpoolingTracker, open_run
 from vitreg.tracking.store import prepare_store
 from vitreg.tracking.sync import SyncError, sync
 
-from conftest import REPO, subprocess_env
+from conftest import REPO, free_port, subprocess_env
 
 
 @pytest.fixture(autouse=True)
@@ -41,12 +41,6 @@ def _clean_env(monkeypatch):
         if name.startswith(("VITREG_", "MLFLOW_HTTP", "MLFLOW_RUN_ID", "MLFLOW_EXPERIMENT")):
             monkeypatch.delenv(name)
     monkeypatch.setenv("MLFLOW_DISABLE_TELEMETRY", "true")
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
