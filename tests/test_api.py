@@ -74,8 +74,8 @@ def test_bench_report_shows_the_python_call(store):
 def test_bench_bad_input_is_the_cli_s_one_line_error(store):
     with pytest.raises(VitregError, match=r"unknown bench option 'batchsize' \(did you mean batch_size\?\)"):
         vitreg.bench(batchsize=2, experiment="api-bad", model="test_vit")
-    with pytest.raises(VitregError, match="amp='fp8' is not one of"):
-        vitreg.bench(amp="fp8", experiment="api-bad", **TINY)
+    with pytest.raises(VitregError, match="amp='int8' is not one of"):
+        vitreg.bench(amp="int8", experiment="api-bad", **TINY)
 
 
 def test_runs_is_one_frame_and_the_csv_holds_the_same(store):

@@ -44,7 +44,7 @@ def test_help_shows_every_option_s_kind_and_choices(command):
 
 def test_help_text_as_printed():
     out = CliRunner().invoke(main, ["train", "--help"], terminal_width=200).output
-    assert "--amp [auto|off|bf16|fp16]" in out
+    assert "--amp [auto|off|tf32|bf16|fp16]" in out
     assert "--batch-size, --batch_size INTEGER RANGE" in out and "[default: 64; x>=1]" in out
     assert "--allow-gpu-mismatch, --allow_gpu_mismatch BOOLEAN" in out
     assert "0.0<=x<1.0" in out  # label_smoothing: below 1, exclusive
@@ -66,7 +66,7 @@ def completions(args: list[str], incomplete: str) -> list[str]:
 
 @pytest.mark.parametrize("args,incomplete,expected", [
     (["bench", "--amp"], "", list(AMP_CHOICES)),
-    (["bench", "--amp"], "b", ["bf16"]),
+    (["bench", "--amp"], "b", ["bf16", "bf16-weights"]),
     (["train", "--compile"], "reduce", ["reduce-overhead"]),
     (["train", "--distillation"], "", ["none", "soft", "hard"]),
     (["bench", "--cuda-graph"], "", ["true", "false"]),

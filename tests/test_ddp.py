@@ -89,7 +89,7 @@ def test_mlflow_run_nproc2_one_run_rank0_logs(tmp_path):
     assert run.data.params["nproc"] == "2"
     tags = run.data.tags
     assert tags["world_size"] == "2" and tags["dist_backend"] == "gloo" and tags["nnodes"] == "1"
-    assert run.info.run_name.endswith("-ddp2")
+    assert run.info.run_name.startswith("cpu · ") and run.info.run_name.endswith(" · x2")  # GPU label first
     assert_rank0_only_logging(client, run)
     assert_reduced(client, run, tmp_path, 2)
     arts = {a.path for a in client.list_artifacts(run.info.run_id)}
