@@ -29,6 +29,7 @@ from mlflow.tracking import MlflowClient
 
 from vitreg.console import progress
 from vitreg.errors import VitregError
+from vitreg.tracking.delivery import first_line
 from vitreg.tracking.filemodes import copy_as_new_file
 from vitreg.tracking.quiet import quiet_artifact_downloads
 from vitreg.train import checkpoint as ckpt
@@ -40,11 +41,6 @@ TRAIN_ONLY_FILES = (ckpt.STATE,)
 #: Tag that marks a model version as a vitreg checkpoint (value: the checkpoint format).
 CHECKPOINT_TAG = "vitreg_checkpoint"
 SOURCES = "models:/NAME@ALIAS, models:/NAME/VERSION, runs:/RUN_ID/checkpoints/last or a local checkpoint folder"
-
-
-def first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
 
 
 # --------------------------------------------------------------------------- resolve

@@ -16,6 +16,7 @@ from pathlib import Path
 from mlflow.tracking import MlflowClient
 
 from vitreg.errors import StoreError
+from vitreg.tracking.delivery import first_line
 
 
 def sqlite_path(uri: str) -> Path | None:
@@ -48,6 +49,5 @@ def prepare_store(uri: str) -> None:
         raise StoreError(f"the tracking store {path} cannot be created ({exc.strerror or exc}): "
                          f"set MLFLOW_TRACKING_URI to a writable place") from None
     except Exception as exc:  # noqa: BLE001 - sqlalchemy/alembic errors: name the file, not a server
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise StoreError(f"the tracking store {path} is not a usable MLflow database ({first}): move it "
+        raise StoreError(f"the tracking store {path} is not a usable MLflow database ({first_line(exc)}): move it "
                          f"away (a new one is created) or point MLFLOW_TRACKING_URI elsewhere") from None
