@@ -364,6 +364,21 @@ def test_diagnose_takes_the_first_error_file_and_its_exit_status(tmp_path):
     assert on_node_1.rank == 3 and set(on_node_1.rank_logs()) == {2, 3}  # global ranks: node-major
 
 
+def test_diagnose_names_the_rank_that_died_not_the_ones_torchrun_stopped_after_it(tmp_path):
+    # rank 0 SIGKILLed (no error file, its last words on stderr); torchrun then stops rank 1 with SIGTERM,
+    # which records exit 143 first in time: the consequence must not be named the cause
+    logs = fake_logs(tmp_path, {0: "RuntimeError: simulated hard crash of rank 0\n",
+                                1: "error: stopped by SIGTERM; the run is marked KILLED\n"}, errors={1: ("", 143)})
+    out = diagnosis.diagnose(1, logs, nproc=2)
+    assert (out.rank, out.exit_code, out.message) == (0, 1, "rank 0: RuntimeError: simulated hard crash of rank 0")
+    # the whole job stopped from outside: every rank stopped, the first one names it, with its 143
+    stopped = fake_logs(tmp_path / "stopped", {0: "error: stopped by SIGTERM; the run is marked KILLED\n",
+                                               1: "error: stopped by SIGTERM; the run is marked KILLED\n"},
+                        errors={1: ("", 143), 0: ("", 143)})
+    out = diagnosis.diagnose(1, stopped, nproc=2)
+    assert (out.rank, out.exit_code) == (1, 143) and out.message == "rank 1: stopped by SIGTERM; the run is marked KILLED"
+
+
 def test_diagnose_fallbacks(tmp_path):
     # an error file without a message (the shim's record of a bare sys.exit(3)): the stderr's last error line
     logs = fake_logs(tmp_path, {0: "[vitreg] run ...\n", 1: "ValueError: nope\n"}, errors={1: ("", 3)})

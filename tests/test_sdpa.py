@@ -100,14 +100,19 @@ print(detect_backend(step, "cpu"))
 
 
 @pytest.mark.slow
-def test_compiled_on_cpu_inductor_decomposes_attention():
-    # In a fresh process (torch's own matmul settings; an explicit set_float32_matmul_precision
-    # changes inductor's choice): inductor on CPU decomposes the flash op into plain ops it fuses
-    # itself, so no SDPA op is left to run, and the tag says so.
+def test_compiled_on_cpu_the_tag_matches_the_op_inductor_generated(tmp_path):
+    # Whether inductor keeps torch's CPU flash op or decomposes attention into ops it fuses itself
+    # depends on its settings and on what its FX-graph cache holds (an entry compiled under another
+    # matmul precision is reused), so the expectation is read from the code inductor generated
+    # (TORCH_LOGS=output_code), in a fresh process with an empty cache, not assumed.
+    env = {**os.environ, "PYTHONPATH": str(REPO), "TORCH_LOGS": "output_code",
+           "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
     done = subprocess.run([sys.executable, "-c", COMPILED_CPU], capture_output=True, text=True, timeout=600,
-                          cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
+                          cwd=REPO, env=env)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.strip().splitlines()[-1] == "unfused"
+    assert "def call(" in done.stderr, "inductor printed no generated code"
+    generated_flash = "_scaled_dot_product_flash_attention_for_cpu" in done.stderr
+    assert done.stdout.strip().splitlines()[-1] == ("flash" if generated_flash else "unfused")
 
 
 def test_run_context_refuses_a_backend_before_the_run_and_holds_the_choice_around_it():

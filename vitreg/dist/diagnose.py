@@ -5,6 +5,10 @@ Failures come back the way torch elastic passes them: torchrun gives every worke
 that fails writes its error there (:func:`record_error`, in torch's format, so torchrun's own failure
 summary shows it too). The first file written names the root cause. A worker killed by a signal
 writes nothing; then the last error line of a worker's stderr log names it.
+
+When one worker dies, torchrun stops the others with SIGTERM, and each of them records "stopped by
+SIGTERM" (exit 143): those are consequences, so they name the root cause only when no other rank
+failed (the whole job was stopped).
 """
 
 from __future__ import annotations
@@ -12,11 +16,14 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"
+#: the statuses of a worker stopped from outside (128 + signal number), as torchrun stops the survivors
+STOPPED_CODES = frozenset(128 + s for s in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT))
 
 
 def record_error(message: str, exit_code: int, callstack: str = "") -> None:
@@ -108,21 +115,28 @@ def _stderr_of(rank_dir: Path) -> str:
 
 
 def diagnose(returncode: int, log_dir: Path, nproc: int, node_rank: int = 0) -> LaunchOutcome:
-    """Name the root cause of a failed job: the first error file written, else the first rank (rank 0
-    first) whose stderr ends with an error line; its message, and its exit status where it recorded one."""
+    """Name the root cause of a failed job, in this order: the first error file written by a rank
+    that failed on its own; a rank (rank 0 first) that wrote no error file (killed by a signal) and
+    whose stderr ends with an error line; a rank that was stopped (SIGTERM/SIGHUP/SIGINT). Its message,
+    and its exit status where it recorded one."""
     log_dir = Path(log_dir)
     outcome = LaunchOutcome(returncode, returncode, None, None, log_dir, nproc, node_rank)
     if returncode == 0:
         return LaunchOutcome(0, 0, None, None, log_dir, nproc, node_rank)
-    errors = _error_files(log_dir)
-    if errors:
-        _, rank_dir, error = errors[0]
+
+    def recorded(rank_dir: Path, error: dict) -> LaunchOutcome:
         message = error.get("message") or last_error_line(_stderr_of(rank_dir))
         code = int(error.get("errorCode") or returncode)
         return LaunchOutcome(returncode, code, outcome._global(rank_dir), message, log_dir, nproc, node_rank)
+
+    errors = _error_files(log_dir)
+    failed = [(d, e) for _, d, e in errors if int(e.get("errorCode") or returncode) not in STOPPED_CODES]
+    if failed:
+        return recorded(*failed[0])
+    with_file = {d for _, d, _ in errors}
     rank_dirs = sorted({p.parent for p in log_dir.glob("*/attempt_*/*/stderr.log")}, key=lambda d: int(d.name))
     for rank_dir in rank_dirs:
-        error = last_error_line(_stderr_of(rank_dir))
+        error = None if rank_dir in with_file else last_error_line(_stderr_of(rank_dir))
         if error:
             return LaunchOutcome(returncode, returncode, outcome._global(rank_dir), error, log_dir, nproc, node_rank)
-    return outcome
+    return recorded(*errors[0][1:]) if errors else outcome
