@@ -219,6 +219,47 @@ def test_offline_writes_only_the_spool_and_sync_delivers_it_once(store, experime
     assert CliRunner().invoke(sync_command, ["--spool", str(root)]).output.startswith("nothing to deliver")
 
 
+BENCH_TINY = ["bench", "--model", "test_vit", "--img-size", "32", "--batch-size", "2", "--task", "infer",
+              "--warmup", "1", "--steps", "2", "--repeats", "2", "--device", "cpu"]
+
+
+def test_bench_offline_true_needs_no_server_and_sync_delivers_the_run(store, experiment, tmp_path, monkeypatch):
+    from vitreg.cli.main import main
+
+    monkeypatch.setenv("VITREG_SPOOL_DIR", str(tmp_path / "spool"))
+    monkeypatch.setenv("VITREG_OFFLINE", "0")  # restored after the test: offline=true sets it for child processes
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://127.0.0.1:{free_port()}")  # nothing listens there
+    began = time.monotonic()
+    res = CliRunner().invoke(main, [*BENCH_TINY, "--offline", "true", "--experiment", experiment])
+    assert res.exit_code == 0, res.output[-3000:]
+    assert time.monotonic() - began < 60
+    (spool,) = Spool.find(tmp_path / "spool")
+    assert res.output.strip().splitlines()[-1] == (
+        f"the run is kept in {spool.path}: deliver it with `vitreg sync --spool {spool.path}`")
+    assert os.environ["VITREG_OFFLINE"] == "1", "torchrun ranks and other children are offline too"
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", store)
+    monkeypatch.setenv("VITREG_OFFLINE", "0")
+    done = CliRunner().invoke(sync_command, ["--spool", str(spool.path)], catch_exceptions=False)
+    assert done.exit_code == 0, done.output
+    client = MlflowClient(store)
+    (run,) = client.search_runs([client.get_experiment_by_name(experiment).experiment_id])
+    assert run.info.status == "FINISHED" and run.data.params["model"] == "test_vit"
+    assert run.data.metrics["infer_throughput_img_per_s"] > 0
+
+
+def test_offline_is_a_boolean_and_sweep_refuses_it(monkeypatch):
+    from vitreg.cli.main import main
+
+    monkeypatch.setenv("VITREG_OFFLINE", "0")
+    res = CliRunner().invoke(main, [*BENCH_TINY, "--offline", "maybe"])
+    assert (res.exit_code, res.output.strip()) == (2, "error: offline='maybe' is not a boolean: use offline=true "
+                                                      "or offline=false")
+    monkeypatch.setenv("VITREG_OFFLINE", "1")
+    res = CliRunner().invoke(main, ["sweep", "--models", "test_vit", "--img-size", "32", "--device", "cpu"])
+    assert res.exit_code == 2 and res.output.startswith("error: sweep needs the tracking store"), res.output
+
+
 def test_an_interrupted_sync_resumes_without_duplicates(store, experiment, tmp_path, monkeypatch):
     root = tmp_path / "spool"
     write_offline_run(root, tmp_path, experiment)

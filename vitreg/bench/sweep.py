@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from vitreg.config.options import options_to_args
 from vitreg.tracking import runs as tracking
+from vitreg.tracking.spool import offline_mode
 from vitreg.console import progress
 from vitreg.config.options import AUTO_BATCH
 from vitreg.errors import OutOfMemory, VitregError
@@ -78,6 +79,9 @@ def run_sweep(models: str, amp: str = "auto", compile: str = "off", batch_size: 
     """
     common = dict(common or {})
     combos = plan_sweep(models, amp, compile, batch_size, common)
+    if offline_mode():
+        raise VitregError("sweep needs the tracking store (its runs are child runs of one parent run there): "
+                          "unset VITREG_OFFLINE, or run `vitreg bench --offline true` once per combination")
     tracking.check_server()
     outcome = {"finished": [], "failed": []}
     with tracking.tracked_run(run_name=f"sweep-{len(combos)}", experiment=experiment, system_metrics=False) as parent:

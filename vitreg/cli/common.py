@@ -8,6 +8,7 @@ A module of its own so that :mod:`vitreg.cli` and the command modules it registe
 from __future__ import annotations
 
 import functools
+import os
 import sys
 
 import click
@@ -54,6 +55,14 @@ def launcher_options(command: str, own: dict) -> dict:
     not forward them to the ranks."""
     parsed = {name: option(command, name).parse(own[name]) for name in ("nnodes", "node_rank", "rdzv_endpoint")}
     return {**parsed, "rdzv_endpoint": parsed["rdzv_endpoint"] or None}
+
+
+def go_offline_if_asked(command: str, own: dict) -> None:
+    """``offline=true``: log to the spool only. Set as ``VITREG_OFFLINE=1`` in the environment, the one
+    switch the tracking layer reads, so the processes this one starts (torchrun ranks, sweep runs)
+    are offline too."""
+    if option(command, "offline").parse(own["offline"]):
+        os.environ["VITREG_OFFLINE"] = "1"
 
 
 def user_errors(fn):

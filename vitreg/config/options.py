@@ -322,6 +322,11 @@ OPTIONS: tuple[Option, ...] = (
            "img/s_N / (N x img/s_1).", ("bench",), spec_field=False,
            doc="run id of a finished `nproc=1` run of the same configuration: logs `train_scaling_efficiency` (and "
                "`infer_scaling_efficiency`) = throughput_N / (N x throughput_1)"),
+    Option("offline", "bool", False, "true: log to the local spool only, nothing to the tracking server; "
+           "`vitreg sync` delivers the run later (the same as VITREG_OFFLINE=1).", ("bench", "infer", "train"),
+           spec_field=False,
+           doc="`true` logs to the local spool only (no server needed; under `mlflow run`, MLflow itself still "
+               "creates the run); `vitreg sync` delivers the run later. The same as `VITREG_OFFLINE=1`"),
     Option("experiment", "str", None, "MLflow experiment (ignored under `mlflow run`, which picks its own).", _RUNS,
            spec_field=False, mlproject=False, envvar="MLFLOW_EXPERIMENT_NAME", aliases=("--experiment-name",)),
     Option("run_name", "str", None, "MLflow run name (default: made of the model, GPU, amp, compile and batch size).",

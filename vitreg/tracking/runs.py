@@ -336,7 +336,10 @@ def check_server(timeout: float = 5.0) -> None:
 
 
 def where_logged(tracker) -> str:
-    """The line a job ends with: the run and how to open it (its page on a server; ``make ui`` locally)."""
+    """The line a job ends with: the run and how to open it (its page on a server; ``make ui`` locally),
+    or, for a run still in the local spool (offline, or a store that did not take it), how to deliver it."""
+    if tracker.offline or tracker.delivered is False:
+        return f"the run is kept in {tracker.spool.path}: deliver it with `vitreg sync --spool {tracker.spool.path}`"
     uri = mlflow.get_tracking_uri()
     page = f"#/experiments/{tracker.experiment_id}/runs/{tracker.run_id}"
     if uri.startswith(("http://", "https://")):

@@ -180,6 +180,11 @@ class SpoolingTracker:
 
     # ----------------------------------------------------------------- the end
 
+    @property
+    def delivered(self) -> bool | None:
+        """None while the run is open; after :meth:`close`, whether the store has all of it."""
+        return self._closed
+
     def close(self, status: str = "FINISHED", timeout_s: float | None = None) -> bool:
         """Journal the final status; wait up to ``timeout_s`` for delivery. True when the server has it all.
 
