@@ -95,6 +95,9 @@ def test_mlflow_run_nproc2_one_run_rank0_logs(tmp_path):
     arts = {a.path for a in client.list_artifacts(run.info.run_id)}
     assert {"results.json", "ranks.json", "report.md", "torchrun"} <= arts
     assert {a.path for a in client.list_artifacts(run.info.run_id, "torchrun")} == {"torchrun/rank0", "torchrun/rank1"}
+    # report.md shows what the user typed, not the launcher's generated line for the ranks
+    report = open(client.download_artifacts(run.info.run_id, "report.md", str(tmp_path))).read()
+    assert "mlflow run . -e bench" in report and "-P nproc=2" in report and "vitreg bench" not in report
     # rank 0 speaks for the job: its progress shows (prefixed), rank 1's does not
     assert "[rank0]: [vitreg] train: window 2/2" in proc.stderr
     assert "[rank1]: [vitreg]" not in proc.stderr
@@ -128,6 +131,8 @@ def test_plain_cli_nproc4_creates_one_run(tmp_path):
     assert_rank0_only_logging(client, run)
     assert_reduced(client, run, tmp_path, 4)
     assert any(k.startswith("system/") for k in run.data.metrics), "the launcher samples system metrics"
+    report = open(client.download_artifacts(run.info.run_id, "report.md", str(tmp_path))).read()
+    assert "--nproc 4" in report and "--ddp-bucket-mb" not in report, "the typed command, not the ranks' line"
     if with_baseline:
         m = run.data.metrics
         assert m["train_scaling_efficiency"] == pytest.approx(m["train_throughput_img_per_s"] / (4 * 100.0))

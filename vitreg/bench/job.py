@@ -14,8 +14,6 @@ also relates them to ``baseline_run``. With ``nproc == 1`` none of that happens.
 from __future__ import annotations
 
 import functools
-import shlex
-import sys
 from dataclasses import dataclass
 
 from vitreg.bench.report import report_markdown, results_table
@@ -47,7 +45,7 @@ def bench(options: dict, experiment: str | None = None, run_name: str | None = N
     a 1-process run of the same config; its throughput gives ``train_scaling_efficiency`` (and
     ``infer_scaling_efficiency``) = throughput_N / (N * throughput_1).
     """
-    command = command or " ".join(shlex.quote(a) for a in sys.argv)
+    command = launch.typed_command(command)
     if distributed.inside_torchrun():  # one rank of a job: a vitreg launcher's or a torchrun the user started
         with launch.rank_run(run_name, experiment) as run:
             result, world = _bench_in_run(run, BenchSpec.from_options(options), run_name, progress, command,
@@ -61,7 +59,8 @@ def bench(options: dict, experiment: str | None = None, run_name: str | None = N
     with launch.launcher_run(run_name, experiment, node_rank if nnodes > 1 else 0) as run:
         spec = BenchSpec.from_options(options)  # the one parse of the options in this process
         if launch.needs_torchrun(spec.nproc, nnodes):
-            _launch_bench(run, spec, options, run_name, progress, nnodes, node_rank, rdzv_endpoint, baseline_run)
+            _launch_bench(run, spec, options, run_name, progress, nnodes, node_rank, rdzv_endpoint, baseline_run,
+                          command)
             result = None
         else:
             result, _ = _bench_in_run(run, spec, run_name, progress, command, baseline_run)
@@ -125,7 +124,8 @@ def _bench_in_run(run, spec: BenchSpec, run_name, progress, command, baseline_ru
     return result, world
 
 
-def _launch_bench(run, spec: BenchSpec, options, run_name, progress, nnodes, node_rank, rdzv_endpoint, baseline_run):
+def _launch_bench(run, spec: BenchSpec, options, run_name, progress, nnodes, node_rank, rdzv_endpoint, baseline_run,
+                  command):
     """The launcher (``run`` is None on a node other than 0): the checks that need no GPU work, torchrun,
     then the scaling efficiency of what rank 0 handed back."""
     check_model_name(spec.model)  # fail here, once, rather than in every rank
@@ -145,7 +145,7 @@ def _launch_bench(run, spec: BenchSpec, options, run_name, progress, nnodes, nod
     if run is not None:
         progress(f"run {run.run_id} at {tracking.tracking_uri()}: {spec.nproc} process(es) per node x {nnodes} "
                  f"node(s), batch_size={spec.batch_size} per process")
-    with launch.launched(argv, spec.nproc, run, nnodes, node_rank, rdzv_endpoint, progress) as handed:
+    with launch.launched(argv, spec.nproc, run, nnodes, node_rank, rdzv_endpoint, progress, command) as handed:
         if baseline is not None:
             metrics = handed.metrics
             world_size = int(metrics.get("train_world_size") or metrics.get("infer_world_size") or spec.nproc * nnodes)

@@ -40,6 +40,9 @@ from vitreg.errors import VitregError
 # Set by the launcher in every worker's environment: the launch folder, where rank 0 hands its
 # tracker calls back. Its presence tells a worker that a vitreg launcher holds the run.
 ENV_LAUNCH_DIR = "VITREG_LAUNCH_DIR"
+# ... and the command the user typed (``mlflow run . -e bench -P nproc=2``), which report.md shows:
+# a rank's own argv is the launcher's generated ``vitreg bench`` line with every option spelled out.
+ENV_COMMAND = "VITREG_LAUNCH_COMMAND"
 _HANDOFF = "handoff"
 _LOGS = "logs"
 
@@ -181,7 +184,7 @@ def launcher_run(run_name: str | None = None, experiment: str | None = None, nod
 
 @contextlib.contextmanager
 def launched(argv: list[str], nproc: int, run=None, nnodes: int = 1, node_rank: int = 0,
-             rdzv_endpoint: str | None = None, progress=None):
+             rdzv_endpoint: str | None = None, progress=None, command: str = ""):
     """Run ``argv`` under torchrun for ``run`` (the launcher's tracker; None on a node other than 0)
     and yield what rank 0 handed back (a :class:`vitreg.tracking.handoff.Handoff`, whose files last
     until the block ends).
@@ -189,7 +192,7 @@ def launched(argv: list[str], nproc: int, run=None, nnodes: int = 1, node_rank: 
     Rank 0's calls are logged to ``run`` as they come (every few seconds) and every rank's output
     (``torchrun/rank<N>/stdout.log|stderr.log``) at the end, whatever the outcome. On failure raises
     :class:`LaunchError` with the root cause (the surrounding ``tracked_run`` then ends the run
-    FAILED with it in ``vitreg_error``).
+    FAILED with it in ``vitreg_error``). ``command``: what the user typed, for the ranks' report.md.
     """
     from vitreg.tracking import handoff as handback
     from vitreg.tracking import runs as tracking
@@ -205,7 +208,7 @@ def launched(argv: list[str], nproc: int, run=None, nnodes: int = 1, node_rank: 
 
     try:
         handback.announce_run(handed.directory, run.run_id if run else "", str(run.experiment_id) if run else "")
-        env = {**tracking.without_requested_run(os.environ), ENV_LAUNCH_DIR: str(launch_dir)}
+        env = {**tracking.without_requested_run(os.environ), ENV_LAUNCH_DIR: str(launch_dir), ENV_COMMAND: command}
         started = time.monotonic()
         outcome = launch_torchrun(argv, nproc, nnodes, node_rank, rdzv_endpoint, env, str(launch_dir / _LOGS),
                                   progress, while_running=log_handed)
@@ -243,6 +246,14 @@ def _log_rank_logs(run, outcome: LaunchOutcome) -> None:
 def launched_by_vitreg() -> bool:
     """True in a worker of :func:`launched` (the launcher holds the run and its system metrics)."""
     return inside_torchrun() and bool(os.environ.get(ENV_LAUNCH_DIR))
+
+
+def typed_command(given: str | None = None) -> str:
+    """The command the user typed: the launcher's, in a rank it started; else ``given``; else this
+    process's argv."""
+    if launched_by_vitreg() and os.environ.get(ENV_COMMAND):
+        return os.environ[ENV_COMMAND]
+    return given or shlex.join(sys.argv)
 
 
 @contextlib.contextmanager

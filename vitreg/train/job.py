@@ -36,9 +36,7 @@ hands back its checkpoints. The launcher registers the checkpoint once the hand-
 from __future__ import annotations
 
 import math
-import shlex
 import shutil
-import sys
 import tempfile
 from dataclasses import asdict
 from pathlib import Path
@@ -119,7 +117,7 @@ def train(options: dict, experiment: str | None = None, run_name: str | None = N
     of the job. ``sampler_factory(dataset)`` replaces the built-in rank-sharded sampler of
     ImageFolder data (it must give every rank the same number of batches).
     """
-    command = command or " ".join(shlex.quote(a) for a in sys.argv)
+    command = launch.typed_command(command)
     inside = distributed.inside_torchrun()
     workdir = Path(tempfile.mkdtemp(prefix="vitreg-train-"))  # downloaded resume source + local checkpoints
     world = distributed.World()
@@ -129,7 +127,8 @@ def train(options: dict, experiment: str | None = None, run_name: str | None = N
         with opened as run:
             spec = None if inside else TrainSpec.from_options(options)  # the launcher's plan
             if spec is not None and launch.needs_torchrun(spec.nproc, nnodes):
-                return _launch_train(run, spec, options, run_name, progress, nnodes, node_rank, rdzv_endpoint)
+                return _launch_train(run, spec, options, run_name, progress, nnodes, node_rank, rdzv_endpoint,
+                                     command)
             result, world = _train_in_run(run, options, workdir, progress, command, run_name,
                                           sampler_factory=sampler_factory)
     finally:
@@ -144,7 +143,8 @@ def train(options: dict, experiment: str | None = None, run_name: str | None = N
     return result
 
 
-def _launch_train(run, spec: TrainSpec, options, run_name, progress, nnodes=1, node_rank=0, rdzv_endpoint=None):
+def _launch_train(run, spec: TrainSpec, options, run_name, progress, nnodes=1, node_rank=0, rdzv_endpoint=None,
+                  command=""):
     """The launcher (``run`` is None on a node other than 0): the checks that need no GPU, torchrun,
     then the registration rank 0 asked for, against the run its hand-off was logged into."""
     from vitreg.train.data import resolve_num_classes
@@ -170,7 +170,7 @@ def _launch_train(run, spec: TrainSpec, options, run_name, progress, nnodes=1, n
         progress(f"run {run.run_id} at {tracking.tracking_uri()}: {spec.nproc} process(es) per node x {nnodes} "
                  f"node(s) (DDP), batch_size={spec.batch_size} per process ({world * spec.batch_size} images "
                  f"per step)")
-    with launch.launched(argv, spec.nproc, run, nnodes, node_rank, rdzv_endpoint, progress) as handed:
+    with launch.launched(argv, spec.nproc, run, nnodes, node_rank, rdzv_endpoint, progress, command) as handed:
         request = handed.registration
         if run is not None and request is not None:
             register_if_requested(run, spec, request["path"], request["tags"])

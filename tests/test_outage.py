@@ -1,0 +1,84 @@
+"""A real ``vitreg train`` process whose real ``mlflow server`` is SIGKILLed by PID in the middle of the
+run and stays down: the training ends on time (exit 0, one line saying where the run is kept), its
+checkpoints and every loss point survive in the spool, and ``vitreg sync`` delivers them once the
+server is back, to the run that was started on it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from click.testing import CliRunner
+from mlflow.tracking import MlflowClient
+
+from conftest import free_port, subprocess_env
+from vitreg.cli.runs_cmds import sync as sync_command
+from vitreg.tracking.spool import Spool
+
+STEPS, LOG_EVERY = 80, 5
+TRAIN = [sys.executable, "-m", "vitreg.cli", "train", "--model", "test_vit", "--img-size", "32", "--batch-size", "4",
+         "--num-classes", "10", "--num-workers", "0", "--steps", str(STEPS), "--log-every", str(LOG_EVERY),
+         "--checkpoint-every", "40", "--device", "cpu", "--experiment", "outage"]
+FLUSH_TIMEOUT_S = 3
+
+
+def _first_points_on(client: MlflowClient, train: subprocess.Popen, timeout_s: float = 120) -> str:
+    """Wait until the server holds the run and its first loss points; return the run id."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        assert train.poll() is None, "the training ended before the server could be killed: make it longer"
+        assert time.monotonic() < deadline, "no loss point reached the live server"
+        exp = client.get_experiment_by_name("outage")
+        runs = client.search_runs([exp.experiment_id]) if exp else []
+        if runs and client.get_metric_history(runs[0].info.run_id, "train_loss"):
+            return runs[0].info.run_id
+        time.sleep(0.1)
+
+
+@pytest.mark.slow
+def test_server_killed_mid_train_stays_down_and_nothing_is_lost(tmp_path):
+    from vitreg.deploy import server
+    from vitreg.deploy.server import ServerConfig
+
+    cfg = ServerConfig(port=free_port(), data_dir=tmp_path / "server")
+    proc = server.start(cfg, timeout=90, quiet=True)
+    try:
+        client = MlflowClient(cfg.url)
+        train = subprocess.Popen(TRAIN, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                 env=subprocess_env(cfg.url, VITREG_SPOOL_DIR=str(tmp_path / "spool"),
+                                                    VITREG_FLUSH_TIMEOUT_S=str(FLUSH_TIMEOUT_S)))
+        run_id = _first_points_on(client, train)
+        os.killpg(proc.pid, signal.SIGKILL)  # the server and its workers, no clean shutdown; it stays down
+        proc.wait(timeout=10)
+        killed = time.monotonic()
+        out, err = train.communicate(timeout=300)
+        ended_after = time.monotonic() - killed
+
+        assert train.returncode == 0, err[-3000:]
+        assert "Traceback" not in err, err[-3000:]
+        (spool,) = Spool.find(tmp_path / "spool")
+        assert out.strip().splitlines()[-1] == (
+            f"the run is kept in {spool.path}: deliver it with `vitreg sync --spool {spool.path}`")
+        assert f"did not take it in {FLUSH_TIMEOUT_S} s" in err
+        # the rest of the training plus the flush timeout: MLflow's own retries held such a process 757 s
+        assert ended_after < 120, f"the process took {ended_after:.0f} s to end after the server died"
+        kept = {r["artifact_path"] for r in spool.records() if r["kind"] == "artifact"}
+        assert {f"checkpoints/step-{STEPS}", "checkpoints/last"} <= kept, "the final checkpoint waits in the spool"
+
+        proc = server.start(cfg, timeout=90, quiet=True)
+        res = CliRunner().invoke(sync_command, ["--spool", str(tmp_path / "spool")], catch_exceptions=False)
+        assert res.exit_code == 0, res.output
+        assert f"-> run {run_id} " in res.output
+        run = client.get_run(run_id)
+        assert run.info.status == "FINISHED"
+        steps = sorted(m.step for m in client.get_metric_history(run_id, "train_loss"))
+        assert steps == list(range(LOG_EVERY, STEPS + 1, LOG_EVERY)), "every loss point, exactly once"
+        folders = {a.path for a in client.list_artifacts(run_id, "checkpoints")}
+        assert {"checkpoints/last", "checkpoints/step-40"} <= folders, folders
+        assert len(client.search_runs([run.info.experiment_id])) == 1
+    finally:
+        server.stop(proc)
