@@ -199,12 +199,13 @@ def test_entry_point_script_exits_2_without_traceback(tmp_path):
 
 
 @pytest.mark.parametrize("entry_name,extra", [
-    ("bench", {"nnodes": "1", "node_rank": "0", "rdzv_endpoint": "", "baseline_run": ""}),
-    ("infer", {"model_uri": None}),
+    ("bench", {"nnodes": "1", "node_rank": "0", "rdzv_endpoint": "", "baseline_run": "", "offline": "false"}),
+    ("infer", {"model_uri": None, "offline": "false"}),
 ])
 def test_mlproject_bench_and_infer_entries_match_bench_spec(entry_name, extra):
     """bench: every BenchSpec field is a parameter with BenchSpec's default and reaches the command line
-    (plus the launcher's options); infer: the same for the fields it takes (its model comes from the URI)."""
+    (plus the launcher's and the run's own options); infer: the same for the fields it takes (its model
+    comes from the URI)."""
     import yaml
 
     from vitreg.config.spec import BenchSpec

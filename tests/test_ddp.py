@@ -97,7 +97,7 @@ def test_mlflow_run_nproc2_one_run_rank0_logs(tmp_path):
     assert {a.path for a in client.list_artifacts(run.info.run_id, "torchrun")} == {"torchrun/rank0", "torchrun/rank1"}
     # report.md shows what the user typed, not the launcher's generated line for the ranks
     report = open(client.download_artifacts(run.info.run_id, "report.md", str(tmp_path))).read()
-    assert "mlflow run . -e bench" in report and "-P nproc=2" in report and "vitreg bench" not in report
+    assert "mlflow run . -e bench" in report and "-P nproc=2" in report and "vitreg bench --" not in report
     # rank 0 speaks for the job: its progress shows (prefixed), rank 1's does not
     assert "[rank0]: [vitreg] train: window 2/2" in proc.stderr
     assert "[rank1]: [vitreg]" not in proc.stderr

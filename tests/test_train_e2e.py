@@ -45,9 +45,9 @@ def losses(c, run_id) -> dict[int, float]:
 
 def test_mlproject_entry_matches_train_spec():
     """Every TrainSpec field is a parameter with TrainSpec's default and reaches the command line; so do
-    the launcher's multi-host options, which are not TrainSpec fields."""
+    the launcher's multi-host options and offline, which are not TrainSpec fields."""
     entry = yaml.safe_load((REPO / "MLproject").read_text())["entry_points"]["train"]
-    defaults = {**TrainSpec().to_params(), "nnodes": "1", "node_rank": "0", "rdzv_endpoint": ""}
+    defaults = {**TrainSpec().to_params(), "nnodes": "1", "node_rank": "0", "rdzv_endpoint": "", "offline": "false"}
     assert set(entry["parameters"]) == set(defaults)
     for name, param in entry["parameters"].items():
         assert param["type"] == "string" and str(param["default"]) == defaults[name], name

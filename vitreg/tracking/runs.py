@@ -54,6 +54,10 @@ class Tracker(Protocol):
     experiment_id: str
     #: True when any thread may make the calls (the train job then logs from a background thread).
     thread_safe: bool
+    #: True when nothing goes to the server: the run waits in the local spool for ``vitreg sync``.
+    offline: bool = False
+    #: None while the run is open; after its end, whether the store holds all of it (False: in the spool).
+    delivered: bool | None = None
 
     def log_params(self, params: dict) -> dict[str, str]: ...
     def set_name(self, name: str) -> None: ...
@@ -338,7 +342,7 @@ def check_server(timeout: float = 5.0) -> None:
 def where_logged(tracker) -> str:
     """The line a job ends with: the run and how to open it (its page on a server; ``make ui`` locally),
     or, for a run still in the local spool (offline, or a store that did not take it), how to deliver it."""
-    if tracker.offline or tracker.delivered is False:
+    if tracker.offline or tracker.delivered is False:  # a SpoolingTracker's run still in its spool
         return f"the run is kept in {tracker.spool.path}: deliver it with `vitreg sync --spool {tracker.spool.path}`"
     uri = mlflow.get_tracking_uri()
     page = f"#/experiments/{tracker.experiment_id}/runs/{tracker.run_id}"
