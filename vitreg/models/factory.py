@@ -11,6 +11,7 @@ as ``torchvision:vit_b_16`` (the model the seeds benchmark).
 from __future__ import annotations
 
 import difflib
+import functools
 from dataclasses import dataclass
 
 from vitreg.errors import VitregError
@@ -97,17 +98,35 @@ def build(name: str, img_size: int, num_classes: int):
     size = img_size or (int(default_cfg.input_size[-1]) if default_cfg is not None else 224)
     patch = _timm_patch_size(name)
     _check_img_size(name, size, patch)  # before building: the position embeddings are sized by it
-    model = timm.create_model(name, pretrained=False, num_classes=num_classes, **({"img_size": size} if img_size else {}))
+    model = _timm_create(name, num_classes=num_classes, **({"img_size": size} if img_size else {}))
     return model, "timm", size, patch
 
 
-def _timm_patch_size(name: str) -> int:
-    """The patch size of a timm ViT, read from a weightless (meta-device) instance at its default size."""
+def _timm_create(name: str, **kwargs):
+    """``timm.create_model`` with random weights; on the meta device without initialising them.
+
+    Initialising meta tensors computes nothing, but timm's truncated-normal init runs through
+    torch's Python reference ops there: it made a meta build of deit_tiny cost more than a real one,
+    and every command builds its model on the meta device first (:func:`vitreg.models.memory.footprint`).
+    """
     import timm
     import torch
 
+    if torch.get_default_device().type == "meta":
+        try:
+            return timm.create_model(name, pretrained=False, weight_init="skip", **kwargs)
+        except TypeError:  # a timm ViT class without the switch
+            pass
+    return timm.create_model(name, pretrained=False, **kwargs)
+
+
+@functools.lru_cache(maxsize=None)
+def _timm_patch_size(name: str) -> int:
+    """The patch size of a timm ViT, read from a weightless (meta-device) instance at its default size."""
+    import torch
+
     with torch.device("meta"):
-        probe = timm.create_model(name, pretrained=False)
+        probe = _timm_create(name)
     return int(_pair(probe.patch_embed.patch_size)[0])
 
 

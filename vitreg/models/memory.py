@@ -10,6 +10,7 @@ refused; what it catches is what cannot.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from vitreg.errors import VitregError
@@ -34,6 +35,7 @@ class Footprint:
         return self.params * FP32_BYTES
 
 
+@functools.lru_cache(maxsize=64)  # a job asks several times (the model, the batch, the processes)
 def footprint(name: str, img_size: int = 0, num_classes: int = 1000) -> Footprint:
     """Build ``name`` on the meta device (no memory) and read its sizes; refuses bad names/sizes as create_model does."""
     import torch
