@@ -1,8 +1,11 @@
 """Shared test fixtures: a real sqlite MLflow store per test, and the repo's paths."""
 
+import atexit
 import os
+import shutil
 import socket
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -24,6 +27,28 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+_TEMPLATE_STORE: list[Path] = []
+
+
+def migrated_store(directory) -> str:
+    """The URI of a real sqlite MLflow store, ``directory/mlflow.db``, whose schema is already made.
+
+    It is a copy of one store made once per test process: making a store runs MLflow's schema
+    migrations, 2-4 s each time on these machines. The tests about fresh stores (concurrent
+    creation, the mission's first run) make their own.
+    """
+    if not _TEMPLATE_STORE:
+        from vitreg.tracking.store import prepare_store
+
+        folder = Path(tempfile.mkdtemp(prefix="vitreg-test-store-"))
+        atexit.register(shutil.rmtree, folder, True)
+        prepare_store(f"sqlite:///{folder / 'mlflow.db'}")
+        _TEMPLATE_STORE.append(folder / "mlflow.db")
+    target = Path(directory) / "mlflow.db"
+    shutil.copyfile(_TEMPLATE_STORE[0], target)
+    return f"sqlite:///{target}"
+
+
 def subprocess_env(tracking_uri: str, **extra) -> dict:
     """Environment for a child process: this interpreter's bin first on PATH (MLproject commands call
     `python`), the given store, no inherited MLflow run."""
@@ -37,8 +62,9 @@ def subprocess_env(tracking_uri: str, **extra) -> dict:
 
 @pytest.fixture
 def sqlite_store(tmp_path, monkeypatch):
-    """A fresh sqlite tracking store in tmp_path, set for this process; yields its URI."""
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    """A sqlite tracking store of its own in tmp_path (made from the template: :func:`migrated_store`),
+    set for this process; yields its URI."""
+    uri = migrated_store(tmp_path)
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
     for key in ("MLFLOW_RUN_ID", "MLFLOW_EXPERIMENT_ID", "MLFLOW_EXPERIMENT_NAME"):
         monkeypatch.delenv(key, raising=False)

@@ -12,7 +12,7 @@ import pytest
 from click.testing import CliRunner
 
 import vitreg
-from conftest import REPO
+from conftest import REPO, migrated_store
 from vitreg.errors import VitregError
 
 TINY = dict(model="test_vit", img_size=32, batch_size=2, warmup=1, steps=2, repeats=1)
@@ -22,7 +22,7 @@ TINY = dict(model="test_vit", img_size=32, batch_size=2, warmup=1, steps=2, repe
 def store(tmp_path_factory):
     """A sqlite store with experiment ``api``: one infer run and one train run of test_vit, made by vitreg.bench."""
     root = tmp_path_factory.mktemp("api")
-    uri = f"sqlite:///{root / 'mlflow.db'}"
+    uri = migrated_store(root)
     with pytest.MonkeyPatch.context() as mp:
         for key in [k for k in os.environ if k.startswith("MLFLOW_")]:
             mp.delenv(key)

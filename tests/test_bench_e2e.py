@@ -7,7 +7,7 @@ import sys
 import pytest
 from click.testing import CliRunner
 
-from conftest import REPO, subprocess_env
+from conftest import REPO, migrated_store, subprocess_env
 
 TINY = ["-P", "img_size=32", "-P", "batch_size=2", "-P", "warmup=2", "-P", "steps=3",
         "-P", "repeats=2"]
@@ -31,7 +31,7 @@ def only_run(uri):
 
 @pytest.mark.slow
 def test_mlflow_run_bench_logs_one_complete_finished_run(tmp_path):
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"  # a fresh store: the mission's first run makes it
     proc = mlflow_run(uri, "-P", "gpu=auto", "-P", "model=test_vit", *TINY, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "infer_throughput" not in proc.stdout  # the table uses readable headers...
@@ -76,7 +76,7 @@ def test_mlflow_run_bench_logs_one_complete_finished_run(tmp_path):
 ])
 def test_mlflow_run_bad_input_fails_the_run(tmp_path, params, needle):
     """Through the real `mlflow run` path once; the other refusals are the same code, tested in-process below."""
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = migrated_store(tmp_path)
     proc = mlflow_run(uri, *TINY, *params, cwd=tmp_path)
     assert proc.returncode != 0
     assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
@@ -187,7 +187,7 @@ def test_mismatch_allowed_is_tagged(requested_run):
 def test_entry_point_script_exits_2_without_traceback(tmp_path):
     from mlflow.tracking import MlflowClient
 
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = migrated_store(tmp_path)
     client = MlflowClient(uri)
     run = client.create_run(client.create_experiment("e2e"))
     proc = subprocess.run([sys.executable, str(REPO / "entry_points" / "bench.py"), "--batch-size", "-1"],

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from tests.conftest import REPO
+from conftest import REPO
 from vitreg.errors import VitregError
 from vitreg.hardware.compile_cache import CacheProbe, default_cache_dir, use_compile_cache
 from vitreg.measure.ticker import ticking

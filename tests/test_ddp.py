@@ -19,7 +19,7 @@ import textwrap
 import pytest
 from click.testing import CliRunner
 
-from conftest import REPO, subprocess_env
+from conftest import REPO, migrated_store, subprocess_env
 from vitreg.dist import world as distributed
 from vitreg.dist import diagnose as diagnosis
 from vitreg.dist import launcher as launch
@@ -77,7 +77,7 @@ def assert_reduced(client, run, tmp_path, world: int) -> None:
 
 @pytest.mark.slow
 def test_mlflow_run_nproc2_one_run_rank0_logs(tmp_path):
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = migrated_store(tmp_path)
     proc = subprocess.run([sys.executable, "-m", "mlflow", "run", str(REPO), "-e", "bench", "--env-manager", "local",
                            "--experiment-name", "ddp", *mlflow_params({**TINY, "nproc": "2", "profile_steps": "2"})],
                           env=child_env(uri), cwd=tmp_path, capture_output=True, text=True, timeout=300)
@@ -111,7 +111,7 @@ def test_plain_cli_nproc4_creates_one_run(tmp_path):
     """`vitreg bench --nproc 4` without `mlflow run`: the launcher creates the run before torchrun."""
     from vitreg.cli.main import main
 
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = migrated_store(tmp_path)
     args = ["bench", *cli_args({**TINY, "nproc": "4"}), "--experiment", "ddp4"]
     # Scaling efficiency against a 1-process baseline, once the CLI has --baseline-run (bench() has it).
     with_baseline = any(p.name == "baseline_run" for p in main.commands["bench"].params)
@@ -154,7 +154,7 @@ def test_rank_killed_hard_fails_the_run(tmp_path):
             print("RuntimeError: simulated hard crash of rank 0", file=sys.stderr, flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
     """))
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = migrated_store(tmp_path)
     proc = subprocess.run([sys.executable, "-m", "vitreg.cli", "bench", *cli_args({**TINY, "nproc": "2"})],
                           env=child_env(uri, PYTHONPATH=str(inject)), cwd=tmp_path, capture_output=True, text=True,
                           timeout=300)

@@ -13,6 +13,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
+from conftest import migrated_store
 from vitreg.cli.main import main
 from vitreg.config.spec import TrainSpec
 from vitreg.models.factory import create_model
@@ -50,7 +51,7 @@ def store(tmp_path_factory):
     """One sqlite store for the module (a fresh one per test costs seconds of migrations each)."""
     import mlflow
 
-    uri = f"sqlite:///{tmp_path_factory.mktemp('store') / 'mlflow.db'}"
+    uri = migrated_store(tmp_path_factory.mktemp('store'))
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("MLFLOW_TRACKING_URI", uri)
         for key in ("MLFLOW_RUN_ID", "MLFLOW_EXPERIMENT_ID", "MLFLOW_EXPERIMENT_NAME"):

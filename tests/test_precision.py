@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from tests.conftest import REPO
+from conftest import REPO
 from vitreg.errors import VitregError
 from vitreg.hardware.precision import (PRECISION_CHOICES, autocast, input_dtype, math_mode, prepare_model,
                                        resolve_precision)

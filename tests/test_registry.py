@@ -20,7 +20,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from conftest import REPO, subprocess_env
+from conftest import REPO, migrated_store, subprocess_env
 from vitreg.tracking import checkpoints, registry
 from vitreg.tracking import runs as tracking
 from vitreg.train.checkpoint import save_checkpoint
@@ -54,7 +54,7 @@ def weights_equal(model, state: dict) -> bool:
 def store(tmp_path_factory):
     """A sqlite store with registered model ``tv``: v1 (@champion, step 5) and v2 (@latest, step 10)."""
     root = tmp_path_factory.mktemp("registry")
-    uri = f"sqlite:///{root / 'mlflow.db'}"
+    uri = migrated_store(root)
     with pytest.MonkeyPatch.context() as mp:
         for key in [k for k in os.environ if k.startswith("MLFLOW_")]:
             mp.delenv(key)

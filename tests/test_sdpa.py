@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-from tests.conftest import REPO
+from conftest import REPO
 from vitreg.errors import VitregError
 from vitreg.hardware.sdpa import attention_shape, backends_in, check_backend, detect_backend, sdpa_context
 

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from conftest import subprocess_env
+from conftest import migrated_store, subprocess_env
 
 LONG_BENCH = ["-m", "vitreg.cli", "bench", "--model", "test_vit", "--img-size", "32", "--device", "cpu",
               "--amp", "off", "--batch-size", "2", "--warmup", "2", "--steps", "200", "--repeats", "100",
@@ -30,7 +30,7 @@ def _wait_for(proc, needle: str, timeout: float = 120) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
 def test_a_stop_signal_ends_the_run_killed(tmp_path, sig):
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = migrated_store(tmp_path)
     proc = subprocess.Popen([sys.executable, *LONG_BENCH], env=subprocess_env(uri), cwd=tmp_path, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     _wait_for(proc, "window 1/")

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import subprocess_env
+from conftest import migrated_store, subprocess_env
 from vitreg.tracking.store import prepare_store
 
 TRAIN = ["train", "--model", "test_vit", "--img-size", "32", "--batch-size", "8", "--num-classes", "10",
@@ -49,7 +49,7 @@ def _wait_for_steps(c, proc, at_least: int, deadline_s: float = 240):
 @pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP], ids=["SIGTERM", "SIGHUP"])
 def test_a_stop_signal_ends_train_killed_with_a_final_checkpoint_and_no_temp_folder(tmp_path, sig):
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = migrated_store(tmp_path)
     tmpdir = tmp_path / "tmp"
     tmpdir.mkdir()
     prepare_store(uri)  # created here, once: this process polls it while the child logs into it

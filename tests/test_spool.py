@@ -28,10 +28,9 @@ from vitreg.errors import StoreError, VitregError
 from vitreg.tracking.delivery import SPOOL_ID_TAG, experiment_id_for, seq_tag
 from vitreg.tracking.spool import Spool, flush_timeout_s, offline_mode, spool_root
 from vitreg.tracking.spooling import SpoolingTracker, open_run
-from vitreg.tracking.store import prepare_store
 from vitreg.tracking.sync import SyncError, sync
 
-from conftest import REPO, free_port, subprocess_env
+from conftest import REPO, free_port, migrated_store, subprocess_env
 
 
 @pytest.fixture(autouse=True)
@@ -46,8 +45,7 @@ def _clean_env(monkeypatch):
 @pytest.fixture(scope="module")
 def _module_store(tmp_path_factory):
     """One sqlite store for the module (creating one costs seconds); each test has its own experiment."""
-    uri = f"sqlite:///{tmp_path_factory.mktemp('store') / 'mlflow.db'}"
-    prepare_store(uri)  # one migration, before the delivery thread and the test both open it
+    uri = migrated_store(tmp_path_factory.mktemp('store'))  # migrated before the delivery thread opens it
     return uri
 
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from conftest import subprocess_env
+from conftest import migrated_store, subprocess_env
 from vitreg.dist import world as distributed
 from vitreg.dist import launcher as launch
 from vitreg.train.checkpoint import verify_checkpoint
@@ -46,7 +46,7 @@ def vitreg_train(tmp_path, uri, options: dict, timeout=180):
 
 @pytest.mark.slow
 def test_train_nproc2_one_run_rank0_logs_checkpoints_and_registers(tmp_path):
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = migrated_store(tmp_path)
     proc = vitreg_train(tmp_path, uri, {**TINY, "nproc": "2", "steps": str(STEPS), "log_every": str(LOG_EVERY),
                                         "checkpoint_every": str(CKPT_EVERY), "register_as": "tiny-ddp",
                                         "alias": "champion", "experiment": "ddp-train",
@@ -111,7 +111,7 @@ def _free_port() -> int:
 def test_two_hosts_on_one_machine_make_one_run_logged_by_node_0(tmp_path, job):
     """Two launchers as two hosts (nnodes=2, node_rank 0 and 1, one rendezvous endpoint), one process
     each: one MLflow run, from node 0, with world size 2; node 1's launcher opens none."""
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = migrated_store(tmp_path)
     if job == "train":
         options = {**TINY, "steps": "4", "log_every": "2", "checkpoint_every": "0"}
     else:
@@ -139,7 +139,7 @@ def test_two_hosts_on_one_machine_make_one_run_logged_by_node_0(tmp_path, job):
 def test_failing_ranks_fail_the_run_with_their_error_and_status(tmp_path):
     """An error only the ranks see (the student has no distillation token): exit 2 (the ranks' own
     VitregError status, not torchrun's 1), one FAILED run whose vitreg_error names the rank."""
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = migrated_store(tmp_path)
     proc = vitreg_train(tmp_path, uri, {**TINY, "nproc": "2", "steps": "2", "distillation": "soft",
                                         "teacher": "test_vit"})
     assert proc.returncode == 2, proc.stderr[-4000:]

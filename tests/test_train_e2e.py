@@ -16,7 +16,7 @@ import pytest
 import yaml
 from click.testing import CliRunner
 
-from conftest import REPO, subprocess_env
+from conftest import REPO, migrated_store, subprocess_env
 from vitreg.tracking import runs as tracking
 from vitreg.tracking.store import prepare_store
 from vitreg.train.checkpoint import verify_checkpoint
@@ -210,7 +210,7 @@ def _wait_for_checkpoint(c, proc, experiment: str, deadline_s: float = 240):
 
 @pytest.mark.slow
 def test_sigkilled_training_resumes_from_its_last_checkpoint(tmp_path):
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = migrated_store(tmp_path)
     c = client(uri)
     params = {"model": "test_vit", "img_size": "32", "batch_size": "16", "num_classes": "10", "steps": "400",
               "lr": "2e-3", "warmup_steps": "3", "label_smoothing": "0", "log_every": "1", "checkpoint_every": "15",

@@ -28,6 +28,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import migrated_store
 from vitreg.deploy import server
 from vitreg.tracking.naming import NOTE_TAG, run_name, run_note
 
@@ -317,7 +318,7 @@ def test_make_ui_prints_links_that_open_the_runs(tmp_path, shots, monkeypatch):
     for name in list(os.environ):
         if name.startswith("MLFLOW_"):
             monkeypatch.delenv(name)
-    store = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    store = migrated_store(tmp_path)
     client = MlflowClient(store)
     exp = client.create_experiment("make-ui", artifact_location=str(tmp_path / "artifacts"))
     names = {}
