@@ -19,23 +19,24 @@ from conftest import free_port, subprocess_env
 from vitreg.cli.runs_cmds import sync as sync_command
 from vitreg.tracking.spool import Spool
 
-STEPS, LOG_EVERY = 80, 5
+STEPS, LOG_EVERY, CHECKPOINT_EVERY = 300, 10, 150
 TRAIN = [sys.executable, "-m", "vitreg.cli", "train", "--model", "test_vit", "--img-size", "32", "--batch-size", "4",
          "--num-classes", "10", "--num-workers", "0", "--steps", str(STEPS), "--log-every", str(LOG_EVERY),
-         "--checkpoint-every", "40", "--device", "cpu", "--experiment", "outage"]
+         "--checkpoint-every", str(CHECKPOINT_EVERY), "--device", "cpu", "--experiment", "outage"]
 FLUSH_TIMEOUT_S = 3
 
 
-def _first_points_on(client: MlflowClient, train: subprocess.Popen, timeout_s: float = 120) -> str:
-    """Wait until the server holds the run and its first loss points; return the run id."""
+def _first_points_on(client: MlflowClient, train: subprocess.Popen, timeout_s: float = 120) -> tuple[str, int]:
+    """Wait until the server holds the run and its first loss points; return the run id and their count."""
     deadline = time.monotonic() + timeout_s
     while True:
         assert train.poll() is None, "the training ended before the server could be killed: make it longer"
         assert time.monotonic() < deadline, "no loss point reached the live server"
         exp = client.get_experiment_by_name("outage")
         runs = client.search_runs([exp.experiment_id]) if exp else []
-        if runs and client.get_metric_history(runs[0].info.run_id, "train_loss"):
-            return runs[0].info.run_id
+        points = len(client.get_metric_history(runs[0].info.run_id, "train_loss")) if runs else 0
+        if points:
+            return runs[0].info.run_id, points
         time.sleep(0.1)
 
 
@@ -51,10 +52,12 @@ def test_server_killed_mid_train_stays_down_and_nothing_is_lost(tmp_path):
         train = subprocess.Popen(TRAIN, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                  env=subprocess_env(cfg.url, VITREG_SPOOL_DIR=str(tmp_path / "spool"),
                                                     VITREG_FLUSH_TIMEOUT_S=str(FLUSH_TIMEOUT_S)))
-        run_id = _first_points_on(client, train)
+        run_id, delivered_before = _first_points_on(client, train)
         os.killpg(proc.pid, signal.SIGKILL)  # the server and its workers, no clean shutdown; it stays down
         proc.wait(timeout=10)
         killed = time.monotonic()
+        assert train.poll() is None, "the training ended before the server died: make it longer"
+        assert delivered_before < STEPS // LOG_EVERY
         out, err = train.communicate(timeout=300)
         ended_after = time.monotonic() - killed
 
@@ -78,7 +81,7 @@ def test_server_killed_mid_train_stays_down_and_nothing_is_lost(tmp_path):
         steps = sorted(m.step for m in client.get_metric_history(run_id, "train_loss"))
         assert steps == list(range(LOG_EVERY, STEPS + 1, LOG_EVERY)), "every loss point, exactly once"
         folders = {a.path for a in client.list_artifacts(run_id, "checkpoints")}
-        assert {"checkpoints/last", "checkpoints/step-40"} <= folders, folders
+        assert {"checkpoints/last", f"checkpoints/step-{CHECKPOINT_EVERY}"} <= folders, folders
         assert len(client.search_runs([run.info.experiment_id])) == 1
     finally:
         server.stop(proc)
