@@ -752,3 +752,19 @@ def test_compare_command_by_torch_version(sqlite_store):
     assert "slower" in row and "0.90x" in row
     (run,) = [r for r in client.search_runs([exp]) if r.data.tags.get("vitreg_job") == "compare"]
     assert run.data.params["by"] == "torch_version" and run.data.metrics["speedup_geomean_2.9.0"] == pytest.approx(0.9, rel=0.01)
+
+
+def test_auto_batch_runs_are_one_configuration_and_the_table_shows_what_each_gpu_chose():
+    rows = [run("a100", 1000, bs="auto"), run("a100", 1010, bs="auto"), run("h200", 2000, bs="auto"),
+            run("h200", 2020, bs="auto")]
+    for row, chosen in zip(rows, ["256", "256", "512", "1024"]):
+        row["tags.infer_batch_size_chosen"] = chosen
+    comparison = compare_gpus(runs(*rows), baseline="a100")
+    table = comparison.table.set_index("gpu")
+    assert list(table["n_runs"]) == [2, 2] and table["batch_size"].isna().all()  # one configuration: auto
+    assert table.loc["a100", "batch_chosen"] == "256" and table.loc["h200", "batch_chosen"] == "512/1024"
+    assert table.loc["h200", "verdict"] == "faster"
+    text = format_table(comparison)
+    assert "batch chosen" in text and "512/1024" in text
+    fixed = compare_gpus(runs(run("a100", 1000), run("h200", 2000)), baseline="a100")
+    assert fixed.table["batch_chosen"].isna().all() and "batch chosen" not in format_table(fixed)

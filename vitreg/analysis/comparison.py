@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import pandas as pd
 
-from vitreg.analysis.frame import (CONFIG_KEYS, DEFAULT_AXIS, HARDWARE_COLUMNS, ID_COLUMNS, MISSING, SHARED_METRICS,
-                                   CompareError, require_tidy)
+from vitreg.analysis.frame import (CHOSEN_COLUMNS, CONFIG_KEYS, DEFAULT_AXIS, HARDWARE_COLUMNS, ID_COLUMNS, MISSING,
+                                   SHARED_METRICS, CompareError, require_tidy)
 from vitreg.analysis.stats import MISLABELLED, cv, geomean, improvement, spread, versus
 from vitreg.measure.metrics import BY_NAME, HIGHER, LOWER
 
@@ -281,6 +281,7 @@ def _summary_row(row: dict, grp: pd.DataFrame, ask: _Question) -> dict:
         sources="+".join(sorted(grp["source"].astype(str).unique())),
         mismatch=bool(grp["mismatch"].any()),
         ran_on="+".join(sorted(grp["ran_on"].dropna().astype(str).unique())) or np.nan,
+        batch_chosen="/".join(sorted(grp["batch_chosen"].dropna().astype(str).unique(), key=int)) or np.nan,
         **{
             f"{metric}_median": float(np.median(vals)),
             f"{metric}_min": float(vals.min()),
@@ -297,7 +298,7 @@ def _summary_row(row: dict, grp: pd.DataFrame, ask: _Question) -> dict:
 def _table(rows: list[dict], ask: _Question) -> pd.DataFrame:
     table = pd.DataFrame(rows)
     identity = list(dict.fromkeys([*CONFIG_KEYS, "gpu", ask.by]))
-    lead = identity + ["n_runs", "sources", *HARDWARE_COLUMNS]
+    lead = identity + ["n_runs", "sources", *HARDWARE_COLUMNS, *CHOSEN_COLUMNS]
     stats = [f"{ask.metric}_{s}" for s in ("median", "min", "max", "cv", "spread")]
     tail = ["baseline", "speedup", "ci_low", "ci_high", "verdict"] if ask.baseline is not None else []
     table = table[lead + stats + list(ask.companions) + tail]

@@ -30,8 +30,13 @@ ALL_METRICS = tuple(dict.fromkeys(sum(TASK_METRICS.values(), ()) + SHARED_METRIC
 # hardware (NaN where nothing says). A mislabelled run's numbers are not its label's.
 HARDWARE_COLUMNS = ("mismatch", "ran_on")
 
+# What a run chose for itself: ``batch_chosen`` is the batch batch_size=auto found (its
+# ``<task>_batch_size_chosen`` tag; NaN for a fixed batch). Such runs share ``batch_size`` <NA>, so
+# they are one configuration, and the table shows what each GPU chose.
+CHOSEN_COLUMNS = ("batch_chosen",)
+
 # Columns of the tidy frame that are not measurements.
-ID_COLUMNS = ("run_id", "start_time", "source", "gpu") + CONFIG_KEYS + HARDWARE_COLUMNS
+ID_COLUMNS = ("run_id", "start_time", "source", "gpu") + CONFIG_KEYS + HARDWARE_COLUMNS + CHOSEN_COLUMNS
 
 # What a comparison is along (compare --by) unless asked otherwise.
 DEFAULT_AXIS = "gpu"

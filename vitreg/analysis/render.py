@@ -42,9 +42,11 @@ def format_table(comparison) -> str:
         lines.append("fixed: " + " ".join(f"{k}={cell(v)}" for k, v in fixed.items()))
     marked = bool(t["mismatch"].any())
     cols = varying + [by] + (["ran_on"] if marked else [])
+    cols += ["batch_chosen"] if t["batch_chosen"].notna().any() else []  # batch_size=auto runs
     cols += ["n_runs", f"{m}_median", f"{m}_min", f"{m}_max", f"{m}_cv"]
     heads = {f"{m}_median": "median", f"{m}_min": "min", f"{m}_max": "max", f"{m}_cv": "cv",
-             "n_runs": "n", "batch_size": "batch", "img_size": "img", "ran_on": "ran on"}
+             "n_runs": "n", "batch_size": "batch", "img_size": "img", "ran_on": "ran on",
+             "batch_chosen": "batch chosen"}
     body = _rows(t, cols)
     if marked:  # the hardware of honest rows is their label: leave the cell blank, flag the others
         for row, mismatch in zip(body, t["mismatch"]):

@@ -59,8 +59,8 @@ def launcher_options(command: str, own: dict) -> dict:
 
 def go_offline_if_asked(command: str, own: dict) -> None:
     """``offline=true``: log to the spool only. Set as ``VITREG_OFFLINE=1`` in the environment, the one
-    switch the tracking layer reads, so the processes this one starts (torchrun ranks, sweep runs)
-    are offline too."""
+    switch the tracking layer reads, so the processes this one starts (the torchrun ranks) are
+    offline too."""
     if option(command, "offline").parse(own["offline"]):
         os.environ["VITREG_OFFLINE"] = "1"
 

@@ -170,6 +170,8 @@ def _task_rows(df: pd.DataFrame, base: pd.DataFrame, task: str, task_param: pd.S
         return None
     part = base[wanted].copy()
     part["task"] = task
+    chosen = _text(df, f"tags.{task}_batch_size_chosen")  # batch_size=auto: the batch it found
+    part["batch_chosen"] = chosen[wanted] if chosen is not None else np.nan
     for name in TASK_METRICS[task]:
         part[name] = np.nan
     for name, v in values.items():
