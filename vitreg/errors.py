@@ -54,3 +54,13 @@ def out_of_memory_as_error(what: str, batch_size: int):
         torch.cuda.empty_cache()
         raise OutOfMemory(f"{what} with batch_size={batch_size} ran out of GPU memory: use a smaller batch_size "
                           f"(e.g. {max(1, batch_size // 2)})") from None
+
+
+def first_line(exc: BaseException, limit: int = 200) -> str:
+    """An exception's first line, cut to ``limit`` characters, for a one-line error (its class name
+    when it has no text). Library errors often run to a paragraph or a traceback-like dump."""
+    text = str(exc).strip()
+    if not text:
+        return type(exc).__name__
+    line = text.splitlines()[0]
+    return line if len(line) <= limit else line[:limit - 3] + "..."

@@ -34,7 +34,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from vitreg.errors import VitregError
+from vitreg.errors import VitregError, first_line
 
 __all__ = [
     "ImportedRun",
@@ -170,8 +170,8 @@ def read_timm_csv(path, gpu: str | None = None, *, amp: str | None = None) -> li
             f"{path.name} is empty; expected a timm benchmark.py results CSV with a header row"
         ) from None
     except (pd.errors.ParserError, UnicodeDecodeError) as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise TimmImportError(f"{path.name} is not a readable CSV ({first}); pass a timm benchmark.py results file") from None
+        raise TimmImportError(f"{path.name} is not a readable CSV ({first_line(e)}); pass a timm benchmark.py results "
+                              "file") from None
     df.columns = [str(c).strip() for c in df.columns]
 
     tasks = _check_columns(df, path.name, info["task"])

@@ -23,7 +23,7 @@ from vitreg.config.spec import BenchSpec
 from vitreg.console import progress, quiet
 from vitreg.dist import launcher as launch
 from vitreg.dist import world as distributed
-from vitreg.errors import VitregError
+from vitreg.errors import VitregError, first_line
 from vitreg.hardware.env import capture_environment
 from vitreg.hardware.profiles import detect_hardware, resolve_hardware
 from vitreg.hardware.runtime import resolve_runtime
@@ -171,8 +171,8 @@ def read_baseline(run_id: str, spec: BenchSpec) -> Baseline:
     try:
         base = tracking.get_run(run_id)
     except Exception as exc:  # MlflowException (no such run), or the server
-        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        raise VitregError(f"baseline_run={run_id!r} cannot be read from {tracking.tracking_uri()}: {first}") from None
+        raise VitregError(f"baseline_run={run_id!r} cannot be read from {tracking.tracking_uri()}: "
+                          f"{first_line(exc)}") from None
     metrics, tags, params = dict(base.data.metrics), dict(base.data.tags), dict(base.data.params)
     if base.info.status != "FINISHED":
         raise VitregError(f"baseline_run={run_id} is {base.info.status}, not FINISHED: pass a finished nproc=1 run")

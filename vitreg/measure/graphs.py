@@ -32,7 +32,7 @@ import contextlib
 import os
 
 from vitreg.config.spec import check_cuda_graph
-from vitreg.errors import VitregError
+from vitreg.errors import VitregError, first_line
 
 #: eager steps before the capture: DDP's runtime statistics (CUDA timers) run in its first 10
 #: iterations and every 100th after; the capture, the 12th, must be none of them
@@ -91,8 +91,7 @@ def capture(step, eager_steps: int = EAGER_STEPS_BEFORE_CAPTURE):
     except torch.OutOfMemoryError:
         raise  # the runner's memory guard names the batch size to try
     except RuntimeError as exc:  # a host sync or an uncapturable op inside the step
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise VitregError(f"cuda_graph=true: this step cannot be captured in a CUDA graph ({first[:200]}): "
+        raise VitregError(f"cuda_graph=true: this step cannot be captured in a CUDA graph ({first_line(exc)}): "
                           f"pass cuda_graph=false") from exc
     graph.replay()  # the capture itself ran nothing
     return graph.replay

@@ -30,6 +30,7 @@ from mlflow.tracking import MlflowClient
 from mlflow.utils.mlflow_tags import MLFLOW_RUN_NAME
 
 from vitreg.config.parse import parse_float
+from vitreg import errors
 from vitreg.errors import StoreError, VitregError
 from vitreg.tracking.spool import MAX_METRICS, MAX_PARAMS, MAX_TAGS, Spool
 from vitreg.tracking.uris import redact
@@ -111,8 +112,7 @@ def first_line(exc: BaseException) -> str:
     status = re.search(r"too many (\d{3}) error responses", text)
     if status:
         return f"HTTP {status.group(1)} from the server"
-    line = text.splitlines()[0]
-    return line if len(line) <= 200 else line[:197] + "..."
+    return errors.first_line(exc)
 
 
 def experiment_id_for(client: MlflowClient, name: str) -> str:

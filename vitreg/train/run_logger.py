@@ -9,7 +9,7 @@ import shutil
 import threading
 from pathlib import Path
 
-from vitreg.errors import VitregError
+from vitreg.errors import VitregError, first_line
 from vitreg.tracking import runs as tracking
 
 CHECKPOINT_ARTIFACTS = "checkpoints"
@@ -54,7 +54,7 @@ class RunLogger:
             if isinstance(error, VitregError):
                 raise error
             raise VitregError(f"logging to MLflow at {tracking.tracking_uri()} failed: {type(error).__name__}: "
-                              f"{str(error).splitlines()[0] if str(error) else ''}") from error
+                              f"{first_line(error)}") from error
 
     def submit(self, fn, *args) -> None:
         if not self.threaded:
