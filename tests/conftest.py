@@ -17,6 +17,12 @@ REPO = Path(__file__).resolve().parent.parent
 # they oversubscribe the cores: a test_vit training step took 108 ms instead of 42 ms under the
 # suite's load. One thread per process (set before torch is imported; every child inherits it).
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+# Runs a test cannot deliver (dead servers, offline=true, fuzzed options) wait in a spool: keep them in a
+# folder of this test process, not in the user's ~/.local/share/vitreg/spool. Child processes inherit it.
+if "VITREG_SPOOL_DIR" not in os.environ:
+    os.environ["VITREG_SPOOL_DIR"] = tempfile.mkdtemp(prefix="vitreg-test-spools-")
+    atexit.register(shutil.rmtree, os.environ["VITREG_SPOOL_DIR"], True)
 VENV_BIN = Path(sys.executable).parent
 
 

@@ -7,6 +7,7 @@ A module of its own so that :mod:`vitreg.cli` and the command modules it registe
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import sys
@@ -57,12 +58,24 @@ def launcher_options(command: str, own: dict) -> dict:
     return {**parsed, "rdzv_endpoint": parsed["rdzv_endpoint"] or None}
 
 
-def go_offline_if_asked(command: str, own: dict) -> None:
-    """``offline=true``: log to the spool only. Set as ``VITREG_OFFLINE=1`` in the environment, the one
-    switch the tracking layer reads, so the processes this one starts (the torchrun ranks) are
-    offline too."""
-    if option(command, "offline").parse(own["offline"]):
-        os.environ["VITREG_OFFLINE"] = "1"
+@contextlib.contextmanager
+def offline_if_asked(command: str, own: dict):
+    """``offline=true``: log to the spool only, for the length of the command. It is set as
+    ``VITREG_OFFLINE=1`` in the environment, the one switch the tracking layer reads, so the
+    processes the command starts (the torchrun ranks) are offline too; restored after, so a command
+    run in-process (click's CliRunner, the Python API) leaves its caller as it was."""
+    if not option(command, "offline").parse(own["offline"]):
+        yield
+        return
+    saved = os.environ.get("VITREG_OFFLINE")
+    os.environ["VITREG_OFFLINE"] = "1"
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop("VITREG_OFFLINE", None)
+        else:
+            os.environ["VITREG_OFFLINE"] = saved
 
 
 def user_errors(fn):

@@ -12,7 +12,7 @@ import click
 
 import vitreg
 from vitreg import signals
-from vitreg.cli.common import command_options, go_offline_if_asked, launcher_options, split_options, user_errors
+from vitreg.cli.common import command_options, launcher_options, offline_if_asked, split_options, user_errors
 from vitreg.cli.invocation import command_line
 from vitreg.config.options import option
 from vitreg.errors import VitregError
@@ -36,9 +36,9 @@ def bench(**values):
     from vitreg.bench.job import bench as run_bench
 
     options, own = split_options("bench", values)  # options: forwarded to the torchrun ranks, checked by BenchSpec
-    go_offline_if_asked("bench", own)
-    run_bench(options, experiment=own["experiment"], run_name=own["run_name"], **launcher_options("bench", own),
-              baseline_run=own["baseline_run"].strip() or None, command=command_line(click.get_current_context()))
+    with offline_if_asked("bench", own):
+        run_bench(options, experiment=own["experiment"], run_name=own["run_name"], **launcher_options("bench", own),
+                  baseline_run=own["baseline_run"].strip() or None, command=command_line(click.get_current_context()))
 
 
 @main.command()

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import click
 
-from vitreg.cli.common import command_options, go_offline_if_asked, split_options, user_errors
+from vitreg.cli.common import command_options, offline_if_asked, split_options, user_errors
 from vitreg.cli.invocation import command_line
 
 
@@ -51,6 +51,6 @@ def infer(**values):
     from vitreg.bench.infer import infer as run_infer
 
     options, own = split_options("infer", values)
-    go_offline_if_asked("infer", own)
-    run_infer(own["model_uri"], options, experiment=own["experiment"], run_name=own["run_name"],
-              command=command_line(click.get_current_context()))
+    with offline_if_asked("infer", own):
+        run_infer(own["model_uri"], options, experiment=own["experiment"], run_name=own["run_name"],
+                  command=command_line(click.get_current_context()))

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import click
 
-from vitreg.cli.common import command_options, go_offline_if_asked, launcher_options, split_options, user_errors
+from vitreg.cli.common import command_options, launcher_options, offline_if_asked, split_options, user_errors
 from vitreg.cli.invocation import command_line
 
 
@@ -21,6 +21,6 @@ def train(**values):
     from vitreg.train.job import train as run_train
 
     options, own = split_options("train", values)  # options: forwarded to the torchrun ranks, checked by TrainSpec
-    go_offline_if_asked("train", own)
-    run_train(options, experiment=own["experiment"], run_name=own["run_name"], **launcher_options("train", own),
-              command=command_line(click.get_current_context()))
+    with offline_if_asked("train", own):
+        run_train(options, experiment=own["experiment"], run_name=own["run_name"], **launcher_options("train", own),
+                  command=command_line(click.get_current_context()))
