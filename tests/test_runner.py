@@ -90,6 +90,26 @@ def test_what_ran_is_in_the_tags_precision_and_the_sdpa_backend_read_from_the_ke
     assert "precision fp32; sdpa=math (ran: infer math, train math)" in report_table(result)
 
 
+def test_flops_are_counted_outside_the_sdpa_restriction(monkeypatch):
+    """The FLOP count runs the fp32 model: under sdpa=flash a GPU has no fp32 kernel, and a count inside
+    the restriction failed with "No available kernel" (an H200, 2026-12-01)."""
+    import torch
+
+    from vitreg.bench import runner
+
+    unrestricted = []
+
+    def counting(fn, *args):
+        unrestricted.append(torch.backends.cuda.flash_sdp_enabled())  # sdpa=math switches flash off
+        return count_flops(fn, *args)
+
+    count_flops = runner.forward_flops_per_image.__globals__["count_flops"]
+    monkeypatch.setitem(runner.forward_flops_per_image.__globals__, "count_flops", counting)
+    result, _ = _run(sdpa="math")
+    assert unrestricted == [True, True]  # the forward count and the training count
+    assert result.tags()["train_sdpa_backend"] == "math"  # the run itself is restricted
+
+
 def report_table(result):
     from vitreg.bench.report import results_table
 

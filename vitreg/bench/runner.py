@@ -288,6 +288,13 @@ def _task_result(task, windows, first_s, warm_s, spec, info, runtime, hardware, 
     )
 
 
+def _train_flops(model, info: ModelInfo, runtime: Runtime) -> int:
+    import torch
+
+    criterion = torch.nn.CrossEntropyLoss()
+    return train_flops_per_image(model, info.img_size, runtime.torch_device, lambda out, y: loss_of(out, y, criterion))
+
+
 def run_benchmark(spec: BenchSpec, hardware: ResolvedHardware, runtime: Runtime, progress=progress,
                   model_factory=None, wrap=None, reducer=None) -> BenchResult:
     """Build the model, count its FLOPs, run each task of the spec; returns a :class:`BenchResult`.
@@ -309,7 +316,10 @@ def run_benchmark(spec: BenchSpec, hardware: ResolvedHardware, runtime: Runtime,
     if spec.batch_size != AUTO_BATCH:  # a batch nobody can run is refused before anything is allocated
         check_batch_fits(info, spec.batch_size, spec.tasks, runtime.device, runtime.device_index)
     model = model.to(runtime.torch_device)
+    # Counted in fp32 before the run's SDPA restriction: sdpa=flash has no fp32 kernel on a GPU, so a
+    # count inside it failed with "No available kernel" (the count is the same whichever backend runs).
     fwd_flops = forward_flops_per_image(model, info.img_size, runtime.torch_device)
+    train_flops = _train_flops(model, info, runtime) if "train" in spec.tasks else 0
     model = prepare_model(model, precision)
     profile_dir = tempfile.mkdtemp(prefix="vitreg-profile-") if spec.profile else None
     tasks = []
@@ -319,9 +329,6 @@ def run_benchmark(spec: BenchSpec, hardware: ResolvedHardware, runtime: Runtime,
                 tasks.append(run_inference(model, info, spec, runtime, hardware, fwd_flops, progress, reducer,
                                            profile_dir))
             else:
-                criterion = torch.nn.CrossEntropyLoss()
-                train_flops = train_flops_per_image(model, info.img_size, runtime.torch_device,
-                                                    lambda out, y: loss_of(out, y, criterion))
                 tasks.append(run_train_step(model, info, spec, runtime, hardware, train_flops, progress,
                                             wrap, reducer, profile_dir))
         synchronize(runtime.device)
