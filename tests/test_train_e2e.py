@@ -120,6 +120,9 @@ def test_a_registration_that_fails_after_training_names_the_command_to_retry(sql
 BAD = [
     (["--data", "/nonexistent/imagenet"], "data=/nonexistent/imagenet does not exist"),
     (["--resume", "/nonexistent/ckpt"], "resume=/nonexistent/ckpt does not exist"),
+    # a name longer than the file system's 255 bytes: stat raises ENAMETOOLONG, not "no such file"
+    (["--resume", "r" * 300], "cannot be read (File name too long)"),
+    (["--data", "d" * 300], "cannot be read (File name too long)"),
     (["--distillation", "soft", "--teacher", "test_vit"], "use a deit_*_distilled_* model"),
     (["--lr", "-1"], "lr=-1 must be >= 0"),
     (["--amp", "bf16-weights"], "amp='bf16-weights' is not one of"),  # inference only: not a train choice

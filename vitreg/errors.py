@@ -64,3 +64,17 @@ def first_line(exc: BaseException, limit: int = 200) -> str:
         return type(exc).__name__
     line = text.splitlines()[0]
     return line if len(line) <= limit else line[:limit - 3] + "..."
+
+
+def path_kind(path, what: str, fix: str) -> str:
+    """``"dir"``, ``"file"`` or ``"missing"`` for a path the user typed as option ``what``.
+
+    ``Path.exists()`` swallows only "no such file"; a name too long for the file system, a symlink
+    loop or a folder without permission raise OSError, which becomes one line naming the option.
+    """
+    try:
+        if path.is_dir():
+            return "dir"
+        return "file" if path.exists() else "missing"
+    except OSError as exc:
+        raise VitregError(f"{what}={path} cannot be read ({exc.strerror}): {fix}") from None

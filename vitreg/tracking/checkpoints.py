@@ -28,7 +28,7 @@ from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
 from vitreg.console import progress
-from vitreg.errors import VitregError
+from vitreg.errors import VitregError, path_kind
 from vitreg.tracking.delivery import first_line
 from vitreg.tracking.filemodes import copy_as_new_file
 from vitreg.tracking.quiet import quiet_artifact_downloads
@@ -77,7 +77,7 @@ def resolve_checkpoint(source: str, dst=None, what: str = "model_uri", progress=
             directory, origin = _download_artifact_uri(source, dst, what, progress), {}
     else:
         path = Path(source).expanduser()
-        if not path.is_dir():
+        if path_kind(path, what, f"use {SOURCES}") != "dir":
             raise VitregError(f"{what}={source} does not exist: use {SOURCES}")
         directory, origin = _find_checkpoint(path, source), {}
     return Located(ckpt.verify_checkpoint(directory), **origin)

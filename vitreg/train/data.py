@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from vitreg.errors import VitregError
+from vitreg.errors import VitregError, path_kind
 
 SYNTHETIC_IMAGES_PER_EPOCH = 10_000  # what one "epoch" of synthetic data means (steps = this // batch_size)
 SYNTHETIC_DEFAULT_CLASSES = 1000  # an ImageNet-sized head, as the benchmarks use
@@ -237,9 +237,10 @@ def _class_dirs(path: Path) -> list[Path]:
 
 def _check_layout(root: Path):
     layout = "PATH/train/<class>/*.jpg (and optionally PATH/val/<class>/*.jpg)"
-    if not root.exists():
+    kind = path_kind(root, "data", f"pass data=synthetic or a folder laid out as {layout}")
+    if kind == "missing":
         raise VitregError(f"data={root} does not exist: pass data=synthetic or a folder laid out as {layout}")
-    if not root.is_dir():
+    if kind == "file":
         raise VitregError(f"data={root} is a file, not a folder: pass data=synthetic or a folder laid out as {layout}")
     train_dir = root / "train"
     if not train_dir.is_dir():
