@@ -8,7 +8,9 @@ and compile mode must agree with this one within 2 %.
 Precisions (``--amp``): ``off`` strict fp32; ``tf32`` fp32 with TF32 matmuls/convolutions; ``bf16`` /
 ``fp16`` autocast; ``bf16-weights`` / ``fp16-weights`` the weights and the batch cast, no autocast
 (inference); ``fp8`` torchao float8 dynamic activation + weight, row-wise scales, on bf16 weights
-(inference, needs torchao and compute capability >= 8.9). ``--sdpa`` restricts attention to one
+(inference, needs torchao and compute capability >= 8.9); with ``--task train``, ``fp8`` is torchao's
+float8 *training* (``convert_to_float8_training``, recipe ``--fp8-recipe``, under bf16 autocast; every
+Linear whose dimensions are multiples of 16, so not a 1000-class head). ``--sdpa`` restricts attention to one
 backend. ``--device cpu`` runs the same loop on the CPU with a host clock (for tests, not figures).
 
     python benchmarks/independent_check.py --model vit_base_patch16_224 --batch-size 256 --task infer --amp bf16
@@ -29,6 +31,7 @@ import torch
 
 CAST = {"bf16-weights": torch.bfloat16, "fp16-weights": torch.float16, "fp8": torch.bfloat16}
 AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
+FP8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
 
 
 def build(name, img_size):
@@ -42,8 +45,21 @@ def build(name, img_size):
     return timm.create_model(name, pretrained=False, **kwargs)
 
 
-def set_precision(model, amp, task):
+def fp8_training(model, recipe):
+    """torchao float8 training: Linear layers swapped for Float8Linear (dims multiple of 16 only)."""
+    try:
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    except ImportError:
+        sys.exit("--amp fp8 needs torchao: pip install torchao")
+    convert_to_float8_training(model, config=Float8LinearConfig.from_recipe_name(recipe),
+                               module_filter_fn=lambda m, _: m.in_features % 16 == 0 and m.out_features % 16 == 0)
+
+
+def set_precision(model, amp, task, fp8_recipe="tensorwise"):
     """Apply --amp to the model and the global matmul mode; returns the dtype of the input batch."""
+    if amp == "fp8" and task == "train":
+        fp8_training(model, fp8_recipe)
+        return torch.float32
     if amp in CAST and task == "train":
         sys.exit(f"--amp {amp} is inference only: use --task infer")
     torch.set_float32_matmul_precision("high" if amp == "tf32" else "highest")
@@ -92,6 +108,7 @@ def main():
     ap.add_argument("--task", choices=["infer", "train"], default="infer")
     ap.add_argument("--amp", choices=["off", "tf32", "bf16", "fp16", "bf16-weights", "fp16-weights", "fp8"],
                     default="bf16")
+    ap.add_argument("--fp8-recipe", choices=FP8_RECIPES, default="tensorwise", help="--amp fp8 --task train only")
     ap.add_argument("--sdpa", choices=["auto", "flash", "cudnn", "efficient", "math"], default="auto")
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     ap.add_argument("--compile", default="off")
@@ -105,8 +122,8 @@ def main():
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     torch.manual_seed(0)
     model = build(args.model, args.img_size).to(dev)
-    x_dtype = set_precision(model, args.amp, args.task)
-    dtype = AUTOCAST.get(args.amp)
+    x_dtype = set_precision(model, args.amp, args.task, args.fp8_recipe)
+    dtype = torch.bfloat16 if args.amp == "fp8" and args.task == "train" else AUTOCAST.get(args.amp)
     net = model if args.compile == "off" else torch.compile(
         model, **({} if args.compile == "default" else {"mode": args.compile}))
     x = torch.randn(args.batch_size, 3, args.img_size, args.img_size, device=dev, dtype=x_dtype)
@@ -149,7 +166,9 @@ def main():
                       "amp": args.amp, "compile": args.compile, "img_per_s_median": statistics.median(rates),
                       "img_per_s_min": min(rates), "img_per_s_max": max(rates), "first_call_s": first_s,
                       "gpu": torch.cuda.get_device_name(0) if cuda else "cpu", "torch": torch.__version__,
-                      "sdpa": args.sdpa}), flush=True)
+                      "sdpa": args.sdpa,
+                      **({"fp8_recipe": args.fp8_recipe} if args.amp == "fp8" and args.task == "train" else {})}),
+          flush=True)
 
 
 if __name__ == "__main__":

@@ -19,6 +19,12 @@
 #   8 best infer with batch_size=auto (the search picks the batch, compile=default times it)
 #   9 amp=fp8 (torchao; refused in one line if the image has no torchao)
 #  10 compile=max-autotune, infer (bf16-weights, flash, 1024) and train (bf16, flash, 256)
+#  11 train levers, independent loop only: torchao float8 training (tensorwise, rowwise), compiled, batch 512
+#  12 train at batch 1024, compiled (vitreg + the independent loop)
+#  13 train with sdpa=flash, compiled, batch FLASH_BATCH (256), then the independent loop: the whole stderr kept in
+#     $OUT/flash-train-stderr.txt (it failed in calls 2 and 5: the FLOP count ran fp32 under the flash restriction)
+#  15 train at batch 1536, compiled (vitreg only)
+#  14 compile=max-autotune train, bf16, sdpa auto, batch MA_BATCH (512), then the independent loop
 # Writes $OUT/log.txt (progress with timestamps), $OUT/independent.jsonl, $OUT/tables.txt (every vitreg results
 # table) and $OUT/store.tgz (the MLflow store). DEADLINE (seconds) keeps one call under ~9 minutes: no item
 # starts after it.
@@ -106,6 +112,25 @@ if want 10; then
   vb --model $MODEL --task infer --amp bf16-weights --sdpa flash --compile max-autotune --batch-size $BIG
   ck --model $MODEL --task infer --amp bf16-weights --sdpa flash --compile max-autotune --batch-size $BIG
   left "item 10 train" && vb --model $MODEL --task train --amp bf16 --sdpa flash --compile max-autotune --batch-size $MID
+fi
+if want 11; then
+  ck --model $MODEL --task train --amp fp8 --fp8-recipe tensorwise --compile default --batch-size 512
+  left "item 11 rowwise" && ck --model $MODEL --task train --amp fp8 --fp8-recipe rowwise --compile default --batch-size 512
+fi
+if want 12; then
+  vb --model $MODEL --task train --amp bf16 --compile default --batch-size $BIG
+  ck --model $MODEL --task train --amp bf16 --compile default --batch-size $BIG
+fi
+if want 13; then  # FLASH_BATCH: the batch (256)
+  vb --model $MODEL --task train --amp bf16 --sdpa flash --compile default --batch-size ${FLASH_BATCH:-$MID}
+  cp $OUT/last_stderr.txt $OUT/flash-train-stderr.txt
+  left "item 13 independent" && ck --model $MODEL --task train --amp bf16 --sdpa flash --compile default \
+    --batch-size ${FLASH_BATCH:-$MID}
+fi
+want 15 && vb --model $MODEL --task train --amp bf16 --compile default --batch-size 1536
+if want 14; then  # MA_BATCH: the batch (512); MA_TIMEOUT: the vitreg run's limit (420 s: autotuning a training graph)
+  VB_TIMEOUT=${MA_TIMEOUT:-420} vb --model $MODEL --task train --amp bf16 --compile max-autotune --batch-size ${MA_BATCH:-512}
+  left "item 14 independent" && ck --model $MODEL --task train --amp bf16 --compile max-autotune --batch-size ${MA_BATCH:-512}
 fi
 say "done"
 # weights and input examples stay behind (a store that holds a training run's would not come back)
