@@ -45,7 +45,10 @@ else
   TIMING=(--warmup 10 --steps 20 --repeats 5); CK_TIMING=(--warmup 10 --iters 20 --repeats 5)
 fi
 export MLFLOW_EXPERIMENT_NAME=h200-levers
-python3 -c "import mlflow; mlflow.get_experiment_by_name('h200-levers') or mlflow.create_experiment('h200-levers')"
+# artifacts beside the db (profile=true traces, reports), so that store.tgz brings them back (calls 1-7 kept them
+# in ./mlruns on the device: the profile=true trace of call 4 did not come back)
+python3 -c "import mlflow, os; root = os.environ.get('MLFLOW_ARTIFACT_ROOT'); mlflow.get_experiment_by_name('h200-levers') \
+  or mlflow.create_experiment('h200-levers', artifact_location=f'file://{root}/h200-levers' if root else None)"
 LOG=$OUT/log.txt
 say() { echo "[$(( $(date +%s) - START ))s] $*" | tee -a $LOG; }
 left() { [ $(( $(date +%s) - START )) -lt $DEADLINE ] || { say "deadline: skipping $*"; return 1; }; }
