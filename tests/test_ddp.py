@@ -173,6 +173,38 @@ def test_rank_killed_hard_fails_the_run(tmp_path):
     assert "torchrun/rank0/stderr.log" in logs
 
 
+RANK_PATH = """
+import json, os, sys
+from pathlib import Path
+from vitreg.bench.job import bench  # noqa: F401 - the modules a rank runs, imported as a rank imports them
+from vitreg.train.job import train  # noqa: F401
+from vitreg.dist.launcher import rank_run
+from vitreg.tracking import runs as tracking
+with rank_run() as tracker:  # rank 0: the hand-off journal; rank 1: nothing
+    tracker.set_tags({"gpu": "cpu"})
+    tracker.log_metrics({"infer_throughput_img_per_s": 1.0})
+    print(tracking.tracking_uri(), tracking.where_logged(tracker), type(tracker).__name__)
+print(json.dumps(sorted(m for m in sys.modules if m.split(".")[0] == "mlflow")))
+"""
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_rank_under_the_launcher_never_imports_mlflow(tmp_path, rank):
+    """Importing mlflow costs a process ~2.8 s of CPU: a rank of a vitreg launcher only writes the hand-off
+    journal (rank 0) or nothing, and prints the tracking URI from the environment."""
+    from vitreg.tracking.handoff import announce_run
+
+    announce_run(tmp_path / "handoff", "r" * 32, "1")
+    env = {**subprocess_env("sqlite:///" + str(tmp_path / "mlflow.db")), "LOCAL_RANK": str(rank), "RANK": str(rank),
+           "WORLD_SIZE": "2", launch.ENV_LAUNCH_DIR: str(tmp_path)}
+    done = subprocess.run([sys.executable, "-c", RANK_PATH], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    printed, imported = done.stdout.strip().splitlines()[-2:]
+    assert json.loads(imported) == []
+    assert printed.startswith(f"sqlite:///{tmp_path / 'mlflow.db'} logged run ")
+    assert printed.endswith("HandoffTracker" if rank == 0 else "NullTracker")
+
+
 def test_bad_model_refused_before_launching(sqlite_store):
     """Checks that need no GPU run once, in the launcher: one error, exit 2, the run FAILED."""
     from mlflow.tracking import MlflowClient

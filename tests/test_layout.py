@@ -44,6 +44,8 @@ def _imports_mlflow(tree: ast.AST) -> bool:
             return True
         if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "mlflow":
             return True
+        if isinstance(node, ast.ImportFrom) and node.module == "vitreg.tracking.lazy":  # mlflow on first use
+            return True
     return False
 
 

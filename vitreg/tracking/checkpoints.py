@@ -23,14 +23,11 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import mlflow
-from mlflow.exceptions import MlflowException
-from mlflow.tracking import MlflowClient
-
 from vitreg.console import progress
 from vitreg.errors import VitregError, path_kind
 from vitreg.tracking.delivery import first_line
 from vitreg.tracking.filemodes import copy_as_new_file
+from vitreg.tracking.lazy import mlflow
 from vitreg.tracking.quiet import quiet_artifact_downloads
 from vitreg.train import checkpoint as ckpt
 
@@ -68,7 +65,7 @@ def resolve_checkpoint(source: str, dst=None, what: str = "model_uri", progress=
     source = str(source).strip()
     if source.startswith(("models:/", "runs:/")) or "://" in source:
         dst = Path(dst) if dst is not None else Path(tempfile.mkdtemp(prefix="vitreg-checkpoint-"))
-        client = MlflowClient()
+        client = mlflow.MlflowClient()
         if source.startswith("models:/"):
             directory, origin = _download_model_version(client, source, dst, what, progress)
         elif source.startswith("runs:/"):
@@ -86,7 +83,7 @@ def resolve_checkpoint(source: str, dst=None, what: str = "model_uri", progress=
 def mlflow_call(fn, what: str):
     try:
         return fn()
-    except MlflowException:
+    except mlflow.exceptions.MlflowException:
         raise
     except Exception as exc:  # connection refused, DNS, ...
         raise VitregError(f"cannot reach the MLflow tracking server at {mlflow.get_tracking_uri()} to {what}: "
@@ -96,7 +93,7 @@ def mlflow_call(fn, what: str):
 def _registered_names(client) -> list[str]:
     try:
         return sorted(rm.name for rm in client.search_registered_models(max_results=50))
-    except MlflowException:
+    except mlflow.exceptions.MlflowException:
         return []
 
 
@@ -129,7 +126,7 @@ def _download_model_version(client, uri: str, dst: Path, what: str, progress) ->
                           f"(e.g. models:/deit-tiny@champion, models:/deit-tiny/3)")
     try:
         mlflow_call(lambda: client.get_registered_model(name), f"look up {name!r}")
-    except MlflowException:
+    except mlflow.exceptions.MlflowException:
         names = _registered_names(client)
         have = f"registered models are {', '.join(names)}" if names else "there are no registered models yet"
         raise VitregError(f"no registered model {name!r} at {mlflow.get_tracking_uri()}: {have}") from None
@@ -147,7 +144,7 @@ def _download_model_version(client, uri: str, dst: Path, what: str, progress) ->
             version = str(aliases[alias])
     try:
         mv = client.get_model_version(name, version)
-    except MlflowException:
+    except mlflow.exceptions.MlflowException:
         raise VitregError(f"registered model {name!r} has no version {version}: it has "
                           f"{_inventory(client, name)}") from None
     if CHECKPOINT_TAG not in (mv.tags or {}):
@@ -156,7 +153,7 @@ def _download_model_version(client, uri: str, dst: Path, what: str, progress) ->
     label = f"models:/{name}/{version}" + (f" (@{alias})" if alias else "")
     try:
         local = _download(f"{base.rstrip('/')}/{CHECKPOINT_SUBDIR}", dst, progress, label)
-    except (MlflowException, OSError):
+    except (mlflow.exceptions.MlflowException, OSError):
         raise VitregError(f"{label} holds no vitreg checkpoint ({CHECKPOINT_SUBDIR}/manifest.json): it was not "
                           f"registered by vitreg; pull a version registered by `train` or register_checkpoint") \
             from None
@@ -170,7 +167,7 @@ def _download_run_path(client, uri: str, dst: Path, what: str, progress) -> tupl
         raise VitregError(f"{what}={uri} names no run: use runs:/RUN_ID/checkpoints/last")
     try:
         mlflow_call(lambda: client.get_run(run_id), f"look up run {run_id}")
-    except MlflowException:
+    except mlflow.exceptions.MlflowException:
         raise VitregError(f"{what}={uri} cannot be downloaded: no run {run_id!r} at {mlflow.get_tracking_uri()}: "
                           f"check the run id (mlflow runs list) or MLFLOW_TRACKING_URI") from None
     path = path.strip("/")
@@ -197,7 +194,7 @@ def _download_run_path(client, uri: str, dst: Path, what: str, progress) -> tupl
 def _download_artifact_uri(uri: str, dst: Path, what: str, progress) -> Path:
     try:
         local = _download(uri, dst, progress)
-    except (MlflowException, OSError) as exc:
+    except (mlflow.exceptions.MlflowException, OSError) as exc:
         raise VitregError(f"{what}={uri} cannot be downloaded from {mlflow.get_tracking_uri()} ({first_line(exc)}): "
                           f"check the URI (MLFLOW_TRACKING_URI must be its store)") from None
     return _find_checkpoint(local, uri)
@@ -383,7 +380,7 @@ def link_infer_run(result: PullResult, run_id: str, metrics: dict, gpu: str | No
     """Tag the model version (when the URI named one) with the infer run that benchmarked it."""
     if not result.version_uri:
         return
-    client = MlflowClient()
+    client = mlflow.MlflowClient()
     tags = {"last_infer_run_id": run_id, "last_infer_gpu": gpu}
     for key in ("infer_throughput_img_per_s", "infer_latency_ms_p50"):
         if key in metrics:

@@ -24,14 +24,10 @@ import threading
 import time
 from pathlib import Path
 
-from mlflow.entities import Metric, Param, RunTag
-from mlflow.exceptions import MlflowException
-from mlflow.tracking import MlflowClient
-from mlflow.utils.mlflow_tags import MLFLOW_RUN_NAME
-
-from vitreg.config.parse import parse_float
 from vitreg import errors
+from vitreg.config.parse import parse_float
 from vitreg.errors import StoreError, VitregError
+from vitreg.tracking.lazy import mlflow
 from vitreg.tracking.spool import MAX_METRICS, MAX_PARAMS, MAX_TAGS, Spool
 from vitreg.tracking.uris import redact
 
@@ -115,14 +111,14 @@ def first_line(exc: BaseException) -> str:
     return errors.first_line(exc)
 
 
-def experiment_id_for(client: MlflowClient, name: str) -> str:
+def experiment_id_for(client: mlflow.MlflowClient, name: str) -> str:
     """The id of the experiment called ``name``, created if the store has none."""
     experiment = client.get_experiment_by_name(name)
     if experiment is not None:
         return experiment.experiment_id
     try:
         return client.create_experiment(name)
-    except MlflowException as exc:  # created meanwhile by another process
+    except mlflow.exceptions.MlflowException as exc:  # created meanwhile by another process
         if exc.error_code != "RESOURCE_ALREADY_EXISTS":
             raise
         return client.get_experiment_by_name(name).experiment_id
@@ -151,9 +147,9 @@ class _Batch:
 class Delivery:
     """Sends one spool's records to one tracking store; keeps where the server's run stands."""
 
-    def __init__(self, spool: Spool, client: MlflowClient | None = None, heartbeat: bool = False):
+    def __init__(self, spool: Spool, client: mlflow.MlflowClient | None = None, heartbeat: bool = False):
         self.spool = spool
-        self.client = client or MlflowClient()
+        self.client = client or mlflow.MlflowClient()
         self.heartbeat = heartbeat  # a live process: every batch also says "still alive"
         self.run_id: str | None = None
         self.delivered_seq = -1
@@ -179,7 +175,7 @@ class Delivery:
             return None
         try:
             return self.client.get_run(run_id)
-        except MlflowException as exc:
+        except mlflow.exceptions.MlflowException as exc:
             if exc.error_code == "RESOURCE_DOES_NOT_EXIST":
                 return None  # another store than the one it was made in: find or create it by spool id
             raise
@@ -198,7 +194,7 @@ class Delivery:
         record = self._run_record
         tags = {SPOOL_ID_TAG: record["spool_id"]}
         if record.get("run_name"):
-            tags[MLFLOW_RUN_NAME] = record["run_name"]
+            tags[mlflow.utils.mlflow_tags.MLFLOW_RUN_NAME] = record["run_name"]
         return self.client.create_run(self._experiment_id(), start_time=record["start_time"], tags=tags,
                                       run_name=record.get("run_name"))
 
@@ -258,9 +254,9 @@ class Delivery:
             tags[HEARTBEAT_TAG] = heartbeat_value()
         self.client.log_batch(
             self.run_id,
-            metrics=[Metric(key, value, timestamp, step) for key, value, timestamp, step in batch.metrics],
-            params=[Param(k, v) for k, v in params.items()],
-            tags=[RunTag(k, v) for k, v in tags.items()],
+            metrics=[mlflow.entities.Metric(key, value, ts, step) for key, value, ts, step in batch.metrics],
+            params=[mlflow.entities.Param(k, v) for k, v in params.items()],
+            tags=[mlflow.entities.RunTag(k, v) for k, v in tags.items()],
             synchronous=True,
         )
         self._server_params.update(params)

@@ -9,9 +9,7 @@ checkpoint of a run still training, resumed elsewhere), its own end sets the sta
 
 from __future__ import annotations
 
-from mlflow.exceptions import MlflowException
-from mlflow.tracking import MlflowClient
-
+from vitreg.tracking.lazy import mlflow
 from vitreg.tracking.runs import ERROR_TAG
 
 RESUMED_FROM_TAG = "vitreg_resumed_from"  # on the new run: the run id of the checkpoint it continues
@@ -28,7 +26,7 @@ def close_resumed(old_run_id: str, new_run_id: str, progress=lambda message: Non
     """
     if old_run_id == new_run_id:
         return True
-    client = MlflowClient()
+    client = mlflow.MlflowClient()
     try:
         old = client.get_run(old_run_id)
         client.set_tag(old_run_id, RESUMED_BY_TAG, new_run_id)
@@ -38,7 +36,7 @@ def close_resumed(old_run_id: str, new_run_id: str, progress=lambda message: Non
             client.set_terminated(old_run_id, "KILLED")
             progress(f"run {old_run_id} was still RUNNING (its process was killed): marked KILLED, resumed by "
                      f"this run")
-    except MlflowException:
+    except mlflow.exceptions.MlflowException:
         progress(f"the checkpoint's run {old_run_id} is not in this store: only this run is tagged with it")
         return False
     except Exception as exc:  # the store is unreachable now: not a reason to stop a training

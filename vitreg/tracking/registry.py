@@ -17,14 +17,11 @@ import re
 import tempfile
 from pathlib import Path
 
-import mlflow
-from mlflow.exceptions import MlflowException
-from mlflow.tracking import MlflowClient
-
 from vitreg.console import progress
 from vitreg.errors import VitregError
 from vitreg.tracking.checkpoints import CHECKPOINT_TAG, first_line, mlflow_call, resolve_checkpoint, stage_files
 from vitreg.tracking.checkpoints import load_model, pull  # noqa: F401  (the README's import path)
+from vitreg.tracking.lazy import mlflow
 from vitreg.train import checkpoint as ckpt
 
 #: Batch of the pt2 input example. A batch of 1 makes torch.export specialise the batch dimension to
@@ -58,7 +55,7 @@ def register_checkpoint(tracker, checkpoint_dir, name: str, alias: str | None = 
         return None
     _check_alias(alias)
     name = _check_name(name)
-    client = MlflowClient()
+    client = mlflow.MlflowClient()
     with tempfile.TemporaryDirectory(prefix="vitreg-register-") as tmp:
         source = str(checkpoint_dir)
         located = resolve_checkpoint(source, Path(tmp) / "download", what="checkpoint", progress=progress)
@@ -68,7 +65,7 @@ def register_checkpoint(tracker, checkpoint_dir, name: str, alias: str | None = 
         try:
             mv, moved_from = _log_and_register(client, tracker, model, info, spec, checkpoint, source, name, alias,
                                                tags, input_example_size, Path(tmp) / "stage", progress)
-        except MlflowException as exc:
+        except mlflow.exceptions.MlflowException as exc:
             raise VitregError(f"could not register {name!r} at {mlflow.get_tracking_uri()}: {first_line(exc)}") \
                 from None
     where = f"models:/{name}/{mv.version}"
@@ -120,10 +117,10 @@ def register_run_checkpoint(uri: str, name: str, alias: str | None = "latest", p
         raise VitregError(f"{uri} is not a run's checkpoint: pass runs:/<run_id>/checkpoints/last "
                           f"(or .../checkpoints/step-<N>), as a train run logs them")
     run_id = match.group(1)
-    client = MlflowClient()
+    client = mlflow.MlflowClient()
     try:
         run = mlflow_call(lambda: client.get_run(run_id), "find the run")
-    except MlflowException:
+    except mlflow.exceptions.MlflowException:
         raise VitregError(f"no run {run_id} at {mlflow.get_tracking_uri()}: check the run id and MLFLOW_TRACKING_URI") \
             from None
     from vitreg.tracking.runs import MlflowTracker
@@ -136,7 +133,7 @@ def check_registration(name: str, alias: str | None, arch: str) -> None:
     model ``name`` that holds no other architecture. ``train`` runs them before training, so a bad
     ``register_as`` fails in seconds rather than after the whole training."""
     _check_alias(alias)
-    _check_owner(MlflowClient(), _check_name(name), arch)
+    _check_owner(mlflow.MlflowClient(), _check_name(name), arch)
 
 
 def _check_name(name: str) -> str:
@@ -159,7 +156,7 @@ def _check_owner(client, name: str, arch: str) -> None:
     """A registered model name holds one architecture: refuse to mix another one into it."""
     try:
         versions = client.search_model_versions(f"name = '{name}'")
-    except MlflowException:
+    except mlflow.exceptions.MlflowException:
         return  # no such registered model yet
     others = sorted({(mv.tags or {}).get("model", "unknown (not registered by vitreg)") for mv in versions} - {arch})
     if others:

@@ -1,7 +1,8 @@
 """The MLflow side of vitreg: runs, params, tags, batched metrics, artifacts, search.
 
-This module and :mod:`vitreg.tracking.registry` are the only ones that import mlflow. Runners and training
-loops return typed results; this layer logs them, outside any timed region.
+Only :mod:`vitreg.tracking` reaches mlflow, and only through :mod:`vitreg.tracking.lazy` (imported on
+first use: DDP ranks never pay for it). Runners and training loops return typed results; this layer logs
+them, outside any timed region.
 
 Conventions:
 - ``mlflow run`` creates the run, logs every ``-P`` value as a param and passes ``MLFLOW_RUN_ID``;
@@ -24,21 +25,22 @@ import tempfile
 from pathlib import Path
 from typing import Protocol
 
-import mlflow
-from mlflow.tracking import MlflowClient
-
 from vitreg.dist.world import is_main_process
 from vitreg.errors import StoreError, VitregError
 from vitreg.signals import interrupted_reason
 from vitreg.tracking.delivery import ERROR_KIND_TAG, ERROR_TAG, first_line, short_http_requests, store_errors
+from vitreg.tracking.lazy import mlflow
 from vitreg.tracking.spool import offline_mode
 from vitreg.tracking.spooling import open_run
 from vitreg.tracking.store import prepare_store
 from vitreg.tracking.uris import redact, without_credentials
 
 
-
 def tracking_uri() -> str:
+    """MLflow's tracking URI. Before mlflow is imported nothing can have called ``mlflow.set_tracking_uri``,
+    so a set MLFLOW_TRACKING_URI is the answer MLflow would give: a DDP rank prints it without importing mlflow."""
+    if "mlflow" not in sys.modules and os.environ.get("MLFLOW_TRACKING_URI"):
+        return os.environ["MLFLOW_TRACKING_URI"]
     return mlflow.get_tracking_uri()
 
 
@@ -99,7 +101,7 @@ class MlflowTracker(Tracker):
         self.run = run
         self.run_id = run.info.run_id
         self.experiment_id = run.info.experiment_id
-        self._client = MlflowClient()
+        self._client = mlflow.MlflowClient()
 
     def log_params(self, params: dict) -> dict[str, str]:
         """Log params, skipping keys MLflow already holds with another value (the ``-P`` request).
@@ -237,7 +239,7 @@ def _experiment_name(experiment: str | None) -> str:
         return os.environ["MLFLOW_EXPERIMENT_NAME"]
     if os.environ.get("MLFLOW_EXPERIMENT_ID"):
         with short_http_requests(), store_errors(mlflow.get_tracking_uri(), "reading the experiment"):
-            return MlflowClient().get_experiment(os.environ["MLFLOW_EXPERIMENT_ID"]).name
+            return mlflow.MlflowClient().get_experiment(os.environ["MLFLOW_EXPERIMENT_ID"]).name
     return "Default"
 
 
@@ -305,7 +307,7 @@ def fail_requested_run(message: str) -> None:
         return
     try:
         with short_http_requests():  # a dead server costs seconds here, not MLflow's minutes of retries
-            client = MlflowClient()
+            client = mlflow.MlflowClient()
             if client.get_run(run_id).info.status != "RUNNING":
                 return  # tracked_run already ended it, with the reason
             client.set_tag(run_id, ERROR_TAG, " ".join(message.split())[:4000])
@@ -344,7 +346,7 @@ def where_logged(tracker) -> str:
     or, for a run still in the local spool (offline, or a store that did not take it), how to deliver it."""
     if tracker.offline or tracker.delivered is False:  # a SpoolingTracker's run still in its spool
         return f"the run is kept in {tracker.spool.path}: deliver it with `vitreg sync --spool {tracker.spool.path}`"
-    uri = mlflow.get_tracking_uri()
+    uri = tracking_uri()
     page = f"#/experiments/{tracker.experiment_id}/runs/{tracker.run_id}"
     if uri.startswith(("http://", "https://")):
         base = without_credentials(uri)[0].rstrip("/")
@@ -359,13 +361,13 @@ def create_child_run(parent: MlflowTracker, name: str, tags: dict | None = None)
 
     all_tags = {MLFLOW_PARENT_RUN_ID: parent.run_id, MLFLOW_RUN_NAME: name,
                 **{k: str(v) for k, v in (tags or {}).items()}}
-    return MlflowClient().create_run(parent.experiment_id, tags=all_tags, run_name=name).info.run_id
+    return mlflow.MlflowClient().create_run(parent.experiment_id, tags=all_tags, run_name=name).info.run_id
 
 
 def finish_child_run(run_id: str, returncode: int, stderr: str) -> str:
     """After the child process: its error reason ('' on success); a child that died without ending its
     run (killed, crashed) is ended FAILED here with the last line it printed."""
-    client = MlflowClient()
+    client = mlflow.MlflowClient()
     run = client.get_run(run_id)
     reason = run.data.tags.get(ERROR_TAG, "")
     if returncode != 0 and not reason:
@@ -385,7 +387,7 @@ def child_runs(parent: MlflowTracker):
 
 def search_runs(experiment: str, filter_string: str = ""):
     """All runs of an experiment (by name) as a pandas DataFrame, MLflow's ``search_runs`` columns."""
-    exp = MlflowClient().get_experiment_by_name(experiment)
+    exp = mlflow.MlflowClient().get_experiment_by_name(experiment)
     if exp is None:
         raise VitregError(f"experiment {experiment!r} does not exist at {mlflow.get_tracking_uri()}: "
                           f"check the name (mlflow experiments search) or MLFLOW_TRACKING_URI")
@@ -394,7 +396,7 @@ def search_runs(experiment: str, filter_string: str = ""):
 
 
 def get_run(run_id: str):
-    return MlflowClient().get_run(run_id)
+    return mlflow.MlflowClient().get_run(run_id)
 
 
 def download_artifacts(artifact_uri: str, dst: str | None = None) -> Path:

@@ -16,12 +16,15 @@ import os
 import threading
 import time
 
-import mlflow
-from mlflow.tracking import MlflowClient
-from mlflow.utils.mlflow_tags import MLFLOW_RUN_NAME
-
 from vitreg.console import progress
-from vitreg.tracking.delivery import Delivery, experiment_id_for, first_line, short_http_requests, store_errors
+from vitreg.tracking.delivery import (
+    Delivery,
+    experiment_id_for,
+    first_line,
+    short_http_requests,
+    store_errors,
+)
+from vitreg.tracking.lazy import mlflow
 from vitreg.tracking.spool import Spool, flush_timeout_s, offline_mode
 from vitreg.tracking.stale import heartbeat_period_s
 
@@ -45,7 +48,7 @@ class SpoolingTracker:
 
     thread_safe = True
 
-    def __init__(self, spool: Spool, offline: bool | None = None, client: MlflowClient | None = None,
+    def __init__(self, spool: Spool, offline: bool | None = None, client: mlflow.MlflowClient | None = None,
                  existing_params: dict | None = None, experiment_id: str | None = None,
                  heartbeat_s: float | None = None):
         self.spool = spool
@@ -115,7 +118,7 @@ class SpoolingTracker:
         return skipped
 
     def set_name(self, name: str) -> None:
-        self._journal(self.spool.append_tags({MLFLOW_RUN_NAME: name}))
+        self._journal(self.spool.append_tags({mlflow.utils.mlflow_tags.MLFLOW_RUN_NAME: name}))
 
     def set_tags(self, tags: dict) -> None:
         clean = {k: str(v) for k, v in tags.items() if v is not None and not k.startswith("mlflow.")}
@@ -222,7 +225,7 @@ class SpoolingTracker:
         with short_http_requests():
             try:
                 # Built here: for a sqlite store the client creates (or migrates) the database, seconds of work
-                client = self._client or MlflowClient(tracking_uri=self.spool.run_record.get("tracking_uri"))
+                client = self._client or mlflow.MlflowClient(tracking_uri=self.spool.run_record.get("tracking_uri"))
                 self._delivery = Delivery(self.spool, client, heartbeat=True)
                 while not self._stopped.is_set() and not self._done.is_set():
                     now = time.monotonic()
@@ -278,7 +281,7 @@ def open_run(experiment_name: str = "Default", run_name: str | None = None, tags
     run_id, existing, experiment_id = os.environ.get("MLFLOW_RUN_ID") or None, {}, None
     if not offline:
         with short_http_requests(), store_errors(uri, "starting the run"):
-            client = MlflowClient(tracking_uri=uri)
+            client = mlflow.MlflowClient(tracking_uri=uri)
             if run_id:
                 run = client.get_run(run_id)
                 experiment_name = client.get_experiment(run.info.experiment_id).name

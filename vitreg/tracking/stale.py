@@ -15,12 +15,10 @@ import dataclasses
 import os
 import time
 
-from mlflow.entities import ViewType
-from mlflow.tracking import MlflowClient
-
 from vitreg.config.parse import parse_float
 from vitreg.errors import VitregError
 from vitreg.tracking.delivery import ERROR_TAG, HEARTBEAT_TAG, short_http_requests, store_errors
+from vitreg.tracking.lazy import mlflow
 
 DEFAULT_HEARTBEAT_S = 30.0
 DEFAULT_STALE_AFTER_S = 600.0
@@ -46,9 +44,9 @@ class StaleRun:
         return f"stale: {what} {since}; the process that ran it is gone"
 
 
-def _experiments(client: MlflowClient, experiment: str | None) -> list:
+def _experiments(client: mlflow.MlflowClient, experiment: str | None) -> list:
     if experiment is None:
-        return client.search_experiments(view_type=ViewType.ACTIVE_ONLY)
+        return client.search_experiments(view_type=mlflow.entities.ViewType.ACTIVE_ONLY)
     found = client.get_experiment_by_name(experiment)
     if found is None:
         raise VitregError(f"experiment {experiment!r} does not exist: check the name "
@@ -56,7 +54,7 @@ def _experiments(client: MlflowClient, experiment: str | None) -> list:
     return [found]
 
 
-def _running_runs(client: MlflowClient, experiment_id: str):
+def _running_runs(client: mlflow.MlflowClient, experiment_id: str):
     token = None
     while True:
         page = client.search_runs([experiment_id], filter_string="attributes.status = 'RUNNING'",
@@ -76,9 +74,9 @@ def _last_seen(run) -> tuple[float, bool]:
 
 
 def find_stale(older_than_s: float = DEFAULT_STALE_AFTER_S, experiment: str | None = None,
-               client: MlflowClient | None = None, now: float | None = None) -> list[StaleRun]:
+               client: mlflow.MlflowClient | None = None, now: float | None = None) -> list[StaleRun]:
     """RUNNING runs (of ``experiment``, or of every experiment) not seen alive for ``older_than_s`` seconds."""
-    client = client or MlflowClient()
+    client = client or mlflow.MlflowClient()
     now = time.time() if now is None else now
     stale = []
     with short_http_requests(), store_errors(client.tracking_uri, "searching for RUNNING runs"):
@@ -90,9 +88,9 @@ def find_stale(older_than_s: float = DEFAULT_STALE_AFTER_S, experiment: str | No
     return sorted(stale, key=lambda r: r.last_seen)
 
 
-def mark_killed(runs: list[StaleRun], client: MlflowClient | None = None) -> int:
+def mark_killed(runs: list[StaleRun], client: mlflow.MlflowClient | None = None) -> int:
     """End each run KILLED with its reason in ``vitreg_error``; returns how many were still RUNNING."""
-    client = client or MlflowClient()
+    client = client or mlflow.MlflowClient()
     ended = 0
     with short_http_requests(), store_errors(client.tracking_uri, "marking stale runs KILLED"):
         for stale in runs:

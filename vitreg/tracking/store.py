@@ -13,10 +13,9 @@ import contextlib
 import fcntl
 from pathlib import Path
 
-from mlflow.tracking import MlflowClient
-
 from vitreg.errors import StoreError
 from vitreg.tracking.delivery import first_line
+from vitreg.tracking.lazy import mlflow
 
 
 def sqlite_path(uri: str) -> Path | None:
@@ -44,7 +43,7 @@ def prepare_store(uri: str) -> None:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         with _exclusive(path.with_name(path.name + ".lock")):
-            MlflowClient(tracking_uri=uri)  # builds the store: creates and migrates the schema if it is new
+            mlflow.MlflowClient(tracking_uri=uri)  # builds the store: creates and migrates the schema if it is new
     except OSError as exc:
         raise StoreError(f"the tracking store {path} cannot be created ({exc.strerror or exc}): "
                          f"set MLFLOW_TRACKING_URI to a writable place") from None

@@ -11,11 +11,9 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-import mlflow
-from mlflow.tracking import MlflowClient
-
 from vitreg.errors import VitregError
 from vitreg.tracking.delivery import Delivery, first_line, short_http_requests
+from vitreg.tracking.lazy import mlflow
 from vitreg.tracking.spool import Spool, SpoolBusy, held, spool_root
 from vitreg.tracking.uris import redact
 
@@ -44,7 +42,7 @@ def sync_one(spool: Spool, tracking_uri: str | None = None) -> Synced:
     """Deliver one spool (locking it); raises :class:`SpoolBusy` when a running process holds it."""
     with held(spool):
         records = spool.records()
-        delivery = Delivery(spool, MlflowClient(tracking_uri=_target_uri(spool, tracking_uri)))
+        delivery = Delivery(spool, mlflow.MlflowClient(tracking_uri=_target_uri(spool, tracking_uri)))
         delivery.connect()
         new = sum(r["seq"] > delivery.delivered_seq and r["kind"] != "run" for r in records)
         delivery.push(records)
