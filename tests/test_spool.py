@@ -197,7 +197,7 @@ def test_offline_writes_only_the_spool_and_sync_delivers_it_once(store, experime
     spool = write_offline_run(root, tmp_path, experiment)
     assert time.monotonic() - began < 5
     err = capsys.readouterr().err.strip()
-    assert err == f"[vitreg] logged locally to {spool.path}; deliver it with: vitreg sync --spool {spool.path}"
+    assert err == f"[vitreg] the run is kept in {spool.path}: deliver it with `vitreg sync --spool {spool.path}`"
     client = MlflowClient()
     assert client.get_experiment_by_name(experiment) is None, "offline: nothing reached the store"
     kept = shutil.copytree(spool.path, tmp_path / "kept-copy")
@@ -391,8 +391,8 @@ def test_a_dead_server_never_blocks_the_loop_and_the_end_is_bounded(tmp_path, mo
     assert time.monotonic() - closing < 2.5
     line = capsys.readouterr().err.strip()
     assert "\n" not in line and "Connection refused" in line
-    assert line.endswith(f"logged locally to {tracker.spool.path}; deliver it with: vitreg sync --spool "
-                         f"{tracker.spool.path}")
+    assert line.endswith(f"the run is kept in {tracker.spool.path}: deliver it with `vitreg sync --spool "
+                         f"{tracker.spool.path}`")
     records = Spool(tracker.spool.path).records()
     assert sum(len(r["metrics"]) for r in records if r["kind"] == "metrics") == 4000
     assert records[-1]["kind"] == "end"

@@ -17,6 +17,7 @@ import click
 from vitreg.cli.param_types import param_type
 from vitreg.config.options import option, options_of
 from vitreg.errors import VitregError
+from vitreg.hardware.env import environ_restored
 from vitreg.signals import Terminated
 
 
@@ -67,15 +68,9 @@ def offline_if_asked(command: str, own: dict):
     if not option(command, "offline").parse(own["offline"]):
         yield
         return
-    saved = os.environ.get("VITREG_OFFLINE")
-    os.environ["VITREG_OFFLINE"] = "1"
-    try:
+    with environ_restored("VITREG_OFFLINE"):
+        os.environ["VITREG_OFFLINE"] = "1"
         yield
-    finally:
-        if saved is None:
-            os.environ.pop("VITREG_OFFLINE", None)
-        else:
-            os.environ["VITREG_OFFLINE"] = saved
 
 
 def user_errors(fn):

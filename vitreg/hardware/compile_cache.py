@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from vitreg.errors import VitregError
+from vitreg.hardware.env import environ_restored
 
 ENV_VAR = "VITREG_COMPILE_CACHE"
 # (counter group, hit name, miss name): inductor's FX-graph cache, and AOTAutograd's, which serves
@@ -63,19 +64,15 @@ def compile_cache_folder(folder: str | os.PathLike | None = None):
     import torch._functorch.config as functorch_config
     import torch._inductor.config as inductor_config
 
-    saved_env = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
     saved = (inductor_config.fx_graph_cache, inductor_config.autotune_local_cache,
              functorch_config.enable_autograd_cache)
-    path = use_compile_cache(folder)
-    try:
-        yield path
-    finally:
-        if saved_env is None:
-            os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
-        else:
-            os.environ["TORCHINDUCTOR_CACHE_DIR"] = saved_env
-        (inductor_config.fx_graph_cache, inductor_config.autotune_local_cache,
-         functorch_config.enable_autograd_cache) = saved
+    with environ_restored("TORCHINDUCTOR_CACHE_DIR"):
+        path = use_compile_cache(folder)
+        try:
+            yield path
+        finally:
+            (inductor_config.fx_graph_cache, inductor_config.autotune_local_cache,
+             functorch_config.enable_autograd_cache) = saved
 
 
 def _require_writable(path: Path) -> None:

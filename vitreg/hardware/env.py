@@ -7,6 +7,7 @@ layer talks to MLflow).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
@@ -134,6 +135,22 @@ def capture_environment() -> EnvInfo:
         vitreg_git_sha=git_sha(),
         nccl_env=nccl_env(),
     )
+
+
+@contextlib.contextmanager
+def environ_restored(*names: str):
+    """The variables ``names`` put back as they were (their value, or no variable) when the block ends:
+    a command run in-process (CliRunner, the Python API, a notebook) may set them for the processes it
+    starts and still leave its caller's environment as it found it."""
+    saved = {name: os.environ.get(name) for name in names}
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def nccl_env(environ=None) -> str:

@@ -31,7 +31,7 @@ from vitreg.signals import interrupted_reason
 from vitreg.tracking.delivery import ERROR_KIND_TAG, ERROR_TAG, first_line, short_http_requests, store_errors
 from vitreg.tracking.lazy import mlflow
 from vitreg.tracking.spool import offline_mode
-from vitreg.tracking.spooling import open_run
+from vitreg.tracking.spooling import open_run, sync_hint
 from vitreg.tracking.store import prepare_store
 from vitreg.tracking.uris import redact, without_credentials
 
@@ -345,7 +345,7 @@ def where_logged(tracker) -> str:
     """The line a job ends with: the run and how to open it (its page on a server; ``make ui`` locally),
     or, for a run still in the local spool (offline, or a store that did not take it), how to deliver it."""
     if tracker.offline or tracker.delivered is False:  # a SpoolingTracker's run still in its spool
-        return f"the run is kept in {tracker.spool.path}: deliver it with `vitreg sync --spool {tracker.spool.path}`"
+        return sync_hint(tracker.spool)
     uri = tracking_uri()
     page = f"#/experiments/{tracker.experiment_id}/runs/{tracker.run_id}"
     if uri.startswith(("http://", "https://")):

@@ -35,7 +35,9 @@ _BACKOFF_FIRST_S, _BACKOFF_MAX_S = 0.5, 8.0
 
 
 def sync_hint(spool: Spool) -> str:
-    return f"logged locally to {spool.path}; deliver it with: vitreg sync --spool {spool.path}"
+    """Where an undelivered run waits and the command that delivers it: the progress line of an
+    undelivered close and the job's last line (``where_logged``) say the same thing."""
+    return f"the run is kept in {spool.path}: deliver it with `vitreg sync --spool {spool.path}`"
 
 
 class SpoolingTracker:
