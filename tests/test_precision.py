@@ -1,5 +1,6 @@
 """Precision modes: what each one runs, what it refuses, and that TF32 is switched back off after a run."""
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -129,18 +130,52 @@ def test_every_choice_resolves_or_refuses_cleanly_on_cpu():
             assert amp in ("tf32", "fp8") and "\n" not in str(err)
 
 
-def independent(*args):
-    cmd = [sys.executable, str(REPO / "benchmarks" / "independent_check.py"), "--device", "cpu", "--model",
-           "test_vit", "--img-size", "32", "--batch-size", "4", "--warmup", "1", "--iters", "2", "--repeats", "2",
-           *args]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+# The independent loop's runs, all in one Python process: each run is the real script run as
+# ``__main__`` (runpy), with its own argv, stdout, stderr and exit status. A process of its own per run
+# cost ~5 s of CPU each, for importing torch and timm again.
+_ONE_PROCESS = """
+import contextlib, io, json, runpy, sys, traceback
+script, runs, results = sys.argv[1], json.loads(sys.argv[2]), []
+for argv in runs:
+    sys.argv, out, err, status = [script, *argv], io.StringIO(), io.StringIO(), 0
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            runpy.run_path(script, run_name="__main__")
+        except SystemExit as exc:  # sys.exit("message"): Python prints the message and exits 1
+            print(exc.code, file=sys.stderr) if isinstance(exc.code, str) else None
+            status = 1 if isinstance(exc.code, str) else (exc.code or 0)
+        except Exception:  # an uncaught error: its traceback on stderr, exit 1
+            traceback.print_exc()
+            status = 1
+    results.append({"returncode": status, "stdout": out.getvalue(), "stderr": err.getvalue()})
+print(json.dumps(results))
+"""
+TINY_LOOP = ["--device", "cpu", "--model", "test_vit", "--img-size", "32", "--batch-size", "4", "--warmup", "1",
+             "--iters", "2", "--repeats", "2"]
+NEW_MODES = [["--amp", "bf16-weights", "--sdpa", "math"], ["--amp", "off", "--sdpa", "flash"],
+             ["--amp", "bf16", "--task", "train"]]
+REFUSED = [["--amp", "fp16-weights", "--task", "train"], ["--amp", "off", "--sdpa", "efficient"],
+           ["--amp", "fp8", "--task", "train"]]
+
+
+@pytest.fixture(scope="module")
+def independent_runs():
+    """``{tuple(args): SimpleNamespace(returncode, stdout, stderr)}`` for every configuration below."""
+    from types import SimpleNamespace
+
+    configs = NEW_MODES + REFUSED
+    done = subprocess.run([sys.executable, "-c", _ONE_PROCESS, str(REPO / "benchmarks" / "independent_check.py"),
+                           json.dumps([TINY_LOOP + args for args in configs])],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = json.loads(done.stdout.strip().splitlines()[-1])
+    return {tuple(args): SimpleNamespace(**result) for args, result in zip(configs, results)}
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("args", [["--amp", "bf16-weights", "--sdpa", "math"], ["--amp", "off", "--sdpa", "flash"],
-                                  ["--amp", "bf16", "--task", "train"]])
-def test_independent_loop_runs_the_new_modes(args):
-    done = independent(*args)
+@pytest.mark.parametrize("args", NEW_MODES)
+def test_independent_loop_runs_the_new_modes(independent_runs, args):
+    done = independent_runs[tuple(args)]
     assert done.returncode == 0, done.stderr
     line = json.loads(done.stdout.strip().splitlines()[-1])
     assert line["check"] == "independent" and line["img_per_s_median"] > 0 and line["gpu"] == "cpu"
@@ -148,7 +183,10 @@ def test_independent_loop_runs_the_new_modes(args):
 
 
 @pytest.mark.slow
-def test_independent_loop_refuses_what_it_cannot_run():
-    assert "inference only" in independent("--amp", "fp16-weights", "--task", "train").stderr
-    done = independent("--amp", "off", "--sdpa", "efficient")  # no CPU kernel: torch's own error
+def test_independent_loop_refuses_what_it_cannot_run(independent_runs):
+    assert "inference only" in independent_runs[tuple(REFUSED[0])].stderr
+    done = independent_runs[tuple(REFUSED[1])]  # no CPU kernel: torch's own error
     assert done.returncode != 0 and "No viable backend" in done.stderr
+    if importlib.util.find_spec("torchao") is None:  # float8 training is torchao's (an optional extra)
+        done = independent_runs[tuple(REFUSED[2])]
+        assert done.returncode == 1 and "--amp fp8 needs torchao: pip install torchao" in done.stderr
