@@ -39,9 +39,11 @@ EXPERIMENT = "ui-check"
 METRIC = "infer_throughput_img_per_s"
 GPUS = ("a100", "h200")
 CHROMIUM = os.environ.get("VITREG_CHROMIUM", "/usr/bin/chromium")
-# No sandbox: CI containers run as root. The rest keeps Chromium off the network.
+# No sandbox: CI containers run as root. --disable-dev-shm-usage: a container's /dev/shm is often 64 MB,
+# too small for the renderer's shared memory on a tall page (its renderer then dies: "Target crashed").
+# The rest keeps Chromium off the network.
 CHROMIUM_ARGS = [
-    "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+    "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--disable-quic", "--no-first-run",
     "--disable-background-networking", "--disable-component-update", "--disable-sync",
 ]
 # The MLflow 3 UI opens in its GenAI layout with an assistant panel; ask for the classic
@@ -134,6 +136,50 @@ def _shown_in_full(locator, needle: str) -> bool:
     return locator.first.evaluate(_SHOWN_IN_FULL, needle)
 
 
+def _in_chromium(pw, shots: Path, steps, *, viewport: dict, init_script: str | None = None) -> None:
+    """Run ``steps(page)`` in a fresh headless Chromium page.
+
+    A renderer that dies ("Target crashed") says nothing about the MLflow UI: the steps run once more,
+    from the start, in a new browser, and a second crash fails the test. Any other failure saves
+    ``failure.png`` (when the page can still take it) and is raised as it happened.
+    """
+    from playwright.sync_api import expect
+
+    for attempt in (1, 2):
+        browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
+        crashed = []
+        try:
+            context = browser.new_context(viewport=viewport)
+            if init_script:
+                context.add_init_script(init_script)
+            page = context.new_page()
+            page.on("crash", lambda _page, seen=crashed: seen.append(True))
+            page.set_default_timeout(30_000)
+            expect.set_options(timeout=30_000)
+            try:
+                steps(page)
+                return
+            except Exception as exc:  # an expect() on a dead page fails as an AssertionError
+                if (crashed or "Target crashed" in str(exc)) and attempt == 1:
+                    print(f"test_ui: Chromium's renderer crashed ({str(exc).splitlines()[0]}); "
+                          "running the steps again in a new browser", file=sys.stderr)
+                    continue
+                _failure_shot(page, shots)
+                raise
+        finally:
+            browser.close()
+
+
+def _failure_shot(page, shots: Path) -> None:
+    """Save what the page showed when a step failed; never hide that failure behind a second one."""
+    from playwright.sync_api import Error
+
+    try:
+        page.screenshot(path=shots / "failure.png", timeout=10_000)
+    except Error as exc:
+        print(f"test_ui: no failure.png ({exc.message.splitlines()[0]})", file=sys.stderr)
+
+
 def _api(base: str, path: str, body: dict | None = None) -> dict:
     data = None if body is None else json.dumps(body).encode()
     req = urllib.request.Request(f"{base}/api/2.0/mlflow/{path}", data=data,
@@ -187,86 +233,77 @@ def test_group_by_gpu_and_compare(tracking_server, shots):
     _log_runs(base)
     experiment_id, run_names = _runs_by_gpu(base)
 
+    def steps(page) -> None:
+        # 1. The experiment's runs table: each run's GPU and throughput in view before any click.
+        page.goto(f"{base}/#/experiments/{experiment_id}/runs?workflowType=machine_learning")
+        for gpu, name in run_names.items():
+            expect(page.get_by_text(name, exact=True)).to_be_visible()
+            throughput = re.search(r"[\d,.]+ img/s", name).group(0)
+            for needle in (gpu, throughput):
+                assert _shown_in_full(page.get_by_text(name, exact=True), needle), (needle, name)
+        page.screenshot(path=shots / "mlflow-ui-runs-list.png")
+        close_assistant = page.get_by_role("button", name="Close")
+        if close_assistant.count() and close_assistant.first.is_visible():
+            close_assistant.first.click()
+
+        # 1b. A run's page: its description is the results table.
+        page.get_by_text(run_names["h200"], exact=True).click()
+        headline = re.search(r"[\d,.]+ img/s", run_names["h200"]).group(0)
+        expect(page.get_by_text(headline, exact=True).first).to_be_visible()  # the note's first line
+        expect(page.get_by_text("img/s median (min-max)").first).to_be_attached()  # its table
+        expect(page.get_by_text("MISLABELLED").first).to_be_visible()  # CPU runs filed as GPUs
+        page.screenshot(path=shots / "mlflow-ui-run-note.png")
+        page.go_back()
+        expect(page.get_by_text(run_names["a100"], exact=True)).to_be_visible()
+
+        # 2. Show the metric as a column, drop the columns a benchmark does not use.
+        page.get_by_role("button", name="Columns").click()
+        page.get_by_text(METRIC, exact=True).click()
+        for column in ("Dataset", "Source", "Models"):
+            page.get_by_role("dialog").get_by_text(column, exact=True).click()
+        page.keyboard.press("Escape")
+
+        # 3. Group by the gpu param (the menu lists Tags, then Params; both hold "gpu").
+        page.get_by_role("button", name="Group by").click()
+        page.get_by_role("menuitemcheckbox", name="gpu").last.click()
+        page.keyboard.press("Escape")
+        expect(page.get_by_role("button", name="Group by: gpu")).to_be_visible()
+        for gpu in GPUS:
+            expect(page.get_by_text(f"Group: {gpu}", exact=True)).to_be_visible()
+        page.screenshot(path=shots / "mlflow-ui-group-by-gpu.png")
+
+        # 4. Select the two runs and open the compare view.
+        for name in run_names.values():
+            page.get_by_role("row").filter(has_text=name).get_by_role("checkbox").first.check()
+        page.get_by_role("button", name="Compare", exact=True).click()
+        expect(page.get_by_text("Comparing 2 Runs from 1 Experiment")).to_be_visible()
+        page.wait_for_url("**/compare-runs?**")
+        # Tall enough for plot, run details, params, metrics and tags in one picture (the
+        # page scrolls inside a panel, so a full-page screenshot would not help).
+        page.set_viewport_size({"width": 1400, "height": 1900})
+        rows = page.get_by_role("row")
+        names_row = rows.filter(has_text="Run Name")
+        for name in run_names.values():
+            expect(names_row.get_by_text(name, exact=True)).to_be_in_viewport()
+        # The gpu row of the Parameters table (and of Tags, when the runs carry the tag).
+        gpu_rows = rows.filter(has=page.get_by_text("gpu", exact=True))
+        expect(gpu_rows.first).to_be_in_viewport()
+        for gpu in GPUS:  # run names lead with the GPU and the figures now: wider columns, may need a scroll
+            cell = gpu_rows.first.get_by_text(gpu, exact=True)
+            cell.scroll_into_view_if_needed()
+            expect(cell).to_be_in_viewport()
+        # Let the parallel-coordinates plot finish drawing before the picture.
+        page.wait_for_timeout(1000)
+        page.screenshot(path=shots / "mlflow-ui-compare.png")
+        # The metric's row of the Metrics table (its name links to the metric's chart). A bench run
+        # has dozens of metrics (and system/* ones), so the row sits below the fold: scroll to it
+        # (after the picture: the table is virtualised and mid-scroll pictures misalign its rows).
+        metric_link = page.get_by_role("link", name=METRIC, exact=True)
+        metric_link.scroll_into_view_if_needed()
+        expect(metric_link).to_be_in_viewport()
+
     with sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
-        context = browser.new_context(viewport={"width": 1400, "height": 1300})
-        context.add_init_script(UI_PREFERENCES)
-        page = context.new_page()
-        page.set_default_timeout(30_000)
-        expect.set_options(timeout=30_000)
-        try:
-            # 1. The experiment's runs table: each run's GPU and throughput in view before any click.
-            page.goto(f"{base}/#/experiments/{experiment_id}/runs?workflowType=machine_learning")
-            for gpu, name in run_names.items():
-                expect(page.get_by_text(name, exact=True)).to_be_visible()
-                throughput = re.search(r"[\d,.]+ img/s", name).group(0)
-                for needle in (gpu, throughput):
-                    assert _shown_in_full(page.get_by_text(name, exact=True), needle), (needle, name)
-            page.screenshot(path=shots / "mlflow-ui-runs-list.png")
-            close_assistant = page.get_by_role("button", name="Close")
-            if close_assistant.count() and close_assistant.first.is_visible():
-                close_assistant.first.click()
-
-            # 1b. A run's page: its description is the results table.
-            page.get_by_text(run_names["h200"], exact=True).click()
-            headline = re.search(r"[\d,.]+ img/s", run_names["h200"]).group(0)
-            expect(page.get_by_text(headline, exact=True).first).to_be_visible()  # the note's first line
-            expect(page.get_by_text("img/s median (min-max)").first).to_be_attached()  # its table
-            expect(page.get_by_text("MISLABELLED").first).to_be_visible()  # CPU runs filed as GPUs
-            page.screenshot(path=shots / "mlflow-ui-run-note.png")
-            page.go_back()
-            expect(page.get_by_text(run_names["a100"], exact=True)).to_be_visible()
-
-            # 2. Show the metric as a column, drop the columns a benchmark does not use.
-            page.get_by_role("button", name="Columns").click()
-            page.get_by_text(METRIC, exact=True).click()
-            for column in ("Dataset", "Source", "Models"):
-                page.get_by_role("dialog").get_by_text(column, exact=True).click()
-            page.keyboard.press("Escape")
-
-            # 3. Group by the gpu param (the menu lists Tags, then Params; both hold "gpu").
-            page.get_by_role("button", name="Group by").click()
-            page.get_by_role("menuitemcheckbox", name="gpu").last.click()
-            page.keyboard.press("Escape")
-            expect(page.get_by_role("button", name="Group by: gpu")).to_be_visible()
-            for gpu in GPUS:
-                expect(page.get_by_text(f"Group: {gpu}", exact=True)).to_be_visible()
-            page.screenshot(path=shots / "mlflow-ui-group-by-gpu.png")
-
-            # 4. Select the two runs and open the compare view.
-            for name in run_names.values():
-                page.get_by_role("row").filter(has_text=name).get_by_role("checkbox").first.check()
-            page.get_by_role("button", name="Compare", exact=True).click()
-            expect(page.get_by_text("Comparing 2 Runs from 1 Experiment")).to_be_visible()
-            page.wait_for_url("**/compare-runs?**")
-            # Tall enough for plot, run details, params, metrics and tags in one picture (the
-            # page scrolls inside a panel, so a full-page screenshot would not help).
-            page.set_viewport_size({"width": 1400, "height": 1900})
-            rows = page.get_by_role("row")
-            names_row = rows.filter(has_text="Run Name")
-            for name in run_names.values():
-                expect(names_row.get_by_text(name, exact=True)).to_be_in_viewport()
-            # The gpu row of the Parameters table (and of Tags, when the runs carry the tag).
-            gpu_rows = rows.filter(has=page.get_by_text("gpu", exact=True))
-            expect(gpu_rows.first).to_be_in_viewport()
-            for gpu in GPUS:  # run names lead with the GPU and the figures now: wider columns, may need a scroll
-                cell = gpu_rows.first.get_by_text(gpu, exact=True)
-                cell.scroll_into_view_if_needed()
-                expect(cell).to_be_in_viewport()
-            # Let the parallel-coordinates plot finish drawing before the picture.
-            page.wait_for_timeout(1000)
-            page.screenshot(path=shots / "mlflow-ui-compare.png")
-            # The metric's row of the Metrics table (its name links to the metric's chart). A bench run
-            # has dozens of metrics (and system/* ones), so the row sits below the fold: scroll to it
-            # (after the picture: the table is virtualised and mid-scroll pictures misalign its rows).
-            metric_link = page.get_by_role("link", name=METRIC, exact=True)
-            metric_link.scroll_into_view_if_needed()
-            expect(metric_link).to_be_in_viewport()
-        except Exception:
-            page.screenshot(path=shots / "failure.png")
-            raise
-        finally:
-            browser.close()
+        _in_chromium(pw, shots, steps, viewport={"width": 1400, "height": 1300}, init_script=UI_PREFERENCES)
 
     if os.environ.get("VITREG_UPDATE_DOC_SHOTS") == "1":
         docs = REPO / "docs" / "img"
@@ -338,20 +375,19 @@ def test_make_ui_prints_links_that_open_the_runs(tmp_path, shots, monkeypatch):
         link = f"http://127.0.0.1:{port}/#/experiments/{exp}/runs"
         assert lines[1].strip() == f"make-ui (2 runs): {link}", lines
         _wait_for(f"http://127.0.0.1:{port}", proc)
+
+        def steps(page) -> None:
+            page.goto(link)  # as printed: no workflow preference set, no click
+            for gpu, name in names.items():
+                expect(page.get_by_text(name, exact=True)).to_be_visible()
+                for needle in (gpu, re.search(r"[\d,.]+ img/s", name).group(0)):
+                    assert _shown_in_full(page.get_by_text(name, exact=True), needle), (needle, name)
+                # the check can fail: the end of a long name is cut off (why the throughput comes second)
+                assert not _shown_in_full(page.get_by_text(name, exact=True), "bs256 · compile"), name
+            page.screenshot(path=shots / "make-ui-runs.png")
+
         with sync_playwright() as pw:
-            browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
-            page = browser.new_context(viewport={"width": 1400, "height": 900}).new_page()
-            try:
-                page.goto(link)  # as printed: no workflow preference set, no click
-                for gpu, name in names.items():
-                    expect(page.get_by_text(name, exact=True)).to_be_visible(timeout=30_000)
-                    for needle in (gpu, re.search(r"[\d,.]+ img/s", name).group(0)):
-                        assert _shown_in_full(page.get_by_text(name, exact=True), needle), (needle, name)
-                    # the check can fail: the end of a long name is cut off (why the throughput comes second)
-                    assert not _shown_in_full(page.get_by_text(name, exact=True), "bs256 · compile"), name
-                page.screenshot(path=shots / "make-ui-runs.png")
-            finally:
-                browser.close()
+            _in_chromium(pw, shots, steps, viewport={"width": 1400, "height": 900})
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         proc.wait(timeout=30)
