@@ -1,7 +1,8 @@
 """DDP: `-P nproc=N` launches torchrun; one MLflow run; rank 0 logs the job's reduced figures.
 
 The slow tests are real jobs on the CPU (gloo) with the tiny ``test_vit`` at 32 px: an ``mlflow
-run`` with nproc=2, the plain ``vitreg bench --nproc 4`` path, and a rank that dies hard. The fast
+run`` with nproc=2, the plain ``vitreg bench`` path on two hosts of two processes, and a rank that
+dies hard. The fast
 tests cover the pieces: the GPU-count check, the reduction rule, torchrun's command line, and how
 a failure's root cause is found.
 """
@@ -19,7 +20,7 @@ import textwrap
 import pytest
 from click.testing import CliRunner
 
-from conftest import REPO, migrated_store, subprocess_env
+from conftest import REPO, free_port, migrated_store, subprocess_env
 from vitreg.dist import world as distributed
 from vitreg.dist import diagnose as diagnosis
 from vitreg.dist import launcher as launch
@@ -106,36 +107,60 @@ def test_mlflow_run_nproc2_one_run_rank0_logs(tmp_path):
     assert "train_device_busy_ms_per_step" not in run.data.metrics
 
 
-@pytest.mark.slow
-def test_plain_cli_nproc4_creates_one_run(tmp_path):
-    """`vitreg bench --nproc 4` without `mlflow run`: the launcher creates the run before torchrun."""
-    from vitreg.cli.main import main
+# Records, in each launcher (not in torchrun, not in a rank), whether it imported timm or torchvision.
+# (sys.argv is read at exit: while sitecustomize runs, `-m`'s module is not in it yet.)
+LAUNCHER_IMPORTS = """
+import atexit, json, os, sys
+def _record():
+    if "LOCAL_RANK" not in os.environ and sys.argv[0].endswith(os.path.join("vitreg", "cli", "__main__.py")):
+        with open(os.path.join(os.environ["RECORD_DIR"], f"launcher-{os.getpid()}.json"), "w") as fh:
+            json.dump({m: m in sys.modules for m in ("timm", "torchvision")}, fh)
+atexit.register(_record)
+"""
 
+
+@pytest.mark.slow
+def test_two_hosts_of_two_processes_make_one_run_logged_by_node_0(tmp_path):
+    """`vitreg bench --nproc 2 --nnodes 2` on two launchers (node_rank 0 and 1, one rendezvous endpoint),
+    without `mlflow run`: node 0's launcher creates the run before torchrun, node 1's opens none; the
+    run holds the figures of four ranks, reduced, and the scaling efficiency against a baseline. The
+    launchers check the model without importing timm (an earlier process listed it)."""
+    from vitreg.models import factory, memory
+
+    factory._timm_names()  # what any earlier job on this machine leaves in the user's cache
+    memory.footprint(TINY["model"], int(TINY["img_size"]))
     uri = migrated_store(tmp_path)
-    args = ["bench", *cli_args({**TINY, "nproc": "4"}), "--experiment", "ddp4"]
-    # Scaling efficiency against a 1-process baseline, once the CLI has --baseline-run (bench() has it).
-    with_baseline = any(p.name == "baseline_run" for p in main.commands["bench"].params)
-    if with_baseline:
-        base_id = fake_baseline_run(uri, throughput=100.0)
-        args += ["--baseline-run", base_id]
-    proc = subprocess.run([sys.executable, "-m", "vitreg.cli", *args], env=child_env(uri), cwd=tmp_path,
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    record = tmp_path / "record"
+    record.mkdir()
+    (record / "sitecustomize.py").write_text(LAUNCHER_IMPORTS)
+    base_id = fake_baseline_run(uri, throughput=100.0)
+    hosts = ["--nnodes", "2", "--rdzv-endpoint", f"127.0.0.1:{free_port()}"]
+    args = ["bench", *cli_args({**TINY, "nproc": "2"}), "--experiment", "ddp4", "--baseline-run", base_id, *hosts]
+    procs = [subprocess.Popen([sys.executable, "-m", "vitreg.cli", *args, "--node-rank", str(node)],
+                              env=child_env(uri, PYTHONPATH=str(record), RECORD_DIR=str(record)), cwd=tmp_path,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for node in (0, 1)]
+    outs = [p.communicate(timeout=300) for p in procs]
+    for p, (_, err) in zip(procs, outs):
+        assert p.returncode == 0, err[-4000:]
     client, runs = all_runs(uri)
     runs = [r for r in runs if r.data.tags.get("vitreg_job") == "bench"]
     assert len(runs) == 1, [(r.info.run_id, r.info.status) for r in runs]
     run = runs[0]
     assert run.info.status == "FINISHED"
     assert client.get_experiment(run.info.experiment_id).name == "ddp4"
-    assert run.data.params["nproc"] == "4" and run.data.tags["world_size"] == "4"
+    assert run.data.params["nproc"] == "2" and run.data.tags["world_size"] == "4" and run.data.tags["nnodes"] == "2"
+    assert f"logged run {run.info.run_id}" in outs[0][0] and "logged run" not in outs[1][0]
     assert_rank0_only_logging(client, run)
     assert_reduced(client, run, tmp_path, 4)
     assert any(k.startswith("system/") for k in run.data.metrics), "the launcher samples system metrics"
     report = open(client.download_artifacts(run.info.run_id, "report.md", str(tmp_path))).read()
-    assert "--nproc 4" in report and "--ddp-bucket-mb" not in report, "the typed command, not the ranks' line"
-    if with_baseline:
-        m = run.data.metrics
-        assert m["train_scaling_efficiency"] == pytest.approx(m["train_throughput_img_per_s"] / (4 * 100.0))
+    assert "--nproc 2" in report and "--nnodes 2" in report, report
+    assert "--ddp-bucket-mb" not in report, "the typed command, not the ranks' line"
+    m = run.data.metrics
+    assert m["train_scaling_efficiency"] == pytest.approx(m["train_throughput_img_per_s"] / (4 * 100.0))
+    launchers = [json.loads(f.read_text()) for f in record.glob("launcher-*.json")]
+    assert launchers == [{"timm": False, "torchvision": False}] * 2, launchers
 
 
 @pytest.mark.slow

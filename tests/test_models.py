@@ -1,3 +1,6 @@
+import sys
+from dataclasses import astuple
+
 import pytest
 import torch
 
@@ -50,3 +53,48 @@ def test_torchvision_and_distilled():
     assert dinfo.distilled
     with pytest.raises(VitregError, match="torchvision:vit_b_16"):
         create_model("torchvision:vit_b_61")
+
+
+def test_a_name_listed_before_is_checked_without_importing_timm(tmp_path, monkeypatch):
+    """The DDP launcher's check: timm's names as an earlier process listed them, read from the user's cache."""
+    from vitreg.models import factory, known
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    factory._timm_names.cache_clear()
+    names = factory._timm_names()  # lists timm's names, and keeps them for the next process
+    assert known.cache_file().parent == tmp_path / "vitreg" and known.names() == set(names)
+    assert "test_vit" in names and "resnet50" not in names
+
+    monkeypatch.setitem(sys.modules, "timm", None)  # any `import timm` now fails
+    factory.check_model_name("vit_base_patch16_224")
+    with pytest.raises(ImportError):
+        factory.check_model_name("resnet50")  # not listed: only timm can say what it is
+
+
+def test_an_edited_cache_file_never_lets_a_bad_model_build_nor_refuses_a_job(tmp_path, monkeypatch):
+    from vitreg.models import factory, known, memory
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    known.keep(names=("vit_no_such_model", "resnet_not_a_vit"),
+               sizes={"footprint:test_vit:32:10": (10**15, 1, 1, 1, 32), "footprint:vit_x:0:1000": ("a", -1)})
+    factory.check_model_name("vit_no_such_model")  # a launcher takes it...
+    with pytest.raises(VitregError, match="unknown model 'vit_no_such_model'"):
+        create_model("vit_no_such_model", 32)  # ...and the process that builds the model refuses it
+    with pytest.raises(VitregError, match="unknown model 'resnet_not_a_vit'"):
+        factory.check_model_name("resnet_not_a_vit")  # outside timm's ViT/DeiT prefixes: never read
+    assert known.sizes("footprint:vit_x:0:1000") is None  # not integers: not taken
+    # a petabyte of weights, as the edited file says: the refusal is checked against the model itself
+    memory.check_ranks_fit(2, "test_vit", 32, 10, "cpu")
+    assert known.sizes("footprint:test_vit:32:10") == astuple(memory.footprint("test_vit", 32, 10))
+    known.cache_file().write_text("not json")
+    assert known.names() == frozenset() and known.sizes("footprint:test_vit:32:10") is None
+
+
+def test_an_unwritable_cache_only_costs_the_import(tmp_path, monkeypatch):
+    from vitreg.models import factory, known
+
+    (tmp_path / "vitreg").write_text("a file where the folder would be")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    factory._timm_names.cache_clear()
+    assert "test_vit" in factory._timm_names() and known.names() == frozenset()
+    assert list(tmp_path.iterdir()) == [tmp_path / "vitreg"]

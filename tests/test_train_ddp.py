@@ -17,7 +17,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from conftest import migrated_store, subprocess_env
+from conftest import free_port, migrated_store, subprocess_env
 from vitreg.dist import world as distributed
 from vitreg.dist import launcher as launch
 from vitreg.train.checkpoint import verify_checkpoint
@@ -98,27 +98,15 @@ def test_train_nproc2_one_run_rank0_logs_checkpoints_and_registers(tmp_path):
     assert {a.path for a in client.list_artifacts(rid, "torchrun")} == {"torchrun/rank0", "torchrun/rank1"}
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.mark.slow
-@pytest.mark.parametrize("job", ["train", "bench"])
-def test_two_hosts_on_one_machine_make_one_run_logged_by_node_0(tmp_path, job):
+def test_two_hosts_on_one_machine_make_one_run_logged_by_node_0(tmp_path):
     """Two launchers as two hosts (nnodes=2, node_rank 0 and 1, one rendezvous endpoint), one process
-    each: one MLflow run, from node 0, with world size 2; node 1's launcher opens none."""
+    each: one MLflow run, from node 0, with world size 2; node 1's launcher opens none. (bench on two
+    hosts: tests/test_ddp.py.)"""
     uri = migrated_store(tmp_path)
-    if job == "train":
-        options = {**TINY, "steps": "4", "log_every": "2", "checkpoint_every": "0"}
-    else:
-        options = {k: TINY[k] for k in ("model", "img_size", "batch_size", "device")}
-        options.update(task="train", warmup="1", steps="2", repeats="2")
-    hosts = ["--nnodes", "2", "--rdzv-endpoint", f"127.0.0.1:{_free_port()}"]
-    procs = [subprocess.Popen([sys.executable, "-m", "vitreg.cli", job, *launch.options_to_args(options), *hosts,
+    options = {**TINY, "steps": "4", "log_every": "2", "checkpoint_every": "0"}
+    hosts = ["--nnodes", "2", "--rdzv-endpoint", f"127.0.0.1:{free_port()}"]
+    procs = [subprocess.Popen([sys.executable, "-m", "vitreg.cli", "train", *launch.options_to_args(options), *hosts,
                                "--node-rank", str(node)],
                               env=subprocess_env(uri, MLFLOW_DISABLE_TELEMETRY="true"), cwd=tmp_path,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

@@ -29,7 +29,7 @@ from vitreg.hardware.profiles import detect_hardware, resolve_hardware
 from vitreg.hardware.runtime import resolve_runtime
 from vitreg.measure.graphs import require_cuda
 from vitreg.models.factory import check_model_name, create_model
-from vitreg.models.memory import check_nproc_fits, footprint
+from vitreg.models.memory import check_ranks_fit
 from vitreg.tracking import naming
 from vitreg.tracking import runs as tracking
 from vitreg.tracking.tags import label_launcher_run, log_setup, log_what_ran, resolved_tags, world_tags
@@ -133,8 +133,7 @@ def _launch_bench(run, spec: BenchSpec, options, run_name, progress, nnodes, nod
     gpus = launch.visible_gpu_count()
     launch.check_nproc(spec.nproc, spec.device, gpus)
     # host memory for every rank, before any is started: past it the OOM killer takes the launcher
-    check_nproc_fits(spec.nproc, footprint(spec.model, spec.img_size), "cpu" if spec.device == "cpu" or not gpus
-                     else "cuda")
+    check_ranks_fit(spec.nproc, spec.model, spec.img_size, 1000, "cpu" if spec.device == "cpu" or not gpus else "cuda")
     if spec.cuda_graph and (spec.device == "cpu" or not gpus):
         require_cuda(True, "cpu")  # once here, not in every rank
     baseline = read_baseline(baseline_run, spec) if baseline_run and node_rank == 0 else None

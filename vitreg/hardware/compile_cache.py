@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from vitreg.errors import VitregError
-from vitreg.hardware.env import environ_restored
+from vitreg.hardware.env import environ_restored, user_cache_dir
 
 ENV_VAR = "VITREG_COMPILE_CACHE"
 # (counter group, hit name, miss name): inductor's FX-graph cache, and AOTAutograd's, which serves
@@ -34,8 +34,7 @@ CACHE_COUNTERS = (("inductor", "fxgraph_cache_hit", "fxgraph_cache_miss"),
 def default_cache_dir() -> Path:
     if os.environ.get(ENV_VAR):
         return Path(os.environ[ENV_VAR]).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "vitreg" / "inductor"
+    return user_cache_dir() / "inductor"
 
 
 def use_compile_cache(folder: str | os.PathLike | None = None) -> Path:

@@ -137,6 +137,13 @@ def capture_environment() -> EnvInfo:
     )
 
 
+def user_cache_dir() -> Path:
+    """vitreg's folder in the user's cache (``$XDG_CACHE_HOME/vitreg``, else ``~/.cache/vitreg``):
+    what a later process may reuse, and what may be deleted at any time."""
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "vitreg"
+
+
 @contextlib.contextmanager
 def environ_restored(*names: str):
     """The variables ``names`` put back as they were (their value, or no variable) when the block ends:

@@ -15,6 +15,7 @@ import functools
 from dataclasses import dataclass
 
 from vitreg.errors import VitregError
+from vitreg.models import known
 
 TIMM_PREFIXES = ("vit_", "deit_", "deit3_", "test_vit")
 TORCHVISION_VITS = ("vit_b_16", "vit_b_32", "vit_l_16", "vit_l_32", "vit_h_14")
@@ -36,14 +37,24 @@ class ModelInfo:
 
 @functools.lru_cache(maxsize=1)
 def _timm_names() -> tuple[str, ...]:
-    """timm's ViT/DeiT names (30 ms to list: a job checks its model, teacher and resume names)."""
+    """timm's ViT/DeiT names (30 ms to list once timm is imported: a job checks its model, teacher and
+    resume names), kept in the user's cache for processes that only check a name."""
     import timm
 
-    return tuple(n for n in timm.list_models() if n.startswith(TIMM_PREFIXES))
+    names = tuple(n for n in timm.list_models() if n.startswith(TIMM_PREFIXES))
+    if known.names() != frozenset(names):
+        known.keep(names=names)
+    return names
 
 
-def check_model_name(name: str) -> None:
-    """Refuse a name we cannot build, suggesting the closest real ones."""
+def check_model_name(name: str, listed_before_ok: bool = True) -> None:
+    """Refuse a name we cannot build, suggesting the closest real ones.
+
+    ``listed_before_ok``: a name that an earlier process listed for this timm install passes without
+    importing timm (:mod:`vitreg.models.known`); the process that builds the model passes False.
+    """
+    if listed_before_ok and name.startswith(TIMM_PREFIXES) and name in known.names():
+        return
     if name.startswith(TORCHVISION_PREFIX):
         arch = name[len(TORCHVISION_PREFIX):]
         if arch not in TORCHVISION_VITS:
@@ -84,7 +95,7 @@ def create_model(name: str, img_size: int = 0, num_classes: int = 1000):
 
 def build(name: str, img_size: int, num_classes: int):
     """``(model, source, img_size, patch_size)`` on the current default device (the CPU, or ``meta``)."""
-    check_model_name(name)
+    check_model_name(name, listed_before_ok=False)  # timm is imported here anyway
     if name.startswith(TORCHVISION_PREFIX):
         import torchvision
 

@@ -11,9 +11,10 @@ refused; what it catches is what cannot.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass, fields
 
 from vitreg.errors import VitregError
+from vitreg.models import known
 
 GIB = 1024**3
 FP32_BYTES = 4
@@ -56,7 +57,27 @@ def footprint(name: str, img_size: int = 0, num_classes: int = 1000) -> Footprin
     depth = len(blocks) if blocks is not None else len(model.encoder.layers)
     extra = 1 + int(getattr(model, "dist_token", None) is not None)
     params = sum(p.numel() for p in model.parameters())
-    return Footprint(params, (size // patch) ** 2 + extra, width, depth, size)
+    measured = Footprint(params, (size // patch) ** 2 + extra, width, depth, size)
+    if known.sizes(_known_key(name, img_size, num_classes)) != astuple(measured):
+        known.keep(sizes={_known_key(name, img_size, num_classes): astuple(measured)})
+    return measured
+
+
+def _known_key(name: str, img_size: int, num_classes: int) -> str:
+    return f"footprint:{name}:{img_size}:{num_classes}"
+
+
+def check_ranks_fit(nproc: int, name: str, img_size: int, num_classes: int, device_type: str) -> None:
+    """:func:`check_nproc_fits` for a launcher, which builds no model: from the footprint an earlier process
+    measured for this timm install (:mod:`vitreg.models.known`; no timm import), else from the model. A
+    refusal is always made from the model itself: an edited cache file can never refuse a job."""
+    kept = known.sizes(_known_key(name, img_size, num_classes))
+    if kept is not None and len(kept) == len(fields(Footprint)):
+        try:
+            return check_nproc_fits(nproc, Footprint(*kept), device_type)
+        except VitregError:
+            pass
+    check_nproc_fits(nproc, footprint(name, img_size, num_classes), device_type)
 
 
 def minimum_bytes(fp: Footprint, batch_size: int, train: bool) -> int:

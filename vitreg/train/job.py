@@ -49,7 +49,7 @@ from vitreg.hardware.env import capture_environment, pip_freeze
 from vitreg.hardware.profiles import detect_hardware, resolve_hardware
 from vitreg.hardware.runtime import resolve_runtime, run_context
 from vitreg.models.factory import check_model_name, create_model
-from vitreg.models.memory import check_batch_fits, check_nproc_fits, footprint
+from vitreg.models.memory import check_batch_fits, check_ranks_fit
 from vitreg.tracking import checkpoints, lineage, naming
 from vitreg.tracking import runs as tracking
 from vitreg.tracking.tags import label_launcher_run, resolved_tags, world_tags
@@ -159,8 +159,8 @@ def _launch_train(run, spec: TrainSpec, options, run_name, progress, nnodes=1, n
     gpus = launch.visible_gpu_count()
     launch.check_nproc(spec.nproc, spec.device, gpus)
     # host memory for every rank, before any is started: past it the OOM killer takes the launcher
-    check_nproc_fits(spec.nproc, footprint(spec.model, spec.img_size, resolve_num_classes(spec)),
-                     "cpu" if spec.device == "cpu" or not gpus else "cuda")
+    check_ranks_fit(spec.nproc, spec.model, spec.img_size, resolve_num_classes(spec),
+                    "cpu" if spec.device == "cpu" or not gpus else "cuda")
     label_launcher_run(run, spec, "train", task="train")
     argv = ["-m", "vitreg.cli", "train", *launch.options_to_args(options)]
     if run_name:

@@ -1,0 +1,82 @@
+"""What earlier processes learned about timm's models, for a process that checks a model but builds none.
+
+A DDP launcher checks the model's name and its memory floor before it starts torchrun; a sweep's
+parent checks its models before it starts children. Learning either means importing timm, and with it
+torchvision and torch._dynamo: 3-4 s of CPU, and of wall time before the ranks even start. So each
+process that does import timm keeps what it learned in the user's cache (``timm-<version>-<install>.json``
+under :func:`vitreg.hardware.env.user_cache_dir`), and those processes look there first.
+
+A process that builds a model never reads here: it imports timm anyway, and checks against timm itself.
+A missing, unreadable or edited file only costs the import: values are type-checked, and a name or
+footprint not found is learned from timm.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import importlib.util
+import json
+import os
+from importlib import metadata
+from pathlib import Path
+
+from vitreg.hardware.env import user_cache_dir
+
+
+def cache_file() -> Path | None:
+    """This timm install's file (None when timm is not installed)."""
+    spec = importlib.util.find_spec("timm")  # finds timm's folder without importing it
+    if spec is None or not spec.origin:
+        return None
+    try:
+        version = metadata.version("timm")
+    except metadata.PackageNotFoundError:
+        return None
+    install = hashlib.sha256(spec.origin.encode()).hexdigest()[:12]  # one file per environment
+    return user_cache_dir() / f"timm-{version}-{install}.json"
+
+
+def _load() -> dict:
+    path = cache_file()
+    try:
+        data = json.loads(path.read_text(encoding="utf-8")) if path else {}
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def names() -> frozenset[str]:
+    """The ViT/DeiT names an earlier process listed (empty when none did)."""
+    listed = _load().get("names")
+    return frozenset(n for n in listed if isinstance(n, str)) if isinstance(listed, list) else frozenset()
+
+
+def sizes(key: str) -> tuple[int, ...] | None:
+    """The integers kept under ``key`` (a model's footprint), or None."""
+    kept = _load().get("sizes", {})
+    value = kept.get(key) if isinstance(kept, dict) else None
+    if isinstance(value, list) and value and all(type(v) is int and v >= 0 for v in value):
+        return tuple(value)
+    return None
+
+
+def keep(names: tuple[str, ...] | None = None, sizes: dict[str, tuple[int, ...]] | None = None) -> None:
+    """Add what this process learned. Two processes writing at once may lose one's entry: a later miss."""
+    path = cache_file()
+    if path is None:
+        return
+    data = _load()
+    if names is not None:
+        data["names"] = sorted(names)
+    if sizes:
+        kept = data.get("sizes") if isinstance(data.get("sizes"), dict) else {}
+        data["sizes"] = {**kept, **{k: list(v) for k, v in sizes.items()}}
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(json.dumps(data, sort_keys=True), encoding="utf-8")
+        os.replace(tmp, path)  # whole or not at all, for a process reading it meanwhile
+    except OSError:  # a read-only cache only costs the next launcher the import
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
