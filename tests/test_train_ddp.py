@@ -112,7 +112,7 @@ def test_two_hosts_on_one_machine_make_one_run_logged_by_node_0(tmp_path):
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for node in (0, 1)]
     outs = [p.communicate(timeout=240) for p in procs]
-    for p, (out, err) in zip(procs, outs):
+    for p, (_, err) in zip(procs, outs):
         assert p.returncode == 0, err[-3000:]
     client, runs = all_runs(uri)
     assert len(runs) == 1, [(r.info.run_id, r.info.status) for r in runs]
