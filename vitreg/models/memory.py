@@ -58,13 +58,17 @@ def footprint(name: str, img_size: int = 0, num_classes: int = 1000) -> Footprin
     extra = 1 + int(getattr(model, "dist_token", None) is not None)
     params = sum(p.numel() for p in model.parameters())
     measured = Footprint(params, (size // patch) ** 2 + extra, width, depth, size)
-    if known.sizes(_known_key(name, img_size, num_classes)) != astuple(measured):
-        known.keep(sizes={_known_key(name, img_size, num_classes): astuple(measured)})
+    _remember(_known_key(name, img_size, num_classes), measured)
     return measured
 
 
 def _known_key(name: str, img_size: int, num_classes: int) -> str:
     return f"footprint:{name}:{img_size}:{num_classes}"
+
+
+def _remember(key: str, measured: Footprint) -> None:
+    if known.sizes(key) != astuple(measured):
+        known.keep(sizes={key: astuple(measured)})
 
 
 def check_ranks_fit(nproc: int, name: str, img_size: int, num_classes: int, device_type: str) -> None:
@@ -77,7 +81,9 @@ def check_ranks_fit(nproc: int, name: str, img_size: int, num_classes: int, devi
             return check_nproc_fits(nproc, Footprint(*kept), device_type)
         except VitregError:
             pass
-    check_nproc_fits(nproc, footprint(name, img_size, num_classes), device_type)
+    measured = footprint(name, img_size, num_classes)
+    _remember(_known_key(name, img_size, num_classes), measured)  # footprint() may answer from memory
+    check_nproc_fits(nproc, measured, device_type)
 
 
 def minimum_bytes(fp: Footprint, batch_size: int, train: bool) -> int:
