@@ -15,7 +15,7 @@ import pytest
 from click.testing import CliRunner
 from mlflow.tracking import MlflowClient
 
-from conftest import free_port, subprocess_env
+from conftest import free_port, premigrated, subprocess_env
 from vitreg.cli.runs_cmds import sync as sync_command
 from vitreg.tracking.spool import Spool
 
@@ -45,7 +45,7 @@ def test_server_killed_mid_train_stays_down_and_nothing_is_lost(tmp_path):
     from vitreg.deploy import server
     from vitreg.deploy.server import ServerConfig
 
-    cfg = ServerConfig(port=free_port(), data_dir=tmp_path / "server")
+    cfg = ServerConfig(port=free_port(), data_dir=premigrated(tmp_path / "server"))
     proc = server.start(cfg, timeout=90, quiet=True)
     try:
         client = MlflowClient(cfg.url)

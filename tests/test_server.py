@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import free_port
+from conftest import free_port, premigrated
 
 from vitreg.deploy import server
 from vitreg.deploy.server import ServerConfig, ServerError
@@ -258,11 +258,11 @@ def servers(tmp_path_factory):
             if name.startswith(("VITREG_", "MLFLOW_")):
                 mp.delenv(name)
         mp.setenv("MLFLOW_DISABLE_TELEMETRY", "true")
-        cfgs = {"sqlite": ServerConfig(port=free_port(), data_dir=root / "sqlite")}
+        cfgs = {"sqlite": ServerConfig(port=free_port(), data_dir=premigrated(root / "sqlite"))}
         if importlib.util.find_spec("flask_wtf"):
             cfgs["auth"] = ServerConfig.from_env({
                 "VITREG_SERVER_PORT": str(free_port()),
-                "VITREG_SERVER_DATA": str(root / "auth"),
+                "VITREG_SERVER_DATA": str(premigrated(root / "auth")),
                 "VITREG_AUTH": "true",
                 "MLFLOW_FLASK_SERVER_SECRET_KEY": SECRET_KEY,
                 "VITREG_ADMIN_PASSWORD": ADMIN_PASSWORD,

@@ -14,6 +14,7 @@ import sys
 
 import pytest
 
+from conftest import premigrated
 from test_server import CLIENT, free_port
 from vitreg.deploy import server
 from vitreg.deploy.server import ServerConfig
@@ -64,7 +65,7 @@ def s3_endpoint():
 @pytest.mark.slow
 def test_artifacts_land_in_an_s3_bucket_through_the_proxy(tmp_path, s3_endpoint):
     endpoint, s3 = s3_endpoint
-    cfg = ServerConfig(port=free_port(), data_dir=tmp_path / "data",
+    cfg = ServerConfig(port=free_port(), data_dir=premigrated(tmp_path / "data"),
                        artifacts_destination=f"s3://{BUCKET}/{PREFIX}")
     assert cfg.artifacts_destination == f"s3://{BUCKET}/{PREFIX}"
 

@@ -30,7 +30,7 @@ from vitreg.tracking.spool import Spool, flush_timeout_s, offline_mode, spool_ro
 from vitreg.tracking.spooling import SpoolingTracker, open_run
 from vitreg.tracking.sync import SyncError, sync
 
-from conftest import REPO, free_port, migrated_store, subprocess_env
+from conftest import REPO, free_port, migrated_store, premigrated, subprocess_env
 
 
 @pytest.fixture(autouse=True)
@@ -428,7 +428,7 @@ def test_server_killed_mid_run_then_sync_delivers_everything_once(tmp_path, monk
     from vitreg.deploy import server
     from vitreg.deploy.server import ServerConfig
 
-    cfg = ServerConfig(port=free_port(), data_dir=tmp_path / "server")
+    cfg = ServerConfig(port=free_port(), data_dir=premigrated(tmp_path / "server"))
     proc = server.start(cfg, timeout=90)
     try:
         client = MlflowClient(cfg.url)
