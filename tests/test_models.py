@@ -98,3 +98,16 @@ def test_an_unwritable_cache_only_costs_the_import(tmp_path, monkeypatch):
     factory._timm_names.cache_clear()
     assert "test_vit" in factory._timm_names() and known.names() == frozenset()
     assert list(tmp_path.iterdir()) == [tmp_path / "vitreg"]
+
+
+def test_the_cache_keeps_the_most_recent_footprints_only(tmp_path, monkeypatch):
+    from vitreg.models import known
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    for size in range(known.MAX_SIZES + 10):
+        known.keep(sizes={f"footprint:test_vit:{size}:10": (1, 2, 3, 4, size)})
+    known.keep(sizes={"footprint:test_vit:12:10": (1, 2, 3, 4, 12)})  # asked again: now the newest
+    assert known.sizes("footprint:test_vit:0:10") is None and known.sizes("footprint:test_vit:9:10") is None
+    assert known.sizes("footprint:test_vit:12:10") == (1, 2, 3, 4, 12)
+    assert known.sizes(f"footprint:test_vit:{known.MAX_SIZES + 9}:10") is not None
+    assert known.sizes("footprint:test_vit:13:10") is None  # the oldest left when 12 came back

@@ -24,6 +24,11 @@ from pathlib import Path
 from vitreg.hardware.env import user_cache_dir
 
 
+# Footprints kept (the most recent): a launcher asks for the model it runs, so a short memory serves; a
+# fuzzing test or a sweep over image sizes does not grow the file without end.
+MAX_SIZES = 64
+
+
 def cache_file() -> Path | None:
     """This timm install's file (None when timm is not installed)."""
     spec = importlib.util.find_spec("timm")  # finds timm's folder without importing it
@@ -71,11 +76,13 @@ def keep(names: tuple[str, ...] | None = None, sizes: dict[str, tuple[int, ...]]
         data["names"] = sorted(names)
     if sizes:
         kept = data.get("sizes") if isinstance(data.get("sizes"), dict) else {}
-        data["sizes"] = {**kept, **{k: list(v) for k, v in sizes.items()}}
+        kept = {k: v for k, v in kept.items() if k not in sizes}
+        kept.update({k: list(v) for k, v in sizes.items()})  # newest last
+        data["sizes"] = dict(list(kept.items())[-MAX_SIZES:])
     tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp.write_text(json.dumps(data, sort_keys=True), encoding="utf-8")
+        tmp.write_text(json.dumps(data), encoding="utf-8")  # unsorted: the order of "sizes" is their age
         os.replace(tmp, path)  # whole or not at all, for a process reading it meanwhile
     except OSError:  # a read-only cache only costs the next launcher the import
         with contextlib.suppress(OSError):
