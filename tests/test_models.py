@@ -106,8 +106,8 @@ def test_the_cache_keeps_the_most_recent_footprints_only(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     for size in range(known.MAX_SIZES + 10):
         known.keep(sizes={f"footprint:test_vit:{size}:10": (1, 2, 3, 4, size)})
+    assert known.sizes("footprint:test_vit:9:10") is None and known.sizes("footprint:test_vit:10:10") is not None
     known.keep(sizes={"footprint:test_vit:12:10": (1, 2, 3, 4, 12)})  # asked again: now the newest
-    assert known.sizes("footprint:test_vit:0:10") is None and known.sizes("footprint:test_vit:9:10") is None
-    assert known.sizes("footprint:test_vit:12:10") == (1, 2, 3, 4, 12)
-    assert known.sizes(f"footprint:test_vit:{known.MAX_SIZES + 9}:10") is not None
-    assert known.sizes("footprint:test_vit:13:10") is None  # the oldest left when 12 came back
+    known.keep(sizes={"footprint:test_vit:100:10": (1, 2, 3, 4, 100), "footprint:test_vit:101:10": (1, 2, 3, 4, 101)})
+    assert [known.sizes(f"footprint:test_vit:{size}:10") is None for size in (10, 11, 12, 13, 101)] == [
+        True, True, False, False, False]
