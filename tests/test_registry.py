@@ -305,6 +305,19 @@ def test_pull_cli_unknown_alias_is_one_line_exit_2(store):
     assert len(errors) == 1 and "aliases champion (v1)" in errors[0]
 
 
+
+@pytest.mark.parametrize("uri", ["models:/tv@nope", "models:/no-such-model/1", "runs:/0123456789abcdef/checkpoints/last"])
+def test_a_checkpoint_that_cannot_be_found_leaves_no_temporary_folder(store, tmp_path, monkeypatch, uri):
+    """resolve_checkpoint makes a folder for the download; when it raises, it removes that folder too."""
+    import tempfile
+
+    from vitreg.tracking.checkpoints import resolve_checkpoint
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    with pytest.raises(VitregError):
+        resolve_checkpoint(uri, progress=lambda message: None)
+    assert list(tmp_path.iterdir()) == []
+
 # --------------------------------------------------------------------------- infer
 
 

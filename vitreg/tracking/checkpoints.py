@@ -58,20 +58,21 @@ def resolve_checkpoint(source: str, dst=None, what: str = "model_uri", progress=
     """The one checkpoint ``source`` names (see the module docstring), verified.
 
     A remote source is downloaded into ``dst`` (default: a new temporary folder, the caller's to
-    remove). ``what`` is the option that holds ``source`` (``resume``, ``teacher``, ``model_uri``):
+    remove once this returns; removed here when it raises). ``what`` is the option that holds ``source`` (``resume``, ``teacher``, ``model_uri``):
     error messages name it. Unknown models, aliases, versions and run paths raise VitregError naming
     what exists.
     """
     source = str(source).strip()
     if source.startswith(("models:/", "runs:/")) or "://" in source:
-        dst = Path(dst) if dst is not None else Path(tempfile.mkdtemp(prefix="vitreg-checkpoint-"))
-        client = mlflow.MlflowClient()
-        if source.startswith("models:/"):
-            directory, origin = _download_model_version(client, source, dst, what, progress)
-        elif source.startswith("runs:/"):
-            directory, origin = _download_run_path(client, source, dst, what, progress)
-        else:
-            directory, origin = _download_artifact_uri(source, dst, what, progress), {}
+        own_dst = dst is None
+        dst = Path(tempfile.mkdtemp(prefix="vitreg-checkpoint-")) if own_dst else Path(dst)
+        try:
+            directory, origin = _download_source(source, dst, what, progress)
+            return Located(ckpt.verify_checkpoint(directory), **origin)
+        except BaseException:  # nothing to hand over: the folder made here is not left behind
+            if own_dst:
+                shutil.rmtree(dst, ignore_errors=True)
+            raise
     else:
         path = Path(source).expanduser()
         if path_kind(path, what, f"use {SOURCES}") != "dir":
@@ -189,6 +190,16 @@ def _download_run_path(client, uri: str, dst: Path, what: str, progress) -> tupl
                           f"{', '.join(siblings) or 'nothing'}")
     local = _download(f"runs:/{run_id}/{path}" if path else f"runs:/{run_id}", dst, progress)
     return _find_checkpoint(local, uri), {"run_id": run_id}
+
+
+def _download_source(source: str, dst: Path, what: str, progress) -> tuple[Path, dict]:
+    """A remote ``source`` (models:/, runs:/ or an artifact URI) into ``dst``: (folder, what it came from)."""
+    client = mlflow.MlflowClient()
+    if source.startswith("models:/"):
+        return _download_model_version(client, source, dst, what, progress)
+    if source.startswith("runs:/"):
+        return _download_run_path(client, source, dst, what, progress)
+    return _download_artifact_uri(source, dst, what, progress), {}
 
 
 def _download_artifact_uri(uri: str, dst: Path, what: str, progress) -> Path:
