@@ -2,9 +2,8 @@
 
 The slow tests are real jobs on the CPU (gloo) with the tiny ``test_vit`` at 32 px: an ``mlflow
 run`` with nproc=2, the plain ``vitreg bench`` path on two hosts of two processes, and a rank that
-dies hard. The fast
-tests cover the pieces: the GPU-count check, the reduction rule, torchrun's command line, and how
-a failure's root cause is found.
+dies hard. The fast tests cover the pieces: the GPU-count check, the reduction rule, torchrun's
+command line, and how a failure's root cause is found.
 """
 
 from __future__ import annotations

@@ -6,7 +6,8 @@ torchvision and torch._dynamo: 3-4 s of CPU, and of wall time before the ranks e
 process that does import timm keeps what it learned in the user's cache (``timm-<version>-<install>.json``
 under :func:`vitreg.hardware.env.user_cache_dir`), and those processes look there first.
 
-A process that builds a model never reads here: it imports timm anyway, and checks against timm itself.
+A process that builds a model never takes a value from here: it imports timm anyway, checks against timm
+itself, and only writes what it measured.
 A missing, unreadable or edited file only costs the import: values are type-checked, and a name or
 footprint not found is learned from timm.
 """
@@ -22,7 +23,6 @@ from importlib import metadata
 from pathlib import Path
 
 from vitreg.hardware.env import user_cache_dir
-
 
 # Footprints kept (the most recent): a launcher asks for the model it runs, so a short memory serves; a
 # fuzzing test or a sweep over image sizes does not grow the file without end.
