@@ -7,9 +7,8 @@ process that does import timm keeps what it learned in the user's cache (``timm-
 under :func:`vitreg.hardware.env.user_cache_dir`), and those processes look there first.
 
 A process that builds a model never takes a value from here: it imports timm anyway, checks against timm
-itself, and only writes what it measured.
-A missing, unreadable or edited file only costs the import: values are type-checked, and a name or
-footprint not found is learned from timm.
+itself, and only writes what it measured. A missing, unreadable or edited file only costs the import:
+values are type-checked, and a name or footprint not found is learned from timm.
 """
 
 from __future__ import annotations

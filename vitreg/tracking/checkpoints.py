@@ -58,9 +58,9 @@ def resolve_checkpoint(source: str, dst=None, what: str = "model_uri", progress=
     """The one checkpoint ``source`` names (see the module docstring), verified.
 
     A remote source is downloaded into ``dst`` (default: a new temporary folder, the caller's to
-    remove once this returns; removed here when it raises). ``what`` is the option that holds ``source`` (``resume``, ``teacher``, ``model_uri``):
-    error messages name it. Unknown models, aliases, versions and run paths raise VitregError naming
-    what exists.
+    remove once this returns; removed here when it raises). ``what`` is the option that holds
+    ``source`` (``resume``, ``teacher``, ``model_uri``): error messages name it. Unknown models,
+    aliases, versions and run paths raise VitregError naming what exists.
     """
     source = str(source).strip()
     if source.startswith(("models:/", "runs:/")) or "://" in source:
