@@ -1,8 +1,8 @@
 """DDP: `-P nproc=N` launches torchrun; one MLflow run; rank 0 logs the job's reduced figures.
 
-The slow tests are real jobs on the CPU (gloo) with the tiny ``test_vit`` at 32 px: an ``mlflow
-run`` with nproc=2, the plain ``vitreg bench`` path on two hosts of two processes, and a rank that
-dies hard. The fast tests cover the pieces: the GPU-count check, the reduction rule, torchrun's
+The slow tests are real jobs on the CPU (gloo) with the tiny ``test_vit`` at 32 px: two hosts of two
+processes (node 0 through ``mlflow run -P nproc=2``, node 1 through the plain ``vitreg bench``), and a
+standalone ``--nproc 2`` job whose rank dies hard. The fast tests cover the pieces: the GPU-count check, the reduction rule, torchrun's
 command line, and how a failure's root cause is found.
 """
 
@@ -75,43 +75,14 @@ def assert_reduced(client, run, tmp_path, world: int) -> None:
 # end to end (CPU, gloo)
 
 
-@pytest.mark.slow
-def test_mlflow_run_nproc2_one_run_rank0_logs(tmp_path):
-    uri = migrated_store(tmp_path)
-    proc = subprocess.run([sys.executable, "-m", "mlflow", "run", str(REPO), "-e", "bench", "--env-manager", "local",
-                           "--experiment-name", "ddp", *mlflow_params({**TINY, "nproc": "2", "profile_steps": "2"})],
-                          env=child_env(uri), cwd=tmp_path, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    client, runs = all_runs(uri)
-    assert len(runs) == 1, [(r.info.run_id, r.info.status) for r in runs]  # the launcher resumed mlflow's run
-    run = runs[0]
-    assert run.info.status == "FINISHED"
-    assert run.data.params["nproc"] == "2"
-    tags = run.data.tags
-    assert tags["world_size"] == "2" and tags["dist_backend"] == "gloo" and tags["nnodes"] == "1"
-    assert run.info.run_name.startswith("cpu · ") and run.info.run_name.endswith(" · x2")  # GPU label first
-    assert_rank0_only_logging(client, run)
-    assert_reduced(client, run, tmp_path, 2)
-    arts = {a.path for a in client.list_artifacts(run.info.run_id)}
-    assert {"results.json", "ranks.json", "report.md", "torchrun"} <= arts
-    assert {a.path for a in client.list_artifacts(run.info.run_id, "torchrun")} == {"torchrun/rank0", "torchrun/rank1"}
-    # report.md shows what the user typed, not the launcher's generated line for the ranks
-    report = open(client.download_artifacts(run.info.run_id, "report.md", str(tmp_path))).read()
-    assert "mlflow run . -e bench" in report and "-P nproc=2" in report and "vitreg bench --" not in report
-    # rank 0 speaks for the job: its progress shows (prefixed), rank 1's does not
-    assert "[rank0]: [vitreg] train: window 2/2" in proc.stderr
-    assert "[rank1]: [vitreg]" not in proc.stderr
-    # profile_steps=2: gloo's all-reduce time per step, from the profiler after the windows (no device on CPU)
-    assert run.data.metrics["train_allreduce_ms_per_step"] > 0
-    assert "train_device_busy_ms_per_step" not in run.data.metrics
-
-
-# Records, in each launcher (not in torchrun, not in a rank), whether it imported timm or torchvision.
+# Records, in each launcher (not in torchrun, not in a rank), whether it imported timm or torchvision: a
+# launcher is `vitreg bench` or the bench entry point that `mlflow run` starts.
 # (sys.argv is read at exit: while sitecustomize runs, `-m`'s module is not in it yet.)
 LAUNCHER_IMPORTS = """
 import atexit, json, os, sys
+LAUNCHERS = (os.path.join("vitreg", "cli", "__main__.py"), os.path.join("entry_points", "bench.py"))
 def _record():
-    if "LOCAL_RANK" not in os.environ and sys.argv[0].endswith(os.path.join("vitreg", "cli", "__main__.py")):
+    if "LOCAL_RANK" not in os.environ and sys.argv[0].endswith(LAUNCHERS):
         with open(os.path.join(os.environ["RECORD_DIR"], f"launcher-{os.getpid()}.json"), "w") as fh:
             json.dump({m: m in sys.modules for m in ("timm", "torchvision")}, fh)
 atexit.register(_record)
@@ -120,10 +91,14 @@ atexit.register(_record)
 
 @pytest.mark.slow
 def test_two_hosts_of_two_processes_make_one_run_logged_by_node_0(tmp_path):
-    """`vitreg bench --nproc 2 --nnodes 2` on two launchers (node_rank 0 and 1, one rendezvous endpoint),
-    without `mlflow run`: node 0's launcher creates the run before torchrun, node 1's opens none; the
-    run holds the figures of four ranks, reduced, and the scaling efficiency against a baseline. The
-    launchers check the model without importing timm (an earlier process listed it)."""
+    """A bench on two hosts of two processes each (nnodes=2, one rendezvous endpoint): node 0 started by
+    `mlflow run -e bench -P nproc=2 ...`, node 1 by the plain `vitreg bench --nproc 2 --node-rank 1`.
+
+    One run, mlflow's, resumed by node 0's launcher (node 1's opens none). It holds the figures of four
+    ranks reduced, rank 0's logging alone, node 0's rank logs, the scaling efficiency against a
+    baseline, gloo's all-reduce time (profile_steps=2) and report.md with the command the user typed.
+    The launchers check the model without importing timm (an earlier process listed it). (The
+    standalone `--nproc 2` path: the killed-rank test below.)"""
     from vitreg.models import factory, memory
 
     factory._timm_names()  # what any earlier job on this machine leaves in the user's cache
@@ -132,32 +107,46 @@ def test_two_hosts_of_two_processes_make_one_run_logged_by_node_0(tmp_path):
     record = tmp_path / "record"
     record.mkdir()
     (record / "sitecustomize.py").write_text(LAUNCHER_IMPORTS)
+    env = child_env(uri, PYTHONPATH=str(record), RECORD_DIR=str(record))
     base_id = fake_baseline_run(uri, throughput=100.0)
-    hosts = ["--nnodes", "2", "--rdzv-endpoint", f"127.0.0.1:{free_port()}"]
-    args = ["bench", *cli_args({**TINY, "nproc": "2"}), "--experiment", "ddp4", "--baseline-run", base_id, *hosts]
-    procs = [subprocess.Popen([sys.executable, "-m", "vitreg.cli", *args, "--node-rank", str(node)],
-                              env=child_env(uri, PYTHONPATH=str(record), RECORD_DIR=str(record)), cwd=tmp_path,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for node in (0, 1)]
+    options = {**TINY, "nproc": "2", "profile_steps": "2", "baseline_run": base_id,
+               "nnodes": "2", "rdzv_endpoint": f"127.0.0.1:{free_port()}"}
+    node0 = [sys.executable, "-m", "mlflow", "run", str(REPO), "-e", "bench", "--env-manager", "local",
+             "--experiment-name", "ddp4", *mlflow_params({**options, "node_rank": "0"})]
+    node1 = [sys.executable, "-m", "vitreg.cli", "bench", *cli_args({**options, "node_rank": "1"})]
+    procs = [subprocess.Popen(cmd, env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for cmd in (node0, node1)]
     outs = [p.communicate(timeout=300) for p in procs]
     for p, (_, err) in zip(procs, outs):
         assert p.returncode == 0, err[-4000:]
     client, runs = all_runs(uri)
     runs = [r for r in runs if r.data.tags.get("vitreg_job") == "bench"]
-    assert len(runs) == 1, [(r.info.run_id, r.info.status) for r in runs]
+    assert len(runs) == 1, [(r.info.run_id, r.info.status) for r in runs]  # the launcher resumed mlflow's run
     run = runs[0]
+    tags, m = run.data.tags, run.data.metrics
     assert run.info.status == "FINISHED"
     assert client.get_experiment(run.info.experiment_id).name == "ddp4"
-    assert run.data.params["nproc"] == "2" and run.data.tags["world_size"] == "4" and run.data.tags["nnodes"] == "2"
+    assert run.data.params["nproc"] == "2" and tags["world_size"] == "4" and tags["nnodes"] == "2"
+    assert tags["dist_backend"] == "gloo"
+    assert run.info.run_name.startswith("cpu · ") and run.info.run_name.endswith(" · x4")  # GPU label first
     assert f"logged run {run.info.run_id}" in outs[0][0] and "logged run" not in outs[1][0]
     assert_rank0_only_logging(client, run)
     assert_reduced(client, run, tmp_path, 4)
-    assert any(k.startswith("system/") for k in run.data.metrics), "the launcher samples system metrics"
-    report = open(client.download_artifacts(run.info.run_id, "report.md", str(tmp_path))).read()
-    assert "--nproc 2" in report and "--nnodes 2" in report, report
-    assert "--ddp-bucket-mb" not in report, "the typed command, not the ranks' line"
-    m = run.data.metrics
+    assert any(k.startswith("system/") for k in m), "the launcher samples system metrics"
     assert m["train_scaling_efficiency"] == pytest.approx(m["train_throughput_img_per_s"] / (4 * 100.0))
+    arts = {a.path for a in client.list_artifacts(run.info.run_id)}
+    assert {"results.json", "ranks.json", "report.md", "torchrun"} <= arts
+    assert {a.path for a in client.list_artifacts(run.info.run_id, "torchrun")} == {"torchrun/rank0", "torchrun/rank1"}
+    # report.md shows what the user typed, not the launcher's generated line for the ranks
+    report = open(client.download_artifacts(run.info.run_id, "report.md", str(tmp_path))).read()
+    assert "mlflow run . -e bench" in report and "-P nproc=2" in report and "-P nnodes=2" in report, report
+    assert "vitreg bench --" not in report and "--ddp-bucket-mb" not in report, report
+    # rank 0 speaks for the job: its progress shows (prefixed), no other rank's does
+    assert "[rank0]: [vitreg] train: window 2/2" in outs[0][1]
+    assert not any(f"[rank{r}]: [vitreg]" in err for _, err in outs for r in (1, 2, 3))
+    # profile_steps=2: gloo's all-reduce time per step, from the profiler after the windows (no device on CPU)
+    assert m["train_allreduce_ms_per_step"] > 0
+    assert "train_device_busy_ms_per_step" not in m
     launchers = [json.loads(f.read_text()) for f in record.glob("launcher-*.json")]
     assert launchers == [{"timm": False, "torchvision": False}] * 2, launchers
 
@@ -521,6 +510,23 @@ def test_single_process_path_untouched_by_torchrun_env(monkeypatch):
     assert distributed.inside_torchrun()
     monkeypatch.setenv("WORLD_SIZE", "1")
     assert distributed.init_from_env("cpu") == distributed.World(0, 0, 1, "cpu", None, 1)  # no process group
+
+
+def test_a_rank_reports_the_command_its_launcher_was_typed_as(monkeypatch):
+    """report.md's command: in a rank of a vitreg launcher, what the launcher was given (the plain
+    `vitreg bench --nproc 2` line or the `mlflow run` one); outside one, the caller's text or this
+    process's own argv."""
+    monkeypatch.setattr(sys, "argv", ["vitreg", "bench", "--nproc", "2"])
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    monkeypatch.delenv(launch.ENV_LAUNCH_DIR, raising=False)
+    monkeypatch.setenv(launch.ENV_COMMAND, "vitreg bench --nproc 2 --nnodes 2")
+    assert launch.typed_command() == "vitreg bench --nproc 2"  # not a rank: the environment is not read
+    assert launch.typed_command("mlflow run . -e bench -P nproc=2") == "mlflow run . -e bench -P nproc=2"
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv(launch.ENV_LAUNCH_DIR, "/tmp/launch")
+    monkeypatch.setattr(sys, "argv", ["-m", "vitreg.cli", "bench", "--ddp-bucket-mb", "25"])
+    assert launch.typed_command() == "vitreg bench --nproc 2 --nnodes 2"
+    assert launch.typed_command("python entry_points/bench.py") == "vitreg bench --nproc 2 --nnodes 2"
 
 
 def test_launcher_run_only_on_node_0(sqlite_store, monkeypatch):
