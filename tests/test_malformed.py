@@ -254,3 +254,20 @@ def test_the_undamaged_checkpoint_passes_every_command(good_checkpoint, tmp_path
     for name, args in _commands(directory).items():
         res = CliRunner().invoke(main, args)
         assert res.exit_code == 0, (name, res.output[-3000:], res.exception)
+
+
+def test_a_teacher_that_cannot_load_is_refused_before_the_students_setup(good_checkpoint, tmp_path, store,
+                                                                         monkeypatch):
+    """The teacher is loaded right after the student is built: a damaged one is refused before the
+    data, the run's environment and the FLOPs count are made (that work is not done for nothing)."""
+    from vitreg.train import data, job
+
+    def not_reached(*args, **kwargs):
+        raise AssertionError("the student's setup ran before the teacher was loaded")
+
+    monkeypatch.setattr(data, "build_data", not_reached)
+    monkeypatch.setattr(job, "_log_setup", not_reached)
+    monkeypatch.setattr(job, "_flops_metrics", not_reached)
+    directory = _damaged(good_checkpoint, tmp_path, _write("model.safetensors", b"\xff\xd8\xff\xe0"))
+    res = CliRunner().invoke(main, _commands(directory)["teacher"])
+    _assert_one_line_refusal(res, directory, "model.safetensors")

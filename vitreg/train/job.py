@@ -208,6 +208,7 @@ def _train_in_run(run, options, workdir: Path, progress, command, run_name, *, s
         if world.is_main and isinstance(resume.spec.get("run_id"), str):  # the run that saved it
             run.set_tags({lineage.RESUMED_FROM_TAG: resume.spec["run_id"]})
             lineage.close_resumed(resume.spec["run_id"], run.run_id, progress)
+    teacher = _teacher(spec, info, runtime, progress)  # a teacher= that cannot load fails before the setup's work
     data = build_data(spec, info, runtime.torch_device, model=model, rank=world.rank, world_size=world.world_size,
                       sampler_factory=sampler_factory)
     if world.is_main:
@@ -221,7 +222,7 @@ def _train_in_run(run, options, workdir: Path, progress, command, run_name, *, s
             # TF32 switches (amp=tf32), the SDPA backend and the compile cache, around every step
             with run_context(runtime, model, spec.sdpa, spec.compile_cache, train=True):
                 result = _run_loop(run, logger, spec, runtime, model, info, data, world, wrap, reducer, resume,
-                                   workdir, sampler_factory, progress)
+                                   workdir, sampler_factory, progress, teacher=teacher)
         except KeyboardInterrupt as exc:  # stopped between updates: log what was done, then end the run KILLED
             result, stop = getattr(exc, "partial_result", None), exc
             if result is None:
@@ -235,6 +236,21 @@ def _train_in_run(run, options, workdir: Path, progress, command, run_name, *, s
     if stop is not None:
         raise stop
     return result, world
+
+
+def _teacher(spec, info, runtime, progress):
+    """The distillation teacher (None without distillation), built before the data, the run's setup and
+    the FLOPs count: a teacher= that cannot be loaded is refused before that work. A timm-name
+    teacher's random init draws on a forked RNG, so the student's data and dropout stream is the one
+    it would be without a teacher."""
+    if spec.distillation == "none" or not spec.teacher:
+        return None
+    import torch
+
+    from vitreg.train.losses import create_teacher
+
+    with torch.random.fork_rng(devices=[]):
+        return create_teacher(spec, info, runtime.torch_device, teacher_loader, progress)
 
 
 def _log_setup(run, spec, hw, runtime, detected, info, data, world, run_name, progress) -> None:
@@ -258,7 +274,7 @@ def _log_setup(run, spec, hw, runtime, detected, info, data, world, run_name, pr
 
 
 def _run_loop(run, logger, spec, runtime, model, info, data, world, wrap, reducer, resume, workdir,
-              sampler_factory, progress):
+              sampler_factory, progress, teacher=None):
     """The loop, its callbacks wired to the progress bar and the run logger; returns its TrainResult."""
     from vitreg.train import loop
 
@@ -276,7 +292,7 @@ def _run_loop(run, logger, spec, runtime, model, info, data, world, wrap, reduce
 
     try:
         return loop.train(
-            spec, runtime, model, info, data=data, teacher_loader=teacher_loader,
+            spec, runtime, model, info, data=data, teacher=teacher, teacher_loader=teacher_loader,
             checkpoint_dir=workdir / CHECKPOINT_ARTIFACTS, resume_from=resume,
             checkpoint_extra={"run_id": run.run_id}, on_step=bar.step, on_log=on_log,
             on_checkpoint=CheckpointUploader(logger), on_epoch_end=on_epoch_end, wrap=wrap,
