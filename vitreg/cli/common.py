@@ -14,6 +14,7 @@ import sys
 
 import click
 
+from vitreg.cli.invocation import command_line
 from vitreg.cli.param_types import param_type
 from vitreg.config.options import option, options_of
 from vitreg.errors import VitregError
@@ -57,6 +58,18 @@ def launcher_options(command: str, own: dict) -> dict:
     not forward them to the ranks."""
     parsed = {name: option(command, name).parse(own[name]) for name in ("nnodes", "node_rank", "rdzv_endpoint")}
     return {**parsed, "rdzv_endpoint": parsed["rdzv_endpoint"] or None}
+
+
+def run_ddp_job(command: str, job, values: dict, **from_own) -> None:
+    """The body of the DDP job commands (``bench``, ``train``): ``job(options, ...)`` with the spec's
+    fields (forwarded as they are to torchrun's ranks, checked by the spec), the run's experiment and
+    name, the launcher's options, the command line the user typed, and ``offline=`` honoured.
+    ``from_own``: more keyword arguments of ``job``, each computed from the command's own options."""
+    options, own = split_options(command, values)
+    extra = {**launcher_options(command, own), **{name: pick(own) for name, pick in from_own.items()}}
+    with offline_if_asked(command, own):
+        job(options, experiment=own["experiment"], run_name=own["run_name"],
+            command=command_line(click.get_current_context()), **extra)
 
 
 @contextlib.contextmanager

@@ -12,8 +12,7 @@ import click
 
 import vitreg
 from vitreg import signals
-from vitreg.cli.common import command_options, launcher_options, offline_if_asked, split_options, user_errors
-from vitreg.cli.invocation import command_line
+from vitreg.cli.common import command_options, run_ddp_job, split_options, user_errors
 from vitreg.config.options import option
 from vitreg.errors import VitregError
 from vitreg.tracking.quiet import quiet_artifact_downloads
@@ -35,10 +34,7 @@ def bench(**values):
     """Benchmark inference and/or training of one model and log one MLflow run."""
     from vitreg.bench.job import bench as run_bench
 
-    options, own = split_options("bench", values)  # options: forwarded to the torchrun ranks, checked by BenchSpec
-    with offline_if_asked("bench", own):
-        run_bench(options, experiment=own["experiment"], run_name=own["run_name"], **launcher_options("bench", own),
-                  baseline_run=own["baseline_run"].strip() or None, command=command_line(click.get_current_context()))
+    run_ddp_job("bench", run_bench, values, baseline_run=lambda own: own["baseline_run"].strip() or None)
 
 
 @main.command()

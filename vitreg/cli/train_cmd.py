@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import click
 
-from vitreg.cli.common import command_options, launcher_options, offline_if_asked, split_options, user_errors
-from vitreg.cli.invocation import command_line
+from vitreg.cli.common import command_options, run_ddp_job, user_errors
 
 
 @click.command("train")
@@ -20,7 +19,4 @@ def train(**values):
     """Train a ViT/DeiT (synthetic data or an ImageFolder), log curves and checkpoints to one MLflow run."""
     from vitreg.train.job import train as run_train
 
-    options, own = split_options("train", values)  # options: forwarded to the torchrun ranks, checked by TrainSpec
-    with offline_if_asked("train", own):
-        run_train(options, experiment=own["experiment"], run_name=own["run_name"], **launcher_options("train", own),
-                  command=command_line(click.get_current_context()))
+    run_ddp_job("train", run_train, values)
