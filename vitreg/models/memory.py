@@ -75,14 +75,15 @@ def check_ranks_fit(nproc: int, name: str, img_size: int, num_classes: int, devi
     """:func:`check_nproc_fits` for a launcher, which builds no model: from the footprint an earlier process
     measured for this timm install (:mod:`vitreg.models.known`; no timm import), else from the model. A
     refusal is always made from the model itself: an edited cache file can never refuse a job."""
-    kept = known.sizes(_known_key(name, img_size, num_classes))
+    key = _known_key(name, img_size, num_classes)
+    kept = known.sizes(key)
     if kept is not None and len(kept) == len(fields(Footprint)):
         try:
             return check_nproc_fits(nproc, Footprint(*kept), device_type)
         except VitregError:
             pass
     measured = footprint(name, img_size, num_classes)
-    _remember(_known_key(name, img_size, num_classes), measured)  # footprint() may answer from memory
+    _remember(key, measured)  # footprint() may answer from memory
     check_nproc_fits(nproc, measured, device_type)
 
 

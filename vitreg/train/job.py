@@ -243,7 +243,7 @@ def _teacher(spec, info, runtime, progress):
     the FLOPs count: a teacher= that cannot be loaded is refused before that work. A timm-name
     teacher's random init draws on a forked RNG, so the student's data and dropout stream is the one
     it would be without a teacher."""
-    if spec.distillation == "none" or not spec.teacher:
+    if spec.distillation == "none":  # TrainSpec holds a teacher exactly when it distills
         return None
     import torch
 
