@@ -20,9 +20,9 @@ import pytest
 from click.testing import CliRunner
 
 from conftest import REPO, free_port, migrated_store, subprocess_env
-from vitreg.dist import world as distributed
-from vitreg.dist import diagnose as diagnosis
-from vitreg.dist import launcher as launch
+from vitreg.ddp import world as distributed
+from vitreg.ddp import diagnose as diagnosis
+from vitreg.ddp import launcher as launch
 from vitreg.errors import VitregError
 
 TINY = {"model": "test_vit", "img_size": "32", "batch_size": "2", "warmup": "1", "steps": "2", "repeats": "2",
@@ -191,7 +191,7 @@ import json, os, sys
 from pathlib import Path
 from vitreg.bench.job import bench  # noqa: F401 - the modules a rank runs, imported as a rank imports them
 from vitreg.train.job import train  # noqa: F401
-from vitreg.dist.launcher import rank_run
+from vitreg.ddp.launcher import rank_run
 from vitreg.tracking import runs as tracking
 with rank_run() as tracker:  # rank 0: the hand-off journal; rank 1: nothing
     tracker.set_tags({"gpu": "cpu"})
@@ -299,7 +299,7 @@ def test_torchrun_command_single_and_multi_node(tmp_path):
     assert one[:3] == [sys.executable, "-m", "torch.distributed.run"]
     assert "--standalone" in one and "--nproc-per-node=2" in one and "--max-restarts=0" in one
     # the workers' own options come after "--", out of reach of torchrun's option parser
-    assert one[one.index("vitreg.dist.launcher") + 1:] == ["--", *argv]
+    assert one[one.index("vitreg.ddp.launcher") + 1:] == ["--", *argv]
     # only options torch 2.2+ knows: torch 2.11's torchrun passed --log-line-prefix-template on to
     # the workers' python (exit 2 on the H200s); the rank prefix comes from LINE_PREFIX_ENV instead
     assert not any(c.startswith("--log-line-prefix") for c in one)
@@ -543,7 +543,7 @@ def test_ddp_wrap_applies_the_bucket_size_static_graph_and_comm_hook(tmp_path):
     import torch
     import torch.distributed as dist
 
-    from vitreg.dist.world import World, ddp_wrap
+    from vitreg.ddp.world import World, ddp_wrap
     from vitreg.config.spec import BenchSpec
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)

@@ -42,8 +42,8 @@ def test_torchrun_worker_shim_freezes_after_the_worker_s_own_handlers(tmp_path):
     lines = run_python("""
         import runpy, sys
         probe("registered before the shim:")
-        sys.argv = ["vitreg.dist.launcher", "--", sys.argv[1]]
-        runpy.run_module("vitreg.dist.launcher", run_name="__main__", alter_sys=True)
+        sys.argv = ["vitreg.ddp.launcher", "--", sys.argv[1]]
+        runpy.run_module("vitreg.ddp.launcher", run_name="__main__", alter_sys=True)
     """, str(worker))
     assert lines == ["working", "registered by the worker: frozen False", "registered before the shim: frozen True"]
 
@@ -51,6 +51,6 @@ def test_torchrun_worker_shim_freezes_after_the_worker_s_own_handlers(tmp_path):
 def test_importing_vitreg_registers_nothing():
     lines = run_python("""
         probe("registered before the imports:")  # would run after a freeze the imports registered
-        import vitreg, vitreg.cli.main, vitreg.config.spec, vitreg.dist.launcher
+        import vitreg, vitreg.cli.main, vitreg.config.spec, vitreg.ddp.launcher
     """)
     assert lines == ["registered before the imports: frozen False"]

@@ -15,7 +15,7 @@ from vitreg.analysis.timm_csv import read_timm_csv
 from vitreg.bench import report
 from vitreg.bench.results import BenchResult, TaskResult
 from vitreg.config.spec import BenchSpec
-from vitreg.dist import world
+from vitreg.ddp import world
 from vitreg.measure import metrics
 from vitreg.measure.autobatch import BatchChoice, Probe
 from vitreg.measure.profiling import CommProfile

@@ -151,3 +151,11 @@ def test_options_to_args_round_trips_through_train_click():
     assert (seen["model"], seen["steps"], seen["lr"], seen["ddp_static_graph"]) == ("test_vit", "3", "0.001", "true")
     assert seen["resume"] == ""  # None: not passed, the default applies
     assert TrainSpec.from_options({k: seen[k] for k in seen if k in {o.name for o in spec_options("train")}}).lr == 1e-3
+
+
+def test_every_option_says_whether_it_changes_the_work():
+    """Each option is identity (changes the work measured) or says why runs differing in it measure the same work."""
+    for o in OPTIONS:
+        assert o.identity != bool(o.same_work), f"{o.name} ({o.commands}): identity=True, or a same_work reason"
+    assert {"model", "sdpa", "compile_backend", "cuda_graph", "nproc"} <= set(options.identity_names("bench"))
+    assert "seed" not in options.identity_names("bench") and "gpu" not in options.identity_names("bench")

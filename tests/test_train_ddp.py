@@ -19,8 +19,8 @@ import torch
 from click.testing import CliRunner
 
 from conftest import free_port, migrated_store, subprocess_env
-from vitreg.dist import world as distributed
-from vitreg.dist import launcher as launch
+from vitreg.ddp import world as distributed
+from vitreg.ddp import launcher as launch
 from vitreg.train.checkpoint import verify_checkpoint
 
 TINY = {"model": "test_vit", "img_size": "32", "batch_size": "8", "num_classes": "10", "num_workers": "0",

@@ -5,9 +5,9 @@ once, in the process the user started, inside its run; the plan follows from the
 
 DDP (``nproc > 1``, or several hosts): this process becomes the launcher (:func:`_launch_bench`).
 It holds the one MLflow run (system metrics included), checks what needs no GPU, runs the same
-bench under torchrun and logs what the ranks hand back (:func:`vitreg.dist.launcher.launched`). Each
+bench under torchrun and logs what the ranks hand back (:func:`vitreg.ddp.launcher.launched`). Each
 rank runs :func:`bench` too, on its own GPU with ``batch_size`` images per GPU; the figures are
-reduced over the ranks (:mod:`vitreg.dist.world`) and rank 0 hands them to the launcher, which
+reduced over the ranks (:mod:`vitreg.ddp.world`) and rank 0 hands them to the launcher, which
 also relates them to ``baseline_run``. With ``nproc == 1`` none of that happens.
 """
 
@@ -21,8 +21,8 @@ from vitreg.bench.results import BenchResult
 from vitreg.bench.runner import run_benchmark
 from vitreg.config.spec import BenchSpec
 from vitreg.console import progress, quiet
-from vitreg.dist import launcher as launch
-from vitreg.dist import world as distributed
+from vitreg.ddp import launcher as launch
+from vitreg.ddp import world as distributed
 from vitreg.errors import VitregError, first_line
 from vitreg.hardware.env import capture_environment
 from vitreg.hardware.profiles import detect_hardware, resolve_hardware

@@ -166,7 +166,7 @@ def run_inference(model, info: ModelInfo, spec: BenchSpec, runtime: Runtime, har
                   fwd_flops: int, progress=progress, reducer=None, profile_dir=None) -> TaskResult:
     """Forward passes in eval mode under inference_mode and the precision, synthetic batch on the device.
 
-    Under DDP (``reducer``, a :class:`vitreg.dist.world.ResultReducer`) every rank runs its own
+    Under DDP (``reducer``, a :class:`vitreg.ddp.world.ResultReducer`) every rank runs its own
     unwrapped copy independently, on its own GPU; the global throughput is the sum of the ranks'.
     """
     _reset_memory(runtime.device)
@@ -214,7 +214,7 @@ def run_train_step(model, info: ModelInfo, spec: BenchSpec, runtime: Runtime, ha
     """Full training steps: forward, loss, backward, (scaled) AdamW step, on a fixed synthetic batch.
 
     ``wrap`` lets DDP wrap the model (before compile, after a batch_size=auto search: the probes run
-    the unwrapped model); ``reducer`` (:class:`vitreg.dist.world.ResultReducer`) combines the ranks'
+    the unwrapped model); ``reducer`` (:class:`vitreg.ddp.world.ResultReducer`) combines the ranks'
     own timings into the job's: each rank processes ``batch_size`` images per step, rates add up.
     """
     import torch
@@ -270,7 +270,7 @@ def _task_result(task, windows, first_s, warm_s, spec, info, runtime, hardware, 
     if reducer is not None:
         # DDP: a collective (every rank gets here once per task, after its windows). Global
         # throughput per window = sum of the ranks' rates; step time per iteration = slowest rank.
-        from vitreg.dist.world import RankFigures
+        from vitreg.ddp.world import RankFigures
 
         total = reducer(task, RankFigures(tuple(throughputs), tuple(iter_ms), first_s, warm_s, peak_alloc, peak_res))
         throughputs, iter_ms, first_s, warm_s = list(total.throughputs), list(total.iter_ms), \
@@ -301,7 +301,7 @@ def run_benchmark(spec: BenchSpec, hardware: ResolvedHardware, runtime: Runtime,
 
     ``model_factory`` (optional) returns ``(model, ModelInfo)`` instead of :func:`create_model`, for
     benchmarking a registered model's rebuilt weights. Under DDP, ``wrap`` wraps the training model
-    and ``reducer`` (:class:`vitreg.dist.world.ResultReducer`) turns each rank's figures into the
+    and ``reducer`` (:class:`vitreg.ddp.world.ResultReducer`) turns each rank's figures into the
     job's; every rank must call this with the same spec. The precision's weight cast (or FP8
     quantization) comes after the FLOPs are counted and before any compile.
     """

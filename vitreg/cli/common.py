@@ -95,7 +95,7 @@ def user_errors(fn):
         try:
             return fn(*args, **kwargs)
         except VitregError as exc:
-            from vitreg.dist.diagnose import record_error
+            from vitreg.ddp.diagnose import record_error
             from vitreg.tracking import runs as tracking
 
             tracking.fail_requested_run(str(exc))

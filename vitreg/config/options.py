@@ -59,6 +59,11 @@ class Option:
     envvar: str | None = None
     lowercase: bool = False
     aliases: tuple[str, ...] = ()  # more click flags for it (``--experiment-name``, as ``mlflow run`` spells it)
+    # Identity: True when the option changes the work measured, so two runs that differ in it are two
+    # configurations and are never pooled (compare, check, scaling baselines, sweep labels, reports).
+    # Otherwise ``same_work`` says why runs that differ in it measure the same work.
+    identity: bool = False
+    same_work: str = ""
 
     @property
     def flags(self) -> list[str]:
@@ -132,6 +137,12 @@ def spec_options(command: str) -> list[Option]:
     return [o for o in options_of(command) if o.spec_field]
 
 
+def identity_names(command: str) -> tuple[str, ...]:
+    """The options of ``command`` that change the work measured: what makes two of its runs the same
+    configuration (in table order). compare, check, scaling baselines, sweep labels and reports read this."""
+    return tuple(dict.fromkeys(o.name for o in options_of(command) if o.identity))
+
+
 def option(command: str, name: str) -> Option:
     """``command``'s option called ``name``."""
     (found,) = [o for o in options_of(command) if o.name == name]
@@ -145,28 +156,38 @@ _TIMED = ("bench", "infer", "sweep")  # the commands that time windows of iterat
 
 OPTIONS: tuple[Option, ...] = (
     Option("model_uri", "str", None, "models:/NAME@ALIAS, models:/NAME/VERSION or runs:/RUN_ID/checkpoints/last.",
-           ("infer",), required=True, spec_field=False),
+           ("infer",), required=True, spec_field=False,
+           identity=True),
     Option("models", "str", "vit_base_patch16_224", "Comma-separated model names.", ("sweep",),
-           required=True, spec_field=False),
-    Option("amp", "str", "auto", "Comma-separated, e.g. off,bf16.", ("sweep",), spec_field=False),
-    Option("compile", "str", "off", "Comma-separated, e.g. off,default.", ("sweep",), spec_field=False),
-    Option("batch_size", "str", "64", "Comma-separated, e.g. 32,256.", ("sweep",), spec_field=False),
+           required=True, spec_field=False,
+           same_work="a sweep list: each child run takes one of its values as its own option"),
+    Option("amp", "str", "auto", "Comma-separated, e.g. off,bf16.", ("sweep",), spec_field=False,
+           same_work="a sweep list: each child run takes one of its values as its own option"),
+    Option("compile", "str", "off", "Comma-separated, e.g. off,default.", ("sweep",), spec_field=False,
+           same_work="a sweep list: each child run takes one of its values as its own option"),
+    Option("batch_size", "str", "64", "Comma-separated, e.g. 32,256.", ("sweep",), spec_field=False,
+           same_work="a sweep list: each child run takes one of its values as its own option"),
     Option("gpu", "str", "auto", f"GPU label ({_GPU_LABELS}) or auto; checked against the detected hardware.", _RUNS,
            lowercase=True,
            doc="GPU label: `v100`, `t4`, `a100`, `a100-80gb`, `l4`, `rtx4090`, `h100`, `h100-pcie`, `h200`, `cpu`, "
                "or `auto` (detect). An explicit label must match the detected hardware, or the run is refused "
-               "before any GPU work."),
+               "before any GPU work.",
+           same_work="the hardware a run is filed under: the axis runs are compared along, never pooled over"),
     Option("model", "str", "vit_base_patch16_224", "timm vit_*/deit_*/deit3_* name, or torchvision:vit_b_16.",
            ("bench",),
            doc="any timm `vit_*`, `deit_*`, `deit3_*` name (distilled DeiTs train both heads), or "
                "`torchvision:vit_b_16` (also `vit_b_32`, `vit_l_16`, `vit_l_32`, `vit_h_14`). Always random "
-               "weights (`pretrained=False`)."),
+               "weights (`pretrained=False`).",
+           identity=True),
     Option("model", "str", "deit_tiny_patch16_224",
            "timm vit_*/deit_*/deit3_* name (deit_*_distilled_* for distillation), or torchvision:vit_b_16.",
-           ("train",), doc="timm `vit_`/`deit_`/`deit3_` name, `torchvision:vit_b_16`"),
+           ("train",), doc="timm `vit_`/`deit_`/`deit3_` name, `torchvision:vit_b_16`",
+           identity=True),
     Option("task", "choice", "both", "/".join(TASKS), ("bench", "sweep"), choices=TASKS,
-           doc="`infer`, `train` or `both`"),
-    Option("task", "choice", "infer", "/".join(TASKS), ("infer",), choices=TASKS),
+           doc="`infer`, `train` or `both`",
+           identity=True),
+    Option("task", "choice", "infer", "/".join(TASKS), ("infer",), choices=TASKS,
+           identity=True),
     Option("batch_size", "batch", AUTO_BATCH, "images per step per process, or auto: the fastest batch that fits, "
            "searched per task before timing (GPU: from 256 up; CPU: 8 to 64).", ("bench", "infer"),
            doc="images per iteration (per GPU with `nproc` > 1), or `auto` (the default): before timing, each task "
@@ -174,124 +195,163 @@ OPTIONS: tuple[Option, ...] = (
                "CPU: 8 to 64) and takes the smallest within 3 % of the fastest. Logged as the "
                "`<task>_batch_probe_img_per_s` series (step = batch) and the `<task>_batch_size_chosen` tag; the "
                "`batch_size` tag stays `auto`. With `nproc` > 1 every rank probes alone and all take the smallest "
-               "choice"),
+               "choice",
+           identity=True),
     Option("batch_size", "int", 64, "images per step per process.", ("train",), minimum=1,
-           doc="images per iteration (per GPU with `nproc` > 1)"),
+           doc="images per iteration (per GPU with `nproc` > 1)",
+           identity=True),
     Option("img_size", "int", 0, "0 = the model's default resolution.", ("bench", "sweep", "train"), minimum=0,
-           doc="input resolution; `0` = the model's default. Must be a multiple of the patch size."),
+           doc="input resolution; `0` = the model's default. Must be a multiple of the patch size.",
+           identity=True),
     Option("amp", "choice", "auto",
            f"{'/'.join(AMP_CHOICES)}; auto = bf16 where the GPU has it, fp16 on V100/T4, off on CPU.",
            ("bench", "infer"), choices=AMP_CHOICES,
            doc="precision: `off` (strict fp32), `tf32` (fp32, TF32 matmuls; MFU against the TF32 peak), `bf16`, "
                "`fp16` (autocast), `bf16-weights` / `fp16-weights` (weights and input cast, no autocast; infer only), "
                "`fp8` (torchao float8 Linear layers; infer only, compute capability >= 8.9, `pip install torchao`). "
-               "`auto` = bf16 where the GPU has it, fp16 on V100/T4, off on CPU. Tagged `precision`"),
+               "`auto` = bf16 where the GPU has it, fp16 on V100/T4, off on CPU. Tagged `precision`",
+           identity=True),
     Option("amp", "choice", "auto",
            f"{'/'.join(TRAIN_AMP_CHOICES)}; auto = bf16 where the GPU has it, fp16 on V100/T4, off on CPU.",
            ("train",), choices=TRAIN_AMP_CHOICES,
            doc="`off` (strict fp32), `tf32` (fp32, TF32 matmuls), `bf16`, `fp16` (autocast; fp16 training uses "
-               "GradScaler). `auto` = bf16 where the GPU has it, fp16 on V100/T4, off on CPU."),
+               "GradScaler). `auto` = bf16 where the GPU has it, fp16 on V100/T4, off on CPU.",
+           identity=True),
     Option("sdpa", "choice", "auto", f"attention kernel: {'/'.join(SDPA_CHOICES)} (auto: torch picks).",
            ("bench", "infer", "train"), choices=SDPA_CHOICES,
            doc="scaled-dot-product-attention backend: `auto` (torch picks per call), `flash`, `cudnn`, "
                "`efficient`, `math`. A backend that cannot run here is refused before the run; the backend that "
-               "ran, read from the profiler, is tagged `<task>_sdpa_backend`"),
+               "ran, read from the profiler, is tagged `<task>_sdpa_backend`",
+           identity=True),
     Option("compile_cache", "str", "", "folder of the persistent torch.compile cache (empty: $VITREG_COMPILE_CACHE "
            "or ~/.cache/vitreg/inductor).", ("bench", "infer", "train"),
            doc="folder of the persistent inductor / FX-graph cache, used when compiling (`\"\"`: "
                "`$VITREG_COMPILE_CACHE`, else `~/.cache/vitreg/inductor`). The first call's cache state (`cold`, "
-               "`warm`, `partial`) is tagged `<task>_compile_cache`, next to `<task>_compile_time_s`"),
+               "`warm`, `partial`) is tagged `<task>_compile_cache`, next to `<task>_compile_time_s`",
+           same_work="where compiled code is kept: it changes the compile time (tagged), not the timed steps"),
     Option("compile", "choice", "off", "/".join(COMPILE_CHOICES), ("bench", "infer", "train"),
-           choices=COMPILE_CHOICES, doc="`off`, `default`, `reduce-overhead`, `max-autotune` (torch.compile modes)"),
+           choices=COMPILE_CHOICES, doc="`off`, `default`, `reduce-overhead`, `max-autotune` (torch.compile modes)",
+           identity=True),
     Option("compile_backend", "choice", "inductor", "/".join(COMPILE_BACKENDS), _RUNS, choices=COMPILE_BACKENDS,
-           doc="torch.compile backend (`eager` / `aot_eager` for debugging; modes apply to inductor only)"),
+           doc="torch.compile backend (`eager` / `aot_eager` for debugging; modes apply to inductor only)",
+           identity=True),
     Option("warmup", "int", 10, "untimed iterations (the first one is timed apart as compile/first-call time).",
            _TIMED, minimum=1,
            doc="untimed iterations; the first is timed apart (`*_first_call_s`, and `*_compile_time_s` when "
-               "compiling)"),
-    Option("steps", "int", 30, "iterations per timed window.", _TIMED, minimum=1, doc="iterations per timed window"),
-    Option("repeats", "int", 5, "timed windows.", _TIMED, minimum=1, doc="timed windows (median and spread over them)"),
+               "compiling)",
+           same_work="untimed iterations before the timed windows"),
+    Option("steps", "int", 30, "iterations per timed window.", _TIMED, minimum=1, doc="iterations per timed window",
+           same_work="the length of a timed window: more samples of the same work"),
+    Option("repeats", "int", 5, "timed windows.", _TIMED, minimum=1, doc="timed windows (median and spread over them)",
+           same_work="the number of timed windows: more samples of the same work"),
     Option("steps", "int", 0, "optimizer updates in all (counted from step 0, also when resuming); 0 = use --epochs.",
            ("train",), minimum=0,
-           doc="optimizer updates in all (counted from 0, also on resume); `steps=0` uses `epochs`"),
+           doc="optimizer updates in all (counted from 0, also on resume); `steps=0` uses `epochs`",
+           same_work="how long training lasts; the figures are per step"),
     Option("epochs", "int", 1, "passes over the data when --steps is 0 (a synthetic epoch is 10,000 images).",
-           ("train",), minimum=0, doc="passes over the data when `steps=0` (a synthetic epoch is 10,000 images)"),
+           ("train",), minimum=0, doc="passes over the data when `steps=0` (a synthetic epoch is 10,000 images)",
+           same_work="how long training lasts; the figures are per step"),
     Option("lr", "float", 5e-4, "peak learning rate (AdamW). DeiT: 5e-4 x batch/512.", ("train",), minimum=0.0,
            doc="peak learning rate (AdamW; DeiT: 5e-4 x batch/512): warm-up, then cosine to `min_lr` at the last "
-               "step"),
+               "step",
+           same_work="an optimizer value: the same kernels on other numbers"),
     Option("weight_decay", "float", 0.05, "AdamW weight decay (not on biases, norms, position embeddings, tokens).",
-           ("train",), minimum=0.0, doc="AdamW; none on biases, norms, position embedding, tokens"),
+           ("train",), minimum=0.0, doc="AdamW; none on biases, norms, position embedding, tokens",
+           same_work="an optimizer value: the same kernels on other numbers"),
     Option("warmup_steps", "int", 10, "linear LR warm-up steps (from 1e-6), then a cosine to --min-lr at the last step.",
-           ("train",), minimum=0, doc="linear LR warm-up steps (from 1e-6), before the cosine"),
+           ("train",), minimum=0, doc="linear LR warm-up steps (from 1e-6), before the cosine",
+           same_work="an LR-schedule value: the same kernels on other numbers"),
     Option("min_lr", "float", 1e-5, "LR at the end of the cosine.", ("train",), minimum=0.0,
-           doc="LR at the end of the cosine (the last step)"),
+           doc="LR at the end of the cosine (the last step)",
+           same_work="an LR-schedule value: the same kernels on other numbers"),
     Option("clip_grad", "float", 0.0, "max global gradient norm; 0 = no clipping.", ("train",), minimum=0.0,
-           doc="max global gradient norm, 0 = off"),
+           doc="max global gradient norm, 0 = off",
+           identity=True),
     Option("label_smoothing", "float", 0.1, "label smoothing of the cross-entropy (DeiT: 0.1).", ("train",),
-           minimum=0.0, below=1.0, doc="label smoothing of the cross-entropy (DeiT: 0.1)"),
+           minimum=0.0, below=1.0, doc="label smoothing of the cross-entropy (DeiT: 0.1)",
+           same_work="a loss value: the same kernels on other numbers"),
     Option("data", "str", "synthetic", "synthetic (class-conditional tensors made on the device) or a folder with "
            "train/<class>/ and optionally val/<class>/ (torchvision ImageFolder).", ("train",),
            doc="`synthetic` (class-conditional tensors made on the device) or a folder with `train/<class>/` "
-               "(and `val/<class>/`, for top-1 each epoch)"),
+               "(and `val/<class>/`, for top-1 each epoch)",
+           identity=True),
     Option("num_workers", "int", 4, "DataLoader processes for --data PATH.", ("train",), minimum=0,
-           doc="DataLoader processes for `data=PATH`"),
+           doc="DataLoader processes for `data=PATH`",
+           identity=True),
     Option("num_classes", "int", 0, "classifier classes; 0 = the class folders of --data (1000 for synthetic).",
-           ("train",), minimum=0, doc="classifier classes; `0` = the class folders of `data` (1000 for synthetic)"),
+           ("train",), minimum=0, doc="classifier classes; `0` = the class folders of `data` (1000 for synthetic)",
+           identity=True),
     Option("log_every", "int", 10, "steps between logged metrics (the only CPU-GPU sync of the loop).", ("train",),
-           minimum=1, doc="metrics interval (the loop's only GPU sync)"),
+           minimum=1, doc="metrics interval (the loop's only GPU sync)",
+           same_work="how often the loss is read back; the step's work is the same"),
     Option("checkpoint_every", "int", 1000,
            "steps between checkpoints (checkpoints/step-<N> and checkpoints/last); 0 = only at the end.",
-           ("train",), minimum=0, doc="checkpoint interval (0 = only at the end)"),
+           ("train",), minimum=0, doc="checkpoint interval (0 = only at the end)",
+           same_work="how often a checkpoint is written; the step's work is the same"),
     Option("resume", "str", "", "runs:/<run_id>/checkpoints/last or a checkpoint directory: continue at its step, "
-           "same LR schedule.", ("train",), doc="`runs:/<id>/checkpoints/last` or a checkpoint folder"),
+           "same LR schedule.", ("train",), doc="`runs:/<id>/checkpoints/last` or a checkpoint folder",
+           same_work="where training starts: the same steps from another point"),
     Option("distillation", "choice", "none", f"{'/'.join(DISTILLATION_CHOICES)} (DeiT), for deit_*_distilled_* models.",
-           ("train",), choices=DISTILLATION_CHOICES, doc="DeiT's none/soft/hard"),
+           ("train",), choices=DISTILLATION_CHOICES, doc="DeiT's none/soft/hard",
+           identity=True),
     Option("teacher", "str", "", "timm name (random weights: vitreg never downloads), models:/<name>@<alias>, "
            "runs:/... or a checkpoint directory.", ("train",),
            doc="timm name (random weights: vitreg never downloads), `models:/<name>@<alias>`, `runs:/...` or a "
-               "checkpoint folder"),
+               "checkpoint folder",
+           identity=True),
     Option("distill_alpha", "float", 0.5, "weight of the distillation loss.", ("train",), minimum=0.0, maximum=1.0,
-           doc="weight of the distillation loss (0 to 1)"),
+           doc="weight of the distillation loss (0 to 1)",
+           same_work="a loss weight: the same kernels on other numbers"),
     Option("distill_tau", "float", 1.0, "temperature of soft distillation.", ("train",), minimum=0.0,
-           doc="temperature of soft distillation"),
+           doc="temperature of soft distillation",
+           same_work="a loss temperature: the same kernels on other numbers"),
     Option("register_as", "str", "", "register the final checkpoint as this model name (empty: do not register).",
-           ("train",), doc="register the final checkpoint as this model name (`\"\"`: do not register)"),
+           ("train",), doc="register the final checkpoint as this model name (`\"\"`: do not register)",
+           same_work="what happens to the checkpoint after the run"),
     Option("alias", "str", "latest", "alias of the registered version.", ("train",),
-           doc="alias of the registered version; `latest` always means the newest version"),
+           doc="alias of the registered version; `latest` always means the newest version",
+           same_work="what happens to the checkpoint after the run"),
     Option("device", "choice", "auto", "/".join(DEVICE_CHOICES), _RUNS, choices=DEVICE_CHOICES,
-           doc="`auto`, `cuda`, `cpu`"),
+           doc="`auto`, `cuda`, `cpu`",
+           same_work="resolves to the hardware the run is filed under (its gpu label)"),
     Option("allow_gpu_mismatch", "bool", False,
            "true: file the run under --gpu even if the hardware differs (tagged gpu_mismatch=true).", _RUNS,
-           doc="`true` files the run under `gpu` even when the hardware differs, tagged `gpu_mismatch=true`"),
+           doc="`true` files the run under `gpu` even when the hardware differs, tagged `gpu_mismatch=true`",
+           same_work="how a run is filed: a mislabelled run is marked (gpu_mismatch) and kept apart by that mark"),
     Option("nproc", "int", 1, "processes (GPUs) on this host; >1 launches torchrun (DDP, one MLflow run, rank 0 logs); "
            "batch_size is per process. Refused if larger than the visible GPUs; any number with --device cpu (gloo).",
            _DDP, minimum=1,
            doc="processes per host, one per GPU. `>1` runs `torchrun --standalone` under the hood; `batch_size` is "
                "per process, so one step of the job is `nproc x batch_size` images. Refused if larger than the "
                "visible GPUs; with `device=cpu` any number of gloo processes runs. For `infer`, each process runs "
-               "its own copy (no DDP) and the throughputs add up."),
+               "its own copy (no DDP) and the throughputs add up.",
+           identity=True),
     Option("ddp_bucket_mb", "float", DDP_BUCKET_MB,
            "DDP gradient bucket size in MB (torch's bucket_cap_mb): gradient all-reduced per call, with nproc>1.",
            _DDP,
            doc="DDP gradient bucket size in MB (torch's `bucket_cap_mb`): how much gradient one all-reduce carries. "
-               "Train with `nproc>1` only; tagged on the run"),
+               "Train with `nproc>1` only; tagged on the run",
+           identity=True),
     Option("ddp_static_graph", "bool", False,
            "true: DDP static_graph (skips per-step graph bookkeeping; the graph must not change), with nproc>1.", _DDP,
            doc="`true` sets DDP's `static_graph` (no per-step graph bookkeeping; the model's graph must not change). "
                "`compare` keeps runs with different DDP settings apart (its `ddp` column) and scales each from the "
-               "same `nproc=1` runs"),
+               "same `nproc=1` runs",
+           identity=True),
     Option("ddp_comm_hook", "choice", "none",
            "none, or bf16/fp16: DDP all-reduces the gradients in that precision (torch's compress hook), with nproc>1.",
            _DDP, choices=DDP_COMM_HOOKS,
            doc="`bf16` / `fp16`: DDP all-reduces the gradients in that precision (torch's compress hooks: half the "
-               "bytes, gradients rounded once per step). Tagged; `compare`'s `ddp` column shows it as `+bf16`"),
+               "bytes, gradients rounded once per step). Tagged; `compare`'s `ddp` column shows it as `+bf16`",
+           identity=True),
     Option("profile_steps", "int", 0, "train: after the timed windows, this many more steps under torch.profiler, "
            "logging train_allreduce_ms_per_step and (GPU) train_device_busy_ms_per_step; 0 = none.", ("bench",),
            minimum=0,
            doc="train: after the timed windows, this many more steps under `torch.profiler`; logs "
                "`train_allreduce_ms_per_step` (NCCL kernel time per step on GPU, gloo's all_reduce CPU time on CPU; "
                "the slowest rank's) and, on GPU, `train_device_busy_ms_per_step`. A long all-reduce next to a small "
-               "gradient means the ranks wait for each other. Never inside the timed windows"),
+               "gradient means the ranks wait for each other. Never inside the timed windows",
+           same_work="steps under the profiler run after the timed windows, never inside them"),
     Option("cuda_graph", "bool", False, "true (CUDA, amp bf16/off): capture each step (train: forward, backward with "
            "DDP's all-reduce, AdamW) in one CUDA graph and time its replays.", ("bench", "infer"),
            doc="`true` (CUDA; `amp` bf16 or off; `compile` off or default): each task's step — for train the "
@@ -300,49 +360,66 @@ OPTIONS: tuple[Option, ...] = (
                "work leave the step. `*_first_call_s` then holds the eager steps and the capture. `compare` shows "
                "these runs as `compile=<mode>+cudagraph` and scales them from graphed `nproc=1` runs. On two H200s "
                "(docs/benchmarks.md) it took DeiT-S DDP training (128 per GPU) from 76.7 % scaling efficiency to "
-               "96.5-97.1 %, and to 97.7-98.4 % with `compile=default`"),
+               "96.5-97.1 %, and to 97.7-98.4 % with `compile=default`",
+           identity=True),
     Option("profile", "bool", False, "true: after the timed windows, a torch.profiler Chrome trace of a few steps "
            "and a top-20 ops table per task (artifacts under profile/).", ("bench", "infer"),
            doc="`true`: after the timed windows (never inside them), a few steady-state steps of each task under "
                "`torch.profiler`: a Chrome trace (`profile/<task>/trace.json.gz`, open it in Perfetto) and the 20 "
-               "ops with the most self time (`profile/<task>/top_ops.txt`). Not with `cuda_graph=true`"),
+               "ops with the most self time (`profile/<task>/top_ops.txt`). Not with `cuda_graph=true`",
+           same_work="the profiled steps run after the timed windows, never inside them"),
     Option("seed", "int", 0, "seed of the model init and the data.", ("bench", "infer", "train"), minimum=0,
            maximum=SEED_MAX,
-           doc="torch seed for weights and synthetic data"),
+           doc="torch seed for weights and synthetic data",
+           same_work="the values of the weights and synthetic data, not their shapes: the same kernels on "
+                     "other numbers"),
     Option("nnodes", "int", 1, "hosts in a multi-host DDP job: the same command on each, with its --node-rank and one "
            "--rdzv-endpoint.", _DDP, minimum=1, spec_field=False,
            doc="hosts in a multi-host job: run the same command on every host with its own `node_rank` and the "
                "same `rdzv_endpoint`. Node 0 holds rank 0 and the MLflow run (start it there with `mlflow run` or "
-               "`vitreg bench`); other hosts use `vitreg bench --node-rank k`, which opens no run."),
+               "`vitreg bench`); other hosts use `vitreg bench --node-rank k`, which opens no run.",
+           identity=True),
     Option("node_rank", "int", 0, "this host's index, 0..nnodes-1; node 0 holds rank 0, which logs the MLflow run.",
-           _DDP, minimum=0, spec_field=False, doc="this host's index, `0`...`nnodes-1`"),
+           _DDP, minimum=0, spec_field=False, doc="this host's index, `0`...`nnodes-1`",
+           same_work="which host of the job this is; the job is the same"),
     Option("rdzv_endpoint", "str", "", "HOST:PORT on node 0 that every host can reach (nnodes>1).", _DDP,
-           spec_field=False, doc="`HOST:PORT` on node 0 that every host can reach; required when `nnodes>1`"),
+           spec_field=False, doc="`HOST:PORT` on node 0 that every host can reach; required when `nnodes>1`",
+           same_work="where the hosts meet; the job is the same"),
     Option("baseline_run", "str", "", "run id of a nproc=1 run of the same config: logs train_scaling_efficiency = "
            "img/s_N / (N x img/s_1).", ("bench",), spec_field=False,
            doc="run id of a finished `nproc=1` run of the same configuration: logs `train_scaling_efficiency` (and "
-               "`infer_scaling_efficiency`) = throughput_N / (N x throughput_1)"),
+               "`infer_scaling_efficiency`) = throughput_N / (N x throughput_1)",
+           same_work="names an earlier run to compute scaling against; measures nothing"),
     Option("offline", "bool", False, "true: log to the local spool only, nothing to the tracking server; "
            "`vitreg sync` delivers the run later (the same as VITREG_OFFLINE=1).", ("bench", "infer", "train"),
            spec_field=False,
            doc="`true` logs to the local spool only (no server needed; under `mlflow run`, MLflow itself still "
-               "creates the run); `vitreg sync` delivers the run later. The same as `VITREG_OFFLINE=1`"),
+               "creates the run); `vitreg sync` delivers the run later. The same as `VITREG_OFFLINE=1`",
+           same_work="where the run is logged, not what it measures"),
     Option("experiment", "str", None, "MLflow experiment (ignored under `mlflow run`, which picks its own).", _RUNS,
-           spec_field=False, mlproject=False, envvar="MLFLOW_EXPERIMENT_NAME", aliases=("--experiment-name",)),
+           spec_field=False, mlproject=False, envvar="MLFLOW_EXPERIMENT_NAME", aliases=("--experiment-name",),
+           same_work="where the run is filed, not what it measures"),
     Option("run_name", "str", None, "MLflow run name (default: made of the model, GPU, amp, compile and batch size).",
-           ("bench", "infer", "train"), spec_field=False, mlproject=False),
+           ("bench", "infer", "train"), spec_field=False, mlproject=False,
+           same_work="what the run is called, not what it measures"),
     Option("experiment", "str", None, "The experiment whose runs to compare.", ("compare",), required=True,
-           spec_field=False),
+           spec_field=False,
+           same_work="a compare option: it reads runs and measures nothing"),
     Option("baseline", "str", "", "the --by value to compute speedups against (a GPU label such as a100; 2.8.0 "
-           "with --by torch_version); empty: none.", ("compare",), spec_field=False),
+           "with --by torch_version); empty: none.", ("compare",), spec_field=False,
+           same_work="a compare option: it reads runs and measures nothing"),
     Option("metric", "str", "throughput_img_per_s",
            "Metric (task prefix stripped) to compare, e.g. latency_ms_p50, step_ms_p50.", ("compare",),
-           spec_field=False),
+           spec_field=False,
+           same_work="a compare option: it reads runs and measures nothing"),
     Option("log_experiment", "str", None, "Experiment for the compare run itself (ignored under `mlflow run`).",
-           ("compare",), spec_field=False, mlproject=False, envvar="MLFLOW_EXPERIMENT_NAME"),
+           ("compare",), spec_field=False, mlproject=False, envvar="MLFLOW_EXPERIMENT_NAME",
+           same_work="a compare option: it reads runs and measures nothing"),
     Option("by", "str", "gpu", "the axis to compare along: gpu, or any tag or param the runs carry (torch_version, "
            "compile, amp, timm_version, vitreg_git_sha, ...); runs are paired when they differ only in it.",
-           ("compare",), spec_field=False),
+           ("compare",), spec_field=False,
+           same_work="a compare option: it reads runs and measures nothing"),
     Option("include_mismatch", "bool", False, "true: give mislabelled runs (gpu_mismatch=true, or hardware that is not "
-           "their GPU label) speedups and verdicts too; they are marked either way.", ("compare",), spec_field=False),
+           "their GPU label) speedups and verdicts too; they are marked either way.", ("compare",), spec_field=False,
+           same_work="a compare option: it reads runs and measures nothing"),
 )

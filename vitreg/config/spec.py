@@ -90,7 +90,7 @@ class _Spec:
         object.__setattr__(self, name, value)  # frozen dataclass: parse in place in __post_init__
 
     def ddp_options(self) -> dict:
-        """Keyword arguments for :func:`vitreg.dist.world.ddp_wrap`."""
+        """Keyword arguments for :func:`vitreg.ddp.world.ddp_wrap`."""
         return {"bucket_cap_mb": self.ddp_bucket_mb, "static_graph": self.ddp_static_graph,
                 "comm_hook": self.ddp_comm_hook}
 

@@ -25,7 +25,7 @@ import tempfile
 from pathlib import Path
 from typing import Protocol
 
-from vitreg.dist.world import is_main_process
+from vitreg.ddp.world import is_main_process
 from vitreg.errors import StoreError, VitregError
 from vitreg.signals import interrupted_reason
 from vitreg.tracking.delivery import ERROR_KIND_TAG, ERROR_TAG, first_line, short_http_requests, store_errors

@@ -22,7 +22,7 @@ DDP (``nproc > 1``), as ``bench`` does it: the process the user started becomes 
 (:func:`_launch_train`). It holds the one MLflow run (or resumes ``mlflow run``'s), checks what
 needs no GPU (model name, data layout, ``nproc`` against the visible GPUs; any ``nproc`` on the
 CPU, with gloo), and runs the same ``train`` under torchrun through
-:func:`vitreg.dist.launcher.launched`, which logs what rank 0 hands back, ends the run FAILED with
+:func:`vitreg.ddp.launcher.launched`, which logs what rank 0 hands back, ends the run FAILED with
 the failing rank's error and passes its exit status on. Each rank joins the process group, trains
 its own shard (an ``EpochSampler`` shard of an ImageFolder, or synthetic batches seeded by rank)
 with ``batch_size`` images per process; no rank talks to MLflow: rank 0's tracker hands its calls
@@ -43,8 +43,8 @@ from pathlib import Path
 
 from vitreg.config.spec import TrainSpec
 from vitreg.console import progress, quiet
-from vitreg.dist import launcher as launch
-from vitreg.dist import world as distributed
+from vitreg.ddp import launcher as launch
+from vitreg.ddp import world as distributed
 from vitreg.hardware.env import capture_environment, pip_freeze
 from vitreg.hardware.profiles import detect_hardware, resolve_hardware
 from vitreg.hardware.runtime import resolve_runtime, run_context

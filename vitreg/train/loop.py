@@ -31,7 +31,7 @@ times, so checkpoint writes, validation and logging between steps are not counte
 DDP: pass ``wrap`` (a function that wraps the model, e.g. in DistributedDataParallel; applied before
 torch.compile, as bench does), ``world_size``/``rank`` (data sharding), ``is_main=False`` on ranks
 that must not write checkpoints or run validation, and ``reducer`` (a
-:class:`vitreg.dist.world.TrainReducer`): at each log boundary it all-reduces the interval's loss
+:class:`vitreg.ddp.world.TrainReducer`): at each log boundary it all-reduces the interval's loss
 (mean over ranks) and img/s (sum), one collective per boundary and none per step; at the end the
 job's throughput is the sum of the ranks' and its step time the slowest rank's. Every rank must
 make the same number of steps (the data gives each rank the same number of batches).

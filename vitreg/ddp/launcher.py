@@ -2,13 +2,13 @@
 
 The process the user started (``vitreg bench``, ``mlflow run -e bench``) becomes the *launcher*: it
 holds the job's one MLflow run (:func:`launcher_run`), runs the same command under ``python -m
-torch.distributed.run ... -m vitreg.dist.launcher -- -m vitreg.cli bench <the same options>`` with
+torch.distributed.run ... -m vitreg.ddp.launcher -- -m vitreg.cli bench <the same options>`` with
 a launch folder of its own (:func:`launched`), waits, and logs what came back. No rank talks to
 MLflow: rank 0 writes its tracker calls into the launch folder (:mod:`vitreg.tracking.handoff`), the
 other ranks log nothing (:func:`rank_run`); the launcher replays rank 0's calls and the ranks' logs
-into its run, and ends it FAILED with the root cause (:mod:`vitreg.dist.diagnose`) if they failed.
+into its run, and ends it FAILED with the root cause (:mod:`vitreg.ddp.diagnose`) if they failed.
 
-``python -m vitreg.dist.launcher -- <python args>`` is the thin shim torchrun runs in every worker: it
+``python -m vitreg.ddp.launcher -- <python args>`` is the thin shim torchrun runs in every worker: it
 runs ``<python args>`` (``-m module args...`` or ``script.py args...``) as ``python`` would and
 writes a failure to the worker's torch elastic error file. torchrun itself exits 1 whatever its
 workers returned; the launcher passes on the root cause's own status (2 for a VitregError).
@@ -33,8 +33,8 @@ import time
 from pathlib import Path
 
 from vitreg.config.options import options_to_args  # noqa: F401 - the jobs build the ranks' argv with it
-from vitreg.dist.diagnose import LaunchOutcome, diagnose, record_error
-from vitreg.dist.world import inside_torchrun, is_main_process
+from vitreg.ddp.diagnose import LaunchOutcome, diagnose, record_error
+from vitreg.ddp.world import inside_torchrun, is_main_process
 from vitreg.errors import VitregError
 
 # Set by the launcher in every worker's environment: the launch folder, where rank 0 hands its
@@ -123,7 +123,7 @@ def torchrun_command(argv: list[str], nproc: int, nnodes: int = 1, node_rank: in
         cmd += [f"--log-dir={log_dir}", "--tee=3"]
     # "--": torchrun's argparse would otherwise read the workers' options as its own abbreviations
     # (`--nproc` is ambiguous with its --nproc-per-node); the shim drops it.
-    return cmd + ["-m", "vitreg.dist.launcher", "--", *argv]
+    return cmd + ["-m", "vitreg.ddp.launcher", "--", *argv]
 
 
 # --------------------------------------------------------------------------------------------
@@ -278,7 +278,7 @@ def rank_run(run_name: str | None = None, experiment: str | None = None):
 
 
 # --------------------------------------------------------------------------------------------
-# the worker shim: python -m vitreg.dist.launcher <python args>
+# the worker shim: python -m vitreg.ddp.launcher <python args>
 
 
 def _exit_status(code) -> int:
@@ -301,7 +301,7 @@ def _run_python(argv: list[str]) -> None:
         sys.path.insert(0, str(Path(argv[0]).resolve().parent))
         runpy.run_path(argv[0], run_name="__main__")
     else:
-        raise SystemExit("usage: python -m vitreg.dist.launcher (-m module | script.py) [args...]")
+        raise SystemExit("usage: python -m vitreg.ddp.launcher (-m module | script.py) [args...]")
 
 
 def worker_main(argv: list[str]) -> int:

@@ -1,7 +1,7 @@
 """DDP plumbing for processes that torchrun started: the world, the process group, the wrap, and
 the reduction of what every rank measured into one set of figures.
 
-Nothing here launches processes (that is :mod:`vitreg.dist.launcher`) or logs (that is
+Nothing here launches processes (that is :mod:`vitreg.ddp.launcher`) or logs (that is
 :mod:`vitreg.tracking`). Outside torchrun every function is a cheap no-op, so a
 single-process run never initialises a process group.
 

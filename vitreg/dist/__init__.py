@@ -1,1 +1,0 @@
-"""vitreg.dist."""
