@@ -18,6 +18,7 @@ from vitreg.analysis.frame import CompareError
 from vitreg.analysis.render import format_table, markdown_table
 from vitreg.analysis.report import write_report
 from vitreg.analysis.timm_csv import read_timm_csv
+from vitreg.config.options import identity_names, option
 from vitreg.tracking.search import runs_frame, tidy
 
 DATA = Path(__file__).parent / "data"
@@ -110,7 +111,7 @@ def test_tidy_splits_both_runs_and_strips_prefixes():
     assert a["amp"] == "bf16"  # resolved tags.amp wins over params.amp=auto
     assert a["nproc"] == 1  # missing params.nproc means one process
     assert a["batch_size"] == 64 and a["img_size"] == 224
-    for col in schema.CONFIG_KEYS + schema.ALL_METRICS:
+    for col in schema.config_columns() + schema.ALL_METRICS:
         assert col in t.columns
 
 
@@ -202,13 +203,121 @@ def test_configuration_missing_on_baseline_says_no_baseline():
 
 
 def test_configurations_are_not_mixed():
-    # Same GPU pair, different batch sizes: two separate comparisons, never one pooled group.
-    df = runs(*repeats("a100", [1000, 1001], bs=64), *repeats("h200", [2000, 2002], bs=64),
-               *repeats("a100", [1500, 1502], bs=256), *repeats("h200", [4500, 4504], bs=256))
-    t = compare_gpus(df, baseline="a100").table
-    assert len(t) == 4
-    assert only(t, gpu="h200", batch_size=64)["speedup"] == pytest.approx(2001 / 1000.5)
-    assert only(t, gpu="h200", batch_size=256)["speedup"] == pytest.approx(4502 / 1501)
+    # Same GPU pair, runs that differ in one identity option each (the batch, the attention kernel, the
+    # compile backend, CUDA graphs, the DDP hook): separate comparisons, never one pooled group. Varying
+    # only batch_size, as this test once did, let four CPU runs at sdpa=auto and sdpa=math pool as one.
+    variants = [dict(bs=64), dict(bs=256), dict(bs=64, sdpa="math"), dict(bs=64, compile="default"),
+                dict(bs=64, compile="default", compile_backend="eager"), dict(bs=64, cuda_graph="true"),
+                dict(bs=64, nproc=2), dict(bs=64, nproc=2, ddp_comm_hook="bf16")]
+    rows = []
+    for i, variant in enumerate(variants):
+        params = {f"params.{k}": v for k, v in variant.items() if k not in ("bs", "compile", "nproc",
+                                                                             "ddp_comm_hook")}
+        kw = {k: v for k, v in variant.items() if k in ("bs", "compile", "nproc", "ddp_comm_hook")}
+        base = 1000 * (i + 1)
+        rows += [{**run("a100", base + d, **kw), **params} for d in (0, 2)]
+        rows += [{**run("h200", (i + 2) * base + d, **kw), **params} for d in (0, 2)]
+    t = compare_gpus(runs(*rows), baseline="a100").table
+    assert len(t) == 2 * len(variants) and set(t["n_runs"]) == {2}
+    h200 = t[t["gpu"] == "h200"]
+    expected = sorted(((i + 2) * 1000 * (i + 1) + 1) / (1000 * (i + 1) + 1) for i in range(len(variants)))
+    assert sorted(h200["speedup"]) == pytest.approx(expected)
+    assert only(t, gpu="h200", batch_size=256)["speedup"] == pytest.approx((3 * 2000 + 1) / 2001)
+
+
+def test_cpu_runs_at_two_attention_kernels_are_two_configurations():
+    """The case of issue 19: four CPU runs, two at sdpa=auto and two at sdpa=math, were one configuration
+    of n_runs=4; each kernel is its own, and the terminal table shows the one option that varies."""
+    df = runs(*[{**run("cpu", v, amp="off"), "params.sdpa": kernel}
+                for kernel, v in (("auto", 30), ("auto", 31), ("math", 20), ("math", 21))])
+    c = compare_gpus(df)
+    assert sorted(c.table["sdpa"]) == ["auto", "math"] and list(c.table["n_runs"]) == [2, 2]
+    text = format_table(c)
+    header = text.splitlines()[text.splitlines().index(next(l for l in text.splitlines() if l.startswith("model")))]
+    assert "sdpa" in header.split() and "clip_grad" not in text and "compile_backend" not in text
+    assert "fixed: " in text and "compile=off" in text
+
+
+def _two_values(option) -> tuple[str, str]:
+    """Two values of ``option`` that are different settings, as MLflow logs params (strings)."""
+    if option.name == "task":
+        return "infer", "train"  # a task=both run's infer row is an infer run's: the same work
+    if option.kind == "choice":
+        return option.choices[0], option.choices[-1]
+    if option.kind == "bool":
+        return "false", "true"
+    if option.kind in ("int", "batch"):
+        return "64", "128"
+    if option.kind == "float":
+        return "0.5", "0.75"
+    return str(option.default or "x"), "other"
+
+
+# an identity option that only acts where another one lets it (the same work otherwise, kept as one)
+_ACTS_ONLY_WITH = {"compile_backend": {"compile": "default"},
+                   **{name: {"nproc": 2} for name in schema.options_shown_in("ddp")}}
+_IDENTITY = [(command, name) for command in schema.RUN_COMMANDS for name in identity_names(command)
+             if name != "model_uri"]  # an infer run is compared as the architecture its checkpoint holds
+
+
+def _run_with(command: str, name: str, value: str, gpu: str, thr: float) -> dict:
+    """A run of ``command`` (its vitreg_job tag) whose ``name`` param is ``value`` and the rest as ``run``'s."""
+    task = value if name == "task" else ("train" if command == "train" else "infer")
+    row = run(gpu, thr, task=task, **_ACTS_ONLY_WITH.get(name, {}))
+    row["tags.vitreg_job"] = command
+    if name != "task":
+        row[f"params.{name}"] = value
+        if f"tags.{name}" in row:  # a resolved tag (amp) holds what ran: the same setting
+            row[f"tags.{name}"] = value
+    return row
+
+
+def test_every_identity_option_is_checked_below():
+    assert {name for _, name in _IDENTITY} >= set(identity_names("bench"))
+    assert len(_IDENTITY) >= 30  # bench, infer and train
+
+
+@pytest.mark.parametrize(("command", "name"), _IDENTITY, ids=[f"{c}-{n}" for c, n in _IDENTITY])
+def test_runs_differing_in_one_identity_option_alone_are_never_pooled(command, name):
+    a, b = _two_values(option(command, name))
+    rows = [_run_with(command, name, a, "a100", v) for v in (1000, 1010)]
+    rows += [_run_with(command, name, a, "h200", v) for v in (2000, 2020)]
+    rows += [_run_with(command, name, b, "a100", v) for v in (3000, 3030)]
+    rows += [_run_with(command, name, b, "h200", v) for v in (9000, 9090)]
+    t = compare_gpus(runs(*rows), baseline="a100").table
+    assert len(t) == 4 and list(t["n_runs"]) == [2, 2, 2, 2], t
+    assert sorted(t.loc[t["gpu"] == "h200", "speedup"]) == pytest.approx([2.0, 3.0])
+
+
+def test_runs_that_predate_an_option_compare_with_runs_at_its_default():
+    """No sdpa / compile_backend / cuda_graph param: logged before the option, so run at today's default
+    (torch picked the kernel, inductor, no graph); a bench run has no clip_grad: not applicable ("-")."""
+    old = [run("a100", v, compile="default") for v in (1000, 1010)]
+    at_default = [{**run("a100", v, compile="default"), "params.sdpa": "AUTO", "params.compile_backend": "inductor",
+                   "params.cuda_graph": "False"} for v in (1020, 1030)]
+    other = [{**run("a100", v, compile="default"), "params.sdpa": "math"} for v in (500, 510)]
+    trained = [{**run("a100", v, task="train"), "tags.vitreg_job": "train", "params.clip_grad": "1"}
+               for v in (300, 310)]
+    t = tidy(frame(*old, *at_default, *other, *trained))
+    table = compare_gpus(t).table
+    assert only(table, sdpa="auto", task="infer")["n_runs"] == 4
+    assert only(table, sdpa="math")["n_runs"] == 2
+    assert set(t.loc[t["task"] == "infer", "clip_grad"]) == {schema.NOT_APPLICABLE}
+    assert set(t.loc[t["task"] == "train", "clip_grad"]) == {"1.0"}  # as the option parses it
+    assert set(t.loc[t["task"] == "infer", "compile"]) == {"default"}
+
+
+def test_the_configuration_columns_come_from_the_option_table(monkeypatch):
+    """A new identity option is a configuration column with no other change (channels_last, issue 19)."""
+    from vitreg.config import options as table
+    columns = schema.config_columns()
+    assert "sdpa" in columns and "compile_backend" not in columns  # shown in compile (default@eager)
+    assert set(columns) == {schema.FOLDED_INTO.get(n, n) for c in schema.RUN_COMMANDS for n in identity_names(c)}
+    added = table.Option("channels_last", "bool", False, "NHWC input.", ("bench",), identity=True)
+    monkeypatch.setattr(table, "OPTIONS", (*table.OPTIONS, added))
+    assert set(schema.config_columns()) == {*columns, "channels_last"}
+    df = runs(*[{**run("a100", v), "params.channels_last": on} for v, on in ((100, "true"), (200, "false"))])
+    assert sorted(df["channels_last"]) == ["false", "true"] and len(compare_gpus(df).table) == 2
 
 
 def test_lower_is_better_metric_inverts_the_speedup():

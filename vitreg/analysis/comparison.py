@@ -18,14 +18,17 @@ from dataclasses import dataclass, field
 import numpy as np
 import pandas as pd
 
-from vitreg.analysis.frame import (CHOSEN_COLUMNS, CONFIG_KEYS, DEFAULT_AXIS, HARDWARE_COLUMNS, ID_COLUMNS, MISSING,
-                                   SHARED_METRICS, CompareError, require_tidy)
+from vitreg.analysis.frame import (CHOSEN_COLUMNS, DEFAULT_AXIS, HARDWARE_COLUMNS, MISSING, SCALED_COLUMNS,
+                                   SHARED_METRICS, CompareError, config_columns, id_columns, require_tidy)
 from vitreg.analysis.stats import MISLABELLED, cv, geomean, improvement, spread, versus
 from vitreg.measure.metrics import BY_NAME, HIGHER, LOWER
 
 __all__ = ["Comparison", "compare_runs", "compare_gpus", "compile_amp_gains", "scaling_efficiency"]
 
 # The companion metrics every comparison row carries (medians), besides the one compared.
+#: what compile_amp_gains pairs runs along (the rest of the configuration must agree)
+GAINED_COLUMNS = ("amp", "compile")
+
 COMPANIONS = ("throughput_img_per_s", "latency_ms_p50", "step_ms_p50", "peak_mem_allocated_mb", "mfu")
 
 
@@ -33,7 +36,8 @@ COMPANIONS = ("throughput_img_per_s", "latency_ms_p50", "step_ms_p50", "peak_mem
 class Comparison:
     """The result of :func:`compare_runs`: runs compared along one axis (``by``: the GPU by default).
 
-    ``table`` has one row per (configuration, axis value, mislabelled or not): the :data:`CONFIG_KEYS`,
+    ``table`` has one row per (configuration, axis value, mislabelled or not): the configuration columns
+    (:func:`~vitreg.analysis.frame.config_columns`),
     ``gpu``, the axis column when it is not one of those, ``n_runs``, ``sources``, ``mismatch`` and
     ``ran_on`` (see :data:`HARDWARE_COLUMNS`), ``<metric>_median/_min/_max/_cv/_spread`` (cv = sample
     std / mean; spread = (max-min)/median), medians of the companion metrics, and, when a baseline was
@@ -94,7 +98,7 @@ class Comparison:
 
     def summary(self) -> dict:
         """Flat facts about the comparison, convenient for MLflow params/metrics or JSON."""
-        cfg = self.table[list(CONFIG_KEYS)].drop_duplicates()
+        cfg = self.table[list(config_columns())].drop_duplicates()
         return {
             "metric": self.metric,
             "by": self.by,
@@ -144,7 +148,8 @@ def compare_runs(
     ``compile``, ``amp``, ...), configuration by configuration.
 
     ``runs`` is a tidy runs frame. Runs are grouped by everything that identifies a configuration
-    (:data:`CONFIG_KEYS` and ``gpu``) except ``by``, so a group holds runs that differ only along the
+    (:func:`~vitreg.analysis.frame.config_columns`, from the option table, and ``gpu``) except ``by``, so
+    a group holds runs that differ only along the
     axis; each (group, axis value) is summarised by the median of ``metric`` and its spread. With
     ``baseline`` (a value of the axis, such as ``"a100"`` or ``"2.8.0"``, matched case-insensitively)
     each also gets a speedup against the baseline value's runs of the same configuration:
@@ -178,7 +183,7 @@ def compare_runs(
     baseline = _baseline(baseline, values, metric, by)
     ask = _Question(metric, by, baseline, higher, include_mismatch, n_boot, confidence,
                     np.random.default_rng(seed), tuple(m for m in COMPANIONS if m != metric))
-    keys = [k for k in (*CONFIG_KEYS, "gpu") if k != by]
+    keys = [k for k in (*config_columns(), "gpu") if k != by]
     ordered = ([baseline] if baseline else []) + [v for v in values if v != baseline]
     rows = []
     # dropna=False: a configuration with an unrecorded batch size is still a configuration.
@@ -297,7 +302,7 @@ def _summary_row(row: dict, grp: pd.DataFrame, ask: _Question) -> dict:
 
 def _table(rows: list[dict], ask: _Question) -> pd.DataFrame:
     table = pd.DataFrame(rows)
-    identity = list(dict.fromkeys([*CONFIG_KEYS, "gpu", ask.by]))
+    identity = list(dict.fromkeys([*config_columns(), "gpu", ask.by]))
     lead = identity + ["n_runs", "sources", *HARDWARE_COLUMNS, *CHOSEN_COLUMNS]
     stats = [f"{ask.metric}_{s}" for s in ("median", "min", "max", "cv", "spread")]
     tail = ["baseline", "speedup", "ci_low", "ci_high", "verdict"] if ask.baseline is not None else []
@@ -316,7 +321,7 @@ def _sort_value(s: pd.Series, higher: bool) -> float:
 def _polarity(metric: str, runs: pd.DataFrame) -> bool:
     """True when a larger value of ``metric`` is better (the metric table says); CompareError for
     a metric the runs do not have or one with no better direction."""
-    measurable = [c for c in runs.columns if c not in ID_COLUMNS and c not in SHARED_METRICS
+    measurable = [c for c in runs.columns if c not in id_columns() and c not in SHARED_METRICS
                   and pd.api.types.is_numeric_dtype(runs[c])]
     if metric not in measurable:
         raise CompareError(
@@ -349,15 +354,15 @@ def scaling_efficiency(runs: pd.DataFrame, metric: str = "throughput_img_per_s",
                        include_mismatch: bool = False) -> pd.DataFrame:
     """Multi-process (DDP) scaling of train runs.
 
-    Train runs are grouped by configuration minus ``nproc`` (same per-process batch, i.e. weak
-    scaling) and GPU. For every ``nproc`` N of a group that has some N > 1:
+    Train runs are grouped by configuration minus ``nproc`` and ``ddp`` (:data:`SCALED_COLUMNS`; same
+    per-process batch, i.e. weak scaling) and GPU. For every ``nproc`` N of a group that has some N > 1:
     ``speedup_vs_1 = median(N) / median(1)`` and ``efficiency = median(N) / (N * median(1))``,
     where ``metric`` is the global ``train_throughput_img_per_s``. Both are NaN when the group
     has no single-process run to scale from. Returns an empty frame (same columns) when no
     multi-process train runs exist. Mislabelled runs are left out (``include_mismatch``: they scale
     among themselves, marked in the ``mismatch`` column).
     """
-    keys = ["model", "task", "amp", "compile", "batch_size", "img_size", "gpu", "mismatch"]
+    keys = [k for k in config_columns() if k not in SCALED_COLUMNS] + ["gpu", "mismatch"]
     columns = keys + ["nproc", "ddp", "n_runs", f"{metric}_median", "speedup_vs_1", "efficiency"]
     require_tidy(runs)
     train = _honest(runs, include_mismatch)
@@ -386,7 +391,8 @@ def scaling_efficiency(runs: pd.DataFrame, metric: str = "throughput_img_per_s",
 
 def compile_amp_gains(runs: pd.DataFrame, metric: str = "throughput_img_per_s",
                       include_mismatch: bool = False) -> pd.DataFrame:
-    """What ``torch.compile`` and mixed precision buy, per (model, task, gpu, batch, img, nproc).
+    """What ``torch.compile`` and mixed precision buy, per configuration (all configuration columns but
+    ``amp`` and ``compile``) and GPU.
 
     Compares medians of ``metric`` between configurations that differ only in ``compile`` or
     ``amp``, on the same GPU:
@@ -399,7 +405,7 @@ def compile_amp_gains(runs: pd.DataFrame, metric: str = "throughput_img_per_s",
     time-like metrics, so >1 always means the change helped. Mislabelled runs are left out
     (``include_mismatch``: paired among themselves, marked in the ``mismatch`` column).
     """
-    keys = ["model", "task", "gpu", "batch_size", "img_size", "nproc", "ddp", "mismatch"]
+    keys = [k for k in config_columns() if k not in GAINED_COLUMNS] + ["gpu", "mismatch"]
     columns = keys + ["change", "held", "base_median", "new_median", "speedup", "n_base", "n_new"]
     require_tidy(runs)
     higher = _polarity(metric, runs)

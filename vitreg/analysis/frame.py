@@ -6,6 +6,7 @@ in :mod:`vitreg.analysis` knows how the store names its columns.
 
 from __future__ import annotations
 
+from vitreg.config.options import identity_names
 from vitreg.errors import VitregError
 from vitreg.measure.metrics import TASKS, compared_job_metrics, compared_metrics
 
@@ -14,9 +15,39 @@ class CompareError(VitregError):
     """The runs cannot be compared as asked; the one-line message names the fix."""
 
 
-# A configuration is everything that changes the work done per image except the GPU. Two runs
-# with equal keys measure the same thing, so their spread is noise and their GPUs are comparable.
-CONFIG_KEYS = ("model", "task", "amp", "compile", "batch_size", "img_size", "nproc", "ddp")
+#: the commands whose runs the tidy frame holds (a sweep's children are bench runs)
+RUN_COMMANDS = ("bench", "infer", "train")
+
+#: identity options shown inside another configuration column instead of one of their own. ``model_uri``:
+#: an infer run is compared as the architecture its checkpoint holds (its ``model``: the same kernels);
+#: ``compile_backend``: ``default@eager`` (the default backend and ``compile=off`` add nothing);
+#: ``cuda_graph``: ``+cudagraph``; ``nnodes``: ``nproc`` counts the processes of the whole job; the DDP
+#: settings: the ``ddp`` string (``-`` for one process, where they do nothing).
+FOLDED_INTO = {"model_uri": "model", "compile_backend": "compile", "cuda_graph": "compile", "nnodes": "nproc",
+               "ddp_bucket_mb": "ddp", "ddp_static_graph": "ddp", "ddp_comm_hook": "ddp"}
+
+#: what multi-process scaling goes along (scaling_efficiency, scaling baselines): the rest must agree
+SCALED_COLUMNS = ("nproc", "ddp")
+
+NOT_APPLICABLE = "-"  # a configuration column of an option the run's command does not take (bench: clip_grad)
+
+
+def config_columns(commands: tuple[str, ...] = RUN_COMMANDS) -> tuple[str, ...]:
+    """The tidy frame's configuration columns, derived from the option table: every identity option
+    (:func:`vitreg.config.options.identity_names`) of ``commands``, in table order, each under its own
+    name unless :data:`FOLDED_INTO` shows it in another column. Two runs with equal columns (and GPU)
+    measure the same work, so their spread is noise and their GPUs are comparable; an option added to
+    the table with ``identity=True`` becomes a column here with no other change."""
+    names = [name for command in commands for name in identity_names(command)]
+    return tuple(dict.fromkeys(FOLDED_INTO.get(name, name) for name in names))
+
+
+def options_shown_in(column: str, commands: tuple[str, ...] = RUN_COMMANDS) -> tuple[str, ...]:
+    """The identity options whose values make up ``column`` (``compile``: compile, compile_backend, cuda_graph)."""
+    names = [name for command in commands for name in identity_names(command)]
+    return tuple(dict.fromkeys(n for n in names if FOLDED_INTO.get(n, n) == column))
+
+
 
 # Metric names after the task prefix is stripped: every tidy frame has these columns (NaN where
 # a run did not record them), so downstream code and reports have a stable schema.
@@ -35,8 +66,13 @@ HARDWARE_COLUMNS = ("mismatch", "ran_on")
 # they are one configuration, and the table shows what each GPU chose.
 CHOSEN_COLUMNS = ("batch_chosen",)
 
-# Columns of the tidy frame that are not measurements.
-ID_COLUMNS = ("run_id", "start_time", "source", "gpu") + CONFIG_KEYS + HARDWARE_COLUMNS + CHOSEN_COLUMNS
+
+
+def id_columns() -> tuple[str, ...]:
+    """The columns of the tidy frame that are not measurements (read from the option table at each call, so
+    an option added in-process is a column at once)."""
+    return ("run_id", "start_time", "source", "gpu") + config_columns() + HARDWARE_COLUMNS + CHOSEN_COLUMNS
+
 
 # What a comparison is along (compare --by) unless asked otherwise.
 DEFAULT_AXIS = "gpu"
@@ -50,7 +86,7 @@ def require_tidy(frame) -> None:
     """CompareError unless ``frame`` has the tidy frame's identifying columns."""
     if frame is None or len(frame) == 0:
         raise CompareError(NO_RUNS)
-    missing = [c for c in ID_COLUMNS if c not in frame.columns]
+    missing = [c for c in id_columns() if c not in frame.columns]
     if missing:
         raise CompareError(f"not a tidy runs frame (no {', '.join(missing)} columns): build it with "
                            "vitreg.tracking.search.tidy()")

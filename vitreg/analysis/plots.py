@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from vitreg.analysis.frame import CONFIG_KEYS
+from vitreg.analysis.frame import config_columns
 from vitreg.analysis.render import cell, format_value, split_constant
 from vitreg.measure.metrics import BY_NAME
 
@@ -88,7 +88,7 @@ def plot_by_gpu(c, path: Path):
     saved to ``path``; returns the figure (tests read its layout)."""
     t = c.table.reset_index(drop=True)
     m = c.metric
-    keys = [k for k in (*CONFIG_KEYS, "gpu") if k != c.by]
+    keys = [k for k in (*config_columns(), "gpu") if k != c.by]
     cfg = t[keys].astype(object).where(t[keys].notna(), None)
     row_keys = [tuple(r) for r in cfg.itertuples(index=False)]
     configs = list(dict.fromkeys(row_keys))

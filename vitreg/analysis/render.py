@@ -12,7 +12,7 @@ import math
 import numpy as np
 import pandas as pd
 
-from vitreg.analysis.frame import CONFIG_KEYS, DEFAULT_AXIS
+from vitreg.analysis.frame import DEFAULT_AXIS, NOT_APPLICABLE, SCALED_COLUMNS, config_columns
 from vitreg.measure.metrics import REPORT_COLUMNS
 
 #: the bench report's results table (report.md, the terminal, the run's note): one row per task
@@ -29,7 +29,7 @@ def format_table(comparison) -> str:
     t = comparison.table
     m = comparison.metric
     by = comparison.by
-    fixed, varying = split_constant(t, [k for k in (*CONFIG_KEYS, "gpu") if k != by])
+    fixed, varying = split_constant(t, [k for k in (*config_columns(), "gpu") if k != by])
     direction = "higher is better" if comparison.higher_is_better else "lower is better"
     lines = [f"metric: {m} (median over runs, {direction})"]
     if comparison.baseline:
@@ -52,7 +52,7 @@ def format_table(comparison) -> str:
         for row, mismatch in zip(body, t["mismatch"]):
             row[cols.index("ran_on")] = f"{row[cols.index('ran_on')]} (!)" if mismatch else ""
     header = [heads.get(c, c) for c in cols]
-    right = [c not in ("model", "task", "amp", "compile", "gpu", "ran_on", by) for c in cols]
+    right = [c not in (*_text_keys(), "gpu", "ran_on", by) for c in cols]
     if comparison.baseline:
         header += ["speedup", f"{comparison.confidence:.0%} CI", "verdict"]
         right += [True, True, False]
@@ -84,13 +84,13 @@ def caveats(comparison) -> list[str]:
 
 
 def _scaling_table(s: pd.DataFrame, heads: dict) -> str:
-    scols = split_constant(s, ["model", "amp", "compile", "batch_size", "img_size"])[1]
+    scols = split_constant(s, [k for k in config_columns() if k not in ("task", *SCALED_COLUMNS)])[1]
     scols += ["gpu"] + (["mismatch"] if s["mismatch"].any() else [])
     scols += ["nproc", "ddp", "n_runs", s.columns[-3], "speedup_vs_1", "efficiency"]
     return _fixed_width(
         [heads.get(c, c if c != s.columns[-3] else "median") for c in scols],
         _rows(s, scols),
-        [c not in ("model", "amp", "compile", "gpu", "ddp", "mismatch") for c in scols],
+        [c not in (*_text_keys(), "gpu", "ddp", "mismatch") for c in scols],
     )
 
 
@@ -100,10 +100,21 @@ def _rows(df: pd.DataFrame, cols: list[str]) -> list[list[str]]:
     return [list(r) for r in zip(*formatted)] if formatted else []
 
 
+def _text_keys() -> tuple[str, ...]:
+    """The configuration columns shown left-aligned: all but the counts."""
+    return tuple(k for k in config_columns() if k not in _COUNT_COLUMNS)
+
+
 def split_constant(t: pd.DataFrame, keys) -> tuple[dict, list[str]]:
+    """``keys`` split into those with one value on every row of ``t`` (``{key: value}``, shown once above
+    a table) and those that vary (its columns); ``model`` always stays a column. A key that no row's
+    command takes (all :data:`~vitreg.analysis.frame.NOT_APPLICABLE`: ``clip_grad`` of bench runs) is in
+    neither, so the many configuration columns of the option table cost a reader nothing where unused."""
     fixed, varying = {}, []
     for k in keys:
         vals = t[k].astype(object).where(t[k].notna(), None).unique() if len(t) else []
+        if len(t) and all(isinstance(v, str) and v == NOT_APPLICABLE for v in vals):
+            continue
         if len(t) > 1 and len(vals) == 1 and k != "model":
             fixed[k] = vals[0]
         else:

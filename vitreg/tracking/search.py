@@ -11,9 +11,11 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from vitreg.analysis.frame import (ALL_METRICS, ID_COLUMNS, MISSING, NO_RUNS, SHARED_METRICS, TASK_METRICS,
-                                   CompareError)
+from vitreg.analysis.frame import (ALL_METRICS, MISSING, NO_RUNS, NOT_APPLICABLE, RUN_COMMANDS, SHARED_METRICS,
+                                   TASK_METRICS, CompareError, config_columns, id_columns)
+from vitreg.config.options import options_of, param_text
 from vitreg.config.spec import _TRUE, DDP_BUCKET_MB
+from vitreg.errors import VitregError
 from vitreg.measure.metrics import TASKS
 
 
@@ -75,7 +77,7 @@ def tidy(runs_df: pd.DataFrame, axes: tuple[str, ...] = ()) -> pd.DataFrame:
         raise CompareError(NO_RUNS)
     df, source = _finished(runs_df.reset_index(drop=True))
     base = _configurations(df, source)
-    carried = [a for a in dict.fromkeys(axes) if a not in ID_COLUMNS]
+    carried = [a for a in dict.fromkeys(axes) if a not in id_columns()]
     for axis in carried:
         base[axis] = _coalesce(df, f"tags.{axis}", f"params.{axis}")
     task_param = _coalesce(df, "params.task").str.lower()
@@ -90,8 +92,8 @@ def tidy(runs_df: pd.DataFrame, axes: tuple[str, ...] = ()) -> pd.DataFrame:
         if name not in out:
             out[name] = np.nan
     out.loc[out["mismatch"], "mfu"] = np.nan
-    extra = [c for c in out.columns if c not in ID_COLUMNS and c not in ALL_METRICS and c not in carried]
-    out = out[list(ID_COLUMNS) + carried + list(ALL_METRICS) + sorted(extra)]
+    extra = [c for c in out.columns if c not in id_columns() and c not in ALL_METRICS and c not in carried]
+    out = out[list(id_columns()) + carried + list(ALL_METRICS) + sorted(extra)]
     return out.sort_values(["model", "task", "gpu", "run_id"], kind="stable").reset_index(drop=True)
 
 
@@ -115,7 +117,9 @@ def _finished(df: pd.DataFrame) -> tuple[pd.DataFrame, pd.Series]:
 
 
 def _configurations(df: pd.DataFrame, source: pd.Series) -> pd.DataFrame:
-    """The identifying columns of each run (all but ``task``), from its params and resolved tags."""
+    """The identifying columns of each run (all but ``task``, which is each row's own): the GPU, then every
+    configuration column (:func:`~vitreg.analysis.frame.config_columns`, from the option table), each
+    built by its entry in :data:`_BUILDERS` or, for a plain identity option, by :func:`_option_column`."""
     base = pd.DataFrame(index=df.index)
     base["run_id"] = _text(df, "run_id") if "run_id" in df else df.index.astype(str)
     base["start_time"] = df["start_time"] if "start_time" in df else pd.NaT
@@ -124,22 +128,102 @@ def _configurations(df: pd.DataFrame, source: pd.Series) -> pd.DataFrame:
     # params.gpu may be the request ("auto"), which says nothing about the hardware.
     gpu = gpu.where(gpu.str.lower() != "auto")
     base["gpu"] = gpu.fillna("unknown")
-    base["model"] = _coalesce(df, "params.model", "tags.model").fillna(MISSING)
-    base["amp"] = _coalesce(df, "tags.amp", "params.amp").fillna(MISSING)
-    base["compile"] = _with_cuda_graph(df, _coalesce(df, "params.compile", "tags.compile").fillna(MISSING))
-    base["batch_size"] = _integer(df, "params.batch_size")
+    jobs = _jobs(df, source)
+    for column in config_columns():
+        if column != "task":
+            build = _BUILDERS.get(column)
+            base[column] = build(df, base) if build else _option_column(df, column, jobs)
+    base["mismatch"], base["ran_on"] = _hardware(df, base["gpu"])
+    return base
+
+
+def _jobs(df: pd.DataFrame, source: pd.Series) -> list[str]:
+    """The command that logged each run (its ``vitreg_job`` tag): the one whose option defaults fill the
+    params it lacks. timm imports and runs that predate the tag are bench-shaped: ``bench``."""
+    tag = _coalesce(df, "tags.vitreg_job").str.lower()
+    return [job if job in RUN_COMMANDS and src != "timm" else "bench" for job, src in zip(tag, source)]
+
+
+def _option_column(df: pd.DataFrame, name: str, jobs: list[str]) -> pd.Series:
+    """An identity option as a configuration column: the run's param (else its tag of that name), as the
+    option parses it (``0`` and ``0.0`` alike, choices lowercased), so equal settings compare equal.
+
+    A run that lacks it was logged before the option existed, or by a command that does not take it. The
+    first ran at what is now the option's default (sdpa: torch picked, ``auto``; compile_backend:
+    ``inductor``), so it gets that default of its command and compares with runs at it; the second gets
+    :data:`~vitreg.analysis.frame.NOT_APPLICABLE` (a bench run has no ``clip_grad``), which keeps it
+    apart from a command's runs that set one."""
+    raw = _coalesce(df, f"params.{name}", f"tags.{name}")
+    out = []
+    for value, job in zip(raw, jobs):
+        own = [o for o in options_of(job) if o.name == name]
+        if isinstance(value, str):
+            out.append(_canonical(own[0] if own else _any_option(name), value))
+        elif own and own[0].default is not None:
+            out.append(param_text(own[0].default))
+        else:
+            out.append(NOT_APPLICABLE if not own else MISSING)
+    return pd.Series(out, index=df.index, dtype=object)
+
+
+def _any_option(name: str):
+    return next(o for command in RUN_COMMANDS for o in options_of(command) if o.name == name)
+
+
+def _canonical(option, value: str) -> str:
+    """``value`` as ``option`` parses it, in the text a param holds; a value it refuses stays as logged."""
+    try:
+        return param_text(option.parse(value))
+    except VitregError:
+        return value
+
+
+def _model(df: pd.DataFrame, base: pd.DataFrame) -> pd.Series:
+    # an infer run's param is its checkpoint's architecture (model_uri folds into it: the same kernels)
+    return _coalesce(df, "params.model", "tags.model").fillna(MISSING)
+
+
+def _amp(df: pd.DataFrame, base: pd.DataFrame) -> pd.Series:
+    return _coalesce(df, "tags.amp", "params.amp").fillna(MISSING)  # the resolved precision first (auto -> bf16)
+
+
+def _compile(df: pd.DataFrame, base: pd.DataFrame) -> pd.Series:
+    """``compile`` with its backend (``default@eager``; the default backend, and any with ``compile=off``, adds
+    nothing: runs that predate the option used it) and ``+cudagraph`` (:func:`_with_cuda_graph`)."""
+    mode = _coalesce(df, "params.compile", "tags.compile").fillna(MISSING)
+    default = param_text(_any_option("compile_backend").default)
+    backend = _coalesce(df, "params.compile_backend", "tags.compile_backend").fillna(default).str.lower()
+    shown = ~mode.isin(["off", MISSING]) & (backend != default)
+    return _with_cuda_graph(df, mode.where(~shown, mode.astype(str) + "@" + backend.astype(str)))
+
+
+def _batch_size(df: pd.DataFrame, base: pd.DataFrame) -> pd.Series:
+    return _integer(df, "params.batch_size")  # batch_size=auto is <NA>: such runs are one configuration
+
+
+def _img_size(df: pd.DataFrame, base: pd.DataFrame) -> pd.Series:
     # the resolved size (tag) first: params.img_size may be the request, 0 = "the model's default",
     # as a DDP launcher logs it before any rank has built the model
     img = _integer(df, "tags.img_size")
     img = img.where(img > 0, pd.NA)
-    base["img_size"] = img.fillna(_integer(df, "params.img_size"))
+    return img.fillna(_integer(df, "params.img_size"))
+
+
+def _nproc(df: pd.DataFrame, base: pd.DataFrame) -> pd.Series:
     # processes in the whole job: a multi-host run's params.nproc is per host, its world_size tag is
     # what scaled (runs without the tag: nproc x nnodes, which is what the launcher starts)
     per_host = _integer(df, "params.nproc").fillna(1)
-    base["nproc"] = _integer(df, "tags.world_size").fillna(per_host * _integer(df, "params.nnodes").fillna(1))
-    base["ddp"] = _ddp_setting(df, base["nproc"])
-    base["mismatch"], base["ran_on"] = _hardware(df, base["gpu"])
-    return base
+    return _integer(df, "tags.world_size").fillna(per_host * _integer(df, "params.nnodes").fillna(1))
+
+
+def _ddp(df: pd.DataFrame, base: pd.DataFrame) -> pd.Series:
+    return _ddp_setting(df, base["nproc"])
+
+
+#: configuration columns not read from one option alone (FOLDED_INTO, resolved tags, integers), in the
+#: order of config_columns() (ddp reads nproc); every other configuration column is one option's value
+_BUILDERS = {"model": _model, "batch_size": _batch_size, "img_size": _img_size, "amp": _amp,
+             "compile": _compile, "nproc": _nproc, "ddp": _ddp}
 
 
 def _hardware(df: pd.DataFrame, gpu: pd.Series) -> tuple[pd.Series, pd.Series]:
