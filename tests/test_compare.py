@@ -554,16 +554,21 @@ def test_write_report_files_exist_and_round_trip(tmp_path):
     for png in ("throughput_by_gpu.png", "compile_amp_gains.png"):
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     md = (out / "comparison.md").read_text()
-    header = next(l for l in md.splitlines() if l.startswith("| model"))
-    shown = [h.strip() for h in header.strip("|").split("|")]
-    # Columns nobody recorded (latency on throughput-only runs) are left out of md/html only.
-    assert shown == [col for col in c.table.columns if c.table[col].notna().any()]
-    assert "speedup" in shown and "latency_ms_p50" not in shown
     first_table = md.split("## Per configuration and GPU")[1].split("##")[0]
+    header = next(l for l in first_table.splitlines() if l.startswith("|"))
+    shown = [h.strip() for h in header.strip("|").split("|")]
+    # What the MLflow UI's preview shows first: the GPU, the figure with its unit, the ratio, the verdict;
+    # then only what varies (amp, compile) and the runs: the shared configuration is a line above the table.
+    assert shown == ["gpu", "throughput_img_per_s median (img/s)", "vs a100", "verdict", "95% CI", "model", "amp",
+                     "compile", "runs", "cv"]
+    assert "- every row: task=infer, batch_size=64, img_size=224, sdpa=auto, nproc=1" in md
+    assert first_table.count("| deit\\_small\\_patch16\\_224 |") == 0  # intraword _ left as written
     assert first_table.count("| deit_small_patch16_224 |") == len(c.table)
-    assert "## torch.compile and AMP gains" in md
+    assert "## torch.compile and AMP gains" in md and "`throughput_by_gpu.png`" in md
     html_text = (out / "comparison.html").read_text()
     assert html_text.count("<table") >= 2 and "throughput_by_gpu.png" in html_text
+    first_html = html_text.split("<table")[1]
+    assert first_html.count("<th>") == len(shown) and "every row: task=infer" in html_text
     parsed = pd.read_html(str(out / "comparison.html"))[0] if _has_lxml() else None
     if parsed is not None:
         assert list(parsed.columns) == shown
@@ -660,10 +665,12 @@ def test_mislabelled_reports_mark_every_table_and_chart(tmp_path):
     c = compare_runs(_cpu_runs_as_a100_and_h200(), baseline="a100", include_mismatch=True)
     write_report(c, tmp_path)
     md = (tmp_path / "comparison.md").read_text()
-    assert "MISLABELLED (!)" in md and len(re.findall(r"\| MISLABELLED +\| cpu +\|", md)) == 2
+    assert "MISLABELLED (!)" in md and len(re.findall(r"\| cpu \(MISLABELLED\) +\|", md)) == 2
+    assert len(re.findall(r"\| (baseline|faster) \(mislabelled\) +\|", md)) == 2
     assert re.search(r"\| h200 +\| +6.71x \| MISLABELLED", md)  # the geometric mean too
     html_text = (tmp_path / "comparison.html").read_text()
-    assert "MISLABELLED (!)" in html_text and html_text.count("<td>MISLABELLED</td>") == 3
+    assert "MISLABELLED (!)" in html_text and html_text.count("<td>cpu (MISLABELLED)</td>") == 2
+    assert html_text.count("<td>MISLABELLED</td>") == 1  # the geometric mean
     back = pd.read_csv(tmp_path / "comparison.csv")
     assert back["mismatch"].all() and set(back["verdict"]) == {"baseline (mislabelled)", "faster (mislabelled)"}
     fig = plots.plot_by_gpu(c, tmp_path / "again.png")

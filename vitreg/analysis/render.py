@@ -7,13 +7,16 @@ rows); the CSV keeps full precision, these show each column with one precision.
 
 from __future__ import annotations
 
+import html
 import math
+import re
+from typing import NamedTuple
 
 import numpy as np
 import pandas as pd
 
 from vitreg.analysis.frame import DEFAULT_AXIS, NOT_APPLICABLE, SCALED_COLUMNS, config_columns
-from vitreg.measure.metrics import REPORT_COLUMNS
+from vitreg.measure.metrics import BY_NAME, REPORT_COLUMNS
 
 #: the bench report's results table (report.md, the terminal, the run's note): one row per task
 RESULT_HEADERS = ["task", "batch"] + [col.header for col in REPORT_COLUMNS]
@@ -105,17 +108,18 @@ def _text_keys() -> tuple[str, ...]:
     return tuple(k for k in config_columns() if k not in _COUNT_COLUMNS)
 
 
-def split_constant(t: pd.DataFrame, keys) -> tuple[dict, list[str]]:
+def split_constant(t: pd.DataFrame, keys, min_rows: int = 2) -> tuple[dict, list[str]]:
     """``keys`` split into those with one value on every row of ``t`` (``{key: value}``, shown once above
     a table) and those that vary (its columns); ``model`` always stays a column. A key that no row's
     command takes (all :data:`~vitreg.analysis.frame.NOT_APPLICABLE`: ``clip_grad`` of bench runs) is in
-    neither, so the many configuration columns of the option table cost a reader nothing where unused."""
+    neither, so the many configuration columns of the option table cost a reader nothing where unused.
+    ``t`` with fewer than ``min_rows`` rows has every key as a column (one row: nothing to fold out)."""
     fixed, varying = {}, []
     for k in keys:
         vals = t[k].astype(object).where(t[k].notna(), None).unique() if len(t) else []
         if len(t) and all(isinstance(v, str) and v == NOT_APPLICABLE for v in vals):
             continue
-        if len(t) > 1 and len(vals) == 1 and k != "model":
+        if len(t) >= min_rows and len(vals) == 1 and k != "model":
             fixed[k] = vals[0]
         else:
             varying.append(k)
@@ -205,14 +209,42 @@ def readable(df: pd.DataFrame) -> pd.DataFrame:
     return df.loc[:, [c for c in df.columns if not df[c].isna().all()]] if len(df) else df
 
 
-def markdown_table(df: pd.DataFrame, right: list[bool] | None = None) -> str:
-    """``df``'s cells as they are, as a GitHub-flavoured markdown table (``DataFrame.to_markdown``);
-    ``right`` right-aligns those columns. Pipes in cells are escaped, so a cell stays one cell."""
-    def esc(v) -> str:
-        return str(v).replace("|", "\\|").replace("\n", " ")
+_MARKDOWN_PUNCTUATION = re.compile(r"([\\`*\[\]|~])")  # code spans, emphasis, links, table cells, strikeouts
+_LONE_UNDERSCORE = re.compile(r"(?<![A-Za-z0-9])_|_(?![A-Za-z0-9])")  # emphasis; deit_small_patch16 stays as is
+_LINE_START = re.compile(r"^([#+\-]+(?=\s|$)|[>=])")  # a heading, list item, rule, quote or setext underline
+_NUMBERED = re.compile(r"^(\d+)([.)])(?=\s|$)")  # a numbered list item
 
-    shown = pd.DataFrame([[esc(v) for v in r] for r in df.itertuples(index=False)],
-                         columns=[esc(c) for c in df.columns])
+
+def inert(text, to: str = "markdown") -> str:
+    """``text`` (a run name, model, GPU label, tag value: anything a user typed) shown as written and doing
+    nothing where it goes: ``to="markdown"`` (a heading or list item), ``"cell"`` (a markdown table cell,
+    never at a line's start) or ``"html"``. One line (a newline could open a fence, a heading or a list); in
+    markdown ``&<>`` become entities (no tag, no autolink) and the punctuation that opens code, emphasis,
+    links or cells is backslash-escaped, and at a line's start what would open a block."""
+    line = " ".join(str(text).splitlines()).strip()
+    if to == "html":
+        return html.escape(line)
+    line = _MARKDOWN_PUNCTUATION.sub(r"\\\1", html.escape(line, quote=False))
+    line = _LONE_UNDERSCORE.sub(r"\\_", line)
+    if to == "cell":
+        return line
+    return _NUMBERED.sub(r"\1\\\2", _LINE_START.sub(r"\\\1", line))
+
+
+def code_block(text: str) -> str:
+    """``text`` as a fenced markdown code block that it cannot close: the fence is longer than any run of
+    backticks in it (CommonMark closes a fence only with one at least as long)."""
+    longest = max((len(run) for run in re.findall(r"`+", text)), default=0)
+    fence = "`" * max(3, longest + 1)
+    return f"{fence}\n{text}\n{fence}"
+
+
+def markdown_table(df: pd.DataFrame, right: list[bool] | None = None) -> str:
+    """``df``'s cells as a GitHub-flavoured markdown table (``DataFrame.to_markdown``); ``right``
+    right-aligns those columns. Every cell and header goes through :func:`inert`: a cell stays one cell
+    and shows its text, whatever it holds."""
+    shown = pd.DataFrame([[inert(v, "cell") for v in r] for r in df.itertuples(index=False)],
+                         columns=[inert(c, "cell") for c in df.columns])
     align = None if right is None else ["right" if r else "left" for r in right]
     return shown.to_markdown(index=False, disable_numparse=True, colalign=align)
 
@@ -229,6 +261,39 @@ def frame_markdown(df: pd.DataFrame) -> str:
 def frame_html(df: pd.DataFrame) -> str:
     """A result frame as an HTML table, recorded columns only, formatted like :func:`frame_markdown`."""
     return display(readable(df)).to_html(index=False, escape=True, border=0, na_rep="-")
+
+
+class View(NamedTuple):
+    """A comparison as comparison.md / .html show it (:func:`comparison_view`)."""
+
+    fixed: dict  # {configuration column: value} shared by every row
+    table: pd.DataFrame  # formatted text, headers for people
+    right: list[bool]  # per column of table: right-aligned (figures and counts)
+
+
+def comparison_view(c) -> View:
+    """What a reader of comparison.md / .html sees first. ``fixed`` holds the
+    configuration that is the same on every row (shown once, above the table); the table leads with the axis
+    value (the GPU), the figure (median, its unit in the header), the ratio to the baseline and the verdict,
+    then the interval, the configuration columns that vary, the runs and their spread (and, where there are
+    any, the hardware of mislabelled runs and the batches batch_size=auto chose). Cells are formatted text;
+    comparison.csv keeps every column of ``c.table`` at full precision."""
+    t, m = c.table, c.metric
+    fixed, varying = split_constant(t, [k for k in (*config_columns(), "gpu") if k != c.by], min_rows=1)
+    cols = [c.by, f"{m}_median"] + (["speedup", "verdict"] if c.baseline else [])
+    tail = varying + ["n_runs", f"{m}_cv"] + (["ran_on"] if t["mismatch"].any() else [])
+    tail += ["batch_chosen"] if t["batch_chosen"].notna().any() else []
+    view = display(t[cols + tail])
+    if c.baseline:
+        view.insert(len(cols), "ci", [_format_ci(lo, hi) for lo, hi in zip(t["ci_low"], t["ci_high"])])
+    if "ran_on" in view:  # the hardware of honest rows is their label: blank; mislabelled ones flagged
+        view["ran_on"] = [f"{r} (MISLABELLED)" if bad else "" for r, bad in zip(view["ran_on"], t["mismatch"])]
+    unit = BY_NAME[m].unit if m in BY_NAME else ""
+    heads = {f"{m}_median": f"{m} median" + (f" ({unit})" if unit else ""), "n_runs": "runs", f"{m}_cv": "cv",
+             "speedup": f"vs {c.baseline_label}", "ci": f"{c.confidence:.0%} CI", "batch_size": "batch",
+             "img_size": "img", "ran_on": "ran on", "batch_chosen": "batch chosen"}
+    right = [col not in (*_text_keys(), "gpu", "verdict", "ran_on", c.by) for col in view.columns]
+    return View(fixed, view.rename(columns=heads).reset_index(drop=True), right)
 
 
 def result_rows(tasks) -> list[list[str]]:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import html
 import os
 import shutil
 import tempfile
@@ -13,7 +12,7 @@ import pandas as pd
 from vitreg.analysis import plots
 from vitreg.analysis.comparison import Comparison
 from vitreg.analysis.frame import DEFAULT_AXIS
-from vitreg.analysis.render import caveats, frame_html, frame_markdown
+from vitreg.analysis.render import caveats, cell, comparison_view, frame_html, frame_markdown, inert, markdown_table
 
 
 def write_report(comparison: Comparison, out_dir) -> list[Path]:
@@ -78,23 +77,29 @@ def _axis(c: Comparison) -> str:
 
 
 def _about(c: Comparison) -> list[str]:
+    """The lines above the table, as plain text (each goes out through :func:`inert`)."""
     direction = "higher is better" if c.higher_is_better else "lower is better"
     s = c.summary()
     lines = [
-        f"metric: `{c.metric}` (median over repeated runs, {direction})",
+        f"metric: {c.metric} (median over repeated runs, {direction})",
         f"runs: {s['n_runs']} finished runs, {s['n_configurations']} configurations, "
         f"GPUs: {', '.join(c.gpus)}" + ("" if c.by == DEFAULT_AXIS else f", {c.by}: {', '.join(c.values)}"),
         *caveats(c),
     ]
     if c.baseline:
         lines += [
-            f"baseline: `{c.baseline_label}`; speedup > 1 means better than the baseline on the same "
+            f"baseline: {c.baseline_label}; speedup > 1 means better than the baseline on the same "
             "configuration",
             f"verdict: faster/slower only when the {c.confidence:.0%} bootstrap interval of the "
             f"ratio of medians ({c.n_boot} resamples, seed {c.seed}) excludes 1 and the change "
             "exceeds both sides' run-to-run spread; 'single run' when either side ran once",
         ]
     return lines
+
+
+def _same_everywhere(fixed: dict) -> str:
+    """The configuration every row shares, as one line above the table."""
+    return "every row: " + ", ".join(f"{k}={cell(v)}" for k, v in fixed.items()) if fixed else ""
 
 
 def _geomeans(c: Comparison) -> pd.DataFrame:
@@ -107,39 +112,56 @@ def _geomeans(c: Comparison) -> pd.DataFrame:
                          "mismatch": [v in marked for v in geo]})
 
 
+_CHART = "throughput_by_gpu.png"
+
+
 def _report_markdown(c: Comparison, names: list[str]) -> str:
-    parts = [f"# vitreg {_axis(c)} comparison", ""] + [f"- {line}" for line in _about(c)]
-    parts += ["", f"## Per configuration and {_axis(c)}", "", frame_markdown(c.table), ""]
+    """comparison.md: the GPU, the figure with its unit, the ratio and the verdict lead the first table (the
+    MLflow UI's preview shows a table's first columns); the configuration every row shares is a line above
+    it, not columns; every user string goes out through :func:`inert`."""
+    fixed, view, right = comparison_view(c)
+    parts = [f"# vitreg {inert(_axis(c))} comparison", ""]
+    parts += [f"- {inert(line)}" for line in [_about(c)[0], _same_everywhere(fixed), *_about(c)[1:]] if line]
+    parts += ["", f"## Per configuration and {inert(_axis(c))}", "",
+              markdown_table(view, right), ""]
     geo = _geomeans(c)
     if not geo.empty:
         parts += ["## Geometric-mean speedup vs baseline", "", frame_markdown(geo), ""]
-    parts += ["![metric by GPU](throughput_by_gpu.png)", ""]
+    parts += [f"Chart: `{_CHART}` (median per configuration and {inert(_axis(c))}, whiskers: the runs' "
+              "min..max), in this run's artifacts:", "", f"![metric by {inert(_axis(c))}]({_CHART})", ""]
     if not c.scaling.empty:
         parts += ["## Multi-process scaling (train)", "", frame_markdown(c.scaling), ""]
     if not c.gains.empty:
         parts += ["## torch.compile and AMP gains", "", frame_markdown(c.gains), ""]
         if "compile_amp_gains.png" in names:
             parts += ["![compile and AMP gains](compile_amp_gains.png)", ""]
+    parts += ["Every column at full precision: `comparison.csv`.", ""]
     return "\n".join(parts)
 
 
 def _report_html(c: Comparison, names: list[str]) -> str:
-    body = [f"<h1>vitreg {html.escape(_axis(c))} comparison</h1>", "<ul>"]
-    body += [f"<li>{html.escape(line).replace('`', '')}</li>" for line in _about(c)]
-    body += ["</ul>", f"<h2>Per configuration and {html.escape(_axis(c))}</h2>", frame_html(c.table)]
+    """comparison.html, laid out like comparison.md: the shared configuration above a table of the varying
+    columns only, so the table stays narrow (GPU, figure, ratio and verdict in view without scrolling)."""
+    fixed, view, _ = comparison_view(c)
+    axis = inert(_axis(c), "html")
+    lines = [_about(c)[0], _same_everywhere(fixed), *_about(c)[1:]]
+    body = [f"<h1>vitreg {axis} comparison</h1>", "<ul>"]
+    body += [f"<li>{inert(line, 'html')}</li>" for line in lines if line]
+    body += ["</ul>", f"<h2>Per configuration and {axis}</h2>",
+             view.to_html(index=False, escape=True, border=0, na_rep="-")]
     geo = _geomeans(c)
     if not geo.empty:
         body += ["<h2>Geometric-mean speedup vs baseline</h2>", frame_html(geo)]
-    body.append('<p><img src="throughput_by_gpu.png" alt="metric by GPU"></p>')
+    body.append(f'<p><img src="{_CHART}" alt="metric by {axis}"></p>')
     if not c.scaling.empty:
         body += ["<h2>Multi-process scaling (train)</h2>", frame_html(c.scaling)]
     if not c.gains.empty:
         body += ["<h2>torch.compile and AMP gains</h2>", frame_html(c.gains)]
         if "compile_amp_gains.png" in names:
             body.append('<p><img src="compile_amp_gains.png" alt="compile and AMP gains"></p>')
-    style = ("body{font-family:sans-serif;margin:2em}table{border-collapse:collapse;font-size:90%}"
-             "th,td{border:1px solid #ccc;padding:2px 8px;text-align:right}"
+    style = ("body{font-family:sans-serif;margin:2em;max-width:1000px}table{border-collapse:collapse;"
+             "font-size:90%}th,td{border:1px solid #ccc;padding:2px 8px;text-align:right}"
              "th{background:#f4f4f4}img{max-width:100%}")
-    head = f"<title>vitreg {html.escape(_axis(c))} comparison</title><style>{style}</style>"
+    head = f"<title>vitreg {axis} comparison</title><style>{style}</style>"
     return (f"<!doctype html>\n<html><head><meta charset=\"utf-8\">{head}</head>\n<body>\n" + "\n".join(body) +
             "\n</body></html>\n")

@@ -16,9 +16,11 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
+from vitreg.analysis.frame import FOLDED_INTO, SCALED_COLUMNS
 from vitreg.bench.report import report_markdown, results_table
 from vitreg.bench.results import BenchResult
 from vitreg.bench.runner import run_benchmark
+from vitreg.config.options import identity_names, option, param_text
 from vitreg.config.spec import BenchSpec
 from vitreg.console import progress, quiet
 from vitreg.ddp import launcher as launch
@@ -154,8 +156,11 @@ def _launch_bench(run, spec: BenchSpec, options, run_name, progress, nnodes, nod
 # --------------------------------------------------------------------------------------------
 # scaling efficiency against a 1-process baseline run
 
-# Resolved values (tags) that must agree for two runs to measure the same work per process.
-SCALING_CONFIG_TAGS = ("model", "gpu", "amp", "compile", "cuda_graph", "batch_size", "img_size", "device")
+# Resolved values (tags) that must agree for two runs to measure the same work per process: every identity
+# option of bench but the task (a task=both baseline scales a train run) and what scaling goes along (nproc,
+# nnodes, the DDP settings), and the hardware.
+SCALING_CONFIG_TAGS = tuple(n for n in identity_names("bench") if n != "task"
+                            and FOLDED_INTO.get(n, n) not in SCALED_COLUMNS) + ("gpu", "device")
 
 
 @dataclass(frozen=True)
@@ -183,18 +188,14 @@ def read_baseline(run_id: str, spec: BenchSpec) -> Baseline:
         raise VitregError(f"baseline_run={run_id} has no {' or '.join(t + '_throughput_img_per_s' for t in spec.tasks)}: "
                           f"pass a run of task={spec.task} (or both)")
     # What is already concrete in the spec must match now; auto values are compared after the run.
-    wanted = {"model": spec.model, "compile": spec.compile, "batch_size": str(spec.batch_size),
-              "cuda_graph": str(spec.cuda_graph).lower()}
-    if spec.gpu != "auto":
-        wanted["gpu"] = spec.gpu
-    if spec.amp != "auto":
-        wanted["amp"] = spec.amp
-    if spec.img_size:
-        wanted["img_size"] = str(spec.img_size)
-    diff = [f"{k}={tags.get(k)} there, {v} here" for k, v in wanted.items() if tags.get(k) not in (None, v)]
+    # (a tag the baseline lacks: its param, else it predates the option and ran at its default)
+    wanted = {k: param_text(getattr(spec, k)) for k in SCALING_CONFIG_TAGS if k != "device"}
+    wanted = {k: v for k, v in wanted.items() if v not in ("auto", "0")}  # auto (and img_size=0) resolve later
+    there = {k: tags.get(k, params.get(k, option("bench", k).default_text if k != "gpu" else None)) for k in wanted}
+    diff = [f"{k}={there[k]} there, {v} here" for k, v in wanted.items() if there[k] not in (None, v)]
     if diff:
         raise VitregError(f"baseline_run={run_id} is another config ({'; '.join(diff)}): pass a 1-process run "
-                          f"of the same model, batch_size, amp, compile, cuda_graph and gpu")
+                          f"of the same {', '.join(k for k in SCALING_CONFIG_TAGS if k != 'device')}")
     return Baseline(run_id, metrics, tags)
 
 

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import pandas as pd
 
-from vitreg.analysis.render import RESULT_HEADERS, markdown_table, result_rows
+from vitreg.analysis.frame import options_shown_in
+from vitreg.analysis.render import RESULT_HEADERS, inert, markdown_table, result_rows
 from vitreg.bench.results import BenchResult
 from vitreg.bench.runner import INFER_EAGER_STEPS_BEFORE_CAPTURE
+from vitreg.config.options import identity_names, param_text
 from vitreg.hardware.env import EnvInfo
 from vitreg.measure.graphs import EAGER_STEPS_BEFORE_CAPTURE
 
@@ -63,6 +65,21 @@ def _gpu_text(result: BenchResult, env: EnvInfo) -> str:
     return gpus if result.device == "cuda" else f"{gpus}, not used: the run was on {result.device}"
 
 
+# The identity options the Configuration table's own rows show (model, image size, precision / attention,
+# compile, CUDA graph); every other identity option of bench gets a row `name | value`, so two reports of
+# different configurations differ in this table, and an option added to the table appears here unasked.
+_NAMED_ROWS = ("model", "img_size", "amp", "sdpa", "compile", "compile_backend", "cuda_graph")
+
+
+def _identity_rows(result: BenchResult) -> list[list[str]]:
+    """``[name, value]`` of each identity option of bench that no named row shows; the DDP settings only
+    where several processes ran (in one they do nothing)."""
+    spec = result.spec
+    several = max((t.world_size for t in result.tasks), default=1) > 1
+    names = [n for n in identity_names("bench") if n not in _NAMED_ROWS and hasattr(spec, n)]
+    return [[n, param_text(getattr(spec, n))] for n in names if several or n not in options_shown_in("ddp")]
+
+
 def report_markdown(result: BenchResult, env: EnvInfo, command: str | None = None) -> str:
     """report.md: what ran, where, and what it measured."""
     spec = result.spec
@@ -84,6 +101,7 @@ def report_markdown(result: BenchResult, env: EnvInfo, command: str | None = Non
                        f"{INFER_EAGER_STEPS_BEFORE_CAPTURE} for infer), timed as replays" if spec.cuda_graph else "no"],
         ["timing", f"{spec.warmup} warm-up iters, {spec.repeats} windows x {spec.steps} iters, "
                    f"{'CUDA events' if result.device == 'cuda' else 'perf_counter'}"],
+        *_identity_rows(result),
         ["forward GFLOPs / image", f"{result.fwd_gflops_per_img:.2f}"],
     ]
     parts = [f"# vitreg benchmark: {result.model.name} on {result.gpu}", ""]

@@ -8,7 +8,10 @@ the spec's type.
 from __future__ import annotations
 
 import shutil
+from dataclasses import fields
 
+from vitreg.analysis.frame import RUN_COMMANDS, options_shown_in
+from vitreg.config.options import identity_names, param_text
 from vitreg.hardware.env import pip_freeze
 from vitreg.tracking.runs import note_skipped_params
 
@@ -26,18 +29,26 @@ def _graph_tag(cuda_graph: bool | None) -> dict:
     return {} if cuda_graph is None else {"cuda_graph": str(cuda_graph).lower()}
 
 
+def identity_tags(spec) -> dict:
+    """The spec's value of every option that changes the work measured (the option table's identity
+    options, :func:`vitreg.config.options.identity_names`), as tags: the runs list groups and filters by
+    what makes two runs the same configuration, an option added to the table is tagged with no change
+    here. The DDP settings are left to :func:`world_tags`, which tags them where a model was wrapped."""
+    names = {name for command in RUN_COMMANDS for name in identity_names(command)} - set(options_shown_in("ddp"))
+    values = {f.name: param_text(getattr(spec, f.name)) for f in fields(spec) if f.name in names}
+    return {name: value for name, value in values.items() if value != ""}  # teacher="": no teacher, no tag
+
+
 def resolved_tags(spec, hw, runtime, img_size: int, *, task: str, cuda_graph: bool | None = None) -> dict:
-    """What actually ran, under the names people group by (see tracking's note on params vs tags)."""
+    """What actually ran, under the names people group by (see tracking's note on params vs tags): the
+    :func:`identity_tags`, with the resolved values where a request was resolved (amp=auto -> bf16)."""
     tags = {
+        **identity_tags(spec),
         "gpu": hw.label,
         "amp": runtime.amp,
         "device": runtime.device,
         "img_size": img_size,
-        "model": spec.model,
         "task": task,
-        "compile": spec.compile,
-        "batch_size": spec.batch_size,
-        "nproc": spec.nproc,
         "gpu_mismatch": "true" if hw.mismatch else "false",
         "detected_gpu": hw.detected.profile.label,
         "vitreg_job": "bench",
@@ -52,8 +63,7 @@ def label_launcher_run(run, spec, job: str, *, task: str, cuda_graph: bool | Non
     if run is None:
         return
     run.log_params(spec.to_params())
-    run.set_tags({"model": spec.model, "task": task, "compile": spec.compile, "batch_size": spec.batch_size,
-                  "nproc": spec.nproc, "vitreg_job": job, **_graph_tag(cuda_graph)})
+    run.set_tags({**identity_tags(spec), "task": task, "vitreg_job": job, **_graph_tag(cuda_graph)})
 
 
 def world_tags(world, runtime, env, ddp_spec=None) -> dict:
