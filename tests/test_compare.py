@@ -884,3 +884,62 @@ def test_auto_batch_runs_are_one_configuration_and_the_table_shows_what_each_gpu
     assert "batch chosen" in text and "512/1024" in text
     fixed = compare_gpus(runs(run("a100", 1000), run("h200", 2000)), baseline="a100")
     assert fixed.table["batch_chosen"].isna().all() and "batch chosen" not in format_table(fixed)
+
+
+# ------------------------------------------------------------------------------ user strings stay inert
+
+# A run name, GPU label, model or tag value as a hostile user could type it: it closes a code fence, opens
+# a heading, a link, emphasis and a code span, adds a table cell, and carries HTML.
+HOSTILE = "evil\n```\n# owned </td><script>alert(1)</script> | [x](javascript:alert(1)) *b* `c` _u_"
+
+
+def _unescaped(text: str, char: str) -> int:
+    return len(re.findall(r"(?<!\\)" + re.escape(char), text))
+
+
+def test_hostile_strings_in_comparison_reports_stay_text(tmp_path):
+    hostile = [{**r, "tags.torch_version": HOSTILE} for r in repeats("a100", [1000, 1010], model=HOSTILE)]
+    df = tidy(frame(*hostile, *repeats("a100", [900, 905])), axes=("torch_version",))
+    c = compare_runs(df, by="torch_version", baseline="?")
+    write_report(c, tmp_path)
+    md = (tmp_path / "comparison.md").read_text()
+    assert "<script" not in md and "&lt;script&gt;" in md
+    assert not [l for l in md.splitlines() if l.startswith(("```", "~~~"))]  # no fence opened or closed
+    assert [l for l in md.splitlines() if l.startswith("#")] == [
+        "# vitreg torch_version comparison", "## Per configuration and torch_version"]
+    for line in md.splitlines():
+        assert "\\[x\\](javascript" in line or "[x](" not in line  # no link, no code span, no emphasis
+        if "evil" in line:
+            assert _unescaped(line, "`") == _unescaped(line, "*") == 0
+    table = [l for l in md.split("## Per configuration")[1].splitlines() if l.startswith("|")]
+    assert len({_unescaped(l, "|") for l in table}) == 1  # the hostile pipe added no cell
+    html_text = (tmp_path / "comparison.html").read_text()
+    assert "<script" not in html_text and html_text.count("&lt;script&gt;") >= 2  # the axis value and the model
+    assert "</td><script" not in html_text
+
+
+def test_a_hostile_run_name_cannot_close_the_report_s_command_block():
+    import shlex
+    from types import SimpleNamespace
+
+    from vitreg.bench.report import report_markdown
+    from vitreg.bench.results import BenchResult
+    from vitreg.config.spec import BenchSpec
+    from vitreg.models.factory import ModelInfo
+
+    info = ModelInfo("test_vit", "timm", 224, 16, 1000, 5.7, False)
+    result = BenchResult(BenchSpec(model="test_vit"), HOSTILE, "bf16", "cpu", info, 4.6, ())
+    env = SimpleNamespace(gpu_name="", gpu_count=0, gpu_memory_gb=None, compute_capability=None, driver_version=None,
+                          cuda_version=None, cudnn_version=None, nccl_version=None, torch_version="2", timm_version="1",
+                          torchvision_version="0", mlflow_version="3", python_version="3", os="linux", cpu_model="x",
+                          cpu_count=2, hostname="h", vitreg_git_sha="abc")
+    command = f"vitreg bench --run-name {shlex.quote(HOSTILE + ' ````')}"
+    lines = report_markdown(result, env, command).splitlines()
+    opening = next(i for i, l in enumerate(lines) if l.startswith("```"))
+    fence = lines[opening]
+    assert set(fence) == {"`"} and len(fence) == 5  # longer than the longest run of backticks in the command
+    closing = next(i for i in range(opening + 1, len(lines)) if lines[i].startswith("`" * len(fence)))
+    assert "\n".join(lines[opening + 1:closing]) == command  # the whole command inside, as typed
+    rest = "\n".join(lines[closing + 1:])
+    assert "<script" not in rest and "```" not in rest and lines[0].startswith("# vitreg benchmark: test_vit on evil")
+    assert not [l for l in lines[closing + 1:] if l.startswith("# ")]

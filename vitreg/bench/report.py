@@ -5,7 +5,7 @@ from __future__ import annotations
 import pandas as pd
 
 from vitreg.analysis.frame import options_shown_in
-from vitreg.analysis.render import RESULT_HEADERS, inert, markdown_table, result_rows
+from vitreg.analysis.render import RESULT_HEADERS, code_block, inert, markdown_table, result_rows
 from vitreg.bench.results import BenchResult
 from vitreg.bench.runner import INFER_EAGER_STEPS_BEFORE_CAPTURE
 from vitreg.config.options import identity_names, param_text
@@ -104,9 +104,9 @@ def report_markdown(result: BenchResult, env: EnvInfo, command: str | None = Non
         *_identity_rows(result),
         ["forward GFLOPs / image", f"{result.fwd_gflops_per_img:.2f}"],
     ]
-    parts = [f"# vitreg benchmark: {result.model.name} on {result.gpu}", ""]
-    if command:
-        parts += ["```", command, "```", ""]
+    parts = [f"# vitreg benchmark: {inert(result.model.name)} on {inert(result.gpu)}", ""]
+    if command:  # the command line holds the run name and every value typed: a block it cannot close
+        parts += [code_block(command), ""]
     parts += ["## Environment", "", _markdown(["", ""], env_rows), "",
               "## Configuration", "", _markdown(["", ""], cfg_rows), "",
               "## Results", "", _markdown(HEADERS, _rows(result)), "",
