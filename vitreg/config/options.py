@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from vitreg.config.parse import parse_bool, parse_choice, parse_float, parse_int
 from vitreg.errors import VitregError
 from vitreg.hardware.precision import INFERENCE_ONLY, PRECISION_CHOICES
+from vitreg.hardware.profiles import label_list  # the GPU labels of the help and docs: one table, PROFILES
 from vitreg.hardware.sdpa import SDPA_CHOICES
 
 COMMANDS = ("bench", "infer", "sweep", "train", "compare")
@@ -149,7 +150,6 @@ def option(command: str, name: str) -> Option:
     return found
 
 
-_GPU_LABELS = "a100, a100-80gb, h100, h100-pcie, h200, l4, t4, v100, rtx4090, cpu"
 _DDP = ("bench", "train")  # the commands that run one job on several processes (and hosts)
 _RUNS = ("bench", "infer", "sweep", "train")  # the commands that log benchmark or training runs
 _TIMED = ("bench", "infer", "sweep")  # the commands that time windows of iterations
@@ -167,11 +167,10 @@ OPTIONS: tuple[Option, ...] = (
            same_work="a sweep list: each child run takes one of its values as its own option"),
     Option("batch_size", "str", "64", "Comma-separated, e.g. 32,256.", ("sweep",), spec_field=False,
            same_work="a sweep list: each child run takes one of its values as its own option"),
-    Option("gpu", "str", "auto", f"GPU label ({_GPU_LABELS}) or auto; checked against the detected hardware.", _RUNS,
-           lowercase=True,
-           doc="GPU label: `v100`, `t4`, `a100`, `a100-80gb`, `l4`, `rtx4090`, `h100`, `h100-pcie`, `h200`, `cpu`, "
-               "or `auto` (detect). An explicit label must match the detected hardware, or the run is refused "
-               "before any GPU work.",
+    Option("gpu", "str", "auto", f"GPU label ({label_list()}) or auto; checked against the detected hardware.",
+           _RUNS, lowercase=True,
+           doc=f"GPU label: {label_list(code=True)}, or `auto` (detect). An explicit label must match the detected "
+               "hardware, or the run is refused before any GPU work.",
            same_work="the hardware a run is filed under: the axis runs are compared along, never pooled over"),
     Option("model", "str", "vit_base_patch16_224", "timm vit_*/deit_*/deit3_* name, or torchvision:vit_b_16.",
            ("bench",),

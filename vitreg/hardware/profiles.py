@@ -48,6 +48,8 @@ class GpuProfile:
         return self.peak_tflops.get("tf32" if tf32 else "fp32")
 
 
+# Adding a GPU is one entry here: its label, name, dense peaks per dtype, memory, compute capability and the
+# pattern that detects it. The gpu option's help, the README and MLproject text list the labels from here.
 # Dense datasheet peaks (TFLOP/s). Sources: NVIDIA V100, A100, H100, H200, L4, T4 datasheets and the
 # Ada (RTX 4090) whitepaper (fp16/bf16 with fp32 accumulate, which is what PyTorch uses).
 PROFILES: dict[str, GpuProfile] = {
@@ -72,6 +74,14 @@ PROFILES: dict[str, GpuProfile] = {
         GpuProfile("cpu", "CPU", {}, None, None, ()),
     ]
 }
+
+
+
+def label_list(code: bool = False) -> str:
+    """The labels of :data:`PROFILES` in its order, for the ``gpu`` option's help (``v100, t4, ...``) and,
+    with ``code``, the README (```v100`, `t4`, ...``): adding a profile above is all it takes to list it."""
+    return ", ".join(f"`{label}`" if code else label for label in PROFILES)
+
 
 # Labels people type that mean one of ours.
 ALIASES = {"a100-40gb": "a100", "h100-sxm": "h100", "4090": "rtx4090", "v100-32gb": "v100", "v100-16gb": "v100"}
