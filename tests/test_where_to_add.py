@@ -198,3 +198,11 @@ def test_a_model_family_is_a_prefix_in_the_factory(monkeypatch, request):
     factory._timm_names.cache_clear()
     model, info = factory.create_model("test_vit", 0)
     assert info.name == "test_vit" and info.patch_size > 0 and info.params_m > 0
+
+
+def test_every_file_the_table_names_exists():
+    text = (ROOT / "docs/ARCHITECTURE.md").read_text()
+    table = text.split("## Where to add")[1].split("\n## ")[0]
+    named = {w for w in table.split("`")[1::2] if w.startswith("vitreg/") and "::" not in w}
+    assert len(named) >= 10
+    assert [n for n in named if not (ROOT / n).exists()] == []
