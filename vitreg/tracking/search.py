@@ -49,8 +49,10 @@ def tidy(runs_df: pd.DataFrame, axes: tuple[str, ...] = ()) -> pd.DataFrame:
     Keeps FINISHED runs and runs imported from timm (``tags.source == "timm"``); everything else
     (FAILED, RUNNING, KILLED) is dropped because its numbers are partial or absent.
 
-    Columns of the result: ``run_id, start_time, source, gpu`` and the configuration keys
-    (``task`` is the row's own task, ``infer`` or ``train``: a ``task=both`` run yields one row of
+    Columns of the result: ``run_id, start_time, source, gpu`` and the configuration columns
+    (:func:`~vitreg.analysis.frame.config_columns`: every identity option of the option table, so runs
+    that differ in any of them are never pooled; :func:`_option_column` says what a run that lacks one
+    gets; ``task`` is the row's own task, ``infer`` or ``train``: a ``task=both`` run yields one row of
     each, so it is comparable with single-task runs), followed by the task's metrics with the
     ``infer_`` / ``train_`` prefix stripped (``throughput_img_per_s``, ``latency_ms_p50``,
     ``step_ms_p50``, ...; all of ``ALL_METRICS`` are present, NaN where not recorded, plus any
@@ -154,9 +156,10 @@ def _option_column(df: pd.DataFrame, name: str, jobs: list[str]) -> pd.Series:
     :data:`~vitreg.analysis.frame.NOT_APPLICABLE` (a bench run has no ``clip_grad``), which keeps it
     apart from a command's runs that set one."""
     raw = _coalesce(df, f"params.{name}", f"tags.{name}")
+    taken = {job: [o for o in options_of(job) if o.name == name] for job in set(jobs)}
     out = []
     for value, job in zip(raw, jobs):
-        own = [o for o in options_of(job) if o.name == name]
+        own = taken[job]
         if isinstance(value, str):
             out.append(_canonical(own[0] if own else _any_option(name), value))
         elif own and own[0].default is not None:
