@@ -943,3 +943,12 @@ def test_a_hostile_run_name_cannot_close_the_report_s_command_block():
     rest = "\n".join(lines[closing + 1:])
     assert "<script" not in rest and "```" not in rest and lines[0].startswith("# vitreg benchmark: test_vit on evil")
     assert not [l for l in lines[closing + 1:] if l.startswith("# ")]
+
+
+def test_compare_along_an_identity_option_pairs_runs_that_differ_only_in_it():
+    df = runs(*[{**run("cpu", v, amp="off"), "params.sdpa": kernel}
+                for kernel, v in (("auto", 30), ("auto", 31), ("math", 20), ("math", 21))],
+              *[{**run("cpu", v, amp="off", bs=8), "params.sdpa": "math"} for v in (5, 6)])
+    c = compare_runs(df, by="sdpa", baseline="auto")
+    assert only(c.table, sdpa="math", batch_size=64)["speedup"] == pytest.approx(20.5 / 30.5)
+    assert only(c.table, sdpa="math", batch_size=8)["verdict"] == "no baseline"

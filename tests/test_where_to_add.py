@@ -12,6 +12,7 @@ today's ``vitreg/models/factory.py`` in-process (the family mechanism is being r
 from __future__ import annotations
 
 import json
+import re
 import os
 import shutil
 import subprocess
@@ -206,3 +207,42 @@ def test_every_file_the_table_names_exists():
     named = {w for w in table.split("`")[1::2] if w.startswith("vitreg/") and "::" not in w}
     assert len(named) >= 10
     assert [n for n in named if not (ROOT / n).exists()] == []
+
+
+def test_report_md_shows_every_identity_option_of_bench():
+    """Each identity option of bench is in report.md's configuration table (a named row, or ``name | value``);
+    the DDP settings only where several processes ran."""
+    from types import SimpleNamespace
+
+    from vitreg.analysis.frame import options_shown_in
+    from vitreg.bench.report import report_markdown
+    from vitreg.bench.results import BenchResult, TaskResult
+    from vitreg.config.options import identity_names
+    from vitreg.config.spec import BenchSpec
+    from vitreg.measure.timing import summarize
+    from vitreg.models.factory import ModelInfo
+
+    def report(nproc: int) -> str:
+        task = TaskResult(task="train", batch_size=8, img_size=224, steps=3, repeats=3,
+                          throughput=summarize([100.0, 101.0]), iter_ms=summarize([80.0, 81.0]), first_call_s=1.0,
+                          warmup_s=0.5, compiled=False, gflops_per_img=4.6, achieved_tflops=0.5, mfu=None,
+                          peak_mem_allocated_mb=None, peak_mem_reserved_mb=None, world_size=nproc)
+        spec = BenchSpec.from_options({"model": "test_vit", "nproc": str(nproc), "ddp_comm_hook": "bf16"})
+        env = SimpleNamespace(gpu_name="", gpu_count=0, gpu_memory_gb=None, compute_capability=None,
+                              driver_version=None, cuda_version=None, cudnn_version=None, nccl_version=None,
+                              torch_version="2", timm_version="1", torchvision_version="0", mlflow_version="3",
+                              python_version="3", os="linux", cpu_model="x", cpu_count=2, hostname="h",
+                              vitreg_git_sha="abc")
+        info = ModelInfo("test_vit", "timm", 224, 16, 1000, 5.7, False)
+        return report_markdown(BenchResult(spec, "cpu", "off", "cpu", info, 4.6, (task,)), env)
+
+    shown = {"model": "| model ", "img_size": "| image size ", "amp": "| precision / attention ",
+             "sdpa": "sdpa=auto", "compile": "| compile ", "compile_backend": "| compile ",
+             "cuda_graph": "| CUDA graph "}
+    several, one = report(2), report(1)
+    for name in identity_names("bench"):
+        if name == "nnodes":  # not a spec field: the processes of the whole job are the nproc row's world
+            continue
+        assert shown.get(name, f"| {name} ") in several, name
+    assert re.search(r"\| ddp_comm_hook +\| bf16 ", several)
+    assert not [n for n in options_shown_in("ddp") if f"| {n} " in one]  # in one process they do nothing
