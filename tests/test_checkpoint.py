@@ -1,4 +1,4 @@
-"""vitreg.train.checkpoint: the on-disk format other modules rely on, round trips, and refusals."""
+"""vitreg.checkpoint.format: the on-disk format other modules rely on, round trips, and refusals."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import shutil
 import pytest
 import torch
 
-from vitreg.train import checkpoint as ckpt
+from vitreg.checkpoint import format as ckpt
 from vitreg.errors import VitregError
 from vitreg.models.factory import create_model
 from vitreg.config.spec import TrainSpec

@@ -17,7 +17,7 @@ from conftest import migrated_store
 from vitreg.cli.main import main
 from vitreg.config.spec import TrainSpec
 from vitreg.models.factory import create_model
-from vitreg.train import checkpoint as ckpt
+from vitreg.checkpoint import format as ckpt
 
 IMG, CLASSES = 32, 10
 TINY = ["--img-size", "32", "--batch-size", "4", "--num-classes", "10", "--num-workers", "0", "--steps", "4",

@@ -5,9 +5,9 @@ A registered version is self-contained. It holds two things:
 - the MLflow ``pytorch`` flavor (pt2, ``torch.export``), so the MLflow UI, ``mlflow models serve``
   and pyfunc work as usual;
 - the vitreg checkpoint itself (``model.safetensors``, ``spec.json``, ``manifest.json``) in the
-  logged model's ``extra_files/``, which :func:`vitreg.tracking.checkpoints.pull` reads back.
+  logged model's ``extra_files/``, which :func:`vitreg.tracking.checkpoint_sources.pull` reads back.
 
-``pull`` and ``load_model`` live in :mod:`vitreg.tracking.checkpoints`, with the resolver of
+``pull`` and ``load_model`` live in :mod:`vitreg.tracking.checkpoint_sources`, with the resolver of
 checkpoint URIs; they are importable from here too, as the README shows.
 """
 
@@ -17,12 +17,13 @@ import re
 import tempfile
 from pathlib import Path
 
+from vitreg.checkpoint import format as ckpt
+from vitreg.checkpoint.export import stage_files
 from vitreg.console import progress
 from vitreg.errors import VitregError
-from vitreg.tracking.checkpoints import CHECKPOINT_TAG, first_line, mlflow_call, resolve_checkpoint, stage_files
-from vitreg.tracking.checkpoints import load_model, pull  # noqa: F401  (the README's import path)
+from vitreg.tracking.checkpoint_sources import CHECKPOINT_TAG, first_line, mlflow_call, resolve_checkpoint
+from vitreg.tracking.checkpoint_sources import load_model, pull  # noqa: F401  (the README's import path)
 from vitreg.tracking.lazy import mlflow
-from vitreg.train import checkpoint as ckpt
 
 #: Batch of the pt2 input example. A batch of 1 makes torch.export specialise the batch dimension to
 #: the constant 1 (the served model would take one image at a time); 2 keeps it dynamic.

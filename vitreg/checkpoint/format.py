@@ -14,7 +14,7 @@ safetensors, so a checkpoint from anywhere can be loaded without running its cod
 plain containers only. :func:`verify_checkpoint` checks every file against the manifest once and
 returns a :class:`VerifiedCheckpoint` that the loaders take, so a truncated upload or an edited file
 fails with a one-line :class:`~vitreg.errors.VitregError` naming the file, not deep in torch. Files
-that match their manifest are still checked for what they hold (:mod:`vitreg.train.checkpoint_checks`):
+that match their manifest are still checked for what they hold (:mod:`vitreg.checkpoint.contents`):
 ``spec.json`` as strictly as user input, the weights' names and shapes against the built model.
 
 The directory is written under a temporary name and renamed into place, so a process killed while
@@ -32,9 +32,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from vitreg.checkpoint.contents import FIX, check_weights, validate_spec
 from vitreg.errors import CheckpointError, VitregError
 from vitreg.models.factory import ModelInfo, create_model
-from vitreg.train.checkpoint_checks import FIX, check_weights, validate_spec
 
 FORMAT = "vitreg-checkpoint-1"
 WEIGHTS = "model.safetensors"
