@@ -35,6 +35,7 @@ from pathlib import Path
 from vitreg.checkpoint.contents import FIX, check_weights, validate_spec
 from vitreg.errors import CheckpointError, VitregError
 from vitreg.models.factory import ModelInfo, create_model
+from vitreg.version import __version__
 
 FORMAT = "vitreg-checkpoint-1"
 WEIGHTS = "model.safetensors"
@@ -119,8 +120,6 @@ def save_checkpoint(directory, model, *, optimizer=None, scheduler=None, scaler=
     import safetensors.torch
     import torch
 
-    import vitreg
-
     directory = Path(directory)
     clash = sorted(set(extra or {}) & set(_RESERVED))
     if clash:
@@ -155,7 +154,7 @@ def save_checkpoint(directory, model, *, optimizer=None, scheduler=None, scaler=
             "step": int(step),
             "epoch": int(epoch),
             "train_spec": dict(spec),
-            "vitreg_version": vitreg.__version__,
+            "vitreg_version": __version__,
             "torch_version": torch.__version__,
             "timm_version": timm.__version__,
             "created_unix": time.time(),

@@ -56,6 +56,9 @@ def register_checkpoint(tracker, checkpoint_dir, name: str, alias: str | None = 
         return None
     _check_alias(alias)
     name = _check_name(name)
+    check_on_server = getattr(tracker, "check_on_server", None)  # a spooling tracker may hold the run locally
+    if check_on_server is not None:
+        check_on_server(name)
     client = mlflow.MlflowClient()
     with tempfile.TemporaryDirectory(prefix="vitreg-register-") as tmp:
         source = str(checkpoint_dir)

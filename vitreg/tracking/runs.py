@@ -71,7 +71,6 @@ class Tracker(Protocol):
     def log_artifact(self, path, artifact_path: str | None = None) -> None: ...
     def log_artifacts(self, path, artifact_path: str | None = None) -> None: ...
     def set_note(self, text: str) -> None: ...
-    def register_checkpoint(self, checkpoint_dir, name: str, alias: str | None, tags: dict): ...
 
     def artifact_uri(self, path: str = "") -> str:
         return f"runs:/{self.run_id}/{path}" if path else f"runs:/{self.run_id}"
@@ -157,12 +156,6 @@ class MlflowTracker(Tracker):
         """The run's description in the MLflow UI (MLflow's own ``mlflow.note.content`` tag)."""
         self._client.set_tag(self.run_id, "mlflow.note.content", text)
 
-    def register_checkpoint(self, checkpoint_dir, name: str, alias: str | None, tags: dict):
-        """A new version of registered model ``name`` from ``checkpoint_dir``, logged under this run."""
-        from vitreg.tracking.registry import register_checkpoint
-
-        return register_checkpoint(self, checkpoint_dir, name, alias, tags)
-
 
 class NullTracker(Tracker):
     """What ranks that do not log get: the same calls, doing nothing."""
@@ -202,9 +195,6 @@ class NullTracker(Tracker):
 
     def set_note(self, text):
         pass
-
-    def register_checkpoint(self, checkpoint_dir, name, alias, tags):
-        return None
 
 
 def note_skipped_params(skipped: dict, progress) -> None:
