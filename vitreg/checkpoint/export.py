@@ -35,9 +35,9 @@ _README = """\
 # {model} ({source})
 
 Exported by `vitreg pull {source} --out DIR`. Weights: `model.safetensors` (sha256 in
-`manifest.json`); architecture: `spec.json` (timm `{model}`, {img_size}px, {num_classes} classes).
+`manifest.json`); architecture: `spec.json` ({lib} `{model}`, {img_size}px, {num_classes} classes).
 
-Load it with timm + safetensors only (no vitreg, no MLflow, nothing unpickled):
+Load it with {lib} + safetensors only (no vitreg, no MLflow, nothing unpickled):
 
 ```python
 import json, safetensors.torch, {lib}
@@ -47,21 +47,18 @@ model.load_state_dict(safetensors.torch.load_file("model.safetensors")); model.e
 ```
 """
 
-TIMM_BUILD = ('model = timm.create_model(spec["model"], pretrained=False, img_size=spec["img_size"], '
-              'num_classes=spec["num_classes"])')
-TORCHVISION_BUILD = ('model = getattr(torchvision.models, spec["model"].split(":", 1)[1])(weights=None, '
-                     'image_size=spec["img_size"], num_classes=spec["num_classes"])')
-
 
 def export_folder(checkpoint: ckpt.VerifiedCheckpoint, out: Path, source: str) -> Path:
     """Copy the verified files into ``out`` and write a README.md with the 3-line loader."""
     if out.resolve() == checkpoint.directory.resolve():
         raise VitregError(f"--out {out} is the download folder itself: pass another folder")
+    from vitreg.models.families import family_of
+
     stage_files(checkpoint, out)
     spec = checkpoint.spec
-    torchvision = str(spec["model"]).startswith("torchvision:")
+    family = family_of(str(spec["model"]))
     (out / "README.md").write_text(_README.format(
         model=spec["model"], source=source, img_size=spec.get("img_size"), num_classes=spec.get("num_classes"),
-        lib="torchvision" if torchvision else "timm", build=TORCHVISION_BUILD if torchvision else TIMM_BUILD))
+        lib=family.library, build=family.loader_line))
     ckpt.verify_checkpoint(out)  # the copy, as a user will load it
     return out
