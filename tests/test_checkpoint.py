@@ -214,3 +214,36 @@ def test_a_verified_checkpoint_is_not_hashed_again(saved, monkeypatch):
     assert ckpt.load_training_state(verified, loaded, torch.optim.AdamW(loaded.parameters(), lr=1e-3)) == (2, 0)
     with pytest.raises(AssertionError, match="hashed again"):
         ckpt.load_model(path)  # a plain directory is verified (hashed) where it is loaded
+
+
+def test_export_is_all_or_nothing(saved, tmp_path):
+    """`pull --out`: a failure while exporting (here a weights file changed after it was verified: the copy no
+    longer matches its manifest) leaves no folder under the name given, nor a temporary one beside it; an
+    earlier export is replaced whole; a folder holding the user's own files is refused untouched."""
+    from vitreg.checkpoint.export import export_folder
+
+    saved = saved[0]
+    checkpoint = ckpt.verify_checkpoint(saved)
+    out = tmp_path / "export"
+    assert export_folder(checkpoint, out, "local") == out
+    assert sorted(p.name for p in out.iterdir()) == ["README.md", "manifest.json", "model.safetensors", "spec.json"]
+    ckpt.verify_checkpoint(out)
+    first = (out / "model.safetensors").stat().st_ino
+    export_folder(checkpoint, out, "local")  # an earlier export: replaced
+    assert (out / "model.safetensors").stat().st_ino != first and ckpt.verify_checkpoint(out)
+
+    (saved / "model.safetensors").write_bytes(b"changed after verification")
+    fresh = tmp_path / "fresh"
+    with pytest.raises(VitregError, match="model.safetensors"):
+        export_folder(checkpoint, fresh, "local")
+    assert not fresh.exists() and not [p for p in out.parent.iterdir() if p.name.startswith((".", "fresh"))]
+    with pytest.raises(VitregError, match="model.safetensors"):
+        export_folder(checkpoint, out, "local")
+    assert ckpt.verify_checkpoint(out)  # the earlier export is still whole
+
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep")
+    with pytest.raises(VitregError, match=r"--out .*mine holds files an export does not write \(notes.txt\)"):
+        export_folder(checkpoint, mine, "local")
+    assert [p.name for p in mine.iterdir()] == ["notes.txt"]

@@ -198,7 +198,7 @@ def verify_checkpoint(directory) -> VerifiedCheckpoint:
     fix = "point resume/pull at another checkpoint (e.g. an earlier checkpoints/step-<N>)"
     manifest = _read_manifest(directory, fix)
     for name, entry in manifest["files"].items():
-        path = directory / name
+        path = confined(directory, name)
         if not path.is_file():
             raise VitregError(f"checkpoint {directory}: {name} is missing: {fix}")
         size = path.stat().st_size
@@ -206,7 +206,7 @@ def verify_checkpoint(directory) -> VerifiedCheckpoint:
             what = "truncated" if size < entry["bytes"] else "larger than recorded"
             raise VitregError(f"checkpoint {directory}: {name} is {what} ({size} of {entry['bytes']} bytes): {fix}")
     for name, entry in manifest["files"].items():  # sizes first: a truncated upload fails without hashing gigabytes
-        if _sha256(directory / name) != entry["sha256"]:
+        if _sha256(confined(directory, name)) != entry["sha256"]:
             raise VitregError(f"checkpoint {directory}: {name} sha256 mismatch (modified or corrupted since it was "
                               f"saved): {fix}")
     try:
@@ -240,7 +240,21 @@ def _read_manifest(directory: Path, fix: str) -> dict:
     for required in (WEIGHTS, SPEC):
         if required not in files:
             raise VitregError(f"checkpoint {directory}: {MANIFEST} does not list {required}: {fix}")
+    for name in files:
+        confined(directory, name)
     return manifest
+
+
+def confined(directory: Path, name: str) -> Path:
+    """``directory / name`` for a manifest entry, refused unless it is a plain file name in ``directory``
+    itself: no absolute path, no ``..``, no sub-folder, and no link that leads out (a tampered manifest
+    must not make vitreg read, hash or copy a file elsewhere on the machine)."""
+    plain = isinstance(name, str) and name not in ("", ".", "..") and not any(c in name for c in "/\\\0")
+    path = directory / name if plain else None
+    if path is None or (path.is_symlink() and path.resolve().parent != directory.resolve()):
+        raise CheckpointError(f"checkpoint {directory}: {MANIFEST} lists {name!r}, which is not a file of the "
+                              f"checkpoint folder (vitreg checkpoints are flat folders of plain names): {FIX}")
+    return path
 
 
 def ensure_verified(checkpoint) -> VerifiedCheckpoint:
