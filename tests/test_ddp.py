@@ -342,7 +342,7 @@ def test_reduce_figures_sums_rates_and_takes_the_slowest_step():
 
 def test_task_result_from_reducer_is_global_and_mfu_per_gpu():
     """The runner's figures under a reducer: throughput of the job, MFU against ONE GPU's peak."""
-    from vitreg.hardware.profiles import PROFILES, DetectedHardware, ResolvedHardware, mfu
+    from vitreg.hardware.profiles import PROFILES, DetectedHardware, ResolvedHardware
     from vitreg.models.factory import ModelInfo
     from vitreg.bench.runner import _task_result
     from vitreg.hardware.runtime import Runtime
@@ -371,7 +371,7 @@ def test_task_result_from_reducer_is_global_and_mfu_per_gpu():
     assert double.throughput.median == pytest.approx(1600.0) and double.world_size == 2
     assert double.metrics()["train_throughput_img_per_s_per_gpu"] == pytest.approx(800.0)
     assert double.achieved_tflops == pytest.approx(2 * single.achieved_tflops)
-    assert double.mfu == pytest.approx(single.mfu) == pytest.approx(mfu(single.achieved_tflops, profile, "bf16"))
+    assert double.mfu == pytest.approx(single.mfu) == pytest.approx(single.achieved_tflops / profile.peak_tflops["bf16"])
 
 
 @pytest.mark.parametrize("text,line", [

@@ -358,9 +358,8 @@ OPTIONS: tuple[Option, ...] = (
                "forward, loss, backward with DDP's all-reduce and AdamW — is captured in one CUDA graph after 11 "
                "eager steps and the timed iterations are replays, so Python's kernel launches and DDP's host-side "
                "work leave the step. `*_first_call_s` then holds the eager steps and the capture. `compare` shows "
-               "these runs as `compile=<mode>+cudagraph` and scales them from graphed `nproc=1` runs. On two H200s "
-               "(docs/benchmarks.md) it took DeiT-S DDP training (128 per GPU) from 76.7 % scaling efficiency to "
-               "96.5-97.1 %, and to 97.7-98.4 % with `compile=default`",
+               "these runs as `compile=<mode>+cudagraph` and scales them from graphed `nproc=1` runs. What it "
+               "changes on real GPUs: docs/benchmarks.md, \"Whole-step CUDA graphs\"",
            identity=True),
     Option("profile", "bool", False, "true: after the timed windows, a torch.profiler Chrome trace of a few steps "
            "and a top-20 ops table per task (artifacts under profile/).", ("bench", "infer"),

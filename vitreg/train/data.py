@@ -228,9 +228,6 @@ def _decoded(loader):
         raise UndecodableImage.from_loader(exc) from None
 
 
-_IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
-
-
 def _class_dirs(path: Path) -> list[Path]:
     return sorted(p for p in path.iterdir() if p.is_dir() and not p.name.startswith("."))
 

@@ -108,7 +108,7 @@ def _flops_metrics(model, info, runtime) -> dict:
 def train(options: dict, experiment: str | None = None, run_name: str | None = None, progress=progress,
           command: str | None = None, *, sampler_factory=None, nnodes: int = 1, node_rank: int = 0,
           rdzv_endpoint: str | None = None):
-    """Train one model and log it as one MLflow run; returns the engine's TrainResult.
+    """Train one model and log it as one MLflow run; returns the loop's TrainResult.
 
     ``nproc > 1`` (or ``nnodes > 1``) launches torchrun (see the module docstring) and returns None
     in this launching process; ``nnodes``/``node_rank``/``rdzv_endpoint`` spread the job over
