@@ -51,7 +51,7 @@ def _trained_state(arch="test_vit"):
 def _saved_once(tmp_path_factory):
     model, info, opt, sched, scaler = _trained_state()
     spec = TrainSpec(model="test_vit", img_size=IMG, num_classes=CLASSES, steps=10).to_params()
-    path = ckpt.save_checkpoint(tmp_path_factory.mktemp("ckpt") / "step-2", model, optimizer=opt, scheduler=sched,
+    path = ckpt.save_checkpoint(tmp_path_factory.mktemp("ckpt") / "step-2", model, state=ckpt.TrainingState(opt, sched),
                                 scaler=scaler, step=2, epoch=0, spec=spec, model_info=info,
                                 extra={"classes": list("abcdefghij")})
     return path, model, info, opt, sched
@@ -103,7 +103,7 @@ def test_load_training_state_restores_everything(saved):
     expected_torch, expected_py = torch.rand(3), random.random()  # what the RNG gives right after restoring
     torch.manual_seed(123)
     random.seed(7)
-    ckpt.save_checkpoint(path, model, optimizer=opt, scheduler=sched, step=2, epoch=1, spec={}, model_info=info)
+    ckpt.save_checkpoint(path, model, state=ckpt.TrainingState(opt, sched), step=2, epoch=1, spec={}, model_info=info)
 
     model2, _ = create_model("test_vit", IMG, CLASSES)  # other random weights
     opt2 = torch.optim.AdamW(model2.parameters(), lr=1e-3)

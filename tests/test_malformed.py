@@ -41,7 +41,7 @@ def good_checkpoint(tmp_path_factory):
         opt.step()
         opt.zero_grad()
         sched.step_update(step + 1)
-    return ckpt.save_checkpoint(tmp_path_factory.mktemp("good") / "step-2", model, optimizer=opt, scheduler=sched,
+    return ckpt.save_checkpoint(tmp_path_factory.mktemp("good") / "step-2", model, state=ckpt.TrainingState(opt, sched),
                                 step=2, spec=spec.to_params(), model_info=info,
                                 extra={"classes": list("abcdefghij")})
 

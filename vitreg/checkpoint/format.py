@@ -110,12 +110,22 @@ def _weights_of(model) -> dict:
     return {k: v.detach().to("cpu", copy=True).contiguous() for k, v in unwrap_model(model).state_dict().items()}
 
 
-def save_checkpoint(directory, model, *, optimizer=None, scheduler=None, scaler=None, step: int, epoch: int = 0,
-                    spec: dict, model_info: ModelInfo, extra: dict | None = None) -> Path:
+@dataclass(frozen=True)
+class TrainingState:
+    """What a resumed training continues with besides the weights (each optional: inference needs none)."""
+
+    optimizer: object = None
+    scheduler: object = None
+    scaler: object = None  # torch.amp.GradScaler
+
+
+def save_checkpoint(directory, model, *, step: int, spec: dict, model_info: ModelInfo, epoch: int = 0,
+                    state: TrainingState = TrainingState(), extra: dict | None = None) -> Path:
     """Write a checkpoint directory (replacing one already there) and return its path.
 
-    ``spec`` is the training spec as params (``TrainSpec.to_params()``); ``extra`` adds top-level keys
-    to ``spec.json`` (e.g. ``classes``, the loss); it may not override the keys this function writes.
+    ``spec`` is the training spec as params (``TrainSpec.to_params()``); ``state`` the optimizer,
+    scheduler and scaler to resume with; ``extra`` adds top-level keys to ``spec.json`` (e.g. ``classes``,
+    the loss); it may not override the keys this function writes.
     """
     import safetensors.torch
     import torch
@@ -131,15 +141,15 @@ def save_checkpoint(directory, model, *, optimizer=None, scheduler=None, scaler=
     try:
         safetensors.torch.save_file(_weights_of(model), str(partial / WEIGHTS),
                                     metadata={"format": "pt", "model": model_info.name, "step": str(step)})
-        state = {
+        saved = {
             "step": int(step),
             "epoch": int(epoch),
-            "optimizer": optimizer.state_dict() if optimizer is not None else None,
-            "scheduler": scheduler.state_dict() if scheduler is not None else None,
-            "scaler": scaler.state_dict() if scaler is not None else None,
+            "optimizer": state.optimizer.state_dict() if state.optimizer is not None else None,
+            "scheduler": state.scheduler.state_dict() if state.scheduler is not None else None,
+            "scaler": state.scaler.state_dict() if state.scaler is not None else None,
             "rng": _rng_state(),
         }
-        torch.save(state, partial / STATE)
+        torch.save(saved, partial / STATE)
         import timm
 
         spec_json = {

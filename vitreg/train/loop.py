@@ -385,8 +385,8 @@ def _save_checkpoint(setup: _Setup, tally: _Tally) -> None:
     extra = {"classes": list(data.classes) if data.kind == "folder" else None, "data": data.kind,
              "train_loss": loss if math.isfinite(loss) else None, "world_size": setup.world_size,
              **setup.checkpoint_extra}
-    path = ckpt.save_checkpoint(setup.checkpoint_dir / f"step-{step}", setup.model, optimizer=setup.optimizer,
-                                scheduler=setup.scheduler, scaler=setup.scaler, step=step,
+    path = ckpt.save_checkpoint(setup.checkpoint_dir / f"step-{step}", setup.model,
+                                state=ckpt.TrainingState(setup.optimizer, setup.scheduler, setup.scaler), step=step,
                                 epoch=step // setup.steps_per_epoch, spec=spec.to_params(), model_info=setup.info,
                                 extra=extra)
     tally.last_checkpoint = str(path)
