@@ -147,7 +147,8 @@ def test_each_family_builds_and_reads_its_layout(name, img_size, patch, tokens):
     assert info.patch_size == patch and info.img_size == img_size
     assert model(torch.randn(1, 3, img_size, img_size))[0].shape[-1] == 10
     heads, head_dim, seq = attention_shape(model)
-    assert seq == tokens == footprint(name, img_size, 10).tokens and heads * head_dim == footprint(name, img_size, 10).width
+    fp = footprint(name, img_size, 10)
+    assert seq == tokens == fp.tokens and heads * head_dim == fp.width
 
 
 def test_a_hybrid_vit_has_its_backbone_stride_as_patch_size():

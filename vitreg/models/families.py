@@ -73,10 +73,6 @@ def register_family(family: Family) -> Family:
     return family
 
 
-def families() -> tuple[Family, ...]:
-    return tuple(_FAMILIES)
-
-
 def family_of(name: str) -> Family:
     """The family owning ``name`` (its longest matching prefix); one line naming the families otherwise."""
     owners = [(len(p), f) for f in _FAMILIES for p in f.prefixes if name.startswith(p)]
@@ -127,7 +123,8 @@ def check_name(name: str, listed_before_ok: bool = True) -> Family:
     elif close:
         hint = f"did you mean {', '.join(close)}?"
     else:
-        hint = f"use a name starting with {', '.join(p for f in _FAMILIES for p in f.prefixes)} (timm.list_models('vit_*'))"
+        prefixes = ", ".join(p for f in _FAMILIES for p in f.prefixes)
+        hint = f"use a name starting with {prefixes} (timm.list_models('vit_*'))"
     raise VitregError(f"unknown model {name!r}: {hint}")
 
 
@@ -195,7 +192,8 @@ class TimmFamily(Family):
         heads = int(attn.num_heads)
         width = int(model.embed_dim)
         return Architecture(tokens=int(grid[0]) * int(grid[1]) + int(getattr(model, "num_prefix_tokens", 1)),
-                            width=width, depth=len(model.blocks), hidden=_first_linear_width(model.blocks[0].mlp, width),
+                            width=width, depth=len(model.blocks),
+                            hidden=_first_linear_width(model.blocks[0].mlp, width),
                             heads=heads, head_dim=int(getattr(attn, "head_dim", width // heads)))
 
 

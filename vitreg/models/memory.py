@@ -24,7 +24,8 @@ HALF_BYTES = 2  # activations are at least bf16/fp16 wide
 
 @dataclass(frozen=True)
 class Footprint:
-    """Sizes of a model at one resolution, read from a weightless instance (:class:`~vitreg.models.families.Architecture`)."""
+    """Sizes of a model at one resolution, read from a weightless instance (its family's
+    :class:`~vitreg.models.families.Architecture`, with the parameter count)."""
 
     params: int
     tokens: int  # sequence length: patches + class/distillation/register tokens
@@ -62,7 +63,8 @@ def checked_size(name: str, img_size: int):
 
 @functools.lru_cache(maxsize=64)  # a job asks several times (the model, the batch, the processes)
 def footprint(name: str, img_size: int = 0, num_classes: int = 1000) -> Footprint:
-    """Build ``name`` on the meta device (no memory) and read its sizes; refuses bad names/sizes as create_model does."""
+    """Build ``name`` on the meta device (no memory) and read its sizes; refuses bad names/sizes as
+    create_model does."""
     import torch
 
     family, size, _patch = checked_size(name, img_size)

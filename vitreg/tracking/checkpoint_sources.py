@@ -27,7 +27,7 @@ from vitreg.checkpoint.export import export_folder
 from vitreg.console import progress
 from vitreg.errors import VitregError, path_kind
 from vitreg.tracking.delivery import first_line
-from vitreg.tracking.lazy import mlflow
+from vitreg.tracking.mlflow_on_first_use import mlflow
 from vitreg.tracking.quiet import quiet_artifact_downloads
 
 #: Where the checkpoint files live inside a registered model version's artifacts.

@@ -24,7 +24,7 @@ from vitreg.console import progress
 from vitreg.errors import VitregError
 from vitreg.tracking.checkpoint_sources import CHECKPOINT_TAG, first_line, mlflow_call, resolve_checkpoint
 from vitreg.tracking.checkpoint_sources import load_model, pull  # noqa: F401  (the README's import path)
-from vitreg.tracking.lazy import mlflow
+from vitreg.tracking.mlflow_on_first_use import mlflow
 
 #: Batch of the pt2 input example. A batch of 1 makes torch.export specialise the batch dimension to
 #: the constant 1 (the served model would take one image at a time); 2 keeps it dynamic.

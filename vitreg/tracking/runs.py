@@ -1,6 +1,6 @@
 """The MLflow side of vitreg: runs, params, tags, batched metrics, artifacts, search.
 
-Only :mod:`vitreg.tracking` reaches mlflow, and only through :mod:`vitreg.tracking.lazy` (imported on
+Only :mod:`vitreg.tracking` reaches mlflow, and only through :mod:`vitreg.tracking.mlflow_on_first_use` (imported on
 first use: DDP ranks never pay for it). Runners and training loops return typed results; this layer logs
 them, outside any timed region.
 
@@ -29,7 +29,7 @@ from vitreg.ddp.world import is_main_process
 from vitreg.errors import StoreError, VitregError
 from vitreg.signals import interrupted_reason
 from vitreg.tracking.delivery import ERROR_KIND_TAG, ERROR_TAG, first_line, short_http_requests, store_errors
-from vitreg.tracking.lazy import mlflow
+from vitreg.tracking.mlflow_on_first_use import mlflow
 from vitreg.tracking.spool import offline_mode
 from vitreg.tracking.spooling import open_run, sync_hint
 from vitreg.tracking.store import prepare_store

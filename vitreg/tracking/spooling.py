@@ -18,7 +18,7 @@ import time
 
 from vitreg.console import progress
 from vitreg.tracking.delivery import Delivery, experiment_id_for, first_line, short_http_requests, store_errors
-from vitreg.tracking.lazy import mlflow
+from vitreg.tracking.mlflow_on_first_use import mlflow
 from vitreg.tracking.spool import Spool, flush_timeout_s, offline_mode
 from vitreg.tracking.stale import heartbeat_period_s
 
