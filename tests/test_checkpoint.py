@@ -51,8 +51,8 @@ def _trained_state(arch="test_vit"):
 def _saved_once(tmp_path_factory):
     model, info, opt, sched, scaler = _trained_state()
     spec = TrainSpec(model="test_vit", img_size=IMG, num_classes=CLASSES, steps=10).to_params()
-    path = ckpt.save_checkpoint(tmp_path_factory.mktemp("ckpt") / "step-2", model, state=ckpt.TrainingState(opt, sched),
-                                scaler=scaler, step=2, epoch=0, spec=spec, model_info=info,
+    path = ckpt.save_checkpoint(tmp_path_factory.mktemp("ckpt") / "step-2", model,
+                                state=ckpt.TrainingState(opt, sched, scaler), step=2, epoch=0, spec=spec, model_info=info,
                                 extra={"classes": list("abcdefghij")})
     return path, model, info, opt, sched
 
@@ -247,3 +247,20 @@ def test_export_is_all_or_nothing(saved, tmp_path):
     with pytest.raises(VitregError, match=r"--out .*mine holds files an export does not write \(notes.txt\)"):
         export_folder(checkpoint, mine, "local")
     assert [p.name for p in mine.iterdir()] == ["notes.txt"]
+
+
+def test_a_run_still_in_the_spool_is_not_registered(saved, tmp_path):
+    """Registration is off the Tracker protocol: the registry asks a spooling tracker whether its run is on the
+    server; an offline one is not, and the refusal says how to register after `vitreg sync`."""
+    from vitreg.tracking import registry
+    from vitreg.tracking.spooling import SpoolingTracker
+
+    tracker = SpoolingTracker.open("spooled", run_name="offline", root=tmp_path / "spool", offline=True)
+    try:
+        with pytest.raises(VitregError) as err:
+            registry.register_checkpoint(tracker, saved[0], "tiny")
+    finally:
+        tracker.close()
+    message = one_line(err)
+    assert message.startswith("cannot register 'tiny' yet: the run is not on the tracking server (offline)")
+    assert "vitreg sync --spool" in message and "vitreg register runs:/" in message

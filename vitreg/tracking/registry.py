@@ -53,13 +53,13 @@ def register_checkpoint(tracker, checkpoint_dir, name: str, alias: str | None = 
     whose versions are another architecture. Ranks other than 0 (a NullTracker) register nothing and
     get ``None``.
     """
+    check_on_server = getattr(tracker, "check_on_server", None)  # a spooling tracker may hold the run locally
+    if check_on_server is not None:
+        check_on_server(name)
     if not tracker.run_id:  # a rank that does not log (NullTracker)
         return None
     _check_alias(alias)
     name = _check_name(name)
-    check_on_server = getattr(tracker, "check_on_server", None)  # a spooling tracker may hold the run locally
-    if check_on_server is not None:
-        check_on_server(name)
     client = mlflow.MlflowClient()
     with tempfile.TemporaryDirectory(prefix="vitreg-register-") as tmp:
         source = str(checkpoint_dir)
