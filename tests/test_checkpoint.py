@@ -52,8 +52,8 @@ def _saved_once(tmp_path_factory):
     model, info, opt, sched, scaler = _trained_state()
     spec = TrainSpec(model="test_vit", img_size=IMG, num_classes=CLASSES, steps=10).to_params()
     path = ckpt.save_checkpoint(tmp_path_factory.mktemp("ckpt") / "step-2", model,
-                                state=ckpt.TrainingState(opt, sched, scaler), step=2, epoch=0, spec=spec, model_info=info,
-                                extra={"classes": list("abcdefghij")})
+                                state=ckpt.TrainingState(opt, sched, scaler), step=2, epoch=0, spec=spec,
+                                model_info=info, extra={"classes": list("abcdefghij")})
     return path, model, info, opt, sched
 
 
