@@ -21,6 +21,7 @@ from vitreg.config.parse import parse_bool, parse_choice, parse_float, parse_int
 from vitreg.errors import VitregError
 from vitreg.hardware.precision import INFERENCE_ONLY, PRECISION_CHOICES
 from vitreg.hardware.sdpa import SDPA_CHOICES
+from vitreg.models.families import names_text
 
 COMMANDS = ("bench", "infer", "sweep", "train", "compare")
 KINDS = ("str", "int", "float", "bool", "choice", "batch")  # batch: an int >= 1 or "auto"
@@ -173,15 +174,14 @@ OPTIONS: tuple[Option, ...] = (
                "or `auto` (detect). An explicit label must match the detected hardware, or the run is refused "
                "before any GPU work.",
            same_work="the hardware a run is filed under: the axis runs are compared along, never pooled over"),
-    Option("model", "str", "vit_base_patch16_224", "timm vit_*/deit_*/deit3_* name, or torchvision:vit_b_16.",
+    Option("model", "str", "vit_base_patch16_224", f"a name of a model family: {names_text()}.",
            ("bench",),
-           doc="any timm `vit_*`, `deit_*`, `deit3_*` name (distilled DeiTs train both heads), or "
-               "`torchvision:vit_b_16` (also `vit_b_32`, `vit_l_16`, `vit_l_32`, `vit_h_14`). Always random "
-               "weights (`pretrained=False`).",
+           doc=f"a name of a model family (vitreg/models/families.py): {names_text(markdown=True)}; distilled DeiTs "
+               "train both heads. Always random weights (`pretrained=False`).",
            identity=True),
     Option("model", "str", "deit_tiny_patch16_224",
-           "timm vit_*/deit_*/deit3_* name (deit_*_distilled_* for distillation), or torchvision:vit_b_16.",
-           ("train",), doc="timm `vit_`/`deit_`/`deit3_` name, `torchvision:vit_b_16`",
+           f"a name of a model family ({names_text()}); deit_*_distilled_* for distillation.",
+           ("train",), doc=f"a name of a model family: {names_text(markdown=True)}",
            identity=True),
     Option("task", "choice", "both", "/".join(TASKS), ("bench", "sweep"), choices=TASKS,
            doc="`infer`, `train` or `both`",

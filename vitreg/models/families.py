@@ -43,6 +43,10 @@ class Family:
         """Every name this family can build."""
         raise NotImplementedError
 
+    def shown_names(self) -> tuple[str, ...]:
+        """How help and docs list the names (without importing the library)."""
+        return tuple(f"{prefix}*" for prefix in self.prefixes)
+
     def default_size(self, name: str) -> int:
         raise NotImplementedError
 
@@ -93,6 +97,12 @@ def family_of_model(model) -> Family:
 
 def architecture_of(model) -> Architecture:
     return family_of_model(model).architecture(model)
+
+
+def names_text(markdown: bool = False) -> str:
+    """The names every family builds, for help and docs: ``vit_*, deit_*, ..., torchvision:vit_b_16, ...``."""
+    quote = "`" if markdown else ""
+    return ", ".join(f"{quote}{shown}{quote}" for f in _FAMILIES for shown in f.shown_names())
 
 
 def all_names(listed_before_ok: bool = True) -> list[str]:
@@ -248,6 +258,9 @@ class TorchvisionFamily(Family):
 
     def names(self, listed_before_ok: bool = False) -> frozenset[str]:
         return frozenset(self.prefixes[0] + arch for arch in self.PATCH_SIZES)
+
+    def shown_names(self) -> tuple[str, ...]:
+        return tuple(self.prefixes[0] + arch for arch in self.PATCH_SIZES)
 
     def default_size(self, name: str) -> int:
         return 224
