@@ -178,3 +178,15 @@ def test_a_family_is_one_registration():
         assert families.family_of_model(model).architecture(model).tokens == 5
     finally:
         families._FAMILIES.remove(family)
+
+
+def test_torchvision_swin_is_one_error_line_from_the_cli(sqlite_store):
+    """The case of the issue: torchvision's swin_t once reached int('t') parsing a patch size from the name."""
+    from click.testing import CliRunner
+
+    from vitreg.cli.main import main
+
+    res = CliRunner().invoke(main, ["bench", "--model", "torchvision:swin_t", "--device", "cpu", "--experiment", "swin"])
+    assert res.exit_code == 2 and "Traceback" not in res.output, (res.output[-2000:], res.exception)
+    (line,) = [line for line in res.output.splitlines() if line.startswith("error:")]
+    assert line.startswith("error: unknown model 'torchvision:swin_t': use one of torchvision:vit_b_16")
