@@ -1,4 +1,4 @@
-"""vitreg.train.checkpoint: the on-disk format other modules rely on, round trips, and refusals."""
+"""vitreg.checkpoint.format: the on-disk format other modules rely on, round trips, and refusals."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import shutil
 import pytest
 import torch
 
-from vitreg.train import checkpoint as ckpt
+from vitreg.checkpoint import format as ckpt
 from vitreg.errors import VitregError
 from vitreg.models.factory import create_model
 from vitreg.config.spec import TrainSpec
@@ -51,9 +51,9 @@ def _trained_state(arch="test_vit"):
 def _saved_once(tmp_path_factory):
     model, info, opt, sched, scaler = _trained_state()
     spec = TrainSpec(model="test_vit", img_size=IMG, num_classes=CLASSES, steps=10).to_params()
-    path = ckpt.save_checkpoint(tmp_path_factory.mktemp("ckpt") / "step-2", model, optimizer=opt, scheduler=sched,
-                                scaler=scaler, step=2, epoch=0, spec=spec, model_info=info,
-                                extra={"classes": list("abcdefghij")})
+    path = ckpt.save_checkpoint(tmp_path_factory.mktemp("ckpt") / "step-2", model,
+                                state=ckpt.TrainingState(opt, sched, scaler), step=2, epoch=0, spec=spec,
+                                model_info=info, extra={"classes": list("abcdefghij")})
     return path, model, info, opt, sched
 
 
@@ -103,7 +103,7 @@ def test_load_training_state_restores_everything(saved):
     expected_torch, expected_py = torch.rand(3), random.random()  # what the RNG gives right after restoring
     torch.manual_seed(123)
     random.seed(7)
-    ckpt.save_checkpoint(path, model, optimizer=opt, scheduler=sched, step=2, epoch=1, spec={}, model_info=info)
+    ckpt.save_checkpoint(path, model, state=ckpt.TrainingState(opt, sched), step=2, epoch=1, spec={}, model_info=info)
 
     model2, _ = create_model("test_vit", IMG, CLASSES)  # other random weights
     opt2 = torch.optim.AdamW(model2.parameters(), lr=1e-3)
@@ -214,3 +214,53 @@ def test_a_verified_checkpoint_is_not_hashed_again(saved, monkeypatch):
     assert ckpt.load_training_state(verified, loaded, torch.optim.AdamW(loaded.parameters(), lr=1e-3)) == (2, 0)
     with pytest.raises(AssertionError, match="hashed again"):
         ckpt.load_model(path)  # a plain directory is verified (hashed) where it is loaded
+
+
+def test_export_is_all_or_nothing(saved, tmp_path):
+    """`pull --out`: a failure while exporting (here a weights file changed after it was verified: the copy no
+    longer matches its manifest) leaves no folder under the name given, nor a temporary one beside it; an
+    earlier export is replaced whole; a folder holding the user's own files is refused untouched."""
+    from vitreg.checkpoint.export import export_folder
+
+    saved = saved[0]
+    checkpoint = ckpt.verify_checkpoint(saved)
+    out = tmp_path / "export"
+    assert export_folder(checkpoint, out, "local") == out
+    assert sorted(p.name for p in out.iterdir()) == ["README.md", "manifest.json", "model.safetensors", "spec.json"]
+    ckpt.verify_checkpoint(out)
+    first = (out / "model.safetensors").stat().st_ino
+    export_folder(checkpoint, out, "local")  # an earlier export: replaced
+    assert (out / "model.safetensors").stat().st_ino != first and ckpt.verify_checkpoint(out)
+
+    (saved / "model.safetensors").write_bytes(b"changed after verification")
+    fresh = tmp_path / "fresh"
+    with pytest.raises(VitregError, match="model.safetensors"):
+        export_folder(checkpoint, fresh, "local")
+    assert not fresh.exists() and not [p for p in out.parent.iterdir() if p.name.startswith((".", "fresh"))]
+    with pytest.raises(VitregError, match="model.safetensors"):
+        export_folder(checkpoint, out, "local")
+    assert ckpt.verify_checkpoint(out)  # the earlier export is still whole
+
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep")
+    with pytest.raises(VitregError, match=r"--out .*mine holds files an export does not write \(notes.txt\)"):
+        export_folder(checkpoint, mine, "local")
+    assert [p.name for p in mine.iterdir()] == ["notes.txt"]
+
+
+def test_a_run_still_in_the_spool_is_not_registered(saved, tmp_path):
+    """Registration is off the Tracker protocol: the registry asks a spooling tracker whether its run is on the
+    server; an offline one is not, and the refusal says how to register after `vitreg sync`."""
+    from vitreg.tracking import registry
+    from vitreg.tracking.spooling import SpoolingTracker
+
+    tracker = SpoolingTracker.open("spooled", run_name="offline", root=tmp_path / "spool", offline=True)
+    try:
+        with pytest.raises(VitregError) as err:
+            registry.register_checkpoint(tracker, saved[0], "tiny")
+    finally:
+        tracker.close()
+    message = one_line(err)
+    assert message.startswith("cannot register 'tiny' yet: the run is not on the tracking server (offline)")
+    assert "vitreg sync --spool" in message and "vitreg register runs:/" in message

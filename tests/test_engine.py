@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from vitreg.train import checkpoint as ckpt
+from vitreg.checkpoint import format as ckpt
 from vitreg.train import loop as engine
 from vitreg.train import losses, optim
 from vitreg.train.data import SyntheticData, build_data, resolve_num_classes

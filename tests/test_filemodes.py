@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from vitreg.tracking.filemodes import copy_as_new_file, current_umask, follow_umask
+from vitreg.checkpoint.filemodes import copy_as_new_file, current_umask, follow_umask
 
 
 def mode(path) -> int:
@@ -53,7 +53,7 @@ def test_pull_out_folder_follows_the_umask(tmp_path):
 
     from vitreg.cli.main import main
     from vitreg.models.factory import create_model
-    from vitreg.train.checkpoint import save_checkpoint
+    from vitreg.checkpoint.format import save_checkpoint
 
     old = os.umask(0o022)
     try:

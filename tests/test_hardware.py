@@ -1,7 +1,8 @@
 import pytest
 
 from vitreg.errors import VitregError
-from vitreg.hardware.profiles import PROFILES, DetectedHardware, match_profile, mfu, resolve_hardware
+from vitreg.hardware.precision import precision_of
+from vitreg.hardware.profiles import PROFILES, DetectedHardware, match_profile, resolve_hardware
 
 
 @pytest.mark.parametrize("name,label", [
@@ -24,19 +25,19 @@ def test_device_names_map_to_labels(name, label):
 def test_unknown_gpu_gets_its_own_label_and_no_peak():
     p = match_profile("NVIDIA L40S")
     assert p.label == "l40s" and p.peak_tflops == {}
-    assert mfu(100.0, p, "bf16") is None
+    assert precision_of("bf16").mfu(100.0, p) is None
 
 
 def test_profile_table_dense_peaks_and_defaults():
-    assert PROFILES["a100"].peak_for("bf16") == 312.0
-    assert PROFILES["h100"].peak_for("fp16") == pytest.approx(989.4)
-    assert PROFILES["h200"].peak_for("off") == pytest.approx(66.9)
-    assert PROFILES["h200"].peak_for("off", tf32=True) == pytest.approx(494.7)
+    assert PROFILES["a100"].peak_tflops["bf16"] == 312.0
+    assert PROFILES["h100"].peak_tflops["fp16"] == pytest.approx(989.4)
+    assert PROFILES["h200"].peak_tflops["fp32"] == pytest.approx(66.9)
+    assert PROFILES["h200"].peak_tflops["tf32"] == pytest.approx(494.7)
     assert PROFILES["v100"].default_amp == "fp16" and PROFILES["t4"].default_amp == "fp16"
     assert PROFILES["a100"].default_amp == "bf16" and PROFILES["cpu"].default_amp == "off"
     assert not PROFILES["v100"].supports_bf16
-    assert mfu(156.0, PROFILES["a100"], "bf16") == pytest.approx(0.5)
-    assert mfu(1.0, PROFILES["cpu"], "off") is None
+    assert precision_of("bf16").mfu(156.0, PROFILES["a100"]) == pytest.approx(0.5)
+    assert precision_of("off").mfu(1.0, PROFILES["cpu"]) is None
 
 
 H200 = DetectedHardware("cuda", "NVIDIA H200", 1, PROFILES["h200"])
@@ -65,7 +66,7 @@ def test_mismatch_on_cpu_and_override():
     with pytest.raises(VitregError, match="use gpu=cpu"):
         resolve_hardware("a100", CPU)
     hw = resolve_hardware("a100", CPU, allow_mismatch=True)
-    assert hw.label == "a100" and hw.mismatch and hw.profile.peak_for("bf16") == 312.0
+    assert hw.label == "a100" and hw.mismatch and hw.profile.peak_tflops["bf16"] == 312.0
 
 
 def test_bf16_refused_on_a_gpu_without_it():

@@ -1,13 +1,21 @@
 """The house rules a newcomer relies on, checked on every test run: small units, and MLflow behind one door.
 
-- no module in vitreg/ over 450 lines, no function over 80;
+- no module in vitreg/ over 450 lines, no function over 80, none taking more than 8 parameters;
+- no circle in the import graph of vitreg (imports inside functions counted);
 - only vitreg/tracking/ imports mlflow (runners and loops return typed results, the tracking layer logs them);
-- no MLFLOW_* environment handling outside vitreg/tracking/ (deploy/ sets the server's own variables).
+- no MLFLOW_* environment handling outside vitreg/tracking/ (deploy/ sets the server's own variables);
+- no module-level name that nothing uses; every tracker implements the Tracker protocol's calls itself;
+- the spec classes declare exactly their command's options.
 """
 
 import ast
+import inspect
 import re
+import textwrap
+from dataclasses import fields
 from pathlib import Path
+
+import pytest
 
 from conftest import REPO
 
@@ -44,7 +52,7 @@ def _imports_mlflow(tree: ast.AST) -> bool:
             return True
         if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "mlflow":
             return True
-        if isinstance(node, ast.ImportFrom) and node.module == "vitreg.tracking.lazy":  # mlflow on first use
+        if isinstance(node, ast.ImportFrom) and node.module == "vitreg.tracking.mlflow_on_first_use":
             return True
     return False
 
@@ -68,3 +76,292 @@ def test_mlflow_environment_is_handled_by_tracking_only():
             if _MLFLOW_ENV.search(line):
                 outside.append(f"{_rel(path)}:{number}: {line.strip()}")
     assert not outside, "MLFLOW_* environment read or set outside vitreg/tracking/:\n" + "\n".join(outside)
+
+
+# --------------------------------------------------------------------------- parameters
+
+MAX_PARAMETERS = 8
+
+
+def _parameter_count(node) -> int:
+    args = node.args
+    named = [*args.posonlyargs, *args.args, *args.kwonlyargs]
+    if named and named[0].arg in ("self", "cls"):
+        named = named[1:]
+    return len(named) + (args.vararg is not None) + (args.kwarg is not None)
+
+
+def test_no_function_takes_more_than_eight_parameters():
+    """Long signatures hide a missing value object (a spec, a context); self/cls not counted, *args/**kwargs are."""
+    long = []
+    for path in _modules():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and _parameter_count(node) > MAX_PARAMETERS:
+                long.append(f"{_rel(path)}:{node.lineno} {node.name}: {_parameter_count(node)} parameters")
+    assert not long, "group these parameters into the values they belong to:\n" + "\n".join(long)
+
+
+# --------------------------------------------------------------------------- the import graph
+
+
+def _module_names() -> dict[str, Path]:
+    names = {}
+    for path in _modules():
+        parts = list(path.relative_to(REPO).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        names[".".join(parts)] = path
+    return names
+
+
+def _imports_of(module: str, path: Path, names: dict) -> set[str]:
+    """The vitreg modules ``module`` imports, at module level or inside functions: ``from a.b import c`` is
+    ``a.b.c`` when that is a module, else ``a.b``."""
+    found = set()
+    package = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                target = alias.name
+                while target and target not in names:
+                    target = target.rpartition(".")[0]
+                if target:
+                    found.add(target)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(package[:len(package) - node.level + 1] + ([base] if base else []))
+            for alias in node.names:
+                if f"{base}.{alias.name}" in names:
+                    found.add(f"{base}.{alias.name}")
+                elif base in names:
+                    found.add(base)
+    found.discard(module)
+    return found
+
+
+def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan), each sorted."""
+    index, low, stack, on_stack, found = {}, {}, [], set(), []
+
+    def visit(node):
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for other in sorted(graph.get(node, ())):
+            if other not in index:
+                visit(other)
+                low[node] = min(low[node], low[other])
+            elif other in on_stack:
+                low[node] = min(low[node], index[other])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def test_the_circle_check_finds_circles():
+    assert _circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert _circles({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_import_circle_in_vitreg():
+    """vitreg's modules import in one direction, imports deferred inside functions included: a deferred
+    ``vitreg.*`` import still ties the two modules together, only its cost moves. (Only heavy third-party
+    imports, torch, timm, mlflow, are deferred for speed.)"""
+    names = _module_names()
+    graph = {module: _imports_of(module, path, names) for module, path in names.items()}
+    assert "vitreg.checkpoint.format" in graph["vitreg.tracking.checkpoint_sources"]  # the graph sees imports
+    circles = _circles(graph)
+    shown = "\n".join(" <-> ".join(circle) for circle in circles)
+    assert not circles, "import circles (move what both need below both):\n" + shown
+
+
+# --------------------------------------------------------------------------- unused names
+
+SCANNED = ("vitreg", "tests", "benchmarks", "entry_points")
+
+
+def _references() -> set[str]:
+    """Every name read anywhere in the code vitreg ships and tests (identifiers, attributes, imported names),
+    and every word of its shell scripts and build files (entry points, make targets)."""
+    used = set()
+    for top in SCANNED:
+        for path in sorted((REPO / top).rglob("*")) if (REPO / top).is_dir() else ():
+            if path.suffix == ".py":
+                for node in ast.walk(ast.parse(path.read_text())):
+                    if isinstance(node, ast.Name) and not isinstance(node.ctx, ast.Store):
+                        used.add(node.id)
+                    elif isinstance(node, ast.Attribute):
+                        used.add(node.attr)
+                    elif isinstance(node, ast.alias):
+                        used.add(node.name.rpartition(".")[2])
+            elif path.suffix in (".sh", ".toml", ".cfg"):
+                used.update(re.findall(r"\w+", path.read_text(errors="ignore")))
+    for name in ("pyproject.toml", "MLproject", "Makefile"):
+        if (REPO / name).is_file():
+            used.update(re.findall(r"\w+", (REPO / name).read_text()))
+    return used
+
+
+def _module_level_names(tree: ast.Module):
+    exported = set()
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets):
+            exported = {element.value for element in node.value.elts}
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names = [node.name]
+        elif isinstance(node, ast.Assign):
+            names = [t.id for t in node.targets if isinstance(t, ast.Name)]
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            names = [node.target.id]
+        else:
+            names = []
+        for name in names:
+            if not (name.startswith("__") and name.endswith("__")) and name not in exported:
+                yield node.lineno, name
+
+
+def _unused(paths, used) -> list[str]:
+    return [f"{_rel(path)}:{line} {name}" for path in paths
+            for line, name in _module_level_names(ast.parse(path.read_text())) if name not in used]
+
+
+def test_no_unused_module_level_names():
+    """A constant, function or class defined at module level in vitreg/ and read nowhere in vitreg/, tests/,
+    benchmarks/ or entry_points/ is dead (dunder names and names in ``__all__`` are the module's interface)."""
+    unused = _unused(_modules(), _references())
+    assert not unused, "remove these (nothing reads them):\n" + "\n".join(unused)
+
+
+def test_the_unused_names_check_finds_one(tmp_path):
+    module = tmp_path / "m.py"
+    module.write_text("__all__ = ['SHOWN']\nSHOWN = 1\nUSED = 2\nDEAD = 3\n__dunder__ = 4\ndef f():\n    return USED\n")
+    used = {"USED"}
+    for node in ast.walk(ast.parse(module.read_text())):
+        if isinstance(node, ast.Name) and not isinstance(node.ctx, ast.Store):
+            used.add(node.id)
+    names = [name for _line, name in _module_level_names(ast.parse(module.read_text())) if name not in used]
+    assert names == ["DEAD", "f"]
+
+
+# --------------------------------------------------------------------------- the Tracker protocol
+
+
+def _trackers():
+    from vitreg.tracking import handoff, runs, spooling
+
+    return [runs.MlflowTracker, runs.NullTracker, handoff.HandoffTracker, spooling.SpoolingTracker]
+
+
+def _is_stub(function) -> bool:
+    """A protocol call with no body of its own (``...``, after an optional docstring)."""
+    body = ast.parse(textwrap.dedent(inspect.getsource(function))).body[0].body
+    body = body[1:] if len(body) > 1 and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) \
+        else body
+    return len(body) == 1 and isinstance(body[0], ast.Expr) and body[0].value.value is Ellipsis
+
+
+def _protocol_gaps(protocol, impl) -> list[str]:
+    """What ``impl`` lacks of ``protocol``'s calls: a call it does not define itself (the protocol's ``...``
+    stub, inherited, counts as missing) or defines with other parameters."""
+    gaps = []
+    for name, stub in vars(protocol).items():
+        if name.startswith("_") or not inspect.isfunction(stub):
+            continue
+        own = next((vars(k)[name] for k in impl.__mro__ if k not in (protocol, object) and name in vars(k)), None)
+        if own is None and _is_stub(stub):
+            gaps.append(f"{impl.__name__}.{name} is missing")
+        elif own is not None and list(inspect.signature(own).parameters) != list(inspect.signature(stub).parameters):
+            gaps.append(f"{impl.__name__}.{name} takes {list(inspect.signature(own).parameters)}, "
+                        f"not {list(inspect.signature(stub).parameters)}")
+    return gaps
+
+
+def test_every_tracker_implements_the_protocol():
+    """The MLflow, null, hand-off and spooling trackers (the last is what every run uses) each define every
+    call of the Tracker protocol with the protocol's parameters: a job logs through any of them unchanged."""
+    from vitreg.tracking.runs import Tracker
+
+    assert len([n for n, f in vars(Tracker).items() if inspect.isfunction(f) and _is_stub(f)]) >= 10
+    gaps = [gap for impl in _trackers() for gap in _protocol_gaps(Tracker, impl)]
+    assert not gaps, "\n".join(gaps)
+
+
+def test_the_protocol_check_finds_a_missing_call_and_another_signature():
+    from vitreg.tracking.runs import NullTracker, Tracker
+
+    calls = {k: v for k, v in vars(NullTracker).items() if inspect.isfunction(v)}
+    lacking = type("Lacking", (Tracker,), {k: v for k, v in calls.items() if k != "set_note"})
+    assert _protocol_gaps(Tracker, lacking) == ["Lacking.set_note is missing"]
+
+    def set_tags(self, tags, extra):
+        pass
+
+    other = type("Other", (NullTracker,), {"set_tags": set_tags})
+    assert _protocol_gaps(Tracker, other) == ["Other.set_tags takes ['self', 'tags', 'extra'], not ['self', 'tags']"]
+
+
+# --------------------------------------------------------------------------- the specs
+
+
+def _annotation(text: str) -> str:
+    """An annotation as ``from __future__ import annotations`` stores it (ast.unparse's spelling)."""
+    return ast.unparse(ast.parse(text, mode="eval"))
+
+
+def _spec_drift(cls, command: str) -> list[str]:
+    """How ``cls``'s declared fields differ from ``command``'s spec options: names and order, kinds, defaults."""
+    from vitreg.config.options import spec_options
+
+    kinds = {"str": "str", "choice": "str", "int": "int", "float": "float", "bool": "bool",
+             "batch": 'int | Literal["auto"]'}
+    options = list(spec_options(command))
+    declared = [f for f in fields(cls)]
+    drift = []
+    if [f.name for f in declared] != [o.name for o in options]:
+        drift.append(f"fields {[f.name for f in declared]} are not the options {[o.name for o in options]}")
+    for field, option in zip(declared, options):
+        if _annotation(field.type) != _annotation(kinds[option.kind]):
+            drift.append(f"{field.name}: {field.type} is not {kinds[option.kind]} ({option.kind})")
+        if field.default != option.default or type(field.default) is not type(option.default):
+            drift.append(f"{field.name} = {field.default!r} is not the table's default {option.default!r}")
+    try:
+        body = inspect.getsource(cls)
+    except (OSError, TypeError):  # a class made in a test has no source file
+        return drift
+    drift += [f"{f.name} is not declared in the class body" for f in declared if f"    {f.name}: " not in body]
+    return drift
+
+
+@pytest.mark.parametrize("cls_name, command", [("BenchSpec", "bench"), ("TrainSpec", "train")])
+def test_the_spec_class_bodies_declare_the_option_table(cls_name, command):
+    from vitreg.config import spec
+
+    assert _spec_drift(getattr(spec, cls_name), command) == []
+
+
+def test_the_spec_check_finds_drift():
+    from dataclasses import make_dataclass
+
+    from vitreg.config.spec import BenchSpec
+
+    specs = [(f.name, f.type, f.default) for f in fields(BenchSpec)]
+    renamed = make_dataclass("Renamed", [("gpus", *specs[0][1:])] + specs[1:], frozen=True)
+    retyped = make_dataclass("Retyped", [(specs[0][0], "int", specs[0][2])] + specs[1:], frozen=True)
+    redefaulted = make_dataclass("Redefaulted", specs[:-1] + [(specs[-1][0], specs[-1][1], 1)], frozen=True)
+    for drifted, needle in ((renamed, "are not the options"), (retyped, "gpu: int is not str"),
+                            (redefaulted, "seed = 1 is not the table's default 0")):
+        assert any(needle in line for line in _spec_drift(drifted, "bench")), drifted

@@ -17,7 +17,7 @@ from conftest import migrated_store
 from vitreg.cli.main import main
 from vitreg.config.spec import TrainSpec
 from vitreg.models.factory import create_model
-from vitreg.train import checkpoint as ckpt
+from vitreg.checkpoint import format as ckpt
 
 IMG, CLASSES = 32, 10
 TINY = ["--img-size", "32", "--batch-size", "4", "--num-classes", "10", "--num-workers", "0", "--steps", "4",
@@ -41,7 +41,7 @@ def good_checkpoint(tmp_path_factory):
         opt.step()
         opt.zero_grad()
         sched.step_update(step + 1)
-    return ckpt.save_checkpoint(tmp_path_factory.mktemp("good") / "step-2", model, optimizer=opt, scheduler=sched,
+    return ckpt.save_checkpoint(tmp_path_factory.mktemp("good") / "step-2", model, state=ckpt.TrainingState(opt, sched),
                                 step=2, spec=spec.to_params(), model_info=info,
                                 extra={"classes": list("abcdefghij")})
 
@@ -271,3 +271,32 @@ def test_a_teacher_that_cannot_load_is_refused_before_the_students_setup(good_ch
     directory = _damaged(good_checkpoint, tmp_path, _write("model.safetensors", b"\xff\xd8\xff\xe0"))
     res = CliRunner().invoke(main, _commands(directory)["teacher"])
     _assert_one_line_refusal(res, directory, "model.safetensors")
+
+
+def _lists_outside(kind):
+    """A manifest entry for a file outside the checkpoint folder, its sha256 and size right (what a tampered
+    manifest would hold to make vitreg read, hash or copy a file elsewhere)."""
+    def damage(directory):
+        outside = directory.parent / "outside.bin"
+        outside.write_bytes(b"not the checkpoint's")
+        name = {"dotdot": "../outside.bin", "absolute": str(outside), "nested": "sub/../../outside.bin"}.get(kind)
+        if kind == "symlink":
+            name = "linked.bin"
+            (directory / name).symlink_to(outside)
+        manifest = json.loads((directory / ckpt.MANIFEST).read_text())
+        data = outside.read_bytes()
+        manifest["files"][name] = {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
+        (directory / ckpt.MANIFEST).write_text(json.dumps(manifest))
+    return damage
+
+
+@pytest.mark.parametrize("command", ["pull", "resume", "teacher", "infer"])
+@pytest.mark.parametrize("kind", ["dotdot", "absolute", "nested", "symlink"])
+def test_a_manifest_entry_outside_the_folder_is_refused(good_checkpoint, tmp_path, store, command, kind):
+    directory = tmp_path / "ckpt"
+    shutil.copytree(good_checkpoint, directory)
+    _lists_outside(kind)(directory)
+    args = _commands(directory)[command] + (["--out", str(tmp_path / "export")] if command == "pull" else [])
+    res = CliRunner().invoke(main, args)
+    _assert_one_line_refusal(res, directory, "is not a file of the checkpoint folder")
+    assert not (tmp_path / "export").exists()  # pull --out: nothing written

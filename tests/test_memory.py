@@ -129,5 +129,84 @@ def test_nproc_far_above_the_host_is_refused_before_torchrun(sqlite_store, job):
 
 def test_sizes_whose_tensors_overflow_64_bits_are_one_line():
     """Found by the property test: img_size=10**10 overflowed torch's size arithmetic on the meta device."""
-    with pytest.raises(VitregError, match=r"img_size=10000000000 .* overflow 64 bits\): use a smaller img_size"):
+    with pytest.raises(VitregError, match=r"img_size=10000000000 is past torch's integer range .* use a smaller"):
         create_model("test_vit", 10**10)
+    with pytest.raises(VitregError, match=r"img_size=1600000000 .* cannot be built .*overflow.*: use a smaller"):
+        footprint("torchvision:vit_b_16", 1_600_000_000)  # the image fits int64, its position embedding does not
+
+
+def _saved_bytes(model, x, sdpa: str) -> int:
+    """Bytes autograd saves for the backward of one training forward under ``sdpa``."""
+    import torch
+
+    from vitreg.hardware.sdpa import sdpa_context
+
+    saved = []
+
+    def keep(t):
+        saved.append(t.numel() * t.element_size())
+        return t
+
+    with sdpa_context(sdpa), torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+        model(x).sum()
+    return sum(saved)
+
+
+def test_the_floor_counts_attention_scores_where_they_are_materialised():
+    """sdpa=math (or a model that does not fuse attention) keeps heads x tokens x tokens scores per block: the
+    floor counts them, and stays below what such a real step saves; fused attention keeps none."""
+    import torch
+
+    fp = footprint("test_vit", 128, 10)  # 65 tokens
+    scores = 4 * fp.heads * fp.tokens**2 * 2 * fp.depth  # batch 4, half-width bytes, every block
+    assert minimum_bytes(fp, 4, train=True, sdpa="math") - minimum_bytes(fp, 4, train=True) == scores
+    model, _ = create_model("test_vit", 128, 10)
+    x = torch.randn(4, 3, 128, 128)
+    math_saved, fused_saved = _saved_bytes(model, x, "math"), _saved_bytes(model, x, "flash")
+    assert math_saved - fused_saved >= scores  # the real difference (fp32 scores, softmax and dropout kept)
+    assert minimum_bytes(fp, 4, train=True, sdpa="math") - fp.weight_bytes * 4 <= math_saved + x.numel() * 4
+    for block in model.blocks:
+        block.attn.fused_attn = False  # timm's own q @ k.T: the footprint of such a model counts scores always
+    assert _saved_bytes(model, x, "auto") >= math_saved - 1024
+
+
+def test_attention_decides_the_floor_at_large_image_sizes():
+    """test_vit at 4096 px: 65,537 tokens. Fused attention fits 20 GiB at batch 1; the math backend's scores
+    (2 heads x 65,537^2, half-width, in each of 6 blocks: 96 GiB) cannot, refused before anything is allocated."""
+    fp = footprint("test_vit", 4096, 10)
+    check_step_fits(fp, 1, train=True, available=20 * GIB, where="this host")
+    with pytest.raises(VitregError, match=r"train at batch_size=1, img_size=4096 needs at least 9\d\.\d GiB .* "
+                                          r"use a smaller img_size"):
+        check_step_fits(fp, 1, train=True, available=20 * GIB, where="this host", sdpa="math")
+
+
+def test_a_batch_of_100000_is_refused_by_bench_train_before_allocation(sqlite_store):
+    """test_vit (160 px) at batch 100,000: the floor counts what each block keeps for the backward (the
+    residual, q, k, v, the attention output, the MLP's input and hidden), 70 GB of activations, not the
+    one width per token (8 GB) that let such a batch pass to the OOM killer on a large host."""
+    from click.testing import CliRunner
+    from mlflow.tracking import MlflowClient
+
+    from vitreg.cli.main import main
+
+    fp = footprint("test_vit", 0, 1000)
+    assert minimum_bytes(fp, 100_000, train=True) > 64 * GIB  # refused on a 64 GiB host too
+    res = CliRunner().invoke(main, ["bench", "--model", "test_vit", "--task", "train", "--batch-size", "100000",
+                                    "--device", "cpu", "--experiment", "huge-bench"])
+    assert res.exit_code == 2 and "Traceback" not in res.output, (res.output[-2000:], res.exception)
+    (line,) = [line for line in res.output.splitlines() if line.startswith("error:")]
+    assert line.startswith("error: train at batch_size=100000, img_size=160") and "use batch_size=" in line
+    c = MlflowClient()
+    (run,) = c.search_runs([c.get_experiment_by_name("huge-bench").experiment_id])
+    assert run.info.status == "FAILED"
+
+
+def test_an_image_size_past_torchs_integer_range_is_one_line_from_the_cli(sqlite_store):
+    from click.testing import CliRunner
+
+    from vitreg.cli.main import main
+
+    res = CliRunner().invoke(main, ["bench", "--model", "test_vit", "--img-size", str(10**30), "--batch-size", "1",
+                                    "--device", "cpu", "--experiment", "wide"])
+    assert res.exit_code == 2 and "Traceback" not in res.output, (res.output[-2000:], res.exception)
+    assert f"error: img_size={10**30} is past torch's integer range" in res.output

@@ -82,7 +82,7 @@ def tiny_checkpoint(tmp_path_factory):
     """infer's --model-uri: a real test_vit checkpoint (fuzzed too, with garbage instead of it)."""
     from vitreg.config.spec import TrainSpec
     from vitreg.models.factory import create_model
-    from vitreg.train import checkpoint as ckpt
+    from vitreg.checkpoint import format as ckpt
 
     model, info = create_model("test_vit", 32, 10)
     spec = TrainSpec(model="test_vit", img_size=32, num_classes=10, steps=1).to_params()

@@ -21,9 +21,9 @@ import torch
 from click.testing import CliRunner
 
 from conftest import REPO, migrated_store, subprocess_env
-from vitreg.tracking import checkpoints, registry
+from vitreg.tracking import checkpoint_sources, registry
 from vitreg.tracking import runs as tracking
-from vitreg.train.checkpoint import save_checkpoint
+from vitreg.checkpoint.format import save_checkpoint
 from vitreg.errors import VitregError
 from vitreg.models.factory import create_model
 
@@ -146,7 +146,7 @@ def test_register_cli_registers_a_run_checkpoint_after_the_fact(store):
     mv = client().get_model_version_by_alias("tv-later", "best")
     assert mv.run_id == store.run_id and mv.tags["source_run_id"] == store.run_id and mv.tags["step"] == "5"
     assert f"registered models:/tv-later/{mv.version} (@best) from run {store.run_id}" in res.output
-    model, _, _ = checkpoints.load_model("models:/tv-later@best")
+    model, _, _ = checkpoint_sources.load_model("models:/tv-later@best")
     assert weights_equal(model, store.w1)
 
 
@@ -214,7 +214,7 @@ def test_register_refuses_a_tampered_checkpoint(store, tmp_path):
 ])
 def test_pull_rebuilds_the_exact_weights(store, tmp_path, uri, which, version):
     uri = uri.format(run=store.run_id)
-    result = checkpoints.pull(uri, dst=tmp_path / "dl")
+    result = checkpoint_sources.pull(uri, dst=tmp_path / "dl")
     assert weights_equal(result.model, getattr(store, which))
     assert result.info.name == "test_vit" and result.info.img_size == IMG and result.info.num_classes == CLASSES
     assert result.output_shape == (2, CLASSES) and not result.model.training
@@ -227,7 +227,7 @@ def test_pull_rebuilds_the_exact_weights(store, tmp_path, uri, which, version):
 def test_load_model_returns_model_info_and_spec(store):
     from vitreg.tracking.registry import load_model  # the README's import path
 
-    assert load_model is checkpoints.load_model
+    assert load_model is checkpoint_sources.load_model
     model, info, spec = load_model("models:/tv@champion")
     assert weights_equal(model, store.w1) and info.name == spec["model"] == "test_vit" and spec["step"] == 5
 
@@ -241,7 +241,7 @@ def test_pull_refuses_a_tampered_registry_artifact(store, tmp_path):
         data[-100] ^= 0xFF  # same size, one byte flipped in the tensor data
         weights.write_bytes(bytes(data))
         with pytest.raises(VitregError) as exc:
-            checkpoints.pull("models:/tv@champion", dst=tmp_path / "dl")
+            checkpoint_sources.pull("models:/tv@champion", dst=tmp_path / "dl")
         assert "model.safetensors sha256 mismatch" in one_line(exc)
     finally:
         weights.write_bytes(original)
@@ -259,7 +259,7 @@ def test_pull_refuses_a_tampered_registry_artifact(store, tmp_path):
 ])
 def test_pull_errors_name_what_exists(store, tmp_path, uri, needles):
     with pytest.raises(VitregError) as exc:
-        checkpoints.pull(uri.format(run=store.run_id), dst=tmp_path / "dl")
+        checkpoint_sources.pull(uri.format(run=store.run_id), dst=tmp_path / "dl")
     msg = one_line(exc)
     for needle in needles:
         assert needle.format(run=store.run_id) in msg, msg
@@ -288,7 +288,7 @@ def test_pull_cli_out_folder_loads_with_timm_and_safetensors_only(store, tmp_pat
     proc = subprocess.run([sys.executable, "-c", script], cwd=out, capture_output=True, text=True, timeout=120,
                           env={k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_", "PYTHONPATH"))})
     assert proc.returncode == 0, proc.stderr[-2000:]
-    model, _, _ = checkpoints.load_model("models:/tv/1")
+    model, _, _ = checkpoint_sources.load_model("models:/tv/1")
     torch.manual_seed(0)
     x = torch.randn(2, 3, IMG, IMG)
     with torch.no_grad():
@@ -311,7 +311,7 @@ def test_a_checkpoint_that_cannot_be_found_leaves_no_temporary_folder(store, tmp
     """resolve_checkpoint makes a folder for the download; when it raises, it removes that folder too."""
     import tempfile
 
-    from vitreg.tracking.checkpoints import resolve_checkpoint
+    from vitreg.tracking.checkpoint_sources import resolve_checkpoint
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     with pytest.raises(VitregError):

@@ -73,7 +73,7 @@ def test_a_stop_signal_ends_train_killed_with_a_final_checkpoint_and_no_temp_fol
     assert 10 <= reached < 100000
     last = Path(c.download_artifacts(run.info.run_id, "checkpoints/last", str(tmp_path / "last")))
     assert json.loads((last / "spec.json").read_text())["step"] == reached  # the open interval was logged too
-    from vitreg.train.checkpoint import verify_checkpoint
+    from vitreg.checkpoint.format import verify_checkpoint
 
     verify_checkpoint(last)
     results = json.loads(Path(c.download_artifacts(run.info.run_id, "results.json", str(tmp_path))).read_text())

@@ -21,7 +21,7 @@ from click.testing import CliRunner
 from conftest import free_port, migrated_store, subprocess_env
 from vitreg.ddp import world as distributed
 from vitreg.ddp import launcher as launch
-from vitreg.train.checkpoint import verify_checkpoint
+from vitreg.checkpoint.format import verify_checkpoint
 
 TINY = {"model": "test_vit", "img_size": "32", "batch_size": "8", "num_classes": "10", "num_workers": "0",
         "lr": "2e-3", "warmup_steps": "2", "label_smoothing": "0", "device": "cpu"}

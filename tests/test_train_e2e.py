@@ -19,7 +19,7 @@ from click.testing import CliRunner
 from conftest import REPO, migrated_store, subprocess_env
 from vitreg.tracking import runs as tracking
 from vitreg.tracking.store import prepare_store
-from vitreg.train.checkpoint import verify_checkpoint
+from vitreg.checkpoint.format import verify_checkpoint
 from vitreg.cli.train_cmd import train as train_command
 from vitreg.errors import VitregError
 from vitreg.config.spec import TrainSpec
@@ -28,7 +28,7 @@ TINY = ["--model", "test_vit", "--img-size", "32", "--batch-size", "8", "--num-c
         "--lr", "2e-3", "--warmup-steps", "2", "--label-smoothing", "0"]
 
 def cli():
-    group = click.Group()  # the lead registers `train` on vitreg's group; a bare group runs it the same way
+    group = click.Group()  # `train` as vitreg's group registers it; a bare group runs it the same way
     group.add_command(train_command)
     return group
 
@@ -149,8 +149,7 @@ def test_cli_errors_are_one_line_and_fail_the_run(sqlite_store):
 
 
 def test_background_logger_with_a_run_bound_tracker(sqlite_store, monkeypatch):
-    """The threaded path: a Tracker bound to its run id (the tracking.py change proposed to the lead)
-    logs curves and checkpoints from the logger thread into the same run, and nowhere else."""
+    """The threaded path: a Tracker bound to its run id logs curves and checkpoints from the logger thread into the same run, and nowhere else."""
     import mlflow
 
     class RunBoundTracker(tracking.MlflowTracker):

@@ -182,23 +182,25 @@ def test_an_option_is_one_entry_in_options(tmp_path):
     assert "channels_last" in seen["md"].split("## Per configuration")[1].splitlines()[2]
 
 
-def test_a_model_family_is_a_prefix_in_the_factory(monkeypatch, request):
-    """Today's mechanism (vitreg/models/factory.py): a timm family is a name prefix in TIMM_PREFIXES. Taken
-    out, its models are refused in one line before any work; put back, they build and are benchmarked.
-    (The lead adapts this one test when families become adapters registered under a prefix.)"""
+def test_a_model_family_is_one_registration_in_families(monkeypatch):
+    """The row's one file (vitreg/models/families.py): a family is one register_family(...). Without it its
+    models are refused in one line before any work; registered, they build, are read by the memory floor and
+    SDPA check (``architecture``) and are listed in the ``model`` option's help text."""
     from vitreg.errors import VitregError
-    from vitreg.models import factory
+    from vitreg.models import families
+    from vitreg.models.factory import create_model
 
-    request.addfinalizer(factory._timm_names.cache_clear)  # the names listed under the prefixes, kept per process
-    without = tuple(p for p in factory.TIMM_PREFIXES if p != "test_vit")
-    monkeypatch.setattr(factory, "TIMM_PREFIXES", without)
-    factory._timm_names.cache_clear()
-    with pytest.raises(VitregError, match="not a ViT/DeiT"):
-        factory.check_model_name("test_vit", listed_before_ok=False)
-    monkeypatch.setattr(factory, "TIMM_PREFIXES", (*without, "test_vit"))
-    factory._timm_names.cache_clear()
-    model, info = factory.create_model("test_vit", 0)
+    builtin = families.family_of("test_vit")
+    monkeypatch.setattr(builtin, "prefixes", tuple(p for p in builtin.prefixes if p != "test_vit"))
+    with pytest.raises(VitregError, match="no family"):
+        families.family_of("test_vit")
+    added = families.TimmFamily("test_vit")
+    monkeypatch.setattr(families, "_FAMILIES", [*families._FAMILIES, added])
+    assert families.check_name("test_vit", listed_before_ok=False) is added
+    model, info = create_model("test_vit", 0)
     assert info.name == "test_vit" and info.patch_size > 0 and info.params_m > 0
+    assert families.architecture_of(model).tokens > 1
+    assert "test_vit*" in families.names_text()
 
 
 def test_every_file_the_table_names_exists():

@@ -2,7 +2,7 @@
 ``vitreg.compare(...)`` and ``vitreg.runs(...)``.
 
 Each takes the options of the command of the same name (the option table's names, typed values or
-strings) and returns what the command computed: a :class:`~vitreg.bench.runner.BenchResult`, a
+strings) and returns what the command computed: a :class:`~vitreg.bench.results.BenchResult`, a
 :class:`~vitreg.analysis.comparison.Comparison`, the tidy runs frame. Bad input raises
 :class:`~vitreg.errors.VitregError` with the same one-line message the CLI prints. The heavy imports
 (torch, mlflow, pandas) happen inside the calls, so ``import vitreg`` stays cheap.

@@ -13,7 +13,7 @@ import shlex
 import sys
 import tempfile
 
-from vitreg.tracking import checkpoints, naming
+from vitreg.tracking import checkpoint_sources, naming
 from vitreg.tracking import runs as tracking
 from vitreg.tracking.tags import log_setup, log_what_ran, resolved_tags
 from vitreg.console import progress
@@ -50,7 +50,7 @@ def infer(model_uri: str, options: dict, experiment: str | None = None, run_name
         hw = resolve_hardware(pre.gpu, detected, pre.allow_gpu_mismatch)
         runtime = resolve_runtime(pre.amp, pre.compile, pre.compile_backend, detected)
         with tempfile.TemporaryDirectory(prefix="vitreg-infer-") as tmp:
-            pulled = checkpoints.pull(model_uri, dst=tmp, progress=progress)
+            pulled = checkpoint_sources.pull(model_uri, dst=tmp, progress=progress)
         info = pulled.info
         spec = BenchSpec.from_options({**options, "model": info.name, "img_size": info.img_size})
         env = capture_environment()
@@ -75,7 +75,7 @@ def infer(model_uri: str, options: dict, experiment: str | None = None, run_name
         log_what_ran(run, result)
         run.log_dict(result.to_dict(), "results.json")
         run.log_text(report_markdown(result, env, command), "report.md")
-        checkpoints.link_infer_run(pulled, run.run_id, metrics, gpu=hw.label)
+        checkpoint_sources.link_infer_run(pulled, run.run_id, metrics, gpu=hw.label)
         if not run_name:
             run.set_name(name(throughputs={t.task: t.throughput.median for t in result.tasks}))
         run.set_note(naming.run_note(result.to_dict(), ran_on=hw.detected.name if hw.mismatch else None))
@@ -86,7 +86,7 @@ def infer(model_uri: str, options: dict, experiment: str | None = None, run_name
     return result
 
 
-def link_tags(pulled: checkpoints.PullResult) -> dict:
+def link_tags(pulled: checkpoint_sources.PullResult) -> dict:
     """Run tags that point at what was benchmarked."""
     tags = {"vitreg_job": "infer", "model_uri": pulled.uri, "source_run_id": pulled.run_id,
             "checkpoint_step": pulled.spec.get("step")}

@@ -19,9 +19,6 @@ from vitreg.console import progress
 from vitreg.config.options import AUTO_BATCH
 from vitreg.errors import OutOfMemory, VitregError
 
-SWEEP_LISTS = ("models", "amp", "compile", "batch_size")
-
-
 @dataclass(frozen=True)
 class Combination:
     model: str

@@ -69,12 +69,9 @@ class ModelName(_AsTyped, click.types.StringParamType):
     name = "model"
 
     def shell_complete(self, ctx, param, incomplete):
-        import timm
+        from vitreg.models.families import all_names
 
-        from vitreg.models.factory import TIMM_PREFIXES, TORCHVISION_PREFIX, TORCHVISION_VITS
-
-        names = [n for n in timm.list_models() if n.startswith(TIMM_PREFIXES)]
-        names += [TORCHVISION_PREFIX + arch for arch in TORCHVISION_VITS]
+        names = all_names()
         return [CompletionItem(name) for name in names if name.startswith(incomplete)]
 
 

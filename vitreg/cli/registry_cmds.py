@@ -38,7 +38,7 @@ def pull(model_uri, out_dir):
     MODEL_URI: models:/NAME@ALIAS, models:/NAME/VERSION, runs:/RUN_ID/checkpoints/last or a local
     checkpoint folder.
     """
-    from vitreg.tracking.checkpoints import pull as pull_model
+    from vitreg.tracking.checkpoint_sources import pull as pull_model
 
     click.echo(pull_model(model_uri, out_dir=out_dir).describe())
 

@@ -22,6 +22,7 @@ from vitreg.errors import VitregError
 from vitreg.hardware.precision import INFERENCE_ONLY, PRECISION_CHOICES
 from vitreg.hardware.profiles import label_list  # the GPU labels of the help and docs: one table, PROFILES
 from vitreg.hardware.sdpa import SDPA_CHOICES
+from vitreg.models.families import names_text
 
 COMMANDS = ("bench", "infer", "sweep", "train", "compare")
 KINDS = ("str", "int", "float", "bool", "choice", "batch")  # batch: an int >= 1 or "auto"
@@ -172,15 +173,14 @@ OPTIONS: tuple[Option, ...] = (
            doc=f"GPU label: {label_list(code=True)}, or `auto` (detect). An explicit label must match the detected "
                "hardware, or the run is refused before any GPU work.",
            same_work="the hardware a run is filed under: the axis runs are compared along, never pooled over"),
-    Option("model", "str", "vit_base_patch16_224", "timm vit_*/deit_*/deit3_* name, or torchvision:vit_b_16.",
+    Option("model", "str", "vit_base_patch16_224", f"a name of a model family: {names_text()}.",
            ("bench",),
-           doc="any timm `vit_*`, `deit_*`, `deit3_*` name (distilled DeiTs train both heads), or "
-               "`torchvision:vit_b_16` (also `vit_b_32`, `vit_l_16`, `vit_l_32`, `vit_h_14`). Always random "
-               "weights (`pretrained=False`).",
+           doc=f"a name of a model family (vitreg/models/families.py): {names_text(markdown=True)}; distilled DeiTs "
+               "train both heads. Always random weights (`pretrained=False`).",
            identity=True),
     Option("model", "str", "deit_tiny_patch16_224",
-           "timm vit_*/deit_*/deit3_* name (deit_*_distilled_* for distillation), or torchvision:vit_b_16.",
-           ("train",), doc="timm `vit_`/`deit_`/`deit3_` name, `torchvision:vit_b_16`",
+           f"a name of a model family ({names_text()}); deit_*_distilled_* for distillation.",
+           ("train",), doc=f"a name of a model family: {names_text(markdown=True)}",
            identity=True),
     Option("task", "choice", "both", "/".join(TASKS), ("bench", "sweep"), choices=TASKS,
            doc="`infer`, `train` or `both`",
@@ -357,9 +357,8 @@ OPTIONS: tuple[Option, ...] = (
                "forward, loss, backward with DDP's all-reduce and AdamW — is captured in one CUDA graph after 11 "
                "eager steps and the timed iterations are replays, so Python's kernel launches and DDP's host-side "
                "work leave the step. `*_first_call_s` then holds the eager steps and the capture. `compare` shows "
-               "these runs as `compile=<mode>+cudagraph` and scales them from graphed `nproc=1` runs. On two H200s "
-               "(docs/benchmarks.md) it took DeiT-S DDP training (128 per GPU) from 76.7 % scaling efficiency to "
-               "96.5-97.1 %, and to 97.7-98.4 % with `compile=default`",
+               "these runs as `compile=<mode>+cudagraph` and scales them from graphed `nproc=1` runs. What it "
+               "changes on real GPUs: docs/benchmarks.md, \"Whole-step CUDA graphs\"",
            identity=True),
     Option("profile", "bool", False, "true: after the timed windows, a torch.profiler Chrome trace of a few steps "
            "and a top-20 ops table per task (artifacts under profile/).", ("bench", "infer"),

@@ -22,26 +22,6 @@ from vitreg.errors import VitregError
 from vitreg.hardware.precision import check_tasks
 from vitreg.measure.profiling import check_profile_request
 
-# batch: an int, or the one word AUTO_BATCH ("auto") for a searched batch
-_ANNOTATIONS = {"str": "str", "choice": "str", "int": "int", "float": "float", "bool": "bool",
-                "batch": 'int | Literal["auto"]'}
-
-
-def spec_of(command: str):
-    """Class decorator: a frozen dataclass whose fields are ``command``'s spec options, in table order."""
-
-    def build(cls):
-        options = tuple(spec_options(command))
-        cls.__annotations__ = {o.name: _ANNOTATIONS[o.kind] for o in options}
-        for o in options:
-            setattr(cls, o.name, o.default)
-        cls._options = options
-        cls._kind = command
-        return dataclass(frozen=True)(cls)
-
-    return build
-
-
 def check_cuda_graph(amp: str, compile: str = "off", compile_backend: str = "inductor",
                      device_type: str | None = None, amp_resolved: bool = False) -> None:
     """Refuse what a whole-step CUDA graph (``cuda_graph=true``, :mod:`vitreg.measure.graphs`) cannot capture.
@@ -65,10 +45,20 @@ def check_cuda_graph(amp: str, compile: str = "off", compile_backend: str = "ind
 
 
 class _Spec:
-    """What BenchSpec and TrainSpec share: parsing by the table, params for MLflow, construction from dicts."""
+    """What BenchSpec and TrainSpec share: parsing by the table, params for MLflow, construction from dicts.
+
+    A spec class names its command (``command="bench"`` in its bases) and declares that command's spec
+    options as its fields, in table order, their kinds as annotations, their defaults the table's
+    (tests/test_layout.py compares the class bodies with the table).
+    """
 
     _kind = "spec"  # the command whose options are the fields; named in the unknown-option message
     _options: tuple = ()
+
+    def __init_subclass__(cls, command: str = "spec", **kwargs):
+        super().__init_subclass__(**kwargs)
+        cls._kind = command
+        cls._options = tuple(spec_options(command))
 
     def __post_init__(self):
         # Parse in place so Spec(**strings) works for -P values.
@@ -113,14 +103,39 @@ class _Spec:
         return cls(**{k: v for k, v in options.items() if v is not None})
 
 
-@spec_of("bench")
-class BenchSpec(_Spec):
+@dataclass(frozen=True)
+class BenchSpec(_Spec, command="bench"):
     """One benchmark: a model, a batch, a precision, a compile mode, and how long to time it.
 
     ``steps`` iterations make one timed window; ``repeats`` windows give the median and the
     spread. ``warmup`` iterations run first and are never timed into the result (the first of them
     carries compilation when ``compile`` is on, and is reported apart as ``compile_time_s``).
     """
+
+    gpu: str = "auto"
+    model: str = "vit_base_patch16_224"
+    task: str = "both"
+    batch_size: int | Literal["auto"] = "auto"
+    img_size: int = 0
+    amp: str = "auto"
+    sdpa: str = "auto"
+    compile_cache: str = ""
+    compile: str = "off"
+    compile_backend: str = "inductor"
+    warmup: int = 10
+    steps: int = 30
+    repeats: int = 5
+    device: str = "auto"
+    allow_gpu_mismatch: bool = False
+    nproc: int = 1
+    ddp_bucket_mb: float = 25.0
+    ddp_static_graph: bool = False
+    ddp_comm_hook: str = "none"
+    profile_steps: int = 0
+    cuda_graph: bool = False
+    profile: bool = False
+    seed: int = 0
+
 
     def _check(self) -> None:
         check_tasks(self.amp, self.tasks)
@@ -139,8 +154,8 @@ class BenchSpec(_Spec):
         return ("infer", "train") if self.task == "both" else (self.task,)
 
 
-@spec_of("train")
-class TrainSpec(_Spec):
+@dataclass(frozen=True)
+class TrainSpec(_Spec, command="train"):
     """One training run: model, data, optimisation, precision, checkpoints, distillation, registration.
 
     ``steps`` counts optimizer updates; ``steps=0`` trains ``epochs`` passes over the data instead (a
@@ -151,6 +166,44 @@ class TrainSpec(_Spec):
     (built with random weights: vitreg never downloads), a ``models:/`` URI of a registered model,
     or a local checkpoint directory.
     """
+
+    gpu: str = "auto"
+    model: str = "deit_tiny_patch16_224"
+    batch_size: int = 64
+    img_size: int = 0
+    amp: str = "auto"
+    sdpa: str = "auto"
+    compile_cache: str = ""
+    compile: str = "off"
+    compile_backend: str = "inductor"
+    steps: int = 0
+    epochs: int = 1
+    lr: float = 0.0005
+    weight_decay: float = 0.05
+    warmup_steps: int = 10
+    min_lr: float = 1e-05
+    clip_grad: float = 0.0
+    label_smoothing: float = 0.1
+    data: str = "synthetic"
+    num_workers: int = 4
+    num_classes: int = 0
+    log_every: int = 10
+    checkpoint_every: int = 1000
+    resume: str = ""
+    distillation: str = "none"
+    teacher: str = ""
+    distill_alpha: float = 0.5
+    distill_tau: float = 1.0
+    register_as: str = ""
+    alias: str = "latest"
+    device: str = "auto"
+    allow_gpu_mismatch: bool = False
+    nproc: int = 1
+    ddp_bucket_mb: float = 25.0
+    ddp_static_graph: bool = False
+    ddp_comm_hook: str = "none"
+    seed: int = 0
+
 
     def _check(self) -> None:
         if self.steps == 0 and self.epochs == 0:

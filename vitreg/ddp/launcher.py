@@ -330,7 +330,7 @@ def worker_main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    from vitreg import freeze_at_exit
+    from vitreg.signals import freeze_at_exit
 
     freeze_at_exit()  # before the worker's own imports (torch, mlflow): their exit handlers run first
     sys.exit(worker_main(sys.argv[1:]))

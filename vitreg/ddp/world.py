@@ -21,10 +21,6 @@ from dataclasses import dataclass, field
 from vitreg.errors import VitregError
 from vitreg.measure.metrics import combine
 
-# The variables torchrun sets in every worker (LOCAL_RANK is the one plain processes never have).
-TORCHRUN_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-
-
 @dataclass(frozen=True)
 class World:
     """Where this process sits in the job. ``World()`` is a plain, single process."""
@@ -191,7 +187,7 @@ def ddp_wrap(model, world: World, *, bucket_cap_mb: float | None = None, gradien
 
 @dataclass(frozen=True)
 class RankFigures:
-    """One task's raw figures on one rank, before reduction (units as in :class:`vitreg.bench.runner.TaskResult`)."""
+    """One task's raw figures on one rank, before reduction (units as in :class:`vitreg.bench.results.TaskResult`)."""
 
     throughputs: tuple  # img/s of this rank, one per timed window
     iter_ms: tuple  # ms per iteration, every iteration of every window, in order
@@ -348,7 +344,7 @@ def reduce_train_figures(per_rank: list[dict]) -> dict:
 
 @dataclass
 class TrainReducer:
-    """What the training loop needs from DDP (``engine.train(..., reducer=...)``), as one object.
+    """What the training loop needs from DDP (``vitreg.train.loop.train(..., reducer=...)``), as one object.
 
     - :meth:`interval` at a log boundary: ONE all-reduce of two numbers, the interval's mean loss
       and img/s of this rank; returns the job's mean loss and summed img/s. Never called per step:

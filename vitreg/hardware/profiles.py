@@ -26,7 +26,6 @@ class GpuProfile:
     label: str
     name: str  # human name, e.g. "NVIDIA A100 40GB (SXM)"
     peak_tflops: dict = field(default_factory=dict)  # dtype -> dense TFLOP/s
-    memory_gb: float | None = None
     compute_capability: str | None = None
     patterns: tuple = ()  # regexes over the NVML / torch device name, most specific first
 
@@ -41,12 +40,6 @@ class GpuProfile:
             return "off"
         return "bf16" if self.supports_bf16 else "fp16"
 
-    def peak_for(self, amp: str, tf32: bool = False) -> float | None:
-        """Dense peak TFLOP/s of the units the active precision runs on, or None."""
-        if amp in ("bf16", "fp16"):
-            return self.peak_tflops.get(amp)
-        return self.peak_tflops.get("tf32" if tf32 else "fp32")
-
 
 # Adding a GPU is one entry here: its label, name, dense peaks per dtype, memory, compute capability and the
 # pattern that detects it. The gpu option's help, the README and MLproject text list the labels from here.
@@ -55,23 +48,23 @@ class GpuProfile:
 PROFILES: dict[str, GpuProfile] = {
     p.label: p
     for p in [
-        GpuProfile("v100", "NVIDIA V100 (SXM2)", {"fp16": 125.0, "fp32": 15.7}, 32, "7.0", (r"v100",)),
-        GpuProfile("t4", "NVIDIA T4", {"fp16": 65.0, "fp32": 8.1}, 16, "7.5", (r"\bt4\b",)),
+        GpuProfile("v100", "NVIDIA V100 (SXM2)", {"fp16": 125.0, "fp32": 15.7}, "7.0", (r"v100",)),
+        GpuProfile("t4", "NVIDIA T4", {"fp16": 65.0, "fp32": 8.1}, "7.5", (r"\bt4\b",)),
         GpuProfile("a100", "NVIDIA A100 40GB", {"bf16": 312.0, "fp16": 312.0, "tf32": 156.0, "fp32": 19.5},
-                   40, "8.0", (r"a100(?!.*80)",)),
+                   "8.0", (r"a100(?!.*80)",)),
         GpuProfile("a100-80gb", "NVIDIA A100 80GB", {"bf16": 312.0, "fp16": 312.0, "tf32": 156.0, "fp32": 19.5},
-                   80, "8.0", (r"a100.*80",)),
-        GpuProfile("l4", "NVIDIA L4", {"bf16": 121.0, "fp16": 121.0, "tf32": 60.0, "fp32": 30.3}, 24, "8.9",
+                   "8.0", (r"a100.*80",)),
+        GpuProfile("l4", "NVIDIA L4", {"bf16": 121.0, "fp16": 121.0, "tf32": 60.0, "fp32": 30.3}, "8.9",
                    (r"\bl4\b",)),
         GpuProfile("rtx4090", "NVIDIA GeForce RTX 4090", {"bf16": 165.2, "fp16": 165.2, "tf32": 82.6, "fp32": 82.6},
-                   24, "8.9", (r"rtx\s*4090",)),
+                   "8.9", (r"rtx\s*4090",)),
         GpuProfile("h100-pcie", "NVIDIA H100 PCIe", {"bf16": 756.0, "fp16": 756.0, "tf32": 378.0, "fp32": 51.0},
-                   80, "9.0", (r"h100.*pcie",)),
+                   "9.0", (r"h100.*pcie",)),
         GpuProfile("h100", "NVIDIA H100 SXM", {"bf16": 989.4, "fp16": 989.4, "tf32": 494.7, "fp32": 66.9},
-                   80, "9.0", (r"h100",)),
+                   "9.0", (r"h100",)),
         GpuProfile("h200", "NVIDIA H200 SXM", {"bf16": 989.4, "fp16": 989.4, "tf32": 494.7, "fp32": 66.9},
-                   141, "9.0", (r"h200",)),
-        GpuProfile("cpu", "CPU", {}, None, None, ()),
+                   "9.0", (r"h200",)),
+        GpuProfile("cpu", "CPU", {}, None, ()),
     ]
 }
 
@@ -106,7 +99,7 @@ def match_profile(device_name: str) -> GpuProfile:
         if any(re.search(p, lowered) for p in profile.patterns):
             return profile
     slug = re.sub(r"[^a-z0-9]+", "-", lowered.replace("nvidia", "")).strip("-") or "unknown-gpu"
-    return GpuProfile(slug, device_name, {}, None, None, ())
+    return GpuProfile(slug, device_name, {}, None, ())
 
 
 def detect_hardware(device: str = "auto") -> DetectedHardware:
@@ -159,13 +152,5 @@ def resolve_hardware(requested: str, detected: DetectedHardware, allow_mismatch:
             f"gpu={requested} does not match the detected hardware {detected.name!r}{what}: "
             f"use gpu={detected.profile.label} or gpu=auto (or allow_gpu_mismatch=true to file it as {label} anyway)"
         )
-    profile = PROFILES.get(label, GpuProfile(label, label, {}, None, None, ()))
+    profile = PROFILES.get(label, GpuProfile(label, label, {}, None, ()))
     return ResolvedHardware(label, profile, detected, True)
-
-
-def mfu(achieved_tflops: float, profile: GpuProfile, amp: str, tf32: bool = False) -> float | None:
-    """Model FLOP utilisation: achieved over dense datasheet peak for the active dtype (None if unknown)."""
-    peak = profile.peak_for(amp, tf32)
-    if not peak:
-        return None
-    return achieved_tflops / peak

@@ -14,7 +14,8 @@ import functools
 from dataclasses import astuple, dataclass, fields
 
 from vitreg.errors import VitregError
-from vitreg.models import known
+from vitreg.models import timm_cache
+from vitreg.models.families import check_name
 
 GIB = 1024**3
 FP32_BYTES = 4
@@ -23,60 +24,80 @@ HALF_BYTES = 2  # activations are at least bf16/fp16 wide
 
 @dataclass(frozen=True)
 class Footprint:
-    """Sizes of a model at one resolution, read from a weightless instance."""
+    """Sizes of a model at one resolution, read from a weightless instance (its family's
+    :class:`~vitreg.models.families.Architecture`, with the parameter count)."""
 
     params: int
-    tokens: int  # sequence length: patches + class/distillation tokens
+    tokens: int  # sequence length: patches + class/distillation/register tokens
     width: int  # embedding dimension
     depth: int  # transformer blocks
     img_size: int
+    hidden: int  # the MLP's width
+    heads: int
+    fused: int  # 1: attention runs through F.scaled_dot_product_attention (no tokens x tokens matrix needed)
 
     @property
     def weight_bytes(self) -> int:
         return self.params * FP32_BYTES
 
 
+#: The largest tensor torch can index: element counts are int64.
+TORCH_MAX_ELEMENTS = 2**63 - 1
+
+
+def checked_size(name: str, img_size: int):
+    """``(family, size, patch_size)`` for building ``name`` at ``img_size`` (0: its default), refusing in one
+    line a name no family builds, a size the patch grid does not divide, or one past torch's integer range."""
+    family = check_name(name, listed_before_ok=False)
+    size = img_size or family.default_size(name)
+    if 3 * size * size > TORCH_MAX_ELEMENTS:
+        raise VitregError(f"img_size={size} is past torch's integer range (a 3 x {size} x {size} image has more "
+                          f"than 2^63 elements): use a smaller img_size (0 = the model's default)")
+    patch = family.patch_size(name)
+    if size % patch:
+        lower, upper = size // patch * patch, (size // patch + 1) * patch
+        options = " or ".join(str(s) for s in (lower, upper) if s >= patch)
+        raise VitregError(f"img_size={size} is not a multiple of {name}'s patch size {patch}: use img_size={options}")
+    return family, size, patch
+
+
 @functools.lru_cache(maxsize=64)  # a job asks several times (the model, the batch, the processes)
 def footprint(name: str, img_size: int = 0, num_classes: int = 1000) -> Footprint:
-    """Build ``name`` on the meta device (no memory) and read its sizes; refuses bad names/sizes as create_model does."""
+    """Build ``name`` on the meta device (no memory) and read its sizes; refuses bad names/sizes as
+    create_model does."""
     import torch
 
-    from vitreg.models.factory import build
-
+    family, size, _patch = checked_size(name, img_size)
     try:
         with torch.device("meta"):
-            model, _source, size, patch = build(name, img_size, num_classes)
-    except RuntimeError as exc:  # even a weightless tensor's size must fit 64 bits
-        if "overflow" not in str(exc).lower():
-            raise
-        raise VitregError(f"{name} at img_size={img_size} (num_classes={num_classes}) has tensors too large to "
-                          f"address (their sizes overflow 64 bits): use a smaller img_size (0 = the model's "
+            model = family.build(name, size, num_classes)
+    except (RuntimeError, OverflowError, ValueError) as exc:  # even a weightless tensor's size must fit 64 bits
+        raise VitregError(f"{name} at img_size={size} (num_classes={num_classes}) cannot be built "
+                          f"({' '.join(str(exc).split())[:120]}): use a smaller img_size (0 = the model's "
                           f"default) or num_classes") from None
-    width = int(getattr(model, "embed_dim", 0) or getattr(model, "hidden_dim", 0))
-    blocks = getattr(model, "blocks", None)
-    depth = len(blocks) if blocks is not None else len(model.encoder.layers)
-    extra = 1 + int(getattr(model, "dist_token", None) is not None)
+    arch = family.architecture(model)
+    fused = all(getattr(m, "fused_attn", True) for m in model.modules())  # timm's switch; torchvision's MHA fuses
     params = sum(p.numel() for p in model.parameters())
-    measured = Footprint(params, (size // patch) ** 2 + extra, width, depth, size)
-    _remember(_known_key(name, img_size, num_classes), measured)
+    measured = Footprint(params, arch.tokens, arch.width, arch.depth, size, arch.hidden, arch.heads, int(fused))
+    _remember(_cache_key(name, img_size, num_classes), measured)
     return measured
 
 
-def _known_key(name: str, img_size: int, num_classes: int) -> str:
+def _cache_key(name: str, img_size: int, num_classes: int) -> str:
     return f"footprint:{name}:{img_size}:{num_classes}"
 
 
 def _remember(key: str, measured: Footprint) -> None:
-    if known.sizes(key) != astuple(measured):
-        known.keep(sizes={key: astuple(measured)})
+    if timm_cache.sizes(key) != astuple(measured):
+        timm_cache.keep(sizes={key: astuple(measured)})
 
 
 def check_ranks_fit(nproc: int, name: str, img_size: int, num_classes: int, device_type: str) -> None:
     """:func:`check_nproc_fits` for a launcher, which builds no model: from the footprint an earlier process
-    measured for this timm install (:mod:`vitreg.models.known`; no timm import), else from the model. A
+    measured for this timm install (:mod:`vitreg.models.timm_cache`; no timm import), else from the model. A
     refusal is always made from the model itself: an edited cache file can never refuse a job."""
-    key = _known_key(name, img_size, num_classes)
-    kept = known.sizes(key)
+    key = _cache_key(name, img_size, num_classes)
+    kept = timm_cache.sizes(key)
     if kept is not None and len(kept) == len(fields(Footprint)):
         try:
             return check_nproc_fits(nproc, Footprint(*kept), device_type)
@@ -87,13 +108,24 @@ def check_ranks_fit(nproc: int, name: str, img_size: int, num_classes: int, devi
     check_nproc_fits(nproc, measured, device_type)
 
 
-def minimum_bytes(fp: Footprint, batch_size: int, train: bool) -> int:
+def minimum_bytes(fp: Footprint, batch_size: int, train: bool, sdpa: str = "auto") -> int:
     """The floor of one step's memory: weights (+ gradients and AdamW's two moments when training), the
-    fp32 input batch, and the block outputs that must be alive together (one in inference, every block's
-    in training, which keeps them for the backward pass)."""
+    fp32 input batch, and the activations that must be alive together.
+
+    Inference holds one block's at a time: the residual stream beside the attention's q, k and v, or
+    beside the MLP's hidden layer, whichever is larger. Training keeps, for the backward pass, every
+    block's inputs of its linear layers and of attention (the residual, q, k, v, the attention output,
+    the MLP's input and hidden: 6 widths and one hidden per token). Attention as plain matmuls (a
+    model that does not fuse it, or ``sdpa=math``) also materialises heads x tokens x tokens scores
+    per image: in one block when inferring, kept in every block when training. That term grows with the
+    fourth power of the image side and decides at large image sizes.
+    """
     weights = fp.weight_bytes * (4 if train else 1)
     inputs = batch_size * 3 * fp.img_size**2 * FP32_BYTES
-    activation = batch_size * fp.tokens * fp.width * HALF_BYTES
+    per_token = 6 * fp.width + fp.hidden if train else max(4 * fp.width, fp.width + fp.hidden)
+    activation = batch_size * fp.tokens * per_token * HALF_BYTES
+    if not fp.fused or sdpa == "math":
+        activation += batch_size * fp.heads * fp.tokens**2 * HALF_BYTES
     return weights + inputs + activation * (fp.depth if train else 1)
 
 
@@ -110,15 +142,16 @@ def check_host_fits(fp: Footprint, what: str, available: int | None = None) -> N
                           f"model's default)")
 
 
-def check_step_fits(fp: Footprint, batch_size: int, train: bool, available: int, where: str) -> None:
+def check_step_fits(fp: Footprint, batch_size: int, train: bool, available: int, where: str,
+                    sdpa: str = "auto") -> None:
     """Refuse a batch whose floor (:func:`minimum_bytes`) exceeds ``available`` bytes on ``where``."""
-    need = minimum_bytes(fp, batch_size, train)
+    need = minimum_bytes(fp, batch_size, train, sdpa)
     if need <= available:
         return
     fits = batch_size
-    while fits > 1 and minimum_bytes(fp, fits, train) > available:
+    while fits > 1 and minimum_bytes(fp, fits, train, sdpa) > available:
         fits //= 2
-    hint = f"batch_size={fits} or less" if minimum_bytes(fp, fits, train) <= available else "a smaller img_size"
+    hint = f"batch_size={fits} or less" if minimum_bytes(fp, fits, train, sdpa) <= available else "a smaller img_size"
     raise VitregError(f"{'train' if train else 'infer'} at batch_size={batch_size}, img_size={fp.img_size} needs at "
                       f"least {_gib(need)} but {where} has {_gib(available)} free: use {hint}")
 
@@ -130,12 +163,13 @@ PROCESS_BASELINE_BYTES = 300 * 1024**2
 
 
 def check_batch_fits(model, batch_size: int, tasks, device_type: str, device_index: int = 0,
-                     available: int | None = None) -> None:
+                     available: int | None = None, sdpa: str = "auto") -> None:
     """Refuse a batch whose step cannot fit the device it runs on, before anything is allocated.
 
     ``model``: a :class:`Footprint`, a ``ModelInfo`` (its name, img_size and num_classes) or a model
     name (its default size). ``tasks``: ``"infer"`` and/or ``"train"``; the dearer one decides.
-    ``available``: free bytes (default: what the device reports now).
+    ``available``: free bytes (default: what the device reports now). ``sdpa``: the run's backend
+    (``math`` materialises the attention scores).
     """
     fp = _footprint_of(model)
     if available is None:
@@ -143,7 +177,7 @@ def check_batch_fits(model, batch_size: int, tasks, device_type: str, device_ind
     else:
         free, where = available, f"GPU {device_index}" if device_type == "cuda" else "this host"
     for task in tasks:
-        check_step_fits(fp, batch_size, task == "train", free, where)
+        check_step_fits(fp, batch_size, task == "train", free, where, sdpa)
 
 
 def check_nproc_fits(nproc: int, model, device_type: str, available: int | None = None) -> None:

@@ -27,7 +27,7 @@ from pathlib import Path
 from vitreg import errors
 from vitreg.config.parse import parse_float
 from vitreg.errors import StoreError, VitregError
-from vitreg.tracking.lazy import mlflow
+from vitreg.tracking.mlflow_on_first_use import mlflow
 from vitreg.tracking.spool import MAX_METRICS, MAX_PARAMS, MAX_TAGS, Spool
 from vitreg.tracking.uris import redact
 

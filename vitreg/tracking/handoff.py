@@ -105,7 +105,7 @@ class HandoffTracker(Tracker):
     def log_artifacts(self, path, artifact_path=None):
         self._write("log_artifacts", path=self._keep(path), artifact_path=artifact_path)
 
-    def register_checkpoint(self, checkpoint_dir, name, alias, tags):
+    def hand_back_registration(self, checkpoint_dir, name, alias, tags):
         """Registration is the launcher's, after the replay (the version reads the run's figures)."""
         self._write("register_checkpoint", path=self._keep(checkpoint_dir), name=name, alias=alias, tags=tags)
         return None

@@ -9,7 +9,7 @@ checkpoint of a run still training, resumed elsewhere), its own end sets the sta
 
 from __future__ import annotations
 
-from vitreg.tracking.lazy import mlflow
+from vitreg.tracking.mlflow_on_first_use import mlflow
 from vitreg.tracking.runs import ERROR_TAG
 
 RESUMED_FROM_TAG = "vitreg_resumed_from"  # on the new run: the run id of the checkpoint it continues

@@ -5,9 +5,9 @@ A registered version is self-contained. It holds two things:
 - the MLflow ``pytorch`` flavor (pt2, ``torch.export``), so the MLflow UI, ``mlflow models serve``
   and pyfunc work as usual;
 - the vitreg checkpoint itself (``model.safetensors``, ``spec.json``, ``manifest.json``) in the
-  logged model's ``extra_files/``, which :func:`vitreg.tracking.checkpoints.pull` reads back.
+  logged model's ``extra_files/``, which :func:`vitreg.tracking.checkpoint_sources.pull` reads back.
 
-``pull`` and ``load_model`` live in :mod:`vitreg.tracking.checkpoints`, with the resolver of
+``pull`` and ``load_model`` live in :mod:`vitreg.tracking.checkpoint_sources`, with the resolver of
 checkpoint URIs; they are importable from here too, as the README shows.
 """
 
@@ -15,14 +15,16 @@ from __future__ import annotations
 
 import re
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
+from vitreg.checkpoint import format as ckpt
+from vitreg.checkpoint.export import stage_files
 from vitreg.console import progress
 from vitreg.errors import VitregError
-from vitreg.tracking.checkpoints import CHECKPOINT_TAG, first_line, mlflow_call, resolve_checkpoint, stage_files
-from vitreg.tracking.checkpoints import load_model, pull  # noqa: F401  (the README's import path)
-from vitreg.tracking.lazy import mlflow
-from vitreg.train import checkpoint as ckpt
+from vitreg.tracking.checkpoint_sources import CHECKPOINT_TAG, first_line, mlflow_call, resolve_checkpoint
+from vitreg.tracking.checkpoint_sources import load_model, pull  # noqa: F401  (the README's import path)
+from vitreg.tracking.mlflow_on_first_use import mlflow
 
 #: Batch of the pt2 input example. A batch of 1 makes torch.export specialise the batch dimension to
 #: the constant 1 (the served model would take one image at a time); 2 keeps it dynamic.
@@ -51,6 +53,9 @@ def register_checkpoint(tracker, checkpoint_dir, name: str, alias: str | None = 
     whose versions are another architecture. Ranks other than 0 (a NullTracker) register nothing and
     get ``None``.
     """
+    check_on_server = getattr(tracker, "check_on_server", None)  # a spooling tracker may hold the run locally
+    if check_on_server is not None:
+        check_on_server(name)
     if not tracker.run_id:  # a rank that does not log (NullTracker)
         return None
     _check_alias(alias)
@@ -63,8 +68,9 @@ def register_checkpoint(tracker, checkpoint_dir, name: str, alias: str | None = 
         model, info, spec = ckpt.load_model(checkpoint)
         _check_owner(client, name, spec["model"])
         try:
-            mv, moved_from = _log_and_register(client, tracker, model, info, spec, checkpoint, source, name, alias,
-                                               tags, input_example_size, Path(tmp) / "stage", progress)
+            request = _Request(name, alias, tags, source, input_example_size)
+            mv, moved_from = _log_and_register(client, tracker, (model, info, spec), checkpoint, request,
+                                               Path(tmp) / "stage", progress)
         except mlflow.exceptions.MlflowException as exc:
             raise VitregError(f"could not register {name!r} at {mlflow.get_tracking_uri()}: {first_line(exc)}") \
                 from None
@@ -76,14 +82,28 @@ def register_checkpoint(tracker, checkpoint_dir, name: str, alias: str | None = 
     return mv
 
 
-def _log_and_register(client, tracker, model, info, spec, checkpoint, source, name, alias, tags,
-                      input_example_size, stage: Path, progress):
-    """The pt2 model with the checkpoint files under the run, its version, the alias; ``(version, moved_from)``."""
+@dataclass(frozen=True)
+class _Request:
+    """One registration: the version's model name, alias and tags, the checkpoint as the caller named it."""
+
+    name: str
+    alias: str | None
+    tags: dict | None
+    source: str
+    input_example_size: int | None
+
+
+def _log_and_register(client, tracker, loaded: tuple, checkpoint, request: _Request, stage: Path, progress):
+    """The pt2 model with the checkpoint files under the run, its version, the alias; ``(version, moved_from)``.
+
+    ``loaded``: ``(model, info, spec)`` as :func:`vitreg.checkpoint.format.load_model` rebuilt them."""
     import mlflow.pytorch  # the flavor module (imports torch.export machinery): only when registering
     import numpy as np
 
+    model, info, spec = loaded
+    name, alias = request.name, request.alias
     staged = stage_files(checkpoint, stage)
-    side = int(input_example_size or info.img_size)
+    side = int(request.input_example_size or info.img_size)
     example = np.random.default_rng(0).standard_normal((EXAMPLE_BATCH, 3, side, side), dtype=np.float32)
     progress(f"logging {spec['model']} ({info.params_m:.1f} M params) as an MLflow pytorch model (pt2) "
              f"under run {tracker.run_id} ...")
@@ -93,7 +113,7 @@ def _log_and_register(client, tracker, model, info, spec, checkpoint, source, na
         # MLflow would reload the pt2 and serve the example (~half the time), and only warn on failure
         validate_serving_input=False,
         metadata={CHECKPOINT_TAG: checkpoint.manifest["format"], "vitreg_model": spec["model"]})
-    version_tags = _version_tags(client, tracker.run_id, spec, info, checkpoint, source, tags)
+    version_tags = _version_tags(client, tracker.run_id, spec, info, checkpoint, request.source, request.tags)
     mv = mlflow.register_model(logged.model_uri, name, tags=version_tags)
     _tag_registered_model(client, name, spec["model"])
     moved_from = None

@@ -1,6 +1,6 @@
 """The MLflow side of vitreg: runs, params, tags, batched metrics, artifacts, search.
 
-Only :mod:`vitreg.tracking` reaches mlflow, and only through :mod:`vitreg.tracking.lazy` (imported on
+Only :mod:`vitreg.tracking` reaches mlflow, and only through :mod:`vitreg.tracking.mlflow_on_first_use` (imported on
 first use: DDP ranks never pay for it). Runners and training loops return typed results; this layer logs
 them, outside any timed region.
 
@@ -29,7 +29,7 @@ from vitreg.ddp.world import is_main_process
 from vitreg.errors import StoreError, VitregError
 from vitreg.signals import interrupted_reason
 from vitreg.tracking.delivery import ERROR_KIND_TAG, ERROR_TAG, first_line, short_http_requests, store_errors
-from vitreg.tracking.lazy import mlflow
+from vitreg.tracking.mlflow_on_first_use import mlflow
 from vitreg.tracking.spool import offline_mode
 from vitreg.tracking.spooling import open_run, sync_hint
 from vitreg.tracking.store import prepare_store
@@ -71,7 +71,6 @@ class Tracker(Protocol):
     def log_artifact(self, path, artifact_path: str | None = None) -> None: ...
     def log_artifacts(self, path, artifact_path: str | None = None) -> None: ...
     def set_note(self, text: str) -> None: ...
-    def register_checkpoint(self, checkpoint_dir, name: str, alias: str | None, tags: dict): ...
 
     def artifact_uri(self, path: str = "") -> str:
         return f"runs:/{self.run_id}/{path}" if path else f"runs:/{self.run_id}"
@@ -157,12 +156,6 @@ class MlflowTracker(Tracker):
         """The run's description in the MLflow UI (MLflow's own ``mlflow.note.content`` tag)."""
         self._client.set_tag(self.run_id, "mlflow.note.content", text)
 
-    def register_checkpoint(self, checkpoint_dir, name: str, alias: str | None, tags: dict):
-        """A new version of registered model ``name`` from ``checkpoint_dir``, logged under this run."""
-        from vitreg.tracking.registry import register_checkpoint
-
-        return register_checkpoint(self, checkpoint_dir, name, alias, tags)
-
 
 class NullTracker(Tracker):
     """What ranks that do not log get: the same calls, doing nothing."""
@@ -202,9 +195,6 @@ class NullTracker(Tracker):
 
     def set_note(self, text):
         pass
-
-    def register_checkpoint(self, checkpoint_dir, name, alias, tags):
-        return None
 
 
 def note_skipped_params(skipped: dict, progress) -> None:

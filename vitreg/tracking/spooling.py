@@ -18,7 +18,7 @@ import time
 
 from vitreg.console import progress
 from vitreg.tracking.delivery import Delivery, experiment_id_for, first_line, short_http_requests, store_errors
-from vitreg.tracking.lazy import mlflow
+from vitreg.tracking.mlflow_on_first_use import mlflow
 from vitreg.tracking.spool import Spool, flush_timeout_s, offline_mode
 from vitreg.tracking.stale import heartbeat_period_s
 
@@ -164,18 +164,17 @@ class SpoolingTracker:
             self._wake.set()
             time.sleep(0.05)
 
-    def register_checkpoint(self, checkpoint_dir, name: str, alias: str | None, tags: dict):
-        """Register once the run's files are on the server (the version points at them); a run still in the
-        spool cannot be registered yet: one line says how to do it after ``vitreg sync``."""
+    def check_on_server(self, name: str) -> None:
+        """Before registering ``name`` from this run: wait until the run's files are on the server (the
+        version points at them); a run still in the spool cannot be registered yet, one line says how to
+        do it after ``vitreg sync``."""
         from vitreg.errors import VitregError
-        from vitreg.tracking.registry import register_checkpoint
 
         if not self.wait_delivered(flush_timeout_s(None)):
             raise VitregError(f"cannot register {name!r} yet: the run is not on the tracking server "
                               f"({self._last_error or 'offline'}); deliver it with `vitreg sync --spool "
                               f"{self.spool.path}`, then `vitreg register {self.artifact_uri('checkpoints/last')} "
                               f"--name {name}`")
-        return register_checkpoint(self, checkpoint_dir, name, alias, tags)
 
     # ----------------------------------------------------------------- the end
 

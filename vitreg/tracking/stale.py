@@ -18,7 +18,7 @@ import time
 from vitreg.config.parse import parse_float
 from vitreg.errors import VitregError
 from vitreg.tracking.delivery import ERROR_TAG, HEARTBEAT_TAG, short_http_requests, store_errors
-from vitreg.tracking.lazy import mlflow
+from vitreg.tracking.mlflow_on_first_use import mlflow
 
 DEFAULT_HEARTBEAT_S = 30.0
 DEFAULT_STALE_AFTER_S = 600.0

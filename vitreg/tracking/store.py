@@ -15,7 +15,7 @@ from pathlib import Path
 
 from vitreg.errors import StoreError
 from vitreg.tracking.delivery import first_line
-from vitreg.tracking.lazy import mlflow
+from vitreg.tracking.mlflow_on_first_use import mlflow
 
 
 def sqlite_path(uri: str) -> Path | None:

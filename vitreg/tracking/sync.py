@@ -13,7 +13,7 @@ from pathlib import Path
 
 from vitreg.errors import VitregError
 from vitreg.tracking.delivery import Delivery, first_line, short_http_requests
-from vitreg.tracking.lazy import mlflow
+from vitreg.tracking.mlflow_on_first_use import mlflow
 from vitreg.tracking.spool import Spool, SpoolBusy, held, spool_root
 from vitreg.tracking.uris import redact
 

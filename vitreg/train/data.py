@@ -152,10 +152,14 @@ class FolderData:
 
     kind = "folder"
 
-    def __init__(self, root, img_size: int, batch_size: int, device, num_workers: int = 4, seed: int = 0,
-                 rank: int = 0, world_size: int = 1, model=None, num_classes: int = 0, sampler_factory=None):
+    def __init__(self, spec, info, device, model=None, rank: int = 0, world_size: int = 1, sampler_factory=None):
+        """``spec``: the TrainSpec (its data folder, batch_size, num_workers, seed, num_classes); ``info``: the
+        model's ModelInfo (its img_size, and its num_classes where the spec leaves it to the data)."""
         import torch
         from torchvision import datasets
+
+        root, img_size, batch_size = spec.data, info.img_size, spec.batch_size
+        num_workers, seed, num_classes = spec.num_workers, spec.seed, spec.num_classes or info.num_classes
 
         self.root = Path(root).expanduser()
         train_dir, val_dir = _check_layout(self.root)
@@ -228,9 +232,6 @@ def _decoded(loader):
         raise UndecodableImage.from_loader(exc) from None
 
 
-_IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
-
-
 def _class_dirs(path: Path) -> list[Path]:
     return sorted(p for p in path.iterdir() if p.is_dir() and not p.name.startswith("."))
 
@@ -271,8 +272,7 @@ def build_data(spec, info, device, model=None, rank: int = 0, world_size: int = 
     if spec.synthetic:
         num_classes = spec.num_classes or SYNTHETIC_DEFAULT_CLASSES
         return SyntheticData(num_classes, info.img_size, spec.batch_size, device, spec.seed, rank, world_size)
-    return FolderData(spec.data, info.img_size, spec.batch_size, device, spec.num_workers, spec.seed, rank,
-                      world_size, model=model, num_classes=spec.num_classes or info.num_classes,
+    return FolderData(spec, info, device, model=model, rank=rank, world_size=world_size,
                       sampler_factory=sampler_factory)
 
 

@@ -15,7 +15,7 @@ Those calls go through one background thread (in order) when the tracker is boun
 would open a new run); otherwise they run inline at the log boundary, still outside any timed step.
 
 Checkpoint sources (``resume=``, ``teacher=``) go through the one resolver,
-:func:`vitreg.tracking.checkpoints.resolve_checkpoint`; registration (``register_as``) through
+:func:`vitreg.tracking.checkpoint_sources.resolve_checkpoint`; registration (``register_as``) through
 :mod:`vitreg.train.registration`.
 
 DDP (``nproc > 1``), as ``bench`` does it: the process the user started becomes the launcher
@@ -50,7 +50,7 @@ from vitreg.hardware.profiles import detect_hardware, resolve_hardware
 from vitreg.hardware.runtime import resolve_runtime, run_context
 from vitreg.models.factory import check_model_name, create_model
 from vitreg.models.memory import check_batch_fits, check_ranks_fit
-from vitreg.tracking import checkpoints, lineage, naming
+from vitreg.tracking import checkpoint_sources, lineage, naming
 from vitreg.tracking import runs as tracking
 from vitreg.tracking.tags import label_launcher_run, resolved_tags, world_tags
 from vitreg.train.progress import Progress
@@ -63,12 +63,12 @@ from vitreg.train.run_logger import CHECKPOINT_ARTIFACTS, CheckpointUploader, Ru
 
 def resolve_checkpoint_source(source: str, dst=None, progress=progress):
     """The verified checkpoint ``resume=`` names (a runs:/ or models:/ one downloaded into ``dst``)."""
-    return checkpoints.resolve_checkpoint(source, dst, what="resume", progress=progress).checkpoint
+    return checkpoint_sources.resolve_checkpoint(source, dst, what="resume", progress=progress).checkpoint
 
 
 def teacher_loader(uri: str):
     """The teacher model a ``teacher=`` URI names, downloaded into a folder that goes once it is loaded."""
-    model, _, _ = checkpoints.load_model(uri)
+    model, _, _ = checkpoint_sources.load_model(uri)
     return model
 
 
@@ -108,7 +108,7 @@ def _flops_metrics(model, info, runtime) -> dict:
 def train(options: dict, experiment: str | None = None, run_name: str | None = None, progress=progress,
           command: str | None = None, *, sampler_factory=None, nnodes: int = 1, node_rank: int = 0,
           rdzv_endpoint: str | None = None):
-    """Train one model and log it as one MLflow run; returns the engine's TrainResult.
+    """Train one model and log it as one MLflow run; returns the loop's TrainResult.
 
     ``nproc > 1`` (or ``nnodes > 1``) launches torchrun (see the module docstring) and returns None
     in this launching process; ``nnodes``/``node_rank``/``rdzv_endpoint`` spread the job over

@@ -47,11 +47,11 @@ from typing import Callable
 
 import torch
 
+from vitreg.checkpoint import format as ckpt
 from vitreg.console import progress
 from vitreg.errors import VitregError, out_of_memory_as_error
 from vitreg.measure.timing import summarize, synchronize
 from vitreg.signals import interrupted_reason
-from vitreg.train import checkpoint as ckpt
 from vitreg.train.clock import StepClock
 from vitreg.train.evaluation import evaluate, grad_norm
 from vitreg.train.losses import build_criterion, check_distillable, create_teacher
@@ -157,7 +157,7 @@ def train(spec, runtime, model, info, *, data=None, teacher=None, teacher_loader
     ``data`` defaults to :func:`vitreg.train.data.build_data`; ``teacher`` to
     :func:`vitreg.train.losses.create_teacher` when the spec distills. ``checkpoint_dir``: where
     ``step-<N>/`` checkpoint directories are written (None: no checkpoints). ``resume_from``: a
-    checkpoint (a :class:`~vitreg.train.checkpoint.VerifiedCheckpoint` or a directory) to continue
+    checkpoint (a :class:`~vitreg.checkpoint.format.VerifiedCheckpoint` or a directory) to continue
     from, at its step, with its optimizer, LR schedule, scaler and RNG states; ``spec`` is then
     :func:`resume_spec` of it, so that the data is the one the checkpoint was trained on.
     """
@@ -385,8 +385,8 @@ def _save_checkpoint(setup: _Setup, tally: _Tally) -> None:
     extra = {"classes": list(data.classes) if data.kind == "folder" else None, "data": data.kind,
              "train_loss": loss if math.isfinite(loss) else None, "world_size": setup.world_size,
              **setup.checkpoint_extra}
-    path = ckpt.save_checkpoint(setup.checkpoint_dir / f"step-{step}", setup.model, optimizer=setup.optimizer,
-                                scheduler=setup.scheduler, scaler=setup.scaler, step=step,
+    path = ckpt.save_checkpoint(setup.checkpoint_dir / f"step-{step}", setup.model,
+                                state=ckpt.TrainingState(setup.optimizer, setup.scheduler, setup.scaler), step=step,
                                 epoch=step // setup.steps_per_epoch, spec=spec.to_params(), model_info=setup.info,
                                 extra=extra)
     tally.last_checkpoint = str(path)

@@ -13,9 +13,9 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from vitreg.checkpoint import format as ckpt
 from vitreg.console import progress
 from vitreg.errors import VitregError
-from vitreg.train import checkpoint as ckpt
 
 
 def loss_of(output, target, criterion):
@@ -118,7 +118,7 @@ def create_teacher(spec, info, device, loader: Callable | None = None, progress=
 
     - ``models:/...`` or ``runs:/...``: ``loader(uri)`` (the registry's loader, passed in so training
       does not import the tracking layer); it returns a module or a ``(module, ...)`` tuple;
-    - a local checkpoint directory: :func:`vitreg.train.checkpoint.load_model`;
+    - a local checkpoint directory: :func:`vitreg.checkpoint.format.load_model`;
     - otherwise a timm model name, built with **random weights** (vitreg never downloads from a
       hub): fine for timing distillation, useless for accuracy. For a real teacher, train or
       register one and pass its ``models:/`` URI.
@@ -128,7 +128,7 @@ def create_teacher(spec, info, device, loader: Callable | None = None, progress=
     name = spec.teacher
     if "://" in name or name.startswith(("models:/", "runs:/")):
         if loader is None:
-            raise VitregError(f"teacher={name} needs the checkpoint loader (vitreg.tracking.checkpoints.load_model), "
+            raise VitregError(f"teacher={name} needs the checkpoint loader (vitreg.tracking.checkpoint_sources.load_model), "
                               f"which is not available here: pass a checkpoint directory or a timm name")
         loaded = loader(name)
         teacher = loaded[0] if isinstance(loaded, (tuple, list)) else loaded

@@ -7,6 +7,7 @@ from pathlib import Path
 from vitreg.config.spec import TrainSpec
 from vitreg.errors import VitregError
 from vitreg.tracking import registry
+from vitreg.tracking.handoff import HandoffTracker
 from vitreg.train.run_logger import CHECKPOINT_ARTIFACTS
 
 
@@ -25,7 +26,9 @@ def register_if_requested(tracker, spec: TrainSpec, checkpoint_dir, tags: dict):
     if checkpoint_dir is None:
         raise VitregError(f"register_as={spec.register_as} but this run wrote no checkpoint")
     try:
-        return tracker.register_checkpoint(Path(checkpoint_dir), spec.register_as, spec.alias, tags)
+        if isinstance(tracker, HandoffTracker):  # rank 0 under a vitreg launcher: the launcher registers
+            return tracker.hand_back_registration(Path(checkpoint_dir), spec.register_as, spec.alias, tags)
+        return registry.register_checkpoint(tracker, Path(checkpoint_dir), spec.register_as, spec.alias, tags)
     except VitregError as exc:
         # the training is done and its checkpoint logged: say how to register it once the cause is fixed
         raise VitregError(f"{exc} (the checkpoint is logged: once fixed, `vitreg register "

@@ -6,7 +6,7 @@ and registration all use it. Sources it accepts: ``models:/NAME@ALIAS`` (``@late
 built-in newest version), ``models:/NAME/VERSION``, ``models:/m-<id>`` (a logged model),
 ``runs:/RUN_ID/checkpoints/last`` (any run folder holding a checkpoint), another artifact URI
 (``s3://...``), and a local checkpoint folder. The checkpoint is verified once, there, and handed on
-as a :class:`~vitreg.train.checkpoint.VerifiedCheckpoint`.
+as a :class:`~vitreg.checkpoint.format.VerifiedCheckpoint`.
 
 A registered version holds the checkpoint (``model.safetensors``, ``spec.json``, ``manifest.json``)
 in the logged model's ``extra_files/``. :func:`pull` reads that: it verifies the sha256 of every
@@ -17,24 +17,21 @@ exported on, not the timm model).
 
 from __future__ import annotations
 
-import json
 import shutil
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from vitreg.checkpoint import format as ckpt
+from vitreg.checkpoint.export import export_folder
 from vitreg.console import progress
 from vitreg.errors import VitregError, path_kind
 from vitreg.tracking.delivery import first_line
-from vitreg.tracking.filemodes import copy_as_new_file
-from vitreg.tracking.lazy import mlflow
+from vitreg.tracking.mlflow_on_first_use import mlflow
 from vitreg.tracking.quiet import quiet_artifact_downloads
-from vitreg.train import checkpoint as ckpt
 
 #: Where the checkpoint files live inside a registered model version's artifacts.
 CHECKPOINT_SUBDIR = "extra_files"
-#: Training-only state (optimizer, scheduler, scaler): not needed to use a model, ~2x the weights.
-TRAIN_ONLY_FILES = (ckpt.STATE,)
 #: Tag that marks a model version as a vitreg checkpoint (value: the checkpoint format).
 CHECKPOINT_TAG = "vitreg_checkpoint"
 SOURCES = "models:/NAME@ALIAS, models:/NAME/VERSION, runs:/RUN_ID/checkpoints/last or a local checkpoint folder"
@@ -329,59 +326,6 @@ def forward_check(model, info, batch: int = 2) -> tuple:
             raise VitregError(f"pulled {info.name} returns non-finite outputs: the weights are broken (NaN/inf); "
                               f"pull another version")
     return tuple(outputs[0].shape)
-
-
-# --------------------------------------------------------------------------- export
-
-
-def stage_files(checkpoint: ckpt.VerifiedCheckpoint, stage: Path) -> list[Path]:
-    """Copy the checkpoint minus training-only state into ``stage``, with a manifest listing exactly that."""
-    stage.mkdir(parents=True, exist_ok=True)
-    manifest = checkpoint.manifest
-    files = {k: v for k, v in manifest["files"].items() if k not in TRAIN_ONLY_FILES}
-    for rel in files:
-        if "/" in rel:
-            raise VitregError(f"checkpoint {checkpoint.directory} lists a nested file {rel!r}: vitreg checkpoints "
-                              f"are flat folders")
-        copy_as_new_file(checkpoint.directory / rel, stage / rel)  # the user's umask, not safetensors' 0600
-    (stage / ckpt.MANIFEST).write_text(json.dumps({**manifest, "files": files}, indent=2, sort_keys=True))
-    return [stage / rel for rel in sorted(files)] + [stage / ckpt.MANIFEST]
-
-
-_README = """\
-# {model} ({source})
-
-Exported by `vitreg pull {source} --out DIR`. Weights: `model.safetensors` (sha256 in
-`manifest.json`); architecture: `spec.json` (timm `{model}`, {img_size}px, {num_classes} classes).
-
-Load it with timm + safetensors only (no vitreg, no MLflow, nothing unpickled):
-
-```python
-import json, safetensors.torch, {lib}
-spec = json.load(open("spec.json"))
-{build}
-model.load_state_dict(safetensors.torch.load_file("model.safetensors")); model.eval()
-```
-"""
-
-TIMM_BUILD = ('model = timm.create_model(spec["model"], pretrained=False, img_size=spec["img_size"], '
-              'num_classes=spec["num_classes"])')
-TORCHVISION_BUILD = ('model = getattr(torchvision.models, spec["model"].split(":", 1)[1])(weights=None, '
-                     'image_size=spec["img_size"], num_classes=spec["num_classes"])')
-
-
-def export_folder(checkpoint: ckpt.VerifiedCheckpoint, out: Path, source: str) -> Path:
-    """Copy the verified files into ``out`` and write a README.md with the 3-line loader."""
-    if out.resolve() == checkpoint.directory.resolve():
-        raise VitregError(f"--out {out} is the download folder itself: pass another folder")
-    stage_files(checkpoint, out)
-    spec = checkpoint.spec
-    torchvision = str(spec["model"]).startswith("torchvision:")
-    (out / "README.md").write_text(_README.format(
-        model=spec["model"], source=source, img_size=spec.get("img_size"), num_classes=spec.get("num_classes"),
-        lib="torchvision" if torchvision else "timm", build=TORCHVISION_BUILD if torchvision else TIMM_BUILD))
-    ckpt.verify_checkpoint(out)  # the copy, as a user will load it
-    return out
 
 
 # --------------------------------------------------------------------------- infer linkage

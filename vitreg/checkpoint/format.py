@@ -14,7 +14,7 @@ safetensors, so a checkpoint from anywhere can be loaded without running its cod
 plain containers only. :func:`verify_checkpoint` checks every file against the manifest once and
 returns a :class:`VerifiedCheckpoint` that the loaders take, so a truncated upload or an edited file
 fails with a one-line :class:`~vitreg.errors.VitregError` naming the file, not deep in torch. Files
-that match their manifest are still checked for what they hold (:mod:`vitreg.train.checkpoint_checks`):
+that match their manifest are still checked for what they hold (:mod:`vitreg.checkpoint.contents`):
 ``spec.json`` as strictly as user input, the weights' names and shapes against the built model.
 
 The directory is written under a temporary name and renamed into place, so a process killed while
@@ -32,9 +32,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from vitreg.checkpoint.contents import FIX, check_weights, validate_spec
 from vitreg.errors import CheckpointError, VitregError
 from vitreg.models.factory import ModelInfo, create_model
-from vitreg.train.checkpoint_checks import FIX, check_weights, validate_spec
+from vitreg.version import __version__
 
 FORMAT = "vitreg-checkpoint-1"
 WEIGHTS = "model.safetensors"
@@ -109,17 +110,25 @@ def _weights_of(model) -> dict:
     return {k: v.detach().to("cpu", copy=True).contiguous() for k, v in unwrap_model(model).state_dict().items()}
 
 
-def save_checkpoint(directory, model, *, optimizer=None, scheduler=None, scaler=None, step: int, epoch: int = 0,
-                    spec: dict, model_info: ModelInfo, extra: dict | None = None) -> Path:
+@dataclass(frozen=True)
+class TrainingState:
+    """What a resumed training continues with besides the weights (each optional: inference needs none)."""
+
+    optimizer: object = None
+    scheduler: object = None
+    scaler: object = None  # torch.amp.GradScaler
+
+
+def save_checkpoint(directory, model, *, step: int, spec: dict, model_info: ModelInfo, epoch: int = 0,
+                    state: TrainingState = TrainingState(), extra: dict | None = None) -> Path:
     """Write a checkpoint directory (replacing one already there) and return its path.
 
-    ``spec`` is the training spec as params (``TrainSpec.to_params()``); ``extra`` adds top-level keys
-    to ``spec.json`` (e.g. ``classes``, the loss); it may not override the keys this function writes.
+    ``spec`` is the training spec as params (``TrainSpec.to_params()``); ``state`` the optimizer,
+    scheduler and scaler to resume with; ``extra`` adds top-level keys to ``spec.json`` (e.g. ``classes``,
+    the loss); it may not override the keys this function writes.
     """
     import safetensors.torch
     import torch
-
-    import vitreg
 
     directory = Path(directory)
     clash = sorted(set(extra or {}) & set(_RESERVED))
@@ -132,15 +141,15 @@ def save_checkpoint(directory, model, *, optimizer=None, scheduler=None, scaler=
     try:
         safetensors.torch.save_file(_weights_of(model), str(partial / WEIGHTS),
                                     metadata={"format": "pt", "model": model_info.name, "step": str(step)})
-        state = {
+        saved = {
             "step": int(step),
             "epoch": int(epoch),
-            "optimizer": optimizer.state_dict() if optimizer is not None else None,
-            "scheduler": scheduler.state_dict() if scheduler is not None else None,
-            "scaler": scaler.state_dict() if scaler is not None else None,
+            "optimizer": state.optimizer.state_dict() if state.optimizer is not None else None,
+            "scheduler": state.scheduler.state_dict() if state.scheduler is not None else None,
+            "scaler": state.scaler.state_dict() if state.scaler is not None else None,
             "rng": _rng_state(),
         }
-        torch.save(state, partial / STATE)
+        torch.save(saved, partial / STATE)
         import timm
 
         spec_json = {
@@ -155,7 +164,7 @@ def save_checkpoint(directory, model, *, optimizer=None, scheduler=None, scaler=
             "step": int(step),
             "epoch": int(epoch),
             "train_spec": dict(spec),
-            "vitreg_version": vitreg.__version__,
+            "vitreg_version": __version__,
             "torch_version": torch.__version__,
             "timm_version": timm.__version__,
             "created_unix": time.time(),
@@ -199,7 +208,7 @@ def verify_checkpoint(directory) -> VerifiedCheckpoint:
     fix = "point resume/pull at another checkpoint (e.g. an earlier checkpoints/step-<N>)"
     manifest = _read_manifest(directory, fix)
     for name, entry in manifest["files"].items():
-        path = directory / name
+        path = confined(directory, name)
         if not path.is_file():
             raise VitregError(f"checkpoint {directory}: {name} is missing: {fix}")
         size = path.stat().st_size
@@ -207,7 +216,7 @@ def verify_checkpoint(directory) -> VerifiedCheckpoint:
             what = "truncated" if size < entry["bytes"] else "larger than recorded"
             raise VitregError(f"checkpoint {directory}: {name} is {what} ({size} of {entry['bytes']} bytes): {fix}")
     for name, entry in manifest["files"].items():  # sizes first: a truncated upload fails without hashing gigabytes
-        if _sha256(directory / name) != entry["sha256"]:
+        if _sha256(confined(directory, name)) != entry["sha256"]:
             raise VitregError(f"checkpoint {directory}: {name} sha256 mismatch (modified or corrupted since it was "
                               f"saved): {fix}")
     try:
@@ -241,7 +250,21 @@ def _read_manifest(directory: Path, fix: str) -> dict:
     for required in (WEIGHTS, SPEC):
         if required not in files:
             raise VitregError(f"checkpoint {directory}: {MANIFEST} does not list {required}: {fix}")
+    for name in files:
+        confined(directory, name)
     return manifest
+
+
+def confined(directory: Path, name: str) -> Path:
+    """``directory / name`` for a manifest entry, refused unless it is a plain file name in ``directory``
+    itself: no absolute path, no ``..``, no sub-folder, and no link that leads out (a tampered manifest
+    must not make vitreg read, hash or copy a file elsewhere on the machine)."""
+    plain = isinstance(name, str) and name not in ("", ".", "..") and not any(c in name for c in "/\\\0")
+    path = directory / name if plain else None
+    if path is None or (path.is_symlink() and path.resolve().parent != directory.resolve()):
+        raise CheckpointError(f"checkpoint {directory}: {MANIFEST} lists {name!r}, which is not a file of the "
+                              f"checkpoint folder (vitreg checkpoints are flat folders of plain names): {FIX}")
+    return path
 
 
 def ensure_verified(checkpoint) -> VerifiedCheckpoint:

@@ -1,0 +1,292 @@
+"""Model families as adapters, each registered under the name prefixes it builds (as timm registers a
+model's entry point under its name, and picks a model's source by its prefix, ``hf-hub:``).
+
+A family knows, for the names it owns: which exist, how to build one with random weights, its patch
+size (the stride of its token grid: an image size must be a multiple of it), and, read from a built
+model, the :class:`Architecture` the memory floor (:mod:`vitreg.models.memory`) and the SDPA check
+(:mod:`vitreg.hardware.sdpa`) need. Nothing else in vitreg parses a model name or reads a model's
+attributes, so adding a family is one :func:`register_family` call at the end of this file.
+"""
+
+from __future__ import annotations
+
+import difflib
+import functools
+from dataclasses import dataclass
+
+from vitreg.errors import VitregError
+from vitreg.models import timm_cache
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """What the memory floor and the SDPA check read from a built (or weightless, meta-device) model."""
+
+    tokens: int  # sequence length: patches + class/distillation/register tokens
+    width: int  # embedding dimension
+    depth: int  # transformer blocks
+    hidden: int  # the MLP's first layer's width
+    heads: int
+    head_dim: int
+
+
+class Family:
+    """The adapter's interface; :class:`TimmFamily` and :class:`TorchvisionFamily` implement it."""
+
+    #: name prefixes this family owns (``vit_``, ``torchvision:``)
+    prefixes: tuple[str, ...] = ()
+    #: the library a user loads an exported checkpoint with, and the line that builds the model there
+    library = ""
+    loader_line = ""
+
+    def names(self, listed_before_ok: bool = False) -> frozenset[str]:
+        """Every name this family can build."""
+        raise NotImplementedError
+
+    def shown_names(self) -> tuple[str, ...]:
+        """How help and docs list the names (without importing the library)."""
+        return tuple(f"{prefix}*" for prefix in self.prefixes)
+
+    def default_size(self, name: str) -> int:
+        raise NotImplementedError
+
+    def patch_size(self, name: str) -> int:
+        raise NotImplementedError
+
+    def build(self, name: str, img_size: int, num_classes: int):
+        """The model with random weights at ``img_size`` (checked already) on the current default device."""
+        raise NotImplementedError
+
+    def owns(self, model) -> bool:
+        """Whether ``model`` (an instance) is one of this family's."""
+        raise NotImplementedError
+
+    def architecture(self, model) -> Architecture:
+        raise NotImplementedError
+
+
+_FAMILIES: list[Family] = []
+
+
+def register_family(family: Family) -> Family:
+    """Add ``family``; a prefix another family owns already is refused (one owner per name)."""
+    taken = {p for f in _FAMILIES for p in f.prefixes} & set(family.prefixes)
+    if taken:
+        raise ValueError(f"model name prefixes {sorted(taken)} are registered already")
+    _FAMILIES.append(family)
+    return family
+
+
+def family_of(name: str) -> Family:
+    """The family owning ``name`` (its longest matching prefix); one line naming the families otherwise."""
+    owners = [(len(p), f) for f in _FAMILIES for p in f.prefixes if name.startswith(p)]
+    if owners:
+        return max(owners, key=lambda owner: owner[0])[1]
+    raise VitregError(f"model {name!r} is of no family vitreg builds: use a name starting with "
+                      f"{', '.join(p for f in _FAMILIES for p in f.prefixes)} (e.g. model=vit_base_patch16_224)")
+
+
+def family_of_model(model) -> Family:
+    """The family of a built model; one line for a model of no registered family."""
+    for family in _FAMILIES:
+        if family.owns(model):
+            return family
+    raise VitregError(f"{type(model).__name__} is of no model family vitreg knows the layout of: build it with "
+                      f"model=<name> (vit_*, deit_*, eva02_*, torchvision:vit_b_16, ...)")
+
+
+def architecture_of(model) -> Architecture:
+    return family_of_model(model).architecture(model)
+
+
+def names_text(markdown: bool = False) -> str:
+    """The names every family builds, for help and docs: ``vit_*, deit_*, ..., torchvision:vit_b_16, ...``."""
+    quote = "`" if markdown else ""
+    return ", ".join(f"{quote}{shown}{quote}" for f in _FAMILIES for shown in f.shown_names())
+
+
+def all_names(listed_before_ok: bool = True) -> list[str]:
+    """Every buildable name of every family (for shell completion)."""
+    return sorted(n for f in _FAMILIES for n in f.names(listed_before_ok))
+
+
+def check_name(name: str, listed_before_ok: bool = True) -> Family:
+    """The family of ``name`` if it can build it; one line with the closest real names otherwise.
+
+    ``listed_before_ok``: a name an earlier process listed for this timm install passes without importing
+    timm (:mod:`vitreg.models.timm_cache`); the process that builds the model passes False.
+    """
+    try:
+        family = family_of(name)
+    except VitregError:
+        if _timm_has(name):
+            raise VitregError(f"model {name!r} is not a vision transformer vitreg builds: use a name starting with "
+                              f"{', '.join(p for f in _FAMILIES for p in f.prefixes)} "
+                              f"(e.g. model=vit_base_patch16_224)") from None
+        family = None
+    if family is not None and (name in family.names(listed_before_ok) or name in family.names(False)):
+        return family
+    pool = sorted(family.names(False) if family is not None else all_names(listed_before_ok=False))
+    close = difflib.get_close_matches(name, pool, n=3, cutoff=0.6)
+    if len(pool) <= 8:  # a family of a few names: all of them
+        hint = f"use one of {', '.join(pool)}"
+    elif close:
+        hint = f"did you mean {', '.join(close)}?"
+    else:
+        prefixes = ", ".join(p for f in _FAMILIES for p in f.prefixes)
+        hint = f"use a name starting with {prefixes} (timm.list_models('vit_*'))"
+    raise VitregError(f"unknown model {name!r}: {hint}")
+
+
+def _timm_has(name: str) -> bool:
+    import timm
+
+    return bool(timm.is_model(name))
+
+
+# --------------------------------------------------------------------------- timm
+
+
+def _pair(value) -> tuple:
+    return tuple(value) if isinstance(value, (tuple, list)) else (value, value)
+
+
+@functools.lru_cache(maxsize=1)
+def _timm_listed() -> frozenset[str]:
+    """timm's names under every timm family's prefixes (30 ms once timm is imported), kept in the user's
+    cache for processes that only check a name."""
+    import timm
+
+    prefixes = tuple(p for f in _FAMILIES if isinstance(f, TimmFamily) for p in f.prefixes)
+    listed = frozenset(n for n in timm.list_models() if n.startswith(prefixes))
+    if timm_cache.names() != listed:
+        timm_cache.keep(names=tuple(sorted(listed)))
+    return listed
+
+
+class TimmFamily(Family):
+    """timm models with a ``patch_embed`` (its ``grid_size``), ``blocks`` (each an ``attn`` with
+    ``num_heads`` and ``head_dim``, an ``mlp``), ``embed_dim`` and ``num_prefix_tokens``: timm's ViT,
+    DeiT, EVA and their relatives share that layout."""
+
+    library = "timm"
+    loader_line = ('model = timm.create_model(spec["model"], pretrained=False, img_size=spec["img_size"], '
+                   'num_classes=spec["num_classes"])')
+
+    def __init__(self, *prefixes: str):
+        self.prefixes = prefixes
+
+    def names(self, listed_before_ok: bool = False) -> frozenset[str]:
+        listed = timm_cache.names() if listed_before_ok else frozenset()
+        listed = listed or _timm_listed()
+        return frozenset(n for n in listed if n.startswith(self.prefixes))
+
+    def default_size(self, name: str) -> int:
+        import timm
+
+        cfg = timm.models.get_pretrained_cfg(name)
+        return int(cfg.input_size[-1]) if cfg is not None else 224
+
+    def patch_size(self, name: str) -> int:
+        return _timm_stride(name, self.default_size(name))
+
+    def build(self, name: str, img_size: int, num_classes: int):
+        return _timm_create(name, num_classes=num_classes, img_size=img_size)
+
+    def owns(self, model) -> bool:
+        return type(model).__module__.startswith("timm.") and hasattr(model, "patch_embed") and hasattr(model, "blocks")
+
+    def architecture(self, model) -> Architecture:
+        grid = _pair(model.patch_embed.grid_size)
+        attn = model.blocks[0].attn
+        heads = int(attn.num_heads)
+        width = int(model.embed_dim)
+        return Architecture(tokens=int(grid[0]) * int(grid[1]) + int(getattr(model, "num_prefix_tokens", 1)),
+                            width=width, depth=len(model.blocks),
+                            hidden=_first_linear_width(model.blocks[0].mlp, width),
+                            heads=heads, head_dim=int(getattr(attn, "head_dim", width // heads)))
+
+
+def _first_linear_width(module, default: int) -> int:
+    import torch
+
+    widths = [m.out_features for m in module.modules() if isinstance(m, torch.nn.Linear)]
+    return int(widths[0]) if widths else default
+
+
+def _timm_create(name: str, **kwargs):
+    """``timm.create_model`` with random weights; on the meta device without initialising them.
+
+    Initialising meta tensors computes nothing, but timm's truncated-normal init runs through
+    torch's Python reference ops there: it made a meta build of deit_tiny cost more than a real one,
+    and every command builds its model on the meta device first (:func:`vitreg.models.memory.footprint`).
+    """
+    import timm
+    import torch
+
+    if torch.get_default_device().type == "meta":
+        try:
+            return timm.create_model(name, pretrained=False, weight_init="skip", **kwargs)
+        except TypeError:  # a timm class without the switch
+            pass
+    return timm.create_model(name, pretrained=False, **kwargs)
+
+
+@functools.lru_cache(maxsize=None)
+def _timm_stride(name: str, default_size: int) -> int:
+    """Pixels per token side, read from a weightless (meta-device) instance at its default size: the patch
+    size of a plain ViT, the backbone's stride of a hybrid (vit_small_r26_s32: 32, its patch_embed's 1)."""
+    import torch
+
+    with torch.device("meta"):
+        probe = _timm_create(name)
+    return max(1, default_size // int(_pair(probe.patch_embed.grid_size)[0]))
+
+
+# --------------------------------------------------------------------------- torchvision
+
+
+class TorchvisionFamily(Family):
+    """torchvision's VisionTransformer models, as ``torchvision:vit_b_16``."""
+
+    prefixes = ("torchvision:",)
+    library = "torchvision"
+    loader_line = ('model = getattr(torchvision.models, spec["model"].split(":", 1)[1])(weights=None, '
+                   'image_size=spec["img_size"], num_classes=spec["num_classes"])')
+    #: architecture -> patch size (torchvision's builders take it as a number, not from the name)
+    PATCH_SIZES = {"vit_b_16": 16, "vit_b_32": 32, "vit_l_16": 16, "vit_l_32": 32, "vit_h_14": 14}
+
+    def names(self, listed_before_ok: bool = False) -> frozenset[str]:
+        return frozenset(self.prefixes[0] + arch for arch in self.PATCH_SIZES)
+
+    def shown_names(self) -> tuple[str, ...]:
+        return tuple(self.prefixes[0] + arch for arch in self.PATCH_SIZES)
+
+    def default_size(self, name: str) -> int:
+        return 224
+
+    def patch_size(self, name: str) -> int:
+        return self.PATCH_SIZES[name.split(":", 1)[1]]
+
+    def build(self, name: str, img_size: int, num_classes: int):
+        import torchvision
+
+        return getattr(torchvision.models, name.split(":", 1)[1])(weights=None, image_size=img_size,
+                                                                  num_classes=num_classes)
+
+    def owns(self, model) -> bool:
+        return type(model).__module__.startswith("torchvision.") and hasattr(model, "seq_length")
+
+    def architecture(self, model) -> Architecture:
+        layers = model.encoder.layers
+        heads = int(layers[0].self_attention.num_heads)
+        width = int(model.hidden_dim)
+        return Architecture(tokens=int(model.seq_length), width=width, depth=len(layers),
+                            hidden=_first_linear_width(layers[0].mlp, width), heads=heads, head_dim=width // heads)
+
+
+# --------------------------------------------------------------------------- the families vitreg builds
+
+register_family(TimmFamily("vit_", "deit_", "deit3_", "test_vit"))
+register_family(TimmFamily("eva02_"))
+register_family(TorchvisionFamily())
