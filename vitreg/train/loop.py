@@ -49,7 +49,8 @@ import torch
 
 from vitreg.console import progress
 from vitreg.errors import VitregError, out_of_memory_as_error
-from vitreg.measure.timing import summarize, synchronize
+from vitreg.measure.figures import Figures, Work
+from vitreg.measure.timing import synchronize
 from vitreg.signals import interrupted_reason
 from vitreg.train import checkpoint as ckpt
 from vitreg.train.clock import StepClock
@@ -410,27 +411,25 @@ def _finish(setup: _Setup, tally: _Tally, stopped_by: str | None = None) -> Trai
     spec, world_size = setup.spec, setup.world_size
     steps_run = tally.step - setup.start_step
     warm = _warm_steps(steps_run)
-    measured = tally.step_ms[warm:]
+    measured = tuple(tally.step_ms[warm:])
     measured_s = sum(measured) / 1e3
-    stats = summarize(measured) if measured else None
-    figures = {  # this rank's
+    # this rank's: the statistics of its own steps (the step times themselves stay here: thousands of them)
+    local = Figures("train", {"step_ms": measured}).summarized().values
+    figures = Figures("train", {
+        **{k: v for k, v in local.items() if k != "step_ms"},
         "throughput_img_per_s": spec.batch_size * len(measured) / measured_s if measured_s > 0 else None,
-        "step_ms_p50": stats.median if stats else None, "step_ms_p90": stats.p90 if stats else None,
         "data_wait_frac": min(1.0, sum(tally.waits[warm:]) / measured_s) if measured_s > 0 else None,
         "first_step_s": tally.first_step_s, "measured_steps": len(measured),
-    }
+    })
     if setup.reducer is not None:
         figures = setup.reducer.figures(figures)  # sum of the ranks' rates, the slowest rank's times
-    elif figures["throughput_img_per_s"] is not None:
-        figures["throughput_img_per_s"] *= world_size  # no reducer: every rank assumed as fast as this one
+    elif figures["throughput_img_per_s"] is not None:  # no reducer: every rank assumed as fast as this one
+        figures = figures.with_values(throughput_img_per_s=figures["throughput_img_per_s"] * world_size)
+    figures = figures.with_values(final_loss=tally.final_loss, images=steps_run * spec.batch_size * world_size,
+                                  steps=tally.step, val_top1=tally.val_top1, val_loss=tally.val_loss)
+    work = Work(world_size, setup.runtime.compile != "off")  # MFU needs the GPU: the job completes it
     return TrainResult(
-        final_loss=tally.final_loss, step=tally.step, start_step=setup.start_step, steps_run=steps_run,
-        epoch=tally.step // setup.steps_per_epoch, total_steps=setup.total, steps_per_epoch=setup.steps_per_epoch,
-        batch_size=spec.batch_size, world_size=world_size, images=steps_run * spec.batch_size * world_size,
-        throughput_img_per_s=figures["throughput_img_per_s"],
-        step_ms_p50=figures["step_ms_p50"], step_ms_p90=figures["step_ms_p90"],
-        measured_steps=int(figures["measured_steps"]), data_wait_frac=figures["data_wait_frac"],
-        first_step_s=figures["first_step_s"],
-        compile_time_s=figures["first_step_s"] if setup.runtime.compile != "off" else None,
-        val_top1=tally.val_top1, val_loss=tally.val_loss, last_checkpoint=tally.last_checkpoint, stopped_by=stopped_by,
-    )
+        step=tally.step, start_step=setup.start_step, steps_run=steps_run, epoch=tally.step // setup.steps_per_epoch,
+        total_steps=setup.total, steps_per_epoch=setup.steps_per_epoch, batch_size=spec.batch_size,
+        world_size=world_size, figures=figures.completed(work), last_checkpoint=tally.last_checkpoint,
+        stopped_by=stopped_by)
