@@ -1,6 +1,6 @@
 """The training loop: AdamW + warm-up/cosine LR, AMP, compile, DeiT distillation, checkpoints, callbacks.
 
-No MLflow here (runners never log). :func:`train` reports through callbacks, which
+No MLflow here (runners never log). :func:`train` reports through callbacks (:class:`Hooks`), which
 :mod:`vitreg.train.job` turns into batched MLflow calls, and returns a typed :class:`TrainResult`:
 
 - ``on_step(step)`` after every optimizer update: host-only, for a progress bar; it gets no values,
@@ -28,9 +28,9 @@ is timed apart, the next steps are a warm-up, and the rest are timed per step (C
 GPU, ``perf_counter`` on the CPU); ``throughput_img_per_s`` is images over the sum of those step
 times, so checkpoint writes, validation and logging between steps are not counted.
 
-DDP: pass ``wrap`` (a function that wraps the model, e.g. in DistributedDataParallel; applied before
-torch.compile, as bench does), ``world_size``/``rank`` (data sharding), ``is_main=False`` on ranks
-that must not write checkpoints or run validation, and ``reducer`` (a
+DDP: pass :class:`Ranks`: ``wrap`` (a function that wraps the model, e.g. in DistributedDataParallel;
+applied before torch.compile, as bench does), ``world_size``/``rank`` (data sharding), ``is_main=False``
+on ranks that must not write checkpoints or run validation, and ``reducer`` (a
 :class:`vitreg.ddp.world.TrainReducer`): at each log boundary it all-reduces the interval's loss
 (mean over ranks) and img/s (sum), one collective per boundary and none per step; at the end the
 job's throughput is the sum of the ranks' and its step time the slowest rank's. Every rank must
@@ -87,11 +87,49 @@ def total_steps_of(spec, steps_per_epoch: int) -> int:
 
 
 @dataclass(frozen=True)
-class _Hooks:
+class Hooks:
+    """The loop's callbacks (see the module docstring) and where its messages go."""
+
     on_step: Callable | None = None
     on_log: Callable | None = None
     on_checkpoint: Callable | None = None
     on_epoch_end: Callable | None = None
+    progress: Callable = progress
+
+
+@dataclass(frozen=True)
+class Sources:
+    """What the loop trains on and learns from: ``data`` (default: :func:`vitreg.train.data.build_data`),
+    the distillation ``teacher`` (default: :func:`vitreg.train.losses.create_teacher`, which loads a
+    ``teacher=`` URI through ``teacher_loader``)."""
+
+    data: object = None
+    teacher: object = None
+    teacher_loader: Callable | None = None
+
+
+@dataclass(frozen=True)
+class Checkpoints:
+    """``directory``: where ``step-<N>/`` checkpoints are written (None: none); ``resume_from``: a
+    checkpoint (a VerifiedCheckpoint or a directory) to continue from; ``extra``: saved in each one."""
+
+    directory: Path | None = None
+    resume_from: object = None
+    extra: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Ranks:
+    """This process's place in a DDP job, for the loop: data sharding (``rank`` of ``world_size``,
+    ``sampler_factory``), the DDP ``wrap``, the ``reducer`` (a :class:`vitreg.ddp.world.TrainReducer`),
+    and ``is_main`` (False on ranks that must not write checkpoints or validate)."""
+
+    world_size: int = 1
+    rank: int = 0
+    is_main: bool = True
+    wrap: Callable | None = None
+    reducer: object = None
+    sampler_factory: Callable | None = None
 
 
 @dataclass(frozen=True)
@@ -115,7 +153,7 @@ class _Setup:
     world_size: int
     is_main: bool
     reducer: object
-    hooks: _Hooks
+    hooks: Hooks
     checkpoints: bool  # on every rank: when rank 0 saves, the others wait for it
     checkpoint_dir: Path | None  # where rank 0 saves; None on the others
     checkpoint_extra: dict
@@ -147,26 +185,16 @@ class _Tally:
     last_checkpoint: str | None = None
 
 
-def train(spec, runtime, model, info, *, data=None, teacher=None, teacher_loader: Callable | None = None,
-          checkpoint_dir=None, resume_from=None, checkpoint_extra: dict | None = None,
-          on_step: Callable | None = None, on_log: Callable | None = None, on_checkpoint: Callable | None = None,
-          on_epoch_end: Callable | None = None, wrap: Callable | None = None, world_size: int = 1, rank: int = 0,
-          sampler_factory: Callable | None = None, is_main: bool = True, reducer=None,
-          progress=progress) -> TrainResult:
+def train(spec, runtime, model, info, *, sources: Sources = Sources(), checkpoints: Checkpoints = Checkpoints(),
+          hooks: Hooks = Hooks(), ranks: Ranks = Ranks()) -> TrainResult:
     """Train ``model`` (built by :func:`vitreg.models.factory.create_model`, described by ``info``) as ``spec`` says.
 
-    ``data`` defaults to :func:`vitreg.train.data.build_data`; ``teacher`` to
-    :func:`vitreg.train.losses.create_teacher` when the spec distills. ``checkpoint_dir``: where
-    ``step-<N>/`` checkpoint directories are written (None: no checkpoints). ``resume_from``: a
-    checkpoint (a :class:`~vitreg.train.checkpoint.VerifiedCheckpoint` or a directory) to continue
-    from, at its step, with its optimizer, LR schedule, scaler and RNG states; ``spec`` is then
-    :func:`resume_spec` of it, so that the data is the one the checkpoint was trained on.
+    A resumed run (``checkpoints.resume_from``) continues at the checkpoint's step, with its optimizer,
+    LR schedule, scaler and RNG states; ``spec`` is then :func:`resume_spec` of it, so that the data
+    is the one the checkpoint was trained on.
     """
-    hooks = _Hooks(on_step, on_log, on_checkpoint, on_epoch_end)
-    setup = _prepare(spec, runtime, model, info, data=data, teacher=teacher, teacher_loader=teacher_loader,
-                     checkpoint_dir=checkpoint_dir, resume_from=resume_from, checkpoint_extra=checkpoint_extra,
-                     hooks=hooks, wrap=wrap, world_size=world_size, rank=rank, sampler_factory=sampler_factory,
-                     is_main=is_main, reducer=reducer, progress=progress)
+    progress = hooks.progress
+    setup = _prepare(spec, runtime, model, info, sources, checkpoints, hooks, ranks)
     tally = _Tally(step=setup.start_step, clock=StepClock(runtime.device),
                    loss_sum=torch.zeros((), dtype=torch.float32, device=runtime.torch_device))
     stop = None
@@ -214,17 +242,18 @@ def _stop_at_step(setup: _Setup, tally: _Tally, progress, reason: str) -> None:
     progress(f"{reason}: stopped at step {tally.step}/{setup.total}{where}")
 
 
-def _prepare(spec, runtime, model, info, *, data, teacher, teacher_loader, checkpoint_dir, resume_from,
-             checkpoint_extra, hooks, wrap, world_size, rank, sampler_factory, is_main, reducer, progress) -> _Setup:
+def _prepare(spec, runtime, model, info, sources: Sources, checkpoints: Checkpoints, hooks: Hooks,
+             ranks: Ranks) -> _Setup:
     """Model on the device, data, criterion (with the teacher), optimizer, schedule, the resumed state, compile."""
     from vitreg.train.data import build_data
 
     device = runtime.torch_device
     model = model.to(device)
     model.train()
+    data, teacher, progress = sources.data, sources.teacher, hooks.progress
     if data is None:
-        data = build_data(spec, info, device, model=model, rank=rank, world_size=world_size,
-                          sampler_factory=sampler_factory)
+        data = build_data(spec, info, device, model=model, rank=ranks.rank, world_size=ranks.world_size,
+                          sampler_factory=ranks.sampler_factory)
     if data.num_classes != info.num_classes:
         raise VitregError(f"the data has {data.num_classes} classes, the model head {info.num_classes}: "
                           f"pass num_classes=0 to take it from the data")
@@ -232,7 +261,7 @@ def _prepare(spec, runtime, model, info, *, data, teacher, teacher_loader, check
     total = total_steps_of(spec, spe)
     check_distillable(spec, info)
     if spec.distillation != "none" and teacher is None:
-        teacher = create_teacher(spec, info, device, teacher_loader, progress)
+        teacher = create_teacher(spec, info, device, sources.teacher_loader, progress)
     criterion = build_criterion(spec, info, teacher)
     if info.distilled and hasattr(model, "set_distilled_training"):
         model.set_distilled_training(True)  # DeiT: training returns (class, distillation) outputs
@@ -240,17 +269,18 @@ def _prepare(spec, runtime, model, info, *, data, teacher, teacher_loader, check
     scheduler = build_scheduler(optimizer, spec, total)
     scaler = runtime.grad_scaler()
     start_step = 0
-    if resume_from is not None:
-        start_step = _restore(resume_from, model, optimizer, scheduler, scaler, total, spe, progress)
-    net = runtime.compile_model(wrap(model) if wrap else model)
+    if checkpoints.resume_from is not None:
+        start_step = _restore(checkpoints.resume_from, model, optimizer, scheduler, scaler, total, spe, progress)
+    net = runtime.compile_model(ranks.wrap(model) if ranks.wrap else model)
+    directory = checkpoints.directory
     return _Setup(
         spec=spec, runtime=runtime, model=model, net=net, info=info, data=data, criterion=criterion,
         optimizer=optimizer, scheduler=scheduler, scaler=scaler,
         params=[p for p in model.parameters() if p.requires_grad], total=total, steps_per_epoch=spe,
-        start_step=start_step, world_size=world_size, is_main=is_main, reducer=reducer, hooks=hooks,
-        checkpoints=checkpoint_dir is not None,
-        checkpoint_dir=Path(checkpoint_dir) if checkpoint_dir is not None and is_main else None,
-        checkpoint_extra=dict(checkpoint_extra or {}))
+        start_step=start_step, world_size=ranks.world_size, is_main=ranks.is_main, reducer=ranks.reducer,
+        hooks=hooks, checkpoints=directory is not None,
+        checkpoint_dir=Path(directory) if directory is not None and ranks.is_main else None,
+        checkpoint_extra=dict(checkpoints.extra))
 
 
 def _restore(resume_from, model, optimizer, scheduler, scaler, total: int, spe: int, progress) -> int:
