@@ -23,7 +23,7 @@ from vitreg.bench.report import report_markdown, results_table
 from vitreg.bench.results import BenchResult
 from vitreg.bench.runner import run_benchmark
 from vitreg.config.spec import BenchSpec
-from vitreg.console import progress, quiet
+from vitreg.console import progress
 from vitreg.ddp import launcher as launch
 from vitreg.ddp import world as distributed
 from vitreg.ddp.context import JobContext, job_context
@@ -159,7 +159,8 @@ def _launch_bench(run, spec: BenchSpec, job: launch.JobLaunch, progress, baselin
     def check(gpus: int) -> None:
         check_model_name(spec.model)  # fail here, once, rather than in every rank
         # host memory for every rank, before any is started: past it the OOM killer takes the launcher
-        check_ranks_fit(spec.nproc, spec.model, spec.img_size, 1000, "cpu" if spec.device == "cpu" or not gpus else "cuda")
+        device = "cpu" if spec.device == "cpu" or not gpus else "cuda"
+        check_ranks_fit(spec.nproc, spec.model, spec.img_size, 1000, device)
         if spec.cuda_graph and (spec.device == "cpu" or not gpus):
             require_cuda(True, "cpu")  # once here, not in every rank
         if baseline_run and job.placement.node_rank == 0:

@@ -271,7 +271,8 @@ def _comm_figures(timed_step, bench: _Bench) -> dict:
     comm = profile_comm(timed_step, bench.spec.profile_steps, bench.runtime.device)  # the replay, when graphed
     if bench.reducer is not None:
         comm = bench.reducer.slowest_profile(comm)
-    return {"allreduce_ms_per_step": comm.allreduce_ms_per_step, "device_busy_ms_per_step": comm.device_busy_ms_per_step}
+    return {"allreduce_ms_per_step": comm.allreduce_ms_per_step,
+            "device_busy_ms_per_step": comm.device_busy_ms_per_step}
 
 
 def _job_figures(figures: Figures, bench: _Bench, flops_per_img: int) -> Figures:

@@ -151,7 +151,8 @@ def torchrun_command(argv: list[str], nproc: int, nnodes: int = 1, node_rank: in
 
 
 def launch_torchrun(argv: list[str], nproc: int, placement: Placement = Placement(), env: dict | None = None,
-                    log_dir: str | None = None, progress=None, while_running=None, poll_s: float = 2.0) -> LaunchOutcome:
+                    log_dir: str | None = None, progress=None, while_running=None,
+                    poll_s: float = 2.0) -> LaunchOutcome:
     """Run ``argv`` (python arguments: ``["-m", "vitreg.cli", "bench", ...]`` or ``["script.py", ...]``)
     in ``nproc`` workers per node under torchrun; wait; return the :class:`LaunchOutcome`.
 

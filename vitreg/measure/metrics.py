@@ -58,7 +58,8 @@ class Metric:
 
 def _iteration(stat: str, task: str, compared: bool, doc: str) -> Metric:
     return Metric(f"{ITERATION_TIME[task]}_{stat}", "ms", LOWER, "max", ".2f", (task,),
-                  (task,) if compared else (), True, doc, of=(ITERATION_TIME[task], "median" if stat == "p50" else stat))
+                  (task,) if compared else (), True, doc,
+                  of=(ITERATION_TIME[task], "median" if stat == "p50" else stat))
 
 
 def _window(stat: str) -> dict:
