@@ -13,6 +13,8 @@ from typing import Callable
 
 from vitreg.console import quiet
 from vitreg.ddp import world as distributed
+from vitreg.hardware.profiles import detect_hardware, resolve_hardware
+from vitreg.hardware.runtime import resolve_runtime
 
 
 @dataclass(frozen=True)
@@ -37,9 +39,6 @@ class JobContext:
 def job_context(run, spec, progress, reducer_factory=None, cuda_graph: bool = False) -> JobContext:
     """This process's context. ``reducer_factory(world)``: the DDP job's reducer (None: a job of one
     process, such as infer, which joins no world). ``cuda_graph``: the job captures CUDA graphs."""
-    from vitreg.hardware.profiles import detect_hardware, resolve_hardware
-    from vitreg.hardware.runtime import resolve_runtime
-
     world, wrap, reducer = distributed.World(), None, None
     if reducer_factory is not None:
         world, wrap, reducer = distributed.join_job(spec, reducer_factory, cuda_graph=cuda_graph)
