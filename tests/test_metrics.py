@@ -146,6 +146,18 @@ def test_a_record_holds_declared_names_only():
     assert f.completed(Work())["compile_time_s"] is None and f.completed(Work())["world_size"] is None
 
 
+def test_a_new_row_is_recorded_reduced_and_logged_with_no_other_change(monkeypatch):
+    """Adding a metric is its row and the code that measures it: the record takes the name, the DDP
+    reducer combines it by its rule, and it is logged under its task's prefix."""
+    row = metrics.Metric("energy_j_per_img", "J", metrics.LOWER, "max", ".2f", ("infer",), doc="a new figure")
+    monkeypatch.setattr(metrics, "METRICS", (*metrics.METRICS, row))
+    monkeypatch.setitem(metrics.BY_NAME, row.name, row)
+    ranks = [_task("infer").figures.with_values(energy_j_per_img=e) for e in (0.25, 0.5)]
+    total = world.reduce_figures([Figures("infer", {"energy_j_per_img": f["energy_j_per_img"]}) for f in ranks])
+    assert total["energy_j_per_img"] == 0.5  # the largest rank's, as the row says
+    assert TaskResult("infer", 64, 224, 3, 3, ranks[0]).metrics()["infer_energy_j_per_img"] == 0.25
+
+
 def test_combine_sums_rates_per_window_and_takes_the_slowest_rank():
     assert metrics.combine("throughput_img_per_s", [(1.0, 2.0), (3.0, 5.0)]) == (4.0, 7.0)
     assert metrics.combine("step_ms_p50", [(1.0, 9.0), (3.0, 5.0)]) == (3.0, 9.0)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from vitreg.measure.metrics import METRICS, metric
+from vitreg.measure import metrics as table
 from vitreg.measure.timing import summarize
 
 
@@ -48,7 +48,7 @@ class Figures:
 
     def __post_init__(self):
         for name in self.values:
-            declared = metric(name).tasks  # KeyError for a name the table does not declare
+            declared = table.metric(name).tasks  # KeyError for a name the table does not declare
             if declared and self.task not in declared:
                 raise KeyError(f"metric {name!r} is not declared for task {self.task!r}")
         object.__setattr__(self, "values", dict(self.values))  # a copy: the caller's dict stays theirs
@@ -69,7 +69,7 @@ class Figures:
     def summarized(self) -> Figures:
         """Each statistic row whose sample this record holds, taken of that sample (an empty sample: None)."""
         out = dict(self.values)
-        for m in METRICS:
+        for m in table.METRICS:
             if m.of and m.of[0] in self.values and (not m.tasks or self.task in m.tasks):
                 sample = self.values[m.of[0]]
                 out[m.name] = getattr(summarize(sample), m.of[1]) if sample else None
@@ -79,7 +79,7 @@ class Figures:
         """The job-level rows this task has a rule for (:data:`DERIVED`), from the (reduced) figures."""
         out = dict(self.values)
         for name, rule in DERIVED.items():
-            if self.task in metric(name).tasks:
+            if self.task in table.metric(name).tasks:
                 out[name] = rule(out, work)
         return Figures(self.task, out)
 
@@ -87,7 +87,7 @@ class Figures:
         """What MLflow logs, in table order: ``<task>_<name>`` (job-level rows as they are), samples and
         unmeasured figures left out."""
         out = {}
-        for m in METRICS:
+        for m in table.METRICS:
             value = self.values.get(m.name)
             if m.logged and value is not None and not isinstance(value, tuple):
                 out[f"{self.task}_{m.name}" if m.tasks else m.name] = float(value)
