@@ -108,7 +108,7 @@ def test_two_hosts_of_two_processes_make_one_run_logged_by_node_0(tmp_path):
     record = tmp_path / "record"
     record.mkdir()
     (record / "sitecustomize.py").write_text(LAUNCHER_IMPORTS)
-    env = child_env(uri, PYTHONPATH=str(record), RECORD_DIR=str(record))
+    env = child_env(uri, PYTHONPATH=os.pathsep.join([str(record), str(REPO)]), RECORD_DIR=str(record))
     base_id = fake_baseline_run(uri, throughput=100.0)
     options = {**TINY, "nproc": "2", "profile_steps": "2", "baseline_run": base_id,
                "nnodes": "2", "rdzv_endpoint": f"127.0.0.1:{free_port()}"}
@@ -170,7 +170,7 @@ def test_rank_killed_hard_fails_the_run(tmp_path):
     """))
     uri = migrated_store(tmp_path)
     proc = subprocess.run([sys.executable, "-m", "vitreg.cli", "bench", *cli_args({**TINY, "nproc": "2"})],
-                          env=child_env(uri, PYTHONPATH=str(inject)), cwd=tmp_path, capture_output=True, text=True,
+                          env=child_env(uri, PYTHONPATH=os.pathsep.join([str(inject), str(REPO)])), cwd=tmp_path, capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 1, proc.stderr[-3000:]  # a signal has no exit status of its own to pass on
     last = proc.stderr.strip().splitlines()[-1]
