@@ -139,11 +139,11 @@ def test_bad_input_exit_2_and_failed_run(requested_run, args, needle):
 ])
 def test_fp8_refused_on_a_gpu_without_fp8_or_without_torchao(requested_run, monkeypatch, gpu, needle):
     """The GPU is faked (detection only: the refusal comes before any device work); torchao is made absent."""
-    from vitreg.bench import job
     from vitreg.cli.main import main
+    from vitreg.ddp import context
     from vitreg.hardware.profiles import PROFILES, DetectedHardware
 
-    monkeypatch.setattr(job, "detect_hardware", lambda device: DetectedHardware("cuda", PROFILES[gpu].name, 1,
+    monkeypatch.setattr(context, "detect_hardware", lambda device: DetectedHardware("cuda", PROFILES[gpu].name, 1,
                                                                                 PROFILES[gpu]))
     monkeypatch.setitem(sys.modules, "torchao", None)  # import torchao raises ImportError
     monkeypatch.setitem(sys.modules, "torchao.quantization", None)

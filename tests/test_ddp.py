@@ -24,6 +24,7 @@ from vitreg.ddp import world as distributed
 from vitreg.ddp import diagnose as diagnosis
 from vitreg.ddp import launcher as launch
 from vitreg.errors import VitregError
+from vitreg.measure.figures import Figures
 
 TINY = {"model": "test_vit", "img_size": "32", "batch_size": "2", "warmup": "1", "steps": "2", "repeats": "2",
         "task": "train", "device": "cpu"}
@@ -107,7 +108,7 @@ def test_two_hosts_of_two_processes_make_one_run_logged_by_node_0(tmp_path):
     record = tmp_path / "record"
     record.mkdir()
     (record / "sitecustomize.py").write_text(LAUNCHER_IMPORTS)
-    env = child_env(uri, PYTHONPATH=str(record), RECORD_DIR=str(record))
+    env = child_env(uri, PYTHONPATH=os.pathsep.join([str(record), str(REPO)]), RECORD_DIR=str(record))
     base_id = fake_baseline_run(uri, throughput=100.0)
     options = {**TINY, "nproc": "2", "profile_steps": "2", "baseline_run": base_id,
                "nnodes": "2", "rdzv_endpoint": f"127.0.0.1:{free_port()}"}
@@ -169,7 +170,7 @@ def test_rank_killed_hard_fails_the_run(tmp_path):
     """))
     uri = migrated_store(tmp_path)
     proc = subprocess.run([sys.executable, "-m", "vitreg.cli", "bench", *cli_args({**TINY, "nproc": "2"})],
-                          env=child_env(uri, PYTHONPATH=str(inject)), cwd=tmp_path, capture_output=True, text=True,
+                          env=child_env(uri, PYTHONPATH=os.pathsep.join([str(inject), str(REPO)])), cwd=tmp_path, capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 1, proc.stderr[-3000:]  # a signal has no exit status of its own to pass on
     last = proc.stderr.strip().splitlines()[-1]
@@ -326,17 +327,22 @@ def test_options_to_args_round_trip_through_click():
     assert seen["batch_size"] == "2" and seen["gpu"] == "auto"  # None: not passed, the default applies
 
 
+def _rank(windows, iters, first, warm, alloc=None, reserved=None):
+    return Figures("train", {"window_img_per_s": windows, "step_ms": iters, "first_call_s": first,
+                             "warmup_s": warm, "peak_mem_allocated_mb": alloc, "peak_mem_reserved_mb": reserved})
+
+
 def test_reduce_figures_sums_rates_and_takes_the_slowest_step():
-    a = distributed.RankFigures((100.0, 110.0, 90.0), (10.0, 12.0, 11.0, 9.0), 2.0, 0.5, 100.0, 120.0)
-    b = distributed.RankFigures((95.0, 105.0, 100.0), (11.0, 10.0, 13.0, 9.5), 3.0, 0.4, 110.0, 115.0)
+    a = _rank((100.0, 110.0, 90.0), (10.0, 12.0, 11.0, 9.0), 2.0, 0.5, 100.0, 120.0)
+    b = _rank((95.0, 105.0, 100.0), (11.0, 10.0, 13.0, 9.5), 3.0, 0.4, 110.0, 115.0)
     total = distributed.reduce_figures([a, b])
-    assert total.throughputs == (195.0, 215.0, 190.0)
-    assert total.iter_ms == (11.0, 12.0, 13.0, 9.5)
-    assert (total.first_call_s, total.warmup_s) == (3.0, 0.5)
-    assert (total.peak_mem_allocated_mb, total.peak_mem_reserved_mb) == (110.0, 120.0)
-    cpu = distributed.RankFigures((1.0,), (1.0,), 0.0, 0.0)
-    assert distributed.reduce_figures([cpu, cpu]).peak_mem_allocated_mb is None
-    with pytest.raises(ValueError, match="different numbers"):
+    assert total["window_img_per_s"] == (195.0, 215.0, 190.0)
+    assert total["step_ms"] == (11.0, 12.0, 13.0, 9.5)
+    assert (total["first_call_s"], total["warmup_s"]) == (3.0, 0.5)
+    assert (total["peak_mem_allocated_mb"], total["peak_mem_reserved_mb"]) == (110.0, 120.0)
+    cpu = _rank((1.0,), (1.0,), 0.0, 0.0)
+    assert distributed.reduce_figures([cpu, cpu])["peak_mem_allocated_mb"] is None
+    with pytest.raises(ValueError, match="different"):
         distributed.reduce_figures([a, cpu])
 
 
@@ -344,10 +350,9 @@ def test_task_result_from_reducer_is_global_and_mfu_per_gpu():
     """The runner's figures under a reducer: throughput of the job, MFU against ONE GPU's peak."""
     from vitreg.hardware.profiles import PROFILES, DetectedHardware, ResolvedHardware
     from vitreg.models.factory import ModelInfo
-    from vitreg.bench.runner import _task_result
+    from vitreg.bench.runner import _Bench, _job_figures
     from vitreg.hardware.runtime import Runtime
     from vitreg.config.spec import BenchSpec
-    from vitreg.measure.timing import Window
 
     class TwoIdenticalRanks:
         world_size = 2
@@ -362,16 +367,15 @@ def test_task_result_from_reducer_is_global_and_mfu_per_gpu():
     info = ModelInfo("test_vit", "timm", 32, 16, 1000, 0.4, False)
     profile = PROFILES["h100"]
     hw = ResolvedHardware("h100", profile, DetectedHardware("cuda", "H100", 2, profile), False)
-    rt = Runtime("cpu", "bf16", "off")  # the CPU keeps _memory_mb out of CUDA; MFU only needs the profile
-    windows = [Window((10.0, 10.0), 20.0), Window((10.0, 10.0), 20.0)]  # 8 img / 10 ms = 800 img/s per rank
-    flops = 1e9
-    single = _task_result("train", windows, 1.0, 0.1, spec, info, rt, hw, flops)
-    double = _task_result("train", windows, 1.0, 0.1, spec, info, rt, hw, flops, TwoIdenticalRanks())
-    assert single.throughput.median == pytest.approx(800.0) and single.world_size == 1
-    assert double.throughput.median == pytest.approx(1600.0) and double.world_size == 2
+    rt = Runtime("cpu", "bf16", "off")  # MFU only needs the profile
+    rank = _rank((800.0, 800.0), (10.0, 10.0, 10.0, 10.0), 1.0, 0.1)  # 8 img / 10 ms = 800 img/s per rank
+    single = _job_figures(rank, _Bench(spec, rt, hw, info), 1e9)
+    double = _job_figures(rank, _Bench(spec, rt, hw, info, reducer=TwoIdenticalRanks()), 1e9)
+    assert single["throughput_img_per_s"] == pytest.approx(800.0) and single["world_size"] is None
+    assert double["throughput_img_per_s"] == pytest.approx(1600.0) and double["world_size"] == 2
     assert double.metrics()["train_throughput_img_per_s_per_gpu"] == pytest.approx(800.0)
-    assert double.achieved_tflops == pytest.approx(2 * single.achieved_tflops)
-    assert double.mfu == pytest.approx(single.mfu) == pytest.approx(single.achieved_tflops / profile.peak_tflops["bf16"])
+    assert double["achieved_tflops"] == pytest.approx(2 * single["achieved_tflops"])
+    assert double["mfu"] == pytest.approx(single["mfu"]) == pytest.approx(single["achieved_tflops"] / profile.peak_tflops["bf16"])
 
 
 @pytest.mark.parametrize("text,line", [

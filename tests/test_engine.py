@@ -34,12 +34,13 @@ def runtime_for(spec):
     return resolve_runtime(spec.amp, spec.compile, spec.compile_backend, CPU)
 
 
-def fit(spec, **kwargs):
+def fit(spec, checkpoint_dir=None, resume_from=None, **hooks):
     torch.manual_seed(spec.seed)
     model, info = create_model(spec.model, spec.img_size, resolve_num_classes(spec))
     logs = {}
-    result = engine.train(spec, runtime_for(spec), model, info, on_log=lambda s, m: logs.__setitem__(s, m),
-                          progress=lambda message: None, **kwargs)
+    hooks = engine.Hooks(on_log=lambda s, m: logs.__setitem__(s, m), progress=lambda message: None, **hooks)
+    result = engine.train(spec, runtime_for(spec), model, info,
+                          checkpoints=engine.Checkpoints(checkpoint_dir, resume_from), hooks=hooks)
     return result, logs, model
 
 
@@ -239,12 +240,12 @@ def test_the_live_rate_leaves_out_the_first_step_as_the_summary_does():
     model, info = create_model(spec.model, spec.img_size, resolve_num_classes(spec))
     model.register_forward_pre_hook(first_call_slow)
     logs = {}
-    result = engine.train(spec, runtime_for(spec), model, info, on_log=lambda s, m: logs.__setitem__(s, m),
-                          progress=lambda message: None)
-    live, summary = logs[24]["train_img_per_s"], result.throughput_img_per_s
-    p50_s = result.step_ms_p50 / 1e3
+    result = engine.train(spec, runtime_for(spec), model, info,
+                          hooks=engine.Hooks(on_log=lambda s, m: logs.__setitem__(s, m), progress=lambda message: None))
+    live, summary = logs[24]["train_img_per_s"], result.figure("throughput_img_per_s")
+    p50_s = result.figure("step_ms_p50") / 1e3
     # a rate that counted the first step would be this fraction of the summary: outside the band below
-    assert 24 * p50_s / (result.first_step_s + 23 * p50_s) < 0.6, (result.first_step_s, p50_s)
+    assert 24 * p50_s / (result.figure("first_step_s") + 23 * p50_s) < 0.6, (result.figure("first_step_s"), p50_s)
     assert 0.6 < live / summary < 1.6, (live, summary)
 
 
@@ -259,10 +260,11 @@ def test_synthetic_loss_falls_and_metrics():
     assert all(m["train_img_per_s"] > 0 and 0 <= m["data_wait_frac"] <= 1 and m["grad_norm"] > 0
                for m in logs.values())
     assert logs[30]["lr"] < logs[10]["lr"]  # cosine decay
-    assert result.step == 30 and result.steps_run == 30 and result.images == 30 * 16
-    assert result.final_loss == logs[30]["train_loss"]
-    assert result.measured_steps == 30 - 1 - 10  # first step and warm-up excluded, as bench does
-    assert result.throughput_img_per_s > 0 and result.step_ms_p50 > 0 and result.compile_time_s is None
+    assert result.step == 30 and result.steps_run == 30 and result.figure("images") == 30 * 16
+    assert result.figure("final_loss") == logs[30]["train_loss"]
+    assert result.figure("measured_steps") == 30 - 1 - 10  # first step and warm-up excluded, as bench does
+    assert result.figure("throughput_img_per_s") > 0 and result.figure("step_ms_p50") > 0
+    assert result.figure("compile_time_s") is None
     m = result.metrics()
     for key in ("train_throughput_img_per_s", "train_step_ms_p50", "train_final_loss", "train_data_wait_frac"):
         assert key in m
@@ -311,7 +313,8 @@ def test_folder_data_trains_with_val(tmp_path):
     epochs = []
     result, logs, _ = fit(spec, checkpoint_dir=tmp_path / "ck", on_epoch_end=lambda e, m: epochs.append((e, m)))
     assert result.steps_per_epoch == 4 and result.step == 8 and [e for e, _ in epochs] == [1, 2]
-    assert all(0 <= m["val_top1"] <= 100 for _, m in epochs) and result.val_top1 == epochs[-1][1]["val_top1"]
+    assert all(0 <= m["val_top1"] <= 100 for _, m in epochs)
+    assert result.figure("val_top1") == epochs[-1][1]["val_top1"]
     import json
 
     spec_json = json.loads((tmp_path / "ck" / "step-8" / "spec.json").read_text())
@@ -326,8 +329,8 @@ def test_distilled_deit_soft_and_hard():
         spec = TrainSpec(model=info.name, img_size=IMG, num_classes=CLASSES, batch_size=4, steps=2, log_every=1,
                          distillation=kind, teacher="test_vit")
         messages = []
-        result = engine.train(spec, runtime_for(spec), student, info, progress=messages.append)
-        assert result.step == 2 and math.isfinite(result.final_loss)
+        result = engine.train(spec, runtime_for(spec), student, info, hooks=engine.Hooks(progress=messages.append))
+        assert result.step == 2 and math.isfinite(result.figure("final_loss"))
         assert any("random weights" in m for m in messages)  # the random teacher is said out loud
     assert not student.distilled_training  # restored after training
 
@@ -348,6 +351,6 @@ def test_out_of_memory_in_a_step_is_typed_and_names_a_smaller_batch(monkeypatch)
 
     monkeypatch.setattr(model, "forward", out_of_memory)
     with pytest.raises(OutOfMemory) as err:
-        engine.train(spec, runtime_for(spec), model, info, progress=lambda message: None)
+        engine.train(spec, runtime_for(spec), model, info, hooks=engine.Hooks(progress=lambda message: None))
     assert one_line(err) == ("training with batch_size=16 ran out of GPU memory: use a smaller batch_size "
                              "(e.g. 8)")

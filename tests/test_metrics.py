@@ -18,8 +18,8 @@ from vitreg.config.spec import BenchSpec
 from vitreg.ddp import world
 from vitreg.measure import metrics
 from vitreg.measure.autobatch import BatchChoice, Probe
+from vitreg.measure.figures import Figures, Work
 from vitreg.measure.profiling import CommProfile
-from vitreg.measure.timing import summarize
 from vitreg.models.factory import ModelInfo
 
 DATA = Path(__file__).parent / "data"
@@ -27,19 +27,20 @@ DATA = Path(__file__).parent / "data"
 # Per-task metrics that other jobs than the bench runner log: the bench job's scaling against a
 # baseline run, and the train job's end-of-training figures.
 NOT_FROM_THE_RUNNER = {"scaling_efficiency", "data_wait_frac", "first_step_s", "measured_steps", "final_loss",
-                       "images", "steps"}
+                       "images", "steps", "val_top1", "val_loss"}
 
 
-def _task(task: str, **kw) -> TaskResult:
+def _task(task: str, compiled: bool = True, **values) -> TaskResult:
     """A task result with every optional figure measured (a compiled DDP job on CUDA, profiled)."""
-    fields = dict(task=task, batch_size=64, img_size=224, steps=3, repeats=3,
-                  throughput=summarize([1200.0, 1234.5, 1250.0]), iter_ms=summarize([3.0, 3.0, 4.0, 5.0, 5.0]),
-                  first_call_s=12.5, warmup_s=0.75, compiled=True, gflops_per_img=4.6, achieved_tflops=5.678,
-                  mfu=0.0123, peak_mem_allocated_mb=12345.6, peak_mem_reserved_mb=13000.0, world_size=2,
-                  allreduce_ms_per_step=1.5 if task == "train" else None,
-                  device_busy_ms_per_step=2.5 if task == "train" else None,
-                  batch_choice=BatchChoice(64, (Probe(32, 1000.0), Probe(64, 1200.0), Probe(128, None)), "oom"))
-    return TaskResult(**{**fields, **kw})
+    profiled = {"allreduce_ms_per_step": 1.5, "device_busy_ms_per_step": 2.5} if task == "train" else {}
+    figures = Figures(task, {"window_img_per_s": (1200.0, 1234.5, 1250.0),
+                             metrics.ITERATION_TIME[task]: (3.0, 3.0, 4.0, 5.0, 5.0), "first_call_s": 12.5,
+                             "warmup_s": 0.75, "gflops_per_img": 4.6, "peak_mem_allocated_mb": 12345.6,
+                             "peak_mem_reserved_mb": 13000.0, **profiled})
+    figures = figures.summarized().completed(Work(world_size=2, compiled=compiled))
+    figures = figures.with_values(**{"mfu": 0.0123, **values})  # no GPU profile here: MFU as a GPU run has it
+    choice = BatchChoice(64, (Probe(32, 1000.0), Probe(64, 1200.0), Probe(128, None)), "oom")
+    return TaskResult(task, 64, 224, 3, 3, figures, batch_choice=choice)
 
 
 def _bench(*tasks: TaskResult) -> BenchResult:
@@ -55,6 +56,7 @@ def test_the_table_is_well_formed():
         assert m.ranks in metrics.RANK_RULES, m
         assert set(m.tasks) <= set(metrics.TASKS) and set(m.compared) <= set(metrics.TASKS), m
         assert not m.speed or m.unit in ("img/s", "ms"), m
+        assert not m.of or (m.of[0] in names and m.of[1] in metrics.STATS), m  # a statistic of a declared sample
         format(1.0 if "d" not in m.fmt else 1, m.fmt)  # a format spec that formats a number
     with pytest.raises(KeyError, match="not declared"):
         metrics.metric("imgs_per_sec")
@@ -66,7 +68,7 @@ def test_logged_names_are_the_ones_mlflow_always_had():
              "gflops_per_img", "achieved_tflops", "warmup_s", "first_call_s"]
     tail = ["compile_time_s", "mfu", "peak_mem_allocated_mb", "peak_mem_reserved_mb"]
     ddp = ["world_size", "throughput_img_per_s_per_gpu"]
-    assert list(m) == (["fwd_gflops_per_img", "params_m"]
+    assert set(m) == set(["fwd_gflops_per_img", "params_m"]
                        + [f"infer_{k}" for k in stats + ["latency_ms_p50", "latency_ms_p90", "latency_ms_p99",
                                                         "latency_ms_mean"] + tail + ddp]
                        + [f"train_{k}" for k in stats + ["step_ms_p50", "step_ms_p90", "step_ms_p99", "step_ms_mean"]
@@ -77,8 +79,9 @@ def test_logged_names_are_the_ones_mlflow_always_had():
 def test_the_runner_logs_every_declared_metric_and_only_those():
     bench = _bench(_task("infer"), _task("train"))
     logged = set(bench.metrics()) | {k for _, values in bench.series() for k in values}  # series: with a step
-    declared = {f"{t}_{m.name}" for m in metrics.METRICS for t in m.tasks if m.name not in NOT_FROM_THE_RUNNER}
-    declared |= {m.name for m in metrics.METRICS if not m.tasks}
+    declared = {f"{t}_{m.name}" for m in metrics.METRICS for t in m.tasks
+                if m.name not in NOT_FROM_THE_RUNNER and m.logged}
+    declared |= {m.name for m in metrics.METRICS if not m.tasks and m.name not in NOT_FROM_THE_RUNNER}
     assert logged == declared
     assert [(step, *values) for step, values in bench.series()][:2] == [
         (32, "infer_batch_probe_img_per_s"), (64, "infer_batch_probe_img_per_s")]  # the probes that fit
@@ -106,17 +109,54 @@ def test_the_bench_report_shows_declared_metrics_formatted_by_the_table():
 
 
 def test_the_reducers_take_every_rule_from_the_table():
-    figures = {f.name for f in dataclasses.fields(world.RankFigures)}
-    assert set(world.FIGURE_METRICS) == figures
     iteration = [m for m in metrics.METRICS if m.name.startswith(tuple(metrics.ITERATION_TIME.values()))]
     assert {m.ranks for m in iteration} == {"max"}  # infer and train iterations reduce alike
-    for name in [*world.FIGURE_METRICS.values(), *world.TRAIN_FIGURES, "allreduce_ms_per_step",
-                 "device_busy_ms_per_step"]:
-        assert metrics.metric(name).ranks in ("sum", "max", "min"), name
+    # a record of every figure a rank measures: the reducer combines each by its row's rule, none by hand
+    rank_rules = ("sum", "max", "min", "same", "main")
+    for task in metrics.TASKS:
+        rows = [m for m in metrics.METRICS if m.ranks in rank_rules and (not m.tasks or task in m.tasks)]
+        ranks = [Figures(task, {m.name: (float(r), float(2 - r)) if not m.logged and m.name != "measured_steps"
+                                else float(r + 1) for m in rows}) for r in range(2)]
+        total = world.reduce_figures(ranks)
+        for m in rows:
+            assert total[m.name] == metrics.combine(m.name, [f[m.name] for f in ranks]), m.name
+        assert total["window_img_per_s"] == (1.0, 3.0) and total[metrics.ITERATION_TIME[task]] == (1.0, 2.0)
+        assert total["first_call_s"] == 2.0 and total["fwd_gflops_per_img"] == 1.0  # max; same: rank 0's
+    with pytest.raises(ValueError, match="not combined"):
+        world.reduce_figures([Figures("train", {"mfu": 0.1})] * 2)  # computed after the reduction, not before
     profiled = {f.name for f in dataclasses.fields(CommProfile)} - {"steps"}
     assert profiled <= set(metrics.BY_NAME)
     with pytest.raises(ValueError, match="not combined"):
         metrics.combine("mfu", [0.1, 0.2])
+
+
+def test_a_record_holds_declared_names_only():
+    with pytest.raises(KeyError, match="not declared in"):
+        Figures("infer", {"imgs_per_sec": 1.0})
+    with pytest.raises(KeyError, match="not declared for task 'infer'"):
+        Figures("infer", {"step_ms": (1.0,)})
+    f = Figures("train", {"step_ms": (1.0, 2.0, 3.0, 10.0), "gflops_per_img": 2.0, "throughput_img_per_s": 500.0,
+                          "first_step_s": 4.0, "measured_steps": 4}).summarized()
+    assert (f["step_ms_p50"], f["step_ms_mean"]) == (2.5, 4.0)
+    done = f.completed(Work(world_size=2, compiled=True))
+    assert done["achieved_tflops"] == 1.0 and done["throughput_img_per_s_per_gpu"] == 250.0
+    assert done["compile_time_s"] == 4.0 and done["world_size"] == 2 and done["mfu"] is None  # no GPU profile
+    logged = done.metrics()
+    assert "train_step_ms" not in logged and "train_measured_steps" not in logged  # samples, counts: not logged
+    assert logged["train_step_ms_p50"] == 2.5 and logged["train_compile_time_s"] == 4.0
+    assert f.completed(Work())["compile_time_s"] is None and f.completed(Work())["world_size"] is None
+
+
+def test_a_new_row_is_recorded_reduced_and_logged_with_no_other_change(monkeypatch):
+    """Adding a metric is its row and the code that measures it: the record takes the name, the DDP
+    reducer combines it by its rule, and it is logged under its task's prefix."""
+    row = metrics.Metric("energy_j_per_img", "J", metrics.LOWER, "max", ".2f", ("infer",), doc="a new figure")
+    monkeypatch.setattr(metrics, "METRICS", (*metrics.METRICS, row))
+    monkeypatch.setitem(metrics.BY_NAME, row.name, row)
+    ranks = [_task("infer").figures.with_values(energy_j_per_img=e) for e in (0.25, 0.5)]
+    total = world.reduce_figures([Figures("infer", {"energy_j_per_img": f["energy_j_per_img"]}) for f in ranks])
+    assert total["energy_j_per_img"] == 0.5  # the largest rank's, as the row says
+    assert TaskResult("infer", 64, 224, 3, 3, ranks[0]).metrics()["infer_energy_j_per_img"] == 0.25
 
 
 def test_combine_sums_rates_per_window_and_takes_the_slowest_rank():
@@ -125,6 +165,7 @@ def test_combine_sums_rates_per_window_and_takes_the_slowest_rank():
     assert metrics.combine("measured_steps", [10, 8, 9]) == 8
     assert metrics.combine("peak_mem_allocated_mb", [None, 5.0, 4.0]) == 5.0
     assert metrics.combine("peak_mem_allocated_mb", [None, None]) is None
+    assert metrics.combine("throughput_img_per_s", [None, 5.0]) is None  # a partial sum would understate the job
 
 
 def test_slowest_profile_combines_by_the_table(monkeypatch):

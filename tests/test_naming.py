@@ -9,17 +9,18 @@ import pytest
 from vitreg.bench import report
 from vitreg.bench.results import BenchResult, TaskResult
 from vitreg.config.spec import BenchSpec
-from vitreg.measure.timing import summarize
+from vitreg.measure.figures import Figures, Work
+from vitreg.measure.metrics import ITERATION_TIME
 from vitreg.models.factory import ModelInfo
 from vitreg.tracking.naming import NOTE_TAG, run_name, run_note, results_markdown, short_model
 
 
-def _task(task: str, **kw) -> TaskResult:
-    fields = dict(task=task, batch_size=64, img_size=224, steps=3, repeats=3,
-                  throughput=summarize([1200.0, 1234.5, 1250.0]), iter_ms=summarize([3.0, 3.0, 4.0, 5.0, 5.0]),
-                  first_call_s=12.5, warmup_s=0.75, compiled=True, gflops_per_img=4.6, achieved_tflops=5.678,
-                  mfu=0.0123, peak_mem_allocated_mb=12345.6, peak_mem_reserved_mb=13000.0)
-    return TaskResult(**{**fields, **kw})
+def _task(task: str, compiled: bool = True, **values) -> TaskResult:
+    figures = Figures(task, {"window_img_per_s": (1200.0, 1234.5, 1250.0),
+                             ITERATION_TIME[task]: (3.0, 3.0, 4.0, 5.0, 5.0), "first_call_s": 12.5, "warmup_s": 0.75,
+                             "gflops_per_img": 4.6, "peak_mem_allocated_mb": 12345.6, "peak_mem_reserved_mb": 13000.0})
+    figures = figures.summarized().completed(Work(compiled=compiled)).with_values(**{"mfu": 0.0123, **values})
+    return TaskResult(task, 64, 224, 3, 3, figures)
 
 
 def _bench(*tasks: TaskResult) -> BenchResult:

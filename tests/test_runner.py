@@ -6,6 +6,7 @@ import pytest
 
 from vitreg.hardware.profiles import PROFILES, DetectedHardware, resolve_hardware
 from vitreg.bench.runner import run_benchmark
+from vitreg.measure.metrics import ITERATION_TIME
 from vitreg.hardware.runtime import resolve_runtime
 from vitreg.config.spec import BenchSpec
 
@@ -35,8 +36,10 @@ def test_both_tasks_metrics_and_schema():
     assert 2.5 < m["train_gflops_per_img"] / m["fwd_gflops_per_img"] < 3.5
     # throughput is the median of the windows and lies within their range
     t = result.tasks[0]
-    assert t.throughput.n == 2 and t.throughput.min <= t.throughput.median <= t.throughput.max
-    assert t.iter_ms.n == 2 * 3  # every timed iteration of every window, warm-up excluded
+    f = t.figures
+    assert len(f["window_img_per_s"]) == 2
+    assert f["throughput_img_per_s_min"] <= f["throughput_img_per_s"] <= f["throughput_img_per_s_max"]
+    assert len(f["latency_ms"]) == 2 * 3  # every timed iteration of every window, warm-up excluded
     doc = json.loads(json.dumps(result.to_dict()))
     assert [x["task"] for x in doc["tasks"]] == ["infer", "train"]
     assert doc["tasks"][0]["metrics"]["infer_throughput_img_per_s"] == m["infer_throughput_img_per_s"]
@@ -51,12 +54,28 @@ def test_compile_time_is_reported_apart():
 
 
 def test_distilled_deit_trains_both_heads():
+    """Each training step gives the two heads their own outputs (DeiT's distilled training) and the loss
+    reaches both: the class head and the distillation head are updated, and left in inference mode."""
+    import torch
+
+    from vitreg.models.factory import create_model
+
     spec = BenchSpec(model="deit_tiny_distilled_patch16_224", img_size=32, batch_size=2, warmup=1, steps=2,
                      repeats=1, task="train")
     hw = resolve_hardware("auto", CPU)
     rt = resolve_runtime("off", "off", "inductor", CPU)
-    result = run_benchmark(spec, hw, rt, progress=lambda _: None)
+    model, info = create_model(spec.model, spec.img_size)
+    before = {name: getattr(model, name).weight.detach().clone() for name in ("head", "head_dist")}
+    outputs = []
+    model.register_forward_hook(lambda module, args, out: outputs.append(out))
+    result = run_benchmark(spec, hw, rt, progress=lambda _: None, model_factory=lambda: (model, info))
     assert result.model.distilled and result.metrics()["train_throughput_img_per_s"] > 0
+    trained = [out for out in outputs if isinstance(out, tuple)]
+    assert trained and all(len(out) == 2 for out in trained)  # (class head, distillation head) per step
+    for name, weight in before.items():
+        assert getattr(model, name).weight.grad is not None, f"{name} got no gradient"
+        assert not torch.equal(getattr(model, name).weight, weight), f"{name} was not updated"
+    assert not model.distilled_training  # restored after the task
 
 
 def test_mfu_against_a_mismatched_label_uses_that_peak():
@@ -117,9 +136,26 @@ def report_table(result):
 
 
 def test_weights_cast_runs_inference_in_bf16_and_is_labelled():
-    result, _ = _run(task="infer", amp="bf16-weights")
+    """bf16-weights: the forward passes that are timed run in bf16 (weights and inputs), and the run says so."""
+    import torch
+
+    from vitreg.models.factory import create_model
+
+    spec = BenchSpec(model="test_vit", img_size=32, batch_size=2, warmup=2, steps=3, repeats=2, task="infer",
+                     amp="bf16-weights")
+    model, info = create_model(spec.model, spec.img_size)
+    seen = []  # (weight dtype, input dtype, output dtype) of every forward pass
+    model.register_forward_hook(lambda module, args, out: seen.append((module.head.weight.dtype, args[0].dtype,
+                                                                       out.dtype)))
+    result = run_benchmark(spec, resolve_hardware("auto", CPU),
+                           resolve_runtime(spec.amp, spec.compile, spec.compile_backend, CPU),
+                           progress=lambda _: None, model_factory=lambda: (model, info))
     assert result.precision == "bf16-weights" and result.tags()["precision"] == "bf16-weights"
     assert result.metrics()["infer_throughput_img_per_s"] > 0
+    # after the FLOP count's passes (fp32, before the cast): the first call, the warm-up, the windows
+    # and the SDPA check, every one in bf16
+    ran = seen[-(spec.warmup + spec.steps * spec.repeats + 1):]
+    assert len(seen) > len(ran) and set(ran) == {(torch.bfloat16, torch.bfloat16, torch.bfloat16)}, set(ran)
 
 
 def test_compiling_records_the_cache_folder_and_state_and_restores_the_process_settings(tmp_path, monkeypatch):
@@ -145,7 +181,7 @@ def test_profile_true_writes_a_trace_and_the_top_ops_per_task_outside_the_window
         for task in ("infer", "train"):
             assert (folder / task / "trace.json.gz").stat().st_size > 0
             assert "Self CPU" in (folder / task / "top_ops.txt").read_text()
-        assert result.tasks[0].iter_ms.n == 2 * 3  # the traced steps are not timed
+        assert len(result.tasks[0].figures[ITERATION_TIME[result.tasks[0].task]]) == 2 * 3  # traced steps untimed
         assert any("profile=true" in m for m in messages)
     finally:
         shutil.rmtree(folder)  # the job logs and removes it; run_benchmark alone hands it to its caller

@@ -20,6 +20,7 @@ from click.testing import CliRunner
 
 from conftest import free_port, migrated_store, subprocess_env
 from vitreg.ddp import world as distributed
+from vitreg.measure.figures import Figures
 from vitreg.ddp import launcher as launch
 from vitreg.checkpoint.format import verify_checkpoint
 
@@ -185,15 +186,16 @@ def test_join_world_refuses_another_process_count(monkeypatch):
 
 def test_reduce_train_figures_sums_rates_and_takes_the_slowest():
     a = {"throughput_img_per_s": 100.0, "step_ms_p50": 10.0, "step_ms_p90": 12.0, "data_wait_frac": 0.1,
-         "first_step_s": 2.0, "measured_steps": 20, "final_loss": 1.0}
+         "first_step_s": 2.0, "measured_steps": 20}
     b = {"throughput_img_per_s": 90.0, "step_ms_p50": 11.0, "step_ms_p90": 11.5, "data_wait_frac": 0.3,
-         "first_step_s": 1.0, "measured_steps": 20, "final_loss": 3.0}
-    out = distributed.reduce_train_figures([a, b])
-    assert out == {"throughput_img_per_s": 190.0, "step_ms_p50": 11.0, "step_ms_p90": 12.0, "data_wait_frac": 0.3,
-                   "first_step_s": 2.0, "measured_steps": 20}
-    assert distributed.reduce_train_figures([a, {**b, "throughput_img_per_s": None}])["throughput_img_per_s"] is None
+         "first_step_s": 1.0, "measured_steps": 19}
+    out = distributed.reduce_figures([Figures("train", a), Figures("train", b)])
+    assert out.values == {"throughput_img_per_s": 190.0, "step_ms_p50": 11.0, "step_ms_p90": 12.0,
+                          "data_wait_frac": 0.3, "first_step_s": 2.0, "measured_steps": 19}
+    partial = Figures("train", {**b, "throughput_img_per_s": None})
+    assert distributed.reduce_figures([Figures("train", a), partial])["throughput_img_per_s"] is None
     with pytest.raises(ValueError):
-        distributed.reduce_train_figures([])
+        distributed.reduce_figures([])
 
 
 class CountingReducer(distributed.TrainReducer):
@@ -209,10 +211,9 @@ class CountingReducer(distributed.TrainReducer):
 
     def figures(self, local):
         self.figure_calls += 1
-        local = {**local, "final_loss": self.last_local_loss}
-        twin = {**local, "step_ms_p50": local["step_ms_p50"] * 1.5}  # a slower second rank
-        self.per_rank = [local, twin]
-        return distributed.reduce_train_figures([local, twin])
+        twin = local.with_values(step_ms_p50=local["step_ms_p50"] * 1.5)  # a slower second rank
+        self.per_rank = [{**local.values, "final_loss": self.last_local_loss}, twin.values]
+        return distributed.reduce_figures([local, twin])
 
 
 def test_engine_reduces_once_per_log_boundary_and_once_at_the_end():
@@ -228,12 +229,13 @@ def test_engine_reduces_once_per_log_boundary_and_once_at_the_end():
     torch.manual_seed(0)
     model, info = create_model(spec.model, spec.img_size, spec.num_classes)
     reducer, logs = CountingReducer(), {}
-    result = engine.train(spec, runtime, model, info, world_size=2, reducer=reducer,
-                          on_log=lambda step, metrics: logs.__setitem__(step, metrics), progress=lambda m: None)
+    result = engine.train(spec, runtime, model, info, ranks=engine.Ranks(world_size=2, reducer=reducer),
+                          hooks=engine.Hooks(on_log=lambda step, metrics: logs.__setitem__(step, metrics),
+                                             progress=lambda m: None))
     assert sorted(logs) == [3, 6, 7] and reducer.intervals == 3  # the boundaries, never per step
     assert reducer.figure_calls == 1
     local = reducer.per_rank[0]
-    assert result.throughput_img_per_s == pytest.approx(2 * local["throughput_img_per_s"])
-    assert result.step_ms_p50 == pytest.approx(1.5 * local["step_ms_p50"])
-    assert result.final_loss == pytest.approx(logs[7]["train_loss"]) == pytest.approx(local["final_loss"])
-    assert result.images == 7 * 4 * 2
+    assert result.figure("throughput_img_per_s") == pytest.approx(2 * local["throughput_img_per_s"])
+    assert result.figure("step_ms_p50") == pytest.approx(1.5 * local["step_ms_p50"])
+    assert result.figure("final_loss") == pytest.approx(logs[7]["train_loss"]) == pytest.approx(local["final_loss"])
+    assert result.figure("images") == 7 * 4 * 2

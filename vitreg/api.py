@@ -22,13 +22,12 @@ def bench(*, experiment: str | None = None, run_name: str | None = None, **optio
     ``vitreg.bench(model="deit_tiny_patch16_224", batch_size=8, task="infer", experiment="laptop")``
     """
     from vitreg.bench.job import bench as run_bench
+    from vitreg.cli.common import launcher_options
 
     command = _call_text("bench", options)
-    own = {name: option("bench", name).parse(options.pop(name)) for name in _BENCH_LAUNCHER if name in options}
-    for name in ("rdzv_endpoint", "baseline_run"):
-        if name in own:
-            own[name] = own[name] or None  # "" (the table's default) means none
-    return run_bench(options, experiment=experiment, run_name=run_name, command=command, **own)
+    own = {name: options.pop(name, option("bench", name).default) for name in _BENCH_LAUNCHER}
+    return run_bench(options, experiment=experiment, run_name=run_name, command=command,
+                     **launcher_options("bench", own))
 
 
 def compare(experiment: str, baseline: str | None = None, metric: str = "throughput_img_per_s", by: str = "gpu",

@@ -1,7 +1,8 @@
 """The ``infer`` job: benchmark a registered model's real weights, logged exactly like ``bench``.
 
-options -> spec (the model and img_size come from the registered checkpoint) -> hardware ->
-runtime -> pull (verified, rebuilt timm model) -> runner -> tracking; then the run and the model
+options -> spec (the model and img_size come from the registered checkpoint) -> job context
+(hardware, runtime) -> pull (verified, rebuilt timm model) -> bench's own body
+(:func:`vitreg.bench.job.benchmark_in_run`: runner -> tracking); then the run and the model
 version are linked both ways: the run gets ``model_uri``, ``registered_model_name`` and
 ``registered_model_version`` tags, the version gets ``last_infer_run_id`` and the throughput.
 """
@@ -13,18 +14,15 @@ import shlex
 import sys
 import tempfile
 
+from vitreg.bench.job import Logged, benchmark_in_run
+from vitreg.bench.report import results_table
+from vitreg.bench.results import BenchResult
+from vitreg.config.spec import BenchSpec, parse_int
+from vitreg.console import progress
+from vitreg.ddp.context import job_context
+from vitreg.errors import VitregError
 from vitreg.tracking import checkpoint_sources, naming
 from vitreg.tracking import runs as tracking
-from vitreg.tracking.tags import log_setup, log_what_ran, resolved_tags
-from vitreg.console import progress
-from vitreg.hardware.env import capture_environment
-from vitreg.errors import VitregError
-from vitreg.hardware.profiles import detect_hardware, resolve_hardware
-from vitreg.bench.report import report_markdown, results_table
-from vitreg.bench.results import BenchResult
-from vitreg.bench.runner import run_benchmark
-from vitreg.hardware.runtime import resolve_runtime
-from vitreg.config.spec import BenchSpec, parse_int
 
 #: Options that the registered checkpoint decides, not the user.
 FROM_CHECKPOINT = ("model", "img_size")
@@ -45,45 +43,35 @@ def infer(model_uri: str, options: dict, experiment: str | None = None, run_name
         if not model_uri:
             raise VitregError("model_uri is empty: pass e.g. model_uri=models:/deit-tiny@champion")
         # Cheap checks first (option values, GPU label), then the download.
-        pre = BenchSpec.from_options({**options, "model": "pending"})
-        detected = detect_hardware(pre.device)
-        hw = resolve_hardware(pre.gpu, detected, pre.allow_gpu_mismatch)
-        runtime = resolve_runtime(pre.amp, pre.compile, pre.compile_backend, detected)
+        ctx = job_context(run, BenchSpec.from_options({**options, "model": "pending"}), progress)
         with tempfile.TemporaryDirectory(prefix="vitreg-infer-") as tmp:
             pulled = checkpoint_sources.pull(model_uri, dst=tmp, progress=progress)
         info = pulled.info
-        spec = BenchSpec.from_options({**options, "model": info.name, "img_size": info.img_size})
-        env = capture_environment()
-        short = pulled.version_uri or model_uri
-        what = (f"{pulled.registered_model_name}-v{pulled.registered_model_version}" if pulled.version_uri
-                else f"{info.name}-run-{(pulled.run_id or 'local')[:8]}")
-        name = functools.partial(naming.run_name, hw.label, what, runtime.amp, spec.batch_size, spec.compile,
-                                 cuda_graph=spec.cuda_graph, job="infer")
-        run.set_name(run_name or name())
-        run.set_tags({**env.to_tags(), **resolved_tags(spec, hw, runtime, info.img_size, task=spec.task, cuda_graph=spec.cuda_graph), **link_tags(pulled)})
-        params = {**spec.to_params(), "gpu": hw.label, "amp": runtime.amp, "device": runtime.device,
-                  "img_size": info.img_size, "model_uri": model_uri}
-        log_setup(run, params, env, progress)
-        progress(f"run {run.run_id} at {tracking.tracking_uri()}; {short} ({info.name}) on gpu={hw.label} "
-                 f"({detected.name}), amp={runtime.amp}, compile={spec.compile}")
+        ctx = ctx.with_spec(BenchSpec.from_options({**options, "model": info.name, "img_size": info.img_size}))
         run.log_dict(pulled.spec, "model_spec.json")
-
-        result = run_benchmark(spec, hw, runtime, progress, model_factory=lambda: (pulled.model, info))
-
-        metrics = result.metrics()
-        run.log_metrics(metrics)
-        log_what_ran(run, result)
-        run.log_dict(result.to_dict(), "results.json")
-        run.log_text(report_markdown(result, env, command), "report.md")
-        checkpoint_sources.link_infer_run(pulled, run.run_id, metrics, gpu=hw.label)
-        if not run_name:
-            run.set_name(name(throughputs={t.task: t.throughput.median for t in result.tasks}))
-        run.set_note(naming.run_note(result.to_dict(), ran_on=hw.detected.name if hw.mismatch else None))
+        result = benchmark_in_run(ctx, info, lambda: (pulled.model, info), _logged(ctx, pulled, model_uri, command,
+                                                                                  run_name))
     print(results_table(result))
     if pulled.version_uri:
         print(f"tagged {pulled.version_uri} last_infer_run_id={run.run_id}")
     print(tracking.where_logged(run))
     return result
+
+
+def _logged(ctx, pulled: checkpoint_sources.PullResult, model_uri: str, command: str, run_name) -> Logged:
+    """What infer logs of its own around bench's body: the registered model in the name, the links both
+    ways (run tags; the version's ``last_infer_run_id`` and throughput), ``model_uri`` as a param."""
+    spec, info = ctx.spec, pulled.info
+    what = (f"{pulled.registered_model_name}-v{pulled.registered_model_version}" if pulled.version_uri
+            else f"{info.name}-run-{(pulled.run_id or 'local')[:8]}")
+    name = functools.partial(naming.run_name, ctx.hardware.label, what, ctx.runtime.amp, compile=spec.compile,
+                             cuda_graph=spec.cuda_graph, job="infer")
+
+    def after(result, tags):
+        checkpoint_sources.link_infer_run(pulled, ctx.run.run_id, result.metrics(), gpu=ctx.hardware.label)
+
+    return Logged(run_name, command, name, lambda env: link_tags(pulled), {"model_uri": model_uri},
+                  f"{pulled.version_uri or model_uri} ({info.name}) on ", after)
 
 
 def link_tags(pulled: checkpoint_sources.PullResult) -> dict:

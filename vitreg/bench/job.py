@@ -3,7 +3,8 @@
 The entry point and the ``vitreg bench`` command both call :func:`bench`. The options are parsed
 once, in the process the user started, inside its run; the plan follows from the spec.
 
-DDP (``nproc > 1``, or several hosts): this process becomes the launcher (:func:`_launch_bench`).
+DDP (``nproc > 1``, or several hosts): this process becomes the launcher (:func:`_launch_bench`, through
+the launcher sequence both DDP jobs share, :func:`vitreg.ddp.launcher.launch_job`).
 It holds the one MLflow run (system metrics included), checks what needs no GPU, runs the same
 bench under torchrun and logs what the ranks hand back (:func:`vitreg.ddp.launcher.launched`). Each
 rank runs :func:`bench` too, on its own GPU with ``batch_size`` images per GPU; the figures are
@@ -13,8 +14,10 @@ also relates them to ``baseline_run``. With ``nproc == 1`` none of that happens.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Callable
 
 from vitreg.analysis.frame import FOLDED_INTO, SCALED_COLUMNS
 from vitreg.bench.report import report_markdown, results_table
@@ -22,32 +25,32 @@ from vitreg.bench.results import BenchResult
 from vitreg.bench.runner import run_benchmark
 from vitreg.config.options import identity_names, option, param_text
 from vitreg.config.spec import BenchSpec
-from vitreg.console import progress, quiet
+from vitreg.console import progress
 from vitreg.ddp import launcher as launch
 from vitreg.ddp import world as distributed
+from vitreg.ddp.context import JobContext, job_context
 from vitreg.errors import VitregError, first_line
 from vitreg.hardware.env import capture_environment
-from vitreg.hardware.profiles import detect_hardware, resolve_hardware
-from vitreg.hardware.runtime import resolve_runtime
 from vitreg.measure.graphs import require_cuda
 from vitreg.models.factory import check_model_name, create_model
 from vitreg.models.memory import check_ranks_fit
 from vitreg.tracking import naming
 from vitreg.tracking import runs as tracking
-from vitreg.tracking.tags import label_launcher_run, log_setup, log_what_ran, resolved_tags, world_tags
+from vitreg.tracking.tags import log_setup, log_what_ran, resolved_tags, world_tags
 
 
-def bench(options: dict, experiment: str | None = None, run_name: str | None = None,
-          progress=progress, command: str | None = None, *, nnodes: int = 1, node_rank: int = 0,
-          rdzv_endpoint: str | None = None, baseline_run: str | None = None) -> BenchResult | None:
+def bench(options: dict, experiment: str | None = None, run_name: str | None = None, progress=progress,
+          command: str | None = None, *, placement: launch.Placement | None = None,
+          baseline_run: str | None = None) -> BenchResult | None:
     """Run one benchmark and log it as one MLflow run. Raises VitregError on bad input (run ends FAILED).
 
-    ``nproc > 1`` (or ``nnodes > 1``) launches torchrun (``nnodes``/``node_rank``/``rdzv_endpoint``
-    for several hosts) and returns None in this launching process. ``baseline_run``: the run id of
-    a 1-process run of the same config; its throughput gives ``train_scaling_efficiency`` (and
+    ``nproc > 1`` (or a ``placement`` over several hosts: nnodes, node_rank, rdzv_endpoint) launches
+    torchrun and returns None in this launching process. ``baseline_run``: the run id of a 1-process
+    run of the same config; its throughput gives ``train_scaling_efficiency`` (and
     ``infer_scaling_efficiency``) = throughput_N / (N * throughput_1).
     """
     command = launch.typed_command(command)
+    placement = placement or launch.Placement()
     if distributed.inside_torchrun():  # one rank of a job: a vitreg launcher's or a torchrun the user started
         with launch.rank_run(run_name, experiment) as run:
             result, world = _bench_in_run(run, BenchSpec.from_options(options), run_name, progress, command,
@@ -58,11 +61,11 @@ def bench(options: dict, experiment: str | None = None, run_name: str | None = N
             if not launch.launched_by_vitreg():
                 _print_logged(run)
         return result
-    with launch.launcher_run(run_name, experiment, node_rank if nnodes > 1 else 0) as run:
+    with launch.launcher_run(run_name, experiment, placement.run_node) as run:
         spec = BenchSpec.from_options(options)  # the one parse of the options in this process
-        if launch.needs_torchrun(spec.nproc, nnodes):
-            _launch_bench(run, spec, options, run_name, progress, nnodes, node_rank, rdzv_endpoint, baseline_run,
-                          command)
+        if launch.needs_torchrun(spec.nproc, placement.nnodes):
+            job = launch.JobLaunch("bench", options, run_name, placement, command, spec.task, spec.cuda_graph)
+            _launch_bench(run, spec, job, progress, baseline_run)
             result = None
         else:
             result, _ = _bench_in_run(run, spec, run_name, progress, command, baseline_run)
@@ -76,81 +79,103 @@ def _print_logged(run) -> None:
     print(tracking.where_logged(run))
 
 
+@dataclass(frozen=True)
+class Logged:
+    """What a bench-shaped job (bench, infer) logs of its own around the runner: its run's name
+    (``name(batch_size, throughputs=None)``), tags and params besides the resolved ones, what the
+    progress line calls the model, and a hook ``after(result, tags)`` once results.json is logged."""
+
+    run_name: str | None
+    command: str
+    name: Callable
+    tags: Callable  # tags(env) -> the job's own tags
+    params: dict = field(default_factory=dict)
+    what: str = ""  # the progress line's "<model_uri> (<model>) on "
+    after: Callable = lambda result, tags: None
+
+
+def benchmark_in_run(ctx: JobContext, info, model_factory, logged: Logged) -> BenchResult:
+    """The body bench and infer share: the run's name, tags, params and environment; the benchmark;
+    its metrics, what ran, results.json and report.md; the run renamed with its throughput, its note."""
+    run, spec, hw, runtime = ctx.run, ctx.spec, ctx.hardware, ctx.runtime
+    env = capture_environment()
+    run.set_name(logged.run_name or logged.name(spec.batch_size))  # GPU label first: the runs list cuts names
+    tags = {**env.to_tags(), **resolved_tags(spec, hw, runtime, info.img_size, task=spec.task,
+                                             cuda_graph=spec.cuda_graph), **logged.tags(env)}
+    run.set_tags(tags)
+    params = {**spec.to_params(), "gpu": hw.label, "amp": runtime.amp, "device": runtime.device,
+              "img_size": info.img_size, **logged.params}
+    log_setup(run, params, env, ctx.progress)
+    ctx.progress(f"run {run.run_id} at {tracking.tracking_uri()}; {logged.what}gpu={hw.label} ({ctx.detected.name}), "
+                 f"amp={runtime.amp}, compile={spec.compile}")
+
+    result = run_benchmark(spec, hw, runtime, ctx.progress, model_factory=model_factory, wrap=ctx.wrap,
+                           reducer=ctx.reducer)
+
+    run.log_metrics(result.metrics())
+    log_what_ran(run, result)
+    run.log_dict(result.to_dict(), "results.json")
+    logged.after(result, tags)
+    run.log_text(report_markdown(result, env, logged.command), "report.md")
+    if not logged.run_name:  # now with the figure: the runs list reads without any column set-up
+        throughputs = {t.task: t.throughput_img_per_s for t in result.tasks}
+        run.set_name(logged.name(result.tasks[0].batch_size, throughputs=throughputs))
+    run.set_note(naming.run_note(result.to_dict(), ran_on=hw.detected.name if hw.mismatch else None))
+    return result
+
+
 def _bench_in_run(run, spec: BenchSpec, run_name, progress, command, baseline_run):
     """One process's benchmark inside its run (a plain process, or one rank); returns ``(result, world)``."""
     check_model_name(spec.model)  # cheap, and before any device work
-    world, wrap, reducer = distributed.join_job(spec, distributed.ResultReducer, cuda_graph=spec.cuda_graph)
-    if not world.is_main:
-        progress = quiet  # rank 0 speaks for the job; errors still reach every rank's stderr
+    ctx = job_context(run, spec, progress, distributed.ResultReducer, cuda_graph=spec.cuda_graph)
+    world = ctx.world
     # baseline_run under a torchrun the user started: rank 0 checks it now, before the GPU time
     # (under a vitreg launcher, the launcher checked it and relates the figures itself).
     baseline = None
     if baseline_run and world.distributed and world.is_main and not launch.launched_by_vitreg():
         baseline = read_baseline(baseline_run, spec)
     elif baseline_run and not world.distributed:
-        progress(f"baseline_run={baseline_run} ignored: scaling efficiency is for nproc>1 runs")
-    detected = detect_hardware(spec.device)
-    hw = resolve_hardware(spec.gpu, detected, spec.allow_gpu_mismatch)
-    runtime = resolve_runtime(spec.amp, spec.compile, spec.compile_backend, detected,
-                              device_index=world.local_rank if detected.device == "cuda" else 0)
+        ctx.progress(f"baseline_run={baseline_run} ignored: scaling efficiency is for nproc>1 runs")
     model, info = create_model(spec.model, spec.img_size)  # on the CPU: checks img_size before GPU work
-    env = capture_environment()
-    name = functools.partial(naming.run_name, hw.label, spec.model, runtime.amp, compile=spec.compile,
-                             nproc=world.world_size, cuda_graph=spec.cuda_graph)
-    run.set_name(run_name or name(spec.batch_size))  # GPU label first: the runs list cuts names short
-    tags = {**env.to_tags(),
-            **resolved_tags(spec, hw, runtime, info.img_size, task=spec.task, cuda_graph=spec.cuda_graph),
-            **world_tags(world, runtime, env, spec if "train" in spec.tasks else None)}  # infer wraps no DDP
-    run.set_tags(tags)
-    params = {**spec.to_params(), "gpu": hw.label, "amp": runtime.amp, "device": runtime.device,
-              "img_size": info.img_size}
-    log_setup(run, params, env, progress)
-    progress(f"run {run.run_id} at {tracking.tracking_uri()}; gpu={hw.label} ({detected.name}), "
-             f"amp={runtime.amp}, compile={spec.compile}")
 
-    result = run_benchmark(spec, hw, runtime, progress, model_factory=lambda: (model, info), wrap=wrap,
-                           reducer=reducer)
-
-    run.log_metrics(result.metrics())
-    log_what_ran(run, result)
-    run.log_dict(result.to_dict(), "results.json")
-    if reducer is not None:
-        run.log_dict(reducer.per_rank_report(), "ranks.json")  # each rank's own figures: stragglers show
+    def after(result, tags):
+        if ctx.reducer is None:
+            return
+        run.log_dict(ctx.reducer.per_rank_report(), "ranks.json")  # each rank's own figures: stragglers show
         if baseline is not None:
             log_scaling_efficiency(run, baseline, result.metrics(), world.world_size, tracking.clean_tags(tags),
-                                   progress)
-    run.log_text(report_markdown(result, env, command), "report.md")
-    if not run_name:  # now with the figure: the runs list reads without any column set-up
-        run.set_name(name(result.tasks[0].batch_size, throughputs={t.task: t.throughput.median for t in result.tasks}))
-    run.set_note(naming.run_note(result.to_dict(), ran_on=hw.detected.name if hw.mismatch else None))
-    return result, world
+                                   ctx.progress)
+
+    name = functools.partial(naming.run_name, ctx.hardware.label, spec.model, ctx.runtime.amp, compile=spec.compile,
+                             nproc=world.world_size, cuda_graph=spec.cuda_graph)
+    world_spec = spec if "train" in spec.tasks else None  # infer wraps no DDP
+    logged = Logged(run_name, command, name, lambda env: world_tags(world, ctx.runtime, env, world_spec), after=after)
+    return benchmark_in_run(ctx, info, lambda: (model, info), logged), world
 
 
-def _launch_bench(run, spec: BenchSpec, options, run_name, progress, nnodes, node_rank, rdzv_endpoint, baseline_run,
-                  command):
+def _launch_bench(run, spec: BenchSpec, job: launch.JobLaunch, progress, baseline_run) -> None:
     """The launcher (``run`` is None on a node other than 0): the checks that need no GPU work, torchrun,
     then the scaling efficiency of what rank 0 handed back."""
-    check_model_name(spec.model)  # fail here, once, rather than in every rank
-    launch.check_nodes(nnodes, node_rank, rdzv_endpoint)
-    gpus = launch.visible_gpu_count()
-    launch.check_nproc(spec.nproc, spec.device, gpus)
-    # host memory for every rank, before any is started: past it the OOM killer takes the launcher
-    check_ranks_fit(spec.nproc, spec.model, spec.img_size, 1000, "cpu" if spec.device == "cpu" or not gpus else "cuda")
-    if spec.cuda_graph and (spec.device == "cpu" or not gpus):
-        require_cuda(True, "cpu")  # once here, not in every rank
-    baseline = read_baseline(baseline_run, spec) if baseline_run and node_rank == 0 else None
-    label_launcher_run(run, spec, "bench", task=spec.task, cuda_graph=spec.cuda_graph)
-    argv = ["-m", "vitreg.cli", "bench", *launch.options_to_args(options)]
-    if run_name:
-        argv += ["--run-name", run_name]
-    if run is not None:
-        progress(f"run {run.run_id} at {tracking.tracking_uri()}: {spec.nproc} process(es) per node x {nnodes} "
-                 f"node(s), batch_size={spec.batch_size} per process")
-    with launch.launched(argv, spec.nproc, run, nnodes, node_rank, rdzv_endpoint, progress, command) as handed:
-        if baseline is not None:
-            metrics = handed.metrics
-            world_size = int(metrics.get("train_world_size") or metrics.get("infer_world_size") or spec.nproc * nnodes)
-            log_scaling_efficiency(run, baseline, metrics, world_size, handed.tags, progress)
+    baseline = []
+
+    def check(gpus: int) -> None:
+        check_model_name(spec.model)  # fail here, once, rather than in every rank
+        # host memory for every rank, before any is started: past it the OOM killer takes the launcher
+        device = "cpu" if spec.device == "cpu" or not gpus else "cuda"
+        check_ranks_fit(spec.nproc, spec.model, spec.img_size, 1000, device)
+        if spec.cuda_graph and (spec.device == "cpu" or not gpus):
+            require_cuda(True, "cpu")  # once here, not in every rank
+        if baseline_run and job.placement.node_rank == 0:
+            baseline.append(read_baseline(baseline_run, spec))
+
+    def handed(handoff) -> None:
+        if baseline:
+            metrics = handoff.metrics
+            world_size = int(metrics.get("train_world_size") or metrics.get("infer_world_size")
+                             or spec.nproc * job.placement.nnodes)
+            log_scaling_efficiency(run, baseline[0], metrics, world_size, handoff.tags, progress)
+
+    launch.launch_job(run, spec, dataclasses.replace(job, check=check, handed=handed), progress)
 
 
 # --------------------------------------------------------------------------------------------

@@ -75,7 +75,7 @@ def _identity_rows(result: BenchResult) -> list[list[str]]:
     """``[name, value]`` of each identity option of bench that no named row shows; the DDP settings only
     where several processes ran (in one they do nothing)."""
     spec = result.spec
-    several = max((t.world_size for t in result.tasks), default=1) > 1
+    several = max((t.figures.get("world_size") or 1 for t in result.tasks), default=1) > 1
     names = [n for n in identity_names("bench") if n not in _NAMED_ROWS and hasattr(spec, n)]
     return [[n, param_text(getattr(spec, n))] for n in names if several or n not in options_shown_in("ddp")]
 

@@ -8,37 +8,30 @@ from dataclasses import asdict, dataclass, field
 
 from vitreg.config.spec import BenchSpec
 from vitreg.measure.autobatch import BatchChoice
-from vitreg.measure.metrics import ITERATION_TIME, job_metrics, task_metrics
-from vitreg.measure.timing import Stats
+from vitreg.measure.figures import Figures
+from vitreg.measure.metrics import job_metrics, task_metrics
 from vitreg.models.factory import ModelInfo
 
 
 @dataclass(frozen=True)
 class TaskResult:
-    """One task's figures. Throughput is images per second over a whole window; latency is per iteration."""
+    """One task: what ran (batch, SDPA backend, compile cache) and its :class:`Figures`, the one
+    record of what it measured (throughput per window, ms per iteration, their statistics, ...)."""
 
     task: str  # "infer" or "train"
     batch_size: int
     img_size: int
     steps: int
     repeats: int
-    throughput: Stats  # img/s, one value per window
-    iter_ms: Stats  # ms per iteration (one batch), all iterations of all windows
-    first_call_s: float  # the first call alone: compilation (if any) + lazy init
-    warmup_s: float  # the rest of the warm-up
-    compiled: bool
-    gflops_per_img: float
-    achieved_tflops: float
-    mfu: float | None
-    peak_mem_allocated_mb: float | None
-    peak_mem_reserved_mb: float | None
-    world_size: int = 1
-    # profile_steps > 0 (train): from torch.profiler after the windows; the slowest rank's under DDP
-    allreduce_ms_per_step: float | None = None
-    device_busy_ms_per_step: float | None = None
+    figures: Figures
     sdpa_backend: str | None = None  # read from the profiler after the windows (vitreg.hardware.sdpa)
     compile_cache: str | None = None  # when compiling: cold, warm, partial or unused (the first call's)
     batch_choice: BatchChoice | None = None  # batch_size=auto: the probes and the choice
+
+    @property
+    def throughput_img_per_s(self) -> float:
+        """The median window's img/s, the whole job's."""
+        return self.figures["throughput_img_per_s"]
 
     def tags(self) -> dict[str, str]:
         """What this task ran, as run tags prefixed by the task (the chosen batch, the SDPA backend, ...)."""
@@ -54,37 +47,13 @@ class TaskResult:
 
     def metrics(self) -> dict[str, float]:
         """MLflow metrics, units in the names, prefixed by the task (named in :mod:`vitreg.measure.metrics`)."""
-        it = ITERATION_TIME[self.task]
-        distributed = self.world_size > 1
-        return task_metrics(self.task, {
-            "throughput_img_per_s": self.throughput.median,
-            "throughput_img_per_s_min": self.throughput.min,
-            "throughput_img_per_s_max": self.throughput.max,
-            "throughput_cv": self.throughput.cv,
-            "gflops_per_img": self.gflops_per_img,
-            "achieved_tflops": self.achieved_tflops,
-            "warmup_s": self.warmup_s,
-            "first_call_s": self.first_call_s,
-            f"{it}_p50": self.iter_ms.median,
-            f"{it}_p90": self.iter_ms.p90,
-            f"{it}_p99": self.iter_ms.p99,
-            f"{it}_mean": self.iter_ms.mean,
-            "compile_time_s": self.first_call_s if self.compiled else None,
-            "mfu": self.mfu,
-            "peak_mem_allocated_mb": self.peak_mem_allocated_mb,
-            "peak_mem_reserved_mb": self.peak_mem_reserved_mb,
-            "allreduce_ms_per_step": self.allreduce_ms_per_step,
-            "device_busy_ms_per_step": self.device_busy_ms_per_step,
-            "world_size": self.world_size if distributed else None,
-            "throughput_img_per_s_per_gpu": self.throughput.median / self.world_size if distributed else None,
-        })
+        return self.figures.metrics()
 
     def to_dict(self) -> dict:
-        d = asdict(self)
-        d["throughput"] = self.throughput.as_dict()
-        d["iter_ms"] = self.iter_ms.as_dict()
-        d["metrics"] = self.metrics()
-        return d
+        return {"task": self.task, "batch_size": self.batch_size, "img_size": self.img_size, "steps": self.steps,
+                "repeats": self.repeats, "sdpa_backend": self.sdpa_backend, "compile_cache": self.compile_cache,
+                "batch_choice": asdict(self.batch_choice) if self.batch_choice is not None else None,
+                "figures": self.figures.to_dict(), "metrics": self.metrics()}
 
 
 @dataclass(frozen=True)

@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import contextlib
 import tempfile
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 from vitreg.bench.results import BenchResult, TaskResult
 from vitreg.console import progress
@@ -25,6 +26,8 @@ from vitreg.hardware.compile_cache import CacheProbe
 from vitreg.hardware.precision import input_dtype, prepare_model
 from vitreg.hardware.sdpa import detect_backend
 from vitreg.measure.autobatch import search_batch
+from vitreg.measure.figures import Figures, Work
+from vitreg.measure.metrics import ITERATION_TIME
 from vitreg.measure.graphs import EAGER_STEPS_BEFORE_CAPTURE, capture, require_cuda, side_stream
 from vitreg.hardware.profiles import ResolvedHardware
 from vitreg.measure.profiling import trace_steps
@@ -36,7 +39,7 @@ from vitreg.hardware.runtime import Runtime, run_context
 from vitreg.config.options import AUTO_BATCH
 from vitreg.config.spec import BenchSpec
 
-from vitreg.measure.timing import summarize, synchronize, time_window, wall_seconds
+from vitreg.measure.timing import synchronize, time_window, wall_seconds
 from vitreg.train.losses import loss_of
 
 PROFILE_TRACE_STEPS = 5  # steady-state steps that profile=true traces per task (after one untraced step)
@@ -67,34 +70,39 @@ def _reset_memory(device_type: str) -> None:
 
 
 @dataclass(frozen=True)
-class _Timed:
-    """What :func:`_measure` timed, and the step its windows ran (a graph replay under cuda_graph=true)."""
-    first_s: float
-    warm_s: float
-    windows: list
-    step: object
-    compile_cache: str | None  # the first call's cache state when compiling, else None
+class _Bench:
+    """What every task of one benchmark runs with (one value instead of eight parameters)."""
+
+    spec: BenchSpec
+    runtime: Runtime
+    hardware: ResolvedHardware
+    info: ModelInfo
+    progress: Callable = progress
+    wrap: Callable | None = None  # DDP: wraps the training model
+    reducer: object = None  # DDP: a vitreg.ddp.world.ResultReducer
+    profile_dir: str | None = None  # profile=true: where the traces go
 
 
-def _measure(step, spec: BenchSpec, runtime: Runtime, task: str, batch_size: int, progress, align=None,
-             graph_eager_steps: int = 0) -> _Timed:
-    """First call timed apart, warm-up, then the timed windows.
+def _measure(step, bench: _Bench, task: str, batch_size: int, graph_eager_steps: int = 0):
+    """First call timed apart, warm-up, then the timed windows; returns ``(figures, step, cache)``: this
+    rank's :class:`Figures` (samples, first call, warm-up, peak memory), the step the windows ran (a
+    graph replay under cuda_graph=true) and the first call's compile cache state (None: not compiling).
 
-    ``align`` (DDP only) is a barrier run after the warm-up, so every rank's windows start together.
-    ``graph_eager_steps`` > 0 (``cuda_graph=true``): the "first call" is that many eager steps, the
-    capture of one more into a CUDA graph and one replay (:func:`vitreg.measure.graphs.capture`); every
-    later call, timed or not, is a replay, and the returned ``step`` is the replay. When compiling,
-    the first call runs with a ticker (a long compile must not look hung) and the compile cache's
-    hits and misses are counted around it.
+    Under DDP the reducer's ``align`` (a barrier) runs after the warm-up, so every rank's windows start
+    together. ``graph_eager_steps`` > 0 (``cuda_graph=true``): the "first call" is that many eager
+    steps, the capture of one more into a CUDA graph and one replay (:func:`vitreg.measure.graphs.capture`);
+    every later call, timed or not, is a replay. When compiling, the first call runs with a ticker
+    (a long compile must not look hung) and the compile cache's hits and misses are counted around it.
     """
+    spec, runtime, say = bench.spec, bench.runtime, bench.progress
     dev = runtime.device
     compiling = runtime.compile != "off"
     what = f"compiling ({runtime.compile}, {runtime.compile_backend}) + first call" if compiling else "first call"
     if graph_eager_steps:
         what = what.replace("first call", f"{graph_eager_steps} eager steps + CUDA graph capture")
-    progress(f"{task}: {what} ...")
+    say(f"{task}: {what} ...")
     cache = CacheProbe().start() if compiling else None
-    with ticking(f"{task}: {what}", say=progress) if compiling else contextlib.nullcontext():
+    with ticking(f"{task}: {what}", say=say) if compiling else contextlib.nullcontext():
         if graph_eager_steps:
             replays = []
             first_s = wall_seconds(lambda: replays.append(capture(step, graph_eager_steps)), dev)
@@ -102,18 +110,25 @@ def _measure(step, spec: BenchSpec, runtime: Runtime, task: str, batch_size: int
         else:
             first_s = wall_seconds(step, dev)
     state = cache.state() if cache is not None else None
-    progress(f"{task}: first call took {first_s:.2f} s{f' (compile cache {state})' if state else ''}; "
-             f"warm-up {spec.warmup - 1} more iteration(s)")
+    say(f"{task}: first call took {first_s:.2f} s{f' (compile cache {state})' if state else ''}; "
+        f"warm-up {spec.warmup - 1} more iteration(s)")
     warm_s = wall_seconds(lambda: [step() for _ in range(spec.warmup - 1)], dev)
-    if align is not None:
-        align()  # outside any timed region
+    if bench.reducer is not None:
+        bench.reducer.align()  # outside any timed region
     windows = []
     for r in range(spec.repeats):
         win = time_window(step, spec.steps, dev)
         windows.append(win)
-        progress(f"{task}: window {r + 1}/{spec.repeats}: {batch_size * win.iters / win.total_ms * 1e3:,.1f} img/s, "
-                 f"{win.total_ms / win.iters:.2f} ms/iter")
-    return _Timed(first_s, warm_s, windows, step, state)
+        say(f"{task}: window {r + 1}/{spec.repeats}: {batch_size * win.iters / win.total_ms * 1e3:,.1f} img/s, "
+            f"{win.total_ms / win.iters:.2f} ms/iter")
+    alloc, reserved = _memory_mb(dev)
+    figures = Figures(task, {
+        "window_img_per_s": tuple(batch_size * w.iters / w.total_ms * 1e3 for w in windows),
+        ITERATION_TIME[task]: tuple(ms for w in windows for ms in w.iter_ms),
+        "first_call_s": first_s, "warmup_s": warm_s,
+        "peak_mem_allocated_mb": alloc, "peak_mem_reserved_mb": reserved,
+    })
+    return figures, step, state
 
 
 def _oom_guard(fn, batch_size: int, task: str):
@@ -121,27 +136,30 @@ def _oom_guard(fn, batch_size: int, task: str):
         return fn()
 
 
-def _choose_batch(make_step, task: str, spec: BenchSpec, runtime: Runtime, progress, distributed: bool):
+def _choose_batch(make_step, task: str, bench: _Bench):
     """``(batch, BatchChoice or None)``: the spec's batch, or under ``batch_size=auto`` the searched one
     (:func:`vitreg.measure.autobatch.search_batch`: eager probes; under DDP the ranks' smallest)."""
+    spec, runtime = bench.spec, bench.runtime
     if not spec.auto_batch:
         return spec.batch_size, None
-    choice = search_batch(make_step, task, runtime.device, runtime.torch_device, distributed, progress)
+    choice = search_batch(make_step, task, runtime.device, runtime.torch_device, bench.reducer is not None,
+                          bench.progress)
     _reset_memory(runtime.device)  # the peak memory figures are the timed batch's, not a probe's
     return choice.batch, choice
 
 
-def _after_windows(task: str, timed, eager_step, spec: BenchSpec, runtime: Runtime, profile_dir, progress):
+def _after_windows(task: str, timed_step, eager_step, bench: _Bench):
     """Untimed work after the windows: the profile=true trace, then the SDPA backend that ran.
 
     The backend is read from an eager-launched step: a whole-step CUDA graph replay hides every op
     (the eager step before capture stands in for it), and a replay of inductor's own CUDA graphs
     shows no SDPA op either (then ``unknown`` rather than a wrong ``unfused``).
     """
-    if profile_dir is not None:
-        progress(f"{task}: profile=true: {PROFILE_TRACE_STEPS} step(s) under torch.profiler (not timed)")
-        trace_steps(timed.step, PROFILE_TRACE_STEPS, runtime.device, Path(profile_dir) / task)
-    return detect_backend(eager_step if spec.cuda_graph else timed.step, runtime.device, runtime.uses_cudagraphs)
+    runtime = bench.runtime
+    if bench.profile_dir is not None:
+        bench.progress(f"{task}: profile=true: {PROFILE_TRACE_STEPS} step(s) under torch.profiler (not timed)")
+        trace_steps(timed_step, PROFILE_TRACE_STEPS, runtime.device, Path(bench.profile_dir) / task)
+    return detect_backend(eager_step if bench.spec.cuda_graph else timed_step, runtime.device, runtime.uses_cudagraphs)
 
 
 def _infer_steps(net, info: ModelInfo, runtime: Runtime, cache: bool):
@@ -162,27 +180,24 @@ def _infer_steps(net, info: ModelInfo, runtime: Runtime, cache: bool):
     return make_step
 
 
-def run_inference(model, info: ModelInfo, spec: BenchSpec, runtime: Runtime, hardware: ResolvedHardware,
-                  fwd_flops: int, progress=progress, reducer=None, profile_dir=None) -> TaskResult:
+def run_inference(model, bench: _Bench, fwd_flops: int) -> TaskResult:
     """Forward passes in eval mode under inference_mode and the precision, synthetic batch on the device.
 
-    Under DDP (``reducer``, a :class:`vitreg.ddp.world.ResultReducer`) every rank runs its own
+    Under DDP (``bench.reducer``, a :class:`vitreg.ddp.world.ResultReducer`) every rank runs its own
     unwrapped copy independently, on its own GPU; the global throughput is the sum of the ranks'.
     """
+    runtime, info = bench.runtime, bench.info
     _reset_memory(runtime.device)
     model.eval()
-    cache = not spec.cuda_graph
-    bs, choice = _choose_batch(_infer_steps(model, info, runtime, cache), "infer", spec, runtime, progress,
-                               reducer is not None)
+    cache = not bench.spec.cuda_graph
+    bs, choice = _choose_batch(_infer_steps(model, info, runtime, cache), "infer", bench)
     compiled = runtime.compile_model(model)
     step = _infer_steps(compiled, info, runtime, cache)(bs)  # the batch is made once, before any timing
-    align = reducer.align if reducer is not None else None
-    eager = INFER_EAGER_STEPS_BEFORE_CAPTURE if spec.cuda_graph else 0
-    timed = _oom_guard(lambda: _measure(step, spec, runtime, "infer", bs, progress, align, eager), bs, "infer")
-    backend = _after_windows("infer", timed, step, spec, runtime, profile_dir, progress)
-    result = _task_result("infer", timed.windows, timed.first_s, timed.warm_s, spec, info, runtime, hardware,
-                          fwd_flops, reducer, bs)
-    return replace(result, sdpa_backend=backend, compile_cache=timed.compile_cache, batch_choice=choice)
+    eager = INFER_EAGER_STEPS_BEFORE_CAPTURE if bench.spec.cuda_graph else 0
+    figures, timed_step, cache_state = _oom_guard(lambda: _measure(step, bench, "infer", bs, eager), bs, "infer")
+    backend = _after_windows("infer", timed_step, step, bench)
+    return TaskResult("infer", bs, info.img_size, bench.spec.steps, bench.spec.repeats,
+                      _job_figures(figures, bench, fwd_flops), backend, cache_state, choice)
 
 
 def _train_steps(net, opt, scaler, info: ModelInfo, runtime: Runtime, cache: bool):
@@ -209,16 +224,16 @@ def _train_steps(net, opt, scaler, info: ModelInfo, runtime: Runtime, cache: boo
     return make_step
 
 
-def run_train_step(model, info: ModelInfo, spec: BenchSpec, runtime: Runtime, hardware: ResolvedHardware,
-                   train_flops: int, progress=progress, wrap=None, reducer=None, profile_dir=None) -> TaskResult:
+def run_train_step(model, bench: _Bench, train_flops: int) -> TaskResult:
     """Full training steps: forward, loss, backward, (scaled) AdamW step, on a fixed synthetic batch.
 
-    ``wrap`` lets DDP wrap the model (before compile, after a batch_size=auto search: the probes run
-    the unwrapped model); ``reducer`` (:class:`vitreg.ddp.world.ResultReducer`) combines the ranks'
-    own timings into the job's: each rank processes ``batch_size`` images per step, rates add up.
+    ``bench.wrap`` lets DDP wrap the model (before compile, after a batch_size=auto search: the probes
+    run the unwrapped model); ``bench.reducer`` (:class:`vitreg.ddp.world.ResultReducer`) combines the
+    ranks' own timings into the job's: each rank processes ``batch_size`` images per step, rates add up.
     """
     import torch
 
+    runtime, info, spec = bench.runtime, bench.info, bench.spec
     _reset_memory(runtime.device)
     model.train()
     if info.distilled and hasattr(model, "set_distilled_training"):
@@ -230,62 +245,45 @@ def run_train_step(model, info: ModelInfo, spec: BenchSpec, runtime: Runtime, ha
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=runtime.device == "cuda", capturable=graphed)
     scaler = runtime.grad_scaler()
     try:
-        bs, choice = _choose_batch(_train_steps(model, opt, scaler, info, runtime, not graphed), "train", spec,
-                                   runtime, progress, reducer is not None)
-        with side_stream(graphed and wrap is not None):  # DDP is built on a side stream before a capture
-            net = wrap(model) if wrap else model
+        bs, choice = _choose_batch(_train_steps(model, opt, scaler, info, runtime, not graphed), "train", bench)
+        with side_stream(graphed and bench.wrap is not None):  # DDP is built on a side stream before a capture
+            net = bench.wrap(model) if bench.wrap else model
         step = _train_steps(runtime.compile_model(net), opt, scaler, info, runtime, not graphed)(bs)
-        align = reducer.align if reducer is not None else None
         eager = EAGER_STEPS_BEFORE_CAPTURE if graphed else 0
-        timed = _oom_guard(lambda: _measure(step, spec, runtime, "train", bs, progress, align, eager), bs, "train")
-        comm = None
-        if spec.profile_steps:
-            from vitreg.measure.profiling import profile_comm
-
-            progress(f"train: {spec.profile_steps} more step(s) under torch.profiler (not timed)")
-            comm = profile_comm(timed.step, spec.profile_steps, runtime.device)  # the replay, when graphed
-            if reducer is not None:
-                comm = reducer.slowest_profile(comm)
-        backend = _after_windows("train", timed, step, spec, runtime, profile_dir, progress)
+        figures, timed_step, cache_state = _oom_guard(lambda: _measure(step, bench, "train", bs, eager), bs, "train")
+        figures = figures.with_values(**_comm_figures(timed_step, bench))
+        backend = _after_windows("train", timed_step, step, bench)
     finally:
         if info.distilled and hasattr(model, "set_distilled_training"):
             model.set_distilled_training(False)
-    result = _task_result("train", timed.windows, timed.first_s, timed.warm_s, spec, info, runtime, hardware,
-                          train_flops, reducer, bs)
-    result = replace(result, sdpa_backend=backend, compile_cache=timed.compile_cache, batch_choice=choice)
-    if comm is not None:
-        result = replace(result, allreduce_ms_per_step=comm.allreduce_ms_per_step,
-                         device_busy_ms_per_step=comm.device_busy_ms_per_step)
-    return result
+    return TaskResult("train", bs, info.img_size, spec.steps, spec.repeats, _job_figures(figures, bench, train_flops),
+                      backend, cache_state, choice)
 
 
-def _task_result(task, windows, first_s, warm_s, spec, info, runtime, hardware, flops_per_img,
-                 reducer=None, batch_size: int | None = None) -> TaskResult:
-    """The task's figures from its windows; ``batch_size`` is the batch that ran (default: the spec's)."""
-    bs = batch_size or spec.batch_size
-    throughputs = [bs * w.iters / w.total_ms * 1e3 for w in windows]  # this process's img/s, per window
-    iter_ms = [ms for w in windows for ms in w.iter_ms]
-    peak_alloc, peak_res = _memory_mb(runtime.device)
+def _comm_figures(timed_step, bench: _Bench) -> dict:
+    """profile_steps > 0: all-reduce and busy time per step from torch.profiler, after the windows (not
+    timed; the slowest rank's under DDP). The figures' names are CommProfile's fields."""
+    if not bench.spec.profile_steps:
+        return {}
+    from vitreg.measure.profiling import profile_comm
+
+    bench.progress(f"train: {bench.spec.profile_steps} more step(s) under torch.profiler (not timed)")
+    comm = profile_comm(timed_step, bench.spec.profile_steps, bench.runtime.device)  # the replay, when graphed
+    if bench.reducer is not None:
+        comm = bench.reducer.slowest_profile(comm)
+    return {"allreduce_ms_per_step": comm.allreduce_ms_per_step,
+            "device_busy_ms_per_step": comm.device_busy_ms_per_step}
+
+
+def _job_figures(figures: Figures, bench: _Bench, flops_per_img: int) -> Figures:
+    """This rank's figures -> the job's: reduced over the ranks under DDP (a collective: every rank gets
+    here once per task, after its windows), summarized, then the job-level rows (TFLOP/s, MFU, ...)."""
+    figures = figures.with_values(gflops_per_img=flops_per_img / 1e9)
     world_size = 1
-    if reducer is not None:
-        # DDP: a collective (every rank gets here once per task, after its windows). Global
-        # throughput per window = sum of the ranks' rates; step time per iteration = slowest rank.
-        from vitreg.ddp.world import RankFigures
-
-        total = reducer(task, RankFigures(tuple(throughputs), tuple(iter_ms), first_s, warm_s, peak_alloc, peak_res))
-        throughputs, iter_ms, first_s, warm_s = list(total.throughputs), list(total.iter_ms), \
-            total.first_call_s, total.warmup_s
-        peak_alloc, peak_res = total.peak_mem_allocated_mb, total.peak_mem_reserved_mb
-        world_size = reducer.world_size
-    tput = summarize(throughputs)
-    achieved = flops_per_img * tput.median / 1e12  # the whole job's TFLOP/s; MFU below is per GPU
-    return TaskResult(
-        task=task, batch_size=bs, img_size=info.img_size, steps=spec.steps, repeats=spec.repeats,
-        throughput=tput, iter_ms=summarize(iter_ms), first_call_s=first_s, warmup_s=warm_s,
-        compiled=runtime.compile != "off", gflops_per_img=flops_per_img / 1e9, achieved_tflops=achieved,
-        mfu=runtime.precision.mfu(achieved / world_size, hardware.profile),  # the peak of the units that ran
-        peak_mem_allocated_mb=peak_alloc, peak_mem_reserved_mb=peak_res, world_size=world_size,
-    )
+    if bench.reducer is not None:
+        figures = bench.reducer(figures.task, figures)
+        world_size = bench.reducer.world_size
+    return figures.summarized().completed(Work.of(bench.runtime, bench.hardware, world_size))
 
 
 def _train_flops(model, info: ModelInfo, runtime: Runtime) -> int:
@@ -314,7 +312,7 @@ def run_benchmark(spec: BenchSpec, hardware: ResolvedHardware, runtime: Runtime,
     progress(f"model {info.name}: {info.params_m:.1f} M params, {info.img_size}px, on {runtime.device} "
              f"({hardware.detected.name}), precision={precision.label}, sdpa={spec.sdpa}, compile={runtime.compile}")
     if spec.batch_size != AUTO_BATCH:  # a batch nobody can run is refused before anything is allocated
-        check_batch_fits(info, spec.batch_size, spec.tasks, runtime.device, runtime.device_index)
+        check_batch_fits(info, spec.batch_size, spec.tasks, runtime.device, runtime.device_index, sdpa=spec.sdpa)
     model = model.to(runtime.torch_device)
     # Counted in fp32 before the run's SDPA restriction: sdpa=flash has no fp32 kernel on a GPU, so a
     # count inside it failed with "No available kernel" (the count is the same whichever backend runs).
@@ -322,15 +320,14 @@ def run_benchmark(spec: BenchSpec, hardware: ResolvedHardware, runtime: Runtime,
     train_flops = _train_flops(model, info, runtime) if "train" in spec.tasks else 0
     model = prepare_model(model, precision)
     profile_dir = tempfile.mkdtemp(prefix="vitreg-profile-") if spec.profile else None
+    bench = _Bench(spec, runtime, hardware, info, progress, wrap, reducer, profile_dir)
     tasks = []
     with run_context(runtime, model, spec.sdpa, spec.compile_cache, train="train" in spec.tasks) as cache_dir:
         for task in spec.tasks:
             if task == "infer":
-                tasks.append(run_inference(model, info, spec, runtime, hardware, fwd_flops, progress, reducer,
-                                           profile_dir))
+                tasks.append(run_inference(model, bench, fwd_flops))
             else:
-                tasks.append(run_train_step(model, info, spec, runtime, hardware, train_flops, progress,
-                                            wrap, reducer, profile_dir))
+                tasks.append(run_train_step(model, bench, train_flops))
         synchronize(runtime.device)
     return BenchResult(spec=spec, gpu=hardware.label, amp=runtime.amp, device=runtime.device, model=info,
                        fwd_gflops_per_img=fwd_flops / 1e9, tasks=tuple(tasks), precision=precision.label,

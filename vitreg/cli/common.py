@@ -52,24 +52,32 @@ def split_options(command: str, values: dict) -> tuple[dict, dict]:
             {k: v for k, v in values.items() if k not in fields})
 
 
+#: Each DDP job's own keyword arguments besides the placement, each one of the command's own options
+#: (not a spec field: the launcher uses it and does not forward it to the ranks); "" means none.
+JOB_OPTIONS = {"bench": ("baseline_run",), "train": ()}
+
+
 def launcher_options(command: str, own: dict) -> dict:
-    """The multi-host options of a DDP job (``nnodes``, ``node_rank``, ``rdzv_endpoint``), parsed, as
-    keyword arguments of ``bench()`` and ``train()``. Not spec fields: the launcher uses them and does
-    not forward them to the ranks."""
-    parsed = {name: option(command, name).parse(own[name]) for name in ("nnodes", "node_rank", "rdzv_endpoint")}
-    return {**parsed, "rdzv_endpoint": parsed["rdzv_endpoint"] or None}
+    """The launcher's own options of a DDP job, parsed, as keyword arguments of ``bench()`` and
+    ``train()``: ``placement`` (``nnodes``, ``node_rank``, ``rdzv_endpoint``) and :data:`JOB_OPTIONS`."""
+    from vitreg.ddp.launcher import Placement
+
+    def parsed(name: str):
+        value = option(command, name).parse(own[name])
+        return value.strip() or None if isinstance(value, str) else value
+
+    placement = Placement(*(parsed(name) for name in ("nnodes", "node_rank", "rdzv_endpoint")))
+    return {"placement": placement, **{name: parsed(name) for name in JOB_OPTIONS[command]}}
 
 
-def run_ddp_job(command: str, job, values: dict, **from_own) -> None:
+def run_ddp_job(command: str, job, values: dict) -> None:
     """The body of the DDP job commands (``bench``, ``train``): ``job(options, ...)`` with the spec's
     fields (forwarded as they are to torchrun's ranks, checked by the spec), the run's experiment and
-    name, the launcher's options, the command line the user typed, and ``offline=`` honoured.
-    ``from_own``: more keyword arguments of ``job``, each computed from the command's own options."""
+    name, the launcher's options, the command line the user typed, and ``offline=`` honoured."""
     options, own = split_options(command, values)
-    extra = {**launcher_options(command, own), **{name: pick(own) for name, pick in from_own.items()}}
     with offline_if_asked(command, own):
         job(options, experiment=own["experiment"], run_name=own["run_name"],
-            command=command_line(click.get_current_context()), **extra)
+            command=command_line(click.get_current_context()), **launcher_options(command, own))
 
 
 @contextlib.contextmanager

@@ -34,7 +34,7 @@ def bench(**values):
     """Benchmark inference and/or training of one model and log one MLflow run."""
     from vitreg.bench.job import bench as run_bench
 
-    run_ddp_job("bench", run_bench, values, baseline_run=lambda own: own["baseline_run"].strip() or None)
+    run_ddp_job("bench", run_bench, values)
 
 
 @main.command()

@@ -30,9 +30,11 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
-from vitreg.config.options import options_to_args  # noqa: F401 - the jobs build the ranks' argv with it
+from vitreg.config.options import options_to_args
 from vitreg.ddp.diagnose import LaunchOutcome, diagnose, record_error
 from vitreg.ddp.world import inside_torchrun, is_main_process
 from vitreg.errors import VitregError
@@ -53,6 +55,24 @@ class LaunchError(VitregError):
     def __init__(self, message: str, exit_code: int = 1):
         super().__init__(message)
         self.exit_code = exit_code if exit_code > 0 else 1
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a DDP job's processes run: ``nnodes`` hosts, this one ``node_rank``, and node 0's
+    ``rdzv_endpoint`` (HOST:PORT). The default is this host alone."""
+
+    nnodes: int = 1
+    node_rank: int = 0
+    rdzv_endpoint: str | None = None
+
+    def check(self) -> None:
+        check_nodes(self.nnodes, self.node_rank, self.rdzv_endpoint)
+
+    @property
+    def run_node(self) -> int:
+        """The node whose launcher holds the run: this one's rank when spread over hosts, else 0."""
+        return self.node_rank if self.nnodes > 1 else 0
 
 
 def needs_torchrun(nproc: int, nnodes: int = 1) -> bool:
@@ -130,9 +150,9 @@ def torchrun_command(argv: list[str], nproc: int, nnodes: int = 1, node_rank: in
 # launching
 
 
-def launch_torchrun(argv: list[str], nproc: int, nnodes: int = 1, node_rank: int = 0,
-                    rdzv_endpoint: str | None = None, env: dict | None = None, log_dir: str | None = None,
-                    progress=None, while_running=None, poll_s: float = 2.0) -> LaunchOutcome:
+def launch_torchrun(argv: list[str], nproc: int, placement: Placement = Placement(), env: dict | None = None,
+                    log_dir: str | None = None, progress=None, while_running=None,
+                    poll_s: float = 2.0) -> LaunchOutcome:
     """Run ``argv`` (python arguments: ``["-m", "vitreg.cli", "bench", ...]`` or ``["script.py", ...]``)
     in ``nproc`` workers per node under torchrun; wait; return the :class:`LaunchOutcome`.
 
@@ -141,7 +161,7 @@ def launch_torchrun(argv: list[str], nproc: int, nnodes: int = 1, node_rank: int
     ``while_running`` included) stops torchrun, which stops its workers, before it propagates.
     """
     log_dir = Path(log_dir or tempfile.mkdtemp(prefix="vitreg-torchrun-"))
-    cmd = torchrun_command(argv, nproc, nnodes, node_rank, rdzv_endpoint, str(log_dir))
+    cmd = torchrun_command(argv, nproc, placement.nnodes, placement.node_rank, placement.rdzv_endpoint, str(log_dir))
     if progress:
         progress("launching: " + " ".join(shlex.quote(c) for c in cmd))
     proc = subprocess.Popen(cmd, env={**(os.environ if env is None else env), LINE_PREFIX_ENV: LINE_PREFIX})
@@ -161,7 +181,7 @@ def launch_torchrun(argv: list[str], nproc: int, nnodes: int = 1, node_rank: int
             proc.kill()
             proc.wait()
         raise
-    return diagnose(returncode, log_dir, nproc, node_rank)
+    return diagnose(returncode, log_dir, nproc, placement.node_rank)
 
 
 @contextlib.contextmanager
@@ -183,8 +203,8 @@ def launcher_run(run_name: str | None = None, experiment: str | None = None, nod
 
 
 @contextlib.contextmanager
-def launched(argv: list[str], nproc: int, run=None, nnodes: int = 1, node_rank: int = 0,
-             rdzv_endpoint: str | None = None, progress=None, command: str = ""):
+def launched(argv: list[str], nproc: int, run=None, placement: Placement = Placement(), progress=None,
+             command: str = ""):
     """Run ``argv`` under torchrun for ``run`` (the launcher's tracker; None on a node other than 0)
     and yield what rank 0 handed back (a :class:`vitreg.tracking.handoff.Handoff`, whose files last
     until the block ends).
@@ -210,8 +230,8 @@ def launched(argv: list[str], nproc: int, run=None, nnodes: int = 1, node_rank: 
         handback.announce_run(handed.directory, run.run_id if run else "", str(run.experiment_id) if run else "")
         env = {**tracking.without_requested_run(os.environ), ENV_LAUNCH_DIR: str(launch_dir), ENV_COMMAND: command}
         started = time.monotonic()
-        outcome = launch_torchrun(argv, nproc, nnodes, node_rank, rdzv_endpoint, env, str(launch_dir / _LOGS),
-                                  progress, while_running=log_handed)
+        outcome = launch_torchrun(argv, nproc, placement, env, str(launch_dir / _LOGS), progress,
+                                  while_running=log_handed)
         if progress:
             progress(f"torchrun {'finished' if outcome.ok else 'failed'} after {time.monotonic() - started:.1f} s")
         log_handed()
@@ -226,6 +246,47 @@ def launched(argv: list[str], nproc: int, run=None, nnodes: int = 1, node_rank: 
     finally:
         if not keep_logs:
             shutil.rmtree(launch_dir, ignore_errors=True)
+
+
+@dataclass(frozen=True)
+class JobLaunch:
+    """One DDP job's launcher, the same eight steps for bench and train (:func:`launch_job`); what
+    differs is in the hooks. ``check(gpus)``: the job's own checks that need no GPU work (model name,
+    host memory of every rank, data layout, ...), given the GPUs visible here; ``handed(handoff)``:
+    what to do with what rank 0 handed back, inside the launch (scaling efficiency, registration)."""
+
+    job: str  # the vitreg command the ranks run: "bench" or "train"
+    options: dict  # the spec's fields, forwarded to every rank as they came
+    run_name: str | None = None
+    placement: Placement = Placement()
+    command: str = ""  # what the user typed, for the ranks' report.md
+    task: str = "train"
+    cuda_graph: bool | None = None
+    check: Callable[[int], None] = lambda gpus: None
+    handed: Callable = lambda handoff: None
+
+
+def launch_job(run, spec, job: JobLaunch, progress) -> None:
+    """The launcher (``run`` is None on a node other than 0): checks that need no GPU, the run's labels,
+    torchrun with the same command in every rank, then ``job.handed`` with what rank 0 handed back."""
+    from vitreg.tracking import runs as tracking
+    from vitreg.tracking.tags import label_launcher_run
+
+    job.placement.check()
+    gpus = visible_gpu_count()
+    check_nproc(spec.nproc, spec.device, gpus)
+    job.check(gpus)
+    label_launcher_run(run, spec, job.job, task=job.task, cuda_graph=job.cuda_graph)
+    argv = ["-m", "vitreg.cli", job.job, *options_to_args(job.options)]
+    if job.run_name:
+        argv += ["--run-name", job.run_name]
+    if run is not None:
+        images = spec.nproc * job.placement.nnodes * spec.batch_size if isinstance(spec.batch_size, int) else None
+        progress(f"run {run.run_id} at {tracking.tracking_uri()}: {spec.nproc} process(es) per node x "
+                 f"{job.placement.nnodes} node(s) (DDP), batch_size={spec.batch_size} per process"
+                 + (f" ({images} images per step)" if images else ""))
+    with launched(argv, spec.nproc, run, job.placement, progress, job.command) as handed:
+        job.handed(handed)
 
 
 def _log_rank_logs(run, outcome: LaunchOutcome) -> None:

@@ -19,7 +19,9 @@ import os
 from dataclasses import dataclass, field
 
 from vitreg.errors import VitregError
-from vitreg.measure.metrics import combine
+from vitreg.measure.figures import Figures
+from vitreg.measure.metrics import ITERATION_TIME, combine
+
 
 @dataclass(frozen=True)
 class World:
@@ -185,44 +187,22 @@ def ddp_wrap(model, world: World, *, bucket_cap_mb: float | None = None, gradien
 # results
 
 
-@dataclass(frozen=True)
-class RankFigures:
-    """One task's raw figures on one rank, before reduction (units as in :class:`vitreg.bench.results.TaskResult`)."""
+def reduce_figures(per_rank: list[Figures]) -> Figures:
+    """Combine every rank's record of one task (pure), name by name, by the metric table's rank rules
+    (:func:`vitreg.measure.metrics.combine`): per window, the sum of the ranks' rates; per iteration,
+    the slowest rank; first call, warm-up, peak memory the largest; steps measured the fewest.
 
-    throughputs: tuple  # img/s of this rank, one per timed window
-    iter_ms: tuple  # ms per iteration, every iteration of every window, in order
-    first_call_s: float
-    warmup_s: float
-    peak_mem_allocated_mb: float | None = None
-    peak_mem_reserved_mb: float | None = None
-
-
-#: The metric (:mod:`vitreg.measure.metrics`) whose rank rule each field of RankFigures follows;
-#: an infer task's iterations are latency_ms_*, which combine like step_ms_* (the slowest rank).
-FIGURE_METRICS = {
-    "throughputs": "throughput_img_per_s",
-    "iter_ms": "step_ms_p50",
-    "first_call_s": "first_call_s",
-    "warmup_s": "warmup_s",
-    "peak_mem_allocated_mb": "peak_mem_allocated_mb",
-    "peak_mem_reserved_mb": "peak_mem_reserved_mb",
-}
-
-
-def reduce_figures(per_rank: list[RankFigures]) -> RankFigures:
-    """Combine every rank's figures (pure) by the metric table's rank rules, as the module docstring says.
-
-    Throughput: per window, the sum of the ranks' rates. Iteration time: per iteration, the
-    slowest rank. First call, warm-up and peak memory: the largest over the ranks.
+    Every rank must hold the same names and samples of the same length (the same windows and
+    iterations); a row computed after the reduction (world size, MFU, ...) must not be there yet.
     """
     if not per_rank:
         raise ValueError("reduce_figures() needs the figures of at least one rank")
-    n_windows = {len(f.throughputs) for f in per_rank}
-    n_iters = {len(f.iter_ms) for f in per_rank}
-    if len(n_windows) != 1 or len(n_iters) != 1:
-        raise ValueError(f"ranks timed different numbers of windows/iterations: {sorted(n_windows)} / {sorted(n_iters)}")
-    return RankFigures(**{fld: combine(name, [getattr(f, fld) for f in per_rank])
-                          for fld, name in FIGURE_METRICS.items()})
+    names = {tuple(sorted(f.values)) for f in per_rank}
+    lengths = {tuple(len(v) for _, v in sorted(f.values.items()) if isinstance(v, tuple)) for f in per_rank}
+    if len(names) != 1 or len(lengths) != 1:
+        raise ValueError(f"ranks recorded different figures or numbers of windows/iterations: {sorted(lengths)}")
+    task = per_rank[0].task
+    return Figures(task, {name: combine(name, [f[name] for f in per_rank]) for name in per_rank[0].values})
 
 
 def gather_objects(obj, world: World) -> list:
@@ -238,7 +218,7 @@ def gather_objects(obj, world: World) -> list:
     return gathered
 
 
-def all_reduce_results(figures: RankFigures, world: World) -> tuple[RankFigures, list[RankFigures]]:
+def all_reduce_results(figures: Figures, world: World) -> tuple[Figures, list[Figures]]:
     """Gather every rank's figures (a collective: every rank must call it) and reduce them.
 
     Returns ``(global_figures, per_rank_figures)``, the same on every rank. A few hundred floats
@@ -270,7 +250,7 @@ class ResultReducer:
     def align(self) -> None:
         barrier()
 
-    def __call__(self, task: str, figures: RankFigures) -> RankFigures:
+    def __call__(self, task: str, figures: Figures) -> Figures:
         total, ranks = all_reduce_results(figures, self.world)
         self.per_rank[task] = ranks
         return total
@@ -287,20 +267,18 @@ class ResultReducer:
         return dataclasses.replace(profile, **{f: combine(f, [getattr(p, f) for p in gathered]) for f in fields})
 
     def per_rank_report(self) -> dict:
-        """``{task: [{rank, throughput_img_per_s (median), step_ms_p50, peak_mem_allocated_mb}, ...]}``."""
-        from vitreg.measure.timing import summarize
-
+        """``{task: [{rank, throughput_img_per_s_median, throughput_img_per_s_windows, iter_ms_p50, ...}]}``."""
         out = {}
         for task, ranks in self.per_rank.items():
-            out[task] = [{
-                "rank": r,
-                "throughput_img_per_s_median": summarize(f.throughputs).median,
-                "throughput_img_per_s_windows": list(f.throughputs),
-                "iter_ms_p50": summarize(f.iter_ms).median,
-                "first_call_s": f.first_call_s,
-                "peak_mem_allocated_mb": f.peak_mem_allocated_mb,
-            } for r, f in enumerate(ranks)]
+            out[task] = [_rank_row(r, f.summarized()) for r, f in enumerate(ranks)]
         return out
+
+
+def _rank_row(rank: int, figures: Figures) -> dict:
+    return {"rank": rank, "throughput_img_per_s_median": figures.get("throughput_img_per_s"),
+            "throughput_img_per_s_windows": list(figures.get("window_img_per_s", ())),
+            "iter_ms_p50": figures.get(f"{ITERATION_TIME[figures.task]}_p50"),
+            "first_call_s": figures.get("first_call_s"), "peak_mem_allocated_mb": figures.get("peak_mem_allocated_mb")}
 
 
 # --------------------------------------------------------------------------------------------
@@ -322,29 +300,9 @@ def join_world(nproc: int, device: str) -> World:
     return init_from_env("cuda" if device != "cpu" and torch.cuda.is_available() else "cpu")
 
 
-#: The training loop's end-of-training figures; each combines by its rank rule in the metric table
-#: (rates summed, step times and loader waits the slowest rank's, measured steps the fewest).
-TRAIN_FIGURES = ("throughput_img_per_s", "step_ms_p50", "step_ms_p90", "data_wait_frac", "first_step_s",
-                 "measured_steps")
-
-
-def reduce_train_figures(per_rank: list[dict]) -> dict:
-    """Combine the ranks' end-of-training figures (pure): rates summed, times and waits the largest.
-
-    A figure that any rank lacks (None) is None for the job: a partial sum would understate it.
-    """
-    if not per_rank:
-        raise ValueError("reduce_train_figures() needs the figures of at least one rank")
-    out = {}
-    for key in TRAIN_FIGURES:
-        values = [f.get(key) for f in per_rank]
-        out[key] = None if any(v is None for v in values) else combine(key, values)
-    return out
-
-
 @dataclass
 class TrainReducer:
-    """What the training loop needs from DDP (``vitreg.train.loop.train(..., reducer=...)``), as one object.
+    """What the training loop needs from DDP (``vitreg.train.loop.train``'s ``reducer``), as one object.
 
     - :meth:`interval` at a log boundary: ONE all-reduce of two numbers, the interval's mean loss
       and img/s of this rank; returns the job's mean loss and summed img/s. Never called per step:
@@ -387,9 +345,9 @@ class TrainReducer:
         """Wait for every rank (after rank 0's checkpoint or validation, outside the timed steps)."""
         barrier()
 
-    def figures(self, local: dict) -> dict:
-        """Gather every rank's end-of-training figures; returns the job's (:func:`reduce_train_figures`)."""
-        local = {**local, "final_loss": self.last_local_loss}
-        gathered = gather_objects(local, self.world)
-        self.per_rank = [{"rank": r, **f} for r, f in enumerate(gathered)]
-        return reduce_train_figures(gathered)
+    def figures(self, local: Figures) -> Figures:
+        """Gather every rank's end-of-training figures; returns the job's (:func:`reduce_figures`).
+        ``per_rank`` keeps each rank's, with its own loss of the last interval, for ranks.json."""
+        gathered = gather_objects((local, self.last_local_loss), self.world)
+        self.per_rank = [{"rank": r, **f.to_dict(), "final_loss": loss} for r, (f, loss) in enumerate(gathered)]
+        return reduce_figures([f for f, _ in gathered])

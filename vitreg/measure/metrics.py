@@ -16,7 +16,14 @@ How ranks combine (``ranks``): every rank of a DDP job times its own windows.
 - ``per_gpu``: the job's summed figure divided by its world size;
 - ``world``: the job's size itself;
 - ``same``: equal on every rank (work per image, parameters): nothing to combine;
+- ``main``: rank 0's alone (validation runs there);
 - ``job``: computed after the reduction from the job's own figures (achieved TFLOP/s, MFU, scaling).
+
+A row with ``of=(sample, stat)`` is a statistic of a sample row (one value per window or per
+iteration, ``logged=False``): the ranks' samples combine element by element, then
+:meth:`vitreg.measure.figures.Figures.summarized` takes the statistic. Every figure travels in one
+record keyed by these names (:class:`vitreg.measure.figures.Figures`), from the measurement through
+the DDP reducer to what is logged: adding a metric is a row here and the code that measures it.
 """
 
 from __future__ import annotations
@@ -26,7 +33,9 @@ from dataclasses import dataclass
 
 TASKS = ("infer", "train")
 HIGHER, LOWER, NEITHER = "higher", "lower", "none"
-RANK_RULES = ("sum", "max", "min", "per_gpu", "world", "same", "job")
+RANK_RULES = ("sum", "max", "min", "per_gpu", "world", "same", "main", "job")
+#: the statistics a row may take of a sample (attributes of :class:`vitreg.measure.timing.Stats`)
+STATS = ("median", "mean", "min", "max", "p90", "p99", "cv")
 
 #: the name family of one timed iteration: a forward pass (infer) or a whole training step (train)
 ITERATION_TIME = {"infer": "latency_ms", "train": "step_ms"}
@@ -43,20 +52,33 @@ class Metric:
     compared: tuple = ()  # the tasks whose compare frame always has this column (NaN where unrecorded)
     speed: bool = False  # compare says "faster"/"slower" (not "better"/"worse") of a change in it
     doc: str = ""
+    of: tuple = ()  # (sample row, stat): a statistic of a sample, taken after the ranks' samples combine
+    logged: bool = True  # False: a sample, or a count kept for the record only
 
 
 def _iteration(stat: str, task: str, compared: bool, doc: str) -> Metric:
     return Metric(f"{ITERATION_TIME[task]}_{stat}", "ms", LOWER, "max", ".2f", (task,),
-                  (task,) if compared else (), True, doc)
+                  (task,) if compared else (), True, doc,
+                  of=(ITERATION_TIME[task], "median" if stat == "p50" else stat))
+
+
+def _window(stat: str) -> dict:
+    return {"of": ("window_img_per_s", stat)}
 
 
 _ITERATION_DOC = "ms per iteration (one batch), over every timed iteration; the slowest rank per iteration"
 
 METRICS: tuple[Metric, ...] = (
+    # samples: what a rank timed, before any statistic (the ranks' combine element by element)
+    Metric("window_img_per_s", "img/s", HIGHER, "sum", ",.1f", doc="img/s of each timed window", logged=False),
+    *(Metric(ITERATION_TIME[t], "ms", LOWER, "max", ".2f", (t,), logged=False,
+             doc="ms of each timed iteration, in order; the slowest rank per iteration") for t in TASKS),
     Metric("throughput_img_per_s", "img/s", HIGHER, "sum", ",.1f", compared=TASKS, speed=True,
-           doc="images per second over a whole timed window, median of the windows"),
-    Metric("throughput_img_per_s_min", "img/s", HIGHER, "sum", ",.1f", speed=True, doc="slowest window"),
-    Metric("throughput_img_per_s_max", "img/s", HIGHER, "sum", ",.1f", speed=True, doc="fastest window"),
+           doc="images per second over a whole timed window, median of the windows", **_window("median")),
+    Metric("throughput_img_per_s_min", "img/s", HIGHER, "sum", ",.1f", speed=True, doc="slowest window",
+           **_window("min")),
+    Metric("throughput_img_per_s_max", "img/s", HIGHER, "sum", ",.1f", speed=True, doc="fastest window",
+           **_window("max")),
     *(_iteration(s, "infer", s != "mean", _ITERATION_DOC) for s in ("p50", "p90", "p99", "mean")),
     *(_iteration(s, "train", s == "p50", _ITERATION_DOC) for s in ("p50", "p90", "p99", "mean")),
     Metric("peak_mem_allocated_mb", "MiB", LOWER, "max", ",.0f", compared=TASKS,
@@ -64,7 +86,8 @@ METRICS: tuple[Metric, ...] = (
     Metric("peak_mem_reserved_mb", "MiB", LOWER, "max", ",.0f", doc="torch.cuda.max_memory_reserved (CUDA only)"),
     Metric("mfu", "", HIGHER, "job", ".1%", compared=TASKS,
            doc="achieved FLOP/s per GPU over the GPU's dense datasheet peak for the precision"),
-    Metric("throughput_cv", "", LOWER, "sum", ".1%", compared=TASKS, doc="std/mean of the window throughputs"),
+    Metric("throughput_cv", "", LOWER, "sum", ".1%", compared=TASKS, doc="std/mean of the window throughputs",
+           **_window("cv")),
     Metric("world_size", "", NEITHER, "world", "d", compared=("train",), doc="processes of a DDP job (nproc>1)"),
     Metric("throughput_img_per_s_per_gpu", "img/s", HIGHER, "per_gpu", ",.1f", compared=("train",), speed=True,
            doc="throughput_img_per_s / world_size (nproc>1)"),
@@ -72,7 +95,8 @@ METRICS: tuple[Metric, ...] = (
     Metric("achieved_tflops", "TFLOP/s", HIGHER, "job", ".3g", doc="gflops_per_img x throughput, whole job"),
     Metric("first_call_s", "s", LOWER, "max", ".2f", doc="the first call alone: compilation (if any) + lazy init"),
     Metric("warmup_s", "s", LOWER, "max", ".2f", doc="the rest of the warm-up"),
-    Metric("compile_time_s", "s", LOWER, "max", ".2f", doc="first_call_s when compile is on"),
+    Metric("compile_time_s", "s", LOWER, "job", ".2f",
+           doc="the first call (bench) or first step (train) when compile is on"),
     Metric("allreduce_ms_per_step", "ms", LOWER, "max", ".2f", ("train",),
            doc="profile_steps>0: all-reduce kernel time per step (torch.profiler)"),
     Metric("device_busy_ms_per_step", "ms", LOWER, "max", ".2f", ("train",),
@@ -85,10 +109,14 @@ METRICS: tuple[Metric, ...] = (
     # the train job's end-of-training figures
     Metric("data_wait_frac", "", LOWER, "max", ".1%", ("train",), doc="host time blocked on the loader / step time"),
     Metric("first_step_s", "s", LOWER, "max", ".2f", ("train",), doc="the first training step alone"),
-    Metric("measured_steps", "", NEITHER, "min", "d", ("train",), doc="steps timed after the warm-up (not logged)"),
+    Metric("measured_steps", "", NEITHER, "min", "d", ("train",), doc="steps timed after the warm-up (not logged)",
+           logged=False),
     Metric("final_loss", "", LOWER, "job", ".4f", ("train",), doc="mean training loss of the last interval"),
     Metric("images", "", NEITHER, "job", ",d", ("train",), doc="images trained on, whole job"),
     Metric("steps", "", NEITHER, "job", ",d", ("train",), doc="optimizer steps"),
+    Metric("val_top1", "%", HIGHER, "main", ".2f", (), doc="train: top-1 accuracy in percent on the val/ split, "
+           "last evaluation (ImageFolder data with a val/ split)"),
+    Metric("val_loss", "", LOWER, "main", ".4f", (), doc="train: mean loss on the val/ split, last evaluation"),
     # job-level: logged without a task prefix
     Metric("fwd_gflops_per_img", "GFLOP", NEITHER, "same", ".2f", (), TASKS, doc="one forward pass of one image"),
     Metric("params_m", "M", NEITHER, "same", ".1f", (), doc="model parameters, millions"),
@@ -144,15 +172,19 @@ def better(name: str) -> str:
 def combine(name: str, per_rank: list):
     """The job's value of metric ``name`` from every rank's (by its ``ranks`` rule).
 
-    Tuples (one value per window or per iteration) combine element by element. A None (a figure
-    that rank could not measure, e.g. CUDA memory on the CPU) is left out; all None gives None.
+    Tuples (one value per window or per iteration) combine element by element. A None is a figure
+    a rank could not measure: a sum with one is None (a partial sum would understate the job); max
+    and min leave it out (CUDA memory on the CPU: all None gives None). ``same`` and ``main`` take
+    rank 0's value. The rules computed after the reduction (``world``, ``per_gpu``, ``job``) raise.
     """
     rule = metric(name).ranks
+    if rule in ("same", "main"):
+        return per_rank[0] if per_rank else None
     reducers = {"sum": sum, "max": max, "min": min}
     if rule not in reducers:
         raise ValueError(f"metric {name!r} ({rule!r}) is not combined from the ranks' figures")
     present = [v for v in per_rank if v is not None]
-    if not present:
+    if not present or (rule == "sum" and len(present) < len(per_rank)):
         return None
     if isinstance(present[0], tuple):
         return tuple(reducers[rule](vs) for vs in zip(*present))

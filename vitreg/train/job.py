@@ -35,6 +35,7 @@ hands back its checkpoints. The launcher registers the checkpoint once the hand-
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import shutil
 import tempfile
@@ -42,17 +43,18 @@ from dataclasses import asdict
 from pathlib import Path
 
 from vitreg.config.spec import TrainSpec
-from vitreg.console import progress, quiet
+from vitreg.console import progress
 from vitreg.ddp import launcher as launch
 from vitreg.ddp import world as distributed
+from vitreg.ddp.context import JobContext, job_context
 from vitreg.hardware.env import capture_environment, pip_freeze
-from vitreg.hardware.profiles import detect_hardware, resolve_hardware
-from vitreg.hardware.runtime import resolve_runtime, run_context
+from vitreg.hardware.runtime import run_context
+from vitreg.measure.figures import Work
 from vitreg.models.factory import check_model_name, create_model
 from vitreg.models.memory import check_batch_fits, check_ranks_fit
 from vitreg.tracking import checkpoint_sources, lineage, naming
 from vitreg.tracking import runs as tracking
-from vitreg.tracking.tags import label_launcher_run, resolved_tags, world_tags
+from vitreg.tracking.tags import resolved_tags, world_tags
 from vitreg.train.progress import Progress
 from vitreg.train.registration import check_registration, register_if_requested
 from vitreg.train.run_logger import CHECKPOINT_ARTIFACTS, CheckpointUploader, RunLogger
@@ -90,8 +92,8 @@ def train_tags(spec: TrainSpec, hw, runtime, info, data_kind: str) -> dict:
     }
 
 
-def _flops_metrics(model, info, runtime) -> dict:
-    """FLOPs of one training image (student only), counted without touching the training RNG stream."""
+def _flops_metrics(model, info, runtime) -> float:
+    """GFLOPs of one training image (student only), counted without touching the training RNG stream."""
     import torch
 
     from vitreg.models.flops import train_flops_per_image
@@ -102,35 +104,34 @@ def _flops_metrics(model, info, runtime) -> dict:
     with torch.random.fork_rng(devices=devices):
         flops = train_flops_per_image(model, info.img_size, runtime.torch_device,
                                       lambda out, y: loss_of(out, y, criterion))
-    return {"train_gflops_per_img": flops / 1e9, "params_m": info.params_m}
+    return flops / 1e9
 
 
 def train(options: dict, experiment: str | None = None, run_name: str | None = None, progress=progress,
-          command: str | None = None, *, sampler_factory=None, nnodes: int = 1, node_rank: int = 0,
-          rdzv_endpoint: str | None = None):
+          command: str | None = None, *, sampler_factory=None, placement: launch.Placement | None = None):
     """Train one model and log it as one MLflow run; returns the loop's TrainResult.
 
-    ``nproc > 1`` (or ``nnodes > 1``) launches torchrun (see the module docstring) and returns None
-    in this launching process; ``nnodes``/``node_rank``/``rdzv_endpoint`` spread the job over
-    several hosts (the same command on each; node 0 holds rank 0, the run, the checkpoints and the
-    registration). Inside torchrun (a vitreg launcher's, or one the user started) this is one rank
-    of the job. ``sampler_factory(dataset)`` replaces the built-in rank-sharded sampler of
-    ImageFolder data (it must give every rank the same number of batches).
+    ``nproc > 1`` (or a ``placement`` over several hosts) launches torchrun (see the module docstring)
+    and returns None in this launching process; with several hosts the same command runs on each
+    (node 0 holds rank 0, the run, the checkpoints and the registration). Inside torchrun (a vitreg
+    launcher's, or one the user started) this is one rank of the job. ``sampler_factory(dataset)``
+    replaces the built-in rank-sharded sampler of ImageFolder data (it must give every rank the same
+    number of batches).
     """
     command = launch.typed_command(command)
+    placement = placement or launch.Placement()
     inside = distributed.inside_torchrun()
     workdir = Path(tempfile.mkdtemp(prefix="vitreg-train-"))  # downloaded resume source + local checkpoints
     world = distributed.World()
     try:
         opened = (launch.rank_run(run_name, experiment) if inside else
-                  launch.launcher_run(run_name, experiment, node_rank if nnodes > 1 else 0))
+                  launch.launcher_run(run_name, experiment, placement.run_node))
         with opened as run:
             spec = None if inside else TrainSpec.from_options(options)  # the launcher's plan
-            if spec is not None and launch.needs_torchrun(spec.nproc, nnodes):
-                return _launch_train(run, spec, options, run_name, progress, nnodes, node_rank, rdzv_endpoint,
-                                     command)
-            result, world = _train_in_run(run, options, workdir, progress, command, run_name,
-                                          sampler_factory=sampler_factory)
+            if spec is not None and launch.needs_torchrun(spec.nproc, placement.nnodes):
+                return _launch_train(run, spec, launch.JobLaunch("train", options, run_name, placement, command),
+                                     progress)
+            result, world = _train_in_run(run, options, workdir, progress, command, run_name, sampler_factory)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     if world.distributed:
@@ -143,99 +144,99 @@ def train(options: dict, experiment: str | None = None, run_name: str | None = N
     return result
 
 
-def _launch_train(run, spec: TrainSpec, options, run_name, progress, nnodes=1, node_rank=0, rdzv_endpoint=None,
-                  command=""):
+def _launch_train(run, spec: TrainSpec, job: launch.JobLaunch, progress) -> None:
     """The launcher (``run`` is None on a node other than 0): the checks that need no GPU, torchrun,
     then the registration rank 0 asked for, against the run its hand-off was logged into."""
     from vitreg.train.data import resolve_num_classes
 
-    check_model_name(spec.model)  # fail here, once, rather than in every rank
-    launch.check_nodes(nnodes, node_rank, rdzv_endpoint)
-    if node_rank == 0:
-        check_registration(spec)
-    resolve_num_classes(spec.replace(num_classes=0))  # data=PATH: its layout, once (not per rank)
-    if spec.resume and not spec.resume.startswith(("runs:/", "models:/")) and "://" not in spec.resume:
-        resolve_checkpoint_source(spec.resume)  # a local path that does not exist
-    gpus = launch.visible_gpu_count()
-    launch.check_nproc(spec.nproc, spec.device, gpus)
-    # host memory for every rank, before any is started: past it the OOM killer takes the launcher
-    check_ranks_fit(spec.nproc, spec.model, spec.img_size, resolve_num_classes(spec),
-                    "cpu" if spec.device == "cpu" or not gpus else "cuda")
-    label_launcher_run(run, spec, "train", task="train")
-    argv = ["-m", "vitreg.cli", "train", *launch.options_to_args(options)]
-    if run_name:
-        argv += ["--run-name", run_name]
-    world = spec.nproc * nnodes
-    if run is not None:
-        progress(f"run {run.run_id} at {tracking.tracking_uri()}: {spec.nproc} process(es) per node x {nnodes} "
-                 f"node(s) (DDP), batch_size={spec.batch_size} per process ({world * spec.batch_size} images "
-                 f"per step)")
-    with launch.launched(argv, spec.nproc, run, nnodes, node_rank, rdzv_endpoint, progress, command) as handed:
-        request = handed.registration
+    def check(gpus: int) -> None:
+        check_model_name(spec.model)  # fail here, once, rather than in every rank
+        if job.placement.node_rank == 0:
+            check_registration(spec)
+        resolve_num_classes(spec.replace(num_classes=0))  # data=PATH: its layout, once (not per rank)
+        if spec.resume and not spec.resume.startswith(("runs:/", "models:/")) and "://" not in spec.resume:
+            resolve_checkpoint_source(spec.resume)  # a local path that does not exist
+        # host memory for every rank, before any is started: past it the OOM killer takes the launcher
+        check_ranks_fit(spec.nproc, spec.model, spec.img_size, resolve_num_classes(spec),
+                        "cpu" if spec.device == "cpu" or not gpus else "cuda")
+
+    def handed(handoff) -> None:
+        request = handoff.registration
         if run is not None and request is not None:
             register_if_requested(run, spec, request["path"], request["tags"])
-    return None
+
+    launch.launch_job(run, spec, dataclasses.replace(job, check=check, handed=handed), progress)
 
 
-def _train_in_run(run, options, workdir: Path, progress, command, run_name, *, sampler_factory):
+def _train_in_run(run, options, workdir: Path, progress, command, run_name, sampler_factory):
     """One process's training inside its run; returns ``(TrainResult, World)``."""
-    import torch
-
-    from vitreg.train import loop
-    from vitreg.train.data import build_data, resolve_num_classes
-    from vitreg.train.losses import check_distillable
-
     spec = TrainSpec.from_options(options)
     check_model_name(spec.model)
     if distributed.is_main_process():
         check_registration(spec)  # rank 0 registers: a bad register_as fails before any training
-    world, wrap, reducer = distributed.join_job(spec, distributed.TrainReducer)
-    if not world.is_main:
-        progress = quiet  # rank 0 speaks for the job; errors still reach every rank's stderr
-    detected = detect_hardware(spec.device)
-    hw = resolve_hardware(spec.gpu, detected, spec.allow_gpu_mismatch)
-    runtime = resolve_runtime(spec.amp, spec.compile, spec.compile_backend, detected,
-                              device_index=world.local_rank if detected.device == "cuda" else 0)
-    num_classes = resolve_num_classes(spec)  # checks data=PATH before any model or device work
-    torch.manual_seed(spec.seed)  # the model's init, as --seed promises (DDP then copies rank 0's weights)
-    model, info = create_model(spec.model, spec.img_size, num_classes)
-    check_batch_fits(info, spec.batch_size, ("train",), runtime.device, runtime.device_index)  # before any step
-    check_distillable(spec, info)
-    resume = None
-    if spec.resume:  # every rank reads it; verified here, once, and handed to the loop
-        resume = resolve_checkpoint_source(spec.resume, workdir / "resume", progress)
-        spec = loop.resume_spec(spec, resume, info, progress)  # another model fails here, early
-        if world.is_main and isinstance(resume.spec.get("run_id"), str):  # the run that saved it
-            run.set_tags({lineage.RESUMED_FROM_TAG: resume.spec["run_id"]})
-            lineage.close_resumed(resume.spec["run_id"], run.run_id, progress)
-    teacher = _teacher(spec, info, runtime, progress)  # a teacher= that cannot load fails before the setup's work
-    data = build_data(spec, info, runtime.torch_device, model=model, rank=world.rank, world_size=world.world_size,
-                      sampler_factory=sampler_factory)
-    if world.is_main:
-        _log_setup(run, spec, hw, runtime, detected, info, data, world, run_name, progress)
-    model = model.to(runtime.torch_device)
-    summary = _flops_metrics(model, info, runtime) if world.is_main else {}
+    ctx, model, info, resume = _model_of(job_context(run, spec, progress, distributed.TrainReducer), workdir)
+    teacher = _teacher(ctx.spec, info, ctx.runtime, ctx.progress)  # a teacher= that cannot load fails early
+    from vitreg.train.data import build_data
+
+    data = build_data(ctx.spec, info, ctx.runtime.torch_device, model=model, rank=ctx.world.rank,
+                      world_size=ctx.world.world_size, sampler_factory=sampler_factory)
+    if ctx.world.is_main:
+        _log_setup(ctx, info, data, run_name)
+    model = model.to(ctx.runtime.torch_device)
+    gflops = _flops_metrics(model, info, ctx.runtime) if ctx.world.is_main else None
     logger = RunLogger(run)
     ok, stop = False, None
     try:
         try:
             # TF32 switches (amp=tf32), the SDPA backend and the compile cache, around every step
-            with run_context(runtime, model, spec.sdpa, spec.compile_cache, train=True):
-                result = _run_loop(run, logger, spec, runtime, model, info, data, world, wrap, reducer, resume,
-                                   workdir, sampler_factory, progress, teacher=teacher)
+            with run_context(ctx.runtime, model, ctx.spec.sdpa, ctx.spec.compile_cache, train=True):
+                result = _run_loop(ctx, logger, model, info, data, resume, workdir, teacher)
         except KeyboardInterrupt as exc:  # stopped between updates: log what was done, then end the run KILLED
             result, stop = getattr(exc, "partial_result", None), exc
             if result is None:
                 raise
-        if world.is_main:
-            _log_results(run, logger, spec, hw, runtime, info, data, result, summary, reducer, command,
+        result = _completed(result, gflops, info, ctx)
+        if ctx.world.is_main:
+            _log_results(ctx, logger, info, data, result, command,
                          register=stop is None)  # a stopped run's model is not the one register_as asked for
         ok = True
     finally:
         logger.close(timeout=None if ok else 60)  # on the error path, do not hang on a dead server
     if stop is not None:
         raise stop
-    return result, world
+    return result, ctx.world
+
+
+def _model_of(ctx: JobContext, workdir: Path):
+    """The model to train and the checkpoint it resumes from: ``(ctx, model, info, resume)``, ``ctx``
+    with the spec a resume continues with (its seed). Checks what needs no step first."""
+    import torch
+
+    from vitreg.train import loop
+    from vitreg.train.data import resolve_num_classes
+    from vitreg.train.losses import check_distillable
+
+    spec, runtime, world = ctx.spec, ctx.runtime, ctx.world
+    num_classes = resolve_num_classes(spec)  # checks data=PATH before any model or device work
+    torch.manual_seed(spec.seed)  # the model's init, as --seed promises (DDP then copies rank 0's weights)
+    model, info = create_model(spec.model, spec.img_size, num_classes)
+    check_batch_fits(info, spec.batch_size, ("train",), runtime.device, runtime.device_index, sdpa=spec.sdpa)  # before any step
+    check_distillable(spec, info)
+    resume = None
+    if spec.resume:  # every rank reads it; verified here, once, and handed to the loop
+        resume = resolve_checkpoint_source(spec.resume, workdir / "resume", ctx.progress)
+        spec = loop.resume_spec(spec, resume, info, ctx.progress)  # another model fails here, early
+        if world.is_main and isinstance(resume.spec.get("run_id"), str):  # the run that saved it
+            ctx.run.set_tags({lineage.RESUMED_FROM_TAG: resume.spec["run_id"]})
+            lineage.close_resumed(resume.spec["run_id"], ctx.run.run_id, ctx.progress)
+    return ctx.with_spec(spec), model, info, resume
+
+
+def _completed(result, gflops: float | None, info, ctx: JobContext):
+    """The result with the job-level figures the loop cannot know (the work per image, parameters,
+    achieved TFLOP/s and MFU against this GPU's peak): computed as bench computes them."""
+    figures = result.figures.with_values(gflops_per_img=gflops, params_m=info.params_m if gflops else None)
+    return dataclasses.replace(result, figures=figures.completed(Work.of(ctx.runtime, ctx.hardware, result.world_size)))
 
 
 def _teacher(spec, info, runtime, progress):
@@ -253,8 +254,9 @@ def _teacher(spec, info, runtime, progress):
         return create_teacher(spec, info, runtime.torch_device, teacher_loader, progress)
 
 
-def _log_setup(run, spec, hw, runtime, detected, info, data, world, run_name, progress) -> None:
+def _log_setup(ctx: JobContext, info, data, run_name) -> None:
     """Rank 0, before the first step: the run's name, tags, params, environment and pip freeze."""
+    run, spec, hw, runtime, world = ctx.run, ctx.spec, ctx.hardware, ctx.runtime, ctx.world
     env = capture_environment()
     run.set_name(run_name or run_name_for(spec, hw, runtime, world.world_size))
     tags = train_tags(spec, hw, runtime, info, data.kind)
@@ -263,23 +265,23 @@ def _log_setup(run, spec, hw, runtime, detected, info, data, world, run_name, pr
               "img_size": info.img_size, "num_classes": info.num_classes}
     skipped = run.log_params(params)
     if skipped:
-        progress("kept the params mlflow run logged as typed (" +
-                 ", ".join(f"{k}={v}" for k, v in skipped.items()) + "); the resolved values are tags")
+        ctx.progress("kept the params mlflow run logged as typed (" +
+                     ", ".join(f"{k}={v}" for k, v in skipped.items()) + "); the resolved values are tags")
     ddp = f", {world.world_size} ranks ({world.backend})" if world.distributed else ""
-    progress(f"run {run.run_id} at {tracking.tracking_uri()}; {spec.model} ({info.params_m:.1f} M params, "
-             f"{info.img_size}px, {info.num_classes} classes) on {runtime.device} ({detected.name}){ddp}, "
-             f"amp={runtime.amp}, compile={spec.compile}, data={data.kind}")
+    ctx.progress(f"run {run.run_id} at {tracking.tracking_uri()}; {spec.model} ({info.params_m:.1f} M params, "
+                 f"{info.img_size}px, {info.num_classes} classes) on {runtime.device} ({ctx.detected.name}){ddp}, "
+                 f"amp={runtime.amp}, compile={spec.compile}, data={data.kind}")
     run.log_text(env.to_json(), "environment.json")
     run.log_text(pip_freeze(), "pip_freeze.txt")
 
 
-def _run_loop(run, logger, spec, runtime, model, info, data, world, wrap, reducer, resume, workdir,
-              sampler_factory, progress, teacher=None):
+def _run_loop(ctx: JobContext, logger, model, info, data, resume, workdir, teacher):
     """The loop, its callbacks wired to the progress bar and the run logger; returns its TrainResult."""
     from vitreg.train import loop
 
+    spec, world = ctx.spec, ctx.world
     bar = Progress(loop.total_steps_of(spec, data.steps_per_epoch), initial=resume.step if resume else 0,
-                   progress=progress, enabled=world.is_main)
+                   progress=ctx.progress, enabled=world.is_main)
 
     def on_log(step, metrics):
         bar.log(step, metrics)
@@ -290,42 +292,36 @@ def _run_loop(run, logger, spec, runtime, model, info, data, world, wrap, reduce
             bar.message(f"epoch {epoch}: val top-1 {metrics['val_top1']:.2f}%")
         logger.metrics({k: v for k, v in metrics.items() if k != "epoch"}, epoch * data.steps_per_epoch)
 
+    hooks = loop.Hooks(bar.step, on_log, CheckpointUploader(logger), on_epoch_end, bar.message)
+    ranks = loop.Ranks(world.world_size, world.rank, world.is_main, ctx.wrap, ctx.reducer)
+    checkpoints = loop.Checkpoints(workdir / CHECKPOINT_ARTIFACTS, resume, {"run_id": ctx.run.run_id})
     try:
-        return loop.train(
-            spec, runtime, model, info, data=data, teacher=teacher, teacher_loader=teacher_loader,
-            checkpoint_dir=workdir / CHECKPOINT_ARTIFACTS, resume_from=resume,
-            checkpoint_extra={"run_id": run.run_id}, on_step=bar.step, on_log=on_log,
-            on_checkpoint=CheckpointUploader(logger), on_epoch_end=on_epoch_end, wrap=wrap,
-            world_size=world.world_size, rank=world.rank, sampler_factory=sampler_factory, is_main=world.is_main,
-            reducer=reducer, progress=bar.message)
+        return loop.train(spec, ctx.runtime, model, info, sources=loop.Sources(data, teacher, teacher_loader),
+                          checkpoints=checkpoints, hooks=hooks, ranks=ranks)
     finally:
         bar.close()  # before the results are logged, so their lines print below the bar
 
 
-def _log_results(run, logger, spec, hw, runtime, info, data, result, summary, reducer, command, register=True):
+def _log_results(ctx: JobContext, logger, info, data, result, command, register=True):
     """Rank 0 (or the one process): summary metrics, results.json, ranks.json, registration."""
-    metrics = {**summary, **result.metrics()}
-    if result.throughput_img_per_s:
-        achieved = summary["train_gflops_per_img"] * result.throughput_img_per_s / 1e3
-        metrics["train_achieved_tflops"] = achieved
-        metrics["train_mfu"] = runtime.precision.mfu(achieved / result.world_size, hw.profile)
+    run, spec, hw, runtime = ctx.run, ctx.spec, ctx.hardware, ctx.runtime
+    metrics = result.metrics()
     logger.metrics(metrics)
     logger.flush()  # every checkpoint is logged before results.json says where the last one is
     results = {
         "spec": spec.to_params(), "gpu": hw.label, "amp": runtime.amp, "device": runtime.device,
-        "model": asdict(info), "data": data.kind, "result": result.to_dict(),
-        "metrics": {k: v for k, v in metrics.items() if v is not None},
+        "model": asdict(info), "data": data.kind, "result": result.to_dict(), "metrics": metrics,
         "checkpoint": run.artifact_uri(f"{CHECKPOINT_ARTIFACTS}/last") if result.last_checkpoint else None,
         "command": command,
     }
     run.log_dict(results, "results.json")
-    if reducer is not None:
-        run.log_dict({"train": reducer.per_rank}, "ranks.json")  # each rank's own figures: stragglers show
+    if ctx.reducer is not None:
+        run.log_dict({"train": ctx.reducer.per_rank}, "ranks.json")  # each rank's own figures: stragglers show
     if not register:
         return
     reg_tags = {"model": spec.model, "gpu": hw.label, "img_size": info.img_size,
                 "num_classes": info.num_classes, "steps": result.step, "source_run_id": run.run_id,
-                "train_final_loss": result.final_loss, "val_top1": result.val_top1}
+                "train_final_loss": result.figure("final_loss"), "val_top1": result.figure("val_top1")}
     register_if_requested(run, spec, result.last_checkpoint, reg_tags)
 
 
@@ -339,10 +335,11 @@ def _print_summary(result, run) -> None:
     def fmt(value, spec=",.1f"):
         return "-" if value is None or (isinstance(value, float) and math.isnan(value)) else format(value, spec)
 
+    top1 = result.figure("val_top1")
     print(f"trained {result.steps_run} steps (to step {result.step}/{result.total_steps}); final loss "
-          f"{fmt(result.final_loss, '.4f')}; {fmt(result.throughput_img_per_s)} img/s, step p50 "
-          f"{fmt(result.step_ms_p50, '.2f')} ms, data wait {fmt(result.data_wait_frac, '.1%')}"
-          + (f"; val top-1 {result.val_top1:.2f}%" if result.val_top1 is not None else ""))
+          f"{fmt(result.figure('final_loss'), '.4f')}; {fmt(result.figure('throughput_img_per_s'))} img/s, step p50 "
+          f"{fmt(result.figure('step_ms_p50'), '.2f')} ms, data wait {fmt(result.figure('data_wait_frac'), '.1%')}"
+          + (f"; val top-1 {top1:.2f}%" if top1 is not None else ""))
     if result.last_checkpoint:
         print(f"checkpoint: {run.artifact_uri(CHECKPOINT_ARTIFACTS + '/last')}")
     print(tracking.where_logged(run))

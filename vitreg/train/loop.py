@@ -1,6 +1,6 @@
 """The training loop: AdamW + warm-up/cosine LR, AMP, compile, DeiT distillation, checkpoints, callbacks.
 
-No MLflow here (runners never log). :func:`train` reports through callbacks, which
+No MLflow here (runners never log). :func:`train` reports through callbacks (:class:`Hooks`), which
 :mod:`vitreg.train.job` turns into batched MLflow calls, and returns a typed :class:`TrainResult`:
 
 - ``on_step(step)`` after every optimizer update: host-only, for a progress bar; it gets no values,
@@ -28,9 +28,9 @@ is timed apart, the next steps are a warm-up, and the rest are timed per step (C
 GPU, ``perf_counter`` on the CPU); ``throughput_img_per_s`` is images over the sum of those step
 times, so checkpoint writes, validation and logging between steps are not counted.
 
-DDP: pass ``wrap`` (a function that wraps the model, e.g. in DistributedDataParallel; applied before
-torch.compile, as bench does), ``world_size``/``rank`` (data sharding), ``is_main=False`` on ranks
-that must not write checkpoints or run validation, and ``reducer`` (a
+DDP: pass :class:`Ranks`: ``wrap`` (a function that wraps the model, e.g. in DistributedDataParallel;
+applied before torch.compile, as bench does), ``world_size``/``rank`` (data sharding), ``is_main=False``
+on ranks that must not write checkpoints or run validation, and ``reducer`` (a
 :class:`vitreg.ddp.world.TrainReducer`): at each log boundary it all-reduces the interval's loss
 (mean over ranks) and img/s (sum), one collective per boundary and none per step; at the end the
 job's throughput is the sum of the ranks' and its step time the slowest rank's. Every rank must
@@ -50,10 +50,12 @@ import torch
 from vitreg.checkpoint import format as ckpt
 from vitreg.console import progress
 from vitreg.errors import VitregError, out_of_memory_as_error
-from vitreg.measure.timing import summarize, synchronize
+from vitreg.measure.figures import Figures, Work
+from vitreg.measure.timing import synchronize
 from vitreg.signals import interrupted_reason
 from vitreg.train.clock import StepClock
 from vitreg.train.evaluation import evaluate, grad_norm
+from vitreg.train.inputs import Checkpoints, Hooks, Ranks, Sources
 from vitreg.train.losses import build_criterion, check_distillable, create_teacher
 from vitreg.train.optim import build_optimizer, build_scheduler
 from vitreg.train.result import TrainResult
@@ -86,14 +88,6 @@ def total_steps_of(spec, steps_per_epoch: int) -> int:
 
 
 @dataclass(frozen=True)
-class _Hooks:
-    on_step: Callable | None = None
-    on_log: Callable | None = None
-    on_checkpoint: Callable | None = None
-    on_epoch_end: Callable | None = None
-
-
-@dataclass(frozen=True)
 class _Setup:
     """What a run trains with; built once by :func:`_prepare`."""
 
@@ -114,7 +108,7 @@ class _Setup:
     world_size: int
     is_main: bool
     reducer: object
-    hooks: _Hooks
+    hooks: Hooks
     checkpoints: bool  # on every rank: when rank 0 saves, the others wait for it
     checkpoint_dir: Path | None  # where rank 0 saves; None on the others
     checkpoint_extra: dict
@@ -146,26 +140,16 @@ class _Tally:
     last_checkpoint: str | None = None
 
 
-def train(spec, runtime, model, info, *, data=None, teacher=None, teacher_loader: Callable | None = None,
-          checkpoint_dir=None, resume_from=None, checkpoint_extra: dict | None = None,
-          on_step: Callable | None = None, on_log: Callable | None = None, on_checkpoint: Callable | None = None,
-          on_epoch_end: Callable | None = None, wrap: Callable | None = None, world_size: int = 1, rank: int = 0,
-          sampler_factory: Callable | None = None, is_main: bool = True, reducer=None,
-          progress=progress) -> TrainResult:
+def train(spec, runtime, model, info, *, sources: Sources = Sources(), checkpoints: Checkpoints = Checkpoints(),
+          hooks: Hooks = Hooks(), ranks: Ranks = Ranks()) -> TrainResult:
     """Train ``model`` (built by :func:`vitreg.models.factory.create_model`, described by ``info``) as ``spec`` says.
 
-    ``data`` defaults to :func:`vitreg.train.data.build_data`; ``teacher`` to
-    :func:`vitreg.train.losses.create_teacher` when the spec distills. ``checkpoint_dir``: where
-    ``step-<N>/`` checkpoint directories are written (None: no checkpoints). ``resume_from``: a
-    checkpoint (a :class:`~vitreg.checkpoint.format.VerifiedCheckpoint` or a directory) to continue
-    from, at its step, with its optimizer, LR schedule, scaler and RNG states; ``spec`` is then
-    :func:`resume_spec` of it, so that the data is the one the checkpoint was trained on.
+    A resumed run (``checkpoints.resume_from``) continues at the checkpoint's step, with its optimizer,
+    LR schedule, scaler and RNG states; ``spec`` is then :func:`resume_spec` of it, so that the data
+    is the one the checkpoint was trained on.
     """
-    hooks = _Hooks(on_step, on_log, on_checkpoint, on_epoch_end)
-    setup = _prepare(spec, runtime, model, info, data=data, teacher=teacher, teacher_loader=teacher_loader,
-                     checkpoint_dir=checkpoint_dir, resume_from=resume_from, checkpoint_extra=checkpoint_extra,
-                     hooks=hooks, wrap=wrap, world_size=world_size, rank=rank, sampler_factory=sampler_factory,
-                     is_main=is_main, reducer=reducer, progress=progress)
+    progress = hooks.progress
+    setup = _prepare(spec, runtime, model, info, sources, checkpoints, hooks, ranks)
     tally = _Tally(step=setup.start_step, clock=StepClock(runtime.device),
                    loss_sum=torch.zeros((), dtype=torch.float32, device=runtime.torch_device))
     stop = None
@@ -213,17 +197,18 @@ def _stop_at_step(setup: _Setup, tally: _Tally, progress, reason: str) -> None:
     progress(f"{reason}: stopped at step {tally.step}/{setup.total}{where}")
 
 
-def _prepare(spec, runtime, model, info, *, data, teacher, teacher_loader, checkpoint_dir, resume_from,
-             checkpoint_extra, hooks, wrap, world_size, rank, sampler_factory, is_main, reducer, progress) -> _Setup:
+def _prepare(spec, runtime, model, info, sources: Sources, checkpoints: Checkpoints, hooks: Hooks,
+             ranks: Ranks) -> _Setup:
     """Model on the device, data, criterion (with the teacher), optimizer, schedule, the resumed state, compile."""
     from vitreg.train.data import build_data
 
     device = runtime.torch_device
     model = model.to(device)
     model.train()
+    data, teacher, progress = sources.data, sources.teacher, hooks.progress
     if data is None:
-        data = build_data(spec, info, device, model=model, rank=rank, world_size=world_size,
-                          sampler_factory=sampler_factory)
+        data = build_data(spec, info, device, model=model, rank=ranks.rank, world_size=ranks.world_size,
+                          sampler_factory=ranks.sampler_factory)
     if data.num_classes != info.num_classes:
         raise VitregError(f"the data has {data.num_classes} classes, the model head {info.num_classes}: "
                           f"pass num_classes=0 to take it from the data")
@@ -231,7 +216,7 @@ def _prepare(spec, runtime, model, info, *, data, teacher, teacher_loader, check
     total = total_steps_of(spec, spe)
     check_distillable(spec, info)
     if spec.distillation != "none" and teacher is None:
-        teacher = create_teacher(spec, info, device, teacher_loader, progress)
+        teacher = create_teacher(spec, info, device, sources.teacher_loader, progress)
     criterion = build_criterion(spec, info, teacher)
     if info.distilled and hasattr(model, "set_distilled_training"):
         model.set_distilled_training(True)  # DeiT: training returns (class, distillation) outputs
@@ -239,17 +224,18 @@ def _prepare(spec, runtime, model, info, *, data, teacher, teacher_loader, check
     scheduler = build_scheduler(optimizer, spec, total)
     scaler = runtime.grad_scaler()
     start_step = 0
-    if resume_from is not None:
-        start_step = _restore(resume_from, model, optimizer, scheduler, scaler, total, spe, progress)
-    net = runtime.compile_model(wrap(model) if wrap else model)
+    if checkpoints.resume_from is not None:
+        start_step = _restore(checkpoints.resume_from, model, optimizer, scheduler, scaler, total, spe, progress)
+    net = runtime.compile_model(ranks.wrap(model) if ranks.wrap else model)
+    directory = checkpoints.directory
     return _Setup(
         spec=spec, runtime=runtime, model=model, net=net, info=info, data=data, criterion=criterion,
         optimizer=optimizer, scheduler=scheduler, scaler=scaler,
         params=[p for p in model.parameters() if p.requires_grad], total=total, steps_per_epoch=spe,
-        start_step=start_step, world_size=world_size, is_main=is_main, reducer=reducer, hooks=hooks,
-        checkpoints=checkpoint_dir is not None,
-        checkpoint_dir=Path(checkpoint_dir) if checkpoint_dir is not None and is_main else None,
-        checkpoint_extra=dict(checkpoint_extra or {}))
+        start_step=start_step, world_size=ranks.world_size, is_main=ranks.is_main, reducer=ranks.reducer,
+        hooks=hooks, checkpoints=directory is not None,
+        checkpoint_dir=Path(directory) if directory is not None and ranks.is_main else None,
+        checkpoint_extra=dict(checkpoints.extra))
 
 
 def _restore(resume_from, model, optimizer, scheduler, scaler, total: int, spe: int, progress) -> int:
@@ -410,27 +396,25 @@ def _finish(setup: _Setup, tally: _Tally, stopped_by: str | None = None) -> Trai
     spec, world_size = setup.spec, setup.world_size
     steps_run = tally.step - setup.start_step
     warm = _warm_steps(steps_run)
-    measured = tally.step_ms[warm:]
+    measured = tuple(tally.step_ms[warm:])
     measured_s = sum(measured) / 1e3
-    stats = summarize(measured) if measured else None
-    figures = {  # this rank's
+    # this rank's: the statistics of its own steps (the step times themselves stay here: thousands of them)
+    local = Figures("train", {"step_ms": measured}).summarized().values
+    figures = Figures("train", {
+        **{k: v for k, v in local.items() if k != "step_ms"},
         "throughput_img_per_s": spec.batch_size * len(measured) / measured_s if measured_s > 0 else None,
-        "step_ms_p50": stats.median if stats else None, "step_ms_p90": stats.p90 if stats else None,
         "data_wait_frac": min(1.0, sum(tally.waits[warm:]) / measured_s) if measured_s > 0 else None,
         "first_step_s": tally.first_step_s, "measured_steps": len(measured),
-    }
+    })
     if setup.reducer is not None:
         figures = setup.reducer.figures(figures)  # sum of the ranks' rates, the slowest rank's times
-    elif figures["throughput_img_per_s"] is not None:
-        figures["throughput_img_per_s"] *= world_size  # no reducer: every rank assumed as fast as this one
+    elif figures["throughput_img_per_s"] is not None:  # no reducer: every rank assumed as fast as this one
+        figures = figures.with_values(throughput_img_per_s=figures["throughput_img_per_s"] * world_size)
+    figures = figures.with_values(final_loss=tally.final_loss, images=steps_run * spec.batch_size * world_size,
+                                  steps=tally.step, val_top1=tally.val_top1, val_loss=tally.val_loss)
+    work = Work(world_size, setup.runtime.compile != "off")  # MFU needs the GPU: the job completes it
     return TrainResult(
-        final_loss=tally.final_loss, step=tally.step, start_step=setup.start_step, steps_run=steps_run,
-        epoch=tally.step // setup.steps_per_epoch, total_steps=setup.total, steps_per_epoch=setup.steps_per_epoch,
-        batch_size=spec.batch_size, world_size=world_size, images=steps_run * spec.batch_size * world_size,
-        throughput_img_per_s=figures["throughput_img_per_s"],
-        step_ms_p50=figures["step_ms_p50"], step_ms_p90=figures["step_ms_p90"],
-        measured_steps=int(figures["measured_steps"]), data_wait_frac=figures["data_wait_frac"],
-        first_step_s=figures["first_step_s"],
-        compile_time_s=figures["first_step_s"] if setup.runtime.compile != "off" else None,
-        val_top1=tally.val_top1, val_loss=tally.val_loss, last_checkpoint=tally.last_checkpoint, stopped_by=stopped_by,
-    )
+        step=tally.step, start_step=setup.start_step, steps_run=steps_run, epoch=tally.step // setup.steps_per_epoch,
+        total_steps=setup.total, steps_per_epoch=setup.steps_per_epoch, batch_size=spec.batch_size,
+        world_size=world_size, figures=figures.completed(work), last_checkpoint=tally.last_checkpoint,
+        stopped_by=stopped_by)

@@ -1,15 +1,17 @@
-"""What a training run returns: :class:`TrainResult`, and the summary metrics it logs as."""
+"""What a training run returns: :class:`TrainResult`, its figures one :class:`~vitreg.measure.figures.Figures`
+record (named and logged by the metric table, as bench's are)."""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
+
+from vitreg.measure.figures import Figures
 
 
 @dataclass(frozen=True)
 class TrainResult:
-    """What a training run did and how fast. Throughput is global (all ranks), images per second."""
+    """What a training run did, and its figures (throughput global over the ranks, images per second)."""
 
-    final_loss: float  # mean train loss of the last logged interval
     step: int  # optimizer updates reached, counting those before a resume
     start_step: int  # 0, or the step the run resumed at
     steps_run: int  # updates made by this run
@@ -18,37 +20,19 @@ class TrainResult:
     steps_per_epoch: int
     batch_size: int  # per process
     world_size: int
-    images: int  # images trained on by this run, all ranks
-    throughput_img_per_s: float | None  # after the first step and the warm-up
-    step_ms_p50: float | None
-    step_ms_p90: float | None
-    measured_steps: int
-    data_wait_frac: float | None  # host time blocked on the loader / step time, same steps
-    first_step_s: float  # the first step alone: compilation (if any) + lazy init
-    compile_time_s: float | None  # first_step_s when compile is on
-    val_top1: float | None  # percent, last evaluation
-    val_loss: float | None
+    figures: Figures  # train_final_loss, train_throughput_img_per_s, train_step_ms_p50, val_top1, ...
     last_checkpoint: str | None
     stopped_by: str | None = None  # why the run ended before total_steps (Ctrl-C, SIGTERM, SIGHUP); None: it did not
 
+    def figure(self, name: str):
+        """The figure ``name`` (a metric table name, no task prefix); None where it was not measured."""
+        return self.figures.get(name)
+
     def metrics(self) -> dict[str, float]:
-        m = {
-            "train_final_loss": self.final_loss,
-            "train_throughput_img_per_s": self.throughput_img_per_s,
-            "train_step_ms_p50": self.step_ms_p50,
-            "train_step_ms_p90": self.step_ms_p90,
-            "train_data_wait_frac": self.data_wait_frac,
-            "train_first_step_s": self.first_step_s,
-            "compile_time_s": self.compile_time_s,
-            "val_top1": self.val_top1,
-            "val_loss": self.val_loss,
-            "train_images": float(self.images),
-            "train_steps": float(self.step),
-        }
-        if self.world_size > 1 and self.throughput_img_per_s is not None:
-            m["train_world_size"] = float(self.world_size)
-            m["train_throughput_img_per_s_per_gpu"] = self.throughput_img_per_s / self.world_size
-        return {k: v for k, v in m.items() if v is not None}
+        return self.figures.metrics()
 
     def to_dict(self) -> dict:
-        return {**asdict(self), "metrics": self.metrics()}
+        out = {k: getattr(self, k) for k in ("step", "start_step", "steps_run", "epoch", "total_steps",
+                                             "steps_per_epoch", "batch_size", "world_size", "last_checkpoint",
+                                             "stopped_by")}
+        return {**out, "figures": self.figures.to_dict(), "metrics": self.metrics()}

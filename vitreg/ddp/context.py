@@ -1,0 +1,51 @@
+"""One job context: what one process of a bench, infer or train job runs with, built once.
+
+:func:`job_context` joins the DDP world (a no-op outside torchrun), quiets every rank but 0, looks at
+the hardware, checks the GPU label and resolves the runtime (amp, compile) for this rank's device.
+The jobs then pass one :class:`JobContext` where they passed spec, hardware, runtime, world, run
+and progress one by one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Callable
+
+from vitreg.console import quiet
+from vitreg.ddp import world as distributed
+from vitreg.hardware.profiles import detect_hardware, resolve_hardware
+from vitreg.hardware.runtime import resolve_runtime
+
+
+@dataclass(frozen=True)
+class JobContext:
+    """Spec, hardware, runtime, world, run and progress of one process of a job."""
+
+    spec: object  # BenchSpec or TrainSpec
+    detected: object  # vitreg.hardware.profiles.DetectedHardware: what is there
+    hardware: object  # ResolvedHardware: the label the run is filed under, the profile for MFU
+    runtime: object  # vitreg.hardware.runtime.Runtime: device, amp, compile
+    world: distributed.World
+    run: object  # the tracker of this process (a HandoffTracker or NullTracker on a rank)
+    progress: Callable
+    wrap: Callable | None = None  # DDP with more than one rank: wraps a model in DistributedDataParallel
+    reducer: object = None  # DDP with more than one rank: the job's reducer (ResultReducer / TrainReducer)
+
+    def with_spec(self, spec) -> JobContext:
+        """This context with another spec (infer learns its model from the checkpoint it pulls)."""
+        return replace(self, spec=spec)
+
+
+def job_context(run, spec, progress, reducer_factory=None, cuda_graph: bool = False) -> JobContext:
+    """This process's context. ``reducer_factory(world)``: the DDP job's reducer (None: a job of one
+    process, such as infer, which joins no world). ``cuda_graph``: the job captures CUDA graphs."""
+    world, wrap, reducer = distributed.World(), None, None
+    if reducer_factory is not None:
+        world, wrap, reducer = distributed.join_job(spec, reducer_factory, cuda_graph=cuda_graph)
+    if not world.is_main:
+        progress = quiet  # rank 0 speaks for the job; errors still reach every rank's stderr
+    detected = detect_hardware(spec.device)
+    hardware = resolve_hardware(spec.gpu, detected, spec.allow_gpu_mismatch)
+    runtime = resolve_runtime(spec.amp, spec.compile, spec.compile_backend, detected,
+                              device_index=world.local_rank if detected.device == "cuda" else 0)
+    return JobContext(spec, detected, hardware, runtime, world, run, progress, wrap, reducer)

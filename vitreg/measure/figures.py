@@ -1,0 +1,134 @@
+"""One record of figures, keyed by metric name: what a task measured, from the timing to what is logged.
+
+A :class:`Figures` holds one task's values by their names in the metric table
+(:data:`vitreg.measure.metrics.METRICS`), checked there when it is made: a sample row (one value per
+window or per iteration), a figure a rank measured, or one computed from the others. The same
+record goes through every stage:
+
+1. the runner or the training loop records what this rank measured (samples and figures);
+2. under DDP the reducer combines the ranks' records name by name, by each row's rank rule
+   (:func:`vitreg.ddp.world.reduce_figures`);
+3. :meth:`Figures.summarized` takes each statistic row of its sample (median, p90, cv, ...);
+4. :meth:`Figures.completed` computes the job-level rows (``world``, ``per_gpu``, ``job``: world
+   size, per-GPU throughput, achieved TFLOP/s, MFU, compile time) for bench and train alike;
+5. :meth:`Figures.metrics` names them for MLflow (``<task>_<name>``; job-level rows as they are).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vitreg.measure import metrics as table
+from vitreg.measure.timing import summarize
+
+
+@dataclass(frozen=True)
+class Work:
+    """What the job-level rows are computed from besides the figures: the job's size, whether it
+    compiled, and the precision and GPU profile whose dense peak MFU is taken against."""
+
+    world_size: int = 1
+    compiled: bool = False
+    precision: object = None  # vitreg.hardware.precision.Precision (None: no MFU)
+    profile: object = None  # vitreg.hardware.profiles.GpuProfile
+
+    @classmethod
+    def of(cls, runtime, hardware, world_size: int = 1) -> Work:
+        """The work of a job that ran under ``runtime`` (a Runtime) on ``hardware`` (a ResolvedHardware)."""
+        return cls(world_size, runtime.compile != "off", runtime.precision, hardware.profile)
+
+
+@dataclass(frozen=True)
+class Figures:
+    """One task's figures by metric name (without the task prefix). A value is a float, a tuple (a
+    sample: one value per window or per iteration) or None (not measured)."""
+
+    task: str
+    values: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        for name in self.values:
+            declared = table.metric(name).tasks  # KeyError for a name the table does not declare
+            if declared and self.task not in declared:
+                raise KeyError(f"metric {name!r} is not declared for task {self.task!r}")
+        object.__setattr__(self, "values", dict(self.values))  # a copy: the caller's dict stays theirs
+
+    def __getitem__(self, name: str):
+        return self.values[name]
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.values
+
+    def get(self, name: str, default=None):
+        return self.values.get(name, default)
+
+    def with_values(self, **values) -> Figures:
+        """This record with ``values`` added or replaced (checked against the table like the rest)."""
+        return Figures(self.task, {**self.values, **values})
+
+    def summarized(self) -> Figures:
+        """Each statistic row whose sample this record holds, taken of that sample (an empty sample: None)."""
+        out = dict(self.values)
+        for m in table.METRICS:
+            if m.of and m.of[0] in self.values and (not m.tasks or self.task in m.tasks):
+                sample = self.values[m.of[0]]
+                out[m.name] = getattr(summarize(sample), m.of[1]) if sample else None
+        return Figures(self.task, out)
+
+    def completed(self, work: Work) -> Figures:
+        """The job-level rows this task has a rule for (:data:`DERIVED`), from the (reduced) figures."""
+        out = dict(self.values)
+        for name, rule in DERIVED.items():
+            if self.task in table.metric(name).tasks:
+                out[name] = rule(out, work)
+        return Figures(self.task, out)
+
+    def metrics(self) -> dict[str, float]:
+        """What MLflow logs, in table order: ``<task>_<name>`` (job-level rows as they are), samples and
+        unmeasured figures left out."""
+        out = {}
+        for m in table.METRICS:
+            value = self.values.get(m.name)
+            if m.logged and value is not None and not isinstance(value, tuple):
+                out[f"{self.task}_{m.name}" if m.tasks else m.name] = float(value)
+        return out
+
+    def to_dict(self) -> dict:
+        """Every value by name (samples as lists), for results.json."""
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in self.values.items()}
+
+
+def _world_size(values: dict, work: Work):
+    return work.world_size if work.world_size > 1 else None
+
+
+def _per_gpu(values: dict, work: Work):
+    rate = values.get("throughput_img_per_s")
+    return rate / work.world_size if work.world_size > 1 and rate is not None else None
+
+
+def _achieved_tflops(values: dict, work: Work):
+    gflops, rate = values.get("gflops_per_img"), values.get("throughput_img_per_s")
+    return gflops * rate / 1e3 if gflops is not None and rate is not None else None  # the whole job's
+
+
+def _mfu(values: dict, work: Work):
+    achieved = values.get("achieved_tflops")
+    if achieved is None or work.precision is None:
+        return None
+    return work.precision.mfu(achieved / work.world_size, work.profile)  # per GPU, against one GPU's peak
+
+
+def _compile_time_s(values: dict, work: Work):
+    first = values.get("first_call_s", values.get("first_step_s"))  # bench's first call, train's first step
+    return first if work.compiled else None
+
+
+#: How each row computed after the reduction is computed, in order (MFU needs the achieved TFLOP/s).
+DERIVED = {
+    "world_size": _world_size,
+    "throughput_img_per_s_per_gpu": _per_gpu,
+    "achieved_tflops": _achieved_tflops,
+    "mfu": _mfu,
+    "compile_time_s": _compile_time_s,
+}
