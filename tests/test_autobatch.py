@@ -118,6 +118,7 @@ KEY = CacheKey(machine="cpu:test", model="test_vit", img_size=32, precision="off
 @pytest.fixture
 def user_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.delenv("VITREG_BATCH_CACHE")  # conftest's per-test file: here the user's own place is tested
     # a short search (each probe empties the allocator and collects garbage: ~1 s on a busy CPU)
     monkeypatch.setitem(SEARCH_LIMITS, "cpu", SearchLimits(start=8, limit=16, max_probes=3, max_seconds=60.0,
                                                            probe_steps=1, probe_warmup=1))
