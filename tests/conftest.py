@@ -32,6 +32,13 @@ if "VITREG_SPOOL_DIR" not in os.environ:
 VENV_BIN = Path(sys.executable).parent
 
 
+@pytest.fixture(autouse=True)
+def _own_batch_cache(tmp_path, monkeypatch):
+    """batch_size=auto keeps its choices (vitreg.measure.batch_cache): each test, and the processes it starts,
+    gets a file of its own, so no test reuses another's choice or the user's."""
+    monkeypatch.setenv("VITREG_BATCH_CACHE", str(tmp_path / "autobatch.json"))
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that nothing listens on right now (for a server a test starts)."""
     with socket.socket() as sock:

@@ -1,11 +1,16 @@
 """batch_size=auto: the search against fake probes with known answers, and against a real tiny model on CPU."""
 
+import dataclasses
+import json
+
 import pytest
 import torch
 
 from vitreg.errors import VitregError
+from vitreg.measure import batch_cache
 from vitreg.measure.autobatch import (SEARCH_LIMITS, SearchLimits, decay_step, find_batch, is_out_of_memory,
-                                      timed_probe)
+                                      search_batch, timed_probe)
+from vitreg.measure.batch_cache import CacheKey
 
 GPU = SearchLimits(start=64, limit=4096, max_probes=10, max_seconds=1e9)
 
@@ -102,3 +107,99 @@ def test_a_real_search_on_cpu_is_small_and_picks_the_smallest_batch_near_the_fas
     assert all(p.batch <= limits.limit for p in choice.probes) and choice.probes[0].batch == limits.start
     fastest = max(p.img_per_s for p in choice.probes)
     assert choice.batch == min(p.batch for p in choice.probes if p.img_per_s * (1 + limits.min_gain) >= fastest)
+
+
+# --- the probe cache (vitreg.measure.batch_cache): a later run of the same work reuses the kept batch ---
+
+KEY = CacheKey(machine="cpu:test", model="test_vit", img_size=32, precision="off", compile="off", sdpa="auto",
+               torch=torch.__version__, task="infer")
+
+
+@pytest.fixture
+def user_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.delenv("VITREG_BATCH_CACHE")  # conftest's per-test file: here the user's own place is tested
+    # a short search (each probe empties the allocator and collects garbage: ~1 s on a busy CPU)
+    monkeypatch.setitem(SEARCH_LIMITS, "cpu", SearchLimits(start=8, limit=16, max_probes=3, max_seconds=60.0,
+                                                           probe_steps=1, probe_warmup=1))
+    return tmp_path / "vitreg" / "autobatch.json"
+
+
+class Steps:
+    """A real CPU step (a matmul) per batch; batches above ``fits_up_to`` run out of memory. Counts the batches
+    asked for, so a test sees which probes ran."""
+
+    def __init__(self, fits_up_to=10**6):
+        self.fits_up_to, self.asked = fits_up_to, []
+        self.weight = torch.randn(64, 64)
+
+    def __call__(self, batch):
+        self.asked.append(batch)
+        if batch > self.fits_up_to:
+            raise torch.OutOfMemoryError("CUDA out of memory (test)")
+        x = torch.randn(batch, 64)
+        return lambda: x @ self.weight
+
+
+def search(steps, key=KEY, distributed=False):
+    said = []
+    choice = search_batch(steps, "infer", "cpu", torch.device("cpu"), distributed, said.append, key=key)
+    return choice, said
+
+
+def test_a_second_run_reuses_the_kept_batch_with_one_probe_and_says_so(user_cache):
+    first, _ = search(Steps())
+    assert first.source == "probe" and len(first.probes) > 1 and user_cache.exists()
+    steps = Steps()
+    second, said = search(steps)
+    assert (second.batch, second.source, second.stopped) == (first.batch, "cache", "cache")
+    assert steps.asked == [first.batch] and len(second.probes) == 1 and second.probes[0].fits  # one probe only
+    assert any("reusing batch" in line and str(user_cache) in line for line in said)
+    other, _ = search(Steps(), key=dataclasses.replace(KEY, precision="bf16"))  # other work: searched anew
+    assert other.source == "probe"
+
+
+def test_a_kept_batch_that_no_longer_fits_is_dropped_and_searched_again_in_one_line(user_cache):
+    batch_cache.keep(KEY, 16, "16:100")
+    steps = Steps(fits_up_to=8)  # another process holds memory now
+    choice, said = search(steps)
+    assert steps.asked[0] == 16 and choice.source == "probe" and choice.batch == 8
+    assert [line for line in said if "no longer fits" in line] == [
+        "infer: batch_size=auto: the cached batch 16 no longer fits (out of memory: another process may hold "
+        "memory): probing again"]
+    assert batch_cache.lookup(KEY) == (choice.batch, None)  # the new choice replaced it
+
+
+@pytest.mark.parametrize("text", ["{not json", "[1, 2]", "\x00\xff"])
+def test_a_corrupt_cache_file_is_one_line_then_a_search_and_a_good_file(user_cache, text):
+    user_cache.parent.mkdir(parents=True)
+    user_cache.write_text(text, encoding="latin-1")
+    choice, said = search(Steps())
+    notes = [line for line in said if "batch cache" in line]
+    assert len(notes) == 1 and "\n" not in notes[0] and "probing, then rewriting it" in notes[0]
+    assert choice.source == "probe" and json.loads(user_cache.read_text())  # rewritten, readable
+    assert batch_cache.lookup(KEY) == (choice.batch, None)
+
+
+@pytest.mark.parametrize("entry", [{"batch": "64"}, {"batch": -1}, {"batch": True}, [64], None])
+def test_an_entry_of_the_wrong_shape_counts_as_missing(user_cache, entry):
+    user_cache.parent.mkdir(parents=True)
+    user_cache.write_text(json.dumps({KEY.text(): entry}))
+    choice, said = search(Steps())
+    assert choice.source == "probe" and not any("batch cache" in line for line in said)
+
+
+def test_ddp_never_reads_or_writes_the_cache(user_cache):
+    batch_cache.keep(KEY, 8, "8:1")
+    choice, _ = search(Steps(), distributed=True)  # ranks must agree: each searches, the smallest wins
+    assert choice.source == "probe" and batch_cache.lookup(KEY) == (8, None)
+
+
+def test_the_key_names_the_machine_the_work_and_torch():
+    from vitreg.config.spec import BenchSpec
+    from vitreg.hardware.runtime import Runtime
+
+    key = batch_cache.key_for(BenchSpec(model="test_vit", img_size=32), Runtime("cpu", "off", "default"), "train")
+    assert key.machine.startswith("cpu:") and (key.model, key.img_size, key.compile, key.task) == (
+        "test_vit", 32, "default", "train")
+    assert key.torch == torch.__version__ and key.text() != dataclasses.replace(key, sdpa="flash").text()

@@ -16,6 +16,7 @@ from vitreg.bench import report
 from vitreg.bench.results import BenchResult, TaskResult
 from vitreg.config.spec import BenchSpec
 from vitreg.ddp import world
+from vitreg.hardware.precision import Fp8Agreement
 from vitreg.measure import metrics
 from vitreg.measure.autobatch import BatchChoice, Probe
 from vitreg.measure.figures import Figures, Work
@@ -77,7 +78,8 @@ def test_logged_names_are_the_ones_mlflow_always_had():
 
 
 def test_the_runner_logs_every_declared_metric_and_only_those():
-    bench = _bench(_task("infer"), _task("train"))
+    # an amp=fp8 run also logs its agreement with bf16 (job-level)
+    bench = dataclasses.replace(_bench(_task("infer"), _task("train")), fp8_agreement=Fp8Agreement(0.75, 0.25))
     logged = set(bench.metrics()) | {k for _, values in bench.series() for k in values}  # series: with a step
     declared = {f"{t}_{m.name}" for m in metrics.METRICS for t in m.tasks
                 if m.name not in NOT_FROM_THE_RUNNER and m.logged}
@@ -90,6 +92,7 @@ def test_the_runner_logs_every_declared_metric_and_only_those():
     assert metrics.task_metrics("infer", {"allreduce_ms_per_step": None}) == {}  # unmeasured: nothing logged
     with pytest.raises(KeyError, match="per task"):
         metrics.job_metrics({"mfu": 0.5})
+    assert bench.metrics()["fp8_top1_agreement"] == 0.75 and "fp8_top1_agreement" not in _bench().metrics()
 
 
 def test_the_bench_report_shows_declared_metrics_formatted_by_the_table():

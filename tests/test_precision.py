@@ -33,7 +33,12 @@ def test_tf32_and_fp8_labels_on_a_gpu_that_has_them(monkeypatch):
     monkeypatch.setitem(sys.modules, "torchao", type(sys)("torchao"))
     monkeypatch.setitem(sys.modules, "torchao.quantization", type(sys)("torchao.quantization"))
     fp8 = resolve_precision("fp8", "cuda", capability=(9, 0))
-    assert fp8.label == "fp8-torchao-rowwise" and fp8.weights_dtype == "bf16" and fp8.inference_only
+    # amp=fp8 runs the recipe measured fastest (tensor-wise scales); each recipe is also asked for by name
+    assert fp8.label == "fp8-torchao-tensorwise" and fp8.weights_dtype == "bf16" and fp8.inference_only
+    assert resolve_precision("fp8-rowwise", "cuda", capability=(9, 0)).label == "fp8-torchao-rowwise"
+    assert resolve_precision("fp8-tensorwise", "cuda", capability=(9, 0)).label == "fp8-torchao-tensorwise"
+    with pytest.raises(VitregError, match=r"^amp=fp8-columnwise is not a precision mode: use one of .*fp8-rowwise"):
+        resolve_precision("fp8-columnwise", "cuda", capability=(9, 0))
 
 
 @pytest.mark.parametrize("amp, device, capability, tasks, needle", [
@@ -66,7 +71,9 @@ def test_mfu_is_measured_against_the_units_that_ran(monkeypatch):
     assert resolve_precision("bf16", "cpu").mfu(1.0, PROFILES["cpu"]) is None
     monkeypatch.setitem(sys.modules, "torchao", type(sys)("torchao"))
     monkeypatch.setitem(sys.modules, "torchao.quantization", type(sys)("torchao.quantization"))
-    assert resolve_precision("fp8", "cuda", capability=(9, 0)).mfu(500.0, h200) is None  # no FP8 peak yet
+    # FP8 against the FP8 dense peak (1,978.9 TFLOP/s on an H200); a GPU profile without one gives none
+    assert resolve_precision("fp8", "cuda", capability=(9, 0)).mfu(1978.9 / 4, h200) == pytest.approx(0.25)
+    assert resolve_precision("fp8", "cuda", capability=(9, 0)).mfu(500.0, PROFILES["a100"]) is None
 
 
 def _tf32_state():
@@ -127,7 +134,7 @@ def test_every_choice_resolves_or_refuses_cleanly_on_cpu():
         try:
             resolve_precision(amp, "cpu")
         except VitregError as err:
-            assert amp in ("tf32", "fp8") and "\n" not in str(err)
+            assert (amp == "tf32" or amp.startswith("fp8")) and "\n" not in str(err)
 
 
 # The independent loop's runs, all in one Python process: each run is the real script run as
@@ -190,3 +197,22 @@ def test_independent_loop_refuses_what_it_cannot_run(independent_runs):
     if importlib.util.find_spec("torchao") is None:  # float8 training is torchao's (an optional extra)
         done = independent_runs[tuple(REFUSED[2])]
         assert done.returncode == 1 and "--amp fp8 needs torchao: pip install torchao" in done.stderr
+
+
+def test_fp8_agreement_compares_top1_and_the_largest_logit_difference_on_a_fixed_batch():
+    import copy
+
+    import timm
+
+    from vitreg.hardware.precision import fp8_agreement
+
+    torch.manual_seed(0)
+    model = timm.create_model("test_vit", pretrained=False, img_size=32).to(torch.bfloat16)
+    same = fp8_agreement(model, copy.deepcopy(model), 32, torch.device("cpu"), batch=16)
+    assert (same.top1_agreement, same.max_abs_logit_diff) == (1.0, 0.0)
+    moved = copy.deepcopy(model)
+    with torch.no_grad():
+        moved.head.bias.add_(torch.linspace(0, 5, moved.head.bias.numel(), dtype=torch.bfloat16))
+    apart = fp8_agreement(model, moved, 32, torch.device("cpu"), batch=16)
+    assert apart.max_abs_logit_diff == pytest.approx(5.0, rel=0.05) and apart.top1_agreement < 1.0
+    assert fp8_agreement(model, moved, 32, torch.device("cpu"), batch=16) == apart  # the same fixed batch

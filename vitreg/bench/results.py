@@ -37,7 +37,8 @@ class TaskResult:
         """What this task ran, as run tags prefixed by the task (the chosen batch, the SDPA backend, ...)."""
         tags = {"sdpa_backend": self.sdpa_backend, "compile_cache": self.compile_cache}
         if self.batch_choice is not None:
-            tags.update(batch_size_chosen=self.batch_size, batch_probes=self.batch_choice.summary())
+            tags.update(batch_size_chosen=self.batch_size, batch_probes=self.batch_choice.summary(),
+                        batch_size_source=self.batch_choice.source)  # "cache": kept by an earlier run
         return {f"{self.task}_{k}": str(v) for k, v in tags.items() if v is not None}
 
     def series(self) -> list[tuple[int, dict[str, float]]]:
@@ -71,9 +72,13 @@ class BenchResult:
     sdpa: str = "auto"  # the SDPA backend asked for; each task says which ran
     compile_cache_dir: str | None = None  # when compiling: inductor's cache folder
     profile_dir: str | None = None  # profile=true: <task>/trace.json.gz and <task>/top_ops.txt under it
+    fp8_agreement: object | None = None  # amp=fp8*: vitreg.hardware.precision.Fp8Agreement against bf16
 
     def metrics(self) -> dict[str, float]:
         out = job_metrics({"fwd_gflops_per_img": self.fwd_gflops_per_img, "params_m": self.model.params_m})
+        if self.fp8_agreement is not None:
+            out.update(job_metrics({"fp8_top1_agreement": self.fp8_agreement.top1_agreement,
+                                    "fp8_max_abs_logit_diff": self.fp8_agreement.max_abs_logit_diff}))
         for task in self.tasks:
             out.update(task.metrics())
         return out

@@ -14,6 +14,7 @@ ran (:meth:`BenchResult.tags`); :mod:`vitreg.tracking.runs` logs them.
 from __future__ import annotations
 
 import contextlib
+import copy
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,8 +24,9 @@ from vitreg.bench.results import BenchResult, TaskResult
 from vitreg.console import progress
 from vitreg.errors import out_of_memory_as_error
 from vitreg.hardware.compile_cache import CacheProbe
-from vitreg.hardware.precision import input_dtype, prepare_model
+from vitreg.hardware.precision import fp8_agreement, input_dtype, prepare_model
 from vitreg.hardware.sdpa import detect_backend
+from vitreg.measure import batch_cache
 from vitreg.measure.autobatch import search_batch
 from vitreg.measure.figures import Figures, Work
 from vitreg.measure.metrics import ITERATION_TIME
@@ -138,12 +140,13 @@ def _oom_guard(fn, batch_size: int, task: str):
 
 def _choose_batch(make_step, task: str, bench: _Bench):
     """``(batch, BatchChoice or None)``: the spec's batch, or under ``batch_size=auto`` the searched one
-    (:func:`vitreg.measure.autobatch.search_batch`: eager probes; under DDP the ranks' smallest)."""
+    (:func:`vitreg.measure.autobatch.search_batch`: eager probes; under DDP the ranks' smallest), or
+    one an earlier run of the same work kept in the user's cache (:mod:`vitreg.measure.batch_cache`)."""
     spec, runtime = bench.spec, bench.runtime
     if not spec.auto_batch:
         return spec.batch_size, None
     choice = search_batch(make_step, task, runtime.device, runtime.torch_device, bench.reducer is not None,
-                          bench.progress)
+                          bench.progress, key=batch_cache.key_for(spec, runtime, task))
     _reset_memory(runtime.device)  # the peak memory figures are the timed batch's, not a probe's
     return choice.batch, choice
 
@@ -318,7 +321,14 @@ def run_benchmark(spec: BenchSpec, hardware: ResolvedHardware, runtime: Runtime,
     # count inside it failed with "No available kernel" (the count is the same whichever backend runs).
     fwd_flops = forward_flops_per_image(model, info.img_size, runtime.torch_device)
     train_flops = _train_flops(model, info, runtime) if "train" in spec.tasks else 0
+    # amp=fp8*: a bf16 copy first, to say how far the quantized model's logits land from it
+    reference = copy.deepcopy(model).to(torch.bfloat16) if precision.fp8 else None
     model = prepare_model(model, precision)
+    agreement = fp8_agreement(reference, model, info.img_size, runtime.torch_device) if precision.fp8 else None
+    if agreement is not None:
+        del reference
+        progress(f"fp8 against bf16 weights on a fixed batch: top-1 agreement {agreement.top1_agreement:.1%}, "
+                 f"max |logit difference| {agreement.max_abs_logit_diff:.3g}")
     profile_dir = tempfile.mkdtemp(prefix="vitreg-profile-") if spec.profile else None
     bench = _Bench(spec, runtime, hardware, info, progress, wrap, reducer, profile_dir)
     tasks = []
@@ -332,4 +342,4 @@ def run_benchmark(spec: BenchSpec, hardware: ResolvedHardware, runtime: Runtime,
     return BenchResult(spec=spec, gpu=hardware.label, amp=runtime.amp, device=runtime.device, model=info,
                        fwd_gflops_per_img=fwd_flops / 1e9, tasks=tuple(tasks), precision=precision.label,
                        sdpa=spec.sdpa, compile_cache_dir=str(cache_dir) if cache_dir else None,
-                       profile_dir=profile_dir)
+                       profile_dir=profile_dir, fp8_agreement=agreement)

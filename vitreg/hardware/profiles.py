@@ -6,7 +6,8 @@ an explicit label that does not match (unless the user says ``allow_gpu_mismatch
 GPU work starts.
 
 Peaks are the vendors' *dense* tensor-core figures (no 2:4 sparsity), in TFLOP/s, per dtype of
-the matrix units that AMP uses: ``bf16``, ``fp16``, ``tf32`` and plain ``fp32``. MFU is achieved
+the matrix units that AMP uses: ``bf16``, ``fp16``, ``tf32`` and plain ``fp32``, and ``fp8`` (e4m3, fp32
+accumulate) where the chip has FP8 tensor cores. MFU is achieved
 FLOP/s over that peak; a profile without a peak for the active dtype (CPU, unknown GPU) reports
 no MFU rather than a made-up one.
 """
@@ -54,20 +55,23 @@ PROFILES: dict[str, GpuProfile] = {
                    "8.0", (r"a100(?!.*80)",)),
         GpuProfile("a100-80gb", "NVIDIA A100 80GB", {"bf16": 312.0, "fp16": 312.0, "tf32": 156.0, "fp32": 19.5},
                    "8.0", (r"a100.*80",)),
-        GpuProfile("l4", "NVIDIA L4", {"bf16": 121.0, "fp16": 121.0, "tf32": 60.0, "fp32": 30.3}, "8.9",
-                   (r"\bl4\b",)),
-        GpuProfile("rtx4090", "NVIDIA GeForce RTX 4090", {"bf16": 165.2, "fp16": 165.2, "tf32": 82.6, "fp32": 82.6},
+        GpuProfile("l4", "NVIDIA L4", {"fp8": 242.8, "bf16": 121.0, "fp16": 121.0, "tf32": 60.0, "fp32": 30.3},
+                   "8.9", (r"\bl4\b",)),
+        GpuProfile("rtx4090", "NVIDIA GeForce RTX 4090", {
+                       "fp8": 330.3, "bf16": 165.2, "fp16": 165.2, "tf32": 82.6, "fp32": 82.6},
                    "8.9", (r"rtx\s*4090",)),
-        GpuProfile("h100-pcie", "NVIDIA H100 PCIe", {"bf16": 756.0, "fp16": 756.0, "tf32": 378.0, "fp32": 51.0},
+        GpuProfile("h100-pcie", "NVIDIA H100 PCIe", {
+                       "fp8": 1513.0, "bf16": 756.0, "fp16": 756.0, "tf32": 378.0, "fp32": 51.0},
                    "9.0", (r"h100.*pcie",)),
-        GpuProfile("h100", "NVIDIA H100 SXM", {"bf16": 989.4, "fp16": 989.4, "tf32": 494.7, "fp32": 66.9},
+        GpuProfile("h100", "NVIDIA H100 SXM", {
+                       "fp8": 1978.9, "bf16": 989.4, "fp16": 989.4, "tf32": 494.7, "fp32": 66.9},
                    "9.0", (r"h100",)),
-        GpuProfile("h200", "NVIDIA H200 SXM", {"bf16": 989.4, "fp16": 989.4, "tf32": 494.7, "fp32": 66.9},
+        GpuProfile("h200", "NVIDIA H200 SXM", {
+                       "fp8": 1978.9, "bf16": 989.4, "fp16": 989.4, "tf32": 494.7, "fp32": 66.9},
                    "9.0", (r"h200",)),
         GpuProfile("cpu", "CPU", {}, None, ()),
     ]
 }
-
 
 
 def label_list(code: bool = False) -> str:

@@ -119,7 +119,7 @@ def run_context(runtime: Runtime, model, sdpa: str = "auto", compile_cache: str 
     In order: the SDPA backend is checked by one real call of the model's attention shape (a
     one-line refusal before any long work), the compile cache folder is set (before the first
     compile: inductor reads it when it compiles) when compiling, then the precision's math mode
-    (TF32 switches) and the SDPA backend restriction. Everything is restored on exit. Yields the
+    (TF32 switches), the SDPA backend restriction and cuDNN's autotuner. Everything is restored on exit. Yields the
     compile cache folder (None when not compiling).
     """
     if sdpa != "auto":
@@ -128,4 +128,25 @@ def run_context(runtime: Runtime, model, sdpa: str = "auto", compile_cache: str 
         cache_dir = stack.enter_context(compile_cache_folder(compile_cache)) if runtime.compile != "off" else None
         stack.enter_context(precisions.math_mode(runtime.precision))
         stack.enter_context(sdpa_context(sdpa))
+        stack.enter_context(cudnn_autotuner())
         yield cache_dir
+
+
+@contextlib.contextmanager
+def cudnn_autotuner():
+    """cuDNN's autotuner on for the run (timm's benchmark.py and train.py set it too); restored on exit.
+
+    A benchmark or training run feeds one input shape, so cuDNN times its algorithms once, in the first
+    call (timed apart), and keeps the fastest. Without it, cuDNN's heuristic picks a slow kernel for the
+    ViT patch embedding (a 16x16 convolution of stride 16): on an H200, DeiT-S at batch 1024, bf16,
+    compiled, that convolution took 7.0 ms of a 37.8 ms step, 4.0 ms with the autotuner, and the step
+    went from 27,123 to 29,248 img/s (benchmarks/process_state.py, docs/benchmarks.md, 2026-12-02).
+    """
+    import torch
+
+    saved = torch.backends.cudnn.benchmark
+    torch.backends.cudnn.benchmark = True
+    try:
+        yield
+    finally:
+        torch.backends.cudnn.benchmark = saved

@@ -23,6 +23,7 @@ import time
 from dataclasses import dataclass, replace
 
 from vitreg.errors import VitregError
+from vitreg.measure import batch_cache
 
 
 @dataclass(frozen=True)
@@ -60,7 +61,8 @@ class Probe:
 class BatchChoice:
     batch: int
     probes: tuple[Probe, ...]  # in the order they ran
-    stopped: str  # why the search ended: "plateau", "oom", "limit" or "budget"
+    stopped: str  # why the search ended: "plateau", "oom", "limit", "budget", or "cache" (no search)
+    source: str = "probe"  # "probe": searched now; "cache": a batch kept by an earlier run, checked by one probe
 
     def series(self) -> list[tuple[int, float]]:
         """``(batch, img/s)`` of the probes that fit, for a metric logged with step=batch."""
@@ -176,23 +178,56 @@ def timed_probe(make_step, device: str, steps: int = 3, warmup: int = 2):
     return probe
 
 
-def search_batch(make_step, task: str, device: str, torch_device, distributed: bool, progress) -> BatchChoice:
+def search_batch(make_step, task: str, device: str, torch_device, distributed: bool, progress,
+                 key=None) -> BatchChoice:
     """The runner's search: :func:`find_batch` over :func:`timed_probe` of ``make_step`` within this
     device's :data:`SEARCH_LIMITS`, saying what it does; under DDP (``distributed``) the ranks'
     smallest choice (:func:`smallest_over_ranks`), so every rank times the same batch.
+
+    ``key`` (a :class:`vitreg.measure.batch_cache.CacheKey`; not under DDP, where the ranks must agree):
+    a batch an earlier run kept for it is checked by one probe and reused (``source="cache"``); what a
+    search finds is kept for the next run.
 
     ``make_step`` should run the eager model: a compiled probe would compile once per batch
     (minutes under max-autotune), and torch.compile turns to dynamic shapes after the second batch,
     which would then be the graph the timed windows run.
     """
     limits = SEARCH_LIMITS[device]
+    probe = timed_probe(make_step, device, limits.probe_steps, limits.probe_warmup)
+    key = None if distributed else key
+    reused = _reuse(probe, key, task, progress) if key is not None else None
+    if reused is not None:
+        return reused
     progress(f"{task}: batch_size=auto: probing batches {limits.start} to {limits.limit} on {device}")
-    choice = find_batch(timed_probe(make_step, device, limits.probe_steps, limits.probe_warmup), limits)
+    choice = find_batch(probe, limits)
+    if key is not None:
+        batch_cache.keep(key, choice.batch, choice.summary())
     if distributed:
         choice = replace(choice, batch=smallest_over_ranks(choice.batch, torch_device))
     progress(f"{task}: batch_size=auto chose {choice.batch} (img/s per probe {choice.summary()}; "
              f"stopped: {choice.stopped})")
     return choice
+
+
+def _reuse(probe, key, task: str, progress) -> BatchChoice | None:
+    """The kept batch for ``key``, timed by one probe; None (after one line saying why) to search instead."""
+    batch, note = batch_cache.lookup(key)
+    if note:
+        progress(f"{task}: batch_size=auto: {note}")
+    if batch is None:
+        return None
+    try:
+        rate = float(probe(batch))
+    except Exception as exc:
+        if not is_out_of_memory(exc):
+            raise
+        batch_cache.forget(key)
+        progress(f"{task}: batch_size=auto: the cached batch {batch} no longer fits (out of memory: another "
+                 f"process may hold memory): probing again")
+        return None
+    progress(f"{task}: batch_size=auto: reusing batch {batch} from the cache ({rate:,.0f} img/s in one probe; "
+             f"delete {batch_cache.cache_file()} to search again)")
+    return BatchChoice(batch, (Probe(batch, rate),), "cache", source="cache")
 
 
 def smallest_over_ranks(batch: int, torch_device) -> int:

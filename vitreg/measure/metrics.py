@@ -120,6 +120,10 @@ METRICS: tuple[Metric, ...] = (
     # job-level: logged without a task prefix
     Metric("fwd_gflops_per_img", "GFLOP", NEITHER, "same", ".2f", (), TASKS, doc="one forward pass of one image"),
     Metric("params_m", "M", NEITHER, "same", ".1f", (), doc="model parameters, millions"),
+    Metric("fp8_top1_agreement", "", HIGHER, "same", ".1%", (),
+           doc="amp=fp8*: share of a fixed seeded batch of 64 whose top-1 class matches the bf16 weights' model"),
+    Metric("fp8_max_abs_logit_diff", "", LOWER, "same", ".3g", (),
+           doc="amp=fp8*: largest |logit(fp8) - logit(bf16 weights)| over that batch"),
 )
 
 BY_NAME: dict[str, Metric] = {m.name: m for m in METRICS}
