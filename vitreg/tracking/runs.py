@@ -383,9 +383,9 @@ def finish_child_run(run_id: str, returncode: int, stderr: str, stopped: bool = 
     return reason
 
 
-def schedule_child_run(run_id: str) -> None:
-    """Mark a child run SCHEDULED: created, waiting for a place to run (a queued Ray task)."""
-    mlflow.MlflowClient().update_run(run_id, status="SCHEDULED")
+def set_child_status(run_id: str, status: str) -> None:
+    """A child run's status before its process ends it: SCHEDULED (a queued Ray task), RUNNING (it started)."""
+    mlflow.MlflowClient().update_run(run_id, status=status)
 
 
 def remote_child_env(run_id: str, experiment_id: str) -> dict:

@@ -1,0 +1,147 @@
+"""The Ray side of ``engine=ray``: the task that runs one child on its node, the actor through which tasks
+say they started, and :class:`Follower`, the parent's loop that submits the tasks and follows them."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import ray
+
+from vitreg.fleet.board import Clock
+from vitreg.fleet.local import die_with_parent, relay, stop
+from vitreg.tracking import runs as tracking
+
+STOP_GRACE_S = 30.0
+
+
+@ray.remote(num_cpus=0)
+class Tally:
+    """Which children have started (a task says so before it starts its process): queued vs running."""
+
+    def __init__(self):
+        self.started: dict[int, str] = {}
+
+    def start(self, index: int, node_id: str) -> None:
+        self.started[index] = node_id
+
+    def read(self) -> dict[int, str]:
+        return dict(self.started)
+
+
+@ray.remote(max_retries=0)
+def run_child(index: int, argv: list[str], env: dict, tally) -> tuple[int, str, str]:
+    """On the node Ray chose: ``python argv...`` with the child's run in ``env``; (exit status, stderr tail,
+    node id). Cancelled (SIGINT/SIGTERM to the sweep): the child gets SIGTERM and ends its run KILLED."""
+    node_id = ray.get_runtime_context().get_node_id()
+    ray.get(tally.start.remote(index, node_id))
+    proc = subprocess.Popen([sys.executable, *argv], env={**os.environ, **env}, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True, preexec_fn=die_with_parent)
+    try:
+        returncode, tail = relay(proc, lambda line: None)
+    except KeyboardInterrupt:  # ray.cancel: stop the child the way the parent was stopped
+        stop(proc)
+        raise
+    return returncode, tail, node_id
+
+
+class Follower:
+    """Submits a sweep's tasks (at most ``max_parallel`` in flight) and ends each child run with its outcome."""
+
+    def __init__(self, engine, ctx, combos: list):
+        self.engine, self.ctx = engine, ctx
+        self.queue = list(enumerate(combos, 1))
+        self.pending: dict = {}  # ObjectRef -> (index, combo, child_id, gpu key, clock)
+        self.tally = Tally.remote()
+        self.started: set[int] = set()
+        self.reasons: dict[int, str] = {}  # index -> why the parent cancelled it (its GPU type is gone)
+
+    def run(self) -> None:
+        for _, combo in self.queue:
+            self.ctx.board.queued(_key(combo))
+        try:
+            while self.queue or self.pending:
+                self._submit()
+                ready, _ = ray.wait(list(self.pending), num_returns=1, timeout=1.0)
+                for ref in ready:
+                    self._settle(ref, self.pending.pop(ref))
+                self._note_started()
+                self._cancel_unplaceable()
+        except KeyboardInterrupt:
+            self._cancel_all()
+            raise
+
+    def _submit(self) -> None:
+        from vitreg.bench.sweep import _child_command
+
+        while self.queue and len(self.pending) < self.engine.max_parallel:
+            index, combo = self.queue.pop(0)
+            child_id = self.ctx.child_run(combo, index, 0, {"sweep_engine": "ray"})
+            tracking.set_child_status(child_id, "SCHEDULED")
+            need, wanted = self.engine._request(combo, self.ctx.common)
+            argv = _child_command(combo, combo.batch_size, self.ctx.common)[1:]  # the node's own python runs it
+            env = tracking.remote_child_env(child_id, self.ctx.parent.experiment_id)
+            options = {"num_cpus": 1, "num_gpus": need, **({"accelerator_type": wanted} if wanted else {})}
+            ref = run_child.options(**options).remote(index, argv, env, self.tally)
+            self.pending[ref] = (index, combo, child_id, Clock())
+
+    def _note_started(self) -> None:
+        started = ray.get(self.tally.read.remote())
+        for ref, (index, combo, child_id, _) in self.pending.items():
+            if index in started and index not in self.started:
+                self.started.add(index)
+                tracking.set_child_status(child_id, "RUNNING")
+                self.ctx.board.started(_key(combo))
+
+    def _settle(self, ref, entry) -> None:
+        index, combo, child_id, clock = entry
+        was = "running" if index in self.started else "queued"
+        stopped = False
+        try:
+            returncode, tail, node_id = ray.get(ref)
+            tags = {"ray_node_id": node_id}
+        except ray.exceptions.TaskCancelledError:
+            returncode, tail, tags, stopped = -15, self.reasons.get(index, "cancelled"), {}, index not in self.reasons
+        except ray.exceptions.RayError as exc:  # the node or worker died, or the task itself raised
+            returncode, tail, tags = -1, f"ray: {type(exc).__name__}: {_first_line(exc)}", {}
+        reason = tracking.finish_child_run(child_id, returncode, tail, stopped=stopped, tags=tags)
+        ok = returncode == 0
+        self.ctx.record(child_id, ok)
+        self.ctx.board.ended(_key(combo), ok, clock.seconds() if ok else None, was=was)
+        if not ok:
+            self.ctx.progress(f"sweep {index}/{self.ctx.total} {combo.label}: FAILED: {reason}")
+
+    def _cancel_unplaceable(self) -> None:
+        """A queued task whose GPU type no alive node has any more (its node died) never starts: cancel it."""
+        types = set(self.engine.accelerator_types())
+        for ref, (index, combo, _, _) in list(self.pending.items()):
+            _, wanted = self.engine._request(combo, self.ctx.common)
+            if wanted and wanted not in types and index not in self.started and index not in self.reasons:
+                self.reasons[index] = f"no alive node of the Ray cluster has accelerator type {wanted} (its node died)"
+                ray.cancel(ref)
+
+    def _cancel_all(self) -> None:
+        """SIGINT/SIGTERM: cancel every task (a running one stops its child), then end every open child KILLED."""
+        for ref in self.pending:
+            ray.cancel(ref)
+        deadline = time.monotonic() + STOP_GRACE_S
+        while self.pending and time.monotonic() < deadline:
+            ready, _ = ray.wait(list(self.pending), num_returns=len(self.pending), timeout=1.0)
+            for ref in ready:
+                index, combo, child_id, _ = self.pending.pop(ref)
+                tracking.finish_child_run(child_id, -15, "the sweep was stopped", stopped=True)
+        for ref, (_, _, child_id, _) in self.pending.items():
+            ray.cancel(ref, force=True)
+            tracking.finish_child_run(child_id, -9, "the sweep was stopped; its task did not stop in time",
+                                      stopped=True)
+
+
+def _key(combo) -> str:
+    return str(combo.get("gpu") or "any")
+
+
+def _first_line(exc) -> str:
+    lines = [line for line in str(exc).splitlines() if line.strip()]
+    return lines[0][:300] if lines else ""
