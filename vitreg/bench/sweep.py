@@ -116,7 +116,8 @@ class _Context:
 
     def child_run(self, combo: Combination, index: int, attempt: int, extra_tags: dict | None = None) -> str:
         name = combo.label + (f"-retry{attempt}" if attempt else "")
-        tags = {"requested_batch_size": combo.batch_size, "sweep_index": index, **(extra_tags or {})}
+        tags = {"requested_batch_size": combo.batch_size, "sweep_index": index, "sweep_label": combo.label,
+                **(extra_tags or {})}  # the label stays a tag: bench names its run after its result
         return tracking.create_child_run(self.parent, name, tags)
 
     def record(self, child_id: str, ok: bool) -> None:
@@ -163,7 +164,7 @@ class LocalEngine:
             env = tracking.env_for_run(dict(os.environ), child_id, ctx.parent.experiment_id)
             returncode, tail, shared = self.pool.launch(_child_command(combo, bs, ctx.common), env, gpus,
                                                         lambda line: ctx.progress(f"{label}: {line}"))
-            reason = tracking.finish_child_run(child_id, returncode, tail, stopped=self.pool.stopping,
+            reason = tracking.finish_child_run(child_id, returncode, tail, stopped=bool(self.pool.stopping),
                                                tags={HOST_SHARE_TAG: shared})
             ctx.record(child_id, returncode == 0)
             ctx.board.ended("local", returncode == 0, clock.seconds())

@@ -17,6 +17,7 @@ import sys
 import threading
 
 from vitreg.errors import VitregError
+from vitreg.signals import interrupted_reason
 
 STOP_GRACE_S = 30.0  # a child asked to stop has this long to end its run KILLED before it is killed
 _PR_SET_PDEATHSIG = 1
@@ -52,7 +53,7 @@ class HostPool:
         self._cond = threading.Condition()
         self._running: dict[int, subprocess.Popen] = {}
         self._shared: dict[int, int] = {}
-        self.stopping = False
+        self.stopping = ""  # why the sweep stops its children ("stopped by SIGTERM"), once it does
 
     @property
     def slots(self) -> int:
@@ -93,14 +94,16 @@ class HostPool:
             for pid in self._running:
                 self._shared[pid] = max(self._shared.get(pid, 0), len(self._running))
         returncode, tail = relay(proc, on_line)
+        if self.stopping:  # the last line is the reason its run is ended with, if it did not end it itself
+            tail += f"\nits sweep was {self.stopping}\n"
         with self._cond:
             self._running.pop(proc.pid, None)
             return returncode, tail, self._shared.pop(proc.pid, 1)
 
-    def stop_all(self) -> None:
+    def stop_all(self, reason: str) -> None:
         """SIGTERM to every running child; SIGKILL to any still there after :data:`STOP_GRACE_S`."""
         with self._cond:
-            self.stopping = True
+            self.stopping = reason
             procs = list(self._running.values())
         for proc in procs:
             stop(proc)
@@ -150,8 +153,8 @@ def run_all(jobs: list, need_of, work, pool: HostPool) -> None:
         for thread in threads:
             while thread.is_alive():
                 thread.join(0.2)
-    except KeyboardInterrupt:
-        pool.stop_all()
+    except KeyboardInterrupt as exc:
+        pool.stop_all(interrupted_reason(exc))
         for thread in threads:
             thread.join(STOP_GRACE_S + 30)
         raise

@@ -14,6 +14,7 @@ import logging
 import socket
 import time
 
+from vitreg import signals
 from vitreg.errors import VitregError
 from vitreg.fleet.board import Clock
 from vitreg.hardware.profiles import RAY_ACCELERATOR_TYPES, label_of_ray_type, normalize_label
@@ -53,6 +54,7 @@ def connect(address: str):
     try:
         ray.init(address=None if address == "local" else address, log_to_driver=False, include_dashboard=False,
                  logging_level=logging.WARNING)
+        signals.install()  # ray.init set its own SIGTERM handler (exit 1 at once): SIGTERM must cancel the tasks
     except (ConnectionError, RuntimeError, ValueError) as exc:  # nothing there, or not a Ray cluster
         reason = (str(exc).splitlines() or [type(exc).__name__])[0][:200]
         raise VitregError(f"could not join the Ray cluster at {address} ({reason}): start it (`ray start --head`), "

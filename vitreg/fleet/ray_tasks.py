@@ -10,8 +10,10 @@ import time
 
 import ray
 
+from vitreg import signals
 from vitreg.fleet.board import Clock
 from vitreg.fleet.local import die_with_parent, relay, stop
+from vitreg.signals import interrupted_reason
 from vitreg.tracking import runs as tracking
 
 STOP_GRACE_S = 30.0
@@ -69,9 +71,10 @@ class Follower:
                     self._settle(ref, self.pending.pop(ref))
                 self._note_started()
                 self._cancel_unplaceable()
-        except KeyboardInterrupt:
-            self._cancel_all()
-            raise
+        except KeyboardInterrupt as exc:
+            stop = _as_received(exc)
+            self._cancel_all(interrupted_reason(stop))
+            raise stop from None
 
     def _submit(self) -> None:
         from vitreg.bench.sweep import _child_command
@@ -122,7 +125,7 @@ class Follower:
                 self.reasons[index] = f"no alive node of the Ray cluster has accelerator type {wanted} (its node died)"
                 ray.cancel(ref)
 
-    def _cancel_all(self) -> None:
+    def _cancel_all(self, reason: str) -> None:
         """SIGINT/SIGTERM: cancel every task (a running one stops its child), then end every open child KILLED."""
         for ref in self.pending:
             ray.cancel(ref)
@@ -131,11 +134,19 @@ class Follower:
             ready, _ = ray.wait(list(self.pending), num_returns=len(self.pending), timeout=1.0)
             for ref in ready:
                 index, combo, child_id, _ = self.pending.pop(ref)
-                tracking.finish_child_run(child_id, -15, "the sweep was stopped", stopped=True)
+                tracking.finish_child_run(child_id, -15, f"its sweep was {reason}", stopped=True)
         for ref, (_, _, child_id, _) in self.pending.items():
             ray.cancel(ref, force=True)
-            tracking.finish_child_run(child_id, -9, "the sweep was stopped; its task did not stop in time",
+            tracking.finish_child_run(child_id, -9, f"its sweep was {reason}; its task did not stop in time",
                                       stopped=True)
+
+
+def _as_received(exc: KeyboardInterrupt) -> KeyboardInterrupt:
+    """Ray's wait turns the Terminated that vitreg's SIGTERM handler raised into a plain KeyboardInterrupt:
+    the signal that came is what the runs and the exit status say."""
+    if not isinstance(exc, signals.Terminated) and signals._received:
+        return signals.Terminated(signals._received[0])
+    return exc
 
 
 def _key(combo) -> str:
