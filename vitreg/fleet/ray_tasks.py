@@ -9,6 +9,7 @@ import sys
 import time
 
 import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from vitreg import signals
 from vitreg.fleet.board import Clock
@@ -56,7 +57,9 @@ class Follower:
         self.engine, self.ctx = engine, ctx
         self.queue = list(enumerate(combos, 1))
         self.pending: dict = {}  # ObjectRef -> (index, combo, child_id, gpu key, clock)
-        self.tally = Tally.remote()
+        # on the parent's own node: it lives as long as the sweep does, whichever other node dies
+        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+        self.tally = Tally.options(scheduling_strategy=here).remote()
         self.started: set[int] = set()
         self.reasons: dict[int, str] = {}  # index -> why the parent cancelled it (its GPU type is gone)
 
