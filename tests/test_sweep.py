@@ -79,3 +79,23 @@ def test_the_mlproject_axes_param_reaches_the_sweep(sqlite_store):
     """`-P axes="a=..;b=.."` arrives as one `--axes` text: each of its axes is checked (here the second)."""
     result = CliRunner().invoke(main, [*BASE, "--axes", "sdpa=auto,math;img_size=32,x"])
     assert result.exit_code == 2 and "img_size='x' is not an integer" in result.output, result.output
+
+
+def test_compare_shows_how_many_children_shared_a_host():
+    """engine=local tags each child with the children that shared its host; compare's table shows it."""
+    import pandas as pd
+
+    from vitreg.analysis.comparison import compare_gpus
+    from vitreg.analysis.render import format_table
+    from vitreg.tracking.search import tidy
+
+    runs = pd.DataFrame([{"run_id": f"r{i}", "status": "FINISHED", "params.model": "test_vit", "params.task": "infer",
+                          "tags.gpu": gpu, "params.gpu": gpu, "params.batch_size": "2", "params.amp": "off",
+                          "params.compile": "off", "metrics.infer_throughput_img_per_s": 100.0 + i,
+                          "tags.sweep_children_on_host": shared}
+                         for i, (gpu, shared) in enumerate([("h100", "1"), ("h100", "1"), ("a100", "4")])])
+    comparison = compare_gpus(tidy(runs), baseline=None)
+    assert comparison.table.set_index("gpu")["shared_host"].to_dict() == {"a100": 4.0, "h100": 1.0}
+    assert "shared host" in format_table(comparison)
+    alone = runs.assign(**{"tags.sweep_children_on_host": "1"})
+    assert "shared host" not in format_table(compare_gpus(tidy(alone), baseline=None))

@@ -139,6 +139,8 @@ def _configurations(df: pd.DataFrame, source: pd.Series) -> pd.DataFrame:
     base["nproc"] = _integer(df, "tags.world_size").fillna(per_host * _integer(df, "params.nnodes").fillna(1))
     base["ddp"] = _ddp_setting(df, base["nproc"])
     base["mismatch"], base["ran_on"] = _hardware(df, base["gpu"])
+    # sweep children run side by side on a host with several GPUs: how many shared it (1 = alone; NA: not a sweep's)
+    base["children_on_host"] = _integer(df, "tags.sweep_children_on_host")
     return base
 
 
