@@ -20,9 +20,9 @@ from vitreg.tracking import runs as tracking
 from vitreg.tracking.spool import offline_mode
 
 SWEEP_LISTS = tuple(LIST_AXES)
-#: the wall time of one child beyond its timed work (start-up, imports, the model, logging), measured on this
-#: project's 2-core CPU host (docs/benchmarks.md, "A fleet"); the estimate before a sweep starts is built on it
-CHILD_START_S = 9.0
+#: the wall time of one tiny child (start-up, imports, the model, logging: 22.7 s for test_vit on this project's
+#: loaded 2-core host, docs/benchmarks.md "A fleet"); the estimate before a sweep starts is built on it
+CHILD_START_S = 23.0
 HOST_SHARE_TAG = "sweep_children_on_host"  # how many children shared the child's host while it ran
 
 
