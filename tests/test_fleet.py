@@ -150,6 +150,32 @@ def test_a_local_store_is_refused_on_a_cluster_of_two_nodes(cluster, tmp_path):
     assert "the Ray cluster has 2 nodes and the tracking store is local" in line and "vitreg server" in line
 
 
+@pytest.mark.parametrize("args, needle", [
+    (["--axis", "nproc=1,2"], "asks for 1 GPUs of type"),  # CPU nodes: no GPU for a device=auto child
+    (["--gpu", "h100,v100", "--device", "cpu"], "gpu=v100: no node of the Ray cluster has accelerator type V100"),
+])
+def test_children_that_fit_no_node_are_refused_before_any_starts(server, cluster, tmp_path, args, needle):
+    fleet, _, _ = cluster
+    client = MlflowClient(server)
+    before = len(_children(client))
+    sweep = _start(server, tmp_path, "--engine", "ray", "--ray-address", fleet.address, "--models", "test_vit", *args)
+    _, err = sweep.communicate(timeout=120)
+    assert sweep.returncode == 2, err[-2000:]
+    (line,) = [x for x in err.splitlines() if x.startswith("error:")]
+    assert needle in line, line
+    assert len(_children(client)) == before
+
+
+def test_gpu_all_on_a_cluster_without_gpus_is_refused(tmp_path):
+    """ray_address=local: a one-node cluster of this host, started for the sweep and shut down after it."""
+    sweep = _start(migrated_store(tmp_path), tmp_path, "--engine", "ray", "--ray-address", "local", "--gpu", "all",
+                   *CHILD)
+    _, err = sweep.communicate(timeout=180)
+    assert sweep.returncode == 2
+    (line,) = [x for x in err.splitlines() if x.startswith("error:")]
+    assert "gpu=all: the Ray cluster at local has no GPU node" in line
+
+
 def test_sigterm_to_a_ray_sweep_cancels_every_task_and_leaves_nothing_running(server, cluster, tmp_path):
     import ray
 
@@ -195,3 +221,39 @@ def test_a_node_killed_mid_sweep_fails_its_children_and_the_sweep_goes_on(server
     assert {c.info.status for c in by_gpu["h100"]} == {"FINISHED"} and len(by_gpu["h100"]) == 2
     assert len(by_gpu["a100"]) == 2 and {c.info.status for c in by_gpu["a100"]} <= {"FAILED", "KILLED"}
     assert all(c.data.tags.get("vitreg_error") for c in by_gpu["a100"]), [c.data.tags for c in by_gpu["a100"]]
+
+
+def test_a_ray_child_out_of_memory_is_retried_with_a_smaller_batch(sqlite_store, monkeypatch, tmp_path):
+    """As engine=local does (tests/test_jobs.py): the child at batch 3 runs out of memory (a child that says so
+    the way bench does: its run FAILED with vitreg_error_kind=OutOfMemory) and is retried at 2, which fits."""
+    from click.testing import CliRunner
+
+    import vitreg.bench.sweep as jobs
+    from vitreg.cli.main import main
+
+    script = tmp_path / "fake_child.py"
+    script.write_text(
+        "import sys\n"
+        "args = sys.argv[1:]\n"
+        "from vitreg.tracking import runs as tracking\n"
+        "from vitreg.errors import OutOfMemory, VitregError\n"
+        "from vitreg.cli.main import main\n"
+        "if int(args[args.index('--batch-size') + 1]) > 2:\n"
+        "    try:\n"
+        "        with tracking.tracked_run(system_metrics=False):\n"
+        "            raise OutOfMemory('infer ran out of GPU memory: use a smaller batch_size')\n"
+        "    except VitregError as e:\n"
+        "        print('error:', e, file=sys.stderr); sys.exit(2)\n"
+        "main(['bench', *args])\n")
+    real = jobs._child_command
+    monkeypatch.setattr(jobs, "_child_command", lambda combo, bs, common: [sys.executable, str(script),
+                                                                           *real(combo, bs, common)[4:]])
+    result = CliRunner().invoke(main, ["sweep", "--engine", "ray", "--ray-address", "local", *CHILD[2:],
+                                       "--models", "test_vit", "--batch-size", "3", *SHORT, "--experiment", "fleet"])
+    assert result.exit_code == 0, result.output[-3000:]
+    children = _children(MlflowClient(sqlite_store))
+    by_status = {c.info.status: c for c in children}
+    assert len(children) == 2 and set(by_status) == {"FAILED", "FINISHED"}
+    assert by_status["FAILED"].data.tags["vitreg_error_kind"] == "OutOfMemory"
+    assert by_status["FINISHED"].data.params["batch_size"] == "2"
+    assert by_status["FINISHED"].data.tags["requested_batch_size"] == "3"

@@ -109,9 +109,9 @@ class RayEngine:
                     and (not wanted or _TYPE_PREFIX + wanted in n["Resources"])]
             if not fits:
                 most = max((int(n["Resources"].get("GPU", 0)) for n in self._nodes()), default=0)
+                fix = f"pass nproc={most} or less" if most else "join nodes with GPUs, or pass device=cpu"
                 raise VitregError(f"{combo.label} asks for {need} GPUs{f' of type {wanted}' if wanted else ''} and "
-                                  f"no node of the Ray cluster has them (the largest has {most}): pass nproc={most} "
-                                  f"or less, or device=cpu")
+                                  f"no node of the Ray cluster has them (the most a node has: {most}): {fix}")
 
     @staticmethod
     def _request(combo, common: dict) -> tuple[int, str | None]:

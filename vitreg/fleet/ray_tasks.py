@@ -85,10 +85,11 @@ class Follower:
 
         while self.queue and len(self.pending) < self.engine.max_parallel:
             child = self.queue.pop(0)
-            child.run_id = self.ctx.child_run(child.combo, child.index, child.attempt,
-                                              {"sweep_engine": "ray", "requested_batch_size": child.requested})
-            tracking.set_child_status(child.run_id, "SCHEDULED")
             need, wanted = self.engine._request(child.combo, self.ctx.common)
+            tags = {"sweep_engine": "ray", "requested_batch_size": child.requested, "ray_accelerator_type": wanted}
+            child.run_id = self.ctx.child_run(child.combo, child.index, child.attempt,
+                                              {k: v for k, v in tags.items() if v is not None})
+            tracking.set_child_status(child.run_id, "SCHEDULED")
             argv = _child_command(child.combo, child.combo.batch_size, self.ctx.common)[1:]  # the node's python
             env = tracking.remote_child_env(child.run_id, self.ctx.parent.experiment_id)
             options = {"num_cpus": 1, "num_gpus": need, **({"accelerator_type": wanted} if wanted else {})}
