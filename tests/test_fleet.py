@@ -93,6 +93,27 @@ def test_sigterm_to_a_local_sweep_ends_its_child_killed_with_it(tmp_path):
     assert not _bench_processes(set(runs)), "a child outlived its sweep"
 
 
+def test_a_local_sweep_runs_one_child_per_visible_gpu_at_once(tmp_path):
+    """The host pool on this CPU machine: told of two GPUs (CUDA_VISIBLE_DEVICES=0,1, as a 2-GPU host says), it
+    runs the two children at once, each given one index, each tagged with the two that shared the host."""
+    uri = migrated_store(tmp_path)
+    device_auto = [a for a in CHILD if a not in ("--device", "cpu")]  # device=auto: the GPUs the host shows
+    sweep = subprocess.Popen([*SWEEP, *device_auto, *SHORT, "--experiment", "fleet"], cwd=tmp_path,
+                             env=subprocess_env(uri, CUDA_VISIBLE_DEVICES="0,1"), stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+    try:
+        _, err = sweep.communicate(timeout=400)
+    finally:
+        _end(sweep)
+    assert sweep.returncode == 0, err[-3000:]
+    assert "2 at once on this host (2 GPUs)" in err, err[-2000:]
+    children = _children(MlflowClient(uri))
+    assert len(children) == 2 and {c.info.status for c in children} == {"FINISHED"}
+    assert [c.data.tags["sweep_children_on_host"] for c in children] == ["2", "2"]
+    first, second = sorted(children, key=lambda c: c.info.start_time)
+    assert second.info.start_time < first.info.end_time, "the two children did not overlap"
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     from vitreg.deploy import server as servers
