@@ -12,16 +12,13 @@ from __future__ import annotations
 
 import logging
 import socket
-import time
 
 from vitreg import signals
 from vitreg.errors import VitregError
-from vitreg.fleet.board import Clock
 from vitreg.hardware.profiles import RAY_ACCELERATOR_TYPES, label_of_ray_type, normalize_label
 from vitreg.tracking import runs as tracking
 
 CONNECT_TIMEOUT_S = 10.0  # a Ray address that does not answer is one line within this
-STOP_GRACE_S = 30.0
 _TYPE_PREFIX = "accelerator_type:"
 
 
@@ -136,15 +133,3 @@ def ray_type(label: str) -> str | None:
     if label in ("auto", "cpu"):
         return None
     return RAY_ACCELERATOR_TYPES.get(label, label.upper())
-
-
-def wait_until(condition, timeout: float, step: float = 0.2) -> bool:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(step)
-    return True
-
-
-__all__ = ["RayEngine", "connect", "ray_type", "Clock"]
