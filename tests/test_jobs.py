@@ -8,6 +8,7 @@ import pytest
 from click.testing import CliRunner
 
 from vitreg.cli.main import main
+from vitreg.fleet import children as child_commands
 
 DATA = Path(__file__).parent / "data"
 
@@ -99,7 +100,6 @@ def test_sweep_unknown_value_refused_before_running(sqlite_store):
 def test_sweep_children_failures_and_oom_retry(sqlite_store, monkeypatch, tmp_path):
     """Three combinations: one fine, one failing (compile error: unknown backend mode), one OOM at batch 4
     that is retried at batch 3, then 2 (the fake GPU holds 2 images)."""
-    import vitreg.bench.sweep as jobs
     from mlflow.tracking import MlflowClient
 
     script = tmp_path / "fake_child.py"
@@ -119,12 +119,12 @@ def test_sweep_children_failures_and_oom_retry(sqlite_store, monkeypatch, tmp_pa
         "    except VitregError as e:\n"
         "        print('error:', e, file=sys.stderr); sys.exit(2)\n"
         "main(['bench', *args])\n")
-    real = jobs._child_command
+    real = child_commands.child_command
 
     def fake(combo, batch_size, common):
         return [sys.executable, str(script), *real(combo, batch_size, common)[4:]]
 
-    monkeypatch.setattr(jobs, "_child_command", fake)
+    monkeypatch.setattr(child_commands, "child_command", fake)
     result = CliRunner().invoke(main, ["sweep", "--models", "test_vit", "--amp", "off,fp16", "--batch-size", "1,3",
                                        "--img-size", "32", "--task", "infer", "--warmup", "1", "--steps", "2",
                                        "--repeats", "2", "--experiment", "sw"])

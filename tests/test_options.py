@@ -62,7 +62,9 @@ def test_click_options_are_the_table(command):
         param = params[o.name]
         assert set(o.flags) == set(param.opts), o.name  # both spellings, --batch-size and --batch_size
         assert param.required == o.required, o.name
-        if not o.required:
+        if o.repeatable:  # a flag given several times (sweep's --axis): click holds a list of texts
+            assert param.multiple and param.default == ([o.default_text] if o.default_text else []), o.name
+        elif not o.required:
             assert param.default == (o.default_text if o.default is not None else None), o.name
         assert param.envvar == o.envvar, o.name
 

@@ -286,6 +286,7 @@ def _summary_row(row: dict, grp: pd.DataFrame, ask: _Question) -> dict:
         sources="+".join(sorted(grp["source"].astype(str).unique())),
         mismatch=bool(grp["mismatch"].any()),
         ran_on="+".join(sorted(grp["ran_on"].dropna().astype(str).unique())) or np.nan,
+        shared_host=_most(grp.get("children_on_host")),  # the most sweep children that shared a run's host
         batch_chosen="/".join(sorted(grp["batch_chosen"].dropna().astype(str).unique(), key=int)) or np.nan,
         **{
             f"{metric}_median": float(np.median(vals)),
@@ -300,10 +301,15 @@ def _summary_row(row: dict, grp: pd.DataFrame, ask: _Question) -> dict:
     return row
 
 
+def _most(values) -> float:
+    values = pd.Series([] if values is None else values).dropna()
+    return float(values.max()) if len(values) else np.nan
+
+
 def _table(rows: list[dict], ask: _Question) -> pd.DataFrame:
     table = pd.DataFrame(rows)
     identity = list(dict.fromkeys([*config_columns(), "gpu", ask.by]))
-    lead = identity + ["n_runs", "sources", *HARDWARE_COLUMNS, *CHOSEN_COLUMNS]
+    lead = identity + ["n_runs", "sources", *HARDWARE_COLUMNS, "shared_host", *CHOSEN_COLUMNS]
     stats = [f"{ask.metric}_{s}" for s in ("median", "min", "max", "cv", "spread")]
     tail = ["baseline", "speedup", "ci_low", "ci_high", "verdict"] if ask.baseline is not None else []
     table = table[lead + stats + list(ask.companions) + tail]

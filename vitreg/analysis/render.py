@@ -46,10 +46,11 @@ def format_table(comparison) -> str:
     marked = bool(t["mismatch"].any())
     cols = varying + [by] + (["ran_on"] if marked else [])
     cols += ["batch_chosen"] if t["batch_chosen"].notna().any() else []  # batch_size=auto runs
+    cols += ["shared_host"] if "shared_host" in t and (t["shared_host"] > 1).any() else []  # sweep children at once
     cols += ["n_runs", f"{m}_median", f"{m}_min", f"{m}_max", f"{m}_cv"]
     heads = {f"{m}_median": "median", f"{m}_min": "min", f"{m}_max": "max", f"{m}_cv": "cv",
              "n_runs": "n", "batch_size": "batch", "img_size": "img", "ran_on": "ran on",
-             "batch_chosen": "batch chosen"}
+             "batch_chosen": "batch chosen", "shared_host": "shared host"}
     body = _rows(t, cols)
     if marked:  # the hardware of honest rows is their label: leave the cell blank, flag the others
         for row, mismatch in zip(body, t["mismatch"]):

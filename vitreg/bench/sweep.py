@@ -1,93 +1,101 @@
-"""The ``sweep`` job: every combination of models x amp x compile x batch size, each a child run of one
-parent run, each in its own process; the parent logs the comparison of its children."""
+"""The ``sweep`` job: every combination of its axes (models x amp x compile x batch size, and any bench option
+through ``--axis``), each a child run of one parent run, each in its own ``vitreg bench`` process; on this host
+(``engine=local``: one child per GPU at once) or on a Ray cluster (``engine=ray``). The parent logs the comparison
+of its children."""
 
 from __future__ import annotations
 
-import collections
-import itertools
+import math
 import os
-import subprocess
-import sys
 import tempfile
-import threading
 from dataclasses import dataclass
 
-from vitreg.config.options import options_to_args
+from vitreg.config.options import option
+from vitreg.console import progress
+from vitreg.errors import VitregError
+from vitreg.fleet import children
+from vitreg.fleet.axes import LIST_AXES, Combination, axis_texts_of, check_size, collect_axes, count, plan
+from vitreg.fleet.board import Board, Clock, format_seconds
 from vitreg.tracking import runs as tracking
 from vitreg.tracking.spool import offline_mode
-from vitreg.console import progress
-from vitreg.config.options import AUTO_BATCH
-from vitreg.errors import OutOfMemory, VitregError
+
+SWEEP_LISTS = tuple(LIST_AXES)
+#: the wall time of one tiny child (start-up, imports, the model, logging: 22.7 s for test_vit on this project's
+#: loaded 2-core host, docs/benchmarks.md "A fleet"); the estimate before a sweep starts is built on it
+CHILD_START_S = 23.0
+HOST_SHARE_TAG = "sweep_children_on_host"  # how many children shared the child's host while it ran
+
 
 @dataclass(frozen=True)
-class Combination:
-    model: str
-    amp: str
-    compile: str
-    batch_size: int
+class SweepSettings:
+    """The sweep's own options, parsed."""
 
-    def label(self) -> str:
-        return f"{self.model}-{self.amp}-{self.compile}-bs{self.batch_size}"
+    engine: str
+    ray_address: str
+    max_parallel: int
+    max_combinations: int
+    experiment: str | None
 
+    @classmethod
+    def parse(cls, own: dict) -> "SweepSettings":
+        def value(name):
+            return option("sweep", name).parse(own.get(name, option("sweep", name).default))
 
-def _split(value: str, name: str) -> list[str]:
-    items = [v.strip() for v in str(value).split(",") if v.strip()]
-    if not items:
-        raise VitregError(f"{name} is empty: pass a comma-separated list, e.g. {name}=off,bf16")
-    return items
-
-
-def plan_sweep(models: str, amp: str, compile: str, batch_size: str, common: dict) -> list[Combination]:
-    """Every combination, each validated as a BenchSpec before anything runs."""
-    from vitreg.models.factory import check_model_name
-    from vitreg.config.spec import BenchSpec
-
-    combos = []
-    for m, a, c, b in itertools.product(_split(models, "models"), _split(amp, "amp"), _split(compile, "compile"),
-                                        _split(batch_size, "batch_size")):
-        spec = BenchSpec.from_options({**common, "model": m, "amp": a, "compile": c, "batch_size": b})
-        combos.append(Combination(spec.model, spec.amp, spec.compile, spec.batch_size))
-    for m in dict.fromkeys(c.model for c in combos):
-        check_model_name(m)
-    return list(dict.fromkeys(combos))
+        return cls(value("engine"), str(value("ray_address") or "auto"), value("max_parallel"),
+                   value("max_combinations"), own.get("experiment"))
 
 
-def decay_batch(batch_size: int) -> int:
-    """The next smaller batch after an OOM, timm's way (256 -> 192 -> 128 -> 96 -> 64 ...); 0 below 2."""
-    from timm.utils import decay_batch_step
-
-    return decay_batch_step(batch_size)
-
-
-def _child_command(combo: Combination, batch_size: int, common: dict) -> list[str]:
-    options = {**common, "model": combo.model, "amp": combo.amp, "compile": combo.compile, "batch_size": batch_size}
-    return [sys.executable, "-m", "vitreg.cli", "bench", *options_to_args(options)]
-
-
-def run_sweep(models: str, amp: str = "auto", compile: str = "off", batch_size: str = "64",
-              common: dict | None = None, experiment: str | None = None, max_oom_retries: int = 3,
-              progress=progress) -> dict:
+def run_sweep(own: dict, common: dict | None = None, max_oom_retries: int = 3, progress=progress) -> dict:
     """Run every combination as a child run of one parent run, each in its own process.
 
-    A child that fails is recorded FAILED with its reason and the sweep goes on; a child that ran
-    out of GPU memory (its run's ``vitreg_error_kind`` tag is ``OutOfMemory``) is retried with a
-    smaller batch (``decay_batch``), the batch it used is its ``batch_size`` param and the one asked
-    for is its ``requested_batch_size`` tag. The parent logs the comparison table of its children.
+    Everything is checked before a child starts: every combination as a BenchSpec, the sweep's size against
+    ``max_combinations``, the engine (the GPUs here, or the Ray cluster's nodes and GPU types). A child that
+    fails is recorded FAILED with its reason and the sweep goes on; a child that ran out of GPU memory (its
+    run's ``vitreg_error_kind`` tag is ``OutOfMemory``) is retried with a smaller batch
+    (:func:`vitreg.fleet.children.decay_batch`).
+    SIGINT/SIGTERM stops every running child, which ends KILLED, and the parent with it.
     """
     common = dict(common or {})
-    combos = plan_sweep(models, amp, compile, batch_size, common)
+    settings = SweepSettings.parse(own)
+    axes = collect_axes({name: own.get(name, option("sweep", name).default) for name in SWEEP_LISTS},
+                        axis_texts_of(own.get("axes", "")), common)
     if offline_mode():
         raise VitregError("sweep needs the tracking store (its runs are child runs of one parent run there): "
                           "unset VITREG_OFFLINE, or run `vitreg bench --offline true` once per combination")
-    tracking.check_server()
+    engine = _engine(settings, common, progress)
+    try:
+        engine.expand_gpus(axes)
+        check_size(count(axes), settings.max_combinations)
+        combos = plan(axes, common)
+        engine.check(combos, common)
+        rounds = math.ceil(len(combos) / engine.slots)
+        progress(f"sweep: {len(combos)} combinations, {engine.slots} at once on {engine.where}: about "
+                 f"{format_seconds(rounds * CHILD_START_S)} of start-up alone (~{CHILD_START_S:.0f} s a child), "
+                 f"plus each child's timed work")
+        tracking.check_server()
+        return _run_parent(settings, axes, combos, common, engine, max_oom_retries, progress)
+    finally:
+        engine.close()
+
+
+def _engine(settings: SweepSettings, common: dict, progress):
+    if settings.engine == "ray":
+        from vitreg.fleet.ray_engine import RayEngine
+
+        return RayEngine(settings.ray_address, settings.max_parallel, progress)
+    return LocalEngine(settings.max_parallel, str(common.get("device") or "auto"))
+
+
+def _run_parent(settings, axes, combos, common, engine, max_oom_retries, progress) -> dict:
     outcome = {"finished": [], "failed": []}
-    with tracking.tracked_run(run_name=f"sweep-{len(combos)}", experiment=experiment, system_metrics=False) as parent:
-        parent.set_tags({"vitreg_job": "sweep"})
-        parent.log_params({"models": models, "amp_list": amp, "compile_list": compile, "batch_size_list": batch_size,
-                           "n_combinations": len(combos)})
-        for i, combo in enumerate(combos, 1):
-            _run_combination(parent, combo, f"sweep {i}/{len(combos)}", i, common, max_oom_retries, outcome,
-                             progress)
+    with tracking.tracked_run(run_name=f"sweep-{len(combos)}", experiment=settings.experiment,
+                              system_metrics=False) as parent:
+        parent.set_tags({"vitreg_job": "sweep", "sweep_engine": settings.engine})
+        parent.log_params({**{f"axis_{name}": ",".join(map(str, values))[:500] for name, values in axes.items()},
+                           "n_combinations": len(combos), "engine": settings.engine})
+        context = _Context(parent, common, len(combos), max_oom_retries, outcome, progress,
+                           Board(engine.slots, progress))
+        engine.run(context, combos)
         parent.log_metrics({"n_finished": len(outcome["finished"]), "n_failed": len(outcome["failed"])})
         if outcome["finished"]:
             _log_comparison(parent)
@@ -95,50 +103,88 @@ def run_sweep(models: str, amp: str = "auto", compile: str = "off", batch_size: 
     return outcome
 
 
-def _run_combination(parent, combo: Combination, label: str, index: int, common: dict, max_oom_retries: int,
-                     outcome: dict, progress) -> None:
-    """One combination: a child run, and a retry with a smaller batch after each out-of-memory failure."""
-    bs = combo.batch_size
-    for attempt in range(max_oom_retries + 1):
-        progress(f"{label}: {combo.label()} (batch {bs})")
-        child_id = tracking.create_child_run(parent, f"{combo.label()}" + (f"-retry{attempt}" if attempt else ""),
-                                             {"requested_batch_size": combo.batch_size, "sweep_index": index})
-        env = tracking.env_for_run(os.environ, child_id, parent.experiment_id)
-        returncode, stderr_tail = _run_child(_child_command(combo, bs, common), env, label, progress)
-        reason = tracking.finish_child_run(child_id, returncode, stderr_tail)
-        if returncode == 0:
-            outcome["finished"].append(child_id)
-            return
-        progress(f"{label}: FAILED: {reason}")
-        outcome["failed"].append(child_id)
-        if bs == AUTO_BATCH or not _ran_out_of_memory(child_id) or attempt == max_oom_retries:
-            return  # batch_size=auto backs off inside the child already
-        smaller = decay_batch(bs)
-        if smaller < 1:
-            return
-        progress(f"out of memory at batch {bs}: retrying with batch {smaller}")
-        bs = smaller
+@dataclass
+class _Context:
+    """What every child of one sweep shares: the parent run, the common options, the outcome, the live line."""
+
+    parent: object
+    common: dict
+    total: int
+    max_oom_retries: int
+    outcome: dict
+    progress: object
+    board: Board
+
+    def child_run(self, combo: Combination, index: int, attempt: int, extra_tags: dict | None = None) -> str:
+        name = combo.label + (f"-retry{attempt}" if attempt else "")
+        tags = {"requested_batch_size": combo.batch_size, "sweep_index": index, "sweep_label": combo.label,
+                **(extra_tags or {})}  # the label stays a tag: bench names its run after its result
+        return tracking.create_child_run(self.parent, name, tags)
+
+    def record(self, child_id: str, ok: bool) -> None:
+        self.outcome["finished" if ok else "failed"].append(child_id)
 
 
-def _run_child(cmd: list[str], env: dict, label: str, progress) -> tuple[int, str]:
-    """Run one child bench; its progress lines show as they come, prefixed with the sweep's position
-    (``sweep 2/4: infer: window 3/5: ...``), its results table as it prints it. Returns its exit status
-    and the tail of its stderr (where its one-line error is)."""
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    relay = threading.Thread(target=lambda: sys.stdout.writelines(proc.stdout), daemon=True)
-    relay.start()
-    tail: collections.deque = collections.deque(maxlen=40)
-    for line in proc.stderr:
-        tail.append(line)
-        if line.strip():
-            progress(f"{label}: {line.rstrip().removeprefix('[vitreg] ')}")
-    relay.join()
-    return proc.wait(), "".join(tail)
+class LocalEngine:
+    """``engine=local``: this host's GPUs, one child per ``nproc`` of them at once; on CPU one at a time."""
+
+    def __init__(self, max_parallel: int, device: str):
+        from vitreg.fleet.local import HostPool, host_gpus
+
+        self.pool = HostPool(host_gpus(device), max_parallel)
+        self.slots = self.pool.slots
+        self.where = f"this host ({len(self.pool.gpus)} GPUs)" if self.pool.gpus else "this host's CPU"
+
+    def expand_gpus(self, axes: dict) -> None:
+        if "gpu" in axes:
+            raise VitregError(f"gpu={','.join(axes['gpu'])} names several GPU types and this host has one: pass one "
+                              f"gpu label (or auto), or use engine=ray on a cluster that has them")
+
+    def check(self, combos: list[Combination], common: dict) -> None:
+        for combo in combos:
+            self.pool.check_fits(_nproc(combo, common))
+
+    def run(self, ctx: _Context, combos: list[Combination]) -> None:
+        from vitreg.fleet.local import run_all
+
+        for _ in combos:
+            ctx.board.queued("local")
+        indexed = list(enumerate(combos, 1))
+        run_all(indexed, lambda job: _nproc(job[1], ctx.common),
+                lambda job, gpus: self._combination(ctx, job[1], job[0], gpus), self.pool)
+
+    def _combination(self, ctx: _Context, combo: Combination, index: int, gpus: list[str]) -> None:
+        """One combination: a child run, and a retry with a smaller batch after each out-of-memory failure."""
+        label = f"sweep {index}/{ctx.total}"
+        bs = combo.batch_size
+        for attempt in range(ctx.max_oom_retries + 1):
+            ctx.progress(f"{label}: {combo.label} (batch {bs})")
+            ctx.board.started("local")
+            clock = Clock()
+            child_id = ctx.child_run(combo, index, attempt)
+            env = tracking.env_for_run(dict(os.environ), child_id, ctx.parent.experiment_id)
+            returncode, tail, shared = self.pool.launch(children.child_command(combo, bs, ctx.common), env, gpus,
+                                                        lambda line: ctx.progress(f"{label}: {line}"))
+            reason = tracking.finish_child_run(child_id, returncode, tail, stopped=bool(self.pool.stopping),
+                                               tags={HOST_SHARE_TAG: shared})
+            ctx.record(child_id, returncode == 0)
+            ctx.board.ended("local", returncode == 0, clock.seconds())
+            if returncode == 0 or self.pool.stopping:
+                return
+            ctx.progress(f"{label}: FAILED: {reason}")
+            smaller = children.smaller_batch(bs, child_id) if attempt < ctx.max_oom_retries else 0
+            if smaller < 1:
+                return
+            ctx.progress(f"out of memory at batch {bs}: retrying with batch {smaller}")
+            ctx.board.requeued("local")
+            bs = smaller
+
+    def close(self) -> None:
+        pass
 
 
-def _ran_out_of_memory(child_id: str) -> bool:
-    # the child is another process: its error's class reaches us as the tag its tracked_run set
-    return tracking.get_run(child_id).data.tags.get(tracking.ERROR_KIND_TAG) == OutOfMemory.__name__
+def _nproc(combo: Combination, common: dict) -> int:
+    return int(combo.get("nproc", common.get("nproc") or 1))
 
 
 def _log_comparison(parent) -> None:

@@ -38,6 +38,8 @@ def command_options(command: str):
             else:
                 settings = {"default": opt.default_text if opt.default is not None else None,
                             "show_default": bool(opt.default_text)}
+            if opt.repeatable:
+                settings = {"multiple": True, "default": [opt.default_text] if opt.default_text else []}
             fn = click.option(*opt.flags, opt.name, type=param_type(opt), help=opt.help, envvar=opt.envvar,
                               **settings)(fn)
         return fn

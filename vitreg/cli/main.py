@@ -66,12 +66,12 @@ def import_timm(csv_file, gpu, amp, experiment):
 @command_options("sweep")
 @user_errors
 def sweep(**values):
-    """Run every combination of models x amp x compile x batch size as child runs of one parent run."""
+    """Run every combination of models x amp x compile x batch size (and each --axis) as child runs of one
+    parent run, on this host's GPUs or (engine=ray) a Ray cluster's."""
     from vitreg.bench.sweep import run_sweep
 
     common, own = split_options("sweep", values)  # common: the same for every combination
-    outcome = run_sweep(own["models"], own["amp"], own["compile"], own["batch_size"], common=common,
-                        experiment=own["experiment"])
+    outcome = run_sweep(own, common=common)
     if not outcome["finished"]:
         raise VitregError(f"all {len(outcome['failed'])} sweep runs failed: see the vitreg_error tags of the child runs")
 

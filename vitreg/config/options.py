@@ -61,6 +61,7 @@ class Option:
     envvar: str | None = None
     lowercase: bool = False
     aliases: tuple[str, ...] = ()  # more click flags for it (``--experiment-name``, as ``mlflow run`` spells it)
+    repeatable: bool = False  # the click flag may be given several times (its value is then a tuple of texts)
     # Identity: True when the option changes the work measured, so two runs that differ in it are two
     # configurations and are never pooled (compare, check, scaling baselines, sweep labels, reports).
     # Otherwise ``same_work`` says why runs that differ in it measure the same work.
@@ -168,6 +169,28 @@ OPTIONS: tuple[Option, ...] = (
            same_work="a sweep list: each child run takes one of its values as its own option"),
     Option("batch_size", "str", "64", "Comma-separated, e.g. 32,256.", ("sweep",), spec_field=False,
            same_work="a sweep list: each child run takes one of its values as its own option"),
+    Option("axes", "str", "", "more axes: NAME=V1,V2;NAME=V1,V2 over any bench option (CLI: --axis NAME=V1,V2, "
+           "repeatable).", ("sweep",), spec_field=False, aliases=("--axis",), repeatable=True,
+           doc="more axes, `NAME=V1,V2;NAME=V1,V2`, over any bench option (`sdpa=auto,cudnn;nproc=1,2`); on the CLI "
+               "also `--axis NAME=V1,V2`, repeatable. Every combination is checked against the option table before "
+               "any child starts",
+           same_work="a sweep list: each child run takes one of its values as its own option"),
+    Option("engine", "choice", "local", "local (this host: one child per GPU at once) or ray (a Ray cluster).",
+           ("sweep",), choices=("local", "ray"), spec_field=False,
+           doc="`local`: children on this host, one per GPU at once (one at a time on CPU); `ray`: each child a Ray "
+               "task on the cluster at `ray_address`, asking for `nproc` GPUs of the GPU type it is filed under",
+           same_work="where the children run, not what each measures"),
+    Option("ray_address", "str", "auto", "engine=ray: auto (the running cluster), ray://HOST:PORT, HOST:PORT, or "
+           "local (start one here).", ("sweep",), spec_field=False,
+           doc="`engine=ray`: `auto` (the cluster this host belongs to), `ray://HOST:PORT` (Ray Client), "
+               "`HOST:PORT` (the head's GCS) or `local` (start a one-node cluster here for the sweep)",
+           same_work="where the children run, not what each measures"),
+    Option("max_parallel", "int", 64, "children at once, at most (local: also one per nproc GPUs, one on CPU; "
+           "ray: tasks in flight).", ("sweep",), minimum=1, spec_field=False,
+           same_work="how many children run at once; each child's work is the same"),
+    Option("max_combinations", "int", 256, "refuse a sweep of more combinations than this, before any child starts "
+           "(raise it to mean it).", ("sweep",), minimum=1, spec_field=False,
+           same_work="a bound on the sweep's size; each child's work is the same"),
     Option("gpu", "str", "auto", f"GPU label ({label_list()}) or auto; checked against the detected hardware.",
            _RUNS, lowercase=True,
            doc=f"GPU label: {label_list(code=True)}, or `auto` (detect). An explicit label must match the detected "

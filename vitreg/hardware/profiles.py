@@ -80,6 +80,17 @@ def label_list(code: bool = False) -> str:
     return ", ".join(f"`{label}`" if code else label for label in PROFILES)
 
 
+# Ray's accelerator types (ray.util.accelerators) of our labels: a sweep's Ray task for gpu=LABEL asks for
+# accelerator_type=TYPE (an A100 80GB node reports A100 and A100-80G; H100 PCIe and SXM both report H100).
+RAY_ACCELERATOR_TYPES = {"v100": "V100", "t4": "T4", "a100": "A100", "a100-80gb": "A100-80G", "l4": "L4",
+                         "h100": "H100", "h200": "H200"}
+
+
+def label_of_ray_type(accelerator_type: str) -> str:
+    """vitreg's GPU label for a Ray accelerator type (an unknown one lower-cased: ``L40S`` -> ``l40s``)."""
+    return {ray: label for label, ray in RAY_ACCELERATOR_TYPES.items()}.get(accelerator_type, accelerator_type.lower())
+
+
 # Labels people type that mean one of ours.
 ALIASES = {"a100-40gb": "a100", "h100-sxm": "h100", "4090": "rtx4090", "v100-32gb": "v100", "v100-16gb": "v100"}
 

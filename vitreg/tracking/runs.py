@@ -354,19 +354,42 @@ def create_child_run(parent: MlflowTracker, name: str, tags: dict | None = None)
     return mlflow.MlflowClient().create_run(parent.experiment_id, tags=all_tags, run_name=name).info.run_id
 
 
-def finish_child_run(run_id: str, returncode: int, stderr: str) -> str:
+def finish_child_run(run_id: str, returncode: int, stderr: str, stopped: bool = False,
+                     tags: dict | None = None) -> str:
     """After the child process: its error reason ('' on success); a child that died without ending its
-    run (killed, crashed) is ended FAILED here with the last line it printed."""
+    run (killed, crashed) is ended FAILED here with the last line it printed, KILLED when ``stopped`` (its
+    parent stopped it). ``tags``: more tags for the child run (where and beside whom it ran)."""
     client = mlflow.MlflowClient()
     run = client.get_run(run_id)
+    for key, value in (tags or {}).items():
+        client.set_tag(run_id, key, str(value))
     reason = run.data.tags.get(ERROR_TAG, "")
     if returncode != 0 and not reason:
         lines = [line for line in stderr.strip().splitlines() if line.strip()]
         reason = lines[-1] if lines else f"exit status {returncode}"
         client.set_tag(run_id, ERROR_TAG, reason[:4000])
-    if run.info.status == "RUNNING":
-        client.set_terminated(run_id, "FINISHED" if returncode == 0 else "FAILED")
+    if run.info.status in ("RUNNING", "SCHEDULED"):
+        client.set_terminated(run_id, "KILLED" if stopped else "FINISHED" if returncode == 0 else "FAILED")
     return reason
+
+
+def set_child_status(run_id: str, status: str) -> None:
+    """A child run's status before its process ends it: SCHEDULED (a queued Ray task), RUNNING (it started)."""
+    mlflow.MlflowClient().update_run(run_id, status=status)
+
+
+def remote_child_env(run_id: str, experiment_id: str) -> dict:
+    """The variables a child on another host needs to log into run ``run_id``: the tracking URI (a server's,
+    with any credentials MLflow reads from the environment) and the run (as ``mlflow run`` hands it)."""
+    keep = ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD", "MLFLOW_TRACKING_TOKEN",
+            "MLFLOW_TRACKING_INSECURE_TLS", "MLFLOW_TRACKING_SERVER_CERT_PATH")
+    env = {k: os.environ[k] for k in keep if k in os.environ}
+    return env_for_run({**env, "MLFLOW_TRACKING_URI": mlflow.get_tracking_uri()}, run_id, experiment_id)
+
+
+def is_local_store() -> bool:
+    """The tracking URI is a file or sqlite store on this host (other hosts cannot reach it)."""
+    return not mlflow.get_tracking_uri().startswith(("http://", "https://", "databricks"))
 
 
 def child_runs(parent: MlflowTracker):

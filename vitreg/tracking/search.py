@@ -136,6 +136,8 @@ def _configurations(df: pd.DataFrame, source: pd.Series) -> pd.DataFrame:
             build = _BUILDERS.get(column)
             base[column] = build(df, base) if build else _option_column(df, column, jobs)
     base["mismatch"], base["ran_on"] = _hardware(df, base["gpu"])
+    # sweep children run side by side on a host with several GPUs: how many shared it (1 = alone; NA: not a sweep's)
+    base["children_on_host"] = _integer(df, "tags.sweep_children_on_host")
     return base
 
 

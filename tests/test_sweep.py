@@ -1,0 +1,101 @@
+"""vitreg sweep's axes and bad input, against a real sqlite store: every refusal is one line, exit 2, and no run
+(parent or child) is made; labels come from the identity options that vary."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from click.testing import CliRunner
+
+from conftest import free_port
+from vitreg.cli.main import main
+from vitreg.fleet.axes import axis_texts_of, collect_axes, plan
+
+BASE = ["sweep", "--models", "test_vit", "--experiment", "sw", "--device", "cpu"]
+
+
+def _runs(name):
+    from mlflow.tracking import MlflowClient
+
+    exp = MlflowClient().get_experiment_by_name(name)
+    return [] if exp is None else MlflowClient().search_runs([exp.experiment_id])
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--axis", "experiment=a,b"], "experiment cannot vary within one sweep"),
+    (["--axis", "engine=local,ray"], "engine is an option of the sweep itself"),
+    (["--axis", "sdpx=auto,math"], "unknown axis 'sdpx': did you mean sdpa?"),
+    (["--axis", "sdpa=auto,nope"], "sdpa='nope' is not one of"),
+    (["--axis", "nproc=1,zero"], "nproc='zero' is not an integer"),
+    (["--axis", "sdpa"], "is not NAME=V1,V2"),
+    (["--max-parallel", "0"], "max_parallel=0 must be >= 1"),
+    (["--gpu", "h100,a100"], "use engine=ray on a cluster that has them"),
+    (["--axis", "amp=off,bf16", "--amp", "off"], "amp is given twice"),
+    (["--axis", "seed=0,1,2,3", "--batch-size", "1,2,3,4,5", "--max-combinations", "19"],
+     "the sweep has 20 combinations, more than max_combinations=19"),
+    (["--engine", "ray", "--ray-address", "nohost.invalid:1"], "the Ray cluster at nohost.invalid:1 does not answer"),
+])
+def test_bad_sweep_is_one_line_and_starts_nothing(sqlite_store, args, needle):
+    result = CliRunner().invoke(main, [*BASE, *args])
+    assert result.exit_code == 2, result.output
+    errors = [line for line in result.output.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and needle in errors[0], result.output
+    assert "Traceback" not in result.output
+    assert _runs("sw") == []
+
+
+def test_empty_models_suggests_models(sqlite_store):
+    """Issue 20: `sweep models=''` suggested `models=off,bf16` (amp's example)."""
+    result = CliRunner().invoke(main, ["sweep", "--models", "", "--experiment", "sw"])
+    assert result.exit_code == 2
+    assert "models=deit_tiny_patch16_224," in result.output and "off,bf16" not in result.output
+
+
+def test_a_ray_address_that_does_not_answer_is_refused_within_30_s(sqlite_store):
+    port = free_port()  # nothing listens there
+    start = time.monotonic()
+    result = CliRunner().invoke(main, [*BASE, "--engine", "ray", "--ray-address", f"ray://127.0.0.1:{port}"])
+    assert result.exit_code == 2 and f"the Ray cluster at ray://127.0.0.1:{port} does not answer" in result.output
+    assert time.monotonic() - start < 30
+
+
+def test_axes_param_and_axis_flags_make_one_product():
+    common = {"device": "cpu", "img_size": 32, "gpu": "auto"}
+    axes = collect_axes({"models": "test_vit,test_vit2", "amp": "off", "compile": "off", "batch_size": "2"},
+                        axis_texts_of(("sdpa=auto,math;seed=0,1", "nproc=1")), common)
+    combos = plan(axes, common)
+    assert len(combos) == 2 * 2 * 2
+    # the label names the identity options that vary (model, sdpa), never seed (the same work) unless needed
+    labels = {c.label for c in combos}
+    assert "test_vit-sdpa=math-seed=1" in labels and len(labels) == 8
+    axes = collect_axes({"models": "test_vit,test_vit2", "amp": "off", "compile": "off", "batch_size": "2"},
+                        axis_texts_of("sdpa=auto,math"), dict(common))
+    assert {c.label for c in plan(axes, dict(common))} == {"test_vit-sdpa=auto", "test_vit-sdpa=math",
+                                                            "test_vit2-sdpa=auto", "test_vit2-sdpa=math"}
+
+
+def test_the_mlproject_axes_param_reaches_the_sweep(sqlite_store):
+    """`-P axes="a=..;b=.."` arrives as one `--axes` text: each of its axes is checked (here the second)."""
+    result = CliRunner().invoke(main, [*BASE, "--axes", "sdpa=auto,math;img_size=32,x"])
+    assert result.exit_code == 2 and "img_size='x' is not an integer" in result.output, result.output
+
+
+def test_compare_shows_how_many_children_shared_a_host():
+    """engine=local tags each child with the children that shared its host; compare's table shows it."""
+    import pandas as pd
+
+    from vitreg.analysis.comparison import compare_gpus
+    from vitreg.analysis.render import format_table
+    from vitreg.tracking.search import tidy
+
+    runs = pd.DataFrame([{"run_id": f"r{i}", "status": "FINISHED", "params.model": "test_vit", "params.task": "infer",
+                          "tags.gpu": gpu, "params.gpu": gpu, "params.batch_size": "2", "params.amp": "off",
+                          "params.compile": "off", "metrics.infer_throughput_img_per_s": 100.0 + i,
+                          "tags.sweep_children_on_host": shared}
+                         for i, (gpu, shared) in enumerate([("h100", "1"), ("h100", "1"), ("a100", "4")])])
+    comparison = compare_gpus(tidy(runs), baseline=None)
+    assert comparison.table.set_index("gpu")["shared_host"].to_dict() == {"a100": 4.0, "h100": 1.0}
+    assert "shared host" in format_table(comparison)
+    alone = runs.assign(**{"tags.sweep_children_on_host": "1"})
+    assert "shared host" not in format_table(compare_gpus(tidy(alone), baseline=None))

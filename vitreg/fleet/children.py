@@ -1,0 +1,37 @@
+"""What a sweep child is, for both engines (vitreg.bench.sweep's local one and vitreg.fleet's Ray one): its
+command line, and the smaller batch it is retried with after running out of memory."""
+
+from __future__ import annotations
+
+import sys
+
+from vitreg.config.options import AUTO_BATCH, options_to_args
+from vitreg.errors import OutOfMemory
+from vitreg.fleet.axes import Combination
+from vitreg.tracking import runs as tracking
+
+
+def smaller_batch(bs, child_id: str) -> int:
+    """The batch to retry with after a failure: smaller after an out-of-memory one, else 0 (no retry);
+    batch_size=auto backs off inside the child already."""
+    if bs == AUTO_BATCH or not ran_out_of_memory(child_id):
+        return 0
+    return decay_batch(bs)
+
+
+def decay_batch(batch_size: int) -> int:
+    """The next smaller batch after an OOM, timm's way (256 -> 192 -> 128 -> 96 -> 64 ...); 0 below 2."""
+    from timm.utils import decay_batch_step
+
+    return decay_batch_step(batch_size)
+
+
+def child_command(combo: Combination, batch_size, common: dict) -> list[str]:
+    """``python -m vitreg.cli bench`` with the combination's options (at ``batch_size``) over the common ones."""
+    options = {**common, **dict(combo.options), "batch_size": batch_size}
+    return [sys.executable, "-m", "vitreg.cli", "bench", *options_to_args(options)]
+
+
+def ran_out_of_memory(child_id: str) -> bool:
+    # the child is another process: its error's class reaches us as the tag its tracked_run set
+    return tracking.get_run(child_id).data.tags.get(tracking.ERROR_KIND_TAG) == OutOfMemory.__name__

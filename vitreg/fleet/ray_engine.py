@@ -1,0 +1,135 @@
+"""``engine=ray``: each child of a sweep a Ray task on the cluster, asking for the GPUs it needs.
+
+A task asks for ``nproc`` GPUs (none with ``device=cpu``) and, when the child is filed under a GPU label, the
+accelerator type Ray reports for it (``vitreg.hardware.profiles.RAY_ACCELERATOR_TYPES``), so Ray places it on
+a node of that type. The task runs ``vitreg bench`` on its node, logging straight to the tracking server into
+the child run the parent made. Tasks are never retried by Ray (``max_retries=0``): a child whose node died
+ends FAILED with Ray's reason, and the sweep goes on. SIGINT/SIGTERM to the parent cancels every task, which
+stops its child (the child ends its run KILLED), and ends every child run still open KILLED.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+
+from vitreg import signals
+from vitreg.errors import VitregError
+from vitreg.hardware.profiles import RAY_ACCELERATOR_TYPES, label_of_ray_type, normalize_label
+from vitreg.tracking import runs as tracking
+
+CONNECT_TIMEOUT_S = 10.0  # a Ray address that does not answer is one line within this
+_TYPE_PREFIX = "accelerator_type:"
+
+
+def _ray():
+    try:
+        import ray
+    except ImportError:
+        raise VitregError("engine=ray needs Ray: pip install 'vitreg[ray]' (or pip install 'ray[default]')") from None
+    return ray
+
+
+def _check_answers(address: str) -> None:
+    """``HOST:PORT`` and ``ray://HOST:PORT``: a TCP connect, so a dead address is one line in seconds."""
+    if address in ("auto", "local"):
+        return
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    try:
+        with socket.create_connection((host, int(port)), timeout=CONNECT_TIMEOUT_S):
+            pass
+    except (OSError, ValueError) as exc:
+        raise VitregError(f"the Ray cluster at {address} does not answer ({exc}): start its head with `ray start "
+                          f"--head` there, or pass ray_address=auto (this host's cluster) or local") from None
+
+
+def connect(address: str):
+    """``ray.init`` against ``address`` (``local``: a cluster of this host alone). In the main thread (Ray sets
+    its signal handlers there); an address that does not answer was refused by :func:`_check_answers` first."""
+    ray = _ray()
+    _check_answers(address)
+    try:
+        ray.init(address=None if address == "local" else address, log_to_driver=False, include_dashboard=False,
+                 logging_level=logging.WARNING)
+        signals.install()  # ray.init set its own SIGTERM handler (exit 1 at once): SIGTERM must cancel the tasks
+    except (ConnectionError, RuntimeError, ValueError) as exc:  # nothing there, or not a Ray cluster
+        reason = (str(exc).splitlines() or [type(exc).__name__])[0][:200]
+        raise VitregError(f"could not join the Ray cluster at {address} ({reason}): start it (`ray start --head`), "
+                          f"or pass ray_address=local to start one here") from None
+    return ray
+
+
+class RayEngine:
+    """The sweep's children as Ray tasks; :meth:`run` submits them and follows them to their end."""
+
+    def __init__(self, address: str, max_parallel: int, progress):
+        self.ray = connect(address)
+        self.address = address
+        self.max_parallel = max_parallel
+        self.progress = progress
+        nodes = self._nodes()
+        if len(nodes) > 1 and tracking.is_local_store():
+            raise VitregError(f"the Ray cluster has {len(nodes)} nodes and the tracking store is local to this host "
+                              f"({tracking.tracking_uri()}): the other nodes cannot reach it; set MLFLOW_TRACKING_URI "
+                              f"to a tracking server (`vitreg server`)")
+        self.slots = max(1, min(max_parallel, sum(int(n["Resources"].get("CPU", 1)) for n in nodes)))
+        self.where = f"a Ray cluster of {len(nodes)} node{'s' if len(nodes) > 1 else ''}"
+
+    def _nodes(self) -> list[dict]:
+        return [n for n in self.ray.nodes() if n.get("Alive")]
+
+    def accelerator_types(self) -> list[str]:
+        return sorted({k.removeprefix(_TYPE_PREFIX) for n in self._nodes() for k in n["Resources"]
+                       if k.startswith(_TYPE_PREFIX)})
+
+    def expand_gpus(self, axes: dict) -> None:
+        """``gpu=all``: one child per accelerator type of the cluster; named labels must be types it has."""
+        from vitreg.fleet.axes import GPU_ALL
+
+        types = self.accelerator_types()
+        if axes.get("gpu") and GPU_ALL in axes["gpu"]:
+            if not types:
+                raise VitregError(f"gpu=all: the Ray cluster at {self.address} has no GPU node (no node reports an "
+                                  f"accelerator type): pass gpu=auto, or join nodes with GPUs")
+            axes["gpu"] = [label_of_ray_type(t) for t in types]
+        for label in axes.get("gpu", []):
+            wanted = ray_type(label)
+            if wanted and wanted not in types:
+                raise VitregError(f"gpu={label}: no node of the Ray cluster has accelerator type {wanted} (it has: "
+                                  f"{', '.join(types) or 'none'}): pass gpu=all or the labels of the types it has")
+
+    def check(self, combos: list, common: dict) -> None:
+        """Every child's GPUs fit on one node of its type."""
+        for combo in combos:
+            need, wanted = self._request(combo, common)
+            fits = [n for n in self._nodes() if n["Resources"].get("GPU", 0) >= need
+                    and (not wanted or _TYPE_PREFIX + wanted in n["Resources"])]
+            if not fits:
+                most = max((int(n["Resources"].get("GPU", 0)) for n in self._nodes()), default=0)
+                fix = f"pass nproc={most} or less" if most else "join nodes with GPUs, or pass device=cpu"
+                raise VitregError(f"{combo.label} asks for {need} GPUs{f' of type {wanted}' if wanted else ''} and "
+                                  f"no node of the Ray cluster has them (the most a node has: {most}): {fix}")
+
+    @staticmethod
+    def _request(combo, common: dict) -> tuple[int, str | None]:
+        """(GPUs, accelerator type) a child's task asks for."""
+        device = str(combo.get("device", common.get("device") or "auto"))
+        need = 0 if device == "cpu" else int(combo.get("nproc", common.get("nproc") or 1))
+        return need, ray_type(str(combo.get("gpu", common.get("gpu") or "auto")))
+
+    def run(self, ctx, combos: list) -> None:
+        from vitreg.fleet.ray_tasks import Follower
+
+        Follower(self, ctx, combos).run()
+
+    def close(self) -> None:
+        if self.ray.is_initialized():
+            self.ray.shutdown()
+
+
+def ray_type(label: str) -> str | None:
+    """The Ray accelerator type a child filed under ``label`` asks for; None for auto and cpu."""
+    label = normalize_label(label)
+    if label in ("auto", "cpu"):
+        return None
+    return RAY_ACCELERATOR_TYPES.get(label, label.upper())
