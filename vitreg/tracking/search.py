@@ -18,12 +18,12 @@ from vitreg.measure.metrics import TASKS
 
 
 def benchmark_runs(experiment: str) -> pd.DataFrame:
-    """The experiment's benchmark runs (bench, infer, train, timm imports), not its compare/sweep parents."""
+    """The experiment's benchmark runs (bench, infer, train, timm imports), not its compare/check/sweep runs."""
     from vitreg.tracking import runs as tracking
 
     runs = tracking.search_runs(experiment)
     if "tags.vitreg_job" in runs:
-        runs = runs[~runs["tags.vitreg_job"].isin(["compare", "sweep"])]
+        runs = runs[~runs["tags.vitreg_job"].isin(["compare", "sweep", "check"])]
     return runs
 
 
