@@ -283,7 +283,8 @@ def _task_result(task, windows, first_s, warm_s, spec, info, runtime, hardware, 
         task=task, batch_size=bs, img_size=info.img_size, steps=spec.steps, repeats=spec.repeats,
         throughput=tput, iter_ms=summarize(iter_ms), first_call_s=first_s, warmup_s=warm_s,
         compiled=runtime.compile != "off", gflops_per_img=flops_per_img / 1e9, achieved_tflops=achieved,
-        mfu=runtime.precision.mfu(achieved / world_size, hardware.profile),  # the peak of the units that ran
+        # the peak of the units that ran; none for a mislabelled run (its label's peak is not its hardware's)
+        mfu=None if hardware.mismatch else runtime.precision.mfu(achieved / world_size, hardware.profile),
         peak_mem_allocated_mb=peak_alloc, peak_mem_reserved_mb=peak_res, world_size=world_size,
     )
 

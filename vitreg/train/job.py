@@ -308,7 +308,8 @@ def _log_results(run, logger, spec, hw, runtime, info, data, result, summary, re
     if result.throughput_img_per_s:
         achieved = summary["train_gflops_per_img"] * result.throughput_img_per_s / 1e3
         metrics["train_achieved_tflops"] = achieved
-        metrics["train_mfu"] = runtime.precision.mfu(achieved / result.world_size, hw.profile)
+        if not hw.mismatch:  # a mislabelled run's label peak is not its hardware's: no MFU
+            metrics["train_mfu"] = runtime.precision.mfu(achieved / result.world_size, hw.profile)
     logger.metrics(metrics)
     logger.flush()  # every checkpoint is logged before results.json says where the last one is
     results = {
