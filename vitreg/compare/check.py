@@ -42,7 +42,8 @@ def run_check(experiment: str, metric: str = "throughput_img_per_s", selection: 
         with tracking.tracked_run(run_name=run_name or f"check-{experiment}", experiment=log_experiment or experiment,
                                   system_metrics=False) as run:
             _log_check(run, result, experiment, files)
-            run.set_note("\n\n".join(about(result) + [_linked(r, experiment_id) for _, r in result.ordered().iterrows()]))
+            verdicts = [_linked(r, experiment_id) for _, r in result.ordered().iterrows()]
+            run.set_note("\n\n".join(about(result) + verdicts))
     for line in result.lines():
         print(line)
     progress(f"check run {run.run_id} (experiment {log_experiment or experiment!r}): "

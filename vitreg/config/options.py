@@ -1,4 +1,5 @@
-"""Every option of ``bench``, ``infer``, ``sweep``, ``train``, ``compare`` and ``check``, declared once: :data:`OPTIONS`.
+"""Every option of ``bench``, ``infer``, ``sweep``, ``train``, ``compare`` and ``check``, declared once:
+:data:`OPTIONS`.
 
 From this table come the click options of each command (:func:`vitreg.cli.common.command_options`),
 the MLproject params and command lines and the README's parameter tables

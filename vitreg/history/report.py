@@ -60,7 +60,8 @@ def _summary_html(result, charts: list[str]) -> str:
     body += frame_html(_shown(result))
     body += "".join(f"<h2>{html.escape(label)}</h2><img src='{chart}' alt='{html.escape(label)}'>"
                     for label, chart in zip(result.labels, charts))
-    return f"<!doctype html><html><head><meta charset='utf-8'><title>vitreg check</title></head><body>{body}</body></html>"
+    head = "<head><meta charset='utf-8'><title>vitreg check</title></head>"
+    return f"<!doctype html><html>{head}<body>{body}</body></html>"
 
 
 def _shown(result):
