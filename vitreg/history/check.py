@@ -9,7 +9,7 @@ import numpy as np
 import pandas as pd
 
 from vitreg.history.changepoints import change_points
-from vitreg.history.series import CAUSES, MISSING, CheckError, Selection, Series, honest, require_tags, series_of
+from vitreg.history.series import CAUSES, HARDWARE, MISSING, CheckError, Selection, Series, honest, require_tags, series_of
 from vitreg.history.verdict import IMPROVED, NOT_ENOUGH, REGRESSED, WITHIN_NOISE, judge
 from vitreg.measure.metrics import BY_NAME, HIGHER, LOWER
 
@@ -111,7 +111,9 @@ def _no_candidate(selection: Selection) -> str:
 
 def _labels(keys: list[dict]) -> list[str]:
     """Short names of the series: the model, then each other key that differs between the series checked."""
-    varying = [k for k in keys[0] if k not in ("model", "gpu") and len({d[k] for d in keys}) > 1]
+    varying = [k for k in keys[0] if k not in HARDWARE + ("model",) and len({d[k] for d in keys}) > 1]
+    if len({(d.get("gpu"), d.get("gpu_name")) for d in keys}) > len({d.get("gpu") for d in keys}):
+        varying.append("gpu_name")  # one label, two GPU models: say which (the line says the label)
     return [" ".join([d.get("model", MISSING)] + [f"{k}={d[k]}" for k in varying]) for d in keys]
 
 

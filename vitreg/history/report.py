@@ -14,8 +14,9 @@ from vitreg.history.changepoints import segment_medians
 from vitreg.history.series import MISSING
 from vitreg.history.verdict import CONFIDENCE, NOISE_FLOOR, REGRESSED
 
-DPI = 100
-MAX_TICKS = 30  # more runs than this: every k-th run is labelled
+DPI = 80
+# more runs than this: every k-th run is labelled (tick labels are most of a chart's drawing time)
+MAX_TICKS = 10
 
 _SHOWN = ("series", "gpu", "verdict", "ratio", "ci_low", "ci_high", "threshold", "n_history", "candidate_runs",
           "cause", "change_points")
@@ -77,7 +78,8 @@ def plot_series(result, index: int, path: Path) -> Path:
     s, points, row = result.series[index], result.changes[index], result.table.iloc[index]
     values = s.runs["value"].to_numpy()
     x = np.arange(len(values))
-    fig = Figure(figsize=(8, 3.6), dpi=DPI, layout="constrained")
+    fig = Figure(figsize=(8, 3.6), dpi=DPI)  # fixed margins: a constrained layout draws every chart twice
+    fig.subplots_adjust(left=0.1, right=0.98, bottom=0.2, top=0.9)
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
     if len(s.history):
@@ -91,12 +93,12 @@ def plot_series(result, index: int, path: Path) -> Path:
         ax.axvline(p - 0.5, color="orange", lw=1)
     step = max(1, int(np.ceil(len(x) / MAX_TICKS)))
     shas = s.runs["vitreg_git_sha"] if "vitreg_git_sha" in s.runs else [MISSING] * len(x)
-    ax.set_xticks(x[::step], [str(v)[:7] for v in list(shas)[::step]], rotation=60, fontsize=7)
+    ax.set_xticks(x[::step], [str(v)[:7] for v in list(shas)[::step]], fontsize=7)
     ax.set_xlabel("run (oldest first), vitreg git sha")
     ax.set_ylabel(result.metric)
     ax.set_title(f"{row['series']} on {row['gpu']}: {row['verdict']}", fontsize=10)
     ax.legend(fontsize=7, loc="best")
-    fig.savefig(path)
+    fig.savefig(path, pil_kwargs={"compress_level": 1})  # a chart is small either way; zlib's default is slow
     return path
 
 
