@@ -89,7 +89,8 @@ def main() -> None:
                                  capture_output=True, text=True)
             wall = time.perf_counter() - t0
             phases = _timed_phases("scale")
-            print(f"runs={made} series={len(keys)} check_cli_s={wall:.1f} (exit {cli.returncode}) "
+            print(f"runs={made} series={len(keys)} check_cli_s={wall:.1f} (exit {cli.returncode}, "
+                  f"{cli.stdout.count('REGRESSED:')} regressed) "
                   + " ".join(f"{k}={v:.2f}" for k, v in phases.items()) + f" (made in {making:.0f} s)", flush=True)
 
 
