@@ -357,10 +357,14 @@ def test_no_baseline_means_no_speedup_columns():
 
 
 def test_bootstrap_is_reproducible_with_a_seed():
-    df = runs(*repeats("a100", [1000, 1030, 980, 1010]), *repeats("h200", [1900, 2050, 2000, 1950]))
-    a = compare_gpus(df, baseline="a100", seed=7).table
-    b = compare_gpus(df, baseline="a100", seed=7).table
-    pd.testing.assert_frame_equal(a, b)
+    # 12 runs a side: with 4, resampled medians take so few values that every seed gave the same interval,
+    # and the test passed with the seed ignored
+    df = runs(*repeats("a100", [1000 + 7 * (i * 5 % 12) for i in range(12)]),
+              *repeats("h200", [1900 + 13 * (i * 7 % 12) for i in range(12)]))
+    a = compare_gpus(df, baseline="a100", seed=7, n_boot=200).table
+    pd.testing.assert_frame_equal(a, compare_gpus(df, baseline="a100", seed=7, n_boot=200).table)
+    intervals = {tuple(compare_gpus(df, baseline="a100", seed=s, n_boot=200).table["ci_low"].dropna()) for s in range(4)}
+    assert len(intervals) == 4  # each seed its own resamples
 
 
 def test_compare_takes_the_tidy_frame_and_names_it_when_given_raw_runs():

@@ -12,6 +12,7 @@ import yaml
 
 from vitreg.config import generate, options
 from vitreg.config.options import COMMANDS, KINDS, OPTIONS, options_of, spec_options
+from vitreg.config.parse import options_to_args
 from vitreg.config.spec import BenchSpec, TrainSpec
 from vitreg.errors import VitregError
 
@@ -148,7 +149,7 @@ def test_options_to_args_round_trips_through_train_click():
         seen.update(kwargs)
 
     sent = {"model": "test_vit", "steps": 3, "lr": 1e-3, "ddp_static_graph": True, "resume": None}
-    result = CliRunner().invoke(cmd, options.options_to_args(sent))
+    result = CliRunner().invoke(cmd, options_to_args(sent))
     assert result.exit_code == 0, result.output
     assert (seen["model"], seen["steps"], seen["lr"], seen["ddp_static_graph"]) == ("test_vit", "3", "0.001", "true")
     assert seen["resume"] == ""  # None: not passed, the default applies

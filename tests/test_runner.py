@@ -78,12 +78,12 @@ def test_distilled_deit_trains_both_heads():
     assert not model.distilled_training  # restored after the task
 
 
-def test_mfu_against_a_mismatched_label_uses_that_peak():
+def test_a_mislabelled_run_has_no_mfu():
+    """A CPU run filed as a100 (allow_gpu_mismatch): an MFU against the A100's peak would be a made-up figure."""
     spec = BenchSpec(model="test_vit", img_size=32, batch_size=2, warmup=1, steps=2, repeats=1, task="infer")
-    hw = resolve_hardware("a100", CPU, allow_mismatch=True)
     rt = resolve_runtime("off", "off", "inductor", CPU)
-    m = run_benchmark(spec, hw, rt, progress=lambda _: None).metrics()
-    assert m["infer_mfu"] == pytest.approx(m["infer_achieved_tflops"] / 19.5)
+    m = run_benchmark(spec, resolve_hardware("a100", CPU, allow_mismatch=True), rt, progress=lambda _: None).metrics()
+    assert m["infer_achieved_tflops"] > 0 and m.get("infer_mfu") is None
 
 
 def test_batch_size_auto_on_cpu_searches_a_small_range_and_says_what_it_chose():

@@ -1,6 +1,7 @@
 """vitreg: an MLflow-tracked experiment registry for Vision Transformer benchmarks.
 
-From Python: ``vitreg.bench(...)``, ``vitreg.compare(...)`` and ``vitreg.runs(...)`` (:mod:`vitreg.api`).
+From Python: ``vitreg.bench(...)``, ``vitreg.compare(...)``, ``vitreg.check(...)`` and ``vitreg.runs(...)``
+(:mod:`vitreg.api`).
 Importing vitreg imports nothing heavy (no torch, mlflow or pandas) and registers nothing.
 """
 
@@ -15,6 +16,13 @@ def runs(experiment: str):
     from vitreg import api
 
     return api.runs(experiment)
+
+
+def check(experiment: str, **options):
+    """Each configuration x GPU of the experiment against its history, as ``vitreg check``: :func:`vitreg.api.check`."""
+    from vitreg import api
+
+    return api.check(experiment, **options)
 
 
 class _CallablePackage(types.ModuleType):

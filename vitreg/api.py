@@ -1,5 +1,5 @@
-"""vitreg from Python: :func:`bench`, :func:`compare` and :func:`runs`, also reachable as ``vitreg.bench(...)``,
-``vitreg.compare(...)`` and ``vitreg.runs(...)``.
+"""vitreg from Python: :func:`bench`, :func:`compare`, :func:`check` and :func:`runs`, also reachable as
+``vitreg.bench(...)``, ``vitreg.compare(...)``, ``vitreg.check(...)`` and ``vitreg.runs(...)``.
 
 Each takes the options of the command of the same name (the option table's names, typed values or
 strings) and returns what the command computed: a :class:`~vitreg.bench.results.BenchResult`, a
@@ -43,6 +43,18 @@ def compare(experiment: str, baseline: str | None = None, metric: str = "through
     runs_frame = tidy(benchmark_runs(experiment), axes=(by,))
     return compare_runs(runs_frame, baseline=baseline or None, metric=metric, by=by,
                         include_mismatch=include_mismatch, **analysis)
+
+
+def check(experiment: str, metric: str = "throughput_img_per_s", window: int = 10, candidate: str | None = None,
+          candidate_tag: str | None = None, baseline_tag: str | None = None, seed: int = 0):
+    """What ``vitreg check`` finds, without logging a check run: each configuration x GPU of the experiment,
+    its candidate (``candidate`` run id, the runs tagged ``candidate_tag`` "KEY=VALUE", else the newest run)
+    against its history (the ``window`` runs before it, or those tagged ``baseline_tag``). Returns a
+    :class:`~vitreg.history.check.CheckResult`: ``table`` (one row per series), ``lines()``, ``exit_code``."""
+    from vitreg.cli.check_cmd import selection_of
+    from vitreg.compare.check import check as run
+
+    return run(experiment, metric, selection_of(window, candidate, candidate_tag, baseline_tag), seed=seed)[0]
 
 
 def runs(experiment: str):

@@ -42,16 +42,29 @@ def spread(vals: np.ndarray) -> float:
 
 def bootstrap_ci(vals, base_vals, higher: bool, n_boot: int, rng, confidence: float) -> tuple[float, float]:
     """Percentile bootstrap interval of the improvement factor (ratio of medians), resampling each
-    side's runs independently (``scipy.stats.bootstrap``, ``n_boot`` resamples drawn from ``rng``)."""
+    side's runs independently (``scipy.stats.bootstrap``, ``n_boot`` resamples drawn from ``rng``).
+
+    A side of one run has nothing to resample: it stays fixed and only the other side is resampled (the
+    interval then holds the other side's uncertainty alone; :mod:`vitreg.history.verdict` adds the lone
+    run's own noise to its threshold). NaN, NaN when neither side has two runs."""
     from scipy.stats import bootstrap
+
+    vals, base_vals = np.asarray(vals, float), np.asarray(base_vals, float)
 
     def ratio(a, b, axis=-1):
         ma, mb = np.median(a, axis=axis), np.median(b, axis=axis)
         with np.errstate(divide="ignore", invalid="ignore"):
             return ma / mb if higher else mb / ma
 
-    res = bootstrap((np.asarray(vals, float), np.asarray(base_vals, float)), ratio, n_resamples=n_boot,
-                    confidence_level=confidence, method="percentile", paired=False, vectorized=True, rng=rng)
+    samples, statistic = (vals, base_vals), ratio
+    if len(vals) < 2 and len(base_vals) < 2:
+        return np.nan, np.nan
+    if len(vals) < 2:
+        samples, statistic = (base_vals,), lambda b, axis=-1: ratio(vals, b, axis)
+    elif len(base_vals) < 2:
+        samples, statistic = (vals,), lambda a, axis=-1: ratio(a, base_vals, axis)
+    res = bootstrap(samples, statistic, n_resamples=n_boot, confidence_level=confidence, method="percentile",
+                    paired=False, vectorized=True, rng=rng)
     lo, hi = res.confidence_interval
     if not (math.isfinite(lo) and math.isfinite(hi)):
         return np.nan, np.nan

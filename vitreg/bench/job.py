@@ -23,7 +23,8 @@ from vitreg.analysis.frame import FOLDED_INTO, SCALED_COLUMNS
 from vitreg.bench.report import report_markdown, results_table
 from vitreg.bench.results import BenchResult
 from vitreg.bench.runner import run_benchmark
-from vitreg.config.options import identity_names, option, param_text
+from vitreg.config.options import identity_names, option
+from vitreg.config.parse import param_text
 from vitreg.config.spec import BenchSpec
 from vitreg.console import progress
 from vitreg.ddp import launcher as launch

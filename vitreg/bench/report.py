@@ -8,7 +8,8 @@ from vitreg.analysis.frame import options_shown_in
 from vitreg.analysis.render import RESULT_HEADERS, code_block, inert, markdown_table, result_rows
 from vitreg.bench.results import BenchResult
 from vitreg.bench.runner import INFER_EAGER_STEPS_BEFORE_CAPTURE
-from vitreg.config.options import identity_names, param_text
+from vitreg.config.options import identity_names
+from vitreg.config.parse import param_text
 from vitreg.hardware.env import EnvInfo
 from vitreg.measure.graphs import EAGER_STEPS_BEFORE_CAPTURE
 

@@ -38,7 +38,7 @@ from vitreg.models.factory import ModelInfo, create_model
 from vitreg.models.memory import check_batch_fits
 from vitreg.models.flops import forward_flops_per_image, train_flops_per_image
 from vitreg.hardware.runtime import Runtime, run_context
-from vitreg.config.options import AUTO_BATCH
+from vitreg.config.parse import AUTO_BATCH
 from vitreg.config.spec import BenchSpec
 
 from vitreg.measure.timing import synchronize, time_window, wall_seconds

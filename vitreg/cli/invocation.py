@@ -16,7 +16,8 @@ from pathlib import PurePath
 import click
 from click.core import ParameterSource
 
-from vitreg.config.options import options_of, param_text
+from vitreg.config.options import options_of
+from vitreg.config.parse import param_text
 
 ENTRY_POINTS_DIR = "entry_points"  # the MLproject scripts call the CLI with prog_name="entry_points/<name>.py"
 

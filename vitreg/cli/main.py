@@ -87,6 +87,7 @@ def server(ctx):
 
 from vitreg.cli.registry_cmds import infer as infer_command, pull as pull_command, register as register_command  # noqa: E402,E501
 
+from vitreg.cli.check_cmd import check as check_command  # noqa: E402
 from vitreg.cli.runs_cmds import runs as runs_command, sync as sync_command  # noqa: E402
 from vitreg.cli.train_cmd import train as train_command  # noqa: E402
 
@@ -96,6 +97,7 @@ main.add_command(infer_command)
 main.add_command(train_command)
 main.add_command(runs_command)
 main.add_command(sync_command)
+main.add_command(check_command)
 
 if __name__ == "__main__":  # pragma: no cover
     main()

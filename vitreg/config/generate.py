@@ -14,7 +14,7 @@ from pathlib import Path
 from vitreg.config.options import Option, options_of
 
 REPO = Path(__file__).resolve().parents[2]
-ENTRY_POINTS = ("bench", "compare", "sweep", "infer", "train")  # their order in MLproject
+ENTRY_POINTS = ("bench", "compare", "check", "sweep", "infer", "train")  # their order in MLproject
 README_TABLES = ("bench", "train")
 
 _HEADER = """\

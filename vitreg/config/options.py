@@ -1,4 +1,5 @@
-"""Every option of ``bench``, ``infer``, ``sweep``, ``train`` and ``compare``, declared once: :data:`OPTIONS`.
+"""Every option of ``bench``, ``infer``, ``sweep``, ``train``, ``compare`` and ``check``, declared once:
+:data:`OPTIONS`.
 
 From this table come the click options of each command (:func:`vitreg.cli.common.command_options`),
 the MLproject params and command lines and the README's parameter tables
@@ -17,20 +18,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from vitreg.config.parse import parse_bool, parse_choice, parse_float, parse_int
+from vitreg.config.parse import AUTO_BATCH, param_text, parse_batch, parse_bool, parse_choice, parse_float, parse_int
 from vitreg.errors import VitregError
 from vitreg.hardware.precision import INFERENCE_ONLY, PRECISION_CHOICES
 from vitreg.hardware.profiles import label_list  # the GPU labels of the help and docs: one table, PROFILES
 from vitreg.hardware.sdpa import SDPA_CHOICES
 from vitreg.models.families import names_text
 
-COMMANDS = ("bench", "infer", "sweep", "train", "compare")
+COMMANDS = ("bench", "infer", "sweep", "train", "compare", "check")
 KINDS = ("str", "int", "float", "bool", "choice", "batch")  # batch: an int >= 1 or "auto"
 
 TASKS = ("infer", "train", "both")
 AMP_CHOICES = ("auto", *PRECISION_CHOICES)  # bench and infer
 TRAIN_AMP_CHOICES = tuple(c for c in AMP_CHOICES if c not in INFERENCE_ONLY)
-AUTO_BATCH = "auto"  # batch_size=auto: the runner searches the batch (vitreg.measure.autobatch)
 COMPILE_CHOICES = ("off", "default", "reduce-overhead", "max-autotune")
 COMPILE_BACKENDS = ("inductor", "eager", "aot_eager", "cudagraphs")
 DEVICE_CHOICES = ("auto", "cuda", "cpu")
@@ -102,34 +102,6 @@ class Option:
         return (text.lower() if self.lowercase else text) or self.default
 
 
-def parse_batch(value, name: str):
-    """``"auto"`` (any case) -> :data:`AUTO_BATCH`, else an int >= 1."""
-    text = str(value).strip().lower()
-    if text == AUTO_BATCH:
-        return AUTO_BATCH
-    if not text.lstrip("+-").isdigit():
-        raise VitregError(f"{name}={value!r} is not an integer or auto: pass e.g. {name}=64, or {name}=auto "
-                          f"(search the fastest batch that fits)")
-    return parse_int(text, name, 1)
-
-
-def param_text(value) -> str:
-    """A value as an MLflow param or a command-line word: booleans as true/false."""
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    return str(value)
-
-
-def options_to_args(options: dict) -> list[str]:
-    """``{"batch_size": "64", "compile": "off"}`` -> ``["--batch-size", "64", "--compile", "off"]`` (None skipped):
-    the argv that hands options to a child vitreg process (a torchrun rank, a sweep child)."""
-    args = []
-    for key, value in options.items():
-        if value is not None:
-            args += [f"--{key.replace('_', '-')}", param_text(value)]
-    return args
-
-
 def options_of(command: str) -> list[Option]:
     """The options ``command`` takes, in table order."""
     return [o for o in OPTIONS if command in o.commands]
@@ -155,6 +127,7 @@ def option(command: str, name: str) -> Option:
 _DDP = ("bench", "train")  # the commands that run one job on several processes (and hosts)
 _RUNS = ("bench", "infer", "sweep", "train")  # the commands that log benchmark or training runs
 _TIMED = ("bench", "infer", "sweep")  # the commands that time windows of iterations
+_CHECKS = "a check option: it reads runs and measures nothing"
 
 OPTIONS: tuple[Option, ...] = (
     Option("model_uri", "str", None, "models:/NAME@ALIAS, models:/NAME/VERSION or runs:/RUN_ID/checkpoints/last.",
@@ -425,18 +398,18 @@ OPTIONS: tuple[Option, ...] = (
     Option("run_name", "str", None, "MLflow run name (default: made of the model, GPU, amp, compile and batch size).",
            ("bench", "infer", "train"), spec_field=False, mlproject=False,
            same_work="what the run is called, not what it measures"),
-    Option("experiment", "str", None, "The experiment whose runs to compare.", ("compare",), required=True,
+    Option("experiment", "str", None, "The experiment whose runs to compare.", ("compare", "check"), required=True,
            spec_field=False,
            same_work="a compare option: it reads runs and measures nothing"),
     Option("baseline", "str", "", "the --by value to compute speedups against (a GPU label such as a100; 2.8.0 "
            "with --by torch_version); empty: none.", ("compare",), spec_field=False,
            same_work="a compare option: it reads runs and measures nothing"),
     Option("metric", "str", "throughput_img_per_s",
-           "Metric (task prefix stripped) to compare, e.g. latency_ms_p50, step_ms_p50.", ("compare",),
+           "Metric (task prefix stripped) to compare, e.g. latency_ms_p50, step_ms_p50.", ("compare", "check"),
            spec_field=False,
            same_work="a compare option: it reads runs and measures nothing"),
-    Option("log_experiment", "str", None, "Experiment for the compare run itself (ignored under `mlflow run`).",
-           ("compare",), spec_field=False, mlproject=False, envvar="MLFLOW_EXPERIMENT_NAME",
+    Option("log_experiment", "str", None, "Experiment for the compare/check run itself (ignored under `mlflow run`).",
+           ("compare", "check"), spec_field=False, mlproject=False, envvar="MLFLOW_EXPERIMENT_NAME",
            same_work="a compare option: it reads runs and measures nothing"),
     Option("by", "str", "gpu", "the axis to compare along: gpu, or any tag or param the runs carry (torch_version, "
            "compile, amp, timm_version, vitreg_git_sha, ...); runs are paired when they differ only in it.",
@@ -445,4 +418,13 @@ OPTIONS: tuple[Option, ...] = (
     Option("include_mismatch", "bool", False, "true: give mislabelled runs (gpu_mismatch=true, or hardware that is not "
            "their GPU label) speedups and verdicts too; they are marked either way.", ("compare",), spec_field=False,
            same_work="a compare option: it reads runs and measures nothing"),
+    Option("window", "int", 10, "history: the candidate's N previous runs (of its configuration and GPU).", ("check",),
+           minimum=1, spec_field=False, same_work=_CHECKS),
+    Option("candidate", "str", "", "run id to check (empty: the newest run of each configuration x GPU).", ("check",),
+           spec_field=False, same_work=_CHECKS),
+    Option("candidate_tag", "str", "", "KEY=VALUE: the runs with this tag are the candidate (e.g. pr=123).",
+           ("check",), spec_field=False, same_work=_CHECKS),
+    Option("baseline_tag", "str", "", "KEY=VALUE: the history is the newest --window runs with this tag "
+           "(e.g. release=2.4) instead of the runs before the candidate.", ("check",), spec_field=False,
+           same_work=_CHECKS),
 )

@@ -13,6 +13,7 @@ from vitreg.errors import VitregError
 
 TRUE = ("1", "true", "yes", "on", "y", "t")
 FALSE = ("0", "false", "no", "off", "n", "f", "")
+AUTO_BATCH = "auto"  # batch_size=auto: the runner searches the batch (vitreg.measure.autobatch)
 
 
 def parse_bool(value, name: str, error: type[VitregError] = VitregError) -> bool:
@@ -69,3 +70,31 @@ def parse_choice(value, name: str, choices: tuple[str, ...]) -> str:
     close = difflib.get_close_matches(text, choices, n=1)
     hint = f" (did you mean {name}={close[0]}?)" if close else ""
     raise VitregError(f"{name}={value!r} is not one of {', '.join(choices)}{hint}")
+
+
+def parse_batch(value, name: str):
+    """``"auto"`` (any case) -> :data:`AUTO_BATCH`, else an int >= 1."""
+    text = str(value).strip().lower()
+    if text == AUTO_BATCH:
+        return AUTO_BATCH
+    if not text.lstrip("+-").isdigit():
+        raise VitregError(f"{name}={value!r} is not an integer or auto: pass e.g. {name}=64, or {name}=auto "
+                          f"(search the fastest batch that fits)")
+    return parse_int(text, name, 1)
+
+
+def param_text(value) -> str:
+    """A value as an MLflow param or a command-line word: booleans as true/false."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value)
+
+
+def options_to_args(options: dict) -> list[str]:
+    """``{"batch_size": "64", "compile": "off"}`` -> ``["--batch-size", "64", "--compile", "off"]`` (None skipped):
+    the argv that hands options to a child vitreg process (a torchrun rank, a sweep child)."""
+    args = []
+    for key, value in options.items():
+        if value is not None:
+            args += [f"--{key.replace('_', '-')}", param_text(value)]
+    return args

@@ -16,7 +16,8 @@ import difflib
 from dataclasses import dataclass, fields
 from typing import Literal  # noqa: F401 - named in the batch annotation below
 
-from vitreg.config.options import AUTO_BATCH, DDP_BUCKET_MB, param_text, spec_options
+from vitreg.config.options import DDP_BUCKET_MB, spec_options
+from vitreg.config.parse import AUTO_BATCH, param_text
 from vitreg.config.parse import TRUE as _TRUE, parse_bool, parse_int  # noqa: F401 - other modules import them from here
 from vitreg.errors import VitregError
 from vitreg.hardware.precision import check_tasks

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from vitreg.config.options import options_to_args
+from vitreg.config.parse import options_to_args
 from vitreg.ddp.diagnose import LaunchOutcome, diagnose, record_error
 from vitreg.ddp.world import inside_torchrun, is_main_process
 from vitreg.errors import VitregError

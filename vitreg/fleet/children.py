@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import sys
 
-from vitreg.config.options import AUTO_BATCH, options_to_args
+from vitreg.config.parse import AUTO_BATCH, options_to_args
 from vitreg.errors import OutOfMemory
 from vitreg.fleet.axes import Combination
 from vitreg.tracking import runs as tracking

@@ -34,8 +34,10 @@ class Work:
 
     @classmethod
     def of(cls, runtime, hardware, world_size: int = 1) -> Work:
-        """The work of a job that ran under ``runtime`` (a Runtime) on ``hardware`` (a ResolvedHardware)."""
-        return cls(world_size, runtime.compile != "off", runtime.precision, hardware.profile)
+        """The work of a job that ran under ``runtime`` (a Runtime) on ``hardware`` (a ResolvedHardware).
+        A mislabelled run (``hardware.mismatch``) gets no MFU: its label's peak is not its hardware's."""
+        precision = None if hardware.mismatch else runtime.precision
+        return cls(world_size, runtime.compile != "off", precision, hardware.profile)
 
 
 @dataclass(frozen=True)

@@ -13,19 +13,20 @@ import pandas as pd
 
 from vitreg.analysis.frame import (ALL_METRICS, MISSING, NO_RUNS, NOT_APPLICABLE, RUN_COMMANDS, SHARED_METRICS,
                                    TASK_METRICS, CompareError, config_columns, id_columns)
-from vitreg.config.options import options_of, param_text
+from vitreg.config.options import options_of
+from vitreg.config.parse import param_text
 from vitreg.config.spec import _TRUE, DDP_BUCKET_MB
 from vitreg.errors import VitregError
 from vitreg.measure.metrics import TASKS
 
 
 def benchmark_runs(experiment: str) -> pd.DataFrame:
-    """The experiment's benchmark runs (bench, infer, train, timm imports), not its compare/sweep parents."""
+    """The experiment's benchmark runs (bench, infer, train, timm imports), not its compare/check/sweep runs."""
     from vitreg.tracking import runs as tracking
 
     runs = tracking.search_runs(experiment)
     if "tags.vitreg_job" in runs:
-        runs = runs[~runs["tags.vitreg_job"].isin(["compare", "sweep"])]
+        runs = runs[~runs["tags.vitreg_job"].isin(["compare", "sweep", "check"])]
     return runs
 
 

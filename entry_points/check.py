@@ -1,0 +1,11 @@
+"""MLproject entry point `check`: the same options as `vitreg check` (see README.md)."""
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without install
+
+from vitreg.cli.main import main  # noqa: E402
+
+if __name__ == "__main__":
+    main(["check", *sys.argv[1:]], prog_name="entry_points/check.py")

@@ -1,0 +1,103 @@
+"""Did a candidate run get slower than its history? The verdict on one configuration x GPU.
+
+A candidate (one run, or a few repeats) is set against the runs before it. The ratio of medians
+(candidate / history, oriented so that > 1 is better) gets a percentile bootstrap interval
+(:func:`vitreg.analysis.stats.bootstrap_ci`), and the verdict is "regressed" or "improved" only when
+that interval excludes 1 *and* the change is larger than a noise threshold taken from the
+configuration's own spread: the scatter of the history's runs, or the runs' own window-to-window
+spread (``throughput_cv``) where that is larger, scaled by Student's t for the number of history runs
+(few runs: a wide threshold), and never below :data:`NOISE_FLOOR`.
+
+Tested where the answer is known (tests/test_check_stats.py): a 5 % step after 10 runs at 1 % noise is
+flagged in >= 95 of 100 seeds, pure noise at 1-3 % CV in <= 5 of 100.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from vitreg.analysis.stats import bootstrap_ci
+
+REGRESSED, IMPROVED, WITHIN_NOISE, NOT_ENOUGH = "regressed", "improved", "within noise", "not enough history"
+VERDICTS = (REGRESSED, IMPROVED, WITHIN_NOISE, NOT_ENOUGH)
+
+# Fewer than three earlier runs give no estimate of their scatter worth a verdict (two runs: one
+# difference), so such a pair says "not enough history" and never passes or fails a gate.
+MIN_HISTORY = 3
+
+# The smallest change ever called a regression. Runs of one configuration on separate machine starts
+# differ more than the windows inside a run: the same ViT-B DDP control gave 5,104 and 5,010 img/s on two
+# starts of the H200 pair (-1.8 %), with each run's own window CV at or under 1 % (docs/benchmarks.md, "DDP
+# on two H200s", fourth session). A gate that fails on less than 2 % would fail on a fresh machine.
+NOISE_FLOOR = 0.02
+
+# Two-sided, for the interval and the threshold's t quantile. In 300 simulated seeds (1-3 % CV, 10 runs of
+# history, one candidate) pure noise crossed either threshold in 2.7-4.3 % and the regression one in 1.3-2.3 %;
+# a 5 % step at 1 % noise was caught in 98.7 %. 0.99 caught only 89 % of those steps.
+CONFIDENCE = 0.95
+N_BOOT = 2000
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """The verdict on one candidate against its history, and the figures it rests on."""
+
+    verdict: str  # one of VERDICTS
+    ratio: float  # median(candidate) / median(history); for a lower-is-better metric inverted: > 1 is better
+    ci_low: float  # bootstrap interval of ratio (NaN without enough history)
+    ci_high: float
+    threshold: float  # the relative change a verdict needs (>= NOISE_FLOOR)
+    noise: float  # the relative spread of one run that the threshold comes from
+    n_history: int
+    n_candidate: int
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def relative_scatter(values) -> float:
+    """Sample standard deviation over the median: the spread of one run, relative (NaN under two runs)."""
+    v = np.asarray(values, float)
+    med = np.median(v) if len(v) else np.nan
+    return float(np.std(v, ddof=1) / abs(med)) if len(v) >= 2 and med else np.nan
+
+
+def noise_of(history, run_cvs=()) -> float:
+    """The relative spread of one run of this configuration: the history's scatter, or the median of the
+    runs' own ``throughput_cv`` where that is larger (a short history can look quieter than it is)."""
+    cvs = np.asarray([c for c in run_cvs if c is not None and math.isfinite(c)], float)
+    own = float(np.median(cvs)) if len(cvs) else 0.0
+    scatter = relative_scatter(history)
+    return max(own, scatter if math.isfinite(scatter) else 0.0)
+
+
+def threshold_of(noise: float, n_history: int, n_candidate: int) -> float:
+    """The relative change pure noise stays within with :data:`CONFIDENCE`: Student's t (``n_history`` - 1
+    degrees of freedom) times the spread of median(candidate) - median(history), at least the floor."""
+    from scipy.stats import t
+
+    quantile = float(t.ppf(1 - (1 - CONFIDENCE) / 2, n_history - 1))
+    return max(NOISE_FLOOR, quantile * noise * math.sqrt(1 / n_candidate + 1 / n_history))
+
+
+def judge(candidate, history, higher: bool = True, run_cvs=(), seed: int = 0, n_boot: int = N_BOOT) -> Verdict:
+    """The verdict on ``candidate`` (values of the candidate runs) against ``history`` (earlier runs'
+    values). ``higher``: a larger value is better (throughput); ``run_cvs``: the runs' own ``throughput_cv``."""
+    cand, hist = np.asarray(candidate, float), np.asarray(history, float)
+    med_c, med_h = float(np.median(cand)), (float(np.median(hist)) if len(hist) else np.nan)
+    ratio = (med_c / med_h if higher else med_h / med_c) if len(hist) and med_h and med_c else np.nan
+    if len(hist) < MIN_HISTORY or not math.isfinite(ratio):
+        return Verdict(NOT_ENOUGH, ratio, np.nan, np.nan, np.nan, np.nan, len(hist), len(cand))
+    noise = noise_of(hist, run_cvs)
+    threshold = threshold_of(noise, len(hist), len(cand))
+    lo, hi = bootstrap_ci(cand, hist, higher, n_boot, np.random.default_rng(seed), CONFIDENCE)
+    if hi < 1 and 1 - ratio > threshold:
+        verdict = REGRESSED
+    elif lo > 1 and ratio - 1 > threshold:
+        verdict = IMPROVED
+    else:
+        verdict = WITHIN_NOISE
+    return Verdict(verdict, ratio, lo, hi, threshold, noise, len(hist), len(cand))
