@@ -20,6 +20,7 @@ from vitreg.config.options import option, options_of
 from vitreg.errors import VitregError
 from vitreg.hardware.env import environ_restored
 from vitreg.signals import Terminated
+from vitreg.tracking.uris import scrub
 
 
 def command_options(command: str):
@@ -100,10 +101,10 @@ def user_errors(fn):
 
             tracking.fail_requested_run(str(exc))
             record_error(str(exc), exc.exit_code)  # in a torchrun worker: the launcher's root cause
-            click.echo(f"error: {exc}", err=True)
+            click.echo(f"error: {scrub(str(exc))}", err=True)
             sys.exit(exc.exit_code)
         except Terminated as exc:  # SIGTERM/SIGHUP: the run is KILLED already (tracked_run); say so in one line
-            click.echo(f"error: {exc}; the run is marked KILLED", err=True)
+            click.echo(f"error: {exc}; the run is marked KILLED", err=True)  # no URI in it
             sys.exit(exc.exit_code)
 
     return wrapper

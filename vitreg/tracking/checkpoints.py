@@ -28,6 +28,7 @@ from vitreg.errors import VitregError, path_kind
 from vitreg.tracking.delivery import first_line
 from vitreg.tracking.filemodes import copy_as_new_file
 from vitreg.tracking.lazy import mlflow
+from vitreg.tracking.uris import redact
 from vitreg.tracking.quiet import quiet_artifact_downloads
 from vitreg.train import checkpoint as ckpt
 
@@ -87,7 +88,7 @@ def mlflow_call(fn, what: str):
     except mlflow.exceptions.MlflowException:
         raise
     except Exception as exc:  # connection refused, DNS, ...
-        raise VitregError(f"cannot reach the MLflow tracking server at {mlflow.get_tracking_uri()} to {what}: "
+        raise VitregError(f"cannot reach the MLflow tracking server at {redact(mlflow.get_tracking_uri())} to {what}: "
                           f"{first_line(exc)} (check MLFLOW_TRACKING_URI)") from None
 
 
@@ -130,7 +131,7 @@ def _download_model_version(client, uri: str, dst: Path, what: str, progress) ->
     except mlflow.exceptions.MlflowException:
         names = _registered_names(client)
         have = f"registered models are {', '.join(names)}" if names else "there are no registered models yet"
-        raise VitregError(f"no registered model {name!r} at {mlflow.get_tracking_uri()}: {have}") from None
+        raise VitregError(f"no registered model {name!r} at {redact(mlflow.get_tracking_uri())}: {have}") from None
     if version is None:
         if alias.lower() == "latest":
             versions = [int(mv.version) for mv in client.search_model_versions(f"name = '{name}'")]
@@ -169,7 +170,7 @@ def _download_run_path(client, uri: str, dst: Path, what: str, progress) -> tupl
     try:
         mlflow_call(lambda: client.get_run(run_id), f"look up run {run_id}")
     except mlflow.exceptions.MlflowException:
-        raise VitregError(f"{what}={uri} cannot be downloaded: no run {run_id!r} at {mlflow.get_tracking_uri()}: "
+        raise VitregError(f"{what}={uri} cannot be downloaded: no run {run_id!r} at {redact(mlflow.get_tracking_uri())}: "
                           f"check the run id (mlflow runs list) or MLFLOW_TRACKING_URI") from None
     path = path.strip("/")
     entries = client.list_artifacts(run_id, path or None)
@@ -206,7 +207,7 @@ def _download_artifact_uri(uri: str, dst: Path, what: str, progress) -> Path:
     try:
         local = _download(uri, dst, progress)
     except (mlflow.exceptions.MlflowException, OSError) as exc:
-        raise VitregError(f"{what}={uri} cannot be downloaded from {mlflow.get_tracking_uri()} ({first_line(exc)}): "
+        raise VitregError(f"{what}={uri} cannot be downloaded from {redact(mlflow.get_tracking_uri())} ({first_line(exc)}): "
                           f"check the URI (MLFLOW_TRACKING_URI must be its store)") from None
     return _find_checkpoint(local, uri)
 

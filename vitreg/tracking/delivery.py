@@ -28,8 +28,9 @@ from vitreg import errors
 from vitreg.config.parse import parse_float
 from vitreg.errors import StoreError, VitregError
 from vitreg.tracking.lazy import mlflow
+from vitreg.tracking.quiet import quiet_run_links
 from vitreg.tracking.spool import MAX_METRICS, MAX_PARAMS, MAX_TAGS, Spool
-from vitreg.tracking.uris import redact
+from vitreg.tracking.uris import redact, scrub
 
 SPOOL_ID_TAG = "vitreg_spool_id"
 HEARTBEAT_TAG = "vitreg_heartbeat"  # unix seconds, refreshed while the process that logs the run is alive
@@ -98,7 +99,12 @@ def store_errors(uri: str, doing: str):
 
 
 def first_line(exc: BaseException) -> str:
-    """The reason in a few words: MLflow wraps urllib3's in a paragraph naming the URL and the pool."""
+    """The reason in a few words: MLflow wraps urllib3's in a paragraph naming the URL and the pool.
+    Any URI or credential in it is masked (:func:`~vitreg.tracking.uris.scrub`)."""
+    return scrub(_reason(exc))
+
+
+def _reason(exc: BaseException) -> str:
     text = str(exc).strip()
     if not text:
         return type(exc).__name__
@@ -148,6 +154,7 @@ class Delivery:
     """Sends one spool's records to one tracking store; keeps where the server's run stands."""
 
     def __init__(self, spool: Spool, client: mlflow.MlflowClient | None = None, heartbeat: bool = False):
+        quiet_run_links()  # set_terminated would print MLflow's link, credentials and all
         self.spool = spool
         self.client = client or mlflow.MlflowClient()
         self.heartbeat = heartbeat  # a live process: every batch also says "still alive"

@@ -33,15 +33,16 @@ from vitreg.tracking.lazy import mlflow
 from vitreg.tracking.spool import offline_mode
 from vitreg.tracking.spooling import open_run, sync_hint
 from vitreg.tracking.store import prepare_store
-from vitreg.tracking.uris import redact, without_credentials
+from vitreg.tracking.uris import redact, scrub, without_credentials
 
 
 def tracking_uri() -> str:
-    """MLflow's tracking URI. Before mlflow is imported nothing can have called ``mlflow.set_tracking_uri``,
-    so a set MLFLOW_TRACKING_URI is the answer MLflow would give: a DDP rank prints it without importing mlflow."""
+    """MLflow's tracking URI as vitreg prints it (credentials masked, :func:`~vitreg.tracking.uris.redact`).
+    Before mlflow is imported nothing can have called ``mlflow.set_tracking_uri``, so a set MLFLOW_TRACKING_URI
+    is the answer MLflow would give: a DDP rank prints it without importing mlflow."""
     if "mlflow" not in sys.modules and os.environ.get("MLFLOW_TRACKING_URI"):
-        return os.environ["MLFLOW_TRACKING_URI"]
-    return mlflow.get_tracking_uri()
+        return redact(os.environ["MLFLOW_TRACKING_URI"])
+    return redact(mlflow.get_tracking_uri())
 
 
 class Tracker(Protocol):
@@ -310,10 +311,10 @@ def fail_requested_run(message: str) -> None:
             client = mlflow.MlflowClient()
             if client.get_run(run_id).info.status != "RUNNING":
                 return  # tracked_run already ended it, with the reason
-            client.set_tag(run_id, ERROR_TAG, " ".join(message.split())[:4000])
+            client.set_tag(run_id, ERROR_TAG, scrub(" ".join(message.split()))[:4000])
             client.set_terminated(run_id, "FAILED")
     except Exception as exc:  # the server is the problem; say so and keep the user's error first
-        print(f"[vitreg] could not mark run {run_id} FAILED: {first_line(exc)}", file=sys.stderr)
+        print(f"[vitreg] could not mark run {run_id} FAILED: {scrub(first_line(exc))}", file=sys.stderr)
 
 
 def check_server(timeout: float = 5.0) -> None:
@@ -346,11 +347,12 @@ def where_logged(tracker) -> str:
     or, for a run still in the local spool (offline, or a store that did not take it), how to deliver it."""
     if tracker.offline or tracker.delivered is False:  # a SpoolingTracker's run still in its spool
         return sync_hint(tracker.spool)
-    uri = tracking_uri()
+    uri = mlflow.get_tracking_uri()
     page = f"#/experiments/{tracker.experiment_id}/runs/{tracker.run_id}"
     if uri.startswith(("http://", "https://")):
         base = without_credentials(uri)[0].rstrip("/")
         return f"logged run {tracker.run_id} to {redact(uri)}: {base}/{page}"
+    uri = redact(uri)
     return (f"logged run {tracker.run_id} to {uri}: open it with `make ui` (or `mlflow ui --backend-store-uri "
             f"{uri}`), then http://127.0.0.1:5000/{page}")
 
@@ -373,7 +375,7 @@ def finish_child_run(run_id: str, returncode: int, stderr: str) -> str:
     if returncode != 0 and not reason:
         lines = [line for line in stderr.strip().splitlines() if line.strip()]
         reason = lines[-1] if lines else f"exit status {returncode}"
-        client.set_tag(run_id, ERROR_TAG, reason[:4000])
+        client.set_tag(run_id, ERROR_TAG, scrub(reason)[:4000])
     if run.info.status == "RUNNING":
         client.set_terminated(run_id, "FINISHED" if returncode == 0 else "FAILED")
     return reason
@@ -389,7 +391,7 @@ def search_runs(experiment: str, filter_string: str = ""):
     """All runs of an experiment (by name) as a pandas DataFrame, MLflow's ``search_runs`` columns."""
     exp = mlflow.MlflowClient().get_experiment_by_name(experiment)
     if exp is None:
-        raise VitregError(f"experiment {experiment!r} does not exist at {mlflow.get_tracking_uri()}: "
+        raise VitregError(f"experiment {experiment!r} does not exist at {tracking_uri()}: "
                           f"check the name (mlflow experiments search) or MLFLOW_TRACKING_URI")
     return mlflow.search_runs(experiment_ids=[exp.experiment_id], filter_string=filter_string,
                               output_format="pandas")
