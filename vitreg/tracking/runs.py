@@ -27,10 +27,11 @@ from typing import Protocol
 
 from vitreg.ddp.world import is_main_process
 from vitreg.errors import StoreError, VitregError
+from vitreg import signals
 from vitreg.signals import interrupted_reason
 from vitreg.tracking.delivery import ERROR_KIND_TAG, ERROR_TAG, first_line, short_http_requests, store_errors
 from vitreg.tracking.lazy import mlflow
-from vitreg.tracking.spool import offline_mode
+from vitreg.tracking.spool import flush_timeout_s, offline_mode
 from vitreg.tracking.spooling import open_run, sync_hint
 from vitreg.tracking.store import prepare_store
 from vitreg.tracking.uris import redact, scrub, without_credentials
@@ -265,6 +266,12 @@ def tracked_run(run_name: str | None = None, experiment: str | None = None, syst
     tracker = open_run(_experiment_name(experiment), None if requested_run_id() else run_name, tags=tags,
                        offline=offline)
     monitor = _system_metrics(tracker) if system_metrics else None
+
+    def last_words(reason: str) -> None:  # vitreg.signals' watchdog, when the main thread cannot stop in time
+        tracker.set_tags({ERROR_TAG: reason})
+        tracker.close("KILLED", timeout_s=min(5.0, flush_timeout_s()))
+
+    signals.on_forced_exit(last_words)
     try:
         yield tracker
     except VitregError as exc:
@@ -278,6 +285,8 @@ def tracked_run(run_name: str | None = None, experiment: str | None = None, syst
         raise
     else:
         _end(tracker, monitor, "FINISHED")
+    finally:
+        signals.forget_forced_exit(last_words)
 
 
 def _system_metrics(tracker):
