@@ -356,12 +356,11 @@ def where_logged(tracker) -> str:
     or, for a run still in the local spool (offline, or a store that did not take it), how to deliver it."""
     if tracker.offline or tracker.delivered is False:  # a SpoolingTracker's run still in its spool
         return sync_hint(tracker.spool)
-    uri = mlflow.get_tracking_uri()
+    uri = tracking_uri()  # masked; from the environment in a rank, which never imports mlflow
     page = f"#/experiments/{tracker.experiment_id}/runs/{tracker.run_id}"
     if uri.startswith(("http://", "https://")):
         base = without_credentials(uri)[0].rstrip("/")
-        return f"logged run {tracker.run_id} to {redact(uri)}: {base}/{page}"
-    uri = redact(uri)
+        return f"logged run {tracker.run_id} to {uri}: {base}/{page}"
     return (f"logged run {tracker.run_id} to {uri}: open it with `make ui` (or `mlflow ui --backend-store-uri "
             f"{uri}`), then http://127.0.0.1:5000/{page}")
 
