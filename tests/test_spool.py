@@ -415,6 +415,34 @@ def test_a_server_answering_503_does_not_hold_the_process(tmp_path, monkeypatch,
     assert tracker.spool.path.exists()
 
 
+READS = {"compare": ["compare", "--experiment", "e"], "pull": ["pull", "runs:/" + "a" * 32 + "/checkpoints/last"],
+         "runs --csv": ["runs", "--csv", "--experiment", "e"]}
+
+
+def _vitreg(args, uri, tmp_path) -> tuple[subprocess.CompletedProcess, float]:
+    began = time.monotonic()
+    done = subprocess.run([sys.executable, "-m", "vitreg", *args], cwd=tmp_path, capture_output=True, text=True,
+                          env=subprocess_env(uri, MLFLOW_DISABLE_TELEMETRY="true"), timeout=300)
+    return done, time.monotonic() - began
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("command", list(READS))
+def test_reads_against_a_server_answering_503_end_in_one_line_within_seconds(tmp_path, server_503, command):
+    """compare, pull and runs --csv against a server whose /health is fine but every API call 503: one line
+    naming the server (masked) and the status, exit 2, within the baseline (the same command against a port
+    nobody listens on, measured here) plus the bounded retries (2 retries, ~1 + 2 s of back-off)."""
+    _, baseline_s = _vitreg(READS[command], f"http://127.0.0.1:{free_port()}", tmp_path)
+    uri = server_503.replace("http://", "http://bob:s3cretpw@")
+    done, took = _vitreg(READS[command], uri, tmp_path)
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert took < baseline_s + 15, (took, baseline_s)  # MLflow's own retries: 90-200 s
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    assert server_503.split("//")[1] in errors[0] and "503" in errors[0] and "bob:***@" in errors[0], errors[0]
+    assert "KILLED" not in errors[0] and "s3cretpw" not in done.stderr + done.stdout
+
+
 # --------------------------------------------------------------------------- real servers, killed
 
 

@@ -45,6 +45,7 @@ class Terminated(KeyboardInterrupt):
 _received: list[int] = []
 _acted = threading.Event()  # the main thread took the signal up (Terminated raised, or Ctrl-C's interrupt)
 _last_words: list = []  # callables(reason) run by the watchdog before a forced exit
+killed_runs: list[str] = []  # the runs this process ended KILLED (what the CLI's last line names)
 
 
 def stop_grace_s() -> float:

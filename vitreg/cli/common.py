@@ -103,8 +103,19 @@ def user_errors(fn):
             record_error(str(exc), exc.exit_code)  # in a torchrun worker: the launcher's root cause
             click.echo(f"error: {scrub(str(exc))}", err=True)
             sys.exit(exc.exit_code)
-        except Terminated as exc:  # SIGTERM/SIGHUP: the run is KILLED already (tracked_run); say so in one line
-            click.echo(f"error: {exc}; the run is marked KILLED", err=True)  # no URI in it
+        except Terminated as exc:  # SIGTERM/SIGHUP: the run, if one was open, is KILLED already (tracked_run)
+            from vitreg import signals
+
+            killed = f"; run {signals.killed_runs[-1]} is marked KILLED" if signals.killed_runs else ""
+            click.echo(f"error: {exc}{killed}", err=True)
             sys.exit(exc.exit_code)
+        except Exception as exc:  # a tracking store failure no layer turned into one line: do it here
+            from vitreg.tracking.delivery import store_error_for
+
+            error = store_error_for(exc)
+            if error is None:
+                raise
+            click.echo(f"error: {scrub(str(error))}", err=True)
+            sys.exit(error.exit_code)
 
     return wrapper

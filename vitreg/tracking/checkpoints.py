@@ -85,8 +85,11 @@ def resolve_checkpoint(source: str, dst=None, what: str = "model_uri", progress=
 def mlflow_call(fn, what: str):
     try:
         return fn()
-    except mlflow.exceptions.MlflowException:
-        raise
+    except mlflow.exceptions.MlflowException as exc:
+        if exc.get_http_status_code() < 500:
+            raise  # the server answered (no such run or model): the caller says so
+        raise VitregError(f"the MLflow tracking server at {redact(mlflow.get_tracking_uri())} failed to {what}: "
+                          f"{first_line(exc)} (check that it is up and answers)") from None
     except Exception as exc:  # connection refused, DNS, ...
         raise VitregError(f"cannot reach the MLflow tracking server at {redact(mlflow.get_tracking_uri())} to {what}: "
                           f"{first_line(exc)} (check MLFLOW_TRACKING_URI)") from None

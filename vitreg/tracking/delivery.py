@@ -76,6 +76,27 @@ def short_http_requests():
                         os.environ[name] = value
 
 
+def bound_http_requests() -> None:
+    """Every MLflow HTTP request of this process (a CLI command) ends within a bounded time: two retries
+    a second apart, ``http_timeout_s()`` each, instead of MLflow's seven with doubling back-off (90-200 s
+    against a server that answers 503). Settings the user made are kept."""
+    for name, value in (("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2"), ("MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", "1"),
+                        ("MLFLOW_HTTP_REQUEST_BACKOFF_JITTER", "0.5"),
+                        ("MLFLOW_HTTP_REQUEST_TIMEOUT", str(http_timeout_s()))):
+        os.environ.setdefault(name, value)
+
+
+def store_error_for(exc: BaseException) -> StoreError | None:
+    """The one line for a failure of the tracking store that reached the CLI unconverted (an MLflow,
+    requests or urllib3 error): the store, masked, and the reason (``HTTP 503 from the server``); None for
+    any other exception."""
+    names = {cls.__module__.split(".")[0] for cls in type(exc).__mro__}
+    if not names & {"mlflow", "requests", "urllib3"}:
+        return None
+    return StoreError(f"the tracking store at {redact(mlflow.get_tracking_uri())} failed ({first_line(exc)}): "
+                      f"check that it is up and answers, or MLFLOW_TRACKING_URI")
+
+
 def seq_tag(spool_id: str) -> str:
     """The tag holding how far one spool got on its run: per spool, as two processes may log to one run
     (a launcher and its rank 0 under ``mlflow run``'s run id), each with its own journal."""
@@ -111,9 +132,9 @@ def _reason(exc: BaseException) -> str:
     errno = re.search(r"\[Errno -?\d+\] ([^\"')]+)", text)
     if errno:
         return errno.group(1).strip()
-    status = re.search(r"too many (\d{3}) error responses", text)
+    status = re.search(r"too many (\d{3}) error responses|error code (\d{3}) != 200", text)
     if status:
-        return f"HTTP {status.group(1)} from the server"
+        return f"HTTP {status.group(1) or status.group(2)} from the server"
     return errors.first_line(exc)
 
 

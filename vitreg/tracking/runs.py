@@ -279,6 +279,7 @@ def tracked_run(run_name: str | None = None, experiment: str | None = None, syst
         raise
     except KeyboardInterrupt as exc:  # Ctrl-C, and SIGTERM/SIGHUP (vitreg.signals.Terminated)
         _end(tracker, monitor, "KILLED", interrupted_reason(exc))
+        signals.killed_runs.append(tracker.run_id or "(in the spool)")
         raise
     except BaseException as exc:
         _end(tracker, monitor, "FAILED", f"{type(exc).__name__}: {exc}")
