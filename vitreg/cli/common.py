@@ -58,6 +58,9 @@ def launcher_options(command: str, own: dict) -> dict:
     keyword arguments of ``bench()`` and ``train()``. Not spec fields: the launcher uses them and does
     not forward them to the ranks."""
     parsed = {name: option(command, name).parse(own[name]) for name in ("nnodes", "node_rank", "rdzv_endpoint")}
+    from vitreg.ddp.launcher import check_nodes
+
+    check_nodes(parsed["nnodes"], parsed["node_rank"], parsed["rdzv_endpoint"] or None)  # also for one process
     return {**parsed, "rdzv_endpoint": parsed["rdzv_endpoint"] or None}
 
 
