@@ -443,6 +443,30 @@ def test_reads_against_a_server_answering_503_end_in_one_line_within_seconds(tmp
     assert "KILLED" not in errors[0] and "s3cretpw" not in done.stderr + done.stdout
 
 
+@pytest.mark.slow
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounting a small tmpfs needs root")
+def test_a_full_disk_under_the_spool_is_named_as_the_local_disk(tmp_path):
+    """A 1 MiB tmpfs (a real file system, mounted here) fills up under a run's spool: SpoolLost names the
+    disk's mount point and says it is full, not that logging to MLflow failed; later calls write nothing."""
+    from vitreg.tracking.spool import SpoolLost
+
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(disk)], check=True)
+    try:
+        tracker = SpoolingTracker.open("exp", root=disk / "spool", offline=True)
+        with pytest.raises(SpoolLost) as lost:
+            for step in range(10**6):  # until the disk is full: ~1 MiB of journal
+                tracker.log_metrics({"loss": 1.0 / (step + 1), "lr": 0.1}, step=step)
+                tracker.log_text("x" * 4096, f"notes/{step}.txt")
+        message = str(lost.value)
+        assert f"the local disk at {disk} " in message and "is full" in message, message
+        tracker.log_metrics({"loss": 0.0}, step=0)  # the loss is said once; the run's end reports it
+        assert tracker.close() is False
+    finally:
+        subprocess.run(["umount", str(disk)], check=True)
+
+
 # --------------------------------------------------------------------------- real servers, killed
 
 
