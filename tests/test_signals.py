@@ -1,4 +1,5 @@
-"""SIGTERM / SIGHUP / SIGQUIT end a benchmark like Ctrl-C: the run KILLED with the signal named, exit 128+N, no traceback."""
+"""SIGTERM / SIGHUP / SIGQUIT end a benchmark like Ctrl-C: the run KILLED with the signal named, exit 128+N,
+no traceback."""
 
 import signal
 import subprocess

@@ -22,7 +22,7 @@ from vitreg.errors import VitregError
 from vitreg.tracking.checkpoints import CHECKPOINT_TAG, first_line, mlflow_call, resolve_checkpoint, stage_files
 from vitreg.tracking.checkpoints import load_model, pull  # noqa: F401  (the README's import path)
 from vitreg.tracking.lazy import mlflow
-from vitreg.tracking.uris import redact
+from vitreg.tracking.uris import shown_uri
 from vitreg.train import checkpoint as ckpt
 
 #: Batch of the pt2 input example. A batch of 1 makes torch.export specialise the batch dimension to
@@ -67,7 +67,7 @@ def register_checkpoint(tracker, checkpoint_dir, name: str, alias: str | None = 
             mv, moved_from = _log_and_register(client, tracker, model, info, spec, checkpoint, source, name, alias,
                                                tags, input_example_size, Path(tmp) / "stage", progress)
         except mlflow.exceptions.MlflowException as exc:
-            raise VitregError(f"could not register {name!r} at {redact(mlflow.get_tracking_uri())}: {first_line(exc)}") \
+            raise VitregError(f"could not register {name!r} at {shown_uri()}: {first_line(exc)}") \
                 from None
     where = f"models:/{name}/{mv.version}"
     if alias and alias.lower() != "latest":
@@ -122,7 +122,7 @@ def register_run_checkpoint(uri: str, name: str, alias: str | None = "latest", p
     try:
         run = mlflow_call(lambda: client.get_run(run_id), "find the run")
     except mlflow.exceptions.MlflowException:
-        raise VitregError(f"no run {run_id} at {redact(mlflow.get_tracking_uri())}: check the run id and MLFLOW_TRACKING_URI") \
+        raise VitregError(f"no run {run_id} at {shown_uri()}: check the run id and MLFLOW_TRACKING_URI") \
             from None
     from vitreg.tracking.runs import MlflowTracker
 

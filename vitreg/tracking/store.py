@@ -57,7 +57,8 @@ def prepare_store(uri: str) -> None:
         except Exception as exc:  # noqa: BLE001 - sqlalchemy/alembic errors: name the file, not a server
             if not _BUSY.search(str(exc)):
                 raise StoreError(f"the tracking store {path} is not a usable MLflow database ({first_line(exc)}): "
-                                 f"move it away (a new one is created) or point MLFLOW_TRACKING_URI elsewhere") from None
+                                 f"move it away (a new one is created) or point MLFLOW_TRACKING_URI "
+                                 f"elsewhere") from None
             if time.monotonic() + pause > deadline:
                 raise StoreError(f"the tracking store {path} is busy: another process held it locked for "
                                  f"{busy_wait_s():g} s (VITREG_STORE_BUSY_S); try again once it is done") from None

@@ -55,7 +55,8 @@ def redact(uri: str) -> str:
 
 
 def _secrets_of(uri: str) -> set[str]:
-    """The literal credentials a URI carries (raw and percent-decoded), at least 4 characters long (shorter ones would mask common words)."""
+    """The literal credentials a URI carries (raw and percent-decoded), at least 4 characters long (shorter
+    ones would mask common words)."""
     try:
         parts = urllib.parse.urlsplit(uri)
     except ValueError:
@@ -92,6 +93,13 @@ def scrub(text: str) -> str:
     for secret in sorted(known_secrets(), key=len, reverse=True):
         text = text.replace(secret, MASK)
     return text
+
+
+def shown_uri() -> str:
+    """This process's tracking URI as messages show it (MLflow's current one, credentials masked)."""
+    from vitreg.tracking.lazy import mlflow
+
+    return redact(mlflow.get_tracking_uri())
 
 
 def has_credentials(uri: str) -> bool:
