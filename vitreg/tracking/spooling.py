@@ -242,9 +242,13 @@ class SpoolingTracker:
                 ended = True
             except Exception as exc:  # noqa: BLE001 - the server is down too: the run is left to `runs --stale`
                 self._last_error = first_line(exc)
-        where = (f"run {self.run_id} is marked FAILED on the tracking server" if ended else
-                 f"run {self.run_id or '(never created on the server)'} could not be ended on the tracking server "
-                 f"({self._last_error or 'offline'}): `vitreg runs --stale --fix` ends it later")
+        if ended:
+            where = f"run {self.run_id} is marked FAILED on the tracking server"
+        elif self.offline or not self.run_id:
+            where = "nothing of it reached the tracking server"
+        else:
+            where = (f"run {self.run_id} could not be ended on the tracking server ({self._last_error}): "
+                     f"`vitreg runs --stale --fix` ends it later")
         progress(f"{self.spool.lost}; {where}")
         self.spool.release()
         return False
