@@ -116,7 +116,7 @@ def requested_run(sqlite_store, monkeypatch):
     (["--device", "cuda"], "no CUDA GPU is visible"),
     (["--img-size", "30"], "use img_size=16 or 32"),
     (["--gpu", "h100"], "use gpu=cpu or gpu=auto"),
-    (["--model", "resnet50"], "is not a ViT/DeiT"),
+    (["--model", "resnet50"], "is not a vision transformer vitreg builds"),
     (["--model", "vit_bsae_patch16_224"], "did you mean vit_base_patch16_224"),
     (["--allow-gpu-mismatch", "perhaps"], "allow_gpu_mismatch=true or"),
     (["--cuda-graph", "true"], "cuda_graph=true needs a CUDA GPU and this run is on cpu: pass cuda_graph=false"),

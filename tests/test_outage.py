@@ -85,3 +85,42 @@ def test_server_killed_mid_train_stays_down_and_nothing_is_lost(tmp_path):
         assert len(client.search_runs([run.info.experiment_id])) == 1
     finally:
         server.stop(proc)
+
+
+@pytest.mark.slow
+def test_a_spool_removed_under_a_running_train_ends_it_in_one_line(tmp_path):
+    """The spool of a training that cannot deliver (offline: the server is away) is removed mid-run: the
+    process says in one line that it can no longer keep what it measures and ends (exit 2), never "the run
+    is kept in"; `vitreg sync` of the removed path is an error. Bound: the time the run took to log its
+    first points (the baseline, measured here)."""
+    import shutil
+
+    spools = tmp_path / "spool"
+    args = [a if a != str(STEPS) else "100000" for a in TRAIN]
+    started = time.monotonic()
+    train = subprocess.Popen(args, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             env=subprocess_env(f"http://127.0.0.1:{free_port()}", VITREG_SPOOL_DIR=str(spools),
+                                                VITREG_OFFLINE="1"))
+    try:
+        while True:  # the event: the journal holds loss points
+            assert train.poll() is None, train.communicate()[1][-3000:]
+            journals = list(spools.glob("*/journal.jsonl"))
+            if journals and '"train_loss"' in journals[0].read_text():
+                break
+            time.sleep(0.05)
+        baseline_s = time.monotonic() - started
+        spool_dir = journals[0].parent
+        shutil.rmtree(spool_dir)
+        removed = time.monotonic()
+        out, err = train.communicate(timeout=baseline_s + 120)
+        took = time.monotonic() - removed
+    finally:
+        if train.poll() is None:
+            train.kill()
+    assert train.returncode == 2 and took < baseline_s, (train.returncode, took, baseline_s, err[-3000:])
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and str(spool_dir) in errors[0] and "cannot be kept" in errors[0], err[-3000:]
+    assert "Traceback" not in err and "the run is kept in" not in out + err, out + err
+    assert not spool_dir.exists(), "a write re-created the removed spool"
+    res = CliRunner().invoke(sync_command, ["--spool", str(spool_dir)])
+    assert res.exit_code == 2 and "there is no spool at" in res.output, res.output

@@ -1,4 +1,5 @@
-"""SIGTERM / SIGHUP end a benchmark like Ctrl-C: the run KILLED with the signal named, exit 128+N, no traceback."""
+"""SIGTERM / SIGHUP / SIGQUIT end a benchmark like Ctrl-C: the run KILLED with the signal named, exit 128+N,
+no traceback."""
 
 import signal
 import subprocess
@@ -28,7 +29,7 @@ def _wait_for(proc, needle: str, timeout: float = 120) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT])
 def test_a_stop_signal_ends_the_run_killed(tmp_path, sig):
     uri = migrated_store(tmp_path)
     proc = subprocess.Popen([sys.executable, *LONG_BENCH], env=subprocess_env(uri), cwd=tmp_path, text=True,

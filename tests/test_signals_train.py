@@ -47,7 +47,7 @@ def _wait_for_steps(c, proc, at_least: int, deadline_s: float = 240):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP], ids=["SIGTERM", "SIGHUP"])
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT], ids=["SIGTERM", "SIGHUP", "SIGQUIT"])
 def test_a_stop_signal_ends_train_killed_with_a_final_checkpoint_and_no_temp_folder(tmp_path, sig):
     uri = migrated_store(tmp_path)
     tmpdir = tmp_path / "tmp"
@@ -117,3 +117,47 @@ def test_sigterm_without_a_handler_still_ends_the_process_after_the_update():
 def test_a_second_signal_inside_an_update_exits_at_once():
     done = _hold("INT", "os.kill(os.getpid(), signal.SIGTERM)")
     assert done.returncode == 128 + signal.SIGTERM and "interrupted" not in done.stdout, done.stdout
+
+
+NEVER_ENDS = textwrap.dedent("""
+    import sys
+    from vitreg import signals
+    from vitreg.tracking.runs import tracked_run
+    from vitreg.train.stopping import update_is_atomic
+    signals.install()
+    with tracked_run(run_name="never-ends", experiment="sig", system_metrics=False) as run:
+        print("run", run.run_id, flush=True)
+        with update_is_atomic():  # an update that never ends (a step at 16000 px, a dead peer's all-reduce)
+            print("inside the update", flush=True)
+            while True:
+                pass
+""")
+
+
+@pytest.mark.slow
+def test_a_stop_signal_held_by_an_update_that_never_ends_acts_after_the_grace(tmp_path):
+    """SIGTERM held by an update that never finishes: after VITREG_STOP_GRACE_S the watchdog ends the run
+    KILLED with the reason and exits 143, within the grace plus the child's own start time (the baseline)."""
+    uri, grace_s = migrated_store(tmp_path), 2.0
+    started = time.monotonic()
+    proc = subprocess.Popen([sys.executable, "-c", NEVER_ENDS], cwd=tmp_path, text=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, env=subprocess_env(uri, VITREG_STOP_GRACE_S=grace_s))
+    try:
+        run_id = None
+        for line in proc.stdout:  # events: the run exists, then the update has begun
+            run_id = line.split()[1] if line.startswith("run ") else run_id
+            if line.startswith("inside the update"):
+                break
+        baseline_s = time.monotonic() - started
+        sent = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        output = proc.communicate(timeout=baseline_s + grace_s + 60)[0]
+        took = time.monotonic() - sent
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 143, output
+    assert grace_s <= took < grace_s + baseline_s, (took, baseline_s)
+    assert "did not end within 2 s" in output and "Traceback" not in output, output
+    run = _client(uri).get_run(run_id)
+    assert run.info.status == "KILLED" and "did not end within" in run.data.tags["vitreg_error"]

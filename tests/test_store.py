@@ -10,12 +10,13 @@ from vitreg.tracking.store import prepare_store, sqlite_path
 
 CLIENT = """
 import sys, time
+from pathlib import Path
 from vitreg.tracking.store import prepare_store
 from mlflow.tracking import MlflowClient
-uri = sys.argv[1]
-start = float(sys.argv[2])
-while time.time() < start:  # every process opens the store at the same moment
-    time.sleep(0.005)
+uri, ready, go = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3])
+ready.touch()  # imported: waiting for the others
+while not go.exists():  # every process opens the store at the same moment, once all four are ready
+    time.sleep(0.002)
 prepare_store(uri)
 client = MlflowClient(tracking_uri=uri)
 run = client.create_run("0")
@@ -30,9 +31,14 @@ def test_four_processes_on_a_fresh_store_all_get_runs(tmp_path):
     import time
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    start = time.time() + 8  # after the imports of all four
-    procs = [subprocess.Popen([sys.executable, "-c", CLIENT, uri, str(start)], cwd=tmp_path, text=True,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for _ in range(4)]
+    go = tmp_path / "go"
+    procs = [subprocess.Popen([sys.executable, "-c", CLIENT, uri, str(tmp_path / f"ready-{i}"), str(go)],
+                              cwd=tmp_path, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+             for i in range(4)]
+    while len(list(tmp_path.glob("ready-*"))) < 4:  # the event: all four imported (no fixed head start)
+        assert all(p.poll() is None for p in procs), [p.communicate() for p in procs]
+        time.sleep(0.01)
+    go.touch()
     outs = [p.communicate(timeout=120) for p in procs]
     assert [p.returncode for p in procs] == [0, 0, 0, 0], [err[-600:] for _, err in outs]
     from mlflow.tracking import MlflowClient
@@ -54,3 +60,36 @@ def test_only_sqlite_files_are_prepared():
     assert sqlite_path("sqlite:///:memory:") is None
     assert sqlite_path("http://127.0.0.1:5000") is None
     prepare_store("http://127.0.0.1:1")  # nothing to do (and nothing contacted) for a server
+
+
+@pytest.fixture
+def locked_store(tmp_path, monkeypatch):
+    """A migrated sqlite store another connection holds under an EXCLUSIVE lock (as a writer mid-transaction)."""
+    import sqlite3
+
+    from conftest import migrated_store
+
+    uri = migrated_store(tmp_path)
+    holder = sqlite3.connect(sqlite_path(uri), isolation_level=None)
+    holder.execute("BEGIN EXCLUSIVE")
+    yield uri, holder
+    holder.close()
+
+
+def test_a_store_locked_for_longer_than_the_wait_is_busy_not_broken(locked_store, monkeypatch):
+    uri, _ = locked_store
+    monkeypatch.setenv("VITREG_STORE_BUSY_S", "0.5")
+    with pytest.raises(StoreError, match="is busy") as caught:
+        prepare_store(uri)
+    assert "move it away" not in str(caught.value) and "not a usable" not in str(caught.value)
+
+
+def test_a_store_locked_briefly_is_waited_for(locked_store, monkeypatch):
+    """The lock is released when prepare_store says it waits (the event), and the store then opens."""
+    import vitreg.tracking.store as store
+
+    uri, holder = locked_store
+    said = []
+    monkeypatch.setattr(store, "progress", lambda message: (said.append(message), holder.rollback()))
+    prepare_store(uri)
+    assert len(said) == 1 and "locked by another process" in said[0]

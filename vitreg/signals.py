@@ -1,11 +1,21 @@
-"""SIGTERM and SIGHUP end a vitreg process the way Ctrl-C does: with a true status and clean-up.
+"""SIGTERM, SIGHUP and SIGQUIT end a vitreg process the way Ctrl-C does: with a true status and clean-up.
 
-Schedulers (Slurm, Kubernetes, ``timeout``) stop jobs with SIGTERM; a closed terminal sends SIGHUP.
-Python's default for both is to die on the spot, leaving the MLflow run RUNNING and temporary folders
-behind. :func:`install` turns the first one into :class:`Terminated`, raised in the main thread; it is a
-``KeyboardInterrupt``, so every clean-up path written for Ctrl-C (the tracked run ending KILLED, the
-launcher stopping torchrun, ``finally`` blocks removing temp folders) runs for it too. A second signal
-while that clean-up runs exits at once.
+The signals that stop a run cleanly are :data:`STOP_SIGNALS` plus SIGINT (Ctrl-C, Python's own
+``KeyboardInterrupt``). Schedulers (Slurm, Kubernetes, ``timeout``) stop jobs with SIGTERM; a closed
+terminal sends SIGHUP; Ctrl-\\ sends SIGQUIT. Python's default for these is to die on the spot (SIGQUIT
+with a core dump), leaving the MLflow run RUNNING and temporary folders behind. :func:`install` turns the
+first one into :class:`Terminated`, raised in the main thread; it is a ``KeyboardInterrupt``, so every
+clean-up path written for Ctrl-C (the tracked run ending KILLED, the launcher stopping torchrun, ``finally``
+blocks removing temp folders) runs for it too. A second signal while that clean-up runs exits at once.
+SIGKILL cannot be caught: a run killed so is found by its heartbeat (``vitreg runs --stale``).
+
+A bound on the wait: Python runs a handler only between bytecodes of the main thread, so a main thread
+inside one long C call (a collective whose peer died, a step at 16000 px) would never see the signal,
+and a signal held for one optimizer update (:mod:`vitreg.train.stopping`) waits for that update. The C
+level handler also writes the signal to a wake-up pipe; a watchdog thread reads it and, if the main thread
+has not acted on it within :func:`stop_grace_s` (``VITREG_STOP_GRACE_S``, default 60 s), runs the
+registered last words (:func:`on_forced_exit`: the tracked run ends KILLED with the reason) and exits
+with 128 + N.
 """
 
 from __future__ import annotations
@@ -14,8 +24,12 @@ import atexit
 import gc
 import os
 import signal
+import sys
+import threading
 
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
+ALL_STOP_SIGNALS = (signal.SIGINT, *STOP_SIGNALS)  # what stops a run cleanly, Ctrl-C included
+DEFAULT_STOP_GRACE_S = 60.0
 
 
 class Terminated(KeyboardInterrupt):
@@ -31,27 +45,113 @@ class Terminated(KeyboardInterrupt):
 
 
 _received: list[int] = []
+_acted = threading.Event()  # the main thread took the signal up (Terminated raised, or Ctrl-C's interrupt)
+_last_words: list = []  # callables(reason) run by the watchdog before a forced exit
+killed_runs: list[str] = []  # the runs this process ended KILLED (what the CLI's last line names)
+
+
+def stop_grace_s() -> float:
+    """``VITREG_STOP_GRACE_S`` (default 60): how long a stop signal may wait for the main thread."""
+    from vitreg.config.parse import parse_float
+
+    return parse_float(os.environ.get("VITREG_STOP_GRACE_S") or DEFAULT_STOP_GRACE_S, "VITREG_STOP_GRACE_S",
+                       minimum=0.1)
 
 
 def _stop(signum, _frame):
     if _received:  # a second signal during the clean-up: the user means it
         os._exit(128 + signum)
     _received.append(signum)
+    _acted.set()
     raise Terminated(signum)
 
 
-def install() -> None:
-    """Route SIGTERM/SIGHUP through :class:`Terminated` (main thread only; a no-op elsewhere)."""
-    import threading
+def _interrupt(signum, frame):
+    """Ctrl-C as Python does it (``KeyboardInterrupt``), noted as taken up for the watchdog."""
+    _acted.set()
+    signal.default_int_handler(signum, frame)
 
+
+def mark_acted() -> None:
+    """The main thread has taken a stop signal up (called where a held one is delivered)."""
+    _acted.set()
+
+
+def on_forced_exit(callback) -> None:
+    """Run ``callback(reason)`` if the watchdog has to end the process (registered by the tracked run)."""
+    _last_words.append(callback)
+
+
+def forget_forced_exit(callback) -> None:
+    if callback in _last_words:
+        _last_words.remove(callback)
+
+
+def _force_exit(signum: int, grace: float) -> None:
+    name = signal.Signals(signum).name
+    reason = (f"stopped by {name}: the step in progress did not end within {grace:g} s "
+              f"(VITREG_STOP_GRACE_S), so no checkpoint of it was written")
+    print(f"[vitreg] {reason}", file=sys.stderr, flush=True)
+    for callback in list(_last_words):
+        try:
+            callback(reason)
+        except Exception as exc:  # noqa: BLE001 - last words must not keep the process alive
+            print(f"[vitreg] while stopping: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+    os._exit(128 + signum)
+
+
+def _watch(read_fd: int) -> None:
+    """The watchdog: a stop signal the main thread has not acted on within the grace ends the process."""
+    while True:
+        try:
+            data = os.read(read_fd, 64)
+        except InterruptedError:
+            continue
+        except OSError:
+            return
+        stops = [b for b in data if b in ALL_STOP_SIGNALS]
+        if not stops:
+            continue
+        grace = stop_grace_s()
+        if not _acted.wait(grace):
+            _force_exit(stops[0], grace)
+        return  # acted on: the clean-up runs in the main thread (a second signal exits at once)
+
+
+_watchdog: list[threading.Thread] = []
+
+
+def _start_watchdog() -> None:
+    if _watchdog:
+        return
+    read_fd, write_fd = os.pipe()
+    os.set_blocking(write_fd, False)
+    try:
+        signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
+    except ValueError:
+        os.close(read_fd)
+        os.close(write_fd)
+        return
+    thread = threading.Thread(target=_watch, args=(read_fd,), name="vitreg-stop-watchdog", daemon=True)
+    thread.start()
+    _watchdog.append(thread)
+
+
+def install() -> None:
+    """Route SIGTERM/SIGHUP/SIGQUIT through :class:`Terminated` and start the watchdog that bounds how long
+    any stop signal (Ctrl-C too) waits for the main thread (main thread only; a no-op elsewhere)."""
     if threading.current_thread() is not threading.main_thread():
         return
     for sig in STOP_SIGNALS:
         signal.signal(sig, _stop)
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        signal.signal(signal.SIGINT, _interrupt)
+    _start_watchdog()
 
 
 def interrupted_reason(exc: KeyboardInterrupt) -> str:
     """What a run that ended KILLED says in its ``vitreg_error`` tag."""
+    _acted.set()  # a Ctrl-C's KeyboardInterrupt reached the clean-up
     return str(exc) if isinstance(exc, Terminated) else "interrupted (Ctrl-C)"
 
 

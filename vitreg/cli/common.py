@@ -20,6 +20,7 @@ from vitreg.config.options import option, options_of
 from vitreg.errors import VitregError
 from vitreg.hardware.env import environ_restored
 from vitreg.signals import Terminated
+from vitreg.tracking.uris import scrub
 
 
 def command_options(command: str):
@@ -62,13 +63,14 @@ JOB_OPTIONS = {"bench": ("baseline_run",), "train": ()}
 def launcher_options(command: str, own: dict) -> dict:
     """The launcher's own options of a DDP job, parsed, as keyword arguments of ``bench()`` and
     ``train()``: ``placement`` (``nnodes``, ``node_rank``, ``rdzv_endpoint``) and :data:`JOB_OPTIONS`."""
-    from vitreg.ddp.launcher import Placement
+    from vitreg.ddp.launcher import Placement, check_nodes
 
     def parsed(name: str):
         value = option(command, name).parse(own[name])
         return value.strip() or None if isinstance(value, str) else value
 
     placement = Placement(*(parsed(name) for name in ("nnodes", "node_rank", "rdzv_endpoint")))
+    check_nodes(placement.nnodes, placement.node_rank, placement.rdzv_endpoint)  # also for one process
     return {"placement": placement, **{name: parsed(name) for name in JOB_OPTIONS[command]}}
 
 
@@ -110,10 +112,21 @@ def user_errors(fn):
 
             tracking.fail_requested_run(str(exc))
             record_error(str(exc), exc.exit_code)  # in a torchrun worker: the launcher's root cause
-            click.echo(f"error: {exc}", err=True)
+            click.echo(f"error: {scrub(str(exc))}", err=True)
             sys.exit(exc.exit_code)
-        except Terminated as exc:  # SIGTERM/SIGHUP: the run is KILLED already (tracked_run); say so in one line
-            click.echo(f"error: {exc}; the run is marked KILLED", err=True)
+        except Terminated as exc:  # SIGTERM/SIGHUP: the run, if one was open, is KILLED already (tracked_run)
+            from vitreg import signals
+
+            killed = f"; run {signals.killed_runs[-1]} is marked KILLED" if signals.killed_runs else ""
+            click.echo(f"error: {exc}{killed}", err=True)
             sys.exit(exc.exit_code)
+        except Exception as exc:  # a tracking store failure no layer turned into one line: do it here
+            from vitreg.tracking.delivery import store_error_for
+
+            error = store_error_for(exc)
+            if error is None:
+                raise
+            click.echo(f"error: {scrub(str(error))}", err=True)
+            sys.exit(error.exit_code)
 
     return wrapper

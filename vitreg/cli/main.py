@@ -15,6 +15,7 @@ from vitreg import signals
 from vitreg.cli.common import command_options, run_ddp_job, split_options, user_errors
 from vitreg.config.options import option
 from vitreg.errors import VitregError
+from vitreg.tracking.delivery import bound_http_requests
 from vitreg.tracking.quiet import quiet_artifact_downloads
 
 
@@ -25,6 +26,7 @@ def main():
     vitreg.freeze_at_exit()
     signals.install()  # SIGTERM/SIGHUP end the run KILLED, like Ctrl-C, instead of leaving it RUNNING
     quiet_artifact_downloads()  # vitreg's progress lines say what is downloaded; MLflow's bars only clutter
+    bound_http_requests()  # a sick server costs seconds, not MLflow's minutes of retries
 
 
 @main.command()

@@ -112,4 +112,4 @@ def _linked(row, experiment_id: str) -> str:
 
 
 def _capped(text: str) -> str:
-    return text if len(text) <= TAG_LIMIT else text[:TAG_LIMIT - 40] + f"... (+ more: check/runs_read.json)"
+    return text if len(text) <= TAG_LIMIT else text[:TAG_LIMIT - 40] + "... (+ more: check/runs_read.json)"

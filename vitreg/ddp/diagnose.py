@@ -23,7 +23,9 @@ from pathlib import Path
 
 ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"
 #: the statuses of a worker stopped from outside (128 + signal number), as torchrun stops the survivors
-STOPPED_CODES = frozenset(128 + s for s in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT))
+STOPPED_CODES = frozenset(128 + s for s in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT, signal.SIGQUIT))
+#: a rank's error that only says a peer went away (gloo, NCCL): after a rank was stopped, a consequence of it
+_PEER_LOST = re.compile(r"closed by peer|reset by peer|remote worker crash|remote process exited", re.IGNORECASE)
 
 
 def record_error(message: str, exit_code: int, callstack: str = "") -> None:
@@ -131,6 +133,8 @@ def diagnose(returncode: int, log_dir: Path, nproc: int, node_rank: int = 0) -> 
 
     errors = _error_files(log_dir)
     failed = [(d, e) for _, d, e in errors if int(e.get("errorCode") or returncode) not in STOPPED_CODES]
+    if len(failed) < len(errors):  # a rank was stopped: the peers that lost it only report the loss
+        failed = [(d, e) for d, e in failed if not _PEER_LOST.search(str(e.get("message") or ""))]
     if failed:
         return recorded(*failed[0])
     with_file = {d for _, d, _ in errors}

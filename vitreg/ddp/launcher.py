@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Callable
 
 from vitreg.config.parse import options_to_args
+from vitreg.ddp import supervise
 from vitreg.ddp.diagnose import LaunchOutcome, diagnose, record_error
 from vitreg.ddp.world import inside_torchrun, is_main_process
 from vitreg.errors import VitregError
@@ -164,7 +165,8 @@ def launch_torchrun(argv: list[str], nproc: int, placement: Placement = Placemen
     cmd = torchrun_command(argv, nproc, placement.nnodes, placement.node_rank, placement.rdzv_endpoint, str(log_dir))
     if progress:
         progress("launching: " + " ".join(shlex.quote(c) for c in cmd))
-    proc = subprocess.Popen(cmd, env={**(os.environ if env is None else env), LINE_PREFIX_ENV: LINE_PREFIX})
+    # dies with this process (SIGKILL too); its stderr forwarded, without its traceback once stopped
+    proc = supervise.start(cmd, {**(os.environ if env is None else env), LINE_PREFIX_ENV: LINE_PREFIX})
     try:
         while True:
             try:
@@ -174,13 +176,9 @@ def launch_torchrun(argv: list[str], nproc: int, placement: Placement = Placemen
                 if while_running:
                     while_running()
     except BaseException:
-        proc.terminate()  # torchrun turns SIGTERM into stopping its workers
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        supervise.stop(proc)  # SIGTERM: the workers stop cleanly (rank 0 hands its last calls back)
         raise
+    supervise.finish(proc)
     return diagnose(returncode, log_dir, nproc, placement.node_rank)
 
 
@@ -230,8 +228,12 @@ def launched(argv: list[str], nproc: int, run=None, placement: Placement = Place
         handback.announce_run(handed.directory, run.run_id if run else "", str(run.experiment_id) if run else "")
         env = {**tracking.without_requested_run(os.environ), ENV_LAUNCH_DIR: str(launch_dir), ENV_COMMAND: command}
         started = time.monotonic()
-        outcome = launch_torchrun(argv, nproc, placement, env, str(launch_dir / _LOGS), progress,
-                                  while_running=log_handed)
+        try:
+            outcome = launch_torchrun(argv, nproc, placement, env, str(launch_dir / _LOGS), progress,
+                                      while_running=log_handed)
+        except KeyboardInterrupt:  # stopped (Ctrl-C, SIGTERM...): rank 0's last calls still reach the run
+            log_handed()  # its final checkpoint, points and results, before the run ends KILLED
+            raise
         if progress:
             progress(f"torchrun {'finished' if outcome.ok else 'failed'} after {time.monotonic() - started:.1f} s")
         log_handed()
@@ -372,6 +374,7 @@ def worker_main(argv: list[str]) -> int:
 
     if argv[:1] == ["--"]:
         argv = argv[1:]
+    supervise.die_with_parent()  # torchrun gone (SIGKILLed with its launcher): this rank stops too
     try:
         _run_python(argv)
         return 0

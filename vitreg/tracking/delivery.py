@@ -28,8 +28,9 @@ from vitreg import errors
 from vitreg.config.parse import parse_float
 from vitreg.errors import StoreError, VitregError
 from vitreg.tracking.mlflow_on_first_use import mlflow
+from vitreg.tracking.quiet import quiet_run_links
 from vitreg.tracking.spool import MAX_METRICS, MAX_PARAMS, MAX_TAGS, Spool
-from vitreg.tracking.uris import redact
+from vitreg.tracking.uris import redact, scrub
 
 SPOOL_ID_TAG = "vitreg_spool_id"
 HEARTBEAT_TAG = "vitreg_heartbeat"  # unix seconds, refreshed while the process that logs the run is alive
@@ -75,6 +76,27 @@ def short_http_requests():
                         os.environ[name] = value
 
 
+def bound_http_requests() -> None:
+    """Every MLflow HTTP request of this process (a CLI command) ends within a bounded time: two retries
+    a second apart, ``http_timeout_s()`` each, instead of MLflow's seven with doubling back-off (90-200 s
+    against a server that answers 503). Settings the user made are kept."""
+    for name, value in (("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2"), ("MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", "1"),
+                        ("MLFLOW_HTTP_REQUEST_BACKOFF_JITTER", "0.5"),
+                        ("MLFLOW_HTTP_REQUEST_TIMEOUT", str(http_timeout_s()))):
+        os.environ.setdefault(name, value)
+
+
+def store_error_for(exc: BaseException) -> StoreError | None:
+    """The one line for a failure of the tracking store that reached the CLI unconverted (an MLflow,
+    requests or urllib3 error): the store, masked, and the reason (``HTTP 503 from the server``); None for
+    any other exception."""
+    names = {cls.__module__.split(".")[0] for cls in type(exc).__mro__}
+    if not names & {"mlflow", "requests", "urllib3"}:
+        return None
+    return StoreError(f"the tracking store at {redact(mlflow.get_tracking_uri())} failed ({first_line(exc)}): "
+                      f"check that it is up and answers, or MLFLOW_TRACKING_URI")
+
+
 def seq_tag(spool_id: str) -> str:
     """The tag holding how far one spool got on its run: per spool, as two processes may log to one run
     (a launcher and its rank 0 under ``mlflow run``'s run id), each with its own journal."""
@@ -98,16 +120,21 @@ def store_errors(uri: str, doing: str):
 
 
 def first_line(exc: BaseException) -> str:
-    """The reason in a few words: MLflow wraps urllib3's in a paragraph naming the URL and the pool."""
+    """The reason in a few words: MLflow wraps urllib3's in a paragraph naming the URL and the pool.
+    Any URI or credential in it is masked (:func:`~vitreg.tracking.uris.scrub`)."""
+    return scrub(_reason(exc))
+
+
+def _reason(exc: BaseException) -> str:
     text = str(exc).strip()
     if not text:
         return type(exc).__name__
     errno = re.search(r"\[Errno -?\d+\] ([^\"')]+)", text)
     if errno:
         return errno.group(1).strip()
-    status = re.search(r"too many (\d{3}) error responses", text)
+    status = re.search(r"too many (\d{3}) error responses|error code (\d{3}) != 200", text)
     if status:
-        return f"HTTP {status.group(1)} from the server"
+        return f"HTTP {status.group(1) or status.group(2)} from the server"
     return errors.first_line(exc)
 
 
@@ -148,6 +175,7 @@ class Delivery:
     """Sends one spool's records to one tracking store; keeps where the server's run stands."""
 
     def __init__(self, spool: Spool, client: mlflow.MlflowClient | None = None, heartbeat: bool = False):
+        quiet_run_links()  # set_terminated would print MLflow's link, credentials and all
         self.spool = spool
         self.client = client or mlflow.MlflowClient()
         self.heartbeat = heartbeat  # a live process: every batch also says "still alive"

@@ -1,8 +1,14 @@
-"""MLflow's artifact progress bars off for vitreg's own downloads.
+"""MLflow's own prints off: artifact progress bars, and the "View run / View experiment at" links.
 
 MLflow draws tqdm bars on stderr for each artifact download (three for one ``pull`` or ``infer``), in
-between vitreg's own progress lines, which already say what is downloaded where. It reads MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR each time it
-starts one, so setting it once in the process (before the first download) is enough.
+between vitreg's own progress lines, which already say what is downloaded where. It reads
+MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR each time it starts one, so setting it once in the process (before the
+first download) is enough.
+
+When a run ends against a server MLflow writes ``🏃 View run ... at: <host>/#/...`` to stdout
+(``TrackingServiceClient._log_url``), with the host as MLflow holds it: a tracking URI's credentials
+included. vitreg's last line (:func:`vitreg.tracking.runs.where_logged`) gives the same link, masked, so
+MLflow's is turned off with MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT, which it reads at each end of a run.
 """
 
 from __future__ import annotations
@@ -10,9 +16,17 @@ from __future__ import annotations
 import os
 
 PROGRESS_BAR_VARIABLE = "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR"
+RUN_LINKS_VARIABLE = "MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT"
 
 
 def quiet_artifact_downloads() -> None:
     """No artifact progress bars in this process and its children, unless the user asked for them
-    (an MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR already set is kept)."""
+    (an MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR already set is kept); and never MLflow's run links."""
     os.environ.setdefault(PROGRESS_BAR_VARIABLE, "false")
+    quiet_run_links()
+
+
+def quiet_run_links() -> None:
+    """No "View run ... at" line from MLflow (it would print the tracking URI's credentials): forced, not a
+    default, since vitreg prints the link itself."""
+    os.environ[RUN_LINKS_VARIABLE] = "true"

@@ -25,6 +25,7 @@ from vitreg.errors import VitregError
 from vitreg.tracking.checkpoint_sources import CHECKPOINT_TAG, first_line, mlflow_call, resolve_checkpoint
 from vitreg.tracking.checkpoint_sources import load_model, pull  # noqa: F401  (the README's import path)
 from vitreg.tracking.mlflow_on_first_use import mlflow
+from vitreg.tracking.uris import shown_uri
 
 #: Batch of the pt2 input example. A batch of 1 makes torch.export specialise the batch dimension to
 #: the constant 1 (the served model would take one image at a time); 2 keeps it dynamic.
@@ -72,7 +73,7 @@ def register_checkpoint(tracker, checkpoint_dir, name: str, alias: str | None = 
             mv, moved_from = _log_and_register(client, tracker, (model, info, spec), checkpoint, request,
                                                Path(tmp) / "stage", progress)
         except mlflow.exceptions.MlflowException as exc:
-            raise VitregError(f"could not register {name!r} at {mlflow.get_tracking_uri()}: {first_line(exc)}") \
+            raise VitregError(f"could not register {name!r} at {shown_uri()}: {first_line(exc)}") \
                 from None
     where = f"models:/{name}/{mv.version}"
     if alias and alias.lower() != "latest":
@@ -141,7 +142,7 @@ def register_run_checkpoint(uri: str, name: str, alias: str | None = "latest", p
     try:
         run = mlflow_call(lambda: client.get_run(run_id), "find the run")
     except mlflow.exceptions.MlflowException:
-        raise VitregError(f"no run {run_id} at {mlflow.get_tracking_uri()}: check the run id and MLFLOW_TRACKING_URI") \
+        raise VitregError(f"no run {run_id} at {shown_uri()}: check the run id and MLFLOW_TRACKING_URI") \
             from None
     from vitreg.tracking.runs import MlflowTracker
 

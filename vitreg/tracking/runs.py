@@ -27,21 +27,23 @@ from typing import Protocol
 
 from vitreg.ddp.world import is_main_process
 from vitreg.errors import StoreError, VitregError
+from vitreg import signals
 from vitreg.signals import interrupted_reason
 from vitreg.tracking.delivery import ERROR_KIND_TAG, ERROR_TAG, first_line, short_http_requests, store_errors
 from vitreg.tracking.mlflow_on_first_use import mlflow
-from vitreg.tracking.spool import offline_mode
+from vitreg.tracking.spool import flush_timeout_s, offline_mode
 from vitreg.tracking.spooling import open_run, sync_hint
 from vitreg.tracking.store import prepare_store
-from vitreg.tracking.uris import redact, without_credentials
+from vitreg.tracking.uris import redact, scrub, without_credentials
 
 
 def tracking_uri() -> str:
-    """MLflow's tracking URI. Before mlflow is imported nothing can have called ``mlflow.set_tracking_uri``,
-    so a set MLFLOW_TRACKING_URI is the answer MLflow would give: a DDP rank prints it without importing mlflow."""
+    """MLflow's tracking URI as vitreg prints it (credentials masked, :func:`~vitreg.tracking.uris.redact`).
+    Before mlflow is imported nothing can have called ``mlflow.set_tracking_uri``, so a set MLFLOW_TRACKING_URI
+    is the answer MLflow would give: a DDP rank prints it without importing mlflow."""
     if "mlflow" not in sys.modules and os.environ.get("MLFLOW_TRACKING_URI"):
-        return os.environ["MLFLOW_TRACKING_URI"]
-    return mlflow.get_tracking_uri()
+        return redact(os.environ["MLFLOW_TRACKING_URI"])
+    return redact(mlflow.get_tracking_uri())
 
 
 class Tracker(Protocol):
@@ -254,6 +256,12 @@ def tracked_run(run_name: str | None = None, experiment: str | None = None, syst
     tracker = open_run(_experiment_name(experiment), None if requested_run_id() else run_name, tags=tags,
                        offline=offline)
     monitor = _system_metrics(tracker) if system_metrics else None
+
+    def last_words(reason: str) -> None:  # vitreg.signals' watchdog, when the main thread cannot stop in time
+        tracker.set_tags({ERROR_TAG: reason})
+        tracker.close("KILLED", timeout_s=min(5.0, flush_timeout_s()))
+
+    signals.on_forced_exit(last_words)
     try:
         yield tracker
     except VitregError as exc:
@@ -261,12 +269,15 @@ def tracked_run(run_name: str | None = None, experiment: str | None = None, syst
         raise
     except KeyboardInterrupt as exc:  # Ctrl-C, and SIGTERM/SIGHUP (vitreg.signals.Terminated)
         _end(tracker, monitor, "KILLED", interrupted_reason(exc))
+        signals.killed_runs.append(tracker.run_id or "(in the spool)")
         raise
     except BaseException as exc:
         _end(tracker, monitor, "FAILED", f"{type(exc).__name__}: {exc}")
         raise
     else:
         _end(tracker, monitor, "FINISHED")
+    finally:
+        signals.forget_forced_exit(last_words)
 
 
 def _system_metrics(tracker):
@@ -300,10 +311,10 @@ def fail_requested_run(message: str) -> None:
             client = mlflow.MlflowClient()
             if client.get_run(run_id).info.status != "RUNNING":
                 return  # tracked_run already ended it, with the reason
-            client.set_tag(run_id, ERROR_TAG, " ".join(message.split())[:4000])
+            client.set_tag(run_id, ERROR_TAG, scrub(" ".join(message.split()))[:4000])
             client.set_terminated(run_id, "FAILED")
     except Exception as exc:  # the server is the problem; say so and keep the user's error first
-        print(f"[vitreg] could not mark run {run_id} FAILED: {first_line(exc)}", file=sys.stderr)
+        print(f"[vitreg] could not mark run {run_id} FAILED: {scrub(first_line(exc))}", file=sys.stderr)
 
 
 def check_server(timeout: float = 5.0) -> None:
@@ -336,11 +347,11 @@ def where_logged(tracker) -> str:
     or, for a run still in the local spool (offline, or a store that did not take it), how to deliver it."""
     if tracker.offline or tracker.delivered is False:  # a SpoolingTracker's run still in its spool
         return sync_hint(tracker.spool)
-    uri = tracking_uri()
+    uri = tracking_uri()  # masked; from the environment in a rank, which never imports mlflow
     page = f"#/experiments/{tracker.experiment_id}/runs/{tracker.run_id}"
     if uri.startswith(("http://", "https://")):
         base = without_credentials(uri)[0].rstrip("/")
-        return f"logged run {tracker.run_id} to {redact(uri)}: {base}/{page}"
+        return f"logged run {tracker.run_id} to {uri}: {base}/{page}"
     return (f"logged run {tracker.run_id} to {uri}: open it with `make ui` (or `mlflow ui --backend-store-uri "
             f"{uri}`), then http://127.0.0.1:5000/{page}")
 
@@ -367,7 +378,7 @@ def finish_child_run(run_id: str, returncode: int, stderr: str, stopped: bool = 
     if returncode != 0 and not reason:
         lines = [line for line in stderr.strip().splitlines() if line.strip()]
         reason = lines[-1] if lines else f"exit status {returncode}"
-        client.set_tag(run_id, ERROR_TAG, reason[:4000])
+        client.set_tag(run_id, ERROR_TAG, scrub(reason)[:4000])
     if run.info.status in ("RUNNING", "SCHEDULED"):
         client.set_terminated(run_id, "KILLED" if stopped else "FINISHED" if returncode == 0 else "FAILED")
     return reason
@@ -402,7 +413,7 @@ def search_runs(experiment: str, filter_string: str = ""):
     """All runs of an experiment (by name) as a pandas DataFrame, MLflow's ``search_runs`` columns."""
     exp = mlflow.MlflowClient().get_experiment_by_name(experiment)
     if exp is None:
-        raise VitregError(f"experiment {experiment!r} does not exist at {mlflow.get_tracking_uri()}: "
+        raise VitregError(f"experiment {experiment!r} does not exist at {tracking_uri()}: "
                           f"check the name (mlflow experiments search) or MLFLOW_TRACKING_URI")
     return mlflow.search_runs(experiment_ids=[exp.experiment_id], filter_string=filter_string,
                               output_format="pandas")

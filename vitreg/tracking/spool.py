@@ -22,6 +22,7 @@ Settings (environment): ``VITREG_SPOOL_DIR`` (the root; default ``$XDG_DATA_HOME
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import json
 import os
@@ -33,7 +34,7 @@ from pathlib import Path
 
 from vitreg.config.parse import parse_bool, parse_float
 from vitreg.errors import VitregError
-from vitreg.tracking.uris import has_password
+from vitreg.tracking.uris import has_credentials, scrub
 
 JOURNAL = "journal.jsonl"
 DEFAULT_FLUSH_TIMEOUT_S = 30.0
@@ -81,6 +82,30 @@ class SpoolBusy(VitregError):
     """Another process holds this spool (it is still running, or delivering it)."""
 
 
+class SpoolLost(VitregError):
+    """The spool cannot keep what the run logs any more: its folder was removed, or its disk is full."""
+
+
+def mount_point(path: Path) -> Path:
+    """The mount point of the file system holding ``path`` (its nearest existing ancestor): the disk to name."""
+    path = Path(path).absolute()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    device = path.stat().st_dev
+    while path != path.parent and path.parent.stat().st_dev == device:
+        path = path.parent
+    return path
+
+
+def lost_reason(spool_path: Path, exc: OSError) -> str:
+    """One line saying why the spool cannot keep the run: the local disk (named) or the removed folder."""
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return (f"the local disk at {mount_point(spool_path)} holding the spool {spool_path} is full: what the run "
+                f"measures from now on cannot be kept; free space there or set VITREG_SPOOL_DIR to another disk")
+    return (f"the spool {spool_path} cannot be written ({exc.strerror or exc}): what the run measures from now on "
+            f"cannot be kept; do not remove a spool while its run is logging")
+
+
 class Spool:
     """One run's journal folder. Appends are thread-safe; one process at a time holds it (:meth:`lock`)."""
 
@@ -90,6 +115,7 @@ class Spool:
         self._fh = None
         self._lock_fh = None
         self._next_seq = None
+        self.lost: str | None = None  # why this spool can no longer keep the run (set at the first failed write)
 
     # ----------------------------------------------------------------- creating and opening
 
@@ -101,7 +127,7 @@ class Spool:
         spool = cls(Path(root or spool_root()) / spool_id)
         (spool.path / "artifacts").mkdir(parents=True)
         spool.lock()
-        if tracking_uri and has_password(tracking_uri):
+        if tracking_uri and has_credentials(tracking_uri):
             tracking_uri = None  # no secret on disk: sync takes the URI from its option or the environment
         spool._append({"kind": "run", "spool_id": spool_id, "experiment_name": experiment_name,
                        "run_name": run_name, "run_id": run_id, "tracking_uri": tracking_uri,
@@ -172,8 +198,14 @@ class Spool:
                     self._next_seq = len(self._records_or_empty())
                 self._fh = open(self.path / JOURNAL, "a", encoding="utf-8")
             record = {"seq": self._next_seq, **record}
-            self._fh.write(json.dumps(record, separators=(",", ":")) + "\n")
-            self._fh.flush()  # in the OS now: survives this process being killed
+            try:
+                if os.fstat(self._fh.fileno()).st_nlink == 0:  # removed under us: writes would go nowhere
+                    raise FileNotFoundError(errno.ENOENT, "its journal was removed")
+                self._fh.write(json.dumps(record, separators=(",", ":")) + "\n")
+                self._fh.flush()  # in the OS now: survives this process being killed
+            except OSError as exc:
+                self.lost = self.lost or lost_reason(self.path, exc)
+                raise SpoolLost(self.lost) from None
             self._next_seq += 1
         return record
 
@@ -184,14 +216,18 @@ class Spool:
         """Make what was appended durable (survives a power cut); cheap enough per batch, not per call."""
         with self._write_lock:
             if self._fh is not None:
-                os.fsync(self._fh.fileno())
+                try:
+                    os.fsync(self._fh.fileno())
+                except OSError as exc:
+                    self.lost = self.lost or lost_reason(self.path, exc)
+                    raise SpoolLost(self.lost) from None
 
     def append_params(self, params: dict) -> list[dict]:
-        items = sorted((str(k), str(v)) for k, v in params.items())
+        items = sorted((str(k), scrub(str(v))) for k, v in params.items())  # no credential stored, ever
         return [self._append({"kind": "params", "params": dict(part)}) for part in _chunks(items, MAX_PARAMS)]
 
     def append_tags(self, tags: dict) -> list[dict]:
-        items = sorted((str(k), str(v)) for k, v in tags.items() if v is not None)
+        items = sorted((str(k), scrub(str(v))) for k, v in tags.items() if v is not None)
         return [self._append({"kind": "tags", "tags": dict(part)}) for part in _chunks(items, MAX_TAGS)]
 
     def append_metrics(self, metrics: dict, step: int | None = None, timestamp_ms: int | None = None) -> list[dict]:
@@ -206,11 +242,16 @@ class Spool:
             raise VitregError(f"artifact {source} does not exist: nothing to log")
         slot = f"artifacts/{uuid.uuid4().hex[:12]}"
         target = self.path / slot
-        if source.is_dir():
-            shutil.copytree(source, target)
-            return self._append({"kind": "artifact", "path": slot, "is_dir": True, "artifact_path": artifact_path})
-        target.mkdir(parents=True)
-        shutil.copy2(source, target / source.name)
+        try:
+            target.mkdir()  # no parents: a removed spool must fail here, not be made again
+            if source.is_dir():
+                shutil.copytree(source, target, dirs_exist_ok=True)
+                return self._append({"kind": "artifact", "path": slot, "is_dir": True,
+                                     "artifact_path": artifact_path})
+            shutil.copy2(source, target / source.name)
+        except OSError as exc:  # shutil.Error (a tree copy) is an OSError too
+            self.lost = self.lost or lost_reason(self.path, exc)
+            raise SpoolLost(self.lost) from None
         return self._append({"kind": "artifact", "path": f"{slot}/{source.name}", "is_dir": False,
                              "artifact_path": artifact_path})
 
@@ -218,8 +259,12 @@ class Spool:
         """``log_text``: the text as a file at ``artifact_file`` (``dir/name.ext``) of the run."""
         directory, _, name = artifact_file.rpartition("/")
         slot = self.path / "artifacts" / uuid.uuid4().hex[:12]
-        slot.mkdir(parents=True)
-        (slot / name).write_text(text, encoding="utf-8")
+        try:
+            slot.mkdir()  # no parents: a removed spool must fail here, not be made again
+            (slot / name).write_text(scrub(text), encoding="utf-8")
+        except OSError as exc:
+            self.lost = self.lost or lost_reason(self.path, exc)
+            raise SpoolLost(self.lost) from None
         return self._append({"kind": "artifact", "path": str((slot / name).relative_to(self.path)),
                              "is_dir": False, "artifact_path": directory or None})
 

@@ -17,9 +17,11 @@ import threading
 import time
 
 from vitreg.console import progress
-from vitreg.tracking.delivery import Delivery, experiment_id_for, first_line, short_http_requests, store_errors
+from vitreg.tracking.delivery import (ERROR_TAG, Delivery, experiment_id_for, first_line, http_timeout_s,
+                                     short_http_requests, store_errors)
 from vitreg.tracking.mlflow_on_first_use import mlflow
-from vitreg.tracking.spool import Spool, flush_timeout_s, offline_mode
+from vitreg.tracking.spool import Spool, SpoolLost, flush_timeout_s, offline_mode
+from vitreg.tracking.uris import scrub
 from vitreg.tracking.stale import heartbeat_period_s
 
 MLFLOW_NOTE = "mlflow.note.content"  # MLflow's run description
@@ -30,7 +32,9 @@ _BACKOFF_FIRST_S, _BACKOFF_MAX_S = 0.5, 8.0
 
 def sync_hint(spool: Spool) -> str:
     """Where an undelivered run waits and the command that delivers it: the progress line of an
-    undelivered close and the job's last line (``where_logged``) say the same thing."""
+    undelivered close and the job's last line (``where_logged``) say the same thing; a lost spool says so."""
+    if spool.lost:
+        return spool.lost
     return f"the run is kept in {spool.path}: deliver it with `vitreg sync --spool {spool.path}`"
 
 
@@ -51,6 +55,7 @@ class SpoolingTracker:
         self.offline = offline_mode(offline)
         self.experiment_id = experiment_id
         self.run = None
+        self._uri = spool.run_record.get("tracking_uri")
         self._params = {str(k): str(v) for k, v in (existing_params or {}).items()}
         self._recorded_run_id = spool.run_record.get("run_id")
         self._pending: list[dict] = []
@@ -88,7 +93,7 @@ class SpoolingTracker:
     # ----------------------------------------------------------------- the Tracker calls
 
     def _journal(self, records: list[dict]) -> None:
-        if self.offline:
+        if self.offline or self.spool.lost:
             return
         with self._pending_lock:
             self._pending.extend(records)
@@ -195,8 +200,14 @@ class SpoolingTracker:
         return self._closed
 
     def _close(self, status: str, timeout: float) -> bool:
-        self._journal([self.spool.append_end(status)])
-        self.spool.fsync()
+        if not self.spool.lost:
+            try:
+                self._journal([self.spool.append_end(status)])
+                self.spool.fsync()
+            except SpoolLost:
+                pass  # the spool went at the very end: said below, like any other loss
+        if self.spool.lost:
+            return self._close_lost()
         if self.offline:
             self.spool.release()
             progress(sync_hint(self.spool))
@@ -213,6 +224,34 @@ class SpoolingTracker:
         progress(reason + sync_hint(self.spool))
         return False
 
+    def _close_lost(self) -> bool:
+        """The spool can no longer keep the run: stop delivering, end the server run FAILED with the reason
+        (when the server answers), and say so in one line. Never claims the run is kept anywhere."""
+        self._stopped.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(http_timeout_s() + 1)
+        ended = False
+        if not self.offline and self.run_id:
+            try:
+                with short_http_requests():
+                    client = self._client or mlflow.MlflowClient(tracking_uri=self._uri)
+                    client.set_tag(self.run_id, ERROR_TAG, scrub(self.spool.lost)[:4000])
+                    client.set_terminated(self.run_id, "FAILED")
+                ended = True
+            except Exception as exc:  # noqa: BLE001 - the server is down too: the run is left to `runs --stale`
+                self._last_error = first_line(exc)
+        if ended:
+            where = f"run {self.run_id} is marked FAILED on the tracking server"
+        elif self.offline or not self.run_id:
+            where = "nothing of it reached the tracking server"
+        else:
+            where = (f"run {self.run_id} could not be ended on the tracking server ({self._last_error}): "
+                     f"`vitreg runs --stale --fix` ends it later")
+        progress(f"{self.spool.lost}; {where}")
+        self.spool.release()
+        return False
+
     # ----------------------------------------------------------------- the delivery thread
 
     def _deliver_loop(self) -> None:
@@ -220,7 +259,7 @@ class SpoolingTracker:
         with short_http_requests():
             try:
                 # Built here: for a sqlite store the client creates (or migrates) the database, seconds of work
-                client = self._client or mlflow.MlflowClient(tracking_uri=self.spool.run_record.get("tracking_uri"))
+                client = self._client or mlflow.MlflowClient(tracking_uri=self._uri)
                 self._delivery = Delivery(self.spool, client, heartbeat=True)
                 while not self._stopped.is_set() and not self._done.is_set():
                     now = time.monotonic()

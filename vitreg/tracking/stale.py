@@ -19,6 +19,7 @@ from vitreg.config.parse import parse_float
 from vitreg.errors import VitregError
 from vitreg.tracking.delivery import ERROR_TAG, HEARTBEAT_TAG, short_http_requests, store_errors
 from vitreg.tracking.mlflow_on_first_use import mlflow
+from vitreg.tracking.uris import scrub
 
 DEFAULT_HEARTBEAT_S = 30.0
 DEFAULT_STALE_AFTER_S = 600.0
@@ -96,7 +97,7 @@ def mark_killed(runs: list[StaleRun], client: mlflow.MlflowClient | None = None)
         for stale in runs:
             if client.get_run(stale.run_id).info.status != "RUNNING":
                 continue  # ended meanwhile (its process was alive after all, or another --fix)
-            client.set_tag(stale.run_id, ERROR_TAG, stale.reason())
+            client.set_tag(stale.run_id, ERROR_TAG, scrub(stale.reason()))
             client.set_terminated(stale.run_id, "KILLED")
             ended += 1
     return ended

@@ -68,6 +68,9 @@ def sync(spool_dir: Path | None = None, tracking_uri: str | None = None) -> list
     Raises :class:`SyncError` (one line: the store, the reason, what is still spooled) at the first spool
     the store does not take; spools delivered before it stay delivered.
     """
+    if spool_dir is not None and not Path(spool_dir).is_dir():
+        raise SyncError(f"there is no spool at {spool_dir} (no such folder): what it held is lost, or the path is "
+                        f"wrong; `vitreg sync` without --spool delivers every spool under {spool_root()}")
     done = []
     with short_http_requests():
         for spool in pending(spool_dir):

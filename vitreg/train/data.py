@@ -20,6 +20,7 @@ without loader processes.
 from __future__ import annotations
 
 import math
+import os
 from pathlib import Path
 
 from vitreg.errors import VitregError, path_kind
@@ -272,8 +273,27 @@ def build_data(spec, info, device, model=None, rank: int = 0, world_size: int = 
     if spec.synthetic:
         num_classes = spec.num_classes or SYNTHETIC_DEFAULT_CLASSES
         return SyntheticData(num_classes, info.img_size, spec.batch_size, device, spec.seed, rank, world_size)
+    check_num_workers(spec.num_workers)
     return FolderData(spec, info, device, model=model, rank=rank, world_size=world_size,
                       sampler_factory=sampler_factory)
+
+
+def usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity: a container's or Slurm's share, not the host's)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def check_num_workers(num_workers: int) -> None:
+    """Refuse more DataLoader processes than the machine can run: each is a full Python process holding a
+    copy of the dataset's index (hundreds of MB); past two per usable CPU they only wait their turn, and
+    at thousands the OOM killer ends the run."""
+    most = max(2, 2 * usable_cpus())
+    if num_workers > most:
+        raise VitregError(f"num_workers={num_workers} is more DataLoader processes than this machine's "
+                          f"{usable_cpus()} usable CPUs can run: use num_workers<={most} (2 per CPU at most)")
 
 
 def resolve_num_classes(spec) -> int:

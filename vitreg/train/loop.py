@@ -406,7 +406,7 @@ def _finish(setup: _Setup, tally: _Tally, stopped_by: str | None = None) -> Trai
         "data_wait_frac": min(1.0, sum(tally.waits[warm:]) / measured_s) if measured_s > 0 else None,
         "first_step_s": tally.first_step_s, "measured_steps": len(measured),
     })
-    if setup.reducer is not None:
+    if setup.reducer is not None and stopped_by is None:  # stopped: the others may be inside another collective
         figures = setup.reducer.figures(figures)  # sum of the ranks' rates, the slowest rank's times
     elif figures["throughput_img_per_s"] is not None:  # no reducer: every rank assumed as fast as this one
         figures = figures.with_values(throughput_img_per_s=figures["throughput_img_per_s"] * world_size)

@@ -15,13 +15,15 @@ import os
 import signal
 import threading
 
-HELD_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+HELD_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)  # vitreg.signals.ALL_STOP_SIGNALS
 
 
 @contextlib.contextmanager
 def update_is_atomic():
-    """Hold SIGINT/SIGTERM/SIGHUP inside the block; deliver the first one after it. A second one inside the
-    block exits at once (the user means it), as a second signal during clean-up does."""
+    """Hold SIGINT/SIGTERM/SIGHUP/SIGQUIT inside the block; deliver the first one after it. A second one inside
+    the block exits at once (the user means it), as a second signal during clean-up does. An update that
+    does not end within ``VITREG_STOP_GRACE_S`` is not waited for: :mod:`vitreg.signals`' watchdog ends
+    the process then (a collective whose peer died never ends)."""
     if threading.current_thread() is not threading.main_thread():
         yield  # signals reach the main thread only
         return

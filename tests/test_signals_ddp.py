@@ -1,0 +1,132 @@
+"""Real signals to a real ``vitreg train --nproc 2`` (torchrun, gloo, the tiny test_vit at 32 px).
+
+- SIGTERM to the launcher: the ranks stop cleanly and rank 0's hand-off (its final checkpoint, the
+  train_loss points, results.json, the environment tags) reaches the run, which ends KILLED; no traceback.
+- SIGKILL to the launcher: nothing can run in it, so the OS stops the rest (parent-death signals): torchrun
+  and both ranks are gone within the time the job took to start (the baseline measured here).
+- SIGTERM to one rank: the job ends, bounded by the stop grace (``VITREG_STOP_GRACE_S``) plus the start
+  baseline, and the run is not left RUNNING.
+
+Each waits on events (a train_loss point in the store, processes gone), never on fixed sleeps.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from conftest import migrated_store, subprocess_env
+
+TRAIN = ["train", "--model", "test_vit", "--img-size", "32", "--batch-size", "8", "--num-classes", "10",
+         "--num-workers", "0", "--steps", "100000", "--log-every", "5", "--checkpoint-every", "100000",
+         "--warmup-steps", "2", "--device", "cpu", "--experiment", "sigddp", "--nproc", "2"]
+
+
+def _client(uri):
+    from mlflow.tracking import MlflowClient
+
+    return MlflowClient(uri)
+
+
+def _start(tmp_path, **env):
+    uri = migrated_store(tmp_path)
+    proc = subprocess.Popen([sys.executable, "-m", "vitreg.cli", *TRAIN], cwd=tmp_path, text=True,
+                            env=subprocess_env(uri, MLFLOW_DISABLE_TELEMETRY="true", **env),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    return uri, proc
+
+
+def _wait_for_points(c, proc, at_least: int, deadline_s: float = 300):
+    """(the run, seconds since the start) once the run holds train_loss at a step >= ``at_least``."""
+    started = time.monotonic()
+    while time.monotonic() - started < deadline_s:
+        if proc.poll() is not None:
+            raise AssertionError(f"train exited ({proc.returncode}) early:\n{proc.stdout.read()[-3000:]}")
+        try:
+            exp = c.get_experiment_by_name("sigddp")
+            runs = c.search_runs([exp.experiment_id]) if exp else []
+            if runs and any(m.step >= at_least for m in c.get_metric_history(runs[0].info.run_id, "train_loss")):
+                return runs[0], time.monotonic() - started
+        except Exception:  # noqa: BLE001 - the store being written by the child
+            pass
+        time.sleep(0.2)
+    raise AssertionError("no train_loss points within the deadline")
+
+
+def _ranks(launcher: subprocess.Popen) -> list[psutil.Process]:
+    """torchrun and its workers: every process below the launcher."""
+    return psutil.Process(launcher.pid).children(recursive=True)
+
+
+@pytest.mark.slow
+def test_sigterm_to_the_launcher_keeps_rank0s_hand_off_and_ends_the_run_killed(tmp_path):
+    uri, proc = _start(tmp_path)
+    c = _client(uri)
+    try:
+        run, _ = _wait_for_points(c, proc, 10)
+        proc.send_signal(signal.SIGTERM)
+        output = proc.communicate(timeout=180)[0]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 143, output[-3000:]
+    assert "Traceback" not in output, output[-4000:]
+    run = c.get_run(run.info.run_id)
+    assert run.info.status == "KILLED" and "SIGTERM" in run.data.tags["vitreg_error"]
+    steps = sorted(m.step for m in c.get_metric_history(run.info.run_id, "train_loss"))
+    last = Path(c.download_artifacts(run.info.run_id, "checkpoints/last", str(tmp_path / "last")))
+    reached = json.loads((last / "spec.json").read_text())["step"]
+    # the points up to the last log boundary (under DDP the open interval needs a collective: not after a stop)
+    assert steps[-1] >= 10 and 0 <= reached - steps[-1] < 5
+    results = json.loads(Path(c.download_artifacts(run.info.run_id, "results.json", str(tmp_path))).read_text())
+    assert results["result"]["step"] == reached and "SIGTERM" in results["result"]["stopped_by"]
+    assert run.data.tags.get("torch_version") or any(k.startswith("env_") for k in run.data.tags), run.data.tags
+
+
+@pytest.mark.slow
+def test_sigkill_to_the_launcher_leaves_no_torchrun_nor_rank_behind(tmp_path):
+    uri, proc = _start(tmp_path)
+    try:
+        _, baseline_s = _wait_for_points(_client(uri), proc, 5)
+        children = _ranks(proc)
+        assert len(children) >= 3, children  # torchrun and two workers
+        proc.kill()
+        proc.wait()
+        gone, alive = psutil.wait_procs(children, timeout=baseline_s)
+        assert not alive, f"still running {baseline_s:.0f} s after the launcher's SIGKILL: {alive}"
+    finally:
+        for child in psutil.Process().children(recursive=True):
+            child.kill()
+
+
+@pytest.mark.slow
+def test_sigterm_to_one_rank_ends_the_job_within_the_stop_grace(tmp_path):
+    grace_s = 5.0
+    uri, proc = _start(tmp_path, VITREG_STOP_GRACE_S=grace_s)
+    c = _client(uri)
+    try:
+        run, baseline_s = _wait_for_points(c, proc, 5)
+        workers = [p for p in _ranks(proc) if "vitreg.ddp.launcher" in p.cmdline()
+                   and "torch.distributed.run" not in p.cmdline()]
+        assert len(workers) == 2, workers
+        sent = time.monotonic()
+        workers[-1].send_signal(signal.SIGTERM)
+        output = proc.communicate(timeout=baseline_s + grace_s + 120)[0]
+        took = time.monotonic() - sent
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode != 0 and took < baseline_s + grace_s, (took, baseline_s, output[-3000:])
+    run = c.get_run(run.info.run_id)
+    assert run.info.status in ("KILLED", "FAILED")
+    # the root cause is the rank stopped, not its peer's "connection closed" that followed
+    last = output.strip().splitlines()[-1]
+    assert last.startswith("error: rank 1") and "SIGTERM" in last, output[-3000:]
+    assert "SIGTERM" in run.data.tags["vitreg_error"]
