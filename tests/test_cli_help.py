@@ -85,6 +85,7 @@ def test_completion_of_model_names_comes_from_timm():
     assert all(n.startswith("deit_t") for n in names)
 
 
+@pytest.mark.slow
 def test_completion_script_as_the_readme_sources_it():
     vitreg = Path(sys.executable).parent / "vitreg"
     for shell, needle in (("bash", "complete -o nosort -F"), ("zsh", "compdef"), ("fish", "complete --no-files")):
