@@ -14,9 +14,9 @@ from vitreg.cli.invocation import command_line
 
 @click.command()
 @click.argument("checkpoint_uri")
-@click.option("--name", required=True, help="registered model name (created if new; its versions must be the same architecture).")
+@click.option("--name", required=True, help="Registered model name (created if new; its versions must be the same architecture).")
 @click.option("--alias", default="latest", show_default=True,
-              help="alias to move to the new version (latest: none set; MLflow resolves @latest to the newest).")
+              help="Alias to move to the new version (latest: none set; MLflow resolves @latest to the newest).")
 @user_errors
 def register(checkpoint_uri, name, alias):
     """Register a run's checkpoint (runs:/<run_id>/checkpoints/last) as a new model version."""
@@ -30,7 +30,7 @@ def register(checkpoint_uri, name, alias):
 @click.command()
 @click.argument("model_uri")
 @click.option("--out", "out_dir", default=None, type=click.Path(file_okay=False),
-              help="also write a self-contained folder: model.safetensors, spec.json, manifest.json, README.md.")
+              help="Also write a self-contained folder: model.safetensors, spec.json, manifest.json, README.md.")
 @user_errors
 def pull(model_uri, out_dir):
     """Pull a registered model and rebuild it as a timm model (sha256-verified, forward-checked).
