@@ -16,7 +16,8 @@ from vitreg.cli.common import OneSpelling, command_options, run_ddp_job, split_o
 from vitreg.cli.param_types import ChoiceText, GpuLabel
 from vitreg.config.options import option
 from vitreg.errors import VitregError
-from vitreg.tracking.quiet import quiet_artifact_downloads
+from vitreg.console import quiet_libraries
+from vitreg.tracking.quiet import quiet_artifact_downloads, quiet_mlflow_info
 
 
 @click.group()
@@ -26,6 +27,8 @@ def main():
     vitreg.freeze_at_exit()
     signals.install()  # SIGTERM/SIGHUP end the run KILLED, like Ctrl-C, instead of leaving it RUNNING
     quiet_artifact_downloads()  # vitreg's progress lines say what is downloaded; MLflow's bars only clutter
+    quiet_mlflow_info()  # and what a run does: MLflow's system-metrics INFO lines only clutter
+    quiet_libraries()  # kineto's trace markers and driver probe, timm's short-cosine warning
 
 
 @main.command()

@@ -16,3 +16,20 @@ def quiet_artifact_downloads() -> None:
     """No artifact progress bars in this process and its children, unless the user asked for them
     (an MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR already set is kept)."""
     os.environ.setdefault(PROGRESS_BAR_VARIABLE, "false")
+
+
+#: MLflow's INFO lines a successful run does not need: the system-metrics monitor's start, stop and "Skip
+#: logging GPU metrics" (every run), and the store's "Creating initial MLflow database tables" (a new
+#: sqlite file). They are logging records of these loggers (MLflow's handler writes them to stderr);
+#: their WARNING and ERROR records still show.
+QUIET_MLFLOW_LOGGERS = ("mlflow.system_metrics", "mlflow.store.db.utils")
+
+
+def quiet_mlflow_info() -> None:
+    """MLflow's routine INFO lines off (WARNING and above kept), unless MLFLOW_LOGGING_LEVEL asks for more."""
+    import logging
+
+    if os.environ.get("MLFLOW_LOGGING_LEVEL", "").upper() in ("DEBUG", "INFO"):
+        return
+    for name in QUIET_MLFLOW_LOGGERS:
+        logging.getLogger(name).setLevel(logging.WARNING)
