@@ -58,7 +58,8 @@ def infer(model_uri: str, options: dict, experiment: str | None = None, run_name
         what = (f"{pulled.registered_model_name}-v{pulled.registered_model_version}" if pulled.version_uri
                 else f"{info.name}-run-{(pulled.run_id or 'local')[:8]}")
         name = functools.partial(naming.run_name, hw.label, what, runtime.amp, spec.batch_size, spec.compile,
-                                 cuda_graph=spec.cuda_graph, job="infer")
+                                 cuda_graph=spec.cuda_graph, job="infer",
+                                 ran_on=detected.profile.label if hw.mismatch else None)
         run.set_name(run_name or name())
         run.set_tags({**env.to_tags(), **resolved_tags(spec, hw, runtime, info.img_size, task=spec.task, cuda_graph=spec.cuda_graph), **link_tags(pulled)})
         params = {**spec.to_params(), "gpu": hw.label, "amp": runtime.amp, "device": runtime.device,

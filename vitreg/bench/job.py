@@ -94,7 +94,8 @@ def _bench_in_run(run, spec: BenchSpec, run_name, progress, command, baseline_ru
     model, info = create_model(spec.model, spec.img_size)  # on the CPU: checks img_size before GPU work
     env = capture_environment()
     name = functools.partial(naming.run_name, hw.label, spec.model, runtime.amp, compile=spec.compile,
-                             nproc=world.world_size, cuda_graph=spec.cuda_graph)
+                             nproc=world.world_size, cuda_graph=spec.cuda_graph,
+                             ran_on=detected.profile.label if hw.mismatch else None)
     run.set_name(run_name or name(spec.batch_size))  # GPU label first: the runs list cuts names short
     tags = {**env.to_tags(),
             **resolved_tags(spec, hw, runtime, info.img_size, task=spec.task, cuda_graph=spec.cuda_graph),

@@ -230,6 +230,8 @@ def _train_in_run(run, options, workdir: Path, progress, command, run_name, *, s
         if world.is_main:
             _log_results(run, logger, spec, hw, runtime, info, data, result, summary, reducer, command,
                          register=stop is None)  # a stopped run's model is not the one register_as asked for
+            if not run_name and result.throughput_img_per_s:  # now with the figure: the runs list reads at a glance
+                run.set_name(run_name_for(spec, hw, runtime, world.world_size, result.throughput_img_per_s))
         ok = True
     finally:
         logger.close(timeout=None if ok else 60)  # on the error path, do not hang on a dead server
@@ -329,10 +331,12 @@ def _log_results(run, logger, spec, hw, runtime, info, data, result, summary, re
     register_if_requested(run, spec, result.last_checkpoint, reg_tags)
 
 
-def run_name_for(spec: TrainSpec, hw, runtime, world_size: int = 1) -> str:
-    """GPU label first, as every vitreg run is named (the runs list cuts names short)."""
+def run_name_for(spec: TrainSpec, hw, runtime, world_size: int = 1, throughput: float | None = None) -> str:
+    """GPU label first, then (once measured) the training throughput, as every vitreg run is named (the runs
+    list cuts names short); a run filed under a GPU that did not run it says so (``a100≠cpu``)."""
     return naming.run_name(hw.label, spec.model, runtime.amp, spec.batch_size, spec.compile, nproc=world_size,
-                           job="train")
+                           job="train", throughputs={"train": throughput} if throughput else None,
+                           ran_on=hw.detected.profile.label if hw.mismatch else None)
 
 
 def _print_summary(result, run) -> None:
