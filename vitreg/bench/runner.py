@@ -25,6 +25,7 @@ from vitreg.hardware.compile_cache import CacheProbe
 from vitreg.hardware.precision import input_dtype, prepare_model
 from vitreg.hardware.sdpa import detect_backend
 from vitreg.measure.autobatch import search_batch
+from vitreg.measure.estimate import bench_work, say_if_long
 from vitreg.measure.graphs import EAGER_STEPS_BEFORE_CAPTURE, capture, require_cuda, side_stream
 from vitreg.hardware.profiles import ResolvedHardware
 from vitreg.measure.profiling import trace_steps
@@ -320,6 +321,8 @@ def run_benchmark(spec: BenchSpec, hardware: ResolvedHardware, runtime: Runtime,
     # count inside it failed with "No available kernel" (the count is the same whichever backend runs).
     fwd_flops = forward_flops_per_image(model, info.img_size, runtime.torch_device)
     train_flops = _train_flops(model, info, runtime) if "train" in spec.tasks else 0
+    say_if_long(bench_work(spec, fwd_flops, train_flops, runtime.device), runtime.device, progress,
+                compiling=runtime.compile != "off")  # a GPU-sized run on a CPU says so before it starts
     model = prepare_model(model, precision)
     profile_dir = tempfile.mkdtemp(prefix="vitreg-profile-") if spec.profile else None
     tasks = []

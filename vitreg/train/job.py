@@ -48,6 +48,7 @@ from vitreg.ddp import world as distributed
 from vitreg.hardware.env import capture_environment, pip_freeze
 from vitreg.hardware.profiles import detect_hardware, resolve_hardware
 from vitreg.hardware.runtime import resolve_runtime, run_context
+from vitreg.measure.estimate import say_if_long, train_work
 from vitreg.models.factory import check_model_name, create_model
 from vitreg.models.memory import check_batch_fits, check_ranks_fit
 from vitreg.tracking import checkpoints, lineage, naming
@@ -215,6 +216,9 @@ def _train_in_run(run, options, workdir: Path, progress, command, run_name, *, s
         _log_setup(run, spec, hw, runtime, detected, info, data, world, run_name, progress)
     model = model.to(runtime.torch_device)
     summary = _flops_metrics(model, info, runtime) if world.is_main else {}
+    if world.is_main:  # a GPU-sized run on a CPU says so before it starts
+        say_if_long(train_work(spec.batch_size * world.world_size, loop.total_steps_of(spec, data.steps_per_epoch),
+                               summary["train_gflops_per_img"] * 1e9), runtime.device, progress)
     logger = RunLogger(run)
     ok, stop = False, None
     try:
