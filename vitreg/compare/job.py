@@ -84,12 +84,14 @@ def import_timm(path: str, gpu: str | None = None, amp: str | None = None, exper
         raise VitregError(f"{path}: no such file: pass the path of a timm benchmark.py results CSV")
     records = read_timm_csv(path, gpu, amp=amp)  # parsed and checked in full before anything is logged
     tracking.check_server()
-    ids = []
+    ids, experiment_name = [], experiment
     for rec in records:
         with tracking.tracked_run(run_name=rec.run_name, experiment=experiment, system_metrics=False) as run:
             run.log_params(rec.params)
             run.set_tags({**rec.tags, "vitreg_job": "import-timm"})
             run.log_metrics(rec.metrics)
             ids.append(run.run_id)
-    progress(f"imported {len(ids)} run(s) from {Path(path).name} at {tracking.tracking_uri()}")
+            experiment_name = logged_into(run, experiment or "Default")
+    progress(f"imported {len(ids)} run(s) from {Path(path).name} into experiment {experiment_name!r} at "
+             f"{tracking.tracking_uri()}")
     return ids
