@@ -84,17 +84,18 @@ class GpuLabel(_AsTyped, click.types.StringParamType):
 
 
 class ModelName(_AsTyped, click.types.StringParamType):
-    """``MODEL`` in --help; completes the timm and torchvision names vitreg builds (importing timm: a
-    second or two per TAB)."""
+    """``MODEL`` in --help; completes the timm and torchvision names vitreg builds: from the names an earlier
+    process kept in the user's cache (:mod:`vitreg.models.known`), else from timm (importing it, with
+    torchvision and torch._dynamo, took 11.8 s per TAB on a loaded 2-core machine), keeping them for the
+    next TAB."""
 
     name = "model"
 
     def shell_complete(self, ctx, param, incomplete):
-        import timm
+        from vitreg.models import known
+        from vitreg.models.factory import TORCHVISION_PREFIX, TORCHVISION_VITS, _timm_names
 
-        from vitreg.models.factory import TIMM_PREFIXES, TORCHVISION_PREFIX, TORCHVISION_VITS
-
-        names = [n for n in timm.list_models() if n.startswith(TIMM_PREFIXES)]
+        names = sorted(known.names()) or list(_timm_names())  # timm's listing also fills the cache
         names += [TORCHVISION_PREFIX + arch for arch in TORCHVISION_VITS]
         return [CompletionItem(name) for name in names if name.startswith(incomplete)]
 

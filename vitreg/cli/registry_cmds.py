@@ -38,9 +38,18 @@ def pull(model_uri, out_dir):
     MODEL_URI: models:/NAME@ALIAS, models:/NAME/VERSION, runs:/RUN_ID/checkpoints/last or a local
     checkpoint folder.
     """
+    import tempfile
+
     from vitreg.tracking.checkpoints import pull as pull_model
 
-    click.echo(pull_model(model_uri, out_dir=out_dir).describe())
+    if out_dir:
+        click.echo(pull_model(model_uri, out_dir=out_dir).describe())
+        return
+    with tempfile.TemporaryDirectory(prefix="vitreg-pull-") as tmp:  # a check only: nothing left behind
+        described = pull_model(model_uri, dst=tmp).describe().splitlines()
+    click.echo("\n".join(line if not line.startswith("  files:") else
+                         "  files:   sha256 verified, then removed (--out DIR keeps a self-contained copy)"
+                         for line in described))
 
 
 @click.command()
