@@ -47,8 +47,9 @@ PYTEST_ARGS ?= -n 2 --dist loadfile
 test: $(STAMP)
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
+# The fast tier starts no process (tests/conftest.py fails a test that does without @pytest.mark.slow).
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -m "not slow"
+	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
 
 # MLproject and the README's parameter tables, rewritten from the option table (vitreg/config/options.py)
 mlproject: $(STAMP)

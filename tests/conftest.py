@@ -6,6 +6,7 @@ import shutil
 import socket
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -76,6 +77,16 @@ def premigrated(data_dir: Path) -> Path:
     migrated_store(data_dir)
     return Path(data_dir)
 
+def wait_until(condition, timeout_s: float = 30.0, what: str = "the condition") -> None:
+    """Return as soon as ``condition()`` holds (checked every 20 ms); fail after ``timeout_s``. A test waits on
+    what it needs to see, never for a fixed time that a loaded machine can outlast."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            pytest.fail(f"{what} did not happen within {timeout_s:g} s", pytrace=False)
+        time.sleep(0.02)
+
+
 def subprocess_env(tracking_uri: str, **extra) -> dict:
     """Environment for a child process: this interpreter's bin first on PATH (MLproject commands call
     `python`), the given store, no inherited MLflow run."""
@@ -108,3 +119,37 @@ def sqlite_store(tmp_path, monkeypatch):
         mlflow.end_run()
     fluent._active_experiment_id = None
     os.environ.pop("MLFLOW_EXPERIMENT_ID", None)
+
+
+# ---------------------------------------------------------------- the fast tier starts no process
+# A test that starts a process (a Python interpreter, `mlflow server`, torchrun, a shell) costs seconds
+# of CPU on these 2-core machines: it belongs to the slow tier (`-m "not slow"` skips it). This hook
+# makes that a rule the suite checks rather than a habit: a test without @pytest.mark.slow that starts
+# one fails, naming the program. Quick probes vitreg makes on every run (git for the sha, nvidia-smi,
+# the compilers inductor calls) are not counted.
+import subprocess  # noqa: E402
+
+PROBES = {"git", "nvidia-smi", "g++", "gcc", "c++", "cc", "ldconfig", "uname", "lscpu", "which"}
+_spawned: list[str] = []
+_execute_child = subprocess.Popen._execute_child
+
+
+def _recording_execute_child(self, args, *rest, **kwargs):
+    program = args if isinstance(args, (str, bytes)) else args[0]
+    name = os.path.basename(os.fsdecode(program).split()[0]) if program else ""
+    if name not in PROBES:
+        _spawned.append(name)
+    return _execute_child(self, args, *rest, **kwargs)
+
+
+subprocess.Popen._execute_child = _recording_execute_child
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item):
+    _spawned.clear()
+    result = yield
+    if _spawned and item.get_closest_marker("slow") is None:
+        pytest.fail(f"{item.nodeid} starts a process ({', '.join(sorted(set(_spawned)))}) but is not marked "
+                    "@pytest.mark.slow: mark it (the fast tier starts no process)", pytrace=False)
+    return result

@@ -36,6 +36,7 @@ def store(tmp_path_factory):
         yield uri, infer, train
 
 
+@pytest.mark.slow
 def test_import_vitreg_is_cheap_and_bench_stays_callable_after_its_package_is_imported():
     code = ("import sys, vitreg\n"
             "print(sorted(m for m in ('torch', 'mlflow', 'pandas', 'numpy', 'timm', 'click') if m in sys.modules))\n"

@@ -1,6 +1,7 @@
 """`bench` end to end: real `mlflow run` subprocesses against a real sqlite store, and every bad input."""
 
 import json
+import re
 import subprocess
 import sys
 
@@ -41,8 +42,9 @@ def test_mlflow_run_bench_logs_one_complete_finished_run(tmp_path):
     assert run.info.status == "FINISHED"
     p, t, m = run.data.params, run.data.tags, run.data.metrics
     # the runs list reads without set-up: GPU label first, then the figures (issue 14); the page's note
-    assert run.info.run_name.startswith("cpu · infer ") and run.info.run_name.split(" · ")[3:] == [
-        "test_vit", "fp32", "bs2"] and "img/s" in run.info.run_name, run.info.run_name
+    words = run.info.run_name.split(" · ")  # cpu · infer N img/s · test_vit · train N img/s · fp32 · bs2
+    assert words[0] == "cpu" and words[2::2] == ["test_vit", "fp32"] and words[5:] == ["bs2"], words
+    assert re.fullmatch(r"infer [\d.,]+ img/s", words[1]) and re.fullmatch(r"train [\d.,]+ img/s", words[3]), words
     assert "img/s" in t["mlflow.note.content"] and "| infer" in t["mlflow.note.content"]
     page = f"#/experiments/{run.info.experiment_id}/runs/{run.info.run_id}"
     assert f"logged run {run.info.run_id}" in proc.stdout and page in proc.stdout  # where to open it

@@ -4,6 +4,7 @@ validation (tests/test_bench_e2e.py::test_bad_input_exit_2_and_failed_run checks
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -45,11 +46,64 @@ def test_help_shows_every_option_s_kind_and_choices(command):
 def test_help_text_as_printed():
     out = CliRunner().invoke(main, ["train", "--help"], terminal_width=200).output
     assert "--amp [auto|off|tf32|bf16|fp16]" in out
-    assert "--batch-size, --batch_size INTEGER RANGE" in out and "[default: 64; x>=1]" in out
-    assert "--allow-gpu-mismatch, --allow_gpu_mismatch BOOLEAN" in out
+    assert "--batch-size INTEGER RANGE" in out and "[default: 64; x>=1]" in out
+    assert "--allow-gpu-mismatch BOOLEAN" in out
     assert "0.0<=x<1.0" in out  # label_smoothing: below 1, exclusive
     assert "--gpu GPU" in out and "--model MODEL" in out
-    assert "--experiment, --experiment-name TEXT" in out
+    assert "--experiment TEXT" in out
+    assert "x>=0]" in out and "9223372036854775807" not in out  # the seed: no 19-digit machine limit
+    bench = CliRunner().invoke(main, ["bench", "--help"], terminal_width=200).output
+    assert "--batch-size INTEGER|auto" in bench and "[default: auto; x>=1]" in bench
+    assert re.search(r"--task \[infer\|train\|both\] +What to time", bench)  # the choices once, then the meaning
+
+
+def all_commands(group: click.Group = main, prefix: tuple = ()) -> list[tuple[str, ...]]:
+    found = []
+    for name, cmd in group.commands.items():
+        found.append((*prefix, name))
+        if isinstance(cmd, click.Group):
+            found += all_commands(cmd, (*prefix, name))
+    return found
+
+
+def option_lines(path: tuple[str, ...]) -> list[list[str]]:
+    """The Options section of ``vitreg <path> --help`` as printed, one word list per option line."""
+    out = CliRunner().invoke(main, [*path, "--help"], terminal_width=200).output
+    section = out.split("\nOptions:\n", 1)[1]
+    return [line.split() for line in section.splitlines() if line.startswith("  -")]
+
+
+def command_at(path: tuple[str, ...]) -> click.Command:
+    cmd = main
+    for name in path:
+        cmd = cmd.commands[name]
+    return cmd
+
+
+@pytest.mark.parametrize("path", all_commands(), ids="-".join)
+def test_help_lists_each_option_once_with_its_type(path):
+    lines = option_lines(path)
+    firsts = [words[0] for words in lines]
+    assert not [words for words in lines if words[0].endswith(",")], lines  # one spelling a line
+    for param in command_at(path).params:
+        if not isinstance(param, click.Option) or param.hidden:
+            continue
+        assert firsts.count(param.opts[0]) == 1, (param.opts, firsts)
+        assert not set(param.opts[1:] + param.secondary_opts) & set(firsts), (param.opts, firsts)
+        words = lines[firsts.index(param.opts[0])]
+        if not param.is_flag:  # a value option: its type follows the flag
+            assert len(words) > 1 and (words[1].split("|")[0].isupper() or words[1].startswith("[")), words
+    for opt in options_of(path[-1]) if path[-1] in COMMANDS else ():
+        if opt.kind != "str":  # a number, a bool, a batch size or a choice never reads as free text
+            assert lines[firsts.index(opt.flags[0])][1] != "TEXT", (opt.name, opt.kind)
+
+
+def test_help_sentences_start_with_a_capital_unless_they_open_with_a_name():
+    for path in all_commands():
+        for param in command_at(path).params:
+            first = (param.help or "X").split(" ", 1)[0] if isinstance(param, click.Option) else "X"
+            if first.rstrip(":,.;").isalpha() and first != "timm":
+                assert first[0].isupper(), (path, param.opts, param.help)
 
 
 @pytest.mark.parametrize("command,required", [("bench", []), ("train", []), ("infer", ["--model-uri", "m"]),
@@ -85,6 +139,7 @@ def test_completion_of_model_names_comes_from_timm():
     assert all(n.startswith("deit_t") for n in names)
 
 
+@pytest.mark.slow
 def test_completion_script_as_the_readme_sources_it():
     vitreg = Path(sys.executable).parent / "vitreg"
     for shell, needle in (("bash", "complete -o nosort -F"), ("zsh", "compdef"), ("fish", "complete --no-files")):

@@ -9,6 +9,7 @@ import math
 from pathlib import Path
 
 import pandas as pd
+import matplotlib
 import pytest
 
 from vitreg.analysis import frame as schema
@@ -811,7 +812,12 @@ def test_linear_chart_and_gains_chart_are_readable(tmp_path):
     assert fig.axes[0].get_yscale() == "linear" and fig.axes[0].get_ylim()[0] == 0
     gains = plots.plot_gains(c, tmp_path / "gains.png")
     texts = _assert_readable(gains, tmp_path / "gains.png")
-    assert {f"{v:.2f}x" for v in c.gains["speedup"]} <= set(texts) and gains.axes[0].get_xlabel().startswith("speedup")
+    assert {f"{v:.2f}x" for v in c.gains["speedup"]} <= {t.split(" (")[0] for t in texts}
+    assert gains.axes[0].get_xlabel().startswith("speedup")
+    single = c.gains[c.gains[["n_base", "n_new"]].min(axis=1) < 2]  # no spread to judge: grey and said so
+    assert {f"{v:.2f}x (single run)" for v in single["speedup"]} <= set(texts)
+    grey = [p for p in gains.axes[0].patches if p.get_facecolor()[:3] == matplotlib.colors.to_rgb("tab:gray")]
+    assert len(grey) == len(single)
 
 
 # ------------------------------------------------------------------------------ the compare command

@@ -5,7 +5,6 @@ import os
 import subprocess
 import sys
 import threading
-import time
 
 import pytest
 
@@ -72,25 +71,44 @@ def test_a_second_process_finds_the_graphs_warm_and_compiles_faster(tmp_path):
     assert warm["seconds"] < cold["seconds"] / 2, (cold, warm)
 
 
+class Said(list):
+    """A ``say`` callback that keeps the lines and lets a test wait until ``n`` have come (no fixed sleeps)."""
+
+    def __init__(self):
+        super().__init__()
+        self.grown = threading.Condition()
+
+    def __call__(self, line: str) -> None:
+        with self.grown:
+            self.append(line)
+            self.grown.notify_all()
+
+    def wait_for(self, n: int, timeout_s: float = 30) -> bool:
+        with self.grown:
+            return self.grown.wait_for(lambda: len(self) >= n, timeout_s)
+
+
+def ticker_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == "vitreg-ticker"]
+
+
 def test_the_ticker_reports_while_the_block_runs_and_stops_after():
-    said = []
-    with ticking("compiling (max-autotune)", every_s=0.05, say=said.append):
-        time.sleep(0.35)
+    said = Said()
+    with ticking("compiling (max-autotune)", every_s=0.05, say=said):
+        assert said.wait_for(3), said  # it reports while the block runs
     count = len(said)
-    time.sleep(0.2)
-    assert len(said) == count >= 3  # nothing after the block: the timed windows that follow stay quiet
+    # the block's end joined the ticker: nothing more can be said, so the timed windows that follow stay quiet
+    assert not ticker_threads() and len(said) == count >= 3
     assert said[0].startswith("compiling (max-autotune) ... ") and said[0].endswith(" s")
-    assert not [t for t in threading.enumerate() if t.name == "vitreg-ticker"]
 
 
 def test_a_quick_block_says_nothing_and_an_error_still_stops_the_ticker():
-    said = []
-    with ticking("compiling (default)", every_s=5, say=said.append):
+    said = Said()
+    with ticking("compiling (default)", every_s=5, say=said):
         pass
-    with pytest.raises(KeyError), ticking("compiling (default)", every_s=0.01, say=said.append):
-        time.sleep(0.05)
+    assert said == [] and not ticker_threads()  # quicker than every_s: nothing said
+    with pytest.raises(KeyError), ticking("compiling (default)", every_s=0.01, say=said):
+        assert said.wait_for(1), said
         raise KeyError("boom")
-    time.sleep(0.05)
     count = len(said)
-    time.sleep(0.05)
-    assert len(said) == count and not [t for t in threading.enumerate() if t.name == "vitreg-ticker"]
+    assert not ticker_threads() and len(said) == count  # the error ended the block and the ticker with it

@@ -202,6 +202,7 @@ print(json.dumps(sorted(m for m in sys.modules if m.split(".")[0] == "mlflow")))
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("rank", [0, 1])
 def test_a_rank_under_the_launcher_never_imports_mlflow(tmp_path, rank):
     """Importing mlflow costs a process ~2.8 s of CPU: a rank of a vitreg launcher only writes the hand-off

@@ -8,6 +8,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parent.parent
 PROBE = "import atexit, gc\ndef probe(when):\n    atexit.register(lambda: print(when, 'frozen', gc.get_freeze_count() > 0))\n"
 
@@ -19,6 +21,7 @@ def run_python(code: str, *args: str) -> list[str]:
     return proc.stdout.splitlines()
 
 
+@pytest.mark.slow
 def test_cli_freezes_objects_only_after_every_exit_handler_its_command_registered_has_run():
     lines = run_python("""
         probe("registered before the CLI:")
@@ -36,6 +39,7 @@ def test_cli_freezes_objects_only_after_every_exit_handler_its_command_registere
     assert lines == ["working", "registered by the command: frozen False", "registered before the CLI: frozen True"]
 
 
+@pytest.mark.slow
 def test_torchrun_worker_shim_freezes_after_the_worker_s_own_handlers(tmp_path):
     worker = tmp_path / "worker.py"
     worker.write_text(PROBE + 'probe("registered by the worker:")\nprint("working")\n')
@@ -48,6 +52,7 @@ def test_torchrun_worker_shim_freezes_after_the_worker_s_own_handlers(tmp_path):
     assert lines == ["working", "registered by the worker: frozen False", "registered before the shim: frozen True"]
 
 
+@pytest.mark.slow
 def test_importing_vitreg_registers_nothing():
     lines = run_python("""
         probe("registered before the imports:")  # would run after a freeze the imports registered

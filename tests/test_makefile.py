@@ -6,6 +6,8 @@ import os
 import stat
 import subprocess
 
+import pytest
+
 from conftest import REPO
 
 
@@ -28,6 +30,7 @@ def _params(argv: list[str]) -> list[str]:
     return [argv[i + 1] for i, a in enumerate(argv) if a == "-P"]
 
 
+@pytest.mark.slow
 def test_user_params_replace_the_defaults(tmp_path):
     argv = _make_bench(tmp_path, "-P model=deit_small_patch16_224 -P compile=default -P batch_size=256")
     params = _params(argv)
@@ -38,6 +41,7 @@ def test_user_params_replace_the_defaults(tmp_path):
     assert argv[:4] == ["run", ".", "-e", "bench"]
 
 
+@pytest.mark.slow
 def test_gpu_given_by_the_user_wins(tmp_path):
     params = _params(_make_bench(tmp_path, "-P gpu=cpu"))
     assert [p for p in params if p.startswith("gpu=")] == ["gpu=cpu"]

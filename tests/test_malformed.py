@@ -231,6 +231,7 @@ def _assert_one_line_refusal(res, directory, filename):
     assert not running, [r.info.run_id for r in running]
 
 
+@pytest.mark.slow  # the damage x command matrix: ~1 min of CLI runs, the slow tier's (the fast one keeps the rest)
 @pytest.mark.parametrize("command", ["pull", "infer", "resume", "teacher"])
 @pytest.mark.parametrize("variant, damage, filename", VARIANTS, ids=[v[0] for v in VARIANTS])
 def test_a_malformed_checkpoint_is_one_line_naming_the_file(good_checkpoint, tmp_path, store, command,
@@ -240,6 +241,7 @@ def test_a_malformed_checkpoint_is_one_line_naming_the_file(good_checkpoint, tmp
     _assert_one_line_refusal(res, directory, filename[command] if isinstance(filename, dict) else filename)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("variant, damage, filename", STATE_VARIANTS, ids=[v[0] for v in STATE_VARIANTS])
 def test_a_malformed_training_state_is_one_line_naming_the_file(good_checkpoint, tmp_path, store, variant,
                                                                 damage, filename):

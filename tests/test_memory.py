@@ -96,6 +96,7 @@ def test_nproc_beyond_the_host_is_refused_with_the_number_that_fits():
         check_nproc_fits(2, fp, "cpu", available=PROCESS_BASELINE_BYTES)
 
 
+@pytest.mark.slow
 def test_the_process_baseline_is_below_what_a_bare_torch_process_holds():
     """The floor per process stays under the unique memory of `python -c "import torch, timm"` here."""
     import subprocess

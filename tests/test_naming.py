@@ -12,7 +12,8 @@ from vitreg.config.spec import BenchSpec
 from vitreg.measure.figures import Figures, Work
 from vitreg.measure.metrics import ITERATION_TIME
 from vitreg.models.factory import ModelInfo
-from vitreg.tracking.naming import NOTE_TAG, run_name, run_note, results_markdown, short_model
+from vitreg.tracking.naming import (NOTE_TAG, RunTitle, compare_note, compare_run_name, results_markdown, run_note,
+                                   short_model)
 
 
 def _task(task: str, compiled: bool = True, **values) -> TaskResult:
@@ -41,14 +42,42 @@ def test_short_model_names(model, short):
     assert short_model(model) == short
 
 
-def test_run_name_puts_the_gpu_first_and_the_throughput_second():
-    assert run_name("h200", "vit_base_patch16_224", "bf16", 256, "default") == "h200 · vit_b16 · bf16 · bs256 · compile"
-    assert (run_name("h200", "vit_base_patch16_224", "bf16", 256, "default", throughputs={"infer": 8635.4})
-            == "h200 · 8,635 img/s · vit_b16 · bf16 · bs256 · compile")
-    assert (run_name("a100", "deit_small_patch16_224", "off", 64, "max-autotune", nproc=2, cuda_graph=True,
-                     throughputs={"infer": 3000.0, "train": 1000.4})
-            == "a100 · infer 3,000 · train 1,000 img/s · deit_s16 · fp32 · bs64 · max-autotune · cudagraph · x2")
-    assert run_name("cpu", "test_vit", "off", 2, throughputs={"infer": 6.0708}) == "cpu · 6.07 img/s · test_vit · fp32 · bs2"
+def test_run_name_puts_the_gpu_first_then_the_figure_with_its_unit_then_the_model():
+    vit_b16 = RunTitle("h200", "vit_base_patch16_224", "bf16", "default")
+    assert vit_b16.name(256) == "h200 · vit_b16 · bf16 · bs256 · compile"
+    assert (vit_b16.name(256, throughputs={"infer": 8635.4})
+            == "h200 · infer 8,635 img/s · vit_b16 · bf16 · bs256 · compile")
+    assert (RunTitle("a100", "deit_small_patch16_224", "off", "max-autotune", nproc=2, cuda_graph=True)
+            .name(64, throughputs={"infer": 3000.0, "train": 1000.4})
+            == "a100 · infer 3,000 img/s · deit_s16 · train 1,000 img/s · fp32 · bs64 · max-autotune · cudagraph · x2")
+    assert (RunTitle("cpu", "test_vit", "off").name(2, throughputs={"infer": 6.0708})
+            == "cpu · infer 6.07 img/s · test_vit · fp32 · bs2")
+
+
+def test_a_train_run_carries_its_throughput_and_a_mislabelled_run_says_what_ran_it():
+    assert RunTitle("cpu", "deit_tiny_patch16_224", "off", job="train").name(64) == "cpu · train · deit_ti16 · fp32 · bs64"
+    mislabelled = RunTitle("a100", "deit_tiny_patch16_224", "off", job="train", ran_on="cpu")
+    assert (mislabelled.name(64, throughputs={"train": 25.23})
+            == "a100≠cpu · train 25.2 img/s · deit_ti16 · fp32 · bs64")
+    assert RunTitle("a100", "test_vit", "off", ran_on="a100").name(2) == "a100 · test_vit · fp32 · bs2"  # no mismatch
+
+
+def test_the_first_22_characters_hold_the_gpu_the_figure_and_its_unit():
+    for throughputs in ({"infer": 8635.4}, {"infer": 3.58, "train": 1.3}, {"train": 25.2}):
+        shown = RunTitle("h200", "vit_base_patch16_224", "bf16").name(256, throughputs=throughputs)[:24]
+        task, value = next(iter(throughputs.items()))
+        assert shown.startswith(f"h200 · {task} ") and "img/s" in shown, shown
+
+
+def test_compare_runs_are_named_by_what_they_compare_and_described():
+    summary = {"by": "gpu", "baseline": "a100", "n_runs": 6, "n_mislabelled_runs": 1, "metric": "throughput_img_per_s",
+               "n_configurations": 1, "verdicts": {"faster": 1}}
+    assert compare_run_name("laptop", summary) == "compare gpu vs a100 · laptop · 6 runs · 1 mislabelled"
+    plain = {**summary, "by": "torch_version", "baseline": None, "n_mislabelled_runs": 0}
+    assert compare_run_name("upgrade", plain) == "compare torch_version · upgrade · 6 runs"
+    note = compare_note("laptop", summary, "gpu  img/s\na100  10\nh200  20")
+    assert note.startswith("**throughput_img_per_s** of experiment **laptop** along **gpu**, against `a100`: 6 runs")
+    assert "1 mislabelled" in note and "faster" in note and "h200  20" in note and "comparison.md" in note
 
 
 def test_note_holds_the_report_table_from_the_results_dict():

@@ -98,6 +98,7 @@ def test_tf32_is_on_inside_the_run_and_restored_after_even_on_error():
         torch.backends.cudnn.allow_tf32 = before[2]
 
 
+@pytest.mark.slow
 def test_a_mode_that_needs_no_change_leaves_torchs_defaults_untouched():
     # torch records an explicit "highest" differently from its untouched default ("none" per backend),
     # and inductor's CPU code generation tells them apart: a fresh process shows the difference.

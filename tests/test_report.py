@@ -66,9 +66,19 @@ def test_mlflow_run_report_shows_the_mlflow_run_command(sqlite_store, monkeypatc
     result = CliRunner().invoke(main, argv, prog_name="entry_points/bench.py")
     assert result.exit_code == 0, result.output
     block = report_of_only_run("rep-mlflow").split("```\n", 1)[1].split("\n```", 1)[0]
-    assert block == ("mlflow run . -e bench -P model=test_vit -P task=infer -P batch_size=2 -P img_size=32 "
-                     "-P warmup=1 -P steps=2 -P repeats=1")
+    # this process runs in no environment mlflow run made: it was typed with --env-manager local
+    assert block == ("mlflow run . -e bench --env-manager local -P model=test_vit -P task=infer -P batch_size=2 "
+                     "-P img_size=32 -P warmup=1 -P steps=2 -P repeats=1")
     assert "entry_points/" not in block
+
+
+def test_under_mlflow_run_s_own_conda_env_the_command_has_no_env_manager(monkeypatch):
+    from vitreg.cli.invocation import _mlflow_run
+
+    monkeypatch.setenv("CONDA_DEFAULT_ENV", "mlflow-3f2a9c")  # the env mlflow run builds from conda.yaml
+    assert _mlflow_run("bench", {"model": "test_vit"}) == "mlflow run . -e bench -P model=test_vit"
+    monkeypatch.setenv("CONDA_DEFAULT_ENV", "base")
+    assert _mlflow_run("bench", {"model": "test_vit"}) == "mlflow run . -e bench --env-manager local -P model=test_vit"
 
 
 @pytest.mark.parametrize("raw,text", [("91002", "9.10.2"), ("90100", "9.1.0"), ("8907", "8.9.7"), (None, None)])

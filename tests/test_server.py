@@ -119,6 +119,7 @@ def test_bad_input_is_one_line_server_error(env, names, tmp_path):
     assert names in one_line(info.value)
 
 
+@pytest.mark.slow
 def test_main_exits_2_with_one_error_line(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("VITREG_")}
     env.update(VITREG_SERVER_PORT="not-a-port", PYTHONPATH=str(REPO))
@@ -404,6 +405,7 @@ def test_bench_run_with_credentials_lands_in_the_artifact_destination(tmp_path, 
     assert sorted(p.name for p in box.iterdir()) == [], "the bench wrote into the client's folder"
 
 
+@pytest.mark.slow
 def test_bench_against_a_dead_server_is_one_line(tmp_path):
     proc = _vitreg_bench(f"http://127.0.0.1:{free_port()}", tmp_path, "dead")
     assert proc.returncode == 2

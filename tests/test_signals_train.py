@@ -104,16 +104,19 @@ def _hold(first: str, second: str = "pass"):
                           env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)})
 
 
+@pytest.mark.slow
 def test_a_signal_inside_an_update_is_delivered_after_it():
     done = _hold("INT")  # Python's Ctrl-C handler: KeyboardInterrupt, once the block is complete
     assert done.returncode == 3 and "interrupted after ['update']" in done.stdout, done.stderr
 
 
+@pytest.mark.slow
 def test_sigterm_without_a_handler_still_ends_the_process_after_the_update():
     done = _hold("TERM")  # no vitreg.signals installed: the default action, deferred, not lost
     assert done.returncode == -signal.SIGTERM, (done.returncode, done.stdout, done.stderr)
 
 
+@pytest.mark.slow
 def test_a_second_signal_inside_an_update_exits_at_once():
     done = _hold("INT", "os.kill(os.getpid(), signal.SIGTERM)")
     assert done.returncode == 128 + signal.SIGTERM and "interrupted" not in done.stdout, done.stdout

@@ -23,7 +23,7 @@ from vitreg.tracking.spooling import SpoolingTracker
 from vitreg.tracking.stale import find_stale, mark_killed
 from vitreg.tracking.store import prepare_store
 
-from conftest import REPO, subprocess_env
+from conftest import REPO, subprocess_env, wait_until
 
 
 @pytest.fixture(autouse=True)
@@ -121,15 +121,15 @@ def test_an_unreachable_store_is_one_line(monkeypatch):
 def test_a_live_tracker_keeps_its_run_out_of_the_stale_list(store, tmp_path):
     tracker = SpoolingTracker.open("live", root=tmp_path / "spool", heartbeat_s=0.3)
     tracker.log_metrics({"loss": 1.0}, step=0)
-    deadline = time.monotonic() + 30
     beats = set()
-    while len(beats) < 2:  # the heartbeat is refreshed while the process lives
-        assert time.monotonic() < deadline, "no refreshed heartbeat"
-        run_id = tracker.run_id
-        if run_id:
-            beats.add(MlflowClient().get_run(run_id).data.tags.get(HEARTBEAT_TAG))
+
+    def refreshed_twice() -> bool:  # the heartbeat is refreshed while the process lives
+        if tracker.run_id:
+            beats.add(MlflowClient().get_run(tracker.run_id).data.tags.get(HEARTBEAT_TAG))
             beats.discard(None)
-        time.sleep(0.3)
+        return len(beats) >= 2
+
+    wait_until(refreshed_twice, what="a refreshed heartbeat")
     stale = find_stale(older_than_s=3, now=time.time() + 1)
     assert tracker.run_id not in {r.run_id for r in stale}
     assert tracker.close(timeout_s=30) is True
@@ -155,7 +155,7 @@ def test_a_process_killed_while_running_is_found_and_fixed(store, tmp_path):
     try:
         run_id = child.stdout.readline().strip()
         assert run_id, "the child never started its run"
-        time.sleep(1.5)  # a heartbeat or two
+        wait_until(lambda: HEARTBEAT_TAG in MlflowClient().get_run(run_id).data.tags, what="the child's heartbeat")
     finally:
         child.send_signal(signal.SIGKILL)
         child.wait()
@@ -164,9 +164,14 @@ def test_a_process_killed_while_running_is_found_and_fixed(store, tmp_path):
 
     runner = CliRunner()
     assert run_id not in runner.invoke(runs_command, ["--stale", "--older-than", "30"]).output
-    time.sleep(3)
-    listed = runner.invoke(runs_command, ["--stale", "--older-than", "2", "--experiment", "victim"])
-    assert listed.exit_code == 0 and run_id in listed.output and "heartbeat" in listed.output
+    listed = []
+
+    def listed_as_stale() -> bool:  # silent for over 2 s, which no heartbeat of a killed process interrupts
+        listed.append(runner.invoke(runs_command, ["--stale", "--older-than", "2", "--experiment", "victim"]))
+        return run_id in listed[-1].output
+
+    wait_until(listed_as_stale, what="the killed run in the stale list")
+    assert listed[-1].exit_code == 0 and "heartbeat" in listed[-1].output
     fixed = runner.invoke(runs_command, ["--stale", "--older-than", "2", "--fix"])
     assert fixed.exit_code == 0 and "marked 1 run(s) KILLED" in fixed.output
     run = client.get_run(run_id)

@@ -30,7 +30,7 @@ import pytest
 
 from conftest import migrated_store, premigrated
 from vitreg.deploy import server
-from vitreg.tracking.naming import NOTE_TAG, run_name, run_note
+from vitreg.tracking.naming import NOTE_TAG, RunTitle, run_note
 
 pytestmark = [pytest.mark.slow, pytest.mark.ui]
 
@@ -70,7 +70,7 @@ def _log_runs(uri: str) -> None:
     """Log the runs the UI check looks at into experiment ``ui-check``.
 
     Contract: at least one run per GPU label in ``GPUS``, each with the param ``gpu`` and the
-    metric ``infer_throughput_img_per_s``, named by :func:`run_name` (with its throughput) and
+    metric ``infer_throughput_img_per_s``, named by :class:`RunTitle` (with its throughput) and
     described by :func:`run_note` (see :func:`_name_like_the_jobs`).
     """
     env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}
@@ -88,7 +88,7 @@ def _log_runs(uri: str) -> None:
 
 
 def _name_like_the_jobs(uri: str) -> None:
-    """Give each run the name and note that the bench job gives it at its end (run_name with the
+    """Give each run the name and note that the bench job gives it at its end (RunTitle.name with the
     throughput, run_note from results.json). The job does it itself once its naming lands; doing it
     here again is then a no-op."""
     from mlflow.tracking import MlflowClient
@@ -98,8 +98,8 @@ def _name_like_the_jobs(uri: str) -> None:
     for run in client.search_runs([exp.experiment_id]):
         p, tags, rid = run.data.params, run.data.tags, run.info.run_id
         result = json.loads(Path(client.download_artifacts(rid, "results.json")).read_text())
-        name = run_name(p["gpu"], p["model"], tags["amp"], int(p["batch_size"]), p["compile"],
-                        throughputs={"infer": run.data.metrics[METRIC]})
+        name = RunTitle(p["gpu"], p["model"], tags["amp"], p["compile"]).name(
+            int(p["batch_size"]), throughputs={"infer": run.data.metrics[METRIC]})
         client.update_run(rid, name=name)
         ran_on = tags["detected_gpu"] if tags.get("gpu_mismatch") == "true" else None
         client.set_tag(rid, NOTE_TAG, run_note(result, ran_on=ran_on))
@@ -359,7 +359,7 @@ def test_make_ui_prints_links_that_open_the_runs(tmp_path, shots, monkeypatch):
     exp = client.create_experiment("make-ui", artifact_location=str(tmp_path / "artifacts"))
     names = {}
     for gpu, value in (("a100", 4321.0), ("h200", 8635.2)):
-        names[gpu] = run_name(gpu, "vit_base_patch16_224", "bf16", 256, "default", throughputs={"infer": value})
+        names[gpu] = RunTitle(gpu, "vit_base_patch16_224", "bf16", "default").name(256, throughputs={"infer": value})
         rid = client.create_run(exp, run_name=names[gpu]).info.run_id
         client.log_param(rid, "gpu", gpu)
         client.log_metric(rid, METRIC, value)

@@ -72,11 +72,6 @@ def _interrupt(signum, frame):
     signal.default_int_handler(signum, frame)
 
 
-def mark_acted() -> None:
-    """The main thread has taken a stop signal up (called where a held one is delivered)."""
-    _acted.set()
-
-
 def on_forced_exit(callback) -> None:
     """Run ``callback(reason)`` if the watchdog has to end the process (registered by the tracked run)."""
     _last_words.append(callback)

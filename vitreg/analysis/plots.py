@@ -170,7 +170,9 @@ def plot_gains(c, path: Path):
     ax = fig.add_subplot(1, 1, 1)
     y = np.arange(len(g))[::-1]
     s = g["speedup"].to_numpy(float)
-    ax.barh(y, s, color=["tab:green" if v >= 1 else "tab:red" for v in s],
+    # one run a side has no spread to judge against: grey and marked, never painted a gain or a loss
+    single = (np.minimum(g["n_base"].to_numpy(), g["n_new"].to_numpy()) < 2).tolist()
+    ax.barh(y, s, color=["tab:gray" if one else "tab:green" if v >= 1 else "tab:red" for v, one in zip(s, single)],
             hatch=[MISLABELLED_HATCH if bad else None for bad in g["mismatch"]])
     ax.axvline(1.0, color="black", linewidth=1)
     ax.set_yticks(y)
@@ -180,9 +182,10 @@ def plot_gains(c, path: Path):
     _plain_ticks(ax.xaxis)
     ax.set_xlabel("speedup of median throughput_img_per_s (x; >1 = the change helped)")
     fig.suptitle("torch.compile and AMP gains" + ("; MISLABELLED runs hatched" if g["mismatch"].any() else ""))
-    for yy, v in zip(y, s):
+    for yy, v, one in zip(y, s, single):
         if np.isfinite(v):
-            ax.annotate(f"{v:.2f}x", (v, yy), xytext=(3, 0), textcoords="offset points",
+            ax.annotate(f"{v:.2f}x" + (" (single run)" if one else ""), (v, yy), xytext=(3, 0),
+                        textcoords="offset points",
                         va="center", fontsize=7)
     fig.savefig(path, dpi=DPI)
     return fig

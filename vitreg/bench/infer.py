@@ -9,7 +9,6 @@ version are linked both ways: the run gets ``model_uri``, ``registered_model_nam
 
 from __future__ import annotations
 
-import functools
 import shlex
 import sys
 import tempfile
@@ -64,8 +63,9 @@ def _logged(ctx, pulled: checkpoint_sources.PullResult, model_uri: str, command:
     spec, info = ctx.spec, pulled.info
     what = (f"{pulled.registered_model_name}-v{pulled.registered_model_version}" if pulled.version_uri
             else f"{info.name}-run-{(pulled.run_id or 'local')[:8]}")
-    name = functools.partial(naming.run_name, ctx.hardware.label, what, ctx.runtime.amp, compile=spec.compile,
-                             cuda_graph=spec.cuda_graph, job="infer")
+    hw = ctx.hardware
+    name = naming.RunTitle(hw.label, what, ctx.runtime.amp, spec.compile, cuda_graph=spec.cuda_graph, job="infer",
+                           ran_on=hw.detected.profile.label if hw.mismatch else None).name
 
     def after(result, tags):
         checkpoint_sources.link_infer_run(pulled, ctx.run.run_id, result.metrics(), gpu=ctx.hardware.label)

@@ -15,7 +15,6 @@ also relates them to ``baseline_run``. With ``nproc == 1`` none of that happens.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -147,8 +146,9 @@ def _bench_in_run(run, spec: BenchSpec, run_name, progress, command, baseline_ru
             log_scaling_efficiency(run, baseline, result.metrics(), world.world_size, tracking.clean_tags(tags),
                                    ctx.progress)
 
-    name = functools.partial(naming.run_name, ctx.hardware.label, spec.model, ctx.runtime.amp, compile=spec.compile,
-                             nproc=world.world_size, cuda_graph=spec.cuda_graph)
+    hw = ctx.hardware
+    name = naming.RunTitle(hw.label, spec.model, ctx.runtime.amp, spec.compile, world.world_size, spec.cuda_graph,
+                           ran_on=hw.detected.profile.label if hw.mismatch else None).name
     world_spec = spec if "train" in spec.tasks else None  # infer wraps no DDP
     logged = Logged(run_name, command, name, lambda env: world_tags(world, ctx.runtime, env, world_spec), after=after)
     return benchmark_in_run(ctx, info, lambda: (model, info), logged), world

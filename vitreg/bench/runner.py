@@ -30,6 +30,7 @@ from vitreg.measure import batch_cache
 from vitreg.measure.autobatch import search_batch
 from vitreg.measure.figures import Figures, Work
 from vitreg.measure.metrics import ITERATION_TIME
+from vitreg.measure.estimate import bench_work, say_if_long
 from vitreg.measure.graphs import EAGER_STEPS_BEFORE_CAPTURE, capture, require_cuda, side_stream
 from vitreg.hardware.profiles import ResolvedHardware
 from vitreg.measure.profiling import trace_steps
@@ -321,6 +322,8 @@ def run_benchmark(spec: BenchSpec, hardware: ResolvedHardware, runtime: Runtime,
     # count inside it failed with "No available kernel" (the count is the same whichever backend runs).
     fwd_flops = forward_flops_per_image(model, info.img_size, runtime.torch_device)
     train_flops = _train_flops(model, info, runtime) if "train" in spec.tasks else 0
+    say_if_long(bench_work(spec, fwd_flops, train_flops, runtime.device), runtime.device, progress,
+                compiling=runtime.compile != "off")  # a GPU-sized run on a CPU says so before it starts
     # amp=fp8*: a bf16 copy first, to say how far the quantized model's logits land from it
     reference = copy.deepcopy(model).to(torch.bfloat16) if precision.fp8 else None
     model = prepare_model(model, precision)

@@ -23,13 +23,36 @@ from vitreg.signals import Terminated
 from vitreg.tracking.uris import scrub
 
 
+class OneSpelling(click.Option):
+    """An option whose --help line shows its first flag only (``--batch-size``). The other spellings stay
+    accepted: ``--batch_size`` because ``mlflow run`` appends an undeclared ``-P batch_size=8`` as
+    ``--batch_size 8``, ``--experiment-name`` because it is ``mlflow run``'s own spelling."""
+
+    def get_help_record(self, ctx):
+        spellings, self.opts = self.opts, self.opts[:1]
+        try:
+            return super().get_help_record(ctx)
+        finally:
+            self.opts = spellings
+
+
+def sentence(text: str) -> str:
+    """Help as click and MLflow write it: a capital first letter (unless the text opens with a name that is
+    spelt in lower case: ``timm``, ``models:/...``, ``vit_*``)."""
+    first = text.split(" ", 1)[0]
+    if not text or first == "timm" or not first.rstrip(":,.;").isalpha():
+        return text
+    return text[0].upper() + text[1:]
+
+
 def command_options(command: str):
     """Decorator: every option of ``command`` in :data:`vitreg.config.options.OPTIONS`, as click options.
 
     Values stay strings, parsed by the spec (or :func:`launcher_options`), so ``--flag false`` and
     ``-P flag=false`` mean the same thing; each option keyword is its name (``compile``, ``batch_size``).
     Each option's click type (:func:`vitreg.cli.param_types.param_type`) only shows its kind, choices
-    and bounds in --help and completes its values: it accepts any text.
+    and bounds in --help and completes its values: it accepts any text. --help shows one spelling of
+    each (:class:`OneSpelling`).
     """
 
     def decorate(fn):
@@ -41,8 +64,8 @@ def command_options(command: str):
                             "show_default": bool(opt.default_text)}
             if opt.repeatable:
                 settings = {"multiple": True, "default": [opt.default_text] if opt.default_text else []}
-            fn = click.option(*opt.flags, opt.name, type=param_type(opt), help=opt.help, envvar=opt.envvar,
-                              **settings)(fn)
+            fn = click.option(*opt.flags, opt.name, cls=OneSpelling, type=param_type(opt), help=sentence(opt.help),
+                              envvar=opt.envvar, **settings)(fn)
         return fn
 
     return decorate

@@ -12,11 +12,13 @@ import click
 
 import vitreg
 from vitreg import signals
-from vitreg.cli.common import command_options, run_ddp_job, split_options, user_errors
+from vitreg.cli.common import OneSpelling, command_options, run_ddp_job, split_options, user_errors
+from vitreg.cli.param_types import ChoiceText, GpuLabel
 from vitreg.config.options import option
 from vitreg.errors import VitregError
+from vitreg.console import quiet_libraries
 from vitreg.tracking.delivery import bound_http_requests
-from vitreg.tracking.quiet import quiet_artifact_downloads
+from vitreg.tracking.quiet import quiet_artifact_downloads, quiet_mlflow_info
 
 
 @click.group()
@@ -27,6 +29,8 @@ def main():
     signals.install()  # SIGTERM/SIGHUP end the run KILLED, like Ctrl-C, instead of leaving it RUNNING
     quiet_artifact_downloads()  # vitreg's progress lines say what is downloaded; MLflow's bars only clutter
     bound_http_requests()  # a sick server costs seconds, not MLflow's minutes of retries
+    quiet_mlflow_info()  # and what a run does: MLflow's system-metrics INFO lines only clutter
+    quiet_libraries()  # kineto's trace markers and driver probe, timm's short-cosine warning
 
 
 @main.command()
@@ -53,9 +57,12 @@ def compare(experiment, baseline, metric, log_experiment, by, include_mismatch):
 
 @main.command("import-timm")
 @click.argument("csv_file", type=click.Path(dir_okay=False))
-@click.option("--gpu", default=None, help="GPU label of the file (checked against the one in its name, if any).")
-@click.option("--amp", default=None, help="Precision, when the file name does not say (off/bf16/fp16).")
-@click.option("--experiment", default=None, envvar="MLFLOW_EXPERIMENT_NAME")
+@click.option("--gpu", type=GpuLabel(), default=None,
+              help="GPU label of the file (checked against the one in its name, if any).")
+@click.option("--amp", type=ChoiceText(("off", "bf16", "fp16"), case_sensitive=False), default=None,
+              help="Precision, when the file name does not say.")
+@click.option("--experiment", "--experiment-name", "experiment", cls=OneSpelling, default=None,
+              envvar="MLFLOW_EXPERIMENT_NAME", help="MLflow experiment to fill (default: MLflow's active one).")
 @user_errors
 def import_timm(csv_file, gpu, amp, experiment):
     """Import a timm benchmark.py results CSV as runs tagged source=timm."""

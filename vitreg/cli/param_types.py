@@ -27,8 +27,29 @@ class ChoiceText(_AsTyped, click.Choice):
     """``[off|bf16|fp16|auto]`` in --help; completes the choices (case-insensitively)."""
 
 
+#: Above this an upper bound is a machine limit (the seed's 2**63-1), not advice: --help leaves it out.
+_SHOWN_MAXIMUM = 2**31
+
+
 class IntText(_AsTyped, click.IntRange):
-    """``INTEGER RANGE`` and ``[x>=1]`` in --help."""
+    """``INTEGER RANGE`` and ``[x>=1]`` in --help (a bound above 2**31 is not shown: 19 digits say nothing)."""
+
+    def _describe_range(self) -> str:
+        if self.max is not None and self.max >= _SHOWN_MAXIMUM:
+            return f"x>={self.min}" if self.min is not None else ""
+        return super()._describe_range()
+
+
+class BatchText(IntText):
+    """``INTEGER|auto`` and ``[x>=1]`` in --help; completes ``auto``."""
+
+    def get_metavar(self, param, ctx=None):
+        return "INTEGER|auto"
+
+    def shell_complete(self, ctx, param, incomplete):
+        from vitreg.config.options import AUTO_BATCH
+
+        return [CompletionItem(AUTO_BATCH)] if AUTO_BATCH.startswith(incomplete.lower()) else []
 
 
 class IntTextUnbounded(_AsTyped, click.types.IntParamType):
@@ -63,8 +84,10 @@ class GpuLabel(_AsTyped, click.types.StringParamType):
 
 
 class ModelName(_AsTyped, click.types.StringParamType):
-    """``MODEL`` in --help; completes the timm and torchvision names vitreg builds (importing timm: a
-    second or two per TAB)."""
+    """``MODEL`` in --help; completes the timm and torchvision names vitreg builds: from the names an earlier
+    process kept in the user's cache (:mod:`vitreg.models.known`), else from timm (importing it, with
+    torchvision and torch._dynamo, took 11.8 s per TAB on a loaded 2-core machine), keeping them for the
+    next TAB."""
 
     name = "model"
 
@@ -87,6 +110,8 @@ def param_type(opt: Option) -> click.ParamType:
         return BoolText()
     if opt.kind in ("int", "float"):
         return _number_type(opt)
+    if opt.kind == "batch":
+        return BatchText(min=opt.minimum if opt.minimum is not None else 1)
     if opt.name == "gpu":
         return GpuLabel()
     if opt.name == "model" and opt.spec_field:

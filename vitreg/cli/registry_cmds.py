@@ -14,9 +14,9 @@ from vitreg.cli.invocation import command_line
 
 @click.command()
 @click.argument("checkpoint_uri")
-@click.option("--name", required=True, help="registered model name (created if new; its versions must be the same architecture).")
+@click.option("--name", required=True, help="Registered model name (created if new; its versions must be the same architecture).")
 @click.option("--alias", default="latest", show_default=True,
-              help="alias to move to the new version (latest: none set; MLflow resolves @latest to the newest).")
+              help="Alias to move to the new version (latest: none set; MLflow resolves @latest to the newest).")
 @user_errors
 def register(checkpoint_uri, name, alias):
     """Register a run's checkpoint (runs:/<run_id>/checkpoints/last) as a new model version."""
@@ -30,7 +30,7 @@ def register(checkpoint_uri, name, alias):
 @click.command()
 @click.argument("model_uri")
 @click.option("--out", "out_dir", default=None, type=click.Path(file_okay=False),
-              help="also write a self-contained folder: model.safetensors, spec.json, manifest.json, README.md.")
+              help="Also write a self-contained folder: model.safetensors, spec.json, manifest.json, README.md.")
 @user_errors
 def pull(model_uri, out_dir):
     """Pull a registered model and rebuild it as a timm model (sha256-verified, forward-checked).
@@ -38,9 +38,18 @@ def pull(model_uri, out_dir):
     MODEL_URI: models:/NAME@ALIAS, models:/NAME/VERSION, runs:/RUN_ID/checkpoints/last or a local
     checkpoint folder.
     """
+    import tempfile
+
     from vitreg.tracking.checkpoint_sources import pull as pull_model
 
-    click.echo(pull_model(model_uri, out_dir=out_dir).describe())
+    if out_dir:
+        click.echo(pull_model(model_uri, out_dir=out_dir).describe())
+        return
+    with tempfile.TemporaryDirectory(prefix="vitreg-pull-") as tmp:  # a check only: nothing left behind
+        described = pull_model(model_uri, dst=tmp).describe().splitlines()
+    click.echo("\n".join(line if not line.startswith("  files:") else
+                         "  files:   sha256 verified, then removed (--out DIR keeps a self-contained copy)"
+                         for line in described))
 
 
 @click.command()

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import click
 
-from vitreg.cli.common import user_errors
+from vitreg.cli.common import OneSpelling, user_errors
+from vitreg.cli.param_types import FloatText
 from vitreg.config.parse import parse_float
 from vitreg.errors import VitregError
 
@@ -20,10 +21,10 @@ _STALE_AFTER_S = "600"  # twenty heartbeat periods: a run silent that long has n
 
 @click.command("sync")
 @click.option("--spool", "spool_dir", type=click.Path(file_okay=False, path_type=Path), default=None,
-              help="a spool folder, or a folder of them (default: $VITREG_SPOOL_DIR, else "
+              help="A spool folder, or a folder of them (default: $VITREG_SPOOL_DIR, else "
                    "~/.local/share/vitreg/spool).")
 @click.option("--tracking-uri", "tracking_uri", default=None,
-              help="deliver there (default: the server each run was logged against, else MLFLOW_TRACKING_URI).")
+              help="Deliver there (default: the server each run was logged against, else MLFLOW_TRACKING_URI).")
 @user_errors
 def sync(spool_dir, tracking_uri):
     """Deliver runs that were logged locally (server down, offline=true, killed) exactly once."""
@@ -38,14 +39,14 @@ def sync(spool_dir, tracking_uri):
 
 
 @click.command("runs")
-@click.option("--stale", is_flag=True, help="list RUNNING runs whose process is gone (no heartbeat).")
-@click.option("--fix", is_flag=True, help="with --stale: end those runs KILLED, the reason in vitreg_error.")
+@click.option("--stale", is_flag=True, help="List RUNNING runs whose process is gone (no heartbeat).")
+@click.option("--fix", is_flag=True, help="With --stale: end those runs KILLED, the reason in vitreg_error.")
 @click.option("--csv", "as_csv", is_flag=True,
-              help="write the experiment's finished runs as CSV to stdout, one row per (run, task).")
-@click.option("--experiment", "--experiment-name", "experiment", default=None,
-              help="look in this experiment only (default: all; --csv needs one).")
-@click.option("--older-than", "older_than", default=_STALE_AFTER_S, show_default=True,
-              help="seconds without a heartbeat (or, for a run that never sent one, since its start).")
+              help="Write the experiment's finished runs as CSV to stdout, one row per (run, task).")
+@click.option("--experiment", "--experiment-name", "experiment", cls=OneSpelling, default=None,
+              help="Look in this experiment only (default: all; --csv needs one).")
+@click.option("--older-than", "older_than", type=FloatText(min=0), default=_STALE_AFTER_S, show_default=True,
+              help="Seconds without a heartbeat (or, for a run that never sent one, since its start).")
 @user_errors
 def runs(stale, fix, as_csv, experiment, older_than):
     """An experiment's runs as one table (--csv), or runs left RUNNING by a killed process: list them

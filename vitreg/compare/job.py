@@ -10,7 +10,7 @@ from __future__ import annotations
 import tempfile
 from pathlib import Path
 
-from vitreg.tracking import runs as tracking
+from vitreg.tracking import naming, runs as tracking
 from vitreg.console import progress
 from vitreg.errors import VitregError
 
@@ -37,15 +37,26 @@ def run_compare(experiment: str, baseline: str | None = None, metric: str = "thr
     runs = tidy(benchmark_runs(experiment), axes=(by,))
     comparison = compare_runs(runs, baseline=baseline or None, metric=metric, by=by,
                               include_mismatch=include_mismatch)
+    table = format_table(comparison)
     with tempfile.TemporaryDirectory(prefix="vitreg-compare-") as tmp:
         files = write_report(comparison, tmp)
-        with tracking.tracked_run(run_name=run_name or f"compare-{experiment}" + ("" if by == "gpu" else f"-by-{by}"),
-                                  experiment=log_experiment or experiment, system_metrics=False) as run:
+        with tracking.tracked_run(run_name=run_name, experiment=log_experiment or experiment,
+                                  system_metrics=False) as run:
+            # named and described here, also under `mlflow run`, whose run arrives with a random name
+            run.set_name(run_name or naming.compare_run_name(experiment, comparison.summary()))
+            run.set_note(naming.compare_note(experiment, comparison.summary(), table))
             _log_comparison(run, comparison, experiment, files)
-    print(format_table(comparison))
-    progress(f"compare run {run.run_id} (experiment {log_experiment or experiment!r}, id {run.experiment_id}): "
-             f"{len(files)} files under artifacts/comparison ({', '.join(Path(f).name for f in files)})")
+    print(table)
+    progress(f"compare run {run.run_id} (experiment {logged_into(run, log_experiment or experiment)!r}, "
+             f"id {run.experiment_id}): {len(files)} files under artifacts/comparison "
+             f"({', '.join(Path(f).name for f in files)})")
     return comparison
+
+
+def logged_into(run, asked: str) -> str:
+    """The experiment the compare run really went to: under ``mlflow run`` the one ``mlflow run`` chose
+    (its --experiment-name, else Default), whatever ``experiment=`` named as the runs to compare."""
+    return getattr(run, "experiment_name", None) or asked
 
 
 def _log_comparison(run, comparison, experiment: str, files) -> None:
@@ -73,12 +84,14 @@ def import_timm(path: str, gpu: str | None = None, amp: str | None = None, exper
         raise VitregError(f"{path}: no such file: pass the path of a timm benchmark.py results CSV")
     records = read_timm_csv(path, gpu, amp=amp)  # parsed and checked in full before anything is logged
     tracking.check_server()
-    ids = []
+    ids, experiment_name = [], experiment
     for rec in records:
         with tracking.tracked_run(run_name=rec.run_name, experiment=experiment, system_metrics=False) as run:
             run.log_params(rec.params)
             run.set_tags({**rec.tags, "vitreg_job": "import-timm"})
             run.log_metrics(rec.metrics)
             ids.append(run.run_id)
-    progress(f"imported {len(ids)} run(s) from {Path(path).name} at {tracking.tracking_uri()}")
+            experiment_name = logged_into(run, experiment or "Default")
+    progress(f"imported {len(ids)} run(s) from {Path(path).name} into experiment {experiment_name!r} at "
+             f"{tracking.tracking_uri()}")
     return ids

@@ -178,10 +178,11 @@ OPTIONS: tuple[Option, ...] = (
            f"a name of a model family ({names_text()}); deit_*_distilled_* for distillation.",
            ("train",), doc=f"a name of a model family: {names_text(markdown=True)}",
            identity=True),
-    Option("task", "choice", "both", "/".join(TASKS), ("bench", "sweep"), choices=TASKS,
+    Option("task", "choice", "both", "what to time: inference, a training step, or both.", ("bench", "sweep"),
+           choices=TASKS,
            doc="`infer`, `train` or `both`",
            identity=True),
-    Option("task", "choice", "infer", "/".join(TASKS), ("infer",), choices=TASKS,
+    Option("task", "choice", "infer", "what to time: inference, a training step, or both.", ("infer",), choices=TASKS,
            identity=True),
     Option("batch_size", "batch", AUTO_BATCH, "images per step per process, or auto: the fastest batch that fits, "
            "searched per task before timing (GPU: from 256 up; CPU: 8 to 64).", ("bench", "infer"),
@@ -199,7 +200,7 @@ OPTIONS: tuple[Option, ...] = (
            doc="input resolution; `0` = the model's default. Must be a multiple of the patch size.",
            identity=True),
     Option("amp", "choice", "auto",
-           f"{'/'.join(AMP_CHOICES)}; auto = bf16 where the GPU has it, fp16 on V100/T4, off on CPU.",
+           "precision; auto = bf16 where the GPU has it, fp16 on V100/T4, off on CPU.",
            ("bench", "infer"), choices=AMP_CHOICES,
            doc="precision: `off` (strict fp32), `tf32` (fp32, TF32 matmuls; MFU against the TF32 peak), `bf16`, "
                "`fp16` (autocast), `bf16-weights` / `fp16-weights` (weights and input cast, no autocast; infer only), "
@@ -209,12 +210,12 @@ OPTIONS: tuple[Option, ...] = (
                "`auto` = bf16 where the GPU has it, fp16 on V100/T4, off on CPU. Tagged `precision`",
            identity=True),
     Option("amp", "choice", "auto",
-           f"{'/'.join(TRAIN_AMP_CHOICES)}; auto = bf16 where the GPU has it, fp16 on V100/T4, off on CPU.",
+           "precision; auto = bf16 where the GPU has it, fp16 on V100/T4, off on CPU.",
            ("train",), choices=TRAIN_AMP_CHOICES,
            doc="`off` (strict fp32), `tf32` (fp32, TF32 matmuls), `bf16`, `fp16` (autocast; fp16 training uses "
                "GradScaler). `auto` = bf16 where the GPU has it, fp16 on V100/T4, off on CPU.",
            identity=True),
-    Option("sdpa", "choice", "auto", f"attention kernel: {'/'.join(SDPA_CHOICES)} (auto: torch picks).",
+    Option("sdpa", "choice", "auto", "attention kernel (auto: torch picks per call).",
            ("bench", "infer", "train"), choices=SDPA_CHOICES,
            doc="scaled-dot-product-attention backend: `auto` (torch picks per call), `flash`, `cudnn`, "
                "`efficient`, `math`. A backend that cannot run here is refused before the run; the backend that "
@@ -226,10 +227,11 @@ OPTIONS: tuple[Option, ...] = (
                "`$VITREG_COMPILE_CACHE`, else `~/.cache/vitreg/inductor`). The first call's cache state (`cold`, "
                "`warm`, `partial`) is tagged `<task>_compile_cache`, next to `<task>_compile_time_s`",
            same_work="where compiled code is kept: it changes the compile time (tagged), not the timed steps"),
-    Option("compile", "choice", "off", "/".join(COMPILE_CHOICES), ("bench", "infer", "train"),
+    Option("compile", "choice", "off", "torch.compile mode (off: eager).", ("bench", "infer", "train"),
            choices=COMPILE_CHOICES, doc="`off`, `default`, `reduce-overhead`, `max-autotune` (torch.compile modes)",
            identity=True),
-    Option("compile_backend", "choice", "inductor", "/".join(COMPILE_BACKENDS), _RUNS, choices=COMPILE_BACKENDS,
+    Option("compile_backend", "choice", "inductor", "torch.compile backend (modes apply to inductor only).", _RUNS,
+           choices=COMPILE_BACKENDS,
            doc="torch.compile backend (`eager` / `aot_eager` for debugging; modes apply to inductor only)",
            identity=True),
     Option("warmup", "int", 10, "untimed iterations (the first one is timed apart as compile/first-call time).",
@@ -288,7 +290,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("resume", "str", "", "runs:/<run_id>/checkpoints/last or a checkpoint directory: continue at its step, "
            "same LR schedule.", ("train",), doc="`runs:/<id>/checkpoints/last` or a checkpoint folder",
            same_work="where training starts: the same steps from another point"),
-    Option("distillation", "choice", "none", f"{'/'.join(DISTILLATION_CHOICES)} (DeiT), for deit_*_distilled_* models.",
+    Option("distillation", "choice", "none", "DeiT's distillation loss, for deit_*_distilled_* models.",
            ("train",), choices=DISTILLATION_CHOICES, doc="DeiT's none/soft/hard",
            identity=True),
     Option("teacher", "str", "", "timm name (random weights: vitreg never downloads), models:/<name>@<alias>, "
@@ -308,7 +310,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("alias", "str", "latest", "alias of the registered version.", ("train",),
            doc="alias of the registered version; `latest` always means the newest version",
            same_work="what happens to the checkpoint after the run"),
-    Option("device", "choice", "auto", "/".join(DEVICE_CHOICES), _RUNS, choices=DEVICE_CHOICES,
+    Option("device", "choice", "auto", "where to run (auto: CUDA when a GPU is visible).", _RUNS,
+           choices=DEVICE_CHOICES,
            doc="`auto`, `cuda`, `cpu`",
            same_work="resolves to the hardware the run is filed under (its gpu label)"),
     Option("allow_gpu_mismatch", "bool", False,

@@ -30,3 +30,20 @@ def quiet_run_links() -> None:
     """No "View run ... at" line from MLflow (it would print the tracking URI's credentials): forced, not a
     default, since vitreg prints the link itself."""
     os.environ[RUN_LINKS_VARIABLE] = "true"
+
+
+#: MLflow's INFO lines a successful run does not need: the system-metrics monitor's start, stop and "Skip
+#: logging GPU metrics" (every run), and the store's "Creating initial MLflow database tables" (a new
+#: sqlite file). They are logging records of these loggers (MLflow's handler writes them to stderr);
+#: their WARNING and ERROR records still show.
+QUIET_MLFLOW_LOGGERS = ("mlflow.system_metrics", "mlflow.store.db.utils")
+
+
+def quiet_mlflow_info() -> None:
+    """MLflow's routine INFO lines off (WARNING and above kept), unless MLFLOW_LOGGING_LEVEL asks for more."""
+    import logging
+
+    if os.environ.get("MLFLOW_LOGGING_LEVEL", "").upper() in ("DEBUG", "INFO"):
+        return
+    for name in QUIET_MLFLOW_LOGGERS:
+        logging.getLogger(name).setLevel(logging.WARNING)

@@ -58,6 +58,7 @@ class SpoolingTracker:
         self._uri = spool.run_record.get("tracking_uri")
         self._params = {str(k): str(v) for k, v in (existing_params or {}).items()}
         self._recorded_run_id = spool.run_record.get("run_id")
+        self.experiment_name = spool.run_record.get("experiment_name")  # under `mlflow run`: the one it chose
         self._pending: list[dict] = []
         self._pending_lock = threading.Lock()
         self._wake, self._stopped, self._done = threading.Event(), threading.Event(), threading.Event()

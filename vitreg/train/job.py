@@ -49,6 +49,7 @@ from vitreg.ddp import world as distributed
 from vitreg.ddp.context import JobContext, job_context
 from vitreg.hardware.env import capture_environment, pip_freeze
 from vitreg.hardware.runtime import run_context
+from vitreg.measure.estimate import say_if_long, train_work
 from vitreg.measure.figures import Work
 from vitreg.models.factory import check_model_name, create_model
 from vitreg.models.memory import check_batch_fits, check_ranks_fit
@@ -184,6 +185,12 @@ def _train_in_run(run, options, workdir: Path, progress, command, run_name, samp
         _log_setup(ctx, info, data, run_name)
     model = model.to(ctx.runtime.torch_device)
     gflops = _flops_metrics(model, info, ctx.runtime) if ctx.world.is_main else None
+    if ctx.world.is_main:  # a GPU-sized run on a CPU says so before it starts
+        from vitreg.train import loop
+
+        steps = loop.total_steps_of(ctx.spec, data.steps_per_epoch)
+        say_if_long(train_work(ctx.spec.batch_size * ctx.world.world_size, steps, gflops * 1e9), ctx.runtime.device,
+                    ctx.progress)
     logger = RunLogger(run)
     ok, stop = False, None
     try:
@@ -199,6 +206,9 @@ def _train_in_run(run, options, workdir: Path, progress, command, run_name, samp
         if ctx.world.is_main:
             _log_results(ctx, logger, info, data, result, command,
                          register=stop is None)  # a stopped run's model is not the one register_as asked for
+            throughput = result.figure("throughput_img_per_s")
+            if not run_name and throughput:  # now with the figure: the runs list reads at a glance
+                run.set_name(run_name_for(ctx.spec, ctx.hardware, ctx.runtime, ctx.world.world_size, throughput))
         ok = True
     finally:
         logger.close(timeout=None if ok else 60)  # on the error path, do not hang on a dead server
@@ -325,10 +335,12 @@ def _log_results(ctx: JobContext, logger, info, data, result, command, register=
     register_if_requested(run, spec, result.last_checkpoint, reg_tags)
 
 
-def run_name_for(spec: TrainSpec, hw, runtime, world_size: int = 1) -> str:
-    """GPU label first, as every vitreg run is named (the runs list cuts names short)."""
-    return naming.run_name(hw.label, spec.model, runtime.amp, spec.batch_size, spec.compile, nproc=world_size,
-                           job="train")
+def run_name_for(spec: TrainSpec, hw, runtime, world_size: int = 1, throughput: float | None = None) -> str:
+    """GPU label first, then (once measured) the training throughput, as every vitreg run is named (the runs
+    list cuts names short); a run filed under a GPU that did not run it says so (``a100≠cpu``)."""
+    title = naming.RunTitle(hw.label, spec.model, runtime.amp, spec.compile, world_size, job="train",
+                            ran_on=hw.detected.profile.label if hw.mismatch else None)
+    return title.name(spec.batch_size, throughputs={"train": throughput} if throughput else None)
 
 
 def _print_summary(result, run) -> None:

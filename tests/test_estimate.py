@@ -1,0 +1,61 @@
+"""Before long work, one line with the estimate (FLOPs over this machine's measured speed) and how to make
+it short; quick work says nothing."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from vitreg.cli.main import main
+from vitreg.config.spec import BenchSpec
+from vitreg.measure import estimate
+from vitreg.measure.estimate import bench_work, duration_text, estimate_line, measured_flops_per_s, train_work
+
+
+def test_the_probe_measures_what_a_matmul_takes_here():
+    rate = measured_flops_per_s("cpu", n=256)
+    a, b = torch.randn(256, 256), torch.randn(256, 256)
+    start = time.perf_counter()
+    for _ in range(20):
+        a @ b
+    seconds = (time.perf_counter() - start) / 20
+    # the probe's best of three is at least the average rate of 20 products timed here, within a loaded
+    # machine's swings (a factor of 4 either way; a wrong FLOP count is off by 2**k or n)
+    assert 2 * 256**3 / seconds / 4 < rate < 2 * 256**3 / seconds * 8, (rate, seconds)
+
+
+def test_the_work_of_a_gpu_sized_bench_is_its_images_times_its_flops():
+    spec = BenchSpec(model="vit_base_patch16_224", batch_size=256, warmup=10, steps=30, repeats=5, task="both")
+    work = bench_work(spec, fwd_flops=35e9, train_flops=105e9, device="cpu")
+    assert work.images == 256 * (10 + 30 * 5) and work.flops_per_img == 140e9
+    infer_auto = bench_work(BenchSpec(model="test_vit", task="infer"), 1e9, 3e9, "cpu")
+    assert infer_auto.flops_per_img == 1e9 and infer_auto.images == 64 * (10 + 30 * 5)  # auto: the search's top
+    assert train_work(64, 100, 3e9).images == 6400
+
+
+def test_long_work_gets_the_estimate_and_the_short_options_and_quick_work_nothing():
+    spec = BenchSpec(model="vit_base_patch16_224", batch_size=256, task="both")
+    line = estimate_line(bench_work(spec, 35e9, 105e9, "cpu"), flops_per_s=50e9, device="cpu", compiling=True)
+    assert line.startswith("estimate: bench will take at least 32 h on this CPU"), line
+    assert "compiling comes on top" in line and "for a short run: --model deit_tiny_patch16_224 --batch-size 8" in line
+    small = BenchSpec(model="deit_tiny_patch16_224", batch_size=8, warmup=3, steps=5, repeats=3)
+    assert estimate_line(bench_work(small, 2.5e9, 7.5e9, "cpu"), flops_per_s=50e9, device="cpu") is None
+    assert [duration_text(s) for s in (45, 600, 5 * 3600)] == ["45 s", "10 min", "5.0 h"]
+
+
+@pytest.mark.parametrize("command", ["bench", "train"])
+def test_a_run_says_its_estimate_before_the_work(sqlite_store, monkeypatch, command):
+    monkeypatch.setattr(estimate, "LONG_S", 0.0)  # test_vit is quick: make any work "long"
+    tiny = ["--model", "test_vit", "--img-size", "32", "--batch-size", "2", "--device", "cpu"]
+    own = (["--task", "infer", "--warmup", "1", "--steps", "1", "--repeats", "1"] if command == "bench" else
+           ["--steps", "2", "--warmup-steps", "1", "--num-classes", "10", "--num-workers", "0"])
+    result = CliRunner().invoke(main, [command, *tiny, *own])
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    said = [i for i, line in enumerate(lines) if line.startswith("[vitreg] estimate: ")]
+    first_work = next(i for i, line in enumerate(lines) if ": first call" in line or "step" in line.split(":")[0])
+    assert len(said) == 1 and said[0] < first_work, result.output
+    assert "for a short run: " in lines[said[0]]
