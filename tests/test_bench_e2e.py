@@ -182,7 +182,8 @@ def test_mismatch_allowed_is_tagged(requested_run):
     run = client.get_run(run_id)
     assert run.info.status == "FINISHED"
     assert run.data.tags["gpu"] == "a100" and run.data.tags["gpu_mismatch"] == "true"
-    assert run.data.params["gpu"] == "a100" and "infer_mfu" in run.data.metrics
+    # filed as a100 and ran on the CPU: no MFU (the A100's peak is not this hardware's), issue 22
+    assert run.data.params["gpu"] == "a100" and "infer_mfu" not in run.data.metrics
 
 
 @pytest.mark.slow

@@ -57,12 +57,13 @@ def test_the_readme_ci_recipe_fails_the_job_on_a_regressed_run(tmp_path):
     shutil.move(migrated_store(tmp_path)[len("sqlite:///"):], tmp_path / db)  # a migrated store at that path
     first = _bash(f"{uri_line}\n{bench_line}", tmp_path)
     assert first.returncode == 0, first.stderr[-2000:]
-    history = _earlier_copies(f"sqlite:///{tmp_path / db}", 10, speedup=3.0)
+    # 10x: a loaded 2-core machine moved one CPU run's median by 3x between two runs of the same work
+    history = _earlier_copies(f"sqlite:///{tmp_path / db}", 10, speedup=10.0)
 
     job = _bash(script, tmp_path)  # the recipe as typed: a second real bench, then the check
     assert job.returncode == 1, job.stdout + job.stderr[-2000:]
     (line,) = [x for x in job.stdout.splitlines() if x.startswith("REGRESSED: deit_tiny_patch16_224")]
-    assert re.search(r"on cpu: 0\.[1-5]\d*x \[", line), line  # a third of the history's speed
+    assert re.search(r"on cpu: 0\.[0-3]\d*x \[", line), line  # a tenth of the history's speed, give or take load
     assert f"vs 10 runs ({history[1]}.." in line  # the 9 newest copies and the first real run
 
     again = _bash(f"{uri_line}\nvitreg check --experiment ci --window 0", tmp_path)

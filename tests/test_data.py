@@ -52,3 +52,37 @@ def test_the_same_folder_without_the_broken_file_trains(sqlite_store, folder_wit
     res = CliRunner().invoke(main, ["train", "--model", "test_vit", "--img-size", "32", "--batch-size", "2",
                                     "--steps", "3", "--data", str(root), "--num-workers", "0", "--device", "cpu"])
     assert res.exit_code == 0, (res.output[-3000:], res.exception)
+
+
+def _train_on(root, experiment: str):
+    return CliRunner().invoke(main, ["train", "--model", "test_vit", "--img-size", "32", "--batch-size", "2",
+                                     "--steps", "2", "--data", str(root), "--num-workers", "0", "--device", "cpu",
+                                     "--experiment", experiment])
+
+
+def _one_error_line(res) -> str:
+    assert res.exit_code == 2 and "Traceback" not in res.output, (res.output[-3000:], res.exception)
+    (line,) = [line for line in res.output.splitlines() if line.startswith("error:")]
+    return line
+
+
+def test_a_symlink_loop_in_the_data_is_refused_before_training(sqlite_store, folder_with_a_corrupt_jpeg):
+    """ImageFolder follows links: a link from a class folder back up to train/ made it read the tree over and
+    over (one class counted 41 times). The loop is refused in one line, before any model or step."""
+    root, bad = folder_with_a_corrupt_jpeg
+    bad.unlink()
+    (root / "train" / "a" / "again").symlink_to(root / "train", target_is_directory=True)
+    line = _one_error_line(_train_on(root, "loop"))
+    assert "link loop" in line and "remove the link" in line, line
+    (root / "train" / "a" / "again").unlink()  # the same tree without the link trains
+    assert _train_on(root, "loop").exit_code == 0
+
+
+def test_a_folder_of_one_class_is_refused(sqlite_store, folder_with_a_corrupt_jpeg):
+    """One class folder trained to loss 0.0000 without a word: cross-entropy over one class is 0 at once."""
+    import shutil
+
+    root, _ = folder_with_a_corrupt_jpeg
+    shutil.rmtree(root / "train" / "b")
+    line = _one_error_line(_train_on(root, "one-class"))
+    assert "one class folder (a)" in line and "at least two" in line, line

@@ -100,9 +100,9 @@ def test_two_hosts_of_two_processes_make_one_run_logged_by_node_0(tmp_path):
     baseline, gloo's all-reduce time (profile_steps=2) and report.md with the command the user typed.
     The launchers check the model without importing timm (an earlier process listed it). (The
     standalone `--nproc 2` path: the killed-rank test below.)"""
-    from vitreg.models import factory, memory
+    from vitreg.models import families, memory
 
-    factory._timm_names()  # what any earlier job on this machine leaves in the user's cache
+    families.all_names(listed_before_ok=False)  # timm's listing: what any earlier job leaves in the user's cache
     memory.footprint(TINY["model"], int(TINY["img_size"]))
     uri = migrated_store(tmp_path)
     record = tmp_path / "record"

@@ -83,8 +83,9 @@ def test_sigterm_to_the_launcher_keeps_rank0s_hand_off_and_ends_the_run_killed(t
     steps = sorted(m.step for m in c.get_metric_history(run.info.run_id, "train_loss"))
     last = Path(c.download_artifacts(run.info.run_id, "checkpoints/last", str(tmp_path / "last")))
     reached = json.loads((last / "spec.json").read_text())["step"]
-    # the points up to the last log boundary (under DDP the open interval needs a collective: not after a stop)
-    assert steps[-1] >= 10 and 0 <= reached - steps[-1] < 5
+    # the points up to the last log boundary before the stop (--log-every 5): a boundary's point needs a
+    # collective, which a stopped rank skips, so the step the stop landed on may be a boundary without its point
+    assert steps[-1] >= 10 and 0 <= reached - steps[-1] <= 5
     results = json.loads(Path(c.download_artifacts(run.info.run_id, "results.json", str(tmp_path))).read_text())
     assert results["result"]["step"] == reached and "SIGTERM" in results["result"]["stopped_by"]
     assert run.data.tags.get("torch_version") or any(k.startswith("env_") for k in run.data.tags), run.data.tags

@@ -30,14 +30,13 @@ import json
 from types import SimpleNamespace
 from vitreg.bench.results import BenchResult, TaskResult
 from vitreg.config.spec import BenchSpec
-from vitreg.measure.timing import summarize
+from vitreg.measure.figures import Figures, Work
 from vitreg.models.factory import ModelInfo
 
-def result(spec=None, gpu="cpu", **metrics):
-    task = TaskResult(task="infer", batch_size=8, img_size=224, steps=3, repeats=3,
-                      throughput=summarize([100.0, 101.0, 102.0]), iter_ms=summarize([80.0, 80.0, 81.0]),
-                      first_call_s=1.0, warmup_s=0.5, compiled=False, gflops_per_img=4.6, achieved_tflops=0.5,
-                      mfu=None, peak_mem_allocated_mb=None, peak_mem_reserved_mb=None)
+def result(spec=None, gpu="cpu"):
+    figures = Figures("infer", {"window_img_per_s": (100.0, 101.0, 102.0), "latency_ms": (80.0, 80.0, 81.0),
+                                "first_call_s": 1.0, "warmup_s": 0.5, "gflops_per_img": 4.6})
+    task = TaskResult("infer", 8, 224, 3, 3, figures.summarized().completed(Work()))
     info = ModelInfo("test_vit", "timm", 224, 16, 1000, 5.7, False)
     return BenchResult(spec or BenchSpec(model="test_vit"), gpu, "off", "cpu", info, 4.6, (task,))
 
@@ -90,7 +89,7 @@ def _run_in(tree: Path, code: str) -> dict:
 @pytest.mark.slow
 def test_a_gpu_profile_is_one_entry_in_profiles(tmp_path):
     tree = _tree_with(tmp_path, "vitreg/hardware/profiles.py", "    for p in [\n", """
-        GpuProfile("b200", "NVIDIA B200", {"bf16": 2250.0, "fp16": 2250.0, "tf32": 1100.0, "fp32": 80.0}, 180, "10.0",
+        GpuProfile("b200", "NVIDIA B200", {"bf16": 2250.0, "fp16": 2250.0, "tf32": 1100.0, "fp32": 80.0}, "10.0",
                    (r"b200",)),
     """)
     seen = _run_in(tree, f"""
@@ -99,13 +98,14 @@ def test_a_gpu_profile_is_one_entry_in_profiles(tmp_path):
         from vitreg.config import generate
         from vitreg.bench.report import report_markdown
         from vitreg.hardware import profiles as p
+        from vitreg.hardware.precision import precision_of
         detected = p.DetectedHardware("cuda", "NVIDIA B200", 1, p.match_profile("NVIDIA B200"))
         hw = p.resolve_hardware("b200", detected)
         df = runs({{"tags.gpu": "b200", "tags.detected_gpu": "b200", "metrics.infer_throughput_img_per_s": 900}},
                   {{"tags.gpu": "a100", "tags.detected_gpu": "a100", "metrics.infer_throughput_img_per_s": 300}})
         print(json.dumps({{"help": CliRunner().invoke(main, ["bench", "--help"], terminal_width=200).output,
                           "readme": generate.readme_table("bench"), "label": hw.label,
-                          "mfu": p.mfu(1125.0, hw.profile, "bf16"), "amp": hw.profile.default_amp,
+                          "mfu": precision_of("bf16").mfu(1125.0, hw.profile), "amp": hw.profile.default_amp,
                           "report": report_markdown(result(gpu=hw.label), ENV),
                           **compared(df, {str(tmp_path / 'cmp')!r}, baseline="a100")}}))
     """)
@@ -149,6 +149,11 @@ def test_an_option_is_one_entry_in_options(tmp_path):
         Option("channels_last", "bool", False, "true: NHWC input and weights.", ("bench",),
                doc="`true`: input and weights in channels-last (NHWC) memory layout", identity=True),
     """)
+    spec_py = tree / "vitreg/config/spec.py"  # a spec field: its line in the spec's class body, in table order
+    body = spec_py.read_text()
+    anchor = '    """\n\n    gpu: str = "auto"\n    model: str = "vit_base_patch16_224"\n'
+    assert body.count(anchor) == 1, "BenchSpec's body no longer starts with gpu, model: update this test"
+    spec_py.write_text(body.replace(anchor, '    """\n\n    channels_last: bool = False\n' + anchor[9:]))
     stale = subprocess.run([sys.executable, "-m", "vitreg.config.generate", "--check"], cwd=tree,
                            env={**os.environ, "PYTHONPATH": str(tree)}, capture_output=True, text=True)
     assert stale.returncode == 1 and "make mlproject" in stale.stderr  # the one command the row names

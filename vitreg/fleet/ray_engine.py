@@ -49,8 +49,11 @@ def connect(address: str):
     ray = _ray()
     _check_answers(address)
     try:
-        ray.init(address=None if address == "local" else address, log_to_driver=False, include_dashboard=False,
-                 logging_level=logging.WARNING)
+        # "local" is Ray's own word for a new cluster of this host alone (never one already running here);
+        # it listens on the loopback address only
+        here = {"_node_ip_address": "127.0.0.1"} if address == "local" else {}
+        ray.init(address=address, log_to_driver=False, include_dashboard=False, logging_level=logging.WARNING,
+                 **here)
         signals.install()  # ray.init set its own SIGTERM handler (exit 1 at once): SIGTERM must cancel the tasks
     except (ConnectionError, RuntimeError, ValueError) as exc:  # nothing there, or not a Ray cluster
         reason = (str(exc).splitlines() or [type(exc).__name__])[0][:200]

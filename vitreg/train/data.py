@@ -250,10 +250,34 @@ def _check_layout(root: Path):
     if not _class_dirs(train_dir):
         raise VitregError(f"data={root}: train/ has no class folders: put each class's images in train/<class>/ "
                           f"({layout})")
+    classes = _class_dirs(train_dir)
+    if len(classes) == 1:  # cross-entropy over one class is 0 from the first step: nothing would be learned
+        raise VitregError(f"data={root}: train/ has one class folder ({classes[0].name}): a classifier needs at "
+                          f"least two; add train/<another class>/ or use data=synthetic")
     val_dir = root / "val"
     if val_dir.is_dir() and not _class_dirs(val_dir):
         raise VitregError(f"data={root}: val/ has no class folders: put images in val/<class>/ or remove val/")
+    for folder in (train_dir, val_dir if val_dir.is_dir() else None):
+        if folder is not None:
+            _refuse_link_loops(root, folder)
     return train_dir, (val_dir if val_dir.is_dir() else None)
+
+
+def _refuse_link_loops(root: Path, top: Path) -> None:
+    """ImageFolder walks the tree following links (``os.walk(followlinks=True)``): a link back to a folder it
+    has read already makes it read that folder's images again and again (a class counted 41 times over).
+    Walk the folders the same way, each real folder once, and refuse the first one reached twice."""
+    seen: set[str] = set()
+    stack = [top]
+    while stack:
+        folder = stack.pop()
+        real = os.path.realpath(folder)
+        if real in seen:
+            raise VitregError(f"data={root}: {folder} leads back to {real}, a folder read already (a symbolic "
+                              f"link loop would count its images again and again): remove the link")
+        seen.add(real)
+        with os.scandir(folder) as entries:
+            stack += [Path(e.path) for e in entries if e.is_dir(follow_symlinks=True)]
 
 
 def _transforms(img_size: int, model=None):
