@@ -134,7 +134,7 @@ def cluster():
     """A head (stand-in H100) and a second node (stand-in A100), one CPU each, small object stores."""
     from ray.cluster_utils import Cluster
 
-    small = {"num_cpus": 1, "object_store_memory": 80 * 2**20, "node_ip_address": "127.0.0.1"}  # loopback only
+    small = {"num_cpus": 1, "object_store_memory": 80 * 2**20}
     fleet = Cluster()
     try:  # the first node added is the head; a node that fails to start is ended by the shutdown below
         fleet.add_node(**small, include_dashboard=False, resources={"accelerator_type:H100": 1})

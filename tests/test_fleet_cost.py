@@ -39,7 +39,7 @@ def main() -> None:
     tmp = tempfile.mkdtemp(prefix="vitreg-fleet-cost-")
     cfg = ServerConfig(port=free_port(), data_dir=premigrated(Path(tmp) / "server"))
     proc = server.start(cfg, timeout=120, quiet=True)
-    small = {"num_cpus": 1, "object_store_memory": 80 * 2**20, "node_ip_address": "127.0.0.1"}  # loopback only
+    small = {"num_cpus": 1, "object_store_memory": 80 * 2**20}
     cluster = Cluster(initialize_head=True, head_node_args={**small, "include_dashboard": False})
     try:
         env = subprocess_env(cfg.url)
