@@ -18,7 +18,7 @@ import statistics
 import torch
 import torch.nn.functional as F
 
-from timm_gap import rates
+from timm_gap import cuda_kernels, profiled, rates
 
 
 class PatchMatmul(torch.nn.Module):
@@ -37,16 +37,7 @@ class PatchMatmul(torch.nn.Module):
 
 
 def conv_ms(net, x, steps=5):
-    from torch.profiler import ProfilerActivity, profile
-
-    with torch.inference_mode(), torch.autocast("cuda", dtype=torch.bfloat16):
-        net(x)
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(steps):
-                net(x)
-            torch.cuda.synchronize()
-    events = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
+    events = cuda_kernels(profiled(net, x, steps))
     conv = [e for e in events if "conv" in e.key.lower() and not e.key.startswith("triton")]
     return (sum(e.self_device_time_total for e in conv) / 1e3 / steps, [e.key[:60] for e in conv],
             sum(e.self_device_time_total for e in events) / 1e3 / steps)

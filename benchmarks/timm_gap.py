@@ -81,8 +81,8 @@ def rates(net, x, iters, repeats, warmup=10):
     return out
 
 
-def kernel_table(net, x, path, steps=5):
-    """Top CUDA kernels of ``steps`` forward passes, written to ``path``; returns (kernel count, CUDA ms/step)."""
+def profiled(net, x, steps=5):
+    """torch.profiler's key averages of ``steps`` bf16 forward passes, after one unprofiled."""
     from torch.profiler import ProfilerActivity, profile
 
     with torch.inference_mode(), torch.autocast("cuda", dtype=torch.bfloat16):
@@ -92,10 +92,20 @@ def kernel_table(net, x, path, steps=5):
             for _ in range(steps):
                 net(x)
             torch.cuda.synchronize()
-    events = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
+    return prof.key_averages()
+
+
+def cuda_kernels(averages) -> list:
+    return [e for e in averages if e.device_type.name == "CUDA"]
+
+
+def kernel_table(net, x, path, steps=5):
+    """Top CUDA kernels of ``steps`` forward passes, written to ``path``; returns (kernel count, CUDA ms/step)."""
+    averages = profiled(net, x, steps)
+    events = cuda_kernels(averages)
     total_ms = sum(e.self_device_time_total for e in events) / 1e3 / steps
     count = sum(e.count for e in events) / steps
-    path.write_text(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=25, max_name_column_width=90))
+    path.write_text(averages.table(sort_by="self_cuda_time_total", row_limit=25, max_name_column_width=90))
     return count, total_ms
 
 
