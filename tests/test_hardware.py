@@ -81,7 +81,7 @@ def test_bf16_refused_on_a_gpu_without_it():
 
 
 def test_nccl_env_is_recorded_sorted_and_only_nccl():
-    from vitreg.hardware.env import capture_environment, nccl_env
+    from vitreg.environment import capture_environment, nccl_env
 
     env = {"NCCL_MAX_CTAS": "8", "PATH": "/bin", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "0", "NCCL_NVLS_ENABLE": "0",
            "MY_NCCL_X": "1"}

@@ -127,7 +127,7 @@ def detect_hardware(device: str = "auto") -> DetectedHardware:
     if device == "cuda":
         raise VitregError("device=cuda but no CUDA GPU is visible (torch.cuda.is_available() is False): "
                           "use device=auto or device=cpu, or check the driver / CUDA_VISIBLE_DEVICES")
-    from vitreg.hardware.env import cpu_model
+    from vitreg.environment import cpu_model
 
     return DetectedHardware("cpu", f"CPU ({cpu_model()})", 1, PROFILES["cpu"])
 
