@@ -6,6 +6,8 @@ strings) and returns what the command computed: a :class:`~vitreg.bench.results.
 :class:`~vitreg.analysis.comparison.Comparison`, the tidy runs frame. Bad input raises
 :class:`~vitreg.errors.VitregError` with the same one-line message the CLI prints. The heavy imports
 (torch, mlflow, pandas) happen inside the calls, so ``import vitreg`` stays cheap.
+
+Kept apart: a boundary, the names and signatures users' code calls; only the package root imports it.
 """
 
 from __future__ import annotations
