@@ -292,6 +292,19 @@ def test_the_layer_check_names_both_files_and_both_layers():
         "vitreg/console.py (layer 1, console) imports vitreg/tracking/uris.py (layer 7, tracking)"]
 
 
+def test_the_architecture_doc_states_these_rules():
+    """docs/ARCHITECTURE.md's house rules say what this file checks: the limits, and the layers in order."""
+    rules = (REPO / "docs/ARCHITECTURE.md").read_text().split("## House rules")[1]
+    for stated in (f"up to {MAX_MODULE_LINES} lines", f"over {MAX_FUNCTION_LINES} lines",
+                   f"over {MAX_PARAMETERS} parameters", f"under\n{MIN_LONE_MODULE_LINES} lines",
+                   "Kept apart: a table", "Kept apart: a boundary"):
+        assert stated.replace("\n", " ") in " ".join(rules.split()), stated
+    layers = " ".join(rules.split("lowest first:")[1].split(". A module")[0].split())
+    words = [re.findall(r"\w+", part) for part in layers.split(";")]
+    named = [[w for w in group if w not in ("and", "the", "package", "root")] for group in words]
+    assert named[:-1] == [list(layer) for layer in LAYERS[:-1]] and "package root" in layers.split(";")[-1]
+
+
 # --------------------------------------------------------------------------- unused names
 
 SCANNED = ("vitreg", "tests", "benchmarks", "entry_points")
