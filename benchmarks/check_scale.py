@@ -45,7 +45,7 @@ def _make(client, exp: str, keys: list[dict], start: int, stop: int, rng) -> Non
 
 
 def _timed_phases(experiment: str) -> dict[str, float]:
-    from vitreg.compare.check import run_check
+    from vitreg.compare import run_check
     from vitreg.history.check import check_runs
     from vitreg.history.series import Selection, carried_columns
     from vitreg.tracking.search import benchmark_runs, tidy

@@ -56,7 +56,7 @@ def sdpa_checks():
         with sdpa_context(choice):
             say(check="sdpa_ran_eager", sdpa=choice, ran=detect_backend(infer_step(model, 8, torch.bfloat16,
                                                                                   precision), "cuda"))
-    from vitreg.measure.ticker import ticking
+    from vitreg.console import ticking
 
     for choice in ("auto", "math"):
         torch._dynamo.reset()
@@ -93,7 +93,7 @@ def eager_rate(model, precision, batch):
 def autobatch(out):
     from vitreg.hardware.precision import resolve_precision
     from vitreg.measure.autobatch import SEARCH_LIMITS, find_batch, timed_probe
-    from vitreg.measure.profiling import trace_steps
+    from vitreg.measure.traces import trace_steps
 
     precision = resolve_precision("bf16", "cuda")
     model = vit_b()

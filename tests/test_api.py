@@ -1,4 +1,4 @@
-"""vitreg from Python (vitreg.bench / vitreg.compare / vitreg.runs) and `vitreg runs --csv`: typed results
+"""vitreg from Python (vitreg.api.bench / .compare / .runs) and `vitreg runs --csv`: typed results
 and one DataFrame of many runs, from a real sqlite store; `import vitreg` stays cheap."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ TINY = dict(model="test_vit", img_size=32, batch_size=2, warmup=1, steps=2, repe
 
 @pytest.fixture(scope="module")
 def store(tmp_path_factory):
-    """A sqlite store with experiment ``api``: one infer run and one train run of test_vit, made by vitreg.bench."""
+    """A sqlite store with experiment ``api``: one infer run and one train run of test_vit, made by vitreg.api.bench."""
     root = tmp_path_factory.mktemp("api")
     uri = migrated_store(root)
     with pytest.MonkeyPatch.context() as mp:
@@ -31,20 +31,24 @@ def store(tmp_path_factory):
         import mlflow
 
         mlflow.set_tracking_uri(uri)
-        infer = vitreg.bench(task="infer", experiment="api", **TINY)
-        train = vitreg.bench(task="train", experiment="api", run_name="api-train", **{**TINY, "batch_size": "4"})
+        infer = vitreg.api.bench(task="infer", experiment="api", **TINY)
+        train = vitreg.api.bench(task="train", experiment="api", run_name="api-train", **{**TINY, "batch_size": "4"})
         yield uri, infer, train
 
 
 @pytest.mark.slow
-def test_import_vitreg_is_cheap_and_bench_stays_callable_after_its_package_is_imported():
-    code = ("import sys, vitreg\n"
+def test_import_vitreg_is_cheap_and_its_api_is_vitreg_api():
+    """``import vitreg`` imports nothing heavy and gives ``vitreg.api``; the API's names stay its own after the
+    packages of the same names are imported, and no package of vitreg is callable (none has its class changed)."""
+    code = ("import sys, types, vitreg\n"
             "print(sorted(m for m in ('torch', 'mlflow', 'pandas', 'numpy', 'timm', 'click') if m in sys.modules))\n"
-            "import vitreg.bench.job, vitreg.compare.job\n"  # sets the attributes vitreg.bench/compare to the packages
-            "print(callable(vitreg.bench), callable(vitreg.compare), callable(vitreg.runs))\n")
+            "import vitreg.bench.job, vitreg.compare\n"
+            "print([getattr(vitreg.api, n).__module__ for n in ('bench', 'compare', 'check', 'runs')])\n"
+            "print(type(vitreg.bench) is types.ModuleType, callable(vitreg.bench), callable(vitreg.compare),\n"
+            "      hasattr(vitreg, 'runs'), hasattr(vitreg, 'check'))\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO)
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.splitlines() == ["[]", "True True True"]
+    assert proc.stdout.splitlines() == ["[]", str(["vitreg.api"] * 4), "True False False False False"]
 
 
 def test_bench_returns_the_typed_result_and_logs_the_run(store):
@@ -68,15 +72,15 @@ def test_bench_report_shows_the_python_call(store):
     client = MlflowClient(uri)
     (run,) = client.search_runs([client.get_experiment_by_name("api").experiment_id], "tags.task = 'train'")
     report = mlflow.artifacts.load_text(f"runs:/{run.info.run_id}/report.md")
-    assert ("vitreg.bench(task='train', model='test_vit', img_size=32, batch_size='4', warmup=1, steps=2, "
+    assert ("vitreg.api.bench(task='train', model='test_vit', img_size=32, batch_size='4', warmup=1, steps=2, "
             "repeats=1)") in report
 
 
 def test_bench_bad_input_is_the_cli_s_one_line_error(store):
     with pytest.raises(VitregError, match=r"unknown bench option 'batchsize' \(did you mean batch_size\?\)"):
-        vitreg.bench(batchsize=2, experiment="api-bad", model="test_vit")
+        vitreg.api.bench(batchsize=2, experiment="api-bad", model="test_vit")
     with pytest.raises(VitregError, match="amp='int8' is not one of"):
-        vitreg.bench(amp="int8", experiment="api-bad", **TINY)
+        vitreg.api.bench(amp="int8", experiment="api-bad", **TINY)
 
 
 def test_runs_is_one_frame_and_the_csv_holds_the_same(store):
@@ -84,7 +88,7 @@ def test_runs_is_one_frame_and_the_csv_holds_the_same(store):
 
     from vitreg.cli.main import main
 
-    frame = vitreg.runs("api")
+    frame = vitreg.api.runs("api")
     assert isinstance(frame, pd.DataFrame) and sorted(frame["task"]) == ["infer", "train"]
     assert (frame["gpu"] == "cpu").all() and (frame["throughput_img_per_s"] > 0).all()
     result = CliRunner().invoke(main, ["runs", "--experiment", "api", "--csv"])
@@ -108,7 +112,7 @@ def test_runs_csv_refusals_are_one_line(store, args, needle):
 
 
 def test_compare_returns_the_comparison(store):
-    comparison = vitreg.compare("api")
+    comparison = vitreg.api.compare("api")
     assert comparison.gpus == ["cpu"] and comparison.metric == "throughput_img_per_s"
     assert set(comparison.table["task"]) == {"infer", "train"} and (comparison.table["n_runs"] == 1).all()
     assert comparison.summary()["n_runs"] == 2

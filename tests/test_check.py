@@ -167,6 +167,6 @@ def test_vitreg_check_from_python_logs_nothing(client):
 
     exp = client.create_experiment("ci")
     ids = _history(client, exp, regress=TINY)
-    result = vitreg.check("ci", window=5)
+    result = vitreg.api.check("ci", window=5)
     assert result.exit_code == 1 and list(result.regressions["candidate_runs"]) == [ids[TINY][-1]]
     assert (result.table["n_history"] == 5).all() and not _check_runs(client)

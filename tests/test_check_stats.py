@@ -6,7 +6,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from vitreg.history.changepoints import change_points
+from vitreg.history.verdict import change_points
 from vitreg.history.check import check_runs, likely_cause
 from vitreg.history.series import CheckError, Selection, carried_columns, configuration_names, parse_tag
 from vitreg.history.verdict import (IMPROVED, NOISE_FLOOR, NOT_ENOUGH, REGRESSED, WITHIN_NOISE, judge,

@@ -18,7 +18,7 @@ from vitreg.analysis.comparison import compare_gpus, compare_runs, compile_amp_g
 from vitreg.analysis.frame import CompareError
 from vitreg.analysis.render import format_table, markdown_table
 from vitreg.analysis.report import write_report
-from vitreg.analysis.timm_csv import read_timm_csv
+from vitreg.analysis.timm_benchmark import read_timm_csv
 from vitreg.config.options import identity_names, option
 from vitreg.tracking.search import runs_frame, tidy
 

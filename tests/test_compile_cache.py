@@ -11,7 +11,7 @@ import pytest
 from conftest import REPO
 from vitreg.errors import VitregError
 from vitreg.hardware.compile_cache import CacheProbe, default_cache_dir, use_compile_cache
-from vitreg.measure.ticker import ticking
+from vitreg.console import ticking
 
 COMPILE_ONCE = """
 import json, sys, time

@@ -579,7 +579,7 @@ def test_profile_comm_counts_gloo_all_reduce_and_nothing_else(tmp_path):
     import torch
     import torch.distributed as dist
 
-    from vitreg.measure.profiling import profile_comm
+    from vitreg.measure.traces import profile_comm
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:

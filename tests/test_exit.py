@@ -1,4 +1,4 @@
-"""vitreg's exit handler (vitreg.freeze_at_exit): in CLI processes and torchrun workers the shutdown collections
+"""vitreg's exit handler (vitreg.signals.freeze_at_exit): in CLI processes and torchrun workers the shutdown collections
 are skipped, and no other exit handler is; importing vitreg as a library changes nothing at exit."""
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from vitreg.checkpoint.filemodes import copy_as_new_file, current_umask, follow_umask
+from vitreg.checkpoint.export import copy_as_new_file, current_umask, follow_umask
 
 
 def mode(path) -> int:

@@ -81,10 +81,34 @@ def test_bf16_refused_on_a_gpu_without_it():
 
 
 def test_nccl_env_is_recorded_sorted_and_only_nccl():
-    from vitreg.hardware.env import capture_environment, nccl_env
+    from vitreg.environment import capture_environment, nccl_env
 
     env = {"NCCL_MAX_CTAS": "8", "PATH": "/bin", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "0", "NCCL_NVLS_ENABLE": "0",
            "MY_NCCL_X": "1"}
     assert nccl_env(env) == "NCCL_MAX_CTAS=8;NCCL_NVLS_ENABLE=0;TORCH_NCCL_ASYNC_ERROR_HANDLING=0"
     assert nccl_env({}) == ""
     assert "nccl_env" in capture_environment().to_tags()
+
+
+# What NVML (nvidia-smi, torch.cuda.get_device_name) calls each profile's card: the name Ray reads on a node.
+DEVICE_NAMES = {"v100": "Tesla V100-SXM2-32GB", "t4": "Tesla T4", "a100": "NVIDIA A100-SXM4-40GB",
+                "a100-80gb": "NVIDIA A100-SXM4-80GB", "l4": "NVIDIA L4", "rtx4090": "NVIDIA GeForce RTX 4090",
+                "h100-pcie": "NVIDIA H100 PCIe", "h100": "NVIDIA H100 80GB HBM3", "h200": "NVIDIA H200"}
+
+
+def test_each_profile_s_ray_type_is_what_ray_reports_for_its_card():
+    """A sweep's Ray task for gpu=LABEL asks for the profile's ``ray_type``: it must be the accelerator type a Ray
+    node with that card reports, as Ray's own NVIDIA manager makes it from the device name (h100-pcie: H100, not
+    H100-PCIE; a100-80gb: A100; rtx4090: GeForce-RTX-4090), and that device name must detect the profile."""
+    nvidia = pytest.importorskip("ray._private.accelerators.nvidia_gpu")
+    from vitreg.fleet.ray_engine import ray_type
+    from vitreg.hardware.profiles import label_of_ray_type
+
+    gpus = [label for label in PROFILES if label != "cpu"]
+    assert sorted(DEVICE_NAMES) == sorted(gpus)  # a new profile names its card here
+    for label, device in DEVICE_NAMES.items():
+        reported = nvidia.NvidiaGPUAcceleratorManager._gpu_name_to_accelerator_type(device)
+        assert (match_profile(device).label, PROFILES[label].ray_type, ray_type(label)) == (label, reported, reported)
+    # back from a node's type (gpu=all): the label that is the type where two share it, an unknown one lower-cased
+    assert [label_of_ray_type(t) for t in ("H100", "A100", "GeForce-RTX-4090", "L40S")] == ["h100", "a100", "rtx4090",
+                                                                                       "l40s"]

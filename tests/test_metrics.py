@@ -11,7 +11,7 @@ import pytest
 
 from vitreg.analysis import comparison
 from vitreg.analysis.frame import ALL_METRICS, SHARED_METRICS, TASK_METRICS, CompareError
-from vitreg.analysis.timm_csv import read_timm_csv
+from vitreg.analysis.timm_benchmark import read_timm_csv
 from vitreg.bench import report
 from vitreg.bench.results import BenchResult, TaskResult
 from vitreg.config.spec import BenchSpec
@@ -20,7 +20,7 @@ from vitreg.hardware.precision import Fp8Agreement
 from vitreg.measure import metrics
 from vitreg.measure.autobatch import BatchChoice, Probe
 from vitreg.measure.figures import Figures, Work
-from vitreg.measure.profiling import CommProfile
+from vitreg.measure.traces import CommProfile
 from vitreg.models.factory import ModelInfo
 
 DATA = Path(__file__).parent / "data"

@@ -57,12 +57,12 @@ def test_torchvision_and_distilled():
 
 def test_a_name_listed_before_is_checked_without_importing_timm(tmp_path, monkeypatch):
     """The DDP launcher's check: timm's names as an earlier process listed them, read from the user's cache."""
-    from vitreg.models import families, timm_cache
+    from vitreg.models import families, learned_facts
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     families._timm_listed.cache_clear()
     names = families._timm_listed()  # lists timm's names, and keeps them for the next process
-    assert timm_cache.cache_file().parent == tmp_path / "vitreg" and timm_cache.names() == set(names)
+    assert learned_facts.cache_file().parent == tmp_path / "vitreg" and learned_facts.names() == set(names)
     assert "test_vit" in names and "resnet50" not in names
 
     monkeypatch.setitem(sys.modules, "timm", None)  # any `import timm` now fails
@@ -72,44 +72,44 @@ def test_a_name_listed_before_is_checked_without_importing_timm(tmp_path, monkey
 
 
 def test_an_edited_cache_file_never_lets_a_bad_model_build_nor_refuses_a_job(tmp_path, monkeypatch):
-    from vitreg.models import families, memory, timm_cache
+    from vitreg.models import families, learned_facts, memory
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    timm_cache.keep(names=("vit_no_such_model", "resnet_not_a_vit"),
+    learned_facts.keep(names=("vit_no_such_model", "resnet_not_a_vit"),
                sizes={"footprint:test_vit:32:10": (10**15, 1, 1, 1, 32), "footprint:vit_x:0:1000": ("a", -1)})
     families.check_name("vit_no_such_model")  # a launcher takes it...
     with pytest.raises(VitregError, match="unknown model 'vit_no_such_model'"):
         create_model("vit_no_such_model", 32)  # ...and the process that builds the model refuses it
     with pytest.raises(VitregError, match="unknown model 'resnet_not_a_vit'"):
         families.check_name("resnet_not_a_vit")  # outside timm's ViT/DeiT prefixes: never read
-    assert timm_cache.sizes("footprint:vit_x:0:1000") is None  # not integers: not taken
+    assert learned_facts.sizes("footprint:vit_x:0:1000") is None  # not integers: not taken
     # a petabyte of weights, as the edited file says: the refusal is checked against the model itself
     memory.check_ranks_fit(2, "test_vit", 32, 10, "cpu")
-    assert timm_cache.sizes("footprint:test_vit:32:10") == astuple(memory.footprint("test_vit", 32, 10))
-    timm_cache.cache_file().write_text("not json")
-    assert timm_cache.names() == frozenset() and timm_cache.sizes("footprint:test_vit:32:10") is None
+    assert learned_facts.sizes("footprint:test_vit:32:10") == astuple(memory.footprint("test_vit", 32, 10))
+    learned_facts.cache_file().write_text("not json")
+    assert learned_facts.names() == frozenset() and learned_facts.sizes("footprint:test_vit:32:10") is None
 
 
 def test_an_unwritable_cache_only_costs_the_import(tmp_path, monkeypatch):
-    from vitreg.models import families, timm_cache
+    from vitreg.models import families, learned_facts
 
     (tmp_path / "vitreg").write_text("a file where the folder would be")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     families._timm_listed.cache_clear()
-    assert "test_vit" in families._timm_listed() and timm_cache.names() == frozenset()
+    assert "test_vit" in families._timm_listed() and learned_facts.names() == frozenset()
     assert list(tmp_path.iterdir()) == [tmp_path / "vitreg"]
 
 
 def test_the_cache_keeps_the_most_recent_footprints_only(tmp_path, monkeypatch):
-    from vitreg.models import timm_cache
+    from vitreg.models import learned_facts
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    for size in range(timm_cache.MAX_SIZES + 10):
-        timm_cache.keep(sizes={f"footprint:test_vit:{size}:10": (1, 2, 3, 4, size)})
-    assert timm_cache.sizes("footprint:test_vit:9:10") is None and timm_cache.sizes("footprint:test_vit:10:10") is not None
-    timm_cache.keep(sizes={"footprint:test_vit:12:10": (1, 2, 3, 4, 12)})  # asked again: now the newest
-    timm_cache.keep(sizes={"footprint:test_vit:100:10": (1, 2, 3, 4, 100), "footprint:test_vit:101:10": (1, 2, 3, 4, 101)})
-    assert [timm_cache.sizes(f"footprint:test_vit:{size}:10") is None for size in (10, 11, 12, 13, 101)] == [
+    for size in range(learned_facts.MAX_SIZES + 10):
+        learned_facts.keep(sizes={f"footprint:test_vit:{size}:10": (1, 2, 3, 4, size)})
+    assert learned_facts.sizes("footprint:test_vit:9:10") is None and learned_facts.sizes("footprint:test_vit:10:10") is not None
+    learned_facts.keep(sizes={"footprint:test_vit:12:10": (1, 2, 3, 4, 12)})  # asked again: now the newest
+    learned_facts.keep(sizes={"footprint:test_vit:100:10": (1, 2, 3, 4, 100), "footprint:test_vit:101:10": (1, 2, 3, 4, 101)})
+    assert [learned_facts.sizes(f"footprint:test_vit:{size}:10") is None for size in (10, 11, 12, 13, 101)] == [
         True, True, False, False, False]
 
 

@@ -16,7 +16,7 @@ from click.testing import CliRunner
 from mlflow.tracking import MlflowClient
 
 from conftest import free_port, premigrated, subprocess_env
-from vitreg.cli.runs_cmds import sync as sync_command
+from vitreg.cli.main import sync as sync_command
 from vitreg.tracking.spool import Spool
 
 STEPS, LOG_EVERY, CHECKPOINT_EVERY = 300, 10, 150

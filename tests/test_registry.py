@@ -138,7 +138,7 @@ def test_register_refuses_a_name_owned_by_another_architecture(store, tmp_path):
 
 
 def test_register_cli_registers_a_run_checkpoint_after_the_fact(store):
-    from vitreg.cli.registry_cmds import register
+    from vitreg.cli.main import register
 
     res = CliRunner().invoke(register, [f"runs:/{store.run_id}/checkpoints/step-5", "--name", "tv-later",
                                         "--alias", "best"])
@@ -155,7 +155,7 @@ def test_register_cli_registers_a_run_checkpoint_after_the_fact(store):
     ("runs:/0123456789abcdef/checkpoints/last", "no run 0123456789abcdef at sqlite:"),
 ])
 def test_register_cli_bad_sources_are_one_line_exit_2(store, source, needle):
-    from vitreg.cli.registry_cmds import register
+    from vitreg.cli.main import register
 
     res = CliRunner().invoke(register, [source, "--name", "tv-x"])
     assert res.exit_code == 2
@@ -267,7 +267,7 @@ def test_pull_errors_name_what_exists(store, tmp_path, uri, needles):
 
 @pytest.mark.slow
 def test_pull_cli_out_folder_loads_with_timm_and_safetensors_only(store, tmp_path):
-    from vitreg.cli.registry_cmds import pull
+    from vitreg.cli.main import pull
 
     out = tmp_path / "export"
     res = CliRunner().invoke(pull, ["models:/tv@champion", "--out", str(out)])
@@ -297,7 +297,7 @@ def test_pull_cli_out_folder_loads_with_timm_and_safetensors_only(store, tmp_pat
 
 
 def test_pull_cli_unknown_alias_is_one_line_exit_2(store):
-    from vitreg.cli.registry_cmds import pull
+    from vitreg.cli.main import pull
 
     res = CliRunner().invoke(pull, ["models:/tv@nope"])
     assert res.exit_code == 2
@@ -351,7 +351,7 @@ def test_infer_refuses_options_the_checkpoint_decides(store, options, needle):
 
 
 def test_infer_cli_unknown_alias_fails_the_run_in_one_line(store):
-    from vitreg.cli.registry_cmds import infer
+    from vitreg.cli.main import infer
 
     res = CliRunner().invoke(infer, ["--model-uri", "models:/tv@nope", "--batch-size", "2", "--experiment", "bad"])
     assert res.exit_code == 2 and "error: registered model 'tv' has no alias 'nope'" in res.output

@@ -32,7 +32,7 @@ def report_of_only_run(experiment: str) -> str:
 
 def test_vitreg_bench_report_shows_the_vitreg_command_and_no_machine_cuda_on_cpu(sqlite_store):
     from vitreg.cli.main import main
-    from vitreg.hardware.env import capture_environment
+    from vitreg.environment import capture_environment
 
     args = ["bench", "--experiment", "rep"] + [w for k, v in TINY.items() for w in (f"--{k.replace('_', '-')}", v)]
     result = CliRunner().invoke(main, args)
@@ -73,7 +73,7 @@ def test_mlflow_run_report_shows_the_mlflow_run_command(sqlite_store, monkeypatc
 
 
 def test_under_mlflow_run_s_own_conda_env_the_command_has_no_env_manager(monkeypatch):
-    from vitreg.cli.invocation import _mlflow_run
+    from vitreg.cli.common import _mlflow_run
 
     monkeypatch.setenv("CONDA_DEFAULT_ENV", "mlflow-3f2a9c")  # the env mlflow run builds from conda.yaml
     assert _mlflow_run("bench", {"model": "test_vit"}) == "mlflow run . -e bench -P model=test_vit"

@@ -22,7 +22,7 @@ import pytest
 from click.testing import CliRunner
 from mlflow.tracking import MlflowClient
 
-from vitreg.cli.runs_cmds import sync as sync_command
+from vitreg.cli.main import sync as sync_command
 from vitreg.errors import StoreError, VitregError
 
 from vitreg.tracking.delivery import SPOOL_ID_TAG, experiment_id_for, seq_tag

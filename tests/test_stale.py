@@ -16,7 +16,7 @@ import pytest
 from click.testing import CliRunner
 from mlflow.tracking import MlflowClient
 
-from vitreg.cli.runs_cmds import runs as runs_command
+from vitreg.cli.main import runs as runs_command
 from vitreg.errors import VitregError
 from vitreg.tracking.delivery import HEARTBEAT_TAG
 from vitreg.tracking.spooling import SpoolingTracker

@@ -1,4 +1,4 @@
-"""vitreg.analysis.timm_csv against timm benchmark.py's real CSV layout and file naming."""
+"""vitreg.analysis.timm_benchmark against timm benchmark.py's real CSV layout and file naming."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from vitreg.analysis.timm_csv import (
+from vitreg.analysis.timm_benchmark import (
     ImportedRun,
     TimmImportError,
     parse_timm_filename,

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from vitreg.errors import VitregError
-from vitreg.measure.profiling import TOP_OPS, check_profile_request, trace_steps
+from vitreg.measure.traces import TOP_OPS, check_profile_request, trace_steps
 
 
 def test_trace_and_table_of_the_steps_after_warmup(tmp_path):

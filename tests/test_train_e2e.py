@@ -20,7 +20,7 @@ from conftest import REPO, migrated_store, subprocess_env
 from vitreg.tracking import runs as tracking
 from vitreg.tracking.store import prepare_store
 from vitreg.checkpoint.format import verify_checkpoint
-from vitreg.cli.train_cmd import train as train_command
+from vitreg.cli.main import train as train_command
 from vitreg.errors import VitregError
 from vitreg.config.spec import TrainSpec
 

@@ -79,7 +79,7 @@ def _log_runs(uri: str) -> None:
     # gpu_mismatch=true), one after the other in one process through the Python API (what this test
     # checks is the UI; each process that imports torch, timm and mlflow costs ~7 s of CPU).
     script = (f"import vitreg\nfor gpu in {GPUS!r}:\n"
-              f"    vitreg.bench(experiment={EXPERIMENT!r}, gpu=gpu, allow_gpu_mismatch=True, model='test_vit',"
+              f"    vitreg.api.bench(experiment={EXPERIMENT!r}, gpu=gpu, allow_gpu_mismatch=True, model='test_vit',"
               " img_size=32, batch_size=2, task='infer', warmup=1, steps=2, repeats=2)\n")
     proc = subprocess.run([sys.executable, "-c", script], env=env, cwd=REPO, capture_output=True, text=True,
                           timeout=300)

@@ -1,12 +1,13 @@
 """docs/ARCHITECTURE.md's "Where to add" table, held to its word.
 
-Per row, the one entry the row names is added to a copy of the source (a GPU profile to ``PROFILES``, a
-metric to ``METRICS``, an option to ``OPTIONS``: the edit a newcomer makes) and a fresh interpreter on that
-copy shows it everywhere the row promises: the CLI's ``--help`` (click's CliRunner), the generated MLproject
-and README text, the bench report, compare's output. A fresh interpreter because click's options, the specs'
-fields and the metric lookups are built from the tables at import, as they are when a user runs vitreg:
-patching a table after import would test a state no user ever has. The model-family row adds a prefix to
-today's ``vitreg/models/factory.py`` in-process (the family mechanism is being rebuilt as adapters).
+Per row, the addition the row names is made to a copy of the source (a GPU profile to ``PROFILES``, a
+metric to ``METRICS`` with the code that computes it, an option to ``OPTIONS`` and its spec field: the
+edits a newcomer makes, in the files the row lists) and a fresh interpreter on that copy shows it
+everywhere the row promises: the CLI's ``--help`` (click's CliRunner), the generated MLproject and README
+text, a sweep's Ray request, a real benchmark's logged metrics, the bench report, compare's output. A fresh
+interpreter because click's options, the specs' fields and the metric lookups are built from the tables
+at import, as they are when a user runs vitreg: patching a table after import would test a state no user
+ever has. The model-family row registers a family in-process (the registry is read at call time).
 """
 
 from __future__ import annotations
@@ -90,7 +91,7 @@ def _run_in(tree: Path, code: str) -> dict:
 def test_a_gpu_profile_is_one_entry_in_profiles(tmp_path):
     tree = _tree_with(tmp_path, "vitreg/hardware/profiles.py", "    for p in [\n", """
         GpuProfile("b200", "NVIDIA B200", {"bf16": 2250.0, "fp16": 2250.0, "tf32": 1100.0, "fp32": 80.0}, "10.0",
-                   (r"b200",)),
+                   (r"b200",), ray_type="B200"),
     """)
     seen = _run_in(tree, f"""
         from click.testing import CliRunner
@@ -99,6 +100,7 @@ def test_a_gpu_profile_is_one_entry_in_profiles(tmp_path):
         from vitreg.bench.report import report_markdown
         from vitreg.hardware import profiles as p
         from vitreg.hardware.precision import precision_of
+        from vitreg.fleet.ray_engine import ray_type
         detected = p.DetectedHardware("cuda", "NVIDIA B200", 1, p.match_profile("NVIDIA B200"))
         hw = p.resolve_hardware("b200", detected)
         df = runs({{"tags.gpu": "b200", "tags.detected_gpu": "b200", "metrics.infer_throughput_img_per_s": 900}},
@@ -106,41 +108,74 @@ def test_a_gpu_profile_is_one_entry_in_profiles(tmp_path):
         print(json.dumps({{"help": CliRunner().invoke(main, ["bench", "--help"], terminal_width=200).output,
                           "readme": generate.readme_table("bench"), "label": hw.label,
                           "mfu": precision_of("bf16").mfu(1125.0, hw.profile), "amp": hw.profile.default_amp,
+                          "ray": ray_type("b200"), "ray_back": p.label_of_ray_type("B200"),
                           "report": report_markdown(result(gpu=hw.label), ENV),
                           **compared(df, {str(tmp_path / 'cmp')!r}, baseline="a100")}}))
     """)
     assert "b200" in seen["help"].split("GPU label (")[1].split(")")[0]  # the gpu option's help lists it
     assert "`b200`" in next(line for line in seen["readme"].splitlines() if line.startswith("| `gpu`"))
     assert seen["label"] == "b200" and seen["mfu"] == pytest.approx(0.5) and seen["amp"] == "bf16"
+    # a sweep's Ray task asks for what a Ray node with the card reports (Ray's own name for it), and back
+    nvidia = pytest.importorskip("ray._private.accelerators.nvidia_gpu")
+    assert seen["ray"] == nvidia.NvidiaGPUAcceleratorManager._gpu_name_to_accelerator_type("NVIDIA B200") == "B200"
+    assert seen["ray_back"] == "b200"
     assert seen["report"].startswith("# vitreg benchmark: test_vit on b200")
     assert "b200" in seen["terminal"] and "3.00x" in seen["terminal"] and "MISLABELLED" not in seen["terminal"]
     assert "| b200 " in seen["md"] and "<td>b200</td>" in seen["html"]
 
 
 @pytest.mark.slow
-def test_a_metric_is_one_entry_in_metrics(tmp_path):
+def test_a_metric_is_a_row_in_metrics_and_the_code_that_computes_it(tmp_path):
+    """The metric row's files: its ``Metric`` in METRICS and its ``Column`` in REPORT_COLUMNS
+    (vitreg/measure/metrics.py), and the code that computes it, here a job-level formula in DERIVED
+    (vitreg/measure/figures.py). A real benchmark of a tiny model then logs it to a real store under its
+    per-task name, report.md shows it, compare compares it in its direction, DDP ranks combine it by its rule."""
+    from conftest import migrated_store
+
     tree = _tree_with(tmp_path, "vitreg/measure/metrics.py", "METRICS: tuple[Metric, ...] = (\n", """
-        Metric("energy_j_per_img", "J", LOWER, "sum", ".3f", compared=TASKS, doc="energy per image"),
+        Metric("ms_per_img", "ms", LOWER, "job", ".4f", compared=TASKS, doc="ms of the whole job per image"),
     """)
-    path = tree / "vitreg/measure/metrics.py"  # and its column in the bench report, in the same file
+    metrics_py = tree / "vitreg/measure/metrics.py"  # and its column in the bench report, in the same file
     anchor = "REPORT_COLUMNS: tuple[Column, ...] = (\n"
-    path.write_text(path.read_text().replace(anchor, anchor + '    Column("J/img", "{energy_j_per_img}"),\n'))
+    metrics_py.write_text(metrics_py.read_text().replace(anchor, anchor + '    Column("ms/img", "{ms_per_img}"),\n'))
+    figures_py = tree / "vitreg/measure/figures.py"  # the code that computes it, from the job's own figures
+    anchor = "DERIVED = {\n"
+    assert figures_py.read_text().count(anchor) == 1, "figures.py no longer opens DERIVED: update this test"
+    figures_py.write_text(figures_py.read_text().replace(anchor, anchor + (
+        '    "ms_per_img": lambda values, work: (1e3 / values["throughput_img_per_s"]\n'
+        '                                        if values.get("throughput_img_per_s") else None),\n')))
+    store = migrated_store(tmp_path)
     seen = _run_in(tree, f"""
-        from vitreg.analysis.render import result_rows, RESULT_HEADERS
-        from vitreg.measure.metrics import combine, task_metrics
-        df = runs(*({{"tags.gpu": g, "metrics.infer_throughput_img_per_s": 100, "metrics.infer_energy_j_per_img": e}}
-                    for g, e in (("a100", 0.9), ("a100", 0.91), ("h200", 0.3), ("h200", 0.31))))
-        rows = result_rows([{{"task": "infer", "batch_size": 8, "metrics": {{"infer_energy_j_per_img": 0.25}}}}])
-        print(json.dumps({{"logged": task_metrics("infer", {{"energy_j_per_img": 0.25}}),
-                          "reduced": combine("energy_j_per_img", [0.25, 0.5]), "columns": list(df.columns),
-                          "report_row": dict(zip(RESULT_HEADERS, rows[0])),
-                          **compared(df, {str(tmp_path / 'cmp')!r}, baseline="a100", metric="energy_j_per_img")}}))
+        import os
+        os.environ["MLFLOW_TRACKING_URI"] = {store!r}
+        import mlflow
+        import vitreg
+        from vitreg.bench.report import report_markdown
+        from vitreg.measure.metrics import combine
+        measured = vitreg.api.bench(model="test_vit", img_size=32, batch_size=2, warmup=1, steps=2, repeats=1,
+                                    task="infer", experiment="where-to-add")
+        logged = mlflow.search_runs(experiment_names=["where-to-add"]).iloc[0]
+        try:
+            combine("ms_per_img", [0.25, 0.5])
+            rule = "combined from the ranks"
+        except ValueError:
+            rule = "computed after the reduction"
+        df = runs(*({{"tags.gpu": g, "metrics.infer_throughput_img_per_s": 100, "metrics.infer_ms_per_img": v}}
+                    for g, v in (("a100", 0.9), ("a100", 0.91), ("h200", 0.3), ("h200", 0.31))))
+        print(json.dumps({{"logged": float(logged["metrics.infer_ms_per_img"]),
+                          "throughput": float(logged["metrics.infer_throughput_img_per_s"]),
+                          "report": report_markdown(measured, ENV), "columns": list(df.columns),
+                          "rule": rule,
+                          **compared(df, {str(tmp_path / 'cmp')!r}, baseline="a100", metric="ms_per_img")}}))
     """)
-    assert seen["logged"] == {"infer_energy_j_per_img": 0.25} and seen["reduced"] == 0.75  # the DDP rule: sum
-    assert "energy_j_per_img" in seen["columns"]  # the tidy frame's stable schema
-    assert seen["report_row"]["J/img"] == "0.250"  # report.md's results table, in the metric's format
+    assert seen["logged"] == pytest.approx(1e3 / seen["throughput"], rel=1e-6)  # measured, computed, logged
+    header = next(line for line in seen["report"].splitlines() if "ms/img" in line)
+    row = seen["report"].splitlines()[seen["report"].splitlines().index(header) + 2]
+    assert f"{seen['logged']:.4f}" in row  # report.md's results table, in the metric's format
+    assert "ms_per_img" in seen["columns"]  # the tidy frame's stable schema
+    assert seen["rule"] == "computed after the reduction"  # a "job" row: DDP computes it from the job's figures
     assert "lower is better" in seen["terminal"] and "2.97x" in seen["terminal"]  # 0.905 / 0.305: its direction
-    assert "energy_j_per_img median (J)" in seen["md"] and "energy_j_per_img median (J)" in seen["html"]
+    assert "ms_per_img median (ms)" in seen["md"] and "ms_per_img median (ms)" in seen["html"]
 
 
 @pytest.mark.slow

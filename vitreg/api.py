@@ -1,16 +1,16 @@
-"""vitreg from Python: :func:`bench`, :func:`compare`, :func:`check` and :func:`runs`, also reachable as
-``vitreg.bench(...)``, ``vitreg.compare(...)``, ``vitreg.check(...)`` and ``vitreg.runs(...)``.
+"""vitreg from Python: :func:`bench`, :func:`compare`, :func:`check` and :func:`runs`, as ``vitreg.api.bench(...)``
+after ``import vitreg`` (the package root imports this module), or ``from vitreg.api import bench``.
 
 Each takes the options of the command of the same name (the option table's names, typed values or
 strings) and returns what the command computed: a :class:`~vitreg.bench.results.BenchResult`, a
 :class:`~vitreg.analysis.comparison.Comparison`, the tidy runs frame. Bad input raises
 :class:`~vitreg.errors.VitregError` with the same one-line message the CLI prints. The heavy imports
 (torch, mlflow, pandas) happen inside the calls, so ``import vitreg`` stays cheap.
+
+Kept apart: a boundary, the names and signatures users' code calls; only the package root imports it.
 """
 
 from __future__ import annotations
-
-from vitreg.config.options import option
 
 _BENCH_LAUNCHER = ("nnodes", "node_rank", "rdzv_endpoint", "baseline_run")  # bench()'s own keyword arguments
 
@@ -19,10 +19,11 @@ def bench(*, experiment: str | None = None, run_name: str | None = None, **optio
     """Run one benchmark and log it as one MLflow run, as ``vitreg bench`` does; returns its BenchResult
     (None in the launching process of an ``nproc > 1`` job: its ranks log).
 
-    ``vitreg.bench(model="deit_tiny_patch16_224", batch_size=8, task="infer", experiment="laptop")``
+    ``vitreg.api.bench(model="deit_tiny_patch16_224", batch_size=8, task="infer", experiment="laptop")``
     """
     from vitreg.bench.job import bench as run_bench
     from vitreg.cli.common import launcher_options
+    from vitreg.config.options import option
 
     command = _call_text("bench", options)
     own = {name: options.pop(name, option("bench", name).default) for name in _BENCH_LAUNCHER}
@@ -51,8 +52,7 @@ def check(experiment: str, metric: str = "throughput_img_per_s", window: int = 1
     its candidate (``candidate`` run id, the runs tagged ``candidate_tag`` "KEY=VALUE", else the newest run)
     against its history (the ``window`` runs before it, or those tagged ``baseline_tag``). Returns a
     :class:`~vitreg.history.check.CheckResult`: ``table`` (one row per series), ``lines()``, ``exit_code``."""
-    from vitreg.cli.check_cmd import selection_of
-    from vitreg.compare.check import check as run
+    from vitreg.compare import check as run, selection_of
 
     return run(experiment, metric, selection_of(window, candidate, candidate_tag, baseline_tag), seed=seed)[0]
 
@@ -67,5 +67,5 @@ def runs(experiment: str):
 
 
 def _call_text(command: str, options: dict) -> str:
-    """``vitreg.bench(model='test_vit', batch_size=2)``: the call, as report.md's command block shows it."""
-    return f"vitreg.{command}({', '.join(f'{k}={v!r}' for k, v in options.items())})"
+    """``vitreg.api.bench(model='test_vit', batch_size=2)``: the call, as report.md's command block shows it."""
+    return f"vitreg.api.{command}({', '.join(f'{k}={v!r}' for k, v in options.items())})"

@@ -30,7 +30,7 @@ from vitreg.ddp import launcher as launch
 from vitreg.ddp import world as distributed
 from vitreg.ddp.context import JobContext, job_context
 from vitreg.errors import VitregError, first_line
-from vitreg.hardware.env import capture_environment
+from vitreg.environment import capture_environment
 from vitreg.measure.graphs import require_cuda
 from vitreg.models.factory import check_model_name, create_model
 from vitreg.models.memory import check_ranks_fit

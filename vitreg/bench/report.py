@@ -10,7 +10,7 @@ from vitreg.bench.results import BenchResult
 from vitreg.bench.runner import INFER_EAGER_STEPS_BEFORE_CAPTURE
 from vitreg.config.options import identity_names
 from vitreg.config.parse import param_text
-from vitreg.hardware.env import EnvInfo
+from vitreg.environment import EnvInfo
 from vitreg.measure.graphs import EAGER_STEPS_BEFORE_CAPTURE
 
 

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Callable
 
 from vitreg.bench.results import BenchResult, TaskResult
-from vitreg.console import progress
+from vitreg.console import progress, ticking
 from vitreg.errors import out_of_memory_as_error
 from vitreg.hardware.compile_cache import CacheProbe
 from vitreg.hardware.precision import fp8_agreement, input_dtype, prepare_model
@@ -33,8 +33,7 @@ from vitreg.measure.metrics import ITERATION_TIME
 from vitreg.measure.estimate import bench_work, say_if_long
 from vitreg.measure.graphs import EAGER_STEPS_BEFORE_CAPTURE, capture, require_cuda, side_stream
 from vitreg.hardware.profiles import ResolvedHardware
-from vitreg.measure.profiling import trace_steps
-from vitreg.measure.ticker import ticking
+from vitreg.measure.traces import trace_steps
 from vitreg.models.factory import ModelInfo, create_model
 from vitreg.models.memory import check_batch_fits
 from vitreg.models.flops import forward_flops_per_image, train_flops_per_image
@@ -269,7 +268,7 @@ def _comm_figures(timed_step, bench: _Bench) -> dict:
     timed; the slowest rank's under DDP). The figures' names are CommProfile's fields."""
     if not bench.spec.profile_steps:
         return {}
-    from vitreg.measure.profiling import profile_comm
+    from vitreg.measure.traces import profile_comm
 
     bench.progress(f"train: {bench.spec.profile_steps} more step(s) under torch.profiler (not timed)")
     comm = profile_comm(timed_step, bench.spec.profile_steps, bench.runtime.device)  # the replay, when graphed

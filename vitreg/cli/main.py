@@ -1,31 +1,37 @@
-"""The ``vitreg`` command (click). Every subcommand is a thin shell over a library call.
+"""The ``vitreg`` command (click): the group and every subcommand, each a thin shell over a library call.
 
 Errors the user can fix (:class:`VitregError`) print one line, ``error: ...``, and exit 2; the
-MLflow run, if one was opened, has already been marked FAILED by the tracking layer.
+MLflow run, if one was opened, has already been marked FAILED by the tracking layer. ``vitreg check``
+exits 0 when no configuration x GPU regressed, 1 when one did, 2 on bad input (nothing written).
 """
 
 from __future__ import annotations
 
 import sys
+import time
+from pathlib import Path
 
 import click
 
-import vitreg
 from vitreg import signals
-from vitreg.cli.common import OneSpelling, command_options, run_ddp_job, split_options, user_errors
-from vitreg.cli.param_types import ChoiceText, GpuLabel
+from vitreg.cli.common import (OneSpelling, command_line, command_options, offline_if_asked, run_ddp_job,
+                               split_options, user_errors)
+from vitreg.cli.param_types import ChoiceText, FloatText, GpuLabel
 from vitreg.config.options import option
-from vitreg.errors import VitregError
+from vitreg.config.parse import parse_float
 from vitreg.console import quiet_libraries
+from vitreg.errors import VitregError
 from vitreg.tracking.delivery import bound_http_requests
 from vitreg.tracking.quiet import quiet_artifact_downloads, quiet_mlflow_info
+
+_STALE_AFTER_S = "600"  # twenty heartbeat periods: a run silent that long has no process behind it
 
 
 @click.group()
 @click.version_option(package_name="vitreg")
 def main():
     """vitreg: ViT/DeiT benchmarks with compile/AMP/DDP, tracked in MLflow."""
-    vitreg.freeze_at_exit()
+    signals.freeze_at_exit()
     signals.install()  # SIGTERM/SIGHUP end the run KILLED, like Ctrl-C, instead of leaving it RUNNING
     quiet_artifact_downloads()  # vitreg's progress lines say what is downloaded; MLflow's bars only clutter
     bound_http_requests()  # a sick server costs seconds, not MLflow's minutes of retries
@@ -49,7 +55,7 @@ def bench(**values):
 def compare(experiment, baseline, metric, log_experiment, by, include_mismatch):
     """Compare an experiment's runs across GPUs (or --by another axis): table, CSV/HTML/markdown and plots as
     artifacts of a compare run, logged beside the runs compared."""
-    from vitreg.compare.job import run_compare
+    from vitreg.compare import run_compare
 
     run_compare(experiment, baseline or None, metric, log_experiment=log_experiment, by=by.strip() or "gpu",
                 include_mismatch=option("compare", "include_mismatch").parse(include_mismatch))
@@ -66,7 +72,7 @@ def compare(experiment, baseline, metric, log_experiment, by, include_mismatch):
 @user_errors
 def import_timm(csv_file, gpu, amp, experiment):
     """Import a timm benchmark.py results CSV as runs tagged source=timm."""
-    from vitreg.compare.job import import_timm as do_import
+    from vitreg.compare import import_timm as do_import
 
     do_import(csv_file, gpu, amp, experiment)
 
@@ -94,19 +100,147 @@ def server(ctx):
     sys.exit(server_main(ctx.args))
 
 
-from vitreg.cli.registry_cmds import infer as infer_command, pull as pull_command, register as register_command  # noqa: E402,E501
+@main.command("train")
+@command_options("train")
+@user_errors
+def train(**values):
+    """Train a ViT/DeiT (synthetic data or an ImageFolder), log curves and checkpoints to one MLflow run."""
+    from vitreg.train.job import train as run_train
 
-from vitreg.cli.check_cmd import check as check_command  # noqa: E402
-from vitreg.cli.runs_cmds import runs as runs_command, sync as sync_command  # noqa: E402
-from vitreg.cli.train_cmd import train as train_command  # noqa: E402
+    run_ddp_job("train", run_train, values)
 
-main.add_command(pull_command)
-main.add_command(register_command)
-main.add_command(infer_command)
-main.add_command(train_command)
-main.add_command(runs_command)
-main.add_command(sync_command)
-main.add_command(check_command)
+
+@main.command()
+@command_options("check")
+@user_errors
+def check(experiment, metric, log_experiment, window, candidate, candidate_tag, baseline_tag):
+    """Check each configuration x GPU of an experiment against its own history: exit 1 on a regression
+    beyond noise (printed with the runs compared and what changed), and log a check run with the series."""
+    from vitreg.compare import run_check, selection_of
+
+    result = run_check(experiment, metric, selection_of(window, candidate, candidate_tag, baseline_tag),
+                       log_experiment=log_experiment)
+    sys.exit(result.exit_code)
+
+
+@main.command("sync")
+@click.option("--spool", "spool_dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="A spool folder, or a folder of them (default: $VITREG_SPOOL_DIR, else "
+                   "~/.local/share/vitreg/spool).")
+@click.option("--tracking-uri", "tracking_uri", default=None,
+              help="Deliver there (default: the server each run was logged against, else MLFLOW_TRACKING_URI).")
+@user_errors
+def sync(spool_dir, tracking_uri):
+    """Deliver runs that were logged locally (server down, offline=true, killed) exactly once."""
+    from vitreg.tracking.spool import spool_root
+    from vitreg.tracking.sync import sync as deliver
+
+    results = deliver(spool_dir, tracking_uri)
+    if not results:
+        click.echo(f"nothing to deliver under {spool_dir or spool_root()}")
+    for result in results:
+        click.echo(result.describe())
+
+
+@main.command("runs")
+@click.option("--stale", is_flag=True, help="List RUNNING runs whose process is gone (no heartbeat).")
+@click.option("--fix", is_flag=True, help="With --stale: end those runs KILLED, the reason in vitreg_error.")
+@click.option("--csv", "as_csv", is_flag=True,
+              help="Write the experiment's finished runs as CSV to stdout, one row per (run, task).")
+@click.option("--experiment", "--experiment-name", "experiment", cls=OneSpelling, default=None,
+              help="Look in this experiment only (default: all; --csv needs one).")
+@click.option("--older-than", "older_than", type=FloatText(min=0), default=_STALE_AFTER_S, show_default=True,
+              help="Seconds without a heartbeat (or, for a run that never sent one, since its start).")
+@user_errors
+def runs(stale, fix, as_csv, experiment, older_than):
+    """An experiment's runs as one table (--csv), or runs left RUNNING by a killed process: list them
+    (--stale) and end them KILLED (--fix)."""
+    if as_csv:
+        _write_csv(stale, experiment)
+        return
+    if not stale:
+        raise VitregError("vitreg runs lists runs left RUNNING by a process that is gone: pass --stale "
+                          "(and --fix to end them KILLED), or --csv --experiment NAME for an experiment's results")
+    seconds = parse_float(older_than, "--older-than", minimum=0)
+    from vitreg.tracking.stale import find_stale, mark_killed
+
+    found = find_stale(seconds, experiment)
+    for run in found:
+        seen = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(run.last_seen))
+        click.echo(f"{run.run_id}  {run.experiment}  {run.run_name or '-'}  "
+                   f"{'heartbeat' if run.heartbeat else 'started'} {seen} UTC")
+    if fix:
+        click.echo(f"marked {mark_killed(found)} run(s) KILLED")
+    elif found:
+        click.echo(f"{len(found)} stale run(s); end them with: vitreg runs --stale --fix")
+    else:
+        click.echo(f"no RUNNING run silent for more than {seconds:g} s")
+
+
+def _write_csv(stale: bool, experiment: str | None) -> None:
+    """The experiment's tidy frame (what ``vitreg compare`` compares, and :func:`vitreg.api.runs` returns) as
+    CSV on stdout."""
+    if stale:
+        raise VitregError("--csv writes finished runs and --stale lists unfinished ones: pass one of them")
+    if not experiment:
+        raise VitregError("--csv needs the experiment: pass --experiment NAME")
+    from vitreg.tracking.search import benchmark_runs, tidy
+
+    click.echo(tidy(benchmark_runs(experiment)).to_csv(index=False), nl=False)
+
+
+@main.command()
+@click.argument("checkpoint_uri")
+@click.option("--name", required=True, help="Registered model name (created if new; its versions must be the same architecture).")
+@click.option("--alias", default="latest", show_default=True,
+              help="Alias to move to the new version (latest: none set; MLflow resolves @latest to the newest).")
+@user_errors
+def register(checkpoint_uri, name, alias):
+    """Register a run's checkpoint (runs:/<run_id>/checkpoints/last) as a new model version."""
+    from vitreg.tracking.registry import register_run_checkpoint
+
+    mv = register_run_checkpoint(checkpoint_uri, name, alias)
+    click.echo(f"registered models:/{mv.name}/{mv.version}" + (f" (@{alias})" if alias.lower() != "latest" else "")
+               + f" from run {mv.run_id}")
+
+
+@main.command()
+@click.argument("model_uri")
+@click.option("--out", "out_dir", default=None, type=click.Path(file_okay=False),
+              help="Also write a self-contained folder: model.safetensors, spec.json, manifest.json, README.md.")
+@user_errors
+def pull(model_uri, out_dir):
+    """Pull a registered model and rebuild it as a timm model (sha256-verified, forward-checked).
+
+    MODEL_URI: models:/NAME@ALIAS, models:/NAME/VERSION, runs:/RUN_ID/checkpoints/last or a local
+    checkpoint folder.
+    """
+    import tempfile
+
+    from vitreg.tracking.checkpoint_sources import pull as pull_model
+
+    if out_dir:
+        click.echo(pull_model(model_uri, out_dir=out_dir).describe())
+        return
+    with tempfile.TemporaryDirectory(prefix="vitreg-pull-") as tmp:  # a check only: nothing left behind
+        described = pull_model(model_uri, dst=tmp).describe().splitlines()
+    click.echo("\n".join(line if not line.startswith("  files:") else
+                         "  files:   sha256 verified, then removed (--out DIR keeps a self-contained copy)"
+                         for line in described))
+
+
+@main.command()
+@command_options("infer")
+@user_errors
+def infer(**values):
+    """Benchmark a registered model's weights (task=infer by default) and link the run to its version."""
+    from vitreg.bench.infer import infer as run_infer
+
+    options, own = split_options("infer", values)
+    with offline_if_asked("infer", own):
+        run_infer(own["model_uri"], options, experiment=own["experiment"], run_name=own["run_name"],
+                  command=command_line(click.get_current_context()))
+
 
 if __name__ == "__main__":  # pragma: no cover
     main()

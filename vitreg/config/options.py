@@ -7,9 +7,11 @@ the MLproject params and command lines and the README's parameter tables
 is parsed (:mod:`vitreg.config.spec`), and the argv that hands options to a child process
 (:func:`options_to_args`).
 
-**Adding an option** is one :class:`Option` entry below, then ``make mlproject`` (it rewrites
-MLproject and the README tables; tests/test_options.py fails until you do), plus its behaviour where
-the spec's value is used. An option whose meaning or default differs between commands (``steps``:
+**Adding an option** touches: its :class:`Option` entry below (``identity=True`` when it changes the
+work measured, else ``same_work="why not"``); for a spec field, also its line in the class body of
+``BenchSpec`` / ``TrainSpec`` (:mod:`vitreg.config.spec`, in table order: tests/test_layout.py catches a
+drift); then ``make mlproject`` (it rewrites MLproject and the README tables; tests/test_options.py fails
+until you do); and its behaviour where the spec's value is used (docs/ARCHITECTURE.md, "Where to add"). An option whose meaning or default differs between commands (``steps``:
 iterations per timed window in bench, optimizer updates in train) is two entries with the same name
 and disjoint commands.
 """

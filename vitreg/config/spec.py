@@ -4,8 +4,9 @@ Their fields are the options of :data:`vitreg.config.options.OPTIONS` that the `
 command forwards to its spec: same names, types and defaults. Values arrive as strings from
 ``mlflow run -P k=v`` and from click; each field is parsed by its option's kind, choices and bounds,
 so nothing below this module ever sees an unparsed option. What one value alone cannot say (``min_lr``
-above ``lr``, a teacher without distillation, what CUDA graphs cannot capture) is checked here, by
-hand. Values that depend on the hardware (``gpu=auto``, ``amp=auto``, ``device=auto``, ``img_size=0``)
+above ``lr``, a teacher without distillation) is checked here, by hand; what CUDA graphs cannot capture
+and what the profiler cannot see are checked by the modules that run them (:mod:`vitreg.measure.graphs`,
+:mod:`vitreg.measure.traces`), called from here. Values that depend on the hardware (``gpu=auto``, ``amp=auto``, ``device=auto``, ``img_size=0``)
 stay symbolic and are resolved by :mod:`vitreg.hardware.profiles` and :mod:`vitreg.models.factory`.
 """
 
@@ -21,28 +22,8 @@ from vitreg.config.parse import AUTO_BATCH, param_text
 from vitreg.config.parse import TRUE as _TRUE, parse_bool, parse_int  # noqa: F401 - other modules import them from here
 from vitreg.errors import VitregError
 from vitreg.hardware.precision import check_tasks
-from vitreg.measure.profiling import check_profile_request
-
-def check_cuda_graph(amp: str, compile: str = "off", compile_backend: str = "inductor",
-                     device_type: str | None = None, amp_resolved: bool = False) -> None:
-    """Refuse what a whole-step CUDA graph (``cuda_graph=true``, :mod:`vitreg.measure.graphs`) cannot capture.
-
-    The spec checks the options as asked; the runner checks again once the hardware is known
-    (``device_type``, and the ``amp`` that ``auto`` resolved to: ``amp_resolved``).
-    """
-    if device_type is not None and device_type != "cuda":
-        raise VitregError(f"cuda_graph=true needs a CUDA GPU and this run is on {device_type}: "
-                          f"pass cuda_graph=false (or run it on a GPU)")
-    if amp == "fp16" and amp_resolved:
-        raise VitregError("cuda_graph=true cannot capture fp16's GradScaler and amp resolved to fp16 on this GPU: "
-                          "pass amp=off, or cuda_graph=false")
-    if amp == "fp16":
-        raise VitregError("cuda_graph=true cannot capture fp16's GradScaler (it checks for infs on the host): "
-                          "use amp=bf16 or amp=off, or cuda_graph=false")
-    if compile in ("reduce-overhead", "max-autotune") or compile_backend == "cudagraphs":
-        what = f"compile={compile}" if compile_backend != "cudagraphs" else "compile_backend=cudagraphs"
-        raise VitregError(f"cuda_graph=true and {what} both make CUDA graphs: use compile=off or compile=default "
-                          f"with cuda_graph=true, or cuda_graph=false")
+from vitreg.measure.graphs import check_cuda_graph
+from vitreg.measure.traces import check_profile_request
 
 
 class _Spec:

@@ -256,7 +256,7 @@ class ResultReducer:
         return total
 
     def slowest_profile(self, profile):
-        """A :class:`vitreg.measure.profiling.CommProfile` per rank -> the job's: the largest of each figure
+        """A :class:`vitreg.measure.traces.CommProfile` per rank -> the job's: the largest of each figure
         (a collective: every rank must call it)."""
         gathered = gather_objects(profile, self.world)
         if len(gathered) == 1:

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from vitreg.errors import VitregError
-from vitreg.hardware.env import environ_restored, user_cache_dir
+from vitreg.environment import environ_restored, user_cache_dir
 
 ENV_VAR = "VITREG_COMPILE_CACHE"
 # (counter group, hit name, miss name): inductor's FX-graph cache, and AOTAutograd's, which serves

@@ -29,6 +29,7 @@ class GpuProfile:
     peak_tflops: dict = field(default_factory=dict)  # dtype -> dense TFLOP/s
     compute_capability: str | None = None
     patterns: tuple = ()  # regexes over the NVML / torch device name, most specific first
+    ray_type: str | None = None  # the accelerator type a Ray node with this GPU reports (None: LABEL.upper())
 
     @property
     def supports_bf16(self) -> bool:
@@ -42,33 +43,37 @@ class GpuProfile:
         return "bf16" if self.supports_bf16 else "fp16"
 
 
-# Adding a GPU is one entry here: its label, name, dense peaks per dtype, memory, compute capability and the
-# pattern that detects it. The gpu option's help, the README and MLproject text list the labels from here.
+# Adding a GPU is one entry here: its label, name, dense peaks per dtype, compute capability, the pattern that
+# detects it and the accelerator type Ray reports for it. The gpu option's help, the README and MLproject text
+# list the labels from here; a sweep's Ray task for gpu=LABEL asks for the profile's ray_type.
 # Dense datasheet peaks (TFLOP/s). Sources: NVIDIA V100, A100, H100, H200, L4, T4 datasheets and the
 # Ada (RTX 4090) whitepaper (fp16/bf16 with fp32 accumulate, which is what PyTorch uses).
+# Ray's types are what its NVIDIA accelerator manager makes of the device name (the model token: "NVIDIA
+# A100-SXM4-80GB" -> A100, "NVIDIA H100 PCIe" -> H100, a GeForce card's whole name "GeForce-RTX-4090");
+# tests/test_hardware.py holds each entry to Ray's own function.
 PROFILES: dict[str, GpuProfile] = {
     p.label: p
     for p in [
-        GpuProfile("v100", "NVIDIA V100 (SXM2)", {"fp16": 125.0, "fp32": 15.7}, "7.0", (r"v100",)),
-        GpuProfile("t4", "NVIDIA T4", {"fp16": 65.0, "fp32": 8.1}, "7.5", (r"\bt4\b",)),
+        GpuProfile("v100", "NVIDIA V100 (SXM2)", {"fp16": 125.0, "fp32": 15.7}, "7.0", (r"v100",), ray_type="V100"),
+        GpuProfile("t4", "NVIDIA T4", {"fp16": 65.0, "fp32": 8.1}, "7.5", (r"\bt4\b",), ray_type="T4"),
         GpuProfile("a100", "NVIDIA A100 40GB", {"bf16": 312.0, "fp16": 312.0, "tf32": 156.0, "fp32": 19.5},
-                   "8.0", (r"a100(?!.*80)",)),
+                   "8.0", (r"a100(?!.*80)",), ray_type="A100"),
         GpuProfile("a100-80gb", "NVIDIA A100 80GB", {"bf16": 312.0, "fp16": 312.0, "tf32": 156.0, "fp32": 19.5},
-                   "8.0", (r"a100.*80",)),
+                   "8.0", (r"a100.*80",), ray_type="A100"),
         GpuProfile("l4", "NVIDIA L4", {"fp8": 242.8, "bf16": 121.0, "fp16": 121.0, "tf32": 60.0, "fp32": 30.3},
-                   "8.9", (r"\bl4\b",)),
+                   "8.9", (r"\bl4\b",), ray_type="L4"),
         GpuProfile("rtx4090", "NVIDIA GeForce RTX 4090", {
                        "fp8": 330.3, "bf16": 165.2, "fp16": 165.2, "tf32": 82.6, "fp32": 82.6},
-                   "8.9", (r"rtx\s*4090",)),
+                   "8.9", (r"rtx\s*4090",), ray_type="GeForce-RTX-4090"),
         GpuProfile("h100-pcie", "NVIDIA H100 PCIe", {
                        "fp8": 1513.0, "bf16": 756.0, "fp16": 756.0, "tf32": 378.0, "fp32": 51.0},
-                   "9.0", (r"h100.*pcie",)),
+                   "9.0", (r"h100.*pcie",), ray_type="H100"),
         GpuProfile("h100", "NVIDIA H100 SXM", {
                        "fp8": 1978.9, "bf16": 989.4, "fp16": 989.4, "tf32": 494.7, "fp32": 66.9},
-                   "9.0", (r"h100",)),
+                   "9.0", (r"h100",), ray_type="H100"),
         GpuProfile("h200", "NVIDIA H200 SXM", {
                        "fp8": 1978.9, "bf16": 989.4, "fp16": 989.4, "tf32": 494.7, "fp32": 66.9},
-                   "9.0", (r"h200",)),
+                   "9.0", (r"h200",), ray_type="H200"),
         GpuProfile("cpu", "CPU", {}, None, ()),
     ]
 }
@@ -80,15 +85,19 @@ def label_list(code: bool = False) -> str:
     return ", ".join(f"`{label}`" if code else label for label in PROFILES)
 
 
-# Ray's accelerator types (ray.util.accelerators) of our labels: a sweep's Ray task for gpu=LABEL asks for
-# accelerator_type=TYPE (an A100 80GB node reports A100 and A100-80G; H100 PCIe and SXM both report H100).
-RAY_ACCELERATOR_TYPES = {"v100": "V100", "t4": "T4", "a100": "A100", "a100-80gb": "A100-80G", "l4": "L4",
-                         "h100": "H100", "h200": "H200"}
+#: Ray's accelerator type of each label that has one (from the profiles): a sweep's Ray task for gpu=LABEL
+#: asks for accelerator_type=TYPE. Two labels may share one (a100 and a100-80gb: A100; h100-pcie and h100: H100):
+#: Ray places the task on any node of that type and the child's label check then refuses a card it is not.
+RAY_ACCELERATOR_TYPES = {p.label: p.ray_type for p in PROFILES.values() if p.ray_type}
 
 
 def label_of_ray_type(accelerator_type: str) -> str:
-    """vitreg's GPU label for a Ray accelerator type (an unknown one lower-cased: ``L40S`` -> ``l40s``)."""
-    return {ray: label for label, ray in RAY_ACCELERATOR_TYPES.items()}.get(accelerator_type, accelerator_type.lower())
+    """vitreg's GPU label for a Ray accelerator type: the label that is the type itself where two share it
+    (``H100`` -> ``h100``), else the one label of that type (``GeForce-RTX-4090`` -> ``rtx4090``); an unknown
+    type lower-cased (``L40S`` -> ``l40s``)."""
+    labels = [label for label, ray in RAY_ACCELERATOR_TYPES.items() if ray == accelerator_type]
+    lowered = accelerator_type.lower()
+    return lowered if lowered in labels or not labels else labels[0]
 
 
 # Labels people type that mean one of ours.
@@ -127,7 +136,7 @@ def detect_hardware(device: str = "auto") -> DetectedHardware:
     if device == "cuda":
         raise VitregError("device=cuda but no CUDA GPU is visible (torch.cuda.is_available() is False): "
                           "use device=auto or device=cpu, or check the driver / CUDA_VISIBLE_DEVICES")
-    from vitreg.hardware.env import cpu_model
+    from vitreg.environment import cpu_model
 
     return DetectedHardware("cpu", f"CPU ({cpu_model()})", 1, PROFILES["cpu"])
 

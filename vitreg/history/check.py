@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import pandas as pd
 
-from vitreg.history.changepoints import change_points
+from vitreg.history.verdict import change_points
 from vitreg.history.series import CAUSES, HARDWARE, MISSING, CheckError, Selection, Series, honest, require_tags, series_of
 from vitreg.history.verdict import IMPROVED, REGRESSED, VERDICTS, judge
 from vitreg.measure.metrics import BY_NAME, HIGHER, LOWER

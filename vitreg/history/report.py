@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 
 from vitreg.analysis.render import frame_html, frame_markdown
-from vitreg.history.changepoints import segment_medians
+from vitreg.history.verdict import segment_medians
 from vitreg.history.series import MISSING
 from vitreg.history.verdict import CONFIDENCE, NOISE_FLOOR, REGRESSED
 

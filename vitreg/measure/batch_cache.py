@@ -7,7 +7,7 @@ the image size, the precision, the compile mode, the SDPA backend asked for, the
 task. A run that finds its key checks the kept batch with one probe (it must still fit: another process
 may hold memory now) and times it; a batch that runs out of memory is dropped and the full search runs
 again, said in one line. The file is one JSON object (``autobatch.json`` under
-:func:`vitreg.hardware.env.user_cache_dir`, or ``$VITREG_BATCH_CACHE``): a file that cannot be read is
+:func:`vitreg.environment.user_cache_dir`, or ``$VITREG_BATCH_CACHE``): a file that cannot be read is
 said in one line and rewritten, an entry of the wrong shape counts as missing. Delete the file to forget every choice.
 """
 
@@ -19,7 +19,7 @@ import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from vitreg.hardware.env import user_cache_dir
+from vitreg.environment import user_cache_dir
 
 MAX_ENTRIES = 256  # the most recent kept: a sweep over sizes does not grow the file without end
 
@@ -48,7 +48,7 @@ def key_for(spec, runtime, task: str) -> CacheKey:
     if runtime.device == "cuda":
         machine = torch.cuda.get_device_name(runtime.device_index)
     else:
-        from vitreg.hardware.env import cpu_model
+        from vitreg.environment import cpu_model
 
         machine = f"cpu:{cpu_model()}"
     return CacheKey(machine, spec.model, spec.img_size, runtime.amp, runtime.compile, spec.sdpa,

@@ -23,7 +23,7 @@ with DistributedDataParallel"):
 Only what the step does on the GPU is replayed: the inputs are the benchmark's fixed synthetic
 batch, the learning rate is constant, and nothing reads the loss, which is why this is a bench
 option and not a ``train`` one. fp16 (GradScaler's host-side checks) and inductor's own CUDA
-graph modes are refused by :func:`vitreg.config.spec.check_cuda_graph`.
+graph modes are refused by :func:`check_cuda_graph`, which the spec calls on the options as asked.
 """
 
 from __future__ import annotations
@@ -31,12 +31,33 @@ from __future__ import annotations
 import contextlib
 import os
 
-from vitreg.config.spec import check_cuda_graph
 from vitreg.errors import VitregError, first_line
 
 #: eager steps before the capture: DDP's runtime statistics (CUDA timers) run in its first 10
 #: iterations and every 100th after; the capture, the 12th, must be none of them
 EAGER_STEPS_BEFORE_CAPTURE = 11
+
+
+def check_cuda_graph(amp: str, compile: str = "off", compile_backend: str = "inductor",
+                     device_type: str | None = None, amp_resolved: bool = False) -> None:
+    """Refuse what a whole-step CUDA graph (``cuda_graph=true``) cannot capture.
+
+    The spec checks the options as asked; the runner checks again once the hardware is known
+    (``device_type``, and the ``amp`` that ``auto`` resolved to: ``amp_resolved``).
+    """
+    if device_type is not None and device_type != "cuda":
+        raise VitregError(f"cuda_graph=true needs a CUDA GPU and this run is on {device_type}: "
+                          f"pass cuda_graph=false (or run it on a GPU)")
+    if amp == "fp16" and amp_resolved:
+        raise VitregError("cuda_graph=true cannot capture fp16's GradScaler and amp resolved to fp16 on this GPU: "
+                          "pass amp=off, or cuda_graph=false")
+    if amp == "fp16":
+        raise VitregError("cuda_graph=true cannot capture fp16's GradScaler (it checks for infs on the host): "
+                          "use amp=bf16 or amp=off, or cuda_graph=false")
+    if compile in ("reduce-overhead", "max-autotune") or compile_backend == "cudagraphs":
+        what = f"compile={compile}" if compile_backend != "cudagraphs" else "compile_backend=cudagraphs"
+        raise VitregError(f"cuda_graph=true and {what} both make CUDA graphs: use compile=off or compile=default "
+                          f"with cuda_graph=true, or cuda_graph=false")
 
 
 def require_cuda(cuda_graph: bool, device_type: str, amp: str = "off") -> None:

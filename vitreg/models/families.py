@@ -15,7 +15,7 @@ import functools
 from dataclasses import dataclass
 
 from vitreg.errors import VitregError
-from vitreg.models import timm_cache
+from vitreg.models import learned_facts
 
 
 @dataclass(frozen=True)
@@ -114,7 +114,7 @@ def check_name(name: str, listed_before_ok: bool = True) -> Family:
     """The family of ``name`` if it can build it; one line with the closest real names otherwise.
 
     ``listed_before_ok``: a name an earlier process listed for this timm install passes without importing
-    timm (:mod:`vitreg.models.timm_cache`); the process that builds the model passes False.
+    timm (:mod:`vitreg.models.learned_facts`); the process that builds the model passes False.
     """
     try:
         family = family_of(name)
@@ -159,8 +159,8 @@ def _timm_listed() -> frozenset[str]:
 
     prefixes = tuple(p for f in _FAMILIES if isinstance(f, TimmFamily) for p in f.prefixes)
     listed = frozenset(n for n in timm.list_models() if n.startswith(prefixes))
-    if timm_cache.names() != listed:
-        timm_cache.keep(names=tuple(sorted(listed)))
+    if learned_facts.names() != listed:
+        learned_facts.keep(names=tuple(sorted(listed)))
     return listed
 
 
@@ -177,7 +177,7 @@ class TimmFamily(Family):
         self.prefixes = prefixes
 
     def names(self, listed_before_ok: bool = False) -> frozenset[str]:
-        listed = timm_cache.names() if listed_before_ok else frozenset()
+        listed = learned_facts.names() if listed_before_ok else frozenset()
         listed = listed or _timm_listed()
         return frozenset(n for n in listed if n.startswith(self.prefixes))
 

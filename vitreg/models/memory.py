@@ -14,7 +14,7 @@ import functools
 from dataclasses import astuple, dataclass, fields
 
 from vitreg.errors import VitregError
-from vitreg.models import timm_cache
+from vitreg.models import learned_facts
 from vitreg.models.families import check_name
 
 GIB = 1024**3
@@ -88,16 +88,16 @@ def _cache_key(name: str, img_size: int, num_classes: int) -> str:
 
 
 def _remember(key: str, measured: Footprint) -> None:
-    if timm_cache.sizes(key) != astuple(measured):
-        timm_cache.keep(sizes={key: astuple(measured)})
+    if learned_facts.sizes(key) != astuple(measured):
+        learned_facts.keep(sizes={key: astuple(measured)})
 
 
 def check_ranks_fit(nproc: int, name: str, img_size: int, num_classes: int, device_type: str) -> None:
     """:func:`check_nproc_fits` for a launcher, which builds no model: from the footprint an earlier process
-    measured for this timm install (:mod:`vitreg.models.timm_cache`; no timm import), else from the model. A
+    measured for this timm install (:mod:`vitreg.models.learned_facts`; no timm import), else from the model. A
     refusal is always made from the model itself: an edited cache file can never refuse a job."""
     key = _cache_key(name, img_size, num_classes)
-    kept = timm_cache.sizes(key)
+    kept = learned_facts.sizes(key)
     if kept is not None and len(kept) == len(fields(Footprint)):
         try:
             return check_nproc_fits(nproc, Footprint(*kept), device_type)

@@ -337,7 +337,7 @@ def _nccl_differences(tags: pd.Series | None, rows: list[int]) -> dict[int, list
 
 
 def _nccl_vars(tag: str | None) -> dict[str, str]:
-    """An ``nccl_env`` tag (``"K=V;K=V"``, as :func:`vitreg.hardware.env.nccl_env` writes it) as a dict; missing: empty."""
+    """An ``nccl_env`` tag (``"K=V;K=V"``, as :func:`vitreg.environment.nccl_env` writes it) as a dict; missing: empty."""
     return dict(kv.split("=", 1) for kv in (tag or "").split(";") if "=" in kv)
 
 

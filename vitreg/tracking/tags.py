@@ -13,7 +13,7 @@ from dataclasses import fields
 from vitreg.analysis.frame import RUN_COMMANDS, options_shown_in
 from vitreg.config.options import identity_names
 from vitreg.config.parse import param_text
-from vitreg.hardware.env import pip_freeze
+from vitreg.environment import pip_freeze
 from vitreg.tracking.runs import note_skipped_params
 
 

@@ -47,7 +47,7 @@ from vitreg.console import progress
 from vitreg.ddp import launcher as launch
 from vitreg.ddp import world as distributed
 from vitreg.ddp.context import JobContext, job_context
-from vitreg.hardware.env import capture_environment, pip_freeze
+from vitreg.environment import capture_environment, pip_freeze
 from vitreg.hardware.runtime import run_context
 from vitreg.measure.estimate import say_if_long, train_work
 from vitreg.measure.figures import Work

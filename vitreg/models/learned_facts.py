@@ -4,7 +4,7 @@ A DDP launcher checks the model's name and its memory floor before it starts tor
 parent checks its models before it starts children. Learning either means importing timm, and with it
 torchvision and torch._dynamo: 3-4 s of CPU, and of wall time before the ranks even start. So each
 process that does import timm keeps what it learned in the user's cache (``timm-<version>-<install>.json``
-under :func:`vitreg.hardware.env.user_cache_dir`), and those processes look there first.
+under :func:`vitreg.environment.user_cache_dir`), and those processes look there first.
 
 A process that builds a model never takes a value from here: it imports timm anyway, checks against timm
 itself, and only writes what it measured. A missing, unreadable or edited file only costs the import:
@@ -21,7 +21,7 @@ import os
 from importlib import metadata
 from pathlib import Path
 
-from vitreg.hardware.env import user_cache_dir
+from vitreg.environment import user_cache_dir
 
 # Footprints kept (the most recent): a launcher asks for the model it runs, so a short memory serves; a
 # fuzzing test or a sweep over image sizes does not grow the file without end.

@@ -1,4 +1,6 @@
-"""The environment a number was measured in: GPU, driver, CUDA stack, library versions, host.
+"""The environment a number was measured in: GPU, driver, CUDA stack, library versions, host; and the
+user's cache folder (:func:`user_cache_dir`) where models/, measure/ and hardware/ keep what a later process
+may reuse. It imports no other vitreg module, so every layer may read it.
 
 Nothing here runs at import time; :func:`capture_environment` reads it when asked. Versions of
 packages are read from their installed metadata (no imports of mlflow here: only the tracking
@@ -18,7 +20,7 @@ from dataclasses import asdict, dataclass
 from importlib import metadata
 from pathlib import Path
 
-PROJECT_ROOT = Path(__file__).resolve().parents[2]
+PROJECT_ROOT = Path(__file__).resolve().parents[1]
 
 
 def _version(dist: str) -> str:

@@ -1,0 +1,217 @@
+"""The jobs that read an experiment's runs back and log what they found beside them: ``compare``,
+``check``, and ``import-timm`` (which logs timm's published numbers as runs to compare with).
+
+Each reads runs through :mod:`vitreg.tracking.search` (MLflow's frame -> the tidy frame) and writes
+them through :mod:`vitreg.tracking.runs`; the statistics live in :mod:`vitreg.analysis` and
+:mod:`vitreg.history`, and timm's CSV parsing in :mod:`vitreg.analysis.timm_benchmark`, all pure. Every
+input is checked before a run is opened: a bad request leaves no half-written run behind.
+
+The check run holds the summary (markdown, HTML, CSV) and one chart per series as artifacts, the verdicts
+as its note, and tags naming the runs it read.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import tempfile
+from pathlib import Path
+
+from vitreg.config.options import option
+from vitreg.console import progress
+from vitreg.errors import VitregError
+from vitreg.history.series import CheckError, Selection
+from vitreg.tracking import naming, runs as tracking
+
+TAG_LIMIT = 5000  # characters of a tag value (MLflow stores up to 8,000); the full lists are in runs_read.json
+
+
+# ---------------------------------------------------------------- compare
+
+def run_compare(experiment: str, baseline: str | None = None, metric: str = "throughput_img_per_s",
+                run_name: str | None = None, log_experiment: str | None = None, progress=progress,
+                by: str = "gpu", include_mismatch: bool = False):
+    """Compare the experiment's runs along ``by`` (across GPUs by default); log the table and plots as
+    artifacts of a compare run.
+
+    The compare run goes into the compared experiment itself, beside the runs it read, unless
+    ``log_experiment`` names another (under ``mlflow run`` it is the run ``mlflow run`` opened, in the
+    experiment that chose). The comparison is computed (and every input checked) before a run is
+    opened, so a bad request leaves no half-written run behind.
+    """
+    from vitreg.analysis.comparison import compare_runs
+    from vitreg.analysis.render import format_table
+    from vitreg.analysis.report import write_report
+    from vitreg.tracking.search import benchmark_runs, tidy
+
+    tracking.check_server()
+    runs = tidy(benchmark_runs(experiment), axes=(by,))
+    comparison = compare_runs(runs, baseline=baseline or None, metric=metric, by=by,
+                              include_mismatch=include_mismatch)
+    table = format_table(comparison)
+    with tempfile.TemporaryDirectory(prefix="vitreg-compare-") as tmp:
+        files = write_report(comparison, tmp)
+        with tracking.tracked_run(run_name=run_name, experiment=log_experiment or experiment,
+                                  system_metrics=False) as run:
+            # named and described here, also under `mlflow run`, whose run arrives with a random name
+            run.set_name(run_name or naming.compare_run_name(experiment, comparison.summary()))
+            run.set_note(naming.compare_note(experiment, comparison.summary(), table))
+            _log_comparison(run, comparison, experiment, files)
+    print(table)
+    progress(f"compare run {run.run_id} (experiment {logged_into(run, log_experiment or experiment)!r}, "
+             f"id {run.experiment_id}): {len(files)} files under artifacts/comparison "
+             f"({', '.join(Path(f).name for f in files)})")
+    return comparison
+
+
+def logged_into(run, asked: str) -> str:
+    """The experiment the compare run really went to: under ``mlflow run`` the one ``mlflow run`` chose
+    (its --experiment-name, else Default), whatever ``experiment=`` named as the runs to compare."""
+    return getattr(run, "experiment_name", None) or asked
+
+
+def _log_comparison(run, comparison, experiment: str, files) -> None:
+    run.set_tags({"vitreg_job": "compare", "compared_experiment": experiment, "compared_by": comparison.by})
+    run.log_params({"experiment": experiment, "baseline": comparison.baseline or "", "metric": comparison.metric,
+                    "by": comparison.by, "include_mismatch": str(comparison.include_mismatch).lower()})
+    summary = comparison.summary()
+    metrics = {"n_runs": summary["n_runs"], "n_configurations": summary["n_configurations"],
+               "n_mislabelled_runs": summary["n_mislabelled_runs"]}
+    metrics.update({f"speedup_geomean_{value}": v for value, v in summary["geomean_speedup"].items()})
+    run.log_metrics(metrics)
+    run.log_dict(summary, "comparison_summary.json")
+    for f in files:
+        run.log_artifact(f, "comparison")
+
+
+# ---------------------------------------------------------------- import-timm
+
+def import_timm(path: str, gpu: str | None = None, amp: str | None = None, experiment: str | None = None,
+                progress=progress) -> list[str]:
+    """Log each row of a timm ``benchmark.py`` CSV as a run tagged ``source=timm``; returns the run ids."""
+    from vitreg.analysis.timm_benchmark import read_timm_csv
+
+    if not Path(path).is_file():
+        raise VitregError(f"{path}: no such file: pass the path of a timm benchmark.py results CSV")
+    records = read_timm_csv(path, gpu, amp=amp)  # parsed and checked in full before anything is logged
+    tracking.check_server()
+    ids, experiment_name = [], experiment
+    for rec in records:
+        with tracking.tracked_run(run_name=rec.run_name, experiment=experiment, system_metrics=False) as run:
+            run.log_params(rec.params)
+            run.set_tags({**rec.tags, "vitreg_job": "import-timm"})
+            run.log_metrics(rec.metrics)
+            ids.append(run.run_id)
+            experiment_name = logged_into(run, experiment or "Default")
+    progress(f"imported {len(ids)} run(s) from {Path(path).name} into experiment {experiment_name!r} at "
+             f"{tracking.tracking_uri()}")
+    return ids
+
+
+# ---------------------------------------------------------------- check
+
+def selection_of(window, candidate, candidate_tag, baseline_tag) -> Selection:
+    """The check's :class:`~vitreg.history.series.Selection` from the command's text values (the CLI's and
+    the Python API's)."""
+    from vitreg.history.series import parse_tag
+
+    return Selection(window=option("check", "window").parse(window), candidate=(candidate or "").strip() or None,
+                     candidate_tag=parse_tag(candidate_tag, "--candidate-tag"),
+                     baseline_tag=parse_tag(baseline_tag, "--baseline-tag"))
+
+
+def check(experiment: str, metric: str = "throughput_img_per_s", selection: Selection = Selection(), seed: int = 0):
+    """The :class:`~vitreg.history.check.CheckResult` of the experiment's runs, logging nothing."""
+    from vitreg.history.check import check_runs
+    from vitreg.history.series import carried_columns
+    from vitreg.tracking.search import benchmark_runs, tidy
+
+    tracking.check_server()
+    with collector_paused():
+        raw = benchmark_runs(experiment)
+        if selection.candidate:
+            _require_finished(raw, selection.candidate, experiment)
+        return check_runs(tidy(raw, axes=carried_columns(selection)), metric, selection, seed=seed), raw
+
+
+@contextlib.contextmanager
+def collector_paused():
+    """Python's cyclic garbage collector off for the block, as it was after. MLflow's search builds a few
+    objects per param, tag and metric of every run, and each full collection walks every object of the
+    process (~300,000 after importing mlflow and pandas): with it on, 400 runs took 5.3 s to read, off 1.9 s
+    (benchmarks/check_scale.py's runs, profiled). What the block allocates is freed by reference counting
+    or at the next collection."""
+    was_on = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_on:
+            gc.enable()
+
+
+def run_check(experiment: str, metric: str = "throughput_img_per_s", selection: Selection = Selection(),
+              log_experiment: str | None = None, run_name: str | None = None, progress=progress):
+    """Check the experiment's runs, print one line per series (regressions first), log the check run;
+    returns the result (its ``exit_code``: 0 nothing regressed, 1 something did)."""
+    from vitreg.history.report import about, write_check
+
+    result, raw = check(experiment, metric, selection)
+    experiment_id = str(raw["experiment_id"].iloc[0])
+    with tempfile.TemporaryDirectory(prefix="vitreg-check-") as tmp:
+        with collector_paused():  # the charts too: each figure is thousands of objects
+            files = write_check(result, tmp)
+        with tracking.tracked_run(run_name=run_name or f"check-{experiment}", experiment=log_experiment or experiment,
+                                  system_metrics=False) as run:
+            _log_check(run, result, experiment, files)
+            verdicts = [_linked(r, experiment_id) for _, r in result.ordered().iterrows()]
+            run.set_note("\n\n".join(about(result) + verdicts))
+    for line in result.lines():
+        print(line)
+    progress(f"check run {run.run_id} (experiment {log_experiment or experiment!r}): "
+             f"{len(result.regressions)} regressed of {len(result.table)} series; artifacts under check/")
+    return result
+
+
+def _log_check(run, result, experiment: str, files: list[Path]) -> None:
+    sel, counts = result.selection, result.counts()
+    read = result.run_ids()
+    candidates = list(dict.fromkeys(i for ids in result.table["candidate_runs"] for i in ids.split(",")))
+    run.set_tags({"vitreg_job": "check", "checked_experiment": experiment,
+                  "check_result": "regressed" if len(result.regressions) else "ok",
+                  "check_candidate_runs": _capped(",".join(candidates)),
+                  "check_regressed_runs": _capped(",".join(result.regressions["candidate_runs"])),
+                  "check_runs_read": _capped(",".join(read))})
+    run.log_params({"experiment": experiment, "metric": result.metric, "window": sel.window,
+                    "candidate": sel.candidate or "", "candidate_tag": "=".join(sel.candidate_tag or ()),
+                    "baseline_tag": "=".join(sel.baseline_tag or ())})
+    run.log_metrics({"n_series": len(result.table), "n_runs_read": len(read),
+                     "n_mislabelled_rows": result.n_mislabelled,
+                     **{f"n_{verdict.replace(' ', '_')}": n for verdict, n in counts.items()}})
+    run.log_dict({"runs_read": read, "candidate_runs": candidates}, "check/runs_read.json")
+    for f in files:
+        run.log_artifact(f, "check" if f.parent.name != "series" else "check/series")
+
+
+def _require_finished(raw, run_id: str, experiment: str) -> None:
+    """CheckError unless ``run_id`` is a FINISHED benchmark run of the experiment."""
+    match = raw[raw["run_id"] == run_id] if "run_id" in raw else raw.iloc[0:0]
+    if match.empty:
+        raise CheckError(f"--candidate {run_id}: no such benchmark run in experiment {experiment!r}: pass the "
+                         "id of one of its runs (vitreg runs --experiment NAME lists them)")
+    status = str(match["status"].iloc[0])
+    if status != "FINISHED":
+        raise CheckError(f"--candidate {run_id} is {status}, not FINISHED: only finished runs have figures to "
+                         "check; re-run the benchmark or pass a finished run")
+
+
+def _linked(row, experiment_id: str) -> str:
+    """A verdict line with a link to its candidate run in the MLflow UI (the note is rendered as markdown)."""
+    from vitreg.history.check import verdict_line
+
+    run_id = row["candidate_runs"].split(",")[0]
+    return f"- {verdict_line(row)} ([candidate](#/experiments/{experiment_id}/runs/{run_id}))"
+
+
+def _capped(text: str) -> str:
+    return text if len(text) <= TAG_LIMIT else text[:TAG_LIMIT - 40] + "... (+ more: check/runs_read.json)"

@@ -1,1 +1,0 @@
-"""The cross-GPU jobs: compare and import-timm."""
