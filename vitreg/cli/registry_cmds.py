@@ -1,4 +1,4 @@
-"""``vitreg pull`` and ``vitreg infer``: thin click shells over :mod:`vitreg.tracking.registry` and :mod:`vitreg.bench.infer`.
+"""``vitreg pull`` and ``vitreg infer``: thin click shells over :mod:`vitreg.tracking.registry` and :func:`vitreg.bench.job.infer`.
 
 Registered in :mod:`vitreg.cli` with ``main.add_command(pull)`` / ``main.add_command(infer)``; the
 one-line-error handling and infer's options (from the option table) come from :mod:`vitreg.cli.common`.
@@ -57,7 +57,7 @@ def pull(model_uri, out_dir):
 @user_errors
 def infer(**values):
     """Benchmark a registered model's weights (task=infer by default) and link the run to its version."""
-    from vitreg.bench.infer import infer as run_infer
+    from vitreg.bench.job import infer as run_infer
 
     options, own = split_options("infer", values)
     with offline_if_asked("infer", own):
