@@ -79,7 +79,8 @@ def bench(options: dict, experiment: str | None = None, run_name: str | None = N
             _launch_bench(run, spec, job, baseline_run, progress)
             result = None
         else:
-            result = benchmark_in_run(plan_bench(run, spec, run_name, command, baseline_run, progress))
+            plan = plan_bench(run, spec, run_name, command, baseline_run, progress)
+            result = benchmark_in_run(plan)
             print(results_table(result))
     if run is not None:
         print(tracking.where_logged(run))
