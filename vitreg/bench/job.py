@@ -30,8 +30,7 @@ import tempfile
 from dataclasses import dataclass, field
 
 from vitreg.analysis.frame import FOLDED_INTO, SCALED_COLUMNS
-from vitreg.bench.report import report_markdown, results_table
-from vitreg.bench.results import BenchResult
+from vitreg.bench.results import BenchResult, report_markdown, results_table
 from vitreg.bench.runner import run_benchmark
 from vitreg.config.options import identity_names, option
 from vitreg.config.parse import param_text
