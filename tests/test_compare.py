@@ -932,7 +932,7 @@ def test_a_hostile_run_name_cannot_close_the_report_s_command_block():
     import shlex
     from types import SimpleNamespace
 
-    from vitreg.bench.report import report_markdown
+    from vitreg.bench.results import report_markdown
     from vitreg.bench.results import BenchResult
     from vitreg.config.spec import BenchSpec
     from vitreg.models.factory import ModelInfo

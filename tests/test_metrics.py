@@ -12,7 +12,7 @@ import pytest
 from vitreg.analysis import comparison
 from vitreg.analysis.frame import ALL_METRICS, SHARED_METRICS, TASK_METRICS, CompareError
 from vitreg.analysis.timm_benchmark import read_timm_csv
-from vitreg.bench import report
+from vitreg.bench import results as report
 from vitreg.bench.results import BenchResult, TaskResult
 from vitreg.config.spec import BenchSpec
 from vitreg.ddp import world

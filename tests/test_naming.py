@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from vitreg.bench import report
+from vitreg.bench import results as report
 from vitreg.bench.results import BenchResult, TaskResult
 from vitreg.config.spec import BenchSpec
 from vitreg.measure.figures import Figures, Work

@@ -322,7 +322,7 @@ def test_a_checkpoint_that_cannot_be_found_leaves_no_temporary_folder(store, tmp
 
 
 def test_infer_in_process_from_a_run_checkpoint(store):
-    from vitreg.bench.infer import infer
+    from vitreg.bench.job import infer
 
     result = infer(f"runs:/{store.run_id}/checkpoints/last", {**TINY_BENCH}, experiment="infer-local",
                    progress=lambda message: None)
@@ -343,7 +343,7 @@ def test_infer_in_process_from_a_run_checkpoint(store):
     ({"nproc": "2"}, "pass nproc=1"),
 ])
 def test_infer_refuses_options_the_checkpoint_decides(store, options, needle):
-    from vitreg.bench.infer import infer
+    from vitreg.bench.job import infer
 
     with pytest.raises(VitregError) as exc:
         infer("models:/tv/1", {**TINY_BENCH, **options}, progress=lambda message: None)

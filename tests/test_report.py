@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 from click.testing import CliRunner
 
-from vitreg.bench.report import _cuda_rows, _gpu_text, cudnn_text
+from vitreg.bench.results import _cuda_rows, _gpu_text, cudnn_text
 from vitreg.config.options import options_of
 
 TINY = {"model": "test_vit", "img_size": "32", "task": "infer", "batch_size": "2", "warmup": "1", "steps": "2",

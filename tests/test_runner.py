@@ -130,7 +130,7 @@ def test_flops_are_counted_outside_the_sdpa_restriction(monkeypatch):
 
 
 def report_table(result):
-    from vitreg.bench.report import results_table
+    from vitreg.bench.results import results_table
 
     return results_table(result)
 

@@ -97,7 +97,7 @@ def test_a_gpu_profile_is_one_entry_in_profiles(tmp_path):
         from click.testing import CliRunner
         from vitreg.cli.main import main
         from vitreg.config import generate
-        from vitreg.bench.report import report_markdown
+        from vitreg.bench.results import report_markdown
         from vitreg.hardware import profiles as p
         from vitreg.hardware.precision import precision_of
         from vitreg.fleet.ray_engine import ray_type
@@ -197,7 +197,7 @@ def test_an_option_is_one_entry_in_options(tmp_path):
         from vitreg.cli.main import main
         from vitreg.config import generate
         from vitreg.bench.job import SCALING_CONFIG_TAGS
-        from vitreg.bench.report import report_markdown
+        from vitreg.bench.results import report_markdown
         from vitreg.tracking.tags import identity_tags
         spec = BenchSpec.from_options({{"model": "test_vit", "channels_last": "true"}})
         df = runs(*({{"tags.gpu": g, "params.channels_last": on, "metrics.infer_throughput_img_per_s": v}}
@@ -258,7 +258,7 @@ def test_report_md_shows_every_identity_option_of_bench():
     from types import SimpleNamespace
 
     from vitreg.analysis.frame import options_shown_in
-    from vitreg.bench.report import report_markdown
+    from vitreg.bench.results import report_markdown
     from vitreg.bench.results import BenchResult, TaskResult
     from vitreg.config.options import identity_names
     from vitreg.config.spec import BenchSpec

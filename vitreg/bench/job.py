@@ -1,30 +1,40 @@
-"""The ``bench`` job: options -> spec -> plan (this process, or torchrun) -> runner -> tracking.
+"""The ``bench`` job and the ``infer`` job, which runs bench's body on a registered model's real weights.
 
-The entry point and the ``vitreg bench`` command both call :func:`bench`. The options are parsed
-once, in the process the user started, inside its run; the plan follows from the spec.
+Each job resolves, once, at its top, everything its later steps read into one frozen :class:`BenchPlan`
+(:func:`plan_bench`, :func:`plan_infer`): the spec, the process's hardware, runtime and DDP world
+(:func:`vitreg.ddp.context.job_context`), the model and its facts, the run's naming, the scaling
+baseline. The body (:func:`benchmark_in_run`: runner -> tracking) takes the plan and nothing else.
 
-DDP (``nproc > 1``, or several hosts): this process becomes the launcher (:func:`_launch_bench`, through
-the launcher sequence both DDP jobs share, :func:`vitreg.ddp.launcher.launch_job`).
-It holds the one MLflow run (system metrics included), checks what needs no GPU, runs the same
-bench under torchrun and logs what the ranks hand back (:func:`vitreg.ddp.launcher.launched`). Each
-rank runs :func:`bench` too, on its own GPU with ``batch_size`` images per GPU; the figures are
-reduced over the ranks (:mod:`vitreg.ddp.world`) and rank 0 hands them to the launcher, which
-also relates them to ``baseline_run``. With ``nproc == 1`` none of that happens.
+The entry point and the ``vitreg bench`` command both call :func:`bench`; the options are parsed once,
+in the process the user started, inside its run. A process is one of three: the *launcher* of a DDP
+job (``nproc > 1``, or several hosts: :func:`_launch_bench`, through the launcher's phases
+:mod:`vitreg.ddp.launcher`), a *rank* of one (a vitreg launcher's or a torchrun the user started), or
+a plain process. The launcher holds the one MLflow run (system metrics included), checks what needs
+no GPU, runs the same bench under torchrun and logs what the ranks hand back. Each rank runs
+:func:`bench` too, on its own GPU with ``batch_size`` images per GPU; the figures are reduced over the
+ranks (:mod:`vitreg.ddp.world`) and rank 0 hands them to the launcher, which relates them to
+``baseline_run``. Which process relates the figures to the baseline is decided in one place,
+:func:`scaling_baseline`.
+
+``infer``: options -> plan (the model and img_size come from the registered checkpoint, pulled once
+the cheap checks passed) -> bench's body; then the run and the model version are linked both ways:
+the run gets ``model_uri``, ``registered_model_name`` and ``registered_model_version`` tags, the
+version gets ``last_infer_run_id`` and the throughput.
 """
 
 from __future__ import annotations
 
-import dataclasses
+import shlex
+import sys
+import tempfile
 from dataclasses import dataclass, field
-from typing import Callable
 
 from vitreg.analysis.frame import FOLDED_INTO, SCALED_COLUMNS
-from vitreg.bench.report import report_markdown, results_table
-from vitreg.bench.results import BenchResult
+from vitreg.bench.results import BenchResult, report_markdown, results_table
 from vitreg.bench.runner import run_benchmark
 from vitreg.config.options import identity_names, option
 from vitreg.config.parse import param_text
-from vitreg.config.spec import BenchSpec
+from vitreg.config.spec import BenchSpec, parse_int
 from vitreg.console import progress
 from vitreg.ddp import launcher as launch
 from vitreg.ddp import world as distributed
@@ -32,9 +42,9 @@ from vitreg.ddp.context import JobContext, job_context
 from vitreg.errors import VitregError, first_line
 from vitreg.environment import capture_environment
 from vitreg.measure.graphs import require_cuda
-from vitreg.models.factory import check_model_name, create_model
+from vitreg.models.factory import ModelInfo, check_model_name, create_model
 from vitreg.models.memory import check_ranks_fit
-from vitreg.tracking import naming
+from vitreg.tracking import checkpoint_sources, naming
 from vitreg.tracking import runs as tracking
 from vitreg.tracking.tags import log_setup, log_what_ran, resolved_tags, world_tags
 
@@ -53,130 +63,193 @@ def bench(options: dict, experiment: str | None = None, run_name: str | None = N
     placement = placement or launch.Placement()
     if distributed.inside_torchrun():  # one rank of a job: a vitreg launcher's or a torchrun the user started
         with launch.rank_run(run_name, experiment) as run:
-            result, world = _bench_in_run(run, BenchSpec.from_options(options), run_name, progress, command,
-                                          baseline_run)
+            plan = plan_bench(run, BenchSpec.from_options(options), run_name, command, baseline_run, progress)
+            result = benchmark_in_run(plan)
         distributed.destroy()
-        if world.is_main:
+        if plan.context.world.is_main:
             print(results_table(result))
             if not launch.launched_by_vitreg():
-                _print_logged(run)
+                print(tracking.where_logged(run))
         return result
     with launch.launcher_run(run_name, experiment, placement.run_node) as run:
         spec = BenchSpec.from_options(options)  # the one parse of the options in this process
         if launch.needs_torchrun(spec.nproc, placement.nnodes):
             job = launch.JobLaunch("bench", options, run_name, placement, command, spec.task, spec.cuda_graph)
-            _launch_bench(run, spec, job, progress, baseline_run)
+            _launch_bench(run, spec, job, baseline_run, progress)
             result = None
         else:
-            result, _ = _bench_in_run(run, spec, run_name, progress, command, baseline_run)
+            plan = plan_bench(run, spec, run_name, command, baseline_run, progress)
+            result = benchmark_in_run(plan)
             print(results_table(result))
     if run is not None:
-        _print_logged(run)
+        print(tracking.where_logged(run))
     return result
 
 
-def _print_logged(run) -> None:
+def infer(model_uri: str, options: dict, experiment: str | None = None, run_name: str | None = None,
+          progress=progress, command: str | None = None) -> BenchResult:
+    """Pull ``model_uri`` and benchmark it (task=infer unless ``options['task']`` says otherwise) as one run."""
+    command = command or shlex.join(sys.argv)
+    model_uri = str(model_uri or "").strip()
+    options = {"task": "infer", **{k: v for k, v in options.items() if v is not None}}
+    for key in FROM_CHECKPOINT:
+        if key in options:
+            raise VitregError(f"{key} comes from the registered model's spec.json: drop {key}= and pass model_uri")
+    if parse_int(options.get("nproc", 1), "nproc", 1) != 1:
+        raise VitregError("infer benchmarks one process: pass nproc=1 (multi-GPU scaling is `bench`'s job)")
+    with tracking.tracked_run(run_name=run_name, experiment=experiment) as run:
+        if not model_uri:
+            raise VitregError("model_uri is empty: pass e.g. model_uri=models:/deit-tiny@champion")
+        plan = plan_infer(run, model_uri, options, run_name, command, progress)
+        run.log_dict(plan.pulled.spec, "model_spec.json")
+        result = benchmark_in_run(plan)
+    print(results_table(result))
+    if plan.pulled.version_uri:
+        print(f"tagged {plan.pulled.version_uri} last_infer_run_id={run.run_id}")
     print(tracking.where_logged(run))
+    return result
+
+
+#: Options that the registered checkpoint decides, not the user.
+FROM_CHECKPOINT = ("model", "img_size")
+
+
+# --------------------------------------------------------------------------------------------
+# the plan: everything one process of a job reads, resolved once
 
 
 @dataclass(frozen=True)
-class Logged:
-    """What a bench-shaped job (bench, infer) logs of its own around the runner: its run's name
-    (``name(batch_size, throughputs=None)``), tags and params besides the resolved ones, what the
-    progress line calls the model, and a hook ``after(result, tags)`` once results.json is logged."""
+class BenchPlan:
+    """One process of a bench or infer job, resolved at its top; the later steps read this and never
+    go back to the options, the model factory or the registry."""
 
-    run_name: str | None
-    command: str
-    name: Callable
-    tags: Callable  # tags(env) -> the job's own tags
-    params: dict = field(default_factory=dict)
-    what: str = ""  # the progress line's "<model_uri> (<model>) on "
-    after: Callable = lambda result, tags: None
+    context: JobContext  # spec, detected and resolved hardware, runtime, DDP world (wrap, reducer), run, progress
+    model: object  # the model to benchmark, on the CPU: built (bench) or pulled (infer)
+    info: ModelInfo  # its facts: name, img_size, params, classes
+    title: naming.RunTitle  # the run's name, before the figures and with them
+    run_name: str | None  # the user's name for the run: then kept as given
+    command: str  # what the user typed, for report.md
+    baseline: Baseline | None = None  # this process relates the figures to it (scaling efficiency)
+    ddp_spec: BenchSpec | None = None  # the spec whose DDP settings wrapped the model (train); None: nothing wrapped
+    model_uri: str | None = None  # infer: what the user asked for
+    pulled: checkpoint_sources.PullResult | None = None  # infer: the checkpoint benchmarked, linked both ways
+    params: dict = field(default_factory=dict)  # params besides the spec's and the resolved ones
 
 
-def benchmark_in_run(ctx: JobContext, info, model_factory, logged: Logged) -> BenchResult:
-    """The body bench and infer share: the run's name, tags, params and environment; the benchmark;
-    its metrics, what ran, results.json and report.md; the run renamed with its throughput, its note."""
+def plan_bench(run, spec: BenchSpec, run_name: str | None, command: str, baseline_run: str | None,
+               progress) -> BenchPlan:
+    """A plain process's or a rank's bench: the model name checked before any device work, the world
+    joined, the hardware and runtime resolved, the baseline read before the GPU time, the model built on
+    the CPU (which checks img_size before GPU work)."""
+    check_model_name(spec.model)  # cheap, and before any device work
+    ctx = job_context(run, spec, progress, distributed.ResultReducer, cuda_graph=spec.cuda_graph)
+    world, hw = ctx.world, ctx.hardware
+    # a rank under a vitreg launcher leaves the baseline to its launcher; one under a torchrun the user
+    # started: rank 0 reads it now
+    baseline = scaling_baseline(baseline_run, spec, scaled=world.distributed,
+                                speaks=world.is_main and not launch.launched_by_vitreg(), progress=ctx.progress)
+    model, info = create_model(spec.model, spec.img_size)
+    title = naming.RunTitle(hw.label, spec.model, ctx.runtime.amp, spec.compile, world.world_size, spec.cuda_graph,
+                            ran_on=hw.detected.profile.label if hw.mismatch else None)
+    return BenchPlan(ctx, model, info, title, run_name, command, baseline,
+                     ddp_spec=spec if "train" in spec.tasks else None)  # infer wraps no DDP
+
+
+def plan_infer(run, model_uri: str, options: dict, run_name: str | None, command: str, progress) -> BenchPlan:
+    """infer's one process: the cheap checks first (option values, GPU label), then the download; the
+    registered model in the run's name, ``model_uri`` as a param."""
+    ctx = job_context(run, BenchSpec.from_options({**options, "model": "pending"}), progress)
+    with tempfile.TemporaryDirectory(prefix="vitreg-infer-") as tmp:
+        pulled = checkpoint_sources.pull(model_uri, dst=tmp, progress=progress)
+    info = pulled.info
+    ctx = ctx.with_spec(BenchSpec.from_options({**options, "model": info.name, "img_size": info.img_size}))
+    spec, hw = ctx.spec, ctx.hardware
+    what = (f"{pulled.registered_model_name}-v{pulled.registered_model_version}" if pulled.version_uri
+            else f"{info.name}-run-{(pulled.run_id or 'local')[:8]}")
+    title = naming.RunTitle(hw.label, what, ctx.runtime.amp, spec.compile, cuda_graph=spec.cuda_graph, job="infer",
+                            ran_on=hw.detected.profile.label if hw.mismatch else None)
+    return BenchPlan(ctx, pulled.model, info, title, run_name, command, model_uri=model_uri, pulled=pulled,
+                     params={"model_uri": model_uri})
+
+
+# --------------------------------------------------------------------------------------------
+# the body bench and infer share
+
+
+def benchmark_in_run(plan: BenchPlan) -> BenchResult:
+    """The run's name, tags, params and environment; the benchmark; its metrics, what ran, results.json,
+    the ranks' figures, the scaling efficiency or the links to the registered model, report.md; the run
+    renamed with its throughput, its note."""
+    ctx, info = plan.context, plan.info
     run, spec, hw, runtime = ctx.run, ctx.spec, ctx.hardware, ctx.runtime
     env = capture_environment()
-    run.set_name(logged.run_name or logged.name(spec.batch_size))  # GPU label first: the runs list cuts names
+    run.set_name(plan.run_name or plan.title.name(spec.batch_size))  # GPU label first: the runs list cuts names
     tags = {**env.to_tags(), **resolved_tags(spec, hw, runtime, info.img_size, task=spec.task,
-                                             cuda_graph=spec.cuda_graph), **logged.tags(env)}
+                                             cuda_graph=spec.cuda_graph),
+            **world_tags(ctx.world, runtime, env, plan.ddp_spec), **(link_tags(plan.pulled) if plan.pulled else {})}
     run.set_tags(tags)
     params = {**spec.to_params(), "gpu": hw.label, "amp": runtime.amp, "device": runtime.device,
-              "img_size": info.img_size, **logged.params}
+              "img_size": info.img_size, **plan.params}
     log_setup(run, params, env, ctx.progress)
-    ctx.progress(f"run {run.run_id} at {tracking.tracking_uri()}; {logged.what}gpu={hw.label} ({ctx.detected.name}), "
+    what = f"{plan.pulled.version_uri or plan.model_uri} ({info.name}) on " if plan.pulled else ""
+    ctx.progress(f"run {run.run_id} at {tracking.tracking_uri()}; {what}gpu={hw.label} ({ctx.detected.name}), "
                  f"amp={runtime.amp}, compile={spec.compile}")
 
-    result = run_benchmark(spec, hw, runtime, ctx.progress, model_factory=model_factory, wrap=ctx.wrap,
+    result = run_benchmark(spec, hw, runtime, ctx.progress, model_factory=lambda: (plan.model, info), wrap=ctx.wrap,
                            reducer=ctx.reducer)
 
     run.log_metrics(result.metrics())
     log_what_ran(run, result)
     run.log_dict(result.to_dict(), "results.json")
-    logged.after(result, tags)
-    run.log_text(report_markdown(result, env, logged.command), "report.md")
-    if not logged.run_name:  # now with the figure: the runs list reads without any column set-up
+    if ctx.reducer is not None:
+        run.log_dict(ctx.reducer.per_rank_report(), "ranks.json")  # each rank's own figures: stragglers show
+    if plan.baseline is not None:
+        log_scaling_efficiency(run, plan.baseline, result.metrics(), ctx.world.world_size, tracking.clean_tags(tags),
+                               ctx.progress)
+    if plan.pulled is not None:
+        checkpoint_sources.link_infer_run(plan.pulled, run.run_id, result.metrics(), gpu=hw.label)
+    run.log_text(report_markdown(result, env, plan.command), "report.md")
+    if not plan.run_name:  # now with the figure: the runs list reads without any column set-up
         throughputs = {t.task: t.throughput_img_per_s for t in result.tasks}
-        run.set_name(logged.name(result.tasks[0].batch_size, throughputs=throughputs))
+        run.set_name(plan.title.name(result.tasks[0].batch_size, throughputs=throughputs))
     run.set_note(naming.run_note(result.to_dict(), ran_on=hw.detected.name if hw.mismatch else None))
     return result
 
 
-def _bench_in_run(run, spec: BenchSpec, run_name, progress, command, baseline_run):
-    """One process's benchmark inside its run (a plain process, or one rank); returns ``(result, world)``."""
-    check_model_name(spec.model)  # cheap, and before any device work
-    ctx = job_context(run, spec, progress, distributed.ResultReducer, cuda_graph=spec.cuda_graph)
-    world = ctx.world
-    # baseline_run under a torchrun the user started: rank 0 checks it now, before the GPU time
-    # (under a vitreg launcher, the launcher checked it and relates the figures itself).
-    baseline = None
-    if baseline_run and world.distributed and world.is_main and not launch.launched_by_vitreg():
-        baseline = read_baseline(baseline_run, spec)
-    elif baseline_run and not world.distributed:
-        ctx.progress(f"baseline_run={baseline_run} ignored: scaling efficiency is for nproc>1 runs")
-    model, info = create_model(spec.model, spec.img_size)  # on the CPU: checks img_size before GPU work
+def link_tags(pulled: checkpoint_sources.PullResult) -> dict:
+    """infer's run tags that point at what was benchmarked."""
+    tags = {"vitreg_job": "infer", "model_uri": pulled.uri, "source_run_id": pulled.run_id,
+            "checkpoint_step": pulled.spec.get("step")}
+    if pulled.version_uri:
+        tags.update(registered_model_name=pulled.registered_model_name,
+                    registered_model_version=pulled.registered_model_version,
+                    registered_model_alias=pulled.alias)
+    return tags
 
-    def after(result, tags):
-        if ctx.reducer is None:
-            return
-        run.log_dict(ctx.reducer.per_rank_report(), "ranks.json")  # each rank's own figures: stragglers show
+
+# --------------------------------------------------------------------------------------------
+# the launcher of a DDP bench
+
+
+def _launch_bench(run, spec: BenchSpec, job: launch.JobLaunch, baseline_run: str | None, progress) -> None:
+    """The launcher (``run`` is None on a node other than 0): the checks that need no GPU work (the
+    launcher's, then bench's: the model name, every rank's host memory, CUDA for cuda_graph, the
+    baseline), torchrun, then the scaling efficiency of what rank 0 handed back."""
+    gpus = launch.check(spec, job.placement)
+    check_model_name(spec.model)  # fail here, once, rather than in every rank
+    # host memory for every rank, before any is started: past it the OOM killer takes the launcher
+    device = "cpu" if spec.device == "cpu" or not gpus else "cuda"
+    check_ranks_fit(spec.nproc, spec.model, spec.img_size, 1000, device)
+    if spec.cuda_graph and device == "cpu":
+        require_cuda(True, "cpu")  # once here, not in every rank
+    baseline = scaling_baseline(baseline_run, spec, scaled=True, speaks=job.placement.node_rank == 0,
+                                progress=progress)
+    with launch.launch_job(run, spec, job, progress) as handoff:
         if baseline is not None:
-            log_scaling_efficiency(run, baseline, result.metrics(), world.world_size, tracking.clean_tags(tags),
-                                   ctx.progress)
-
-    hw = ctx.hardware
-    name = naming.RunTitle(hw.label, spec.model, ctx.runtime.amp, spec.compile, world.world_size, spec.cuda_graph,
-                           ran_on=hw.detected.profile.label if hw.mismatch else None).name
-    world_spec = spec if "train" in spec.tasks else None  # infer wraps no DDP
-    logged = Logged(run_name, command, name, lambda env: world_tags(world, ctx.runtime, env, world_spec), after=after)
-    return benchmark_in_run(ctx, info, lambda: (model, info), logged), world
-
-
-def _launch_bench(run, spec: BenchSpec, job: launch.JobLaunch, progress, baseline_run) -> None:
-    """The launcher (``run`` is None on a node other than 0): the checks that need no GPU work, torchrun,
-    then the scaling efficiency of what rank 0 handed back."""
-    baseline = []
-
-    def check(gpus: int) -> None:
-        check_model_name(spec.model)  # fail here, once, rather than in every rank
-        # host memory for every rank, before any is started: past it the OOM killer takes the launcher
-        device = "cpu" if spec.device == "cpu" or not gpus else "cuda"
-        check_ranks_fit(spec.nproc, spec.model, spec.img_size, 1000, device)
-        if spec.cuda_graph and (spec.device == "cpu" or not gpus):
-            require_cuda(True, "cpu")  # once here, not in every rank
-        if baseline_run and job.placement.node_rank == 0:
-            baseline.append(read_baseline(baseline_run, spec))
-
-    def handed(handoff) -> None:
-        if baseline:
             metrics = handoff.metrics
             world_size = int(metrics.get("train_world_size") or metrics.get("infer_world_size")
                              or spec.nproc * job.placement.nnodes)
-            log_scaling_efficiency(run, baseline[0], metrics, world_size, handoff.tags, progress)
-
-    launch.launch_job(run, spec, dataclasses.replace(job, check=check, handed=handed), progress)
+            log_scaling_efficiency(run, baseline, metrics, world_size, handoff.tags, progress)
 
 
 # --------------------------------------------------------------------------------------------
@@ -187,6 +260,20 @@ def _launch_bench(run, spec: BenchSpec, job: launch.JobLaunch, progress, baselin
 # nnodes, the DDP settings), and the hardware.
 SCALING_CONFIG_TAGS = tuple(n for n in identity_names("bench") if n != "task"
                             and FOLDED_INTO.get(n, n) not in SCALED_COLUMNS) + ("gpu", "device")
+
+
+def scaling_baseline(baseline_run: str | None, spec: BenchSpec, *, scaled: bool, speaks: bool,
+                     progress) -> Baseline | None:
+    """The one place that decides whether this process relates its figures to ``baseline_run``: read
+    and checked (:func:`read_baseline`) by the process that ``speaks`` for a ``scaled`` job (the
+    launcher of node 0; rank 0 of a torchrun the user started), before any GPU time; a job of one
+    process says it ignores it."""
+    if not baseline_run:
+        return None
+    if not scaled:
+        progress(f"baseline_run={baseline_run} ignored: scaling efficiency is for nproc>1 runs")
+        return None
+    return read_baseline(baseline_run, spec) if speaks else None
 
 
 @dataclass(frozen=True)

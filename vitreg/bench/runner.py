@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from vitreg.bench.results import BenchResult, TaskResult
+from vitreg.bench.results import INFER_EAGER_STEPS_BEFORE_CAPTURE, BenchResult, TaskResult
 from vitreg.console import progress, ticking
 from vitreg.errors import out_of_memory_as_error
 from vitreg.hardware.compile_cache import CacheProbe
@@ -45,10 +45,6 @@ from vitreg.measure.timing import synchronize, time_window, wall_seconds
 from vitreg.train.losses import loss_of
 
 PROFILE_TRACE_STEPS = 5  # steady-state steps that profile=true traces per task (after one untraced step)
-
-
-#: eager forward passes before an inference capture (no DDP there: a few to settle the allocator)
-INFER_EAGER_STEPS_BEFORE_CAPTURE = 3
 
 
 def _memory_mb(device_type: str):

@@ -234,7 +234,7 @@ def pull(model_uri, out_dir):
 @user_errors
 def infer(**values):
     """Benchmark a registered model's weights (task=infer by default) and link the run to its version."""
-    from vitreg.bench.infer import infer as run_infer
+    from vitreg.bench.job import infer as run_infer
 
     options, own = split_options("infer", values)
     with offline_if_asked("infer", own):

@@ -1,12 +1,15 @@
 """Run a vitreg job under torchrun from a plain process (``-P nproc=N`` / ``--nproc N``), and the ranks' side of it.
 
 The process the user started (``vitreg bench``, ``mlflow run -e bench``) becomes the *launcher*: it
-holds the job's one MLflow run (:func:`launcher_run`), runs the same command under ``python -m
-torch.distributed.run ... -m vitreg.ddp.launcher -- -m vitreg.cli bench <the same options>`` with
-a launch folder of its own (:func:`launched`), waits, and logs what came back. No rank talks to
+holds the job's one MLflow run (:func:`launcher_run`) and goes through four phases, each a function:
+:func:`check` what needs no GPU (the job adds its own checks after it), then, from
+:func:`launch_job`, :func:`launch` the same command under ``python -m torch.distributed.run ... -m
+vitreg.ddp.launcher -- -m vitreg.cli bench <the same options>`` with a launch folder of its own,
+:func:`receive` what rank 0 hands back while the ranks run, :func:`log` the outcome. No rank talks to
 MLflow: rank 0 writes its tracker calls into the launch folder (:mod:`vitreg.tracking.handoff`), the
 other ranks log nothing (:func:`rank_run`); the launcher replays rank 0's calls and the ranks' logs
 into its run, and ends it FAILED with the root cause (:mod:`vitreg.ddp.diagnose`) if they failed.
+torchrun is a child that never outlives the launcher (see "torchrun as a child" below).
 
 ``python -m vitreg.ddp.launcher -- <python args>`` is the thin shim torchrun runs in every worker: it
 runs ``<python args>`` (``-m module args...`` or ``script.py args...``) as ``python`` would and
@@ -22,20 +25,21 @@ the user started themselves has no vitreg launcher: there rank 0 logs into a run
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import re
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 from vitreg.config.parse import options_to_args
-from vitreg.ddp import supervise
 from vitreg.ddp.diagnose import LaunchOutcome, diagnose, record_error
 from vitreg.ddp.world import inside_torchrun, is_main_process
 from vitreg.errors import VitregError
@@ -138,7 +142,7 @@ def torchrun_command(argv: list[str], nproc: int, nnodes: int = 1, node_rank: in
     if log_dir:
         # every rank's output goes to the console and to log_dir (with each worker's error file),
         # where the launcher finds the root cause of a failure and from where it logs them as artifacts. The "[rank<N>]: " prefix of
-        # each console line is set by LINE_PREFIX_ENV in launch_torchrun's environment: torchrun
+        # each console line is set by LINE_PREFIX_ENV in torchrun's environment (launch): torchrun
         # reads that variable in every version since 2.2, while its --log-line-prefix-template flag
         # is recent (torch 2.11's torchrun hands the unknown flag to the workers' python, which exits 2).
         cmd += [f"--log-dir={log_dir}", "--tee=3"]
@@ -148,38 +152,7 @@ def torchrun_command(argv: list[str], nproc: int, nnodes: int = 1, node_rank: in
 
 
 # --------------------------------------------------------------------------------------------
-# launching
-
-
-def launch_torchrun(argv: list[str], nproc: int, placement: Placement = Placement(), env: dict | None = None,
-                    log_dir: str | None = None, progress=None, while_running=None,
-                    poll_s: float = 2.0) -> LaunchOutcome:
-    """Run ``argv`` (python arguments: ``["-m", "vitreg.cli", "bench", ...]`` or ``["script.py", ...]``)
-    in ``nproc`` workers per node under torchrun; wait; return the :class:`LaunchOutcome`.
-
-    The workers get ``env`` (this process's environment by default). ``while_running()`` is called
-    every ``poll_s`` seconds until torchrun exits. Ctrl-C (or any exception here, one of
-    ``while_running`` included) stops torchrun, which stops its workers, before it propagates.
-    """
-    log_dir = Path(log_dir or tempfile.mkdtemp(prefix="vitreg-torchrun-"))
-    cmd = torchrun_command(argv, nproc, placement.nnodes, placement.node_rank, placement.rdzv_endpoint, str(log_dir))
-    if progress:
-        progress("launching: " + " ".join(shlex.quote(c) for c in cmd))
-    # dies with this process (SIGKILL too); its stderr forwarded, without its traceback once stopped
-    proc = supervise.start(cmd, {**(os.environ if env is None else env), LINE_PREFIX_ENV: LINE_PREFIX})
-    try:
-        while True:
-            try:
-                returncode = proc.wait(timeout=poll_s)
-                break
-            except subprocess.TimeoutExpired:
-                if while_running:
-                    while_running()
-    except BaseException:
-        supervise.stop(proc)  # SIGTERM: the workers stop cleanly (rank 0 hands its last calls back)
-        raise
-    supervise.finish(proc)
-    return diagnose(returncode, log_dir, nproc, placement.node_rank)
+# the launcher: check -> launch -> receive -> log
 
 
 @contextlib.contextmanager
@@ -200,62 +173,11 @@ def launcher_run(run_name: str | None = None, experiment: str | None = None, nod
         yield None
 
 
-@contextlib.contextmanager
-def launched(argv: list[str], nproc: int, run=None, placement: Placement = Placement(), progress=None,
-             command: str = ""):
-    """Run ``argv`` under torchrun for ``run`` (the launcher's tracker; None on a node other than 0)
-    and yield what rank 0 handed back (a :class:`vitreg.tracking.handoff.Handoff`, whose files last
-    until the block ends).
-
-    Rank 0's calls are logged to ``run`` as they come (every few seconds) and every rank's output
-    (``torchrun/rank<N>/stdout.log|stderr.log``) at the end, whatever the outcome. On failure raises
-    :class:`LaunchError` with the root cause (the surrounding ``tracked_run`` then ends the run
-    FAILED with it in ``vitreg_error``). ``command``: what the user typed, for the ranks' report.md.
-    """
-    from vitreg.tracking import handoff as handback
-    from vitreg.tracking import runs as tracking
-
-    launch_dir = Path(tempfile.mkdtemp(prefix="vitreg-launch-"))
-    handed = handback.HandoffReader(launch_dir / _HANDOFF)
-    keep_logs = False
-
-    def log_handed() -> None:  # rank 0's calls so far, into the run (none on a node other than 0)
-        calls = handed.read_new()
-        if run is not None:
-            handback.replay(handed.directory, calls, run, progress or (lambda message: None))
-
-    try:
-        handback.announce_run(handed.directory, run.run_id if run else "", str(run.experiment_id) if run else "")
-        env = {**tracking.without_requested_run(os.environ), ENV_LAUNCH_DIR: str(launch_dir), ENV_COMMAND: command}
-        started = time.monotonic()
-        try:
-            outcome = launch_torchrun(argv, nproc, placement, env, str(launch_dir / _LOGS), progress,
-                                      while_running=log_handed)
-        except KeyboardInterrupt:  # stopped (Ctrl-C, SIGTERM...): rank 0's last calls still reach the run
-            log_handed()  # its final checkpoint, points and results, before the run ends KILLED
-            raise
-        if progress:
-            progress(f"torchrun {'finished' if outcome.ok else 'failed'} after {time.monotonic() - started:.1f} s")
-        log_handed()
-        if run is not None:
-            _log_rank_logs(run, outcome)
-        if not outcome.ok:
-            keep_logs = run is None
-            if keep_logs and progress:
-                progress(f"the ranks' logs are in {outcome.log_dir}")
-            raise LaunchError(outcome.message, outcome.exit_code)
-        yield handed.handoff
-    finally:
-        if not keep_logs:
-            shutil.rmtree(launch_dir, ignore_errors=True)
-
-
 @dataclass(frozen=True)
 class JobLaunch:
-    """One DDP job's launcher, the same eight steps for bench and train (:func:`launch_job`); what
-    differs is in the hooks. ``check(gpus)``: the job's own checks that need no GPU work (model name,
-    host memory of every rank, data layout, ...), given the GPUs visible here; ``handed(handoff)``:
-    what to do with what rank 0 handed back, inside the launch (scaling efficiency, registration)."""
+    """One DDP job's launch, as its job resolved it once (bench and train launch the same way): the
+    vitreg command every rank runs with the options as they came, on which hosts, and what the run's
+    labels say before any rank logs."""
 
     job: str  # the vitreg command the ranks run: "bench" or "train"
     options: dict  # the spec's fields, forwarded to every rank as they came
@@ -264,31 +186,112 @@ class JobLaunch:
     command: str = ""  # what the user typed, for the ranks' report.md
     task: str = "train"
     cuda_graph: bool | None = None
-    check: Callable[[int], None] = lambda gpus: None
-    handed: Callable = lambda handoff: None
+
+    @property
+    def argv(self) -> list[str]:
+        """The python arguments every rank runs: ``-m vitreg.cli <job> <the options>``."""
+        argv = ["-m", "vitreg.cli", self.job, *options_to_args(self.options)]
+        return argv + ["--run-name", self.run_name] if self.run_name else argv
 
 
-def launch_job(run, spec, job: JobLaunch, progress) -> None:
-    """The launcher (``run`` is None on a node other than 0): checks that need no GPU, the run's labels,
-    torchrun with the same command in every rank, then ``job.handed`` with what rank 0 handed back."""
+def check(spec, placement: Placement) -> int:
+    """The launcher's first phase, before the job's own checks: the hosts, and ``nproc`` against the
+    GPUs visible here, with no GPU work. Returns that count (the job's checks of host memory use it)."""
+    placement.check()
+    gpus = visible_gpu_count()
+    check_nproc(spec.nproc, spec.device, gpus)
+    return gpus
+
+
+@contextlib.contextmanager
+def launch_job(run, spec, job: JobLaunch, progress):
+    """The launcher's other phases, in order, for ``run`` (None on a node other than 0): :func:`launch`
+    torchrun, :func:`receive` rank 0's calls into the run while it runs, :func:`log` the outcome; then
+    yield what rank 0 handed back (a :class:`vitreg.tracking.handoff.Handoff`, whose files last until
+    the block ends). On failure raises :class:`LaunchError` with the root cause (the surrounding
+    ``tracked_run`` then ends the run FAILED with it in ``vitreg_error``); a node other than 0 then
+    keeps its ranks' logs, which no run holds."""
+    from vitreg.tracking.handoff import HandoffReader
+
+    folder = Path(tempfile.mkdtemp(prefix="vitreg-launch-"))
+    reader = HandoffReader(folder / _HANDOFF)
+    outcome = None
+    try:
+        started = time.monotonic()
+        torchrun = launch(run, spec, job, folder, progress)
+        outcome = diagnose(receive(torchrun, reader, run, progress), folder / _LOGS, spec.nproc,
+                           job.placement.node_rank)
+        log(run, reader, outcome, time.monotonic() - started, progress)
+        yield reader.handoff
+    finally:
+        if outcome is None or outcome.ok or run is not None:
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def launch(run, spec, job: JobLaunch, folder: Path, progress) -> subprocess.Popen:
+    """Label the run (a job whose ranks never get to log is still found), say what runs, tell rank 0
+    the run it logs for, and start torchrun with the same command in every rank."""
+    from vitreg.tracking import handoff as handback
     from vitreg.tracking import runs as tracking
     from vitreg.tracking.tags import label_launcher_run
 
-    job.placement.check()
-    gpus = visible_gpu_count()
-    check_nproc(spec.nproc, spec.device, gpus)
-    job.check(gpus)
     label_launcher_run(run, spec, job.job, task=job.task, cuda_graph=job.cuda_graph)
-    argv = ["-m", "vitreg.cli", job.job, *options_to_args(job.options)]
-    if job.run_name:
-        argv += ["--run-name", job.run_name]
+    nnodes = job.placement.nnodes
     if run is not None:
-        images = spec.nproc * job.placement.nnodes * spec.batch_size if isinstance(spec.batch_size, int) else None
+        images = spec.nproc * nnodes * spec.batch_size if isinstance(spec.batch_size, int) else None
         progress(f"run {run.run_id} at {tracking.tracking_uri()}: {spec.nproc} process(es) per node x "
-                 f"{job.placement.nnodes} node(s) (DDP), batch_size={spec.batch_size} per process"
+                 f"{nnodes} node(s) (DDP), batch_size={spec.batch_size} per process"
                  + (f" ({images} images per step)" if images else ""))
-    with launched(argv, spec.nproc, run, job.placement, progress, job.command) as handed:
-        job.handed(handed)
+    handback.announce_run(folder / _HANDOFF, run.run_id if run else "", str(run.experiment_id) if run else "")
+    env = {**tracking.without_requested_run(os.environ), ENV_LAUNCH_DIR: str(folder), ENV_COMMAND: job.command,
+           LINE_PREFIX_ENV: LINE_PREFIX}
+    cmd = torchrun_command(job.argv, spec.nproc, nnodes, job.placement.node_rank, job.placement.rdzv_endpoint,
+                           str(folder / _LOGS))
+    progress("launching: " + " ".join(shlex.quote(c) for c in cmd))
+    return _start_torchrun(cmd, env)
+
+
+def receive(torchrun: subprocess.Popen, reader, run, progress, poll_s: float = 2.0) -> int:
+    """Wait for torchrun, logging rank 0's calls into ``run`` as they come (every ``poll_s`` seconds);
+    returns torchrun's status. Stopped (Ctrl-C, SIGTERM...) or failing here, it stops torchrun (SIGTERM:
+    each rank stops cleanly and rank 0 hands back its last calls) first; a stop then logs those calls
+    (a final checkpoint, points, results) before the run ends KILLED."""
+    try:
+        while True:
+            try:
+                returncode = torchrun.wait(timeout=poll_s)
+                break
+            except subprocess.TimeoutExpired:
+                _replay_new(reader, run, progress)
+    except BaseException as exc:
+        _stop_torchrun(torchrun)
+        if isinstance(exc, KeyboardInterrupt):
+            _replay_new(reader, run, progress)
+        raise
+    _forwarded(torchrun)
+    return returncode
+
+
+def log(run, reader, outcome: LaunchOutcome, seconds: float, progress) -> None:
+    """Log rank 0's last calls and every rank's output (``torchrun/rank<N>/stdout.log|stderr.log``),
+    whatever the outcome; raise :class:`LaunchError` with the root cause if the ranks failed."""
+    progress(f"torchrun {'finished' if outcome.ok else 'failed'} after {seconds:.1f} s")
+    _replay_new(reader, run, progress)
+    if run is not None:
+        _log_rank_logs(run, outcome)
+    if not outcome.ok:
+        if run is None:
+            progress(f"the ranks' logs are in {outcome.log_dir}")
+        raise LaunchError(outcome.message, outcome.exit_code)
+
+
+def _replay_new(reader, run, progress) -> None:
+    """Rank 0's calls since the last read, into the run (none on a node other than 0)."""
+    from vitreg.tracking import handoff as handback
+
+    calls = reader.read_new()
+    if run is not None:
+        handback.replay(reader.directory, calls, run, progress)
 
 
 def _log_rank_logs(run, outcome: LaunchOutcome) -> None:
@@ -303,11 +306,83 @@ def _log_rank_logs(run, outcome: LaunchOutcome) -> None:
 
 
 # --------------------------------------------------------------------------------------------
+# torchrun as a child that never outlives its launcher, stopped without torchrun's traceback
+#
+# - A launcher SIGKILLed (the OOM killer, ``kill -9``) runs no clean-up, so the OS must do it: torchrun
+#   starts with the parent-death signal set (``prctl(PR_SET_PDEATHSIG, SIGTERM)``), and so does each
+#   worker shim (:func:`die_with_parent`): the launcher's death stops torchrun, whose death stops its
+#   workers. A SIGTERM is the clean stop; each rank ends as it would for ``kill <pid>``.
+# - A launcher asked to stop (SIGTERM, SIGHUP, SIGQUIT, Ctrl-C) stops torchrun with SIGTERM, which stops
+#   the workers; torchrun then prints its own ``SignalException`` traceback, which says nothing the
+#   launcher's one line does not. torchrun's stderr passes through :class:`_Forwarder`: every line as it
+#   is while the job runs; once the launcher stops it, only the ranks' own lines (``[rank<N>]:``).
+
+_PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent(sig: int = signal.SIGTERM) -> None:
+    """Have the OS send ``sig`` to this process when its parent dies (Linux; a no-op elsewhere).
+    A parent that died before the call already made this process an orphan: then ``sig`` at once."""
+    if not sys.platform.startswith("linux"):
+        return
+    parent = os.getppid()
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:
+        os.kill(os.getpid(), sig)
+
+
+class _Forwarder(threading.Thread):
+    """Copies torchrun's stderr to ours, line by line; after :meth:`stopping`, only the ranks' lines."""
+
+    def __init__(self, stream, rank_prefix: bytes):
+        super().__init__(name="vitreg-torchrun-stderr", daemon=True)
+        self.stream, self.rank_prefix = stream, rank_prefix
+        self._stopping = threading.Event()
+
+    def stopping(self) -> None:
+        self._stopping.set()
+
+    def run(self) -> None:
+        for line in iter(self.stream.readline, b""):
+            if not self._stopping.is_set() or line.startswith(self.rank_prefix):
+                sys.stderr.buffer.write(line)
+                sys.stderr.buffer.flush()
+
+
+def _start_torchrun(cmd: list[str], env: dict) -> subprocess.Popen:
+    """Start torchrun (``cmd``) so that it dies with this process and its stderr is forwarded."""
+    proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, preexec_fn=die_with_parent)
+    proc.forwarder = _Forwarder(proc.stderr, b"[rank")
+    proc.forwarder.start()
+    return proc
+
+
+def _stop_torchrun(proc: subprocess.Popen, timeout_s: float = 60.0) -> None:
+    """Stop torchrun and its workers (SIGTERM: each rank stops cleanly), SIGKILL after ``timeout_s``."""
+    proc.forwarder.stopping()
+    proc.terminate()  # torchrun turns SIGTERM into stopping its workers
+    try:
+        proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+    _forwarded(proc)
+
+
+def _forwarded(proc: subprocess.Popen) -> None:
+    """After torchrun exited: the last of its stderr forwarded."""
+    proc.forwarder.join(5)
+
+
+# --------------------------------------------------------------------------------------------
 # the ranks' side
 
 
 def launched_by_vitreg() -> bool:
-    """True in a worker of :func:`launched` (the launcher holds the run and its system metrics)."""
+    """True in a worker of :func:`launch_job` (the launcher holds the run and its system metrics)."""
     return inside_torchrun() and bool(os.environ.get(ENV_LAUNCH_DIR))
 
 
@@ -374,7 +449,7 @@ def worker_main(argv: list[str]) -> int:
 
     if argv[:1] == ["--"]:
         argv = argv[1:]
-    supervise.die_with_parent()  # torchrun gone (SIGKILLed with its launcher): this rank stops too
+    die_with_parent()  # torchrun gone (SIGKILLed with its launcher): this rank stops too
     try:
         _run_python(argv)
         return 0

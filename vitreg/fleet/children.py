@@ -1,5 +1,9 @@
 """What a sweep child is, for both engines (vitreg.bench.sweep's local one and vitreg.fleet's Ray one): its
-command line, and the smaller batch it is retried with after running out of memory."""
+command line, and the smaller batch it is retried with after running out of memory.
+
+A boundary module, short on purpose: both engines import it. Held in the sweep, it would close an import
+circle (sweep -> fleet.ray_engine -> fleet.ray_tasks -> sweep); held in ray_tasks, the local engine would
+import Ray."""
 
 from __future__ import annotations
 

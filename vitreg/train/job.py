@@ -22,7 +22,7 @@ DDP (``nproc > 1``), as ``bench`` does it: the process the user started becomes 
 (:func:`_launch_train`). It holds the one MLflow run (or resumes ``mlflow run``'s), checks what
 needs no GPU (model name, data layout, ``nproc`` against the visible GPUs; any ``nproc`` on the
 CPU, with gloo), and runs the same ``train`` under torchrun through
-:func:`vitreg.ddp.launcher.launched`, which logs what rank 0 hands back, ends the run FAILED with
+:func:`vitreg.ddp.launcher.launch_job`, which logs what rank 0 hands back, ends the run FAILED with
 the failing rank's error and passes its exit status on. Each rank joins the process group, trains
 its own shard (an ``EpochSampler`` shard of an ImageFolder, or synthetic batches seeded by rank)
 with ``batch_size`` images per process; no rank talks to MLflow: rank 0's tracker hands its calls
@@ -150,23 +150,20 @@ def _launch_train(run, spec: TrainSpec, job: launch.JobLaunch, progress) -> None
     then the registration rank 0 asked for, against the run its hand-off was logged into."""
     from vitreg.train.data import resolve_num_classes
 
-    def check(gpus: int) -> None:
-        check_model_name(spec.model)  # fail here, once, rather than in every rank
-        if job.placement.node_rank == 0:
-            check_registration(spec)
-        resolve_num_classes(spec.replace(num_classes=0))  # data=PATH: its layout, once (not per rank)
-        if spec.resume and not spec.resume.startswith(("runs:/", "models:/")) and "://" not in spec.resume:
-            resolve_checkpoint_source(spec.resume)  # a local path that does not exist
-        # host memory for every rank, before any is started: past it the OOM killer takes the launcher
-        check_ranks_fit(spec.nproc, spec.model, spec.img_size, resolve_num_classes(spec),
-                        "cpu" if spec.device == "cpu" or not gpus else "cuda")
-
-    def handed(handoff) -> None:
+    gpus = launch.check(spec, job.placement)
+    check_model_name(spec.model)  # fail here, once, rather than in every rank
+    if job.placement.node_rank == 0:
+        check_registration(spec)
+    resolve_num_classes(spec.replace(num_classes=0))  # data=PATH: its layout, once (not per rank)
+    if spec.resume and not spec.resume.startswith(("runs:/", "models:/")) and "://" not in spec.resume:
+        resolve_checkpoint_source(spec.resume)  # a local path that does not exist
+    # host memory for every rank, before any is started: past it the OOM killer takes the launcher
+    check_ranks_fit(spec.nproc, spec.model, spec.img_size, resolve_num_classes(spec),
+                    "cpu" if spec.device == "cpu" or not gpus else "cuda")
+    with launch.launch_job(run, spec, job, progress) as handoff:
         request = handoff.registration
         if run is not None and request is not None:
             register_if_requested(run, spec, request["path"], request["tags"])
-
-    launch.launch_job(run, spec, dataclasses.replace(job, check=check, handed=handed), progress)
 
 
 def _train_in_run(run, options, workdir: Path, progress, command, run_name, sampler_factory):
