@@ -36,6 +36,7 @@ from vitreg.models.factory import check_model_name, create_model
 from vitreg.models.memory import check_ranks_fit
 from vitreg.tracking import naming
 from vitreg.tracking import runs as tracking
+from vitreg.tracking.spool import clean_tags
 from vitreg.tracking.tags import log_setup, log_what_ran, resolved_tags, world_tags
 
 
@@ -143,7 +144,7 @@ def _bench_in_run(run, spec: BenchSpec, run_name, progress, command, baseline_ru
             return
         run.log_dict(ctx.reducer.per_rank_report(), "ranks.json")  # each rank's own figures: stragglers show
         if baseline is not None:
-            log_scaling_efficiency(run, baseline, result.metrics(), world.world_size, tracking.clean_tags(tags),
+            log_scaling_efficiency(run, baseline, result.metrics(), world.world_size, clean_tags(tags),
                                    ctx.progress)
 
     hw = ctx.hardware

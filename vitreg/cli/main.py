@@ -17,8 +17,7 @@ from vitreg.cli.param_types import ChoiceText, GpuLabel
 from vitreg.config.options import option
 from vitreg.errors import VitregError
 from vitreg.console import quiet_libraries
-from vitreg.tracking.delivery import bound_http_requests
-from vitreg.tracking.quiet import quiet_artifact_downloads, quiet_mlflow_info
+from vitreg.tracking.store import bound_http_requests, quiet_artifact_downloads, quiet_mlflow_info
 
 
 @click.group()

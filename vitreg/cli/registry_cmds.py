@@ -1,4 +1,4 @@
-"""``vitreg pull`` and ``vitreg infer``: thin click shells over :mod:`vitreg.tracking.registry` and :mod:`vitreg.bench.infer`.
+"""``vitreg pull`` and ``vitreg infer``: thin click shells over :mod:`vitreg.tracking.model_registry` and :mod:`vitreg.bench.infer`.
 
 Registered in :mod:`vitreg.cli` with ``main.add_command(pull)`` / ``main.add_command(infer)``; the
 one-line-error handling and infer's options (from the option table) come from :mod:`vitreg.cli.common`.
@@ -20,7 +20,7 @@ from vitreg.cli.invocation import command_line
 @user_errors
 def register(checkpoint_uri, name, alias):
     """Register a run's checkpoint (runs:/<run_id>/checkpoints/last) as a new model version."""
-    from vitreg.tracking.registry import register_run_checkpoint
+    from vitreg.tracking.model_registry import register_run_checkpoint
 
     mv = register_run_checkpoint(checkpoint_uri, name, alias)
     click.echo(f"registered models:/{mv.name}/{mv.version}" + (f" (@{alias})" if alias.lower() != "latest" else "")

@@ -1,5 +1,5 @@
 """``vitreg sync``, ``vitreg runs --stale`` and ``vitreg runs --csv``: thin click shells over
-:mod:`vitreg.tracking.sync`, :mod:`vitreg.tracking.stale` and :func:`vitreg.api.runs`.
+:func:`vitreg.tracking.delivery.sync`, :func:`vitreg.tracking.runs.find_stale` and :func:`vitreg.api.runs`.
 
 Registered on the group with ``main.add_command(sync)`` and ``main.add_command(runs)``.
 """
@@ -29,7 +29,7 @@ _STALE_AFTER_S = "600"  # twenty heartbeat periods: a run silent that long has n
 def sync(spool_dir, tracking_uri):
     """Deliver runs that were logged locally (server down, offline=true, killed) exactly once."""
     from vitreg.tracking.spool import spool_root
-    from vitreg.tracking.sync import sync as deliver
+    from vitreg.tracking.delivery import sync as deliver
 
     results = deliver(spool_dir, tracking_uri)
     if not results:
@@ -58,7 +58,7 @@ def runs(stale, fix, as_csv, experiment, older_than):
         raise VitregError("vitreg runs lists runs left RUNNING by a process that is gone: pass --stale "
                           "(and --fix to end them KILLED), or --csv --experiment NAME for an experiment's results")
     seconds = parse_float(older_than, "--older-than", minimum=0)
-    from vitreg.tracking.stale import find_stale, mark_killed
+    from vitreg.tracking.runs import find_stale, mark_killed
 
     found = find_stale(seconds, experiment)
     for run in found:

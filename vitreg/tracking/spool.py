@@ -12,7 +12,9 @@ Appending is a local write and flush (no network, no fsync); :meth:`Spool.fsync`
 durable and is called at batch boundaries (before each delivery attempt and at the end). A line torn by
 a crash is the last one and is ignored on reading. Delivery (live, or later with ``vitreg sync``) sends
 records in order; the server run's ``vitreg_spool_seq.<spool id>`` tag says how far it got (see
-:mod:`vitreg.tracking.delivery`). A fully delivered spool is removed.
+:mod:`vitreg.tracking.delivery`). A fully delivered spool is removed. What a tag, metric or dict artifact
+may hold on its way to MLflow (:func:`clean_tags`, :func:`clean_metrics`, :func:`dict_text`) is said here
+once, for every tracker.
 
 Settings (environment): ``VITREG_SPOOL_DIR`` (the root; default ``$XDG_DATA_HOME/vitreg/spool``, i.e.
 ``~/.local/share/vitreg/spool``), ``VITREG_OFFLINE`` (true: write the spool only, deliver later),
@@ -72,6 +74,20 @@ def flush_timeout_s(value=None) -> float:
 
 def now_ms() -> int:
     return int(time.time() * 1000)
+
+
+def clean_tags(tags: dict) -> dict[str, str]:
+    """Tags as MLflow stores them: strings, no None, never MLflow's reserved ``mlflow.`` prefix."""
+    return {k: str(v) for k, v in tags.items() if v is not None and not k.startswith("mlflow.")}
+
+
+def clean_metrics(metrics: dict) -> dict[str, float]:
+    return {k: float(v) for k, v in metrics.items() if v is not None}
+
+
+def dict_text(data: dict) -> str:
+    """A dict artifact's text (``default=str``: paths and other values a result holds)."""
+    return json.dumps(data, indent=2, sort_keys=True, default=str)
 
 
 def _chunks(items: list, size: int) -> list[list]:
