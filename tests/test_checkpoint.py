@@ -252,13 +252,13 @@ def test_export_is_all_or_nothing(saved, tmp_path):
 def test_a_run_still_in_the_spool_is_not_registered(saved, tmp_path):
     """Registration is off the Tracker protocol: the registry asks a spooling tracker whether its run is on the
     server; an offline one is not, and the refusal says how to register after `vitreg sync`."""
-    from vitreg.tracking import registry
-    from vitreg.tracking.spooling import SpoolingTracker
+    from vitreg.tracking import model_registry
+    from vitreg.tracking.delivery import SpoolingTracker
 
     tracker = SpoolingTracker.open("spooled", run_name="offline", root=tmp_path / "spool", offline=True)
     try:
         with pytest.raises(VitregError) as err:
-            registry.register_checkpoint(tracker, saved[0], "tiny")
+            model_registry.register_checkpoint(tracker, saved[0], "tiny")
     finally:
         tracker.close()
     message = one_line(err)

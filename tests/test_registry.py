@@ -21,7 +21,7 @@ import torch
 from click.testing import CliRunner
 
 from conftest import REPO, migrated_store, subprocess_env
-from vitreg.tracking import checkpoint_sources, registry
+from vitreg.tracking import checkpoint_sources, model_registry
 from vitreg.tracking import runs as tracking
 from vitreg.checkpoint.format import save_checkpoint
 from vitreg.errors import VitregError
@@ -72,9 +72,9 @@ def store(tmp_path_factory):
             run.log_artifacts(ck1, "checkpoints/step-5")
             run.log_artifacts(ck2, "checkpoints/step-10")
             run.log_artifacts(ck2, "checkpoints/last")
-            mv1 = registry.register_checkpoint(run, ck1, "tv", alias="champion", tags={"dataset": "synthetic"})
+            mv1 = model_registry.register_checkpoint(run, ck1, "tv", alias="champion", tags={"dataset": "synthetic"})
             # from the run artifact, as training may; alias="latest" (the default) is MLflow's built-in
-            mv2 = registry.register_checkpoint(run, f"runs:/{run.run_id}/checkpoints/step-10", "tv")
+            mv2 = model_registry.register_checkpoint(run, f"runs:/{run.run_id}/checkpoints/step-10", "tv")
         yield SimpleNamespace(uri=uri, root=root, run_id=run.run_id, mv1=mv1, mv2=mv2, w1=w1, w2=w2,
                               ck1=ck1, ck2=ck2)
         while mlflow.active_run():
@@ -131,7 +131,7 @@ def test_register_refuses_a_name_owned_by_another_architecture(store, tmp_path):
     other, _ = make_checkpoint(tmp_path / "other", step=1, arch="test_vit2")
     with tracking.tracked_run(run_name="other", system_metrics=False) as run:
         with pytest.raises(VitregError) as exc:
-            registry.register_checkpoint(run, other, "tv", alias="champion")
+            model_registry.register_checkpoint(run, other, "tv", alias="champion")
     msg = one_line(exc)
     assert "'tv' already holds versions of test_vit, not test_vit2" in msg and "choose another register_as" in msg
     assert {str(mv.version) for mv in client().search_model_versions("name = 'tv'")} == {"1", "2"}  # nothing logged
@@ -187,7 +187,7 @@ def test_train_refuses_a_register_as_of_another_architecture_before_training(sto
 def test_register_refuses_unusable_names_and_aliases(store, name, alias, needle):
     with tracking.tracked_run(run_name="alias", system_metrics=False) as run:
         with pytest.raises(VitregError) as exc:
-            registry.register_checkpoint(run, store.ck1, name, alias=alias)
+            model_registry.register_checkpoint(run, store.ck1, name, alias=alias)
     assert needle in one_line(exc)
 
 
@@ -197,7 +197,7 @@ def test_register_refuses_a_tampered_checkpoint(store, tmp_path):
     (bad / "spec.json").write_text((bad / "spec.json").read_text().replace('"num_classes": 10', '"num_classes": 11'))
     with tracking.tracked_run(run_name="tampered", system_metrics=False) as run:
         with pytest.raises(VitregError) as exc:
-            registry.register_checkpoint(run, bad, "tv")
+            model_registry.register_checkpoint(run, bad, "tv")
     assert "spec.json" in one_line(exc)
 
 
@@ -225,7 +225,7 @@ def test_pull_rebuilds_the_exact_weights(store, tmp_path, uri, which, version):
 
 
 def test_load_model_returns_model_info_and_spec(store):
-    from vitreg.tracking.registry import load_model  # the README's import path
+    from vitreg.tracking.model_registry import load_model  # the README's import path
 
     assert load_model is checkpoint_sources.load_model
     model, info, spec = load_model("models:/tv@champion")

@@ -25,10 +25,9 @@ from mlflow.tracking import MlflowClient
 from vitreg.cli.main import sync as sync_command
 from vitreg.errors import StoreError, VitregError
 
-from vitreg.tracking.delivery import SPOOL_ID_TAG, experiment_id_for, seq_tag
+from vitreg.tracking.delivery import (SPOOL_ID_TAG, SpoolingTracker, SyncError, experiment_id_for, open_run, seq_tag,
+                                      sync)
 from vitreg.tracking.spool import Spool, flush_timeout_s, offline_mode, spool_root
-from vitreg.tracking.spooling import SpoolingTracker, open_run
-from vitreg.tracking.sync import SyncError, sync
 
 from conftest import REPO, free_port, migrated_store, premigrated, subprocess_env
 
@@ -553,7 +552,7 @@ def test_server_killed_mid_run_then_sync_delivers_everything_once(tmp_path, monk
         server.stop(proc)
 
 
-SYNC_CHILD = "import sys; from vitreg.tracking.sync import sync; sync(sys.argv[1])"
+SYNC_CHILD = "import sys; from vitreg.tracking.delivery import sync; sync(sys.argv[1])"
 
 
 @pytest.mark.slow
@@ -581,7 +580,7 @@ def test_a_sync_process_killed_midway_resumes(store, experiment, tmp_path):
 
 
 def test_short_http_requests_is_process_wide_while_any_delivery_runs(monkeypatch):
-    from vitreg.tracking.delivery import short_http_requests
+    from vitreg.tracking.store import short_http_requests
 
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "120")
     monkeypatch.setenv("VITREG_HTTP_TIMEOUT_S", "4")
@@ -595,7 +594,7 @@ def test_short_http_requests_is_process_wide_while_any_delivery_runs(monkeypatch
 
 SILENT_SERVER_CHILD = """
 import sys, time
-from vitreg.tracking.spooling import SpoolingTracker, open_run
+from vitreg.tracking.delivery import SpoolingTracker, open_run
 tracker = SpoolingTracker.open("exp", root=sys.argv[1], tracking_uri=sys.argv[2])
 for step in range(200):
     tracker.log_metrics({"loss": 1.0}, step=step)

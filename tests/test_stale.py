@@ -18,9 +18,8 @@ from mlflow.tracking import MlflowClient
 
 from vitreg.cli.main import runs as runs_command
 from vitreg.errors import VitregError
-from vitreg.tracking.delivery import HEARTBEAT_TAG
-from vitreg.tracking.spooling import SpoolingTracker
-from vitreg.tracking.stale import find_stale, mark_killed
+from vitreg.tracking.delivery import HEARTBEAT_TAG, SpoolingTracker
+from vitreg.tracking.runs import find_stale, mark_killed
 from vitreg.tracking.store import prepare_store
 
 from conftest import REPO, subprocess_env, wait_until
@@ -137,7 +136,7 @@ def test_a_live_tracker_keeps_its_run_out_of_the_stale_list(store, tmp_path):
 
 CHILD = textwrap.dedent("""
     import sys, time
-    from vitreg.tracking.spooling import SpoolingTracker
+    from vitreg.tracking.delivery import SpoolingTracker
     tracker = SpoolingTracker.open("victim", run_name="killed", root=sys.argv[1], heartbeat_s=0.5)
     for step in range(10):
         tracker.log_metrics({"loss": 1.0 / (step + 1)}, step=step)

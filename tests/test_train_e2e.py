@@ -55,10 +55,10 @@ def test_mlproject_entry_matches_train_spec():
 
 
 def test_cli_train_logs_run_checkpoints_and_registers(sqlite_store, tmp_path, monkeypatch):
-    from vitreg.tracking import registry
+    from vitreg.tracking import model_registry
 
     calls = []
-    monkeypatch.setattr(registry, "register_checkpoint",
+    monkeypatch.setattr(model_registry, "register_checkpoint",
                         lambda tracker, directory, name, alias, tags: calls.append(
                             (tracker.run_id, verify_checkpoint(directory).manifest, name, alias, tags)))
     res = CliRunner().invoke(cli(), ["train", *TINY, "--steps", "6", "--log-every", "2", "--checkpoint-every", "3",
@@ -99,13 +99,13 @@ def test_cli_train_logs_run_checkpoints_and_registers(sqlite_store, tmp_path, mo
 
 
 def test_a_registration_that_fails_after_training_names_the_command_to_retry(sqlite_store, monkeypatch):
-    from vitreg.tracking import registry
+    from vitreg.tracking import model_registry
     from vitreg.errors import VitregError
 
     def refuse(*args, **kwargs):
         raise VitregError("could not register 'tiny' at the server: 503 Service Unavailable")
 
-    monkeypatch.setattr(registry, "register_checkpoint", refuse)
+    monkeypatch.setattr(model_registry, "register_checkpoint", refuse)
     res = CliRunner().invoke(cli(), ["train", *TINY, "--steps", "2", "--register-as", "tiny", "--alias", "champion",
                                      "--experiment", "late-refusal"])
     assert res.exit_code == 2
@@ -148,22 +148,9 @@ def test_cli_errors_are_one_line_and_fail_the_run(sqlite_store):
         assert run.info.status == "FAILED" and needle in run.data.tags["vitreg_error"]
 
 
-def test_background_logger_with_a_run_bound_tracker(sqlite_store, monkeypatch):
-    """The threaded path: a Tracker bound to its run id logs curves and checkpoints from the logger thread into the same run, and nowhere else."""
-    import mlflow
-
-    class RunBoundTracker(tracking.MlflowTracker):
-        thread_safe = True
-
-        def log_metrics(self, metrics, step=None):
-            clean = {k: float(v) for k, v in metrics.items() if v is not None}
-            if clean:
-                mlflow.log_metrics(clean, step=step, run_id=self.run_id)
-
-        def log_artifacts(self, path, artifact_path=None):
-            mlflow.log_artifacts(str(path), artifact_path, run_id=self.run_id)
-
-    monkeypatch.setattr(tracking, "MlflowTracker", RunBoundTracker)
+def test_background_logger_with_a_run_bound_tracker(sqlite_store):
+    """The threaded path: the run's tracker (thread-safe, every call bound to its run) logs curves and
+    checkpoints from the logger thread into the same run, and nowhere else."""
     from vitreg.train.job import train
 
     result = train({"model": "test_vit", "img_size": "32", "num_classes": "10", "batch_size": "4", "steps": "4",

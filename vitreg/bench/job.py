@@ -46,6 +46,7 @@ from vitreg.models.factory import ModelInfo, check_model_name, create_model
 from vitreg.models.memory import check_ranks_fit
 from vitreg.tracking import checkpoint_sources, naming
 from vitreg.tracking import runs as tracking
+from vitreg.tracking.spool import clean_tags
 from vitreg.tracking.tags import log_setup, log_what_ran, resolved_tags, world_tags
 
 
@@ -204,7 +205,7 @@ def benchmark_in_run(plan: BenchPlan) -> BenchResult:
     if ctx.reducer is not None:
         run.log_dict(ctx.reducer.per_rank_report(), "ranks.json")  # each rank's own figures: stragglers show
     if plan.baseline is not None:
-        log_scaling_efficiency(run, plan.baseline, result.metrics(), ctx.world.world_size, tracking.clean_tags(tags),
+        log_scaling_efficiency(run, plan.baseline, result.metrics(), ctx.world.world_size, clean_tags(tags),
                                ctx.progress)
     if plan.pulled is not None:
         checkpoint_sources.link_infer_run(plan.pulled, run.run_id, result.metrics(), gpu=hw.label)

@@ -141,9 +141,11 @@ def user_errors(fn):
             return fn(*args, **kwargs)
         except VitregError as exc:
             from vitreg.ddp.diagnose import record_error
+            from vitreg.ddp.world import is_main_process
             from vitreg.tracking import runs as tracking
 
-            tracking.fail_requested_run(str(exc))
+            if is_main_process():  # under torchrun every rank sees mlflow run's run id: rank 0 ends it
+                tracking.fail_requested_run(str(exc))
             record_error(str(exc), exc.exit_code)  # in a torchrun worker: the launcher's root cause
             click.echo(f"error: {scrub(str(exc))}", err=True)
             sys.exit(exc.exit_code)
@@ -154,7 +156,7 @@ def user_errors(fn):
             click.echo(f"error: {exc}{killed}", err=True)
             sys.exit(exc.exit_code)
         except Exception as exc:  # a tracking store failure no layer turned into one line: do it here
-            from vitreg.tracking.delivery import store_error_for
+            from vitreg.tracking.store import store_error_for
 
             error = store_error_for(exc)
             if error is None:

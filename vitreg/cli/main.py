@@ -21,8 +21,7 @@ from vitreg.config.options import option
 from vitreg.config.parse import parse_float
 from vitreg.console import quiet_libraries
 from vitreg.errors import VitregError
-from vitreg.tracking.delivery import bound_http_requests
-from vitreg.tracking.quiet import quiet_artifact_downloads, quiet_mlflow_info
+from vitreg.tracking.store import bound_http_requests, quiet_artifact_downloads, quiet_mlflow_info
 
 _STALE_AFTER_S = "600"  # twenty heartbeat periods: a run silent that long has no process behind it
 
@@ -133,7 +132,7 @@ def check(experiment, metric, log_experiment, window, candidate, candidate_tag, 
 def sync(spool_dir, tracking_uri):
     """Deliver runs that were logged locally (server down, offline=true, killed) exactly once."""
     from vitreg.tracking.spool import spool_root
-    from vitreg.tracking.sync import sync as deliver
+    from vitreg.tracking.delivery import sync as deliver
 
     results = deliver(spool_dir, tracking_uri)
     if not results:
@@ -162,7 +161,7 @@ def runs(stale, fix, as_csv, experiment, older_than):
         raise VitregError("vitreg runs lists runs left RUNNING by a process that is gone: pass --stale "
                           "(and --fix to end them KILLED), or --csv --experiment NAME for an experiment's results")
     seconds = parse_float(older_than, "--older-than", minimum=0)
-    from vitreg.tracking.stale import find_stale, mark_killed
+    from vitreg.tracking.runs import find_stale, mark_killed
 
     found = find_stale(seconds, experiment)
     for run in found:
@@ -197,7 +196,7 @@ def _write_csv(stale: bool, experiment: str | None) -> None:
 @user_errors
 def register(checkpoint_uri, name, alias):
     """Register a run's checkpoint (runs:/<run_id>/checkpoints/last) as a new model version."""
-    from vitreg.tracking.registry import register_run_checkpoint
+    from vitreg.tracking.model_registry import register_run_checkpoint
 
     mv = register_run_checkpoint(checkpoint_uri, name, alias)
     click.echo(f"registered models:/{mv.name}/{mv.version}" + (f" (@{alias})" if alias.lower() != "latest" else "")

@@ -400,19 +400,19 @@ def rank_run(run_name: str | None = None, experiment: str | None = None):
 
     Under a vitreg launcher: rank 0's calls go to the launcher (a HandoffTracker), the other ranks
     get a NullTracker; nothing here talks to MLflow. A plain process, or a torchrun the user
-    started: a run of its own (``tracked_run``; a NullTracker on ranks other than 0).
+    started: a run of its own (``tracked_run``) on rank 0, a NullTracker on the other ranks.
     """
     from vitreg.tracking import runs as tracking
 
-    if not launched_by_vitreg():
-        with tracking.tracked_run(run_name=run_name, experiment=experiment) as run:
-            yield run
-    elif is_main_process():
+    if not is_main_process():
+        yield tracking.NullTracker()
+    elif launched_by_vitreg():
         from vitreg.tracking.handoff import HandoffTracker
 
         yield HandoffTracker(Path(os.environ[ENV_LAUNCH_DIR]) / _HANDOFF)
     else:
-        yield tracking.NullTracker()
+        with tracking.tracked_run(run_name=run_name, experiment=experiment) as run:
+            yield run
 
 
 # --------------------------------------------------------------------------------------------

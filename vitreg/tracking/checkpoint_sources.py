@@ -26,10 +26,9 @@ from vitreg.checkpoint import format as ckpt
 from vitreg.checkpoint.export import export_folder
 from vitreg.console import progress
 from vitreg.errors import VitregError, path_kind
-from vitreg.tracking.delivery import first_line
 from vitreg.tracking.mlflow_on_first_use import mlflow
-from vitreg.tracking.uris import shown_uri
-from vitreg.tracking.quiet import quiet_artifact_downloads
+from vitreg.tracking.store import first_line, quiet_artifact_downloads
+from vitreg.tracking.uris import tracking_uri
 
 #: Where the checkpoint files live inside a registered model version's artifacts.
 CHECKPOINT_SUBDIR = "extra_files"
@@ -85,10 +84,10 @@ def mlflow_call(fn, what: str):
     except mlflow.exceptions.MlflowException as exc:
         if exc.get_http_status_code() < 500:
             raise  # the server answered (no such run or model): the caller says so
-        raise VitregError(f"the MLflow tracking server at {shown_uri()} failed to {what}: "
+        raise VitregError(f"the MLflow tracking server at {tracking_uri()} failed to {what}: "
                           f"{first_line(exc)} (check that it is up and answers)") from None
     except Exception as exc:  # connection refused, DNS, ...
-        raise VitregError(f"cannot reach the MLflow tracking server at {shown_uri()} to {what}: "
+        raise VitregError(f"cannot reach the MLflow tracking server at {tracking_uri()} to {what}: "
                           f"{first_line(exc)} (check MLFLOW_TRACKING_URI)") from None
 
 
@@ -131,7 +130,7 @@ def _download_model_version(client, uri: str, dst: Path, what: str, progress) ->
     except mlflow.exceptions.MlflowException:
         names = _registered_names(client)
         have = f"registered models are {', '.join(names)}" if names else "there are no registered models yet"
-        raise VitregError(f"no registered model {name!r} at {shown_uri()}: {have}") from None
+        raise VitregError(f"no registered model {name!r} at {tracking_uri()}: {have}") from None
     if version is None:
         if alias.lower() == "latest":
             versions = [int(mv.version) for mv in client.search_model_versions(f"name = '{name}'")]
@@ -170,7 +169,7 @@ def _download_run_path(client, uri: str, dst: Path, what: str, progress) -> tupl
     try:
         mlflow_call(lambda: client.get_run(run_id), f"look up run {run_id}")
     except mlflow.exceptions.MlflowException:
-        raise VitregError(f"{what}={uri} cannot be downloaded: no run {run_id!r} at {shown_uri()}: "
+        raise VitregError(f"{what}={uri} cannot be downloaded: no run {run_id!r} at {tracking_uri()}: "
                           f"check the run id (mlflow runs list) or MLFLOW_TRACKING_URI") from None
     path = path.strip("/")
     entries = client.list_artifacts(run_id, path or None)
@@ -207,7 +206,7 @@ def _download_artifact_uri(uri: str, dst: Path, what: str, progress) -> Path:
     try:
         local = _download(uri, dst, progress)
     except (mlflow.exceptions.MlflowException, OSError) as exc:
-        raise VitregError(f"{what}={uri} cannot be downloaded from {shown_uri()} ({first_line(exc)}): "
+        raise VitregError(f"{what}={uri} cannot be downloaded from {tracking_uri()} ({first_line(exc)}): "
                           f"check the URI (MLFLOW_TRACKING_URI must be its store)") from None
     return _find_checkpoint(local, uri)
 

@@ -1,100 +1,76 @@
-"""Deliver a spool's records to an MLflow tracking store exactly once, in order, in batches.
+"""A spooled run reaches the tracking store exactly once, in order: live from a background thread while
+the work goes on (:class:`SpoolingTracker`, what every run logs through), or later with ``vitreg sync``.
 
-The server says what it already has: every batch carries the tag ``vitreg_spool_seq.<spool id>`` = the
-sequence number of the last journal record it covers, so a delivery that starts again (the next attempt of the
-background thread, or ``vitreg sync`` after a crash) skips what the run already holds. MLflow's SQL store
-writes a ``log_batch``'s params, then metrics, then tags: the sequence tag lands last, and a batch cut
-short before it is sent again whole, which MLflow absorbs (a metric point identical in key, value,
-timestamp and step is stored once; a param with the same value is accepted). Artifacts are uploaded to the
-same path again (an overwrite), and the final status is set before the tag that covers it.
+Live: every tracker call appends to the run's :class:`~vitreg.tracking.spool.Spool` (a local write) and
+returns. A background thread delivers what is pending about once a second (sooner when much piles up),
+in ``log_batch`` calls, with a heartbeat tag (``vitreg_heartbeat``, every ``VITREG_HEARTBEAT_S``
+seconds, default 30: what tells a live run from a stale one, :func:`vitreg.tracking.runs.find_stale`);
+when the server fails it backs off (0.5 s doubling to 8 s) and tries again, for as long as the work goes
+on. :meth:`SpoolingTracker.close` journals the final status and waits at most ``timeout_s``
+(``VITREG_FLUSH_TIMEOUT_S``, default 30) for the rest; what is still undelivered then stays in the spool,
+and one line says how to deliver it (``vitreg sync``). Offline (``offline=true`` / ``VITREG_OFFLINE=1``)
+nothing is sent at all.
 
-A run the server never saw is created with the tag ``vitreg_spool_id`` and looked up by that tag before
-creating, so a crash right after creating it does not make a second run.
+Exactly once: the server says what it already has. Every batch carries the tag
+``vitreg_spool_seq.<spool id>`` = the sequence number of the last journal record it covers, so a delivery
+that starts again (the next attempt of the background thread, or ``vitreg sync`` after a crash) skips
+what the run already holds. MLflow's SQL store writes a ``log_batch``'s params, then metrics, then tags:
+the sequence tag lands last, and a batch cut short before it is sent again whole, which MLflow absorbs (a
+metric point identical in key, value, timestamp and step is stored once; a param with the same value is
+accepted). Artifacts are uploaded to the same path again (an overwrite), and the final status is set
+before the tag that covers it. A run the server never saw is created with the tag ``vitreg_spool_id``
+and looked up by that tag before creating, so a crash right after creating it does not make a second run.
 
-MLflow's HTTP client retries for minutes against a dead or failing server; :func:`short_http_requests`
-makes each request fail within seconds (the caller owns the back-off).
+``vitreg sync`` (:func:`sync`): each spool goes to the tracking URI given, else the one it was logged
+against, else the current one (``MLFLOW_TRACKING_URI``); delivery resumes where the server's run says it
+stopped: a second sync adds nothing, a sync cut short resumes. A delivered spool is removed; a spool held
+by a running process is left to it.
 """
 
 from __future__ import annotations
 
-import contextlib
+import dataclasses
 import os
-import re
 import threading
 import time
 from pathlib import Path
 
-from vitreg import errors
 from vitreg.config.parse import parse_float
-from vitreg.errors import StoreError, VitregError
+from vitreg.console import progress
+from vitreg.errors import VitregError
 from vitreg.tracking.mlflow_on_first_use import mlflow
-from vitreg.tracking.quiet import quiet_run_links
-from vitreg.tracking.spool import MAX_METRICS, MAX_PARAMS, MAX_TAGS, Spool
+from vitreg.tracking.spool import (MAX_METRICS, MAX_PARAMS, MAX_TAGS, Spool, SpoolBusy, SpoolLost, clean_tags,
+                                   dict_text, flush_timeout_s, held, offline_mode, spool_root)
+from vitreg.tracking.store import first_line, http_timeout_s, quiet_run_links, short_http_requests, store_errors
 from vitreg.tracking.uris import redact, scrub
 
 SPOOL_ID_TAG = "vitreg_spool_id"
 HEARTBEAT_TAG = "vitreg_heartbeat"  # unix seconds, refreshed while the process that logs the run is alive
 ERROR_TAG = "vitreg_error"  # the one-line reason a run ended FAILED or KILLED
 ERROR_KIND_TAG = "vitreg_error_kind"  # the VitregError subclass, e.g. OutOfMemory: what a parent branches on
+DEFAULT_HEARTBEAT_S = 30.0
 _MAX_ENTITIES = 1000  # log_batch: metrics + params + tags together
-
-_short_http_users = 0  # trackers and syncs inside short_http_requests(); the last one out restores
-_short_http_lock = threading.Lock()
-_saved_http_settings: dict[str, str | None] = {}
-
-
-def http_timeout_s() -> int:
-    """``VITREG_HTTP_TIMEOUT_S`` (default 10): the most one request to the server may take during delivery."""
-    return int(parse_float(os.environ.get("VITREG_HTTP_TIMEOUT_S") or 10, "VITREG_HTTP_TIMEOUT_S", minimum=1))
+_DELIVERY_INTERVAL_S = 1.0  # at most one round of requests a second while the work goes on
+_WAKE_AT_RECORDS = 200  # ... or sooner, when this many records are pending
+_BACKOFF_FIRST_S, _BACKOFF_MAX_S = 0.5, 8.0
 
 
-@contextlib.contextmanager
-def short_http_requests():
-    """While inside, MLflow HTTP requests of this process make one attempt of at most ``http_timeout_s()``.
-
-    The caller owns the back-off: a dead server then costs seconds, not MLflow's minutes of retries.
-    MLflow reads these variables at every request and has no per-client setting, so they are set for
-    the whole process while any delivery runs, and restored when the last one ends.
-    """
-    global _short_http_users
-    with _short_http_lock:
-        if _short_http_users == 0:
-            settings = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": str(http_timeout_s())}
-            _saved_http_settings.update({name: os.environ.get(name) for name in settings})
-            os.environ.update(settings)
-        _short_http_users += 1
-    try:
-        yield
-    finally:
-        with _short_http_lock:
-            _short_http_users -= 1
-            if _short_http_users == 0:
-                for name, value in _saved_http_settings.items():
-                    if value is None:
-                        os.environ.pop(name, None)
-                    else:
-                        os.environ[name] = value
+def heartbeat_period_s() -> float:
+    """``VITREG_HEARTBEAT_S`` (seconds between heartbeats), default 30."""
+    return parse_float(os.environ.get("VITREG_HEARTBEAT_S") or DEFAULT_HEARTBEAT_S, "VITREG_HEARTBEAT_S",
+                       minimum=0.1)
 
 
-def bound_http_requests() -> None:
-    """Every MLflow HTTP request of this process (a CLI command) ends within a bounded time: two retries
-    a second apart, ``http_timeout_s()`` each, instead of MLflow's seven with doubling back-off (90-200 s
-    against a server that answers 503). Settings the user made are kept."""
-    for name, value in (("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2"), ("MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", "1"),
-                        ("MLFLOW_HTTP_REQUEST_BACKOFF_JITTER", "0.5"),
-                        ("MLFLOW_HTTP_REQUEST_TIMEOUT", str(http_timeout_s()))):
-        os.environ.setdefault(name, value)
+def requested_run_id() -> str | None:
+    """The run ``mlflow run`` asked this process to log into (``MLFLOW_RUN_ID``), if any."""
+    return os.environ.get("MLFLOW_RUN_ID") or None
 
 
-def store_error_for(exc: BaseException) -> StoreError | None:
-    """The one line for a failure of the tracking store that reached the CLI unconverted (an MLflow,
-    requests or urllib3 error): the store, masked, and the reason (``HTTP 503 from the server``); None for
-    any other exception."""
-    names = {cls.__module__.split(".")[0] for cls in type(exc).__mro__}
-    if not names & {"mlflow", "requests", "urllib3"}:
-        return None
-    return StoreError(f"the tracking store at {redact(mlflow.get_tracking_uri())} failed ({first_line(exc)}): "
-                      f"check that it is up and answers, or MLFLOW_TRACKING_URI")
+def end_with_reason(client: mlflow.MlflowClient, run_id: str, status: str, reason: str) -> None:
+    """End run ``run_id`` of the store with ``status`` (FAILED, KILLED) and the one-line reason in
+    ``vitreg_error``, masked: for a run no tracker of this process holds any more."""
+    client.set_tag(run_id, ERROR_TAG, scrub(reason)[:4000])
+    client.set_terminated(run_id, status)
 
 
 def seq_tag(spool_id: str) -> str:
@@ -105,37 +81,6 @@ def seq_tag(spool_id: str) -> str:
 
 def heartbeat_value() -> str:
     return f"{time.time():.0f}"
-
-
-@contextlib.contextmanager
-def store_errors(uri: str, doing: str):
-    """Any failure of the tracking store inside becomes one :class:`StoreError` line naming it."""
-    try:
-        yield
-    except VitregError:
-        raise  # already one line naming the fix
-    except Exception as exc:  # noqa: BLE001 - MlflowException, requests/urllib3 errors, sqlalchemy errors
-        raise StoreError(f"the tracking store at {redact(uri)} failed while {doing} ({first_line(exc)}): "
-                         f"check that it is up, or MLFLOW_TRACKING_URI") from None
-
-
-def first_line(exc: BaseException) -> str:
-    """The reason in a few words: MLflow wraps urllib3's in a paragraph naming the URL and the pool.
-    Any URI or credential in it is masked (:func:`~vitreg.tracking.uris.scrub`)."""
-    return scrub(_reason(exc))
-
-
-def _reason(exc: BaseException) -> str:
-    text = str(exc).strip()
-    if not text:
-        return type(exc).__name__
-    errno = re.search(r"\[Errno -?\d+\] ([^\"')]+)", text)
-    if errno:
-        return errno.group(1).strip()
-    status = re.search(r"too many (\d{3}) error responses|error code (\d{3}) != 200", text)
-    if status:
-        return f"HTTP {status.group(1) or status.group(2)} from the server"
-    return errors.first_line(exc)
 
 
 def experiment_id_for(client: mlflow.MlflowClient, name: str) -> str:
@@ -149,6 +94,9 @@ def experiment_id_for(client: mlflow.MlflowClient, name: str) -> str:
         if exc.error_code != "RESOURCE_ALREADY_EXISTS":
             raise
         return client.get_experiment_by_name(name).experiment_id
+
+
+# --------------------------------------------------------------------------- one spool to one store
 
 
 class _Batch:
@@ -289,3 +237,373 @@ class Delivery:
         )
         self._server_params.update(params)
         self.delivered_seq = batch.last_seq
+
+
+# --------------------------------------------------------------------------- live: the tracker every run logs through
+
+
+def sync_hint(spool: Spool) -> str:
+    """Where an undelivered run waits and the command that delivers it: the progress line of an
+    undelivered close and the job's last line (``where_logged``) say the same thing; a lost spool says so."""
+    if spool.lost:
+        return spool.lost
+    return f"the run is kept in {spool.path}: deliver it with `vitreg sync --spool {spool.path}`"
+
+
+class SpoolingTracker:
+    """The :class:`~vitreg.tracking.runs.Tracker` of every run :func:`~vitreg.tracking.runs.tracked_run`
+    opens: MLflow, the one backend, behind the spool. Its calls are journaled and delivered in the
+    background (the module docstring); beyond the protocol it holds :attr:`spool`, ends with
+    :meth:`close` (``tracked_run``'s, not the job's) and is asked :meth:`check_on_server` before a
+    registration.
+
+    ``existing_params``: what the server run already holds (``mlflow run``'s ``-P`` values), so that
+    :meth:`log_params` can say which requested values it keeps without asking the server.
+    """
+
+    thread_safe = True
+
+    def __init__(self, spool: Spool, offline: bool | None = None, client: mlflow.MlflowClient | None = None,
+                 existing_params: dict | None = None, experiment_id: str | None = None,
+                 heartbeat_s: float | None = None):
+        self.spool = spool
+        self.offline = offline_mode(offline)
+        self.experiment_id = experiment_id
+        self._uri = spool.run_record.get("tracking_uri")
+        self._params = {str(k): str(v) for k, v in (existing_params or {}).items()}
+        self._recorded_run_id = spool.run_record.get("run_id")
+        self.experiment_name = spool.run_record.get("experiment_name")  # under `mlflow run`: the one it chose
+        self._pending: list[dict] = []
+        self._pending_lock = threading.Lock()
+        self._wake, self._stopped, self._done = threading.Event(), threading.Event(), threading.Event()
+        self._last_error = ""
+        self._closed: bool | None = None
+        self._delivery = None
+        self._thread = None
+        if not self.offline:
+            self._client = client
+            self._heartbeat_s = heartbeat_s or heartbeat_period_s()
+            self._thread = threading.Thread(target=self._deliver_loop, name="vitreg-spool", daemon=True)
+            self._wake.set()  # create the run on the server (and its first heartbeat) right away
+            self._thread.start()
+
+    @classmethod
+    def open(cls, experiment_name: str, run_name: str | None = None, run_id: str | None = None,
+             tracking_uri: str | None = None, root=None, **kwargs) -> "SpoolingTracker":
+        """A new spool for one run and its tracker.
+
+        ``run_id``: the server run it continues, when one exists (``mlflow run``'s); ``tracking_uri``:
+        where to deliver (default: MLflow's current one, when the thread starts).
+        """
+        spool = Spool.create(experiment_name, run_name=run_name, run_id=run_id, tracking_uri=tracking_uri,
+                             root=root)
+        return cls(spool, **kwargs)
+
+    @property
+    def run_id(self) -> str | None:
+        """The server's run id: known once the run exists there (None for a new run not delivered yet)."""
+        delivered = self._delivery.run_id if self._delivery else None
+        return delivered or self._recorded_run_id
+
+    # ----------------------------------------------------------------- the Tracker calls
+
+    def _journal(self, records: list[dict]) -> None:
+        if self.offline or self.spool.lost:
+            return
+        with self._pending_lock:
+            self._pending.extend(records)
+            many = len(self._pending) >= _WAKE_AT_RECORDS
+        if many:
+            self._wake.set()
+
+    def log_params(self, params: dict) -> dict[str, str]:
+        """Journal params the run does not hold yet; returns ``{key: held_value}`` of those it holds otherwise."""
+        fresh, skipped = {}, {}
+        for key, value in params.items():
+            key, value = str(key), str(value)
+            if key in self._params and self._params[key] != value:
+                skipped[key] = self._params[key]
+            elif key not in self._params:
+                fresh[key] = value
+        self._params.update(fresh)
+        if fresh:
+            self._journal(self.spool.append_params(fresh))
+        return skipped
+
+    def set_name(self, name: str) -> None:
+        self._journal(self.spool.append_tags({mlflow.utils.mlflow_tags.MLFLOW_RUN_NAME: name}))
+
+    def set_tags(self, tags: dict) -> None:
+        clean = clean_tags(tags)
+        if clean:
+            self._journal(self.spool.append_tags(clean))
+
+    def log_metrics(self, metrics: dict, step: int | None = None, synchronous: bool = True) -> None:
+        """Journal the points (stamped now, with ``step``); never waits, whatever ``synchronous`` says."""
+        self._journal(self.spool.append_metrics(metrics, step=step))
+
+    def flush(self) -> None:
+        """Make what was logged durable on local disk (delivery itself never blocks the caller)."""
+        self.spool.fsync()
+
+    def log_text(self, text: str, artifact_file: str) -> None:
+        self._journal([self.spool.append_text(text, artifact_file)])
+
+    def log_dict(self, data: dict, artifact_file: str) -> None:
+        self.log_text(dict_text(data), artifact_file)
+
+    def log_artifact(self, path, artifact_path: str | None = None) -> None:
+        self._journal([self.spool.append_artifact(path, artifact_path)])
+
+    def log_artifacts(self, path, artifact_path: str | None = None) -> None:
+        self._journal([self.spool.append_artifact(path, artifact_path)])
+
+    def artifact_uri(self, path: str = "") -> str:
+        base = f"runs:/{self.run_id}"
+        return f"{base}/{path}" if path else base
+
+    def set_note(self, text: str) -> None:
+        """The run's description in the MLflow UI (MLflow's own ``mlflow.note.content`` tag)."""
+        self._journal(self.spool.append_tags({mlflow.utils.mlflow_tags.MLFLOW_RUN_NOTE: text}))
+
+    def wait_delivered(self, timeout_s: float) -> bool:
+        """Wake the delivery thread; True once everything journaled so far is on the server (False offline,
+        or when ``timeout_s`` passes first)."""
+        if self.offline:
+            return False
+        deadline = time.monotonic() + timeout_s
+        while True:
+            with self._pending_lock:
+                if not self._pending:
+                    return True
+            if time.monotonic() >= deadline:
+                return False
+            self._wake.set()
+            time.sleep(0.05)
+
+    def check_on_server(self, name: str) -> None:
+        """Before registering ``name`` from this run: wait until the run's files are on the server (the
+        version points at them); a run still in the spool cannot be registered yet, one line says how to
+        do it after ``vitreg sync``."""
+        if not self.wait_delivered(flush_timeout_s(None)):
+            raise VitregError(f"cannot register {name!r} yet: the run is not on the tracking server "
+                              f"({self._last_error or 'offline'}); deliver it with `vitreg sync --spool "
+                              f"{self.spool.path}`, then `vitreg register {self.artifact_uri('checkpoints/last')} "
+                              f"--name {name}`")
+
+    # ----------------------------------------------------------------- the end
+
+    @property
+    def delivered(self) -> bool | None:
+        """None while the run is open; after :meth:`close`, whether the store has all of it."""
+        return self._closed
+
+    def close(self, status: str = "FINISHED", timeout_s: float | None = None) -> bool:
+        """Journal the final status; wait up to ``timeout_s`` for delivery. True when the server has it all.
+
+        Otherwise the spool stays (locked until this process ends or delivery stops) and one line says
+        where it is and how to deliver it.
+        """
+        if self._closed is not None:
+            return self._closed  # one end per run: a second close (an error path after the first) is a no-op
+        self._closed = self._close(status, flush_timeout_s(timeout_s))
+        return self._closed
+
+    def _close(self, status: str, timeout: float) -> bool:
+        if not self.spool.lost:
+            try:
+                self._journal([self.spool.append_end(status)])
+                self.spool.fsync()
+            except SpoolLost:
+                pass  # the spool went at the very end: said below, like any other loss
+        if self.spool.lost:
+            return self._close_lost()
+        if self.offline:
+            self.spool.release()
+            progress(sync_hint(self.spool))
+            return False
+        self._wake.set()
+        delivered = self._done.wait(timeout)
+        self._stopped.set()
+        self._wake.set()
+        if delivered:
+            self._thread.join()
+            self.spool.remove()
+            return True
+        reason = f"the tracking store did not take it in {timeout:g} s ({self._last_error or 'still sending'}): "
+        progress(reason + sync_hint(self.spool))
+        return False
+
+    def _close_lost(self) -> bool:
+        """The spool can no longer keep the run: stop delivering, end the server run FAILED with the reason
+        (when the server answers), and say so in one line. Never claims the run is kept anywhere."""
+        self._stopped.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(http_timeout_s() + 1)
+        ended = False
+        if not self.offline and self.run_id:
+            try:
+                with short_http_requests():
+                    client = self._client or mlflow.MlflowClient(tracking_uri=self._uri)
+                    end_with_reason(client, self.run_id, "FAILED", self.spool.lost)
+                ended = True
+            except Exception as exc:  # noqa: BLE001 - the server is down too: the run is left to `runs --stale`
+                self._last_error = first_line(exc)
+        if ended:
+            where = f"run {self.run_id} is marked FAILED on the tracking server"
+        elif self.offline or not self.run_id:
+            where = "nothing of it reached the tracking server"
+        else:
+            where = (f"run {self.run_id} could not be ended on the tracking server ({self._last_error}): "
+                     f"`vitreg runs --stale --fix` ends it later")
+        progress(f"{self.spool.lost}; {where}")
+        self.spool.release()
+        return False
+
+    # ----------------------------------------------------------------- the delivery thread
+
+    def _deliver_loop(self) -> None:
+        retry_at, backoff, next_beat = 0.0, _BACKOFF_FIRST_S, 0.0
+        with short_http_requests():
+            try:
+                # Built here: for a sqlite store the client creates (or migrates) the database, seconds of work
+                client = self._client or mlflow.MlflowClient(tracking_uri=self._uri)
+                self._delivery = Delivery(self.spool, client, heartbeat=True)
+                while not self._stopped.is_set() and not self._done.is_set():
+                    now = time.monotonic()
+                    self._wake.wait(retry_at - now if retry_at > now else _DELIVERY_INTERVAL_S)
+                    self._wake.clear()
+                    if self._stopped.is_set() or time.monotonic() < retry_at:
+                        continue
+                    try:
+                        next_beat = self._deliver_pending(next_beat)
+                        retry_at, backoff = 0.0, _BACKOFF_FIRST_S
+                    except Exception as exc:  # noqa: BLE001 - any server or network failure: retry later
+                        self._last_error = first_line(exc)
+                        retry_at, backoff = time.monotonic() + backoff, min(backoff * 2, _BACKOFF_MAX_S)
+            finally:
+                if not self._done.is_set():
+                    self.spool.release()  # undelivered: `vitreg sync` may take it once this ends
+
+    def _deliver_pending(self, next_beat: float) -> float:
+        """One round: send what is pending (or a heartbeat when due); returns when the next beat is due."""
+        with self._pending_lock:
+            records = list(self._pending)
+        beat_due = time.monotonic() >= next_beat
+        if not records and not beat_due:
+            return next_beat
+        self.spool.fsync()
+        try:
+            if records:
+                self._delivery.heartbeat = beat_due
+                self._delivery.push(records)
+            else:
+                self._delivery.beat()
+        finally:
+            delivered = self._delivery.delivered_seq
+            with self._pending_lock:
+                self._pending = [r for r in self._pending if r["seq"] > delivered]
+        if any(r["kind"] == "end" and r["seq"] <= delivered for r in records):
+            self._done.set()
+        return time.monotonic() + self._heartbeat_s if beat_due else next_beat
+
+
+def open_run(experiment_name: str = "Default", run_name: str | None = None, tags: dict | None = None,
+             offline=None, root=None) -> SpoolingTracker:
+    """Start (or, under ``mlflow run``, continue) a run the spooled way and return its tracker.
+
+    Online this costs one short request (a dead store fails it in seconds, one line naming the store): it
+    creates the run, or reads ``mlflow run``'s (``MLFLOW_RUN_ID``) for its experiment and its ``-P``
+    params, so the run id is known from the start (for the registry, child runs, ``runs:/`` URIs). The
+    run is not MLflow's fluent active run: nothing but the tracker ends it. Offline nothing is sent, and
+    ``vitreg sync`` creates the run later.
+    """
+    offline = offline_mode(offline)
+    uri = mlflow.get_tracking_uri()
+    run_id, existing, experiment_id = requested_run_id(), {}, None
+    if not offline:
+        with short_http_requests(), store_errors(uri, "starting the run"):
+            client = mlflow.MlflowClient(tracking_uri=uri)
+            if run_id:
+                run = client.get_run(run_id)
+                experiment_name = client.get_experiment(run.info.experiment_id).name
+            else:
+                run = client.create_run(experiment_id_for(client, experiment_name), run_name=run_name)
+            run_id, existing, experiment_id = run.info.run_id, dict(run.data.params), run.info.experiment_id
+    tracker = SpoolingTracker.open(experiment_name, run_name=run_name, run_id=run_id, tracking_uri=uri,
+                                   root=root, offline=offline, existing_params=existing,
+                                   experiment_id=experiment_id)
+    if tags:
+        tracker.set_tags(tags)
+    return tracker
+
+
+# --------------------------------------------------------------------------- later: vitreg sync
+
+
+class SyncError(VitregError):
+    """The tracking store did not take a spool; the message says what is still spooled."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Synced:
+    spool: Path
+    run_id: str | None  # None: left alone (in use by a running process)
+    records: int  # journal records delivered by this sync (0 when the server already had them all)
+
+    def describe(self) -> str:
+        if self.run_id is None:
+            return f"left {self.spool}: in use by a running process, which delivers it itself"
+        return f"delivered {self.spool} -> run {self.run_id} ({self.records} new records)"
+
+
+def _target_uri(spool: Spool, tracking_uri: str | None) -> str:
+    return tracking_uri or spool.run_record.get("tracking_uri") or mlflow.get_tracking_uri()
+
+
+def sync_one(spool: Spool, tracking_uri: str | None = None) -> Synced:
+    """Deliver one spool (locking it); raises :class:`SpoolBusy` when a running process holds it."""
+    with held(spool):
+        records = spool.records()
+        delivery = Delivery(spool, mlflow.MlflowClient(tracking_uri=_target_uri(spool, tracking_uri)))
+        delivery.connect()
+        new = sum(r["seq"] > delivery.delivered_seq and r["kind"] != "run" for r in records)
+        delivery.push(records)
+    spool.remove()
+    return Synced(spool.path, delivery.run_id, new)
+
+
+def pending(spool_dir: Path | None = None) -> list[Spool]:
+    """The spools waiting under ``spool_dir`` (default: :func:`~vitreg.tracking.spool.spool_root`)."""
+    return Spool.find(Path(spool_dir) if spool_dir else spool_root())
+
+
+def _left(spool_dir: Path | None) -> str:
+    spools = pending(spool_dir)
+    records = [r for spool in spools for r in spool.records() if r["kind"] != "run"]
+    points = sum(len(r.get("metrics", ())) for r in records)
+    return f"{len(spools)} run(s) under {spool_dir or spool_root()} ({len(records)} records, {points} metric points)"
+
+
+def sync(spool_dir: Path | None = None, tracking_uri: str | None = None) -> list[Synced]:
+    """Deliver every spool under ``spool_dir`` (a spool folder, or a folder of them).
+
+    Raises :class:`SyncError` (one line: the store, the reason, what is still spooled) at the first spool
+    the store does not take; spools delivered before it stay delivered.
+    """
+    if spool_dir is not None and not Path(spool_dir).is_dir():
+        raise SyncError(f"there is no spool at {spool_dir} (no such folder): what it held is lost, or the path is "
+                        f"wrong; `vitreg sync` without --spool delivers every spool under {spool_root()}")
+    done = []
+    with short_http_requests():
+        for spool in pending(spool_dir):
+            try:
+                done.append(sync_one(spool, tracking_uri))
+            except SpoolBusy:
+                done.append(Synced(spool.path, None, 0))
+            except Exception as exc:  # noqa: BLE001 - unreachable, 5xx, refused: say so in one line
+                raise SyncError(f"the tracking store at {redact(_target_uri(spool, tracking_uri))} did not take "
+                                f"the spool {spool.path} ({first_line(exc)}); still spooled: "
+                                f"{_left(spool_dir)}; run `vitreg sync` again when the store is back") from None
+    return done

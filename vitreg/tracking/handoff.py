@@ -19,7 +19,8 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from vitreg.tracking.runs import Tracker, clean_metrics, clean_tags, dict_text, note_skipped_params
+from vitreg.tracking.runs import Tracker, note_skipped_params
+from vitreg.tracking.spool import clean_metrics, clean_tags, dict_text
 
 CALLS = "calls.jsonl"
 RUN = "run.json"

@@ -5,7 +5,8 @@ the other ranks log nothing), yet it imports the job's modules and through them 
 Importing mlflow costs a process ~2.8 s of CPU (it brings pandas, sqlalchemy, mlflow.genai...), paid
 by every rank of every DDP job. The tracking modules reach MLflow through :data:`mlflow` instead,
 so the import happens at the first attribute they read: ``mlflow.MlflowClient()``,
-``except mlflow.exceptions.MlflowException``, ``mlflow.log_metrics(...)``.
+``except mlflow.exceptions.MlflowException``, ``mlflow.log_metrics(...)``. A boundary, kept apart on
+purpose: ``tests/test_layout.py`` treats importing it as importing mlflow.
 """
 
 from __future__ import annotations

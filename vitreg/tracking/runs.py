@@ -1,4 +1,5 @@
-"""The MLflow side of vitreg: runs, params, tags, batched metrics, artifacts, search.
+"""A run's life: opened by :func:`tracked_run`, logged through a :class:`Tracker`, ended with a true status,
+and ended KILLED when no process is left to end it; child runs of a sweep; reading runs back.
 
 Only :mod:`vitreg.tracking` reaches mlflow, and only through :mod:`vitreg.tracking.mlflow_on_first_use` (imported on
 first use: DDP ranks never pay for it). Runners and training loops return typed results; this layer logs
@@ -11,47 +12,50 @@ Conventions:
   always set as tags of the same name (``gpu``, ``amp``, ``device``, ``img_size``), and as params
   wherever MLflow has not already logged the request. Group and compare by the tags.
 - Under torchrun only rank 0 logs; under a vitreg launcher no rank talks to MLflow: rank 0 hands its
-  calls to the launcher (:mod:`vitreg.tracking.handoff`), which logs them into the run it holds.
-- A run that fails ends FAILED with the one-line reason in the ``vitreg_error`` tag; never RUNNING.
+  calls to the launcher (:mod:`vitreg.tracking.handoff`), which logs them into the run it holds. Which
+  process is rank 0 is the caller's to say (:func:`vitreg.ddp.launcher.rank_run`): tracking sits below ddp.
+- A run that fails ends FAILED with the one-line reason in the ``vitreg_error`` tag; never RUNNING. A run
+  whose process is gone (SIGKILL, the OOM killer, a lost host) is ended KILLED later: by its stale
+  heartbeat (:func:`find_stale`, :func:`mark_killed`, ``vitreg runs --stale --fix``) or by the run that
+  resumes its checkpoint (:func:`close_resumed`).
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
+import dataclasses
 import os
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Protocol
 
-from vitreg.ddp.world import is_main_process
 from vitreg.errors import StoreError, VitregError
 from vitreg import signals
 from vitreg.signals import interrupted_reason
-from vitreg.tracking.delivery import ERROR_KIND_TAG, ERROR_TAG, first_line, short_http_requests, store_errors
+from vitreg.tracking.delivery import (ERROR_KIND_TAG, ERROR_TAG, HEARTBEAT_TAG, end_with_reason, open_run,
+                                      requested_run_id, sync_hint)
 from vitreg.tracking.mlflow_on_first_use import mlflow
 from vitreg.tracking.spool import flush_timeout_s, offline_mode
-from vitreg.tracking.spooling import open_run, sync_hint
-from vitreg.tracking.store import prepare_store
-from vitreg.tracking.uris import redact, scrub, without_credentials
+from vitreg.tracking.store import first_line, prepare_store, short_http_requests, store_errors
+from vitreg.tracking.uris import redact, scrub, tracking_uri, without_credentials
 
-
-def tracking_uri() -> str:
-    """MLflow's tracking URI as vitreg prints it (credentials masked, :func:`~vitreg.tracking.uris.redact`).
-    Before mlflow is imported nothing can have called ``mlflow.set_tracking_uri``, so a set MLFLOW_TRACKING_URI
-    is the answer MLflow would give: a DDP rank prints it without importing mlflow."""
-    if "mlflow" not in sys.modules and os.environ.get("MLFLOW_TRACKING_URI"):
-        return redact(os.environ["MLFLOW_TRACKING_URI"])
-    return redact(mlflow.get_tracking_uri())
+RESUMED_FROM_TAG = "vitreg_resumed_from"  # on the new run: the run id of the checkpoint it continues
+RESUMED_BY_TAG = "vitreg_resumed_by"  # on the old run: the newest run that resumed it
+DEFAULT_STALE_AFTER_S = 600.0
 
 
 class Tracker(Protocol):
     """What a job logs through: the calls against one run, each a batch (never one call per value).
 
-    Implementations: :class:`MlflowTracker` (a run in the MLflow store), :class:`NullTracker`
-    (ranks that do not log) and :class:`vitreg.tracking.handoff.HandoffTracker` (rank 0 under a
-    vitreg launcher: the calls are written down for the launcher to replay into its run).
+    MLflow is the one backend, behind the local spool: every run :func:`tracked_run` opens logs through a
+    :class:`~vitreg.tracking.delivery.SpoolingTracker`, which journals each call and delivers it from a
+    thread (it also holds ``spool``, ends with ``close`` and is asked ``check_on_server``; those are
+    ``tracked_run``'s and the registry's, not the job's). The two other implementations are not backends:
+    :class:`NullTracker` (ranks that do not log) and :class:`vitreg.tracking.handoff.HandoffTracker` (rank 0
+    under a vitreg launcher: its calls are written down for the launcher to replay into its own
+    ``SpoolingTracker``). A new backend would be another class with these calls, opened in ``tracked_run``.
     """
 
     run_id: str
@@ -76,87 +80,6 @@ class Tracker(Protocol):
 
     def artifact_uri(self, path: str = "") -> str:
         return f"runs:/{self.run_id}/{path}" if path else f"runs:/{self.run_id}"
-
-
-def clean_tags(tags: dict) -> dict[str, str]:
-    """Tags as MLflow stores them: strings, no None, never MLflow's reserved ``mlflow.`` prefix."""
-    return {k: str(v) for k, v in tags.items() if v is not None and not k.startswith("mlflow.")}
-
-
-def clean_metrics(metrics: dict) -> dict[str, float]:
-    return {k: float(v) for k, v in metrics.items() if v is not None}
-
-
-def dict_text(data: dict) -> str:
-    """A dict artifact's text (``default=str``: paths and other values a result holds)."""
-    return json.dumps(data, indent=2, sort_keys=True, default=str)
-
-
-class MlflowTracker(Tracker):
-    """One run of the MLflow store. Every call names the run's id, so any thread may make it (MLflow's
-    active run is thread-local: a fluent call without run_id from another thread would start a new run)."""
-
-    thread_safe = True
-
-    def __init__(self, run):
-        self.run = run
-        self.run_id = run.info.run_id
-        self.experiment_id = run.info.experiment_id
-        self._client = mlflow.MlflowClient()
-
-    def log_params(self, params: dict) -> dict[str, str]:
-        """Log params, skipping keys MLflow already holds with another value (the ``-P`` request).
-
-        Returns the skipped ``{key: already_logged_value}`` so callers can say so.
-        """
-        from mlflow.entities import Param
-
-        existing = dict(self._client.get_run(self.run_id).data.params)
-        fresh, skipped = {}, {}
-        for key, value in params.items():
-            value = str(value)
-            if key in existing and existing[key] != value:
-                skipped[key] = existing[key]
-            elif key not in existing:
-                fresh[key] = value
-        if fresh:
-            self._client.log_batch(self.run_id, params=[Param(k, v) for k, v in fresh.items()])
-        return skipped
-
-    def set_name(self, name: str) -> None:
-        self._client.update_run(self.run_id, name=name)
-
-    def set_tags(self, tags: dict) -> None:
-        from mlflow.entities import RunTag
-
-        clean = clean_tags(tags)
-        if clean:
-            self._client.log_batch(self.run_id, tags=[RunTag(k, v) for k, v in clean.items()])
-
-    def log_metrics(self, metrics: dict, step: int | None = None, synchronous: bool = True) -> None:
-        clean = clean_metrics(metrics)
-        if clean:
-            mlflow.log_metrics(clean, step=step, run_id=self.run_id, synchronous=synchronous)
-
-    def flush(self) -> None:
-        """Wait for metrics logged with synchronous=False."""
-        mlflow.flush_async_logging()
-
-    def log_text(self, text: str, artifact_file: str) -> None:
-        mlflow.log_text(text, artifact_file, run_id=self.run_id)
-
-    def log_dict(self, data: dict, artifact_file: str) -> None:
-        mlflow.log_text(dict_text(data), artifact_file, run_id=self.run_id)
-
-    def log_artifact(self, path, artifact_path: str | None = None) -> None:
-        mlflow.log_artifact(str(path), artifact_path, run_id=self.run_id)
-
-    def log_artifacts(self, path, artifact_path: str | None = None) -> None:
-        mlflow.log_artifacts(str(path), artifact_path, run_id=self.run_id)
-
-    def set_note(self, text: str) -> None:
-        """The run's description in the MLflow UI (MLflow's own ``mlflow.note.content`` tag)."""
-        self._client.set_tag(self.run_id, "mlflow.note.content", text)
 
 
 class NullTracker(Tracker):
@@ -206,11 +129,6 @@ def note_skipped_params(skipped: dict, progress) -> None:
                  ", ".join(f"{k}={v}" for k, v in skipped.items()) + "); the resolved values are tags")
 
 
-def requested_run_id() -> str | None:
-    """The run ``mlflow run`` asked this process to log into (``MLFLOW_RUN_ID``), if any."""
-    return os.environ.get("MLFLOW_RUN_ID") or None
-
-
 def env_for_run(env: dict, run_id: str, experiment_id: str) -> dict:
     """``env`` for a child process that resumes run ``run_id`` (as ``mlflow run`` hands a process its run)."""
     return {**env, "MLFLOW_RUN_ID": run_id, "MLFLOW_EXPERIMENT_ID": str(experiment_id)}
@@ -239,16 +157,15 @@ def _experiment_name(experiment: str | None) -> str:
 def tracked_run(run_name: str | None = None, experiment: str | None = None, system_metrics: bool = True,
                 tags: dict | None = None, offline: bool | None = None):
     """Start (or resume, under ``mlflow run``) a run and yield its tracker: a
-    :class:`~vitreg.tracking.spooling.SpoolingTracker`, so the work never waits on the server and nothing
-    measured is lost when the server goes away (it stays in the local spool; ``vitreg sync`` delivers it).
+    :class:`~vitreg.tracking.delivery.SpoolingTracker` (MLflow, behind the spool: nothing chooses another),
+    so the work never waits on the server and nothing measured is lost when the server goes away (it stays
+    in the local spool; ``vitreg sync`` delivers it).
 
     The run always ends with a true status: FINISHED; FAILED on :class:`VitregError` (the message in the
     ``vitreg_error`` tag, its class in ``vitreg_error_kind``) or any other exception; KILLED on Ctrl-C,
-    SIGTERM or SIGHUP. Ranks other than 0 get a :class:`NullTracker` and never touch the server.
+    SIGTERM or SIGHUP. Only a process that logs opens one: ranks other than 0 get a :class:`NullTracker`
+    from their caller (:func:`vitreg.ddp.launcher.rank_run`) and never touch the server.
     """
-    if not is_main_process():
-        yield NullTracker()
-        return
     uri = mlflow.get_tracking_uri()
     prepare_store(uri)  # a fresh sqlite file: created once, under a lock, even with several processes at once
     if not offline_mode(offline):
@@ -302,19 +219,134 @@ def _end(tracker, monitor, status: str, message: str | None = None, kind: str | 
 
 
 def fail_requested_run(message: str) -> None:
-    """Mark the run that ``mlflow run`` created FAILED when we fail before :func:`tracked_run` opened it."""
+    """Mark the run that ``mlflow run`` created FAILED when we fail before :func:`tracked_run` opened it.
+    Under torchrun every rank sees that run's id: only rank 0 may call this (the caller knows the rank)."""
     run_id = requested_run_id()
-    if not run_id or not is_main_process():
+    if not run_id:
         return
     try:
         with short_http_requests():  # a dead server costs seconds here, not MLflow's minutes of retries
             client = mlflow.MlflowClient()
             if client.get_run(run_id).info.status != "RUNNING":
                 return  # tracked_run already ended it, with the reason
-            client.set_tag(run_id, ERROR_TAG, scrub(" ".join(message.split()))[:4000])
-            client.set_terminated(run_id, "FAILED")
+            end_with_reason(client, run_id, "FAILED", " ".join(message.split()))
     except Exception as exc:  # the server is the problem; say so and keep the user's error first
         print(f"[vitreg] could not mark run {run_id} FAILED: {scrub(first_line(exc))}", file=sys.stderr)
+
+
+# --------------------------------------------------------------------------- runs no process will end
+# A live vitreg process refreshes the tag ``vitreg_heartbeat`` (unix seconds) on its run every
+# ``VITREG_HEARTBEAT_S`` seconds (default 30; the spool's delivery thread does it). A RUNNING run whose
+# heartbeat, or, for a run without one, whose start, is older than a threshold has no process behind it:
+# :func:`find_stale` lists such runs and :func:`mark_killed` ends them KILLED, with the reason in
+# ``vitreg_error``. A process cut off from the server also stops refreshing its heartbeat: keep the
+# threshold well above the heartbeat period (the default, 600 s, is twenty periods). Should such a
+# process reconnect, its delivery sets the status it really ended with.
+#
+# A resumed run and the run it resumed from point at each other (:func:`close_resumed`). Resuming a
+# checkpoint is the proof that its run is over: the new run closes it KILLED. A heartbeat cannot tell
+# here: a run SIGKILLed a second ago still has a fresh one. Should the old run's process be alive after
+# all (a checkpoint of a run still training, resumed elsewhere), its own end sets the status it really
+# ended with.
+
+
+@dataclasses.dataclass(frozen=True)
+class StaleRun:
+    run_id: str
+    experiment: str
+    run_name: str
+    last_seen: float  # unix seconds: the heartbeat, or the start for a run that never sent one
+    heartbeat: bool  # whether last_seen is a heartbeat
+
+    def reason(self) -> str:
+        since = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(self.last_seen))
+        what = "no heartbeat since" if self.heartbeat else "no heartbeat at all, started"
+        return f"stale: {what} {since}; the process that ran it is gone"
+
+
+def _experiments(client: mlflow.MlflowClient, experiment: str | None) -> list:
+    if experiment is None:
+        return client.search_experiments(view_type=mlflow.entities.ViewType.ACTIVE_ONLY)
+    found = client.get_experiment_by_name(experiment)
+    if found is None:
+        raise VitregError(f"experiment {experiment!r} does not exist: check the name "
+                          f"(mlflow experiments search) or MLFLOW_TRACKING_URI")
+    return [found]
+
+
+def _running_runs(client: mlflow.MlflowClient, experiment_id: str):
+    token = None
+    while True:
+        page = client.search_runs([experiment_id], filter_string="attributes.status = 'RUNNING'",
+                                  max_results=1000, page_token=token)
+        yield from page
+        token = page.token
+        if not token:
+            return
+
+
+def _last_seen(run) -> tuple[float, bool]:
+    beat = run.data.tags.get(HEARTBEAT_TAG)
+    try:
+        return float(beat), True
+    except (TypeError, ValueError):
+        return run.info.start_time / 1000.0, False
+
+
+def find_stale(older_than_s: float = DEFAULT_STALE_AFTER_S, experiment: str | None = None,
+               client: mlflow.MlflowClient | None = None, now: float | None = None) -> list[StaleRun]:
+    """RUNNING runs (of ``experiment``, or of every experiment) not seen alive for ``older_than_s`` seconds."""
+    client = client or mlflow.MlflowClient()
+    now = time.time() if now is None else now
+    stale = []
+    with short_http_requests(), store_errors(client.tracking_uri, "searching for RUNNING runs"):
+        for exp in _experiments(client, experiment):
+            for run in _running_runs(client, exp.experiment_id):
+                last_seen, heartbeat = _last_seen(run)
+                if now - last_seen > older_than_s:
+                    stale.append(StaleRun(run.info.run_id, exp.name, run.info.run_name or "", last_seen, heartbeat))
+    return sorted(stale, key=lambda r: r.last_seen)
+
+
+def mark_killed(runs: list[StaleRun], client: mlflow.MlflowClient | None = None) -> int:
+    """End each run KILLED with its reason in ``vitreg_error``; returns how many were still RUNNING."""
+    client = client or mlflow.MlflowClient()
+    ended = 0
+    with short_http_requests(), store_errors(client.tracking_uri, "marking stale runs KILLED"):
+        for stale in runs:
+            if client.get_run(stale.run_id).info.status != "RUNNING":
+                continue  # ended meanwhile (its process was alive after all, or another --fix)
+            end_with_reason(client, stale.run_id, "KILLED", stale.reason())
+            ended += 1
+    return ended
+
+
+def close_resumed(old_run_id: str, new_run_id: str, progress=lambda message: None) -> bool:
+    """Tag the old run with its successor and end it KILLED if it is still RUNNING.
+
+    The new run's own tag (:data:`RESUMED_FROM_TAG`) goes through its tracker like its other tags. The
+    old run is another run, edited directly; a store that does not hold it (a checkpoint copied from
+    elsewhere) or cannot be reached now only costs a line: the training goes on. Returns whether the
+    old run was found.
+    """
+    if old_run_id == new_run_id:
+        return True
+    client = mlflow.MlflowClient()
+    try:
+        old = client.get_run(old_run_id)
+        client.set_tag(old_run_id, RESUMED_BY_TAG, new_run_id)
+        if old.info.status == "RUNNING":
+            end_with_reason(client, old_run_id, "KILLED", f"ended without a final status (the process was "
+                                                          f"killed); resumed by run {new_run_id}")
+            progress(f"run {old_run_id} was still RUNNING (its process was killed): marked KILLED, resumed by "
+                     f"this run")
+    except mlflow.exceptions.MlflowException:
+        progress(f"the checkpoint's run {old_run_id} is not in this store: only this run is tagged with it")
+        return False
+    except Exception as exc:  # the store is unreachable now: not a reason to stop a training
+        progress(f"could not tag the checkpoint's run {old_run_id} ({type(exc).__name__}): it keeps its status")
+        return False
+    return True
 
 
 def check_server(timeout: float = 5.0) -> None:
@@ -356,7 +388,7 @@ def where_logged(tracker) -> str:
             f"{uri}`), then http://127.0.0.1:5000/{page}")
 
 
-def create_child_run(parent: MlflowTracker, name: str, tags: dict | None = None) -> str:
+def create_child_run(parent: Tracker, name: str, tags: dict | None = None) -> str:
     """A RUNNING child of ``parent`` for a subprocess to resume through MLFLOW_RUN_ID (as `mlflow run` does)."""
     from mlflow.utils.mlflow_tags import MLFLOW_PARENT_RUN_ID, MLFLOW_RUN_NAME
 
@@ -403,7 +435,7 @@ def is_local_store() -> bool:
     return not mlflow.get_tracking_uri().startswith(("http://", "https://", "databricks"))
 
 
-def child_runs(parent: MlflowTracker):
+def child_runs(parent: Tracker):
     """The parent's child runs as a search_runs DataFrame."""
     return mlflow.search_runs(experiment_ids=[parent.experiment_id],
                               filter_string=f"tags.mlflow.parentRunId = '{parent.run_id}'")

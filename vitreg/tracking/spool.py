@@ -12,7 +12,9 @@ Appending is a local write and flush (no network, no fsync); :meth:`Spool.fsync`
 durable and is called at batch boundaries (before each delivery attempt and at the end). A line torn by
 a crash is the last one and is ignored on reading. Delivery (live, or later with ``vitreg sync``) sends
 records in order; the server run's ``vitreg_spool_seq.<spool id>`` tag says how far it got (see
-:mod:`vitreg.tracking.delivery`). A fully delivered spool is removed.
+:mod:`vitreg.tracking.delivery`). A fully delivered spool is removed. What a tag, metric or dict artifact
+may hold on its way to MLflow (:func:`clean_tags`, :func:`clean_metrics`, :func:`dict_text`) is said here
+once, for every tracker.
 
 Settings (environment): ``VITREG_SPOOL_DIR`` (the root; default ``$XDG_DATA_HOME/vitreg/spool``, i.e.
 ``~/.local/share/vitreg/spool``), ``VITREG_OFFLINE`` (true: write the spool only, deliver later),
@@ -72,6 +74,20 @@ def flush_timeout_s(value=None) -> float:
 
 def now_ms() -> int:
     return int(time.time() * 1000)
+
+
+def clean_tags(tags: dict) -> dict[str, str]:
+    """Tags as MLflow stores them: strings, no None, never MLflow's reserved ``mlflow.`` prefix."""
+    return {k: str(v) for k, v in tags.items() if v is not None and not k.startswith("mlflow.")}
+
+
+def clean_metrics(metrics: dict) -> dict[str, float]:
+    return {k: float(v) for k, v in metrics.items() if v is not None}
+
+
+def dict_text(data: dict) -> str:
+    """A dict artifact's text (``default=str``: paths and other values a result holds)."""
+    return json.dumps(data, indent=2, sort_keys=True, default=str)
 
 
 def _chunks(items: list, size: int) -> list[list]:
@@ -198,16 +214,23 @@ class Spool:
                     self._next_seq = len(self._records_or_empty())
                 self._fh = open(self.path / JOURNAL, "a", encoding="utf-8")
             record = {"seq": self._next_seq, **record}
-            try:
+            with self._kept():
                 if os.fstat(self._fh.fileno()).st_nlink == 0:  # removed under us: writes would go nowhere
                     raise FileNotFoundError(errno.ENOENT, "its journal was removed")
                 self._fh.write(json.dumps(record, separators=(",", ":")) + "\n")
                 self._fh.flush()  # in the OS now: survives this process being killed
-            except OSError as exc:
-                self.lost = self.lost or lost_reason(self.path, exc)
-                raise SpoolLost(self.lost) from None
             self._next_seq += 1
         return record
+
+    @contextlib.contextmanager
+    def _kept(self):
+        """A write inside that fails (``OSError``; ``shutil.Error``, a tree copy's, is one too) means the spool
+        can no longer keep the run: the first reason is kept in :attr:`lost` and raised as :class:`SpoolLost`."""
+        try:
+            yield
+        except OSError as exc:
+            self.lost = self.lost or lost_reason(self.path, exc)
+            raise SpoolLost(self.lost) from None
 
     def _records_or_empty(self) -> list[dict]:
         return self.records() if (self.path / JOURNAL).exists() else []
@@ -216,11 +239,8 @@ class Spool:
         """Make what was appended durable (survives a power cut); cheap enough per batch, not per call."""
         with self._write_lock:
             if self._fh is not None:
-                try:
+                with self._kept():
                     os.fsync(self._fh.fileno())
-                except OSError as exc:
-                    self.lost = self.lost or lost_reason(self.path, exc)
-                    raise SpoolLost(self.lost) from None
 
     def append_params(self, params: dict) -> list[dict]:
         items = sorted((str(k), scrub(str(v))) for k, v in params.items())  # no credential stored, ever
@@ -242,16 +262,13 @@ class Spool:
             raise VitregError(f"artifact {source} does not exist: nothing to log")
         slot = f"artifacts/{uuid.uuid4().hex[:12]}"
         target = self.path / slot
-        try:
+        with self._kept():
             target.mkdir()  # no parents: a removed spool must fail here, not be made again
             if source.is_dir():
                 shutil.copytree(source, target, dirs_exist_ok=True)
                 return self._append({"kind": "artifact", "path": slot, "is_dir": True,
                                      "artifact_path": artifact_path})
             shutil.copy2(source, target / source.name)
-        except OSError as exc:  # shutil.Error (a tree copy) is an OSError too
-            self.lost = self.lost or lost_reason(self.path, exc)
-            raise SpoolLost(self.lost) from None
         return self._append({"kind": "artifact", "path": f"{slot}/{source.name}", "is_dir": False,
                              "artifact_path": artifact_path})
 
@@ -259,12 +276,9 @@ class Spool:
         """``log_text``: the text as a file at ``artifact_file`` (``dir/name.ext``) of the run."""
         directory, _, name = artifact_file.rpartition("/")
         slot = self.path / "artifacts" / uuid.uuid4().hex[:12]
-        try:
+        with self._kept():
             slot.mkdir()  # no parents: a removed spool must fail here, not be made again
             (slot / name).write_text(scrub(text), encoding="utf-8")
-        except OSError as exc:
-            self.lost = self.lost or lost_reason(self.path, exc)
-            raise SpoolLost(self.lost) from None
         return self._append({"kind": "artifact", "path": str((slot / name).relative_to(self.path)),
                              "is_dir": False, "artifact_path": directory or None})
 

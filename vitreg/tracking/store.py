@@ -1,10 +1,26 @@
-"""A local sqlite tracking store, made ready once even when several processes start on it together.
+"""The tracking store as this process reaches it: made ready once, asked within bounded time, its
+failures told in one line, MLflow's own prints off.
 
-MLflow's tracking store creates and migrates a fresh sqlite schema in every process that opens it, with
-no lock: processes that start together on a new ``mlflow.db`` race in the migration (``_alembic_tmp_tags
-already exists``) and can leave the file broken for every later client. :func:`prepare_store` takes an
-exclusive lock beside the database file while this process builds its store (migrating it if needed);
-MLflow caches that store per URI, so later calls in the process reuse it without migrating again.
+- A local sqlite store is created and migrated once even when several processes start on it together
+  (:func:`prepare_store`). MLflow's tracking store creates and migrates a fresh sqlite schema in every
+  process that opens it, with no lock: processes that start together on a new ``mlflow.db`` race in the
+  migration (``_alembic_tmp_tags already exists``) and can leave the file broken for every later client.
+  :func:`prepare_store` takes an exclusive lock beside the database file while this process builds its
+  store (migrating it if needed); MLflow caches that store per URI, so later calls in the process reuse
+  it without migrating again.
+- MLflow's HTTP client retries for minutes against a dead or failing server; :func:`short_http_requests`
+  makes each request fail within seconds (the caller owns the back-off), :func:`bound_http_requests`
+  bounds a CLI command's requests.
+- A store failure becomes one line naming the store, masked (:func:`store_errors`, :func:`store_error_for`,
+  :func:`first_line`).
+- MLflow's prints: it draws tqdm bars on stderr for each artifact download (three for one ``pull`` or
+  ``infer``), in between vitreg's own progress lines, which already say what is downloaded where; it
+  reads MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR each time it starts one, so setting it once in the process
+  (before the first download) is enough. When a run ends against a server MLflow writes ``View run ...
+  at: <host>/#/...`` to stdout (``TrackingServiceClient._log_url``), with the host as MLflow holds it: a
+  tracking URI's credentials included. vitreg's last line (:func:`vitreg.tracking.runs.where_logged`)
+  gives the same link, masked, so MLflow's is turned off with MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT,
+  which it reads at each end of a run.
 """
 
 from __future__ import annotations
@@ -13,16 +29,27 @@ import contextlib
 import fcntl
 import os
 import re
+import threading
 import time
 from pathlib import Path
 
+from vitreg import errors
 from vitreg.config.parse import parse_float
 from vitreg.console import progress
-from vitreg.errors import StoreError
-from vitreg.tracking.delivery import first_line
+from vitreg.errors import StoreError, VitregError
 from vitreg.tracking.mlflow_on_first_use import mlflow
+from vitreg.tracking.uris import redact, scrub
 
 _BUSY = re.compile(r"database is locked|database is busy|SQLITE_BUSY", re.IGNORECASE)
+PROGRESS_BAR_VARIABLE = "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR"
+RUN_LINKS_VARIABLE = "MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT"
+
+_short_http_users = 0  # trackers and syncs inside short_http_requests(); the last one out restores
+_short_http_lock = threading.Lock()
+_saved_http_settings: dict[str, str | None] = {}
+
+
+# --------------------------------------------------------------------------- a local sqlite store, made once
 
 
 def sqlite_path(uri: str) -> Path | None:
@@ -82,3 +109,127 @@ def _build(uri: str, path: Path) -> None:
 def busy_wait_s() -> float:
     """``VITREG_STORE_BUSY_S`` (default 30): how long a locked sqlite store is waited for before "busy"."""
     return parse_float(os.environ.get("VITREG_STORE_BUSY_S") or 30, "VITREG_STORE_BUSY_S", minimum=0)
+
+
+# --------------------------------------------------------------------------- requests within bounded time
+
+
+def http_timeout_s() -> int:
+    """``VITREG_HTTP_TIMEOUT_S`` (default 10): the most one request to the server may take during delivery."""
+    return int(parse_float(os.environ.get("VITREG_HTTP_TIMEOUT_S") or 10, "VITREG_HTTP_TIMEOUT_S", minimum=1))
+
+
+@contextlib.contextmanager
+def short_http_requests():
+    """While inside, MLflow HTTP requests of this process make one attempt of at most ``http_timeout_s()``.
+
+    The caller owns the back-off: a dead server then costs seconds, not MLflow's minutes of retries.
+    MLflow reads these variables at every request and has no per-client setting, so they are set for
+    the whole process while any delivery runs, and restored when the last one ends.
+    """
+    global _short_http_users
+    with _short_http_lock:
+        if _short_http_users == 0:
+            settings = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": str(http_timeout_s())}
+            _saved_http_settings.update({name: os.environ.get(name) for name in settings})
+            os.environ.update(settings)
+        _short_http_users += 1
+    try:
+        yield
+    finally:
+        with _short_http_lock:
+            _short_http_users -= 1
+            if _short_http_users == 0:
+                for name, value in _saved_http_settings.items():
+                    if value is None:
+                        os.environ.pop(name, None)
+                    else:
+                        os.environ[name] = value
+
+
+def bound_http_requests() -> None:
+    """Every MLflow HTTP request of this process (a CLI command) ends within a bounded time: two retries
+    a second apart, ``http_timeout_s()`` each, instead of MLflow's seven with doubling back-off (90-200 s
+    against a server that answers 503). Settings the user made are kept."""
+    for name, value in (("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2"), ("MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", "1"),
+                        ("MLFLOW_HTTP_REQUEST_BACKOFF_JITTER", "0.5"),
+                        ("MLFLOW_HTTP_REQUEST_TIMEOUT", str(http_timeout_s()))):
+        os.environ.setdefault(name, value)
+
+
+# --------------------------------------------------------------------------- failures in one line
+
+
+@contextlib.contextmanager
+def store_errors(uri: str, doing: str):
+    """Any failure of the tracking store inside becomes one :class:`StoreError` line naming it."""
+    try:
+        yield
+    except VitregError:
+        raise  # already one line naming the fix
+    except Exception as exc:  # noqa: BLE001 - MlflowException, requests/urllib3 errors, sqlalchemy errors
+        raise StoreError(f"the tracking store at {redact(uri)} failed while {doing} ({first_line(exc)}): "
+                         f"check that it is up, or MLFLOW_TRACKING_URI") from None
+
+
+def store_error_for(exc: BaseException) -> StoreError | None:
+    """The one line for a failure of the tracking store that reached the CLI unconverted (an MLflow,
+    requests or urllib3 error): the store, masked, and the reason (``HTTP 503 from the server``); None for
+    any other exception."""
+    names = {cls.__module__.split(".")[0] for cls in type(exc).__mro__}
+    if not names & {"mlflow", "requests", "urllib3"}:
+        return None
+    return StoreError(f"the tracking store at {redact(mlflow.get_tracking_uri())} failed ({first_line(exc)}): "
+                      f"check that it is up and answers, or MLFLOW_TRACKING_URI")
+
+
+def first_line(exc: BaseException) -> str:
+    """The reason in a few words: MLflow wraps urllib3's in a paragraph naming the URL and the pool.
+    Any URI or credential in it is masked (:func:`~vitreg.tracking.uris.scrub`)."""
+    return scrub(_reason(exc))
+
+
+def _reason(exc: BaseException) -> str:
+    text = str(exc).strip()
+    if not text:
+        return type(exc).__name__
+    errno = re.search(r"\[Errno -?\d+\] ([^\"')]+)", text)
+    if errno:
+        return errno.group(1).strip()
+    status = re.search(r"too many (\d{3}) error responses|error code (\d{3}) != 200", text)
+    if status:
+        return f"HTTP {status.group(1) or status.group(2)} from the server"
+    return errors.first_line(exc)
+
+
+# --------------------------------------------------------------------------- MLflow's own prints
+
+
+def quiet_artifact_downloads() -> None:
+    """No artifact progress bars in this process and its children, unless the user asked for them
+    (an MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR already set is kept); and never MLflow's run links."""
+    os.environ.setdefault(PROGRESS_BAR_VARIABLE, "false")
+    quiet_run_links()
+
+
+def quiet_run_links() -> None:
+    """No "View run ... at" line from MLflow (it would print the tracking URI's credentials): forced, not a
+    default, since vitreg prints the link itself."""
+    os.environ[RUN_LINKS_VARIABLE] = "true"
+
+
+#: MLflow's INFO lines a successful run does not need: the system-metrics monitor's start, stop and "Skip
+#: logging GPU metrics" (every run), and the store's "Creating initial MLflow database tables" (a new
+#: sqlite file). They are logging records of these loggers (MLflow's handler writes them to stderr);
+#: their WARNING and ERROR records still show.
+QUIET_MLFLOW_LOGGERS = ("mlflow.system_metrics", "mlflow.store.db.utils")
+
+
+def quiet_mlflow_info() -> None:
+    """MLflow's routine INFO lines off (WARNING and above kept), unless MLFLOW_LOGGING_LEVEL asks for more."""
+    import logging
+
+    if os.environ.get("MLFLOW_LOGGING_LEVEL", "").upper() in ("DEBUG", "INFO"):
+        return
+    for name in QUIET_MLFLOW_LOGGERS:
+        logging.getLogger(name).setLevel(logging.WARNING)

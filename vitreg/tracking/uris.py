@@ -9,13 +9,19 @@ instead of in the URL (urllib refuses userinfo in a URL).
 from __future__ import annotations
 
 import base64
+import os
+import sys
 import urllib.parse
 
 from vitreg.console import redact, scrub  # noqa: F401  (the tracking layer's modules mask through these names)
 
 
-def shown_uri() -> str:
-    """This process's tracking URI as messages show it (MLflow's current one, credentials masked)."""
+def tracking_uri() -> str:
+    """This process's tracking URI as messages show it (MLflow's current one, credentials masked).
+    Before mlflow is imported nothing can have called ``mlflow.set_tracking_uri``, so a set MLFLOW_TRACKING_URI
+    is the answer MLflow would give: a DDP rank prints it without importing mlflow."""
+    if "mlflow" not in sys.modules and os.environ.get("MLFLOW_TRACKING_URI"):
+        return redact(os.environ["MLFLOW_TRACKING_URI"])
     from vitreg.tracking.mlflow_on_first_use import mlflow
 
     return redact(mlflow.get_tracking_uri())

@@ -53,7 +53,7 @@ from vitreg.measure.estimate import say_if_long, train_work
 from vitreg.measure.figures import Work
 from vitreg.models.factory import check_model_name, create_model
 from vitreg.models.memory import check_batch_fits, check_ranks_fit
-from vitreg.tracking import checkpoint_sources, lineage, naming
+from vitreg.tracking import checkpoint_sources, naming
 from vitreg.tracking import runs as tracking
 from vitreg.tracking.tags import resolved_tags, world_tags
 from vitreg.train.progress import Progress
@@ -234,8 +234,8 @@ def _model_of(ctx: JobContext, workdir: Path):
         resume = resolve_checkpoint_source(spec.resume, workdir / "resume", ctx.progress)
         spec = loop.resume_spec(spec, resume, info, ctx.progress)  # another model fails here, early
         if world.is_main and isinstance(resume.spec.get("run_id"), str):  # the run that saved it
-            ctx.run.set_tags({lineage.RESUMED_FROM_TAG: resume.spec["run_id"]})
-            lineage.close_resumed(resume.spec["run_id"], ctx.run.run_id, ctx.progress)
+            ctx.run.set_tags({tracking.RESUMED_FROM_TAG: resume.spec["run_id"]})
+            tracking.close_resumed(resume.spec["run_id"], ctx.run.run_id, ctx.progress)
     return ctx.with_spec(spec), model, info, resume
 
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from vitreg.config.spec import TrainSpec
 from vitreg.errors import VitregError
-from vitreg.tracking import registry
+from vitreg.tracking import model_registry
 from vitreg.tracking.handoff import HandoffTracker
 from vitreg.train.run_logger import CHECKPOINT_ARTIFACTS
 
@@ -14,7 +14,7 @@ from vitreg.train.run_logger import CHECKPOINT_ARTIFACTS
 def check_registration(spec: TrainSpec) -> None:
     """``register_as``/``alias`` checked against the registry before training (no-op without them)."""
     if spec.register_as:
-        registry.check_registration(spec.register_as, spec.alias, spec.model)
+        model_registry.check_registration(spec.register_as, spec.alias, spec.model)
 
 
 def register_if_requested(tracker, spec: TrainSpec, checkpoint_dir, tags: dict):
@@ -28,7 +28,7 @@ def register_if_requested(tracker, spec: TrainSpec, checkpoint_dir, tags: dict):
     try:
         if isinstance(tracker, HandoffTracker):  # rank 0 under a vitreg launcher: the launcher registers
             return tracker.hand_back_registration(Path(checkpoint_dir), spec.register_as, spec.alias, tags)
-        return registry.register_checkpoint(tracker, Path(checkpoint_dir), spec.register_as, spec.alias, tags)
+        return model_registry.register_checkpoint(tracker, Path(checkpoint_dir), spec.register_as, spec.alias, tags)
     except VitregError as exc:
         # the training is done and its checkpoint logged: say how to register it once the cause is fixed
         raise VitregError(f"{exc} (the checkpoint is logged: once fixed, `vitreg register "

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import re
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from vitreg.checkpoint import format as ckpt
@@ -25,7 +25,7 @@ from vitreg.errors import VitregError
 from vitreg.tracking.checkpoint_sources import CHECKPOINT_TAG, first_line, mlflow_call, resolve_checkpoint
 from vitreg.tracking.checkpoint_sources import load_model, pull  # noqa: F401  (the README's import path)
 from vitreg.tracking.mlflow_on_first_use import mlflow
-from vitreg.tracking.uris import shown_uri
+from vitreg.tracking.uris import tracking_uri
 
 #: Batch of the pt2 input example. A batch of 1 makes torch.export specialise the batch dimension to
 #: the constant 1 (the served model would take one image at a time); 2 keeps it dynamic.
@@ -59,21 +59,25 @@ def register_checkpoint(tracker, checkpoint_dir, name: str, alias: str | None = 
         check_on_server(name)
     if not tracker.run_id:  # a rank that does not log (NullTracker)
         return None
-    _check_alias(alias)
-    name = _check_name(name)
+    return _register(tracker.run_id, _Request(name, alias, tags, str(checkpoint_dir), input_example_size), progress)
+
+
+def _register(run_id: str, request: _Request, progress):
+    """The registration of ``request`` under run ``run_id``, which the store holds: checks, then the version."""
+    _check_alias(request.alias)
+    request = replace(request, name=_check_name(request.name))
+    name, alias = request.name, request.alias
     client = mlflow.MlflowClient()
     with tempfile.TemporaryDirectory(prefix="vitreg-register-") as tmp:
-        source = str(checkpoint_dir)
-        located = resolve_checkpoint(source, Path(tmp) / "download", what="checkpoint", progress=progress)
+        located = resolve_checkpoint(request.source, Path(tmp) / "download", what="checkpoint", progress=progress)
         checkpoint = located.checkpoint
         model, info, spec = ckpt.load_model(checkpoint)
         _check_owner(client, name, spec["model"])
         try:
-            request = _Request(name, alias, tags, source, input_example_size)
-            mv, moved_from = _log_and_register(client, tracker, (model, info, spec), checkpoint, request,
+            mv, moved_from = _log_and_register(client, run_id, (model, info, spec), checkpoint, request,
                                                Path(tmp) / "stage", progress)
         except mlflow.exceptions.MlflowException as exc:
-            raise VitregError(f"could not register {name!r} at {shown_uri()}: {first_line(exc)}") \
+            raise VitregError(f"could not register {name!r} at {tracking_uri()}: {first_line(exc)}") \
                 from None
     where = f"models:/{name}/{mv.version}"
     if alias and alias.lower() != "latest":
@@ -94,7 +98,7 @@ class _Request:
     input_example_size: int | None
 
 
-def _log_and_register(client, tracker, loaded: tuple, checkpoint, request: _Request, stage: Path, progress):
+def _log_and_register(client, run_id: str, loaded: tuple, checkpoint, request: _Request, stage: Path, progress):
     """The pt2 model with the checkpoint files under the run, its version, the alias; ``(version, moved_from)``.
 
     ``loaded``: ``(model, info, spec)`` as :func:`vitreg.checkpoint.format.load_model` rebuilt them."""
@@ -107,22 +111,22 @@ def _log_and_register(client, tracker, loaded: tuple, checkpoint, request: _Requ
     side = int(request.input_example_size or info.img_size)
     example = np.random.default_rng(0).standard_normal((EXAMPLE_BATCH, 3, side, side), dtype=np.float32)
     progress(f"logging {spec['model']} ({info.params_m:.1f} M params) as an MLflow pytorch model (pt2) "
-             f"under run {tracker.run_id} ...")
+             f"under run {run_id} ...")
     logged = mlflow.pytorch.log_model(
         model.eval(), name="model", input_example=example, serialization_format="pt2",
-        pip_requirements=_pip_requirements(), extra_files=[str(p) for p in staged], run_id=tracker.run_id,
+        pip_requirements=_pip_requirements(), extra_files=[str(p) for p in staged], run_id=run_id,
         # MLflow would reload the pt2 and serve the example (~half the time), and only warn on failure
         validate_serving_input=False,
         metadata={CHECKPOINT_TAG: checkpoint.manifest["format"], "vitreg_model": spec["model"]})
-    version_tags = _version_tags(client, tracker.run_id, spec, info, checkpoint, request.source, request.tags)
+    version_tags = _version_tags(client, run_id, spec, info, checkpoint, request.source, request.tags)
     mv = mlflow.register_model(logged.model_uri, name, tags=version_tags)
     _tag_registered_model(client, name, spec["model"])
     moved_from = None
     if alias and alias.lower() != "latest":
         moved_from = _alias_version(client, name, alias)
         client.set_registered_model_alias(name, alias, mv.version)
-    client.set_tag(tracker.run_id, "registered_model_name", name)
-    client.set_tag(tracker.run_id, "registered_model_version", str(mv.version))
+    client.set_tag(run_id, "registered_model_name", name)
+    client.set_tag(run_id, "registered_model_version", str(mv.version))
     return client.get_model_version(name, mv.version), moved_from
 
 
@@ -142,11 +146,9 @@ def register_run_checkpoint(uri: str, name: str, alias: str | None = "latest", p
     try:
         run = mlflow_call(lambda: client.get_run(run_id), "find the run")
     except mlflow.exceptions.MlflowException:
-        raise VitregError(f"no run {run_id} at {shown_uri()}: check the run id and MLFLOW_TRACKING_URI") \
+        raise VitregError(f"no run {run_id} at {tracking_uri()}: check the run id and MLFLOW_TRACKING_URI") \
             from None
-    from vitreg.tracking.runs import MlflowTracker
-
-    return register_checkpoint(MlflowTracker(run), f"runs:/{run_id}/{match.group(2)}", name, alias, progress=progress)
+    return _register(run.info.run_id, _Request(name, alias, None, f"runs:/{run_id}/{match.group(2)}", None), progress)
 
 
 def check_registration(name: str, alias: str | None, arch: str) -> None:
