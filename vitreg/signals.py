@@ -11,7 +11,7 @@ SIGKILL cannot be caught: a run killed so is found by its heartbeat (``vitreg ru
 
 A bound on the wait: Python runs a handler only between bytecodes of the main thread, so a main thread
 inside one long C call (a collective whose peer died, a step at 16000 px) would never see the signal,
-and a signal held for one optimizer update (:mod:`vitreg.train.stopping`) waits for that update. The C
+and a signal held for one optimizer update (:func:`vitreg.train.loop.update_is_atomic`) waits for that update. The C
 level handler also writes the signal to a wake-up pipe; a watchdog thread reads it and, if the main thread
 has not acted on it within :func:`stop_grace_s` (``VITREG_STOP_GRACE_S``, default 60 s), runs the
 registered last words (:func:`on_forced_exit`: the tracked run ends KILLED with the reason) and exits
