@@ -19,7 +19,7 @@ built: model, data, optimizer, schedule, scaler, criterion) and :class:`_Tally` 
 updates run: the step, the interval's loss and times, the last validation and checkpoint).
 
 Ctrl-C, and SIGTERM/SIGHUP once :func:`vitreg.signals.install` routes them, stop the loop between
-updates (:func:`update_is_atomic` holds them for the length of one): the open interval is logged, a
+updates (:func:`vitreg.signals.update_is_atomic` holds them for the length of one): the open interval is logged, a
 checkpoint of the step reached is written, and the ``KeyboardInterrupt`` goes on up carrying the
 :class:`TrainResult` so far as its ``partial_result``, for the job to log before the run ends KILLED.
 
@@ -39,16 +39,12 @@ make the same number of steps (the data gives each rank the same number of batch
 Besides the loop this module holds what only the loop uses, each under its own heading: what it is
 given besides spec, runtime and model (:class:`Sources`, :class:`Checkpoints`, :class:`Hooks`,
 :class:`Ranks`) and what it returns (:class:`TrainResult`); the optimizer and schedule; the step clock;
-validation and the gradient norm; holding stop signals for one update (:func:`update_is_atomic`).
+validation and the gradient norm.
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
-import os
-import signal
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -62,12 +58,11 @@ from vitreg.console import progress
 from vitreg.errors import VitregError, out_of_memory_as_error
 from vitreg.measure.figures import Figures, Work
 from vitreg.measure.timing import synchronize
-from vitreg.signals import interrupted_reason
+from vitreg.signals import interrupted_reason, update_is_atomic
 from vitreg.train.losses import build_criterion, check_distillable, create_teacher
 
 THROUGHPUT_WARMUP_STEPS = 10  # as BenchSpec.warmup: steps after the first that are not timed into the result
 WARMUP_LR_INIT = 1e-6  # DeiT's warmup_lr: where the linear warm-up starts
-HELD_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)  # vitreg.signals.ALL_STOP_SIGNALS
 
 
 # --------------------------------------------------------------------------- what the loop is given and returns
@@ -621,49 +616,3 @@ def grad_norm(parameters) -> torch.Tensor:
     if hasattr(torch.nn.utils, "get_total_norm"):
         return torch.nn.utils.get_total_norm(grads)
     return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
-
-
-# --------------------------------------------------------------------------- stopping between updates
-
-
-# Stopping a training between optimizer updates, never inside one. Ctrl-C (SIGINT) and, through
-# vitreg.signals, SIGTERM/SIGHUP raise a KeyboardInterrupt wherever the main thread is. Raised between
-# optimizer.step() and the step counter's increment, the weights would hold one more update than the
-# step says, and the final checkpoint would resume one update ahead of its data; raised inside AdamW's
-# update, some parameters would have moved and others not. update_is_atomic holds those signals for the
-# few lines of one update and delivers the held one, to the handler that was installed, when the update
-# is complete.
-
-@contextlib.contextmanager
-def update_is_atomic():
-    """Hold SIGINT/SIGTERM/SIGHUP/SIGQUIT inside the block; deliver the first one after it. A second one inside
-    the block exits at once (the user means it), as a second signal during clean-up does. An update that
-    does not end within ``VITREG_STOP_GRACE_S`` is not waited for: :mod:`vitreg.signals`' watchdog ends
-    the process then (a collective whose peer died never ends)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield  # signals reach the main thread only
-        return
-    held: list[int] = []
-
-    def hold(signum, _frame):
-        if held:
-            os._exit(128 + signum)
-        held.append(signum)
-
-    previous = {sig: signal.signal(sig, hold) for sig in HELD_SIGNALS}
-    try:
-        yield
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-        if held:
-            _deliver(held[0], previous[held[0]])
-
-
-def _deliver(signum: int, handler) -> None:
-    """What ``signum`` would have done without the hold: the Python handler (Ctrl-C's KeyboardInterrupt,
-    vitreg.signals' Terminated), or the default action (the process ends), or nothing (ignored)."""
-    if callable(handler):
-        handler(signum, None)
-    elif handler == signal.SIG_DFL:
-        os.kill(os.getpid(), signum)
