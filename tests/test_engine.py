@@ -11,7 +11,7 @@ import torch
 
 from vitreg.checkpoint import format as ckpt
 from vitreg.train import loop as engine
-from vitreg.train import losses, optim
+from vitreg.train import losses
 from vitreg.train.data import SyntheticData, build_data, resolve_num_classes
 from vitreg.errors import OutOfMemory, VitregError
 from vitreg.hardware.profiles import PROFILES, DetectedHardware
@@ -91,7 +91,7 @@ def test_unknown_option_suggests():
 def test_lr_schedule_warmup_then_cosine():
     spec = TrainSpec(lr=1e-3, min_lr=1e-5, warmup_steps=4)
     opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=spec.lr)
-    sched = optim.build_scheduler(opt, spec, total_steps=24)
+    sched = engine.build_scheduler(opt, spec, total_steps=24)
 
     def lr_at(update):
         sched.step_update(update)
@@ -105,7 +105,7 @@ def test_lr_schedule_warmup_then_cosine():
     assert lr_at(14) == pytest.approx((lr + lo) / 2)  # cosine half-way over the 20 post-warm-up updates
     assert lr_at(24) == pytest.approx(lo)
     # a run shorter than its warm-up still ends at min_lr
-    short = optim.build_scheduler(opt, TrainSpec(warmup_steps=100, lr=1e-3, min_lr=1e-5), total_steps=5)
+    short = engine.build_scheduler(opt, TrainSpec(warmup_steps=100, lr=1e-3, min_lr=1e-5), total_steps=5)
     short.step_update(5)
     assert opt.param_groups[0]["lr"] == pytest.approx(1e-5)
 

@@ -29,7 +29,7 @@ def good_checkpoint(tmp_path_factory):
     """A real test_vit checkpoint at step 2, with train's AdamW groups, schedule and the class names."""
     from types import SimpleNamespace
 
-    from vitreg.train.optim import build_optimizer, build_scheduler
+    from vitreg.train.loop import build_optimizer, build_scheduler
 
     torch.manual_seed(0)
     spec = TrainSpec(model="test_vit", img_size=IMG, num_classes=CLASSES, steps=4, warmup_steps=1)
@@ -189,7 +189,7 @@ def _other_optimizer() -> bytes:
     """AdamW state of a model with another head size: the same parameter count, other shapes."""
     from types import SimpleNamespace
 
-    from vitreg.train.optim import build_optimizer
+    from vitreg.train.loop import build_optimizer
 
     model, _ = create_model("test_vit", IMG, 7)
     opt = build_optimizer(model, TrainSpec(model="test_vit", num_classes=7), SimpleNamespace(device="cpu"))

@@ -85,7 +85,7 @@ def test_a_stop_signal_ends_train_killed_with_a_final_checkpoint_and_no_temp_fol
 
 HOLD = textwrap.dedent("""
     import os, signal, sys
-    from vitreg.train.stopping import update_is_atomic
+    from vitreg.signals import update_is_atomic
     done = []
     try:
         with update_is_atomic():
@@ -126,7 +126,7 @@ NEVER_ENDS = textwrap.dedent("""
     import sys
     from vitreg import signals
     from vitreg.tracking.runs import tracked_run
-    from vitreg.train.stopping import update_is_atomic
+    from vitreg.signals import update_is_atomic
     signals.install()
     with tracked_run(run_name="never-ends", experiment="sig", system_metrics=False) as run:
         print("run", run.run_id, flush=True)

@@ -11,7 +11,7 @@ SIGKILL cannot be caught: a run killed so is found by its heartbeat (``vitreg ru
 
 A bound on the wait: Python runs a handler only between bytecodes of the main thread, so a main thread
 inside one long C call (a collective whose peer died, a step at 16000 px) would never see the signal,
-and a signal held for one optimizer update (:mod:`vitreg.train.stopping`) waits for that update. The C
+and a signal held for one optimizer update (:func:`update_is_atomic`) waits for that update. The C
 level handler also writes the signal to a wake-up pipe; a watchdog thread reads it and, if the main thread
 has not acted on it within :func:`stop_grace_s` (``VITREG_STOP_GRACE_S``, default 60 s), runs the
 registered last words (:func:`on_forced_exit`: the tracked run ends KILLED with the reason) and exits
@@ -21,6 +21,7 @@ with 128 + N.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import gc
 import os
 import signal
@@ -148,6 +149,49 @@ def interrupted_reason(exc: KeyboardInterrupt) -> str:
     """What a run that ended KILLED says in its ``vitreg_error`` tag."""
     _acted.set()  # a Ctrl-C's KeyboardInterrupt reached the clean-up
     return str(exc) if isinstance(exc, Terminated) else "interrupted (Ctrl-C)"
+
+
+# Stopping a training between optimizer updates, never inside one. Raised between optimizer.step() and
+# the step counter's increment, a KeyboardInterrupt would leave the weights one update ahead of the step,
+# and the final checkpoint would resume one update ahead of its data; raised inside AdamW's update, some
+# parameters would have moved and others not. update_is_atomic holds the stop signals for the few lines
+# of one update and delivers the held one, to the handler that was installed, when the update is
+# complete. It lives here, beside the handlers it holds back, and imports nothing heavy.
+
+
+@contextlib.contextmanager
+def update_is_atomic():
+    """Hold SIGINT/SIGTERM/SIGHUP/SIGQUIT inside the block; deliver the first one after it. A second one inside
+    the block exits at once (the user means it), as a second signal during clean-up does. An update that
+    does not end within ``VITREG_STOP_GRACE_S`` is not waited for: the watchdog ends
+    the process then (a collective whose peer died never ends)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield  # signals reach the main thread only
+        return
+    held: list[int] = []
+
+    def hold(signum, _frame):
+        if held:
+            os._exit(128 + signum)
+        held.append(signum)
+
+    previous = {sig: signal.signal(sig, hold) for sig in ALL_STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        if held:
+            _deliver(held[0], previous[held[0]])
+
+
+def _deliver(signum: int, handler) -> None:
+    """What ``signum`` would have done without the hold: the Python handler (Ctrl-C's KeyboardInterrupt,
+    :class:`Terminated`), or the default action (the process ends), or nothing (ignored)."""
+    if callable(handler):
+        handler(signum, None)
+    elif handler == signal.SIG_DFL:
+        os.kill(os.getpid(), signum)
 
 
 _freeze_registered = False

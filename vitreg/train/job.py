@@ -1,22 +1,28 @@
-"""The ``train`` job: options -> TrainSpec -> hardware -> runtime -> loop -> results -> tracking.
+"""The ``train`` job, read top to bottom: resolve the plan -> launch -> run the loop -> log and register.
 
-The same shape as :mod:`vitreg.bench.job`. The loop (:mod:`vitreg.train.loop`) reports through
-callbacks; :mod:`vitreg.train.run_logger` turns them into MLflow calls that never run inside a step:
+:func:`train` opens the job's run and resolves, once, a :class:`TrainPlan`: the spec, the checks that
+need no step (model name, ``register_as``, the data layout), this process's world, hardware and
+runtime, the model and its facts, the checkpoint a ``resume=`` names, the run's title. Every later
+step takes the plan and never returns to the options, the model factory or the checkpoint source.
+Then either this process launches torchrun (:func:`_launch_train`) or it trains (:func:`_train_in_run`).
+
+The loop (:mod:`vitreg.train.loop`) reports through callbacks; :class:`RunLogger` turns them into
+MLflow calls that never run inside a step:
 
 - curves (``train_loss``, ``lr``, ``train_img_per_s``, ``grad_norm``, ``data_wait_frac``, ``epoch``,
   ``val_top1``) as one ``log_metrics`` batch per ``log_every`` steps;
 - checkpoints as run artifacts ``checkpoints/step-<N>/`` and then ``checkpoints/last/`` (so ``last`` is
   always the newest, and a process killed while ``last`` is copied still leaves an intact
-  ``step-<N>``);
-- the summary metrics, ``results.json``, environment and pip freeze at the end.
+  ``step-<N>``), by :class:`CheckpointUploader`;
+- the summary metrics, ``results.json``, environment and pip freeze at the end; then ``register_as``
+  (:func:`_register`), checked against the registry while the plan is resolved.
 
 Those calls go through one background thread (in order) when the tracker is bound to its run id
 (``Tracker.thread_safe``; MLflow's active run is thread-local, so a fluent call from another thread
 would open a new run); otherwise they run inline at the log boundary, still outside any timed step.
 
 Checkpoint sources (``resume=``, ``teacher=``) go through the one resolver,
-:func:`vitreg.tracking.checkpoint_sources.resolve_checkpoint`; registration (``register_as``) through
-:mod:`vitreg.train.registration`.
+:func:`vitreg.tracking.checkpoint_sources.resolve_checkpoint`.
 
 DDP (``nproc > 1``), as ``bench`` does it: the process the user started becomes the launcher
 (:func:`_launch_train`). It holds the one MLflow run (or resumes ``mlflow run``'s), checks what
@@ -37,75 +43,36 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import queue
 import shutil
+import sys
 import tempfile
-from dataclasses import asdict
+import threading
+from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Callable
 
 from vitreg.config.spec import TrainSpec
 from vitreg.console import progress
 from vitreg.ddp import launcher as launch
 from vitreg.ddp import world as distributed
 from vitreg.ddp.context import JobContext, job_context
+from vitreg.errors import VitregError, first_line
 from vitreg.environment import capture_environment, pip_freeze
 from vitreg.hardware.runtime import run_context
 from vitreg.measure.estimate import say_if_long, train_work
 from vitreg.measure.figures import Work
-from vitreg.models.factory import check_model_name, create_model
+from vitreg.models.factory import ModelInfo, check_model_name, create_model
 from vitreg.models.memory import check_batch_fits, check_ranks_fit
-from vitreg.tracking import checkpoint_sources, naming
+from vitreg.tracking import checkpoint_sources, model_registry, naming
 from vitreg.tracking import runs as tracking
+from vitreg.tracking.handoff import HandoffTracker
 from vitreg.tracking.tags import resolved_tags, world_tags
-from vitreg.train.progress import Progress
-from vitreg.train.registration import check_registration, register_if_requested
-from vitreg.train.run_logger import CHECKPOINT_ARTIFACTS, CheckpointUploader, RunLogger
 
-
-# --------------------------------------------------------------------------- sources
-
-
-def resolve_checkpoint_source(source: str, dst=None, progress=progress):
-    """The verified checkpoint ``resume=`` names (a runs:/ or models:/ one downloaded into ``dst``)."""
-    return checkpoint_sources.resolve_checkpoint(source, dst, what="resume", progress=progress).checkpoint
-
-
-def teacher_loader(uri: str):
-    """The teacher model a ``teacher=`` URI names, downloaded into a folder that goes once it is loaded."""
-    model, _, _ = checkpoint_sources.load_model(uri)
-    return model
+CHECKPOINT_ARTIFACTS = "checkpoints"
 
 
 # --------------------------------------------------------------------------- the job
-
-
-def train_tags(spec: TrainSpec, hw, runtime, info, data_kind: str) -> dict:
-    """bench's resolved tags (names people group by) plus the training ones."""
-    return {
-        **resolved_tags(spec, hw, runtime, info.img_size, task="train"),
-        "vitreg_job": "train",
-        "precision": runtime.precision.label,  # what ran: fp32, tf32, autocast-bf16, autocast-fp16
-        "sdpa": spec.sdpa,
-        "num_classes": info.num_classes,
-        "data": data_kind,
-        "distillation": spec.distillation,
-        "teacher": spec.teacher or None,
-        "resumed_from": spec.resume or None,
-    }
-
-
-def _flops_metrics(model, info, runtime) -> float:
-    """GFLOPs of one training image (student only), counted without touching the training RNG stream."""
-    import torch
-
-    from vitreg.models.flops import train_flops_per_image
-    from vitreg.train.losses import loss_of
-
-    criterion = torch.nn.CrossEntropyLoss()
-    devices = [runtime.device_index] if runtime.device == "cuda" else []
-    with torch.random.fork_rng(devices=devices):
-        flops = train_flops_per_image(model, info.img_size, runtime.torch_device,
-                                      lambda out, y: loss_of(out, y, criterion))
-    return flops / 1e9
 
 
 def train(options: dict, experiment: str | None = None, run_name: str | None = None, progress=progress,
@@ -119,20 +86,19 @@ def train(options: dict, experiment: str | None = None, run_name: str | None = N
     replaces the built-in rank-sharded sampler of ImageFolder data (it must give every rank the same
     number of batches).
     """
-    command = launch.typed_command(command)
-    placement = placement or launch.Placement()
-    inside = distributed.inside_torchrun()
+    run_node = (placement or launch.Placement()).run_node
     workdir = Path(tempfile.mkdtemp(prefix="vitreg-train-"))  # downloaded resume source + local checkpoints
     world = distributed.World()
     try:
-        opened = (launch.rank_run(run_name, experiment) if inside else
-                  launch.launcher_run(run_name, experiment, placement.run_node))
-        with opened as run:
-            spec = None if inside else TrainSpec.from_options(options)  # the launcher's plan
-            if spec is not None and launch.needs_torchrun(spec.nproc, placement.nnodes):
-                return _launch_train(run, spec, launch.JobLaunch("train", options, run_name, placement, command),
-                                     progress)
-            result, world = _train_in_run(run, options, workdir, progress, command, run_name, sampler_factory)
+        opened = (launch.rank_run(run_name, experiment) if distributed.inside_torchrun() else
+                  launch.launcher_run(run_name, experiment, run_node))
+        with opened as run:  # a refusal while the plan is resolved ends this run FAILED, with its error
+            plan = resolve_plan(run, options, workdir, run_name=run_name, command=command, placement=placement,
+                                progress=progress, sampler_factory=sampler_factory)
+            if plan.launches:
+                return _launch_train(plan)
+            world = plan.world
+            result = _train_in_run(plan)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     if world.distributed:
@@ -145,150 +111,220 @@ def train(options: dict, experiment: str | None = None, run_name: str | None = N
     return result
 
 
-def _launch_train(run, spec: TrainSpec, job: launch.JobLaunch, progress) -> None:
-    """The launcher (``run`` is None on a node other than 0): the checks that need no GPU, torchrun,
-    then the registration rank 0 asked for, against the run its hand-off was logged into."""
+# --------------------------------------------------------------------------- the plan
+
+
+@dataclass(frozen=True)
+class TrainPlan:
+    """What every step after :func:`resolve_plan` reads: resolved once, at the job's top.
+
+    A launcher's plan stops at ``num_classes`` (it trains nothing); a training process's holds its
+    context (world, hardware, runtime), the model built for it and its facts, the checkpoint it resumes
+    from, the teacher and the run's title.
+    """
+
+    options: dict  # as they came: a launcher forwards them to every rank
+    spec: TrainSpec  # a resumed run's carries the checkpoint's seed
+    run: object  # this process's tracker (None: a launcher on a node other than 0)
+    run_name: str | None  # the name asked for; None: named from the title, then with the throughput
+    command: str  # what the user typed, for results.json and the ranks' report.md
+    placement: launch.Placement
+    workdir: Path  # the downloaded resume source and the local checkpoints; removed when the job ends
+    progress: Callable  # quiet on DDP ranks other than 0: rank 0 speaks for the job
+    launches: bool  # this process launches torchrun and trains nothing itself
+    num_classes: int  # the head size: num_classes, else the class folders of data
+    sampler_factory: Callable | None = None
+    ctx: JobContext | None = None  # a training process's world, hardware, runtime, wrap and reducer
+    model: object = None  # the student, built with the seed: its facts (info) come from building it
+    info: ModelInfo | None = None
+    resume: object = None  # the VerifiedCheckpoint resume= names, checked against this model
+    teacher: object = None  # the distillation teacher teacher= names (None without distillation)
+    gflops: float | None = None  # GFLOPs of one training image (rank 0 counts them; None on the others)
+    title: naming.RunTitle | None = None  # what the run's name says besides its batch and throughput
+
+    @property
+    def world(self) -> distributed.World:
+        return self.ctx.world
+
+    @property
+    def runtime(self):
+        return self.ctx.runtime
+
+    @property
+    def hardware(self):
+        return self.ctx.hardware
+
+
+def resolve_plan(run, options: dict, workdir: Path, *, run_name=None, command=None, placement=None,
+                 progress=progress, sampler_factory=None) -> TrainPlan:
+    """The plan of this process: what needs no step is checked here, before any training or launch."""
     from vitreg.train.data import resolve_num_classes
 
-    gpus = launch.check(spec, job.placement)
-    check_model_name(spec.model)  # fail here, once, rather than in every rank
-    if job.placement.node_rank == 0:
-        check_registration(spec)
-    resolve_num_classes(spec.replace(num_classes=0))  # data=PATH: its layout, once (not per rank)
-    if spec.resume and not spec.resume.startswith(("runs:/", "models:/")) and "://" not in spec.resume:
-        resolve_checkpoint_source(spec.resume)  # a local path that does not exist
-    # host memory for every rank, before any is started: past it the OOM killer takes the launcher
-    check_ranks_fit(spec.nproc, spec.model, spec.img_size, resolve_num_classes(spec),
-                    "cpu" if spec.device == "cpu" or not gpus else "cuda")
-    with launch.launch_job(run, spec, job, progress) as handoff:
-        request = handoff.registration
-        if run is not None and request is not None:
-            register_if_requested(run, spec, request["path"], request["tags"])
-
-
-def _train_in_run(run, options, workdir: Path, progress, command, run_name, sampler_factory):
-    """One process's training inside its run; returns ``(TrainResult, World)``."""
     spec = TrainSpec.from_options(options)
-    check_model_name(spec.model)
-    if distributed.is_main_process():
-        check_registration(spec)  # rank 0 registers: a bad register_as fails before any training
-    ctx, model, info, resume = _model_of(job_context(run, spec, progress, distributed.TrainReducer), workdir)
-    teacher = _teacher(ctx.spec, info, ctx.runtime, ctx.progress)  # a teacher= that cannot load fails early
-    from vitreg.train.data import build_data
-
-    data = build_data(ctx.spec, info, ctx.runtime.torch_device, model=model, rank=ctx.world.rank,
-                      world_size=ctx.world.world_size, sampler_factory=sampler_factory)
-    if ctx.world.is_main:
-        _log_setup(ctx, info, data, run_name)
-    model = model.to(ctx.runtime.torch_device)
-    gflops = _flops_metrics(model, info, ctx.runtime) if ctx.world.is_main else None
-    if ctx.world.is_main:  # a GPU-sized run on a CPU says so before it starts
-        from vitreg.train import loop
-
-        steps = loop.total_steps_of(ctx.spec, data.steps_per_epoch)
-        say_if_long(train_work(ctx.spec.batch_size * ctx.world.world_size, steps, gflops * 1e9), ctx.runtime.device,
-                    ctx.progress)
-    logger = RunLogger(run)
-    ok, stop = False, None
-    try:
-        try:
-            # TF32 switches (amp=tf32), the SDPA backend and the compile cache, around every step
-            with run_context(ctx.runtime, model, ctx.spec.sdpa, ctx.spec.compile_cache, train=True):
-                result = _run_loop(ctx, logger, model, info, data, resume, workdir, teacher)
-        except KeyboardInterrupt as exc:  # stopped between updates: log what was done, then end the run KILLED
-            result, stop = getattr(exc, "partial_result", None), exc
-            if result is None:
-                raise
-        result = _completed(result, gflops, info, ctx)
-        if ctx.world.is_main:
-            _log_results(ctx, logger, info, data, result, command,
-                         register=stop is None)  # a stopped run's model is not the one register_as asked for
-            throughput = result.figure("throughput_img_per_s")
-            if not run_name and throughput:  # now with the figure: the runs list reads at a glance
-                run.set_name(run_name_for(ctx.spec, ctx.hardware, ctx.runtime, ctx.world.world_size, throughput))
-        ok = True
-    finally:
-        logger.close(timeout=None if ok else 60)  # on the error path, do not hang on a dead server
-    if stop is not None:
-        raise stop
-    return result, ctx.world
+    placement = placement or launch.Placement()
+    launches = not distributed.inside_torchrun() and launch.needs_torchrun(spec.nproc, placement.nnodes)
+    registers = placement.node_rank == 0 if launches else distributed.is_main_process()  # node 0's launcher, rank 0
+    check_model_name(spec.model)  # fail here, once, rather than in every rank
+    if registers:
+        _check_registration(spec)  # a bad register_as fails before any training
+    # data=PATH's layout, even where num_classes is given: a launcher checks it once, not in every rank
+    data_classes = resolve_num_classes(spec.replace(num_classes=0))
+    plan = TrainPlan(options, spec, run, run_name, launch.typed_command(command), placement, workdir, progress, launches,
+                     num_classes=spec.num_classes or data_classes, sampler_factory=sampler_factory)
+    if launches:
+        if spec.resume and not spec.resume.startswith(("runs:/", "models:/")) and "://" not in spec.resume:
+            resolve_checkpoint_source(spec.resume)  # a local path that does not exist
+        return plan
+    return _training_plan(plan, job_context(run, spec, progress, distributed.TrainReducer))
 
 
-def _model_of(ctx: JobContext, workdir: Path):
-    """The model to train and the checkpoint it resumes from: ``(ctx, model, info, resume)``, ``ctx``
-    with the spec a resume continues with (its seed). Checks what needs no step first."""
+def _training_plan(plan: TrainPlan, ctx: JobContext) -> TrainPlan:
+    """A training process's plan: its context, the model to train (on its device, its work per image
+    counted), the checkpoint it resumes from, with the spec a resume continues with (its seed), and the
+    teacher. Checks what needs no step first; a teacher= that cannot load is refused before the data,
+    the run's setup and the FLOPs count are made."""
     import torch
 
     from vitreg.train import loop
-    from vitreg.train.data import resolve_num_classes
     from vitreg.train.losses import check_distillable
 
-    spec, runtime, world = ctx.spec, ctx.runtime, ctx.world
-    num_classes = resolve_num_classes(spec)  # checks data=PATH before any model or device work
+    spec, runtime = plan.spec, ctx.runtime
     torch.manual_seed(spec.seed)  # the model's init, as --seed promises (DDP then copies rank 0's weights)
-    model, info = create_model(spec.model, spec.img_size, num_classes)
+    model, info = create_model(spec.model, spec.img_size, plan.num_classes)
     check_batch_fits(info, spec.batch_size, ("train",), runtime.device, runtime.device_index, sdpa=spec.sdpa)  # before any step
     check_distillable(spec, info)
     resume = None
     if spec.resume:  # every rank reads it; verified here, once, and handed to the loop
-        resume = resolve_checkpoint_source(spec.resume, workdir / "resume", ctx.progress)
+        resume = resolve_checkpoint_source(spec.resume, plan.workdir / "resume", ctx.progress)
         spec = loop.resume_spec(spec, resume, info, ctx.progress)  # another model fails here, early
-        if world.is_main and isinstance(resume.spec.get("run_id"), str):  # the run that saved it
-            ctx.run.set_tags({tracking.RESUMED_FROM_TAG: resume.spec["run_id"]})
-            tracking.close_resumed(resume.spec["run_id"], ctx.run.run_id, ctx.progress)
-    return ctx.with_spec(spec), model, info, resume
+    hw = ctx.hardware
+    title = naming.RunTitle(hw.label, spec.model, runtime.amp, spec.compile, ctx.world.world_size, job="train",
+                            ran_on=hw.detected.profile.label if hw.mismatch else None)
+    plan = dataclasses.replace(plan, spec=spec, progress=ctx.progress, ctx=ctx.with_spec(spec), model=model,
+                               info=info, resume=resume, title=title)
+    plan = dataclasses.replace(plan, teacher=_teacher(plan))
+    model.to(runtime.torch_device)  # in place: a Module's to() moves its own parameters
+    return dataclasses.replace(plan, gflops=_flops_metrics(plan) if ctx.world.is_main else None)
 
 
-def _completed(result, gflops: float | None, info, ctx: JobContext):
-    """The result with the job-level figures the loop cannot know (the work per image, parameters,
-    achieved TFLOP/s and MFU against this GPU's peak): computed as bench computes them."""
-    figures = result.figures.with_values(gflops_per_img=gflops, params_m=info.params_m if gflops else None)
-    return dataclasses.replace(result, figures=figures.completed(Work.of(ctx.runtime, ctx.hardware, result.world_size)))
-
-
-def _teacher(spec, info, runtime, progress):
+def _teacher(plan: TrainPlan):
     """The distillation teacher (None without distillation), built before the data, the run's setup and
     the FLOPs count: a teacher= that cannot be loaded is refused before that work. A timm-name
     teacher's random init draws on a forked RNG, so the student's data and dropout stream is the one
     it would be without a teacher."""
-    if spec.distillation == "none":  # TrainSpec holds a teacher exactly when it distills
+    if plan.spec.distillation == "none":  # TrainSpec holds a teacher exactly when it distills
         return None
     import torch
 
     from vitreg.train.losses import create_teacher
 
     with torch.random.fork_rng(devices=[]):
-        return create_teacher(spec, info, runtime.torch_device, teacher_loader, progress)
+        return create_teacher(plan.spec, plan.info, plan.runtime.torch_device, teacher_loader, plan.progress)
 
 
-def _log_setup(ctx: JobContext, info, data, run_name) -> None:
-    """Rank 0, before the first step: the run's name, tags, params, environment and pip freeze."""
-    run, spec, hw, runtime, world = ctx.run, ctx.spec, ctx.hardware, ctx.runtime, ctx.world
-    env = capture_environment()
-    run.set_name(run_name or run_name_for(spec, hw, runtime, world.world_size))
-    tags = train_tags(spec, hw, runtime, info, data.kind)
-    run.set_tags({**env.to_tags(), **tags, **world_tags(world, runtime, env, spec)})
-    params = {**spec.to_params(), "gpu": hw.label, "amp": runtime.amp, "device": runtime.device,
-              "img_size": info.img_size, "num_classes": info.num_classes}
-    skipped = run.log_params(params)
-    if skipped:
-        ctx.progress("kept the params mlflow run logged as typed (" +
-                     ", ".join(f"{k}={v}" for k, v in skipped.items()) + "); the resolved values are tags")
-    ddp = f", {world.world_size} ranks ({world.backend})" if world.distributed else ""
-    ctx.progress(f"run {run.run_id} at {tracking.tracking_uri()}; {spec.model} ({info.params_m:.1f} M params, "
-                 f"{info.img_size}px, {info.num_classes} classes) on {runtime.device} ({ctx.detected.name}){ddp}, "
-                 f"amp={runtime.amp}, compile={spec.compile}, data={data.kind}")
-    run.log_text(env.to_json(), "environment.json")
-    run.log_text(pip_freeze(), "pip_freeze.txt")
+def _flops_metrics(plan: TrainPlan) -> float:
+    """GFLOPs of one training image (student only), counted without touching the training RNG stream."""
+    import torch
+
+    from vitreg.models.flops import train_flops_per_image
+    from vitreg.train.losses import loss_of
+
+    runtime = plan.runtime
+    criterion = torch.nn.CrossEntropyLoss()
+    devices = [runtime.device_index] if runtime.device == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        flops = train_flops_per_image(plan.model, plan.info.img_size, runtime.torch_device,
+                                      lambda out, y: loss_of(out, y, criterion))
+    return flops / 1e9
 
 
-def _run_loop(ctx: JobContext, logger, model, info, data, resume, workdir, teacher):
+def resolve_checkpoint_source(source: str, dst=None, progress=progress):
+    """The verified checkpoint ``resume=`` names (a runs:/ or models:/ one downloaded into ``dst``)."""
+    return checkpoint_sources.resolve_checkpoint(source, dst, what="resume", progress=progress).checkpoint
+
+
+def teacher_loader(uri: str):
+    """The teacher model a ``teacher=`` URI names, downloaded into a folder that goes once it is loaded."""
+    model, _, _ = checkpoint_sources.load_model(uri)
+    return model
+
+
+def _check_registration(spec: TrainSpec) -> None:
+    """``register_as``/``alias`` checked against the registry before training (no-op without them)."""
+    if spec.register_as:
+        model_registry.check_registration(spec.register_as, spec.alias, spec.model)
+
+
+# --------------------------------------------------------------------------- the launch
+
+
+def _launch_train(plan: TrainPlan) -> None:
+    """The launcher (``plan.run`` is None on a node other than 0): the launcher's checks, every rank's host
+    memory, torchrun, then the registration rank 0 asked for, against the run its hand-off was logged into."""
+    spec = plan.spec
+    gpus = launch.check(spec, plan.placement)
+    # host memory for every rank, before any is started: past it the OOM killer takes the launcher
+    check_ranks_fit(spec.nproc, spec.model, spec.img_size, plan.num_classes,
+                    "cpu" if spec.device == "cpu" or not gpus else "cuda")
+    job = launch.JobLaunch("train", plan.options, plan.run_name, plan.placement, plan.command)
+    with launch.launch_job(plan.run, spec, job, plan.progress) as handoff:
+        request = handoff.registration
+        if plan.run is not None and request is not None:
+            _register(plan.run, spec, request["path"], request["tags"])
+
+
+# --------------------------------------------------------------------------- the loop
+
+
+def _train_in_run(plan: TrainPlan):
+    """One process's training inside its run, as its plan says: the data, the run's setup, the loop, the
+    results; returns the TrainResult."""
+    from vitreg.train.data import build_data
+
+    spec, world = plan.spec, plan.world
+    data = build_data(spec, plan.info, plan.runtime.torch_device, model=plan.model, rank=world.rank,
+                      world_size=world.world_size, sampler_factory=plan.sampler_factory)
+    if world.is_main:
+        from vitreg.train import loop
+
+        _log_setup(plan, data)
+        # a GPU-sized run on a CPU says so before it starts
+        steps = loop.total_steps_of(spec, data.steps_per_epoch)
+        say_if_long(train_work(spec.batch_size * world.world_size, steps, plan.gflops * 1e9), plan.runtime.device,
+                    plan.progress)
+    logger = RunLogger(plan.run)
+    ok, stop = False, None
+    try:
+        try:
+            # TF32 switches (amp=tf32), the SDPA backend and the compile cache, around every step
+            with run_context(plan.runtime, plan.model, spec.sdpa, spec.compile_cache, train=True):
+                result = _run_loop(plan, logger, data)
+        except KeyboardInterrupt as exc:  # stopped between updates: log what was done, then end the run KILLED
+            result, stop = getattr(exc, "partial_result", None), exc
+            if result is None:
+                raise
+        result = _completed(plan, result)
+        if world.is_main:
+            _log_results(plan, logger, data, result,
+                         register=stop is None)  # a stopped run's model is not the one register_as asked for
+            throughput = result.figure("throughput_img_per_s")
+            if not plan.run_name and throughput:  # now with the figure: the runs list reads at a glance
+                plan.run.set_name(_run_name(plan, throughput))
+        ok = True
+    finally:
+        logger.close(timeout=None if ok else 60)  # on the error path, do not hang on a dead server
+    if stop is not None:
+        raise stop
+    return result
+
+
+def _run_loop(plan: TrainPlan, logger: RunLogger, data):
     """The loop, its callbacks wired to the progress bar and the run logger; returns its TrainResult."""
     from vitreg.train import loop
 
-    spec, world = ctx.spec, ctx.world
-    bar = Progress(loop.total_steps_of(spec, data.steps_per_epoch), initial=resume.step if resume else 0,
-                   progress=ctx.progress, enabled=world.is_main)
+    spec, world, ctx = plan.spec, plan.world, plan.ctx
+    bar = ProgressBar(loop.total_steps_of(spec, data.steps_per_epoch), initial=plan.resume.step if plan.resume else 0,
+                      progress=plan.progress, enabled=world.is_main)
 
     def on_log(step, metrics):
         bar.log(step, metrics)
@@ -301,17 +337,75 @@ def _run_loop(ctx: JobContext, logger, model, info, data, resume, workdir, teach
 
     hooks = loop.Hooks(bar.step, on_log, CheckpointUploader(logger), on_epoch_end, bar.message)
     ranks = loop.Ranks(world.world_size, world.rank, world.is_main, ctx.wrap, ctx.reducer)
-    checkpoints = loop.Checkpoints(workdir / CHECKPOINT_ARTIFACTS, resume, {"run_id": ctx.run.run_id})
+    checkpoints = loop.Checkpoints(plan.workdir / CHECKPOINT_ARTIFACTS, plan.resume, {"run_id": plan.run.run_id})
     try:
-        return loop.train(spec, ctx.runtime, model, info, sources=loop.Sources(data, teacher, teacher_loader),
-                          checkpoints=checkpoints, hooks=hooks, ranks=ranks)
+        return loop.train(spec, plan.runtime, plan.model, plan.info,
+                          sources=loop.Sources(data, plan.teacher, teacher_loader), checkpoints=checkpoints, hooks=hooks,
+                          ranks=ranks)
     finally:
         bar.close()  # before the results are logged, so their lines print below the bar
 
 
-def _log_results(ctx: JobContext, logger, info, data, result, command, register=True):
+def _completed(plan: TrainPlan, result):
+    """The result with the job-level figures the loop cannot know (the work per image, parameters,
+    achieved TFLOP/s and MFU against this GPU's peak): computed as bench computes them."""
+    figures = result.figures.with_values(gflops_per_img=plan.gflops, params_m=plan.info.params_m if plan.gflops else None)
+    work = Work.of(plan.runtime, plan.hardware, result.world_size)
+    return dataclasses.replace(result, figures=figures.completed(work))
+
+
+# --------------------------------------------------------------------------- logging and registering
+
+
+def _log_setup(plan: TrainPlan, data) -> None:
+    """Rank 0, before the first step: the run's lineage, name, tags, params, environment and pip freeze."""
+    run, spec, hw, runtime, world, info = plan.run, plan.spec, plan.hardware, plan.runtime, plan.world, plan.info
+    resumed_run = plan.resume.spec.get("run_id") if plan.resume else None
+    if isinstance(resumed_run, str):  # the run that saved the checkpoint this one resumes
+        run.set_tags({tracking.RESUMED_FROM_TAG: resumed_run})
+        tracking.close_resumed(resumed_run, run.run_id, plan.progress)
+    env = capture_environment()
+    run.set_name(plan.run_name or _run_name(plan))
+    run.set_tags({**env.to_tags(), **_train_tags(plan, data.kind), **world_tags(world, runtime, env, spec)})
+    params = {**spec.to_params(), "gpu": hw.label, "amp": runtime.amp, "device": runtime.device,
+              "img_size": info.img_size, "num_classes": info.num_classes}
+    skipped = run.log_params(params)
+    if skipped:
+        plan.progress("kept the params mlflow run logged as typed (" +
+                      ", ".join(f"{k}={v}" for k, v in skipped.items()) + "); the resolved values are tags")
+    ddp = f", {world.world_size} ranks ({world.backend})" if world.distributed else ""
+    plan.progress(f"run {run.run_id} at {tracking.tracking_uri()}; {spec.model} ({info.params_m:.1f} M params, "
+                  f"{info.img_size}px, {info.num_classes} classes) on {runtime.device} ({plan.ctx.detected.name})"
+                  f"{ddp}, amp={runtime.amp}, compile={spec.compile}, data={data.kind}")
+    run.log_text(env.to_json(), "environment.json")
+    run.log_text(pip_freeze(), "pip_freeze.txt")
+
+
+def _train_tags(plan: TrainPlan, data_kind: str) -> dict:
+    """bench's resolved tags (names people group by) plus the training ones."""
+    spec, runtime, info = plan.spec, plan.runtime, plan.info
+    return {
+        **resolved_tags(spec, plan.hardware, runtime, info.img_size, task="train"),
+        "vitreg_job": "train",
+        "precision": runtime.precision.label,  # what ran: fp32, tf32, autocast-bf16, autocast-fp16
+        "sdpa": spec.sdpa,
+        "num_classes": info.num_classes,
+        "data": data_kind,
+        "distillation": spec.distillation,
+        "teacher": spec.teacher or None,
+        "resumed_from": spec.resume or None,
+    }
+
+
+def _run_name(plan: TrainPlan, throughput: float | None = None) -> str:
+    """GPU label first, then (once measured) the training throughput, as every vitreg run is named (the runs
+    list cuts names short); a run filed under a GPU that did not run it says so (``a100≠cpu``)."""
+    return plan.title.name(plan.spec.batch_size, throughputs={"train": throughput} if throughput else None)
+
+
+def _log_results(plan: TrainPlan, logger: RunLogger, data, result, register=True) -> None:
     """Rank 0 (or the one process): summary metrics, results.json, ranks.json, registration."""
-    run, spec, hw, runtime = ctx.run, ctx.spec, ctx.hardware, ctx.runtime
+    run, spec, hw, runtime, info = plan.run, plan.spec, plan.hardware, plan.runtime, plan.info
     metrics = result.metrics()
     logger.metrics(metrics)
     logger.flush()  # every checkpoint is logged before results.json says where the last one is
@@ -319,25 +413,36 @@ def _log_results(ctx: JobContext, logger, info, data, result, command, register=
         "spec": spec.to_params(), "gpu": hw.label, "amp": runtime.amp, "device": runtime.device,
         "model": asdict(info), "data": data.kind, "result": result.to_dict(), "metrics": metrics,
         "checkpoint": run.artifact_uri(f"{CHECKPOINT_ARTIFACTS}/last") if result.last_checkpoint else None,
-        "command": command,
+        "command": plan.command,
     }
     run.log_dict(results, "results.json")
-    if ctx.reducer is not None:
-        run.log_dict({"train": ctx.reducer.per_rank}, "ranks.json")  # each rank's own figures: stragglers show
+    if plan.ctx.reducer is not None:
+        run.log_dict({"train": plan.ctx.reducer.per_rank}, "ranks.json")  # each rank's own figures: stragglers show
     if not register:
         return
     reg_tags = {"model": spec.model, "gpu": hw.label, "img_size": info.img_size,
                 "num_classes": info.num_classes, "steps": result.step, "source_run_id": run.run_id,
                 "train_final_loss": result.figure("final_loss"), "val_top1": result.figure("val_top1")}
-    register_if_requested(run, spec, result.last_checkpoint, reg_tags)
+    _register(run, spec, result.last_checkpoint, reg_tags)
 
 
-def run_name_for(spec: TrainSpec, hw, runtime, world_size: int = 1, throughput: float | None = None) -> str:
-    """GPU label first, then (once measured) the training throughput, as every vitreg run is named (the runs
-    list cuts names short); a run filed under a GPU that did not run it says so (``a100≠cpu``)."""
-    title = naming.RunTitle(hw.label, spec.model, runtime.amp, spec.compile, world_size, job="train",
-                            ran_on=hw.detected.profile.label if hw.mismatch else None)
-    return title.name(spec.batch_size, throughputs={"train": throughput} if throughput else None)
+def _register(tracker, spec: TrainSpec, checkpoint_dir, tags: dict):
+    """When ``register_as`` is set, register the final checkpoint (already logged under ``checkpoints/last``)
+    as a new version of that model and move the alias; returns the ModelVersion, or None. Under a
+    vitreg launcher rank 0's tracker hands the request back, and the launcher calls this with its run."""
+    if not spec.register_as:
+        return None
+    if checkpoint_dir is None:
+        raise VitregError(f"register_as={spec.register_as} but this run wrote no checkpoint")
+    try:
+        if isinstance(tracker, HandoffTracker):  # rank 0 under a vitreg launcher: the launcher registers
+            return tracker.hand_back_registration(Path(checkpoint_dir), spec.register_as, spec.alias, tags)
+        return model_registry.register_checkpoint(tracker, Path(checkpoint_dir), spec.register_as, spec.alias, tags)
+    except VitregError as exc:
+        # the training is done and its checkpoint logged: say how to register it once the cause is fixed
+        raise VitregError(f"{exc} (the checkpoint is logged: once fixed, `vitreg register "
+                          f"runs:/{tracker.run_id}/{CHECKPOINT_ARTIFACTS}/last --name {spec.register_as}"
+                          + (f" --alias {spec.alias}`)" if spec.alias.lower() != "latest" else "`)")) from None
 
 
 def _print_summary(result, run) -> None:
@@ -352,3 +457,136 @@ def _print_summary(result, run) -> None:
     if result.last_checkpoint:
         print(f"checkpoint: {run.artifact_uri(CHECKPOINT_ARTIFACTS + '/last')}")
     print(tracking.where_logged(run))
+
+
+# --------------------------------------------------------------------------- what the loop's callbacks drive
+
+
+class RunLogger:
+    """MLflow calls for one run, in submission order, off the training thread when that is safe.
+
+    With a thread-safe tracker (bound to its run id) a single daemon thread runs the calls; the
+    training loop only enqueues. Otherwise :meth:`submit` runs the call at once. An error in the
+    thread is raised at the next :meth:`submit` or at :meth:`close`.
+    """
+
+    def __init__(self, tracker):
+        self.tracker = tracker
+        # a NullTracker (ranks other than 0) does nothing: no thread for it
+        self.threaded = bool(getattr(tracker, "thread_safe", False)) and not isinstance(tracker, tracking.NullTracker)
+        self._queue: queue.Queue = queue.Queue()
+        self._error: BaseException | None = None
+        self._thread = None
+        if self.threaded:
+            self._thread = threading.Thread(target=self._work, name="vitreg-mlflow-logger", daemon=True)
+            self._thread.start()
+
+    def _work(self) -> None:
+        while True:
+            item = self._queue.get()
+            try:
+                if item is None:
+                    return
+                if self._error is None:
+                    fn, args = item
+                    fn(*args)
+            except BaseException as exc:  # keep the first; the training thread raises it
+                self._error = exc
+            finally:
+                self._queue.task_done()
+
+    def _raise(self) -> None:
+        if self._error is not None:
+            error, self._error = self._error, None
+            if isinstance(error, VitregError):
+                raise error
+            raise VitregError(f"logging to MLflow at {tracking.tracking_uri()} failed: {type(error).__name__}: "
+                              f"{first_line(error)}") from error
+
+    def submit(self, fn, *args) -> None:
+        if not self.threaded:
+            fn(*args)
+            return
+        self._raise()
+        self._queue.put((fn, args))
+
+    def metrics(self, metrics: dict, step: int | None = None) -> None:
+        self.submit(self.tracker.log_metrics, dict(metrics), step)
+
+    def flush(self) -> None:
+        if self.threaded:
+            self._queue.join()
+            self._raise()
+
+    def close(self, timeout: float | None = None) -> None:
+        """Drain and stop the thread (``timeout`` seconds at most, on the error path)."""
+        if self._thread is None:
+            return
+        self._queue.put(None)
+        self._thread.join(timeout)
+        self._thread = None
+        self._raise()
+
+
+class CheckpointUploader:
+    """Logs each checkpoint as ``checkpoints/step-<N>`` then ``checkpoints/last``, then deletes the local
+    copies of older checkpoints (the newest stays, for registration)."""
+
+    def __init__(self, logger: RunLogger):
+        self.logger = logger
+        self._uploaded: list[Path] = []
+
+    def __call__(self, step: int, path: Path) -> None:
+        self.logger.submit(self._upload, step, Path(path))
+
+    def _upload(self, step: int, path: Path) -> None:
+        tracker = self.logger.tracker
+        tracker.log_artifacts(path, f"{CHECKPOINT_ARTIFACTS}/step-{step}")
+        tracker.log_artifacts(path, f"{CHECKPOINT_ARTIFACTS}/last")
+        for old in self._uploaded:
+            if old != path:
+                shutil.rmtree(old, ignore_errors=True)
+        self._uploaded = [path]
+
+
+class ProgressBar:
+    """A tqdm bar on a terminal (step, loss, img/s); plain lines at each log when stderr is not a terminal."""
+
+    def __init__(self, total: int, initial: int = 0, progress=progress, enabled: bool = True):
+        self.total = total
+        self.progress = progress
+        self.enabled = enabled  # False on DDP ranks other than 0: rank 0 speaks for the job
+        self.bar = None
+        if enabled and sys.stderr.isatty():
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, initial=initial, unit="step", file=sys.stderr, dynamic_ncols=True,
+                            desc="train")
+
+    def step(self, step: int) -> None:
+        if self.bar is not None:
+            self.bar.update(1)
+
+    def log(self, step: int, metrics: dict) -> None:
+        if not self.enabled:
+            return
+        loss, ips = metrics.get("train_loss"), metrics.get("train_img_per_s")
+        if self.bar is not None:
+            self.bar.set_postfix(loss=f"{loss:.4f}", img_s=f"{ips:,.0f}" if ips else "-", refresh=False)
+            return
+        line = f"[vitreg] step {step}/{self.total}  loss {loss:.4f}  " + (f"{ips:,.1f} img/s" if ips else "")
+        print(line, file=sys.stderr, flush=True)
+
+    def message(self, text: str) -> None:
+        if not self.enabled:
+            return
+        if self.bar is not None:
+            self.bar.write(f"[vitreg] {text}", file=sys.stderr)
+        else:
+            self.progress(text)
+
+    def close(self) -> None:
+        """End the bar (once: later calls do nothing), so that what follows prints below it."""
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None

@@ -19,7 +19,7 @@ built: model, data, optimizer, schedule, scaler, criterion) and :class:`_Tally` 
 updates run: the step, the interval's loss and times, the last validation and checkpoint).
 
 Ctrl-C, and SIGTERM/SIGHUP once :func:`vitreg.signals.install` routes them, stop the loop between
-updates (:mod:`vitreg.train.stopping` holds them for the length of one): the open interval is logged, a
+updates (:func:`vitreg.signals.update_is_atomic` holds them for the length of one): the open interval is logged, a
 checkpoint of the step reached is written, and the ``KeyboardInterrupt`` goes on up carrying the
 :class:`TrainResult` so far as its ``partial_result``, for the job to log before the run ends KILLED.
 
@@ -35,6 +35,11 @@ on ranks that must not write checkpoints or run validation, and ``reducer`` (a
 (mean over ranks) and img/s (sum), one collective per boundary and none per step; at the end the
 job's throughput is the sum of the ranks' and its step time the slowest rank's. Every rank must
 make the same number of steps (the data gives each rank the same number of batches).
+
+Besides the loop this module holds what only the loop uses, each under its own heading: what it is
+given besides spec, runtime and model (:class:`Sources`, :class:`Checkpoints`, :class:`Hooks`,
+:class:`Ranks`) and what it returns (:class:`TrainResult`); the optimizer and schedule; the step clock;
+validation and the gradient norm.
 """
 
 from __future__ import annotations
@@ -46,22 +51,104 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+import torch.nn.functional as F
 
 from vitreg.checkpoint import format as ckpt
 from vitreg.console import progress
 from vitreg.errors import VitregError, out_of_memory_as_error
 from vitreg.measure.figures import Figures, Work
 from vitreg.measure.timing import synchronize
-from vitreg.signals import interrupted_reason
-from vitreg.train.clock import StepClock
-from vitreg.train.evaluation import evaluate, grad_norm
-from vitreg.train.inputs import Checkpoints, Hooks, Ranks, Sources
+from vitreg.signals import interrupted_reason, update_is_atomic
 from vitreg.train.losses import build_criterion, check_distillable, create_teacher
-from vitreg.train.optim import build_optimizer, build_scheduler
-from vitreg.train.result import TrainResult
-from vitreg.train.stopping import update_is_atomic
 
 THROUGHPUT_WARMUP_STEPS = 10  # as BenchSpec.warmup: steps after the first that are not timed into the result
+WARMUP_LR_INIT = 1e-6  # DeiT's warmup_lr: where the linear warm-up starts
+
+
+# --------------------------------------------------------------------------- what the loop is given and returns
+
+# Four values besides the spec, runtime and model: what it trains on (Sources), where its checkpoints go
+# and come from (Checkpoints), its callbacks (Hooks) and its place in a DDP job (Ranks). It returns a
+# TrainResult, whose figures are one Figures record (named and logged by the metric table, as bench's are).
+
+
+@dataclass(frozen=True)
+class Hooks:
+    """The loop's callbacks (see the module docstring) and where its messages go."""
+
+    on_step: Callable | None = None
+    on_log: Callable | None = None
+    on_checkpoint: Callable | None = None
+    on_epoch_end: Callable | None = None
+    progress: Callable = progress
+
+
+@dataclass(frozen=True)
+class Sources:
+    """What the loop trains on and learns from: ``data`` (default: :func:`vitreg.train.data.build_data`),
+    the distillation ``teacher`` (default: :func:`vitreg.train.losses.create_teacher`, which loads a
+    ``teacher=`` URI through ``teacher_loader``)."""
+
+    data: object = None
+    teacher: object = None
+    teacher_loader: Callable | None = None
+
+
+@dataclass(frozen=True)
+class Checkpoints:
+    """``directory``: where ``step-<N>/`` checkpoints are written (None: none); ``resume_from``: a
+    checkpoint (a VerifiedCheckpoint or a directory) to continue from; ``extra``: saved in each one."""
+
+    directory: Path | None = None
+    resume_from: object = None
+    extra: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Ranks:
+    """This process's place in a DDP job, for the loop: data sharding (``rank`` of ``world_size``,
+    ``sampler_factory``), the DDP ``wrap``, the ``reducer`` (a :class:`vitreg.ddp.world.TrainReducer`),
+    and ``is_main`` (False on ranks that must not write checkpoints or validate)."""
+
+    world_size: int = 1
+    rank: int = 0
+    is_main: bool = True
+    wrap: Callable | None = None
+    reducer: object = None
+    sampler_factory: Callable | None = None
+
+
+@dataclass(frozen=True)
+class TrainResult:
+    """What a training run did, and its figures (throughput global over the ranks, images per second)."""
+
+    step: int  # optimizer updates reached, counting those before a resume
+    start_step: int  # 0, or the step the run resumed at
+    steps_run: int  # updates made by this run
+    epoch: int  # completed epochs
+    total_steps: int
+    steps_per_epoch: int
+    batch_size: int  # per process
+    world_size: int
+    figures: Figures  # train_final_loss, train_throughput_img_per_s, train_step_ms_p50, val_top1, ...
+    last_checkpoint: str | None
+    stopped_by: str | None = None  # why the run ended before total_steps (Ctrl-C, SIGTERM, SIGHUP); None: it did not
+
+    def figure(self, name: str):
+        """The figure ``name`` (a metric table name, no task prefix); None where it was not measured."""
+        return self.figures.get(name)
+
+    def metrics(self) -> dict[str, float]:
+        return self.figures.metrics()
+
+    def to_dict(self) -> dict:
+        out = {k: getattr(self, k) for k in ("step", "start_step", "steps_run", "epoch", "total_steps",
+                                             "steps_per_epoch", "batch_size", "world_size", "last_checkpoint",
+                                             "stopped_by")}
+        return {**out, "figures": self.figures.to_dict(), "metrics": self.metrics()}
+
+
+# --------------------------------------------------------------------------- resuming
 
 
 def resume_spec(spec, checkpoint: ckpt.VerifiedCheckpoint, info, progress=progress):
@@ -418,3 +505,114 @@ def _finish(setup: _Setup, tally: _Tally, stopped_by: str | None = None) -> Trai
         total_steps=setup.total, steps_per_epoch=setup.steps_per_epoch, batch_size=spec.batch_size,
         world_size=world_size, figures=figures.completed(work), last_checkpoint=tally.last_checkpoint,
         stopped_by=stopped_by)
+
+
+# --------------------------------------------------------------------------- optimizer and LR schedule
+
+# DeiT's recipe: AdamW and a warm-up + cosine, stepped per update.
+
+
+def build_optimizer(model, spec, runtime):
+    """AdamW, weight decay off for biases, norms, position embeddings and tokens (as DeiT/timm).
+
+    ``fused=True`` on CUDA: one kernel for all parameters, and it reads GradScaler's scale and inf
+    flag on the device, so an fp16 step needs no host sync for the inf check.
+    """
+    from timm.optim import param_groups_weight_decay
+
+    no_decay = model.no_weight_decay() if hasattr(model, "no_weight_decay") else ()
+    groups = param_groups_weight_decay(model, spec.weight_decay, no_weight_decay_list=no_decay)
+    kwargs = {"fused": True} if runtime.device == "cuda" else {}
+    return torch.optim.AdamW(groups, lr=spec.lr, betas=(0.9, 0.999), **kwargs)
+
+
+def build_scheduler(optimizer, spec, total_steps: int):
+    """timm's CosineLRScheduler, stepped per update: linear warm-up from 1e-6 over ``warmup_steps``, then a
+    cosine from ``lr`` to ``min_lr`` over the remaining ``total_steps - warmup_steps`` updates.
+
+    Update ``u`` (0-based) runs at ``lr_at(u)``: call ``scheduler.step_update(u + 1)`` after it.
+    """
+    from timm.scheduler import CosineLRScheduler
+
+    warmup = min(spec.warmup_steps, max(total_steps - 1, 0))  # a run shorter than its warm-up still decays
+    return CosineLRScheduler(optimizer, t_initial=max(1, total_steps - warmup), lr_min=spec.min_lr,
+                             warmup_t=warmup, warmup_lr_init=min(WARMUP_LR_INIT, spec.lr), warmup_prefix=True,
+                             t_in_epochs=False)
+
+
+# --------------------------------------------------------------------------- step times
+
+
+class StepClock:
+    """Per-step times without a sync per step: CUDA events recorded around each step, read in a batch
+    at :meth:`collect` (the log boundary); ``perf_counter`` on the CPU, where work is synchronous."""
+
+    def __init__(self, device_type: str):
+        self.cuda = device_type == "cuda"
+        self._open = None
+        self._pending: list = []
+
+    def start(self) -> None:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self._open = event
+        else:
+            self._open = time.perf_counter()
+
+    def stop(self) -> None:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self._pending.append((self._open, event))
+        else:
+            self._pending.append((self._open, time.perf_counter()))
+
+    def collect(self) -> list[float]:
+        """Milliseconds of each step since the last collect; synchronises on the last event (CUDA)."""
+        pending, self._pending = self._pending, []
+        if not pending:
+            return []
+        if self.cuda:
+            pending[-1][1].synchronize()  # the one CPU-GPU sync point of the interval
+            return [a.elapsed_time(b) for a, b in pending]
+        return [(b - a) * 1e3 for a, b in pending]
+
+
+# --------------------------------------------------------------------------- validation and gradient norm
+
+# What the loop measures besides the loss.
+
+
+@torch.no_grad()
+def evaluate(model, data, runtime) -> tuple[float, float]:
+    """Top-1 (percent) and mean CE over ``data.val``, on the plain model in eval mode (a distilled DeiT
+    averages its two heads there)."""
+    was_training = model.training
+    model.eval()
+    device = runtime.torch_device
+    correct = torch.zeros((), dtype=torch.long, device=device)
+    loss_sum = torch.zeros((), dtype=torch.float32, device=device)
+    count = 0
+    try:
+        for images, labels in data.val_batches():
+            with runtime.autocast():
+                out = model(images)
+            if isinstance(out, (tuple, list)):
+                out = sum(out) / len(out)
+            out = out.float()
+            loss_sum += F.cross_entropy(out, labels, reduction="sum")
+            correct += (out.argmax(dim=1) == labels).sum()
+            count += labels.numel()
+    finally:
+        model.train(was_training)
+    if not count:
+        return float("nan"), float("nan")
+    return correct.item() * 100.0 / count, loss_sum.item() / count  # the sync, once, after the loop
+
+
+def grad_norm(parameters) -> torch.Tensor:
+    grads = [p.grad for p in parameters if p.grad is not None]
+    if hasattr(torch.nn.utils, "get_total_norm"):
+        return torch.nn.utils.get_total_norm(grads)
+    return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
