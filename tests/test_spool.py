@@ -453,6 +453,8 @@ def test_a_dead_server_never_blocks_the_loop_and_the_end_is_bounded(tmp_path, ca
     records = Spool(tracker.spool.path).records()
     assert sum(len(r["metrics"]) for r in records if r["kind"] == "metrics") == 4000
     assert records[-1]["kind"] == "end"
+    tracker._thread.join(30)  # stopped by close: no delivery left running into the next test (short_http_requests)
+    assert not tracker._thread.is_alive()
 
 
 @pytest.mark.slow
@@ -477,6 +479,7 @@ def test_a_dead_server_costs_the_loop_no_time_and_close_keeps_its_timeout(tmp_pa
     assert tracker.close(timeout_s=1.5) is False
     assert time.monotonic() - closing < 1.5 + close_baseline_s + 1  # the flush timeout, and a second to say so
     capsys.readouterr()
+    tracker._thread.join(30)
 
 
 def test_a_server_answering_503_does_not_hold_the_process(tmp_path, server_503):
