@@ -1,8 +1,10 @@
 """Shared test fixtures: a real sqlite MLflow store per test, and the repo's paths."""
 
+import ast
 import atexit
 import contextlib
 import fcntl
+import functools
 import gc
 import os
 import shutil
@@ -51,6 +53,13 @@ def _own_batch_cache(tmp_path, monkeypatch):
     """batch_size=auto keeps its choices (vitreg.measure.batch_cache): each test, and the processes it starts,
     gets a file of its own, so no test reuses another's choice or the user's."""
     monkeypatch.setenv("VITREG_BATCH_CACHE", str(tmp_path / "autobatch.json"))
+
+
+@functools.lru_cache(maxsize=None)
+def parsed(path: Path) -> ast.Module:
+    """The syntax tree of the Python file at ``path``, parsed once per test process: the layout tests walk
+    every module of the package several times (a tree is shared: read it, never change it)."""
+    return ast.parse(Path(path).read_text(), filename=str(path))
 
 
 def free_port() -> int:
