@@ -225,10 +225,11 @@ def sqlite_store(tmp_path, monkeypatch):
 # of CPU on these 2-core machines: it belongs to the slow tier (`-m "not slow"` skips it). This hook
 # makes that a rule the suite checks rather than a habit: a test without @pytest.mark.slow that starts
 # one fails, naming the program. Quick probes vitreg makes on every run (git for the sha, nvidia-smi,
-# the compilers inductor calls) are not counted.
+# the compilers inductor calls) are not counted, nor fc-list: matplotlib runs it once per machine to list
+# the fonts for its cache (a fresh venv's first chart, whichever test draws it).
 import subprocess  # noqa: E402
 
-PROBES = {"git", "nvidia-smi", "g++", "gcc", "c++", "cc", "ldconfig", "uname", "lscpu", "which"}
+PROBES = {"git", "nvidia-smi", "g++", "gcc", "c++", "cc", "ldconfig", "uname", "lscpu", "which", "fc-list"}
 _spawned: list[str] = []
 _execute_child = subprocess.Popen._execute_child
 
