@@ -1,11 +1,17 @@
 """Shared test fixtures: a real sqlite MLflow store per test, and the repo's paths."""
 
+import ast
 import atexit
+import contextlib
+import fcntl
+import functools
+import gc
 import os
 import shutil
 import socket
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -33,11 +39,27 @@ if "VITREG_SPOOL_DIR" not in os.environ:
 VENV_BIN = Path(sys.executable).parent
 
 
+def pytest_collection_finish(session):
+    """Every test module is imported now (torch, MLflow, pandas: half a million objects that live until the
+    run ends). Python's cycle collector walks all of them on each full collection, its own ones included,
+    and vitreg calls gc.collect() after every batch_size=auto probe and out-of-memory error: 0.36 s each
+    here. Frozen, they are left out of those walks (0.1 ms); what the tests make after this point is
+    collected as before."""
+    gc.freeze()
+
+
 @pytest.fixture(autouse=True)
 def _own_batch_cache(tmp_path, monkeypatch):
     """batch_size=auto keeps its choices (vitreg.measure.batch_cache): each test, and the processes it starts,
     gets a file of its own, so no test reuses another's choice or the user's."""
     monkeypatch.setenv("VITREG_BATCH_CACHE", str(tmp_path / "autobatch.json"))
+
+
+@functools.lru_cache(maxsize=None)
+def parsed(path: Path) -> ast.Module:
+    """The syntax tree of the Python file at ``path``, parsed once per test process: the layout tests walk
+    every module of the package several times (a tree is shared: read it, never change it)."""
+    return ast.parse(Path(path).read_text(), filename=str(path))
 
 
 def free_port() -> int:
@@ -47,27 +69,87 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-_TEMPLATE_STORE: list[Path] = []
+# ---------------------------------------------------------------- built once per test run
+# What costs seconds to make (a migrated store, a store holding registered models) is made once per test
+# run, in a folder every xdist worker sees, by whichever worker asks first; the others wait on its lock
+# and reuse it. Tests never write there: they get a copy (copy_store) or read it as it is.
+_RUN_FOLDER: list[Path] = []
+
+
+def pytest_configure(config):
+    handed = getattr(config, "workerinput", {}).get("vitreg_run_folder")
+    if handed:  # an xdist worker: the controller's folder
+        _RUN_FOLDER.append(Path(handed))
+    else:  # the controller (or a run without xdist) makes it, and removes it when the run ends
+        _RUN_FOLDER.append(Path(tempfile.mkdtemp(prefix="vitreg-test-run-")))
+        atexit.register(shutil.rmtree, _RUN_FOLDER[0], True)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node):  # pytest-xdist's hook: what each worker is handed at its start
+    node.workerinput["vitreg_run_folder"] = str(_RUN_FOLDER[0])
+
+
+def built_once(name: str, build) -> Path:
+    """The folder ``name`` of this test run, made by ``build(folder)`` the first time any worker asks."""
+    folder = _RUN_FOLDER[0] / name
+    with open(_RUN_FOLDER[0] / f"{name}.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # the other workers wait here while one builds
+        if not (folder / ".built").exists():  # a build that raised left no mark: the next asker tries again
+            shutil.rmtree(folder, ignore_errors=True)
+            folder.mkdir()
+            build(folder)
+            (folder / ".built").touch()
+    return folder
+
+
+def _migrate(folder: Path) -> None:
+    from vitreg.tracking.store import prepare_store
+
+    # MLflow files the Default experiment's artifacts under ./mlruns of the directory it is made in
+    # (an absolute path): made here, never in the checkout the tests run from
+    with pytest.MonkeyPatch.context() as mp:
+        mp.chdir(folder)
+        prepare_store(f"sqlite:///{folder / 'mlflow.db'}")
+
+
+def copy_store(source: Path, directory) -> str:
+    """The URI of a copy, ``directory/mlflow.db``, of the store in folder ``source`` and of every artifact it
+    holds there: the copy's runs, experiments and model versions point at the copied artifacts, so a test
+    may change anything in it without touching the original or another test's copy."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    for entry in source.iterdir():
+        if entry.is_dir():
+            shutil.copytree(entry, directory / entry.name, dirs_exist_ok=True)
+        elif entry.name not in (".built", "mlflow.db.lock"):
+            shutil.copyfile(entry, directory / entry.name)
+    _repoint(directory / "mlflow.db", str(source), str(directory))
+    return f"sqlite:///{directory / 'mlflow.db'}"
+
+
+def _repoint(db: Path, old: str, new: str) -> None:
+    """Every text field of the sqlite file ``db`` that names a path under ``old`` names it under ``new``."""
+    import sqlite3
+
+    with contextlib.closing(sqlite3.connect(db)) as conn, conn:
+        tables = [row[0] for row in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")]
+        for table in tables:
+            for column in conn.execute(f'PRAGMA table_info("{table}")'):
+                if column[2].upper().startswith(("VARCHAR", "TEXT")):
+                    conn.execute(f'UPDATE "{table}" SET "{column[1]}" = replace("{column[1]}", ?, ?) '
+                                 f'WHERE instr("{column[1]}", ?) > 0', (old, new, old))
 
 
 def migrated_store(directory) -> str:
     """The URI of a real sqlite MLflow store, ``directory/mlflow.db``, whose schema is already made.
 
-    It is a copy of one store made once per test process: making a store runs MLflow's schema
-    migrations, 2-4 s each time on these machines. The tests about fresh stores (concurrent
-    creation, the mission's first run) make their own.
+    It is a copy of one store made once per test run (:func:`built_once`): making a store runs MLflow's
+    schema migrations, 2-4 s each time on these machines. Its Default experiment files its artifacts under
+    ``directory/mlruns/0``. The tests about fresh stores (concurrent creation, the mission's first run)
+    make their own.
     """
-    if not _TEMPLATE_STORE:
-        from vitreg.tracking.store import prepare_store
-
-        folder = Path(tempfile.mkdtemp(prefix="vitreg-test-store-"))
-        atexit.register(shutil.rmtree, folder, True)
-        prepare_store(f"sqlite:///{folder / 'mlflow.db'}")
-        _TEMPLATE_STORE.append(folder / "mlflow.db")
-    target = Path(directory) / "mlflow.db"
-    shutil.copyfile(_TEMPLATE_STORE[0], target)
-    return f"sqlite:///{target}"
-
+    return copy_store(built_once("migrated-store", _migrate), directory)
 
 
 def premigrated(data_dir: Path) -> Path:
@@ -85,6 +167,23 @@ def wait_until(condition, timeout_s: float = 30.0, what: str = "the condition") 
         if time.monotonic() > deadline:
             pytest.fail(f"{what} did not happen within {timeout_s:g} s", pytrace=False)
         time.sleep(0.02)
+
+
+@pytest.fixture
+def ports_tried(monkeypatch) -> list:
+    """(thread name, port) of every TCP connection this process tries while the test runs: which thread asked
+    a server and how often, counted rather than timed (a retry or a wait in the wrong thread shows here
+    whatever the machine's load)."""
+    tried = []
+    real_connect = socket.socket.connect
+
+    def recording_connect(sock, address):
+        if isinstance(address, tuple):
+            tried.append((threading.current_thread().name, address[1]))
+        return real_connect(sock, address)
+
+    monkeypatch.setattr(socket.socket, "connect", recording_connect)
+    return tried
 
 
 def subprocess_env(tracking_uri: str, **extra) -> dict:
@@ -126,10 +225,11 @@ def sqlite_store(tmp_path, monkeypatch):
 # of CPU on these 2-core machines: it belongs to the slow tier (`-m "not slow"` skips it). This hook
 # makes that a rule the suite checks rather than a habit: a test without @pytest.mark.slow that starts
 # one fails, naming the program. Quick probes vitreg makes on every run (git for the sha, nvidia-smi,
-# the compilers inductor calls) are not counted.
+# the compilers inductor calls) are not counted, nor fc-list: matplotlib runs it once per machine to list
+# the fonts for its cache (a fresh venv's first chart, whichever test draws it).
 import subprocess  # noqa: E402
 
-PROBES = {"git", "nvidia-smi", "g++", "gcc", "c++", "cc", "ldconfig", "uname", "lscpu", "which"}
+PROBES = {"git", "nvidia-smi", "g++", "gcc", "c++", "cc", "ldconfig", "uname", "lscpu", "which", "fc-list"}
 _spawned: list[str] = []
 _execute_child = subprocess.Popen._execute_child
 

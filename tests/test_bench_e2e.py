@@ -157,6 +157,8 @@ def test_fp8_refused_on_a_gpu_without_fp8_or_without_torchao(requested_run, monk
     assert run.info.status == "FAILED" and needle in run.data.tags["vitreg_error"]
 
 
+@pytest.mark.slow  # end to end through the CLI; the search, its tags and results are tested in-process by
+# test_runner.py::test_batch_size_auto_on_cpu_searches_a_small_range_and_says_what_it_chose
 def test_batch_size_auto_on_cpu_runs_a_small_search(requested_run):
     from vitreg.cli.main import main
 

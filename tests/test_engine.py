@@ -223,30 +223,31 @@ def test_folder_data_errors(tmp_path):
 # --------------------------------------------------------------------------- the loop
 
 
-def test_the_live_rate_leaves_out_the_first_step_as_the_summary_does():
+def test_the_live_rate_leaves_out_the_first_step_as_the_summary_does(monkeypatch):
     """A compiled run's first step holds the compilation: the live img/s must not count it (issue 14).
 
-    The slow first step is made certain (a forward hook that sleeps 3 s once) rather than hoped for
-    from a compile time, which on a loaded machine is not always far above a step's."""
-    slept = []
+    The steps run on a clock of the test's own (``time.perf_counter``, which the loop's step clock reads):
+    each forward pass takes exactly 10 ms on it and the first one 3 s more, so the slow first step is
+    certain and the rates are exact whatever the machine's load (no sleep, no wall-clock band)."""
+    clock = {"now": 0.0}
+    monkeypatch.setattr(time, "perf_counter", lambda: clock["now"])
 
-    def first_call_slow(module, args):
-        if not slept:
-            slept.append(True)
-            time.sleep(3.0)
+    def forward_takes_10_ms(module, args):
+        clock["now"] += 0.010 + (3.0 if clock["now"] == 0.0 else 0.0)
 
     spec = TrainSpec(**TINY, steps=24, log_every=24)
     torch.manual_seed(spec.seed)
     model, info = create_model(spec.model, spec.img_size, resolve_num_classes(spec))
-    model.register_forward_pre_hook(first_call_slow)
+    model.register_forward_pre_hook(forward_takes_10_ms)
     logs = {}
     result = engine.train(spec, runtime_for(spec), model, info,
                           hooks=engine.Hooks(on_log=lambda s, m: logs.__setitem__(s, m), progress=lambda message: None))
+    monkeypatch.undo()
     live, summary = logs[24]["train_img_per_s"], result.figure("throughput_img_per_s")
-    p50_s = result.figure("step_ms_p50") / 1e3
-    # a rate that counted the first step would be this fraction of the summary: outside the band below
-    assert 24 * p50_s / (result.figure("first_step_s") + 23 * p50_s) < 0.6, (result.figure("first_step_s"), p50_s)
-    assert 0.6 < live / summary < 1.6, (live, summary)
+    assert result.figure("first_step_s") == pytest.approx(3.010) and result.figure("step_ms_p50") == pytest.approx(10)
+    # the 23 steps after the first, 10 ms each: the live rate and the summary are both 16 images per 10 ms;
+    # a live rate that counted the first step would be 24 * 16 / 3.24 s = 119 img/s
+    assert live == pytest.approx(1600) and summary == pytest.approx(1600), (live, summary)
 
 
 def test_synthetic_loss_falls_and_metrics():

@@ -15,16 +15,25 @@ from vitreg.measure import estimate
 from vitreg.measure.estimate import bench_work, duration_text, estimate_line, measured_flops_per_s, train_work
 
 
-def test_the_probe_measures_what_a_matmul_takes_here():
+def test_the_probe_measures_what_a_matmul_takes_here(monkeypatch):
+    """The probe's rate is 2 n^3 FLOPs over its fastest n x n product (a wrong FLOP count is off by 2**k or
+    n). Each product runs for real and takes a known time on a clock of the test's own (the probe reads
+    ``time.perf_counter``), so the rate is exact whatever the machine's load."""
+    clock, products = {"now": 0.0}, []
+    takes_s = iter([0.009, 0.004, 0.002, 0.003])  # the warm-up, then the three timed ones: the best is 2 ms
+    real_matmul = torch.Tensor.__matmul__
+
+    def timed_matmul(a, b):
+        products.append((tuple(a.shape), tuple(b.shape)))
+        clock["now"] += next(takes_s)
+        return real_matmul(a, b)
+
+    monkeypatch.setattr(time, "perf_counter", lambda: clock["now"])
+    monkeypatch.setattr(torch.Tensor, "__matmul__", timed_matmul)
     rate = measured_flops_per_s("cpu", n=256)
-    a, b = torch.randn(256, 256), torch.randn(256, 256)
-    start = time.perf_counter()
-    for _ in range(20):
-        a @ b
-    seconds = (time.perf_counter() - start) / 20
-    # the probe's best of three is at least the average rate of 20 products timed here, within a loaded
-    # machine's swings (a factor of 4 either way; a wrong FLOP count is off by 2**k or n)
-    assert 2 * 256**3 / seconds / 4 < rate < 2 * 256**3 / seconds * 8, (rate, seconds)
+    monkeypatch.undo()
+    assert products == [((256, 256), (256, 256))] * 4
+    assert rate == pytest.approx(2 * 256**3 / 0.002)
 
 
 def test_the_work_of_a_gpu_sized_bench_is_its_images_times_its_flops():

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO
+from conftest import REPO, parsed
 
 PACKAGE = REPO / "vitreg"
 MAX_MODULE_LINES = 700
@@ -44,7 +44,7 @@ def test_modules_and_functions_stay_small():
         source = path.read_text()
         if source.count("\n") > MAX_MODULE_LINES:
             too_long.append(f"{_rel(path)}: {source.count(chr(10))} lines")
-        for node in ast.walk(ast.parse(source)):
+        for node in ast.walk(parsed(path)):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 length = node.end_lineno - node.lineno + 1
                 if length > MAX_FUNCTION_LINES:
@@ -98,7 +98,7 @@ def _imports_mlflow(tree: ast.AST) -> bool:
 
 def test_only_the_tracking_layer_imports_mlflow():
     outside = [_rel(p) for p in _modules()
-               if "tracking" != p.relative_to(PACKAGE).parts[0] and _imports_mlflow(ast.parse(p.read_text()))]
+               if "tracking" != p.relative_to(PACKAGE).parts[0] and _imports_mlflow(parsed(p))]
     assert not outside, f"mlflow imported outside vitreg/tracking/: {outside}"
 
 
@@ -134,7 +134,7 @@ def test_no_function_takes_more_than_eight_parameters():
     """Long signatures hide a missing value object (a spec, a context); self/cls not counted, *args/**kwargs are."""
     long = []
     for path in _modules():
-        for node in ast.walk(ast.parse(path.read_text())):
+        for node in ast.walk(parsed(path)):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and _parameter_count(node) > MAX_PARAMETERS:
                 long.append(f"{_rel(path)}:{node.lineno} {node.name}: {_parameter_count(node)} parameters")
     assert not long, "group these parameters into the values they belong to:\n" + "\n".join(long)
@@ -158,7 +158,7 @@ def _imports_of(module: str, path: Path, names: dict) -> set[str]:
     ``a.b.c`` when that is a module, else ``a.b``."""
     found = set()
     package = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in ast.walk(parsed(path)):
         if isinstance(node, ast.Import):
             for alias in node.names:
                 target = alias.name
@@ -317,7 +317,7 @@ def _references() -> set[str]:
     for top in SCANNED:
         for path in sorted((REPO / top).rglob("*")) if (REPO / top).is_dir() else ():
             if path.suffix == ".py":
-                for node in ast.walk(ast.parse(path.read_text())):
+                for node in ast.walk(parsed(path)):
                     if isinstance(node, ast.Name) and not isinstance(node.ctx, ast.Store):
                         used.add(node.id)
                     elif isinstance(node, ast.Attribute):
@@ -353,7 +353,7 @@ def _module_level_names(tree: ast.Module):
 
 def _unused(paths, used) -> list[str]:
     return [f"{_rel(path)}:{line} {name}" for path in paths
-            for line, name in _module_level_names(ast.parse(path.read_text())) if name not in used]
+            for line, name in _module_level_names(parsed(path)) if name not in used]
 
 
 def test_no_unused_module_level_names():

@@ -170,6 +170,7 @@ def test_compiling_records_the_cache_folder_and_state_and_restores_the_process_s
     assert any("compile cache unused" in m for m in messages)
 
 
+@pytest.mark.slow  # the profiler over both tasks: ~5 s of CPU; the tracing itself is tested in test_trace.py
 def test_profile_true_writes_a_trace_and_the_top_ops_per_task_outside_the_windows():
     from pathlib import Path
 

@@ -99,7 +99,7 @@ def test_runs_command(store):
         assert bad.output.count("\n") == 1
 
 
-def test_an_unreachable_store_is_one_line(monkeypatch):
+def test_an_unreachable_store_is_one_line(monkeypatch, ports_tried):
     import socket
 
     with socket.socket() as sock:
@@ -109,9 +109,8 @@ def test_an_unreachable_store_is_one_line(monkeypatch):
     import mlflow
 
     mlflow.set_tracking_uri(f"http://alice:s3cret@127.0.0.1:{port}")
-    began = time.monotonic()
     result = CliRunner().invoke(runs_command, ["--stale"])
-    assert time.monotonic() - began < 10
+    assert [p for _, p in ports_tried].count(port) == 1, "one attempt, no retries: MLflow's own take minutes"
     assert result.exit_code == 2 and result.output.count("\n") == 1
     assert "Connection refused" in result.output and "s3cret" not in result.output
     mlflow.set_tracking_uri(None)
