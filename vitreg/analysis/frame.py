@@ -66,6 +66,12 @@ HARDWARE_COLUMNS = ("mismatch", "ran_on")
 # they are one configuration, and the table shows what each GPU chose.
 CHOSEN_COLUMNS = ("batch_chosen",)
 
+# What a run's timed windows met (its ``<task>_throttle`` and ``<task>_busy_host`` tags, from
+# vitreg.measure.energy; NaN for runs that predate them): the clock-event reasons seen (``sw_power_cap``,
+# ``hw_thermal``, ... or ``none``) and whether other processes loaded the host. Compare marks runs by them and
+# check names them as the cause of a change.
+CONDITION_COLUMNS = ("throttle", "busy_host")
+
 
 
 def id_columns() -> tuple[str, ...]:
