@@ -46,13 +46,13 @@ def bench(**values):
 @main.command()
 @command_options("compare")
 @user_errors
-def compare(experiment, baseline, metric, log_experiment, by, include_mismatch):
+def compare(experiment, baseline, metric, log_experiment, by, include_mismatch, prices):
     """Compare an experiment's runs across GPUs (or --by another axis): table, CSV/HTML/markdown and plots as
-    artifacts of a compare run, logged beside the runs compared."""
+    artifacts of a compare run, logged beside the runs compared; with --prices, $ per 1M images too."""
     from vitreg.compare.job import run_compare
 
     run_compare(experiment, baseline or None, metric, log_experiment=log_experiment, by=by.strip() or "gpu",
-                include_mismatch=option("compare", "include_mismatch").parse(include_mismatch))
+                include_mismatch=option("compare", "include_mismatch").parse(include_mismatch), prices=prices)
 
 
 @main.command("import-timm")

@@ -51,7 +51,8 @@ def collector_paused():
 def run_check(experiment: str, metric: str = "throughput_img_per_s", selection: Selection = Selection(),
               log_experiment: str | None = None, run_name: str | None = None, progress=progress):
     """Check the experiment's runs, print one line per series (regressions first), log the check run;
-    returns the result (its ``exit_code``: 0 nothing regressed, 1 something did)."""
+    returns the result (its ``exit_code``: 0 nothing regressed, 1 something did, 3 some series could not be
+    judged: too little or too noisy a history, each line saying what it needs)."""
     from vitreg.history.report import about, write_check
 
     result, raw = check(experiment, metric, selection)
@@ -76,7 +77,7 @@ def _log_check(run, result, experiment: str, files: list[Path]) -> None:
     read = result.run_ids()
     candidates = list(dict.fromkeys(i for ids in result.table["candidate_runs"] for i in ids.split(",")))
     run.set_tags({"vitreg_job": "check", "checked_experiment": experiment,
-                  "check_result": "regressed" if len(result.regressions) else "ok",
+                  "check_result": {1: "regressed", 3: "cannot judge"}.get(result.exit_code, "ok"),
                   "check_candidate_runs": _capped(",".join(candidates)),
                   "check_regressed_runs": _capped(",".join(result.regressions["candidate_runs"])),
                   "check_runs_read": _capped(",".join(read))})
