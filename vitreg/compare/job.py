@@ -18,8 +18,8 @@ from vitreg.errors import VitregError
 # ---------------------------------------------------------------- compare
 
 def run_compare(experiment: str, baseline: str | None = None, metric: str = "throughput_img_per_s",
-                run_name: str | None = None, log_experiment: str | None = None, progress=progress,
-                by: str = "gpu", include_mismatch: bool = False, prices: str = ""):
+                run_name: str | None = None, log_experiment: str | None = None, by: str = "gpu",
+                include_mismatch: bool = False, prices: str = ""):
     """Compare the experiment's runs along ``by`` (across GPUs by default); log the table and plots as
     artifacts of a compare run.
 
