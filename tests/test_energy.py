@@ -186,3 +186,15 @@ def test_the_live_source_finds_its_gpu_by_uuid_reads_none_where_unsupported_and_
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
     with pytest.raises(LookupError, match="renumbers"):
         energy.NvmlSource("no-such-uuid")
+
+
+def test_a_spread_over_the_precision_target_is_said_with_what_the_windows_met():
+    host = [_reading(0, True, host_busy_s=100.0, own_cpu_s=10.0, host_cpus=2),
+            _reading(2.0, True, host_busy_s=104.0, own_cpu_s=12.0, host_cpus=2)]
+    busy = TaskMarks((mark_window(host, 2.0, 64),) * 3, rates=(3.47, 400.0, 31.9))  # the loaded 2-core host
+    assert busy.spread_note() == ("window-to-window spread 124.4% misses the 5% precision target "
+                                  "(busy host: 1.00 CPUs beside the run)")
+    assert busy.tags()["spread_over_target"] == "true"
+    quiet = TaskMarks(tuple(m for label, m in trace_windows(TRACE) if label.startswith("train")),
+                      rates=(3683.2, 3679.6, 3677.4))  # the H200 training windows: 0.07 %
+    assert quiet.spread_note() is None and quiet.tags()["spread_over_target"] == "false"

@@ -23,7 +23,7 @@ import pandas as pd
 from vitreg.analysis.comparison import Comparison, compare_runs
 from vitreg.analysis.frame import DEFAULT_AXIS, CompareError
 from vitreg.analysis.stats import BETTER, WORSE
-from vitreg.measure.energy import ALWAYS_FLAGGED, POWER_CAP
+from vitreg.measure.energy import ALWAYS_FLAGGED, POWER_CAP, PRECISION_TARGET
 
 COST, ENERGY = "usd_per_1m_img", "img_per_j"
 NO_PRICE = ("no price per GPU-hour, so no cost per image: add one with --prices h200=3.50,l4=0.80 (USD per "
@@ -178,4 +178,8 @@ def condition_lines(runs: pd.DataFrame) -> list[str]:
     if len(busy):
         lines.append(f"BUSY HOST: {busy['run_id'].nunique()} run(s) measured while other processes loaded the host "
                      f"(their figures may be low): " + ", ".join(sorted(set(busy["run_id"]))))
+    wide = runs[runs["spread_over_target"].astype(str) == "true"] if "spread_over_target" in runs else runs.iloc[0:0]
+    if len(wide):
+        lines.append(f"SPREAD: {wide['run_id'].nunique()} run(s) whose windows scattered more than the precision "
+                     f"target ({PRECISION_TARGET:.0%} CV): " + ", ".join(sorted(set(wide["run_id"]))))
     return lines

@@ -151,7 +151,9 @@ def _timed_windows(step, bench: _Bench, task: str, batch_size: int):
                 f"{win.total_ms / win.iters:.2f} ms/iter{power}")
     finally:
         meter.close()
-    task_marks = TaskMarks(tuple(marks))
+    task_marks = TaskMarks(tuple(marks), tuple(batch_size * w.iters / w.total_ms * 1e3 for w in windows))
+    if task_marks.spread_note():
+        say(f"{task}: {task_marks.spread_note()}")
     if task_marks.short_windows():
         say(f"{task}: no energy figure: windows of {windows[0].total_ms / 1e3:.2f} s are too short for the energy "
             f"counter (it refreshes every 20-100 ms); steps={steps_for_energy(windows[0].total_ms / 1e3, spec.steps)} "
