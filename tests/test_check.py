@@ -88,11 +88,38 @@ def test_nothing_regressed_exits_0_and_a_mislabelled_run_never_enters(client):
     assert odd not in run.data.tags["check_runs_read"] and run.data.metrics["n_mislabelled_rows"] == 1
 
 
-def test_one_run_of_history_is_not_enough_and_passes_the_gate(client):
+def test_one_run_of_history_is_not_enough_and_the_gate_says_what_it_needs_with_its_own_exit_code(client):
     exp = client.create_experiment("ci")
     _history(client, exp, n=2, regress=SMALL)
     result = _check()
-    assert result.exit_code == 0 and result.output.count("NOT ENOUGH HISTORY") == 2, result.output
+    assert result.exit_code == 3 and result.output.count("NOT ENOUGH HISTORY") == 2, result.output
+    assert result.output.count("needs 3 earlier runs of this configuration on this GPU, has 1: bench it 2 more") == 2
+
+
+def test_a_history_too_noisy_to_see_the_change_is_not_passed(client):
+    """The issue's loaded 2-core host: CVs of 46-91 % gave "WITHIN NOISE ... threshold 3443.9%" and exit 0."""
+    exp = client.create_experiment("ci")
+    _history(client, exp, n=6, cv=0.5, seed=3)
+    result = _check()
+    assert result.exit_code == 3 and result.output.count("TOO NOISY") == 2, result.output
+    assert "needs runs with under" in result.output and "WITHIN NOISE" not in result.output
+
+
+def test_a_regression_on_a_throttled_gpu_or_busy_host_names_that_as_the_likely_cause(client):
+    exp = client.create_experiment("ci")
+    quiet = {"infer_throttle": "sw_power_cap", "infer_busy_host": "false"}
+    _history(client, exp, regress=TINY, tags=quiet)  # only the newest runs carry tags: history has none
+    result = _check()
+    assert result.exit_code == 1 and "likely cause" not in result.output, result.output  # nothing to compare with
+    for run in client.search_runs([exp]):
+        client.set_tag(run.info.run_id, "infer_throttle", "sw_power_cap")
+        client.set_tag(run.info.run_id, "infer_busy_host", "false")
+    newest = max(client.search_runs([exp], f"params.model = '{TINY}'"), key=lambda r: r.info.start_time)
+    client.set_tag(newest.info.run_id, "infer_throttle", "hw_thermal,sw_power_cap")
+    client.set_tag(newest.info.run_id, "infer_busy_host", "true")
+    (line,) = [x for x in _check().output.splitlines() if x.startswith("REGRESSED")]
+    assert line.endswith("likely cause: throttled: hw_thermal,sw_power_cap (history: sw_power_cap); busy host "
+                         "(other processes used the CPUs during the timed windows), not the code"), line
 
 
 def test_candidate_and_baseline_tags(client):
@@ -101,7 +128,9 @@ def test_candidate_and_baseline_tags(client):
     for i, run_id in enumerate(ids[TINY][:4]):
         client.set_tag(run_id, "release", "2.4")
     slow = log_run(client, exp, 50, 700.0, model=TINY, tags={"pr": "43"})
-    assert _check("--candidate-tag", "pr=42", "--baseline-tag", "release=2.4").exit_code == 0
+    tagged = _check("--candidate-tag", "pr=42", "--baseline-tag", "release=2.4")
+    assert tagged.exit_code == 3, tagged.output  # the small model has no release=2.4 history: cannot judge it
+    assert f"WITHIN NOISE: {TINY}" in tagged.output and f"NOT ENOUGH HISTORY: {SMALL}" in tagged.output
     result = _check("--candidate", slow, "--window", "3")
     assert result.exit_code == 1 and f"REGRESSED: {TINY}" in result.output, result.output
     assert f"{slow} vs 3 runs" in result.output

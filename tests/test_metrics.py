@@ -37,7 +37,8 @@ def _task(task: str, compiled: bool = True, **values) -> TaskResult:
     figures = Figures(task, {"window_img_per_s": (1200.0, 1234.5, 1250.0),
                              metrics.ITERATION_TIME[task]: (3.0, 3.0, 4.0, 5.0, 5.0), "first_call_s": 12.5,
                              "warmup_s": 0.75, "gflops_per_img": 4.6, "peak_mem_allocated_mb": 12345.6,
-                             "peak_mem_reserved_mb": 13000.0, **profiled})
+                             "peak_mem_reserved_mb": 13000.0, "window_power_w": (690.0, 700.0, 710.0),
+                             "sm_clock_mhz": 1635.0, "power_capped_frac": 1.0, **profiled})
     figures = figures.summarized().completed(Work(world_size=2, compiled=compiled))
     figures = figures.with_values(**{"mfu": 0.0123, **values})  # no GPU profile here: MFU as a GPU run has it
     choice = BatchChoice(64, (Probe(32, 1000.0), Probe(64, 1200.0), Probe(128, None)), "oom")
@@ -69,12 +70,16 @@ def test_logged_names_are_the_ones_mlflow_always_had():
              "gflops_per_img", "achieved_tflops", "warmup_s", "first_call_s"]
     tail = ["compile_time_s", "mfu", "peak_mem_allocated_mb", "peak_mem_reserved_mb"]
     ddp = ["world_size", "throughput_img_per_s_per_gpu"]
+    energy = ["mean_power_w", "energy_j_per_img", "img_per_j", "sm_clock_mhz", "power_capped_frac"]  # a GPU's
     assert set(m) == set(["fwd_gflops_per_img", "params_m"]
                        + [f"infer_{k}" for k in stats + ["latency_ms_p50", "latency_ms_p90", "latency_ms_p99",
-                                                        "latency_ms_mean"] + tail + ddp]
+                                                        "latency_ms_mean"] + tail + ddp + energy]
                        + [f"train_{k}" for k in stats + ["step_ms_p50", "step_ms_p90", "step_ms_p99", "step_ms_mean"]
-                          + tail + ["allreduce_ms_per_step", "device_busy_ms_per_step"] + ddp])
+                          + tail + ["allreduce_ms_per_step", "device_busy_ms_per_step"] + ddp + energy])
     assert m["infer_throughput_img_per_s_per_gpu"] == 1234.5 / 2 and m["infer_compile_time_s"] == 12.5
+    # the median window's joules per image: of (690/1200, 700/1234.5, 710/1250) = (0.575, 0.567, 0.568), 0.568
+    assert m["infer_energy_j_per_img"] == pytest.approx(710 / 1250) and m["infer_mean_power_w"] == 700.0
+    assert m["infer_img_per_j"] == pytest.approx(1250 / 710)
 
 
 def test_the_runner_logs_every_declared_metric_and_only_those():
@@ -103,12 +108,15 @@ def test_the_bench_report_shows_declared_metrics_formatted_by_the_table():
                 assert task in metrics.metric(name).tasks, (col.header, name)
     infer, train = report._rows(_bench(_task("infer"), _task("train", compiled=False, mfu=None)))
     assert report.HEADERS == ["task", "batch", "img/s median (min-max)", "CV", "ms/iter p50 / p90 / p99",
-                              "compile s", "peak alloc MiB", "TFLOP/s", "MFU"]
+                              "compile s", "peak alloc MiB", "TFLOP/s", "MFU", "J/img (W)", "SM MHz, capped"]
     assert infer == ["infer", "64", "1,234.5 (1,200.0-1,250.0)", "1.7%", "4.00 / 5.00 / 5.00", "12.50", "12,346",
-                     "5.68", "1.2%"]
+                     "5.68", "1.2%", "0.568 (700)", "1,635, 100%"]
     assert train[5] == "-" and train[8] == "-"  # eager: no compile time; no datasheet peak: no MFU
     cpu = report._rows(_bench(_task("infer", peak_mem_allocated_mb=None, peak_mem_reserved_mb=None)))[0]
     assert cpu[6] == "-"
+    cpu = report._rows(_bench(_task("infer", window_power_w=None, energy_j_per_img=None, mean_power_w=None,
+                                    sm_clock_mhz=None, power_capped_frac=None)))[0]
+    assert cpu[9:] == ["-", "-"]  # no NVML: absent, never 0
 
 
 def test_the_reducers_take_every_rule_from_the_table():

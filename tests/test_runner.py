@@ -44,6 +44,9 @@ def test_both_tasks_metrics_and_schema():
     assert [x["task"] for x in doc["tasks"]] == ["infer", "train"]
     assert doc["tasks"][0]["metrics"]["infer_throughput_img_per_s"] == m["infer_throughput_img_per_s"]
     assert any("window 2/2" in msg for msg in messages)  # progress is reported
+    # no NVML on the CPU: no energy, power or clock figure at all (absent, never 0); the host's load is tagged
+    assert not any(k.endswith(("_energy_j_per_img", "_img_per_j", "_mean_power_w", "_sm_clock_mhz")) for k in m)
+    assert result.tags()["infer_busy_host"] in ("true", "false") and "infer_host_load_beside_run" in result.tags()
 
 
 def test_compile_time_is_reported_apart():

@@ -32,16 +32,19 @@ def bench(*, experiment: str | None = None, run_name: str | None = None, **optio
 
 
 def compare(experiment: str, baseline: str | None = None, metric: str = "throughput_img_per_s", by: str = "gpu",
-            include_mismatch: bool = False, **analysis):
+            include_mismatch: bool = False, prices: str = "", **analysis):
     """The comparison ``vitreg compare`` prints, computed from the experiment's runs without logging a
     compare run: along ``by`` (``gpu``, or a tag/param such as ``torch_version``, ``compile``), runs
     whose hardware is not their GPU label left out of speedups unless ``include_mismatch``.
     ``analysis`` goes to :func:`vitreg.analysis.comparison.compare_runs` (``n_boot``, ``seed``,
-    ``confidence``). Its ``table`` is a DataFrame, one row per (configuration, ``by`` value)."""
+    ``confidence``). Its ``table`` is a DataFrame, one row per (configuration, ``by`` value). ``prices``
+    ("h200=3.50,l4=0.80" or a price file) gives every run its ``usd_per_1m_img`` (compare on it with
+    ``metric="usd_per_1m_img"``)."""
     from vitreg.analysis.comparison import compare_runs
+    from vitreg.analysis.cost import parse_prices, with_costs
     from vitreg.tracking.search import benchmark_runs, tidy
 
-    runs_frame = tidy(benchmark_runs(experiment), axes=(by,))
+    runs_frame = with_costs(tidy(benchmark_runs(experiment), axes=(by,)), parse_prices(prices))
     return compare_runs(runs_frame, baseline=baseline or None, metric=metric, by=by,
                         include_mismatch=include_mismatch, **analysis)
 

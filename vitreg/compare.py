@@ -29,39 +29,79 @@ TAG_LIMIT = 5000  # characters of a tag value (MLflow stores up to 8,000); the f
 # ---------------------------------------------------------------- compare
 
 def run_compare(experiment: str, baseline: str | None = None, metric: str = "throughput_img_per_s",
-                run_name: str | None = None, log_experiment: str | None = None, progress=progress,
-                by: str = "gpu", include_mismatch: bool = False):
+                run_name: str | None = None, log_experiment: str | None = None, by: str = "gpu",
+                include_mismatch: bool = False, prices: str = ""):
     """Compare the experiment's runs along ``by`` (across GPUs by default); log the table and plots as
     artifacts of a compare run.
 
     The compare run goes into the compared experiment itself, beside the runs it read, unless
     ``log_experiment`` names another (under ``mlflow run`` it is the run ``mlflow run`` opened, in the
     experiment that chose). The comparison is computed (and every input checked) before a run is
-    opened, so a bad request leaves no half-written run behind.
+    opened, so a bad request leaves no half-written run behind. ``prices`` (LABEL=USD pairs or a price
+    file, :mod:`vitreg.analysis.cost`) adds the cost per image; given, it is kept in the experiment's
+    ``vitreg_prices`` tag, and left empty, that tag's prices are used.
     """
     from vitreg.analysis.comparison import compare_runs
+    from vitreg.analysis.cost import energy_and_cost, parse_prices, with_costs
     from vitreg.analysis.render import format_table
     from vitreg.analysis.report import write_report
     from vitreg.tracking.search import benchmark_runs, tidy
 
     tracking.check_server()
-    runs = tidy(benchmark_runs(experiment), axes=(by,))
+    price_table = parse_prices(prices or tracking.experiment_tag(experiment, PRICES_TAG) or "")
+    runs = with_costs(tidy(benchmark_runs(experiment), axes=(by,)), price_table)
     comparison = compare_runs(runs, baseline=baseline or None, metric=metric, by=by,
                               include_mismatch=include_mismatch)
-    table = format_table(comparison)
+    extra = energy_and_cost(runs, price_table, comparison.baseline, by, include_mismatch)
+    table = "\n".join([format_table(comparison), "", *_energy_and_cost_text(extra)])
     with tempfile.TemporaryDirectory(prefix="vitreg-compare-") as tmp:
-        files = write_report(comparison, tmp)
+        files = write_report(comparison, tmp) + _extra_reports(extra, Path(tmp), write_report)
         with tracking.tracked_run(run_name=run_name, experiment=log_experiment or experiment,
                                   system_metrics=False) as run:
             # named and described here, also under `mlflow run`, whose run arrives with a random name
             run.set_name(run_name or naming.compare_run_name(experiment, comparison.summary()))
             run.set_note(naming.compare_note(experiment, comparison.summary(), table))
-            _log_comparison(run, comparison, experiment, files)
+            _log_comparison(run, comparison, experiment, files, Path(tmp))
+        if prices:
+            tracking.set_experiment_tag(experiment, PRICES_TAG, price_text_of(price_table))
     print(table)
     progress(f"compare run {run.run_id} (experiment {logged_into(run, log_experiment or experiment)!r}, "
              f"id {run.experiment_id}): {len(files)} files under artifacts/comparison "
              f"({', '.join(Path(f).name for f in files)})")
     return comparison
+
+
+PRICES_TAG = "vitreg_prices"  # the experiment's price table, LABEL=USD_PER_GPU_HOUR pairs: shared by the team
+
+
+def price_text_of(prices: dict) -> str:
+    from vitreg.analysis.cost import price_text
+
+    return price_text(prices)
+
+
+def _energy_and_cost_text(extra) -> list[str]:
+    """The energy and cost block under the main table: the conditions, each comparison's table, its sentences."""
+    from vitreg.analysis.render import format_table
+
+    lines = ["energy and cost (vitreg.analysis.cost):"] if extra.comparisons else []
+    for comparison in extra.comparisons.values():
+        lines += [format_table(comparison), ""]
+    return lines + [f"- {line}" for line in extra.lines]
+
+
+def _extra_reports(extra, tmp: Path, write_report) -> list[Path]:
+    """The report of each energy or cost comparison (its table, CSV and chart) under energy_and_cost/<metric>/,
+    and energy_and_cost/summary.md with the sentences."""
+    files = []
+    for metric, comparison in extra.comparisons.items():
+        files += write_report(comparison, tmp / "energy_and_cost" / metric)
+    if extra.lines:
+        summary = tmp / "energy_and_cost" / "summary.md"
+        summary.parent.mkdir(parents=True, exist_ok=True)
+        summary.write_text("# Energy and cost\n\n" + "".join(f"- {line}\n" for line in extra.lines))
+        files.append(summary)
+    return files
 
 
 def logged_into(run, asked: str) -> str:
@@ -70,7 +110,7 @@ def logged_into(run, asked: str) -> str:
     return getattr(run, "experiment_name", None) or asked
 
 
-def _log_comparison(run, comparison, experiment: str, files) -> None:
+def _log_comparison(run, comparison, experiment: str, files, root: Path) -> None:
     run.set_tags({"vitreg_job": "compare", "compared_experiment": experiment, "compared_by": comparison.by})
     run.log_params({"experiment": experiment, "baseline": comparison.baseline or "", "metric": comparison.metric,
                     "by": comparison.by, "include_mismatch": str(comparison.include_mismatch).lower()})
@@ -80,8 +120,8 @@ def _log_comparison(run, comparison, experiment: str, files) -> None:
     metrics.update({f"speedup_geomean_{value}": v for value, v in summary["geomean_speedup"].items()})
     run.log_metrics(metrics)
     run.log_dict(summary, "comparison_summary.json")
-    for f in files:
-        run.log_artifact(f, "comparison")
+    for f in files:  # the energy and cost reports keep their folders (comparison/energy_and_cost/<metric>/)
+        run.log_artifact(f, (Path("comparison") / Path(f).parent.relative_to(root)).as_posix())
 
 
 # ---------------------------------------------------------------- import-timm
@@ -153,7 +193,8 @@ def collector_paused():
 def run_check(experiment: str, metric: str = "throughput_img_per_s", selection: Selection = Selection(),
               log_experiment: str | None = None, run_name: str | None = None, progress=progress):
     """Check the experiment's runs, print one line per series (regressions first), log the check run;
-    returns the result (its ``exit_code``: 0 nothing regressed, 1 something did)."""
+    returns the result (its ``exit_code``: 0 nothing regressed, 1 something did, 3 some series could not be
+    judged: too little or too noisy a history, each line saying what it needs)."""
     from vitreg.history.report import about, write_check
 
     result, raw = check(experiment, metric, selection)
@@ -178,7 +219,7 @@ def _log_check(run, result, experiment: str, files: list[Path]) -> None:
     read = result.run_ids()
     candidates = list(dict.fromkeys(i for ids in result.table["candidate_runs"] for i in ids.split(",")))
     run.set_tags({"vitreg_job": "check", "checked_experiment": experiment,
-                  "check_result": "regressed" if len(result.regressions) else "ok",
+                  "check_result": {1: "regressed", 3: "cannot judge"}.get(result.exit_code, "ok"),
                   "check_candidate_runs": _capped(",".join(candidates)),
                   "check_regressed_runs": _capped(",".join(result.regressions["candidate_runs"])),
                   "check_runs_read": _capped(",".join(read))})

@@ -29,7 +29,8 @@ __all__ = ["Comparison", "compare_runs", "compare_gpus", "compile_amp_gains", "s
 #: what compile_amp_gains pairs runs along (the rest of the configuration must agree)
 GAINED_COLUMNS = ("amp", "compile")
 
-COMPANIONS = ("throughput_img_per_s", "latency_ms_p50", "step_ms_p50", "peak_mem_allocated_mb", "mfu")
+COMPANIONS = ("throughput_img_per_s", "latency_ms_p50", "step_ms_p50", "peak_mem_allocated_mb", "mfu", "img_per_j",
+              "usd_per_1m_img")
 
 
 @dataclass

@@ -41,6 +41,7 @@ class TaskResult:
     sdpa_backend: str | None = None  # read from the profiler after the windows (vitreg.hardware.sdpa)
     compile_cache: str | None = None  # when compiling: cold, warm, partial or unused (the first call's)
     batch_choice: BatchChoice | None = None  # batch_size=auto: the probes and the choice
+    window_tags: dict = field(default_factory=dict)  # throttle, energy source, contention (vitreg.measure.energy)
 
     @property
     def throughput_img_per_s(self) -> float:
@@ -53,6 +54,7 @@ class TaskResult:
         if self.batch_choice is not None:
             tags.update(batch_size_chosen=self.batch_size, batch_probes=self.batch_choice.summary(),
                         batch_size_source=self.batch_choice.source)  # "cache": kept by an earlier run
+        tags.update(self.window_tags)
         return {f"{self.task}_{k}": str(v) for k, v in tags.items() if v is not None}
 
     def series(self) -> list[tuple[int, dict[str, float]]]:

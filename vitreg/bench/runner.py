@@ -82,9 +82,10 @@ class _Bench:
 
 
 def _measure(step, bench: _Bench, task: str, batch_size: int, graph_eager_steps: int = 0):
-    """First call timed apart, warm-up, then the timed windows; returns ``(figures, step, cache)``: this
-    rank's :class:`Figures` (samples, first call, warm-up, peak memory), the step the windows ran (a
-    graph replay under cuda_graph=true) and the first call's compile cache state (None: not compiling).
+    """First call timed apart, warm-up, then the timed windows; returns ``(figures, step, cache, marks)``: this
+    rank's :class:`Figures` (samples, first call, warm-up, peak memory, energy and clocks), the step the
+    windows ran (a graph replay under cuda_graph=true), the first call's compile cache state (None: not
+    compiling) and the windows' :class:`~vitreg.measure.energy.TaskMarks` (throttle and contention).
 
     Under DDP the reducer's ``align`` (a barrier) runs after the warm-up, so every rank's windows start
     together. ``graph_eager_steps`` > 0 (``cuda_graph=true``): the "first call" is that many eager
@@ -113,20 +114,46 @@ def _measure(step, bench: _Bench, task: str, batch_size: int, graph_eager_steps:
     warm_s = wall_seconds(lambda: [step() for _ in range(spec.warmup - 1)], dev)
     if bench.reducer is not None:
         bench.reducer.align()  # outside any timed region
-    windows = []
-    for r in range(spec.repeats):
-        win = time_window(step, spec.steps, dev)
-        windows.append(win)
-        say(f"{task}: window {r + 1}/{spec.repeats}: {batch_size * win.iters / win.total_ms * 1e3:,.1f} img/s, "
-            f"{win.total_ms / win.iters:.2f} ms/iter")
+    windows, marks = _timed_windows(step, bench, task, batch_size)
     alloc, reserved = _memory_mb(dev)
     figures = Figures(task, {
         "window_img_per_s": tuple(batch_size * w.iters / w.total_ms * 1e3 for w in windows),
         ITERATION_TIME[task]: tuple(ms for w in windows for ms in w.iter_ms),
         "first_call_s": first_s, "warmup_s": warm_s,
-        "peak_mem_allocated_mb": alloc, "peak_mem_reserved_mb": reserved,
+        "peak_mem_allocated_mb": alloc, "peak_mem_reserved_mb": reserved, **marks.figures(),
     })
-    return figures, step, state
+    return figures, step, state, marks
+
+
+def _timed_windows(step, bench: _Bench, task: str, batch_size: int):
+    """The ``repeats`` timed windows, each between two reads of the energy meter
+    (:mod:`vitreg.measure.energy`): the reads and its sampler thread stay outside the CUDA-event timing."""
+    from vitreg.measure.energy import TaskMarks, open_meter, steps_for_energy
+
+    spec, dev, say = bench.spec, bench.runtime.device, bench.progress
+    windows, marks = [], []
+    meter = open_meter(dev, bench.runtime.device_index)
+    say(f"{task}: energy and throttle state at the window edges: {meter.source.name}")
+    try:
+        for r in range(spec.repeats):
+            meter.start()
+            win = time_window(step, spec.steps, dev)
+            mark = meter.stop(win.total_ms / 1e3, batch_size * win.iters, f"{task} {r + 1}")
+            windows.append(win)
+            marks.append(mark)
+            power = f", {mark.power_w:,.0f} W, {mark.energy_j / mark.images:.4g} J/img" if mark.power_w else ""
+            say(f"{task}: window {r + 1}/{spec.repeats}: {batch_size * win.iters / win.total_ms * 1e3:,.1f} img/s, "
+                f"{win.total_ms / win.iters:.2f} ms/iter{power}")
+    finally:
+        meter.close()
+    task_marks = TaskMarks(tuple(marks), tuple(batch_size * w.iters / w.total_ms * 1e3 for w in windows))
+    if task_marks.spread_note():
+        say(f"{task}: {task_marks.spread_note()}")
+    if task_marks.short_windows():
+        say(f"{task}: no energy figure: windows of {windows[0].total_ms / 1e3:.2f} s are too short for the energy "
+            f"counter (it refreshes every 20-100 ms); steps={steps_for_energy(windows[0].total_ms / 1e3, spec.steps)} "
+            "would give one")
+    return windows, task_marks
 
 
 def _oom_guard(fn, batch_size: int, task: str):
@@ -193,10 +220,11 @@ def run_inference(model, bench: _Bench, fwd_flops: int) -> TaskResult:
     compiled = runtime.compile_model(model)
     step = _infer_steps(compiled, info, runtime, cache)(bs)  # the batch is made once, before any timing
     eager = INFER_EAGER_STEPS_BEFORE_CAPTURE if bench.spec.cuda_graph else 0
-    figures, timed_step, cache_state = _oom_guard(lambda: _measure(step, bench, "infer", bs, eager), bs, "infer")
+    figures, timed_step, cache_state, marks = _oom_guard(lambda: _measure(step, bench, "infer", bs, eager), bs,
+                                                         "infer")
     backend = _after_windows("infer", timed_step, step, bench)
     return TaskResult("infer", bs, info.img_size, bench.spec.steps, bench.spec.repeats,
-                      _job_figures(figures, bench, fwd_flops), backend, cache_state, choice)
+                      _job_figures(figures, bench, fwd_flops), backend, cache_state, choice, marks.tags())
 
 
 def _train_steps(net, opt, scaler, info: ModelInfo, runtime: Runtime, cache: bool):
@@ -249,14 +277,15 @@ def run_train_step(model, bench: _Bench, train_flops: int) -> TaskResult:
             net = bench.wrap(model) if bench.wrap else model
         step = _train_steps(runtime.compile_model(net), opt, scaler, info, runtime, not graphed)(bs)
         eager = EAGER_STEPS_BEFORE_CAPTURE if graphed else 0
-        figures, timed_step, cache_state = _oom_guard(lambda: _measure(step, bench, "train", bs, eager), bs, "train")
+        figures, timed_step, cache_state, marks = _oom_guard(lambda: _measure(step, bench, "train", bs, eager), bs,
+                                                             "train")
         figures = figures.with_values(**_comm_figures(timed_step, bench))
         backend = _after_windows("train", timed_step, step, bench)
     finally:
         if info.distilled and hasattr(model, "set_distilled_training"):
             model.set_distilled_training(False)
     return TaskResult("train", bs, info.img_size, spec.steps, spec.repeats, _job_figures(figures, bench, train_flops),
-                      backend, cache_state, choice)
+                      backend, cache_state, choice, marks.tags())
 
 
 def _comm_figures(timed_step, bench: _Bench) -> dict:

@@ -51,13 +51,13 @@ def bench(**values):
 @main.command()
 @command_options("compare")
 @user_errors
-def compare(experiment, baseline, metric, log_experiment, by, include_mismatch):
+def compare(experiment, baseline, metric, log_experiment, by, include_mismatch, prices):
     """Compare an experiment's runs across GPUs (or --by another axis): table, CSV/HTML/markdown and plots as
-    artifacts of a compare run, logged beside the runs compared."""
+    artifacts of a compare run, logged beside the runs compared; with --prices, $ per 1M images too."""
     from vitreg.compare import run_compare
 
     run_compare(experiment, baseline or None, metric, log_experiment=log_experiment, by=by.strip() or "gpu",
-                include_mismatch=option("compare", "include_mismatch").parse(include_mismatch))
+                include_mismatch=option("compare", "include_mismatch").parse(include_mismatch), prices=prices)
 
 
 @main.command("import-timm")
@@ -114,7 +114,8 @@ def train(**values):
 @user_errors
 def check(experiment, metric, log_experiment, window, candidate, candidate_tag, baseline_tag):
     """Check each configuration x GPU of an experiment against its own history: exit 1 on a regression
-    beyond noise (printed with the runs compared and what changed), and log a check run with the series."""
+    beyond noise (printed with the runs compared, what changed and any throttling or busy host), 3 where the
+    history is too short or too noisy to judge (saying what it needs), and log a check run with the series."""
     from vitreg.compare import run_check, selection_of
 
     result = run_check(experiment, metric, selection_of(window, candidate, candidate_tag, baseline_tag),

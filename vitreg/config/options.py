@@ -423,6 +423,10 @@ OPTIONS: tuple[Option, ...] = (
     Option("include_mismatch", "bool", False, "true: give mislabelled runs (gpu_mismatch=true, or hardware that is not "
            "their GPU label) speedups and verdicts too; they are marked either way.", ("compare",), spec_field=False,
            same_work="a compare option: it reads runs and measures nothing"),
+    Option("prices", "str", "", "USD per GPU-hour by GPU label (h200=3.50,l4=0.80), or a CSV (gpu,usd_per_hour) or "
+           "TOML price file: adds $ per 1M images beside img/s and images per joule, with verdicts; kept in the "
+           "experiment (tag vitreg_prices) for the team. Empty: the experiment's.", ("compare",), spec_field=False,
+           same_work="a compare option: it reads runs and measures nothing"),
     Option("window", "int", 10, "history: the candidate's N previous runs (of its configuration and GPU).", ("check",),
            minimum=1, spec_field=False, same_work=_CHECKS),
     Option("candidate", "str", "", "run id to check (empty: the newest run of each configuration x GPU).", ("check",),

@@ -10,10 +10,15 @@ import pandas as pd
 
 from vitreg.history.verdict import change_points
 from vitreg.history.series import CAUSES, HARDWARE, MISSING, CheckError, Selection, Series, honest, require_tags, series_of
-from vitreg.history.verdict import IMPROVED, REGRESSED, VERDICTS, judge
+from vitreg.history.verdict import IMPROVED, REGRESSED, UNJUDGED, VERDICTS, judge, needs
+from vitreg.measure.energy import ALWAYS_FLAGGED
 from vitreg.measure.metrics import BY_NAME, HIGHER, LOWER
 
-EXIT_OK, EXIT_REGRESSED = 0, 1  # bad input is VitregError's exit code, 2
+# bad input is VitregError's exit code, 2; EXIT_CANNOT_JUDGE: nothing regressed, but some series has too little
+# or too noisy a history to say so (each such line says what it needs): a CI gate must not read that as a pass
+EXIT_OK, EXIT_REGRESSED, EXIT_CANNOT_JUDGE = 0, 1, 3
+# An SM clock this much under the history's median: the GPU ran slower (heat, a cap, another tenant's load)
+CLOCK_DROP = 0.03
 
 
 @dataclass
@@ -36,7 +41,9 @@ class CheckResult:
 
     @property
     def exit_code(self) -> int:
-        return EXIT_REGRESSED if len(self.regressions) else EXIT_OK
+        if len(self.regressions):
+            return EXIT_REGRESSED
+        return EXIT_CANNOT_JUDGE if self.table["verdict"].isin(UNJUDGED).any() else EXIT_OK
 
     def counts(self) -> dict[str, int]:
         return {v: int((self.table["verdict"] == v).sum()) for v in VERDICTS}
@@ -72,8 +79,8 @@ def check_runs(frame: pd.DataFrame, metric: str = "throughput_img_per_s", select
                         run_cvs=pd.concat([s.history["cv"], s.candidate["cv"]]).tolist(), seed=seed)
         points = change_points(s.runs["value"].to_numpy())
         changes.append(points)
-        rows.append({"series": label, **s.key, **verdict.to_dict(),
-                     "cause": likely_cause(s.history, s.candidate),
+        rows.append({"series": label, **s.key, **verdict.to_dict(), "needs": needs(verdict),
+                     "cause": likely_cause(s.history, s.candidate), "conditions": conditions(s.history, s.candidate),
                      "candidate_runs": ",".join(s.candidate["run_id"]), "history_runs": ",".join(s.history["run_id"]),
                      "change_points": ",".join(s.runs["run_id"].iloc[p] for p in points)})
     return CheckResult(metric, higher, selection, pd.DataFrame(rows), series, changes,
@@ -91,6 +98,29 @@ def likely_cause(history: pd.DataFrame, candidate: pd.DataFrame) -> str:
         if col in history and _cell(before[col]) != _cell(now[col]):
             changed.append(f"{col} {_cell(before[col])} -> {_cell(now[col])}")
     return "; ".join(changed)
+
+
+def conditions(history: pd.DataFrame, candidate: pd.DataFrame) -> str:
+    """``throttled: hw_thermal,sw_power_cap (history: sw_power_cap); SM clock 1,500 MHz (history 1,740)``:
+    what the candidate's timed windows met where the history's did not ("" when nothing differs). Heat and
+    hardware brakes are named always; the power cap only where the history held it differently (an H200 under
+    ViT-B sits at its cap in every sample)."""
+    now, said = candidate.iloc[-1], []
+    throttle, usual = _cell(now.get("throttle")), _usual(history.get("throttle"))
+    if throttle != MISSING and ((usual not in (None, throttle)) or set(throttle.split(",")) & set(ALWAYS_FLAGGED)):
+        said.append(f"throttled: {throttle}" + (f" (history: {usual})" if usual not in (None, throttle) else ""))
+    clock, past = now.get("sm_clock_mhz"), pd.to_numeric(history.get("sm_clock_mhz"), errors="coerce")
+    if past is not None and pd.notna(clock) and past.notna().any() and clock < past.median() * (1 - CLOCK_DROP):
+        said.append(f"SM clock {clock:,.0f} MHz (history {past.median():,.0f})")
+    if _cell(now.get("busy_host")) == "true" and _usual(history.get("busy_host")) != "true":
+        said.append("busy host (other processes used the CPUs during the timed windows)")
+    return "; ".join(said)
+
+
+def _usual(values) -> str | None:
+    """The most common recorded value of a history column (None: nothing recorded)."""
+    recorded = [] if values is None else [_cell(v) for v in values if _cell(v) != MISSING]
+    return max(set(recorded), key=recorded.count) if recorded else None
 
 
 def _higher(metric: str, frame: pd.DataFrame) -> bool:
@@ -124,7 +154,11 @@ def verdict_line(r) -> str:
     hist = r["history_runs"].split(",") if r["history_runs"] else []
     runs = f"{r['candidate_runs']} vs {len(hist)} runs" + (f" ({hist[0]}..{hist[-1]})" if hist else "")
     cause = f"; changed: {r['cause']}" if r["cause"] else ""
-    return f"{r['verdict'].upper()}: {r['series']} on {r['gpu']}: {ratio}{ci}{limit}; {runs}{cause}"
+    met = r.get("conditions") or ""
+    if met:  # the GPU or the host, not the code, where the windows met what the history's did not
+        cause += f"; likely cause: {met}" + (", not the code" if r["verdict"] in (REGRESSED, IMPROVED) else "")
+    need = f"; {r['needs']}" if r.get("needs") else ""
+    return f"{r['verdict'].upper()}: {r['series']} on {r['gpu']}: {ratio}{ci}{limit}; {runs}{cause}{need}"
 
 
 def _cell(v) -> str:

@@ -23,6 +23,8 @@ HARDWARE = ("gpu", "gpu_name")
 # batch_size=auto chose (the tidy frame's batch_chosen, from the <task>_batch_size_chosen tag).
 ENVIRONMENT = ("torch_version", "cuda_version", "cudnn_version", "driver_version", "timm_version", "vitreg_git_sha")
 CAUSES = ENVIRONMENT + ("batch_chosen",)
+# What the timed windows met (tidy frame columns): a change of these is the GPU's or the host's, not the code's
+CONDITIONS = ("throttle", "busy_host", "sm_clock_mhz")
 DEFAULT_WINDOW = 10
 MISSING = "-"  # a key nobody recorded (a run that predates the option)
 
@@ -133,7 +135,7 @@ def _runs(rows: pd.DataFrame, metric: str, tags: tuple[str, ...]) -> pd.DataFram
                         "value": pd.to_numeric(rows[metric], errors="coerce").astype(float)})
     # the runs' window-to-window spread measures throughput only (throughput_cv)
     out["cv"] = rows["throughput_cv"] if metric.startswith("throughput") and "throughput_cv" in rows else np.nan
-    for col in dict.fromkeys(CAUSES + tags):
+    for col in dict.fromkeys(CAUSES + CONDITIONS + tags):
         if col in rows:
             out[col] = rows[col]
     return out.sort_values(["start_time", "run_id"], kind="stable").reset_index(drop=True)

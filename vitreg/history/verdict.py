@@ -31,7 +31,17 @@ import numpy as np
 from vitreg.analysis.stats import bootstrap_ci
 
 REGRESSED, IMPROVED, WITHIN_NOISE, NOT_ENOUGH = "regressed", "improved", "within noise", "not enough history"
-VERDICTS = (REGRESSED, IMPROVED, WITHIN_NOISE, NOT_ENOUGH)
+TOO_NOISY = "too noisy"
+VERDICTS = (REGRESSED, IMPROVED, WITHIN_NOISE, NOT_ENOUGH, TOO_NOISY)
+#: the verdicts of a series the check cannot judge: it says what it needs, and exits with a code of its own
+UNJUDGED = (NOT_ENOUGH, TOO_NOISY)
+
+# The change a gate must be able to see. A series whose threshold is wider can hide a regression this large,
+# so "within noise" there would pass what was never judged (a loaded 2-core host gave the same configuration
+# 46-91 % CV and a threshold of 3444 %): such a series is "too noisy", and the check says what it needs. 15 %:
+# ten runs at 3 % CV (threshold ~7 %) stay judged in every seed of tests/test_check_stats.py; at 10 %, 6 of 100
+# such histories came out too noisy by the luck of their scatter.
+CATCH = 0.15
 
 # Fewer than three earlier runs give no estimate of their scatter worth a verdict (two runs: one
 # difference), so such a pair says "not enough history" and never passes or fails a gate.
@@ -107,9 +117,31 @@ def judge(candidate, history, higher: bool = True, run_cvs=(), seed: int = 0, n_
         verdict = REGRESSED
     elif lo > 1 and ratio - 1 > threshold:
         verdict = IMPROVED
+    elif threshold > CATCH:
+        verdict = TOO_NOISY
     else:
         verdict = WITHIN_NOISE
     return Verdict(verdict, ratio, lo, hi, threshold, noise, len(hist), len(cand))
+
+
+def needs(verdict: Verdict) -> str:
+    """What a series the check cannot judge needs ("" for a judged one): more runs, or quieter ones."""
+    if verdict.verdict == NOT_ENOUGH:
+        more = MIN_HISTORY - verdict.n_history
+        return (f"needs {MIN_HISTORY} earlier runs of this configuration on this GPU, has {verdict.n_history}: "
+                f"bench it {more} more time(s)")
+    if verdict.verdict != TOO_NOISY:
+        return ""
+    quiet = verdict.noise * CATCH / verdict.threshold  # the noise at which this history would see CATCH
+    longer = _history_for(verdict.noise, verdict.n_candidate, verdict.n_history)
+    more = f", or {longer} runs of history at this noise" if longer else ""
+    return (f"sees only changes over {verdict.threshold:.1%}, not {CATCH:.0%}: needs runs with under {quiet:.1%} "
+            f"spread (now {verdict.noise:.1%}: a quiet host, longer windows){more}")
+
+
+def _history_for(noise: float, n_candidate: int, n_history: int, most: int = 100) -> int | None:
+    """The fewest history runs at ``noise`` whose threshold is within CATCH (None: more than ``most``)."""
+    return next((n for n in range(n_history + 1, most + 1) if threshold_of(noise, n, n_candidate) <= CATCH), None)
 
 
 # ---------------------------------------------------------------- change points

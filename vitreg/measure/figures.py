@@ -16,6 +16,7 @@ record goes through every stage:
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import dataclass, field
 
 from vitreg.measure import metrics as table
@@ -126,6 +127,19 @@ def _compile_time_s(values: dict, work: Work):
     return first if work.compiled else None
 
 
+def _energy_j_per_img(values: dict, work: Work):
+    """The median window's joules per image: its power (every GPU's, summed) over its throughput (summed too)."""
+    powers, rates = values.get("window_power_w"), values.get("window_img_per_s")
+    if not powers or not rates or len(powers) != len(rates):
+        return None  # no energy reading (a CPU run, short windows): absent, never 0
+    return statistics.median(p / r for p, r in zip(powers, rates) if r)
+
+
+def _img_per_j(values: dict, work: Work):
+    joules = values.get("energy_j_per_img")
+    return 1 / joules if joules else None
+
+
 #: How each row computed after the reduction is computed, in order (MFU needs the achieved TFLOP/s).
 DERIVED = {
     "world_size": _world_size,
@@ -133,4 +147,6 @@ DERIVED = {
     "achieved_tflops": _achieved_tflops,
     "mfu": _mfu,
     "compile_time_s": _compile_time_s,
+    "energy_j_per_img": _energy_j_per_img,
+    "img_per_j": _img_per_j,
 }

@@ -106,6 +106,23 @@ METRICS: tuple[Metric, ...] = (
                "under DDP rank 0's probes"),
     Metric("scaling_efficiency", "", HIGHER, "job", ".1%",
            doc="nproc>1 with baseline_run: throughput_N / (N x throughput_1)"),
+    # energy, throttle state (vitreg.measure.energy): absent where the device cannot read them (the CPU), never 0
+    Metric("window_power_w", "W", NEITHER, "sum", ",.0f", logged=False,
+           doc="mean power of each timed window: NVML energy counter difference at its edges / its GPU-timed "
+               "length; the ranks' powers add up"),
+    Metric("mean_power_w", "W", NEITHER, "sum", ",.0f", doc="mean power over the timed windows (NVML), all GPUs",
+           of=("window_power_w", "mean")),
+    Metric("energy_j_per_img", "J", LOWER, "job", ".4g", compared=TASKS,
+           doc="joules per image: window power / window throughput (all GPUs' energy over all images), "
+               "median of the windows; windows under 1 s give none (the counter refreshes every 20-100 ms)"),
+    Metric("img_per_j", "img/J", HIGHER, "job", ",.2f", compared=TASKS, doc="images per joule: 1 / energy_j_per_img"),
+    Metric("sm_clock_mhz", "MHz", NEITHER, "min", ",.0f", compared=TASKS,
+           doc="median SM clock sampled during the timed windows (every 50 ms); the slowest rank's"),
+    Metric("power_capped_frac", "", NEITHER, "max", ".0%", compared=TASKS,
+           doc="share of the samples during the timed windows in which the software power cap held the clocks"),
+    Metric("usd_per_1m_img", "USD", LOWER, "job", ",.2f", compared=TASKS, logged=False,
+           doc="compare with a price per GPU-hour: USD per million images = price x GPUs / 3600 / img/s x 1e6 "
+               "(never logged by a run: prices are the user's)"),
     # the train job's end-of-training figures
     Metric("data_wait_frac", "", LOWER, "max", ".1%", ("train",), doc="host time blocked on the loader / step time"),
     Metric("first_step_s", "s", LOWER, "max", ".2f", ("train",), doc="the first training step alone"),
@@ -230,4 +247,6 @@ REPORT_COLUMNS: tuple[Column, ...] = (
     Column("peak alloc MiB", "{peak_mem_allocated_mb}"),
     Column("TFLOP/s", "{achieved_tflops}"),
     Column("MFU", "{mfu}"),
+    Column("J/img (W)", "{energy_j_per_img} ({mean_power_w})"),
+    Column("SM MHz, capped", "{sm_clock_mhz}, {power_capped_frac}"),
 )

@@ -451,6 +451,18 @@ def search_runs(experiment: str, filter_string: str = ""):
                               output_format="pandas")
 
 
+def experiment_tag(experiment: str, key: str) -> str | None:
+    """The experiment's tag ``key`` (None: no such experiment or tag), e.g. the team's price table."""
+    exp = mlflow.MlflowClient().get_experiment_by_name(experiment)
+    return None if exp is None else exp.tags.get(key)
+
+
+def set_experiment_tag(experiment: str, key: str, value: str) -> None:
+    """Keep ``value`` under ``key`` on the (existing) experiment, for everyone who reads it."""
+    client = mlflow.MlflowClient()
+    client.set_experiment_tag(client.get_experiment_by_name(experiment).experiment_id, key, value)
+
+
 def get_run(run_id: str):
     return mlflow.MlflowClient().get_run(run_id)
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from vitreg.analysis.frame import (ALL_METRICS, MISSING, NO_RUNS, NOT_APPLICABLE, RUN_COMMANDS, SHARED_METRICS,
-                                   TASK_METRICS, CompareError, config_columns, id_columns)
+from vitreg.analysis.frame import (ALL_METRICS, CONDITION_COLUMNS, MISSING, NO_RUNS, NOT_APPLICABLE, RUN_COMMANDS,
+                                   SHARED_METRICS, TASK_METRICS, CompareError, config_columns, id_columns)
 from vitreg.config.options import options_of
 from vitreg.config.parse import param_text
 from vitreg.config.spec import _TRUE, DDP_BUCKET_MB
@@ -262,6 +262,9 @@ def _task_rows(df: pd.DataFrame, base: pd.DataFrame, task: str, task_param: pd.S
     part["task"] = task
     chosen = _text(df, f"tags.{task}_batch_size_chosen")  # batch_size=auto: the batch it found
     part["batch_chosen"] = chosen[wanted] if chosen is not None else np.nan
+    for name in CONDITION_COLUMNS:  # the timed windows' throttle state and host load (vitreg.measure.energy)
+        tag = _text(df, f"tags.{task}_{name}")
+        part[name] = tag[wanted] if tag is not None else np.nan
     for name in TASK_METRICS[task]:
         part[name] = np.nan
     for name, v in values.items():

@@ -1,0 +1,185 @@
+"""Which GPU is cheapest per image, and which gives the most images per joule, with compare's verdicts.
+
+A price per GPU-hour per GPU label comes from the user (vitreg ships no prices): ``--prices
+h200=3.50,l4=0.80`` or a file (CSV with columns ``gpu,usd_per_hour``, or TOML ``h200 = 3.50``, flat or under
+``[usd_per_gpu_hour]``). A run's ``usd_per_1m_img`` is its price x its GPUs (``nproc``) / 3600 / its img/s x 1e6.
+Cost and ``img_per_j`` (logged by runs whose device reads energy) are compared as any metric is
+(:func:`vitreg.analysis.comparison.compare_runs`: the same bootstrap interval and verdicts as throughput),
+and said in a sentence per GPU: "on vit_base_patch16_224 infer, the l4 is 2.30x cheaper per image than the
+h200, 95 % interval [2.1, 2.5]". What the runs' timed windows met (throttling, a busy host) is said once
+where all runs share it and marked where they differ (:func:`condition_lines`). Pure: no MLflow here.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from vitreg.analysis.comparison import Comparison, compare_runs
+from vitreg.analysis.frame import DEFAULT_AXIS, CompareError
+from vitreg.analysis.stats import BETTER, WORSE
+from vitreg.measure.energy import ALWAYS_FLAGGED, POWER_CAP, PRECISION_TARGET
+
+COST, ENERGY = "usd_per_1m_img", "img_per_j"
+NO_PRICE = ("no price per GPU-hour, so no cost per image: add one with --prices h200=3.50,l4=0.80 (USD per "
+            "GPU-hour by GPU label, or a CSV/TOML file); compare keeps it in the experiment for the team")
+
+
+def parse_prices(text: str) -> dict[str, float]:
+    """``"h200=3.50,l4=0.80"`` or the path of a price file -> ``{label: usd_per_hour}`` (labels lower-case)."""
+    text = (text or "").strip()
+    if not text:
+        return {}
+    if "=" not in text:
+        return read_price_file(text)
+    prices = {}
+    for pair in text.split(","):
+        label, sep, value = pair.partition("=")
+        prices[label.strip().lower()] = _price(value, f"--prices {pair.strip()!r}") if sep else _bad(pair)
+    return prices
+
+
+def _bad(pair: str):
+    raise CompareError(f"--prices {pair.strip()!r} is not LABEL=USD_PER_HOUR: pass e.g. --prices h200=3.50,l4=0.80")
+
+
+def _price(value, where: str) -> float:
+    try:
+        price = float(str(value).strip().lstrip("$"))
+    except ValueError:
+        price = math.nan
+    if not math.isfinite(price) or price <= 0:
+        raise CompareError(f"{where}: {value!r} is not a positive price in USD per GPU-hour (e.g. 3.50)")
+    return price
+
+
+def read_price_file(path) -> dict[str, float]:
+    """A CSV (``gpu,usd_per_hour``) or TOML (``label = price``, flat or under ``[usd_per_gpu_hour]``) price table."""
+    path = Path(path)
+    if not path.is_file():
+        raise CompareError(f"--prices {str(path)!r}: no such file; pass LABEL=USD pairs (h200=3.50,l4=0.80) or the "
+                           "path of a CSV (gpu,usd_per_hour) or TOML (h200 = 3.50) price table")
+    if path.suffix == ".toml":
+        import tomllib
+
+        try:
+            table = tomllib.loads(path.read_text())
+        except tomllib.TOMLDecodeError as e:
+            raise CompareError(f"{path}: not TOML ({e})") from None
+        table = table.get("usd_per_gpu_hour", table)
+        return {str(k).lower(): _price(v, f"{path}: {k}") for k, v in table.items()}
+    rows = list(csv.DictReader(path.read_text().splitlines()))
+    if not rows or not {"gpu", "usd_per_hour"} <= set(rows[0]):
+        raise CompareError(f"{path}: a price CSV needs the columns gpu,usd_per_hour (one GPU label a row)")
+    return {r["gpu"].strip().lower(): _price(r["usd_per_hour"], f"{path}: {r['gpu']}") for r in rows}
+
+
+def price_text(prices: dict[str, float]) -> str:
+    """The canonical ``label=price,...`` form (what the experiment keeps, and --prices takes back)."""
+    return ",".join(f"{label}={price:g}" for label, price in sorted(prices.items()))
+
+
+def with_costs(runs: pd.DataFrame, prices: dict[str, float]) -> pd.DataFrame:
+    """The tidy frame with ``usd_per_1m_img`` for every run whose GPU label has a price (NaN elsewhere)."""
+    out = runs.copy()
+    price = out["gpu"].astype(str).str.lower().map(prices).astype(float)
+    gpus = pd.to_numeric(out["nproc"], errors="coerce").fillna(1).astype(float)
+    rate = pd.to_numeric(out["throughput_img_per_s"], errors="coerce").where(lambda r: r > 0)
+    out[COST] = price * gpus / 3600 / rate * 1e6
+    return out
+
+
+@dataclass
+class EnergyAndCost:
+    """The comparisons of ``img_per_j`` and ``usd_per_1m_img`` that the runs allow, and what to say of them."""
+
+    comparisons: dict = field(default_factory=dict)  # metric -> Comparison
+    lines: list = field(default_factory=list)
+
+
+def energy_and_cost(runs: pd.DataFrame, prices: dict[str, float], baseline: str | None, by: str = DEFAULT_AXIS,
+                    include_mismatch: bool = False) -> EnergyAndCost:
+    """Compare images per joule (where runs logged it) and, with ``prices``, USD per million images, against
+    ``baseline`` where it has such runs; sentences with the ratios, intervals and verdicts."""
+    out = EnergyAndCost(lines=condition_lines(runs))
+    frames = {ENERGY: runs}
+    if prices:
+        frames[COST] = with_costs(runs, prices)
+    for metric, frame in frames.items():
+        measured = frame[frame[metric].notna()]
+        if measured.empty:
+            continue
+        base = baseline if baseline and (measured[by].astype(str).str.lower() == baseline.lower()).any() else None
+        comparison = compare_runs(frame, base, metric, by=by, include_mismatch=include_mismatch)
+        out.comparisons[metric] = comparison
+        out.lines += sentences(comparison)
+    if not prices:
+        out.lines.append(NO_PRICE)
+    elif COST not in out.comparisons:
+        out.lines.append(f"no run of a priced GPU ({', '.join(sorted(prices))}) recorded its throughput")
+    return out
+
+
+# how a factor x (> 1: better than the baseline) reads, and one value, per metric
+_SAY = {COST: (lambda x: f"is {x:.2f}x cheaper per image than" if x >= 1 else f"is {1 / x:.2f}x dearer per image than",
+               "$ {v:,.4g} per 1M images"),
+        ENERGY: (lambda x: f"gives {x:.2f}x the images per joule of", "{v:,.2f} img/J")}
+_VERDICT = {COST: {BETTER: "cheaper", WORSE: "dearer"}, ENERGY: {BETTER: "more efficient", WORSE: "less efficient"}}
+
+
+def sentences(c: Comparison) -> list[str]:
+    """One sentence per (configuration, GPU) compared with the baseline: the factor, interval and verdict, e.g.
+    "on vit_base_patch16_224 infer (batch 256), the l4 is 2.30x cheaper per image than the h200 ($ 0.04 per 1M
+    images), 95 % interval [2.10, 2.52]x: cheaper". The interval is of the factor as said (cheaper or dearer)."""
+    metric, lines = c.metric, []
+    said, value = _SAY[metric]
+    for _, r in c.table.iterrows():
+        what = f"{r['model']} {r['task']} (batch {_cell(r['batch_size'])})"
+        shown = value.format(v=r[f"{metric}_median"])
+        if not c.baseline or r["verdict"] == "baseline" or not np.isfinite(r["speedup"]):
+            lines.append(f"on {what}, the {r[c.by]}: {shown}" + (f" ({r['verdict']})" if c.baseline else ""))
+            continue
+        lo, hi = r["ci_low"], r["ci_high"]
+        if metric == COST and r["speedup"] < 1:  # said as "dearer": the interval of that factor, 1/x
+            lo, hi = 1 / hi, 1 / lo
+        ci = f", {c.confidence:.0%} interval [{lo:.2f}, {hi:.2f}]x" if np.isfinite(lo) else ""
+        verdict = _VERDICT[metric].get(r["verdict"], r["verdict"])
+        lines.append(f"on {what}, the {r[c.by]} {said(r['speedup'])} the {c.baseline} ({shown}){ci}: {verdict}")
+    return lines
+
+
+def _cell(v) -> str:
+    return "-" if v is None or (not isinstance(v, str) and pd.isna(v)) else str(v)
+
+
+def condition_lines(runs: pd.DataFrame) -> list[str]:
+    """What the runs' timed windows met: a throttle state all share said once (the software power cap is heavy
+    work's normal state on an H200), one that differs between GPUs marked, heat or hardware brakes always
+    flagged, and runs taken on a busy host named."""
+    lines = []
+    seen = runs.dropna(subset=["throttle"]) if "throttle" in runs else runs.iloc[0:0]
+    states = sorted(set(seen["throttle"].astype(str)))
+    if len(states) == 1:
+        cap = " (the software power cap: heavy work's normal state on e.g. an H200)" if states[0] == POWER_CAP else ""
+        lines.append(f"every run's timed windows met throttle: {states[0]}{cap}")
+    elif states:
+        per = seen.groupby("gpu")["throttle"].agg(lambda s: "/".join(sorted(set(s.astype(str)))))
+        lines.append("THROTTLE DIFFERS between the runs compared: " + ", ".join(f"{g}: {t}" for g, t in per.items()))
+    hot = seen[seen["throttle"].astype(str).str.split(",").map(lambda rs: bool(set(rs) & set(ALWAYS_FLAGGED)))]
+    if len(hot):
+        lines.append(f"THROTTLED by heat or a hardware brake: {len(hot)} run(s): "
+                     + ", ".join(f"{r.run_id} ({r.gpu}: {r.throttle})" for r in hot.itertuples()))
+    busy = runs[runs["busy_host"].astype(str) == "true"] if "busy_host" in runs else runs.iloc[0:0]
+    if len(busy):
+        lines.append(f"BUSY HOST: {busy['run_id'].nunique()} run(s) measured while other processes loaded the host "
+                     f"(their figures may be low): " + ", ".join(sorted(set(busy["run_id"]))))
+    wide = runs[runs["spread_over_target"].astype(str) == "true"] if "spread_over_target" in runs else runs.iloc[0:0]
+    if len(wide):
+        lines.append(f"SPREAD: {wide['run_id'].nunique()} run(s) whose windows scattered more than the precision "
+                     f"target ({PRECISION_TARGET:.0%} CV): " + ", ".join(sorted(set(wide["run_id"]))))
+    return lines

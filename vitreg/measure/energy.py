@@ -1,0 +1,431 @@
+"""Energy, throttling and contention over exactly the timed windows.
+
+Energy comes from NVML's total-energy counter (``nvmlDeviceGetTotalEnergyConsumption``: millijoules since
+the driver loaded, Volta and newer), read at each window's edges. The counter is refreshed every 20-100 ms,
+so a reading is up to one refresh old at either edge: the energy of a window is off by at most one refresh
+period's worth, i.e. a relative error of at most ``REFRESH_S / window seconds``. Windows shorter than
+:data:`MIN_ENERGY_WINDOW_S` (error over 10 %) therefore give no energy figure, and the runner says which
+``steps`` would. A GPU without the counter falls back to power samples (every :data:`SAMPLE_S`) times the
+window's length, tagged as such. On the CPU there is no NVML: the energy figures are absent, never zero.
+
+Throttle and contention truth: a light background thread samples, every :data:`SAMPLE_S` while a window
+runs, the clock-event (throttle) reasons, the SM clock, power and temperature; the edges also count the
+other processes on the GPU and, from ``/proc/stat``, the CPU time the host spent beside this process's own
+threads (a loaded host slows a launch-bound loop). Each window is marked (:class:`WindowMark`) and a task's
+marks become figures (the metric table's ``window_power_w``, ``sm_clock_mhz``, ``power_capped_frac``) and
+tags (what throttled, in what share of windows, other GPU processes, host load, busy host).
+
+Reading source seam: :class:`WindowMeter` reads through a :class:`ReadingSource`: :class:`NvmlSource` (the
+GPU), :class:`HostSource` (the CPU alone) or :class:`ReplaySource` (a recorded trace: tests replay a real
+H200's readings through the very code the runner uses). ``VITREG_ENERGY_TRACE=path`` makes a run write its
+readings and windows there, one JSON object a line (the trace format, :func:`trace_windows`).
+
+Nothing here runs inside a timed loop: the edges are read before the first and after the last CUDA event
+of a window (outside its timed region), and the sampler thread's NVML calls release the GIL.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import threading
+import time
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Iterator, Protocol
+
+TRACE_ENV = "VITREG_ENERGY_TRACE"
+SAMPLE_S = 0.05  # the sampler's period: a few samples in the shortest trusted window, light on the GIL
+REFRESH_S = 0.1  # the energy counter's slowest refresh period (NVML: 20-100 ms)
+MAX_ENERGY_ERROR = 0.1  # the largest error from the counter's refresh that an energy figure may carry
+MIN_ENERGY_WINDOW_S = REFRESH_S / MAX_ENERGY_ERROR  # 1 s
+
+#: NVML's clock-event (throttle) reason bits, named as the tags spell them
+REASONS = {0x1: "gpu_idle", 0x2: "app_clocks", 0x4: "sw_power_cap", 0x8: "hw_slowdown", 0x10: "sync_boost",
+           0x20: "sw_thermal", 0x40: "hw_thermal", 0x80: "hw_power_brake", 0x100: "display_clock"}
+POWER_CAP = "sw_power_cap"
+# Heat and hardware brakes are never a GPU's normal state under load: always flagged. The software power cap
+# is (an H200 running ViT-B sits at its 700 W cap in every sample), so it is flagged only where runs differ.
+ALWAYS_FLAGGED = ("hw_slowdown", "sw_thermal", "hw_thermal", "hw_power_brake")
+# Not slowdowns of work in flight: idle between windows, clocks the admin set, boost sync, display
+NOT_THROTTLE = ("gpu_idle", "app_clocks", "sync_boost", "display_clock")
+# CPUs' worth of work by other processes during a window that makes a host busy: half a core, or a tenth
+# of the host's cores on a big one (a loaded 2-core box gave the same configuration 3.5, 400 and 32 img/s)
+BUSY_CPUS, BUSY_SHARE = 0.5, 0.1
+# The windows' throughput CV a run should stay within: an H200 run's is 0.1 %, a run on a loaded 2-core host's
+# 46-91 %. A run over it says so in its tags (``spread_over_target``) and its progress, with the likely cause.
+PRECISION_TARGET = 0.05
+
+
+@dataclass(frozen=True)
+class Reading:
+    """What one read of the source saw. ``None``: not available on this device (or not read)."""
+
+    t: float  # seconds on a monotonic clock
+    edge: bool  # a window's edge (energy, processes and host CPU read) or a sample from the thread
+    energy_mj: float | None = None  # the total-energy counter
+    power_w: float | None = None
+    sm_mhz: float | None = None
+    temp_c: float | None = None
+    reasons: int | None = None  # clock-event reason bits (REASONS)
+    other_procs: int | None = None  # processes on the GPU besides this one (edges only)
+    host_busy_s: float | None = None  # all CPUs' busy seconds since boot (/proc/stat; edges only)
+    own_cpu_s: float | None = None  # this process's CPU seconds, children included (edges only)
+    host_cpus: int | None = None  # the host's CPUs (edges only: what "busy" is judged against)
+
+    def reason_names(self) -> frozenset:
+        bits = self.reasons or 0
+        return frozenset(name for bit, name in REASONS.items() if bits & bit)
+
+
+class ReadingSource(Protocol):
+    """The seam between the meter and the device: a live reader or a recorded trace."""
+
+    name: str  # what it reads, for the progress line
+
+    def read(self, edge: bool) -> Reading: ...
+
+    def close(self) -> None: ...
+
+
+def _host_cpu() -> dict:
+    """All CPUs' busy seconds (/proc/stat, Linux; None elsewhere) and this process's own CPU seconds."""
+    own = sum(os.times()[:4])
+    try:
+        fields_ = Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]
+    except OSError:
+        return {"host_busy_s": None, "own_cpu_s": own, "host_cpus": os.cpu_count()}
+    ticks = [int(v) for v in fields_]
+    busy = sum(ticks) - ticks[3] - (ticks[4] if len(ticks) > 4 else 0)  # all but idle and iowait
+    return {"host_busy_s": busy / os.sysconf("SC_CLK_TCK"), "own_cpu_s": own, "host_cpus": os.cpu_count()}
+
+
+class HostSource:
+    """The CPU alone: host load at the edges, nothing from a GPU (energy figures stay absent)."""
+
+    name = "host load only (no NVML)"
+
+    def read(self, edge: bool) -> Reading:
+        return Reading(time.monotonic(), edge, **(_host_cpu() if edge else {}))
+
+    def close(self) -> None:
+        pass
+
+
+class NvmlSource:
+    """One GPU through NVML (nvidia-ml-py's ``pynvml``), found by its UUID so CUDA_VISIBLE_DEVICES cannot
+    make it read another GPU (by index only where no CUDA_VISIBLE_DEVICES renumbers them). Each call the
+    device does not support reads None."""
+
+    def __init__(self, uuid: str | None, index: int = 0):
+        import pynvml
+
+        self._nvml = pynvml
+        pynvml.nvmlInit()
+        try:
+            self._handle = self._find(uuid, index)
+        except Exception:
+            pynvml.nvmlShutdown()
+            raise
+        self._pid = os.getpid()
+        self.name = f"NVML {uuid or f'GPU {index}'}"
+
+    def _find(self, uuid: str | None, index: int):
+        nv = self._nvml
+        if uuid:  # torch spells a UUID without NVML's "GPU-" and may differ in case: compare the hex digits
+            want = uuid.lower().removeprefix("gpu-")
+            for i in range(nv.nvmlDeviceGetCount()):
+                handle = nv.nvmlDeviceGetHandleByIndex(i)
+                found = nv.nvmlDeviceGetUUID(handle)
+                found = found.decode() if isinstance(found, bytes) else found
+                if found.lower().removeprefix("gpu-") == want:
+                    return handle
+        if os.environ.get("CUDA_VISIBLE_DEVICES") is None:
+            return nv.nvmlDeviceGetHandleByIndex(index)
+        raise LookupError(f"no NVML GPU has UUID {uuid}, and CUDA_VISIBLE_DEVICES renumbers them")
+
+    def _try(self, call, *args):
+        try:
+            return call(self._handle, *args)
+        except self._nvml.NVMLError:
+            return None
+
+    def _reasons(self):
+        nv = self._nvml
+        read = getattr(nv, "nvmlDeviceGetCurrentClocksEventReasons", None) or nv.nvmlDeviceGetCurrentClocksThrottleReasons
+        return self._try(read)
+
+    def _others(self):
+        procs = self._try(self._nvml.nvmlDeviceGetComputeRunningProcesses)
+        if procs is None:
+            return None
+        pids = [p.pid for p in procs]
+        # In a container NVML may list host pids: then ours is not among them, and one of them is us.
+        return len(pids) - 1 if self._pid not in pids and pids else sum(p != self._pid for p in pids)
+
+    def read(self, edge: bool) -> Reading:
+        nv = self._nvml
+        power = self._try(nv.nvmlDeviceGetPowerUsage)
+        reading = Reading(time.monotonic(), edge, power_w=power / 1e3 if power is not None else None,
+                          sm_mhz=self._try(nv.nvmlDeviceGetClockInfo, nv.NVML_CLOCK_SM),
+                          temp_c=self._try(nv.nvmlDeviceGetTemperature, nv.NVML_TEMPERATURE_GPU),
+                          reasons=self._reasons())
+        if edge:
+            reading = replace(reading, energy_mj=self._try(nv.nvmlDeviceGetTotalEnergyConsumption),
+                              other_procs=self._others(), **_host_cpu())
+        return reading
+
+    def close(self) -> None:
+        self._nvml.nvmlShutdown()
+
+
+def trace_lines(path) -> Iterator[dict]:
+    with open(path) as f:
+        for number, line in enumerate(f, 1):
+            if line.strip():
+                try:
+                    yield json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{path}:{number}: not a trace line ({e.msg})") from None
+
+
+class ReplaySource:
+    """The readings of a recorded trace, in order, whatever was asked (tests drive the meter with it)."""
+
+    def __init__(self, path):
+        self.name = f"replay of {path}"
+        self._readings = iter([Reading(**line["reading"]) for line in trace_lines(path) if "reading" in line])
+
+    def read(self, edge: bool) -> Reading:
+        try:
+            return replace(next(self._readings), edge=edge)
+        except StopIteration:
+            raise ValueError("the trace has no more readings") from None
+
+    def close(self) -> None:
+        pass
+
+
+@dataclass(frozen=True)
+class WindowMark:
+    """One timed window's energy, throttle state and contention (None: not measurable here)."""
+
+    seconds: float  # the window's GPU-timed length (CUDA events)
+    images: int
+    energy_j: float | None
+    energy_source: str | None  # "counter", "power samples" or None
+    reasons: frozenset  # every clock-event reason seen in the window (NOT_THROTTLE ones left out)
+    power_capped: tuple  # per sample: was the software power cap holding the clocks
+    sm_mhz: tuple  # per sample
+    temp_c_max: float | None
+    other_procs: int | None  # the most other processes seen on the GPU at either edge
+    host_others_cpus: float | None  # CPUs' worth of work by other processes during the window
+    host_cpus: int | None = None
+
+    @property
+    def power_w(self) -> float | None:
+        return self.energy_j / self.seconds if self.energy_j is not None and self.seconds > 0 else None
+
+    @property
+    def throttled(self) -> bool:
+        return bool(self.reasons)
+
+
+def _energy(start: Reading, samples: list, end: Reading, seconds: float) -> tuple:
+    if seconds < MIN_ENERGY_WINDOW_S:
+        return None, None
+    if start.energy_mj is not None and end.energy_mj is not None:
+        return (end.energy_mj - start.energy_mj) / 1e3, "counter"
+    powers = [r.power_w for r in samples if r.power_w is not None]
+    return (statistics.fmean(powers) * seconds, "power samples") if powers else (None, None)
+
+
+def _others_cpus(start: Reading, end: Reading):
+    if None in (start.host_busy_s, end.host_busy_s, start.own_cpu_s, end.own_cpu_s) or end.t <= start.t:
+        return None
+    return max(0.0, (end.host_busy_s - start.host_busy_s) - (end.own_cpu_s - start.own_cpu_s)) / (end.t - start.t)
+
+
+def mark_window(readings: list, seconds: float, images: int) -> WindowMark:
+    """The mark of one window from its readings: the start edge, the thread's samples, the end edge.
+
+    The throttle state and clocks are the thread's samples' (else the end edge's): the start edge follows a
+    synchronize, when the GPU may already idle at lower clocks and no cap holds."""
+    start, end = readings[0], readings[-1]
+    samples = readings[1:-1] or [end]
+    energy_j, source = _energy(start, readings[1:-1], end, seconds)
+    reasons = frozenset().union(*(r.reason_names() for r in samples)) - frozenset(NOT_THROTTLE)
+    temps = [r.temp_c for r in samples if r.temp_c is not None]
+    procs = [r.other_procs for r in (start, end) if r.other_procs is not None]
+    return WindowMark(seconds, images, energy_j, source, reasons,
+                      tuple(POWER_CAP in r.reason_names() for r in samples if r.reasons is not None),
+                      tuple(float(r.sm_mhz) for r in samples if r.sm_mhz is not None),
+                      max(temps) if temps else None, max(procs) if procs else None, _others_cpus(start, end),
+                      end.host_cpus)
+
+
+class WindowMeter:
+    """Reads the source at a window's edges and, in between, from a sampler thread every ``sample_s``.
+
+    ``meter.start()`` just before the window's first CUDA event, ``meter.stop(seconds, images)`` just after
+    its synchronize; ``sample_s=None`` samples nowhere but the edges (tests call :meth:`sample`)."""
+
+    def __init__(self, source: ReadingSource, sample_s: float | None = SAMPLE_S, trace=None):
+        self.source, self.sample_s, self._trace = source, sample_s, trace
+        self._readings: list = []
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def _write(self, record: dict) -> None:
+        if self._trace is not None:
+            self._trace.write(json.dumps(record) + "\n")
+
+    def sample(self, edge: bool = False) -> None:
+        reading = self.source.read(edge)
+        self._readings.append(reading)
+        self._write({"reading": asdict(reading)})
+
+    def _sample_until_stopped(self) -> None:
+        while not self._stop.wait(self.sample_s):
+            self.sample()
+
+    def start(self) -> None:
+        self._readings = []
+        self.sample(edge=True)
+        if self.sample_s:
+            self._stop.clear()
+            self._thread = threading.Thread(target=self._sample_until_stopped, name="vitreg-energy", daemon=True)
+            self._thread.start()
+
+    def stop(self, seconds: float, images: int, label: str = "") -> WindowMark:
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join()
+            self._thread = None
+        self.sample(edge=True)
+        self._write({"window": {"label": label, "seconds": seconds, "images": images}})
+        return mark_window(self._readings, seconds, images)
+
+    def close(self) -> None:
+        self.source.close()
+        if self._trace is not None:
+            self._trace.close()
+
+
+def trace_windows(path) -> list[tuple[str, WindowMark]]:
+    """``(label, mark)`` of each window of a recorded trace: its readings since the last window record,
+    marked by :func:`mark_window` as the run marked them."""
+    out, readings = [], []
+    for line in trace_lines(path):
+        if "reading" in line:
+            readings.append(Reading(**line["reading"]))
+        elif "window" in line:
+            w = line["window"]
+            out.append((w.get("label", ""), mark_window(readings, float(w["seconds"]), int(w["images"]))))
+            readings = []
+    return out
+
+
+def _cuda_uuid(index: int) -> str | None:
+    import torch
+
+    uuid = getattr(torch.cuda.get_device_properties(index), "uuid", None)
+    return str(uuid) if uuid else None
+
+
+def open_meter(device: str, index: int = 0) -> WindowMeter:
+    """The meter of a run on ``device`` (on "cuda", the GPU of torch's ``index`` through NVML where
+    nvidia-ml-py and the driver answer, else the host alone); with ``VITREG_ENERGY_TRACE`` set, every
+    reading and window also goes to that file."""
+    source: ReadingSource = HostSource()
+    if device == "cuda":
+        try:
+            source = NvmlSource(_cuda_uuid(index), index)
+        except Exception as e:  # noqa: BLE001 - no pynvml, no driver library, an unknown UUID: no GPU readings
+            source.name = f"host load only (NVML: {type(e).__name__}: {e})"
+    path = os.environ.get(TRACE_ENV)
+    return WindowMeter(source, SAMPLE_S if isinstance(source, NvmlSource) else None,
+                       open(path, "a") if path else None)
+
+
+@dataclass(frozen=True)
+class TaskMarks:
+    """A task's window marks, as figures (metric-table names) and tags (without the task prefix)."""
+
+    marks: tuple = field(default_factory=tuple)
+    rates: tuple = ()  # the windows' img/s, for the spread
+
+    @property
+    def spread(self) -> float | None:
+        """The windows' throughput CV (std / mean), as the metric table's ``throughput_cv``."""
+        if len(self.rates) < 2 or not statistics.fmean(self.rates):
+            return None
+        return statistics.pstdev(self.rates) / statistics.fmean(self.rates)
+
+    def spread_note(self) -> str | None:
+        """A line when the spread misses :data:`PRECISION_TARGET`, naming what the windows met (None: it does not)."""
+        if self.spread is None or self.spread <= PRECISION_TARGET:
+            return None
+        tags = self.tags()
+        met = [f"busy host: {tags['host_load_beside_run']} CPUs beside the run"] if tags.get("busy_host") == "true" else []
+        met += [f"{tags['gpu_other_processes']} other GPU process(es)"] if tags.get("gpu_other_processes", "0") != "0" else []
+        met += [f"throttled: {tags['throttle']}"] if tags.get("throttle", "none") != "none" else []
+        return (f"window-to-window spread {self.spread:.1%} misses the {PRECISION_TARGET:.0%} precision target"
+                + (f" ({'; '.join(met)})" if met else ""))
+
+    def figures(self) -> dict:
+        """``window_power_w`` (every window's, or none when one has no energy), ``sm_clock_mhz`` (median of
+        the samples) and ``power_capped_frac`` (share of the samples) where the device gave them."""
+        out = {}
+        powers = [m.power_w for m in self.marks]
+        if self.marks and None not in powers:
+            out["window_power_w"] = tuple(powers)
+        clocks = [c for m in self.marks for c in m.sm_mhz]
+        capped = [c for m in self.marks for c in m.power_capped]
+        if clocks:
+            out["sm_clock_mhz"] = statistics.median(clocks)
+        if capped:
+            out["power_capped_frac"] = sum(capped) / len(capped)
+        return out
+
+    def tags(self) -> dict[str, str]:
+        """``throttle`` (reasons seen, or none), ``throttled_windows`` (k/n), ``energy_source``, the most other
+        GPU processes, the host's load beside the run and ``busy_host``; nothing the device could not read."""
+        if not self.marks:
+            return {}
+        tags = {}
+        if self.spread is not None:
+            tags["spread_over_target"] = str(self.spread > PRECISION_TARGET).lower()
+        if any(m.power_capped or m.sm_mhz for m in self.marks):  # a GPU answered
+            reasons = sorted(frozenset().union(*(m.reasons for m in self.marks)))
+            tags["throttle"] = ",".join(reasons) or "none"
+            tags["throttled_windows"] = f"{sum(m.throttled for m in self.marks)}/{len(self.marks)}"
+        sources = {m.energy_source for m in self.marks if m.energy_source}
+        if sources:
+            tags["energy_source"] = ("NVML energy counter at window edges" if sources == {"counter"}
+                                     else f"NVML power sampled every {SAMPLE_S * 1e3:.0f} ms")
+        procs = [m.other_procs for m in self.marks if m.other_procs is not None]
+        if procs:
+            tags["gpu_other_processes"] = str(max(procs))
+        loads = [m.host_others_cpus for m in self.marks if m.host_others_cpus is not None]
+        if loads:
+            tags["host_load_beside_run"] = f"{statistics.median(loads):.2f}"
+            cpus = next((m.host_cpus for m in self.marks if m.host_cpus), None) or os.cpu_count() or 1
+            tags["busy_host"] = str(busy(statistics.median(loads), cpus)).lower()
+        return tags
+
+    def short_windows(self) -> bool:
+        """Windows too short for an energy figure on a device that reads energy or power."""
+        return any(m.seconds < MIN_ENERGY_WINDOW_S for m in self.marks) and any(m.sm_mhz for m in self.marks)
+
+
+def busy(others_cpus: float, cpus: int) -> bool:
+    """Whether other processes' load beside a run makes the host busy (:data:`BUSY_CPUS`, :data:`BUSY_SHARE`)."""
+    return others_cpus >= max(BUSY_CPUS, BUSY_SHARE * cpus)
+
+
+def steps_for_energy(window_s: float, steps: int) -> int:
+    """The ``steps`` that make a window of ``window_s`` seconds at ``steps`` iterations last
+    :data:`MIN_ENERGY_WINDOW_S` (a quarter more, for the window-to-window scatter)."""
+    return max(steps + 1, int(steps * MIN_ENERGY_WINDOW_S * 1.25 / max(window_s, 1e-9)) + 1)
