@@ -23,7 +23,6 @@ import psutil
 import pytest
 
 NODES = {"gpu-h100": "h100", "gpu-a100": "a100"}  # node name -> the GPU type it offers
-NODE_MARK = "VITREG_TEST_SLURM_NODE"
 START_TIMEOUT_S = 60.0
 
 
@@ -66,21 +65,22 @@ class Cluster:
 
     def start_node(self, node: str) -> None:
         log = open(self.root / f"slurmd.{node}.log", "ab")
-        # NODE_MARK: the slurmstepds this slurmd starts inherit it, so kill_node finds the node's processes
         self.daemons[node] = subprocess.Popen(["slurmd", "-D", "-N", node, "-f", self.env["SLURM_CONF"]],
-                                              env={**os.environ, **self.env, NODE_MARK: node}, stdout=log,
-                                              stderr=log)
+                                              env={**os.environ, **self.env}, stdout=log, stderr=log)
 
     def kill_node(self, node: str) -> None:
-        """The node dies: its slurmd, its slurmstepds and every process of its jobs, killed outright (SIGKILL)."""
-        proc = self.daemons.pop(node)
-        proc.kill()
-        proc.wait()
-        for other in _node_processes(node):
-            try:
-                other.kill()
-            except psutil.NoSuchProcess:
-                pass
+        """The node dies: its slurmd, its slurmstepds and every process of its jobs, all frozen first (SIGSTOP) so
+        that none of them tells slurmctld anything, then killed (SIGKILL), as a power cut would."""
+        job_ids = set(self.run("squeue", "-h", "-w", node, "-o", "%i").split())
+        slurmd = self.daemons.pop(node)
+        procs = [psutil.Process(slurmd.pid), *_node_processes(node, job_ids)]
+        for sig in (signal.SIGSTOP, signal.SIGKILL):
+            for proc in procs:
+                try:
+                    proc.send_signal(sig)
+                except psutil.NoSuchProcess:
+                    pass
+        slurmd.wait()
 
     def resume_node(self, node: str) -> None:
         """After :meth:`kill_node`: the slurmd back and the node back in service (IDLE) for the next test."""
@@ -116,16 +116,19 @@ class Cluster:
         return "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-3000:]}" for p in self.root.glob("*.log"))
 
 
-def _node_processes(node: str) -> list:
-    """The slurmstepds of ``node`` (they carry its slurmd's mark) and its jobs' processes (SLURMD_NODENAME)."""
+def _node_processes(node: str, job_ids: set[str]) -> list:
+    """The slurmstepds of ``node``'s jobs (``slurmstepd: [JOB.STEP]``: their environment is overwritten by
+    their process title) and its jobs' processes (``SLURMD_NODENAME``)."""
     found = []
     for proc in psutil.process_iter():
         try:
-            env = proc.environ()
+            title = " ".join(proc.cmdline())
+            if title.startswith("slurmstepd") and any(f"[{job}." in title for job in job_ids):
+                found.append(proc)
+            elif proc.environ().get("SLURMD_NODENAME") == node:
+                found.append(proc)
         except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
             continue
-        if env.get(NODE_MARK) == node or env.get("SLURMD_NODENAME") == node:
-            found.append(proc)
     return found
 
 
