@@ -184,7 +184,7 @@ JobCompType=jobcomp/none
 JobAcctGatherType=jobacct_gather/none
 TaskProlog={root}/task_prolog.sh
 {nodes}
-PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
+PartitionName=gpu Nodes=ALL Default=YES MaxTime=INFINITE State=UP
 """
 
 

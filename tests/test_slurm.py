@@ -22,7 +22,7 @@ NODE_OF = {"h100": "gpu-h100", "a100": "gpu-a100"}
 
 
 def _start(cluster, uri: str, tmp_path, *args) -> subprocess.Popen:
-    return subprocess.Popen([*SWEEP, "--slurm-folder", str(tmp_path / "shared"), *args, "--experiment", "fleet"],
+    return subprocess.Popen([*SWEEP, *args, "--slurm-folder", str(tmp_path / "shared"), "--experiment", "fleet"],
                             cwd=tmp_path, env=subprocess_env(uri, **cluster.env), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
 
@@ -44,10 +44,20 @@ def uri(slurm_cluster, tmp_path):
     assert _queue_is_empty(slurm_cluster), slurm_cluster.queue()
 
 
+def _readme_sweep() -> list[str]:
+    """The README's engine=slurm sweep, its options as printed."""
+    from test_readme import bash_blocks
+
+    (words,) = [w for block in bash_blocks() for w in block if w[:2] == ["vitreg", "sweep"] and "slurm" in w]
+    return words[2:]
+
+
 def test_two_gpu_types_by_two_batch_sizes_give_four_children_each_on_a_node_of_its_type(slurm_cluster, uri,
                                                                                          tmp_path):
-    sweep = _start(slurm_cluster, uri, tmp_path, "--gpu", "h100,a100", *CHILD[2:], "--models", "test_vit",
-                   "--batch-size", "1,2", *SHORT)
+    """The README's command (its partition, time limit, task, experiment), with the stand-in types, a tiny
+    model on the CPU and this test's folder given after it (the last value of an option is the one taken)."""
+    sweep = _start(slurm_cluster, uri, tmp_path, *_readme_sweep(), "--gpu", "h100,a100", *CHILD[2:], "--models",
+                   "test_vit", "--batch-size", "1,2", *SHORT)
     try:
         _, err = sweep.communicate(timeout=600)
     finally:
