@@ -1,10 +1,11 @@
 """A real SLURM cluster on 127.0.0.1 for the slow tier: munged, slurmctld and two slurmd nodes, each node
 standing for one GPU type (``gpu-h100``: gres ``gpu:h100:1`` and feature ``h100``; ``gpu-a100`` likewise).
 
-Debian's slurm 22.05 runs two ``slurmd -N NAME`` on one host (each node its own ``Port=``, spool and PID file);
-the GPUs are gres entries whose device file is ``/dev/null`` (a ``Count`` without a file gives no GPU), so a child asking for ``gpu:h100:1`` is placed
-on the h100 node and holds its one "GPU" (one child at a time per node). Every daemon runs in the foreground
-as a child of the test process, listens on 127.0.0.1 only (``NoInAddrAny``) and is stopped by its PID.
+Debian's slurm 22.05 runs two ``slurmd -N NAME`` on one host (each node its own ``Port=``, spool and PID
+file). The GPUs are gres entries whose device file is ``/dev/null`` (a ``Count`` without a file gives no GPU),
+so a child asking for ``gpu:h100:1`` is placed on the h100 node and holds its one "GPU" (one child at a time
+per node). Every daemon runs in the foreground as a child of the test process, listens on 127.0.0.1 only
+(``NoInAddrAny,NoCtldInAddrAny``: without them slurmctld listens on every address) and is stopped by its PID.
 The scheduler runs every second (``sched_interval=1``) and a silent node is DOWN after 5 s (``SlurmdTimeout``).
 """
 
@@ -156,7 +157,7 @@ SlurmdUser=root
 AuthType=auth/munge
 CredType=cred/munge
 AuthInfo=socket={root}/munge.socket
-CommunicationParameters=NoInAddrAny
+CommunicationParameters=NoInAddrAny,NoCtldInAddrAny
 StateSaveLocation={root}/ctld
 SlurmdSpoolDir={root}/spool/%n
 SlurmctldPidFile={root}/slurmctld.pid
