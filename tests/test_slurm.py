@@ -173,3 +173,20 @@ def test_children_without_a_route_to_the_server_spool_and_the_parent_syncs_each_
     assert not pending(tmp_path / "shared"), "a spool was left behind: a later `vitreg sync` would send it again"
     parent = {c.data.tags["mlflow.parentRunId"] for c in children.values()}
     assert len(parent) == 1 and client.get_run(parent.pop()).data.params["n_combinations"] == "2"
+
+
+def test_a_job_the_cluster_cancels_ends_its_child_failed_with_slurms_word(slurm_cluster, uri, tmp_path):
+    client = MlflowClient(uri)
+    sweep = _start(slurm_cluster, uri, tmp_path, "--gpu", "a100", *CHILD[2:], "--models", "test_vit", *LONG)
+    try:
+        child = _wait(lambda: [c for c in _children(client) if c.info.status == "RUNNING"
+                               and _bench_processes({c.info.run_id})], 300, "a running child")[0]
+        (job_id,) = slurm_cluster.run("squeue", "-h", "-o", "%i").split()
+        slurm_cluster.run("scancel", job_id)  # an administrator, or the cluster's own policy
+        _, err = sweep.communicate(timeout=180)
+    finally:
+        _end(sweep)
+    run = client.get_run(child.info.run_id)
+    assert run.info.status == "FAILED", err[-3000:]
+    assert run.data.tags["vitreg_error"].startswith(f"slurm: job {job_id} CANCELLED"), run.data.tags["vitreg_error"]
+    assert sweep.returncode == 2 and "all 1 sweep runs failed" in err, err[-2000:]

@@ -200,16 +200,18 @@ class Follower:
             self._retry_smaller(child)
 
     def _outcome(self, child: _Child, now: _JobState) -> tuple[int, str, bool]:
-        """(exit status, reason or stderr tail, spooled) from the job's result file, else from SLURM's word."""
+        """(exit status, reason or stderr tail, spooled): the child's own from the job's result file when SLURM
+        let the job complete; else SLURM's state and reason (or the job's own python error, when it raised)."""
         result = Path(child.job.paths.result_pickle)
-        if result.exists() and now.state == "COMPLETED":
-            outcome, value = self.engine.submitit.core.utils.pickle_load(result)
-            if outcome == "success":
-                return value
-            return -1, f"the job's python failed: {str(value).strip().splitlines()[-1][:300]}", False
+        outcome, value = self.engine.submitit.core.utils.pickle_load(result) if result.exists() else (None, None)
+        if outcome == "success" and now.state == "COMPLETED":
+            return value
+        spooled = value[2] if outcome == "success" else self._has_spool(child)
+        if outcome == "error":  # run_child itself raised: vitreg or its python is missing on the node
+            return -1, f"the job's python failed: {str(value).strip().splitlines()[-1][:300]}", spooled
         where = f" on {now.node or child.node}" if (now.node or child.node) else ""
         why = f" ({now.reason})" if now.reason and now.reason != "None" else ""
-        return -1, f"slurm: job {child.job.job_id} {now.state}{why}{where}", self._has_spool(child)
+        return -1, f"slurm: job {child.job.job_id} {now.state}{why}{where}", spooled
 
     def _has_spool(self, child: _Child) -> bool:
         return (self.spools_dir / child.run_id).is_dir()
