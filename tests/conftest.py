@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+pytest_plugins = ["_slurm_cluster"]  # the session's SLURM cluster (slurm_cluster), for tests/test_slurm.py
+
 REPO = Path(__file__).resolve().parent.parent
 
 # The suite runs two workers on this project's 2-core machines, and most tests start torch processes.

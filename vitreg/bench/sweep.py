@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 import os
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from vitreg.config.options import option
 from vitreg.console import progress
@@ -35,6 +35,7 @@ class SweepSettings:
     max_parallel: int
     max_combinations: int
     experiment: str | None
+    own: dict = field(default_factory=dict, compare=False)  # all of them, as given (engine=slurm reads its own)
 
     @classmethod
     def parse(cls, own: dict) -> "SweepSettings":
@@ -42,7 +43,7 @@ class SweepSettings:
             return option("sweep", name).parse(own.get(name, option("sweep", name).default))
 
         return cls(value("engine"), str(value("ray_address") or "auto"), value("max_parallel"),
-                   value("max_combinations"), own.get("experiment"))
+                   value("max_combinations"), own.get("experiment"), dict(own))
 
 
 def run_sweep(own: dict, common: dict | None = None, max_oom_retries: int = 3, progress=progress) -> dict:
@@ -79,6 +80,10 @@ def run_sweep(own: dict, common: dict | None = None, max_oom_retries: int = 3, p
 
 
 def _engine(settings: SweepSettings, common: dict, progress):
+    if settings.engine == "slurm":
+        from vitreg.fleet.slurm_engine import SlurmEngine
+
+        return SlurmEngine(settings.own, settings.max_parallel, progress)
     if settings.engine == "ray":
         from vitreg.fleet.ray_engine import RayEngine
 

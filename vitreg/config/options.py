@@ -130,6 +130,7 @@ _DDP = ("bench", "train")  # the commands that run one job on several processes 
 _RUNS = ("bench", "infer", "sweep", "train")  # the commands that log benchmark or training runs
 _TIMED = ("bench", "infer", "sweep")  # the commands that time windows of iterations
 _CHECKS = "a check option: it reads runs and measures nothing"
+_WHERE = "where the children run, not what each measures"
 
 OPTIONS: tuple[Option, ...] = (
     Option("model_uri", "str", None, "models:/NAME@ALIAS, models:/NAME/VERSION or runs:/RUN_ID/checkpoints/last.",
@@ -150,16 +151,36 @@ OPTIONS: tuple[Option, ...] = (
                "also `--axis NAME=V1,V2`, repeatable. Every combination is checked against the option table before "
                "any child starts",
            same_work="a sweep list: each child run takes one of its values as its own option"),
-    Option("engine", "choice", "local", "local (this host: one child per GPU at once) or ray (a Ray cluster).",
-           ("sweep",), choices=("local", "ray"), spec_field=False,
+    Option("engine", "choice", "local", "local (this host: one child per GPU at once), ray (a Ray cluster) or slurm "
+           "(a SLURM cluster, through submitit).",
+           ("sweep",), choices=("local", "ray", "slurm"), spec_field=False,
            doc="`local`: children on this host, one per GPU at once (one at a time on CPU); `ray`: each child a Ray "
-               "task on the cluster at `ray_address`, asking for `nproc` GPUs of the GPU type it is filed under",
+               "task on the cluster at `ray_address`, asking for `nproc` GPUs of the GPU type it is filed under; "
+               "`slurm`: each child a SLURM job (submitit) asking for its GPU type by gres or constraint",
            same_work="where the children run, not what each measures"),
     Option("ray_address", "str", "auto", "engine=ray: auto (the running cluster), ray://HOST:PORT, HOST:PORT, or "
            "local (start one here).", ("sweep",), spec_field=False,
            doc="`engine=ray`: `auto` (the cluster this host belongs to), `ray://HOST:PORT` (Ray Client), "
                "`HOST:PORT` (the head's GCS) or `local` (start a one-node cluster here for the sweep)",
            same_work="where the children run, not what each measures"),
+    Option("slurm_partition", "str", "", "engine=slurm: the partition (empty: the cluster's default).", ("sweep",),
+           spec_field=False, same_work=_WHERE),
+    Option("slurm_account", "str", "", "engine=slurm: the account the jobs are charged to (empty: yours).",
+           ("sweep",), spec_field=False, same_work=_WHERE),
+    Option("slurm_qos", "str", "", "engine=slurm: the quality of service (empty: the default).", ("sweep",),
+           spec_field=False, same_work=_WHERE),
+    Option("slurm_time_min", "int", 60, "engine=slurm: each job's time limit in minutes.", ("sweep",), minimum=1,
+           spec_field=False, same_work="a bound on each job's wall time; the work measured is the same"),
+    Option("slurm_sbatch", "str", "", "engine=slurm: more sbatch options, NAME=VALUE;NAME (e.g. mem=16G;exclusive).",
+           ("sweep",), spec_field=False, same_work=_WHERE),
+    Option("slurm_gpu_by", "choice", "gres", "engine=slurm: ask for the GPU type by gres (gpu:TYPE:N) or constraint "
+           "(a node feature).", ("sweep",), choices=("gres", "constraint"), spec_field=False, same_work=_WHERE),
+    Option("slurm_folder", "str", "~/vitreg-slurm", "engine=slurm: a folder every node and this host share (job "
+           "files, spools of children without the server).", ("sweep",), spec_field=False, same_work=_WHERE),
+    Option("offline", "choice", "auto", "engine=slurm: auto (a child that cannot reach the tracking server spools to "
+           "slurm_folder; the parent delivers it), true (always), false (never).", ("sweep",),
+           choices=("auto", "true", "false"), spec_field=False,
+           same_work="where a child's run is logged first, not what it measures"),
     Option("max_parallel", "int", 64, "children at once, at most (local: also one per nproc GPUs, one on CPU; "
            "ray: tasks in flight).", ("sweep",), minimum=1, spec_field=False,
            same_work="how many children run at once; each child's work is the same"),

@@ -100,6 +100,11 @@ def label_of_ray_type(accelerator_type: str) -> str:
     return lowered if lowered in labels or not labels else labels[0]
 
 
+# SLURM's GPU types (gres type or node feature) of our labels where they are not the label itself: sites name
+# them in gres.conf; these are the common spellings (a sweep's SLURM job for gpu=LABEL asks for gpu:TYPE:N).
+SLURM_GPU_TYPES = {"a100-80gb": "a100_80gb", "h100-pcie": "h100_pcie"}
+
+
 # Labels people type that mean one of ours.
 ALIASES = {"a100-40gb": "a100", "h100-sxm": "h100", "4090": "rtx4090", "v100-32gb": "v100", "v100-16gb": "v100"}
 

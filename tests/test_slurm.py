@@ -1,0 +1,192 @@
+"""``engine=slurm`` against a real SLURM cluster on this host (tests/_slurm_cluster.py: munged, slurmctld and two
+slurmd nodes, ``gpu-h100`` and ``gpu-a100``, each offering one stand-in GPU of its type as gres and feature).
+Children are real ``vitreg bench`` processes of tiny timm models on the CPU, filed under the stand-in GPU labels
+(allow_gpu_mismatch), submitted through submitit. Every test ends what it started; none leaves a job queued."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+from mlflow.tracking import MlflowClient
+
+from conftest import free_port, migrated_store, premigrated, subprocess_env
+from test_fleet import CHILD, LONG, SHORT, _bench_processes, _children, _end, _wait
+
+pytestmark = pytest.mark.slow
+SWEEP = [sys.executable, "-m", "vitreg.cli", "sweep", "--engine", "slurm"]
+NODE_OF = {"h100": "gpu-h100", "a100": "gpu-a100"}
+
+
+def _start(cluster, uri: str, tmp_path, *args) -> subprocess.Popen:
+    return subprocess.Popen([*SWEEP, *args, "--slurm-folder", str(tmp_path / "shared"), "--experiment", "fleet"],
+                            cwd=tmp_path, env=subprocess_env(uri, **cluster.env), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def _job(cluster, job_id: str) -> dict:
+    """What slurmctld says of a job: its state, node, gres asked for (TRES per node) and constraint."""
+    line = cluster.run("squeue", "-h", "-t", "all", "-j", job_id, "-o", "%T|%N|%b|%f").strip()
+    return dict(zip(("state", "node", "gres", "constraint"), line.split("|")))
+
+
+def _queue_is_empty(cluster) -> bool:
+    return not cluster.run("squeue", "-h", "-t", "pending,running,completing,configuring,suspended").strip()
+
+
+@pytest.fixture
+def uri(slurm_cluster, tmp_path):
+    slurm_cluster.cut_off(None)
+    yield migrated_store(tmp_path)
+    assert _queue_is_empty(slurm_cluster), slurm_cluster.queue()
+
+
+def _readme_sweep() -> list[str]:
+    """The README's engine=slurm sweep, its options as printed."""
+    from test_readme import bash_blocks
+
+    (words,) = [w for block in bash_blocks() for w in block if w[:2] == ["vitreg", "sweep"] and "slurm" in w]
+    return words[2:]
+
+
+def test_two_gpu_types_by_two_batch_sizes_give_four_children_each_on_a_node_of_its_type(slurm_cluster, uri,
+                                                                                         tmp_path):
+    """The README's command (its partition, time limit, task, experiment), with the stand-in types, a tiny
+    model on the CPU and this test's folder given after it (the last value of an option is the one taken)."""
+    sweep = _start(slurm_cluster, uri, tmp_path, *_readme_sweep(), "--gpu", "h100,a100", *CHILD[2:], "--models",
+                   "test_vit", "--batch-size", "1,2", *SHORT)
+    try:
+        _, err = sweep.communicate(timeout=600)
+    finally:
+        _end(sweep)
+    assert sweep.returncode == 0, err[-3000:]
+    assert "sweep: a100 2 done, 0 running, 0 queued, 0 failed | h100 2 done" in err, err[-2000:]
+    children = _children(MlflowClient(uri))
+    assert len(children) == 4 and {c.info.status for c in children} == {"FINISHED"}, err[-3000:]
+    assert len({c.data.tags["mlflow.parentRunId"] for c in children}) == 1
+    for child in children:
+        gpu = child.data.tags["sweep_label"].rsplit("-", 1)[1]
+        job = _job(slurm_cluster, child.data.tags["slurm_job_id"])
+        assert job["gres"] == f"gres:gpu:{gpu}:1" and job["node"] == NODE_OF[gpu], (gpu, job)
+        assert child.data.tags["slurm_node"] == NODE_OF[gpu] and child.data.tags["slurm_spooled"] == "False"
+
+
+def test_an_unknown_gpu_type_is_refused_in_one_line_naming_the_types_the_cluster_has(slurm_cluster, uri, tmp_path):
+    sweep = _start(slurm_cluster, uri, tmp_path, "--gpu", "v100,h100", *CHILD, *SHORT)
+    try:
+        _, err = sweep.communicate(timeout=120)
+    finally:
+        _end(sweep)
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert sweep.returncode == 2 and len(errors) == 1, err[-2000:]
+    assert "gpu=v100: no node of the SLURM cluster has GPU gres type v100 (it has: a100, h100)" in errors[0]
+    assert not _children(MlflowClient(uri))
+
+
+def test_sigterm_on_the_parent_cancels_every_job_and_ends_every_child_killed(slurm_cluster, uri, tmp_path):
+    """Asked by constraint (node features) this time: two children run, two wait in the queue."""
+    client = MlflowClient(uri)
+    sweep = _start(slurm_cluster, uri, tmp_path, "--slurm-gpu-by", "constraint", "--gpu", "h100,a100", *CHILD[2:],
+                   "--models", "test_vit", "--batch-size", "1,2", *LONG)
+    try:
+        running = _wait(lambda: [c for c in _children(client) if c.info.status == "RUNNING"
+                                 and _bench_processes({c.info.run_id})], 300, "a running child")
+        job = _job(slurm_cluster, slurm_cluster.run("squeue", "-h", "-o", "%i").split()[0])
+        assert job["constraint"] in ("h100", "a100") and job["gres"] in ("", "N/A"), job
+        sweep.send_signal(signal.SIGTERM)
+        _, err = sweep.communicate(timeout=180)
+    finally:
+        _end(sweep)
+    assert sweep.returncode == 128 + signal.SIGTERM, err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
+    runs = client.search_runs([client.get_experiment_by_name("fleet").experiment_id])
+    assert len(runs) == 5 and {r.info.status for r in runs} == {"KILLED"}, {r.info.run_name: r.info.status
+                                                                           for r in runs}
+    assert "stopped by SIGTERM" in client.get_run(running[0].info.run_id).data.tags["vitreg_error"]
+    assert _queue_is_empty(slurm_cluster), slurm_cluster.queue()
+    assert not _bench_processes({r.info.run_id for r in runs}), "a child outlived its sweep"
+
+
+def test_a_node_killed_mid_sweep_fails_its_children_with_slurms_reason_and_the_rest_finish(slurm_cluster, uri,
+                                                                                           tmp_path):
+    client = MlflowClient(uri)
+    sweep = _start(slurm_cluster, uri, tmp_path, "--gpu", "h100,a100", *CHILD[2:], "--models", "test_vit",
+                   "--batch-size", "1,2", "--repeats", "40")
+    try:
+        _wait(lambda: [c for c in _children(client) if c.info.status == "RUNNING" and c.data.tags.get(
+            "slurm_gpu_type") == "h100" and _bench_processes({c.info.run_id})], 300, "a running h100 child")
+        slurm_cluster.kill_node("gpu-h100")
+        _, err = sweep.communicate(timeout=600)
+    finally:
+        _end(sweep)
+        slurm_cluster.resume_node("gpu-h100")
+    children = {c.info.run_id: c for c in _children(client)}
+    by_type = {gpu: [c for c in children.values() if c.data.tags["slurm_gpu_type"] == gpu] for gpu in NODE_OF}
+    assert [c.info.status for c in by_type["a100"]] == ["FINISHED"] * 2, err[-3000:]
+    assert [c.info.status for c in by_type["h100"]] == ["FAILED"] * 2, err[-3000:]
+    reasons = sorted(c.data.tags["vitreg_error"] for c in by_type["h100"])
+    assert any("NODE_FAIL" in r and "gpu-h100" in r for r in reasons), reasons
+    assert all("NODE_FAIL" in r or "no node of the SLURM cluster in service has GPU type h100" in r
+               for r in reasons), reasons
+    assert sweep.returncode == 0 and "a100 2 done" in err and "h100 0 done, 0 running, 0 queued, 2 failed" in err
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    from vitreg.deploy import server as servers
+    from vitreg.deploy.server import ServerConfig
+
+    cfg = ServerConfig(port=free_port(), data_dir=premigrated(tmp_path_factory.mktemp("slurm-server")))
+    proc = servers.start(cfg, timeout=120, quiet=True)
+    try:
+        yield cfg.url
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=30)
+
+
+def test_children_without_a_route_to_the_server_spool_and_the_parent_syncs_each_once(slurm_cluster, server,
+                                                                                    tmp_path):
+    from vitreg.tracking.delivery import pending
+
+    slurm_cluster.cut_off("gpu-a100")
+    try:
+        sweep = _start(slurm_cluster, server, tmp_path, "--gpu", "h100,a100", *CHILD[2:], "--models", "test_vit",
+                       *SHORT)
+        try:
+            _, err = sweep.communicate(timeout=600)
+        finally:
+            _end(sweep)
+    finally:
+        slurm_cluster.cut_off(None)
+    assert sweep.returncode == 0, err[-3000:]
+    client = MlflowClient(server)
+    children = {c.data.tags["slurm_gpu_type"]: c for c in _children(client)}
+    assert {gpu: c.info.status for gpu, c in children.items()} == {"h100": "FINISHED", "a100": "FINISHED"}
+    assert children["a100"].data.tags["slurm_spooled"] == "True" and children["h100"].data.tags[
+        "slurm_spooled"] == "False"
+    assert err.count(f"-> run {children['a100'].info.run_id}") == 1, err[-3000:]
+    assert children["a100"].data.metrics["infer_throughput_img_per_s"] > 0
+    assert not pending(tmp_path / "shared"), "a spool was left behind: a later `vitreg sync` would send it again"
+    parent = {c.data.tags["mlflow.parentRunId"] for c in children.values()}
+    assert len(parent) == 1 and client.get_run(parent.pop()).data.params["n_combinations"] == "2"
+
+
+def test_a_job_the_cluster_cancels_ends_its_child_failed_with_slurms_word(slurm_cluster, uri, tmp_path):
+    client = MlflowClient(uri)
+    sweep = _start(slurm_cluster, uri, tmp_path, "--gpu", "a100", *CHILD[2:], "--models", "test_vit", *LONG)
+    try:
+        child = _wait(lambda: [c for c in _children(client) if c.info.status == "RUNNING"
+                               and _bench_processes({c.info.run_id})], 300, "a running child")[0]
+        (job_id,) = slurm_cluster.run("squeue", "-h", "-o", "%i").split()
+        slurm_cluster.run("scancel", job_id)  # an administrator, or the cluster's own policy
+        _, err = sweep.communicate(timeout=180)
+    finally:
+        _end(sweep)
+    run = client.get_run(child.info.run_id)
+    assert run.info.status == "FAILED", err[-3000:]
+    assert run.data.tags["vitreg_error"].startswith(f"slurm: job {job_id} CANCELLED"), run.data.tags["vitreg_error"]
+    assert sweep.returncode == 2 and "all 1 sweep runs failed" in err, err[-2000:]

@@ -1,0 +1,74 @@
+"""engine=slurm without a cluster: what a child's job asks SLURM for, read from the sweep's options, and sinfo's
+gres text (fast tier); and every engine's children import vitreg from anywhere (slow: two processes)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from vitreg.errors import VitregError
+from vitreg.fleet import children
+from vitreg.fleet.axes import Combination
+from vitreg.fleet.slurm_engine import SlurmEngine, SlurmOptions, _gres_gpus, slurm_type
+
+
+def _engine(**own) -> SlurmEngine:
+    engine = SlurmEngine.__new__(SlurmEngine)  # no cluster to ask: only the options
+    engine.options = SlurmOptions.parse(own)
+    return engine
+
+
+def _combo(**options) -> Combination:
+    return Combination(tuple(options.items()), "test")
+
+
+def test_sinfo_gres_text_gives_gpu_counts_per_type():
+    assert _gres_gpus("gpu:h100:2(S:0-1),gpu:a100:1,shard:4") == {"h100": 2, "a100": 1}
+    assert _gres_gpus("gpu:4") == {"": 4}
+    assert _gres_gpus("(null)") == {}
+
+
+def test_a_gpu_child_asks_for_nproc_gpus_of_its_type_and_one_task_for_torchrun():
+    params = _engine(slurm_partition="gpu", slurm_account="lab", slurm_qos="short", slurm_time_min="30",
+                     slurm_sbatch="mem=16G;exclusive").job_parameters(_combo(gpu="a100-80gb", nproc=4), {}, "x")
+    assert params["gres"] == "gpu:a100_80gb:4" and "constraint" not in params
+    assert (params["ntasks_per_node"], params["cpus_per_task"], params["nodes"]) == (1, 4, 1)
+    assert (params["partition"], params["account"], params["qos"], params["time"]) == ("gpu", "lab", "short", 30)
+    assert params["additional_parameters"] == {"mem": "16G", "exclusive": True}
+
+
+def test_by_constraint_the_type_is_a_feature_and_the_gpus_an_untyped_count():
+    params = _engine(slurm_gpu_by="constraint").job_parameters(_combo(gpu="v100", nproc=2), {}, "x")
+    assert params["constraint"] == "v100" and params["gpus_per_node"] == 2 and "gres" not in params
+
+
+def test_a_cpu_child_holds_one_gpu_of_its_type_so_it_runs_on_that_node_alone():
+    engine = _engine()
+    assert engine.job_parameters(_combo(gpu="h100"), {"device": "cpu"}, "x")["gres"] == "gpu:h100:1"
+    assert "gres" not in engine.job_parameters(_combo(), {"device": "cpu"}, "x")
+    assert slurm_type("auto") is None and slurm_type("4090") == "rtx4090"
+
+
+def test_a_bad_slurm_option_is_one_line():
+    with pytest.raises(VitregError, match="slurm_gpu_by"):
+        _engine(slurm_gpu_by="label")
+    with pytest.raises(VitregError, match="slurm_time_min"):
+        _engine(slurm_time_min="0")
+
+
+@pytest.mark.slow
+def test_children_import_vitreg_from_anywhere_even_beside_a_folder_called_vitreg(tmp_path):
+    """Issue 29: from the folder holding the clone, `python -m vitreg.cli` imported the clone's folder as
+    `vitreg` (the working directory comes first on the import path) and every child failed."""
+    shadow = tmp_path / "vitreg"
+    (shadow / "tracking").mkdir(parents=True)
+    (shadow / "__init__.py").write_text("raise ImportError('the folder beside the clone, not the package')\n")
+    command = children.child_command(_combo(model="test_vit"), 2, {})
+    done = subprocess.run([*command[:4], "--help"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "--models" in done.stdout or "--model" in done.stdout
+    shadowed = subprocess.run([sys.executable, "-m", "vitreg.cli", "bench", "--help"], cwd=tmp_path,
+                              capture_output=True, text=True, timeout=120)
+    assert shadowed.returncode != 0 and "the folder beside the clone" in shadowed.stderr

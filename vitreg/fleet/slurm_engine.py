@@ -1,0 +1,204 @@
+"""``engine=slurm``: each child of a sweep a SLURM job, submitted through submitit, asking for its GPU type.
+
+A child filed under a GPU label asks SLURM for that type: ``--gres=gpu:TYPE:N`` (``slurm_gpu_by=gres``, N =
+``nproc``, one on CPU so the node's GPU is held) or ``--constraint=TYPE`` (``slurm_gpu_by=constraint``, node
+features), TYPE from :data:`vitreg.hardware.profiles.SLURM_GPU_TYPES`. Each job is one task (torchrun starts
+the ``nproc`` ranks itself) with ``nproc`` CPUs. The job runs :func:`vitreg.fleet.slurm_jobs.run_child` on its
+node: ``vitreg bench`` logging into the child run the parent made; a node that cannot reach the tracking server (``offline=auto``,
+the default) logs to a spool in the shared ``slurm_folder`` instead, and the parent delivers it once the job
+ended (:func:`vitreg.tracking.sync.sync`, exactly once: a delivered spool is removed).
+
+The parent follows its jobs with ``squeue`` once a second (SLURM's accounting, ``sacct``, is often off):
+a job the cluster cancelled or whose node failed ends its child FAILED with SLURM's state and reason; a
+pending job whose GPU type no node in service has any more is cancelled and FAILED. SIGINT/SIGTERM to the
+parent cancels every job (``scancel``: the running child gets SIGTERM and ends its run KILLED) and ends every
+child run KILLED; the parent waits until none of its jobs is left in the queue.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from vitreg.config.options import option
+from vitreg.errors import VitregError
+from vitreg.fleet.slurm_jobs import Follower, slurm
+from vitreg.hardware.profiles import SLURM_GPU_TYPES, normalize_label
+
+_OUT_OF_SERVICE = ("down", "drain", "fail", "maint", "unknown", "not_responding", "inval", "future")
+
+
+def _submitit():
+    try:
+        import submitit
+    except ImportError:
+        raise VitregError("engine=slurm needs submitit: pip install 'vitreg[slurm]' (or pip install submitit)") from None
+    return submitit
+
+
+@dataclass(frozen=True)
+class Node:
+    """One node as ``sinfo -N`` shows it: its state, the GPU types of its gres, its features."""
+
+    name: str
+    state: str
+    gpus: dict  # gres type -> count ("" for untyped GPUs)
+    features: frozenset
+
+    @property
+    def in_service(self) -> bool:
+        return not any(word in self.state.lower() for word in _OUT_OF_SERVICE)
+
+
+def _gres_gpus(gres: str) -> dict:
+    """``gpu:h100:2(S:0),gpu:a100:1`` -> {"h100": 2, "a100": 1}; ``gpu:4`` -> {"": 4}."""
+    found: dict = {}
+    for item in gres.split(","):
+        parts = item.split("(")[0].split(":")
+        if parts[0] != "gpu":
+            continue
+        kind, count = (parts[1], parts[2]) if len(parts) > 2 else ("", parts[1] if len(parts) > 1 else "1")
+        found[kind] = found.get(kind, 0) + int(count) if count.isdigit() else found.get(kind, 0) + 1
+    return found
+
+
+def cluster_nodes(partition: str = "") -> list[Node]:
+    """The partition's nodes (every node when none is named)."""
+    args = ["sinfo", "-h", "-N", "-o", "%N|%T|%G|%f"] + (["-p", partition] if partition else [])
+    nodes = {}
+    for line in slurm(*args).splitlines():
+        name, state, gres, features = (line.split("|") + ["", "", ""])[:4]
+        feature_set = frozenset(f for f in features.split(",") if f and f != "(null)")
+        nodes[name] = Node(name, state, _gres_gpus(gres), feature_set)
+    return list(nodes.values())
+
+
+@dataclass(frozen=True)
+class SlurmOptions:
+    """The sweep's ``slurm_*`` and ``offline`` options, parsed."""
+
+    partition: str
+    account: str
+    qos: str
+    time_min: int
+    sbatch: dict
+    gpu_by: str
+    folder: Path
+    offline: str
+
+    @classmethod
+    def parse(cls, own: dict) -> "SlurmOptions":
+        def value(name):
+            return option("sweep", name).parse(own.get(name, option("sweep", name).default))
+
+        return cls(str(value("slurm_partition") or ""), str(value("slurm_account") or ""),
+                   str(value("slurm_qos") or ""), value("slurm_time_min"), _sbatch_options(value("slurm_sbatch")),
+                   value("slurm_gpu_by"), Path(str(value("slurm_folder"))).expanduser().absolute(),
+                   value("offline"))
+
+
+def _sbatch_options(text) -> dict:
+    """``mem=16G;exclude=node3;exclusive`` -> {"mem": "16G", "exclude": "node3", "exclusive": True}."""
+    found = {}
+    for item in str(text or "").split(";"):
+        name, has_value, value = item.strip().partition("=")
+        if name:
+            found[name.strip().lstrip("-").replace("-", "_")] = value.strip() if has_value else True
+    return found
+
+
+class SlurmEngine:
+    """The sweep's children as SLURM jobs; :meth:`run` submits them and follows them to their end."""
+
+    def __init__(self, own: dict, max_parallel: int, progress):
+        self.options = SlurmOptions.parse(own)
+        self.submitit = _submitit()
+        self.max_parallel = max_parallel
+        self.progress = progress
+        nodes = cluster_nodes(self.options.partition)
+        if not nodes:
+            raise VitregError(f"the SLURM partition {self.options.partition or '(default)'} has no node: pass "
+                              f"slurm_partition= one that `sinfo` lists")
+        self.slots = max(1, min(max_parallel, len(nodes)))
+        part = f"partition {self.options.partition}" if self.options.partition else "its default partition"
+        self.where = f"SLURM ({len(nodes)} node{'s' if len(nodes) > 1 else ''}, {part})"
+
+    def offered_types(self, in_service_only: bool = False) -> list[str]:
+        """The GPU types the cluster's nodes offer, as SLURM names them (gres types, or node features)."""
+        nodes = [n for n in cluster_nodes(self.options.partition) if n.in_service or not in_service_only]
+        if self.options.gpu_by == "gres":
+            return sorted({kind for n in nodes for kind in n.gpus if kind})
+        return sorted({f for n in nodes for f in n.features})
+
+    def expand_gpus(self, axes: dict) -> None:
+        """``gpu=all``: one child per GPU type of the cluster; named labels must be types a node has."""
+        from vitreg.fleet.axes import GPU_ALL
+
+        types = self.offered_types()
+        how = "gres type" if self.options.gpu_by == "gres" else "feature"
+        if axes.get("gpu") and GPU_ALL in axes["gpu"]:
+            if not types:
+                raise VitregError(f"gpu=all: no node of the SLURM cluster has a GPU {how}: pass gpu=auto, or "
+                                  f"slurm_gpu_by={'constraint' if how == 'gres type' else 'gres'}")
+            axes["gpu"] = [label_of_slurm_type(t) for t in types]
+        for label in axes.get("gpu", []):
+            wanted = slurm_type(label)
+            if wanted and wanted not in types:
+                raise VitregError(f"gpu={label}: no node of the SLURM cluster has GPU {how} {wanted} (it has: "
+                                  f"{', '.join(types) or 'none'}): pass gpu=all or the labels of the types it has")
+
+    def check(self, combos: list, common: dict) -> None:
+        """Every child's GPUs fit on one node of its type (a job that can never start is refused now)."""
+        nodes = cluster_nodes(self.options.partition)
+        for combo in combos:
+            need, wanted = self._request(combo, common)
+            counts = [n.gpus.get(wanted, 0) if self.options.gpu_by == "gres" and wanted else sum(n.gpus.values())
+                      for n in nodes if not wanted or self.options.gpu_by == "gres" or wanted in n.features]
+            if need and max(counts, default=0) < need:
+                most = max(counts, default=0)
+                fix = f"pass nproc={most} or less" if most else "pass device=cpu, or a partition with GPUs"
+                raise VitregError(f"{combo.label} asks for {need} GPUs{f' of type {wanted}' if wanted else ''} and "
+                                  f"no node of the SLURM cluster has them (the most a node has: {most}): {fix}")
+
+    def _request(self, combo, common: dict) -> tuple[int, str | None]:
+        """(GPUs, SLURM GPU type) a child's job asks for; a CPU child of a type holds one GPU of it."""
+        device = str(combo.get("device", common.get("device") or "auto"))
+        nproc = int(combo.get("nproc", common.get("nproc") or 1))
+        wanted = slurm_type(str(combo.get("gpu", common.get("gpu") or "auto")))
+        if device == "cpu":
+            return (1 if wanted and self.options.gpu_by == "gres" else 0), wanted
+        return nproc, wanted
+
+    def job_parameters(self, combo, common: dict, name: str) -> dict:
+        """submitit's SlurmExecutor parameters of one child's job."""
+        need, wanted = self._request(combo, common)
+        nproc = int(combo.get("nproc", common.get("nproc") or 1))
+        opts = self.options
+        params = {"job_name": name[:100], "time": opts.time_min, "nodes": 1, "ntasks_per_node": 1,
+                  "cpus_per_task": nproc, "partition": opts.partition or None, "account": opts.account or None,
+                  "qos": opts.qos or None, "stderr_to_stdout": False, "additional_parameters": dict(opts.sbatch)}
+        if need and opts.gpu_by == "gres":
+            params["gres"] = f"gpu:{wanted}:{need}" if wanted else f"gpu:{need}"
+        elif need:
+            params["gpus_per_node"] = need
+        if wanted and opts.gpu_by == "constraint":
+            params["constraint"] = wanted
+        return {k: v for k, v in params.items() if v is not None}
+
+    def run(self, ctx, combos: list) -> None:
+        Follower(self, ctx, combos).run()
+
+    def close(self) -> None:
+        pass
+
+
+def slurm_type(label: str) -> str | None:
+    """The SLURM GPU type a child filed under ``label`` asks for; None for auto and cpu."""
+    label = normalize_label(label)
+    if label in ("auto", "cpu"):
+        return None
+    return SLURM_GPU_TYPES.get(label, label)
+
+
+def label_of_slurm_type(kind: str) -> str:
+    return {slurm: label for label, slurm in SLURM_GPU_TYPES.items()}.get(kind, normalize_label(kind))

@@ -1,0 +1,278 @@
+"""The SLURM side of ``engine=slurm``: :func:`run_child`, the job's function on its node, and :class:`Follower`,
+the parent's loop that submits the jobs (submitit) and follows them (``squeue``) to their end."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from vitreg import signals
+from vitreg.errors import VitregError
+from vitreg.fleet import children
+from vitreg.fleet.board import Clock
+from vitreg.signals import interrupted_reason
+from vitreg.tracking import runs as tracking
+
+COMMAND_TIMEOUT_S = 30.0
+POLL_S = 1.0  # squeue once a second: the parent's whole load on slurmctld
+STOP_GRACE_S = 60.0  # after scancel, how long the parent waits for its jobs to leave the queue
+FORGOTTEN_S = 60.0  # a job squeue has not shown for this long, with no result file, ended unseen
+ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "BOOT_FAIL", "DEADLINE",
+         "OUT_OF_MEMORY", "SPECIAL_EXIT", "REVOKED"}
+
+
+def slurm(*args: str) -> str:
+    """A SLURM command's stdout; one line naming the command and its complaint when it fails."""
+    try:
+        done = subprocess.run(args, capture_output=True, text=True, timeout=COMMAND_TIMEOUT_S)
+    except FileNotFoundError:
+        raise VitregError(f"engine=slurm runs `{args[0]}` and it is not on PATH: run the sweep on a host of the "
+                          f"SLURM cluster (a login node)") from None
+    except subprocess.TimeoutExpired:
+        raise VitregError(f"`{' '.join(args)}` did not answer in {COMMAND_TIMEOUT_S:.0f} s: is slurmctld up "
+                          f"(`scontrol ping`)?") from None
+    if done.returncode:
+        complaint = (done.stderr.strip().splitlines() or [f"exit status {done.returncode}"])[-1]
+        raise VitregError(f"`{' '.join(args[:2])}` failed: {complaint}")
+    return done.stdout
+
+
+# ------------------------------------------------------------------ on the node
+
+
+def run_child(argv: list[str], env: dict, spool_dir: str, offline: str) -> tuple[int, str, bool]:
+    """In the job, on its node: ``python argv...`` logging into the child run (``env``); (exit status, stderr
+    tail, whether it spooled). ``offline=auto``: a node that cannot reach the tracking server spools to
+    ``spool_dir`` (in the shared folder) and the parent delivers it; ``true``: always spool."""
+    from vitreg.fleet.local import relay, stop
+
+    os.environ.update(env)
+    spooled = offline == "true" or (offline == "auto" and not _reaches_server())
+    if spooled:
+        os.environ.update(VITREG_OFFLINE="1", VITREG_SPOOL_DIR=spool_dir)
+    proc = subprocess.Popen([sys.executable, *argv], env=dict(os.environ), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        returncode, tail = relay(proc, lambda line: None)
+    except BaseException:  # scancel's SIGTERM reached this process first: the child ends its run KILLED
+        stop(proc)
+        raise
+    return returncode, tail, spooled
+
+
+def _reaches_server() -> bool:
+    try:
+        tracking.check_server()
+    except VitregError:
+        return False
+    return True
+
+
+# ------------------------------------------------------------------ on the submitting host
+
+
+@dataclass
+class _Child:
+    """One attempt at one combination: its place in the sweep, its run and its SLURM job once made."""
+
+    index: int
+    combo: object
+    attempt: int
+    requested: object
+    run_id: str = ""
+    job: object = None
+    clock: Clock | None = None
+    started: bool = False
+    node: str = ""
+    unseen_polls: int = 0  # polls in a row that squeue did not show the job
+
+    @property
+    def key(self) -> str:
+        return str(self.combo.get("gpu") or "any")
+
+
+@dataclass
+class _JobState:
+    state: str
+    reason: str
+    node: str
+
+
+class Follower:
+    """Submits a sweep's jobs (at most ``max_parallel`` in the queue) and ends each child run with its outcome."""
+
+    def __init__(self, engine, ctx, combos: list):
+        self.engine, self.ctx = engine, ctx
+        self.queue = [_Child(index, combo, 0, combo.batch_size) for index, combo in enumerate(combos, 1)]
+        self.pending: dict[str, _Child] = {}  # SLURM job id -> child
+        folder = engine.options.folder / f"sweep-{ctx.parent.run_id}"
+        self.jobs_dir, self.spools_dir = folder / "jobs", folder / "spool"
+        self.executor = engine.submitit.SlurmExecutor(folder=str(self.jobs_dir / "%j"), max_num_timeout=0)
+        self._last_types_check = 0.0
+
+    def run(self) -> None:
+        for child in self.queue:
+            self.ctx.board.queued(child.key)
+        try:
+            while self.queue or self.pending:
+                self._submit()
+                time.sleep(POLL_S)
+                self._follow(self._states())
+        except KeyboardInterrupt as exc:
+            stop = _as_received(exc)
+            self._cancel_all(interrupted_reason(stop))
+            raise stop from None
+
+    def _submit(self) -> None:
+        while self.queue and len(self.pending) < self.engine.max_parallel:
+            child = self.queue.pop(0)
+            need, wanted = self.engine._request(child.combo, self.ctx.common)
+            tags = {"sweep_engine": "slurm", "requested_batch_size": child.requested, "slurm_gpu_type": wanted}
+            child.run_id = self.ctx.child_run(child.combo, child.index, child.attempt,
+                                              {k: v for k, v in tags.items() if v is not None})
+            tracking.set_child_status(child.run_id, "SCHEDULED")
+            argv = children.child_command(child.combo, child.combo.batch_size, self.ctx.common)[1:]
+            env = {**tracking.remote_child_env(child.run_id, self.ctx.parent.experiment_id),
+                   "MLFLOW_EXPERIMENT_NAME": self.ctx.parent.experiment_name}
+            self.executor.update_parameters(**self.engine.job_parameters(child.combo, self.ctx.common,
+                                                                         f"vitreg-{child.combo.label}"))
+            child.job = self.executor.submit(run_child, argv, env, str(self.spools_dir / child.run_id),
+                                             self.engine.options.offline)
+            child.clock = Clock()
+            self.pending[child.job.job_id] = child
+
+    def _states(self) -> dict[str, _JobState]:
+        """Every pending job's state as squeue shows it (ended jobs too, while slurmctld remembers them)."""
+        if not self.pending:
+            return {}
+        try:
+            out = slurm("squeue", "-h", "-t", "all", "-j", ",".join(self.pending), "-o", "%i|%T|%r|%N")
+        except VitregError:  # every job id forgotten (squeue refuses the list), or slurmctld busy: next poll
+            return {}
+        states = {}
+        for line in out.splitlines():
+            job_id, state, reason, node = (line.split("|") + ["", "", ""])[:4]
+            states[job_id.strip()] = _JobState(state.strip(), reason.strip(), node.strip())
+        return states
+
+    def _follow(self, states: dict[str, _JobState]) -> None:
+        for job_id, child in list(self.pending.items()):
+            now = states.get(job_id)
+            if now is None and not Path(child.job.paths.result_pickle).exists():
+                child.unseen_polls += 1  # just submitted, or slurmctld forgot it (MinJobAge) without a result
+                if child.unseen_polls * POLL_S >= FORGOTTEN_S:
+                    self._settle(self.pending.pop(job_id), _JobState("UNKNOWN", "slurmctld no longer knows the "
+                                                                     "job and it left no result", child.node))
+                continue
+            child.unseen_polls = 0
+            if now is not None and now.state == "RUNNING" and not child.started:
+                child.started, child.node = True, now.node
+                tracking.set_child_status(child.run_id, "RUNNING")
+                self.ctx.board.started(child.key)
+            if now is None or now.state in ENDED:
+                self._settle(self.pending.pop(job_id), now or _JobState("COMPLETED", "", child.node))
+        self._cancel_unplaceable(states)
+
+    def _settle(self, child: _Child, now: _JobState) -> None:
+        """A job ended: deliver its spool (once), end its run with the outcome, retry an out-of-memory child."""
+        returncode, tail, spooled = self._outcome(child, now)
+        if spooled:
+            self._deliver(child)
+        tags = {"slurm_job_id": child.job.job_id, "slurm_state": now.state, "slurm_node": now.node or child.node,
+                "slurm_spooled": spooled}  # true: the node could not reach the server; the parent delivered it
+        if now.state != "COMPLETED":  # the cluster ended it (cancelled, node failure, time limit): FAILED
+            tags[tracking.ERROR_TAG] = tail
+        reason = tracking.finish_child_run(child.run_id, returncode, tail, stopped=False, tags=tags)
+        if now.state != "COMPLETED":  # whatever the child made of the SIGTERM it got (KILLED), SLURM ended it
+            tracking.set_child_status(child.run_id, "FAILED")
+            reason = tail
+        ok = returncode == 0 and now.state == "COMPLETED"
+        self.ctx.record(child.run_id, ok)
+        self.ctx.board.ended(child.key, ok, child.clock.seconds() if ok else None,
+                             was="running" if child.started else "queued")
+        if not ok:
+            self.ctx.progress(f"sweep {child.index}/{self.ctx.total} {child.combo.label}: FAILED: {reason}")
+            self._retry_smaller(child)
+
+    def _outcome(self, child: _Child, now: _JobState) -> tuple[int, str, bool]:
+        """(exit status, reason or stderr tail, spooled): the child's own from the job's result file when SLURM
+        let the job complete; else SLURM's state and reason (or the job's own python error, when it raised)."""
+        result = Path(child.job.paths.result_pickle)
+        outcome, value = self.engine.submitit.core.utils.pickle_load(result) if result.exists() else (None, None)
+        if outcome == "success" and now.state == "COMPLETED":
+            return value
+        spooled = value[2] if outcome == "success" else self._has_spool(child)
+        if outcome == "error":  # run_child itself raised: vitreg or its python is missing on the node
+            return -1, f"the job's python failed: {str(value).strip().splitlines()[-1][:300]}", spooled
+        where = f" on {now.node or child.node}" if (now.node or child.node) else ""
+        why = f" ({now.reason})" if now.reason and now.reason != "None" else ""
+        return -1, f"slurm: job {child.job.job_id} {now.state}{why}{where}", spooled
+
+    def _has_spool(self, child: _Child) -> bool:
+        return (self.spools_dir / child.run_id).is_dir()
+
+    def _deliver(self, child: _Child) -> None:
+        """The child's spool from the shared folder to the tracking store, once; then the folder goes."""
+        from vitreg.tracking.delivery import sync
+
+        folder = self.spools_dir / child.run_id
+        if folder.is_dir():
+            for synced in sync(folder):
+                self.ctx.progress(f"sweep {child.index}/{self.ctx.total}: {synced.describe()}")
+            shutil.rmtree(folder, ignore_errors=True)
+
+    def _retry_smaller(self, child: _Child) -> None:
+        retries_left = child.attempt < self.ctx.max_oom_retries
+        smaller = children.smaller_batch(child.combo.batch_size, child.run_id) if retries_left else 0
+        if smaller >= 1:
+            self.ctx.progress(f"out of memory at batch {child.combo.batch_size}: retrying with batch {smaller}")
+            self.queue.append(_Child(child.index, child.combo.with_batch(smaller), child.attempt + 1, child.requested))
+            self.ctx.board.requeued(child.key)
+
+    def _cancel_unplaceable(self, states: dict[str, _JobState]) -> None:
+        """A pending job whose GPU type no node in service has any more (its node died) never starts: cancel it
+        (it then ends FAILED with that reason, through :meth:`_follow`)."""
+        waiting = [c for j, c in self.pending.items() if states.get(j) and states[j].state == "PENDING"]
+        if not waiting or time.monotonic() - self._last_types_check < 5 * POLL_S:
+            return
+        self._last_types_check = time.monotonic()
+        types = set(self.engine.offered_types(in_service_only=True))
+        for child in waiting:
+            _, wanted = self.engine._request(child.combo, self.ctx.common)
+            if wanted and wanted not in types:
+                self.pending.pop(child.job.job_id)
+                slurm("scancel", child.job.job_id)
+                reason = f"no node of the SLURM cluster in service has GPU type {wanted} (its nodes are down)"
+                tracking.finish_child_run(child.run_id, -1, reason, tags={tracking.ERROR_TAG: reason})
+                self.ctx.record(child.run_id, False)
+                self.ctx.board.ended(child.key, False, was="queued")
+                self.ctx.progress(f"sweep {child.index}/{self.ctx.total} {child.combo.label}: FAILED: {reason}")
+
+    def _cancel_all(self, reason: str) -> None:
+        """SIGINT/SIGTERM: scancel every job (a running child gets SIGTERM and ends its run KILLED), wait until
+        none is left in the queue, deliver what spooled, then end every child run still open KILLED."""
+        ids = list(self.pending)
+        if ids:
+            subprocess.run(["scancel", *ids], capture_output=True, timeout=COMMAND_TIMEOUT_S)
+        deadline = time.monotonic() + STOP_GRACE_S
+        while ids and time.monotonic() < deadline:
+            left = [j for j, s in self._states().items() if s.state not in ENDED]
+            if not left:
+                break
+            time.sleep(POLL_S)
+        for child in self.pending.values():
+            if self._has_spool(child):
+                self._deliver(child)
+            tracking.finish_child_run(child.run_id, -15, f"its sweep was {reason}", stopped=True)
+
+
+def _as_received(exc: KeyboardInterrupt) -> KeyboardInterrupt:
+    """The signal that came is what the runs and the exit status say."""
+    if not isinstance(exc, signals.Terminated) and signals._received:
+        return signals.Terminated(signals._received[0])
+    return exc
