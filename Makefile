@@ -41,8 +41,10 @@ bench: $(STAMP)
 	echo "mlflow run . -e bench --env-manager local$$defaults $(ARGS)"; \
 	PATH="$(abspath $(VENV))/bin:$$PATH" mlflow run . -e bench --env-manager local $$defaults $(ARGS)
 
-# Two workers (this project's machines have 2 cores); --dist loadfile keeps a module's servers in one worker.
-PYTEST_ARGS ?= -n 2 --dist loadfile
+# Two workers (this project's machines have 2 cores). --dist loadgroup: tests/_sessions.py groups each test with
+# its module (a module's servers stay in one worker) or with the session fixture it shares (the Ray cluster, the
+# README run: one per test run) and lists the groups longest first; --no-loadscope-reorder keeps that order.
+PYTEST_ARGS ?= -n 2 --dist loadgroup --no-loadscope-reorder
 
 test: $(STAMP)
 	$(PY) -m pytest -q $(PYTEST_ARGS)
