@@ -127,19 +127,26 @@ def ray_cluster():
     127.0.0.1; one per test run, for tests/test_fleet.py. Stopped after the last test that uses it (an idle
     cluster's half-dozen processes still take CPU) or at the end of the run, whichever comes
     first, by the PIDs of its nodes' processes and their children, whatever the tests did to it."""
+    import ray._private.ray_constants as ray_constants
     from ray.cluster_utils import Cluster
 
     small = {"num_cpus": 1, "object_store_memory": 80 * 2**20, "node_ip_address": "127.0.0.1"}
-    _Running.cluster = cluster = Cluster()  # its reaper process ends the nodes if this worker is killed
-    try:  # the first node added is the head
-        head = cluster.add_node(**small, include_dashboard=False, resources={"accelerator_type:H100": 1})
-        _Running.processes += _node_processes(head)
-        worker = cluster.add_node(**small, resources={"accelerator_type:A100": 1})
-        _Running.processes += _node_processes(worker)
-        cluster.wait_for_nodes()
-        yield RayFleet(cluster, cluster.address, {"h100": head.node_id, "a100": worker.node_id}, worker)
-    finally:
-        _stop_cluster()
+    with pytest.MonkeyPatch.context() as mp:
+        # Ray's switch for a cluster of one host (its default on macOS): every Ray process takes 127.0.0.1 as its
+        # node's address, the nodes and every driver that joins them (a sweep, a test), this process included;
+        # a driver that took the host's own address would wait forever for a node of that address
+        mp.setenv(ray_constants.ENABLE_RAY_CLUSTERS_ENV_VAR, "0")
+        mp.setattr(ray_constants, "ENABLE_RAY_CLUSTER", False)
+        _Running.cluster = cluster = Cluster()  # its reaper process ends the nodes if this worker is killed
+        try:  # the first node added is the head
+            head = cluster.add_node(**small, include_dashboard=False, resources={"accelerator_type:H100": 1})
+            _Running.processes += _node_processes(head)
+            worker = cluster.add_node(**small, resources={"accelerator_type:A100": 1})
+            _Running.processes += _node_processes(worker)
+            cluster.wait_for_nodes()
+            yield RayFleet(cluster, cluster.address, {"h100": head.node_id, "a100": worker.node_id}, worker)
+        finally:
+            _stop_cluster()
 
 
 @pytest.hookimpl(trylast=True)
