@@ -41,8 +41,10 @@ bench: $(STAMP)
 	echo "mlflow run . -e bench --env-manager local$$defaults $(ARGS)"; \
 	PATH="$(abspath $(VENV))/bin:$$PATH" mlflow run . -e bench --env-manager local $$defaults $(ARGS)
 
-# Two workers (this project's machines have 2 cores); --dist loadfile keeps a module's servers in one worker.
-PYTEST_ARGS ?= -n 2 --dist loadfile
+# Two workers (this project's machines have 2 cores); --dist loadfile keeps a module's servers (and the Ray
+# cluster and README run of tests/_sessions.py, one per test run) in one worker; --no-loadscope-reorder hands the
+# files out in the order tests/_sessions.py sets, longest first, so no worker ends alone on a long file.
+PYTEST_ARGS ?= -n 2 --dist loadfile --no-loadscope-reorder
 
 test: $(STAMP)
 	$(PY) -m pytest -q $(PYTEST_ARGS)

@@ -1,4 +1,5 @@
 """Shared test fixtures: a real sqlite MLflow store per test, and the repo's paths."""
+pytest_plugins = ["_sessions"]  # what a test run starts once and shares, and the workers' groups
 
 import ast
 import atexit

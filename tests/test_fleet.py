@@ -1,8 +1,9 @@
-"""Sweeps over a fleet, for real: a `vitreg sweep` process stopped by SIGTERM on this host, and sweeps over a
-real two-node Ray cluster on this machine (ray.cluster_utils.Cluster: a head and a second node, each with a
-custom ``accelerator_type:`` resource standing in for a GPU type: Ray's accelerator_type request is exactly such
-a resource) logging to a real ``mlflow server``. Children are real ``vitreg bench`` processes of tiny timm
-models on the CPU, filed under the stand-in GPU labels (allow_gpu_mismatch). Every test ends what it started."""
+"""Sweeps over a real two-node Ray cluster on this machine, one per test run (``ray_cluster`` of
+tests/_sessions.py: ray.cluster_utils.Cluster, a head and a second node, each with a custom ``accelerator_type:``
+resource standing in for a GPU type: Ray's accelerator_type request is exactly such a resource), logging to a
+real ``mlflow server``. Children are real ``vitreg bench`` processes of tiny timm models on the CPU, filed under
+the stand-in GPU labels (allow_gpu_mismatch). Every test ends what it started. (Sweeps of this host alone:
+tests/test_fleet_local.py, which uses the helpers below.)"""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ pytestmark = pytest.mark.slow
 SWEEP = [sys.executable, "-m", "vitreg.cli", "sweep"]
 CHILD = ["--models", "test_vit,test_vit2", "--device", "cpu", "--allow-gpu-mismatch", "true", "--task", "infer",
          "--img-size", "32", "--warmup", "1", "--steps", "2", "--batch-size", "2", "--amp", "off"]
-SHORT, LONG = ["--repeats", "2"], ["--repeats", "400"]  # LONG: a child still timing when the test acts
+SHORT, LONG = ["--repeats", "2"], ["--repeats", "100000"]  # LONG: still timing when the test acts, even on idle cores
 TYPES = {"h100": "H100", "a100": "A100"}  # the stand-in GPU types: head node, second node
 
 
@@ -32,8 +33,8 @@ def _start(uri: str, cwd, *args) -> subprocess.Popen:
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-def _children(client: MlflowClient) -> list:
-    exp = client.get_experiment_by_name("fleet")
+def _children(client: MlflowClient, experiment: str = "fleet") -> list:
+    exp = client.get_experiment_by_name(experiment)
     runs = [] if exp is None else client.search_runs([exp.experiment_id])
     return [r for r in runs if r.data.tags.get("mlflow.parentRunId")]
 
@@ -75,46 +76,6 @@ def _end(proc: subprocess.Popen) -> None:
         proc.wait()
 
 
-def test_sigterm_to_a_local_sweep_ends_its_child_killed_with_it(tmp_path):
-    """Issue 20: the running child was not stopped; it died later on a closed pipe, FAILED BrokenPipeError."""
-    uri = migrated_store(tmp_path)
-    client = MlflowClient(uri)
-    sweep = _start(uri, tmp_path, *CHILD, *LONG)
-    try:
-        child = _wait(lambda: _running_child(client), 240, "a running child")
-        sweep.send_signal(signal.SIGTERM)
-        _, err = sweep.communicate(timeout=120)
-    finally:
-        _end(sweep)
-    assert sweep.returncode == 128 + signal.SIGTERM, err[-2000:]
-    assert "Traceback" not in err and "BrokenPipe" not in err, err[-3000:]
-    runs = {r.info.run_id: r for r in client.search_runs([client.get_experiment_by_name("fleet").experiment_id])}
-    assert {r.info.status for r in runs.values()} == {"KILLED"}, {r.info.run_name: r.info.status for r in runs.values()}
-    assert "stopped by SIGTERM" in runs[child.info.run_id].data.tags["vitreg_error"]
-    assert not _bench_processes(set(runs)), "a child outlived its sweep"
-
-
-def test_a_local_sweep_runs_one_child_per_visible_gpu_at_once(tmp_path):
-    """The host pool on this CPU machine: told of two GPUs (CUDA_VISIBLE_DEVICES=0,1, as a 2-GPU host says), it
-    runs the two children at once, each given one index, each tagged with the two that shared the host."""
-    uri = migrated_store(tmp_path)
-    device_auto = [a for a in CHILD if a not in ("--device", "cpu")]  # device=auto: the GPUs the host shows
-    sweep = subprocess.Popen([*SWEEP, *device_auto, *SHORT, "--experiment", "fleet"], cwd=tmp_path,
-                             env=subprocess_env(uri, CUDA_VISIBLE_DEVICES="0,1"), stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True)
-    try:
-        _, err = sweep.communicate(timeout=400)
-    finally:
-        _end(sweep)
-    assert sweep.returncode == 0, err[-3000:]
-    assert "2 at once on this host (2 GPUs)" in err, err[-2000:]
-    children = _children(MlflowClient(uri))
-    assert len(children) == 2 and {c.info.status for c in children} == {"FINISHED"}
-    assert [c.data.tags["sweep_children_on_host"] for c in children] == ["2", "2"]
-    first, second = sorted(children, key=lambda c: c.info.start_time)
-    assert second.info.start_time < first.info.end_time, "the two children did not overlap"
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     from vitreg.deploy import server as servers
@@ -129,25 +90,8 @@ def server(tmp_path_factory):
         proc.wait(timeout=30)
 
 
-@pytest.fixture(scope="module")
-def cluster():
-    """A head (stand-in H100) and a second node (stand-in A100), one CPU each, small object stores."""
-    from ray.cluster_utils import Cluster
-
-    small = {"num_cpus": 1, "object_store_memory": 80 * 2**20}
-    fleet = Cluster()
-    try:  # the first node added is the head; a node that fails to start is ended by the shutdown below
-        fleet.add_node(**small, include_dashboard=False, resources={"accelerator_type:H100": 1})
-        worker = fleet.add_node(**small, resources={"accelerator_type:A100": 1})
-        fleet.wait_for_nodes()
-        yield fleet, {"h100": fleet.head_node.node_id, "a100": worker.node_id}, worker
-    finally:
-        fleet.shutdown()
-
-
-def test_gpu_all_places_each_child_on_a_node_of_its_type(server, cluster, tmp_path):
-    fleet, node_of, _ = cluster
-    sweep = _start(server, tmp_path, "--engine", "ray", "--ray-address", fleet.address, "--gpu", "all",
+def test_gpu_all_places_each_child_on_a_node_of_its_type(server, ray_cluster, tmp_path):
+    sweep = _start(server, tmp_path, "--engine", "ray", "--ray-address", ray_cluster.address, "--gpu", "all",
                    *CHILD, *SHORT)
     try:
         out, err = sweep.communicate(timeout=480)
@@ -160,12 +104,11 @@ def test_gpu_all_places_each_child_on_a_node_of_its_type(server, cluster, tmp_pa
     for child in children:
         gpu = child.data.params["gpu"]
         assert child.data.tags["sweep_label"].endswith(f"-{gpu}")
-        assert child.data.tags["ray_node_id"] == node_of[gpu], (child.info.run_name, gpu)
+        assert child.data.tags["ray_node_id"] == ray_cluster.node_of[gpu], (child.info.run_name, gpu)
 
 
-def test_a_local_store_is_refused_on_a_cluster_of_two_nodes(cluster, tmp_path):
-    fleet, _, _ = cluster
-    sweep = _start(migrated_store(tmp_path), tmp_path, "--engine", "ray", "--ray-address", fleet.address, *CHILD)
+def test_a_local_store_is_refused_on_a_cluster_of_two_nodes(ray_cluster, tmp_path):
+    sweep = _start(migrated_store(tmp_path), tmp_path, "--engine", "ray", "--ray-address", ray_cluster.address, *CHILD)
     _, err = sweep.communicate(timeout=120)
     assert sweep.returncode == 2
     (line,) = [x for x in err.splitlines() if x.startswith("error:")]
@@ -176,11 +119,11 @@ def test_a_local_store_is_refused_on_a_cluster_of_two_nodes(cluster, tmp_path):
     (["--axis", "nproc=1,2"], "asks for 1 GPUs and no node of the Ray cluster has them"),  # CPU nodes only
     (["--gpu", "h100,v100", "--device", "cpu"], "gpu=v100: no node of the Ray cluster has accelerator type V100"),
 ])
-def test_children_that_fit_no_node_are_refused_before_any_starts(server, cluster, tmp_path, args, needle):
-    fleet, _, _ = cluster
+def test_children_that_fit_no_node_are_refused_before_any_starts(server, ray_cluster, tmp_path, args, needle):
     client = MlflowClient(server)
     before = len(_children(client))
-    sweep = _start(server, tmp_path, "--engine", "ray", "--ray-address", fleet.address, "--models", "test_vit", *args)
+    sweep = _start(server, tmp_path, "--engine", "ray", "--ray-address", ray_cluster.address, "--models", "test_vit",
+                   *args)
     _, err = sweep.communicate(timeout=120)
     assert sweep.returncode == 2, err[-2000:]
     (line,) = [x for x in err.splitlines() if x.startswith("error:")]
@@ -188,23 +131,12 @@ def test_children_that_fit_no_node_are_refused_before_any_starts(server, cluster
     assert len(_children(client)) == before
 
 
-def test_gpu_all_on_a_cluster_without_gpus_is_refused(tmp_path):
-    """ray_address=local: a one-node cluster of this host, started for the sweep and shut down after it."""
-    sweep = _start(migrated_store(tmp_path), tmp_path, "--engine", "ray", "--ray-address", "local", "--gpu", "all",
-                   *CHILD)
-    _, err = sweep.communicate(timeout=180)
-    assert sweep.returncode == 2
-    (line,) = [x for x in err.splitlines() if x.startswith("error:")]
-    assert "gpu=all: the Ray cluster at local has no GPU node" in line
-
-
-def test_sigterm_to_a_ray_sweep_cancels_every_task_and_leaves_nothing_running(server, cluster, tmp_path):
+def test_sigterm_to_a_ray_sweep_cancels_every_task_and_leaves_nothing_running(server, ray_cluster, tmp_path):
     import ray
 
-    fleet, _, _ = cluster
     client = MlflowClient(server)
     before = {c.info.run_id for c in _children(client)}
-    sweep = _start(server, tmp_path, "--engine", "ray", "--ray-address", fleet.address, "--gpu", "all",
+    sweep = _start(server, tmp_path, "--engine", "ray", "--ray-address", ray_cluster.address, "--gpu", "all",
                    *CHILD, *LONG)
     try:
         _wait(lambda: _running_child(client), 240, "a running child")
@@ -216,7 +148,7 @@ def test_sigterm_to_a_ray_sweep_cancels_every_task_and_leaves_nothing_running(se
     mine = [c for c in _children(client) if c.info.run_id not in before]
     assert len(mine) == 4 and {c.info.status for c in mine} == {"KILLED"}, [c.info.status for c in mine]
     _wait(lambda: not _bench_processes({c.info.run_id for c in mine}), 30, "every child process to end")
-    ray.init(address=fleet.address, log_to_driver=False)
+    ray.init(address=ray_cluster.address, log_to_driver=False)
     try:  # every CPU free again: no task of the sweep is alive on any node
         _wait(lambda: ray.available_resources().get("CPU") == ray.cluster_resources().get("CPU"), 30,
               "the cluster's CPUs to be free")
@@ -224,33 +156,19 @@ def test_sigterm_to_a_ray_sweep_cancels_every_task_and_leaves_nothing_running(se
         ray.shutdown()
 
 
-def test_a_node_killed_mid_sweep_fails_its_children_and_the_sweep_goes_on(server, cluster, tmp_path):
-    """Last in this file: it takes the second node away."""
-    fleet, _, worker = cluster
-    client = MlflowClient(server)
-    before = {c.info.run_id for c in _children(client)}
-    sweep = _start(server, tmp_path, "--engine", "ray", "--ray-address", fleet.address, "--axis", "gpu=h100,a100",
-                   *CHILD, "--repeats", "40")
-    try:
-        _wait(lambda: _running_child(client, "a100"), 240, "a child running on the second node")
-        fleet.remove_node(worker, allow_graceful=False)
-        _, err = sweep.communicate(timeout=480)
-    finally:
-        _end(sweep)
-    assert sweep.returncode == 0 and "Traceback" not in err, err[-3000:]
-    mine = [c for c in _children(client) if c.info.run_id not in before]
-    by_gpu = {g: [c for c in mine if c.data.tags["sweep_label"].endswith(f"-{g}")] for g in TYPES}
-    assert {c.info.status for c in by_gpu["h100"]} == {"FINISHED"} and len(by_gpu["h100"]) == 2
-    assert len(by_gpu["a100"]) == 2 and {c.info.status for c in by_gpu["a100"]} <= {"FAILED", "KILLED"}
-    assert all(c.data.tags.get("vitreg_error") for c in by_gpu["a100"]), [c.data.tags for c in by_gpu["a100"]]
-
-
-def test_a_ray_child_out_of_memory_is_retried_with_a_smaller_batch(sqlite_store, monkeypatch, tmp_path):
+def test_a_ray_child_out_of_memory_is_retried_with_a_smaller_batch(sqlite_store, server, ray_cluster, monkeypatch,
+                                                                   tmp_path):
     """As engine=local does (tests/test_jobs.py): the child at batch 3 runs out of memory (a child that says so
-    the way bench does: its run FAILED with vitreg_error_kind=OutOfMemory) and is retried at 2, which fits."""
+    the way bench does: its run FAILED with vitreg_error_kind=OutOfMemory) and is retried at 2, which fits. The
+    sweep runs in this process, on the shared cluster, logging to its server (sqlite_store: this process's
+    MLflow state is reset after the test)."""
+    import mlflow
     from click.testing import CliRunner
 
     from vitreg.cli.main import main
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", server)
+    mlflow.set_tracking_uri(server)
 
     script = tmp_path / "fake_child.py"
     script.write_text(
@@ -269,12 +187,34 @@ def test_a_ray_child_out_of_memory_is_retried_with_a_smaller_batch(sqlite_store,
     real = child_commands.child_command
     monkeypatch.setattr(child_commands, "child_command", lambda combo, bs, common: [sys.executable, str(script),
                                                                            *real(combo, bs, common)[4:]])
-    result = CliRunner().invoke(main, ["sweep", "--engine", "ray", "--ray-address", "local", *CHILD[2:],
-                                       "--models", "test_vit", "--batch-size", "3", *SHORT, "--experiment", "fleet"])
+    result = CliRunner().invoke(main, ["sweep", "--engine", "ray", "--ray-address", ray_cluster.address,
+                                       *CHILD[2:], "--models", "test_vit", "--batch-size", "3", *SHORT,
+                                       "--experiment", "fleet-oom"])
     assert result.exit_code == 0, result.output[-3000:]
-    children = _children(MlflowClient(sqlite_store))
+    children = _children(MlflowClient(server), "fleet-oom")
     by_status = {c.info.status: c for c in children}
     assert len(children) == 2 and set(by_status) == {"FAILED", "FINISHED"}
     assert by_status["FAILED"].data.tags["vitreg_error_kind"] == "OutOfMemory"
     assert by_status["FINISHED"].data.params["batch_size"] == "2"
     assert by_status["FINISHED"].data.tags["requested_batch_size"] == "3"
+
+
+def test_a_node_killed_mid_sweep_fails_its_children_and_the_sweep_goes_on(server, ray_cluster, tmp_path):
+    """Last of the tests on the shared cluster (the last in this file; tests/_sessions.py keeps a group's tests in
+    their file's order): it takes the second node away."""
+    client = MlflowClient(server)
+    before = {c.info.run_id for c in _children(client)}
+    sweep = _start(server, tmp_path, "--engine", "ray", "--ray-address", ray_cluster.address, "--axis", "gpu=h100,a100",
+                   *CHILD, "--repeats", "40")
+    try:
+        _wait(lambda: _running_child(client, "a100"), 240, "a child running on the second node")
+        ray_cluster.cluster.remove_node(ray_cluster.worker, allow_graceful=False)
+        _, err = sweep.communicate(timeout=480)
+    finally:
+        _end(sweep)
+    assert sweep.returncode == 0 and "Traceback" not in err, err[-3000:]
+    mine = [c for c in _children(client) if c.info.run_id not in before]
+    by_gpu = {g: [c for c in mine if c.data.tags["sweep_label"].endswith(f"-{g}")] for g in TYPES}
+    assert {c.info.status for c in by_gpu["h100"]} == {"FINISHED"} and len(by_gpu["h100"]) == 2
+    assert len(by_gpu["a100"]) == 2 and {c.info.status for c in by_gpu["a100"]} <= {"FAILED", "KILLED"}
+    assert all(c.data.tags.get("vitreg_error") for c in by_gpu["a100"]), [c.data.tags for c in by_gpu["a100"]]

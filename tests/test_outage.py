@@ -49,16 +49,19 @@ def test_server_killed_mid_train_stays_down_and_nothing_is_lost(tmp_path):
     proc = server.start(cfg, timeout=90, quiet=True)
     try:
         client = MlflowClient(cfg.url)
+        started = time.monotonic()
         train = subprocess.Popen(TRAIN, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                  env=subprocess_env(cfg.url, VITREG_SPOOL_DIR=str(tmp_path / "spool"),
                                                     VITREG_FLUSH_TIMEOUT_S=str(FLUSH_TIMEOUT_S)))
         run_id, delivered_before = _first_points_on(client, train)
+        baseline_s = time.monotonic() - started  # the process's start-up and its first LOG_EVERY steps
         os.killpg(proc.pid, signal.SIGKILL)  # the server and its workers, no clean shutdown; it stays down
         proc.wait(timeout=10)
         killed = time.monotonic()
         assert train.poll() is None, "the training ended before the server died: make it longer"
         assert delivered_before < STEPS // LOG_EVERY
         out, err = train.communicate(timeout=300)
+        ended_at = time.time()
         ended_after = time.monotonic() - killed
 
         assert train.returncode == 0, err[-3000:]
@@ -67,8 +70,6 @@ def test_server_killed_mid_train_stays_down_and_nothing_is_lost(tmp_path):
         assert out.strip().splitlines()[-1] == (
             f"the run is kept in {spool.path}: deliver it with `vitreg sync --spool {spool.path}`")
         assert f"did not take it in {FLUSH_TIMEOUT_S} s" in err
-        # the rest of the training plus the flush timeout: MLflow's own retries held such a process 757 s
-        assert ended_after < 120, f"the process took {ended_after:.0f} s to end after the server died"
         kept = {r["artifact_path"] for r in spool.records() if r["kind"] == "artifact"}
         assert {f"checkpoints/step-{STEPS}", "checkpoints/last"} <= kept, "the final checkpoint waits in the spool"
 
@@ -78,8 +79,13 @@ def test_server_killed_mid_train_stays_down_and_nothing_is_lost(tmp_path):
         assert f"-> run {run_id} " in res.output
         run = client.get_run(run_id)
         assert run.info.status == "FINISHED"
-        steps = sorted(m.step for m in client.get_metric_history(run_id, "train_loss"))
+        points = client.get_metric_history(run_id, "train_loss")
+        steps = sorted(m.step for m in points)
         assert steps == list(range(LOG_EVERY, STEPS + 1, LOG_EVERY)), "every loss point, exactly once"
+        # after its last step the process ends within the flush timeout plus its own start-up time (the baseline
+        # measured above): MLflow's own retries held such a process 757 s
+        after_last_step_s = ended_at - max(m.timestamp for m in points) / 1000
+        assert after_last_step_s < FLUSH_TIMEOUT_S + baseline_s, (after_last_step_s, baseline_s, ended_after)
         folders = {a.path for a in client.list_artifacts(run_id, "checkpoints")}
         assert {"checkpoints/last", f"checkpoints/step-{CHECKPOINT_EVERY}"} <= folders, folders
         assert len(client.search_runs([run.info.experiment_id])) == 1

@@ -6,20 +6,15 @@ values (the train example once dropped register_as/alias)."""
 
 from __future__ import annotations
 
-import os
 import re
 import shlex
-import signal
+import shutil
 import subprocess
-import sys
-from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 
-from conftest import REPO, VENV_BIN
-
-README = (REPO / "README.md").read_text()
+from _sessions import README, RUNS, examples, runnable
+from conftest import REPO, subprocess_env
 
 
 def bash_blocks() -> list[list[list[str]]]:
@@ -61,38 +56,10 @@ def test_the_readme_s_vitreg_twins_pass_what_its_mlflow_run_commands_pass():
 
 
 # ---------------------------------------------------------------- every example runs as printed
+# The examples run once per test run (the session fixture ``readme_run`` of tests/_sessions.py), in a copy of the
+# repository; the tests below read that one run.
 
-NOT_RUN = re.compile(r"^<!-- not-run: (?P<why>.+\S) -->$")
-FENCE = re.compile(r"^```(?P<lang>[a-z]*)$")
-RUNS = ("bash", "python")
 MAX_NOT_RUN = 5  # a GPU, conda on an A100, a Ray cluster of GPU nodes, the set-up itself, root for CI's services
-
-
-@dataclass(frozen=True)
-class Example:
-    lang: str
-    code: str
-    line: int  # of its opening fence, 1-based
-    not_run: str | None  # why it is not run here
-
-    def argv(self) -> list[str]:
-        # bash -e: a failing command fails the example (no pipefail: `curl ... | head -c 300` closes early)
-        return ["bash", "-e", "-c", self.code] if self.lang == "bash" else [sys.executable, "-c", self.code]
-
-
-def examples(text: str = README) -> list[Example]:
-    """The README's fenced blocks, each with the not-run reason written on the line before it, if any."""
-    lines, found, i = text.splitlines(), [], 0
-    while i < len(lines):
-        fence = FENCE.match(lines[i])
-        if not fence:
-            i += 1
-            continue
-        end = next(j for j in range(i + 1, len(lines)) if lines[j] == "```")
-        mark = NOT_RUN.match(lines[i - 1]) if i else None
-        found.append(Example(fence["lang"], "\n".join(lines[i + 1:end]) + "\n", i + 1, mark and mark["why"]))
-        i = end + 1
-    return found
 
 
 def test_every_example_is_run_or_says_why_not():
@@ -101,7 +68,7 @@ def test_every_example_is_run_or_says_why_not():
     skipped = [b for b in blocks if b.not_run]
     assert all(b.lang in RUNS for b in skipped)  # a mark on a text block would hide nothing
     assert len(skipped) <= MAX_NOT_RUN, [(b.line, b.not_run) for b in skipped]
-    assert len([b for b in blocks if b.lang in RUNS and not b.not_run]) >= 8  # the user's path is run
+    assert len(runnable()) >= 8  # the user's path is run
 
 
 def test_the_parser_sees_marks_and_fences_as_written():
@@ -111,50 +78,79 @@ def test_the_parser_sees_marks_and_fences_as_written():
     assert (py.lang, py.code, py.not_run) == ("python", "print(1)\n", None)
 
 
-def repository_copy(dst: Path) -> Path:
-    """The repository's files as a fresh clone holds them (tracked and new, not ignored), in ``dst``."""
-    listed = subprocess.run(["git", "-C", str(REPO), "ls-files", "-co", "--exclude-standard", "-z"],
-                            capture_output=True, text=True, check=True).stdout.split("\0")
-    for name in filter(None, listed):
-        source = REPO / name
-        if source.is_file():
-            (dst / name).parent.mkdir(parents=True, exist_ok=True)
-            (dst / name).write_bytes(source.read_bytes())
-    return dst
-
-
-def user_env(clone: Path) -> dict:
-    """A user's shell after `. .venv/bin/activate` in the clone: the venv first on PATH, MLflow's defaults
-    (no tracking URI: ./mlflow.db), the clone's vitreg."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_", "VIRTUAL_ENV", "PYTHONPATH"))}
-    return {**env, "PATH": f"{VENV_BIN}{os.pathsep}{env.get('PATH', '')}", "PYTHONPATH": str(clone),
-            "PYTHONUNBUFFERED": "1"}
-
-
-def run_example(example: Example, clone: Path, env: dict) -> subprocess.CompletedProcess:
-    """One example, in its own process group: what it leaves running (a server started with `&`) is ended."""
-    proc = subprocess.Popen(example.argv(), cwd=clone, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=600)
-    finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        proc.wait()
-    return subprocess.CompletedProcess(example.argv(), proc.returncode, out)
+@pytest.mark.slow
+def test_every_readme_example_runs_as_printed(readme_run):
+    for example, done in readme_run.ran:
+        assert done.returncode == 0, f"README line {example.line}:\n{example.code}\n{done.stdout[-4000:]}"
+    assert [example for example, _ in readme_run.ran] == runnable()  # every one, in the README's order
 
 
 @pytest.mark.slow
-def test_every_readme_example_runs_as_printed(tmp_path):
-    clone = repository_copy(tmp_path / "vitreg")
-    env = user_env(clone)
-    ran = []
-    for example in [e for e in examples() if e.lang in RUNS and not e.not_run]:
-        done = run_example(example, clone, env)
-        assert done.returncode == 0, f"README line {example.line}:\n{example.code}\n{done.stdout[-4000:]}"
-        ran.append((example, done.stdout))
-    served = [out for example, out in ran if "/invocations" in example.code]
+def test_the_readme_s_scoring_server_answers_and_its_files_are_where_it_says(readme_run):
+    served = [done.stdout for example, done in readme_run.ran if "/invocations" in example.code]
     assert served and '"predictions"' in served[0], served  # the scoring server answered the posted batch
+    clone = readme_run.clone
     assert (clone / "mlflow.db").is_file() and (clone / "deit-tiny" / "model.safetensors").is_file()
+
+
+# ---------------------------------------------------------------- the CI recipe fails a job on a regression
+# ("Gate a change on its benchmark", run as typed, on CPU: real `vitreg bench` runs of a tiny timm model, a
+# history of earlier runs, and `vitreg check` failing the job)
+
+def recipe() -> str:
+    """The bash block of the README's section "Gate a change on its benchmark"."""
+    section = README.split("## Gate a change on its benchmark", 1)[1].split("\n## ", 1)[0]
+    return re.search(r"```bash\n(.*?)```", section, re.S).group(1)
+
+
+def _bash(script: str, cwd) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in subprocess_env("").items() if not k.startswith("MLFLOW_")}
+    env["PYTHONPATH"] = str(REPO)  # this checkout's vitreg, also for the venv's `vitreg` script
+    return subprocess.run(["bash", "-c", script], cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
+
+
+def _earlier_copies(uri: str, n: int, speedup: float) -> list[str]:
+    """``n`` copies of the store's one bench run (its params and tags: the same configuration and GPU), started
+    before it, each ``speedup`` times as fast: a history the next real run falls short of."""
+    from mlflow.entities import Metric, Param, RunTag
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=uri)
+    # the recipe's bench run (its `vitreg check` logged a check run next to it)
+    (real,) = client.search_runs([client.get_experiment_by_name("ci").experiment_id], "tags.vitreg_job = 'bench'")
+    tags = {k: v for k, v in real.data.tags.items() if not k.startswith("mlflow.")}
+    ids = []
+    for i in range(n):
+        start = real.info.start_time - (n - i) * 60_000
+        run = client.create_run(real.info.experiment_id, start_time=start, tags=tags)
+        metrics = [Metric(k, v * (speedup if k.endswith("_img_per_s") else 1), start, 0)
+                   for k, v in real.data.metrics.items() if k.startswith("infer_")]
+        client.log_batch(run.info.run_id, metrics=metrics,
+                         params=[Param(k, v) for k, v in real.data.params.items()], tags=[RunTag("copy", "yes")])
+        client.set_terminated(run.info.run_id, end_time=start + 1000)
+        ids.append(run.info.run_id)
+    return ids
+
+
+@pytest.mark.slow
+def test_the_readme_ci_recipe_fails_the_job_on_a_regressed_run(readme_run, tmp_path):
+    """The README run (tests/_sessions.py) ran the recipe once on a fresh store: its bench is the first real
+    run. A copy of that store gets a history that run falls short of; the recipe as typed runs again on it."""
+    script = recipe()
+    assert "vitreg bench" in script and "vitreg check" in script
+    uri_line = next(line for line in script.splitlines() if line.startswith("export"))
+    db = re.search(r"sqlite:///(\S+)", uri_line).group(1)
+    first = readme_run.of(script)
+    assert first.returncode == 0, first.stdout[-2000:]
+    shutil.copyfile(readme_run.clone / db, tmp_path / db)  # the README run's store stays as it left it
+    # 10x: a loaded 2-core machine moved one CPU run's median by 3x between two runs of the same work
+    history = _earlier_copies(f"sqlite:///{tmp_path / db}", 10, speedup=10.0)
+
+    job = _bash(script, tmp_path)  # the recipe as typed: a second real bench, then the check
+    assert job.returncode == 1, job.stdout + job.stderr[-2000:]
+    (line,) = [x for x in job.stdout.splitlines() if x.startswith("REGRESSED: deit_tiny_patch16_224")]
+    assert re.search(r"on cpu: 0\.[0-3]\d*x \[", line), line  # a tenth of the history's speed, give or take load
+    assert f"vs 10 runs ({history[1]}.." in line  # the 9 newest copies and the first real run
+
+    again = _bash(f"{uri_line}\nvitreg check --experiment ci --window 0", tmp_path)
+    assert again.returncode == 2 and again.stderr.count("error: ") == 1 and "window=0" in again.stderr

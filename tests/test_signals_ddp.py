@@ -94,6 +94,7 @@ def test_sigterm_to_the_launcher_keeps_rank0s_hand_off_and_ends_the_run_killed(t
 @pytest.mark.slow
 def test_sigkill_to_the_launcher_leaves_no_torchrun_nor_rank_behind(tmp_path):
     uri, proc = _start(tmp_path)
+    children = []
     try:
         _, baseline_s = _wait_for_points(_client(uri), proc, 5)
         children = _ranks(proc)
@@ -102,9 +103,12 @@ def test_sigkill_to_the_launcher_leaves_no_torchrun_nor_rank_behind(tmp_path):
         proc.wait()
         gone, alive = psutil.wait_procs(children, timeout=baseline_s)
         assert not alive, f"still running {baseline_s:.0f} s after the launcher's SIGKILL: {alive}"
-    finally:
-        for child in psutil.Process().children(recursive=True):
-            child.kill()
+    finally:  # what outlived the launcher is no longer this process's child: end it by the PIDs found above
+        for child in [*children, *psutil.Process().children(recursive=True)]:
+            try:
+                child.kill()
+            except psutil.NoSuchProcess:
+                pass
 
 
 @pytest.mark.slow

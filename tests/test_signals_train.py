@@ -98,10 +98,19 @@ HOLD = textwrap.dedent("""
 """)
 
 
+def _as_from_a_shell() -> None:
+    """In the child before it starts Python: SIGINT and SIGTERM at their defaults, as a shell starts a process.
+    A child inherits an ignored signal, and the test process may be ignoring SIGINT (a pytest-xdist worker, or
+    a library it imported): Python then installs no Ctrl-C handler and the signal is lost."""
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_DFL)
+
+
 def _hold(first: str, second: str = "pass"):
     code = HOLD.replace("{first}", first).replace("{second}", second)
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
-                          env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)})
+                          env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)},
+                          preexec_fn=_as_from_a_shell)
 
 
 @pytest.mark.slow
