@@ -38,7 +38,7 @@ SHARED = {"readme_run": "test_readme", "ray_cluster": "test_fleet"}  # session f
 # docs/benchmarks.md); the rest, under half a minute each, follow in collection order. xdist hands a worker
 # its next file when it asks, so a long file handed out last would run alone at the end.
 LONGEST_FIRST = ("test_readme", "test_fleet", "test_signals_ddp", "test_ddp", "test_train_ddp", "test_outage",
-                 "test_server", "test_signals_train", "test_fleet_local", "test_train_e2e", "test_check_e2e",
+                 "test_server", "test_signals_train", "test_fleet_local", "test_slurm", "test_train_e2e", "test_check_e2e",
                  "test_signals", "test_bench_e2e", "test_compile_cache", "test_ui", "test_spool", "test_registry")
 
 

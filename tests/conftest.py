@@ -1,5 +1,4 @@
 """Shared test fixtures: a real sqlite MLflow store per test, and the repo's paths."""
-pytest_plugins = ["_sessions"]  # what a test run starts once and shares, and the workers' groups
 
 import ast
 import atexit
@@ -18,7 +17,9 @@ from pathlib import Path
 
 import pytest
 
-pytest_plugins = ["_slurm_cluster"]  # the session's SLURM cluster (slurm_cluster), for tests/test_slurm.py
+# what a test run starts once and shares (the Ray cluster, the README run, the workers' order) and the
+# session's SLURM cluster (slurm_cluster, for tests/test_slurm.py)
+pytest_plugins = ["_sessions", "_slurm_cluster"]
 
 REPO = Path(__file__).resolve().parent.parent
 
