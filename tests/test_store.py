@@ -76,6 +76,9 @@ def locked_store(tmp_path, monkeypatch):
     holder.close()
 
 
+# slow tier: each attempt on the locked file blocks for sqlite's own 5 s busy timeout (MLflow's engine
+# setting) before vitreg sees "database is locked": real waiting that has no place in the fast tier
+@pytest.mark.slow
 def test_a_store_locked_for_longer_than_the_wait_is_busy_not_broken(locked_store, monkeypatch):
     uri, _ = locked_store
     monkeypatch.setenv("VITREG_STORE_BUSY_S", "0.5")
@@ -84,6 +87,9 @@ def test_a_store_locked_for_longer_than_the_wait_is_busy_not_broken(locked_store
     assert "move it away" not in str(caught.value) and "not a usable" not in str(caught.value)
 
 
+# slow tier: each attempt on the locked file blocks for sqlite's own 5 s busy timeout (MLflow's engine
+# setting) before vitreg sees "database is locked": real waiting that has no place in the fast tier
+@pytest.mark.slow
 def test_a_store_locked_briefly_is_waited_for(locked_store, monkeypatch):
     """The lock is released when prepare_store says it waits (the event), and the store then opens."""
     import vitreg.tracking.store as store
