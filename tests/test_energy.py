@@ -198,3 +198,19 @@ def test_a_spread_over_the_precision_target_is_said_with_what_the_windows_met():
     quiet = TaskMarks(tuple(m for label, m in trace_windows(TRACE) if label.startswith("train")),
                       rates=(3683.2, 3679.6, 3677.4))  # the H200 training windows: 0.07 %
     assert quiet.spread_note() is None and quiet.tags()["spread_over_target"] == "false"
+
+
+def test_a_run_whose_windows_miss_the_precision_target_says_so_in_its_last_line(sqlite_store, monkeypatch, capsys):
+    """A real tiny bench, in-process, with the target at 0 (any spread misses it): the tag is set and the warning
+    is the last line printed, after where the run is logged. At the shipped target the same run ends on the link."""
+    from vitreg.bench.job import bench
+
+    options = dict(model="test_vit", task="infer", batch_size=2, warmup=1, steps=2, repeats=3, device="cpu")
+    monkeypatch.setattr(energy, "PRECISION_TARGET", 0.0)
+    result = bench(options, experiment="spread")
+    assert result.tasks[0].window_tags["spread_over_target"] == "true"
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert last.startswith("warning: infer: the windows' spread missed") and "infer_spread_over_target" in last
+    monkeypatch.setattr(energy, "PRECISION_TARGET", float("inf"))
+    bench(options, experiment="spread")
+    assert not capsys.readouterr().out.strip().splitlines()[-1].startswith("warning:")

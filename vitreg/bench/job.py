@@ -30,7 +30,7 @@ import tempfile
 from dataclasses import dataclass, field
 
 from vitreg.analysis.frame import FOLDED_INTO, SCALED_COLUMNS
-from vitreg.bench.results import BenchResult, report_markdown, results_table
+from vitreg.bench.results import BenchResult, report_markdown, results_table, spread_warning
 from vitreg.bench.runner import run_benchmark
 from vitreg.config.options import identity_names, option
 from vitreg.config.parse import param_text
@@ -70,7 +70,7 @@ def bench(options: dict, experiment: str | None = None, run_name: str | None = N
         if plan.context.world.is_main:
             print(results_table(result))
             if not launch.launched_by_vitreg():
-                print(tracking.where_logged(run))
+                _print_end(run, result)
         return result
     with launch.launcher_run(run_name, experiment, placement.run_node) as run:
         spec = BenchSpec.from_options(options)  # the one parse of the options in this process
@@ -83,7 +83,7 @@ def bench(options: dict, experiment: str | None = None, run_name: str | None = N
             result = benchmark_in_run(plan)
             print(results_table(result))
     if run is not None:
-        print(tracking.where_logged(run))
+        _print_end(run, result)
     return result
 
 
@@ -107,8 +107,16 @@ def infer(model_uri: str, options: dict, experiment: str | None = None, run_name
     print(results_table(result))
     if plan.pulled.version_uri:
         print(f"tagged {plan.pulled.version_uri} last_infer_run_id={run.run_id}")
-    print(tracking.where_logged(run))
+    _print_end(run, result)
     return result
+
+
+def _print_end(run, result: BenchResult | None) -> None:
+    """The run's last lines: where it is logged, then, when its windows spread too wide, that warning."""
+    print(tracking.where_logged(run))
+    warning = spread_warning(result) if result is not None else None
+    if warning:
+        print(warning)
 
 
 #: Options that the registered checkpoint decides, not the user.

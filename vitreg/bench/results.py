@@ -17,6 +17,7 @@ from vitreg.config.parse import param_text
 from vitreg.config.spec import BenchSpec
 from vitreg.environment import EnvInfo
 from vitreg.measure.autobatch import BatchChoice
+from vitreg.measure.energy import PRECISION_TARGET
 from vitreg.measure.figures import Figures
 from vitreg.measure.graphs import EAGER_STEPS_BEFORE_CAPTURE
 from vitreg.measure.metrics import job_metrics, task_metrics
@@ -149,6 +150,18 @@ def results_table(result: BenchResult) -> str:
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join([result.summary_line(), *lines])
+
+
+def spread_warning(result: BenchResult) -> str | None:
+    """The run's last line when a task's windows spread wider than the precision target (its
+    ``<task>_spread_over_target`` tag): the median is less sure than the table's digits suggest, so a
+    comparison with it may see noise as a change. None when every task met the target."""
+    missed = [t.task for t in result.tasks if t.window_tags.get("spread_over_target") == "true"]
+    if not missed:
+        return None
+    return (f"warning: {' and '.join(missed)}: the windows' spread missed the {PRECISION_TARGET:.0%} precision target "
+            f"(tag {missed[0]}_spread_over_target): rerun on a quiet machine, or with more steps per window, "
+            f"before comparing")
 
 
 def _markdown(headers: list[str], rows: list[list[str]]) -> str:
