@@ -7,7 +7,7 @@
 # Runs from the repository root, so the default data folder is <repo>/vitreg-data. When
 # tracking/server.env exists (copy tracking/server.env.example), its values are exported first
 # and win over the same variables in your shell. Python: $PYTHON, else the repo's .venv, else
-# python3. Everything else is in vitreg/server.py (`python -m vitreg.deploy.server --help`).
+# python3. Everything else is in vitreg/deploy/server.py (`python -m vitreg.deploy.server --help`).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 if [ -f tracking/server.env ]; then
