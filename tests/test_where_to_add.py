@@ -150,7 +150,7 @@ def test_a_metric_is_a_row_in_metrics_and_the_code_that_computes_it(tmp_path):
         os.environ["MLFLOW_TRACKING_URI"] = {store!r}
         import mlflow
         import vitreg
-        from vitreg.bench.report import report_markdown
+        from vitreg.bench.results import report_markdown
         from vitreg.measure.metrics import combine
         measured = vitreg.api.bench(model="test_vit", img_size=32, batch_size=2, warmup=1, steps=2, repeats=1,
                                     task="infer", experiment="where-to-add")
