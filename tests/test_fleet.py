@@ -146,7 +146,8 @@ def test_sigterm_to_a_ray_sweep_cancels_every_task_and_leaves_nothing_running(se
         _end(sweep)
     assert sweep.returncode == 128 + signal.SIGTERM and "Traceback" not in err, err[-3000:]
     mine = [c for c in _children(client) if c.info.run_id not in before]
-    assert len(mine) == 4 and {c.info.status for c in mine} == {"KILLED"}, [c.info.status for c in mine]
+    assert len(mine) == 4 and {c.info.status for c in mine} == {"KILLED"}, \
+        [(c.info.status, c.data.tags.get("vitreg_error"), c.data.tags.get("vitreg_error_kind")) for c in mine]
     _wait(lambda: not _bench_processes({c.info.run_id for c in mine}), 30, "every child process to end")
     ray.init(address=ray_cluster.address, log_to_driver=False)
     try:  # every CPU free again: no task of the sweep is alive on any node
