@@ -112,11 +112,12 @@ def infer(model_uri: str, options: dict, experiment: str | None = None, run_name
 
 
 def _print_end(run, result: BenchResult | None) -> None:
-    """The run's last lines: where it is logged, then, when its windows spread too wide, that warning."""
-    print(tracking.where_logged(run))
+    """The run's last lines: when its windows spread too wide, that warning; then where its data is, last
+    (an offline run's spool and the `vitreg sync` that delivers it: what a user must not miss)."""
     warning = spread_warning(result) if result is not None else None
     if warning:
         print(warning)
+    print(tracking.where_logged(run))
 
 
 #: Options that the registered checkpoint decides, not the user.
