@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import os
 import re
 import shlex
@@ -309,9 +310,12 @@ def _log_rank_logs(run, outcome: LaunchOutcome) -> None:
 # torchrun as a child that never outlives its launcher, stopped without torchrun's traceback
 #
 # - A launcher SIGKILLed (the OOM killer, ``kill -9``) runs no clean-up, so the OS must do it: torchrun
-#   starts with the parent-death signal set (``prctl(PR_SET_PDEATHSIG, SIGTERM)``), and so does each
-#   worker shim (:func:`die_with_parent`): the launcher's death stops torchrun, whose death stops its
-#   workers. A SIGTERM is the clean stop; each rank ends as it would for ``kill <pid>``.
+#   starts with the parent-death signal set to SIGKILL (``prctl(PR_SET_PDEATHSIG, SIGKILL)``), and each
+#   worker shim to SIGTERM (:func:`die_with_parent`): the launcher's death ends torchrun at once, whose
+#   death stops its workers, each as it would for ``kill <pid>``. Not SIGTERM for torchrun: its own
+#   graceful shutdown, with the launcher gone, sometimes hung past the job's start-up time with its
+#   ranks already exited and never reaped (tests/test_signals_ddp.py, twice under a loaded suite), and
+#   there is nobody left for it to report to.
 # - A launcher asked to stop (SIGTERM, SIGHUP, SIGQUIT, Ctrl-C) stops torchrun with SIGTERM, which stops
 #   the workers; torchrun then prints its own ``SignalException`` traceback, which says nothing the
 #   launcher's one line does not. torchrun's stderr passes through :class:`_Forwarder`: every line as it
@@ -354,7 +358,8 @@ class _Forwarder(threading.Thread):
 
 def _start_torchrun(cmd: list[str], env: dict) -> subprocess.Popen:
     """Start torchrun (``cmd``) so that it dies with this process and its stderr is forwarded."""
-    proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, preexec_fn=die_with_parent)
+    proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE,
+                            preexec_fn=functools.partial(die_with_parent, signal.SIGKILL))
     proc.forwarder = _Forwarder(proc.stderr, b"[rank")
     proc.forwarder.start()
     return proc
