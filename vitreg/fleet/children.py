@@ -1,5 +1,6 @@
-"""What a sweep child is, for both engines (vitreg.bench.sweep's local one and vitreg.fleet's Ray one): its
-command line, and the smaller batch it is retried with after running out of memory.
+"""What a sweep child is, for every engine (vitreg.bench.sweep's local one, vitreg.fleet's Ray and SLURM ones):
+its command line, how a child on another host starts, and the smaller batch it is retried with after running
+out of memory.
 
 A boundary module, short on purpose: both engines import it. Held in the sweep, it would close an import
 circle (sweep -> fleet.ray_engine -> fleet.ray_tasks -> sweep); held in ray_tasks, the local engine would
@@ -46,3 +47,16 @@ def child_command(combo: Combination, batch_size, common: dict) -> list[str]:
 def ran_out_of_memory(child_id: str) -> bool:
     # the child is another process: its error's class reaches us as the tag its tracked_run set
     return tracking.get_run(child_id).data.tags.get(tracking.ERROR_KIND_TAG) == OutOfMemory.__name__
+
+
+def start_remote(ctx, child, engine: str, type_tag: str, wanted: str | None) -> tuple[list[str], dict]:
+    """A child that runs on another host (a Ray task, a SLURM job): its run under the sweep's parent (``ctx``),
+    tagged with the engine and the GPU type asked for (``type_tag``, when one is), SCHEDULED until its node
+    starts it. Returns the python arguments the node's own python runs and the variables it needs to log into
+    that run."""
+    tags = {"sweep_engine": engine, "requested_batch_size": child.requested, type_tag: wanted}
+    child.run_id = ctx.child_run(child.combo, child.index, child.attempt,
+                                 {k: v for k, v in tags.items() if v is not None})
+    tracking.set_child_status(child.run_id, "SCHEDULED")
+    argv = child_command(child.combo, child.combo.batch_size, ctx.common)[1:]
+    return argv, tracking.remote_child_env(child.run_id, ctx.parent.experiment_id)

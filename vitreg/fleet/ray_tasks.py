@@ -82,17 +82,10 @@ class Follower:
             raise stop from None
 
     def _submit(self) -> None:
-
         while self.queue and len(self.pending) < self.engine.max_parallel:
             child = self.queue.pop(0)
             need, wanted = self.engine._request(child.combo, self.ctx.common)
-            tags = {"sweep_engine": "ray", "requested_batch_size": child.requested, "ray_accelerator_type": wanted}
-            child.run_id = self.ctx.child_run(child.combo, child.index, child.attempt,
-                                              {k: v for k, v in tags.items() if v is not None})
-            tracking.set_child_status(child.run_id, "SCHEDULED")
-            # the node's own python runs it
-            argv = children.child_command(child.combo, child.combo.batch_size, self.ctx.common)[1:]
-            env = tracking.remote_child_env(child.run_id, self.ctx.parent.experiment_id)
+            argv, env = children.start_remote(self.ctx, child, "ray", "ray_accelerator_type", wanted)
             options = {"num_cpus": 1, "num_gpus": need, **({"accelerator_type": wanted} if wanted else {})}
             ref = run_child.options(**options).remote(child.run_id, argv, env, self.tally)
             child.clock = Clock()

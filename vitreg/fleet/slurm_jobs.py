@@ -131,14 +131,9 @@ class Follower:
     def _submit(self) -> None:
         while self.queue and len(self.pending) < self.engine.max_parallel:
             child = self.queue.pop(0)
-            need, wanted = self.engine._request(child.combo, self.ctx.common)
-            tags = {"sweep_engine": "slurm", "requested_batch_size": child.requested, "slurm_gpu_type": wanted}
-            child.run_id = self.ctx.child_run(child.combo, child.index, child.attempt,
-                                              {k: v for k, v in tags.items() if v is not None})
-            tracking.set_child_status(child.run_id, "SCHEDULED")
-            argv = children.child_command(child.combo, child.combo.batch_size, self.ctx.common)[1:]
-            env = {**tracking.remote_child_env(child.run_id, self.ctx.parent.experiment_id),
-                   "MLFLOW_EXPERIMENT_NAME": self.ctx.parent.experiment_name}
+            _, wanted = self.engine._request(child.combo, self.ctx.common)
+            argv, env = children.start_remote(self.ctx, child, "slurm", "slurm_gpu_type", wanted)
+            env["MLFLOW_EXPERIMENT_NAME"] = self.ctx.parent.experiment_name
             self.executor.update_parameters(**self.engine.job_parameters(child.combo, self.ctx.common,
                                                                          f"vitreg-{child.combo.label}"))
             child.job = self.executor.submit(run_child, argv, env, str(self.spools_dir / child.run_id),
