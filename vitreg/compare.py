@@ -42,7 +42,7 @@ def run_compare(experiment: str, baseline: str | None = None, metric: str = "thr
     ``vitreg_prices`` tag, and left empty, that tag's prices are used.
     """
     from vitreg.analysis.comparison import compare_runs
-    from vitreg.analysis.cost import energy_and_cost, parse_prices, with_costs
+    from vitreg.analysis.cost import energy_and_cost, parse_prices, price_text, with_costs
     from vitreg.analysis.render import format_table
     from vitreg.analysis.report import write_report
     from vitreg.tracking.search import benchmark_runs, tidy
@@ -63,7 +63,7 @@ def run_compare(experiment: str, baseline: str | None = None, metric: str = "thr
             run.set_note(naming.compare_note(experiment, comparison.summary(), table))
             _log_comparison(run, comparison, experiment, files, Path(tmp))
         if prices:
-            tracking.set_experiment_tag(experiment, PRICES_TAG, price_text_of(price_table))
+            tracking.set_experiment_tag(experiment, PRICES_TAG, price_text(price_table))
     print(table)
     progress(f"compare run {run.run_id} (experiment {logged_into(run, log_experiment or experiment)!r}, "
              f"id {run.experiment_id}): {len(files)} files under artifacts/comparison "
@@ -72,12 +72,6 @@ def run_compare(experiment: str, baseline: str | None = None, metric: str = "thr
 
 
 PRICES_TAG = "vitreg_prices"  # the experiment's price table, LABEL=USD_PER_GPU_HOUR pairs: shared by the team
-
-
-def price_text_of(prices: dict) -> str:
-    from vitreg.analysis.cost import price_text
-
-    return price_text(prices)
 
 
 def _energy_and_cost_text(extra) -> list[str]:
