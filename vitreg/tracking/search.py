@@ -18,6 +18,7 @@ from vitreg.config.parse import param_text
 from vitreg.config.spec import _TRUE, DDP_BUCKET_MB
 from vitreg.errors import VitregError
 from vitreg.measure.metrics import TASKS
+from vitreg.tracking.naming import runs_page
 
 
 def benchmark_runs(experiment: str) -> pd.DataFrame:
@@ -354,8 +355,8 @@ def _integer(df: pd.DataFrame, col: str) -> pd.Series:
 
 def experiment_links(store_uri: str, ui_url: str) -> list[str]:
     """``NAME (N runs): URL`` for each experiment of ``store_uri`` that has runs, URL being its runs list
-    in the MLflow UI at ``ui_url`` (MLflow 3's UI opens an experiment on its GenAI overview; ``/runs``
-    opens the runs). Nothing when the store holds no runs yet."""
+    in the MLflow UI at ``ui_url`` (MLflow 3's UI opens an experiment on its GenAI overview;
+    :func:`~vitreg.tracking.naming.runs_page` opens the runs). Nothing when the store holds no runs yet."""
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(tracking_uri=store_uri)
@@ -363,7 +364,7 @@ def experiment_links(store_uri: str, ui_url: str) -> list[str]:
     for exp in client.search_experiments():
         n = len(client.search_runs([exp.experiment_id], max_results=1000))
         if n:
-            links.append(f"{exp.name} ({n} runs): {ui_url}/#/experiments/{exp.experiment_id}/runs")
+            links.append(f"{exp.name} ({n} runs): {ui_url}/{runs_page(exp.experiment_id)}")
     return links
 
 
