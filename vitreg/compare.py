@@ -56,8 +56,8 @@ def run_compare(experiment: str, baseline: str | None = None, metric: str = "thr
     table = "\n".join([format_table(comparison), "", *_energy_and_cost_text(extra)])
     with tempfile.TemporaryDirectory(prefix="vitreg-compare-") as tmp:
         files = write_report(comparison, tmp) + _extra_reports(extra, Path(tmp), write_report)
-        with tracking.tracked_run(run_name=run_name, experiment=log_experiment or naming.analysis_experiment(experiment),
-                                  system_metrics=False) as run:
+        filed = log_experiment or naming.analysis_experiment(experiment)
+        with tracking.tracked_run(run_name=run_name, experiment=filed, system_metrics=False) as run:
             # named and described here, also under `mlflow run`, whose run arrives with a random name
             run.set_name(run_name or naming.compare_run_name(experiment, comparison.summary()))
             run.set_note(naming.compare_note(experiment, comparison.summary(), table))
@@ -65,8 +65,7 @@ def run_compare(experiment: str, baseline: str | None = None, metric: str = "thr
         if prices:
             tracking.set_experiment_tag(experiment, PRICES_TAG, price_text(price_table))
     print(table)
-    filed = logged_into(run, log_experiment or naming.analysis_experiment(experiment))
-    progress(f"compare run {run.run_id} (experiment {filed!r}, "
+    progress(f"compare run {run.run_id} (experiment {logged_into(run, filed)!r}, "
              f"id {run.experiment_id}): {len(files)} files under artifacts/comparison "
              f"({', '.join(Path(f).name for f in files)})")
     return comparison

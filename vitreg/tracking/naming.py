@@ -159,7 +159,8 @@ def sweep_run_name(axes: dict[str, list], common: dict, n_children: int) -> str:
     what = (RunTitle("", str(models[0]), "", img_size=int(sizes[0]) or None).workload() if len(models) == 1
             else f"{len(models)} models")
     varied = [name for name, values in axes.items() if len(values) > 1]
-    return SEP.join(["sweep " + what, *(["×".join(varied)] if varied else []), f"{n_children} run" + "s" * (n_children != 1)])
+    runs = f"{n_children} run" + "s" * (n_children != 1)
+    return SEP.join(["sweep " + what, *(["×".join(varied)] if varied else []), runs])
 
 
 #: MLflow 3's UI opens in its GenAI layout (its "Evaluations" pages) unless the browser chose "Model
