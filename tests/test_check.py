@@ -63,6 +63,7 @@ def test_a_regression_exits_1_names_the_runs_and_the_cause_and_logs_a_check_run(
     (run,) = _check_runs(client)
     tags = run.data.tags
     assert run.info.status == "FINISHED" and tags["check_result"] == "regressed"
+    assert run.info.run_name == "check · ci · regressed"  # what it checked and found, in the runs list
     assert tags["check_regressed_runs"] == ids[SMALL][-1] and set(tags["check_candidate_runs"].split(",")) == \
         {ids[SMALL][-1], ids[TINY][-1]}
     assert run.data.metrics["n_regressed"] == 1 and run.data.metrics["n_runs_read"] == 22
