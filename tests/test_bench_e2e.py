@@ -41,12 +41,13 @@ def test_mlflow_run_bench_logs_one_complete_finished_run(tmp_path):
     client, run = only_run(uri)
     assert run.info.status == "FINISHED"
     p, t, m = run.data.params, run.data.tags, run.data.metrics
-    # the runs list reads without set-up: GPU label first, then the figures (issue 14); the page's note
-    words = run.info.run_name.split(" · ")  # cpu · infer N img/s · test_vit · train N img/s · fp32 · bs2
-    assert words[0] == "cpu" and words[2::2] == ["test_vit", "fp32"] and words[5:] == ["bs2"], words
-    assert re.fullmatch(r"infer [\d.,]+ img/s", words[1]) and re.fullmatch(r"train [\d.,]+ img/s", words[3]), words
-    assert "img/s" in t["mlflow.note.content"] and "| infer" in t["mlflow.note.content"]
-    page = f"#/experiments/{run.info.experiment_id}/runs/{run.info.run_id}"
+    # the runs list reads without set-up: model and image size first, the GPU, then the figures (issues 14,
+    # 32); the page's note, its table's cells spaced for MLflow's renderer
+    words = run.info.run_name.split(" · ")  # test_vit img32 · cpu · infer N img/s · train N img/s · fp32 · bs2
+    assert words[:2] == ["test_vit img32", "cpu"] and words[4:] == ["fp32", "bs2"], words
+    assert re.fullmatch(r"infer [\d.,]+ img/s", words[2]) and re.fullmatch(r"train [\d.,]+ img/s", words[3]), words
+    assert "img/s" in t["mlflow.note.content"] and "| \u00a0infer\u00a0 |" in t["mlflow.note.content"]
+    page = f"#/experiments/{run.info.experiment_id}/runs/{run.info.run_id}?workflowType=machine_learning"
     assert f"logged run {run.info.run_id}" in proc.stdout and page in proc.stdout  # where to open it
     # params: as typed through -P (MLflow logs them first and they are immutable) plus ours
     assert p["gpu"] == "auto" and p["model"] == "test_vit" and p["task"] == "both" and p["batch_size"] == "2"

@@ -45,7 +45,8 @@ def _check(*args):
     return CliRunner().invoke(main, ["check", "--experiment", "ci", *args])
 
 
-def _check_runs(client, name="ci"):
+def _check_runs(client, name="ci/analysis"):
+    """The check runs filed for experiment ci (in ci/analysis, apart from the benchmarks), or in ``name``."""
     exp = client.get_experiment_by_name(name)
     return [] if exp is None else client.search_runs([exp.experiment_id], "tags.vitreg_job = 'check'")
 
@@ -62,6 +63,7 @@ def test_a_regression_exits_1_names_the_runs_and_the_cause_and_logs_a_check_run(
     (run,) = _check_runs(client)
     tags = run.data.tags
     assert run.info.status == "FINISHED" and tags["check_result"] == "regressed"
+    assert run.info.run_name == "check · ci · regressed"  # what it checked and found, in the runs list
     assert tags["check_regressed_runs"] == ids[SMALL][-1] and set(tags["check_candidate_runs"].split(",")) == \
         {ids[SMALL][-1], ids[TINY][-1]}
     assert run.data.metrics["n_regressed"] == 1 and run.data.metrics["n_runs_read"] == 22
@@ -177,7 +179,7 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(small_store, args, need
     result = CliRunner().invoke(main, ["check", "--experiment", "ci", *args])
     assert result.exit_code == 2 and result.output.count("error: ") == 1, result.output
     assert needle in result.output and len(result.output.strip().splitlines()) == 1
-    assert len(client.search_runs([exp])) == before and not _check_runs(client, "empty")
+    assert len(client.search_runs([exp])) == before and not _check_runs(client, "empty") and not _check_runs(client)
 
 
 def test_a_store_that_does_not_answer_is_one_line_exit_2(monkeypatch, sqlite_store):

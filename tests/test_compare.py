@@ -4,6 +4,7 @@ answer is known by construction."""
 from __future__ import annotations
 
 import itertools
+import os
 import re
 import math
 from pathlib import Path
@@ -857,9 +858,11 @@ def test_compare_command_keeps_cpu_runs_filed_as_gpus_out_of_verdicts(sqlite_sto
     _log_bench_like(client, exp, "h200", [671, 675, 668], cpu)
     out = _compare_cli("--experiment", "filed", "--baseline", "a100")
     assert "faster" not in out and "6.71x" not in out and "MISLABELLED (!)" in out and "mislabelled" in out
-    # logged beside the runs it compared, and it says so
-    (run,) = [r for r in client.search_runs([exp]) if r.data.tags.get("vitreg_job") == "compare"]
-    assert f"experiment 'filed', id {exp}" in out and run.data.metrics["n_mislabelled_runs"] == 6
+    # filed apart from the runs it compared (the benchmarks' runs list stays benchmarks), and it says where
+    assert [r.data.tags.get("vitreg_job") for r in client.search_runs([exp])].count("compare") == 0
+    analysis = client.get_experiment_by_name("filed/analysis").experiment_id
+    (run,) = [r for r in client.search_runs([analysis]) if r.data.tags.get("vitreg_job") == "compare"]
+    assert f"experiment 'filed/analysis', id {analysis}" in out and run.data.metrics["n_mislabelled_runs"] == 6
     assert not [k for k in run.data.metrics if k.startswith("speedup_geomean")]
     out = _compare_cli("--experiment", "filed", "--baseline", "a100", "--include-mismatch", "true")
     assert "6.71x" in out and "faster (mislabelled)" in out  # the compare run of the first call was not compared
@@ -876,7 +879,8 @@ def test_compare_command_by_torch_version(sqlite_store):
     assert "compared along: torch_version" in out
     row = next(line for line in out.splitlines() if line.lstrip().startswith("2.9.0") or " 2.9.0 " in line)
     assert "slower" in row and "0.90x" in row
-    (run,) = [r for r in client.search_runs([exp]) if r.data.tags.get("vitreg_job") == "compare"]
+    analysis = client.get_experiment_by_name("upgrade/analysis").experiment_id
+    (run,) = [r for r in client.search_runs([analysis]) if r.data.tags.get("vitreg_job") == "compare"]
     assert run.data.params["by"] == "torch_version" and run.data.metrics["speedup_geomean_2.9.0"] == pytest.approx(0.9, rel=0.01)
 
 
@@ -962,3 +966,93 @@ def test_compare_along_an_identity_option_pairs_runs_that_differ_only_in_it():
     c = compare_runs(df, by="sdpa", baseline="auto")
     assert only(c.table, sdpa="math", batch_size=64)["speedup"] == pytest.approx(20.5 / 30.5)
     assert only(c.table, sdpa="math", batch_size=8)["verdict"] == "no baseline"
+
+
+# ------------------------------------------------------------------------ issue 32: compare reads at a glance
+
+_TRAIN_ONLY = ("clip_grad", "data", "num_workers", "num_classes", "distillation", "teacher")
+
+
+def _trained(gpu, values, **params):
+    """Train runs as `vitreg train` logs them: resolved params (num_classes=1000, no teacher) and tags."""
+    rows = []
+    for v in values:
+        row = {**run(gpu, v, task="train"), "tags.vitreg_job": "train", "params.num_classes": "1000",
+               "tags.num_classes": "1000", "params.data": "synthetic", "tags.data": "synthetic"}
+        row.update({f"params.{k}": val for k, val in params.items()})
+        rows.append(row)
+    return rows
+
+
+def _as_mlflow_run_logs(rows):
+    """The same runs with the params `mlflow run` logs before vitreg starts: as typed, shell-quoted
+    (``num_classes=0``: the data's classes; ``teacher=''``: none), the resolved value in the tag."""
+    return [{**row, "params.num_classes": "0", "params.teacher": "''", "params.data": "synthetic"} for row in rows]
+
+
+def _infer_and_train():
+    return runs(*repeats("a100", [1000, 1010]), *repeats("h200", [2000, 2020]),
+                *_trained("a100", [300, 303]), *_trained("h200", [600, 606]),
+                *_trained("a100", [280, 282], clip_grad="1"), *_trained("h200", [560, 565], clip_grad="1"))
+
+
+def test_each_task_has_its_own_table_with_only_the_columns_that_vary_within_it(tmp_path):
+    c = compare_gpus(_infer_and_train(), baseline="a100")
+    text = format_table(c)
+    infer, train = text.split("\nfixed: ")[1:3]  # one header line and table per task
+    assert infer.startswith("task=infer") and train.startswith("task=train")
+    for name in _TRAIN_ONLY:  # a training option is no column (nor a "-" cell) of the inference table
+        assert name not in infer, infer
+    assert infer.splitlines()[1].split() == ["model", "gpu", "n", "median", "min", "max", "cv", "speedup", "95%", "CI",
+                                             "verdict"]
+    assert train.splitlines()[1].split()[:3] == ["model", "clip_grad", "gpu"]
+    md = (tmp_path / "comparison.md")
+    write_report(c, tmp_path)
+    section = md.read_text().split("## Per configuration and GPU")[1].split("\n## ")[0]
+    tables = [block for block in section.split("\n\n") if block.startswith("|")]
+    assert len(tables) == 2 and "clip" not in tables[0] and "clip_grad" in tables[1].splitlines()[0]
+    assert "| - |" not in tables[0] and "- every row: task=infer" in md.read_text()
+
+
+def test_chart_labels_name_what_varies_in_their_task_and_no_placeholder():
+    c = compare_gpus(_infer_and_train(), baseline="a100")
+    fig = plots.plot_by_gpu(c, Path(os.devnull))
+    labels = [t.get_text() for t in fig.axes[0].get_xticklabels()]
+    assert sorted(labels) == ["infer", "train clip_grad=0.0", "train clip_grad=1.0"], labels
+    assert "configuration (task, clip_grad)" == fig.axes[0].get_xlabel()
+
+
+def test_a_gpu_keeps_its_colour_in_every_chart(tmp_path):
+    first = compare_gpus(runs(*repeats("a100", [1000, 1010]), *repeats("h200", [2000, 2020])))
+    second = compare_gpus(runs(*repeats("h200", [2000, 2020]), *repeats("l4", [500, 505]),
+                               *repeats("rtx4090", [900, 909])))
+
+    def colours(c):
+        ax = plots.plot_by_gpu(c, tmp_path / "chart.png").axes[0]
+        return {bars.get_label(): bars.patches[0].get_facecolor() for bars in ax.containers if hasattr(bars, "patches")}
+
+    one, two = colours(first), colours(second)
+    assert one["h200"] == two["h200"] and len({*one.values(), *two.values()}) == 4  # and four GPUs, four colours
+    assert plots.gpu_colour("H200") == plots.gpu_colour("h200") == plots.gpu_colour("h200")
+
+
+def test_as_typed_and_resolved_params_are_one_configuration_and_no_cell_is_a_lone_quote(tmp_path):
+    typed = _as_mlflow_run_logs(_trained("a100", [300, 303]) + _trained("h200", [600, 606]))
+    resolved = _trained("a100", [301]) + _trained("h200", [603])
+    t = tidy(frame(*typed, *resolved))
+    assert set(t["num_classes"]) == {"1000"} and set(t["teacher"]) == {""}
+    c = compare_gpus(t, baseline="a100")
+    assert len(c.table) == 2 and list(c.table["n_runs"]) == [3, 3], c.table
+    for text in (format_table(c), *(p.read_text() for p in write_report(c, tmp_path) if p.suffix in (".md", ".html"))):
+        assert "''" not in text and not re.search(r'(^|[\s|>])"([\s|<]|$)', text), text
+    # a run that asked for other classes did other work: never pooled with them
+    ten = [{**row, "params.num_classes": "10", "tags.num_classes": "10"} for row in _trained("h200", [900, 909])]
+    table = compare_gpus(tidy(frame(*typed, *resolved, *ten)), baseline="a100").table
+    assert sorted(table["num_classes"]) == ["10", "1000", "1000"]
+
+
+def test_a_quoted_param_reads_as_the_value_it_stands_for():
+    (quoted,), (plain,) = _trained("a100", [300], data="'/data/my set'"), _trained("a100", [303], data="/data/my set")
+    assert set(tidy(frame(quoted, plain))["data"]) == {"/data/my set"}
+    (odd,) = _trained("a100", [300], data="'unclosed")  # not MLflow's quoting: as logged
+    assert set(tidy(frame(odd))["data"]) == {"'unclosed"}

@@ -135,6 +135,7 @@ def test_sweep_children_failures_and_oom_retry(sqlite_store, monkeypatch, tmp_pa
     parent = [r for r in runs if r.data.tags.get("vitreg_job") == "sweep"]
     children = [r for r in runs if r.data.tags.get("mlflow.parentRunId")]
     assert len(parent) == 1 and parent[0].info.status == "FINISHED"
+    assert parent[0].info.run_name == "sweep test_vit img32 · amp×batch_size · 4 runs"  # named by what it swept
     assert all(c.data.tags["mlflow.parentRunId"] == parent[0].info.run_id for c in children)
     finished = [c for c in children if c.info.status == "FINISHED"]
     failed = [c for c in children if c.info.status == "FAILED"]

@@ -116,7 +116,7 @@ def _earlier_copies(uri: str, n: int, speedup: float) -> list[str]:
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(tracking_uri=uri)
-    # the recipe's bench run (its `vitreg check` logged a check run next to it)
+    # the recipe's bench run (its `vitreg check` logged a check run apart, in ci/analysis)
     (real,) = client.search_runs([client.get_experiment_by_name("ci").experiment_id], "tags.vitreg_job = 'bench'")
     tags = {k: v for k, v in real.data.tags.items() if not k.startswith("mlflow.")}
     ids = []

@@ -131,6 +131,10 @@ def test_a_live_tracker_keeps_its_run_out_of_the_stale_list(store, tmp_path):
     stale = find_stale(older_than_s=3, now=time.time() + 1)
     assert tracker.run_id not in {r.run_id for r in stale}
     assert tracker.close(timeout_s=30) is True
+    # an ended run's heartbeat is bookkeeping in the UI's tag list: gone; the delivery's sequence tag stays
+    ended = MlflowClient().get_run(tracker.run_id)
+    assert ended.info.status == "FINISHED" and HEARTBEAT_TAG not in ended.data.tags
+    assert any(key.startswith("vitreg_spool_seq.") for key in ended.data.tags)
 
 
 CHILD = textwrap.dedent("""

@@ -1,4 +1,4 @@
-"""The MLflow UI shows what the README promises: each run's GPU and throughput in the runs list as
+"""The MLflow UI shows what the README promises: each run's model, image size and GPU in the runs list as
 it opens, its results table on the run page, runs grouped by GPU, a compare view; and ``make ui``
 prints links that open the runs.
 
@@ -30,7 +30,7 @@ import pytest
 
 from conftest import migrated_store, premigrated
 from vitreg.deploy import server
-from vitreg.tracking.naming import NOTE_TAG, RunTitle, run_note
+from vitreg.tracking.naming import NOTE_TAG, RunTitle, run_note, runs_page
 
 pytestmark = [pytest.mark.slow, pytest.mark.ui]
 
@@ -98,7 +98,7 @@ def _name_like_the_jobs(uri: str) -> None:
     for run in client.search_runs([exp.experiment_id]):
         p, tags, rid = run.data.params, run.data.tags, run.info.run_id
         result = json.loads(Path(client.download_artifacts(rid, "results.json")).read_text())
-        name = RunTitle(p["gpu"], p["model"], tags["amp"], p["compile"]).name(
+        name = RunTitle(p["gpu"], p["model"], tags["amp"], p["compile"], img_size=int(tags["img_size"])).name(
             int(p["batch_size"]), throughputs={"infer": run.data.metrics[METRIC]})
         client.update_run(rid, name=name)
         ran_on = tags["detected_gpu"] if tags.get("gpu_mismatch") == "true" else None
@@ -128,6 +128,25 @@ _SHOWN_IN_FULL = """(el, needle) => {
         return box.width > 0 && box.left >= left && box.right <= right;
     }
     return false;
+}"""
+
+
+# The left and right edges of an element's visible characters: not of its box, nor of the (no-break)
+# spaces around them.
+_TEXT_BOX = """(el) => {
+    let left = Infinity, right = -Infinity;
+    const walker = document.createTreeWalker(el, NodeFilter.SHOW_TEXT);
+    for (let node = walker.nextNode(); node; node = walker.nextNode()) {
+        const start = node.data.search(/\\S/);
+        if (start < 0) continue;
+        const range = document.createRange();
+        range.setStart(node, start);
+        range.setEnd(node, node.data.search(/\\s*$/));
+        const box = range.getBoundingClientRect();
+        left = Math.min(left, box.left);
+        right = Math.max(right, box.right);
+    }
+    return [left, right];
 }"""
 
 
@@ -233,13 +252,12 @@ def test_group_by_gpu_and_compare(tracking_server, shots):
     experiment_id, run_names = _runs_by_gpu(base)
 
     def steps(page) -> None:
-        # 1. The experiment's runs table: each run's GPU and throughput in view before any click.
-        page.goto(f"{base}/#/experiments/{experiment_id}/runs?workflowType=machine_learning")
+        # 1. The experiment's runs table: each run's model, image size and GPU in view before any click.
+        page.goto(f"{base}/{runs_page(experiment_id)}")
         for gpu, name in run_names.items():
             expect(page.get_by_text(name, exact=True)).to_be_visible()
-            throughput = re.search(r"[\d,.]+ img/s", name).group(0)
-            for needle in (gpu, throughput):
-                assert _shown_in_full(page.get_by_text(name, exact=True), needle), (needle, name)
+            assert name.startswith(f"test_vit img32 · {gpu} · "), name
+            assert _shown_in_full(page.get_by_text(name, exact=True), f"test_vit img32 · {gpu}"), name
         page.screenshot(path=shots / "mlflow-ui-runs-list.png")
         close_assistant = page.get_by_role("button", name="Close")
         if close_assistant.count() and close_assistant.first.is_visible():
@@ -251,6 +269,13 @@ def test_group_by_gpu_and_compare(tracking_server, shots):
         expect(page.get_by_text(headline, exact=True).first).to_be_visible()  # the note's first line
         expect(page.get_by_text("img/s median (min-max)").first).to_be_attached()  # its table
         expect(page.get_by_text("MISLABELLED").first).to_be_visible()  # CPU runs filed as GPUs
+        more = page.get_by_text("Show more", exact=True)
+        if more.count():
+            more.first.click()
+        # a table whose cells stand apart: MLflow draws it without padding, the no-break spaces keep them apart
+        heads = page.locator("table").filter(has_text="img/s median (min-max)").first.locator("th")
+        boxes = [heads.nth(i).evaluate(_TEXT_BOX) for i in range(heads.count())]
+        assert len(boxes) >= 8 and all(right + 4 <= left for (_, right), (left, _) in zip(boxes, boxes[1:])), boxes
         page.screenshot(path=shots / "mlflow-ui-run-note.png")
         page.go_back()
         expect(page.get_by_text(run_names["a100"], exact=True)).to_be_visible()
@@ -261,6 +286,14 @@ def test_group_by_gpu_and_compare(tracking_server, shots):
         for column in ("Dataset", "Source", "Models"):
             page.get_by_role("dialog").get_by_text(column, exact=True).click()
         page.keyboard.press("Escape")
+
+        # 2b. One workload in view, with the README's search: another image size hides the runs, theirs shows them.
+        search = page.get_by_placeholder(re.compile(r"metrics\.rmse"))
+        for img, shown in (("224", 0), ("32", 1)):
+            search.fill(f"params.model = 'test_vit' and tags.img_size = '{img}'")
+            search.press("Enter")
+            for name in run_names.values():
+                expect(page.get_by_text(name, exact=True)).to_have_count(shown)
 
         # 3. Group by the gpu param (the menu lists Tags, then Params; both hold "gpu").
         page.get_by_role("button", name="Group by").click()
@@ -359,7 +392,8 @@ def test_make_ui_prints_links_that_open_the_runs(tmp_path, shots, monkeypatch):
     exp = client.create_experiment("make-ui", artifact_location=str(tmp_path / "artifacts"))
     names = {}
     for gpu, value in (("a100", 4321.0), ("h200", 8635.2)):
-        names[gpu] = RunTitle(gpu, "vit_base_patch16_224", "bf16", "default").name(256, throughputs={"infer": value})
+        names[gpu] = RunTitle(gpu, "vit_base_patch16_224", "bf16", "default", img_size=224).name(
+            256, throughputs={"infer": value})
         rid = client.create_run(exp, run_name=names[gpu]).info.run_id
         client.log_param(rid, "gpu", gpu)
         client.log_metric(rid, METRIC, value)
@@ -371,17 +405,19 @@ def test_make_ui_prints_links_that_open_the_runs(tmp_path, shots, monkeypatch):
     try:
         lines = [proc.stdout.readline() for _ in range(2)]
         assert lines[0].startswith(f"MLflow UI on http://127.0.0.1:{port} (store {store})"), lines
-        link = f"http://127.0.0.1:{port}/#/experiments/{exp}/runs"
+        link = f"http://127.0.0.1:{port}/{runs_page(exp)}"
         assert lines[1].strip() == f"make-ui (2 runs): {link}", lines
         _wait_for(f"http://127.0.0.1:{port}", proc)
 
         def steps(page) -> None:
             page.goto(link)  # as printed: no workflow preference set, no click
+            # the runs list of the "Model training" layout, not the GenAI home ("Training runs", "Evaluations")
+            expect(page.get_by_role("heading", name="Runs", exact=True)).to_be_visible()
+            expect(page.get_by_text("Evaluation runs", exact=True)).to_have_count(0)
             for gpu, name in names.items():
                 expect(page.get_by_text(name, exact=True)).to_be_visible()
-                for needle in (gpu, re.search(r"[\d,.]+ img/s", name).group(0)):
-                    assert _shown_in_full(page.get_by_text(name, exact=True), needle), (needle, name)
-                # the check can fail: the end of a long name is cut off (why the throughput comes second)
+                assert _shown_in_full(page.get_by_text(name, exact=True), f"vit_b16 img224 · {gpu}"), name
+                # the check can fail: the end of a long name is cut off (why the workload comes first)
                 assert not _shown_in_full(page.get_by_text(name, exact=True), "bs256 · compile"), name
             page.screenshot(path=shots / "make-ui-runs.png")
 

@@ -34,9 +34,9 @@ def run_compare(experiment: str, baseline: str | None = None, metric: str = "thr
     """Compare the experiment's runs along ``by`` (across GPUs by default); log the table and plots as
     artifacts of a compare run.
 
-    The compare run goes into the compared experiment itself, beside the runs it read, unless
-    ``log_experiment`` names another (under ``mlflow run`` it is the run ``mlflow run`` opened, in the
-    experiment that chose). The comparison is computed (and every input checked) before a run is
+    The compare run goes into ``<experiment>/analysis`` (:func:`~vitreg.tracking.naming.analysis_experiment`:
+    the benchmarks' runs list stays the benchmarks), unless ``log_experiment`` names another (under
+    ``mlflow run`` it is the run ``mlflow run`` opened, in the experiment that chose). The comparison is computed (and every input checked) before a run is
     opened, so a bad request leaves no half-written run behind. ``prices`` (LABEL=USD pairs or a price
     file, :mod:`vitreg.analysis.cost`) adds the cost per image; given, it is kept in the experiment's
     ``vitreg_prices`` tag, and left empty, that tag's prices are used.
@@ -56,8 +56,8 @@ def run_compare(experiment: str, baseline: str | None = None, metric: str = "thr
     table = "\n".join([format_table(comparison), "", *_energy_and_cost_text(extra)])
     with tempfile.TemporaryDirectory(prefix="vitreg-compare-") as tmp:
         files = write_report(comparison, tmp) + _extra_reports(extra, Path(tmp), write_report)
-        with tracking.tracked_run(run_name=run_name, experiment=log_experiment or experiment,
-                                  system_metrics=False) as run:
+        filed = log_experiment or naming.analysis_experiment(experiment)
+        with tracking.tracked_run(run_name=run_name, experiment=filed, system_metrics=False) as run:
             # named and described here, also under `mlflow run`, whose run arrives with a random name
             run.set_name(run_name or naming.compare_run_name(experiment, comparison.summary()))
             run.set_note(naming.compare_note(experiment, comparison.summary(), table))
@@ -65,7 +65,7 @@ def run_compare(experiment: str, baseline: str | None = None, metric: str = "thr
         if prices:
             tracking.set_experiment_tag(experiment, PRICES_TAG, price_text(price_table))
     print(table)
-    progress(f"compare run {run.run_id} (experiment {logged_into(run, log_experiment or experiment)!r}, "
+    progress(f"compare run {run.run_id} (experiment {logged_into(run, filed)!r}, "
              f"id {run.experiment_id}): {len(files)} files under artifacts/comparison "
              f"({', '.join(Path(f).name for f in files)})")
     return comparison
@@ -193,17 +193,20 @@ def run_check(experiment: str, metric: str = "throughput_img_per_s", selection: 
 
     result, raw = check(experiment, metric, selection)
     experiment_id = str(raw["experiment_id"].iloc[0])
+    filed = log_experiment or naming.analysis_experiment(experiment)
+    outcome = _outcome(result)
     with tempfile.TemporaryDirectory(prefix="vitreg-check-") as tmp:
         with collector_paused():  # the charts too: each figure is thousands of objects
             files = write_check(result, tmp)
-        with tracking.tracked_run(run_name=run_name or f"check-{experiment}", experiment=log_experiment or experiment,
-                                  system_metrics=False) as run:
+        with tracking.tracked_run(run_name=run_name, experiment=filed, system_metrics=False) as run:
+            # named here, also under `mlflow run`, whose run arrives with a random name
+            run.set_name(run_name or naming.check_run_name(experiment, outcome))
             _log_check(run, result, experiment, files)
             verdicts = [_linked(r, experiment_id) for _, r in result.ordered().iterrows()]
             run.set_note("\n\n".join(about(result) + verdicts))
     for line in result.lines():
         print(line)
-    progress(f"check run {run.run_id} (experiment {log_experiment or experiment!r}): "
+    progress(f"check run {run.run_id} (experiment {logged_into(run, filed)!r}): "
              f"{len(result.regressions)} regressed of {len(result.table)} series; artifacts under check/")
     return result
 
@@ -213,7 +216,7 @@ def _log_check(run, result, experiment: str, files: list[Path]) -> None:
     read = result.run_ids()
     candidates = list(dict.fromkeys(i for ids in result.table["candidate_runs"] for i in ids.split(",")))
     run.set_tags({"vitreg_job": "check", "checked_experiment": experiment,
-                  "check_result": {1: "regressed", 3: "cannot judge"}.get(result.exit_code, "ok"),
+                  "check_result": _outcome(result),
                   "check_candidate_runs": _capped(",".join(candidates)),
                   "check_regressed_runs": _capped(",".join(result.regressions["candidate_runs"])),
                   "check_runs_read": _capped(",".join(read))})
@@ -226,6 +229,11 @@ def _log_check(run, result, experiment: str, files: list[Path]) -> None:
     run.log_dict({"runs_read": read, "candidate_runs": candidates}, "check/runs_read.json")
     for f in files:
         run.log_artifact(f, "check" if f.parent.name != "series" else "check/series")
+
+
+def _outcome(result) -> str:
+    """The check's outcome in a word: ``ok``, ``regressed`` or ``cannot judge`` (its exit code 0, 1, 3)."""
+    return {1: "regressed", 3: "cannot judge"}.get(result.exit_code, "ok")
 
 
 def _require_finished(raw, run_id: str, experiment: str) -> None:
@@ -245,7 +253,7 @@ def _linked(row, experiment_id: str) -> str:
     from vitreg.history.check import verdict_line
 
     run_id = row["candidate_runs"].split(",")[0]
-    return f"- {verdict_line(row)} ([candidate](#/experiments/{experiment_id}/runs/{run_id}))"
+    return f"- {verdict_line(row)} ([candidate]({naming.runs_page(experiment_id, run_id)}))"
 
 
 def _capped(text: str) -> str:

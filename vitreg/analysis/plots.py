@@ -10,13 +10,15 @@ are hatched and named as such in the legend.
 from __future__ import annotations
 
 import textwrap
+import zlib
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 
-from vitreg.analysis.frame import config_columns
-from vitreg.analysis.render import cell, format_value, split_constant
+from vitreg.analysis.frame import DEFAULT_AXIS, MISSING, NOT_APPLICABLE, config_columns
+from vitreg.analysis.render import by_task, cell, format_value, split_constant
+from vitreg.hardware.profiles import PROFILES
 from vitreg.measure.metrics import BY_NAME
 
 DPI = 110
@@ -47,16 +49,51 @@ def _plain_ticks(axis) -> None:
     axis.set_minor_formatter(NullFormatter())
 
 
+_SHORT = {"batch_size": "bs", "img_size": "img", "nproc": "x"}  # bs64, img224, x2; other keys as key=value
+
+
+def _varying(t: pd.DataFrame, keys: list[str]) -> dict[str, list[str]]:
+    """Per task, the keys (but the model) whose values differ between its rows, and ``task`` where the rows'
+    tasks differ: what a label names. A training option is no key of an inference label."""
+    blocks = by_task(t)
+    tasks = ["task"] if len(blocks) > 1 else []
+    return {str(b["task"].iloc[0]) if "task" in b and len(b) else "": tasks + [
+        k for k in split_constant(b, keys, min_rows=1)[1] if k not in ("model", "task")] for b in blocks}
+
+
+def _label_bit(key: str, value) -> str:
+    if key == "task":
+        return str(value)
+    return f"{_SHORT[key]}{cell(value)}" if key in _SHORT else f"{key}={cell(value)}"
+
+
 def _config_labels(t: pd.DataFrame, keys: list[str]) -> list[str]:
-    """Short labels for configurations, naming only the keys that vary between them."""
-    varying = split_constant(t, keys)[1]
+    """Short labels for configurations, naming only the keys that vary between those of its task and the task
+    where there are several; a value that does not apply to the row (``-``) or was not recorded is left out."""
+    varying = _varying(t, keys)
     single_model = t["model"].nunique() == 1
-    short = {"batch_size": "bs", "img_size": "img", "nproc": "x"}
     labels = []
     for _, r in t.iterrows():
-        bits = " ".join(f"{short.get(k, '')}{cell(r[k])}" for k in varying if k != "model")
+        named = varying[str(r["task"]) if "task" in r and str(r["task"]) in varying else next(iter(varying))]
+        bits = " ".join(_label_bit(k, r[k]) for k in named if cell(r[k]) not in (NOT_APPLICABLE, MISSING))
         labels.append(bits or str(r["model"]) if single_model else f"{r['model']}\n{bits}".strip())
     return labels
+
+
+# One colour per GPU label in every chart (the comparison's bars, the energy and cost charts, any later
+# compare): the GPU table's order picks it from tab10, so a100 is the same blue whatever else is drawn; a label
+# the table does not know takes one of tab20's lighter shades, by a hash of its text (stable across runs).
+_KNOWN = tuple(PROFILES)
+
+
+def gpu_colour(label: str):
+    """The colour of ``label``'s bars (an RGB tuple), the same in every chart."""
+    from matplotlib import colormaps
+
+    key = str(label).lower()
+    if key in _KNOWN and _KNOWN.index(key) < 10:
+        return colormaps["tab10"].colors[_KNOWN.index(key)]
+    return colormaps["tab20"].colors[1 + 2 * (zlib.crc32(key.encode()) % 10)]
 
 
 def _series(t: pd.DataFrame, c) -> list[tuple[str, bool]]:
@@ -106,7 +143,8 @@ def plot_by_gpu(c, path: Path):
         x = np.array([pos[k] for k, s in zip(row_keys, sel) if s], float) + (j - (n_bar - 1) / 2) * width
         med = rows[f"{m}_median"].to_numpy(float)
         err = np.vstack([med - rows[f"{m}_min"].to_numpy(float), rows[f"{m}_max"].to_numpy(float) - med])
-        bars = ax.bar(x, med, width, yerr=err, capsize=3, label=_series_label(t, c, value, mismatch),
+        colour = {"color": gpu_colour(value)} if c.by == DEFAULT_AXIS else {}  # other axes: matplotlib's cycle
+        bars = ax.bar(x, med, width, yerr=err, capsize=3, label=_series_label(t, c, value, mismatch), **colour,
                       hatch=MISLABELLED_HATCH if mismatch else None, edgecolor="black" if mismatch else None,
                       alpha=0.55 if mismatch else 1.0)
         for b, top, (_, r) in zip(bars, rows[f"{m}_max"].to_numpy(float), rows.iterrows()):
@@ -120,7 +158,7 @@ def plot_by_gpu(c, path: Path):
     # Long labels would run into each other under narrow groups; slant them instead.
     slant = dict(rotation=25, ha="right") if longest * 0.07 > 0.8 + 0.5 * n_bar else {}
     ax.set_xticklabels(ticks, fontsize=8, **slant)
-    varying = [k for k in split_constant(t, keys)[1] if k != "model"]
+    varying = list(dict.fromkeys(k for named in _varying(t, keys).values() for k in named))
     ax.set_xlabel("configuration" + (f" ({', '.join(varying)})" if varying else ""))
     fig.suptitle(_wrapped(_title(c, t), width_in - 0.4))
     fig.legend(title=c.by, fontsize=8, loc="outside lower center", ncols=min(n_bar, 4))

@@ -25,14 +25,12 @@ RESULT_HEADERS = ["task", "batch"] + [col.header for col in REPORT_COLUMNS]
 def format_table(comparison) -> str:
     """The comparison as fixed-width, aligned text for a terminal.
 
-    Configuration keys that are the same on every row move to a header line so the table only
-    shows what varies; exact values are in the CSV written by :func:`vitreg.analysis.report.write_report`.
+    One table per task (:func:`by_task`): configuration keys that are the same on every row of it move to
+    a header line, so a table only shows what varies within its task (an inference table has no training
+    column); exact values are in the CSV written by :func:`vitreg.analysis.report.write_report`.
     Mislabelled runs get a "ran on" column and a warning line that says what was done with them.
     """
-    t = comparison.table
     m = comparison.metric
-    by = comparison.by
-    fixed, varying = split_constant(t, [k for k in (*config_columns(), "gpu") if k != by])
     direction = "higher is better" if comparison.higher_is_better else "lower is better"
     lines = [f"metric: {m} (median over runs, {direction})"]
     if comparison.baseline:
@@ -41,6 +39,31 @@ def format_table(comparison) -> str:
             f"{comparison.confidence:.0%} bootstrap CI ({comparison.n_boot} resamples)"
         )
     lines += caveats(comparison)
+    for n, block in enumerate(by_task(comparison.table, comparison.by)):
+        lines += ([""] if n else []) + _task_table(comparison, block)
+    if not comparison.scaling.empty:
+        lines += ["", "scaling (train, weak scaling vs nproc=1):", _scaling_table(comparison.scaling, _HEADS)]
+    return "\n".join(lines)
+
+
+def by_task(t: pd.DataFrame, axis: str = DEFAULT_AXIS) -> list[pd.DataFrame]:
+    """The rows of ``t`` one task at a time (infer, then train), each block in its own order: a task's
+    configuration columns are its own (``clip_grad`` is a training option), so each gets its own table.
+    All rows at once when the comparison goes along ``task`` itself (``axis``)."""
+    if axis == "task" or "task" not in t or t["task"].nunique(dropna=False) < 2:
+        return [t]
+    return [t[t["task"] == task] for task in sorted(t["task"].unique())]
+
+
+_HEADS = {"n_runs": "n", "batch_size": "batch", "img_size": "img", "ran_on": "ran on",
+          "batch_chosen": "batch chosen", "shared_host": "shared host"}
+
+
+def _task_table(comparison, t: pd.DataFrame) -> list[str]:
+    """The terminal lines of one task's rows: the configuration they share, then the table of the rest."""
+    m, by = comparison.metric, comparison.by
+    fixed, varying = split_constant(t, [k for k in (*config_columns(), "gpu") if k != by])
+    lines = []
     if fixed:
         lines.append("fixed: " + " ".join(f"{k}={cell(v)}" for k, v in fixed.items()))
     marked = bool(t["mismatch"].any())
@@ -48,9 +71,7 @@ def format_table(comparison) -> str:
     cols += ["batch_chosen"] if t["batch_chosen"].notna().any() else []  # batch_size=auto runs
     cols += ["shared_host"] if "shared_host" in t and (t["shared_host"] > 1).any() else []  # sweep children at once
     cols += ["n_runs", f"{m}_median", f"{m}_min", f"{m}_max", f"{m}_cv"]
-    heads = {f"{m}_median": "median", f"{m}_min": "min", f"{m}_max": "max", f"{m}_cv": "cv",
-             "n_runs": "n", "batch_size": "batch", "img_size": "img", "ran_on": "ran on",
-             "batch_chosen": "batch chosen", "shared_host": "shared host"}
+    heads = {f"{m}_median": "median", f"{m}_min": "min", f"{m}_max": "max", f"{m}_cv": "cv", **_HEADS}
     body = _rows(t, cols)
     if marked:  # the hardware of honest rows is their label: leave the cell blank, flag the others
         for row, mismatch in zip(body, t["mismatch"]):
@@ -64,9 +85,7 @@ def format_table(comparison) -> str:
             row += [format_value("speedup", r["speedup"]), _format_ci(r["ci_low"], r["ci_high"]),
                     str(r["verdict"])]
     lines.append(_fixed_width(header, body, right))
-    if not comparison.scaling.empty:
-        lines += ["", "scaling (train, weak scaling vs nproc=1):", _scaling_table(comparison.scaling, heads)]
-    return "\n".join(lines)
+    return lines
 
 
 def caveats(comparison) -> list[str]:
@@ -139,7 +158,11 @@ def _fixed_width(header: list[str], body: list[list[str]], right: list[bool]) ->
 
 
 def cell(v) -> str:
-    return "-" if v is None or (isinstance(v, float) and math.isnan(v)) or v is pd.NA else str(v)
+    """A configuration value in a line of text: ``-`` where none was recorded, ``none`` for an empty setting
+    (``teacher=""``: no teacher; quotes would read as a stray ``"``)."""
+    if v is None or (isinstance(v, float) and math.isnan(v)) or v is pd.NA:
+        return "-"
+    return str(v) if str(v) != "" else "none"
 
 
 def format_column(col: str, values) -> list[str]:
@@ -272,14 +295,20 @@ class View(NamedTuple):
     right: list[bool]  # per column of table: right-aligned (figures and counts)
 
 
-def comparison_view(c) -> View:
+def comparison_views(c) -> list[View]:
+    """:func:`comparison_view` of each task's rows (:func:`by_task`): the tables comparison.md / .html show."""
+    return [comparison_view(c, block) for block in by_task(c.table, c.by)]
+
+
+def comparison_view(c, t: pd.DataFrame | None = None) -> View:
     """What a reader of comparison.md / .html sees first. ``fixed`` holds the
     configuration that is the same on every row (shown once, above the table); the table leads with the axis
     value (the GPU), the figure (median, its unit in the header), the ratio to the baseline and the verdict,
     then the interval, the configuration columns that vary, the runs and their spread (and, where there are
     any, the hardware of mislabelled runs and the batches batch_size=auto chose). Cells are formatted text;
-    comparison.csv keeps every column of ``c.table`` at full precision."""
-    t, m = c.table, c.metric
+    comparison.csv keeps every column of ``c.table`` at full precision. ``t``: the rows shown (one task's,
+    :func:`comparison_views`), all of them when None."""
+    t, m = (c.table if t is None else t), c.metric
     fixed, varying = split_constant(t, [k for k in (*config_columns(), "gpu") if k != c.by], min_rows=1)
     cols = [c.by, f"{m}_median"] + (["speedup", "verdict"] if c.baseline else [])
     tail = varying + ["n_runs", f"{m}_cv"] + (["ran_on"] if t["mismatch"].any() else [])

@@ -12,7 +12,7 @@ import pandas as pd
 from vitreg.analysis import plots
 from vitreg.analysis.comparison import Comparison
 from vitreg.analysis.frame import DEFAULT_AXIS
-from vitreg.analysis.render import caveats, cell, comparison_view, frame_html, frame_markdown, inert, markdown_table
+from vitreg.analysis.render import caveats, cell, comparison_views, frame_html, frame_markdown, inert, markdown_table
 
 
 def write_report(comparison: Comparison, out_dir) -> list[Path]:
@@ -117,13 +117,14 @@ _CHART = "throughput_by_gpu.png"
 
 def _report_markdown(c: Comparison, names: list[str]) -> str:
     """comparison.md: the GPU, the figure with its unit, the ratio and the verdict lead the first table (the
-    MLflow UI's preview shows a table's first columns); the configuration every row shares is a line above
-    it, not columns; every user string goes out through :func:`inert`."""
-    fixed, view, right = comparison_view(c)
+    MLflow UI's preview shows a table's first columns); one table per task, the configuration every row of
+    it shares a line above it, not columns; every user string goes out through :func:`inert`."""
     parts = [f"# vitreg {inert(_axis(c))} comparison", ""]
-    parts += [f"- {inert(line)}" for line in [_about(c)[0], _same_everywhere(fixed), *_about(c)[1:]] if line]
-    parts += ["", f"## Per configuration and {inert(_axis(c))}", "",
-              markdown_table(view, right), ""]
+    parts += [f"- {inert(line)}" for line in _about(c) if line]
+    parts += ["", f"## Per configuration and {inert(_axis(c))}", ""]
+    for fixed, view, right in comparison_views(c):
+        parts += [f"- {inert(_same_everywhere(fixed))}", ""] if fixed else []
+        parts += [markdown_table(view, right), ""]
     geo = _geomeans(c)
     if not geo.empty:
         parts += ["## Geometric-mean speedup vs baseline", "", frame_markdown(geo), ""]
@@ -142,13 +143,13 @@ def _report_markdown(c: Comparison, names: list[str]) -> str:
 def _report_html(c: Comparison, names: list[str]) -> str:
     """comparison.html, laid out like comparison.md: the shared configuration above a table of the varying
     columns only, so the table stays narrow (GPU, figure, ratio and verdict in view without scrolling)."""
-    fixed, view, _ = comparison_view(c)
     axis = inert(_axis(c), "html")
-    lines = [_about(c)[0], _same_everywhere(fixed), *_about(c)[1:]]
     body = [f"<h1>vitreg {axis} comparison</h1>", "<ul>"]
-    body += [f"<li>{inert(line, 'html')}</li>" for line in lines if line]
-    body += ["</ul>", f"<h2>Per configuration and {axis}</h2>",
-             view.to_html(index=False, escape=True, border=0, na_rep="-")]
+    body += [f"<li>{inert(line, 'html')}</li>" for line in _about(c) if line]
+    body += ["</ul>", f"<h2>Per configuration and {axis}</h2>"]
+    for fixed, view, _ in comparison_views(c):
+        body += [f"<p>{inert(_same_everywhere(fixed), 'html')}</p>"] if fixed else []
+        body.append(view.to_html(index=False, escape=True, border=0, na_rep="-"))
     geo = _geomeans(c)
     if not geo.empty:
         body += ["<h2>Geometric-mean speedup vs baseline</h2>", frame_html(geo)]

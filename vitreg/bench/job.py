@@ -160,7 +160,7 @@ def plan_bench(run, spec: BenchSpec, run_name: str | None, command: str, baselin
                                 speaks=world.is_main and not launch.launched_by_vitreg(), progress=ctx.progress)
     model, info = create_model(spec.model, spec.img_size)
     title = naming.RunTitle(hw.label, spec.model, ctx.runtime.amp, spec.compile, world.world_size, spec.cuda_graph,
-                            ran_on=hw.detected.profile.label if hw.mismatch else None)
+                            ran_on=hw.detected.profile.label if hw.mismatch else None, img_size=info.img_size)
     return BenchPlan(ctx, model, info, title, run_name, command, baseline,
                      ddp_spec=spec if "train" in spec.tasks else None)  # infer wraps no DDP
 
@@ -177,7 +177,7 @@ def plan_infer(run, model_uri: str, options: dict, run_name: str | None, command
     what = (f"{pulled.registered_model_name}-v{pulled.registered_model_version}" if pulled.version_uri
             else f"{info.name}-run-{(pulled.run_id or 'local')[:8]}")
     title = naming.RunTitle(hw.label, what, ctx.runtime.amp, spec.compile, cuda_graph=spec.cuda_graph, job="infer",
-                            ran_on=hw.detected.profile.label if hw.mismatch else None)
+                            ran_on=hw.detected.profile.label if hw.mismatch else None, img_size=info.img_size)
     return BenchPlan(ctx, pulled.model, info, title, run_name, command, model_uri=model_uri, pulled=pulled,
                      params={"model_uri": model_uri})
 
@@ -193,7 +193,7 @@ def benchmark_in_run(plan: BenchPlan) -> BenchResult:
     ctx, info = plan.context, plan.info
     run, spec, hw, runtime = ctx.run, ctx.spec, ctx.hardware, ctx.runtime
     env = capture_environment()
-    run.set_name(plan.run_name or plan.title.name(spec.batch_size))  # GPU label first: the runs list cuts names
+    run.set_name(plan.run_name or plan.title.name(spec.batch_size))  # model and image size first: the runs list cuts names
     tags = {**env.to_tags(), **resolved_tags(spec, hw, runtime, info.img_size, task=spec.task,
                                              cuda_graph=spec.cuda_graph),
             **world_tags(ctx.world, runtime, env, plan.ddp_spec), **(link_tags(plan.pulled) if plan.pulled else {})}

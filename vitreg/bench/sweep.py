@@ -16,7 +16,7 @@ from vitreg.errors import VitregError
 from vitreg.fleet import children
 from vitreg.fleet.axes import LIST_AXES, Combination, axis_texts_of, check_size, collect_axes, count, plan
 from vitreg.fleet.board import Board, Clock, format_seconds
-from vitreg.tracking import runs as tracking
+from vitreg.tracking import naming, runs as tracking
 from vitreg.tracking.spool import offline_mode
 
 SWEEP_LISTS = tuple(LIST_AXES)
@@ -93,8 +93,9 @@ def _engine(settings: SweepSettings, common: dict, progress):
 
 def _run_parent(settings, axes, combos, common, engine, max_oom_retries, progress) -> dict:
     outcome = {"finished": [], "failed": []}
-    with tracking.tracked_run(run_name=f"sweep-{len(combos)}", experiment=settings.experiment,
-                              system_metrics=False) as parent:
+    parent_name = naming.sweep_run_name(axes, common, len(combos))
+    with tracking.tracked_run(run_name=parent_name, experiment=settings.experiment, system_metrics=False) as parent:
+        parent.set_name(parent_name)  # under mlflow run the parent arrives with a random name
         parent.set_tags({"vitreg_job": "sweep", "sweep_engine": settings.engine})
         parent.log_params({**{f"axis_{name}": ",".join(map(str, values))[:500] for name, values in axes.items()},
                            "n_combinations": len(combos), "engine": settings.engine})

@@ -218,6 +218,22 @@ class Delivery:
         elif record["kind"] == "end":
             self.client.set_terminated(self.run_id, record["status"], end_time=record["end_time"])
 
+    def tidy_up(self) -> None:
+        """Take the heartbeat off the run once it has ended and this spool is delivered: MLflow's UI lists
+        every tag not under ``mlflow.`` (its ``getVisibleTagValues``) beside the ones people filter by, and
+        only :func:`vitreg.tracking.runs.find_stale` reads it, on RUNNING runs (a launcher's run that its rank
+        0 shares keeps it until it ends). The sequence tag and the spool id stay: they make a second delivery
+        of the same journal (``vitreg sync`` of a kept copy) add nothing. Best effort: a tag left behind is
+        only in view."""
+        if self.run_id is None:
+            return
+        try:
+            run = self.client.get_run(self.run_id)
+            if run.info.status != "RUNNING" and HEARTBEAT_TAG in run.data.tags:
+                self.client.delete_tag(self.run_id, HEARTBEAT_TAG)
+        except (mlflow.exceptions.MlflowException, OSError):
+            pass
+
     def _send(self, batch: _Batch) -> None:
         """One log_batch with the batch's records and the sequence tag (nothing for an empty batch)."""
         if batch.last_seq is None:
@@ -429,6 +445,8 @@ class SpoolingTracker:
         if delivered:
             self._thread.join()
             self.spool.remove()
+            if self._delivery is not None:
+                self._delivery.tidy_up()  # after the spool went: a crash between leaves tags, never a re-send
             return True
         reason = f"the tracking store did not take it in {timeout:g} s ({self._last_error or 'still sending'}): "
         progress(reason + sync_hint(self.spool))
@@ -571,6 +589,7 @@ def sync_one(spool: Spool, tracking_uri: str | None = None) -> Synced:
         new = sum(r["seq"] > delivery.delivered_seq and r["kind"] != "run" for r in records)
         delivery.push(records)
     spool.remove()
+    delivery.tidy_up()
     return Synced(spool.path, delivery.run_id, new)
 
 

@@ -1,13 +1,15 @@
 """How a run reads in the MLflow UI without any set-up: its name and its note (the run's description).
 
-The runs list shows a run's name, cut to the first ~22 characters, and no params or metrics until
-someone picks columns. So a name starts with what is compared: the GPU label, then (once the run has
-it) the figure with its unit, then the model and the rest of the configuration::
+The runs list shows a run's name, cut to what fits its column (146 px in MLflow 3.17: 20-24
+characters, measured in Chromium), and no params or metrics until someone picks columns. So a name
+starts with what tells one workload from another, the model and its image size (a 32-px run is not
+slower hardware), then the GPU label, then (once the run has it) the figure with its unit and the rest
+of the configuration; the GPU is what the runs list groups by (Group by -> gpu), the figure a column::
 
-    h200 · vit_b16 · bf16 · bs256 · compile                                while it runs
-    h200 · infer 8,635 img/s · vit_b16 · bf16 · bs256 · compile            when it has finished
-    h200 · infer 8,635 img/s · vit_b16 · train 2,101 img/s · bf16 · bs256  task=both
-    a100≠cpu · train 25.2 img/s · deit_ti16 · fp32 · bs64                  filed as a100, ran on a CPU
+    vit_b16 img224 · h200 · bf16 · bs256 · compile                              while it runs
+    vit_b16 img224 · h200 · infer 8,635 img/s · bf16 · bs256 · compile          when it has finished
+    vit_b16 img224 · h200 · infer 8,635 img/s · train 2,101 img/s · bf16 · ...  task=both
+    deit_ti16 img224 · a100≠cpu · train 25.2 img/s · fp32 · bs64                filed as a100, ran on a CPU
 
 The note (MLflow's ``mlflow.note.content`` tag, shown as the run page's description) holds the
 results table of report.md, so the run page answers "how fast" without opening artifacts.
@@ -55,10 +57,11 @@ def gpu_text(gpu: str, ran_on: str | None = None) -> str:
 
 @dataclass(frozen=True)
 class RunTitle:
-    """What a run's name says of the run besides its batch and figures: the GPU label (``a100≠cpu`` when
-    ``ran_on``, the hardware that really ran it, differs), the model, precision and what else changes the
-    figure (compile mode, CUDA graph, processes); ``job`` (``train``, ``infer``) is said while there is no
-    figure yet, the figure's task says it after."""
+    """What a run's name says of the run besides its batch and figures: the model and its image size
+    (``img_size``, pixels; None: not known yet), the GPU label (``a100≠cpu`` when ``ran_on``, the hardware
+    that really ran it, differs), precision and what else changes the figure (compile mode, CUDA graph,
+    processes); ``job`` (``train``, ``infer``) is said while there is no figure yet, the figure's task
+    says it after."""
 
     gpu: str
     model: str
@@ -68,18 +71,20 @@ class RunTitle:
     cuda_graph: bool = False
     job: str | None = None
     ran_on: str | None = None
+    img_size: int | None = None
+
+    def workload(self) -> str:
+        """``vit_b16 img224``: the model as the papers write it and the image side it ran at."""
+        return short_model(self.model) + (f" img{self.img_size}" if self.img_size else "")
 
     def name(self, batch_size, throughputs: dict[str, float] | None = None) -> str:
-        """The run's name, what is compared first (the runs list shows ~22 characters): the GPU, the first
-        task's throughput with its unit (``throughputs``, once measured), the model; then the second task's
-        figure, precision, batch size, compile mode, CUDA graph and processes."""
-        parts = [gpu_text(self.gpu, self.ran_on)]
+        """The run's name, what tells runs apart first (the runs list shows ~22 characters): the model and
+        image size, the GPU, the throughputs with their unit (``throughputs``, once measured; the job while
+        there are none), then precision, batch size, compile mode, CUDA graph and processes."""
         figures = [throughput_text(task, value) for task, value in (throughputs or {}).items()]
-        if figures:
-            parts.append(figures[0])
-        elif self.job:
-            parts.append(self.job)
-        parts += [short_model(self.model), *figures[1:], "fp32" if self.amp == "off" else self.amp, f"bs{batch_size}"]
+        parts = [self.workload(), gpu_text(self.gpu, self.ran_on)]
+        parts += figures or ([self.job] if self.job else [])
+        parts += ["fp32" if self.amp == "off" else self.amp, f"bs{batch_size}"]
         if self.compile != "off":
             parts.append("compile" if self.compile == "default" else self.compile)
         if self.cuda_graph:
@@ -87,6 +92,27 @@ class RunTitle:
         if self.nproc > 1:
             parts.append(f"x{self.nproc}")
         return SEP.join(str(p) for p in parts)
+
+
+#: MLflow's run page draws a description's table with no cell padding or borders and collapses spaces, so
+#: the cells of a plain markdown table run together (``1.7%4.00 / 5.00``, seen in Chromium): a no-break
+#: space each side of every cell keeps them apart (a padding attribute or style is stripped by its sanitizer)
+NBSP = "\u00a0"
+_CELL_EDGE = re.compile(r"(?<!\\)\|")  # a cell boundary; ``\|`` inside a cell is text
+_SEPARATOR_CELL = re.compile(r"\s*:?-+:?\s*")
+
+
+def spaced_cells(table: str) -> str:
+    """A markdown table (``| a | b |`` lines) with a no-break space each side of every cell's text, its
+    header separator (``|:---|``) left as it is: the table still parses as one, and reads as one on the
+    run page (:data:`NBSP`)."""
+    lines = []
+    for line in table.splitlines():
+        cells = _CELL_EDGE.split(line)[1:-1]
+        if cells and not all(_SEPARATOR_CELL.fullmatch(c) for c in cells):
+            line = "|" + "|".join(f" {NBSP}{c.strip()}{NBSP} " for c in cells) + "|"
+        lines.append(line)
+    return "\n".join(lines)
 
 
 def results_markdown(result: dict, mfu: bool = True) -> str:
@@ -109,7 +135,7 @@ def run_note(result: dict, ran_on: str | None = None) -> str:
     if ran_on:
         lines += [f"**MISLABELLED**: filed as `{result['gpu']}` but ran on `{ran_on}`; its figures are not "
                   f"{result['gpu']}'s (compare leaves it out of speedups unless include_mismatch=true).", ""]
-    lines += [results_markdown(result, mfu=not ran_on), "",
+    lines += [spaced_cells(results_markdown(result, mfu=not ran_on)), "",
               "Full report: artifact `report.md`; every number: `results.json`."]
     return "\n".join(lines)
 
@@ -122,6 +148,45 @@ def compare_run_name(experiment: str, summary: dict) -> str:
     if summary.get("n_mislabelled_runs"):
         parts.append(f"{summary['n_mislabelled_runs']} mislabelled")
     return SEP.join(parts)
+
+
+def sweep_run_name(axes: dict[str, list], common: dict, n_children: int) -> str:
+    """A sweep parent's name: ``sweep deit_ti16 img224 · amp×batch_size · 4 runs``: the workload (or ``3
+    models``), the axes it went along, how many children. Set by the job itself: under ``mlflow run`` the
+    parent arrives with a random name (``amusing-grub-951``)."""
+    models = axes.get("model") or [common.get("model") or "?"]
+    sizes = axes.get("img_size") or [common.get("img_size") or 0]
+    what = (RunTitle("", str(models[0]), "", img_size=int(sizes[0]) or None).workload() if len(models) == 1
+            else f"{len(models)} models")
+    varied = [name for name, values in axes.items() if len(values) > 1]
+    runs = f"{n_children} run" + "s" * (n_children != 1)
+    return SEP.join(["sweep " + what, *(["×".join(varied)] if varied else []), runs])
+
+
+#: MLflow 3's UI opens in its GenAI layout (its "Evaluations" pages) unless the browser chose "Model
+#: training" before (kept in its localStorage); a page's ``workflowType`` query parameter overrides that
+#: choice (read in the UI's WorkflowTypeProvider, checked in Chromium). No server option turns the GenAI
+#: home off, nor the assistant panel that opens once per browser on a page served from localhost.
+CLASSIC_LAYOUT = "workflowType=machine_learning"
+
+
+def runs_page(experiment_id: str, run_id: str | None = None) -> str:
+    """The UI's path (after the server's URL) of an experiment's runs list, or of one run's page, in the
+    "Model training" layout whatever the browser chose before: ``#/experiments/1/runs?workflowType=...``."""
+    return f"#/experiments/{experiment_id}/runs" + (f"/{run_id}" if run_id else "") + f"?{CLASSIC_LAYOUT}"
+
+
+def analysis_experiment(experiment: str) -> str:
+    """Where compare and check file their runs unless told otherwise: ``laptop/analysis`` beside
+    ``laptop``. Their own experiment rather than a tag to filter on: the benchmarks' runs list stays the
+    benchmarks with no filter typed (MLflow's runs list keeps no default filter), and every link to
+    ``laptop`` shows only what was measured."""
+    return f"{experiment}/analysis"
+
+
+def check_run_name(experiment: str, verdict: str) -> str:
+    """A check run's name: ``check · ci · regressed`` (the experiment checked, the outcome)."""
+    return SEP.join(["check", experiment, verdict])
 
 
 def compare_note(experiment: str, summary: dict, table: str, max_lines: int = 40) -> str:

@@ -380,7 +380,9 @@ def where_logged(tracker) -> str:
     if tracker.offline or tracker.delivered is False:  # a SpoolingTracker's run still in its spool
         return sync_hint(tracker.spool)
     uri = tracking_uri()  # masked; from the environment in a rank, which never imports mlflow
-    page = f"#/experiments/{tracker.experiment_id}/runs/{tracker.run_id}"
+    from vitreg.tracking.naming import runs_page  # here: naming reads pandas, which a rank never needs
+
+    page = runs_page(tracker.experiment_id, tracker.run_id)
     if uri.startswith(("http://", "https://")):
         base = without_credentials(uri)[0].rstrip("/")
         return f"logged run {tracker.run_id} to {uri}: {base}/{page}"

@@ -8,6 +8,8 @@ with plain columns (:mod:`vitreg.analysis.frame`).
 
 from __future__ import annotations
 
+import shlex
+
 import numpy as np
 import pandas as pd
 
@@ -18,6 +20,7 @@ from vitreg.config.parse import param_text
 from vitreg.config.spec import _TRUE, DDP_BUCKET_MB
 from vitreg.errors import VitregError
 from vitreg.measure.metrics import TASKS
+from vitreg.tracking.naming import runs_page
 
 
 def benchmark_runs(experiment: str) -> pd.DataFrame:
@@ -158,11 +161,11 @@ def _option_column(df: pd.DataFrame, name: str, jobs: list[str]) -> pd.Series:
     ``inductor``), so it gets that default of its command and compares with runs at it; the second gets
     :data:`~vitreg.analysis.frame.NOT_APPLICABLE` (a bench run has no ``clip_grad``), which keeps it
     apart from a command's runs that set one."""
-    raw = _coalesce(df, f"params.{name}", f"tags.{name}")
     taken = {job: [o for o in options_of(job) if o.name == name] for job in set(jobs)}
     out = []
-    for value, job in zip(raw, jobs):
+    for param, tag, job in zip(_coalesce(df, f"params.{name}"), _coalesce(df, f"tags.{name}"), jobs):
         own = taken[job]
+        value = _resolved(own[0] if own else _any_option(name), param, tag)
         if isinstance(value, str):
             out.append(_canonical(own[0] if own else _any_option(name), value))
         elif own and own[0].default is not None:
@@ -170,6 +173,19 @@ def _option_column(df: pd.DataFrame, name: str, jobs: list[str]) -> pd.Series:
         else:
             out.append(NOT_APPLICABLE if not own else MISSING)
     return pd.Series(out, index=df.index, dtype=object)
+
+
+def _resolved(option, param, tag):
+    """What a run ran with for ``option``: its param, unless that is missing or the option's default, which
+    may be a request resolved later (``num_classes=0``: the data's classes, 1000 for synthetic); then the
+    run's tag of the same name, which a job sets to the resolved value. So a run whose params ``mlflow run``
+    logged as typed (``0``) and one whose params ``vitreg train`` logged resolved (``1000``) are one
+    configuration; a param set to something else is what the user asked for and stays."""
+    if not isinstance(tag, str):
+        return param
+    if not isinstance(param, str) or _canonical(option, param) == param_text(option.default):
+        return tag
+    return param
 
 
 def _any_option(name: str):
@@ -276,12 +292,28 @@ def _task_rows(df: pd.DataFrame, base: pd.DataFrame, task: str, task_param: pd.S
 
 
 def _text(df: pd.DataFrame, col: str) -> pd.Series | None:
-    """The column as object-dtype strings, with NaN/None/'' all meaning missing."""
+    """The column as object-dtype strings, with NaN/None/'' all meaning missing; a param as the value it
+    stands for (:func:`_unquoted`)."""
     if col not in df:
         return None
     s = df[col].astype(object)
     s = s.where(s.notna(), None).map(lambda v: None if v is None else str(v).strip())
+    if col.startswith("params."):
+        s = s.map(_unquoted)
     return s.where(s.map(lambda v: bool(v)), None).astype(object)
+
+
+def _unquoted(value):
+    """``mlflow run`` logs an entry point's params shell-quoted, as it writes them into the command
+    (``shlex.quote`` in MLflow's ``EntryPoint._sanitize_value_dict``): an empty value as ``''`` (shown as a
+    lone ``"`` in a proportional font), ``a b`` as ``'a b'``. The value it stands for; any other text as is."""
+    if not isinstance(value, str) or value[:1] != "'":
+        return value
+    try:
+        words = shlex.split(value)
+    except ValueError:
+        return value
+    return words[0] if len(words) == 1 and shlex.quote(words[0]) == value else value
 
 
 def _coalesce(df: pd.DataFrame, *cols: str) -> pd.Series:
@@ -354,8 +386,8 @@ def _integer(df: pd.DataFrame, col: str) -> pd.Series:
 
 def experiment_links(store_uri: str, ui_url: str) -> list[str]:
     """``NAME (N runs): URL`` for each experiment of ``store_uri`` that has runs, URL being its runs list
-    in the MLflow UI at ``ui_url`` (MLflow 3's UI opens an experiment on its GenAI overview; ``/runs``
-    opens the runs). Nothing when the store holds no runs yet."""
+    in the MLflow UI at ``ui_url`` (MLflow 3's UI opens an experiment on its GenAI overview;
+    :func:`~vitreg.tracking.naming.runs_page` opens the runs). Nothing when the store holds no runs yet."""
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(tracking_uri=store_uri)
@@ -363,7 +395,7 @@ def experiment_links(store_uri: str, ui_url: str) -> list[str]:
     for exp in client.search_experiments():
         n = len(client.search_runs([exp.experiment_id], max_results=1000))
         if n:
-            links.append(f"{exp.name} ({n} runs): {ui_url}/#/experiments/{exp.experiment_id}/runs")
+            links.append(f"{exp.name} ({n} runs): {ui_url}/{runs_page(exp.experiment_id)}")
     return links
 
 

@@ -199,7 +199,7 @@ def _training_plan(plan: TrainPlan, ctx: JobContext) -> TrainPlan:
         spec = loop.resume_spec(spec, resume, info, ctx.progress)  # another model fails here, early
     hw = ctx.hardware
     title = naming.RunTitle(hw.label, spec.model, runtime.amp, spec.compile, ctx.world.world_size, job="train",
-                            ran_on=hw.detected.profile.label if hw.mismatch else None)
+                            ran_on=hw.detected.profile.label if hw.mismatch else None, img_size=info.img_size)
     plan = dataclasses.replace(plan, spec=spec, progress=ctx.progress, ctx=ctx.with_spec(spec), model=model,
                                info=info, resume=resume, title=title)
     plan = dataclasses.replace(plan, teacher=_teacher(plan))
