@@ -47,7 +47,7 @@ def test_help_text_as_printed():
     out = CliRunner().invoke(main, ["train", "--help"], terminal_width=200).output
     assert "--amp [auto|off|tf32|bf16|fp16]" in out
     assert "--batch-size INTEGER RANGE" in out and "[default: 64; x>=1]" in out
-    assert "--allow-gpu-mismatch BOOLEAN" in out
+    assert "--allow-gpu-mismatch [BOOLEAN]" in out  # the value may be left out: a bare flag is true
     assert "0.0<=x<1.0" in out  # label_smoothing: below 1, exclusive
     assert "--gpu GPU" in out and "--model MODEL" in out
     assert "--experiment TEXT" in out
@@ -67,10 +67,11 @@ def all_commands(group: click.Group = main, prefix: tuple = ()) -> list[tuple[st
 
 
 def option_lines(path: tuple[str, ...]) -> list[list[str]]:
-    """The Options section of ``vitreg <path> --help`` as printed, one word list per option line."""
+    """Every option section of ``vitreg <path> --help`` as printed (after the command's text), one word list
+    per option line."""
     out = CliRunner().invoke(main, [*path, "--help"], terminal_width=200).output
-    section = out.split("\nOptions:\n", 1)[1]
-    return [line.split() for line in section.splitlines() if line.startswith("  -")]
+    sections = out.split("\n\n", 2)[2]  # after the usage line and the command's own text
+    return [line.split() for line in sections.splitlines() if line.startswith("  -")]
 
 
 def command_at(path: tuple[str, ...]) -> click.Command:
@@ -88,14 +89,15 @@ def test_help_lists_each_option_once_with_its_type(path):
     for param in command_at(path).params:
         if not isinstance(param, click.Option) or param.hidden:
             continue
-        assert firsts.count(param.opts[0]) == 1, (param.opts, firsts)
-        assert not set(param.opts[1:] + param.secondary_opts) & set(firsts), (param.opts, firsts)
-        words = lines[firsts.index(param.opts[0])]
+        shown = getattr(param, "shown", param.opts[0])  # sweep's --axis: the one-axis spelling
+        assert firsts.count(shown) == 1, (param.opts, firsts)
+        assert not (set(param.opts + param.secondary_opts) - {shown}) & set(firsts), (param.opts, firsts)
+        words = lines[firsts.index(shown)]
         if not param.is_flag:  # a value option: its type follows the flag
             assert len(words) > 1 and (words[1].split("|")[0].isupper() or words[1].startswith("[")), words
     for opt in options_of(path[-1]) if path[-1] in COMMANDS else ():
         if opt.kind != "str":  # a number, a bool, a batch size or a choice never reads as free text
-            assert lines[firsts.index(opt.flags[0])][1] != "TEXT", (opt.name, opt.kind)
+            assert lines[firsts.index(opt.help_flag or opt.flags[0])][1] != "TEXT", (opt.name, opt.kind)
 
 
 def test_help_sentences_start_with_a_capital_unless_they_open_with_a_name():

@@ -165,7 +165,7 @@ def check_label_here(requested: str, device: str, allow_mismatch: bool) -> None:
     possible = [match_profile(name).label for name in names] + (["cpu"] if device != "cuda" else [])
     if label in possible:
         return
-    close = [c for c in _close_labels(label) if c not in possible]
+    close = _close_labels(label)
     what = "" if label in PROFILES else f" ({label!r} is not a known label{f'; did you mean {close[0]}?' if close else ''})"
     raise VitregError(f"gpu={requested} is not this host's hardware ({', '.join(dict.fromkeys(possible))}){what}: use "
                       f"gpu={possible[0]} or gpu=auto (or allow_gpu_mismatch=true to file it as {label} anyway)")
