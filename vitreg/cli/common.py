@@ -180,7 +180,7 @@ def check_first(command: str, values: dict) -> None:
     from vitreg.config.spec import BenchSpec, TrainSpec
 
     spec = (TrainSpec if command == "train" else BenchSpec).from_options(
-        {**fields, "model": own["model_uri"]} if command == "infer" else fields)  # infer: the model is the checkpoint's
+        {**fields, "model": "pending"} if command == "infer" else fields)  # infer's model: the checkpoint's, later
     if command in JOB_OPTIONS:
         launcher_options(command, own)
         check_name(spec.model)
