@@ -171,7 +171,9 @@ def check_first(command: str, values: dict) -> None:
     for opt in options_of(command):
         if values.get(opt.name) is not None and not opt.repeatable:
             opt.parse(values[opt.name])
-    fields, own = split_options(command, values)
+    own_names = {o.name for o in options_of(command) if not o.spec_field}
+    own = {k: v for k, v in values.items() if k in own_names}
+    fields = {k: v for k, v in values.items() if k not in own_names}  # a name of no option: the spec refuses it
     if command == "sweep":
         from vitreg.bench.sweep import check_options
 
