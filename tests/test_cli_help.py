@@ -292,3 +292,13 @@ def test_server_help_lists_its_options_and_passes_them_on(monkeypatch):
     monkeypatch.setattr(server, "main", lambda argv: seen.append(argv) or 0)
     result = CliRunner().invoke(main, ["server", "--dry-run", "--timeout", "5"])
     assert result.exit_code == 0 and seen == [["--timeout", "5.0", "--dry-run"]], result.output
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["benh"], "No such command 'benh'. Did you mean 'bench'?; see `vitreg --help`"),
+    (["sweep"], "Missing option '--models'; see `vitreg sweep --help`"),
+    (["bench", "extra"], "Got unexpected extra argument (extra); see `vitreg bench --help`"),
+])
+def test_every_usage_error_is_one_line(args, needle):
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 2 and result.output == f"error: {needle}\n", result.output

@@ -63,8 +63,9 @@ class OneLineUsageError(click.UsageError):
     """click's usage error as vitreg prints every bad input: one ``error:`` line naming the fix, exit 2."""
 
     def show(self, file=None) -> None:
-        where = f"`{self.ctx.command_path} --help`" if self.ctx else "--help"
-        click.echo(f"error: {scrub(self.format_message())}; see {where}", err=True)
+        # `vitreg bench --help`, also where the command ran as an MLproject entry point (`-P k=v` are its options)
+        where = f"`vitreg {self.ctx.info_name} --help`" if self.ctx and self.ctx.parent else "`vitreg --help`"
+        click.echo(f"error: {scrub(self.format_message()).rstrip('.')}; see {where}", err=True)
 
 
 class VitregCommand(click.Command):

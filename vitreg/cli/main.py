@@ -14,8 +14,8 @@ from pathlib import Path
 import click
 
 from vitreg import signals
-from vitreg.cli.common import (OneSpelling, VitregCommand, check_first, command_line, command_options, dashed,
-                               offline_if_asked, run_ddp_job, split_options, user_errors)
+from vitreg.cli.common import (OneLineUsageError, OneSpelling, VitregCommand, check_first, command_line,
+                               command_options, dashed, offline_if_asked, run_ddp_job, split_options, user_errors)
 from vitreg.cli.param_types import ChoiceText, FloatText, GpuLabel
 from vitreg.config.options import option
 from vitreg.config.parse import parse_float
@@ -28,6 +28,12 @@ _STALE_AFTER_S = "600"  # twenty heartbeat periods: a run silent that long has n
 
 class VitregGroup(click.Group):
     command_class = VitregCommand  # sections in --help, one-line usage errors
+
+    def resolve_command(self, ctx, args):
+        try:
+            return super().resolve_command(ctx, args)
+        except click.UsageError as exc:  # `vitreg benh`: one line, with click's suggestion
+            raise OneLineUsageError(exc.format_message(), ctx) from None
 
 
 @click.group(cls=VitregGroup, context_settings={"token_normalize_func": dashed})
