@@ -10,7 +10,7 @@ is parsed (:mod:`vitreg.config.spec`), and the argv that hands options to a chil
 **Adding an option** touches: its :class:`Option` entry below (``identity=True`` when it changes the
 work measured, else ``same_work="why not"``); for a spec field, also its line in the class body of
 ``BenchSpec`` / ``TrainSpec`` (:mod:`vitreg.config.spec`, in table order: tests/test_layout.py catches a
-drift); then ``make mlproject`` (it rewrites MLproject and the README tables; tests/test_options.py fails
+drift); its ``--help`` section in :data:`HELP_GROUPS` (tests/test_cli_help.py catches a job's option without one); then ``make mlproject`` (it rewrites MLproject and the README tables; tests/test_options.py fails
 until you do); and its behaviour where the spec's value is used (docs/ARCHITECTURE.md, "Where to add"). An option whose meaning or default differs between commands (``steps``:
 iterations per timed window in bench, optimizer updates in train) is two entries with the same name
 and disjoint commands.
@@ -468,7 +468,7 @@ OPTIONS: tuple[Option, ...] = (
 #: option of no section is listed under "Options" (tests/test_cli_help.py: every option of a job has one).
 HELP_GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("What to run", ("model_uri", "models", "model", "axes", "task", "batch_size", "img_size", "amp", "sdpa", "compile",
-                     "compile_backend", "cuda_graph", "data", "num_classes", "train:steps", "epochs", "seed")),
+                     "compile_backend", "cuda_graph", "data", "num_classes", "train:steps", "epochs", "resume", "seed")),
     ("Training recipe", ("lr", "weight_decay", "warmup_steps", "min_lr", "clip_grad", "label_smoothing",
                          "distillation", "teacher", "distill_alpha", "distill_tau")),
     ("How to run it", ("gpu", "device", "allow_gpu_mismatch", "warmup", "steps", "repeats", "nproc", "ddp_bucket_mb",
@@ -476,8 +476,8 @@ HELP_GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
                        "compile_cache", "profile", "profile_steps", "engine", "ray_address", "slurm_partition",
                        "slurm_account", "slurm_qos", "slurm_time_min", "slurm_sbatch", "slurm_gpu_by", "slurm_folder",
                        "max_parallel", "max_combinations")),
-    ("Where to log", ("experiment", "run_name", "offline", "baseline_run", "log_every", "checkpoint_every", "resume",
-                      "register_as", "alias")),
+    ("Where to log", ("experiment", "run_name", "offline", "baseline_run", "log_every", "checkpoint_every", "register_as",
+                      "alias")),
 )
 
 
