@@ -5,6 +5,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without install
 
+from interpreter import use_the_python_with_dependencies  # noqa: E402  (beside this script; standard library only)
+
+use_the_python_with_dependencies()  # `mlflow run` starts the python first on PATH: maybe not vitreg's
+
 from vitreg.cli.main import main  # noqa: E402
 
 if __name__ == "__main__":

@@ -81,6 +81,11 @@ def test_bench_bad_input_is_the_cli_s_one_line_error(store):
         vitreg.api.bench(batchsize=2, experiment="api-bad", model="test_vit")
     with pytest.raises(VitregError, match="amp='int8' is not one of"):
         vitreg.api.bench(amp="int8", experiment="api-bad", **TINY)
+    with pytest.raises(VitregError, match="did you mean deit_tiny_patch16_224"):
+        vitreg.api.bench(experiment="api-bad", **{**TINY, "model": "deit_tiny"})
+    from mlflow.tracking import MlflowClient
+
+    assert MlflowClient(store[0]).get_experiment_by_name("api-bad") is None  # refused before any run existed
 
 
 def test_runs_is_one_frame_and_the_csv_holds_the_same(store):

@@ -47,7 +47,7 @@ def test_help_text_as_printed():
     out = CliRunner().invoke(main, ["train", "--help"], terminal_width=200).output
     assert "--amp [auto|off|tf32|bf16|fp16]" in out
     assert "--batch-size INTEGER RANGE" in out and "[default: 64; x>=1]" in out
-    assert "--allow-gpu-mismatch BOOLEAN" in out
+    assert "--allow-gpu-mismatch [BOOLEAN]" in out  # the value may be left out: a bare flag is true
     assert "0.0<=x<1.0" in out  # label_smoothing: below 1, exclusive
     assert "--gpu GPU" in out and "--model MODEL" in out
     assert "--experiment TEXT" in out
@@ -67,10 +67,11 @@ def all_commands(group: click.Group = main, prefix: tuple = ()) -> list[tuple[st
 
 
 def option_lines(path: tuple[str, ...]) -> list[list[str]]:
-    """The Options section of ``vitreg <path> --help`` as printed, one word list per option line."""
+    """Every option section of ``vitreg <path> --help`` as printed (after the command's text), one word list
+    per option line."""
     out = CliRunner().invoke(main, [*path, "--help"], terminal_width=200).output
-    section = out.split("\nOptions:\n", 1)[1]
-    return [line.split() for line in section.splitlines() if line.startswith("  -")]
+    sections = out.split("\n\n", 2)[2]  # after the usage line and the command's own text
+    return [line.split() for line in sections.splitlines() if line.startswith("  -")]
 
 
 def command_at(path: tuple[str, ...]) -> click.Command:
@@ -88,14 +89,15 @@ def test_help_lists_each_option_once_with_its_type(path):
     for param in command_at(path).params:
         if not isinstance(param, click.Option) or param.hidden:
             continue
-        assert firsts.count(param.opts[0]) == 1, (param.opts, firsts)
-        assert not set(param.opts[1:] + param.secondary_opts) & set(firsts), (param.opts, firsts)
-        words = lines[firsts.index(param.opts[0])]
+        shown = getattr(param, "shown", param.opts[0])  # sweep's --axis: the one-axis spelling
+        assert firsts.count(shown) == 1, (param.opts, firsts)
+        assert not (set(param.opts + param.secondary_opts) - {shown}) & set(firsts), (param.opts, firsts)
+        words = lines[firsts.index(shown)]
         if not param.is_flag:  # a value option: its type follows the flag
             assert len(words) > 1 and (words[1].split("|")[0].isupper() or words[1].startswith("[")), words
     for opt in options_of(path[-1]) if path[-1] in COMMANDS else ():
         if opt.kind != "str":  # a number, a bool, a batch size or a choice never reads as free text
-            assert lines[firsts.index(opt.flags[0])][1] != "TEXT", (opt.name, opt.kind)
+            assert lines[firsts.index(opt.help_flag or opt.flags[0])][1] != "TEXT", (opt.name, opt.kind)
 
 
 def test_help_sentences_start_with_a_capital_unless_they_open_with_a_name():
@@ -161,3 +163,142 @@ def test_click_types_hand_any_text_on_unchanged(command):
     for param in cmd.params:
         for text in ("fp8", "-3", "many", "1e9", "perhaps", ""):
             assert param.type.convert(text, param, ctx) == text, (param.name, text)
+
+
+# ---------------------------------------------------------------- one spelling rule, booleans, sections
+
+REQUIRED = {"infer": ["--model-uri", "m"], "sweep": ["--models", "test_vit"], "compare": ["--experiment", "e"],
+            "check": ["--experiment", "e"]}
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_every_boolean_works_bare_and_as_true_or_false(command):
+    """`--allow-gpu-mismatch` alone, as a flag reads, and `--allow-gpu-mismatch true`, as MLproject writes it."""
+    required = REQUIRED.get(command, [])
+    for opt in [o for o in options_of(command) if o.kind == "bool"]:
+        for given, parsed in (([opt.flags[0]], "true"), ([opt.flags[0], "--gpu", "a100"], "true"),
+                              ([opt.flags[-1], "true"], "true"), ([opt.flags[0], "false"], "false"), ([], "false")):
+            if "--gpu" in given and command in ("compare", "check"):
+                given = [opt.flags[0], "--metric", "x"]
+            ctx = command_of(command).make_context(command, [*given, *required])
+            assert ctx.params[opt.name] == parsed, (command, given, ctx.params[opt.name])
+
+
+def test_a_bare_boolean_before_another_option_is_not_an_extra_argument():
+    result = CliRunner().invoke(main, ["bench", "--allow-gpu-mismatch", "--gpu", "a100", "--amp", "bf61"])
+    assert result.exit_code == 2 and "unexpected extra argument" not in result.output, result.output
+    assert result.output.count("error: ") == 1 and "did you mean amp=bf16?" in result.output
+
+
+@pytest.mark.parametrize("args,shown,hidden", [
+    (["bench", "--batch_sise", "4"], "--batch-size", "--batch_size"),
+    (["bench", "--experiment-nme", "x"], "--experiment", "--experiment-name"),
+    (["train", "--allow-gpu-mismach"], "--allow-gpu-mismatch", "--allow_gpu_mismatch"),
+    (["compare", "--experiment", "e", "--metrc", "x"], "--metric", "--metric_"),
+])
+def test_a_misspelt_option_is_one_line_suggesting_only_what_help_shows(args, shown, hidden):
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 2, result.output
+    (line,) = result.output.splitlines()
+    assert line.startswith("error: no such option") and f"did you mean {shown}" in line and hidden not in line, line
+
+
+def test_completion_offers_only_the_spellings_help_shows():
+    assert completions(["bench"], "--batch") == ["--batch-size"]
+    assert completions(["bench"], "--experiment") == ["--experiment"]
+    assert completions(["sweep"], "--ax") == ["--axis"]
+    assert completions(["bench", "--compile-backend"], "aot") == ["aot_eager"]  # values keep their spelling
+
+
+@pytest.mark.parametrize("path", all_commands(), ids="-".join)
+def test_one_spelling_rule_for_every_command(path):
+    """Every option's dashed name is what --help shows; its underscored twin (what `mlflow run` appends for an
+    undeclared -P) means the same, whichever command it is."""
+    cmd = command_at(path)
+    for param in cmd.params:
+        if not isinstance(param, click.Option) or param.hidden or "-" not in param.opts[0][2:]:
+            continue
+        twin = "--" + param.opts[0][2:].replace("-", "_")
+        args = [twin] if param.is_flag else [twin, "7"]
+        parent = click.Context(main, info_name="vitreg", **main.context_settings)  # as `vitreg <path>` parses
+        ctx = cmd.make_context(path[-1], args, parent=parent, resilient_parsing=True)
+        assert ctx.params[param.name] in (True, "7", ("7",)), (path, twin, ctx.params[param.name])
+
+
+@pytest.mark.parametrize("command", ["compare", "check", "bench", "runs", "import-timm"])
+def test_experiment_name_is_accepted_by_every_command_that_takes_an_experiment(command):
+    ctx = command_of(command).make_context(command, ["--experiment-name", "gpus"], resilient_parsing=True)
+    assert ctx.params["experiment"] == "gpus"
+
+
+def test_a_command_s_name_follows_the_rule_too():
+    assert CliRunner().invoke(main, ["import_timm", "--help"]).exit_code == 0
+
+
+def help_sections(command: str) -> dict[str, list[str]]:
+    """``vitreg <command> --help``'s sections: title -> the flags listed there."""
+    out = CliRunner().invoke(main, [command, "--help"], terminal_width=200).output
+    sections, title = {}, None
+    for line in out.splitlines():
+        if line.endswith(":") and not line.startswith(" "):
+            title = line[:-1]
+            sections[title] = []
+        elif title and line.startswith("  -"):
+            sections[title].append(line.split()[0])
+    return sections
+
+
+@pytest.mark.parametrize("command", ["bench", "train", "sweep", "infer"])
+def test_help_groups_the_options_what_to_run_how_where_to_log(command):
+    from vitreg.config.options import HELP_GROUPS, help_group
+
+    sections = help_sections(command)
+    order = [title for title, _ in HELP_GROUPS]
+    assert list(sections)[:-1] == [t for t in order if t in sections] and list(sections)[-1] == "Options"
+    assert {"What to run", "How to run it", "Where to log"} <= set(sections)
+    for opt in options_of(command):
+        assert help_group(command, opt.name), (command, opt.name)  # every option of a job has its section
+        assert (opt.help_flag or opt.flags[0]) in sections[help_group(command, opt.name)], (command, opt.name)
+    assert sections["Options"] == ["--help"]
+
+
+def test_every_option_of_sweep_is_findable_by_its_flag():
+    lines = [line for line in CliRunner().invoke(main, ["sweep", "--help"], terminal_width=200).output.splitlines()
+             if line.startswith("  --axis ")]
+    assert len(lines) == 1 and "repeatable" in lines[0], lines
+
+
+def test_sweep_s_defaults_are_bench_s():
+    """What a sweep's children run by default is what `vitreg bench` runs by default (batch_size: auto)."""
+    from vitreg.config.options import option
+    from vitreg.fleet.axes import LIST_AXES
+
+    bench = {o.name for o in options_of("bench")}
+    compared = 0
+    for opt in options_of("sweep"):
+        name = LIST_AXES.get(opt.name, opt.name if opt.spec_field else None)
+        if name in bench:
+            assert opt.default_text == option("bench", name).default_text, opt.name
+            compared += 1
+    assert compared >= 10
+
+
+def test_server_help_lists_its_options_and_passes_them_on(monkeypatch):
+    from vitreg.deploy import server
+
+    out = CliRunner().invoke(main, ["server", "--help"], terminal_width=200).output
+    assert re.search(r"^  --dry-run +Print", out, re.M) and re.search(r"^  --timeout FLOAT", out, re.M), out
+    seen = []
+    monkeypatch.setattr(server, "main", lambda argv: seen.append(argv) or 0)
+    result = CliRunner().invoke(main, ["server", "--dry-run", "--timeout", "5"])
+    assert result.exit_code == 0 and seen == [["--timeout", "5.0", "--dry-run"]], result.output
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["benh"], "No such command 'benh'. Did you mean 'bench'?; see `vitreg --help`"),
+    (["sweep"], "Missing option '--models'; see `vitreg sweep --help`"),
+    (["bench", "extra"], "Got unexpected extra argument (extra); see `vitreg bench --help`"),
+])
+def test_every_usage_error_is_one_line(args, needle):
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 2 and result.output == f"error: {needle}\n", result.output

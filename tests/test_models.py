@@ -65,10 +65,11 @@ def test_a_name_listed_before_is_checked_without_importing_timm(tmp_path, monkey
     assert learned_facts.cache_file().parent == tmp_path / "vitreg" and learned_facts.names() == set(names)
     assert "test_vit" in names and "resnet50" not in names
 
+    families._timm_source()  # timm's source, read as text (a process reads it once, without importing timm)
     monkeypatch.setitem(sys.modules, "timm", None)  # any `import timm` now fails
     families.check_name("vit_base_patch16_224")
-    with pytest.raises(ImportError):
-        families.check_name("resnet50")  # not listed: only timm can say what it is
+    with pytest.raises(VitregError, match="'resnet50' is not a vision transformer"):
+        families.check_name("resnet50")  # not listed: timm's source says what it is, without importing timm
 
 
 def test_an_edited_cache_file_never_lets_a_bad_model_build_nor_refuses_a_job(tmp_path, monkeypatch):

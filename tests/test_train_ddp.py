@@ -137,12 +137,12 @@ def test_failing_ranks_fail_the_run_with_their_error_and_status(tmp_path):
 # the launcher's checks (in-process, nothing launched)
 
 
-@pytest.mark.parametrize("extra,needle", [
-    ({"model": "test_vti"}, "did you mean test_vit"),
-    ({"device": "cuda"}, "no CUDA GPU is visible"),
-    ({"data": "/nonexistent/imagenet"}, "does not exist"),
+@pytest.mark.parametrize("extra,needle,run_left", [
+    ({"model": "test_vti"}, "did you mean test_vit", False),  # a typo: refused before any run exists
+    ({"device": "cuda"}, "no CUDA GPU is visible", True),
+    ({"data": "/nonexistent/imagenet"}, "does not exist", True),
 ])
-def test_launcher_refuses_before_launching(sqlite_store, monkeypatch, extra, needle):
+def test_launcher_refuses_before_launching(sqlite_store, monkeypatch, extra, needle, run_left):
     from mlflow.tracking import MlflowClient
 
     from vitreg.cli.main import main
@@ -152,7 +152,11 @@ def test_launcher_refuses_before_launching(sqlite_store, monkeypatch, extra, nee
     assert result.exit_code == 2, result.output
     assert result.output.count("error: ") == 1 and needle in result.output and "launching" not in result.output, result.output
     client = MlflowClient()
-    (run,) = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    runs = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    if not run_left:
+        assert runs == []
+        return
+    (run,) = runs
     assert run.info.status == "FAILED" and needle in run.data.tags["vitreg_error"]
 
 

@@ -22,11 +22,12 @@ def bench(*, experiment: str | None = None, run_name: str | None = None, **optio
     ``vitreg.api.bench(model="deit_tiny_patch16_224", batch_size=8, task="infer", experiment="laptop")``
     """
     from vitreg.bench.job import bench as run_bench
-    from vitreg.cli.common import launcher_options
+    from vitreg.cli.common import check_first, launcher_options
     from vitreg.config.options import option
 
     command = _call_text("bench", options)
     own = {name: options.pop(name, option("bench", name).default) for name in _BENCH_LAUNCHER}
+    check_first("bench", {**options, **own})  # a typo refused as the CLI refuses it: before any run exists
     return run_bench(options, experiment=experiment, run_name=run_name, command=command,
                      **launcher_options("bench", own))
 

@@ -79,6 +79,25 @@ def run_sweep(own: dict, common: dict | None = None, max_oom_retries: int = 3, p
         engine.close()
 
 
+def check_options(own: dict, common: dict) -> None:
+    """What :func:`run_sweep` checks before its engine starts (torch, a Ray cluster, SLURM) and its parent run
+    exists, checked first so a typo costs no engine and no run: the settings, the size (``gpu=all`` counted as
+    one type: a lower bound), every combination as a BenchSpec and its model (timm is not imported), and on
+    this host (engine=local) each GPU label."""
+    from vitreg.hardware.profiles import check_label_here
+
+    settings = SweepSettings.parse(own)
+    common = dict(common)
+    axes = collect_axes({name: own.get(name, option("sweep", name).default) for name in SWEEP_LISTS},
+                        axis_texts_of(own.get("axes", "")), common)
+    check_size(count(axes), settings.max_combinations)
+    combos = plan(axes, common)
+    if settings.engine == "local" and "gpu" not in axes:  # several GPU types: the local engine says why not
+        for combo in combos:
+            check_label_here(str(combo.get("gpu", common.get("gpu") or "auto")), str(common.get("device") or "auto"),
+                             option("bench", "allow_gpu_mismatch").parse(common.get("allow_gpu_mismatch", False)))
+
+
 def _engine(settings: SweepSettings, common: dict, progress):
     if settings.engine == "slurm":
         from vitreg.fleet.slurm_engine import SlurmEngine

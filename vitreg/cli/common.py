@@ -25,7 +25,7 @@ import click
 from click.core import ParameterSource
 
 from vitreg.cli.param_types import param_type
-from vitreg.config.options import option, options_of
+from vitreg.config.options import HELP_GROUPS, help_group, option, options_of
 from vitreg.config.parse import param_text
 from vitreg.errors import VitregError
 from vitreg.environment import environ_restored
@@ -34,16 +34,81 @@ from vitreg.console import scrub
 
 
 class OneSpelling(click.Option):
-    """An option whose --help line shows its first flag only (``--batch-size``). The other spellings stay
-    accepted: ``--batch_size`` because ``mlflow run`` appends an undeclared ``-P batch_size=8`` as
-    ``--batch_size 8``, ``--experiment-name`` because it is ``mlflow run``'s own spelling."""
+    """An option whose --help line shows one flag (``--batch-size``; ``shown``, where given: sweep's
+    ``--axis``). The other spellings stay accepted: ``--batch_size`` because ``mlflow run`` appends an
+    undeclared ``-P batch_size=8`` as ``--batch_size 8``, ``--experiment-name`` because it is ``mlflow run``'s
+    own spelling. ``group``: the --help section it is listed in (:class:`VitregCommand`)."""
+
+    def __init__(self, *args, shown: str | None = None, group: str | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.shown = shown or self.opts[0]
+        self.group = group
 
     def get_help_record(self, ctx):
-        spellings, self.opts = self.opts, self.opts[:1]
+        spellings, self.opts = self.opts, [self.shown]
         try:
             return super().get_help_record(ctx)
         finally:
             self.opts = spellings
+
+
+def dashed(token: str) -> str:
+    """click's token_normalize_func for every command: ``--batch_size`` is ``--batch-size``, ``import_timm`` is
+    ``import-timm``. One spelling rule for every option and command: the dashed one is shown, the underscored
+    one (``mlflow run``'s for an undeclared ``-P k=v``) works as well."""
+    return token.replace("_", "-")
+
+
+class OneLineUsageError(click.UsageError):
+    """click's usage error as vitreg prints every bad input: one ``error:`` line naming the fix, exit 2."""
+
+    def show(self, file=None) -> None:
+        # `vitreg bench --help`, also where the command ran as an MLproject entry point (`-P k=v` are its options)
+        where = f"`vitreg {self.ctx.info_name} --help`" if self.ctx and self.ctx.parent else "`vitreg --help`"
+        click.echo(f"error: {scrub(self.format_message()).rstrip('.')}; see {where}", err=True)
+
+
+class VitregCommand(click.Command):
+    """A command whose --help lists its options in sections (:data:`vitreg.config.options.HELP_GROUPS`: what to
+    run, how, where to log) and whose usage errors are one line, suggesting only spellings --help shows.
+
+    click has no option sections of its own; click-option-group declares them with decorators around the
+    options and rich-click from a dict per command, through its own formatter. Both are a dependency for
+    what this does in ``format_options``: the option table already names each option's section.
+    """
+
+    def format_options(self, ctx, formatter) -> None:
+        sections: dict[str, list] = {title: [] for title, _ in HELP_GROUPS}
+        for param in self.get_params(ctx):
+            record = param.get_help_record(ctx)
+            if record is not None:
+                sections.setdefault(getattr(param, "group", None) or "Options", []).append(record)
+        for title, records in sections.items():
+            if not records:
+                continue
+            with formatter.section(title):
+                formatter.write_dl(records)
+
+    def shown_flags(self, ctx) -> set[str]:
+        """The one spelling of each option that --help shows."""
+        return {p.shown if isinstance(p, OneSpelling) else p.opts[0]
+                for p in self.get_params(ctx) if isinstance(p, click.Option) and not p.hidden}
+
+    def shell_complete(self, ctx, incomplete):
+        items = super().shell_complete(ctx, incomplete)
+        shown = self.shown_flags(ctx)
+        return [item for item in items if not item.value.startswith("-") or item.value in shown]
+
+    def parse_args(self, ctx, args):
+        try:
+            return super().parse_args(ctx, args)
+        except click.NoSuchOption as exc:
+            shown = self.shown_flags(ctx)
+            close = [p for p in exc.possibilities or () if p in shown]
+            hint = f" (did you mean {' or '.join(close)}?)" if close else ""
+            raise OneLineUsageError(f"no such option {exc.option_name}{hint}", ctx) from None
+        except click.UsageError as exc:
+            raise OneLineUsageError(exc.format_message(), ctx) from None
 
 
 def sentence(text: str) -> str:
@@ -61,8 +126,10 @@ def command_options(command: str):
     Values stay strings, parsed by the spec (or :func:`launcher_options`), so ``--flag false`` and
     ``-P flag=false`` mean the same thing; each option keyword is its name (``compile``, ``batch_size``).
     Each option's click type (:func:`vitreg.cli.param_types.param_type`) only shows its kind, choices
-    and bounds in --help and completes its values: it accepts any text. --help shows one spelling of
-    each (:class:`OneSpelling`).
+    and bounds in --help and completes its values: it accepts any text. A boolean's value may be left
+    out (``--allow-gpu-mismatch`` alone is ``true``), as a flag reads; ``true``/``false`` still follow it, as
+    MLproject's command line writes them. --help shows one spelling of each (:class:`OneSpelling`), in
+    its section.
     """
 
     def decorate(fn):
@@ -74,8 +141,11 @@ def command_options(command: str):
                             "show_default": bool(opt.default_text)}
             if opt.repeatable:
                 settings = {"multiple": True, "default": [opt.default_text] if opt.default_text else []}
+            if opt.kind == "bool":
+                settings.update(is_flag=False, flag_value="true")  # a value option whose value may be left out
             fn = click.option(*opt.flags, opt.name, cls=OneSpelling, type=param_type(opt), help=sentence(opt.help),
-                              envvar=opt.envvar, **settings)(fn)
+                              envvar=opt.envvar, shown=opt.help_flag, group=help_group(command, opt.name),
+                              **settings)(fn)
         return fn
 
     return decorate
@@ -86,6 +156,38 @@ def split_options(command: str, values: dict) -> tuple[dict, dict]:
     fields = {o.name for o in options_of(command) if o.spec_field}
     return ({k: v for k, v in values.items() if k in fields},
             {k: v for k, v in values.items() if k not in fields})
+
+
+def check_first(command: str, values: dict) -> None:
+    """Refuse a bad option value of a job (``bench``, ``train``, ``infer``, ``sweep``) before any heavy import
+    (torch, timm, mlflow: 5-10 s here, minutes on a loaded host) and before any run exists, so a typo costs
+    about a second and leaves nothing in the store: every value by its option, the spec's checks across
+    options, the launcher's, the model's name (:func:`vitreg.models.families.check_name`, without timm) and
+    the GPU label against this host (:func:`vitreg.hardware.profiles.check_label_here`, without torch).
+    What needs the model built or the device (img_size against the patch size, amp against the GPU) stays
+    the job's check, inside its run."""
+    from vitreg.hardware.profiles import check_label_here
+    from vitreg.models.families import check_name
+
+    for opt in options_of(command):
+        if values.get(opt.name) is not None and not opt.repeatable:
+            opt.parse(values[opt.name])
+    own_names = {o.name for o in options_of(command) if not o.spec_field}
+    own = {k: v for k, v in values.items() if k in own_names}
+    fields = {k: v for k, v in values.items() if k not in own_names}  # a name of no option: the spec refuses it
+    if command == "sweep":
+        from vitreg.bench.sweep import check_options
+
+        check_options(own, fields)
+        return
+    from vitreg.config.spec import BenchSpec, TrainSpec
+
+    spec = (TrainSpec if command == "train" else BenchSpec).from_options(
+        {**fields, "model": "pending"} if command == "infer" else fields)  # infer's model: the checkpoint's, later
+    if command in JOB_OPTIONS:
+        launcher_options(command, own)
+        check_name(spec.model)
+    check_label_here(spec.gpu, spec.device, spec.allow_gpu_mismatch)
 
 
 #: Each DDP job's own keyword arguments besides the placement, each one of the command's own options

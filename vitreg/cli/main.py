@@ -14,8 +14,8 @@ from pathlib import Path
 import click
 
 from vitreg import signals
-from vitreg.cli.common import (OneSpelling, command_line, command_options, offline_if_asked, run_ddp_job,
-                               split_options, user_errors)
+from vitreg.cli.common import (OneLineUsageError, OneSpelling, VitregCommand, check_first, command_line,
+                               command_options, dashed, offline_if_asked, run_ddp_job, split_options, user_errors)
 from vitreg.cli.param_types import ChoiceText, FloatText, GpuLabel
 from vitreg.config.options import option
 from vitreg.config.parse import parse_float
@@ -26,7 +26,17 @@ from vitreg.tracking.store import bound_http_requests, quiet_artifact_downloads,
 _STALE_AFTER_S = "600"  # twenty heartbeat periods: a run silent that long has no process behind it
 
 
-@click.group()
+class VitregGroup(click.Group):
+    command_class = VitregCommand  # sections in --help, one-line usage errors
+
+    def resolve_command(self, ctx, args):
+        try:
+            return super().resolve_command(ctx, args)
+        except click.UsageError as exc:  # `vitreg benh`: one line, with click's suggestion
+            raise OneLineUsageError(exc.format_message(), ctx) from None
+
+
+@click.group(cls=VitregGroup, context_settings={"token_normalize_func": dashed})
 @click.version_option(package_name="vitreg")
 def main():
     """vitreg: ViT/DeiT benchmarks with compile/AMP/DDP, tracked in MLflow."""
@@ -43,6 +53,7 @@ def main():
 @user_errors
 def bench(**values):
     """Benchmark inference and/or training of one model and log one MLflow run."""
+    check_first("bench", values)
     from vitreg.bench.job import bench as run_bench
 
     run_ddp_job("bench", run_bench, values)
@@ -82,6 +93,7 @@ def import_timm(csv_file, gpu, amp, experiment):
 def sweep(**values):
     """Run every combination of models x amp x compile x batch size (and each --axis) as child runs of one
     parent run, on this host's GPUs or (engine=ray) a Ray cluster's."""
+    check_first("sweep", values)
     from vitreg.bench.sweep import run_sweep
 
     common, own = split_options("sweep", values)  # common: the same for every combination
@@ -90,13 +102,17 @@ def sweep(**values):
         raise VitregError(f"all {len(outcome['failed'])} sweep runs failed: see the vitreg_error tags of the child runs")
 
 
-@main.command(context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
-@click.pass_context
-def server(ctx):
+@main.command()
+@click.option("--dry-run", is_flag=True, help="Print the configuration and the mlflow command; start nothing.")
+@click.option("--timeout", type=FloatText(min=0), default="60", show_default=True,
+              help="Seconds to wait for the server's /health.")
+@user_errors
+def server(dry_run, timeout):
     """Start the tracking server from tracking/ (VITREG_SERVER_* variables; see tracking/README.md)."""
     from vitreg.deploy.server import main as server_main
 
-    sys.exit(server_main(ctx.args))
+    seconds = parse_float(timeout, "--timeout", minimum=0)
+    sys.exit(server_main(["--timeout", str(seconds)] + (["--dry-run"] if dry_run else [])))
 
 
 @main.command("train")
@@ -104,6 +120,7 @@ def server(ctx):
 @user_errors
 def train(**values):
     """Train a ViT/DeiT (synthetic data or an ImageFolder), log curves and checkpoints to one MLflow run."""
+    check_first("train", values)
     from vitreg.train.job import train as run_train
 
     run_ddp_job("train", run_train, values)
@@ -234,6 +251,7 @@ def pull(model_uri, out_dir):
 @user_errors
 def infer(**values):
     """Benchmark a registered model's weights (task=infer by default) and link the run to its version."""
+    check_first("infer", values)
     from vitreg.bench.job import infer as run_infer
 
     options, own = split_options("infer", values)

@@ -24,7 +24,12 @@ class _AsTyped:
 
 
 class ChoiceText(_AsTyped, click.Choice):
-    """``[off|bf16|fp16|auto]`` in --help; completes the choices (case-insensitively)."""
+    """``[off|bf16|fp16|auto]`` in --help; completes the choices (case-insensitively). The choices are shown as
+    the option table spells them: the commands' token normalisation (``--batch_size`` -> ``--batch-size``)
+    is for option names, not values (``aot_eager``)."""
+
+    def normalize_choice(self, choice, ctx):
+        return super().normalize_choice(choice, None)
 
 
 #: Above this an upper bound is a machine limit (the seed's 2**63-1), not advice: --help leaves it out.
@@ -65,7 +70,11 @@ class FloatTextUnbounded(_AsTyped, click.types.FloatParamType):
 
 
 class BoolText(_AsTyped, click.types.BoolParamType):
-    """``BOOLEAN`` in --help; completes ``true`` and ``false`` (the spellings MLflow params use)."""
+    """``[BOOLEAN]`` in --help (the value may be left out: ``--profile`` alone is ``--profile true``); completes
+    ``true`` and ``false`` (the spellings MLflow params use)."""
+
+    def get_metavar(self, param, ctx=None):
+        return "[BOOLEAN]"
 
     def shell_complete(self, ctx, param, incomplete):
         return [CompletionItem(word) for word in ("true", "false") if word.startswith(incomplete.lower())]

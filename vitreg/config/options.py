@@ -10,7 +10,7 @@ is parsed (:mod:`vitreg.config.spec`), and the argv that hands options to a chil
 **Adding an option** touches: its :class:`Option` entry below (``identity=True`` when it changes the
 work measured, else ``same_work="why not"``); for a spec field, also its line in the class body of
 ``BenchSpec`` / ``TrainSpec`` (:mod:`vitreg.config.spec`, in table order: tests/test_layout.py catches a
-drift); then ``make mlproject`` (it rewrites MLproject and the README tables; tests/test_options.py fails
+drift); its ``--help`` section in :data:`HELP_GROUPS` (tests/test_cli_help.py catches a job's option without one); then ``make mlproject`` (it rewrites MLproject and the README tables; tests/test_options.py fails
 until you do); and its behaviour where the spec's value is used (docs/ARCHITECTURE.md, "Where to add"). An option whose meaning or default differs between commands (``steps``:
 iterations per timed window in bench, optimizer updates in train) is two entries with the same name
 and disjoint commands.
@@ -64,6 +64,7 @@ class Option:
     lowercase: bool = False
     aliases: tuple[str, ...] = ()  # more click flags for it (``--experiment-name``, as ``mlflow run`` spells it)
     repeatable: bool = False  # the click flag may be given several times (its value is then a tuple of texts)
+    help_flag: str | None = None  # the spelling --help shows, when not the first flag (sweep's one-axis --axis)
     # Identity: True when the option changes the work measured, so two runs that differ in it are two
     # configurations and are never pooled (compare, check, scaling baselines, sweep labels, reports).
     # Otherwise ``same_work`` says why runs that differ in it measure the same work.
@@ -143,10 +144,12 @@ OPTIONS: tuple[Option, ...] = (
            same_work="a sweep list: each child run takes one of its values as its own option"),
     Option("compile", "str", "off", "Comma-separated, e.g. off,default.", ("sweep",), spec_field=False,
            same_work="a sweep list: each child run takes one of its values as its own option"),
-    Option("batch_size", "str", "64", "Comma-separated, e.g. 32,256.", ("sweep",), spec_field=False,
+    Option("batch_size", "str", AUTO_BATCH, "Comma-separated, e.g. 32,256, or auto (as in bench: the fastest batch "
+           "that fits, searched by each child).", ("sweep",), spec_field=False,
            same_work="a sweep list: each child run takes one of its values as its own option"),
-    Option("axes", "str", "", "more axes: NAME=V1,V2;NAME=V1,V2 over any bench option (CLI: --axis NAME=V1,V2, "
-           "repeatable).", ("sweep",), spec_field=False, aliases=("--axis",), repeatable=True,
+    Option("axes", "str", "", "one more axis over any bench option, e.g. sdpa=auto,cudnn; repeatable (--axes "
+           "\"NAME=V1,V2;NAME=V1,V2\" takes several at once).", ("sweep",), spec_field=False, aliases=("--axis",),
+           repeatable=True, help_flag="--axis",
            doc="more axes, `NAME=V1,V2;NAME=V1,V2`, over any bench option (`sdpa=auto,cudnn;nproc=1,2`); on the CLI "
                "also `--axis NAME=V1,V2`, repeatable. Every combination is checked against the option table before "
                "any child starts",
@@ -425,7 +428,7 @@ OPTIONS: tuple[Option, ...] = (
            ("bench", "infer", "train"), spec_field=False, mlproject=False,
            same_work="what the run is called, not what it measures"),
     Option("experiment", "str", None, "The experiment whose runs to compare.", ("compare", "check"), required=True,
-           spec_field=False,
+           spec_field=False, aliases=("--experiment-name",),
            same_work="a compare option: it reads runs and measures nothing"),
     Option("baseline", "str", "", "the --by value to compute speedups against (a GPU label such as a100; 2.8.0 "
            "with --by torch_version); empty: none.", ("compare",), spec_field=False,
@@ -458,3 +461,30 @@ OPTIONS: tuple[Option, ...] = (
            "(e.g. release=2.4) instead of the runs before the candidate.", ("check",), spec_field=False,
            same_work=_CHECKS),
 )
+
+
+#: The sections of ``--help`` (:class:`vitreg.cli.common.VitregCommand`), by option name (``command:name`` where
+#: one name means two things: train's ``steps`` are what is trained, bench's how long a window is timed). An
+#: option of no section is listed under "Options" (tests/test_cli_help.py: every option of a job has one).
+HELP_GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("What to run", ("model_uri", "models", "model", "axes", "task", "batch_size", "img_size", "amp", "sdpa", "compile",
+                     "compile_backend", "cuda_graph", "data", "num_classes", "train:steps", "epochs", "resume", "seed")),
+    ("Training recipe", ("lr", "weight_decay", "warmup_steps", "min_lr", "clip_grad", "label_smoothing",
+                         "distillation", "teacher", "distill_alpha", "distill_tau")),
+    ("How to run it", ("gpu", "device", "allow_gpu_mismatch", "warmup", "steps", "repeats", "nproc", "ddp_bucket_mb",
+                       "ddp_static_graph", "ddp_comm_hook", "nnodes", "node_rank", "rdzv_endpoint", "num_workers",
+                       "compile_cache", "profile", "profile_steps", "engine", "ray_address", "slurm_partition",
+                       "slurm_account", "slurm_qos", "slurm_time_min", "slurm_sbatch", "slurm_gpu_by", "slurm_folder",
+                       "max_parallel", "max_combinations")),
+    ("Where to log", ("experiment", "run_name", "offline", "baseline_run", "log_every", "checkpoint_every", "register_as",
+                      "alias")),
+)
+
+
+def help_group(command: str, name: str) -> str | None:
+    """The ``--help`` section of ``command``'s option called ``name`` (None: none)."""
+    for key in (f"{command}:{name}", name):
+        found = next((title for title, names in HELP_GROUPS if key in names), None)
+        if found:
+            return found
+    return None

@@ -151,6 +151,55 @@ def normalize_label(label: str) -> str:
     return ALIASES.get(text, text)
 
 
+def check_label_here(requested: str, device: str, allow_mismatch: bool) -> None:
+    """Refuse, before torch is imported or any run exists, a ``gpu`` label :func:`resolve_hardware` would refuse
+    on this host whatever it detects: with ``device=cpu`` anything but ``cpu``; else a label of none of the
+    host's GPUs as NVML names them (no CUDA context: milliseconds), nor ``cpu`` where ``device=auto`` may
+    fall back to it. Where NVML cannot say, the label is left to :func:`resolve_hardware`."""
+    label = normalize_label(requested)
+    if label == "auto" or allow_mismatch:
+        return
+    names = () if device == "cpu" else _host_gpu_names()
+    if names is None or (device == "cuda" and not names):
+        return  # NVML cannot say; or no GPU for device=cuda, which the job's detection says in its own words
+    possible = [match_profile(name).label for name in names] + (["cpu"] if device != "cuda" else [])
+    if label in possible:
+        return
+    close = _close_labels(label)
+    what = "" if label in PROFILES else f" ({label!r} is not a known label{f'; did you mean {close[0]}?' if close else ''})"
+    raise VitregError(f"gpu={requested} is not this host's hardware ({', '.join(dict.fromkeys(possible))}){what}: use "
+                      f"gpu={possible[0]} or gpu=auto (or allow_gpu_mismatch=true to file it as {label} anyway)")
+
+
+def _close_labels(label: str) -> list[str]:
+    import difflib
+
+    return difflib.get_close_matches(label, list(PROFILES), n=1, cutoff=0.6)
+
+
+def _host_gpu_names() -> tuple[str, ...] | None:
+    """This host's NVIDIA GPUs as the driver names them (every one, whatever CUDA_VISIBLE_DEVICES hides);
+    () without a driver (then torch sees no GPU either); None where NVML cannot say."""
+    try:
+        import pynvml  # from nvidia-ml-py
+    except ImportError:
+        return None
+    try:
+        pynvml.nvmlInit()
+    except (pynvml.NVMLError_LibraryNotFound, pynvml.NVMLError_DriverNotLoaded):
+        return ()
+    except pynvml.NVMLError:
+        return None
+    try:
+        names = [pynvml.nvmlDeviceGetName(pynvml.nvmlDeviceGetHandleByIndex(i))
+                 for i in range(pynvml.nvmlDeviceGetCount())]
+        return tuple(n.decode() if isinstance(n, bytes) else n for n in names)
+    except pynvml.NVMLError:
+        return None
+    finally:
+        pynvml.nvmlShutdown()
+
+
 @dataclass(frozen=True)
 class ResolvedHardware:
     """The label a run is filed under, the profile used for MFU, and whether the user overrode a mismatch."""

@@ -39,8 +39,8 @@ class Family:
     library = ""
     loader_line = ""
 
-    def names(self, listed_before_ok: bool = False) -> frozenset[str]:
-        """Every name this family can build."""
+    def names(self, listed_before_ok: bool = False, fresh: bool = False) -> frozenset[str]:
+        """Every name this family can build (``listed_before_ok``, ``fresh``: see :func:`_timm_names`)."""
         raise NotImplementedError
 
     def shown_names(self) -> tuple[str, ...]:
@@ -113,20 +113,24 @@ def all_names(listed_before_ok: bool = True) -> list[str]:
 def check_name(name: str, listed_before_ok: bool = True) -> Family:
     """The family of ``name`` if it can build it; one line with the closest real names otherwise.
 
-    ``listed_before_ok``: a name an earlier process listed for this timm install passes without importing
-    timm (:mod:`vitreg.models.learned_facts`); the process that builds the model passes False.
+    ``listed_before_ok``: answer without importing timm, from the names an earlier process listed for this
+    timm install (:mod:`vitreg.models.learned_facts`) or, for a name not listed there, from timm's source
+    (:func:`vitreg.models.learned_facts.source_names`): a typo costs a file scan, not timm's 3-5 s import. The
+    process that builds the model passes False and asks timm itself.
     """
     try:
         family = family_of(name)
     except VitregError:
-        if _timm_has(name):
+        if _timm_has(name, listed_before_ok):
             raise VitregError(f"model {name!r} is not a vision transformer vitreg builds: use a name starting with "
                               f"{', '.join(p for f in _FAMILIES for p in f.prefixes)} "
                               f"(e.g. model=vit_base_patch16_224)") from None
         family = None
-    if family is not None and (name in family.names(listed_before_ok) or name in family.names(False)):
+    if family is not None and (name in family.names(listed_before_ok)
+                               or name in family.names(listed_before_ok, fresh=True)):
         return family
-    pool = sorted(family.names(False) if family is not None else all_names(listed_before_ok=False))
+    pool = sorted(family.names(listed_before_ok, fresh=True) if family is not None else
+                  (n for f in _FAMILIES for n in f.names(listed_before_ok, fresh=True)))
     close = difflib.get_close_matches(name, pool, n=3, cutoff=0.6)
     if len(pool) <= 8:  # a family of a few names: all of them
         hint = f"use one of {', '.join(pool)}"
@@ -138,10 +142,29 @@ def check_name(name: str, listed_before_ok: bool = True) -> Family:
     raise VitregError(f"unknown model {name!r}: {hint}")
 
 
-def _timm_has(name: str) -> bool:
+def _timm_names(listed_before_ok: bool, fresh: bool = False) -> frozenset[str]:
+    """timm's model names: listed by timm itself (``listed_before_ok=False``), else without importing it: an
+    earlier process's list, or (``fresh``, or no list kept) timm's source; timm itself when its source
+    cannot be read."""
+    if not listed_before_ok:
+        return _timm_listed()
+    kept = frozenset() if fresh else learned_facts.names()
+    return kept or _timm_source() or _timm_listed()
+
+
+def _timm_has(name: str, listed_before_ok: bool) -> bool:
+    """Whether timm has a model of that name, of any kind (``resnet50`` too)."""
+    source = _timm_source() if listed_before_ok else frozenset()
+    if source:
+        return name in source
     import timm
 
     return bool(timm.is_model(name))
+
+
+@functools.lru_cache(maxsize=1)
+def _timm_source() -> frozenset[str]:
+    return learned_facts.source_names()
 
 
 # --------------------------------------------------------------------------- timm
@@ -176,10 +199,8 @@ class TimmFamily(Family):
     def __init__(self, *prefixes: str):
         self.prefixes = prefixes
 
-    def names(self, listed_before_ok: bool = False) -> frozenset[str]:
-        listed = learned_facts.names() if listed_before_ok else frozenset()
-        listed = listed or _timm_listed()
-        return frozenset(n for n in listed if n.startswith(self.prefixes))
+    def names(self, listed_before_ok: bool = False, fresh: bool = False) -> frozenset[str]:
+        return frozenset(n for n in _timm_names(listed_before_ok, fresh) if n.startswith(self.prefixes))
 
     def default_size(self, name: str) -> int:
         import timm
@@ -256,7 +277,7 @@ class TorchvisionFamily(Family):
     #: architecture -> patch size (torchvision's builders take it as a number, not from the name)
     PATCH_SIZES = {"vit_b_16": 16, "vit_b_32": 32, "vit_l_16": 16, "vit_l_32": 32, "vit_h_14": 14}
 
-    def names(self, listed_before_ok: bool = False) -> frozenset[str]:
+    def names(self, listed_before_ok: bool = False, fresh: bool = False) -> frozenset[str]:
         return frozenset(self.prefixes[0] + arch for arch in self.PATCH_SIZES)
 
     def shown_names(self) -> tuple[str, ...]:
