@@ -16,6 +16,7 @@ nothing; the bench estimate is logged (``estimated_work_s``) beside what the wor
 from __future__ import annotations
 
 import math
+import statistics
 import time
 from dataclasses import dataclass, field
 
@@ -124,7 +125,7 @@ def probe_batch(batch: int, flops_per_img: float, device: str) -> int:
 
 def step_seconds(make_step, batch: int, flops_per_img: float, device: str) -> float:
     """Seconds one step of ``make_step`` (a factory of steps by batch, in the run's precision) takes at
-    ``batch``: the faster of two calls at :func:`probe_batch` after an untimed one, scaled by the batch.
+    ``batch``: the median of three calls at :func:`probe_batch` after an untimed one, scaled by the batch.
     The random state is put back after it, so the run's inputs are those it makes without the probe."""
     import torch
 
@@ -133,8 +134,10 @@ def step_seconds(make_step, batch: int, flops_per_img: float, device: str) -> fl
     with torch.random.fork_rng(devices=devices):
         step = make_step(small)
         step()  # lazy initialisation, the autotuner's trials
-        best = min(wall_seconds(step, device) for _ in range(2))
-    return best * batch / small
+        # the median of three: what a step typically takes (the fastest of a few calls is a quiet moment's
+        # time, and a run's steps meet the machine as it is)
+        typical = statistics.median(wall_seconds(step, device) for _ in range(3))
+    return typical * batch / small
 
 
 @dataclass(frozen=True)
@@ -181,7 +184,7 @@ class BenchAhead:
         if seconds <= LONG_S:
             return None
         where = "this CPU" if self.device == "cpu" else "this GPU"
-        steps = ", ".join(f"{t} {s * 1e3:,.4g} ms/step" for t, s in self.step_s.items())
+        steps = ", ".join(f"{t} {s * 1e3:,.1f} ms/step" for t, s in self.step_s.items())
         timing = (f"{self.spec.repeats} windows" if self.spec.repeats else
                   f"{MIN_WINDOWS}+ windows of >= {self.spec.window_min_s:g} s (at most {self.spec.max_time_s:g} s)")
         compiling = f"; compiling ~{COMPILE_S[self.spec.compile]:.0f} s a task (cold cache)" if self.spec.compile != "off" else ""
