@@ -104,6 +104,9 @@ def say_if_long(work: WorkAhead, device: str, progress, compiling: bool = False)
 #: The work of one probe call: on a GPU enough to hide the kernel launches (~30 ms of bf16 math on an
 #: H200, where ViT-B's eager forward at batch 1 is launch-bound), on a CPU a fraction of a second.
 PROBE_FLOPS = {"cuda": 2e13, "cpu": 1e9}
+#: The timed probe calls stop once they add up to this (after the first), so a probe costs at most about
+#: 2 x this plus one step.
+PROBE_S = 0.5
 #: Seconds torch.compile takes per task with a cold cache (a warm one takes about a quarter): typical
 #: ViT figures (ViT-B/16 on an H200, docs/benchmarks.md), since nothing can time a compile before it runs.
 COMPILE_S = {"off": 0.0, "default": 40.0, "reduce-overhead": 60.0, "max-autotune": 300.0}
@@ -125,7 +128,8 @@ def probe_batch(batch: int, flops_per_img: float, device: str) -> int:
 
 def step_seconds(make_step, batch: int, flops_per_img: float, device: str) -> float:
     """Seconds one step of ``make_step`` (a factory of steps by batch, in the run's precision) takes at
-    ``batch``: the median of three calls at :func:`probe_batch` after an untimed one, scaled by the batch.
+    ``batch``: the median of up to three calls at :func:`probe_batch` (fewer past :data:`PROBE_S`) after an
+    untimed one, scaled by the batch.
     The random state is put back after it, so the run's inputs are those it makes without the probe."""
     import torch
 
@@ -134,9 +138,13 @@ def step_seconds(make_step, batch: int, flops_per_img: float, device: str) -> fl
     with torch.random.fork_rng(devices=devices):
         step = make_step(small)
         step()  # lazy initialisation, the autotuner's trials
-        # the median of three: what a step typically takes (the fastest of a few calls is a quiet moment's
-        # time, and a run's steps meet the machine as it is)
-        typical = statistics.median(wall_seconds(step, device) for _ in range(3))
+        # the median of up to three: what a step typically takes (the fastest of a few calls is a quiet
+        # moment's time, and a run's steps meet the machine as it is); fewer when a step is long (a GPU-sized
+        # model on a CPU), where one call is both enough and costly
+        times = [wall_seconds(step, device)]
+        while len(times) < 3 and sum(times) < PROBE_S:
+            times.append(wall_seconds(step, device))
+    typical = statistics.median(times)
     return typical * batch / small
 
 
