@@ -27,7 +27,6 @@ from __future__ import annotations
 import shlex
 import sys
 import tempfile
-import threading
 from dataclasses import dataclass, field
 
 from vitreg.analysis.frame import FOLDED_INTO, SCALED_COLUMNS
@@ -66,10 +65,9 @@ def bench(options: dict, experiment: str | None = None, run_name: str | None = N
     PHASES.begin()  # from the process's start: what a command costs before its first timed step
     command = launch.typed_command(command)
     placement = placement or launch.Placement()
-    early = EarlyModel(options, placement)  # built while the run opens
     if distributed.inside_torchrun():  # one rank of a job: a vitreg launcher's or a torchrun the user started
         with launch.rank_run(run_name, experiment) as run:
-            plan = plan_bench(run, BenchSpec.from_options(options), run_name, command, baseline_run, progress, early)
+            plan = plan_bench(run, BenchSpec.from_options(options), run_name, command, baseline_run, progress)
             result = benchmark_in_run(plan)
         distributed.destroy()
         if plan.context.world.is_main:
@@ -84,7 +82,7 @@ def bench(options: dict, experiment: str | None = None, run_name: str | None = N
             _launch_bench(run, spec, job, baseline_run, progress)
             result = None
         else:
-            plan = plan_bench(run, spec, run_name, command, baseline_run, progress, early)
+            plan = plan_bench(run, spec, run_name, command, baseline_run, progress)
             result = benchmark_in_run(plan)
             print(results_table(result))
     if run is not None:
@@ -153,10 +151,10 @@ class BenchPlan:
 
 
 def plan_bench(run, spec: BenchSpec, run_name: str | None, command: str, baseline_run: str | None,
-               progress, early: EarlyModel | None = None) -> BenchPlan:
+               progress) -> BenchPlan:
     """A plain process's or a rank's bench: the model name checked before any device work, the world
     joined, the hardware and runtime resolved, the baseline read before the GPU time, the model built on
-    the CPU (which checks img_size before GPU work; ``early`` may have built it already)."""
+    the CPU (which checks img_size before GPU work)."""
     check_model_name(spec.model)  # cheap, and before any device work
     ctx = job_context(run, spec, progress, distributed.ResultReducer, cuda_graph=spec.cuda_graph)
     world, hw = ctx.world, ctx.hardware
@@ -164,7 +162,7 @@ def plan_bench(run, spec: BenchSpec, run_name: str | None, command: str, baselin
     # started: rank 0 reads it now
     baseline = scaling_baseline(baseline_run, spec, scaled=world.distributed,
                                 speaks=world.is_main and not launch.launched_by_vitreg(), progress=ctx.progress)
-    model, info = early.take(spec.model, spec.img_size) if early else create_model(spec.model, spec.img_size)
+    model, info = create_model(spec.model, spec.img_size)
     title = naming.RunTitle(hw.label, spec.model, ctx.runtime.amp, spec.compile, world.world_size, spec.cuda_graph,
                             ran_on=hw.detected.profile.label if hw.mismatch else None)
     return BenchPlan(ctx, model, info, title, run_name, command, baseline,
@@ -186,49 +184,6 @@ def plan_infer(run, model_uri: str, options: dict, run_name: str | None, command
                             ran_on=hw.detected.profile.label if hw.mismatch else None)
     return BenchPlan(ctx, pulled.model, info, title, run_name, command, model_uri=model_uri, pulled=pulled,
                      params={"model_uri": model_uri})
-
-
-class EarlyModel:
-    """The model, built on a side thread from the moment the command starts, while the main thread opens the
-    run (MLflow's import, the store, the run, its tags): a sweep child pays the longer of the two, not their
-    sum. The build is mostly timm's import and torch's initialisers, which release the GIL, and on a GPU the
-    CUDA runtime's start (seconds in the driver, without the GIL) goes first. Whatever goes
-    wrong here (a bad option, an unknown model, a DDP launcher that builds no model) is left to the main
-    thread, which parses and builds again and says what is wrong, inside its run."""
-
-    def __init__(self, options: dict, placement: launch.Placement):
-        self._built = None  # ((model name, img_size), (model, ModelInfo))
-        self._thread = threading.Thread(target=self._build, args=(dict(options), placement), daemon=True,
-                                        name="vitreg-early-model")
-        self._thread.start()
-
-    def _build(self, options: dict, placement: launch.Placement) -> None:
-        try:
-            spec = BenchSpec.from_options(options)
-            if launch.needs_torchrun(spec.nproc, placement.nnodes) and not distributed.inside_torchrun():
-                return  # the launcher builds no model: its ranks do
-            if spec.device != "cpu" and not distributed.inside_torchrun():
-                _start_cuda()  # a rank starts CUDA on its own GPU, once the world has said which
-            check_model_name(spec.model)
-            self._built = ((spec.model, spec.img_size), create_model(spec.model, spec.img_size))
-        except Exception:  # noqa: BLE001 - the main thread meets the same error where it can say it
-            return
-
-    def take(self, name: str, img_size: int):
-        """The model built ahead when it is the one asked for; otherwise built now."""
-        self._thread.join()
-        if self._built is not None and self._built[0] == (name, img_size):
-            built, self._built = self._built[1], None
-            return built
-        return create_model(name, img_size)
-
-
-def _start_cuda() -> None:
-    """Start the CUDA runtime when a GPU is visible (what the hardware detection would start anyway)."""
-    import torch
-
-    if torch.cuda.is_available():
-        torch.cuda.init()
 
 
 # --------------------------------------------------------------------------------------------
