@@ -247,3 +247,22 @@ def test_given_steps_and_repeats_keep_the_fixed_counts(monkeypatch):
     assert calls == [3, 3] and result.tags()["infer_timing_stop"] == "fixed"
     assert (result.tasks[0].steps, result.tasks[0].repeats) == (3, 2)
     assert "infer_throughput_ci95_halfwidth_pct" not in result.metrics()  # two windows have no 95 % interval
+
+
+def test_a_second_run_of_the_same_model_reads_its_flop_counts_back(monkeypatch):
+    """Counting FLOPs runs the real model under FlopCounterMode (seconds of a CPU run of ViT-B, again in every
+    sweep child); the count is kept in the user's cache beside the batch cache, keyed by what it depends on."""
+    from vitreg.bench import runner
+
+    counted = []
+    real_forward, real_train = runner.forward_flops_per_image, runner.train_flops_per_image
+    monkeypatch.setattr(runner, "forward_flops_per_image", lambda *a: counted.append("forward") or real_forward(*a))
+    monkeypatch.setattr(runner, "train_flops_per_image", lambda *a: counted.append("train") or real_train(*a))
+    first, _ = _run(steps=1, repeats=1)
+    second, _ = _run(steps=1, repeats=1)
+    assert counted == ["forward", "train"]  # the first run counted; the second read both counts back
+    for name in ("fwd_gflops_per_img", "train_gflops_per_img"):
+        assert second.metrics()[name] == first.metrics()[name] > 0
+    other, _ = _run(steps=1, repeats=1, task="infer", img_size=48)  # another size is other work: counted
+    assert counted == ["forward", "train", "forward"] and other.metrics()["fwd_gflops_per_img"] > \
+        first.metrics()["fwd_gflops_per_img"]

@@ -382,6 +382,17 @@ def _train_flops(model, info: ModelInfo, runtime: Runtime) -> int:
     return train_flops_per_image(model, info.img_size, runtime.torch_device, lambda out, y: loss_of(out, y, criterion))
 
 
+def _flops_key(info: ModelInfo, what: str) -> dict:
+    """What a FLOP count depends on: the model's build (name, size, classes, distillation, parameters), the
+    libraries that define it and count it, forward or training step."""
+    import torch
+    from importlib import metadata
+
+    return {"model": info.name, "source": info.source, "img_size": info.img_size, "num_classes": info.num_classes,
+            "distilled": info.distilled, "params_m": round(info.params_m, 6), "torch": torch.__version__,
+            "library": metadata.version(info.source), "count": what}
+
+
 def run_benchmark(spec: BenchSpec, hardware: ResolvedHardware, runtime: Runtime, progress=progress,
                   model_factory=None, wrap=None, reducer=None) -> BenchResult:
     """Build the model, count its FLOPs, run each task of the spec; returns a :class:`BenchResult`.
@@ -405,8 +416,10 @@ def run_benchmark(spec: BenchSpec, hardware: ResolvedHardware, runtime: Runtime,
     model = model.to(runtime.torch_device)
     # Counted in fp32 before the run's SDPA restriction: sdpa=flash has no fp32 kernel on a GPU, so a
     # count inside it failed with "No available kernel" (the count is the same whichever backend runs).
-    fwd_flops = forward_flops_per_image(model, info.img_size, runtime.torch_device)
-    train_flops = _train_flops(model, info, runtime) if "train" in spec.tasks else 0
+    fwd_flops = batch_cache.counted_flops(_flops_key(info, "forward"),
+                                          lambda: forward_flops_per_image(model, info.img_size, runtime.torch_device))
+    train_flops = batch_cache.counted_flops(_flops_key(info, "train"), lambda: _train_flops(model, info, runtime)) \
+        if "train" in spec.tasks else 0
     # amp=fp8*: a bf16 copy first, to say how far the quantized model's logits land from it
     reference = copy.deepcopy(model).to(torch.bfloat16) if precision.fp8 else None
     model = prepare_model(model, precision)
