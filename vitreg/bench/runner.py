@@ -178,7 +178,9 @@ def _timed_windows(step, bench: _Bench, task: str, batch_size: int, warm_iter_s:
             windows.append(win)
             marks.append(mark)
             rates = [batch_size * w.iters / w.total_ms * 1e3 for w in windows]
-            stop = _rank0(bench, rule.reason(rates, time.perf_counter() - started, win.total_ms / 1e3))
+            stop = rule.reason(rates, time.perf_counter() - started, win.total_ms / 1e3)
+            if not rule.repeats:  # fixed counts stop alike on every rank without a word between them
+                stop = _rank0(bench, stop)
             _say_window(say, task, rates, win, mark, rule)
     finally:
         meter.close()
