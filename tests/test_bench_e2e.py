@@ -228,3 +228,52 @@ def test_mlproject_bench_and_infer_entries_match_bench_spec(entry_name, extra):
         if name in spec and name != "task":
             assert str(param["default"]) == spec[name], name
         assert f"--{name.replace('_', '-')} {{{name}}}" in entry["command"], name
+
+
+def _bench_process(tmp_path, *args):
+    """`vitreg bench` in a process of its own (the import phase is then the interpreter's start and every
+    import), against a fresh copy of a migrated store; returns (its run, its wall seconds, its output)."""
+    import time
+
+    from mlflow.tracking import MlflowClient
+
+    uri = migrated_store(tmp_path)
+    started = time.perf_counter()
+    done = subprocess.run([sys.executable, "-m", "vitreg.cli", "bench", "--model", "test_vit", "--img-size", "32",
+                           "--batch-size", "2", "--device", "cpu", "--task", "infer", "--experiment", "e2e", *args],
+                          env=subprocess_env(uri, PYTHONPATH=str(REPO)), cwd=tmp_path, capture_output=True, text=True,
+                          timeout=600)
+    wall_s = time.perf_counter() - started
+    assert done.returncode == 0, done.stderr[-3000:]
+    client = MlflowClient(uri)
+    (run,) = client.search_runs([client.get_experiment_by_name("e2e").experiment_id])
+    return run, wall_s, done.stdout + done.stderr
+
+
+@pytest.mark.slow
+def test_by_default_bench_times_to_a_precision_target_and_logs_how_long_and_where_its_time_went(tmp_path):
+    run, wall_s, output = _bench_process(tmp_path, "--window-min-s", "0.05", "--precision-pct", "2",
+                                         "--max-time-s", "5")
+    m, tags, params = run.data.metrics, run.data.tags, run.data.params
+    assert (params["steps"], params["repeats"], params["precision_pct"]) == ("0", "0", "2.0")
+    stop, halfwidth = tags["infer_timing_stop"], m.get("infer_throughput_ci95_halfwidth_pct")
+    assert stop in ("precision_met", "max_time", "max_windows"), stop
+    # the target met means six windows or more and the half-width within it; missed, the run says so
+    assert (stop == "precision_met") == (halfwidth is not None and halfwidth <= 2.0 and m["infer_timed_windows"] >= 6)
+    assert stop == "precision_met" or "warning: the precision target 2 % was not reached" in output
+    # each window lasted at least window_min_s, in whole steps
+    assert m["infer_steps_per_window"] >= 1 and m["infer_timed_windows"] >= 1
+    # the overhead by phase: every phase before and after the windows, their total, inside the process's life
+    phases = {k: v for k, v in m.items() if k.startswith("overhead_") and k != "overhead_total_s"}
+    assert {"overhead_import_s", "overhead_setup_s", "overhead_model_s", "overhead_first_call_s",
+            "overhead_warmup_s", "overhead_after_windows_s", "overhead_report_s"} <= set(phases)
+    assert m["overhead_total_s"] == pytest.approx(sum(phases.values()), rel=1e-6)
+    assert 0 < m["overhead_import_s"] and m["overhead_total_s"] < wall_s
+    assert m["estimated_work_s"] > 0 and m["work_s"] > 0
+
+
+@pytest.mark.slow
+def test_given_steps_and_repeats_bench_times_exactly_those_counts(tmp_path):
+    run, _, _ = _bench_process(tmp_path, "--warmup", "2", "--steps", "3", "--repeats", "2", "--max-time-s", "0")
+    m, tags = run.data.metrics, run.data.tags
+    assert tags["infer_timing_stop"] == "fixed" and (m["infer_timed_windows"], m["infer_steps_per_window"]) == (2, 3)

@@ -639,3 +639,21 @@ def test_handoff_replays_rank0_calls_into_the_launchers_run(sqlite_store, tmp_pa
     assert {a.path for a in client.list_artifacts(run.run_id)} >= {"results.json", "checkpoints"}
     assert [a.path for a in client.list_artifacts(run.run_id, "checkpoints/step-2")] == [
         "checkpoints/step-2/model.safetensors"]
+
+
+@pytest.mark.slow
+def test_adaptive_windows_under_ddp_are_the_same_windows_on_every_rank(tmp_path):
+    """repeats=0 and steps=0 with nproc=2: rank 0's window length and stopping decision hold on every rank (a
+    collective between windows), so the ranks time the same windows and their samples combine."""
+    uri = migrated_store(tmp_path)
+    options = {**TINY, "nproc": "2", "steps": "0", "repeats": "0", "window_min_s": "0.05", "max_time_s": "4"}
+    proc = subprocess.run([sys.executable, "-m", "vitreg.cli", "bench", *cli_args(options)],
+                          env=child_env(uri, PYTHONPATH=str(REPO)), cwd=tmp_path, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    client, (run,) = all_runs(uri)
+    assert run.info.status == "FINISHED"
+    assert run.data.tags["train_timing_stop"] in ("precision_met", "max_time", "max_windows")
+    windows = run.data.metrics["train_timed_windows"]
+    ranks = json.load(open(client.download_artifacts(run.info.run_id, "ranks.json")))["train"]
+    assert [len(r["throughput_img_per_s_windows"]) for r in ranks] == [windows, windows]

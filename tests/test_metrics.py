@@ -28,7 +28,8 @@ DATA = Path(__file__).parent / "data"
 # Per-task metrics that other jobs than the bench runner log: the bench job's scaling against a
 # baseline run, and the train job's end-of-training figures.
 NOT_FROM_THE_RUNNER = {"scaling_efficiency", "data_wait_frac", "first_step_s", "measured_steps", "final_loss",
-                       "images", "steps", "val_top1", "val_loss"}
+                       "images", "steps", "val_top1", "val_loss"} | {
+    m.name for m in metrics.METRICS if m.name.startswith("overhead_")}  # the job's phases (vitreg/bench/job.py)
 
 
 def _task(task: str, compiled: bool = True, **values) -> TaskResult:
@@ -38,16 +39,19 @@ def _task(task: str, compiled: bool = True, **values) -> TaskResult:
                              metrics.ITERATION_TIME[task]: (3.0, 3.0, 4.0, 5.0, 5.0), "first_call_s": 12.5,
                              "warmup_s": 0.75, "gflops_per_img": 4.6, "peak_mem_allocated_mb": 12345.6,
                              "peak_mem_reserved_mb": 13000.0, "window_power_w": (690.0, 700.0, 710.0),
-                             "sm_clock_mhz": 1635.0, "power_capped_frac": 1.0, **profiled})
+                             "sm_clock_mhz": 1635.0, "power_capped_frac": 1.0, "timed_windows": 3,
+                             "steps_per_window": 30, **profiled})
     figures = figures.summarized().completed(Work(world_size=2, compiled=compiled))
-    figures = figures.with_values(**{"mfu": 0.0123, **values})  # no GPU profile here: MFU as a GPU run has it
+    # no GPU profile here: MFU as a GPU run has it; three windows have no 95 % interval: a longer run's
+    figures = figures.with_values(**{"mfu": 0.0123, "throughput_ci95_halfwidth_pct": 0.4, **values})
     choice = BatchChoice(64, (Probe(32, 1000.0), Probe(64, 1200.0), Probe(128, None)), "oom")
     return TaskResult(task, 64, 224, 3, 3, figures, batch_choice=choice)
 
 
 def _bench(*tasks: TaskResult) -> BenchResult:
     info = ModelInfo("test_vit", "timm", 224, 16, 1000, 5.7, False)
-    return BenchResult(BenchSpec(model="test_vit"), "h200", "bf16", "cuda", info, 4.6, tuple(tasks))
+    return BenchResult(BenchSpec(model="test_vit"), "h200", "bf16", "cuda", info, 4.6, tuple(tasks),
+                       estimated_work_s=50.0, work_s=45.0)
 
 
 def test_the_table_is_well_formed():
@@ -67,11 +71,12 @@ def test_the_table_is_well_formed():
 def test_logged_names_are_the_ones_mlflow_always_had():
     m = _bench(_task("infer"), _task("train")).metrics()
     stats = ["throughput_img_per_s", "throughput_img_per_s_min", "throughput_img_per_s_max", "throughput_cv",
-             "gflops_per_img", "achieved_tflops", "warmup_s", "first_call_s"]
+             "gflops_per_img", "achieved_tflops", "warmup_s", "first_call_s", "throughput_ci95_halfwidth_pct",
+             "timed_windows", "steps_per_window"]
     tail = ["compile_time_s", "mfu", "peak_mem_allocated_mb", "peak_mem_reserved_mb"]
     ddp = ["world_size", "throughput_img_per_s_per_gpu"]
     energy = ["mean_power_w", "energy_j_per_img", "img_per_j", "sm_clock_mhz", "power_capped_frac"]  # a GPU's
-    assert set(m) == set(["fwd_gflops_per_img", "params_m"]
+    assert set(m) == set(["fwd_gflops_per_img", "params_m", "estimated_work_s", "work_s"]
                        + [f"infer_{k}" for k in stats + ["latency_ms_p50", "latency_ms_p90", "latency_ms_p99",
                                                         "latency_ms_mean"] + tail + ddp + energy]
                        + [f"train_{k}" for k in stats + ["step_ms_p50", "step_ms_p90", "step_ms_p99", "step_ms_mean"]

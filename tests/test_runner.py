@@ -189,3 +189,80 @@ def test_profile_true_writes_a_trace_and_the_top_ops_per_task_outside_the_window
         assert any("profile=true" in m for m in messages)
     finally:
         shutil.rmtree(folder)  # the job logs and removes it; run_benchmark alone hands it to its caller
+
+
+def _windows_of(iter_ms_by_window):
+    """A stand-in for the runner's ``time_window``: window i's iterations take ``iter_ms_by_window(i)`` ms each
+    (the step is not called: the stopping rule is what is tested, on timings the test chose)."""
+    from vitreg.measure.timing import Window
+
+    calls = []
+
+    def fake(fn, iters, device_type):
+        ms = iter_ms_by_window(len(calls))
+        calls.append(iters)
+        return Window((ms,) * iters, ms * iters)
+
+    return fake, calls
+
+
+def test_by_default_windows_last_window_min_s_and_stop_at_the_precision_target(monkeypatch):
+    """warmup=1: the steps come from the first call, said to take 100 ms (6 steps), while a step takes 10 ms in
+    the windows: the first window is short, is not a sample, and the steps are recomputed from it:
+    0.5 s x 1.1 / 10 ms = 55."""
+    from vitreg.bench import runner
+
+    jitter = (1.0, 1.002, 0.998, 1.001, 0.999, 1.0005, 1.0, 1.0)
+    fake, calls = _windows_of(lambda i: 10.0 * jitter[i % len(jitter)])
+    monkeypatch.setattr(runner, "time_window", fake)
+    monkeypatch.setattr(runner, "wall_seconds", lambda fn, device_type: fn() or 0.1)
+    result, messages = _run(task="infer", warmup=1, steps=0, repeats=0, window_min_s=0.5, precision_pct=1.0)
+    task, m = result.tasks[0], result.metrics()
+    assert calls == [6] + [55] * 6  # one short window, then six of 55 steps
+    assert any("not a sample; 55 steps per window" in msg for msg in messages)
+    assert (m["infer_timed_windows"], m["infer_steps_per_window"]) == (6, 55) == (task.repeats, task.steps)
+    assert result.tags()["infer_timing_stop"] == "precision_met"
+    assert m["infer_throughput_ci95_halfwidth_pct"] <= 1.0
+    assert len(task.figures["latency_ms"]) == 6 * 55  # the short window is no sample
+
+
+def test_a_task_that_misses_its_target_stops_at_a_limit_says_so_and_tags_why(monkeypatch):
+    from vitreg.bench import runner
+    from vitreg.bench.results import precision_warning
+
+    fake, calls = _windows_of(lambda i: (10.0, 13.0, 7.0, 11.5, 8.5)[i % 5])  # +-30 %: never sure to 1 %
+    monkeypatch.setattr(runner, "time_window", fake)
+    result, messages = _run(task="infer", steps=5, repeats=0, precision_pct=1.0)
+    assert result.tags()["infer_timing_stop"] == "max_windows" and len(calls) == 60
+    assert any("precision target 1 % not reached" in msg and "max_windows" not in msg for msg in messages)
+    assert "infer_timing_stop=max_windows" in precision_warning(result)
+
+
+def test_given_steps_and_repeats_keep_the_fixed_counts(monkeypatch):
+    from vitreg.bench import runner
+
+    fake, calls = _windows_of(lambda i: (10.0, 13.0, 7.0)[i % 3])
+    monkeypatch.setattr(runner, "time_window", fake)
+    result, _ = _run(task="infer", steps=3, repeats=2, window_min_s=5.0)
+    assert calls == [3, 3] and result.tags()["infer_timing_stop"] == "fixed"
+    assert (result.tasks[0].steps, result.tasks[0].repeats) == (3, 2)
+    assert "infer_throughput_ci95_halfwidth_pct" not in result.metrics()  # two windows have no 95 % interval
+
+
+def test_a_second_run_of_the_same_model_reads_its_flop_counts_back(monkeypatch):
+    """Counting FLOPs runs the real model under FlopCounterMode (seconds of a CPU run of ViT-B, again in every
+    sweep child); the count is kept in the user's cache beside the batch cache, keyed by what it depends on."""
+    from vitreg.bench import runner
+
+    counted = []
+    real_forward, real_train = runner.forward_flops_per_image, runner.train_flops_per_image
+    monkeypatch.setattr(runner, "forward_flops_per_image", lambda *a: counted.append("forward") or real_forward(*a))
+    monkeypatch.setattr(runner, "train_flops_per_image", lambda *a: counted.append("train") or real_train(*a))
+    first, _ = _run(steps=1, repeats=1)
+    second, _ = _run(steps=1, repeats=1)
+    assert counted == ["forward", "train"]  # the first run counted; the second read both counts back
+    for name in ("fwd_gflops_per_img", "train_gflops_per_img"):
+        assert second.metrics()[name] == first.metrics()[name] > 0
+    other, _ = _run(steps=1, repeats=1, task="infer", img_size=48)  # another size is other work: counted
+    assert counted == ["forward", "train", "forward"] and other.metrics()["fwd_gflops_per_img"] > \
+        first.metrics()["fwd_gflops_per_img"]

@@ -64,3 +64,72 @@ def test_summarize_median_spread_cv():
     assert summarize([5.0]).cv == 0.0
     with pytest.raises(ValueError):
         summarize([])
+
+
+# --------------------------------------------------------------------------------------------
+# the median's interval and the stopping rule, on synthetic timings
+
+
+def test_the_median_interval_is_the_order_statistics_with_95_percent_coverage():
+    from vitreg.measure.timing import median_halfwidth_pct, median_interval
+
+    assert median_interval([10, 11, 12, 13, 14]) is None  # five values: [x(1), x(5)] covers only 93.8 %
+    assert median_interval([15, 10, 11, 12, 13, 14]) == (10, 15)  # six: [x(1), x(6)], 96.9 %
+    # twenty values: the textbook ranks 6 and 15 (coverage 95.9 %; ranks 7 and 14 reach only 88.5 %)
+    assert median_interval(range(1, 21)) == (6, 15)
+    # the farther end from the median, in % of it: median 12.5, ends 10 and 15
+    assert median_halfwidth_pct([15, 10, 11, 12, 13, 14]) == pytest.approx(2.5 / 12.5 * 100)
+    assert median_halfwidth_pct([1, 2, 3]) is None
+
+
+def test_adaptive_windows_stop_at_the_target_from_six_windows_on():
+    from vitreg.measure.timing import STOP_PRECISION, StopRule
+
+    rule = StopRule(precision_pct=1.0, max_time_s=60.0)
+    tight = [1000.0, 1002.0, 998.0, 1001.0, 999.0, 1000.5]
+    assert [rule.reason(tight[:n], elapsed_s=n, next_window_s=1.0) for n in range(1, 6)] == [None] * 5
+    assert rule.reason(tight, elapsed_s=6, next_window_s=1.0) == STOP_PRECISION
+    noisy = tight[:5] + [1200.0, 800.0]  # +-20 %: time another window
+    assert rule.reason(noisy, elapsed_s=7, next_window_s=1.0) is None
+
+
+def test_a_run_that_cannot_reach_its_target_stops_at_a_limit_and_says_which():
+    from vitreg.measure.timing import STOP_FIXED, STOP_MAX_TIME, STOP_MAX_WINDOWS, StopRule
+
+    import numpy as np
+
+    scatter = list(np.random.default_rng(0).uniform(700.0, 1300.0, 60))  # +-30 %: the median is not sure to 1 %
+    rule = StopRule(precision_pct=1.0, max_time_s=60.0)
+    assert rule.reason(scatter[:59], elapsed_s=30, next_window_s=0.5) is None
+    assert rule.reason(scatter[:60], elapsed_s=30, next_window_s=0.5) == STOP_MAX_WINDOWS
+    # the cap: no window starts that would end past max_time_s, before or after six windows
+    assert rule.reason(scatter[:3], elapsed_s=59.2, next_window_s=1.0) == STOP_MAX_TIME
+    assert rule.reason(scatter[:10], elapsed_s=58.0, next_window_s=1.0) is None
+    # fixed mode (repeats given): exactly that many windows, whatever the noise or the time
+    fixed = StopRule(precision_pct=1.0, max_time_s=1.0, repeats=5)
+    assert [fixed.reason(scatter[:n], elapsed_s=100, next_window_s=1) for n in (4, 5)] == [None, STOP_FIXED]
+
+
+def test_a_window_lasts_at_least_the_minimum_in_whole_steps():
+    from vitreg.measure.timing import steps_for_window
+
+    assert steps_for_window(1.0, 0.045) == 25  # 1.1 s / 45 ms = 24.4 -> 25 whole steps
+    assert steps_for_window(1.0, 3.0) == 1  # one step longer than the window
+    assert steps_for_window(1.0, None) == 1  # step time unknown: one, then recalibrated from the window
+
+
+def test_the_phase_clock_counts_every_phase_but_the_timed_windows(monkeypatch):
+    from vitreg.measure import timing
+
+    now = {"s": 1000.0}
+    monkeypatch.setattr(timing.time, "time", lambda: now["s"])
+    monkeypatch.setattr(timing, "process_started_s", lambda: 990.0)
+    clock = timing.PhaseClock()
+    clock.begin()  # the process started 10 s ago: the import phase
+    for phase, seconds in (("setup", 2.0), ("warmup", 1.0), ("timed", 30.0), ("warmup", 0.5), ("report", 0.25)):
+        now["s"] += seconds
+        clock.mark(phase)
+    assert clock.overhead_s() == {"overhead_import_s": 10.0, "overhead_setup_s": 2.0, "overhead_warmup_s": 1.5,
+                                  "overhead_report_s": 0.25, "overhead_total_s": 13.75}
+    clock.begin()  # a second command in the same process (the Python API): from now on, no import phase
+    assert clock.overhead_s() == {"overhead_import_s": 0.0, "overhead_total_s": 0.0}

@@ -30,7 +30,7 @@ import tempfile
 from dataclasses import dataclass, field
 
 from vitreg.analysis.frame import FOLDED_INTO, SCALED_COLUMNS
-from vitreg.bench.results import BenchResult, report_markdown, results_table, spread_warning
+from vitreg.bench.results import BenchResult, precision_warning, report_markdown, results_table, spread_warning
 from vitreg.bench.runner import run_benchmark
 from vitreg.config.options import identity_names, option
 from vitreg.config.parse import param_text
@@ -42,6 +42,8 @@ from vitreg.ddp.context import JobContext, job_context
 from vitreg.errors import VitregError, first_line
 from vitreg.environment import capture_environment
 from vitreg.measure.graphs import require_cuda
+from vitreg.measure.metrics import job_metrics
+from vitreg.measure.timing import PHASES
 from vitreg.models.factory import ModelInfo, check_model_name, create_model
 from vitreg.models.memory import check_ranks_fit
 from vitreg.tracking import checkpoint_sources, naming
@@ -60,6 +62,7 @@ def bench(options: dict, experiment: str | None = None, run_name: str | None = N
     run of the same config; its throughput gives ``train_scaling_efficiency`` (and
     ``infer_scaling_efficiency``) = throughput_N / (N * throughput_1).
     """
+    PHASES.begin()  # from the process's start: what a command costs before its first timed step
     command = launch.typed_command(command)
     placement = placement or launch.Placement()
     if distributed.inside_torchrun():  # one rank of a job: a vitreg launcher's or a torchrun the user started
@@ -90,6 +93,7 @@ def bench(options: dict, experiment: str | None = None, run_name: str | None = N
 def infer(model_uri: str, options: dict, experiment: str | None = None, run_name: str | None = None,
           progress=progress, command: str | None = None) -> BenchResult:
     """Pull ``model_uri`` and benchmark it (task=infer unless ``options['task']`` says otherwise) as one run."""
+    PHASES.begin()
     command = command or shlex.join(sys.argv)
     model_uri = str(model_uri or "").strip()
     options = {"task": "infer", **{k: v for k, v in options.items() if v is not None}}
@@ -114,9 +118,9 @@ def infer(model_uri: str, options: dict, experiment: str | None = None, run_name
 def _print_end(run, result: BenchResult | None) -> None:
     """The run's last lines: when its windows spread too wide, that warning; then where its data is, last
     (an offline run's spool and the `vitreg sync` that delivers it: what a user must not miss)."""
-    warning = spread_warning(result) if result is not None else None
-    if warning:
-        print(warning)
+    for warning in (spread_warning(result), precision_warning(result)) if result is not None else ():
+        if warning:
+            print(warning)
     print(tracking.where_logged(run))
 
 
@@ -205,6 +209,7 @@ def benchmark_in_run(plan: BenchPlan) -> BenchResult:
     ctx.progress(f"run {run.run_id} at {tracking.tracking_uri()}; {what}gpu={hw.label} ({ctx.detected.name}), "
                  f"amp={runtime.amp}, compile={spec.compile}")
 
+    PHASES.mark("setup")
     result = run_benchmark(spec, hw, runtime, ctx.progress, model_factory=lambda: (plan.model, info), wrap=ctx.wrap,
                            reducer=ctx.reducer)
 
@@ -223,7 +228,18 @@ def benchmark_in_run(plan: BenchPlan) -> BenchResult:
         throughputs = {t.task: t.throughput_img_per_s for t in result.tasks}
         run.set_name(plan.title.name(result.tasks[0].batch_size, throughputs=throughputs))
     run.set_note(naming.run_note(result.to_dict(), ran_on=hw.detected.name if hw.mismatch else None))
+    _log_overhead(run, ctx.progress)
     return result
+
+
+def _log_overhead(run, progress) -> None:
+    """The command's time outside its timed windows, by phase (``overhead_<phase>_s``), up to here: the run's
+    end and the process's exit come after (the console's last lines, the spool's delivery)."""
+    PHASES.mark("report")
+    overhead = job_metrics(PHASES.overhead_s())
+    run.log_metrics(overhead)
+    progress("overhead outside the timed windows: " + ", ".join(
+        f"{name[len('overhead_'):-2]} {s:.2f} s" for name, s in overhead.items()))
 
 
 def link_tags(pulled: checkpoint_sources.PullResult) -> dict:

@@ -21,6 +21,7 @@ from vitreg.measure.energy import PRECISION_TARGET
 from vitreg.measure.figures import Figures
 from vitreg.measure.graphs import EAGER_STEPS_BEFORE_CAPTURE
 from vitreg.measure.metrics import job_metrics, task_metrics
+from vitreg.measure.timing import STOP_MAX_TIME, STOP_MAX_WINDOWS
 from vitreg.models.factory import ModelInfo
 
 #: eager forward passes before an inference capture (no DDP there: a few to settle the allocator); the
@@ -90,9 +91,12 @@ class BenchResult:
     compile_cache_dir: str | None = None  # when compiling: inductor's cache folder
     profile_dir: str | None = None  # profile=true: <task>/trace.json.gz and <task>/top_ops.txt under it
     fp8_agreement: object | None = None  # amp=fp8*: vitreg.hardware.precision.Fp8Agreement against bf16
+    estimated_work_s: float | None = None  # what the estimate said before the tasks (vitreg.measure.estimate)
+    work_s: float | None = None  # what the tasks took, the estimate's counterpart
 
     def metrics(self) -> dict[str, float]:
-        out = job_metrics({"fwd_gflops_per_img": self.fwd_gflops_per_img, "params_m": self.model.params_m})
+        out = job_metrics({"fwd_gflops_per_img": self.fwd_gflops_per_img, "params_m": self.model.params_m,
+                           "estimated_work_s": self.estimated_work_s, "work_s": self.work_s})
         if self.fp8_agreement is not None:
             out.update(job_metrics({"fp8_top1_agreement": self.fp8_agreement.top1_agreement,
                                     "fp8_max_abs_logit_diff": self.fp8_agreement.max_abs_logit_diff}))
@@ -164,6 +168,23 @@ def spread_warning(result: BenchResult) -> str | None:
             f"before comparing")
 
 
+def _halfwidth_text(halfwidth_pct: float | None) -> str:
+    return "no 95 % interval (under 6 windows)" if halfwidth_pct is None else f"+-{halfwidth_pct:.2f} %"
+
+
+def precision_warning(result: BenchResult) -> str | None:
+    """The run's last line when a task stopped timing before its median was as sure as ``precision_pct`` asked
+    (its ``<task>_timing_stop`` tag: ``max_time`` or ``max_windows``). None when every task met it or ran
+    fixed counts."""
+    missed = [t for t in result.tasks if t.window_tags.get("timing_stop") in (STOP_MAX_TIME, STOP_MAX_WINDOWS)]
+    if not missed:
+        return None
+    said = "; ".join(f"{t.task}: {_halfwidth_text(t.figures.get('throughput_ci95_halfwidth_pct'))} after "
+                     f"{t.repeats} windows (tag {t.task}_timing_stop={t.window_tags['timing_stop']})" for t in missed)
+    return (f"warning: the precision target {result.spec.precision_pct:g} % was not reached ({said}): rerun on a "
+            f"quiet machine or with a larger max_time_s before comparing")
+
+
 def _markdown(headers: list[str], rows: list[list[str]]) -> str:
     return markdown_table(pd.DataFrame(rows, columns=headers))
 
@@ -230,8 +251,9 @@ def report_markdown(result: BenchResult, env: EnvInfo, command: str | None = Non
         ["compile", f"{spec.compile} ({spec.compile_backend})" if spec.compile != "off" else "off (eager)"],
         ["CUDA graph", f"yes: each step captured once (after {EAGER_STEPS_BEFORE_CAPTURE} eager steps for train, "
                        f"{INFER_EAGER_STEPS_BEFORE_CAPTURE} for infer), timed as replays" if spec.cuda_graph else "no"],
-        ["timing", f"{spec.warmup} warm-up iters, {spec.repeats} windows x {spec.steps} iters, "
-                   f"{'CUDA events' if result.device == 'cuda' else 'perf_counter'}"],
+        ["timing", f"{spec.warmup} warm-up iters, " + ", ".join(
+            f"{t.task} {t.repeats} windows x {t.steps} iters ({t.window_tags.get('timing_stop', '-')})"
+            for t in result.tasks) + f", {'CUDA events' if result.device == 'cuda' else 'perf_counter'}"],
         *_identity_rows(result),
         ["forward GFLOPs / image", f"{result.fwd_gflops_per_img:.2f}"],
     ]

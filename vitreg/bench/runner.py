@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -30,7 +31,7 @@ from vitreg.measure import batch_cache
 from vitreg.measure.autobatch import search_batch
 from vitreg.measure.figures import Figures, Work
 from vitreg.measure.metrics import ITERATION_TIME
-from vitreg.measure.estimate import bench_work, say_if_long
+from vitreg.measure.estimate import BenchAhead, estimated_batch, step_seconds
 from vitreg.measure.graphs import EAGER_STEPS_BEFORE_CAPTURE, capture, require_cuda, side_stream
 from vitreg.hardware.profiles import ResolvedHardware
 from vitreg.measure.traces import trace_steps
@@ -41,7 +42,8 @@ from vitreg.hardware.runtime import Runtime, run_context
 from vitreg.config.parse import AUTO_BATCH
 from vitreg.config.spec import BenchSpec
 
-from vitreg.measure.timing import synchronize, time_window, wall_seconds
+from vitreg.measure.timing import (MIN_WINDOWS, PHASES, STOP_MAX_TIME, STOP_MAX_WINDOWS, StopRule,
+                                   median_halfwidth_pct, steps_for_window, synchronize, time_window, wall_seconds)
 from vitreg.train.losses import loss_of
 
 PROFILE_TRACE_STEPS = 5  # steady-state steps that profile=true traces per task (after one untraced step)
@@ -82,10 +84,10 @@ class _Bench:
 
 
 def _measure(step, bench: _Bench, task: str, batch_size: int, graph_eager_steps: int = 0):
-    """First call timed apart, warm-up, then the timed windows; returns ``(figures, step, cache, marks)``: this
-    rank's :class:`Figures` (samples, first call, warm-up, peak memory, energy and clocks), the step the
-    windows ran (a graph replay under cuda_graph=true), the first call's compile cache state (None: not
-    compiling) and the windows' :class:`~vitreg.measure.energy.TaskMarks` (throttle and contention).
+    """First call timed apart, warm-up, then the timed windows; returns ``(figures, step, cache, tags)``: this
+    rank's :class:`Figures` (samples, first call, warm-up, peak memory, energy and clocks, windows taken), the
+    step the windows ran (a graph replay under cuda_graph=true), the first call's compile cache state (None: not
+    compiling) and the windows' tags (throttle, contention, why the windows stopped).
 
     Under DDP the reducer's ``align`` (a barrier) runs after the warm-up, so every rank's windows start
     together. ``graph_eager_steps`` > 0 (``cuda_graph=true``): the "first call" is that many eager
@@ -93,6 +95,7 @@ def _measure(step, bench: _Bench, task: str, batch_size: int, graph_eager_steps:
     every later call, timed or not, is a replay. When compiling, the first call runs with a ticker
     (a long compile must not look hung) and the compile cache's hits and misses are counted around it.
     """
+    PHASES.mark("task_setup")  # the batch search, the optimizer and the step, since the last phase
     spec, runtime, say = bench.spec, bench.runtime, bench.progress
     dev = runtime.device
     compiling = runtime.compile != "off"
@@ -111,39 +114,74 @@ def _measure(step, bench: _Bench, task: str, batch_size: int, graph_eager_steps:
     state = cache.state() if cache is not None else None
     say(f"{task}: first call took {first_s:.2f} s{f' (compile cache {state})' if state else ''}; "
         f"warm-up {spec.warmup - 1} more iteration(s)")
+    PHASES.mark("first_call")
     warm_s = wall_seconds(lambda: [step() for _ in range(spec.warmup - 1)], dev)
     if bench.reducer is not None:
         bench.reducer.align()  # outside any timed region
-    windows, marks = _timed_windows(step, bench, task, batch_size)
+    PHASES.mark("warmup")
+    warm_iter_s = warm_s / (spec.warmup - 1) if spec.warmup > 1 else first_s  # the first call overstates it
+    windows, marks, stop = _timed_windows(step, bench, task, batch_size, warm_iter_s)
+    PHASES.mark("timed")
     alloc, reserved = _memory_mb(dev)
     figures = Figures(task, {
         "window_img_per_s": tuple(batch_size * w.iters / w.total_ms * 1e3 for w in windows),
         ITERATION_TIME[task]: tuple(ms for w in windows for ms in w.iter_ms),
-        "first_call_s": first_s, "warmup_s": warm_s,
+        "first_call_s": first_s, "warmup_s": warm_s, "timed_windows": len(windows),
+        "steps_per_window": windows[-1].iters,
         "peak_mem_allocated_mb": alloc, "peak_mem_reserved_mb": reserved, **marks.figures(),
     })
-    return figures, step, state, marks
+    return figures, step, state, {**marks.tags(), "timing_stop": stop}
 
 
-def _timed_windows(step, bench: _Bench, task: str, batch_size: int):
-    """The ``repeats`` timed windows, each between two reads of the energy meter
-    (:mod:`vitreg.measure.energy`): the reads and its sampler thread stay outside the CUDA-event timing."""
+def _rank0(bench: _Bench, value):
+    """Under DDP every rank times the same windows of the same steps: rank 0's ``value`` (a collective,
+    between windows, never inside one); ``value`` itself in a process of its own."""
+    if bench.reducer is None:
+        return value
+    from vitreg.ddp.world import gather_objects
+
+    return gather_objects(value, bench.reducer.world)[0]
+
+
+#: Short windows re-measured at most this often per task before a short one is kept as a sample.
+_RECALIBRATIONS = 3
+
+
+def _timed_windows(step, bench: _Bench, task: str, batch_size: int, warm_iter_s: float):
+    """The timed windows, each between two reads of the energy meter (:mod:`vitreg.measure.energy`: the reads
+    and its sampler thread stay outside the CUDA-event timing), until the spec's :class:`StopRule` says stop;
+    returns ``(windows, task_marks, stop reason)``.
+
+    ``steps=0``: each window's steps come from the warm-up's step time; a window that still ends shorter than
+    ``window_min_s`` is not a sample: the steps are recomputed from it and it is timed again."""
     from vitreg.measure.energy import TaskMarks, open_meter, steps_for_energy
 
     spec, dev, say = bench.spec, bench.runtime.device, bench.progress
-    windows, marks = [], []
+    rule = spec.stop_rule()
+    steps = spec.steps or _rank0(bench, steps_for_window(spec.window_min_s, warm_iter_s))
+    windows, marks, stop, recalibrated = [], [], None, 0
     meter = open_meter(dev, bench.runtime.device_index)
     say(f"{task}: energy and throttle state at the window edges: {meter.source.name}")
+    started = time.perf_counter()
     try:
-        for r in range(spec.repeats):
+        while stop is None:
             meter.start()
-            win = time_window(step, spec.steps, dev)
-            mark = meter.stop(win.total_ms / 1e3, batch_size * win.iters, f"{task} {r + 1}")
+            win = time_window(step, steps, dev)
+            mark = meter.stop(win.total_ms / 1e3, batch_size * win.iters, f"{task} {len(windows) + 1}")
+            if not spec.steps and recalibrated < _RECALIBRATIONS and \
+                    _rank0(bench, win.total_ms / 1e3 < spec.window_min_s):
+                recalibrated += 1
+                steps = _rank0(bench, steps_for_window(spec.window_min_s, win.total_ms / 1e3 / win.iters))
+                say(f"{task}: a window of {win.total_ms / 1e3:.3f} s is shorter than window_min_s="
+                    f"{spec.window_min_s:g}: not a sample; {steps} steps per window from here")
+                continue
             windows.append(win)
             marks.append(mark)
-            power = f", {mark.power_w:,.0f} W, {mark.energy_j / mark.images:.4g} J/img" if mark.power_w else ""
-            say(f"{task}: window {r + 1}/{spec.repeats}: {batch_size * win.iters / win.total_ms * 1e3:,.1f} img/s, "
-                f"{win.total_ms / win.iters:.2f} ms/iter{power}")
+            rates = [batch_size * w.iters / w.total_ms * 1e3 for w in windows]
+            stop = rule.reason(rates, time.perf_counter() - started, win.total_ms / 1e3)
+            if not rule.repeats:  # fixed counts stop alike on every rank without a word between them
+                stop = _rank0(bench, stop)
+            _say_window(say, task, rates, win, mark, rule)
     finally:
         meter.close()
     task_marks = TaskMarks(tuple(marks), tuple(batch_size * w.iters / w.total_ms * 1e3 for w in windows))
@@ -151,9 +189,32 @@ def _timed_windows(step, bench: _Bench, task: str, batch_size: int):
         say(f"{task}: {task_marks.spread_note()}")
     if task_marks.short_windows():
         say(f"{task}: no energy figure: windows of {windows[0].total_ms / 1e3:.2f} s are too short for the energy "
-            f"counter (it refreshes every 20-100 ms); steps={steps_for_energy(windows[0].total_ms / 1e3, spec.steps)} "
+            f"counter (it refreshes every 20-100 ms); steps={steps_for_energy(windows[0].total_ms / 1e3, steps)} "
             "would give one")
-    return windows, task_marks
+    if stop in (STOP_MAX_WINDOWS, STOP_MAX_TIME):
+        say(f"{task}: {missed_target_text(task_marks.rates, rule, stop)}")
+    return windows, task_marks, stop
+
+
+def _say_window(say, task: str, rates: list, win, mark, rule: StopRule) -> None:
+    """One progress line per window: its rate and step time (power, where read); with repeats=0 the
+    median's 95 % half-width so far."""
+    power = f", {mark.power_w:,.0f} W, {mark.energy_j / mark.images:.4g} J/img" if mark.power_w else ""
+    count = f"{len(rates)}/{rule.repeats}" if rule.repeats else f"{len(rates)}"
+    halfwidth = median_halfwidth_pct(rates) if not rule.repeats else None
+    sure = f", median +-{halfwidth:.2f} % (target {rule.precision_pct:g} %)" if halfwidth is not None else ""
+    say(f"{task}: window {count}: {rates[-1]:,.1f} img/s, {win.total_ms / win.iters:.2f} ms/iter{power}{sure}")
+
+
+def missed_target_text(rates, rule: StopRule, stop: str) -> str:
+    """Why a task's median is less sure than asked: the half-width reached, the limit that stopped it."""
+    halfwidth = median_halfwidth_pct(rates)
+    reached = f"+-{halfwidth:.2f} %" if halfwidth is not None else f"no 95 % interval (under {MIN_WINDOWS} windows)"
+    limit = (f"max_time_s={rule.max_time_s:g} s of timing" if stop == STOP_MAX_TIME
+             else f"the most windows a task times ({rule.max_windows})")
+    return (f"precision target {rule.precision_pct:g} % not reached: {reached} after {len(rates)} window(s), "
+            f"stopped by {limit}; the windows scatter (a busy host, throttling): rerun on a quiet machine or raise "
+            f"max_time_s")
 
 
 def _oom_guard(fn, batch_size: int, task: str):
@@ -220,11 +281,12 @@ def run_inference(model, bench: _Bench, fwd_flops: int) -> TaskResult:
     compiled = runtime.compile_model(model)
     step = _infer_steps(compiled, info, runtime, cache)(bs)  # the batch is made once, before any timing
     eager = INFER_EAGER_STEPS_BEFORE_CAPTURE if bench.spec.cuda_graph else 0
-    figures, timed_step, cache_state, marks = _oom_guard(lambda: _measure(step, bench, "infer", bs, eager), bs,
-                                                         "infer")
+    figures, timed_step, cache_state, tags = _oom_guard(lambda: _measure(step, bench, "infer", bs, eager), bs,
+                                                        "infer")
     backend = _after_windows("infer", timed_step, step, bench)
-    return TaskResult("infer", bs, info.img_size, bench.spec.steps, bench.spec.repeats,
-                      _job_figures(figures, bench, fwd_flops), backend, cache_state, choice, marks.tags())
+    PHASES.mark("after_windows")
+    return TaskResult("infer", bs, info.img_size, figures["steps_per_window"], figures["timed_windows"],
+                      _job_figures(figures, bench, fwd_flops), backend, cache_state, choice, tags)
 
 
 def _train_steps(net, opt, scaler, info: ModelInfo, runtime: Runtime, cache: bool):
@@ -277,15 +339,16 @@ def run_train_step(model, bench: _Bench, train_flops: int) -> TaskResult:
             net = bench.wrap(model) if bench.wrap else model
         step = _train_steps(runtime.compile_model(net), opt, scaler, info, runtime, not graphed)(bs)
         eager = EAGER_STEPS_BEFORE_CAPTURE if graphed else 0
-        figures, timed_step, cache_state, marks = _oom_guard(lambda: _measure(step, bench, "train", bs, eager), bs,
-                                                             "train")
+        figures, timed_step, cache_state, tags = _oom_guard(lambda: _measure(step, bench, "train", bs, eager), bs,
+                                                            "train")
         figures = figures.with_values(**_comm_figures(timed_step, bench))
         backend = _after_windows("train", timed_step, step, bench)
+        PHASES.mark("after_windows")
     finally:
         if info.distilled and hasattr(model, "set_distilled_training"):
             model.set_distilled_training(False)
-    return TaskResult("train", bs, info.img_size, spec.steps, spec.repeats, _job_figures(figures, bench, train_flops),
-                      backend, cache_state, choice, marks.tags())
+    return TaskResult("train", bs, info.img_size, figures["steps_per_window"], figures["timed_windows"],
+                      _job_figures(figures, bench, train_flops), backend, cache_state, choice, tags)
 
 
 def _comm_figures(timed_step, bench: _Bench) -> dict:
@@ -321,6 +384,17 @@ def _train_flops(model, info: ModelInfo, runtime: Runtime) -> int:
     return train_flops_per_image(model, info.img_size, runtime.torch_device, lambda out, y: loss_of(out, y, criterion))
 
 
+def _flops_key(info: ModelInfo, what: str) -> dict:
+    """What a FLOP count depends on: the model's build (name, size, classes, distillation, parameters), the
+    libraries that define it and count it, forward or training step."""
+    import torch
+    from importlib import metadata
+
+    return {"model": info.name, "source": info.source, "img_size": info.img_size, "num_classes": info.num_classes,
+            "distilled": info.distilled, "params_m": round(info.params_m, 6), "torch": torch.__version__,
+            "library": metadata.version(info.source), "count": what}
+
+
 def run_benchmark(spec: BenchSpec, hardware: ResolvedHardware, runtime: Runtime, progress=progress,
                   model_factory=None, wrap=None, reducer=None) -> BenchResult:
     """Build the model, count its FLOPs, run each task of the spec; returns a :class:`BenchResult`.
@@ -344,10 +418,10 @@ def run_benchmark(spec: BenchSpec, hardware: ResolvedHardware, runtime: Runtime,
     model = model.to(runtime.torch_device)
     # Counted in fp32 before the run's SDPA restriction: sdpa=flash has no fp32 kernel on a GPU, so a
     # count inside it failed with "No available kernel" (the count is the same whichever backend runs).
-    fwd_flops = forward_flops_per_image(model, info.img_size, runtime.torch_device)
-    train_flops = _train_flops(model, info, runtime) if "train" in spec.tasks else 0
-    say_if_long(bench_work(spec, fwd_flops, train_flops, runtime.device), runtime.device, progress,
-                compiling=runtime.compile != "off")  # a GPU-sized run on a CPU says so before it starts
+    fwd_flops = batch_cache.counted_flops(_flops_key(info, "forward"),
+                                          lambda: forward_flops_per_image(model, info.img_size, runtime.torch_device))
+    train_flops = batch_cache.counted_flops(_flops_key(info, "train"), lambda: _train_flops(model, info, runtime)) \
+        if "train" in spec.tasks else 0
     # amp=fp8*: a bf16 copy first, to say how far the quantized model's logits land from it
     reference = copy.deepcopy(model).to(torch.bfloat16) if precision.fp8 else None
     model = prepare_model(model, precision)
@@ -360,13 +434,44 @@ def run_benchmark(spec: BenchSpec, hardware: ResolvedHardware, runtime: Runtime,
     bench = _Bench(spec, runtime, hardware, info, progress, wrap, reducer, profile_dir)
     tasks = []
     with run_context(runtime, model, spec.sdpa, spec.compile_cache, train="train" in spec.tasks) as cache_dir:
+        ahead = _estimate(model, bench, fwd_flops, train_flops, cache_dir)  # a GPU-sized run on a CPU says so
+        PHASES.mark("model")
+        work_started = time.perf_counter()
         for task in spec.tasks:
             if task == "infer":
                 tasks.append(run_inference(model, bench, fwd_flops))
             else:
                 tasks.append(run_train_step(model, bench, train_flops))
         synchronize(runtime.device)
+        work_s = time.perf_counter() - work_started
     return BenchResult(spec=spec, gpu=hardware.label, amp=runtime.amp, device=runtime.device, model=info,
                        fwd_gflops_per_img=fwd_flops / 1e9, tasks=tuple(tasks), precision=precision.label,
                        sdpa=spec.sdpa, compile_cache_dir=str(cache_dir) if cache_dir else None,
-                       profile_dir=profile_dir, fp8_agreement=agreement)
+                       profile_dir=profile_dir, fp8_agreement=agreement, estimated_work_s=ahead.seconds(),
+                       work_s=work_s)
+
+
+def _estimate(model, bench: _Bench, fwd_flops: int, train_flops: int, cache_dir) -> BenchAhead:
+    """The work ahead (:class:`vitreg.measure.estimate.BenchAhead`), from each task's step timed at a probe
+    batch in the run's precision and math mode (inside the run's context), said when it is long. The train
+    probe's optimizer has a learning rate of 0: its steps leave the weights as they were."""
+    import torch
+
+    spec, runtime, info = bench.spec, bench.runtime, bench.info
+    batch, dev, step_s = estimated_batch(spec, runtime.device), runtime.device, {}
+    if "infer" in spec.tasks:
+        model.eval()
+        step_s["infer"] = step_seconds(_infer_steps(model, info, runtime, True), batch, fwd_flops, dev)
+    if "train" in spec.tasks:
+        model.train()
+        opt = torch.optim.AdamW(model.parameters(), lr=0.0)
+        step_s["train"] = step_seconds(_train_steps(model, opt, runtime.grad_scaler(), info, runtime, True), batch,
+                                       train_flops, dev)
+        del opt
+        model.zero_grad(set_to_none=True)
+    cached = cache_dir is not None and Path(cache_dir).is_dir() and any(Path(cache_dir).iterdir())
+    ahead = BenchAhead(spec, step_s, dev, cached)
+    line = ahead.line()
+    if line:
+        bench.progress(line)
+    return ahead

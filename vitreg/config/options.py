@@ -265,10 +265,28 @@ OPTIONS: tuple[Option, ...] = (
            doc="untimed iterations; the first is timed apart (`*_first_call_s`, and `*_compile_time_s` when "
                "compiling)",
            same_work="untimed iterations before the timed windows"),
-    Option("steps", "int", 30, "iterations per timed window.", _TIMED, minimum=1, doc="iterations per timed window",
+    Option("steps", "int", 0, "iterations per timed window; 0 = as many as last window_min_s.", _TIMED, minimum=0,
+           doc="iterations per timed window; `0`: as many as last `window_min_s` (a number reproduces a run's "
+               "`<task>_steps_per_window`)",
            same_work="the length of a timed window: more samples of the same work"),
-    Option("repeats", "int", 5, "timed windows.", _TIMED, minimum=1, doc="timed windows (median and spread over them)",
+    Option("repeats", "int", 0, "timed windows; 0 = until the median is within precision_pct.", _TIMED, minimum=0,
+           doc="timed windows (median and spread over them); `0`: from 6 windows on, until the median's 95 % interval "
+               "is within `precision_pct` (at most 60 windows and `max_time_s`; the reason is tagged "
+               "`<task>_timing_stop`)",
            same_work="the number of timed windows: more samples of the same work"),
+    Option("precision_pct", "float", 1.0, "repeats=0: stop when the median's 95 % interval is within this % of it.",
+           _TIMED, minimum=0.01, doc="with `repeats=0`: windows stop once the half-width of the median's 95 % "
+           "interval (order statistics, distribution-free) is at most this % of the median; logged as "
+           "`<task>_throughput_ci95_halfwidth_pct`",
+           same_work="how long the same work is timed: a bound on the median's uncertainty"),
+    Option("window_min_s", "float", 1.0, "steps=0: each timed window lasts at least this many seconds (whole steps).",
+           _TIMED, minimum=0.0, doc="with `steps=0`: each timed window lasts at least this long, in whole steps (1 s "
+           "keeps the energy figure: the counter refreshes every 20-100 ms)",
+           same_work="how long one window times the same work"),
+    Option("max_time_s", "float", 60.0, "repeats=0: timed windows per task stop before this many seconds.", _TIMED,
+           minimum=0.0, doc="with `repeats=0`: a task's timed windows end before this many seconds even "
+           "when the target is not reached (tagged `<task>_timing_stop=max_time`, and said)",
+           same_work="a bound on how long the same work is timed"),
     Option("steps", "int", 0, "optimizer updates in all (counted from step 0, also when resuming); 0 = use --epochs.",
            ("train",), minimum=0,
            doc="optimizer updates in all (counted from 0, also on resume); `steps=0` uses `epochs`",

@@ -23,6 +23,7 @@ from vitreg.config.parse import TRUE as _TRUE, parse_bool, parse_int  # noqa: F4
 from vitreg.errors import VitregError
 from vitreg.hardware.precision import check_tasks
 from vitreg.measure.graphs import check_cuda_graph
+from vitreg.measure.timing import StopRule
 from vitreg.measure.traces import check_profile_request
 
 
@@ -89,8 +90,9 @@ class _Spec:
 class BenchSpec(_Spec, command="bench"):
     """One benchmark: a model, a batch, a precision, a compile mode, and how long to time it.
 
-    ``steps`` iterations make one timed window; ``repeats`` windows give the median and the
-    spread. ``warmup`` iterations run first and are never timed into the result (the first of them
+    ``steps`` iterations make one timed window (0: as many as last ``window_min_s``); ``repeats`` windows
+    give the median and the spread (0: until the median's 95 % interval is within ``precision_pct``, see
+    :class:`vitreg.measure.timing.StopRule`). ``warmup`` iterations run first and are never timed into the result (the first of them
     carries compilation when ``compile`` is on, and is reported apart as ``compile_time_s``).
     """
 
@@ -105,8 +107,11 @@ class BenchSpec(_Spec, command="bench"):
     compile: str = "off"
     compile_backend: str = "inductor"
     warmup: int = 10
-    steps: int = 30
-    repeats: int = 5
+    steps: int = 0
+    repeats: int = 0
+    precision_pct: float = 1.0
+    window_min_s: float = 1.0
+    max_time_s: float = 60.0
     device: str = "auto"
     allow_gpu_mismatch: bool = False
     nproc: int = 1
@@ -124,6 +129,10 @@ class BenchSpec(_Spec, command="bench"):
         check_profile_request(self.profile, self.cuda_graph)
         if self.cuda_graph:
             check_cuda_graph(self.amp, self.compile, self.compile_backend)
+
+    def stop_rule(self):
+        """When each task's timed windows stop (:class:`vitreg.measure.timing.StopRule`)."""
+        return StopRule(self.precision_pct, self.max_time_s, self.repeats)
 
     @property
     def auto_batch(self) -> bool:

@@ -9,6 +9,10 @@ may hold memory now) and times it; a batch that runs out of memory is dropped an
 again, said in one line. The file is one JSON object (``autobatch.json`` under
 :func:`vitreg.environment.user_cache_dir`, or ``$VITREG_BATCH_CACHE``): a file that cannot be read is
 said in one line and rewritten, an entry of the wrong shape counts as missing. Delete the file to forget every choice.
+
+Beside it, ``flops.json`` keeps the FLOP counts (:func:`counted_flops`): a forward and a training step of the
+same model at the same size count the same every time, and counting them runs the real model under torch's
+FlopCounterMode (a CPU run of ViT-B/16 spent seconds on it; every sweep child of one model counted again).
 """
 
 from __future__ import annotations
@@ -62,9 +66,9 @@ def cache_file() -> Path:
     return Path(os.environ[ENV_VAR]).expanduser() if os.environ.get(ENV_VAR) else user_cache_dir() / "autobatch.json"
 
 
-def _read() -> tuple[dict, str | None]:
+def _read(path: Path | None = None) -> tuple[dict, str | None]:
     """``(entries, note)``: the note is one line when the file exists but cannot be used."""
-    path = cache_file()
+    path = path or cache_file()
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
@@ -98,8 +102,8 @@ def forget(key: CacheKey) -> None:
         _write(entries)
 
 
-def _write(entries: dict) -> None:
-    path = cache_file()
+def _write(entries: dict, path: Path | None = None) -> None:
+    path = path or cache_file()
     tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -108,3 +112,23 @@ def _write(entries: dict) -> None:
     except OSError:  # a read-only cache costs the next run its probes, nothing else
         with contextlib.suppress(OSError):
             tmp.unlink(missing_ok=True)
+
+
+# --------------------------------------------------------------------------------------------
+# FLOP counts
+
+
+def counted_flops(key: dict, count) -> int:
+    """The FLOPs ``count()`` gives for the work ``key`` names (the model, its size, classes and distillation,
+    its parameters, the library versions, forward or training step), counted once and read back after."""
+    path = cache_file().with_name("flops.json")
+    text = json.dumps(key, sort_keys=True)
+    entries, _ = _read(path)
+    kept = entries.get(text)
+    if type(kept) is int and kept > 0:
+        return kept
+    flops = int(count())
+    entries.pop(text, None)
+    entries[text] = flops  # newest last
+    _write(dict(list(entries.items())[-MAX_ENTRIES:]), path)
+    return flops

@@ -1,16 +1,27 @@
 """Before long work, one line saying how long it will take here and how to make it short.
 
 A GPU-sized command typed on a CPU (``vitreg bench --model vit_base_patch16_224 --batch-size 256``) was
-still at work after minutes with nothing said. The estimate is the work's FLOPs (counted on the real
-model, :mod:`vitreg.models.flops`) over this machine's measured speed: a matrix product timed on the
-run's device, in a fraction of a second. A ViT's steps run below a bare matmul's rate, so the estimate
-errs short; compiling comes on top. Quick work says nothing.
+still at work after minutes with nothing said. bench's estimate (:class:`BenchAhead`) times the model's own
+steps, in the run's precision, on the run's device: a forward (and a training step, with a learning rate of 0
+that leaves the weights as they were) at a probe batch small enough to cost a fraction of a second, scaled to
+the batch. A bare fp32 matrix product, the earlier probe, said 114 s for a bf16 H200 run that took 58 s: a
+ViT's step is neither a matmul's rate nor fp32's. Then it counts what the run will do: the warm-up, the
+windows (``steps=0``: as many steps as last ``window_min_s``; ``repeats=0``: the precision target is assumed
+met at :data:`vitreg.measure.timing.MIN_WINDOWS` windows, capped by ``max_time_s``), the compilation
+(:data:`COMPILE_S`, a typical figure: nothing can be timed before compiling) and a batch search. train's
+estimate is still its FLOPs over a measured matrix product (:func:`measured_flops_per_s`). Quick work says
+nothing; the bench estimate is logged (``estimated_work_s``) beside what the work took (``work_s``).
 """
 
 from __future__ import annotations
 
+import math
+import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from vitreg.measure.autobatch import SEARCH_LIMITS
+from vitreg.measure.timing import MIN_WINDOWS, steps_for_window, wall_seconds
 
 #: Work estimated to take longer than this gets the line.
 LONG_S = 60.0
@@ -19,13 +30,13 @@ _CPU_AUTO_BATCH = 64
 _GPU_AUTO_BATCH = 256
 
 
-def measured_flops_per_s(device: str = "cpu", n: int | None = None) -> float:
-    """FLOP/s of a square fp32 matrix product on ``device`` (best of three after one warm-up), with the
-    threads this process has: what a ViT's matrix products can reach here at most."""
+def measured_flops_per_s(device: str = "cpu", n: int | None = None, dtype=None) -> float:
+    """FLOP/s of a square matrix product in ``dtype`` (default fp32) on ``device`` (best of three after one
+    warm-up), with the threads this process has: what a ViT's matrix products can reach here at most."""
     import torch
 
     n = n or (4096 if device == "cuda" else 384)
-    a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
+    a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
     best = float("inf")
     for _ in range(4):
         if device == "cuda":
@@ -49,17 +60,6 @@ class WorkAhead:
 
     def seconds(self, flops_per_s: float) -> float:
         return self.flops_per_img * self.images / flops_per_s
-
-
-def bench_work(spec, fwd_flops: float, train_flops: float, device: str) -> WorkAhead:
-    """The images bench or infer puts through the model: per task, the warm-up and the timed windows
-    (batch_size=auto: the batch search's largest batch, which it tries)."""
-    auto = _GPU_AUTO_BATCH if device == "cuda" else _CPU_AUTO_BATCH
-    batch = auto if str(spec.batch_size) == "auto" else int(spec.batch_size)
-    iterations = spec.warmup + spec.steps * spec.repeats
-    flops = (fwd_flops if "infer" in spec.tasks else 0) + (train_flops if "train" in spec.tasks else 0)
-    return WorkAhead("bench", flops, batch * iterations,
-                "--model deit_tiny_patch16_224 --batch-size 8 --warmup 3 --steps 5 --repeats 3")
 
 
 def train_work(batch_size: int, total_steps: int, train_flops: float) -> WorkAhead:
@@ -96,3 +96,106 @@ def say_if_long(work: WorkAhead, device: str, progress, compiling: bool = False)
     if line:
         progress(line)
     return line
+
+
+# --------------------------------------------------------------------------------------------
+# bench: the model's own steps, timed at a probe batch
+
+#: The work of one probe call: on a GPU enough to hide the kernel launches (~30 ms of bf16 math on an
+#: H200, where ViT-B's eager forward at batch 1 is launch-bound), on a CPU a fraction of a second.
+PROBE_FLOPS = {"cuda": 2e13, "cpu": 1e9}
+#: The timed probe calls stop once they add up to this (after the first), so a probe costs at most about
+#: 2 x this plus one step.
+PROBE_S = 0.5
+#: Seconds torch.compile takes per task with a cold cache (a warm one takes about a quarter): typical
+#: ViT figures (ViT-B/16 on an H200, docs/benchmarks.md), since nothing can time a compile before it runs.
+COMPILE_S = {"off": 0.0, "default": 40.0, "reduce-overhead": 60.0, "max-autotune": 300.0}
+#: Untimed steps after the windows (the SDPA backend read under the profiler: one step, and its start).
+AFTER_WINDOWS_STEPS = 2
+
+
+def estimated_batch(spec, device: str) -> int:
+    """The spec's batch; batch_size=auto: the largest the search tries first (the CPU's top, the GPU's start)."""
+    if not spec.auto_batch:
+        return int(spec.batch_size)
+    return _GPU_AUTO_BATCH if device == "cuda" else _CPU_AUTO_BATCH
+
+
+def probe_batch(batch: int, flops_per_img: float, device: str) -> int:
+    """The probe's batch: :data:`PROBE_FLOPS` of work, at most the run's batch."""
+    return min(batch, max(1, math.ceil(PROBE_FLOPS[device] / max(flops_per_img, 1.0))))
+
+
+def step_seconds(make_step, batch: int, flops_per_img: float, device: str) -> float:
+    """Seconds one step of ``make_step`` (a factory of steps by batch, in the run's precision) takes at
+    ``batch``: the median of up to three calls at :func:`probe_batch` (fewer past :data:`PROBE_S`) after an
+    untimed one, scaled by the batch.
+    The random state is put back after it, so the run's inputs are those it makes without the probe."""
+    import torch
+
+    small = probe_batch(batch, flops_per_img, device)
+    devices = [torch.cuda.current_device()] if device == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        step = make_step(small)
+        step()  # lazy initialisation, the autotuner's trials
+        # the median of up to three: what a step typically takes (the fastest of a few calls is a quiet
+        # moment's time, and a run's steps meet the machine as it is); fewer when a step is long (a GPU-sized
+        # model on a CPU), where one call is both enough and costly
+        times = [wall_seconds(step, device)]
+        while len(times) < 3 and sum(times) < PROBE_S:
+            times.append(wall_seconds(step, device))
+    typical = statistics.median(times)
+    return typical * batch / small
+
+
+@dataclass(frozen=True)
+class BenchAhead:
+    """What bench will do, per task: its step's seconds at the run's batch, and the spec's counts."""
+
+    spec: object  # vitreg.config.spec.BenchSpec
+    step_s: dict = field(default_factory=dict)  # task -> seconds per step at the batch
+    device: str = "cpu"
+    compile_cached: bool = False  # the compile cache folder already holds entries
+
+    def task_seconds(self, task: str) -> float:
+        """First call (with compilation), warm-up, the timed windows, the untimed steps after them."""
+        spec, step = self.spec, self.step_s[task]
+        window = (spec.steps or steps_for_window(spec.window_min_s, step)) * step
+        timed = (spec.repeats or MIN_WINDOWS) * window
+        if not spec.repeats:  # the stop rule starts no window that would end past max_time_s
+            timed = max(window, min(timed, spec.max_time_s))
+        compile_s = COMPILE_S[spec.compile] * (0.25 if self.compile_cached else 1.0)
+        return compile_s + (spec.warmup + AFTER_WINDOWS_STEPS) * step + timed + self._search_s(step)
+
+    def _search_s(self, step: float) -> float:
+        """batch_size=auto: the search's probes, at the batches it doubles through (on a GPU the first
+        three: it stops once a doubling gains under 1 %)."""
+        if not self.spec.auto_batch:
+            return 0.0
+        limits, batch = SEARCH_LIMITS[self.device], self._batch
+        batches, b = [], limits.start
+        while b <= limits.limit and len(batches) < (3 if self.device == "cuda" else limits.max_probes):
+            batches.append(b)
+            b *= 2
+        return sum((limits.probe_steps + limits.probe_warmup) * step * b / batch for b in batches)
+
+    @property
+    def _batch(self) -> int:
+        return estimated_batch(self.spec, self.device)
+
+    def seconds(self) -> float:
+        return sum(self.task_seconds(t) for t in self.step_s)
+
+    def line(self) -> str | None:
+        """The line to say before the work (None when it is quick): the estimate, its parts, how to make it short."""
+        seconds = self.seconds()
+        if seconds <= LONG_S:
+            return None
+        where = "this CPU" if self.device == "cpu" else "this GPU"
+        steps = ", ".join(f"{t} {s * 1e3:,.1f} ms/step" for t, s in self.step_s.items())
+        timing = (f"{self.spec.repeats} windows" if self.spec.repeats else
+                  f"{MIN_WINDOWS}+ windows of >= {self.spec.window_min_s:g} s (at most {self.spec.max_time_s:g} s)")
+        compiling = f"; compiling ~{COMPILE_S[self.spec.compile]:.0f} s a task (cold cache)" if self.spec.compile != "off" else ""
+        return (f"estimate: bench will take about {duration_text(seconds)} on {where} ({steps}, measured in the run's "
+                f"precision; {self.spec.warmup} warm-up steps, {timing} per task{compiling}); for a short run: "
+                "--model deit_tiny_patch16_224 --batch-size 8 --warmup 3 --steps 5 --repeats 3")

@@ -35,7 +35,7 @@ TASKS = ("infer", "train")
 HIGHER, LOWER, NEITHER = "higher", "lower", "none"
 RANK_RULES = ("sum", "max", "min", "per_gpu", "world", "same", "main", "job")
 #: the statistics a row may take of a sample (attributes of :class:`vitreg.measure.timing.Stats`)
-STATS = ("median", "mean", "min", "max", "p90", "p99", "cv")
+STATS = ("median", "mean", "min", "max", "p90", "p99", "cv", "median_ci95_halfwidth_pct")
 
 #: the name family of one timed iteration: a forward pass (infer) or a whole training step (train)
 ITERATION_TIME = {"infer": "latency_ms", "train": "step_ms"}
@@ -88,6 +88,13 @@ METRICS: tuple[Metric, ...] = (
            doc="achieved FLOP/s per GPU over the GPU's dense datasheet peak for the precision"),
     Metric("throughput_cv", "", LOWER, "sum", ".1%", compared=TASKS, doc="std/mean of the window throughputs",
            **_window("cv")),
+    Metric("throughput_ci95_halfwidth_pct", "%", LOWER, "sum", ".2f",
+           doc="half-width of the median window throughput's 95 % interval (order statistics, distribution-free), "
+               "% of the median; absent under 6 windows", **_window("median_ci95_halfwidth_pct")),
+    Metric("timed_windows", "", NEITHER, "same", "d", doc="timed windows taken (repeats=0: until the precision "
+           "target or a limit; the reason is the <task>_timing_stop tag)"),
+    Metric("steps_per_window", "", NEITHER, "same", "d", doc="iterations per timed window (steps=0: as many as "
+           "last window_min_s); steps=<this> repeats=<timed_windows> reproduces the run's counts"),
     Metric("world_size", "", NEITHER, "world", "d", compared=("train",), doc="processes of a DDP job (nproc>1)"),
     Metric("throughput_img_per_s_per_gpu", "img/s", HIGHER, "per_gpu", ",.1f", compared=("train",), speed=True,
            doc="throughput_img_per_s / world_size (nproc>1)"),
@@ -135,6 +142,21 @@ METRICS: tuple[Metric, ...] = (
            "last evaluation (ImageFolder data with a val/ split)"),
     Metric("val_loss", "", LOWER, "main", ".4f", (), doc="train: mean loss on the val/ split, last evaluation"),
     # job-level: logged without a task prefix
+    *(Metric(f"overhead_{phase}_s", "s", LOWER, "max", ".2f", (), doc=f"wall seconds of the command outside its timed "
+             f"windows: {what}") for phase, what in (
+        ("import", "from the process's start to the job (interpreter, imports, option parsing)"),
+        ("setup", "the run opened, the job planned, the model built on the CPU, environment, tags and params logged"),
+        ("model", "the model on the device, its FLOPs counted, the estimate's probe, the precision's cast"),
+        ("task_setup", "each task's batch search (batch_size=auto), optimizer and step built"),
+        ("first_call", "each task's first call (compilation, lazy initialisation)"),
+        ("warmup", "each task's warm-up after the first call"),
+        ("after_windows", "each task's untimed work after its windows (the SDPA backend read, profiles)"),
+        ("report", "metrics, results.json, report.md and the run's name and note, after the last window"),
+        ("total", "all of the above: the command's time to its result but the timed windows"))),
+    Metric("estimated_work_s", "s", NEITHER, "same", ".1f", (),
+           doc="the estimate said before the work (vitreg/measure/estimate.py): model on the device to the end of "
+               "the last task"),
+    Metric("work_s", "s", LOWER, "max", ".1f", (), doc="what that work took (the estimate's counterpart)"),
     Metric("fwd_gflops_per_img", "GFLOP", NEITHER, "same", ".2f", (), TASKS, doc="one forward pass of one image"),
     Metric("params_m", "M", NEITHER, "same", ".1f", (), doc="model parameters, millions"),
     Metric("fp8_top1_agreement", "", HIGHER, "same", ".1%", (),

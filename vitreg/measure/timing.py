@@ -5,13 +5,20 @@ queued them, not how long the GPU took (the mistake of ``time.time()`` without a
 :func:`time_window` therefore records a CUDA event between iterations and reads them all after a
 single synchronize at the end of the window, so per-iteration latencies come without a host sync
 inside the timed region. On the CPU, work is synchronous and ``perf_counter`` is exact enough.
+
+How long to time (:class:`StopRule`): by default each window lasts at least ``window_min_s`` (whole
+steps) and windows go on until the median window's 95 % interval is within the precision target, between
+:data:`MIN_WINDOWS` and :data:`MAX_WINDOWS` windows and under a time cap, as nvbench's ``stdrel`` criterion
+(a noise target, a minimum time, a timeout) and pyperf's calibration (a value lasts at least ``min_time``)
+decide it; explicit ``steps``/``repeats`` keep fixed counts (to reproduce a run).
 """
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
@@ -29,6 +36,8 @@ class Stats:
     p10: float
     p90: float
     p99: float
+    # half-width of the median's 95 % interval, % of the median (None: too few values for one)
+    median_ci95_halfwidth_pct: float | None = None
 
     @property
     def cv(self) -> float:
@@ -62,7 +71,88 @@ def summarize(values) -> Stats:
         p10=p10,
         p90=p90,
         p99=p99,
+        median_ci95_halfwidth_pct=median_halfwidth_pct(data),
     )
+
+
+# --------------------------------------------------------------------------------------------
+# the median's 95 % interval, and when to stop timing
+
+#: The fewest windows whose median has a 95 % interval from order statistics: [x(1), x(6)] holds the
+#: median with probability 1 - 2 / 2**6 = 96.9 %; five windows' [x(1), x(5)] only 93.8 %.
+MIN_WINDOWS = 6
+#: The most windows a task times when the target is not reached (each costs at least window_min_s).
+MAX_WINDOWS = 60
+#: Steps per window are computed for this much more than window_min_s, so that the scatter of the
+#: iteration time rarely leaves a window short (a short window is recalibration, not a sample).
+WINDOW_MARGIN = 1.1
+
+# why the windows stopped (the ``<task>_timing_stop`` tag)
+STOP_PRECISION, STOP_MAX_WINDOWS, STOP_MAX_TIME, STOP_FIXED = "precision_met", "max_windows", "max_time", "fixed"
+
+
+def median_interval(values, confidence: float = 0.95) -> tuple[float, float] | None:
+    """A distribution-free interval of the population median: ``[x(k), x(n+1-k)]`` of the sorted values,
+    with the largest ``k`` whose coverage ``1 - 2 P(Binomial(n, 1/2) < k)`` is at least ``confidence``.
+
+    Why order statistics and not a bootstrap: the coverage is exact for any continuous distribution of
+    independent windows (a throttled or contended window is an outlier, not a Gaussian tail), it exists from
+    six values on, where a bootstrap of six values is known to cover too little, and it costs a sort between
+    windows instead of thousands of resamples. None when there are too few values for one."""
+    data = sorted(float(v) for v in values)
+    n = len(data)
+    below = 0.0  # P(B < k), B ~ Binomial(n, 1/2): the chance that fewer than k values lie below the median
+    best = None
+    for k in range(1, n // 2 + 1):
+        below += math.comb(n, k - 1) / 2**n
+        if 1 - 2 * below < confidence:
+            break
+        best = k
+    return None if best is None else (data[best - 1], data[n - best])
+
+
+def median_halfwidth_pct(values, confidence: float = 0.95) -> float | None:
+    """The interval's farther end from the median, in % of the median (the half-width of a symmetric one)."""
+    interval = median_interval(values, confidence)
+    if interval is None:
+        return None
+    median = statistics.median(values)
+    return max(median - interval[0], interval[1] - median) / abs(median) * 100 if median else None
+
+
+@dataclass(frozen=True)
+class StopRule:
+    """When a task's timed windows stop. ``repeats`` > 0: after that many (fixed mode, today's). Otherwise
+    when the median's 95 % half-width is at most ``precision_pct`` (from :data:`MIN_WINDOWS` windows on),
+    or at :data:`MAX_WINDOWS`, or before a window that would end past ``max_time_s`` of timing."""
+
+    precision_pct: float
+    max_time_s: float
+    repeats: int = 0
+    min_windows: int = MIN_WINDOWS
+    max_windows: int = MAX_WINDOWS
+
+    def reason(self, rates, elapsed_s: float, next_window_s: float) -> str | None:
+        """Why to stop after the windows of ``rates`` (img/s each), ``elapsed_s`` into the timing, when the
+        next window would take ``next_window_s``; None: time another."""
+        if self.repeats:
+            return STOP_FIXED if len(rates) >= self.repeats else None
+        halfwidth = median_halfwidth_pct(rates) if len(rates) >= self.min_windows else None
+        if halfwidth is not None and halfwidth <= self.precision_pct:
+            return STOP_PRECISION
+        if len(rates) >= self.max_windows:
+            return STOP_MAX_WINDOWS
+        if elapsed_s + next_window_s > self.max_time_s:
+            return STOP_MAX_TIME
+        return None
+
+
+def steps_for_window(window_min_s: float, iter_s: float | None) -> int:
+    """Whole steps that make a window last at least ``window_min_s`` (with :data:`WINDOW_MARGIN`) at
+    ``iter_s`` seconds per step; 1 when the step time is not known yet."""
+    if not iter_s or iter_s <= 0:
+        return 1
+    return max(1, math.ceil(window_min_s * WINDOW_MARGIN / iter_s))
 
 
 @dataclass(frozen=True)
@@ -121,3 +211,55 @@ def wall_seconds(fn, device_type: str, clock=time.perf_counter) -> float:
     fn()
     synchronize(device_type)
     return clock() - start
+
+
+# --------------------------------------------------------------------------------------------
+# where a command's time goes outside its timed windows
+
+
+def process_started_s() -> float:
+    """When this process started, on ``time.time()``'s clock (the kernel's record, through psutil), so that the
+    first phase holds the interpreter's start and every import; now where psutil cannot tell."""
+    try:
+        import psutil
+
+        return psutil.Process().create_time()
+    except Exception:  # psutil missing or the process table unreadable: count from here
+        return time.time()
+
+
+@dataclass
+class PhaseClock:
+    """Wall seconds of a command by phase: each :meth:`mark` ends the phase it names (a phase marked again,
+    as a second task's warm-up, adds up). ``timed`` is the timed windows; every other phase is overhead.
+
+    One clock per process (:data:`PHASES`), because the phases run through the CLI, the job and the runner:
+    a parameter through each of them would be one more on functions at their limit. Marks before
+    :meth:`begin` (a runner called on its own) are not recorded."""
+
+    last_s: float | None = None
+    phases: dict = field(default_factory=dict)
+    began: bool = False  # a command already began in this process: the next one's "import" is 0
+
+    def begin(self) -> None:
+        """A command starts: the first in this process counts from the process's start (interpreter and
+        imports: the ``import`` phase), a later one (the Python API, tests) from now."""
+        now = time.time()
+        self.last_s, self.phases = (now if self.began else min(process_started_s(), now)), {}
+        self.began = True
+        self.mark("import")
+
+    def mark(self, phase: str) -> None:
+        if self.last_s is None:
+            return
+        now = time.time()
+        self.phases[phase] = self.phases.get(phase, 0.0) + now - self.last_s
+        self.last_s = now
+
+    def overhead_s(self) -> dict[str, float]:
+        """``{"overhead_<phase>_s": seconds}`` for every phase but the timed windows, and their total."""
+        out = {f"overhead_{phase}_s": s for phase, s in self.phases.items() if phase != "timed"}
+        return {**out, "overhead_total_s": sum(out.values())} if out else {}
+
+
+PHASES = PhaseClock()
