@@ -488,7 +488,7 @@ def test_diagnose_names_torchrun_itself_when_it_was_stopped(tmp_path):
 def test_the_console_gets_the_ranks_lines_without_tracebacks_error_lines_or_torchrun_s_own(tmp_path):
     lines = [b"W1202 torch/distributed/run.py:1 Setting OMP_NUM_THREADS\n",
              b"[rank0]: [vitreg] step 5/100  loss 2.3\n",
-             b"[rank1]: Traceback (most recent call last):\n",
+             b"[rank1]: [rank1]: Traceback (most recent call last):\n",
              b"[rank0]: [vitreg] step 10/100  loss 2.1\n",
              b'[rank1]:   File "x.py", line 3, in <module>\n',
              b"[rank1]:     boom()\n",

@@ -6,8 +6,14 @@ terminal sends SIGHUP; Ctrl-\\ sends SIGQUIT. Python's default for these is to d
 with a core dump), leaving the MLflow run RUNNING and temporary folders behind. :func:`install` turns the
 first one into :class:`Terminated`, raised in the main thread; it is a ``KeyboardInterrupt``, so every
 clean-up path written for Ctrl-C (the tracked run ending KILLED, the launcher stopping torchrun, ``finally``
-blocks removing temp folders) runs for it too. A second signal while that clean-up runs exits at once.
-SIGKILL cannot be caught: a run killed so is found by its heartbeat (``vitreg runs --stale``).
+blocks removing temp folders) runs for it too. SIGKILL cannot be caught: a run killed so is found by its
+heartbeat (``vitreg runs --stale``).
+
+A second signal means the user insists, and still leaves the run a terminal status: it cuts the clean-up
+short with a new :class:`Terminated` (the run then ends KILLED), or, inside a block that must not be cut
+(:func:`update_is_atomic`), ends the run KILLED and exits at once; while a run's end is written
+(:func:`run_ending`) it exits as soon as the end is in the spool. A SIGTERM after a Ctrl-C is not a second
+signal but the same stop relayed (:func:`_take`).
 
 A bound on the wait: Python runs a handler only between bytecodes of the main thread, so a main thread
 inside one long C call (a collective whose peer died, a step at 16000 px) would never see the signal,

@@ -354,7 +354,8 @@ def die_with_parent(sig: int = signal.SIGTERM) -> None:
         os.kill(os.getpid(), sig)
 
 
-_RANK_LINE = re.compile(rb"\[rank(\d+)\]: ?(.*)", re.DOTALL)
+# "[rank1]: [rank1]: ...": torch 2.11's torchrun prefixes the lines it copies from a rank's log file again
+_RANK_LINE = re.compile(rb"\[rank(\d+)\]: ?(?:\[rank\d+\]: ?)*(.*)", re.DOTALL)
 #: the lines that open, or chain, a Python traceback
 _TRACEBACK_OPENS = (b"Traceback (most recent call last):", b"During handling of the above exception",
                     b"The above exception was the direct cause")

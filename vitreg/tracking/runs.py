@@ -35,8 +35,8 @@ from typing import Protocol
 from vitreg.errors import StoreError, VitregError
 from vitreg import signals
 from vitreg.signals import interrupted_reason
-from vitreg.tracking.delivery import (ERROR_KIND_TAG, ERROR_TAG, HEARTBEAT_TAG, end_with_reason, open_run,
-                                      requested_run_id, sync_hint)
+from vitreg.tracking.delivery import (ERROR_KIND_TAG, ERROR_TAG, HEARTBEAT_TAG, SPOOL_ID_TAG, end_with_reason,
+                                      open_run, requested_run_id, sync_hint)
 from vitreg.tracking.mlflow_on_first_use import mlflow
 from vitreg.tracking.spool import JOURNAL, flush_timeout_s, offline_mode
 from vitreg.tracking.store import first_line, prepare_store, short_http_requests, store_errors
@@ -339,12 +339,36 @@ def mark_killed(runs: list[StaleRun], client: mlflow.MlflowClient | None = None)
     """End each run KILLED with its reason in ``vitreg_error``; returns how many were still RUNNING."""
     client = client or mlflow.MlflowClient()
     ended = 0
+    in_a_spool = _ended_in_a_spool()
     with short_http_requests(), store_errors(client.tracking_uri, "marking stale runs KILLED"):
         for stale in runs:
-            if client.get_run(stale.run_id).info.status != "RUNNING":
+            run = client.get_run(stale.run_id)
+            if run.info.status != "RUNNING":
                 continue  # ended meanwhile (its process was alive after all, or another --fix)
+            kept = in_a_spool.get(run.data.tags.get(SPOOL_ID_TAG)) or in_a_spool.get(stale.run_id)
+            if kept:  # its process ended it; the store has not been told yet
+                print(f"[vitreg] run {stale.run_id} not marked KILLED: {kept}", file=sys.stderr)
+                continue
             end_with_reason(client, stale.run_id, "KILLED", stale.reason())
             ended += 1
+    return ended
+
+
+def _ended_in_a_spool() -> dict[str, str]:
+    """``{spool id or run id: where its end is}`` of the runs whose local spool holds their end (a process
+    stopped a second time before the store took it): such a run is over, and `vitreg sync` gives it its status."""
+    from vitreg.tracking.delivery import pending
+
+    ended = {}
+    for spool in pending():
+        try:
+            records = spool.records()
+        except (OSError, ValueError):
+            continue  # `vitreg sync` says what is wrong with it
+        end = next((r for r in reversed(records) if r.get("kind") == "end"), None)
+        if end:
+            where = f"it ended {end.get('status')} and {sync_hint(spool).replace('the run ', '', 1)}"
+            ended.update({key: where for key in (records[0].get("spool_id"), records[0].get("run_id")) if key})
     return ended
 
 
