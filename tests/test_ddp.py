@@ -502,9 +502,11 @@ def test_the_console_gets_the_ranks_lines_without_tracebacks_error_lines_or_torc
              b"Traceback (most recent call last):\n",
              b"torch.distributed.elastic.multiprocessing.errors.ChildFailedError:\n",
              b"[rank0]: [vitreg] stopped at step 10/100\n"]
+    lines.append(b"[rank0]: [rank0]: [vitreg] step 15/100  loss 2.0\n")  # torch 2.11 prefixes copied lines again
     forwarder = launch._Forwarder(None, tmp_path / "torchrun.log")
-    shown = [line for line in lines if forwarder.shown(line)]
-    assert shown == [lines[1], lines[3], lines[-1]]
+    shown = [forwarder.console_line(line) for line in lines]
+    assert [line for line in shown if line is not None] == [lines[1], lines[3], lines[-2],
+                                                            b"[rank0]: [vitreg] step 15/100  loss 2.0\n"]
 
 
 def test_diagnose_fallbacks(tmp_path):

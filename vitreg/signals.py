@@ -95,7 +95,7 @@ def _stop(signum, _frame):
 
 
 def _interrupt(signum, _frame):
-    """Ctrl-C as Python does it (``KeyboardInterrupt``), noted as taken up for the watchdog."""
+    """Ctrl-C: the first one as Python does it (``KeyboardInterrupt``), noted as a stop like the others."""
     _stop(signum, _frame)
 
 
@@ -110,6 +110,7 @@ def _insist(signum: int):
 
 
 def _say(line: str) -> None:
+    """One ``error:`` line, written straight to fd 2 (the process ends next, with ``os._exit``)."""
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):
             stream.flush()

@@ -362,36 +362,39 @@ _TRACEBACK_OPENS = (b"Traceback (most recent call last):", b"During handling of 
 
 
 class _Forwarder(threading.Thread):
-    """Copies torchrun's stderr into ``log_path``, and the ranks' own lines of it to ours (:meth:`shown`)."""
+    """Copies torchrun's stderr into ``log_path``, and the ranks' own lines of it to ours (:meth:`console_line`)."""
 
     def __init__(self, stream, log_path: Path):
         super().__init__(name="vitreg-torchrun-stderr", daemon=True)
         self.stream, self.log_path = stream, log_path
         self._in_traceback: set[bytes] = set()  # the ranks whose stderr is inside a traceback
 
-    def shown(self, line: bytes) -> bool:
-        """A rank's line, unless it belongs to a traceback or is its ``error:`` line; none of torchrun's own."""
+    def console_line(self, line: bytes) -> bytes | None:
+        """A rank's line (one ``[rank<N>]:`` prefix), unless it belongs to a traceback or is its ``error:``
+        line; None for those and for torchrun's own lines."""
         rank_line = _RANK_LINE.match(line)
         if rank_line is None:
-            return False
+            return None
         rank, text = rank_line.groups()
         if text.startswith(_TRACEBACK_OPENS):
             self._in_traceback.add(rank)
-            return False
+            return None
         if rank in self._in_traceback:
-            if not text.strip() or text[:1].isspace():
-                return False  # frames and their source lines are indented
-            self._in_traceback.discard(rank)
-            return False  # the exception's own line ends it
-        return bool(text.strip()) and not text.startswith(b"error: ")
+            if text.strip() and not text[:1].isspace():  # frames and their source lines are indented
+                self._in_traceback.discard(rank)  # the exception's own line ends it
+            return None
+        if not text.strip() or text.startswith(b"error: "):
+            return None
+        return b"[rank" + rank + b"]: " + text
 
     def run(self) -> None:
         with open(self.log_path, "ab") as log:
             for line in iter(self.stream.readline, b""):
                 log.write(line)
                 log.flush()
-                if self.shown(line):
-                    sys.stderr.buffer.write(line)
+                shown = self.console_line(line)
+                if shown is not None:
+                    sys.stderr.buffer.write(shown)
                     sys.stderr.buffer.flush()
 
 
