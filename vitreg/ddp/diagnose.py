@@ -147,6 +147,17 @@ def _stderr_of(rank_dir: Path) -> str:
     return path.read_text(errors="replace") if path.exists() else ""
 
 
+def _killed_outcome(outcome: LaunchOutcome, killed: dict[int, int]) -> LaunchOutcome:
+    """The lowest rank killed by a signal: the signal, and its stderr's last error line if it had one."""
+    rank = min(killed)
+    rank_dir = next((d for d in outcome.log_dir.glob("*/attempt_*/*") if d.name.isdigit() and outcome._global(d) == rank),
+                    None)
+    last_words = last_error_line(_stderr_of(rank_dir)) if rank_dir is not None else None
+    why = _killed_message(-killed[rank]) + (f"; its last error line: {last_words}" if last_words else "")
+    return LaunchOutcome(outcome.returncode, outcome.returncode, rank, why, outcome.log_dir, outcome.nproc,
+                         outcome.node_rank)
+
+
 def diagnose(returncode: int, log_dir: Path, nproc: int, node_rank: int = 0, torchrun_text: str = "") -> LaunchOutcome:
     """Name the root cause of a failed job, in this order: torchrun itself stopped by a signal; the first
     error file written by a rank that failed on its own (not one that only lost its peer); a rank killed
@@ -177,12 +188,7 @@ def diagnose(returncode: int, log_dir: Path, nproc: int, node_rank: int = 0, tor
         return recorded(*failed[0])
     with_file = {d for _, d, _ in errors}
     if killed:
-        rank = min(killed)
-        rank_dir = next((d for d in log_dir.glob("*/attempt_*/*") if d.name.isdigit() and outcome._global(d) == rank),
-                        None)
-        last_words = last_error_line(_stderr_of(rank_dir)) if rank_dir is not None else None
-        why = _killed_message(-killed[rank]) + (f"; its last error line: {last_words}" if last_words else "")
-        return LaunchOutcome(returncode, returncode, rank, why, log_dir, nproc, node_rank)
+        return _killed_outcome(outcome, killed)
     rank_dirs = sorted({p.parent for p in log_dir.glob("*/attempt_*/*/stderr.log")}, key=lambda d: int(d.name))
     for rank_dir in rank_dirs:
         error = None if rank_dir in with_file else last_error_line(_stderr_of(rank_dir))
