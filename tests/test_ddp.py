@@ -174,12 +174,15 @@ def test_rank_killed_hard_fails_the_run(tmp_path):
                           timeout=300)
     assert proc.returncode == 1, proc.stderr[-3000:]  # a signal has no exit status of its own to pass on
     last = proc.stderr.strip().splitlines()[-1]
-    assert last == "error: rank 0: RuntimeError: simulated hard crash of rank 0", proc.stderr[-3000:]
     client, runs = all_runs(uri)
     assert len(runs) == 1
     run = runs[0]
+    # the signal torchrun's summary saw, the rank's last words, and where the tracebacks are kept
+    assert last == (f"error: rank 0: killed by SIGKILL (as the OOM killer does when the host runs out of memory); "
+                    f"its last error line: RuntimeError: simulated hard crash of rank 0 (tracebacks and "
+                    f"torchrun's output: artifacts torchrun/ of run {run.info.run_id})"), proc.stderr[-3000:]
     assert run.info.status == "FAILED"
-    assert run.data.tags["vitreg_error"] == "rank 0: RuntimeError: simulated hard crash of rank 0"
+    assert run.data.tags["vitreg_error"] == last[len("error: "):]
     # the ranks never logged, yet the launcher labelled the run: it is found by model, job and params
     assert run.data.tags["model"] == TINY["model"] and run.data.tags["vitreg_job"] == "bench"
     assert run.data.params["nproc"] == "2" and run.data.params["batch_size"] == TINY["batch_size"]
@@ -431,6 +434,78 @@ def test_diagnose_names_the_rank_that_died_not_the_ones_torchrun_stopped_after_i
                         errors={1: ("", 143), 0: ("", 143)})
     out = diagnosis.diagnose(1, stopped, nproc=2)
     assert (out.rank, out.exit_code) == (1, 143) and out.message == "rank 1: stopped by SIGTERM; the run is marked KILLED"
+
+
+TORCHRUN_SUMMARY = """
+torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
+============================================================
+vitreg.ddp.launcher FAILED
+------------------------------------------------------------
+Failures:
+[1]:
+  time      : 2026-12-02_09:00:01
+  host      : box
+  rank      : 1 (local_rank: 1)
+  exitcode  : 1 (pid: 12)
+  error_file: /tmp/x/1/error.json
+  traceback : RuntimeError: Connection closed by peer
+------------------------------------------------------------
+Root Cause (first observed failure):
+[0]:
+  time      : 2026-12-02_09:00:00
+  host      : box
+  rank      : 0 (local_rank: 0)
+  exitcode  : -9 (pid: 11) (SIGKILL)
+  error_file: <N/A>
+  traceback : Signal 9 (SIGKILL) received by PID 11
+============================================================
+"""
+
+
+def test_diagnose_names_a_rank_killed_by_sigkill_over_its_peer_s_lost_connection(tmp_path):
+    # rank 0 SIGKILLed: no error file, nothing on its stderr; rank 1 fails on the closed connection first
+    logs = fake_logs(tmp_path, {0: "[vitreg] step 5/100\n", 1: "RuntimeError: Connection closed by peer\n"},
+                     errors={1: ("RuntimeError: [pair.cc:561] Connection closed by peer", 1)})
+    assert diagnosis.killed_ranks(TORCHRUN_SUMMARY) == {0: -9}
+    out = diagnosis.diagnose(1, logs, nproc=2, torchrun_text=TORCHRUN_SUMMARY)
+    assert (out.rank, out.exit_code) == (0, 1), out
+    assert out.message == "rank 0: killed by SIGKILL (as the OOM killer does when the host runs out of memory)"
+    # the SIGTERM with which torchrun stops the survivors is not a kill of its own
+    assert diagnosis.killed_ranks(TORCHRUN_SUMMARY.replace("-9 (pid: 11) (SIGKILL)", "-15 (pid: 11) (SIGTERM)")) == {}
+
+
+def test_diagnose_names_torchrun_itself_when_it_was_stopped(tmp_path):
+    logs = fake_logs(tmp_path, {0: "error: stopped by SIGTERM\n", 1: "error: stopped by SIGTERM\n"},
+                     errors={0: ("", 143), 1: ("", 143)})
+    text = "torch.distributed.elastic.multiprocessing.api.SignalException: Process 4242 got signal: 15\n"
+    out = diagnosis.diagnose(1, logs, nproc=2, torchrun_text=text)
+    assert (out.rank, out.exit_code, out.message) == (None, 143, "torchrun was stopped by SIGTERM, and its ranks with it")
+    assert launch.LaunchError(out.message, out.exit_code).run_status == "KILLED"
+    assert launch.LaunchError("rank 1: ValueError: nope", 1).run_status == "FAILED"
+
+
+def test_the_console_gets_the_ranks_lines_without_tracebacks_error_lines_or_torchrun_s_own(tmp_path):
+    lines = [b"W1202 torch/distributed/run.py:1 Setting OMP_NUM_THREADS\n",
+             b"[rank0]: [vitreg] step 5/100  loss 2.3\n",
+             b"[rank1]: [rank1]: Traceback (most recent call last):\n",
+             b"[rank0]: [vitreg] step 10/100  loss 2.1\n",
+             b'[rank1]:   File "x.py", line 3, in <module>\n',
+             b"[rank1]:     boom()\n",
+             b"[rank1]: RuntimeError: Connection closed by peer\n",
+             b"[rank1]: \n",
+             b"[rank1]: During handling of the above exception, another exception occurred:\n",
+             b"[rank1]: Traceback (most recent call last):\n",
+             b'[rank1]:   File "y.py", line 1\n',
+             b"[rank1]: KeyError: 'x'\n",
+             b"[rank0]: error: stopped by SIGTERM\n",
+             b"Traceback (most recent call last):\n",
+             b"torch.distributed.elastic.multiprocessing.errors.ChildFailedError:\n",
+             b"[rank0]: [vitreg] stopped at step 10/100\n"]
+    lines.append(b"[rank0]: [rank0]: [vitreg] step 15/100  loss 2.0\n")  # torch 2.11 prefixes copied lines again
+    forwarder = launch._Forwarder(None, tmp_path / "torchrun.log")
+    shown = [forwarder.console_line(line) for line in lines]
+    assert [line for line in shown if line is not None] == [lines[1], lines[3], lines[-2],
+                                                            b"[rank0]: [vitreg] step 15/100  loss 2.0\n"]
 
 
 def test_diagnose_fallbacks(tmp_path):

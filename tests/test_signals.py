@@ -15,11 +15,13 @@ LONG_BENCH = ["-m", "vitreg.cli", "bench", "--model", "test_vit", "--img-size", 
               "--task", "infer", "--experiment", "signals"]
 
 
-def _wait_for(proc, needle: str, timeout: float = 120) -> None:
+def _wait_for(proc, needle: str, timeout: float = 120, stream=None) -> None:
+    """Read the child's ``stream`` (its stderr) until a line holds ``needle``."""
+    stream = stream or proc.stderr
     deadline = time.monotonic() + timeout
     seen = []
     while time.monotonic() < deadline:
-        line = proc.stderr.readline()
+        line = stream.readline()
         seen.append(line)
         if needle in line:
             return

@@ -135,3 +135,61 @@ def test_sigterm_to_one_rank_ends_the_job_within_the_stop_grace(tmp_path):
     last = output.strip().splitlines()[-1]
     assert last.startswith("error: rank 1") and "SIGTERM" in last, output[-3000:]
     assert "SIGTERM" in run.data.tags["vitreg_error"]
+
+
+def _worker(launcher: subprocess.Popen, rank: int) -> psutil.Process:
+    """The worker shim of global ``rank`` (one host: its RANK in the environment)."""
+    for p in _ranks(launcher):
+        if "vitreg.ddp.launcher" in p.cmdline() and "torch.distributed.run" not in p.cmdline() \
+                and p.environ().get("RANK") == str(rank):
+            return p
+    raise AssertionError(f"no worker of rank {rank}")
+
+
+def _torchrun(launcher: subprocess.Popen) -> psutil.Process:
+    proc, = [p for p in _ranks(launcher) if "torch.distributed.run" in p.cmdline()]
+    return proc
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("target,sig,names", [
+    ("rank 0", signal.SIGTERM, "error: rank 0: stopped by SIGTERM"),
+    ("torchrun", signal.SIGTERM, "error: torchrun was stopped by SIGTERM"),
+    ("rank 0", signal.SIGKILL, "error: rank 0: killed by SIGKILL"),
+], ids=["sigterm-rank0", "sigterm-torchrun", "sigkill-rank0"])
+def test_a_ddp_failure_is_one_line_naming_the_first_rank_and_the_log(tmp_path, target, sig, names):
+    """Issue 31 family 4: torchrun's and the ranks' tracebacks (207 lines for SIGTERM to rank 0, torchrun's
+    SignalException, rank 1's "Connection closed by peer" named for rank 0's SIGKILL) stay in torchrun.log,
+    logged with the run; the console gets one error line naming the rank that failed first and why."""
+    uri, proc = _start(tmp_path, VITREG_STOP_GRACE_S=5)
+    c = _client(uri)
+    try:
+        run, _ = _wait_for_points(c, proc, 4)
+        victim = _torchrun(proc) if target == "torchrun" else _worker(proc, 0)
+        victim.send_signal(sig)
+        output = proc.communicate(timeout=300)[0]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert "Traceback" not in output and "ChildFailedError" not in output and "SignalException" not in output, \
+        output[-4000:]
+    errors = [line for line in output.splitlines() if "error:" in line]
+    assert len(errors) == 1 and errors[0].startswith(names), output[-3000:]
+    assert f"artifacts torchrun/ of run {run.info.run_id}" in errors[0]
+    run = c.get_run(run.info.run_id)
+    assert run.info.status == ("FAILED" if sig == signal.SIGKILL else "KILLED"), run.info.status
+    assert proc.returncode == (1 if sig == signal.SIGKILL else 143), output[-2000:]
+    log = Path(c.download_artifacts(run.info.run_id, "torchrun/torchrun.log", str(tmp_path))).read_text()
+    assert "Traceback" in log or "exitcode" in log  # what the console was spared is kept
+
+
+@pytest.mark.slow
+def test_an_impossible_batch_under_nproc_2_is_one_line(tmp_path):
+    uri = migrated_store(tmp_path)
+    args = [a if a != "8" else "100000000" for a in TRAIN]  # --batch-size 8 -> 10**8
+    done = subprocess.run([sys.executable, "-m", "vitreg.cli", *args], cwd=tmp_path, text=True, capture_output=True,
+                          env=subprocess_env(uri, MLFLOW_DISABLE_TELEMETRY="true"), timeout=600)
+    output = done.stdout + done.stderr
+    assert done.returncode == 2 and "Traceback" not in output, output[-3000:]
+    errors = [line for line in output.splitlines() if "error:" in line]
+    assert len(errors) == 1 and errors[0].startswith("error: rank ") and "batch_size=" in errors[0], output[-3000:]

@@ -6,8 +6,14 @@ terminal sends SIGHUP; Ctrl-\\ sends SIGQUIT. Python's default for these is to d
 with a core dump), leaving the MLflow run RUNNING and temporary folders behind. :func:`install` turns the
 first one into :class:`Terminated`, raised in the main thread; it is a ``KeyboardInterrupt``, so every
 clean-up path written for Ctrl-C (the tracked run ending KILLED, the launcher stopping torchrun, ``finally``
-blocks removing temp folders) runs for it too. A second signal while that clean-up runs exits at once.
-SIGKILL cannot be caught: a run killed so is found by its heartbeat (``vitreg runs --stale``).
+blocks removing temp folders) runs for it too. SIGKILL cannot be caught: a run killed so is found by its
+heartbeat (``vitreg runs --stale``).
+
+A second signal means the user insists, and still leaves the run a terminal status: it cuts the clean-up
+short with a new :class:`Terminated` (the run then ends KILLED), or, inside a block that must not be cut
+(:func:`update_is_atomic`), ends the run KILLED and exits at once; while a run's end is written
+(:func:`run_ending`) it exits as soon as the end is in the spool. A SIGTERM after a Ctrl-C is not a second
+signal but the same stop relayed (:func:`_take`).
 
 A bound on the wait: Python runs a handler only between bytecodes of the main thread, so a main thread
 inside one long C call (a collective whose peer died, a step at 16000 px) would never see the signal,
@@ -45,10 +51,10 @@ class Terminated(KeyboardInterrupt):
         return 128 + self.signum
 
 
-_received: list[int] = []
+_received: list[int] = []  # every stop signal this process took (SIGINT included), in order
 _acted = threading.Event()  # the main thread took the signal up (Terminated raised, or Ctrl-C's interrupt)
 _last_words: list = []  # callables(reason) run by the watchdog before a forced exit
-killed_runs: list[str] = []  # the runs this process ended KILLED (what the CLI's last line names)
+run_ends: list[str] = []  # one line per run this process ended: its status and where its data is (the CLI's last line)
 
 
 def stop_grace_s() -> float:
@@ -59,22 +65,61 @@ def stop_grace_s() -> float:
                        minimum=0.1)
 
 
-def _stop(signum, _frame):
-    if _received:  # a second signal during the clean-up: the user means it
-        os._exit(128 + signum)
+def _take(signum: int) -> str:
+    """Note a stop signal and say what it is: ``"first"``, ``"relayed"`` or ``"again"``.
+
+    A SIGTERM after a SIGINT is the same stop, relayed: a terminal's Ctrl-C reaches the whole foreground
+    process group, and ``mlflow run`` (its ``cancel``) and torchrun then send SIGTERM to the child they
+    run. Taken as a second stop, it would cut short the clean-up of every Ctrl-C under them. Any other
+    second signal (Ctrl-C twice, ``kill`` twice) is the user insisting."""
+    relayed = bool(_received) and signum == signal.SIGTERM and set(_received) == {signal.SIGINT}
+    first = not _received
     _received.append(signum)
+    return "first" if first else "relayed" if relayed else "again"
+
+
+def _raise_stop(signum: int):
+    """Raise what a stop signal raises in the main thread: Ctrl-C's ``KeyboardInterrupt``, else :class:`Terminated`."""
     _acted.set()
+    if signum == signal.SIGINT:
+        raise KeyboardInterrupt
     raise Terminated(signum)
 
 
-def _interrupt(signum, frame):
-    """Ctrl-C as Python does it (``KeyboardInterrupt``), noted as taken up for the watchdog."""
-    _acted.set()
-    signal.default_int_handler(signum, frame)
+def _stop(signum, _frame):
+    taken = _take(signum)
+    if taken == "first":
+        _raise_stop(signum)
+    if taken == "again":
+        _insist(signum)
+
+
+def _interrupt(signum, _frame):
+    """Ctrl-C: the first one as Python does it (``KeyboardInterrupt``), noted as a stop like the others."""
+    _stop(signum, _frame)
+
+
+def _insist(signum: int):
+    """A second stop outside any hold. While a run is open its end must still be written: the clean-up in
+    progress (a final checkpoint, torchrun's stop) is cut short by a new :class:`Terminated`, and the run
+    ends KILLED as it goes up (its end is held: :func:`run_ending`). With no run open, exit at once."""
+    if _last_words:
+        raise Terminated(signum)
+    _say(f"stopped by {signal.Signals(signum).name} again: exiting at once")
+    os._exit(128 + signum)
+
+
+def _say(line: str) -> None:
+    """One ``error:`` line, written straight to fd 2 (the process ends next, with ``os._exit``)."""
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    with contextlib.suppress(Exception):
+        os.write(2, f"error: {line}\n".encode())
 
 
 def on_forced_exit(callback) -> None:
-    """Run ``callback(reason)`` if the watchdog has to end the process (registered by the tracked run)."""
+    """Run ``callback(reason)`` if the process has to end at once (registered by the tracked run)."""
     _last_words.append(callback)
 
 
@@ -83,17 +128,24 @@ def forget_forced_exit(callback) -> None:
         _last_words.remove(callback)
 
 
-def _force_exit(signum: int, grace: float) -> None:
-    name = signal.Signals(signum).name
-    reason = (f"stopped by {name}: the step in progress did not end within {grace:g} s "
-              f"(VITREG_STOP_GRACE_S), so no checkpoint of it was written")
+def _exit_now(signum: int, reason: str) -> None:
+    """End the process at once, the open run ended KILLED with ``reason`` first (its last words)."""
     print(f"[vitreg] {reason}", file=sys.stderr, flush=True)
     for callback in list(_last_words):
         try:
             callback(reason)
         except Exception as exc:  # noqa: BLE001 - last words must not keep the process alive
             print(f"[vitreg] while stopping: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
     os._exit(128 + signum)
+
+
+def _force_exit(signum: int, grace: float) -> None:
+    name = signal.Signals(signum).name
+    _exit_now(signum, f"stopped by {name}: the step in progress did not end within {grace:g} s "
+                      f"(VITREG_STOP_GRACE_S), so no checkpoint of it was written")
 
 
 def _watch(read_fd: int) -> None:
@@ -156,24 +208,29 @@ def interrupted_reason(exc: KeyboardInterrupt) -> str:
 # and the final checkpoint would resume one update ahead of its data; raised inside AdamW's update, some
 # parameters would have moved and others not. update_is_atomic holds the stop signals for the few lines
 # of one update and delivers the held one, to the handler that was installed, when the update is
-# complete. It lives here, beside the handlers it holds back, and imports nothing heavy.
+# complete. The same hold keeps a signal out of a fork (starting torchrun): Python runs the handler
+# inside the fork's at-fork hooks there, where an exception is printed as "Exception ignored" and lost.
+# It lives here, beside the handlers it holds back, and imports nothing heavy.
 
 
 @contextlib.contextmanager
-def update_is_atomic():
-    """Hold SIGINT/SIGTERM/SIGHUP/SIGQUIT inside the block; deliver the first one after it. A second one inside
-    the block exits at once (the user means it), as a second signal during clean-up does. An update that
-    does not end within ``VITREG_STOP_GRACE_S`` is not waited for: the watchdog ends
-    the process then (a collective whose peer died never ends)."""
+def held(insist, takes_up: bool = False):
+    """Hold SIGINT/SIGTERM/SIGHUP/SIGQUIT inside the block; deliver the first one after it. A second one
+    that insists (:func:`_take`) calls ``insist(signum)``; a relayed one is the same stop. ``takes_up``: the
+    block itself is the process's answer to a stop (a run's end), so the watchdog does not time it."""
     if threading.current_thread() is not threading.main_thread():
         yield  # signals reach the main thread only
         return
-    held: list[int] = []
+    held_signals: list[int] = []
 
     def hold(signum, _frame):
-        if held:
-            os._exit(128 + signum)
-        held.append(signum)
+        taken = _take(signum)
+        if taken == "first":
+            held_signals.append(signum)
+            if takes_up:
+                _acted.set()
+        elif taken == "again":
+            insist(signum)
 
     previous = {sig: signal.signal(sig, hold) for sig in ALL_STOP_SIGNALS}
     try:
@@ -181,14 +238,54 @@ def update_is_atomic():
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-        if held:
-            _deliver(held[0], previous[held[0]])
+        if held_signals:
+            _deliver(held_signals[0], previous[held_signals[0]])
+
+
+def _exits_now(what: str):
+    """``insist`` for a hold whose block cannot be cut: the open run ends KILLED, the process exits."""
+    return lambda signum: _exit_now(signum, f"stopped by {signal.Signals(signum).name} again {what}")
+
+
+def update_is_atomic():
+    """Hold the stop signals inside one optimizer update; deliver the first one after it. A second one
+    inside the block exits at once (the user means it), the open run ended KILLED first. An update that
+    does not end within ``VITREG_STOP_GRACE_S`` is not waited for: the watchdog ends the process then (a
+    collective whose peer died never ends)."""
+    return held(_exits_now("inside an optimizer update: no checkpoint of it was written"))
+
+
+def starting_a_process():
+    """Hold the stop signals while a child process is forked (:func:`held`): the caller stops the child
+    when the held stop is raised after the block."""
+    return held(_exits_now("while a process started"))
+
+
+@contextlib.contextmanager
+def run_ending(kept_line):
+    """Hold the stop signals while a run's end is written and delivered, so that a signal at that moment
+    (as the results table prints) cannot leave the run RUNNING with no end in its spool. The first one is
+    delivered after the end (the run ended FINISHED when its work was complete). One that insists exits at
+    once as soon as ``kept_line()`` says where the end is kept (its spool, for ``vitreg sync``); until
+    then (the end being journaled: milliseconds) it waits for it."""
+    def insist(signum):
+        line = kept_line()
+        if line:
+            _say(f"stopped by {signal.Signals(signum).name} again before the tracking store took the run's "
+                 f"end: {line}")
+            os._exit(128 + signum)
+
+    with held(insist, takes_up=True):
+        yield
 
 
 def _deliver(signum: int, handler) -> None:
-    """What ``signum`` would have done without the hold: the Python handler (Ctrl-C's KeyboardInterrupt,
-    :class:`Terminated`), or the default action (the process ends), or nothing (ignored)."""
-    if callable(handler):
+    """What ``signum`` would have done without the hold: vitreg's handlers' stop (:class:`Terminated`,
+    Ctrl-C's ``KeyboardInterrupt``), another Python handler, or the default action (the process ends), or
+    nothing (ignored)."""
+    if handler in (_stop, _interrupt):
+        _raise_stop(signum)
+    elif callable(handler):
         handler(signum, None)
     elif handler == signal.SIG_DFL:
         os.kill(os.getpid(), signum)

@@ -18,6 +18,7 @@ import contextlib
 import functools
 import os
 import shlex
+import signal
 import sys
 from pathlib import PurePath
 
@@ -251,12 +252,8 @@ def user_errors(fn):
             record_error(str(exc), exc.exit_code)  # in a torchrun worker: the launcher's root cause
             click.echo(f"error: {scrub(str(exc))}", err=True)
             sys.exit(exc.exit_code)
-        except Terminated as exc:  # SIGTERM/SIGHUP: the run, if one was open, is KILLED already (tracked_run)
-            from vitreg import signals
-
-            killed = f"; run {signals.killed_runs[-1]} is marked KILLED" if signals.killed_runs else ""
-            click.echo(f"error: {exc}{killed}", err=True)
-            sys.exit(exc.exit_code)
+        except KeyboardInterrupt as exc:  # a stop signal: the run, if one was open, has ended (tracked_run)
+            stopped(exc)
         except Exception as exc:  # a tracking store failure no layer turned into one line: do it here
             from vitreg.tracking.store import store_error_for
 
@@ -267,6 +264,28 @@ def user_errors(fn):
             sys.exit(error.exit_code)
 
     return wrapper
+
+
+def stopped(exc: KeyboardInterrupt) -> None:
+    """The one line of a command stopped by a signal, and its exit status: 128 + N, as a shell's (130 for
+    Ctrl-C, not click's ``Aborted!`` and 1). The line says where the run ended (its status as the store
+    holds it, or the spool that keeps it), so the status it names is the one the store shows."""
+    from vitreg import signals
+
+    signum = exc.signum if isinstance(exc, Terminated) else signal.SIGINT
+    where = f"; {signals.run_ends[-1]}" if signals.run_ends else ""
+    if where and _under_mlflow_run():
+        # MLflow 3's `mlflow run` then sets FAILED on every run whose command did not exit 0, whatever the
+        # run's status (its _maybe_set_run_terminated compares the status string with RunStatus' integers)
+        where += ", then `mlflow run` marks it FAILED (as it does every run whose command did not exit 0)"
+    click.echo(f"error: {signals.interrupted_reason(exc)}{where}", err=True)
+    sys.exit(128 + signum)
+
+
+def _under_mlflow_run() -> bool:
+    """True in an MLproject entry point (``mlflow run``'s child), which ``prog_name`` says."""
+    ctx = click.get_current_context(silent=True)
+    return ctx is not None and PurePath(ctx.find_root().info_name or "").parent.name == ENTRY_POINTS_DIR
 
 
 # ---------------------------------------------------------------- the command typed

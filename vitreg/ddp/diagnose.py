@@ -8,7 +8,10 @@ writes nothing; then the last error line of a worker's stderr log names it.
 
 When one worker dies, torchrun stops the others with SIGTERM, and each of them records "stopped by
 SIGTERM" (exit 143): those are consequences, so they name the root cause only when no other rank
-failed (the whole job was stopped).
+failed (the whole job was stopped). A worker killed by a signal it cannot catch (SIGKILL: the OOM
+killer's) writes nothing at all, and its peers then report only the lost connection: torchrun's own
+failure summary (its stderr, kept by the launcher in ``torchrun.log``) gives each failed rank's exit
+status, ``-9`` for SIGKILL, and says when torchrun itself was stopped (its ``SignalException``).
 """
 
 from __future__ import annotations
@@ -61,6 +64,34 @@ def last_error_line(text: str) -> str | None:
     return None
 
 
+#: torchrun's failure summary (torch.distributed.elastic's ChildFailedError): each failed rank's exit status
+_SUMMARY_FAILURE = re.compile(r"rank\s*:\s*(\d+)\s*\(local_rank:\s*\d+\)\s*\n\s*exitcode\s*:\s*(-?\d+)")
+#: torchrun stopped by a signal: torch.distributed.elastic's SignalException
+_TORCHRUN_SIGNALLED = re.compile(r"SignalException: Process \d+ got signal: (\d+)")
+#: exit statuses of a rank that was not stopped by torchrun: killed by a signal that no handler caught
+_NOT_TORCHRUN_S_STOP = frozenset(-s for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP))
+
+
+def _signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
+
+
+def killed_ranks(torchrun_text: str) -> dict[int, int]:
+    """``{global rank: exit status}`` of the ranks torchrun's summary shows killed by a signal no handler
+    caught (SIGKILL, SIGSEGV, SIGABRT...), not the SIGTERM with which torchrun stops the survivors."""
+    failures = {int(rank): int(code) for rank, code in _SUMMARY_FAILURE.findall(torchrun_text)}
+    return {rank: code for rank, code in failures.items() if code < 0 and code not in _NOT_TORCHRUN_S_STOP}
+
+
+def _killed_message(signum: int) -> str:
+    name = _signal_name(signum)
+    why = " (as the OOM killer does when the host runs out of memory)" if signum == signal.SIGKILL else ""
+    return f"killed by {name}{why}"
+
+
 @dataclass(frozen=True)
 class LaunchOutcome:
     """What became of a torchrun job, as seen from this host's launcher."""
@@ -82,8 +113,8 @@ class LaunchOutcome:
         if self.ok:
             return "all ranks finished"
         if self.rank is None:
-            return (f"torchrun exited with status {self.returncode} and no rank reported an error (a rendezvous "
-                    f"or launch failure, or ranks killed by a signal such as the OOM killer's): see the output above")
+            return self.error or (f"torchrun exited with status {self.returncode} and no rank reported an error "
+                                  f"(a rendezvous or launch failure): see torchrun.log")
         if self.error:
             return f"rank {self.rank}: {self.error}"
         return f"rank {self.rank} exited with status {self.exit_code} without an error message (killed?)"
@@ -116,15 +147,33 @@ def _stderr_of(rank_dir: Path) -> str:
     return path.read_text(errors="replace") if path.exists() else ""
 
 
-def diagnose(returncode: int, log_dir: Path, nproc: int, node_rank: int = 0) -> LaunchOutcome:
-    """Name the root cause of a failed job, in this order: the first error file written by a rank
-    that failed on its own; a rank (rank 0 first) that wrote no error file (killed by a signal) and
-    whose stderr ends with an error line; a rank that was stopped (SIGTERM/SIGHUP/SIGINT). Its message,
-    and its exit status where it recorded one."""
+def _killed_outcome(outcome: LaunchOutcome, killed: dict[int, int]) -> LaunchOutcome:
+    """The lowest rank killed by a signal: the signal, and its stderr's last error line if it had one."""
+    rank = min(killed)
+    rank_dir = next((d for d in outcome.log_dir.glob("*/attempt_*/*") if d.name.isdigit() and outcome._global(d) == rank),
+                    None)
+    last_words = last_error_line(_stderr_of(rank_dir)) if rank_dir is not None else None
+    why = _killed_message(-killed[rank]) + (f"; its last error line: {last_words}" if last_words else "")
+    return LaunchOutcome(outcome.returncode, outcome.returncode, rank, why, outcome.log_dir, outcome.nproc,
+                         outcome.node_rank)
+
+
+def diagnose(returncode: int, log_dir: Path, nproc: int, node_rank: int = 0, torchrun_text: str = "") -> LaunchOutcome:
+    """Name the root cause of a failed job, in this order: torchrun itself stopped by a signal; the first
+    error file written by a rank that failed on its own (not one that only lost its peer); a rank killed
+    by a signal no handler caught (torchrun's summary in ``torchrun_text``); a rank (rank 0 first) that wrote
+    no error file and whose stderr ends with an error line; a rank that was stopped
+    (SIGTERM/SIGHUP/SIGINT). Its message, and its exit status where it recorded one."""
     log_dir = Path(log_dir)
     outcome = LaunchOutcome(returncode, returncode, None, None, log_dir, nproc, node_rank)
     if returncode == 0:
         return LaunchOutcome(0, 0, None, None, log_dir, nproc, node_rank)
+    signalled = _TORCHRUN_SIGNALLED.search(torchrun_text)
+    if signalled:  # the ranks' "stopped by SIGTERM" follow from it
+        signum = int(signalled.group(1))
+        return LaunchOutcome(returncode, 128 + signum, None, f"torchrun was stopped by {_signal_name(signum)}, "
+                             f"and its ranks with it", log_dir, nproc, node_rank)
+    killed = killed_ranks(torchrun_text)
 
     def recorded(rank_dir: Path, error: dict) -> LaunchOutcome:
         message = error.get("message") or last_error_line(_stderr_of(rank_dir))
@@ -133,11 +182,13 @@ def diagnose(returncode: int, log_dir: Path, nproc: int, node_rank: int = 0) -> 
 
     errors = _error_files(log_dir)
     failed = [(d, e) for _, d, e in errors if int(e.get("errorCode") or returncode) not in STOPPED_CODES]
-    if len(failed) < len(errors):  # a rank was stopped: the peers that lost it only report the loss
+    if len(failed) < len(errors) or killed:  # a rank was stopped or killed: its peers only report the loss
         failed = [(d, e) for d, e in failed if not _PEER_LOST.search(str(e.get("message") or ""))]
     if failed:
         return recorded(*failed[0])
     with_file = {d for _, d, _ in errors}
+    if killed:
+        return _killed_outcome(outcome, killed)
     rank_dirs = sorted({p.parent for p in log_dir.glob("*/attempt_*/*/stderr.log")}, key=lambda d: int(d.name))
     for rank_dir in rank_dirs:
         error = None if rank_dir in with_file else last_error_line(_stderr_of(rank_dir))

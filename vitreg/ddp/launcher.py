@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from vitreg.config.parse import options_to_args
-from vitreg.ddp.diagnose import LaunchOutcome, diagnose, record_error
+from vitreg.ddp.diagnose import STOPPED_CODES, LaunchOutcome, diagnose, record_error
 from vitreg.ddp.world import inside_torchrun, is_main_process
 from vitreg.errors import VitregError
 
@@ -53,14 +53,18 @@ ENV_LAUNCH_DIR = "VITREG_LAUNCH_DIR"
 ENV_COMMAND = "VITREG_LAUNCH_COMMAND"
 _HANDOFF = "handoff"
 _LOGS = "logs"
+TORCHRUN_LOG = "torchrun.log"  # in the logs folder: torchrun's stderr, its own lines and the ranks' (tracebacks too)
 
 
 class LaunchError(VitregError):
-    """The workers failed. The message is the root cause; ``exit_code`` is that worker's own status."""
+    """The workers failed. The message is the root cause; ``exit_code`` is that worker's own status.
+    ``run_status``: KILLED when that is a stop signal's 128 + N (a rank or torchrun stopped from outside),
+    as for a stopped single-process job; FAILED otherwise."""
 
     def __init__(self, message: str, exit_code: int = 1):
         super().__init__(message)
         self.exit_code = exit_code if exit_code > 0 else 1
+        self.run_status = "KILLED" if self.exit_code in STOPPED_CODES else "FAILED"
 
 
 @dataclass(frozen=True)
@@ -220,8 +224,9 @@ def launch_job(run, spec, job: JobLaunch, progress):
     try:
         started = time.monotonic()
         torchrun = launch(run, spec, job, folder, progress)
-        outcome = diagnose(receive(torchrun, reader, run, progress), folder / _LOGS, spec.nproc,
-                           job.placement.node_rank)
+        returncode = receive(torchrun, reader, run, progress)
+        outcome = diagnose(returncode, folder / _LOGS, spec.nproc, job.placement.node_rank,
+                           _read(folder / _LOGS / TORCHRUN_LOG))
         log(run, reader, outcome, time.monotonic() - started, progress)
         yield reader.handoff
     finally:
@@ -249,7 +254,8 @@ def launch(run, spec, job: JobLaunch, folder: Path, progress) -> subprocess.Pope
     cmd = torchrun_command(job.argv, spec.nproc, nnodes, job.placement.node_rank, job.placement.rdzv_endpoint,
                            str(folder / _LOGS))
     progress("launching: " + " ".join(shlex.quote(c) for c in cmd))
-    return _start_torchrun(cmd, env)
+    (folder / _LOGS).mkdir(exist_ok=True)
+    return _start_torchrun(cmd, env, folder / _LOGS / TORCHRUN_LOG)
 
 
 def receive(torchrun: subprocess.Popen, reader, run, progress, poll_s: float = 2.0) -> int:
@@ -281,9 +287,15 @@ def log(run, reader, outcome: LaunchOutcome, seconds: float, progress) -> None:
     if run is not None:
         _log_rank_logs(run, outcome)
     if not outcome.ok:
-        if run is None:
-            progress(f"the ranks' logs are in {outcome.log_dir}")
-        raise LaunchError(outcome.message, outcome.exit_code)
+        kept = f"artifacts torchrun/ of run {run.run_id}" if run is not None else str(outcome.log_dir)
+        raise LaunchError(f"{outcome.message} (tracebacks and torchrun's output: {kept})", outcome.exit_code)
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text(errors="replace")
+    except OSError:
+        return ""
 
 
 def _replay_new(reader, run, progress) -> None:
@@ -302,6 +314,8 @@ def _log_rank_logs(run, outcome: LaunchOutcome) -> None:
             dst.mkdir(parents=True, exist_ok=True)
             for name, path in files.items():
                 shutil.copyfile(path, dst / f"{name}.log")
+        if (outcome.log_dir / TORCHRUN_LOG).is_file():
+            shutil.copyfile(outcome.log_dir / TORCHRUN_LOG, Path(tmp) / TORCHRUN_LOG)
         if any(Path(tmp).iterdir()):
             run.log_artifacts(tmp, "torchrun")
 
@@ -317,9 +331,11 @@ def _log_rank_logs(run, outcome: LaunchOutcome) -> None:
 #   ranks already exited and never reaped (tests/test_signals_ddp.py, twice under a loaded suite), and
 #   there is nobody left for it to report to.
 # - A launcher asked to stop (SIGTERM, SIGHUP, SIGQUIT, Ctrl-C) stops torchrun with SIGTERM, which stops
-#   the workers; torchrun then prints its own ``SignalException`` traceback, which says nothing the
-#   launcher's one line does not. torchrun's stderr passes through :class:`_Forwarder`: every line as it
-#   is while the job runs; once the launcher stops it, only the ranks' own lines (``[rank<N>]:``).
+#   the workers. torchrun's stderr passes through :class:`_Forwarder`: all of it into ``torchrun.log``
+#   (logged with the ranks' logs), and to the console only the ranks' own lines (``[rank<N>]:``), without
+#   their tracebacks and ``error:`` lines: the launcher's one line names the root cause and that log.
+#   torchrun's own lines (its ``SignalException`` and ``ChildFailedError`` tracebacks, its failure
+#   summary) say nothing that line does not; the summary is read back from the log (ddp/diagnose.py).
 
 _PR_SET_PDEATHSIG = 1
 
@@ -338,36 +354,75 @@ def die_with_parent(sig: int = signal.SIGTERM) -> None:
         os.kill(os.getpid(), sig)
 
 
+# "[rank1]: [rank1]: ...": torch 2.11's torchrun prefixes the lines it copies from a rank's log file again
+_RANK_LINE = re.compile(rb"\[rank(\d+)\]: ?(?:\[rank\d+\]: ?)*(.*)", re.DOTALL)
+#: the lines that open, or chain, a Python traceback
+_TRACEBACK_OPENS = (b"Traceback (most recent call last):", b"During handling of the above exception",
+                    b"The above exception was the direct cause")
+
+
 class _Forwarder(threading.Thread):
-    """Copies torchrun's stderr to ours, line by line; after :meth:`stopping`, only the ranks' lines."""
+    """Copies torchrun's stderr into ``log_path``, and the ranks' own lines of it to ours (:meth:`console_line`)."""
 
-    def __init__(self, stream, rank_prefix: bytes):
+    def __init__(self, stream, log_path: Path):
         super().__init__(name="vitreg-torchrun-stderr", daemon=True)
-        self.stream, self.rank_prefix = stream, rank_prefix
-        self._stopping = threading.Event()
+        self.stream, self.log_path = stream, log_path
+        self._in_traceback: set[bytes] = set()  # the ranks whose stderr is inside a traceback
 
-    def stopping(self) -> None:
-        self._stopping.set()
+    def console_line(self, line: bytes) -> bytes | None:
+        """A rank's line (one ``[rank<N>]:`` prefix), unless it belongs to a traceback or is its ``error:``
+        line; None for those and for torchrun's own lines."""
+        rank_line = _RANK_LINE.match(line)
+        if rank_line is None:
+            return None
+        rank, text = rank_line.groups()
+        if text.startswith(_TRACEBACK_OPENS):
+            self._in_traceback.add(rank)
+            return None
+        if rank in self._in_traceback:
+            if text.strip() and not text[:1].isspace():  # frames and their source lines are indented
+                self._in_traceback.discard(rank)  # the exception's own line ends it
+            return None
+        if not text.strip() or text.startswith(b"error: "):
+            return None
+        return b"[rank" + rank + b"]: " + text
 
     def run(self) -> None:
-        for line in iter(self.stream.readline, b""):
-            if not self._stopping.is_set() or line.startswith(self.rank_prefix):
-                sys.stderr.buffer.write(line)
-                sys.stderr.buffer.flush()
+        with open(self.log_path, "ab") as log:
+            for line in iter(self.stream.readline, b""):
+                log.write(line)
+                log.flush()
+                shown = self.console_line(line)
+                if shown is not None:
+                    sys.stderr.buffer.write(shown)
+                    sys.stderr.buffer.flush()
 
 
-def _start_torchrun(cmd: list[str], env: dict) -> subprocess.Popen:
-    """Start torchrun (``cmd``) so that it dies with this process and its stderr is forwarded."""
-    proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE,
-                            preexec_fn=functools.partial(die_with_parent, signal.SIGKILL))
-    proc.forwarder = _Forwarder(proc.stderr, b"[rank")
-    proc.forwarder.start()
+def _start_torchrun(cmd: list[str], env: dict, log_path: Path) -> subprocess.Popen:
+    """Start torchrun (``cmd``) so that it dies with this process and its stderr is kept in ``log_path``
+    and forwarded (:class:`_Forwarder`).
+
+    A stop signal during the fork would be raised inside the fork's at-fork hooks, where Python prints
+    ``Exception ignored`` and drops it (the job then ran to its end): it is held until torchrun exists,
+    then raised here, after torchrun is stopped."""
+    from vitreg.signals import starting_a_process
+
+    proc = None
+    try:
+        with starting_a_process():
+            proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE,
+                                    preexec_fn=functools.partial(die_with_parent, signal.SIGKILL))
+            proc.forwarder = _Forwarder(proc.stderr, log_path)
+            proc.forwarder.start()
+    except KeyboardInterrupt:
+        if proc is not None and hasattr(proc, "forwarder"):
+            _stop_torchrun(proc)
+        raise
     return proc
 
 
 def _stop_torchrun(proc: subprocess.Popen, timeout_s: float = 60.0) -> None:
     """Stop torchrun and its workers (SIGTERM: each rank stops cleanly), SIGKILL after ``timeout_s``."""
-    proc.forwarder.stopping()
     proc.terminate()  # torchrun turns SIGTERM into stopping its workers
     try:
         proc.wait(timeout=timeout_s)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import os
 import sys
 import tempfile
@@ -34,10 +35,10 @@ from typing import Protocol
 from vitreg.errors import StoreError, VitregError
 from vitreg import signals
 from vitreg.signals import interrupted_reason
-from vitreg.tracking.delivery import (ERROR_KIND_TAG, ERROR_TAG, HEARTBEAT_TAG, end_with_reason, open_run,
-                                      requested_run_id, sync_hint)
+from vitreg.tracking.delivery import (ERROR_KIND_TAG, ERROR_TAG, HEARTBEAT_TAG, SPOOL_ID_TAG, end_with_reason,
+                                      open_run, requested_run_id, sync_hint)
 from vitreg.tracking.mlflow_on_first_use import mlflow
-from vitreg.tracking.spool import flush_timeout_s, offline_mode
+from vitreg.tracking.spool import JOURNAL, flush_timeout_s, offline_mode
 from vitreg.tracking.store import first_line, prepare_store, short_http_requests, store_errors
 from vitreg.tracking.uris import redact, scrub, tracking_uri, without_credentials
 
@@ -181,12 +182,11 @@ def tracked_run(run_name: str | None = None, experiment: str | None = None, syst
     signals.on_forced_exit(last_words)
     try:
         yield tracker
-    except VitregError as exc:
-        _end(tracker, monitor, "FAILED", str(exc), type(exc).__name__)
+    except VitregError as exc:  # a DDP job whose ranks were stopped from outside says KILLED (ddp.launcher)
+        _end(tracker, monitor, getattr(exc, "run_status", "FAILED"), str(exc), type(exc).__name__)
         raise
     except KeyboardInterrupt as exc:  # Ctrl-C, and SIGTERM/SIGHUP (vitreg.signals.Terminated)
         _end(tracker, monitor, "KILLED", interrupted_reason(exc))
-        signals.killed_runs.append(tracker.run_id or "(in the spool)")
         raise
     except BaseException as exc:
         _end(tracker, monitor, "FAILED", f"{type(exc).__name__}: {exc}")
@@ -210,12 +210,39 @@ def _system_metrics(tracker):
 
 
 def _end(tracker, monitor, status: str, message: str | None = None, kind: str | None = None) -> None:
-    if monitor is not None:
-        with short_http_requests():
-            monitor.finish()
-    if message:
-        tracker.set_tags({ERROR_TAG: " ".join(message.split())[:4000], **({ERROR_KIND_TAG: kind} if kind else {})})
-    tracker.close(status)
+    """End the run with ``status``, the stop signals held meanwhile (:func:`vitreg.signals.run_ending`: one
+    that arrives now, as the results table prints, is raised after the end; a second one exits once the end
+    is in the spool), and note the one line that says where it ended (the CLI's last line on a stop)."""
+    with signals.run_ending(lambda: _end_kept(tracker, status)):
+        if monitor is not None:
+            with short_http_requests():
+                monitor.finish()
+        if message:
+            tracker.set_tags({ERROR_TAG: " ".join(message.split())[:4000],
+                              **({ERROR_KIND_TAG: kind} if kind else {})})
+        delivered = tracker.close(status)
+        signals.run_ends.append(_where_ended(tracker, status, delivered))
+
+
+def _where_ended(tracker, status: str, delivered: bool) -> str:
+    if delivered:
+        return f"run {tracker.run_id} is marked {status}"
+    run = f"run {tracker.run_id or '(not on the server yet)'} ended {status}"
+    lost = getattr(tracker.spool, "lost", None)
+    return f"{run} but is not kept: {lost}" if lost else f"{run}; {sync_hint(tracker.spool)}"
+
+
+def _end_kept(tracker, status: str) -> str | None:
+    """Where the run's end is kept once its spool holds it (its journal's last record), else None."""
+    try:
+        with open(tracker.spool.path / JOURNAL, "rb") as journal:
+            journal.seek(max(0, journal.seek(0, os.SEEK_END) - 4096))
+            last = journal.read().splitlines()[-1]
+        if json.loads(last).get("kind") != "end":
+            return None
+    except (OSError, ValueError, IndexError, AttributeError):
+        return None
+    return f"run {tracker.run_id or '(not on the server yet)'} ended {status}; {sync_hint(tracker.spool)}"
 
 
 def fail_requested_run(message: str) -> None:
@@ -312,12 +339,36 @@ def mark_killed(runs: list[StaleRun], client: mlflow.MlflowClient | None = None)
     """End each run KILLED with its reason in ``vitreg_error``; returns how many were still RUNNING."""
     client = client or mlflow.MlflowClient()
     ended = 0
+    in_a_spool = _ended_in_a_spool()
     with short_http_requests(), store_errors(client.tracking_uri, "marking stale runs KILLED"):
         for stale in runs:
-            if client.get_run(stale.run_id).info.status != "RUNNING":
+            run = client.get_run(stale.run_id)
+            if run.info.status != "RUNNING":
                 continue  # ended meanwhile (its process was alive after all, or another --fix)
+            kept = in_a_spool.get(run.data.tags.get(SPOOL_ID_TAG)) or in_a_spool.get(stale.run_id)
+            if kept:  # its process ended it; the store has not been told yet
+                print(f"[vitreg] run {stale.run_id} not marked KILLED: {kept}", file=sys.stderr)
+                continue
             end_with_reason(client, stale.run_id, "KILLED", stale.reason())
             ended += 1
+    return ended
+
+
+def _ended_in_a_spool() -> dict[str, str]:
+    """``{spool id or run id: where its end is}`` of the runs whose local spool holds their end (a process
+    stopped a second time before the store took it): such a run is over, and `vitreg sync` gives it its status."""
+    from vitreg.tracking.delivery import pending
+
+    ended = {}
+    for spool in pending():
+        try:
+            records = spool.records()
+        except (OSError, ValueError):
+            continue  # `vitreg sync` says what is wrong with it
+        end = next((r for r in reversed(records) if r.get("kind") == "end"), None)
+        if end:
+            where = f"it ended {end.get('status')} and {sync_hint(spool).replace('the run ', '', 1)}"
+            ended.update({key: where for key in (records[0].get("spool_id"), records[0].get("run_id")) if key})
     return ended
 
 
