@@ -322,8 +322,9 @@ def _train_flops(model, info: ModelInfo, runtime: Runtime) -> int:
 
 
 def run_benchmark(spec: BenchSpec, hardware: ResolvedHardware, runtime: Runtime, progress=progress,
-                  model_factory=None, wrap=None, reducer=None) -> BenchResult:
+                  model_factory=None, wrap=None, reducer=None, command: str = "") -> BenchResult:
     """Build the model, count its FLOPs, run each task of the spec; returns a :class:`BenchResult`.
+    ``command``: what the user typed (a long run's estimate spells its advice the same way).
 
     ``model_factory`` (optional) returns ``(model, ModelInfo)`` instead of :func:`create_model`, for
     benchmarking a registered model's rebuilt weights. Under DDP, ``wrap`` wraps the training model
@@ -347,7 +348,7 @@ def run_benchmark(spec: BenchSpec, hardware: ResolvedHardware, runtime: Runtime,
     fwd_flops = forward_flops_per_image(model, info.img_size, runtime.torch_device)
     train_flops = _train_flops(model, info, runtime) if "train" in spec.tasks else 0
     say_if_long(bench_work(spec, fwd_flops, train_flops, runtime.device), runtime.device, progress,
-                compiling=runtime.compile != "off")  # a GPU-sized run on a CPU says so before it starts
+                compiling=runtime.compile != "off", command=command)  # a GPU-sized run on a CPU says so before it starts
     # amp=fp8*: a bf16 copy first, to say how far the quantized model's logits land from it
     reference = copy.deepcopy(model).to(torch.bfloat16) if precision.fp8 else None
     model = prepare_model(model, precision)
