@@ -132,12 +132,18 @@ def test_the_artifact_root_and_the_ui_command_follow_the_store_not_the_folder(tm
     """``mlflow.db`` keeps MLflow's own ``mlruns`` beside it, any other file its own ``<name>-mlruns``; the command
     a run's last line gives opens the store the run went to: ``make ui`` only for the checkout's own mlflow.db
     (the Makefile's default), the store named everywhere else (it once said `make ui` for a run in ci.db)."""
+    import mlflow
+
     from vitreg.tracking.store import artifact_root, ui_command
+    from vitreg.tracking.uris import tracking_uri
 
     monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(mlflow.tracking._tracking_service.utils, "_tracking_uri", None)  # no earlier test's choice
     assert artifact_root("sqlite:///mlflow.db") == tmp_path / "mlruns"
     assert artifact_root("sqlite:////a/b/ci.db") == __import__("pathlib").Path("/a/b/ci-mlruns")
     assert artifact_root("http://127.0.0.1:5000") is None
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "sqlite:///ci.db")  # what messages show: the file, from anywhere
+    assert tracking_uri() == f"sqlite:///{tmp_path / 'ci.db'}"
     assert ui_command("sqlite:///ci.db") == f"mlflow ui --backend-store-uri sqlite:///{tmp_path / 'ci.db'}"
     assert ui_command("sqlite:///mlflow.db") == f"mlflow ui --backend-store-uri sqlite:///{tmp_path / 'mlflow.db'}"
     (tmp_path / "Makefile").write_text("x:\n\ttrue\nui: x\n\tmlflow ui\n")  # a checkout of vitreg

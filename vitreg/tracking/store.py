@@ -46,7 +46,7 @@ from vitreg.config.parse import parse_float
 from vitreg.console import progress
 from vitreg.errors import StoreError, VitregError
 from vitreg.tracking.mlflow_on_first_use import mlflow
-from vitreg.tracking.uris import redact, scrub
+from vitreg.tracking.uris import absolute_uri, redact, scrub
 
 _BUSY = re.compile(r"database is locked|database is busy|SQLITE_BUSY", re.IGNORECASE)
 PROGRESS_BAR_VARIABLE = "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR"
@@ -76,13 +76,6 @@ def artifact_root(uri: str) -> Path | None:
         return None
     path = Path(os.path.abspath(path))  # abspath, not resolve(): the folder as named, "..", not links, resolved
     return path.with_name("mlruns" if path.name == "mlflow.db" else f"{path.stem}-mlruns")
-
-
-def absolute_uri(uri: str) -> str:
-    """``uri`` with a relative sqlite path made absolute (``sqlite:///ci.db`` -> ``sqlite:////here/ci.db``):
-    the same store from any folder. Other URIs as they are."""
-    path = sqlite_path(uri)
-    return uri if path is None or path.is_absolute() else f"sqlite:///{os.path.abspath(path)}"
 
 
 def store_with_root(uri: str):
