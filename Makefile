@@ -1,7 +1,8 @@
 # vitreg: two commands set everything up on a fresh machine.
 #   make bench   venv + install + one benchmark logged to the embedded default store (sqlite:///mlflow.db)
 #   make test    venv + install + the test suite (the same command CI runs)
-# Other targets: make server (tracking server from tracking/), make ui (MLflow UI on the local store),
+# Other targets: make server (tracking server from tracking/), make ui (MLflow UI on ./mlflow.db; UI_STORE=... for
+#   another store, as a run's last line names it),
 #   make mlproject (MLproject and the README parameter tables, from vitreg/config/options.py).
 
 PYTHON  ?= python3

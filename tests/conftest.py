@@ -52,6 +52,35 @@ def pytest_collection_finish(session):
     gc.freeze()
 
 
+#: What may appear in the checkout while the suite runs: Python's and pytest's caches.
+_CACHES = {"__pycache__", ".pytest_cache"}
+
+
+def checkout_entries(root: Path = REPO) -> set[str]:
+    """The checkout's top-level names, and every ``mlruns/<experiment>/<run>`` under it (a run logged into the
+    checkout's artifact root while ``mlruns/`` already existed there), caches left out."""
+    names = {name for name in os.listdir(root) if name not in _CACHES}
+    mlruns = root / "mlruns"
+    if mlruns.is_dir():
+        names |= {f"mlruns/{exp.name}/{run}" for exp in mlruns.iterdir() if exp.is_dir() for run in os.listdir(exp)}
+    return names
+
+
+@pytest.fixture(autouse=True)
+def _nothing_into_the_checkout(tmp_path, monkeypatch):
+    """A test that names no store logs to one of its own in tmp_path: MLflow's default is ./mlflow.db of the
+    folder the suite runs from, the checkout, with artifacts in its ./mlruns. And a test after which the
+    checkout holds something new (a store, a run's artifacts, a pulled model) fails, naming it."""
+    if not os.environ.get("MLFLOW_TRACKING_URI"):
+        monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'store' / 'mlflow.db'}")
+    before = checkout_entries()
+    yield
+    gained = sorted(checkout_entries() - before)
+    if gained:
+        pytest.fail(f"the test wrote into the checkout: {', '.join(gained[:5])}; write under tmp_path instead",
+                    pytrace=False)
+
+
 @pytest.fixture(autouse=True)
 def _own_batch_cache(tmp_path, monkeypatch):
     """batch_size=auto keeps its choices (vitreg.measure.batch_cache): each test, and the processes it starts,

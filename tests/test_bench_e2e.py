@@ -193,9 +193,11 @@ def test_mismatch_allowed_is_tagged(requested_run):
 def test_entry_point_script_exits_2_without_traceback(tmp_path):
     from mlflow.tracking import MlflowClient
 
+    from vitreg.tracking.store import create_experiment
+
     uri = migrated_store(tmp_path)
     client = MlflowClient(uri)
-    run = client.create_run(client.create_experiment("e2e"))
+    run = client.create_run(create_experiment(client, "e2e"))  # artifacts beside the store, not in the checkout
     proc = subprocess.run([sys.executable, str(REPO / "entry_points" / "bench.py"), "--batch-size", "-1"],
                           env=subprocess_env(uri, MLFLOW_RUN_ID=run.info.run_id), cwd=tmp_path,
                           capture_output=True, text=True, timeout=120)

@@ -256,8 +256,10 @@ def fake_baseline_run(uri: str, throughput: float) -> str:
     """A finished 1-process run of the TINY config, as bench would have logged it."""
     from mlflow.tracking import MlflowClient
 
+    from vitreg.tracking.store import create_experiment
+
     client = MlflowClient(uri)
-    exp = client.get_experiment_by_name("baseline") or client.get_experiment(client.create_experiment("baseline"))
+    exp = client.get_experiment_by_name("baseline") or client.get_experiment(create_experiment(client, "baseline"))
     run = client.create_run(exp.experiment_id, tags={
         "model": "test_vit", "gpu": "cpu", "amp": "off", "compile": "off", "batch_size": "2", "img_size": "32",
         "device": "cpu", "vitreg_job": "baseline"})

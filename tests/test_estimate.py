@@ -106,13 +106,16 @@ def test_a_run_says_its_estimate_before_the_work(sqlite_store, monkeypatch, comm
     tiny = ["--model", "test_vit", "--img-size", "32", "--batch-size", "2", "--device", "cpu"]
     own = (["--task", "infer", "--warmup", "1", "--steps", "1", "--repeats", "1"] if command == "bench" else
            ["--steps", "2", "--warmup-steps", "1", "--num-classes", "10", "--num-workers", "0"])
-    result = CliRunner().invoke(main, [command, *tiny, *own])
+    result = CliRunner().invoke(main, [command, *tiny, *own], prog_name=f"entry_points/{command}.py")
     assert result.exit_code == 0, result.output
     lines = result.output.splitlines()
     said = [i for i, line in enumerate(lines) if line.startswith("[vitreg] estimate: ")]
     first_work = next(i for i, line in enumerate(lines) if ": first call" in line or "step" in line.split(":")[0])
     assert len(said) == 1 and said[0] < first_work, result.output
     assert "for a short run: " in lines[said[0]]
+    # as the MLproject entry point runs it (`mlflow run . -e ...`): its spelling, and only what is not in use
+    # (batch 2 and the few steps are already shorter than the short run's)
+    assert lines[said[0]].endswith("for a short run: -P model=deit_tiny_patch16_224"), lines[said[0]]
 
 
 def test_the_estimate_times_the_run_s_own_step_in_its_precision_before_the_work():
@@ -162,3 +165,27 @@ def test_the_estimate_is_within_a_quarter_of_what_the_work_takes_on_this_cpu(cou
     if scatter > 0.10:
         pytest.skip(f"the host's load moved the step time (window CV {scatter:.0%}): no estimate can be checked to 25 %")
     assert 0.75 <= m["estimated_work_s"] / m["work_s"] <= 1.25, (m["estimated_work_s"], m["work_s"])
+
+
+def test_the_advice_leaves_out_the_options_already_in_use_and_spells_the_command_typed():
+    """A long run whose model and batch are already the short run's gets only what would shorten it, spelled
+    as it was typed: ``-P name=value`` under ``mlflow run``, ``name=value`` in Python, ``--name value`` on the
+    command line (the advice once repeated the options in use, in the CLI's spelling under `mlflow run`)."""
+    spec = BenchSpec(model="deit_tiny_patch16_224", batch_size=8, warmup=3, steps=500, repeats=40, task="both")
+    step_s = {"infer": 0.05, "train": 0.15}
+    assert BenchAhead(spec, step_s).shorter == {"steps": 5, "repeats": 3}
+    lines = {typed: BenchAhead(spec, step_s, command=typed).line() for typed in
+             ("mlflow run . -e bench -P model=deit_tiny_patch16_224 -P steps=500", "vitreg bench --steps 500",
+              "vitreg.api.bench(steps=500)")}
+    shorter = [line.split("; for a short run: ")[1] for line in lines.values()]
+    assert shorter == ["-P steps=5 -P repeats=3", "--steps 5 --repeats 3", "steps=5, repeats=3"]
+    assert train_work(8, 5000, 7.5e9, "deit_tiny_patch16_224").shorter == {"steps": 20}
+    assert train_work(64, 5000, 7.5e9, "vit_base_patch16_224").shorter == \
+        {"model": "deit_tiny_patch16_224", "batch_size": 8, "steps": 20}
+    # the adaptive windows (steps=0, repeats=0: as many as the precision target needs) are not short: offered
+    adaptive = BenchSpec(model="deit_tiny_patch16_224", batch_size=8, warmup=3, task="both")
+    assert BenchAhead(adaptive, step_s).shorter == {"steps": 5, "repeats": 3}
+    # nothing left to shorten: the estimate alone
+    done = BenchSpec(model="deit_tiny_patch16_224", batch_size=8, warmup=3, steps=5, repeats=3)
+    line = BenchAhead(done, {"infer": 30.0, "train": 90.0}).line()
+    assert line.startswith("estimate: bench will take") and "for a short run" not in line

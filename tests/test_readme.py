@@ -89,8 +89,21 @@ def test_every_readme_example_runs_as_printed(readme_run):
 def test_the_readme_s_scoring_server_answers_and_its_files_are_where_it_says(readme_run):
     served = [done.stdout for example, done in readme_run.ran if "/invocations" in example.code]
     assert served and '"predictions"' in served[0], served  # the scoring server answered the posted batch
+    assert "curl:" not in served[0], served  # it waited for the server quietly (once ~169 "Failed to connect")
     clone = readme_run.clone
     assert (clone / "mlflow.db").is_file() and (clone / "deit-tiny" / "model.safetensors").is_file()
+
+
+def test_the_readme_s_curls_wait_quietly():
+    """A curl that retries while a server starts prints each failed attempt under ``-S`` (``--show-error``): the
+    README's waiting curl is silent (``-s`` alone, its output dropped); only the request itself shows errors."""
+    curls = [words for block in bash_blocks() for words in block if words[0] == "curl"]
+    waiting = [words for words in curls if "--retry" in words]
+    assert curls and waiting, curls
+    for words in waiting:
+        flags = [w for w in words if w.startswith("-") and not w.startswith("--")]
+        assert "-s" in flags and not any("S" in f for f in flags) and "--show-error" not in words, words
+        assert words[words.index("-o") + 1] == "/dev/null", words
 
 
 # ---------------------------------------------------------------- the CI recipe fails a job on a regression

@@ -23,6 +23,7 @@ import sys
 import threading
 import time
 import urllib.parse
+import warnings
 
 MASK = "***"
 # query keys whose value is a credential (case-insensitive, as a whole word of the key)
@@ -123,6 +124,22 @@ class _DropMessage(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         return not str(record.msg).startswith(self.prefix)
+
+
+#: torch.profiler warns once per process, when a profile prepares its trace a second time (on a GPU, as
+#: the profile starts), that events are cleared at the end of each cycle: vitreg runs each profile for one
+#: cycle and reads it whole, so the warning only interrupts the progress lines.
+_PROFILER_CYCLE_WARNING = "Warning: Profiler clears events at the end of each cycle"
+
+
+@contextlib.contextmanager
+def quiet_profiler():
+    """Around a torch.profiler profile: kineto's trace markers and driver probe off (:data:`KINETO_QUIET`, set
+    before the first profile starts kineto), and torch's cycle warning off; the profile itself unchanged."""
+    os.environ.setdefault("KINETO_LOG_LEVEL", KINETO_QUIET)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=re.escape(_PROFILER_CYCLE_WARNING), category=UserWarning)
+        yield
 
 
 #: timm's CosineLRScheduler warns when its cosine has one step (``t_initial == 1``), which vitreg's

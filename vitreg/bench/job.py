@@ -211,7 +211,7 @@ def benchmark_in_run(plan: BenchPlan) -> BenchResult:
 
     PHASES.mark("setup")
     result = run_benchmark(spec, hw, runtime, ctx.progress, model_factory=lambda: (plan.model, info), wrap=ctx.wrap,
-                           reducer=ctx.reducer)
+                           reducer=ctx.reducer, command=plan.command)
 
     run.log_metrics(result.metrics())
     log_what_ran(run, result)

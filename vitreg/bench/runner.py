@@ -396,8 +396,9 @@ def _flops_key(info: ModelInfo, what: str) -> dict:
 
 
 def run_benchmark(spec: BenchSpec, hardware: ResolvedHardware, runtime: Runtime, progress=progress,
-                  model_factory=None, wrap=None, reducer=None) -> BenchResult:
+                  model_factory=None, wrap=None, reducer=None, command: str = "") -> BenchResult:
     """Build the model, count its FLOPs, run each task of the spec; returns a :class:`BenchResult`.
+    ``command``: what the user typed (a long run's estimate spells its advice the same way).
 
     ``model_factory`` (optional) returns ``(model, ModelInfo)`` instead of :func:`create_model`, for
     benchmarking a registered model's rebuilt weights. Under DDP, ``wrap`` wraps the training model
@@ -434,7 +435,7 @@ def run_benchmark(spec: BenchSpec, hardware: ResolvedHardware, runtime: Runtime,
     bench = _Bench(spec, runtime, hardware, info, progress, wrap, reducer, profile_dir)
     tasks = []
     with run_context(runtime, model, spec.sdpa, spec.compile_cache, train="train" in spec.tasks) as cache_dir:
-        ahead = _estimate(model, bench, fwd_flops, train_flops, cache_dir)  # a GPU-sized run on a CPU says so
+        ahead = _estimate(model, bench, fwd_flops, train_flops, cache_dir, command)  # a GPU-sized run on a CPU says so
         PHASES.mark("model")
         work_started = time.perf_counter()
         for task in spec.tasks:
@@ -451,7 +452,7 @@ def run_benchmark(spec: BenchSpec, hardware: ResolvedHardware, runtime: Runtime,
                        work_s=work_s)
 
 
-def _estimate(model, bench: _Bench, fwd_flops: int, train_flops: int, cache_dir) -> BenchAhead:
+def _estimate(model, bench: _Bench, fwd_flops: int, train_flops: int, cache_dir, command: str) -> BenchAhead:
     """The work ahead (:class:`vitreg.measure.estimate.BenchAhead`), from each task's step timed at a probe
     batch in the run's precision and math mode (inside the run's context), said when it is long. The train
     probe's optimizer has a learning rate of 0: its steps leave the weights as they were."""
@@ -470,7 +471,7 @@ def _estimate(model, bench: _Bench, fwd_flops: int, train_flops: int, cache_dir)
         del opt
         model.zero_grad(set_to_none=True)
     cached = cache_dir is not None and Path(cache_dir).is_dir() and any(Path(cache_dir).iterdir())
-    ahead = BenchAhead(spec, step_s, dev, cached)
+    ahead = BenchAhead(spec, step_s, dev, cached, command)
     line = ahead.line()
     if line:
         bench.progress(line)

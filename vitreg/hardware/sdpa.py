@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import warnings
 
+from vitreg.console import quiet_profiler
 from vitreg.errors import VitregError
 
 SDPA_CHOICES = ("auto", "flash", "cudnn", "efficient", "math")
@@ -132,7 +133,7 @@ def detect_backend(step, device: str, replays_graphs: bool = False) -> str:
 
     cuda = device == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    with profile(activities=activities) as prof:
+    with quiet_profiler(), profile(activities=activities) as prof:
         step()
         if cuda:
             torch.cuda.synchronize()

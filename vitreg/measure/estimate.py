@@ -56,14 +56,48 @@ class WorkAhead:
     what: str  # "bench", "train"
     flops_per_img: float
     images: int
-    shorter: str  # the options that make it short, as the user types them
+    shorter: dict  # the options (option-table names) that make it short and are not already in use
 
     def seconds(self, flops_per_s: float) -> float:
         return self.flops_per_img * self.images / flops_per_s
 
 
-def train_work(batch_size: int, total_steps: int, train_flops: float) -> WorkAhead:
-    return WorkAhead("train", train_flops, batch_size * total_steps, "--model deit_tiny_patch16_224 --batch-size 8 --steps 20")
+#: The short runs the estimate offers (the README's CPU-sized commands), as option-table names and values.
+SHORT_BENCH = {"model": "deit_tiny_patch16_224", "batch_size": 8, "warmup": 3, "steps": 5, "repeats": 3}
+SHORT_TRAIN = {"model": "deit_tiny_patch16_224", "batch_size": 8, "steps": 20}
+
+
+#: Counts whose 0 means "as many as it takes" (bench's adaptive windows, train's epochs), not "none".
+COUNTS_ZERO_IS_OPEN = ("steps", "repeats")
+
+
+def not_in_use(short: dict, current: dict) -> dict:
+    """The options of ``short`` that would change the run ``current`` describes: a count only where it is
+    lower than the one in use, another model where it is another; never one the command already has."""
+    def shortens(name, value) -> bool:
+        now = current.get(name)
+        if isinstance(value, int) and isinstance(now, int):
+            # steps/repeats 0: as many as the precision target (or train's epochs) need, never short
+            return now > value or (now == 0 and name in COUNTS_ZERO_IS_OPEN)
+        return str(now) != str(value)
+
+    return {name: value for name, value in short.items() if shortens(name, value)}
+
+
+def train_work(batch_size: int, total_steps: int, train_flops: float, model: str = "") -> WorkAhead:
+    current = {"model": model, "batch_size": batch_size, "steps": total_steps}
+    return WorkAhead("train", train_flops, batch_size * total_steps, not_in_use(SHORT_TRAIN, current))
+
+
+def spelled(options: dict, command: str = "") -> str:
+    """``options`` as the command that was typed spells them: ``-P name=value`` under ``mlflow run``,
+    ``name=value`` in a ``vitreg.api`` call, ``--name value`` on the command line (``--batch-size`` for
+    ``batch_size``, the option table's rule)."""
+    if command.startswith("mlflow run"):
+        return " ".join(f"-P {name}={value}" for name, value in options.items())
+    if command.startswith("vitreg.api."):
+        return ", ".join(f"{name}={value!r}" for name, value in options.items())
+    return " ".join(f"--{name.replace('_', '-')} {value}" for name, value in options.items())
 
 
 def duration_text(seconds: float) -> str:
@@ -76,23 +110,26 @@ def duration_text(seconds: float) -> str:
     return f"{hours:.1f} h" if hours < 10 else f"{hours:.0f} h"
 
 
-def estimate_line(work: WorkAhead, flops_per_s: float, device: str, compiling: bool = False) -> str | None:
-    """The line to say before ``work`` (None when it is quick): the estimate, its sum, how to make it short."""
+def estimate_line(work: WorkAhead, flops_per_s: float, device: str, compiling: bool = False,
+                  command: str = "") -> str | None:
+    """The line to say before ``work`` (None when it is quick): the estimate, its sum, how to make it short
+    (in ``command``'s spelling; see :func:`spelled`)."""
     seconds = work.seconds(flops_per_s)
     if seconds <= LONG_S:
         return None
     where = "this CPU" if device == "cpu" else "this GPU"
+    shorter = f"; for a short run: {spelled(work.shorter, command)}" if work.shorter else ""
     return (f"estimate: {work.what} will take at least {duration_text(seconds)} on {where} "
             f"({work.flops_per_img / 1e9:.3g} GFLOP/img x {work.images:,} images at a measured "
-            f"{flops_per_s / 1e9:.0f} GFLOP/s{'; compiling comes on top' if compiling else ''}); "
-            f"for a short run: {work.shorter}")
+            f"{flops_per_s / 1e9:.0f} GFLOP/s{'; compiling comes on top' if compiling else ''}){shorter}")
 
 
-def say_if_long(work: WorkAhead, device: str, progress, compiling: bool = False) -> str | None:
-    """Measure this machine, and say the estimate when the work is long; returns the line said."""
+def say_if_long(work: WorkAhead, device: str, progress, compiling: bool = False, command: str = "") -> str | None:
+    """Measure this machine, and say the estimate when the work is long; returns the line said. ``command``:
+    what the user typed (the advice takes its spelling)."""
     if work.flops_per_img <= 0 or work.images <= 0:
         return None
-    line = estimate_line(work, measured_flops_per_s(device), device, compiling)
+    line = estimate_line(work, measured_flops_per_s(device), device, compiling, command)
     if line:
         progress(line)
     return line
@@ -156,6 +193,7 @@ class BenchAhead:
     step_s: dict = field(default_factory=dict)  # task -> seconds per step at the batch
     device: str = "cpu"
     compile_cached: bool = False  # the compile cache folder already holds entries
+    command: str = ""  # what the user typed: the advice takes its spelling (see :func:`spelled`)
 
     def task_seconds(self, task: str) -> float:
         """First call (with compilation), warm-up, the timed windows, the untimed steps after them."""
@@ -186,6 +224,14 @@ class BenchAhead:
     def seconds(self) -> float:
         return sum(self.task_seconds(t) for t in self.step_s)
 
+    @property
+    def shorter(self) -> dict:
+        """The short run's options this command does not already have (counts: only lower ones)."""
+        spec = self.spec
+        current = {"model": spec.model, "batch_size": self._batch, "warmup": spec.warmup, "steps": spec.steps,
+                   "repeats": spec.repeats}
+        return not_in_use(SHORT_BENCH, current)
+
     def line(self) -> str | None:
         """The line to say before the work (None when it is quick): the estimate, its parts, how to make it short."""
         seconds = self.seconds()
@@ -196,6 +242,6 @@ class BenchAhead:
         timing = (f"{self.spec.repeats} windows" if self.spec.repeats else
                   f"{MIN_WINDOWS}+ windows of >= {self.spec.window_min_s:g} s (at most {self.spec.max_time_s:g} s)")
         compiling = f"; compiling ~{COMPILE_S[self.spec.compile]:.0f} s a task (cold cache)" if self.spec.compile != "off" else ""
+        shorter = f"; for a short run: {spelled(self.shorter, self.command)}" if self.shorter else ""
         return (f"estimate: bench will take about {duration_text(seconds)} on {where} ({steps}, measured in the run's "
-                f"precision; {self.spec.warmup} warm-up steps, {timing} per task{compiling}); for a short run: "
-                "--model deit_tiny_patch16_224 --batch-size 8 --warmup 3 --steps 5 --repeats 3")
+                f"precision; {self.spec.warmup} warm-up steps, {timing} per task{compiling}){shorter}")

@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from vitreg.console import quiet_profiler
 from vitreg.errors import VitregError
 
 TRACE_FILE = "trace.json.gz"  # torch gzips a Chrome trace whose name ends in .gz: ViT-B's is ~10x smaller
@@ -43,7 +44,7 @@ def profile_comm(step, steps: int, device: str) -> CommProfile:
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     if cuda:
         torch.cuda.synchronize()
-    with profile(activities=activities) as prof:
+    with quiet_profiler(), profile(activities=activities) as prof:
         for _ in range(steps):
             step()
         if cuda:
@@ -94,7 +95,7 @@ def trace_steps(step, steps: int, device: str, out_dir, warmup: int = 1) -> Trac
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     if cuda:
         torch.cuda.synchronize()
-    with profile(activities=activities, record_shapes=False) as prof:
+    with quiet_profiler(), profile(activities=activities, record_shapes=False) as prof:
         for _ in range(steps):
             step()
         if cuda:

@@ -41,7 +41,8 @@ from vitreg.errors import VitregError
 from vitreg.tracking.mlflow_on_first_use import mlflow
 from vitreg.tracking.spool import (MAX_METRICS, MAX_PARAMS, MAX_TAGS, Spool, SpoolBusy, SpoolLost, clean_tags,
                                    dict_text, flush_timeout_s, held, offline_mode, spool_root)
-from vitreg.tracking.store import first_line, http_timeout_s, quiet_run_links, short_http_requests, store_errors
+from vitreg.tracking.store import (create_experiment, first_line, http_timeout_s, quiet_run_links, short_http_requests,
+                                   store_errors)
 from vitreg.tracking.uris import redact, scrub
 
 SPOOL_ID_TAG = "vitreg_spool_id"
@@ -89,7 +90,7 @@ def experiment_id_for(client: mlflow.MlflowClient, name: str) -> str:
     if experiment is not None:
         return experiment.experiment_id
     try:
-        return client.create_experiment(name)
+        return create_experiment(client, name)  # a sqlite store's artifacts beside its file
     except mlflow.exceptions.MlflowException as exc:  # created meanwhile by another process
         if exc.error_code != "RESOURCE_ALREADY_EXISTS":
             raise

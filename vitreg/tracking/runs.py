@@ -39,7 +39,7 @@ from vitreg.tracking.delivery import (ERROR_KIND_TAG, ERROR_TAG, HEARTBEAT_TAG, 
                                       open_run, requested_run_id, sync_hint)
 from vitreg.tracking.mlflow_on_first_use import mlflow
 from vitreg.tracking.spool import JOURNAL, flush_timeout_s, offline_mode
-from vitreg.tracking.store import first_line, prepare_store, short_http_requests, store_errors
+from vitreg.tracking.store import first_line, prepare_store, short_http_requests, store_errors, ui_command
 from vitreg.tracking.uris import redact, scrub, tracking_uri, without_credentials
 
 RESUMED_FROM_TAG = "vitreg_resumed_from"  # on the new run: the run id of the checkpoint it continues
@@ -422,11 +422,14 @@ def check_server(timeout: float = 5.0) -> None:
     except (urllib.error.URLError, OSError, ValueError) as exc:
         reason = getattr(exc, "reason", exc)
         raise StoreError(f"the MLflow tracking server at {redact(uri)} does not answer ({reason}): start it with "
-                         f"`make server`, or fix/unset MLFLOW_TRACKING_URI") from None
+                         f"`make server`, or log offline (--offline true, -P offline=true or VITREG_OFFLINE=1: the "
+                         f"run waits in the local spool for `vitreg sync`), or fix/unset MLFLOW_TRACKING_URI") \
+            from None
 
 
 def where_logged(tracker) -> str:
-    """The line a job ends with: the run and how to open it (its page on a server; ``make ui`` locally),
+    """The line a job ends with: the run and how to open it (its page on a server; locally the UI command
+    that opens the store the run went to, :func:`~vitreg.tracking.store.ui_command`),
     or, for a run still in the local spool (offline, or a store that did not take it), how to deliver it."""
     if tracker.offline or tracker.delivered is False:  # a SpoolingTracker's run still in its spool
         return sync_hint(tracker.spool)
@@ -437,8 +440,7 @@ def where_logged(tracker) -> str:
     if uri.startswith(("http://", "https://")):
         base = without_credentials(uri)[0].rstrip("/")
         return f"logged run {tracker.run_id} to {uri}: {base}/{page}"
-    return (f"logged run {tracker.run_id} to {uri}: open it with `make ui` (or `mlflow ui --backend-store-uri "
-            f"{uri}`), then http://127.0.0.1:5000/{page}")
+    return f"logged run {tracker.run_id} to {uri}: open it with `{ui_command(uri)}`, then http://127.0.0.1:5000/{page}"
 
 
 def create_child_run(parent: Tracker, name: str, tags: dict | None = None) -> str:

@@ -1,6 +1,13 @@
 """The tracking store as this process reaches it: made ready once, asked within bounded time, its
 failures told in one line, MLflow's own prints off.
 
+- Where a sqlite store keeps its artifacts, one rule wherever the process stands (:func:`artifact_root`):
+  beside its file, ``mlruns/`` for ``mlflow.db`` (MLflow's own default pair) and ``<name>-mlruns/`` for
+  any other ``<name>.db``. MLflow would file a new experiment's artifacts under ``./mlruns`` of the
+  current folder whatever the store, so two stores used from one folder shared ``./mlruns/1/``, and a
+  store used from another folder scattered its artifacts there. vitreg makes the Default experiment of a
+  store it creates, and every experiment it creates, through a store built with that root
+  (:func:`create_experiment`), and says in one line when it creates a store.
 - A local sqlite store is created and migrated once even when several processes start on it together
   (:func:`prepare_store`). MLflow's tracking store creates and migrates a fresh sqlite schema in every
   process that opens it, with no lock: processes that start together on a new ``mlflow.db`` race in the
@@ -27,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import os
 import re
 import threading
@@ -38,7 +46,7 @@ from vitreg.config.parse import parse_float
 from vitreg.console import progress
 from vitreg.errors import StoreError, VitregError
 from vitreg.tracking.mlflow_on_first_use import mlflow
-from vitreg.tracking.uris import redact, scrub
+from vitreg.tracking.uris import absolute_uri, redact, scrub
 
 _BUSY = re.compile(r"database is locked|database is busy|SQLITE_BUSY", re.IGNORECASE)
 PROGRESS_BAR_VARIABLE = "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR"
@@ -59,6 +67,54 @@ def sqlite_path(uri: str) -> Path | None:
     return Path(uri[len("sqlite:///"):].split("?", 1)[0])
 
 
+def artifact_root(uri: str) -> Path | None:
+    """Where the experiments of the sqlite store at ``uri`` keep their artifacts (``<root>/<experiment id>/``):
+    ``mlruns`` beside ``mlflow.db``, ``<name>-mlruns`` beside any other ``<name>.db``. None for other stores
+    (a server files artifacts where it is configured to)."""
+    path = sqlite_path(uri)
+    if path is None:
+        return None
+    path = Path(os.path.abspath(path))  # abspath, not resolve(): the folder as named, "..", not links, resolved
+    return path.with_name("mlruns" if path.name == "mlflow.db" else f"{path.stem}-mlruns")
+
+
+def store_with_root(uri: str):
+    """MLflow's own sqlite store for ``uri``, built with :func:`artifact_root` as its artifact root (MLflow's
+    client builds its store with ``./mlruns`` of the current folder, and offers no other root). Building it
+    on a new file creates the schema and the Default experiment, as MLflow's client would."""
+    from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
+
+    return SqlAlchemyStore(uri, str(artifact_root(uri)))
+
+
+@functools.lru_cache(maxsize=32)
+def _cached_store_with_root(absolute: str):
+    return store_with_root(absolute)
+
+
+def create_experiment(client, name: str) -> str:
+    """Create experiment ``name`` in ``client``'s store and return its id; in a sqlite store its artifacts
+    go under :func:`artifact_root` (``<root>/<id>/``), as MLflow's layout has them."""
+    if artifact_root(client.tracking_uri) is None:
+        return client.create_experiment(name)
+    # by absolute URI: a relative path names another file once the process changes folder
+    return _cached_store_with_root(absolute_uri(client.tracking_uri)).create_experiment(name)
+
+
+def ui_command(uri: str) -> str:
+    """The command that opens the MLflow UI on the store at ``uri`` (masked), from where the process stands:
+    ``make ui`` in the checkout for its own ``mlflow.db`` (the Makefile's default), ``make ui UI_STORE=...``
+    there for another store, ``mlflow ui --backend-store-uri ...`` anywhere else."""
+    store = absolute_uri(uri)
+    makefile = Path("Makefile")
+    in_checkout = makefile.is_file() and re.search(r"^ui:", makefile.read_text(errors="replace"), re.M) is not None
+    if not in_checkout:
+        return f"mlflow ui --backend-store-uri {store}"
+    if sqlite_path(store) == Path(os.path.abspath("mlflow.db")):
+        return "make ui"
+    return f"make ui UI_STORE={store}"
+
+
 @contextlib.contextmanager
 def _exclusive(lock_path: Path):
     with open(lock_path, "a") as fh:
@@ -67,12 +123,14 @@ def _exclusive(lock_path: Path):
 
 
 def prepare_store(uri: str) -> None:
-    """Create (or open) the sqlite store at ``uri`` under a file lock; nothing for other stores.
+    """Create (or open) the sqlite store at ``uri`` under a file lock; nothing for other stores. MLflow's
+    routine INFO lines are off from here on (:func:`quiet_mlflow_info`).
 
     Raises :class:`StoreError`, naming the file, when it cannot be created or is not a usable store. A store
     another process holds locked (sqlite's "database is locked") is waited for, then called busy: it is
     not broken, and moving it away would lose its runs.
     """
+    quiet_mlflow_info()  # every run opens its store here, the CLI's and the Python API's alike
     path = sqlite_path(uri)
     if path is None:
         return
@@ -100,10 +158,21 @@ def _build(uri: str, path: Path) -> None:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         with _exclusive(path.with_name(path.name + ".lock")):
-            mlflow.MlflowClient(tracking_uri=uri)  # builds the store: creates and migrates the schema if it is new
+            if not path.exists() or path.stat().st_size == 0:
+                store_with_root(uri)  # creates the schema and the Default experiment, its artifacts in the root
+                progress(new_store_line(uri))
+            mlflow.MlflowClient(tracking_uri=uri)  # builds MLflow's cached store: migrates an older schema
     except OSError as exc:
         raise StoreError(f"the tracking store {path} cannot be created ({exc.strerror or exc}): "
                          f"set MLFLOW_TRACKING_URI to a writable place") from None
+
+
+def new_store_line(uri: str) -> str:
+    """What vitreg says when it creates a store: which file, where its artifacts go, and why there."""
+    line = f"created a new tracking store {os.path.abspath(sqlite_path(uri))} (artifacts in {artifact_root(uri)}/)"
+    if not os.environ.get("MLFLOW_TRACKING_URI"):
+        line += ": MLflow's default in the current folder, as MLFLOW_TRACKING_URI is not set"
+    return line
 
 
 def busy_wait_s() -> float:

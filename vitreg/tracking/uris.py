@@ -17,14 +17,23 @@ from vitreg.console import redact, scrub  # noqa: F401  (the tracking layer's mo
 
 
 def tracking_uri() -> str:
-    """This process's tracking URI as messages show it (MLflow's current one, credentials masked).
+    """This process's tracking URI as messages show it (MLflow's current one, credentials masked, a relative
+    sqlite path made absolute: which file it is, from any folder).
     Before mlflow is imported nothing can have called ``mlflow.set_tracking_uri``, so a set MLFLOW_TRACKING_URI
     is the answer MLflow would give: a DDP rank prints it without importing mlflow."""
     if "mlflow" not in sys.modules and os.environ.get("MLFLOW_TRACKING_URI"):
-        return redact(os.environ["MLFLOW_TRACKING_URI"])
+        return absolute_uri(redact(os.environ["MLFLOW_TRACKING_URI"]))
     from vitreg.tracking.mlflow_on_first_use import mlflow
 
-    return redact(mlflow.get_tracking_uri())
+    return absolute_uri(redact(mlflow.get_tracking_uri()))
+
+
+def absolute_uri(uri: str) -> str:
+    """``uri`` with a relative sqlite path made absolute (``sqlite:///ci.db`` -> ``sqlite:////here/ci.db``):
+    the same store from any folder. Other URIs as they are."""
+    if not uri.startswith("sqlite:///") or uri.startswith("sqlite:////") or uri.endswith(":memory:"):
+        return uri
+    return f"sqlite:///{os.path.abspath(uri[len('sqlite:///'):])}"
 
 
 def has_credentials(uri: str) -> bool:

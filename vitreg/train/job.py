@@ -290,8 +290,8 @@ def _train_in_run(plan: TrainPlan):
         _log_setup(plan, data)
         # a GPU-sized run on a CPU says so before it starts
         steps = loop.total_steps_of(spec, data.steps_per_epoch)
-        say_if_long(train_work(spec.batch_size * world.world_size, steps, plan.gflops * 1e9), plan.runtime.device,
-                    plan.progress)
+        say_if_long(train_work(spec.batch_size * world.world_size, steps, plan.gflops * 1e9, spec.model),
+                    plan.runtime.device, plan.progress, command=plan.command)
     logger = RunLogger(plan.run)
     ok, stop = False, None
     try:
