@@ -25,57 +25,57 @@ import time
 import urllib.parse
 
 MASK = "***"
-# query keys whose value is a credential (case-insensitive, as a whole word of the key)
-_SECRET_KEY = re.compile(r"(pass(word)?|pwd|secret|token|key|auth|credential|signature|sig|session|apikey)",
-                         re.IGNORECASE)
 _URI_IN_TEXT = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^\s'\"<>`]+")
+# a value in a query string or fragment: whatever follows ``name=`` up to the next separator
+_VALUE = re.compile(r"=[^&;#]+")
 
 
 def _mask_query(query: str) -> str:
-    if not query:
-        return query
-    pairs = []
-    for part in query.split("&"):
-        key, eq, value = part.partition("=")
-        secret = eq and value and any(_SECRET_KEY.fullmatch(word) for word in re.split(r"[-_.]", key) if word)
-        pairs.append(f"{key}={MASK}" if secret else part)
-    return "&".join(pairs)
+    """Every value of a query string masked, whatever its name: a name says nothing reliable about what its
+    value holds (``passwd``, ``accessToken``, ``X-Amz-Signature``, ``sig``...), and a value with no name
+    (``?TOKEN``) is masked whole."""
+    return "&".join(_VALUE.sub(f"={MASK}", item) if "=" in item else (MASK if item else item)
+                    for item in query.split("&"))
+
+
+def _mask_fragment(fragment: str) -> str:
+    """Every ``name=value`` value of a fragment masked (an OAuth ``#access_token=``), the rest kept: a
+    fragment is also the MLflow UI's route (``#/experiments/1/runs/abc``), which vitreg prints as links."""
+    return _VALUE.sub(f"={MASK}", fragment)
 
 
 def redact(uri: str) -> str:
-    """``scheme://user:secret@host/db?token=t`` -> ``scheme://user:***@host/db?token=***``; a token alone
-    in the userinfo (``http://TOKEN@host``) -> ``http://***@host``; a URI without credentials unchanged."""
+    """A URI as vitreg may print or store it: the whole userinfo masked (``scheme://user:pw@host``,
+    ``http://TOKEN@host`` and ``http://TOKEN:@host`` all show ``***@host``: which part holds the secret
+    depends on the server), every query value masked whatever its name, and every ``name=value`` of the
+    fragment; a URI with none of these unchanged."""
     try:
         parts = urllib.parse.urlsplit(uri)
-    except ValueError:
-        return MASK if "@" in uri else uri
+    except ValueError:  # an unparseable URI is shown as its scheme only, if it could hold anything
+        return uri.partition("://")[0] + f"://{MASK}" if re.search(r"[@?#=]", uri) else uri
     netloc = parts.netloc
     if "@" in netloc:
-        userinfo, _, hostinfo = netloc.rpartition("@")
-        user, colon, _ = userinfo.partition(":")
-        netloc = f"{user}:{MASK}@{hostinfo}" if colon else f"{MASK}@{hostinfo}"
-    query = _mask_query(parts.query)
-    if netloc == parts.netloc and query == parts.query:
-        return uri
-    return urllib.parse.urlunsplit(parts._replace(netloc=netloc, query=query))
+        netloc = f"{MASK}@{netloc.rpartition('@')[2]}"
+    masked = parts._replace(netloc=netloc, query=_mask_query(parts.query), fragment=_mask_fragment(parts.fragment))
+    return uri if masked == parts else urllib.parse.urlunsplit(masked)
 
 
 def _secrets_of(uri: str) -> set[str]:
-    """The literal credentials a URI carries (raw and percent-decoded), at least 4 characters long (shorter
-    ones would mask common words)."""
+    """The literal credentials a URI carries, raw and percent-decoded, for masking where they appear outside
+    their URI: the password (or the user, when there is no password: a token alone), every query value and
+    every fragment value; at least 4 characters long (shorter ones would mask common words)."""
     try:
         parts = urllib.parse.urlsplit(uri)
     except ValueError:
         return set()
     found = set()
     if "@" in parts.netloc:
-        userinfo = parts.netloc.rpartition("@")[0]
-        user, colon, password = userinfo.partition(":")
-        found.add(password if colon else user)
-    for key, _, value in (p.partition("=") for p in parts.query.split("&") if p):
-        if value and _mask_query(f"{key}={value}") != f"{key}={value}":
-            found.add(value)
-    found |= {urllib.parse.unquote(s) for s in found}
+        user, colon, password = parts.netloc.rpartition("@")[0].partition(":")
+        found.add(password or user)
+    for text in (parts.query, parts.fragment):
+        found |= {value[1:] for value in _VALUE.findall(text)}
+    found |= {item for item in parts.query.split("&") if item and "=" not in item}
+    found |= {urllib.parse.unquote(s) for s in found} | {urllib.parse.unquote_plus(s) for s in found}
     return {s for s in found if len(s) >= 4}
 
 
@@ -104,6 +104,55 @@ def scrub(text: str) -> str:
     for secret in sorted(known_secrets(), key=len, reverse=True):
         text = text.replace(secret, MASK)
     return text
+
+
+class MaskedStream:
+    """``sys.stdout`` or ``sys.stderr`` with every write scrubbed (:func:`scrub`): whatever prints through it,
+    vitreg's own lines, click's messages, a library's logging handler or a warning, a traceback, the bytes a
+    launcher forwards through ``.buffer``, shows no credential. A write is scrubbed whole: Python's print,
+    logging, warnings and tracebacks each write a message (and a URI in it) in one call."""
+
+    def __init__(self, stream, encoding: str | None = None):
+        self.stream = stream
+        self._encoding = encoding  # set for the byte stream below ``.buffer``
+
+    def write(self, data):
+        if self._encoding is not None and isinstance(data, (bytes, bytearray)):
+            self.stream.write(scrub(bytes(data).decode(self._encoding, "surrogateescape"))
+                              .encode(self._encoding, "surrogateescape"))
+        elif self._encoding is None and isinstance(data, str):
+            self.stream.write(scrub(data))
+        else:
+            return self.stream.write(data)  # the stream's own TypeError: click probes a stream with b""
+        return len(data)
+
+    def writelines(self, lines) -> None:
+        for line in lines:
+            self.write(line)
+
+    @property
+    def buffer(self):
+        return MaskedStream(self.stream.buffer, self.stream.encoding or "utf-8")
+
+    def __getattr__(self, name):
+        return getattr(self.stream, name)
+
+
+def mask_console() -> None:
+    """Route everything this process prints through :func:`scrub`: ``sys.stdout`` and ``sys.stderr`` become
+    each a :class:`MaskedStream`, and a logging handler created earlier with the bare stream writes to the masked one
+    (MLflow's and Python's last-resort handler look ``sys.stderr`` up at each write). Called first by the CLI;
+    repeated calls change nothing."""
+    for name in ("stdout", "stderr"):
+        bare = getattr(sys, name)
+        if bare is None or isinstance(bare, MaskedStream):
+            continue
+        masked = MaskedStream(bare)
+        setattr(sys, name, masked)
+        loggers = [logging.getLogger(), *logging.Logger.manager.loggerDict.values()]
+        for handler in (h for logger in loggers for h in getattr(logger, "handlers", ())):
+            if isinstance(handler, logging.StreamHandler) and handler.stream is bare:
+                handler.setStream(masked)
 
 
 #: Kineto (the C++ half of torch.profiler, which vitreg runs to read the SDPA backend that ran and for
