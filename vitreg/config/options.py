@@ -41,6 +41,10 @@ DDP_COMM_HOOKS = ("none", "fp16", "bf16")
 DDP_BUCKET_MB = 25.0  # torch's DistributedDataParallel default bucket_cap_mb
 DISTILLATION_CHOICES = ("none", "soft", "hard")
 SEED_MAX = 2**63 - 1  # torch.manual_seed takes a 64-bit integer; larger ones were an overflow traceback
+# The most iterations, updates or passes one count option may ask for: orders of magnitude past any real
+# job (300 ImageNet epochs at batch 1024 are 375,000 updates). `--warmup 10**30` was accepted and ran until
+# killed; what this bound lets through but cannot finish here, the estimate refuses (measure/estimate.py).
+COUNT_MAX = 10**9
 
 
 @dataclass(frozen=True)
@@ -258,20 +262,23 @@ OPTIONS: tuple[Option, ...] = (
            doc="torch.compile backend (`eager` / `aot_eager` for debugging; modes apply to inductor only)",
            identity=True),
     Option("warmup", "int", 10, "untimed iterations (the first one is timed apart as compile/first-call time).",
-           _TIMED, minimum=1,
+           _TIMED, minimum=1, maximum=COUNT_MAX,
            doc="untimed iterations; the first is timed apart (`*_first_call_s`, and `*_compile_time_s` when "
                "compiling)",
            same_work="untimed iterations before the timed windows"),
-    Option("steps", "int", 30, "iterations per timed window.", _TIMED, minimum=1, doc="iterations per timed window",
+    Option("steps", "int", 30, "iterations per timed window.", _TIMED, minimum=1, maximum=COUNT_MAX,
+           doc="iterations per timed window",
            same_work="the length of a timed window: more samples of the same work"),
-    Option("repeats", "int", 5, "timed windows.", _TIMED, minimum=1, doc="timed windows (median and spread over them)",
+    Option("repeats", "int", 5, "timed windows.", _TIMED, minimum=1, maximum=COUNT_MAX,
+           doc="timed windows (median and spread over them)",
            same_work="the number of timed windows: more samples of the same work"),
     Option("steps", "int", 0, "optimizer updates in all (counted from step 0, also when resuming); 0 = use --epochs.",
-           ("train",), minimum=0,
+           ("train",), minimum=0, maximum=COUNT_MAX,
            doc="optimizer updates in all (counted from 0, also on resume); `steps=0` uses `epochs`",
            same_work="how long training lasts; the figures are per step"),
     Option("epochs", "int", 1, "passes over the data when --steps is 0 (a synthetic epoch is 10,000 images).",
-           ("train",), minimum=0, doc="passes over the data when `steps=0` (a synthetic epoch is 10,000 images)",
+           ("train",), minimum=0, maximum=COUNT_MAX,
+           doc="passes over the data when `steps=0` (a synthetic epoch is 10,000 images)",
            same_work="how long training lasts; the figures are per step"),
     Option("lr", "float", 5e-4, "peak learning rate (AdamW). DeiT: 5e-4 x batch/512.", ("train",), minimum=0.0,
            doc="peak learning rate (AdamW; DeiT: 5e-4 x batch/512): warm-up, then cosine to `min_lr` at the last "

@@ -12,8 +12,14 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+from vitreg.errors import VitregError
+
 #: Work estimated to take longer than this gets the line.
 LONG_S = 60.0
+#: Work estimated to take longer than this is refused: a year is beyond any job one machine is meant to run,
+#: and the estimate errs short, so what is refused would take longer still (`--warmup 10**20` on a CPU was
+#: accepted after an estimate of 4.8e24 hours, and ran until killed).
+ENDLESS_S = 365 * 24 * 3600.0
 #: The CPU batch search's largest batch (:data:`vitreg.measure.autobatch.SEARCH_LIMITS`): batch_size=auto.
 _CPU_AUTO_BATCH = 64
 _GPU_AUTO_BATCH = 256
@@ -67,13 +73,13 @@ def train_work(batch_size: int, total_steps: int, train_flops: float) -> WorkAhe
 
 
 def duration_text(seconds: float) -> str:
-    """``45 s``, ``12 min``, ``3.5 h``, ``32 h``."""
+    """``45 s``, ``12 min``, ``3.5 h``, ``32 h``, ``4.8e+24 h``."""
     if seconds < 120:
         return f"{seconds:.0f} s"
     if seconds < 2 * 3600:
         return f"{seconds / 60:.0f} min"
     hours = seconds / 3600
-    return f"{hours:.1f} h" if hours < 10 else f"{hours:.0f} h"
+    return f"{hours:.1f} h" if hours < 10 else f"{hours:.0f} h" if hours < 1e6 else f"{hours:.2g} h"
 
 
 def estimate_line(work: WorkAhead, flops_per_s: float, device: str, compiling: bool = False) -> str | None:
@@ -88,11 +94,24 @@ def estimate_line(work: WorkAhead, flops_per_s: float, device: str, compiling: b
             f"for a short run: {work.shorter}")
 
 
+def refuse_if_endless(work: WorkAhead, flops_per_s: float, device: str) -> None:
+    """One line, before the work starts, when it cannot finish here (longer than :data:`ENDLESS_S`)."""
+    seconds = work.seconds(flops_per_s)
+    if seconds > ENDLESS_S:
+        where = "this CPU" if device == "cpu" else "this GPU"
+        raise VitregError(f"{work.what} would take at least {duration_text(seconds)} on {where} "
+                          f"({work.images:.3g} images at a measured {flops_per_s / 1e9:.0f} GFLOP/s), more than a "
+                          f"year: it cannot finish; for a short run: {work.shorter}")
+
+
 def say_if_long(work: WorkAhead, device: str, progress, compiling: bool = False) -> str | None:
-    """Measure this machine, and say the estimate when the work is long; returns the line said."""
+    """Measure this machine, and say the estimate when the work is long; returns the line said. Work that
+    cannot finish is refused (:func:`refuse_if_endless`)."""
     if work.flops_per_img <= 0 or work.images <= 0:
         return None
-    line = estimate_line(work, measured_flops_per_s(device), device, compiling)
+    flops_per_s = measured_flops_per_s(device)
+    refuse_if_endless(work, flops_per_s, device)
+    line = estimate_line(work, flops_per_s, device, compiling)
     if line:
         progress(line)
     return line
