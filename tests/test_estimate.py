@@ -55,6 +55,21 @@ def test_long_work_gets_the_estimate_and_the_short_options_and_quick_work_nothin
     assert [duration_text(s) for s in (45, 600, 5 * 3600)] == ["45 s", "10 min", "5.0 h"]
 
 
+def test_work_longer_than_a_year_is_refused_and_a_year_is_not():
+    from vitreg.errors import VitregError
+    from vitreg.measure.estimate import ENDLESS_S, refuse_if_endless
+
+    year = train_work(1, 1, ENDLESS_S)  # one image of a year's FLOPs at 1 FLOP/s
+    refuse_if_endless(year, flops_per_s=1.0, device="cpu")
+    with pytest.raises(VitregError) as err:
+        refuse_if_endless(train_work(2, 1, ENDLESS_S), flops_per_s=1.0, device="cuda")
+    assert str(err.value).startswith("train would take at least 17520 h on this GPU") and "cannot finish" in str(err.value)
+    spec = BenchSpec(model="deit_tiny_patch16_224", batch_size=8, warmup=10**9)  # the most the option allows
+    with pytest.raises(VitregError, match=r"at least 2.2e\+06 h on this CPU"):
+        refuse_if_endless(bench_work(spec, 1e9, 0, "cpu"), flops_per_s=1e9, device="cpu")
+    assert duration_text(4.8e24 * 3600) == "4.8e+24 h"
+
+
 @pytest.mark.parametrize("command", ["bench", "train"])
 def test_a_run_says_its_estimate_before_the_work(sqlite_store, monkeypatch, command):
     monkeypatch.setattr(estimate, "LONG_S", 0.0)  # test_vit is quick: make any work "long"
