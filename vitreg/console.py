@@ -2,15 +2,17 @@
 results table), a heartbeat while a long call runs, and the libraries' own console lines that a successful
 run does not need, silenced where they come from.
 
-Every message goes through :func:`scrub`: a URI in it is printed with its credentials masked, and the
-tracking URI's own credentials never appear, whoever composed the message. A URI carries credentials in
-its userinfo (``http://user:password@host``, a token alone ``http://TOKEN@host``, ``postgresql://user:pw@db``,
-``s3://KEY:SECRET@bucket``) or in its query string (``?token=``, ``?password=``, a presigned
-``X-Amz-Signature=``): :func:`redact` masks every one of them; :func:`scrub` does it for every URI inside a
-message, and also masks the literal credentials of this process's tracking URI wherever they appear (an
-MLflow error may quote them out of their URI). The masking lives here, below every layer that prints or
-stores text; the tracking layer stores tags and params through the same two functions. It reads the four
-variables that hold the tracking credentials (:data:`CREDENTIAL_VARIABLES`) only to mask their values.
+Every line goes through :func:`scrub`: a URI in it is printed with its credentials masked, and the
+tracking URI's own credentials never appear, whoever composed the line. One rule, :func:`redact`, whatever the
+names: the whole userinfo (``http://user:password@host``, a token alone ``http://TOKEN@host`` or
+``http://TOKEN:@host``, ``s3://KEY:SECRET@bucket`` all show ``***@host``), every query value (``?passwd=``,
+``?accessToken=``, a presigned ``X-Amz-Signature=``: a name says nothing reliable about its value) and every
+``name=value`` of the fragment. :func:`scrub` does it for every URI inside a message, and also masks the
+literal values of this process's tracking URI wherever they appear (an MLflow error may quote them out of
+their URI). The CLI routes everything it prints through it (:func:`mask_console`: vitreg's lines, click's,
+a library's logging, warnings, tracebacks); the tracking layer stores tags and params through the same
+functions. The masking lives here, below every layer that prints or stores text. It reads the four variables
+that hold the tracking credentials (:data:`CREDENTIAL_VARIABLES`) only to mask their values.
 """
 
 from __future__ import annotations
@@ -139,10 +141,10 @@ class MaskedStream:
 
 
 def mask_console() -> None:
-    """Route everything this process prints through :func:`scrub`: ``sys.stdout`` and ``sys.stderr`` become
-    each a :class:`MaskedStream`, and a logging handler created earlier with the bare stream writes to the masked one
-    (MLflow's and Python's last-resort handler look ``sys.stderr`` up at each write). Called first by the CLI;
-    repeated calls change nothing."""
+    """Route everything this process prints through :func:`scrub`: ``sys.stdout`` and ``sys.stderr`` each
+    become a :class:`MaskedStream`, and a logging handler made earlier with the bare stream writes to the
+    masked one (MLflow's and Python's last-resort handler look ``sys.stderr`` up at each write). Called first
+    by the CLI; repeated calls change nothing."""
     for name in ("stdout", "stderr"):
         bare = getattr(sys, name)
         if bare is None or isinstance(bare, MaskedStream):
