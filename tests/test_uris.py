@@ -49,6 +49,11 @@ def test_every_query_value_and_all_userinfo_are_masked_whatever_the_name(uri, sh
     assert redact(shown) == shown  # masking twice changes nothing
 
 
+def test_a_uri_at_the_end_of_a_sentence_keeps_the_punctuation_after_it():
+    assert scrub("failed (at http://h/?token=abc).") == "failed (at http://h/?token=***)."
+    assert scrub("see http://u:pw@h:5000/, then retry") == "see http://***@h:5000/, then retry"
+
+
 def test_what_holds_no_credential_is_shown_as_it_is():
     for uri in ("http://127.0.0.1:5000/#/experiments/1/runs/abc", "http://h/?a=", "file:///tmp/x/y.db",
                 "models:/deit-tiny@champion", "runs:/0123/checkpoints/last"):

@@ -27,7 +27,8 @@ import time
 import urllib.parse
 
 MASK = "***"
-_URI_IN_TEXT = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^\s'\"<>`]+")
+# a URI inside a message, less the punctuation that ends a sentence or a bracket after it
+_URI_IN_TEXT = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^\s'\"<>`]*[^\s'\"<>`.,;:!?)\]}]")
 # a value in a query string or fragment: whatever follows ``name=`` up to the next separator
 _VALUE = re.compile(r"=[^&;#]+")
 
