@@ -137,7 +137,9 @@ class MaskedStream:
     def buffer(self):
         return MaskedStream(self.stream.buffer, self.stream.encoding or "utf-8")
 
-    def __getattr__(self, name):
+    def __getattr__(self, name):  # everything else is the stream's: fileno, isatty, encoding, flush...
+        if name == "stream":  # not set yet (a copy being made): no endless lookup
+            raise AttributeError(name)
         return getattr(self.stream, name)
 
 

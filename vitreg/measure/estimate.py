@@ -17,7 +17,7 @@ from vitreg.errors import VitregError
 #: Work estimated to take longer than this gets the line.
 LONG_S = 60.0
 #: Work estimated to take longer than this is refused: a year is beyond any job one machine is meant to run,
-#: and the estimate errs short, so what is refused would take longer still (`--warmup 10**20` on a CPU was
+#: and the estimate errs short, so what is refused would take longer still (`--warmup 10**30` on a CPU was
 #: accepted after an estimate of 4.8e24 hours, and ran until killed).
 ENDLESS_S = 365 * 24 * 3600.0
 #: The CPU batch search's largest batch (:data:`vitreg.measure.autobatch.SEARCH_LIMITS`): batch_size=auto.
