@@ -14,7 +14,8 @@ something to learn), and batch ``k`` is a pure function of ``(seed, rank, k)``.
 persistent workers) with timm's ``create_transform`` (random-resized-crop + flip + colour jitter for
 training, resize + centre crop for validation, the model's mean/std and interpolation). An image that
 cannot be decoded stops the run with one line naming the file (:class:`UndecodableImage`), with or
-without loader processes.
+without loader processes; a file that is no image at all (a text file named ``.jpg``), or one this user may
+not read, is refused before the run trains, by its first bytes.
 """
 
 from __future__ import annotations
@@ -278,9 +279,9 @@ def _check_layout(root: Path, images: bool = False):
     if val_dir is not None and not _class_dirs(root, val_dir):
         raise VitregError(f"data={root}: val/ has no class folders: put images in val/<class>/ or remove val/")
     with ticking(f"checking the image headers under data={root}") if images else contextlib.nullcontext():
-        for folder in filter(None, (train_dir, val_dir)):
-            for _, entries in _folders(root, folder):
-                if images:
+        for split in filter(None, (train_dir, val_dir)):
+            for folder, entries in _folders(root, split):
+                if images and folder != split:  # ImageFolder loads the class folders' files, not train/'s own
                     _check_images(root, entries)
     return train_dir, val_dir
 
