@@ -3,6 +3,8 @@ without DataLoader worker processes (whose errors reach the main process as a tr
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 from click.testing import CliRunner
 
@@ -86,3 +88,47 @@ def test_a_folder_of_one_class_is_refused(sqlite_store, folder_with_a_corrupt_jp
     shutil.rmtree(root / "train" / "b")
     line = _one_error_line(_train_on(root, "one-class"))
     assert "one class folder (a)" in line and "at least two" in line, line
+
+
+# issue 31: a text file named .jpg passed every check and failed at the batch that reached it (or never,
+# when the run ended first). Each file ImageFolder would load is refused by its header, before any step.
+NOT_IMAGES = [
+    ("train/b/notes.jpg", b"this is text, not a JPEG\n"),
+    ("train/a/empty.png", b""),
+    ("train/b/page.JPEG", b"<!DOCTYPE html><html><body>403 Forbidden</body></html>"),  # an upper-case extension
+    ("val/a/readme.webp", b"RIFF\x00\x00\x00\x00TEXT is no WEBP"),  # a RIFF file of another kind
+]
+
+
+@pytest.mark.parametrize("name, content", NOT_IMAGES, ids=[n for n, _ in NOT_IMAGES])
+def test_a_file_that_is_not_an_image_is_refused_before_training(sqlite_store, folder_with_a_corrupt_jpeg, name,
+                                                                  content):
+    from mlflow.tracking import MlflowClient
+
+    root, broken = folder_with_a_corrupt_jpeg
+    broken.unlink()
+    if name.startswith("val/"):
+        for cls in "ab":  # val/ as train/: its own real images
+            (root / "val" / cls).mkdir(parents=True)
+            shutil.copy(next((root / "train" / cls).glob("*.png")), root / "val" / cls / "0.png")
+    (root / name).write_bytes(content)
+    line = _one_error_line(_train_on(root, "not-images"))
+    assert str(root / name) in line and "is not an image" in line and "replace or remove" in line, line
+    c = MlflowClient()
+    (run,) = c.search_runs([c.get_experiment_by_name("not-images").experiment_id])
+    assert run.info.status == "FAILED" and run.data.metrics == {}, (run.info.status, run.data.metrics)  # no step ran
+    (root / name).unlink()  # the same folder without it trains
+    assert _train_on(root, "not-images").exit_code == 0
+
+
+def test_every_format_pil_reads_passes_the_header_check(tmp_path):
+    """The check knows an image by PIL's own header tests: every format ImageFolder loads passes it."""
+    from PIL import Image
+
+    from vitreg.train.data import _check_header
+
+    for fmt, suffix in (("JPEG", "jpg"), ("PNG", "png"), ("BMP", "bmp"), ("PPM", "ppm"), ("TIFF", "tif"),
+                        ("WEBP", "webp"), ("GIF", "gif")):
+        path = tmp_path / f"x.{suffix}"
+        Image.new("RGB", (8, 8), (1, 2, 3)).save(path, format=fmt)
+        _check_header(tmp_path, str(path))  # no error

@@ -100,6 +100,23 @@ def test_the_matmul_probe_runs_in_the_dtype_asked(monkeypatch):
     assert dtypes == [torch.bfloat16] * 4
 
 
+def test_work_longer_than_a_year_is_refused_and_a_year_is_not():
+    from vitreg.errors import VitregError
+    from vitreg.measure.estimate import ENDLESS_S, refuse_if_endless
+
+    year = train_work(1, 1, ENDLESS_S)  # one image of a year's FLOPs at 1 FLOP/s
+    refuse_if_endless(year, flops_per_s=1.0, device="cpu")
+    with pytest.raises(VitregError) as err:
+        refuse_if_endless(train_work(2, 1, ENDLESS_S), flops_per_s=1.0, device="cuda")
+    message = str(err.value)
+    assert message.startswith("train would take at least 17520 h on this GPU") and "cannot finish" in message
+    spec = BenchSpec(model="deit_tiny_patch16_224", batch_size=8, warmup=10**9)  # the most the option allows
+    with pytest.raises(VitregError, match=r"bench would take at least 55556 h on this CPU .*cannot finish"):
+        BenchAhead(spec, {"infer": 0.1, "train": 0.1}).refuse_if_endless()  # 2 x 10**9 warm-up steps of 0.1 s
+    BenchAhead(spec, {"infer": 1e-3}).refuse_if_endless()  # 10**6 s: under a year, let it run
+    assert duration_text(4.8e24 * 3600) == "4.8e+24 h"
+
+
 @pytest.mark.parametrize("command", ["bench", "train"])
 def test_a_run_says_its_estimate_before_the_work(sqlite_store, monkeypatch, command):
     monkeypatch.setattr(estimate, "LONG_S", 0.0)  # test_vit is quick: make any work "long"

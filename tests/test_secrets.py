@@ -84,7 +84,7 @@ def files_holding(root: Path, needle: bytes) -> list[str]:
 def test_no_command_prints_or_stores_the_tracking_uris_password(tmp_path, mlflow_server):
     box = Box(tmp_path, mlflow_server.port, f"alice:{SECRET}")
     bench = box.run(*BENCH)
-    assert "logged run" in bench.stdout + bench.stderr and "alice:***@127.0.0.1" in bench.stderr
+    assert "logged run" in bench.stdout + bench.stderr and "http://***@127.0.0.1" in bench.stderr
     train = run_id_of(box.run(*TRAIN))
     last = f"runs:/{train}/checkpoints/last"
     box.run("infer", "--model-uri", last, *INFER)
@@ -93,7 +93,7 @@ def test_no_command_prints_or_stores_the_tracking_uris_password(tmp_path, mlflow
     box.run("compare", "--experiment", "secrets")
     missing = "runs:/0123456789abcdef0123456789abcdef/checkpoints/last"
     failed = box.run(*TRAIN, "--resume", missing, expect=2)  # a run that ends FAILED, its error stored
-    assert failed.stderr.strip().splitlines()[-1].startswith("error: ") and "alice:***@" in failed.stderr
+    assert failed.stderr.strip().splitlines()[-1].startswith("error: ") and "http://***@127.0.0.1" in failed.stderr
     for command in (["pull", missing], ["register", missing, "--name", "x"],
                     ["infer", "--model-uri", missing, *INFER]):
         assert "127.0.0.1" in box.run(*command, expect=2).stderr  # the error names the server, masked
@@ -113,7 +113,7 @@ def test_no_command_prints_or_stores_the_tracking_uris_password(tmp_path, mlflow
     runs = client.search_runs([client.get_experiment_by_name("secrets").experiment_id])
     assert {r.info.status for r in runs} == {"FINISHED", "FAILED"} and len(runs) >= 6
     errors = [r.data.tags["vitreg_error"] for r in runs if r.info.status == "FAILED"]
-    assert any("alice:***@127.0.0.1" in error for error in errors), errors  # the stored error names the server
+    assert any("http://***@127.0.0.1" in error for error in errors), errors  # the stored error names the server
 
 
 @pytest.mark.slow
@@ -126,3 +126,93 @@ def test_a_token_only_uri_is_never_printed_nor_put_in_the_spool(tmp_path, mlflow
     printed = "\n".join(box.outputs)
     assert TOKEN not in printed and "http://***@127.0.0.1" in printed
     assert files_holding(mlflow_server.data_dir, TOKEN.encode()) == []
+
+
+# ------------------------------------------------------------ issue 31: any name, any form, any printer
+# Each URI holds its secret where no list of names would look; the secret is at least 4 characters.
+DEAD_SERVER_SECRETS = {
+    "http://127.0.0.1:{port}/?passwd=Pa55wdValue": "Pa55wdValue",
+    "http://127.0.0.1:{port}/?accessToken=AcTok3nValue": "AcTok3nValue",
+    "http://T0kenAsUser:@127.0.0.1:{port}": "T0kenAsUser",  # an empty password
+    "http://0nlyTheUser@127.0.0.1:{port}/": "0nlyTheUser",
+    "HTTP://127.0.0.1:{port}/?X_API_KEY=UpperCas3Val": "UpperCas3Val",
+    "http://127.0.0.1:{port}/#access_token=Fr4gmentVal": "Fr4gmentVal",
+    "http://127.0.0.1:{port}/?pass%77ord=Perc%2Bnt3ncoded": "Perc+nt3ncoded",
+}
+
+
+def _env_for(uri: str, spool: Path) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_", "VITREG_"))}
+    env.update(MLFLOW_TRACKING_URI=uri, MLFLOW_DISABLE_TELEMETRY="true", VITREG_SPOOL_DIR=str(spool),
+               PYTHONUNBUFFERED="1")
+    return env
+
+
+@pytest.mark.slow
+def test_bench_against_a_dead_server_never_prints_a_secret_whatever_its_name_or_form(tmp_path):
+    port = free_port()
+    procs = {}
+    for n, (uri, secret) in enumerate(DEAD_SERVER_SECRETS.items()):
+        uri = uri.format(port=port)
+        procs[uri, secret] = subprocess.Popen([sys.executable, "-m", "vitreg", *BENCH], cwd=tmp_path,
+                                              env=_env_for(uri, tmp_path / f"spool{n}"), text=True,
+                                              stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    for (uri, secret), proc in procs.items():
+        try:
+            out, err = proc.communicate(timeout=300)
+        finally:
+            proc.kill()
+        printed = out + err
+        errors = [line for line in err.splitlines() if line.startswith("error:")]
+        assert proc.returncode == 2 and len(errors) == 1 and "Traceback" not in err, (uri, printed[-2000:])
+        assert f"127.0.0.1:{port}" in errors[0] and "***" in errors[0], errors[0]  # the server named, masked
+        for literal in {secret, uri.split("=")[-1]}:  # raw and decoded
+            assert literal not in printed, (uri, printed)
+
+
+# A command added to vitreg's own click group: every kind of printer a library or vitreg has, each given the
+# URI. The logging handler is made before vitreg starts, with the bare stderr, as a user's basicConfig would.
+NOISY_COMMAND = """
+import logging, os, sys, threading, warnings
+import click
+logging.getLogger("urllib3.connectionpool").addHandler(logging.StreamHandler())
+from vitreg.cli.main import main
+import mlflow  # MLflow's own handler on its loggers
+
+
+def fail(message):
+    raise RuntimeError(message)
+
+
+@main.command()
+def noisy():
+    uri = os.environ["NOISY_URI"]
+    logging.getLogger("urllib3.connectionpool").warning("Retrying after connection broken: %s", uri)
+    logging.getLogger("mlflow.tracking.fluent").warning("could not reach %s", uri)
+    warnings.warn(f"slow answer from {uri}")
+    print(f"stdout line {uri}")
+    click.echo(f"click line {uri}", err=True)
+    sys.stderr.buffer.write(f"[rank1]: forwarded bytes {uri}\\n".encode())
+    sys.stderr.buffer.flush()
+    thread = threading.Thread(target=fail, args=(f"thread failed at {uri}",))
+    thread.start()
+    thread.join()
+    raise RuntimeError(f"uncaught at {uri}")
+
+main()
+"""
+
+
+@pytest.mark.slow
+def test_no_printer_shows_a_secret_libraries_logging_warnings_and_tracebacks_included(tmp_path):
+    uri = "http://L1brarySecret:@127.0.0.1:9/?refreshTok=Qu3rySecret"
+    env = _env_for("sqlite:///" + str(tmp_path / "m.db"), tmp_path / "spool")
+    env["NOISY_URI"] = uri
+    done = subprocess.run([sys.executable, "-c", NOISY_COMMAND, "noisy"], cwd=tmp_path, env=env, text=True,
+                          capture_output=True, timeout=300)
+    printed = done.stdout + done.stderr
+    shown = "http://***@127.0.0.1:9/?refreshTok=***"
+    for what in ("Retrying after", "could not reach", "slow answer from", "stdout line", "click line",
+                 "forwarded bytes", "thread failed at", "uncaught at"):
+        assert any(what in line and shown in line for line in printed.splitlines()), (what, printed)  # masked
+    assert "L1brarySecret" not in printed and "Qu3rySecret" not in printed, printed

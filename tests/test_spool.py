@@ -384,7 +384,7 @@ def test_open_run_against_a_dead_store_is_one_line_after_one_try(tmp_path, monke
     with pytest.raises(StoreError, match="Connection refused") as err:
         open_run("exp", root=tmp_path)
     assert [port for _, port in ports_tried].count(dead_port) == 1, "one attempt, no retries (MLflow's own take minutes)"
-    assert "\n" not in str(err.value) and "bob:***@" in str(err.value)
+    assert "\n" not in str(err.value) and "http://***@127.0.0.1" in str(err.value)
     assert Spool.find(tmp_path) == []
 
 
@@ -553,7 +553,7 @@ def test_reads_against_a_server_answering_503_end_in_one_line_within_seconds(tmp
     assert took < baseline_s + 15, (took, baseline_s)  # MLflow's own retries: 90-200 s
     errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "Traceback" not in done.stderr, done.stderr[-3000:]
-    assert server_503.split("//")[1] in errors[0] and "503" in errors[0] and "bob:***@" in errors[0], errors[0]
+    assert server_503.split("//")[1] in errors[0] and "503" in errors[0] and "//***@127.0.0.1" in errors[0], errors[0]
     assert "KILLED" not in errors[0] and "s3cretpw" not in done.stderr + done.stdout
 
 

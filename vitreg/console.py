@@ -2,15 +2,17 @@
 results table), a heartbeat while a long call runs, and the libraries' own console lines that a successful
 run does not need, silenced where they come from.
 
-Every message goes through :func:`scrub`: a URI in it is printed with its credentials masked, and the
-tracking URI's own credentials never appear, whoever composed the message. A URI carries credentials in
-its userinfo (``http://user:password@host``, a token alone ``http://TOKEN@host``, ``postgresql://user:pw@db``,
-``s3://KEY:SECRET@bucket``) or in its query string (``?token=``, ``?password=``, a presigned
-``X-Amz-Signature=``): :func:`redact` masks every one of them; :func:`scrub` does it for every URI inside a
-message, and also masks the literal credentials of this process's tracking URI wherever they appear (an
-MLflow error may quote them out of their URI). The masking lives here, below every layer that prints or
-stores text; the tracking layer stores tags and params through the same two functions. It reads the four
-variables that hold the tracking credentials (:data:`CREDENTIAL_VARIABLES`) only to mask their values.
+Every line goes through :func:`scrub`: a URI in it is printed with its credentials masked, and the
+tracking URI's own credentials never appear, whoever composed the line. One rule, :func:`redact`, whatever the
+names: the whole userinfo (``http://user:password@host``, a token alone ``http://TOKEN@host`` or
+``http://TOKEN:@host``, ``s3://KEY:SECRET@bucket`` all show ``***@host``), every query value (``?passwd=``,
+``?accessToken=``, a presigned ``X-Amz-Signature=``: a name says nothing reliable about its value) and every
+``name=value`` of the fragment. :func:`scrub` does it for every URI inside a message, and also masks the
+literal values of this process's tracking URI wherever they appear (an MLflow error may quote them out of
+their URI). The CLI routes everything it prints through it (:func:`mask_console`: vitreg's lines, click's,
+a library's logging, warnings, tracebacks); the tracking layer stores tags and params through the same
+functions. The masking lives here, below every layer that prints or stores text. It reads the four variables
+that hold the tracking credentials (:data:`CREDENTIAL_VARIABLES`) only to mask their values.
 """
 
 from __future__ import annotations
@@ -26,57 +28,58 @@ import urllib.parse
 import warnings
 
 MASK = "***"
-# query keys whose value is a credential (case-insensitive, as a whole word of the key)
-_SECRET_KEY = re.compile(r"(pass(word)?|pwd|secret|token|key|auth|credential|signature|sig|session|apikey)",
-                         re.IGNORECASE)
-_URI_IN_TEXT = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^\s'\"<>`]+")
+# a URI inside a message, less the punctuation that ends a sentence or a bracket after it
+_URI_IN_TEXT = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^\s'\"<>`]*[^\s'\"<>`.,;:!?)\]}]")
+# a value in a query string or fragment: whatever follows ``name=`` up to the next separator
+_VALUE = re.compile(r"=[^&;#]+")
 
 
 def _mask_query(query: str) -> str:
-    if not query:
-        return query
-    pairs = []
-    for part in query.split("&"):
-        key, eq, value = part.partition("=")
-        secret = eq and value and any(_SECRET_KEY.fullmatch(word) for word in re.split(r"[-_.]", key) if word)
-        pairs.append(f"{key}={MASK}" if secret else part)
-    return "&".join(pairs)
+    """Every value of a query string masked, whatever its name: a name says nothing reliable about what its
+    value holds (``passwd``, ``accessToken``, ``X-Amz-Signature``, ``sig``...), and a value with no name
+    (``?TOKEN``) is masked whole."""
+    return "&".join(_VALUE.sub(f"={MASK}", item) if "=" in item else (MASK if item else item)
+                    for item in query.split("&"))
+
+
+def _mask_fragment(fragment: str) -> str:
+    """Every ``name=value`` value of a fragment masked (an OAuth ``#access_token=``), the rest kept: a
+    fragment is also the MLflow UI's route (``#/experiments/1/runs/abc``), which vitreg prints as links."""
+    return _VALUE.sub(f"={MASK}", fragment)
 
 
 def redact(uri: str) -> str:
-    """``scheme://user:secret@host/db?token=t`` -> ``scheme://user:***@host/db?token=***``; a token alone
-    in the userinfo (``http://TOKEN@host``) -> ``http://***@host``; a URI without credentials unchanged."""
+    """A URI as vitreg may print or store it: the whole userinfo masked (``scheme://user:pw@host``,
+    ``http://TOKEN@host`` and ``http://TOKEN:@host`` all show ``***@host``: which part holds the secret
+    depends on the server), every query value masked whatever its name, and every ``name=value`` of the
+    fragment; a URI with none of these unchanged."""
     try:
         parts = urllib.parse.urlsplit(uri)
-    except ValueError:
-        return MASK if "@" in uri else uri
+    except ValueError:  # an unparseable URI is shown as its scheme only, if it could hold anything
+        return uri.partition("://")[0] + f"://{MASK}" if re.search(r"[@?#=]", uri) else uri
     netloc = parts.netloc
     if "@" in netloc:
-        userinfo, _, hostinfo = netloc.rpartition("@")
-        user, colon, _ = userinfo.partition(":")
-        netloc = f"{user}:{MASK}@{hostinfo}" if colon else f"{MASK}@{hostinfo}"
-    query = _mask_query(parts.query)
-    if netloc == parts.netloc and query == parts.query:
-        return uri
-    return urllib.parse.urlunsplit(parts._replace(netloc=netloc, query=query))
+        netloc = f"{MASK}@{netloc.rpartition('@')[2]}"
+    masked = parts._replace(netloc=netloc, query=_mask_query(parts.query), fragment=_mask_fragment(parts.fragment))
+    return uri if masked == parts else urllib.parse.urlunsplit(masked)
 
 
 def _secrets_of(uri: str) -> set[str]:
-    """The literal credentials a URI carries (raw and percent-decoded), at least 4 characters long (shorter
-    ones would mask common words)."""
+    """The literal credentials a URI carries, raw and percent-decoded, for masking where they appear outside
+    their URI: the password (or the user, when there is no password: a token alone), every query value and
+    every fragment value; at least 4 characters long (shorter ones would mask common words)."""
     try:
         parts = urllib.parse.urlsplit(uri)
     except ValueError:
         return set()
     found = set()
     if "@" in parts.netloc:
-        userinfo = parts.netloc.rpartition("@")[0]
-        user, colon, password = userinfo.partition(":")
-        found.add(password if colon else user)
-    for key, _, value in (p.partition("=") for p in parts.query.split("&") if p):
-        if value and _mask_query(f"{key}={value}") != f"{key}={value}":
-            found.add(value)
-    found |= {urllib.parse.unquote(s) for s in found}
+        user, colon, password = parts.netloc.rpartition("@")[0].partition(":")
+        found.add(password or user)
+    for text in (parts.query, parts.fragment):
+        found |= {value[1:] for value in _VALUE.findall(text)}
+    found |= {item for item in parts.query.split("&") if item and "=" not in item}
+    found |= {urllib.parse.unquote(s) for s in found} | {urllib.parse.unquote_plus(s) for s in found}
     return {s for s in found if len(s) >= 4}
 
 
@@ -105,6 +108,57 @@ def scrub(text: str) -> str:
     for secret in sorted(known_secrets(), key=len, reverse=True):
         text = text.replace(secret, MASK)
     return text
+
+
+class MaskedStream:
+    """``sys.stdout`` or ``sys.stderr`` with every write scrubbed (:func:`scrub`): whatever prints through it,
+    vitreg's own lines, click's messages, a library's logging handler or a warning, a traceback, the bytes a
+    launcher forwards through ``.buffer``, shows no credential. A write is scrubbed whole: Python's print,
+    logging, warnings and tracebacks each write a message (and a URI in it) in one call."""
+
+    def __init__(self, stream, encoding: str | None = None):
+        self.stream = stream
+        self._encoding = encoding  # set for the byte stream below ``.buffer``
+
+    def write(self, data):
+        if self._encoding is not None and isinstance(data, (bytes, bytearray)):
+            self.stream.write(scrub(bytes(data).decode(self._encoding, "surrogateescape"))
+                              .encode(self._encoding, "surrogateescape"))
+        elif self._encoding is None and isinstance(data, str):
+            self.stream.write(scrub(data))
+        else:
+            return self.stream.write(data)  # the stream's own TypeError: click probes a stream with b""
+        return len(data)
+
+    def writelines(self, lines) -> None:
+        for line in lines:
+            self.write(line)
+
+    @property
+    def buffer(self):
+        return MaskedStream(self.stream.buffer, self.stream.encoding or "utf-8")
+
+    def __getattr__(self, name):  # everything else is the stream's: fileno, isatty, encoding, flush...
+        if name == "stream":  # not set yet (a copy being made): no endless lookup
+            raise AttributeError(name)
+        return getattr(self.stream, name)
+
+
+def mask_console() -> None:
+    """Route everything this process prints through :func:`scrub`: ``sys.stdout`` and ``sys.stderr`` each
+    become a :class:`MaskedStream`, and a logging handler made earlier with the bare stream writes to the
+    masked one (MLflow's and Python's last-resort handler look ``sys.stderr`` up at each write). Called first
+    by the CLI; repeated calls change nothing."""
+    for name in ("stdout", "stderr"):
+        bare = getattr(sys, name)
+        if bare is None or isinstance(bare, MaskedStream):
+            continue
+        masked = MaskedStream(bare)
+        setattr(sys, name, masked)
+        loggers = [logging.getLogger(), *logging.Logger.manager.loggerDict.values()]
+        for handler in (h for logger in loggers for h in getattr(logger, "handlers", ())):
+            if isinstance(handler, logging.StreamHandler) and handler.stream is bare:
+                handler.setStream(masked)
 
 
 #: Kineto (the C++ half of torch.profiler, which vitreg runs to read the SDPA backend that ran and for

@@ -10,6 +10,8 @@ Anything else is a bug and keeps its traceback.
 from __future__ import annotations
 
 import contextlib
+import os
+import shlex
 
 
 class VitregError(ValueError):
@@ -78,3 +80,11 @@ def path_kind(path, what: str, fix: str) -> str:
         return "file" if path.exists() else "missing"
     except OSError as exc:
         raise VitregError(f"{what}={path} cannot be read ({exc.strerror}): {fix}") from None
+
+
+def unreadable(path, exc: OSError) -> str:
+    """``path`` cannot be read, why, and the fix: this process's user needs read permission (and, for a
+    folder, permission to enter it and everything inside)."""
+    mode = "-R a+rX" if os.path.isdir(path) else "a+r"
+    return (f"{path} cannot be read ({exc.strerror or first_line(exc)}): make it readable by this user "
+            f"(chmod {mode} {shlex.quote(str(path))})")

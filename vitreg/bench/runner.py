@@ -472,6 +472,7 @@ def _estimate(model, bench: _Bench, fwd_flops: int, train_flops: int, cache_dir,
         model.zero_grad(set_to_none=True)
     cached = cache_dir is not None and Path(cache_dir).is_dir() and any(Path(cache_dir).iterdir())
     ahead = BenchAhead(spec, step_s, dev, cached, command)
+    ahead.refuse_if_endless()
     line = ahead.line()
     if line:
         bench.progress(line)

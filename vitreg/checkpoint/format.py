@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from vitreg.checkpoint.contents import FIX, check_weights, validate_spec
-from vitreg.errors import CheckpointError, VitregError
+from vitreg.errors import CheckpointError, VitregError, unreadable
 from vitreg.models.factory import ModelInfo, create_model
 from vitreg.version import __version__
 
@@ -203,9 +203,18 @@ class VerifiedCheckpoint:
 
 
 def verify_checkpoint(directory) -> VerifiedCheckpoint:
-    """Check every file against the manifest, read and validate ``spec.json``. One-line VitregError otherwise."""
+    """Check every file against the manifest, read and validate ``spec.json``. One-line VitregError otherwise,
+    also for a file or the folder this user may not read."""
     directory = Path(directory)
     fix = "point resume/pull at another checkpoint (e.g. an earlier checkpoints/step-<N>)"
+    try:
+        return _verified(directory, fix)
+    except OSError as exc:  # permissions, an I/O error: the file named, with the fix
+        cause = unreadable(exc.filename or directory, exc)
+        raise VitregError(f"checkpoint {directory}: {cause}, or {fix}") from None
+
+
+def _verified(directory: Path, fix: str) -> VerifiedCheckpoint:
     manifest = _read_manifest(directory, fix)
     for name, entry in manifest["files"].items():
         path = confined(directory, name)

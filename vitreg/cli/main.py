@@ -19,7 +19,7 @@ from vitreg.cli.common import (OneLineUsageError, OneSpelling, VitregCommand, ch
 from vitreg.cli.param_types import ChoiceText, FloatText, GpuLabel
 from vitreg.config.options import option
 from vitreg.config.parse import parse_float
-from vitreg.console import quiet_libraries
+from vitreg.console import mask_console, quiet_libraries
 from vitreg.errors import VitregError
 from vitreg.tracking.store import bound_http_requests, quiet_artifact_downloads, quiet_mlflow_info
 
@@ -40,6 +40,7 @@ class VitregGroup(click.Group):
 @click.version_option(package_name="vitreg")
 def main():
     """vitreg: ViT/DeiT benchmarks with compile/AMP/DDP, tracked in MLflow."""
+    mask_console()  # no credential in any line this process prints, whoever prints it
     signals.freeze_at_exit()
     signals.install()  # SIGTERM/SIGHUP end the run KILLED, like Ctrl-C, instead of leaving it RUNNING
     quiet_artifact_downloads()  # vitreg's progress lines say what is downloaded; MLflow's bars only clutter

@@ -41,6 +41,10 @@ DDP_COMM_HOOKS = ("none", "fp16", "bf16")
 DDP_BUCKET_MB = 25.0  # torch's DistributedDataParallel default bucket_cap_mb
 DISTILLATION_CHOICES = ("none", "soft", "hard")
 SEED_MAX = 2**63 - 1  # torch.manual_seed takes a 64-bit integer; larger ones were an overflow traceback
+# The most iterations, updates or passes one count option may ask for: orders of magnitude past any real
+# job (300 ImageNet epochs at batch 1024 are 375,000 updates). `--warmup 10**30` was accepted and ran until
+# killed; what this bound lets through but cannot finish here, the estimate refuses (measure/estimate.py).
+COUNT_MAX = 10**9
 
 
 @dataclass(frozen=True)
@@ -261,15 +265,15 @@ OPTIONS: tuple[Option, ...] = (
            doc="torch.compile backend (`eager` / `aot_eager` for debugging; modes apply to inductor only)",
            identity=True),
     Option("warmup", "int", 10, "untimed iterations (the first one is timed apart as compile/first-call time).",
-           _TIMED, minimum=1,
+           _TIMED, minimum=1, maximum=COUNT_MAX,
            doc="untimed iterations; the first is timed apart (`*_first_call_s`, and `*_compile_time_s` when "
                "compiling)",
            same_work="untimed iterations before the timed windows"),
-    Option("steps", "int", 0, "iterations per timed window; 0 = as many as last window_min_s.", _TIMED, minimum=0,
+    Option("steps", "int", 0, "iterations per timed window; 0 = as many as last window_min_s.", _TIMED, minimum=0, maximum=COUNT_MAX,
            doc="iterations per timed window; `0`: as many as last `window_min_s` (a number reproduces a run's "
                "`<task>_steps_per_window`)",
            same_work="the length of a timed window: more samples of the same work"),
-    Option("repeats", "int", 0, "timed windows; 0 = until the median is within precision_pct.", _TIMED, minimum=0,
+    Option("repeats", "int", 0, "timed windows; 0 = until the median is within precision_pct.", _TIMED, minimum=0, maximum=COUNT_MAX,
            doc="timed windows (median and spread over them); `0`: from 6 windows on, until the median's 95 % interval "
                "is within `precision_pct` (at most 60 windows and `max_time_s`; the reason is tagged "
                "`<task>_timing_stop`)",
@@ -288,11 +292,12 @@ OPTIONS: tuple[Option, ...] = (
            "when the target is not reached (tagged `<task>_timing_stop=max_time`, and said)",
            same_work="a bound on how long the same work is timed"),
     Option("steps", "int", 0, "optimizer updates in all (counted from step 0, also when resuming); 0 = use --epochs.",
-           ("train",), minimum=0,
+           ("train",), minimum=0, maximum=COUNT_MAX,
            doc="optimizer updates in all (counted from 0, also on resume); `steps=0` uses `epochs`",
            same_work="how long training lasts; the figures are per step"),
     Option("epochs", "int", 1, "passes over the data when --steps is 0 (a synthetic epoch is 10,000 images).",
-           ("train",), minimum=0, doc="passes over the data when `steps=0` (a synthetic epoch is 10,000 images)",
+           ("train",), minimum=0, maximum=COUNT_MAX,
+           doc="passes over the data when `steps=0` (a synthetic epoch is 10,000 images)",
            same_work="how long training lasts; the figures are per step"),
     Option("lr", "float", 5e-4, "peak learning rate (AdamW). DeiT: 5e-4 x batch/512.", ("train",), minimum=0.0,
            doc="peak learning rate (AdamW; DeiT: 5e-4 x batch/512): warm-up, then cosine to `min_lr` at the last "
@@ -489,7 +494,8 @@ HELP_GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
                      "compile_backend", "cuda_graph", "data", "num_classes", "train:steps", "epochs", "resume", "seed")),
     ("Training recipe", ("lr", "weight_decay", "warmup_steps", "min_lr", "clip_grad", "label_smoothing",
                          "distillation", "teacher", "distill_alpha", "distill_tau")),
-    ("How to run it", ("gpu", "device", "allow_gpu_mismatch", "warmup", "steps", "repeats", "nproc", "ddp_bucket_mb",
+    ("How to run it", ("gpu", "device", "allow_gpu_mismatch", "warmup", "steps", "repeats", "precision_pct",
+                       "window_min_s", "max_time_s", "nproc", "ddp_bucket_mb",
                        "ddp_static_graph", "ddp_comm_hook", "nnodes", "node_rank", "rdzv_endpoint", "num_workers",
                        "compile_cache", "profile", "profile_steps", "engine", "ray_address", "slurm_partition",
                        "slurm_account", "slurm_qos", "slurm_time_min", "slurm_sbatch", "slurm_gpu_by", "slurm_folder",

@@ -42,6 +42,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from vitreg.console import mask_console
 from vitreg.deploy.config import (ARTIFACT_CLIENTS, ServerConfig, ServerError, driver_requirement, importable,
                                   is_local, local_path, public_fields, uri_scheme)
 from vitreg.tracking.uris import has_password, redact
@@ -320,6 +321,7 @@ def _describe(cfg: ServerConfig) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m vitreg.deploy.server``: run the server in the foreground until Ctrl-C / SIGTERM."""
+    mask_console()  # the server's log tail and errors may quote the store's URI
     parser = argparse.ArgumentParser(
         prog="python -m vitreg.deploy.server",
         description="Run the vitreg MLflow tracking server, configured by VITREG_* variables "

@@ -20,11 +20,16 @@ import statistics
 import time
 from dataclasses import dataclass, field
 
+from vitreg.errors import VitregError
 from vitreg.measure.autobatch import SEARCH_LIMITS
 from vitreg.measure.timing import MIN_WINDOWS, steps_for_window, wall_seconds
 
 #: Work estimated to take longer than this gets the line.
 LONG_S = 60.0
+#: Work estimated to take longer than this is refused: a year is beyond any job one machine is meant to run,
+#: and the estimate errs short, so what is refused would take longer still (`--warmup 10**30` on a CPU was
+#: accepted after an estimate of 4.8e24 hours, and ran until killed).
+ENDLESS_S = 365 * 24 * 3600.0
 #: The CPU batch search's largest batch (:data:`vitreg.measure.autobatch.SEARCH_LIMITS`): batch_size=auto.
 _CPU_AUTO_BATCH = 64
 _GPU_AUTO_BATCH = 256
@@ -101,13 +106,13 @@ def spelled(options: dict, command: str = "") -> str:
 
 
 def duration_text(seconds: float) -> str:
-    """``45 s``, ``12 min``, ``3.5 h``, ``32 h``."""
+    """``45 s``, ``12 min``, ``3.5 h``, ``32 h``, ``4.8e+24 h``."""
     if seconds < 120:
         return f"{seconds:.0f} s"
     if seconds < 2 * 3600:
         return f"{seconds / 60:.0f} min"
     hours = seconds / 3600
-    return f"{hours:.1f} h" if hours < 10 else f"{hours:.0f} h"
+    return f"{hours:.1f} h" if hours < 10 else f"{hours:.0f} h" if hours < 1e6 else f"{hours:.2g} h"
 
 
 def estimate_line(work: WorkAhead, flops_per_s: float, device: str, compiling: bool = False,
@@ -124,12 +129,25 @@ def estimate_line(work: WorkAhead, flops_per_s: float, device: str, compiling: b
             f"{flops_per_s / 1e9:.0f} GFLOP/s{'; compiling comes on top' if compiling else ''}){shorter}")
 
 
+def refuse_if_endless(work: WorkAhead, flops_per_s: float, device: str, command: str = "") -> None:
+    """One line, before the work starts, when it cannot finish here (longer than :data:`ENDLESS_S`)."""
+    seconds = work.seconds(flops_per_s)
+    if seconds > ENDLESS_S:
+        where = "this CPU" if device == "cpu" else "this GPU"
+        raise VitregError(f"{work.what} would take at least {duration_text(seconds)} on {where} "
+                          f"({work.images:.3g} images at a measured {flops_per_s / 1e9:.0f} GFLOP/s), more than a "
+                          f"year: it cannot finish; for a short run: {spelled(work.shorter, command)}")
+
+
 def say_if_long(work: WorkAhead, device: str, progress, compiling: bool = False, command: str = "") -> str | None:
     """Measure this machine, and say the estimate when the work is long; returns the line said. ``command``:
-    what the user typed (the advice takes its spelling)."""
+    what the user typed (the advice takes its spelling). Work that cannot finish is refused
+    (:func:`refuse_if_endless`)."""
     if work.flops_per_img <= 0 or work.images <= 0:
         return None
-    line = estimate_line(work, measured_flops_per_s(device), device, compiling, command)
+    flops_per_s = measured_flops_per_s(device)
+    refuse_if_endless(work, flops_per_s, device, command)
+    line = estimate_line(work, flops_per_s, device, compiling, command)
     if line:
         progress(line)
     return line
@@ -231,6 +249,16 @@ class BenchAhead:
         current = {"model": spec.model, "batch_size": self._batch, "warmup": spec.warmup, "steps": spec.steps,
                    "repeats": spec.repeats}
         return not_in_use(SHORT_BENCH, current)
+
+    def refuse_if_endless(self) -> None:
+        """One line, before the work starts, when it cannot finish here (longer than :data:`ENDLESS_S`)."""
+        seconds = self.seconds()
+        if seconds > ENDLESS_S:
+            where = "this CPU" if self.device == "cpu" else "this GPU"
+            steps = ", ".join(f"{t} {s * 1e3:,.1f} ms/step" for t, s in self.step_s.items())
+            raise VitregError(f"bench would take at least {duration_text(seconds)} on {where} ({steps}, measured), "
+                              f"more than a year: it cannot finish; for a short run: "
+                              f"{spelled(self.shorter, self.command)}")
 
     def line(self) -> str | None:
         """The line to say before the work (None when it is quick): the estimate, its parts, how to make it short."""

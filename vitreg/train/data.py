@@ -14,16 +14,19 @@ something to learn), and batch ``k`` is a pure function of ``(seed, rank, k)``.
 persistent workers) with timm's ``create_transform`` (random-resized-crop + flip + colour jitter for
 training, resize + centre crop for validation, the model's mean/std and interpolation). An image that
 cannot be decoded stops the run with one line naming the file (:class:`UndecodableImage`), with or
-without loader processes.
+without loader processes; a file that is no image at all (a text file named ``.jpg``), or one this user may
+not read, is refused before the run trains, by its first bytes.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 from pathlib import Path
 
-from vitreg.errors import VitregError, path_kind
+from vitreg.console import ticking
+from vitreg.errors import VitregError, path_kind, unreadable
 
 SYNTHETIC_IMAGES_PER_EPOCH = 10_000  # what one "epoch" of synthetic data means (steps = this // batch_size)
 SYNTHETIC_DEFAULT_CLASSES = 1000  # an ImageNet-sized head, as the benchmarks use
@@ -233,11 +236,29 @@ def _decoded(loader):
         raise UndecodableImage.from_loader(exc) from None
 
 
-def _class_dirs(path: Path) -> list[Path]:
-    return sorted(p for p in path.iterdir() if p.is_dir() and not p.name.startswith("."))
+def _listing(root: Path, folder: Path) -> list[os.DirEntry]:
+    """``folder``'s entries, or one line naming it when this user may not read it."""
+    try:
+        with os.scandir(folder) as entries:
+            return list(entries)
+    except OSError as exc:
+        raise VitregError(f"data={root}: {unreadable(folder, exc)}, or move it out of the data folder") from None
 
 
-def _check_layout(root: Path):
+def _is_dir(root: Path, path: Path) -> bool:
+    try:
+        return path.is_dir()
+    except OSError as exc:  # a parent this user may not enter
+        raise VitregError(f"data={root}: {unreadable(path.parent, exc)}") from None
+
+
+def _class_dirs(root: Path, path: Path) -> list[Path]:
+    return sorted(Path(e.path) for e in _listing(root, path) if e.is_dir() and not e.name.startswith("."))
+
+
+def _check_layout(root: Path, images: bool = False):
+    """``root``'s train/ (and val/) folders, checked as ImageFolder will walk them; ``images``: every image
+    file's header too (:func:`_check_images`), which the process that plans the job does once."""
     layout = "PATH/train/<class>/*.jpg (and optionally PATH/val/<class>/*.jpg)"
     kind = path_kind(root, "data", f"pass data=synthetic or a folder laid out as {layout}")
     if kind == "missing":
@@ -245,28 +266,31 @@ def _check_layout(root: Path):
     if kind == "file":
         raise VitregError(f"data={root} is a file, not a folder: pass data=synthetic or a folder laid out as {layout}")
     train_dir = root / "train"
-    if not train_dir.is_dir():
+    if not _is_dir(root, train_dir):
         raise VitregError(f"data={root} has no train/ sub-folder: lay it out as {layout}")
-    if not _class_dirs(train_dir):
+    classes = _class_dirs(root, train_dir)
+    if not classes:
         raise VitregError(f"data={root}: train/ has no class folders: put each class's images in train/<class>/ "
                           f"({layout})")
-    classes = _class_dirs(train_dir)
     if len(classes) == 1:  # cross-entropy over one class is 0 from the first step: nothing would be learned
         raise VitregError(f"data={root}: train/ has one class folder ({classes[0].name}): a classifier needs at "
                           f"least two; add train/<another class>/ or use data=synthetic")
-    val_dir = root / "val"
-    if val_dir.is_dir() and not _class_dirs(val_dir):
+    val_dir = root / "val" if _is_dir(root, root / "val") else None
+    if val_dir is not None and not _class_dirs(root, val_dir):
         raise VitregError(f"data={root}: val/ has no class folders: put images in val/<class>/ or remove val/")
-    for folder in (train_dir, val_dir if val_dir.is_dir() else None):
-        if folder is not None:
-            _refuse_link_loops(root, folder)
-    return train_dir, (val_dir if val_dir.is_dir() else None)
+    with ticking(f"checking the image headers under data={root}") if images else contextlib.nullcontext():
+        for split in filter(None, (train_dir, val_dir)):
+            for folder, entries in _folders(root, split):
+                if images and folder != split:  # ImageFolder loads the class folders' files, not train/'s own
+                    _check_images(root, entries)
+    return train_dir, val_dir
 
 
-def _refuse_link_loops(root: Path, top: Path) -> None:
-    """ImageFolder walks the tree following links (``os.walk(followlinks=True)``): a link back to a folder it
-    has read already makes it read that folder's images again and again (a class counted 41 times over).
-    Walk the folders the same way, each real folder once, and refuse the first one reached twice."""
+def _folders(root: Path, top: Path):
+    """``(folder, entries)`` for every folder under ``top``, walked as ImageFolder walks it (following links,
+    ``os.walk(followlinks=True)``), each real folder once; a folder this user may not read is refused, and
+    so is a link back to a folder read already: ImageFolder would read its images again and again (a class
+    counted 41 times over)."""
     seen: set[str] = set()
     stack = [top]
     while stack:
@@ -276,8 +300,60 @@ def _refuse_link_loops(root: Path, top: Path) -> None:
             raise VitregError(f"data={root}: {folder} leads back to {real}, a folder read already (a symbolic "
                               f"link loop would count its images again and again): remove the link")
         seen.add(real)
-        with os.scandir(folder) as entries:
-            stack += [Path(e.path) for e in entries if e.is_dir(follow_symlinks=True)]
+        entries = _listing(root, folder)
+        stack += [Path(e.path) for e in entries if e.is_dir(follow_symlinks=True)]
+        yield folder, entries
+
+
+def _check_images(root: Path, entries: list[os.DirEntry]) -> None:
+    """Every file of a folder that ImageFolder will load (by its extension) is readable and starts like an
+    image a PIL plugin reads: 16 bytes each, not a decode, so a text file named ``.jpg`` or an unreadable
+    file is refused before the run trains, not at the batch that reaches it. A header that passes can still
+    hide a broken body, which :func:`load_image` refuses when it is decoded."""
+    from torchvision.datasets.folder import IMG_EXTENSIONS
+
+    for entry in entries:
+        if entry.name.lower().endswith(IMG_EXTENSIONS) and not entry.is_dir():
+            _check_header(root, entry.path)
+
+
+def _check_header(root: Path, path: str) -> None:
+    try:
+        with open(path, "rb") as fh:
+            prefix = fh.read(16)
+    except OSError as exc:
+        raise VitregError(f"data={root}: {unreadable(path, exc)}, or remove it") from None
+    if not any(_accepts(test, prefix) for _, test in _image_formats().values()) and not _pil_opens(path):
+        raise UndecodableImage(f"data={root}: {path} is not an image (no image format starts like it): replace or "
+                               f"remove the file")
+
+
+def _accepts(header_test, prefix: bytes) -> bool:
+    try:
+        return header_test is not None and bool(header_test(prefix))
+    except Exception:  # noqa: BLE001 - a plugin's test indexing past a short prefix (an empty file)
+        return False
+
+
+def _pil_opens(path: str) -> bool:
+    """PIL's lazy open (the header parsed, nothing decoded): for a format PIL knows by its parser alone."""
+    from PIL import Image
+
+    try:
+        with Image.open(path):
+            return True
+    except Image.DecompressionBombError:
+        return True  # an image, too large to decode: load_image says so in its own line
+    except (OSError, ValueError, SyntaxError):
+        return False
+
+
+def _image_formats() -> dict:
+    """PIL's registered formats (its ``Image.OPEN``: name -> (opener, header test)), all plugins loaded."""
+    from PIL import Image
+
+    Image.init()
+    return Image.OPEN
 
 
 def _transforms(img_size: int, model=None):
@@ -320,13 +396,14 @@ def check_num_workers(num_workers: int) -> None:
                           f"{usable_cpus()} usable CPUs can run: use num_workers<={most} (2 per CPU at most)")
 
 
-def resolve_num_classes(spec) -> int:
-    """The head size before the model exists: ``num_classes``, else the class folders of ``data``."""
+def resolve_num_classes(spec, check_images: bool = False) -> int:
+    """The head size before the model exists: ``num_classes``, else the class folders of ``data``, the folder
+    checked as it is counted; ``check_images``: its image files' headers too (:func:`_check_images`)."""
     if spec.num_classes:
         return spec.num_classes
     if spec.synthetic:
         return SYNTHETIC_DEFAULT_CLASSES
     from torchvision.datasets.folder import find_classes
 
-    train_dir, _ = _check_layout(Path(spec.data).expanduser())
+    train_dir, _ = _check_layout(Path(spec.data).expanduser(), images=check_images)
     return len(find_classes(str(train_dir))[0])  # exactly what ImageFolder will count

@@ -167,8 +167,9 @@ def resolve_plan(run, options: dict, workdir: Path, *, run_name=None, command=No
     check_model_name(spec.model)  # fail here, once, rather than in every rank
     if registers:
         _check_registration(spec)  # a bad register_as fails before any training
-    # data=PATH's layout, even where num_classes is given: a launcher checks it once, not in every rank
-    data_classes = resolve_num_classes(spec.replace(num_classes=0))
+    # data=PATH's layout, even where num_classes is given, and its image headers: once per job (a launcher or
+    # rank 0), not in every rank
+    data_classes = resolve_num_classes(spec.replace(num_classes=0), check_images=distributed.is_main_process())
     plan = TrainPlan(options, spec, run, run_name, launch.typed_command(command), placement, workdir, progress, launches,
                      num_classes=spec.num_classes or data_classes, sampler_factory=sampler_factory)
     if launches:
