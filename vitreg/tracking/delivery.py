@@ -73,6 +73,23 @@ def end_with_reason(client: mlflow.MlflowClient, run_id: str, status: str, reaso
     client.set_terminated(run_id, status)
 
 
+def delete_run_artifacts(client: mlflow.MlflowClient, run_id: str, artifact_path: str) -> None:
+    """Remove ``artifact_path`` from the run's artifacts (MLflow's client has no such call: its artifact
+    repository does, for local folders, the server's proxy, S3, GCS, Azure blobs and HDFS). A store that
+    cannot delete keeps the files: the run is then larger, not wrong, so delivery goes on. Deleting a
+    path that is gone already (a delivery started again after a crash) does nothing."""
+    from mlflow.store.artifact.artifact_repository_registry import get_artifact_repository
+
+    repo = get_artifact_repository(client.get_run(run_id).info.artifact_uri, tracking_uri=client.tracking_uri)
+    try:
+        repo.delete_artifacts(artifact_path)
+    except NotImplementedError:
+        pass
+    except mlflow.exceptions.MlflowException as exc:
+        if "not implemented" not in str(exc).lower():
+            raise
+
+
 def seq_tag(spool_id: str) -> str:
     """The tag holding how far one spool got on its run: per spool, as two processes may log to one run
     (a launcher and its rank 0 under ``mlflow run``'s run id), each with its own journal."""
@@ -215,6 +232,8 @@ class Delivery:
                 self.client.log_artifacts(self.run_id, local, record.get("artifact_path"))
             else:
                 self.client.log_artifact(self.run_id, local, record.get("artifact_path"))
+        elif record["kind"] == "delete":
+            delete_run_artifacts(self.client, self.run_id, record["artifact_path"])
         elif record["kind"] == "end":
             self.client.set_terminated(self.run_id, record["status"], end_time=record["end_time"])
 
@@ -357,6 +376,9 @@ class SpoolingTracker:
 
     def log_artifacts(self, path, artifact_path: str | None = None) -> None:
         self._journal([self.spool.append_artifact(path, artifact_path)])
+
+    def delete_artifacts(self, artifact_path: str) -> None:
+        self._journal([self.spool.append_delete(artifact_path)])
 
     def artifact_uri(self, path: str = "") -> str:
         base = f"runs:/{self.run_id}"
