@@ -18,6 +18,7 @@ from click.testing import CliRunner
 
 from conftest import REPO, migrated_store, subprocess_env
 from vitreg.tracking import checkpoint_sources
+from vitreg.tracking import runs as tracking
 from vitreg.tracking.checkpoint_sources import resolve_checkpoint
 from vitreg.tracking.store import prepare_store
 from vitreg.checkpoint.format import follow_last, verify_checkpoint
@@ -144,6 +145,60 @@ def test_a_run_keeps_one_copy_of_weights_and_optimizer_per_kept_step(sqlite_stor
         result = train({**options, "steps": str(steps), "resume": source}, experiment=f"resume-{start}",
                        progress=lambda message: None)
         assert (result.start_step, result.step, result.steps_run) == (start, steps, steps - start), source
+
+
+class _Recorder:
+    """A tracker that only records the checkpoint calls, in order (not thread-safe: RunLogger runs them inline)."""
+
+    thread_safe = False
+
+    def __init__(self):
+        self.calls = []
+
+    def log_artifacts(self, path, artifact_path=None):
+        self.calls.append(("folder", artifact_path))
+
+    def log_text(self, text, artifact_file):
+        self.calls.append(("file", artifact_file, json.loads(text)["checkpoint"]))
+
+    def delete_artifacts(self, artifact_path):
+        self.calls.append(("delete", artifact_path))
+
+
+@pytest.mark.parametrize("keep,deleted", [(1, ["step-2", "step-4"]), (2, ["step-2"]), (0, [])])
+def test_checkpoint_uploader_moves_last_after_the_folder_and_keeps_the_newest(tmp_path, keep, deleted):
+    from vitreg.train.job import CheckpointUploader, RunLogger
+
+    tracker = _Recorder()
+    upload = CheckpointUploader(RunLogger(tracker), keep)
+    for step in (2, 4, 6):
+        (tmp_path / f"step-{step}").mkdir()
+        upload(step, tmp_path / f"step-{step}")
+    for step in (2, 4, 6):  # each folder once, then last naming it, then the deletions it allows
+        i = tracker.calls.index(("folder", f"checkpoints/step-{step}"))
+        assert tracker.calls[i + 1] == ("file", "checkpoints/last", f"step-{step}")
+    assert [c[1] for c in tracker.calls if c[0] == "delete"] == [f"checkpoints/{name}" for name in deleted]
+    for i, call in enumerate(tracker.calls):  # a folder is deleted only once last names a newer one
+        if call[0] == "delete":
+            named = [c[2] for c in tracker.calls[:i] if c[0] == "file"][-1]
+            assert int(named.split("-")[1]) > int(call[1].split("-")[1]), tracker.calls
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-6"]  # local copies: the newest, to register
+
+
+def test_a_deleted_checkpoint_leaves_the_store_through_the_spool(sqlite_store, tmp_path):
+    """delete_artifacts is journaled and delivered in order, after the folder it follows."""
+    from vitreg.train.job import CheckpointUploader, RunLogger
+
+    with tracking.tracked_run(run_name="keep", system_metrics=False) as run:
+        logger = RunLogger(run)
+        upload = CheckpointUploader(logger, keep=1)
+        for step in (2, 4):
+            (tmp_path / f"step-{step}").mkdir()
+            (tmp_path / f"step-{step}" / "model.safetensors").write_bytes(b"w" * step)
+            upload(step, tmp_path / f"step-{step}")
+        logger.close()
+    listed = {a.path: a.is_dir for a in client().list_artifacts(run.run_id, "checkpoints")}
+    assert listed == {"checkpoints/step-4": True, "checkpoints/last": False}
 
 
 def test_a_registration_that_fails_after_training_names_the_command_to_retry(sqlite_store, monkeypatch):
