@@ -14,6 +14,7 @@ import json
 import statistics
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -100,9 +101,10 @@ def test_two_hosts_make_one_run_rank0_logs_checkpoints_and_registers(tmp_path):
     # logged); the registered version comes from the last one
     assert {a.path: a.is_dir for a in client.list_artifacts(rid, "checkpoints")} == {
         "checkpoints/step-8": True, "checkpoints/last": False}
-    from vitreg.tracking.checkpoint_sources import resolve_checkpoint
+    from vitreg.checkpoint.format import follow_last, verify_checkpoint
 
-    last = resolve_checkpoint(f"runs:/{rid}/checkpoints/last", tmp_path / "last").checkpoint.directory  # verified
+    folder = Path(client.download_artifacts(rid, "checkpoints", str(tmp_path / "checkpoints")))
+    last = verify_checkpoint(follow_last(folder / "last")).directory  # the step folder checkpoints/last names
     spec = json.loads(open(f"{last}/spec.json").read())
     assert spec["step"] == STEPS and spec["world_size"] == 2
     versions = client.search_model_versions("name = 'tiny-ddp'")

@@ -186,7 +186,8 @@ def test_checkpoint_uploader_moves_last_after_the_folder_and_keeps_the_newest(tm
 
 
 def test_a_deleted_checkpoint_leaves_the_store_through_the_spool(sqlite_store, tmp_path):
-    """delete_artifacts is journaled and delivered in order, after the folder it follows."""
+    """delete_artifacts is journaled and delivered in order, after the folder it follows; what is delivered
+    leaves the spool while the run goes on."""
     from vitreg.train.job import CheckpointUploader, RunLogger
 
     with tracking.tracked_run(run_name="keep", system_metrics=False) as run:
@@ -197,8 +198,39 @@ def test_a_deleted_checkpoint_leaves_the_store_through_the_spool(sqlite_store, t
             (tmp_path / f"step-{step}" / "model.safetensors").write_bytes(b"w" * step)
             upload(step, tmp_path / f"step-{step}")
         logger.close()
+        assert run.wait_delivered(60)
+        # the spool keeps no copy of what the server holds: local disk does not grow by a checkpoint per save
+        assert [p for p in (run.spool.path / "artifacts").rglob("*") if p.is_file()] == []
     listed = {a.path: a.is_dir for a in client().list_artifacts(run.run_id, "checkpoints")}
     assert listed == {"checkpoints/step-4": True, "checkpoints/last": False}
+
+
+@pytest.mark.parametrize("status,kept_going", [(403, True), (404, True), (503, False)])
+def test_a_store_that_refuses_a_deletion_keeps_the_files_and_delivery_goes_on(monkeypatch, status, kept_going):
+    """A 4xx (no permission to delete) must not stall delivery for ever; a 5xx is retried like any record."""
+    import requests
+    from mlflow.store.artifact import artifact_repository_registry
+
+    from vitreg.tracking.delivery import delete_run_artifacts
+
+    class Refusing:
+        def delete_artifacts(self, artifact_path):
+            response = requests.Response()
+            response.status_code = status
+            raise requests.HTTPError(f"{status} for DELETE {artifact_path}", response=response)
+
+    class Client:
+        tracking_uri = "http://127.0.0.1:1"
+
+        def get_run(self, run_id):
+            return type("Run", (), {"info": type("Info", (), {"artifact_uri": "mlflow-artifacts:/1/r/artifacts"})})
+
+    monkeypatch.setattr(artifact_repository_registry, "get_artifact_repository", lambda uri, tracking_uri=None: Refusing())
+    if kept_going:
+        delete_run_artifacts(Client(), "r", "checkpoints/step-2")
+    else:
+        with pytest.raises(requests.HTTPError):
+            delete_run_artifacts(Client(), "r", "checkpoints/step-2")
 
 
 def test_a_registration_that_fails_after_training_names_the_command_to_retry(sqlite_store, monkeypatch):
@@ -353,5 +385,6 @@ def test_sigkilled_training_resumes_from_its_last_checkpoint(tmp_path):
     lr_after = {m.step: m.value for m in c.get_metric_history(run.info.run_id, "lr")}
     if saved + 1 in lr_before:
         assert lr_after[saved + 1] == pytest.approx(lr_before[saved + 1])  # the same LR schedule
-    final = resolve_checkpoint(f"runs:/{run.info.run_id}/checkpoints/last", tmp_path / "final").checkpoint
+    folder = Path(c.download_artifacts(run.info.run_id, "checkpoints", str(tmp_path / "final")))
+    final = verify_checkpoint(follow_last(folder / "last"))  # c: this test's store, not the process's default
     assert final.step == saved + 6 and json.loads((final.directory / "spec.json").read_text())["step"] == saved + 6

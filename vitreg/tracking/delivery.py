@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import shutil
 import threading
 import time
 from pathlib import Path
@@ -75,8 +76,11 @@ def end_with_reason(client: mlflow.MlflowClient, run_id: str, status: str, reaso
 
 def delete_run_artifacts(client: mlflow.MlflowClient, run_id: str, artifact_path: str) -> None:
     """Remove ``artifact_path`` from the run's artifacts (MLflow's client has no such call: its artifact
-    repository does, for local folders, the server's proxy, S3, GCS, Azure blobs and HDFS). A store that
-    cannot delete keeps the files: the run is then larger, not wrong, so delivery goes on. Deleting a
+    repository does, for local folders, the server's proxy, S3, GCS, Azure blobs and HDFS).
+
+    A store that cannot or may not delete (no such call, a 4xx answer: a user without the permission)
+    keeps the files: the run is then larger, not wrong, and delivery must go on rather than retry for
+    ever. A server error or a lost connection is raised, and retried like any other record. Deleting a
     path that is gone already (a delivery started again after a crash) does nothing."""
     from mlflow.store.artifact.artifact_repository_registry import get_artifact_repository
 
@@ -85,8 +89,11 @@ def delete_run_artifacts(client: mlflow.MlflowClient, run_id: str, artifact_path
         repo.delete_artifacts(artifact_path)
     except NotImplementedError:
         pass
-    except mlflow.exceptions.MlflowException as exc:
-        if "not implemented" not in str(exc).lower():
+    except Exception as exc:  # MlflowException, or requests' HTTPError from the server's artifact proxy
+        status = getattr(getattr(exc, "response", None), "status_code", None)
+        if isinstance(exc, mlflow.exceptions.MlflowException):
+            status = exc.get_http_status_code()
+        if "not implemented" not in str(exc).lower() and not (status and 400 <= int(status) < 500):
             raise
 
 
@@ -215,6 +222,7 @@ class Delivery:
                 batch = _Batch()
                 batch.last_seq = record["seq"]
                 self._send(batch)
+                self._release(record)
                 batch = _Batch()
         self._send(batch)
         return self.delivered_seq
@@ -223,6 +231,14 @@ class Delivery:
         """A heartbeat alone (nothing else to send)."""
         self.connect()
         self.client.set_tag(self.run_id, HEARTBEAT_TAG, heartbeat_value())
+
+    def _release(self, record: dict) -> None:
+        """Free the spool's copy of an artifact once the server's sequence tag covers it (no delivery reads a
+        covered record again): a training logs a checkpoint every ``checkpoint_every`` steps, and until
+        the run ended the spool kept a copy of every one, those ``keep_checkpoints`` had deleted too."""
+        if record["kind"] == "artifact":
+            copy = Path(self.spool.path) / record["path"]
+            shutil.rmtree(copy if record["is_dir"] else copy.parent, ignore_errors=True)
 
     def _apply(self, record: dict) -> None:
         """The records that are not log_batch calls: an artifact upload, the final status."""
