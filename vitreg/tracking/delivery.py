@@ -10,6 +10,8 @@ on. :meth:`SpoolingTracker.close` journals the final status and waits at most ``
 (``VITREG_FLUSH_TIMEOUT_S``, default 30) for the rest; what is still undelivered then stays in the spool,
 and one line says how to deliver it (``vitreg sync``). Offline (``offline=true`` / ``VITREG_OFFLINE=1``)
 nothing is sent at all.
+An artifact's copy leaves the spool as soon as the server holds it (the checkpoints a training logs every
+``checkpoint_every`` steps would otherwise stay on local disk until the run ends).
 
 Exactly once: the server says what it already has. Every batch carries the tag
 ``vitreg_spool_seq.<spool id>`` = the sequence number of the last journal record it covers, so a delivery
