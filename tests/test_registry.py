@@ -308,6 +308,9 @@ def test_run_last_file_names_the_newest_step_and_is_followed(store, tmp_path):
     assert located.checkpoint.step == 10 and located.run_folder == "checkpoints/step-10"
     local = Path(client().download_artifacts(store.run_id, "checkpoints", str(tmp_path / "all")))
     assert checkpoint_sources.resolve_checkpoint(str(local / "last")).checkpoint.step == 10
+    artifact_uri = client().get_run(store.run_id).info.artifact_uri  # an artifact URI of the file itself
+    file_uri = artifact_uri if "://" in artifact_uri else Path(artifact_uri).resolve().as_uri()
+    assert checkpoint_sources.resolve_checkpoint(f"{file_uri}/checkpoints/last", tmp_path / "uri").checkpoint.step == 10
 
 
 @pytest.mark.parametrize("text", ['{"format": "vitreg-last-1", "checkpoint": "../../elsewhere"}',
