@@ -2,7 +2,8 @@
 
 One sqlite store per module holds a registered model ``tv`` with two versions of a tiny ``test_vit``
 (32px, 10 classes): v1 under alias ``champion``, v2 the newest (``@latest``). Both checkpoints are
-also logged as run artifacts (``checkpoints/step-<N>``, ``checkpoints/last``) like training does.
+also logged as run artifacts like training does (``checkpoints/step-<N>`` folders, and the file
+``checkpoints/last`` naming step-10), so both versions share their weights with the run.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from click.testing import CliRunner
 from conftest import REPO, migrated_store, subprocess_env
 from vitreg.tracking import checkpoint_sources, model_registry
 from vitreg.tracking import runs as tracking
-from vitreg.checkpoint.format import save_checkpoint
+from vitreg.checkpoint.format import last_pointer, save_checkpoint
 from vitreg.errors import VitregError
 from vitreg.models.factory import create_model
 
@@ -71,7 +72,7 @@ def store(tmp_path_factory):
             run.log_metrics({"train_throughput_img_per_s": 123.5})
             run.log_artifacts(ck1, "checkpoints/step-5")
             run.log_artifacts(ck2, "checkpoints/step-10")
-            run.log_artifacts(ck2, "checkpoints/last")
+            run.log_text(last_pointer(10), "checkpoints/last")
             mv1 = model_registry.register_checkpoint(run, ck1, "tv", alias="champion", tags={"dataset": "synthetic"})
             # from the run artifact, as training may; alias="latest" (the default) is MLflow's built-in
             mv2 = model_registry.register_checkpoint(run, f"runs:/{run.run_id}/checkpoints/step-10", "tv")
@@ -119,12 +120,29 @@ def test_register_sets_alias_tags_and_self_contained_artifacts(store):
     assert v2.tags["checkpoint_source"] == f"runs:/{store.run_id}/checkpoints/step-10"
     run = c.get_run(store.run_id)
     assert run.data.tags["registered_model_name"] == "tv" and run.data.tags["registered_model_version"] == "2"
-    # the version alone holds the pt2 flavor and the checkpoint (minus the training-only state)
+    # the version holds the pt2 flavor, the spec and the manifest; the weights it shares with the run's
+    # step-5 folder (no second copy), and its manifest still pins their sha256
     base = Path(c.get_model_version_download_uri("tv", "1").replace("file://", ""))
     assert (base / "data" / "model.pt2").is_file() and (base / "MLmodel").is_file()
+    assert sorted(p.name for p in (base / "extra_files").iterdir()) == ["manifest.json", "shared_weights.json",
+                                                                       "spec.json"]
+    shared = json.loads((base / "extra_files" / "shared_weights.json").read_text())
+    assert shared == {"format": "vitreg-shared-weights-1", "run_id": store.run_id, "checkpoint": "checkpoints/step-5"}
+    assert json.loads((base / "extra_files" / "manifest.json").read_text())["files"]["model.safetensors"] == \
+        manifest["files"]["model.safetensors"]
+
+
+def test_a_checkpoint_the_run_did_not_log_is_copied_into_the_version(store, tmp_path):
+    """Sharing needs the run's own folder with the same sha256; a loose folder is copied, as before."""
+    loose, weights = make_checkpoint(tmp_path / "loose" / "step-7", step=7, seed=3)
+    with tracking.tracked_run(run_name="loose", system_metrics=False) as run:
+        mv = model_registry.register_checkpoint(run, loose, "tv-copy")
+    base = Path(client().get_model_version_download_uri("tv-copy", mv.version).replace("file://", ""))
     assert sorted(p.name for p in (base / "extra_files").iterdir()) == ["manifest.json", "model.safetensors",
                                                                        "spec.json"]
     assert "path: extra_files/model.safetensors" in (base / "MLmodel").read_text()
+    assert mv.tags["checkpoint_source"] == str(loose.resolve())
+    assert weights_equal(checkpoint_sources.pull(f"models:/tv-copy/{mv.version}", dst=tmp_path / "dl").model, weights)
 
 
 def test_register_refuses_a_name_owned_by_another_architecture(store, tmp_path):
@@ -233,8 +251,9 @@ def test_load_model_returns_model_info_and_spec(store):
 
 
 def test_pull_refuses_a_tampered_registry_artifact(store, tmp_path):
-    base = Path(client().get_model_version_download_uri("tv", "1").replace("file://", ""))
-    weights = base / "extra_files" / "model.safetensors"
+    """The shared weights come from the run's folder and are checked against the version's own manifest."""
+    run_artifacts = Path(client().get_run(store.run_id).info.artifact_uri.replace("file://", ""))
+    weights = run_artifacts / "checkpoints" / "step-5" / "model.safetensors"
     original = weights.read_bytes()
     try:
         data = bytearray(original)
@@ -252,7 +271,7 @@ def test_pull_refuses_a_tampered_registry_artifact(store, tmp_path):
     ("models:/tv/7", ["no version 7", "versions 2, 1"]),
     ("models:/nope@champion", ["no registered model 'nope'", "registered models are tv"]),
     ("models:/tv/Production", ["models:/NAME@ALIAS or models:/NAME/VERSION"]),
-    ("runs:/{run}/checkpoints/lastt", ["no artifact 'checkpoints/lastt'", "last/", "step-10/", "step-5/"]),
+    ("runs:/{run}/checkpoints/lastt", ["no artifact 'checkpoints/lastt'", "holds last, step-10/, step-5/"]),
     ("runs:/{run}/checkpoints", ["holds several checkpoints", "runs:/{run}/checkpoints/last"]),
     ("runs:/0123456789abcdef/checkpoints/last", ["no run '0123456789abcdef'"]),
     ("s3:/bucket/x", ["use models:/NAME@ALIAS"]),
@@ -263,6 +282,45 @@ def test_pull_errors_name_what_exists(store, tmp_path, uri, needles):
     msg = one_line(exc)
     for needle in needles:
         assert needle.format(run=store.run_id) in msg, msg
+
+
+def test_pull_of_a_version_whose_run_checkpoint_is_gone_says_so(store, tmp_path):
+    """A shared version needs its run's folder: without it, one line naming the folder and the fix."""
+    run_artifacts = Path(client().get_run(store.run_id).info.artifact_uri.replace("file://", ""))
+    folder = run_artifacts / "checkpoints" / "step-10"
+    shutil.move(folder, tmp_path / "aside")
+    try:
+        with pytest.raises(VitregError) as exc:
+            checkpoint_sources.pull("models:/tv/2", dst=tmp_path / "dl")
+    finally:
+        shutil.move(tmp_path / "aside", folder)
+    msg = one_line(exc)
+    assert f"shares its weights with runs:/{store.run_id}/checkpoints/step-10/model.safetensors" in msg
+    assert "register the model again" in msg
+
+
+def test_run_last_file_names_the_newest_step_and_is_followed(store, tmp_path):
+    """checkpoints/last is a small file naming step-10, no second copy; runs:/.../last and a local
+    download of the checkpoints folder both resolve to that folder."""
+    listed = {a.path: a.is_dir for a in client().list_artifacts(store.run_id, "checkpoints")}
+    assert listed == {"checkpoints/last": False, "checkpoints/step-10": True, "checkpoints/step-5": True}
+    located = checkpoint_sources.resolve_checkpoint(f"runs:/{store.run_id}/checkpoints/last", tmp_path / "dl")
+    assert located.checkpoint.step == 10 and located.run_folder == "checkpoints/step-10"
+    local = Path(client().download_artifacts(store.run_id, "checkpoints", str(tmp_path / "all")))
+    assert checkpoint_sources.resolve_checkpoint(str(local / "last")).checkpoint.step == 10
+    artifact_uri = client().get_run(store.run_id).info.artifact_uri  # an artifact URI of the file itself
+    file_uri = artifact_uri if "://" in artifact_uri else Path(artifact_uri).resolve().as_uri()
+    assert checkpoint_sources.resolve_checkpoint(f"{file_uri}/checkpoints/last", tmp_path / "uri").checkpoint.step == 10
+
+
+@pytest.mark.parametrize("text", ['{"format": "vitreg-last-1", "checkpoint": "../../elsewhere"}',
+                                  '{"format": "vitreg-last-1", "checkpoint": "step-1/.."}', "step-10", ""])
+def test_a_last_file_naming_anything_but_a_step_folder_is_refused(tmp_path, text):
+    (tmp_path / "step-1").mkdir()
+    (tmp_path / "last").write_text(text)
+    with pytest.raises(VitregError) as exc:
+        checkpoint_sources.resolve_checkpoint(str(tmp_path / "last"))
+    assert "is not a vitreg 'last' file" in one_line(exc)
 
 
 @pytest.mark.slow

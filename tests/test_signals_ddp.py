@@ -81,8 +81,11 @@ def test_sigterm_to_the_launcher_keeps_rank0s_hand_off_and_ends_the_run_killed(t
     run = c.get_run(run.info.run_id)
     assert run.info.status == "KILLED" and "SIGTERM" in run.data.tags["vitreg_error"]
     steps = sorted(m.step for m in c.get_metric_history(run.info.run_id, "train_loss"))
-    last = Path(c.download_artifacts(run.info.run_id, "checkpoints/last", str(tmp_path / "last")))
-    reached = json.loads((last / "spec.json").read_text())["step"]
+    from vitreg.checkpoint.format import follow_last, verify_checkpoint
+
+    folder = Path(c.download_artifacts(run.info.run_id, "checkpoints", str(tmp_path / "checkpoints")))
+    last = verify_checkpoint(follow_last(folder / "last"))  # the step folder the file checkpoints/last names
+    reached = json.loads((last.directory / "spec.json").read_text())["step"]
     # the points up to the last log boundary before the stop (--log-every 5): a boundary's point needs a
     # collective, which a stopped rank skips, so the step the stop landed on may be a boundary without its point
     assert steps[-1] >= 10 and 0 <= reached - steps[-1] <= 5

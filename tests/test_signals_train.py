@@ -71,11 +71,11 @@ def test_a_stop_signal_ends_train_killed_with_a_final_checkpoint_and_no_temp_fol
     steps = sorted(m.step for m in c.get_metric_history(run.info.run_id, "train_loss"))
     reached = steps[-1]
     assert 10 <= reached < 100000
-    last = Path(c.download_artifacts(run.info.run_id, "checkpoints/last", str(tmp_path / "last")))
-    assert json.loads((last / "spec.json").read_text())["step"] == reached  # the open interval was logged too
-    from vitreg.checkpoint.format import verify_checkpoint
+    from vitreg.checkpoint.format import follow_last, verify_checkpoint
 
-    verify_checkpoint(last)
+    folder = Path(c.download_artifacts(run.info.run_id, "checkpoints", str(tmp_path / "checkpoints")))
+    last = verify_checkpoint(follow_last(folder / "last"))  # the step folder the file checkpoints/last names
+    assert json.loads((last.directory / "spec.json").read_text())["step"] == reached  # the open interval was logged too
     results = json.loads(Path(c.download_artifacts(run.info.run_id, "results.json", str(tmp_path))).read_text())
     assert results["result"]["step"] == reached and signal.Signals(sig).name in results["result"]["stopped_by"]
     assert run.data.metrics["train_steps"] == reached

@@ -14,6 +14,7 @@ import json
 import statistics
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -23,7 +24,6 @@ from conftest import free_port, migrated_store, subprocess_env
 from vitreg.ddp import world as distributed
 from vitreg.measure.figures import Figures
 from vitreg.ddp import launcher as launch
-from vitreg.checkpoint.format import verify_checkpoint
 
 TINY = {"model": "test_vit", "img_size": "32", "batch_size": "8", "num_classes": "10", "num_workers": "0",
         "lr": "2e-3", "warmup_steps": "2", "label_smoothing": "0", "device": "cpu"}
@@ -97,11 +97,14 @@ def test_two_hosts_make_one_run_rank0_logs_checkpoints_and_registers(tmp_path):
     assert ranks[0]["final_loss"] != ranks[1]["final_loss"]  # each rank trained on its own batches
     assert m["train_final_loss"] == pytest.approx(statistics.mean(r["final_loss"] for r in ranks), rel=1e-5)
 
-    # checkpoints written and uploaded once, by rank 0; the registered version comes from the last one
-    assert {a.path for a in client.list_artifacts(rid, "checkpoints")} == {
-        "checkpoints/step-4", "checkpoints/step-8", "checkpoints/last"}
-    last = client.download_artifacts(rid, "checkpoints/last", str(tmp_path / "last"))
-    verify_checkpoint(last)
+    # checkpoints written and uploaded once, by rank 0 (keep_checkpoints=1: step-4 deleted once step-8 was
+    # logged); the registered version comes from the last one
+    assert {a.path: a.is_dir for a in client.list_artifacts(rid, "checkpoints")} == {
+        "checkpoints/step-8": True, "checkpoints/last": False}
+    from vitreg.checkpoint.format import follow_last, verify_checkpoint
+
+    folder = Path(client.download_artifacts(rid, "checkpoints", str(tmp_path / "checkpoints")))
+    last = verify_checkpoint(follow_last(folder / "last")).directory  # the step folder checkpoints/last names
     spec = json.loads(open(f"{last}/spec.json").read())
     assert spec["step"] == STEPS and spec["world_size"] == 2
     versions = client.search_model_versions("name = 'tiny-ddp'")

@@ -17,9 +17,11 @@ import yaml
 from click.testing import CliRunner
 
 from conftest import REPO, migrated_store, subprocess_env
+from vitreg.tracking import checkpoint_sources
 from vitreg.tracking import runs as tracking
+from vitreg.tracking.checkpoint_sources import resolve_checkpoint
 from vitreg.tracking.store import prepare_store
-from vitreg.checkpoint.format import verify_checkpoint
+from vitreg.checkpoint.format import follow_last, verify_checkpoint
 from vitreg.cli.main import train as train_command
 from vitreg.errors import VitregError
 from vitreg.config.spec import TrainSpec
@@ -75,10 +77,11 @@ def test_cli_train_logs_run_checkpoints_and_registers(sqlite_store, tmp_path, mo
                 "train_gflops_per_img", "lr", "grad_norm", "train_img_per_s"]:
         assert key in m, key
     assert sorted(losses(c, rid)) == [2, 4, 6]
-    arts = {a.path for a in c.list_artifacts(rid, "checkpoints")}
-    assert arts == {"checkpoints/step-3", "checkpoints/step-6", "checkpoints/last"}
-    last = tracking.download_artifacts(f"runs:/{rid}/checkpoints/last", str(tmp_path / "dl"))
-    assert json.loads((last / "spec.json").read_text())["step"] == 6
+    # keep_checkpoints=1 (the default): step-3 was deleted once step-6 was logged; last is a file naming step-6
+    arts = {a.path: a.is_dir for a in c.list_artifacts(rid, "checkpoints")}
+    assert arts == {"checkpoints/step-6": True, "checkpoints/last": False}
+    last = resolve_checkpoint(f"runs:/{rid}/checkpoints/last", tmp_path / "dl").checkpoint
+    assert last.step == 6 and json.loads((last.directory / "spec.json").read_text())["step"] == 6
     results = json.loads(Path(c.download_artifacts(rid, "results.json")).read_text())
     assert results["checkpoint"] == f"runs:/{rid}/checkpoints/last" and results["result"]["step"] == 6
     # the registration hook got the final checkpoint, still on disk, with the run's figures
@@ -96,6 +99,138 @@ def test_cli_train_logs_run_checkpoints_and_registers(sqlite_store, tmp_path, mo
     teacher = teacher_loader(f"runs:/{rid}/checkpoints/last")
     assert sum(p.numel() for p in teacher.parameters()) > 0
     assert list((tmp_path / "tmp").iterdir()) == []
+
+
+def _bytes_under(path: Path) -> int:
+    """What ``du -sb`` counts for the files under ``path``."""
+    return sum(p.stat().st_size for p in Path(path).rglob("*") if p.is_file())
+
+
+def _weights_and_adamw_bytes() -> tuple[int, int]:
+    """Bytes of the tiny model's weights, and of its AdamW state (exp_avg and exp_avg_sq per parameter)."""
+    from vitreg.models.factory import create_model
+
+    model, _ = create_model("test_vit", 32, 10)
+    weights = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    return weights, 2 * sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+
+
+def test_a_run_keeps_one_copy_of_weights_and_optimizer_per_kept_step(sqlite_store, tmp_path):
+    """keep_checkpoints=2 of three checkpoints: two step folders, each weights + optimizer state once, a
+    `last` file of a few bytes (no second folder), a registered version whose extra_files share the
+    run's weights; then a new run resumes from a kept step that is not the last, and one from last."""
+    from vitreg.train.job import train
+
+    options = {"model": "test_vit", "img_size": "32", "num_classes": "10", "batch_size": "4", "steps": "6",
+               "log_every": "2", "checkpoint_every": "2", "keep_checkpoints": "2", "num_workers": "0"}
+    train({**options, "register_as": "tiny-disk"}, experiment="disk", progress=lambda message: None)
+    c = client()
+    (run,) = c.search_runs([c.get_experiment_by_name("disk").experiment_id])
+    artifacts = Path(run.info.artifact_uri.replace("file://", "")) / "checkpoints"
+    assert {p.name for p in artifacts.iterdir()} == {"step-4", "step-6", "last"}  # step-2 deleted: keep=2
+    assert (artifacts / "last").is_file() and (artifacts / "last").stat().st_size < 200
+    weights, moments = _weights_and_adamw_bytes()
+    per_step = weights + moments  # the old layout held step-6 twice (step-6/ and last/): 3 * per_step here
+    assert 2 * per_step <= _bytes_under(artifacts) <= 2.05 * per_step, (_bytes_under(artifacts), per_step)
+    version = Path(c.get_model_version_download_uri("tiny-disk", "1").replace("file://", ""))
+    assert not (version / "extra_files" / "model.safetensors").exists()
+    assert _bytes_under(version / "extra_files") < 0.01 * weights  # spec, manifest, shared_weights.json
+    # the pt2 serving copy (weights + graph) and the input examples; a second safetensors copy would pass 2x
+    assert _bytes_under(version) < 2 * weights, (_bytes_under(version), weights)
+    pulled = checkpoint_sources.pull("models:/tiny-disk/1", dst=tmp_path / "pulled")
+    assert pulled.spec["step"] == 6 and (tmp_path / "pulled").exists()
+
+    for source, start, steps in ((f"runs:/{run.info.run_id}/checkpoints/step-4", 4, 6),
+                                 (f"runs:/{run.info.run_id}/checkpoints/last", 6, 8)):
+        result = train({**options, "steps": str(steps), "resume": source}, experiment=f"resume-{start}",
+                       progress=lambda message: None)
+        assert (result.start_step, result.step, result.steps_run) == (start, steps, steps - start), source
+
+
+class _Recorder:
+    """A tracker that only records the checkpoint calls, in order (not thread-safe: RunLogger runs them inline)."""
+
+    thread_safe = False
+
+    def __init__(self):
+        self.calls = []
+
+    def log_artifacts(self, path, artifact_path=None):
+        self.calls.append(("folder", artifact_path))
+
+    def log_text(self, text, artifact_file):
+        self.calls.append(("file", artifact_file, json.loads(text)["checkpoint"]))
+
+    def delete_artifacts(self, artifact_path):
+        self.calls.append(("delete", artifact_path))
+
+
+@pytest.mark.parametrize("keep,deleted", [(1, ["step-2", "step-4"]), (2, ["step-2"]), (0, [])])
+def test_checkpoint_uploader_moves_last_after_the_folder_and_keeps_the_newest(tmp_path, keep, deleted):
+    from vitreg.train.job import CheckpointUploader, RunLogger
+
+    tracker = _Recorder()
+    upload = CheckpointUploader(RunLogger(tracker), keep)
+    for step in (2, 4, 6):
+        (tmp_path / f"step-{step}").mkdir()
+        upload(step, tmp_path / f"step-{step}")
+    for step in (2, 4, 6):  # each folder once, then last naming it, then the deletions it allows
+        i = tracker.calls.index(("folder", f"checkpoints/step-{step}"))
+        assert tracker.calls[i + 1] == ("file", "checkpoints/last", f"step-{step}")
+    assert [c[1] for c in tracker.calls if c[0] == "delete"] == [f"checkpoints/{name}" for name in deleted]
+    for i, call in enumerate(tracker.calls):  # a folder is deleted only once last names a newer one
+        if call[0] == "delete":
+            named = [c[2] for c in tracker.calls[:i] if c[0] == "file"][-1]
+            assert int(named.split("-")[1]) > int(call[1].split("-")[1]), tracker.calls
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-6"]  # local copies: the newest, to register
+
+
+def test_a_deleted_checkpoint_leaves_the_store_through_the_spool(sqlite_store, tmp_path):
+    """delete_artifacts is journaled and delivered in order, after the folder it follows; what is delivered
+    leaves the spool while the run goes on."""
+    from vitreg.train.job import CheckpointUploader, RunLogger
+
+    with tracking.tracked_run(run_name="keep", system_metrics=False) as run:
+        logger = RunLogger(run)
+        upload = CheckpointUploader(logger, keep=1)
+        for step in (2, 4):
+            (tmp_path / f"step-{step}").mkdir()
+            (tmp_path / f"step-{step}" / "model.safetensors").write_bytes(b"w" * step)
+            upload(step, tmp_path / f"step-{step}")
+        logger.close()
+        assert run.wait_delivered(60)
+        # the spool keeps no copy of what the server holds: local disk does not grow by a checkpoint per save
+        assert [p for p in (run.spool.path / "artifacts").rglob("*") if p.is_file()] == []
+    listed = {a.path: a.is_dir for a in client().list_artifacts(run.run_id, "checkpoints")}
+    assert listed == {"checkpoints/step-4": True, "checkpoints/last": False}
+
+
+@pytest.mark.parametrize("status,kept_going", [(403, True), (404, True), (503, False)])
+def test_a_store_that_refuses_a_deletion_keeps_the_files_and_delivery_goes_on(monkeypatch, status, kept_going):
+    """A 4xx (no permission to delete) must not stall delivery for ever; a 5xx is retried like any record."""
+    import requests
+    from mlflow.store.artifact import artifact_repository_registry
+
+    from vitreg.tracking.delivery import delete_run_artifacts
+
+    class Refusing:
+        def delete_artifacts(self, artifact_path):
+            response = requests.Response()
+            response.status_code = status
+            raise requests.HTTPError(f"{status} for DELETE {artifact_path}", response=response)
+
+    class Client:
+        tracking_uri = "http://127.0.0.1:1"
+
+        def get_run(self, run_id):
+            return type("Run", (), {"info": type("Info", (), {"artifact_uri": "mlflow-artifacts:/1/r/artifacts"})})
+
+    monkeypatch.setattr(artifact_repository_registry, "get_artifact_repository", lambda uri, tracking_uri=None: Refusing())
+    if kept_going:
+        delete_run_artifacts(Client(), "r", "checkpoints/step-2")
+    else:
+        with pytest.raises(requests.HTTPError):
+            delete_run_artifacts(Client(), "r", "checkpoints/step-2")
 
 
 def test_a_registration_that_fails_after_training_names_the_command_to_retry(sqlite_store, monkeypatch):
@@ -150,12 +285,12 @@ def test_cli_errors_are_one_line_and_fail_the_run(sqlite_store):
 
 def test_background_logger_with_a_run_bound_tracker(sqlite_store):
     """The threaded path: the run's tracker (thread-safe, every call bound to its run) logs curves and
-    checkpoints from the logger thread into the same run, and nowhere else."""
+    checkpoints from the logger thread into the same run, and nowhere else; keep_checkpoints=2 keeps both."""
     from vitreg.train.job import train
 
     result = train({"model": "test_vit", "img_size": "32", "num_classes": "10", "batch_size": "4", "steps": "4",
-                    "log_every": "1", "checkpoint_every": "2", "num_workers": "0"}, experiment="threaded",
-                   progress=lambda message: None)
+                    "log_every": "1", "checkpoint_every": "2", "keep_checkpoints": "2", "num_workers": "0"},
+                   experiment="threaded", progress=lambda message: None)
     c = client()
     runs = c.search_runs([e.experiment_id for e in c.search_experiments()])
     assert len(runs) == 1  # a fluent call from the thread without run_id would have opened a second run
@@ -177,7 +312,7 @@ def test_resume_source_errors(sqlite_store):
 
 
 def _wait_for_checkpoint(c, proc, experiment: str, deadline_s: float = 240):
-    """Poll until the run's checkpoints/last verifies; returns (run, last_dir)."""
+    """Poll until the checkpoint the run's checkpoints/last names verifies; returns (run, that folder)."""
     deadline = time.monotonic() + deadline_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -187,12 +322,11 @@ def _wait_for_checkpoint(c, proc, experiment: str, deadline_s: float = 240):
         runs = c.search_runs([exp.experiment_id]) if exp else []
         if runs:
             last = Path(runs[0].info.artifact_uri.replace("file://", "")) / "checkpoints" / "last"
-            if (last / "manifest.json").exists():
+            if last.is_file():
                 try:
-                    verify_checkpoint(last)
-                    return runs[0], last
+                    return runs[0], verify_checkpoint(follow_last(last)).directory
                 except VitregError:
-                    pass  # being written right now
+                    pass  # an older step being deleted right now
         time.sleep(0.01)
     raise AssertionError("no checkpoint within the deadline")
 
@@ -213,11 +347,13 @@ def test_sigkilled_training_resumes_from_its_last_checkpoint(tmp_path):
                             env=subprocess_env(uri), cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True)
     try:
-        killed, last = _wait_for_checkpoint(c, proc, "kill")
+        killed, _ = _wait_for_checkpoint(c, proc, "kill")
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(timeout=30)
-    saved = json.loads((last / "spec.json").read_text())["step"]
+    # what last names once the process is gone (it may have saved a newer step before the kill)
+    last = follow_last(Path(killed.info.artifact_uri.replace("file://", "")) / "checkpoints" / "last")
+    saved = verify_checkpoint(last).step
     assert saved % 15 == 0 and saved < 400
     assert c.get_run(killed.info.run_id).info.status == "RUNNING"  # SIGKILL: nothing ended it
     before = losses(c, killed.info.run_id)
@@ -249,5 +385,6 @@ def test_sigkilled_training_resumes_from_its_last_checkpoint(tmp_path):
     lr_after = {m.step: m.value for m in c.get_metric_history(run.info.run_id, "lr")}
     if saved + 1 in lr_before:
         assert lr_after[saved + 1] == pytest.approx(lr_before[saved + 1])  # the same LR schedule
-    final = Path(c.download_artifacts(run.info.run_id, "checkpoints/last", str(tmp_path / "final")))
-    assert json.loads((final / "spec.json").read_text())["step"] == saved + 6
+    folder = Path(c.download_artifacts(run.info.run_id, "checkpoints", str(tmp_path / "final")))
+    final = verify_checkpoint(follow_last(folder / "last"))  # c: this test's store, not the process's default
+    assert final.step == saved + 6 and json.loads((final.directory / "spec.json").read_text())["step"] == saved + 6

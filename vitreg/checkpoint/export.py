@@ -28,15 +28,19 @@ TRAIN_ONLY_FILES = (ckpt.STATE,)
 README = "README.md"
 
 
-def stage_files(checkpoint: ckpt.VerifiedCheckpoint, stage: Path) -> list[Path]:
-    """Copy the checkpoint minus training-only state into ``stage``, with a manifest listing exactly that."""
+def stage_files(checkpoint: ckpt.VerifiedCheckpoint, stage: Path, leave_out: tuple = ()) -> list[Path]:
+    """Copy the checkpoint minus training-only state into ``stage``, with a manifest listing exactly that.
+
+    ``leave_out``: files the manifest still lists but that are not copied (weights a registered version
+    shares with its run: the manifest keeps their sha256, so the bytes fetched later are checked)."""
     stage.mkdir(parents=True, exist_ok=True)
     manifest = checkpoint.manifest
     files = {k: v for k, v in manifest["files"].items() if k not in TRAIN_ONLY_FILES}
-    for rel in files:  # verify_checkpoint confined every name to the folder already: a flat name each
+    copied = [rel for rel in sorted(files) if rel not in leave_out]
+    for rel in copied:  # verify_checkpoint confined every name to the folder already: a flat name each
         copy_as_new_file(ckpt.confined(checkpoint.directory, rel), stage / rel)  # the user's umask, not 0600
     (stage / ckpt.MANIFEST).write_text(json.dumps({**manifest, "files": files}, indent=2, sort_keys=True))
-    return [stage / rel for rel in sorted(files)] + [stage / ckpt.MANIFEST]
+    return [stage / rel for rel in copied] + [stage / ckpt.MANIFEST]
 
 
 _README = """\

@@ -19,6 +19,13 @@ that match their manifest are still checked for what they hold (:mod:`vitreg.che
 
 The directory is written under a temporary name and renamed into place, so a process killed while
 saving leaves the previous checkpoint (or nothing), never a half-written one under the real name.
+
+A run keeps its checkpoints as ``checkpoints/step-<N>/`` folders and names the newest in a small
+file, ``checkpoints/last`` (:func:`last_pointer`): ``{"format": "vitreg-last-1", "checkpoint":
+"step-<N>", "step": N}``. A second folder of the same bytes under ``last`` would double the disk a
+run takes (weights and optimizer state twice); the file is written after the folder it names is
+complete, so ``last`` moves in one write and always names an intact checkpoint.
+:func:`follow_last` reads it, and refuses a pointer to anything but a sibling ``step-<N>`` folder.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ import hashlib
 import json
 import os
 import random
+import re
 import shutil
 import time
 from dataclasses import dataclass
@@ -42,6 +50,9 @@ WEIGHTS = "model.safetensors"
 STATE = "train_state.pt"
 SPEC = "spec.json"
 MANIFEST = "manifest.json"
+LAST = "last"  # the file naming a run's newest checkpoint folder
+LAST_FORMAT = "vitreg-last-1"
+_STEP_FOLDER = re.compile(r"^step-(\d+)$")
 _RESERVED = ("model", "img_size", "num_classes", "distilled", "step", "epoch", "train_spec", "vitreg_version",
              "source", "patch_size", "params_m", "format", "torch_version", "timm_version", "created_unix")
 
@@ -274,6 +285,42 @@ def confined(directory: Path, name: str) -> Path:
         raise CheckpointError(f"checkpoint {directory}: {MANIFEST} lists {name!r}, which is not a file of the "
                               f"checkpoint folder (vitreg checkpoints are flat folders of plain names): {FIX}")
     return path
+
+
+def step_folder(step: int) -> str:
+    """The folder name of the checkpoint of ``step`` (``step-<N>``), locally and in the run's artifacts."""
+    return f"step-{int(step)}"
+
+
+def last_pointer(step: int) -> str:
+    """The text of ``checkpoints/last``: the newest checkpoint is the sibling folder ``step-<step>``."""
+    return json.dumps({"format": LAST_FORMAT, "checkpoint": step_folder(step), "step": int(step)}, indent=2)
+
+
+def read_last_pointer(text: str, where: str) -> str:
+    """The ``step-<N>`` folder a ``last`` file names; one-line VitregError for anything else (a tampered
+    file must not lead outside the run's ``checkpoints/`` folder)."""
+    try:
+        pointer = json.loads(text)
+        name = pointer["checkpoint"] if isinstance(pointer, dict) and pointer.get("format") == LAST_FORMAT else None
+    except (ValueError, KeyError, TypeError):
+        name = None
+    if not isinstance(name, str) or not _STEP_FOLDER.match(name):
+        raise CheckpointError(f"{where} is not a vitreg '{LAST}' file ({{\"format\": \"{LAST_FORMAT}\", "
+                              f"\"checkpoint\": \"step-<N>\"}}): point at a checkpoints/step-<N> folder instead")
+    return name
+
+
+def follow_last(path) -> Path:
+    """``path`` itself, or, when it is a ``last`` file, the ``step-<N>`` folder beside it that it names."""
+    path = Path(path)
+    if not path.is_file():
+        return path
+    try:
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError):
+        text = ""
+    return path.parent / read_last_pointer(text, str(path))
 
 
 def ensure_verified(checkpoint) -> VerifiedCheckpoint:

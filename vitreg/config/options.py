@@ -336,6 +336,10 @@ OPTIONS: tuple[Option, ...] = (
            "steps between checkpoints (checkpoints/step-<N> and checkpoints/last); 0 = only at the end.",
            ("train",), minimum=0, doc="checkpoint interval (0 = only at the end)",
            same_work="how often a checkpoint is written; the step's work is the same"),
+    Option("keep_checkpoints", "int", 1,
+           "checkpoints a run keeps (the newest; older checkpoints/step-<N> are deleted as new ones are logged); "
+           "0 = all.", ("train",), minimum=0, doc="checkpoints kept: the newest N (0 = all; each is weights + optimizer)",
+           same_work="how many checkpoints stay on disk; the step's work is the same"),
     Option("resume", "str", "", "runs:/<run_id>/checkpoints/last or a checkpoint directory: continue at its step, "
            "same LR schedule.", ("train",), doc="`runs:/<id>/checkpoints/last` or a checkpoint folder",
            same_work="where training starts: the same steps from another point"),
@@ -500,7 +504,8 @@ HELP_GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
                        "compile_cache", "profile", "profile_steps", "engine", "ray_address", "slurm_partition",
                        "slurm_account", "slurm_qos", "slurm_time_min", "slurm_sbatch", "slurm_gpu_by", "slurm_folder",
                        "max_parallel", "max_combinations")),
-    ("Where to log", ("experiment", "run_name", "offline", "baseline_run", "log_every", "checkpoint_every", "register_as",
+    ("Where to log", ("experiment", "run_name", "offline", "baseline_run", "log_every", "checkpoint_every", "keep_checkpoints",
+                      "register_as",
                       "alias")),
 )
 

@@ -180,6 +180,7 @@ class TrainSpec(_Spec, command="train"):
     num_classes: int = 0
     log_every: int = 10
     checkpoint_every: int = 1000
+    keep_checkpoints: int = 1
     resume: str = ""
     distillation: str = "none"
     teacher: str = ""

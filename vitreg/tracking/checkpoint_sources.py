@@ -8,15 +8,24 @@ built-in newest version), ``models:/NAME/VERSION``, ``models:/m-<id>`` (a logged
 (``s3://...``), and a local checkpoint folder. The checkpoint is verified once, there, and handed on
 as a :class:`~vitreg.checkpoint.format.VerifiedCheckpoint`.
 
-A registered version holds the checkpoint (``model.safetensors``, ``spec.json``, ``manifest.json``)
-in the logged model's ``extra_files/``. :func:`pull` reads that: it verifies the sha256 of every
-file, rebuilds the timm model from ``spec.json`` and loads the safetensors weights. Nothing is
-unpickled, and the pt2 graph is never loaded (it is a GraphModule pinned to the device it was
-exported on, not the timm model).
+A run names its newest checkpoint in the file ``checkpoints/last`` (a pointer to a sibling
+``step-<N>`` folder, :func:`vitreg.checkpoint.format.last_pointer`): ``runs:/RUN_ID/checkpoints/last``
+and a local ``.../checkpoints/last`` file are followed to that folder.
+
+A registered version holds the checkpoint (``spec.json``, ``manifest.json`` and, unless it shares
+them, the weights ``model.safetensors``) in the logged model's ``extra_files/``. A version registered
+from a checkpoint its run logged shares that run's weights instead of holding a second copy:
+``extra_files/shared_weights.json`` names the run's ``checkpoints/step-<N>`` folder, and the weights
+are downloaded from there (:func:`_fetch_shared_weights`). :func:`pull` verifies the sha256 of every
+file against the version's own manifest either way, rebuilds the timm model from ``spec.json`` and
+loads the safetensors weights. Nothing is unpickled, and the pt2 graph is never loaded (it is a
+GraphModule pinned to the device it was exported on, not the timm model).
 """
 
 from __future__ import annotations
 
+import json
+import re
 import shutil
 import tempfile
 from dataclasses import dataclass, field
@@ -34,6 +43,10 @@ from vitreg.tracking.uris import tracking_uri
 CHECKPOINT_SUBDIR = "extra_files"
 #: Tag that marks a model version as a vitreg checkpoint (value: the checkpoint format).
 CHECKPOINT_TAG = "vitreg_checkpoint"
+#: In a registered version's extra_files: the run checkpoint whose weights it shares (instead of a copy).
+SHARED_WEIGHTS = "shared_weights.json"
+SHARED_FORMAT = "vitreg-shared-weights-1"
+_RUN_ID = re.compile(r"^[0-9a-fA-F]{1,64}$")
 SOURCES = "models:/NAME@ALIAS, models:/NAME/VERSION, runs:/RUN_ID/checkpoints/last or a local checkpoint folder"
 
 
@@ -49,6 +62,7 @@ class Located:
     version: str | None = None
     alias: str | None = None
     run_id: str | None = None  # the run that logged it
+    run_folder: str | None = None  # the run artifact folder it came from (``checkpoints/step-<N>``), if any
 
 
 def resolve_checkpoint(source: str, dst=None, what: str = "model_uri", progress=progress) -> Located:
@@ -72,6 +86,8 @@ def resolve_checkpoint(source: str, dst=None, what: str = "model_uri", progress=
             raise
     else:
         path = Path(source).expanduser()
+        if path_kind(path, what, f"use {SOURCES}") == "file":
+            path = ckpt.follow_last(path)  # a run's checkpoints/last file, downloaded with its step folders
         if path_kind(path, what, f"use {SOURCES}") != "dir":
             raise VitregError(f"{what}={source} does not exist: use {SOURCES}")
         directory, origin = _find_checkpoint(path, source), {}
@@ -110,7 +126,8 @@ def _inventory(client, name: str) -> str:
 def _download_model_version(client, uri: str, dst: Path, what: str, progress) -> tuple[Path, dict]:
     body = uri[len("models:/"):].strip("/")
     if body.startswith("m-") and "/" not in body and "@" not in body:  # a logged model id (MLflow 3)
-        return _find_checkpoint(_download(f"models:/{body}", dst, progress), uri), {}
+        found = _find_checkpoint(_download(f"models:/{body}", dst, progress), uri)
+        return _fetch_shared_weights(client, found, uri, progress), {}
     alias = version = None
     if "/" in body:
         name, suffix = body.split("/", 1)
@@ -158,7 +175,8 @@ def _download_model_version(client, uri: str, dst: Path, what: str, progress) ->
         raise VitregError(f"{label} holds no vitreg checkpoint ({CHECKPOINT_SUBDIR}/manifest.json): it was not "
                           f"registered by vitreg; pull a version registered by `train` or register_checkpoint") \
             from None
-    return _find_checkpoint(local, label), {"name": name, "version": str(version), "alias": alias, "run_id": mv.run_id}
+    found = _fetch_shared_weights(client, _find_checkpoint(local, label), label, progress)
+    return found, {"name": name, "version": str(version), "alias": alias, "run_id": mv.run_id}
 
 
 def _download_run_path(client, uri: str, dst: Path, what: str, progress) -> tuple[Path, dict]:
@@ -173,12 +191,19 @@ def _download_run_path(client, uri: str, dst: Path, what: str, progress) -> tupl
                           f"check the run id (mlflow runs list) or MLFLOW_TRACKING_URI") from None
     path = path.strip("/")
     entries = client.list_artifacts(run_id, path or None)
+    if not entries and _is_last_file(client, run_id, path):
+        pointer = Path(_download(f"runs:/{run_id}/{path}", dst / ".last", progress))
+        named = ckpt.read_last_pointer(pointer.read_text(errors="replace"), uri)
+        shutil.rmtree(dst / ".last", ignore_errors=True)
+        path = f"{path.rpartition('/')[0]}/{named}".lstrip("/")
+        entries = client.list_artifacts(run_id, path)
     names = {Path(e.path).name: e for e in entries}
     if "manifest.json" not in names:
         subdirs = [e.path for e in entries if e.is_dir and any(
             Path(x.path).name == "manifest.json" for x in client.list_artifacts(run_id, e.path))]
         if subdirs:
-            options = ", ".join(f"runs:/{run_id}/{p}" for p in sorted(subdirs))
+            lasts = [e.path for e in entries if not e.is_dir and Path(e.path).name == ckpt.LAST]
+            options = ", ".join(f"runs:/{run_id}/{p}" for p in sorted(subdirs) + lasts)
             raise VitregError(f"{uri} holds several checkpoints: pull one of {options}")
         parent = str(Path(path).parent) if path and "/" in path else None
         siblings = sorted(Path(e.path).name + ("/" if e.is_dir else "") for e in client.list_artifacts(run_id, parent))
@@ -189,7 +214,13 @@ def _download_run_path(client, uri: str, dst: Path, what: str, progress) -> tupl
         raise VitregError(f"run {run_id} has no artifact {path!r}: {where} holds "
                           f"{', '.join(siblings) or 'nothing'}")
     local = _download(f"runs:/{run_id}/{path}" if path else f"runs:/{run_id}", dst, progress)
-    return _find_checkpoint(local, uri), {"run_id": run_id}
+    return _find_checkpoint(local, uri), {"run_id": run_id, "run_folder": path or None}
+
+
+def _is_last_file(client, run_id: str, path: str) -> bool:
+    """Whether ``path`` is a ``last`` file of the run (a pointer, not a folder; a folder lists its files)."""
+    parent, _, name = path.rpartition("/")
+    return name == ckpt.LAST and any(e.path == path and not e.is_dir for e in client.list_artifacts(run_id, parent or None))
 
 
 def _download_source(source: str, dst: Path, what: str, progress) -> tuple[Path, dict]:
@@ -205,6 +236,9 @@ def _download_source(source: str, dst: Path, what: str, progress) -> tuple[Path,
 def _download_artifact_uri(uri: str, dst: Path, what: str, progress) -> Path:
     try:
         local = _download(uri, dst, progress)
+        if local.is_file():  # a run's checkpoints/last: the folder it names sits beside it
+            local = _download(f"{uri.rstrip('/').rpartition('/')[0]}/{ckpt.read_last_pointer(local.read_text(), uri)}",
+                              dst / "named", progress)
     except (mlflow.exceptions.MlflowException, OSError) as exc:
         raise VitregError(f"{what}={uri} cannot be downloaded from {tracking_uri()} ({first_line(exc)}): "
                           f"check the URI (MLFLOW_TRACKING_URI must be its store)") from None
@@ -231,6 +265,40 @@ def _find_checkpoint(root: Path, label: str) -> Path:
     rel = ", ".join(str(p.relative_to(root)) for p in found)
     raise VitregError(f"{label} holds several checkpoints ({rel}): pull one of them")
 
+
+
+def shared_weights_text(run_id: str, folder: str) -> str:
+    """The ``shared_weights.json`` of a version whose weights are those of run ``run_id``'s ``folder``."""
+    return json.dumps({"format": SHARED_FORMAT, "run_id": run_id, "checkpoint": folder}, indent=2)
+
+
+def _fetch_shared_weights(client, directory: Path, label: str, progress) -> Path:
+    """``directory`` with its weights: a version that shares them with its run gets them from there.
+
+    The file is then verified against the version's own manifest (sha256), as a copy would be: the run's
+    folder is where the bytes come from, never what they are trusted for."""
+    pointer = directory / SHARED_WEIGHTS
+    if (directory / ckpt.WEIGHTS).exists() or not pointer.is_file():
+        return directory
+    try:
+        shared = json.loads(pointer.read_text())
+        run_id, folder = shared["run_id"], shared["checkpoint"]
+        usable = shared.get("format") == SHARED_FORMAT and _RUN_ID.match(run_id) and \
+            re.fullmatch(r"checkpoints/step-\d+", folder)
+    except (ValueError, KeyError, TypeError):
+        usable = False
+    if not usable:
+        raise VitregError(f"{label}: {CHECKPOINT_SUBDIR}/{SHARED_WEIGHTS} does not name a run checkpoint "
+                          f"(run_id, checkpoints/step-<N>): register the model again from its checkpoint")
+    where = f"runs:/{run_id}/{folder}/{ckpt.WEIGHTS}"
+    try:
+        mlflow_call(lambda: client.get_run(run_id), f"look up run {run_id}")
+        _download(where, directory, progress, f"{label}'s weights ({where})")
+    except (mlflow.exceptions.MlflowException, OSError) as exc:
+        raise VitregError(f"{label} shares its weights with {where}, which cannot be read ({first_line(exc)}): "
+                          f"the run or its checkpoint was deleted; register the model again from a checkpoint "
+                          f"folder") from None
+    return directory
 
 
 # --------------------------------------------------------------------------- pull

@@ -10,6 +10,8 @@ on. :meth:`SpoolingTracker.close` journals the final status and waits at most ``
 (``VITREG_FLUSH_TIMEOUT_S``, default 30) for the rest; what is still undelivered then stays in the spool,
 and one line says how to deliver it (``vitreg sync``). Offline (``offline=true`` / ``VITREG_OFFLINE=1``)
 nothing is sent at all.
+An artifact's copy leaves the spool as soon as the server holds it (the checkpoints a training logs every
+``checkpoint_every`` steps would otherwise stay on local disk until the run ends).
 
 Exactly once: the server says what it already has. Every batch carries the tag
 ``vitreg_spool_seq.<spool id>`` = the sequence number of the last journal record it covers, so a delivery
@@ -31,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import shutil
 import threading
 import time
 from pathlib import Path
@@ -72,6 +75,29 @@ def end_with_reason(client: mlflow.MlflowClient, run_id: str, status: str, reaso
     ``vitreg_error``, masked: for a run no tracker of this process holds any more."""
     client.set_tag(run_id, ERROR_TAG, scrub(reason)[:4000])
     client.set_terminated(run_id, status)
+
+
+def delete_run_artifacts(client: mlflow.MlflowClient, run_id: str, artifact_path: str) -> None:
+    """Remove ``artifact_path`` from the run's artifacts (MLflow's client has no such call: its artifact
+    repository does, for local folders, the server's proxy, S3, GCS, Azure blobs and HDFS).
+
+    A store that cannot or may not delete (no such call, a 4xx answer: a user without the permission)
+    keeps the files: the run is then larger, not wrong, and delivery must go on rather than retry for
+    ever. A server error or a lost connection is raised, and retried like any other record. Deleting a
+    path that is gone already (a delivery started again after a crash) does nothing."""
+    from mlflow.store.artifact.artifact_repository_registry import get_artifact_repository
+
+    repo = get_artifact_repository(client.get_run(run_id).info.artifact_uri, tracking_uri=client.tracking_uri)
+    try:
+        repo.delete_artifacts(artifact_path)
+    except NotImplementedError:
+        pass
+    except Exception as exc:  # MlflowException, or requests' HTTPError from the server's artifact proxy
+        status = getattr(getattr(exc, "response", None), "status_code", None)
+        if isinstance(exc, mlflow.exceptions.MlflowException):
+            status = exc.get_http_status_code()
+        if "not implemented" not in str(exc).lower() and not (status and 400 <= int(status) < 500):
+            raise
 
 
 def seq_tag(spool_id: str) -> str:
@@ -199,6 +225,7 @@ class Delivery:
                 batch = _Batch()
                 batch.last_seq = record["seq"]
                 self._send(batch)
+                self._release(record)
                 batch = _Batch()
         self._send(batch)
         return self.delivered_seq
@@ -208,6 +235,14 @@ class Delivery:
         self.connect()
         self.client.set_tag(self.run_id, HEARTBEAT_TAG, heartbeat_value())
 
+    def _release(self, record: dict) -> None:
+        """Free the spool's copy of an artifact once the server's sequence tag covers it (no delivery reads a
+        covered record again): a training logs a checkpoint every ``checkpoint_every`` steps, and until
+        the run ended the spool kept a copy of every one, those ``keep_checkpoints`` had deleted too."""
+        if record["kind"] == "artifact":
+            copy = Path(self.spool.path) / record["path"]
+            shutil.rmtree(copy if record["is_dir"] else copy.parent, ignore_errors=True)
+
     def _apply(self, record: dict) -> None:
         """The records that are not log_batch calls: an artifact upload, the final status."""
         if record["kind"] == "artifact":
@@ -216,6 +251,8 @@ class Delivery:
                 self.client.log_artifacts(self.run_id, local, record.get("artifact_path"))
             else:
                 self.client.log_artifact(self.run_id, local, record.get("artifact_path"))
+        elif record["kind"] == "delete":
+            delete_run_artifacts(self.client, self.run_id, record["artifact_path"])
         elif record["kind"] == "end":
             self.client.set_terminated(self.run_id, record["status"], end_time=record["end_time"])
 
@@ -374,6 +411,9 @@ class SpoolingTracker:
 
     def log_artifacts(self, path, artifact_path: str | None = None) -> None:
         self._journal([self.spool.append_artifact(path, artifact_path)])
+
+    def delete_artifacts(self, artifact_path: str) -> None:
+        self._journal([self.spool.append_delete(artifact_path)])
 
     def artifact_uri(self, path: str = "") -> str:
         base = f"runs:/{self.run_id}"

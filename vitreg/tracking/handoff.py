@@ -106,6 +106,9 @@ class HandoffTracker(Tracker):
     def log_artifacts(self, path, artifact_path=None):
         self._write("log_artifacts", path=self._keep(path), artifact_path=artifact_path)
 
+    def delete_artifacts(self, artifact_path):
+        self._write("delete_artifacts", artifact_path=artifact_path)
+
     def hand_back_registration(self, checkpoint_dir, name, alias, tags):
         """Registration is the launcher's, after the replay (the version reads the run's figures)."""
         self._write("register_checkpoint", path=self._keep(checkpoint_dir), name=name, alias=alias, tags=tags)
@@ -192,3 +195,5 @@ def replay(directory, calls: list[dict], tracker: Tracker, progress) -> None:
             tracker.set_note(c["text"])
         elif call in ("log_artifact", "log_artifacts"):
             getattr(tracker, call)(directory / c["path"], c["artifact_path"])
+        elif call == "delete_artifacts":
+            tracker.delete_artifacts(c["artifact_path"])

@@ -4,8 +4,16 @@ A registered version is self-contained. It holds two things:
 
 - the MLflow ``pytorch`` flavor (pt2, ``torch.export``), so the MLflow UI, ``mlflow models serve``
   and pyfunc work as usual;
-- the vitreg checkpoint itself (``model.safetensors``, ``spec.json``, ``manifest.json``) in the
-  logged model's ``extra_files/``, which :func:`vitreg.tracking.checkpoint_sources.pull` reads back.
+- the vitreg checkpoint itself (``spec.json``, ``manifest.json`` and the weights ``model.safetensors``)
+  in the logged model's ``extra_files/``, which :func:`vitreg.tracking.checkpoint_sources.pull` reads back.
+
+A checkpoint that the registering run logged itself (what ``train -P register_as=`` and ``vitreg register
+runs:/...`` register) is not copied a second time: the version's ``extra_files/`` holds its spec and
+manifest and ``shared_weights.json``, naming the run's ``checkpoints/step-<N>`` folder whose weights
+have the manifest's sha256 (checked here, before sharing; checked again by every pull). The pt2
+model is MLflow's serving copy and stays whole. The run's checkpoint then lives as long as the
+version needs it: deleting the run (``mlflow gc``) leaves the version unpullable, as MLflow 2's
+versions that pointed at run artifacts were.
 
 ``pull`` and ``load_model`` live in :mod:`vitreg.tracking.checkpoint_sources`, with the resolver of
 checkpoint URIs; they are importable from here too, as the README shows.
@@ -13,6 +21,7 @@ checkpoint URIs; they are importable from here too, as the README shows.
 
 from __future__ import annotations
 
+import json
 import re
 import tempfile
 from dataclasses import dataclass, replace
@@ -22,7 +31,8 @@ from vitreg.checkpoint import format as ckpt
 from vitreg.checkpoint.export import stage_files
 from vitreg.console import progress
 from vitreg.errors import VitregError
-from vitreg.tracking.checkpoint_sources import CHECKPOINT_TAG, first_line, mlflow_call, resolve_checkpoint
+from vitreg.tracking.checkpoint_sources import (CHECKPOINT_TAG, SHARED_WEIGHTS, first_line, mlflow_call,
+                                               resolve_checkpoint, shared_weights_text)
 from vitreg.tracking.checkpoint_sources import load_model, pull  # noqa: F401  (the README's import path)
 from vitreg.tracking.mlflow_on_first_use import mlflow
 from vitreg.tracking.uris import tracking_uri
@@ -70,11 +80,10 @@ def _register(run_id: str, request: _Request, progress):
     client = mlflow.MlflowClient()
     with tempfile.TemporaryDirectory(prefix="vitreg-register-") as tmp:
         located = resolve_checkpoint(request.source, Path(tmp) / "download", what="checkpoint", progress=progress)
-        checkpoint = located.checkpoint
-        model, info, spec = ckpt.load_model(checkpoint)
+        model, info, spec = ckpt.load_model(located.checkpoint)
         _check_owner(client, name, spec["model"])
         try:
-            mv, moved_from = _log_and_register(client, run_id, (model, info, spec), checkpoint, request,
+            mv, moved_from = _log_and_register(client, run_id, (model, info, spec), located, request,
                                                Path(tmp) / "stage", progress)
         except mlflow.exceptions.MlflowException as exc:
             raise VitregError(f"could not register {name!r} at {tracking_uri()}: {first_line(exc)}") \
@@ -98,18 +107,26 @@ class _Request:
     input_example_size: int | None
 
 
-def _log_and_register(client, run_id: str, loaded: tuple, checkpoint, request: _Request, stage: Path, progress):
+def _log_and_register(client, run_id: str, loaded: tuple, located, request: _Request, stage: Path, progress):
     """The pt2 model with the checkpoint files under the run, its version, the alias; ``(version, moved_from)``.
 
-    ``loaded``: ``(model, info, spec)`` as :func:`vitreg.checkpoint.format.load_model` rebuilt them."""
+    ``loaded``: ``(model, info, spec)`` as :func:`vitreg.checkpoint.format.load_model` rebuilt them;
+    ``located``: the checkpoint as the resolver found it."""
     import mlflow.pytorch  # the flavor module (imports torch.export machinery): only when registering
     import numpy as np
 
     model, info, spec = loaded
-    name, alias = request.name, request.alias
-    staged = stage_files(checkpoint, stage)
+    name, alias, checkpoint = request.name, request.alias, located.checkpoint
+    shared = _shared_folder(client, run_id, located)
+    staged = stage_files(checkpoint, stage, leave_out=(ckpt.WEIGHTS,) if shared else ())
+    if shared:
+        (stage / SHARED_WEIGHTS).write_text(shared_weights_text(run_id, shared))
+        staged.append(stage / SHARED_WEIGHTS)
     side = int(request.input_example_size or info.img_size)
-    example = np.random.default_rng(0).standard_normal((EXAMPLE_BATCH, 3, side, side), dtype=np.float32)
+    # Zeros: torch.export reads the example's shape and dtype, not its values, and MLflow keeps it twice as
+    # JSON text (input_example.json, serving_input_example.json), where a random float32 takes ~20
+    # characters and 0.0 three: 15.5 MB against ~2 MB for a 224 px batch of 2.
+    example = np.zeros((EXAMPLE_BATCH, 3, side, side), dtype=np.float32)
     progress(f"logging {spec['model']} ({info.params_m:.1f} M params) as an MLflow pytorch model (pt2) "
              f"under run {run_id} ...")
     logged = mlflow.pytorch.log_model(
@@ -118,7 +135,7 @@ def _log_and_register(client, run_id: str, loaded: tuple, checkpoint, request: _
         # MLflow would reload the pt2 and serve the example (~half the time), and only warn on failure
         validate_serving_input=False,
         metadata={CHECKPOINT_TAG: checkpoint.manifest["format"], "vitreg_model": spec["model"]})
-    version_tags = _version_tags(client, run_id, spec, info, checkpoint, request.source, request.tags)
+    version_tags = _version_tags(client, run_id, (spec, info), located, request.source, request.tags)
     mv = mlflow.register_model(logged.model_uri, name, tags=version_tags)
     _tag_registered_model(client, name, spec["model"])
     moved_from = None
@@ -211,7 +228,32 @@ def _pip_requirements() -> list[str]:
     return reqs
 
 
-def _version_tags(client, run_id: str, spec: dict, info, checkpoint, source: str, extra: dict | None) -> dict:
+def _shared_folder(client, run_id: str, located) -> str | None:
+    """The ``checkpoints/step-<N>`` folder of run ``run_id`` that holds these very weights (same sha256), for
+    the version to share; None when the run logged no such folder (the version then holds a copy)."""
+    checkpoint = located.checkpoint
+    if located.run_folder and located.run_id == run_id:
+        folder = located.run_folder
+    elif checkpoint.directory.parent.name == "checkpoints":  # train's own step-<N>, logged under that name
+        folder = f"checkpoints/{checkpoint.directory.name}"
+    else:
+        return None
+    if not re.fullmatch(r"checkpoints/step-\d+", folder):
+        return None
+    try:
+        with tempfile.TemporaryDirectory(prefix="vitreg-shared-") as tmp:
+            logged = json.loads(Path(client.download_artifacts(run_id, f"{folder}/{ckpt.MANIFEST}", tmp)).read_text())
+        sha = logged["files"][ckpt.WEIGHTS]["sha256"]
+    except (mlflow.exceptions.MlflowException, OSError, ValueError, KeyError, TypeError):
+        return None
+    return folder if sha == checkpoint.manifest["files"][ckpt.WEIGHTS]["sha256"] else None
+
+
+def _version_tags(client, run_id: str, loaded: tuple, located, source: str, extra: dict | None) -> dict:
+    spec, info = loaded
+    checkpoint = located.checkpoint
+    if located.run_folder and located.run_id:  # the folder `last` named, not the moving name
+        source = f"runs:/{located.run_id}/{located.run_folder}"
     run = client.get_run(run_id)
     tags = {
         "model": spec["model"],
@@ -233,8 +275,8 @@ def _version_tags(client, run_id: str, spec: dict, info, checkpoint, source: str
 
 
 def _checkpoint_source(source: str, directory: Path, run_id: str) -> str:
-    # A URI names itself. Training saves checkpoints/step-<N>/ and checkpoints/last/ locally and logs
-    # them under the same names: name the run artifact when the folder looks like one, else the local path.
+    # A URI names itself. Training saves checkpoints/step-<N>/ locally and logs it under the same name:
+    # name the run artifact when the folder looks like one, else the local path.
     if source.startswith(("runs:/", "models:/")):
         return source
     directory = Path(directory).resolve()

@@ -77,6 +77,8 @@ class Tracker(Protocol):
     def log_dict(self, data: dict, artifact_file: str) -> None: ...
     def log_artifact(self, path, artifact_path: str | None = None) -> None: ...
     def log_artifacts(self, path, artifact_path: str | None = None) -> None: ...
+    #: remove what was logged at ``artifact_path`` (a checkpoint beyond ``keep_checkpoints``), in order
+    def delete_artifacts(self, artifact_path: str) -> None: ...
     def set_note(self, text: str) -> None: ...
 
     def artifact_uri(self, path: str = "") -> str:
@@ -117,6 +119,9 @@ class NullTracker(Tracker):
         pass
 
     def log_artifacts(self, path, artifact_path=None):
+        pass
+
+    def delete_artifacts(self, artifact_path):
         pass
 
     def set_note(self, text):

@@ -5,7 +5,8 @@ A spool is a folder ``<root>/<spool id>/`` holding
 - ``journal.jsonl``: one JSON record a line, each with a sequence number ``seq`` (0, 1, 2, ...):
   ``run`` (seq 0: experiment, run name, start time, the server's run id when known), ``params``,
   ``tags``, ``metrics`` (``[key, value, timestamp_ms, step]`` points), ``artifact`` (a file or folder
-  copied into ``artifacts/<seq>/``) and ``end`` (final status and end time);
+  copied into ``artifacts/<seq>/``), ``delete`` (an artifact path of the run to remove: a checkpoint
+  beyond ``keep_checkpoints``) and ``end`` (final status and end time);
 - ``lock``: held (``flock``) by the one process that writes or delivers this spool.
 
 Appending is a local write and flush (no network, no fsync); :meth:`Spool.fsync` makes the journal
@@ -281,6 +282,10 @@ class Spool:
             (slot / name).write_text(scrub(text), encoding="utf-8")
         return self._append({"kind": "artifact", "path": str((slot / name).relative_to(self.path)),
                              "is_dir": False, "artifact_path": directory or None})
+
+    def append_delete(self, artifact_path: str) -> dict:
+        """``delete_artifacts``: remove what the run holds at ``artifact_path``, once what came before is delivered."""
+        return self._append({"kind": "delete", "artifact_path": str(artifact_path)})
 
     def append_end(self, status: str, end_time_ms: int | None = None) -> dict:
         return self._append({"kind": "end", "status": status, "end_time": end_time_ms or now_ms()})

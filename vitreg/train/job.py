@@ -11,9 +11,10 @@ MLflow calls that never run inside a step:
 
 - curves (``train_loss``, ``lr``, ``train_img_per_s``, ``grad_norm``, ``data_wait_frac``, ``epoch``,
   ``val_top1``) as one ``log_metrics`` batch per ``log_every`` steps;
-- checkpoints as run artifacts ``checkpoints/step-<N>/`` and then ``checkpoints/last/`` (so ``last`` is
-  always the newest, and a process killed while ``last`` is copied still leaves an intact
-  ``step-<N>``), by :class:`CheckpointUploader`;
+- checkpoints as run artifacts ``checkpoints/step-<N>/``, then the small file ``checkpoints/last`` naming
+  the newest (one copy of the weights and optimizer state per step, and ``last`` moves only once its
+  folder is complete), then the deletion of the steps beyond ``keep_checkpoints``, by
+  :class:`CheckpointUploader`;
 - the summary metrics, ``results.json``, environment and pip freeze at the end; then ``register_as``
   (:func:`_register`), checked against the registry while the plan is resolved.
 
@@ -52,6 +53,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
 
+from vitreg.checkpoint import format as ckpt
 from vitreg.config.spec import TrainSpec
 from vitreg.console import progress
 from vitreg.ddp import launcher as launch
@@ -336,7 +338,7 @@ def _run_loop(plan: TrainPlan, logger: RunLogger, data):
             bar.message(f"epoch {epoch}: val top-1 {metrics['val_top1']:.2f}%")
         logger.metrics({k: v for k, v in metrics.items() if k != "epoch"}, epoch * data.steps_per_epoch)
 
-    hooks = loop.Hooks(bar.step, on_log, CheckpointUploader(logger), on_epoch_end, bar.message)
+    hooks = loop.Hooks(bar.step, on_log, CheckpointUploader(logger, spec.keep_checkpoints), on_epoch_end, bar.message)
     ranks = loop.Ranks(world.world_size, world.rank, world.is_main, ctx.wrap, ctx.reducer)
     checkpoints = loop.Checkpoints(plan.workdir / CHECKPOINT_ARTIFACTS, plan.resume, {"run_id": plan.run.run_id})
     try:
@@ -530,20 +532,29 @@ class RunLogger:
 
 
 class CheckpointUploader:
-    """Logs each checkpoint as ``checkpoints/step-<N>`` then ``checkpoints/last``, then deletes the local
-    copies of older checkpoints (the newest stays, for registration)."""
+    """Logs each checkpoint as ``checkpoints/step-<N>``, then points ``checkpoints/last`` at it, then deletes
+    the run's checkpoints beyond the newest ``keep`` (0: none) and the local copies of older ones (the
+    newest stays, for registration).
 
-    def __init__(self, logger: RunLogger):
+    In that order, through the run's one ordered queue: a process killed at any point leaves ``last``
+    naming a complete folder, and never fewer than ``keep`` of them."""
+
+    def __init__(self, logger: RunLogger, keep: int = 1):
         self.logger = logger
+        self.keep = keep
         self._uploaded: list[Path] = []
+        self._kept: list[int] = []  # the steps this run holds under checkpoints/, oldest first
 
     def __call__(self, step: int, path: Path) -> None:
         self.logger.submit(self._upload, step, Path(path))
 
     def _upload(self, step: int, path: Path) -> None:
         tracker = self.logger.tracker
-        tracker.log_artifacts(path, f"{CHECKPOINT_ARTIFACTS}/step-{step}")
-        tracker.log_artifacts(path, f"{CHECKPOINT_ARTIFACTS}/last")
+        tracker.log_artifacts(path, f"{CHECKPOINT_ARTIFACTS}/{ckpt.step_folder(step)}")
+        tracker.log_text(ckpt.last_pointer(step), f"{CHECKPOINT_ARTIFACTS}/{ckpt.LAST}")
+        self._kept = [s for s in self._kept if s != step] + [step]
+        while self.keep and len(self._kept) > self.keep:
+            tracker.delete_artifacts(f"{CHECKPOINT_ARTIFACTS}/{ckpt.step_folder(self._kept.pop(0))}")
         for old in self._uploaded:
             if old != path:
                 shutil.rmtree(old, ignore_errors=True)
