@@ -61,14 +61,23 @@ def test_a_lock_path_that_is_a_folder_is_named_not_called_a_broken_store(tmp_pat
     assert "move it away" not in message and "not a usable" not in message
 
 
-@pytest.mark.parametrize("damage", [_truncated, _overwritten])
-def test_a_damaged_store_is_called_damaged_with_a_way_out(tmp_path, damage):
-    uri = damage(tmp_path)
+def test_a_truncated_store_is_called_damaged_with_a_way_out(tmp_path):
+    """A sqlite file cut short (a copy interrupted, a full disk): "damaged", restore from a backup."""
+    uri = _truncated(tmp_path)
     with pytest.raises(StoreError) as caught:
         prepare_store(uri)
     message = str(caught.value)
-    assert f"the tracking store {sqlite_path(uri)} " in message, message
-    assert ("is damaged" in message and "restore it from a backup" in message) or "not a usable" in message, message
+    assert f"the tracking store {sqlite_path(uri)} is damaged" in message and "restore it from a backup" in message
+
+
+def test_an_overwritten_store_is_one_line_naming_it(tmp_path):
+    """Its header overwritten, sqlite cannot tell a damaged store from a file that never was one."""
+    uri = _overwritten(tmp_path)
+    with pytest.raises(StoreError) as caught:
+        prepare_store(uri)
+    message = str(caught.value)
+    assert f"the tracking store {sqlite_path(uri)} " in message
+    assert "is damaged" in message or "not a usable MLflow database" in message, message
 
 
 @pytest.mark.slow

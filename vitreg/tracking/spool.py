@@ -12,7 +12,9 @@ Appending is a local write and flush (no network, no fsync); :meth:`Spool.fsync`
 durable and is called at batch boundaries (before each delivery attempt and at the end). A line torn by
 a crash is the last one and is ignored on reading. Delivery (live, or later with ``vitreg sync``) sends
 records in order; the server run's ``vitreg_spool_seq.<spool id>`` tag says how far it got (see
-:mod:`vitreg.tracking.delivery`). A fully delivered spool is removed. What a tag, metric or dict artifact
+:mod:`vitreg.tracking.delivery`). A spool is removed only once the store's run is counted to hold
+all of it. A spool is data from outside (`vitreg sync` may be pointed at one somebody else wrote): every
+record is checked (:func:`record_problem`) before any of it is delivered. What a tag, metric or dict artifact
 may hold on its way to MLflow (:func:`clean_tags`, :func:`clean_metrics`, :func:`dict_text`) is said here
 once, for every tracker.
 
