@@ -345,7 +345,8 @@ def _running(uri: str) -> list:
 @pytest.mark.slow
 @pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("setpriv"), reason="modes met as root need setpriv")
 def test_an_unreadable_journal_is_one_line_and_kept(tmp_path):
-    """Issue 31 family 1: an unreadable journal gave a PermissionError traceback from `vitreg sync`."""
+    """Issue 31 family 1: an unreadable journal gave a PermissionError traceback from `vitreg sync`; so did a
+    folder of spools that cannot be listed."""
     uri = migrated_store(tmp_path / "store")
     spool = offline_run(tmp_path / "spool", tmp_path)
     os.chown(spool.path / JOURNAL, 65534, 65534)  # another user's journal, 0600
@@ -356,6 +357,13 @@ def test_an_unreadable_journal_is_one_line_and_kept(tmp_path):
     assert len(errors) == 1 and "Traceback" not in done.stderr, done.stderr[-3000:]
     assert f"{spool.path / JOURNAL} cannot be read (Permission denied)" in errors[0], errors[0]
     assert (spool.path / JOURNAL).exists()
+
+    os.chown(spool.path.parent, 65534, 65534)  # a folder of spools this user cannot list
+    os.chmod(spool.path.parent, 0o700)
+    done = _vitreg_as(["sync", "--spool", str(spool.path.parent)], subprocess_env(uri), tmp_path, no_bypass=True)
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+    assert done.returncode == 2 and len(errors) == 1 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    assert f"the spools at {spool.path.parent} cannot be listed (Permission denied)" in errors[0], errors[0]
 
 
 @pytest.mark.slow

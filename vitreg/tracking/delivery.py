@@ -40,9 +40,9 @@ from vitreg.config.parse import parse_float
 from vitreg.console import progress
 from vitreg.errors import VitregError
 from vitreg.tracking.mlflow_on_first_use import mlflow
-from vitreg.tracking.spool import (MAX_METRICS, MAX_PARAMS, MAX_TAGS, Spool, SpoolBusy, SpoolDamaged, SpoolLost,
-                                   SpoolUnusable, Contents, check_spool_root, clean_tags, dict_text, flush_timeout_s, held,
-                                   offline_mode, spool_root)
+from vitreg.tracking.spool import (MAX_METRICS, MAX_PARAMS, MAX_TAGS, Contents, Spool, SpoolBusy, SpoolDamaged,
+                                   SpoolLost, SpoolUnusable, check_spool_root, clean_tags, dict_text, flush_timeout_s,
+                                   held, offline_mode, spool_root)
 from vitreg.tracking.store import first_line, http_timeout_s, quiet_run_links, short_http_requests, store_errors
 from vitreg.tracking.uris import redact, scrub
 

@@ -323,7 +323,14 @@ class Spool:
     @staticmethod
     def find(path: Path) -> list["Spool"]:
         """The spools at ``path``: the folder itself if it is one, else the spools inside it (oldest first)."""
-        path = Path(path)
+        try:
+            return Spool._found(Path(path))
+        except OSError as exc:
+            raise SpoolUnusable(f"the spools at {path} cannot be listed ({exc.strerror or exc}): run `vitreg sync` as "
+                                f"the user who wrote them, or fix that folder's permissions") from None
+
+    @staticmethod
+    def _found(path: Path) -> list["Spool"]:
         if (path / JOURNAL).is_file():
             return [Spool(path)]
         if not path.is_dir():

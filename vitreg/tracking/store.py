@@ -168,8 +168,9 @@ def store_fault(exc: BaseException, uri: str, doing: str = "") -> StoreError:
         return StoreError(f"{where} is not a usable MLflow database ({reason}): move it away (a new one is "
                           f"created) or point MLFLOW_TRACKING_URI elsewhere")
     if _NOT_HTTP.search(f"{type(exc).__name__} {text}"):
-        said = re.search(r"(BadStatusLine|RemoteDisconnected)\(['\"]?([^'\")]*)", text)
-        reason = f"{said.group(1)}: {said.group(2).strip().removesuffix(chr(92) + 'r' + chr(92) + 'n')}" if said else reason
+        # what was said instead of HTTP (an SSH banner), not urllib3's paragraph around it
+        said = re.search(r"(BadStatusLine|RemoteDisconnected)\(['\"]?([^'\")\\]*)", text)
+        reason = f"{said.group(1)}: {said.group(2).strip()}" if said else reason
         return StoreError(f"{where} answers{while_doing}, but not as an MLflow server speaks ({reason}): is "
                           f"MLFLOW_TRACKING_URI the server's address and port?")
     if _REFUSED.search(text):
