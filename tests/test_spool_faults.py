@@ -358,9 +358,10 @@ def test_an_unreadable_journal_is_one_line_and_kept(tmp_path):
     assert f"{spool.path / JOURNAL} cannot be read (Permission denied)" in errors[0], errors[0]
     assert (spool.path / JOURNAL).exists()
 
-    os.chown(spool.path.parent, 65534, 65534)  # a folder of spools this user cannot list
+    os.chown(spool.path.parent, 65534, 65534)  # the spool folder (VITREG_SPOOL_DIR) this user cannot list
     os.chmod(spool.path.parent, 0o700)
-    done = _vitreg_as(["sync", "--spool", str(spool.path.parent)], subprocess_env(uri), tmp_path, no_bypass=True)
+    env = subprocess_env(uri, VITREG_SPOOL_DIR=str(spool.path.parent))
+    done = _vitreg_as(["sync"], env, tmp_path, no_bypass=True)
     errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
     assert done.returncode == 2 and len(errors) == 1 and "Traceback" not in done.stderr, done.stderr[-3000:]
     assert f"the spools at {spool.path.parent} cannot be listed (Permission denied)" in errors[0], errors[0]
