@@ -150,7 +150,7 @@ def server(tmp_path_factory):
 
 def test_children_without_a_route_to_the_server_spool_and_the_parent_syncs_each_once(slurm_cluster, server,
                                                                                     tmp_path):
-    from vitreg.tracking.delivery import pending
+    from vitreg.tracking.sync import pending
 
     slurm_cluster.cut_off("gpu-a100")
     try:

@@ -25,8 +25,8 @@ from mlflow.tracking import MlflowClient
 from vitreg.cli.main import sync as sync_command
 from vitreg.errors import StoreError, VitregError
 
-from vitreg.tracking.delivery import (SPOOL_ID_TAG, SpoolingTracker, SyncError, experiment_id_for, open_run, seq_tag,
-                                      sync)
+from vitreg.tracking.delivery import SPOOL_ID_TAG, SpoolingTracker, experiment_id_for, open_run, seq_tag
+from vitreg.tracking.sync import SyncError, sync
 from vitreg.tracking.spool import Spool, flush_timeout_s, offline_mode, spool_root
 
 from conftest import REPO, free_port, migrated_store, premigrated, subprocess_env
@@ -636,7 +636,7 @@ def test_server_killed_mid_run_then_sync_delivers_everything_once(tmp_path, monk
         server.stop(proc)
 
 
-SYNC_CHILD = "import sys; from vitreg.tracking.delivery import sync; sync(sys.argv[1])"
+SYNC_CHILD = "import sys; from vitreg.tracking.sync import sync; sync(sys.argv[1])"
 
 
 @pytest.mark.slow

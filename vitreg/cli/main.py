@@ -151,7 +151,7 @@ def check(experiment, metric, log_experiment, window, candidate, candidate_tag, 
 def sync(spool_dir, tracking_uri):
     """Deliver runs that were logged locally (server down, offline=true, killed) exactly once."""
     from vitreg.tracking.spool import spool_root
-    from vitreg.tracking.delivery import sync as deliver
+    from vitreg.tracking.sync import sync as deliver
 
     results = deliver(spool_dir, tracking_uri)
     if not results:

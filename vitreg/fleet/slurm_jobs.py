@@ -213,7 +213,7 @@ class Follower:
 
     def _deliver(self, child: _Child) -> None:
         """The child's spool from the shared folder to the tracking store, once; then the folder goes."""
-        from vitreg.tracking.delivery import sync
+        from vitreg.tracking.sync import sync
 
         folder = self.spools_dir / child.run_id
         if folder.is_dir():

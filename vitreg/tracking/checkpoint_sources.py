@@ -36,7 +36,7 @@ from vitreg.checkpoint.export import export_folder
 from vitreg.console import progress
 from vitreg.errors import VitregError, path_kind
 from vitreg.tracking.mlflow_on_first_use import mlflow
-from vitreg.tracking.store import first_line, quiet_artifact_downloads
+from vitreg.tracking.store import first_line, quiet_artifact_downloads, store_error_for, store_fault
 from vitreg.tracking.uris import tracking_uri
 
 #: Where the checkpoint files live inside a registered model version's artifacts.
@@ -100,9 +100,10 @@ def mlflow_call(fn, what: str):
     except mlflow.exceptions.MlflowException as exc:
         if exc.get_http_status_code() < 500:
             raise  # the server answered (no such run or model): the caller says so
-        raise VitregError(f"the MLflow tracking server at {tracking_uri()} failed to {what}: "
-                          f"{first_line(exc)} (check that it is up and answers)") from None
-    except Exception as exc:  # connection refused, DNS, ...
+        raise store_fault(exc, mlflow.get_tracking_uri(), f"trying to {what}") from None
+    except Exception as exc:  # connection refused, DNS, a locked or damaged store file, ...
+        if store_error_for(exc) is not None:
+            raise store_fault(exc, mlflow.get_tracking_uri(), f"trying to {what}") from None
         raise VitregError(f"cannot reach the MLflow tracking server at {tracking_uri()} to {what}: "
                           f"{first_line(exc)} (check MLFLOW_TRACKING_URI)") from None
 

@@ -23,7 +23,7 @@ accepted). Artifacts are uploaded to the same path again (an overwrite), and the
 before the tag that covers it. A run the server never saw is created with the tag ``vitreg_spool_id``
 and looked up by that tag before creating, so a crash right after creating it does not make a second run.
 
-``vitreg sync`` (:func:`sync`): each spool goes to the tracking URI given, else the one it was logged
+``vitreg sync`` (:func:`vitreg.tracking.sync.sync`): each spool goes to the tracking URI given, else the one it was logged
 against, else the current one (``MLFLOW_TRACKING_URI``); delivery resumes where the server's run says it
 stopped: a second sync adds nothing, a sync cut short resumes. A delivered spool is removed; a spool held
 by a running process is left to it.
@@ -31,7 +31,7 @@ by a running process is left to it.
 
 from __future__ import annotations
 
-import dataclasses
+import contextlib
 import os
 import shutil
 import threading
@@ -42,11 +42,11 @@ from vitreg.config.parse import parse_float
 from vitreg.console import progress
 from vitreg.errors import VitregError
 from vitreg.tracking.mlflow_on_first_use import mlflow
-from vitreg.tracking.spool import (MAX_METRICS, MAX_PARAMS, MAX_TAGS, Spool, SpoolBusy, SpoolLost, clean_tags,
-                                   dict_text, flush_timeout_s, held, offline_mode, spool_root)
+from vitreg.tracking.spool import (MAX_METRICS, MAX_PARAMS, MAX_TAGS, Contents, Spool, SpoolLost, SpoolUnusable,
+                                   check_spool_root, clean_tags, dict_text, flush_timeout_s, offline_mode, spool_root)
 from vitreg.tracking.store import (create_experiment, first_line, http_timeout_s, quiet_run_links, short_http_requests,
                                    store_errors)
-from vitreg.tracking.uris import redact, scrub
+from vitreg.tracking.uris import scrub
 
 SPOOL_ID_TAG = "vitreg_spool_id"
 HEARTBEAT_TAG = "vitreg_heartbeat"  # unix seconds, refreshed while the process that logs the run is alive
@@ -230,6 +230,37 @@ class Delivery:
         self._send(batch)
         return self.delivered_seq
 
+    def shortfall(self, records: list[dict]) -> str | None:
+        """What the server's run lacks of ``records``, counted: params and tags by name, metric points per
+        name, artifact files by path, the final status. None when it holds them all (it may hold more:
+        another process logging into the same run). Only then may the spool go."""
+        expected = Contents(records, Path(self.spool.path))
+        run = self.client.get_run(self.connect())
+        lacking = [f"param {k}" for k in sorted(expected.params - run.data.params.keys())]
+        lacking += [f"tag {k}" for k in sorted(expected.tags - run.data.tags.keys())]
+        for key, points in sorted(expected.points.items()):
+            held_points = len(self.client.get_metric_history(self.run_id, key))
+            if held_points < points:
+                lacking.append(f"metric {key}: {held_points} of {points} points")
+        lacking += [f"artifact {path}" for path in self._missing_files(expected.files)]
+        if expected.status and run.info.status != expected.status:
+            lacking.append(f"status {expected.status} (it is {run.info.status})")
+        if not lacking:
+            return None
+        more = f" and {len(lacking) - 3} more" if len(lacking) > 3 else ""
+        return f"{', '.join(lacking[:3])}{more}"
+
+    def _missing_files(self, paths: set[str]) -> list[str]:
+        listed: dict[str, set[str]] = {}
+        missing = []
+        for path in sorted(paths):
+            folder = path.rpartition("/")[0]
+            if folder not in listed:
+                listed[folder] = {f.path for f in self.client.list_artifacts(self.run_id, folder or None)}
+            if path not in listed[folder]:
+                missing.append(path)
+        return missing
+
     def beat(self) -> None:
         """A heartbeat alone (nothing else to send)."""
         self.connect()
@@ -247,6 +278,8 @@ class Delivery:
         """The records that are not log_batch calls: an artifact upload, the final status."""
         if record["kind"] == "artifact":
             local = str(Path(self.spool.path) / record["path"])
+            if not os.path.exists(local):
+                return  # its copy was freed once the store held it (_release): a second send finds nothing to send
             if record["is_dir"]:
                 self.client.log_artifacts(self.run_id, local, record.get("artifact_path"))
             else:
@@ -485,13 +518,27 @@ class SpoolingTracker:
         self._wake.set()
         if delivered:
             self._thread.join()
-            self.spool.remove()
-            if self._delivery is not None:
-                self._delivery.tidy_up()  # after the spool went: a crash between leaves tags, never a re-send
-            return True
+            lacking = self._lacking()
+            if lacking is None:
+                self.spool.remove()
+                if self._delivery is not None:
+                    self._delivery.tidy_up()  # after the spool went: a crash between leaves tags, never a re-send
+                return True
+            progress(f"the tracking store's run {self.run_id} lacks {lacking}: " + sync_hint(self.spool))
+            self.spool.release()  # the thread is done: `vitreg sync` may take it now
+            return False
         reason = f"the tracking store did not take it in {timeout:g} s ({self._last_error or 'still sending'}): "
         progress(reason + sync_hint(self.spool))
         return False
+
+    def _lacking(self) -> str | None:
+        """What the server's run lacks of this spool (:meth:`Delivery.shortfall`), or the failure that kept
+        it from saying: the spool goes only once the store is seen to hold all of it."""
+        try:
+            with short_http_requests():
+                return self._delivery.shortfall(self.spool.records())
+        except Exception as exc:  # noqa: BLE001 - the store failed while counting: keep the spool
+            return f"a count of what it holds ({first_line(exc)})"
 
     def _close_lost(self) -> bool:
         """The spool can no longer keep the run: stop delivering, end the server run FAILED with the reason
@@ -580,7 +627,9 @@ def open_run(experiment_name: str = "Default", run_name: str | None = None, tags
     """
     offline = offline_mode(offline)
     uri = mlflow.get_tracking_uri()
-    run_id, existing, experiment_id = requested_run_id(), {}, None
+    root = Path(root or spool_root())
+    check_spool_root(root)  # before the server has a run: one that cannot be spooled is never RUNNING there
+    run_id, existing, experiment_id, created = requested_run_id(), {}, None, False
     if not offline:
         with short_http_requests(), store_errors(uri, "starting the run"):
             client = mlflow.MlflowClient(tracking_uri=uri)
@@ -589,81 +638,17 @@ def open_run(experiment_name: str = "Default", run_name: str | None = None, tags
                 experiment_name = client.get_experiment(run.info.experiment_id).name
             else:
                 run = client.create_run(experiment_id_for(client, experiment_name), run_name=run_name)
+                created = True
             run_id, existing, experiment_id = run.info.run_id, dict(run.data.params), run.info.experiment_id
-    tracker = SpoolingTracker.open(experiment_name, run_name=run_name, run_id=run_id, tracking_uri=uri,
-                                   root=root, offline=offline, existing_params=existing,
-                                   experiment_id=experiment_id)
+    try:
+        tracker = SpoolingTracker.open(experiment_name, run_name=run_name, run_id=run_id, tracking_uri=uri,
+                                       root=root, offline=offline, existing_params=existing,
+                                       experiment_id=experiment_id)
+    except SpoolUnusable as exc:  # the folder changed since the check (a disk filled): end the run we made
+        if created:
+            with short_http_requests(), contextlib.suppress(Exception):
+                end_with_reason(client, run_id, "FAILED", str(exc))
+        raise
     if tags:
         tracker.set_tags(tags)
     return tracker
-
-
-# --------------------------------------------------------------------------- later: vitreg sync
-
-
-class SyncError(VitregError):
-    """The tracking store did not take a spool; the message says what is still spooled."""
-
-
-@dataclasses.dataclass(frozen=True)
-class Synced:
-    spool: Path
-    run_id: str | None  # None: left alone (in use by a running process)
-    records: int  # journal records delivered by this sync (0 when the server already had them all)
-
-    def describe(self) -> str:
-        if self.run_id is None:
-            return f"left {self.spool}: in use by a running process, which delivers it itself"
-        return f"delivered {self.spool} -> run {self.run_id} ({self.records} new records)"
-
-
-def _target_uri(spool: Spool, tracking_uri: str | None) -> str:
-    return tracking_uri or spool.run_record.get("tracking_uri") or mlflow.get_tracking_uri()
-
-
-def sync_one(spool: Spool, tracking_uri: str | None = None) -> Synced:
-    """Deliver one spool (locking it); raises :class:`SpoolBusy` when a running process holds it."""
-    with held(spool):
-        records = spool.records()
-        delivery = Delivery(spool, mlflow.MlflowClient(tracking_uri=_target_uri(spool, tracking_uri)))
-        delivery.connect()
-        new = sum(r["seq"] > delivery.delivered_seq and r["kind"] != "run" for r in records)
-        delivery.push(records)
-    spool.remove()
-    delivery.tidy_up()
-    return Synced(spool.path, delivery.run_id, new)
-
-
-def pending(spool_dir: Path | None = None) -> list[Spool]:
-    """The spools waiting under ``spool_dir`` (default: :func:`~vitreg.tracking.spool.spool_root`)."""
-    return Spool.find(Path(spool_dir) if spool_dir else spool_root())
-
-
-def _left(spool_dir: Path | None) -> str:
-    spools = pending(spool_dir)
-    records = [r for spool in spools for r in spool.records() if r["kind"] != "run"]
-    points = sum(len(r.get("metrics", ())) for r in records)
-    return f"{len(spools)} run(s) under {spool_dir or spool_root()} ({len(records)} records, {points} metric points)"
-
-
-def sync(spool_dir: Path | None = None, tracking_uri: str | None = None) -> list[Synced]:
-    """Deliver every spool under ``spool_dir`` (a spool folder, or a folder of them).
-
-    Raises :class:`SyncError` (one line: the store, the reason, what is still spooled) at the first spool
-    the store does not take; spools delivered before it stay delivered.
-    """
-    if spool_dir is not None and not Path(spool_dir).is_dir():
-        raise SyncError(f"there is no spool at {spool_dir} (no such folder): what it held is lost, or the path is "
-                        f"wrong; `vitreg sync` without --spool delivers every spool under {spool_root()}")
-    done = []
-    with short_http_requests():
-        for spool in pending(spool_dir):
-            try:
-                done.append(sync_one(spool, tracking_uri))
-            except SpoolBusy:
-                done.append(Synced(spool.path, None, 0))
-            except Exception as exc:  # noqa: BLE001 - unreachable, 5xx, refused: say so in one line
-                raise SyncError(f"the tracking store at {redact(_target_uri(spool, tracking_uri))} did not take "
-                                f"the spool {spool.path} ({first_line(exc)}); still spooled: "
-                                f"{_left(spool_dir)}; run `vitreg sync` again when the store is back") from None
-    return done

@@ -362,7 +362,7 @@ def mark_killed(runs: list[StaleRun], client: mlflow.MlflowClient | None = None)
 def _ended_in_a_spool() -> dict[str, str]:
     """``{spool id or run id: where its end is}`` of the runs whose local spool holds their end (a process
     stopped a second time before the store took it): such a run is over, and `vitreg sync` gives it its status."""
-    from vitreg.tracking.delivery import pending
+    from vitreg.tracking.sync import pending
 
     ended = {}
     for spool in pending():
@@ -414,6 +414,7 @@ def check_server(timeout: float = 5.0) -> None:
     uri = mlflow.get_tracking_uri()
     if not uri.startswith(("http://", "https://")):
         return
+    import http.client
     import urllib.error
     import urllib.request
 
@@ -424,6 +425,10 @@ def check_server(timeout: float = 5.0) -> None:
             resp.read()
     except urllib.error.HTTPError:
         return  # it answers (an auth wall answers 401): the server is there
+    except http.client.HTTPException as exc:  # something answers there, not in HTTP (an SSH banner)
+        raise StoreError(f"the tracking URI {redact(uri)} answers, but not as an MLflow server speaks "
+                         f"({type(exc).__name__}: {first_line(exc)}): is MLFLOW_TRACKING_URI the server's address "
+                         f"and port?") from None
     except (urllib.error.URLError, OSError, ValueError) as exc:
         reason = getattr(exc, "reason", exc)
         raise StoreError(f"the MLflow tracking server at {redact(uri)} does not answer ({reason}): start it with "

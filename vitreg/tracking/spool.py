@@ -13,7 +13,9 @@ Appending is a local write and flush (no network, no fsync); :meth:`Spool.fsync`
 durable and is called at batch boundaries (before each delivery attempt and at the end). A line torn by
 a crash is the last one and is ignored on reading. Delivery (live, or later with ``vitreg sync``) sends
 records in order; the server run's ``vitreg_spool_seq.<spool id>`` tag says how far it got (see
-:mod:`vitreg.tracking.delivery`). A fully delivered spool is removed. What a tag, metric or dict artifact
+:mod:`vitreg.tracking.delivery`). A spool is removed only once the store's run is counted to hold
+all of it. A spool is data from outside (`vitreg sync` may be pointed at one somebody else wrote): every
+record is checked (:func:`record_problem`) before any of it is delivered. What a tag, metric or dict artifact
 may hold on its way to MLflow (:func:`clean_tags`, :func:`clean_metrics`, :func:`dict_text`) is said here
 once, for every tracker.
 
@@ -28,7 +30,9 @@ import contextlib
 import errno
 import fcntl
 import json
+import math
 import os
+import re
 import shutil
 import threading
 import time
@@ -103,6 +107,15 @@ class SpoolLost(VitregError):
     """The spool cannot keep what the run logs any more: its folder was removed, or its disk is full."""
 
 
+class SpoolUnusable(VitregError):
+    """The spool folder cannot be made or written (read-only, a file, a symlink loop, no permission, full)."""
+
+
+class SpoolDamaged(VitregError):
+    """A journal that does not read as vitreg writes one (garbled, not UTF-8, unreadable, a record naming a file
+    outside its spool): nothing of that spool is delivered, and it is not removed."""
+
+
 def mount_point(path: Path) -> Path:
     """The mount point of the file system holding ``path`` (its nearest existing ancestor): the disk to name."""
     path = Path(path).absolute()
@@ -114,13 +127,166 @@ def mount_point(path: Path) -> Path:
     return path
 
 
+def os_reason(exc: OSError) -> tuple[int | None, str]:
+    """An OSError's errno and its words. ``shutil.Error`` (a tree copy's) carries no errno but a list of
+    ``(source, target, reason)``, one per file that failed: its first reason, and ENOSPC when any says the
+    disk is full (its repr runs to thousands of characters and names every file)."""
+    if isinstance(exc, shutil.Error) and exc.args and isinstance(exc.args[0], list) and exc.args[0]:
+        reasons = [str(entry[-1]) for entry in exc.args[0] if isinstance(entry, (tuple, list)) and entry]
+        full = next((r for r in reasons if f"[Errno {errno.ENOSPC}]" in r or f"[Errno {errno.EDQUOT}]" in r), None)
+        reason = full or (reasons[0] if reasons else "a copy failed")
+        match = re.search(r"\[Errno (\d+)\] ([^:']+)", reason)
+        return (int(match.group(1)), match.group(2).strip()) if match else (None, reason[:200])
+    return exc.errno, exc.strerror or str(exc)
+
+
+def disk_full_reason(path: Path) -> str:
+    return (f"the local disk at {mount_point(path)} holding the spool {path} is full: free space there or set "
+            f"VITREG_SPOOL_DIR to another disk")
+
+
 def lost_reason(spool_path: Path, exc: OSError) -> str:
     """One line saying why the spool cannot keep the run: the local disk (named) or the removed folder."""
-    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+    number, words = os_reason(exc)
+    if number in (errno.ENOSPC, errno.EDQUOT):
         return (f"the local disk at {mount_point(spool_path)} holding the spool {spool_path} is full: what the run "
                 f"measures from now on cannot be kept; free space there or set VITREG_SPOOL_DIR to another disk")
-    return (f"the spool {spool_path} cannot be written ({exc.strerror or exc}): what the run measures from now on "
+    return (f"the spool {spool_path} cannot be written ({words}): what the run measures from now on "
             f"cannot be kept; do not remove a spool while its run is logging")
+
+
+def check_spool_root(root: Path) -> None:
+    """Make sure spools can be written under ``root`` (made if missing), before a run exists anywhere:
+    a folder that is read-only, a file, a symlink loop or not writable, or a full disk, is one
+    :class:`SpoolUnusable` line naming the fix, and no run is left RUNNING on the server for it."""
+    root = Path(root)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        probe = root / f".probe-{uuid.uuid4().hex}"
+        with open(probe, "w") as fh:
+            fh.write("{}\n")  # a byte on disk, not only an inode: a full disk fails here
+            fh.flush()
+            os.fsync(fh.fileno())
+        probe.unlink()
+    except OSError as exc:
+        raise SpoolUnusable(unusable_reason(root, exc)) from None
+
+
+def unusable_reason(root: Path, exc: OSError) -> str:
+    number, words = os_reason(exc)
+    if number in (errno.ENOSPC, errno.EDQUOT):
+        return disk_full_reason(root)
+    return (f"the spool folder {root} cannot be written ({words}): set VITREG_SPOOL_DIR to a writable folder "
+            f"(runs are kept there until the tracking store has them), or fix that folder")
+
+
+# --------------------------------------------------------------------------- what a journal may hold
+# A spool is data from outside: `vitreg sync` may be pointed at one somebody else wrote. Every record is
+# checked against what Spool writes before anything of the spool is delivered: an artifact names a file
+# inside its own spool (resolved, symlinks followed: vitreg copies files in, never links), a tag is never
+# delivery's own bookkeeping, every value has the type MLflow is sent.
+
+RESERVED_TAG_PREFIX = "vitreg_spool_"  # delivery's own tags (the spool id, how far it got): never from a record
+STATUSES = ("FINISHED", "FAILED", "KILLED")
+_HEX_ID = re.compile(r"[0-9a-f]{32}")
+_RUN_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
+
+
+def _strings(value, limit: int, what: str) -> str | None:
+    if not isinstance(value, dict) or len(value) > limit:
+        return f"{what} is not a map of at most {limit} names"
+    if not all(isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
+        return f"{what} holds a value that is not text"
+    return None
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _metrics_problem(points) -> str | None:
+    if not isinstance(points, list) or len(points) > MAX_METRICS:
+        return f"metrics is not a list of at most {MAX_METRICS} points"
+    for point in points:
+        if not (isinstance(point, list) and len(point) == 4 and isinstance(point[0], str) and _is_number(point[1])
+                and all(isinstance(n, int) and not isinstance(n, bool) for n in point[2:])):
+            return f"the metric point {str(point)[:80]} is not [name, value, timestamp_ms, step]"
+    return None
+
+
+def _artifact_path_problem(artifact_path) -> str | None:
+    if artifact_path is None:
+        return None
+    if not isinstance(artifact_path, str) or artifact_path.startswith("/") or ".." in artifact_path.split("/"):
+        return f"artifact_path {str(artifact_path)[:80]!r} leaves the run's artifact folder"
+    return None
+
+
+def _inside_problem(spool_dir: Path, record: dict) -> str | None:
+    """Where an artifact record's file is: inside ``spool_dir/artifacts`` once resolved, no link anywhere in it."""
+    relative = record.get("path")
+    if not isinstance(relative, str) or not isinstance(record.get("is_dir"), bool):
+        return "an artifact record without a path"
+    artifacts = (spool_dir / "artifacts").resolve()
+    local = (spool_dir / relative).resolve()
+    if Path(relative).is_absolute() or not local.is_relative_to(artifacts) or local == artifacts:
+        return f"the artifact {relative!r} is outside the spool"
+    # a copy may be gone: delivery frees it once the store holds it (a checkpoint a step, so the spool does
+    # not keep every one until the run ends); what is there must be what the record says
+    if local.exists() and not (local.is_dir() if record["is_dir"] else local.is_file()):
+        return f"the artifact {relative!r} is not the {'folder' if record['is_dir'] else 'file'} its record says"
+    if record["is_dir"]:
+        for folder, dirs, files in os.walk(local):
+            if any(Path(folder, name).is_symlink() for name in dirs + files):
+                return f"the artifact {relative!r} holds a link (vitreg copies files into a spool, never links)"
+    return _artifact_path_problem(record.get("artifact_path"))
+
+
+def record_problem(spool_dir: Path, record, seq: int) -> str | None:
+    """What is wrong with journal record number ``seq`` of the spool at ``spool_dir`` (None: nothing)."""
+    if not isinstance(record, dict):
+        return "not a record"
+    kind = record.get("kind")
+    if record.get("seq") != seq or isinstance(record.get("seq"), bool):
+        return f"sequence number {str(record.get('seq'))[:20]} where {seq} was due"
+    if (seq == 0) != (kind == "run"):
+        return "the run record must come first, and once"
+    if kind == "run":
+        if not isinstance(record.get("spool_id"), str) or not _HEX_ID.fullmatch(record["spool_id"]):
+            return "the run record has no valid spool_id"
+        if record.get("run_id") is not None and not (isinstance(record["run_id"], str)
+                                                      and _RUN_ID.fullmatch(record["run_id"])):
+            return "the run record's run_id is not a run id"
+        if not all(isinstance(record.get(k), (str, type(None))) for k in ("experiment_name", "run_name",
+                                                                           "tracking_uri")):
+            return "the run record's names are not text"
+        return None if _is_number(record.get("start_time")) else "the run record has no start time"
+    if kind == "params":
+        return _strings(record.get("params"), MAX_PARAMS, "params")
+    if kind == "tags":
+        problem = _strings(record.get("tags"), MAX_TAGS, "tags")
+        if problem is None and any(k.startswith(RESERVED_TAG_PREFIX) for k in record["tags"]):
+            return f"a tag named {RESERVED_TAG_PREFIX}* (delivery's own)"
+        return problem
+    if kind == "metrics":
+        return _metrics_problem(record.get("metrics"))
+    if kind == "artifact":
+        return _inside_problem(spool_dir, record)
+    if kind == "delete":  # keep_checkpoints: a step folder the run no longer keeps
+        if not isinstance(record.get("artifact_path"), str) or not record["artifact_path"].strip("/"):
+            return "a delete record without an artifact path"
+        return _artifact_path_problem(record["artifact_path"])
+    if kind == "end":
+        if record.get("status") not in STATUSES or not _is_number(record.get("end_time")):
+            return "an end record without a final status and time"
+        return None
+    return f"an unknown kind of record {str(kind)[:40]!r}"
+
+
+def damaged(journal: Path, line: int, why: str) -> SpoolDamaged:
+    return SpoolDamaged(f"the spool journal {journal}:{line} is damaged ({why}): nothing of that spool was "
+                        f"delivered and it is left as it is; look at that line, or remove the spool "
+                        f"{journal.parent} if it is not yours")
 
 
 class Spool:
@@ -141,21 +307,37 @@ class Spool:
                tracking_uri: str | None = None, root: Path | None = None) -> "Spool":
         """A new spool (locked by this process) whose first record describes the run."""
         spool_id = uuid.uuid4().hex
-        spool = cls(Path(root or spool_root()) / spool_id)
-        (spool.path / "artifacts").mkdir(parents=True)
-        spool.lock()
+        root = Path(root or spool_root())
+        spool = cls(root / spool_id)
         if tracking_uri and has_credentials(tracking_uri):
             tracking_uri = None  # no secret on disk: sync takes the URI from its option or the environment
-        spool._append({"kind": "run", "spool_id": spool_id, "experiment_name": experiment_name,
-                       "run_name": run_name, "run_id": run_id, "tracking_uri": tracking_uri,
-                       "start_time": now_ms(), "pid": os.getpid()})
-        spool.fsync()
+        try:
+            (spool.path / "artifacts").mkdir(parents=True)
+            spool.lock()
+            spool._append({"kind": "run", "spool_id": spool_id, "experiment_name": experiment_name,
+                           "run_name": run_name, "run_id": run_id, "tracking_uri": tracking_uri,
+                           "start_time": now_ms(), "pid": os.getpid()})
+            spool.fsync()
+        except (OSError, SpoolLost, SpoolUnusable) as exc:  # no run may start that its spool cannot keep
+            spool.release()
+            shutil.rmtree(spool.path, ignore_errors=True)
+            if isinstance(exc, SpoolUnusable):
+                raise
+            error = exc if isinstance(exc, OSError) else exc.__context__ or OSError(str(exc))
+            raise SpoolUnusable(unusable_reason(root, error)) from None
         return spool
 
     @staticmethod
     def find(path: Path) -> list["Spool"]:
         """The spools at ``path``: the folder itself if it is one, else the spools inside it (oldest first)."""
-        path = Path(path)
+        try:
+            return Spool._found(Path(path))
+        except OSError as exc:
+            raise SpoolUnusable(f"the spools at {path} cannot be listed ({exc.strerror or exc}): run `vitreg sync` as "
+                                f"the user who wrote them, or fix that folder's permissions") from None
+
+    @staticmethod
+    def _found(path: Path) -> list["Spool"]:
         if (path / JOURNAL).is_file():
             return [Spool(path)]
         if not path.is_dir():
@@ -166,7 +348,11 @@ class Spool:
 
     def lock(self) -> None:
         """Hold this spool for this process (released on :meth:`release` or when the process dies)."""
-        fh = open(self.path / "lock", "a")
+        try:
+            fh = open(self.path / "lock", "a")
+        except OSError as exc:
+            raise SpoolUnusable(f"the spool {self.path} cannot be locked ({exc.strerror or exc}): run `vitreg sync` "
+                                f"as the user who wrote it, or make that folder writable") from None
         try:
             fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -192,15 +378,36 @@ class Spool:
     # ----------------------------------------------------------------- reading
 
     def records(self) -> list[dict]:
-        """Every complete record, in order (a line torn by a crash ends the journal and is dropped)."""
-        records = []
-        with open(self.path / JOURNAL, encoding="utf-8") as fh:
-            for line in fh:
-                try:
-                    records.append(json.loads(line))
-                except json.JSONDecodeError:
-                    break
+        """Every record, in order, each checked (:func:`record_problem`); raises :class:`SpoolDamaged` naming
+        the file and line of the first that is not as vitreg writes it. The one exception is a crash in the
+        middle of a write: a last line with no line end that does not parse is dropped."""
+        journal = self.path / JOURNAL
+        try:
+            lines = journal.read_bytes().split(b"\n")
+        except OSError as exc:
+            raise SpoolDamaged(f"the spool journal {journal} cannot be read ({exc.strerror or exc}): nothing of "
+                               f"that spool was delivered; run `vitreg sync` as the user who wrote it") from None
+        torn = lines.pop()  # after the last line end: b"" unless a write was cut short
+        records = [self._parsed(journal, number, line) for number, line in enumerate(lines, 1)]
+        if torn:
+            try:
+                records.append(json.loads(torn.decode("utf-8")))
+            except ValueError:  # UnicodeDecodeError and JSONDecodeError both are
+                pass
+        for seq, record in enumerate(records):
+            problem = record_problem(self.path, record, seq)
+            if problem:
+                raise damaged(journal, seq + 1, problem)
         return records
+
+    @staticmethod
+    def _parsed(journal: Path, number: int, line: bytes):
+        try:
+            return json.loads(line.decode("utf-8"))
+        except UnicodeDecodeError:
+            raise damaged(journal, number, "not UTF-8 text") from None
+        except ValueError as exc:
+            raise damaged(journal, number, f"not a JSON record: {exc}") from None
 
     @property
     def run_record(self) -> dict:
@@ -209,6 +416,8 @@ class Spool:
     # ----------------------------------------------------------------- appending
 
     def _append(self, record: dict) -> dict:
+        if self.lost:
+            return record  # said once, when it was lost (SpoolLost); the run's end says it again
         with self._write_lock:
             if self._fh is None:
                 if self._next_seq is None:  # reopened (sync): continue after what is there
@@ -261,6 +470,8 @@ class Spool:
         source = Path(local_path)
         if not source.exists():
             raise VitregError(f"artifact {source} does not exist: nothing to log")
+        if self.lost:
+            return {"kind": "artifact"}  # nothing is kept any more: not copied
         slot = f"artifacts/{uuid.uuid4().hex[:12]}"
         target = self.path / slot
         with self._kept():
@@ -276,6 +487,8 @@ class Spool:
     def append_text(self, text: str, artifact_file: str) -> dict:
         """``log_text``: the text as a file at ``artifact_file`` (``dir/name.ext``) of the run."""
         directory, _, name = artifact_file.rpartition("/")
+        if self.lost:
+            return {"kind": "artifact"}
         slot = self.path / "artifacts" / uuid.uuid4().hex[:12]
         with self._kept():
             slot.mkdir()  # no parents: a removed spool must fail here, not be made again
@@ -289,6 +502,41 @@ class Spool:
 
     def append_end(self, status: str, end_time_ms: int | None = None) -> dict:
         return self._append({"kind": "end", "status": status, "end_time": end_time_ms or now_ms()})
+
+
+class Contents:
+    """What a spool's records put on a run, as counts: param and tag names, distinct points per metric
+    (a point sent twice is stored once), artifact file paths, the final status."""
+
+    def __init__(self, records: list[dict], spool_dir: Path):
+        self.params: set[str] = set()
+        self.tags: set[str] = set()
+        distinct: dict[str, set] = {}
+        self.files: set[str] = set()
+        self.status = None
+        for record in records:
+            self.params.update(record.get("params", {}))
+            self.tags.update(record.get("tags", {}))
+            for key, value, stamp, step in record.get("metrics", ()):
+                distinct.setdefault(key, set()).add((stamp, step, repr(float(value))))
+            if record["kind"] == "artifact":
+                self.files.update(artifact_files(spool_dir, record))
+            elif record["kind"] == "delete":  # gone from the run on purpose: not lacking
+                gone = record["artifact_path"].strip("/")
+                self.files = {f for f in self.files if f != gone and not f.startswith(gone + "/")}
+            elif record["kind"] == "end":
+                self.status = record["status"]
+        self.points = {key: len(points) for key, points in distinct.items()}
+
+
+def artifact_files(spool_dir: Path, record: dict) -> list[str]:
+    """The run's artifact paths an artifact record puts there (``artifact_path/name``)."""
+    local = spool_dir / record["path"]
+    prefix = f"{record['artifact_path'].strip('/')}/" if record.get("artifact_path") else ""
+    if not record["is_dir"]:
+        return [prefix + local.name]
+    # a folder whose copy was freed after delivery (Delivery._release) is no longer countable here
+    return [prefix + f.relative_to(local).as_posix() for f in local.rglob("*") if f.is_file()]
 
 
 @contextlib.contextmanager

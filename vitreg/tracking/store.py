@@ -35,8 +35,10 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import functools
+import importlib.abc
 import os
 import re
+import sys
 import threading
 import time
 from pathlib import Path
@@ -49,6 +51,18 @@ from vitreg.tracking.mlflow_on_first_use import mlflow
 from vitreg.tracking.uris import absolute_uri, redact, scrub
 
 _BUSY = re.compile(r"database is locked|database is busy|SQLITE_BUSY", re.IGNORECASE)
+_CORRUPT = re.compile(r"database disk image is malformed|malformed database schema|"
+                      r"database or disk is full|unsupported file format", re.IGNORECASE)
+_READ_ONLY = re.compile(r"readonly database|read-only file system", re.IGNORECASE)
+_CANNOT_OPEN = re.compile(r"unable to open database file", re.IGNORECASE)
+_REFUSED = re.compile(r"connection refused|could not connect|Can't connect to|Name or service not known|"
+                      r"could not translate host name", re.IGNORECASE)
+_NOT_HTTP = re.compile(r"BadStatusLine|RemoteDisconnected|Connection aborted|InvalidChunkLength|"
+                       r"ProtocolError", re.IGNORECASE)
+#: MLflow's SQL store tries to build its engine 10 times, sleeping 0.1 * (2**n - 1) s between (~100 s against a
+#: database that is down) and reads no setting for it: a CLI command tries twice (0.1 s of sleep; a sqlite file
+#: another process holds locked costs sqlite's 5 s busy timeout an attempt)
+SQL_ENGINE_ATTEMPTS = 2
 PROGRESS_BAR_VARIABLE = "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR"
 RUN_LINKS_VARIABLE = "MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT"
 
@@ -139,11 +153,11 @@ def prepare_store(uri: str) -> None:
         try:
             _build(uri, path)
             return
+        except StoreError:
+            raise
         except Exception as exc:  # noqa: BLE001 - sqlalchemy/alembic errors: name the file, not a server
             if not _BUSY.search(str(exc)):
-                raise StoreError(f"the tracking store {path} is not a usable MLflow database ({first_line(exc)}): "
-                                 f"move it away (a new one is created) or point MLFLOW_TRACKING_URI "
-                                 f"elsewhere") from None
+                raise store_fault(exc, uri) from None
             if time.monotonic() + pause > deadline:
                 raise StoreError(f"the tracking store {path} is busy: another process held it locked for "
                                  f"{busy_wait_s():g} s (VITREG_STORE_BUSY_S); try again once it is done") from None
@@ -155,15 +169,20 @@ def prepare_store(uri: str) -> None:
 
 
 def _build(uri: str, path: Path) -> None:
+    lock = path.with_name(path.name + ".lock")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        with _exclusive(path.with_name(path.name + ".lock")):
+        with _exclusive(lock):
             if not path.exists() or path.stat().st_size == 0:
                 store_with_root(uri)  # creates the schema and the Default experiment, its artifacts in the root
                 progress(new_store_line(uri))
             mlflow.MlflowClient(tracking_uri=uri)  # builds MLflow's cached store: migrates an older schema
+    except IsADirectoryError:
+        raise StoreError(f"the lock file {lock} beside the tracking store {path} is a folder: remove that folder "
+                         f"(vitreg makes a file there to let one process at a time prepare the store)") from None
     except OSError as exc:
-        raise StoreError(f"the tracking store {path} cannot be created ({exc.strerror or exc}): "
+        raise StoreError(_local_reason(path, exc.strerror or str(exc)) or
+                         f"the tracking store {path} cannot be created ({exc.strerror or exc}): "
                          f"set MLFLOW_TRACKING_URI to a writable place") from None
 
 
@@ -173,6 +192,61 @@ def new_store_line(uri: str) -> str:
     if not os.environ.get("MLFLOW_TRACKING_URI"):
         line += ": MLflow's default in the current folder, as MLFLOW_TRACKING_URI is not set"
     return line
+
+
+def _local_reason(path: Path, reason: str) -> str | None:
+    """Why the sqlite file ``path`` cannot be opened, from what is on disk (as this user sees it): the store
+    or its folder missing, unreadable, or read-only (sqlite writes a journal beside the store even to read
+    one that another process changed). None when the disk shows nothing wrong."""
+    folder = path.parent
+    if not folder.is_dir():
+        return (f"the folder {folder} of the tracking store {path} does not exist or is not a folder ({reason}): "
+                f"fix the path in MLFLOW_TRACKING_URI")
+    if os.statvfs(folder).f_flag & os.ST_RDONLY:
+        return (f"the tracking store {path} is on a read-only file system ({reason}): sqlite writes beside the "
+                f"store even to read it; copy the store to a writable place and point MLFLOW_TRACKING_URI at "
+                f"the copy, or mount that file system read-write")
+    if path.exists() and not os.access(path, os.R_OK | os.W_OK):
+        return (f"the tracking store {path} cannot be read and written by this user ({reason}): fix its "
+                f"permissions (chown/chmod), or run as its owner")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        return (f"the folder {folder} of the tracking store {path} is read-only for this user ({reason}): "
+                f"sqlite writes its journal beside the store; make that folder writable, or copy the store to "
+                f"one that is and point MLFLOW_TRACKING_URI at the copy")
+    return None
+
+
+def store_fault(exc: BaseException, uri: str, doing: str = "") -> StoreError:
+    """The one line for a failure of the tracking store at ``uri``, with the advice for its cause: busy
+    (another process holds it locked), damaged, read-only or not permitted, missing, a server that does
+    not answer, or does not answer HTTP; else the reason and where to look."""
+    text, reason = str(exc), first_line(exc)
+    path = sqlite_path(uri)
+    where = f"the tracking store {path}" if path else f"the tracking store at {redact(uri)}"
+    while_doing = f" while {doing}" if doing else ""
+    if _BUSY.search(text):
+        return StoreError(f"{where} is busy{while_doing}: another process holds it locked; try again once it "
+                          f"is done (a sqlite store takes one writer at a time)")
+    if path and _CORRUPT.search(text):
+        return StoreError(f"{where} is damaged ({reason}): restore it from a backup, or move it away (a new "
+                          f"one is created; the runs in it are lost) or point MLFLOW_TRACKING_URI elsewhere")
+    if path and (_READ_ONLY.search(text) or _CANNOT_OPEN.search(text)):
+        return StoreError(_local_reason(path, reason) or f"{where} cannot be opened ({reason}): check its file "
+                                                         f"and folder, or MLFLOW_TRACKING_URI")
+    if path:
+        return StoreError(f"{where} is not a usable MLflow database ({reason}): move it away (a new one is "
+                          f"created) or point MLFLOW_TRACKING_URI elsewhere")
+    if _NOT_HTTP.search(f"{type(exc).__name__} {text}"):
+        # what was said instead of HTTP (an SSH banner), not urllib3's paragraph around it
+        said = re.search(r"(BadStatusLine|RemoteDisconnected)\(['\"]?([^'\")\\]*)", text)
+        reason = f"{said.group(1)}: {said.group(2).strip()}" if said else reason
+        return StoreError(f"{where} answers{while_doing}, but not as an MLflow server speaks ({reason}): is "
+                          f"MLFLOW_TRACKING_URI the server's address and port?")
+    if _REFUSED.search(text):
+        return StoreError(f"{where} does not answer{while_doing} ({reason}): start it, or fix "
+                          f"MLFLOW_TRACKING_URI")
+    return StoreError(f"{where} failed{while_doing} ({reason}): check that it is up and answers, or "
+                      f"MLFLOW_TRACKING_URI")
 
 
 def busy_wait_s() -> float:
@@ -224,6 +298,50 @@ def bound_http_requests() -> None:
                         ("MLFLOW_HTTP_REQUEST_BACKOFF_JITTER", "0.5"),
                         ("MLFLOW_HTTP_REQUEST_TIMEOUT", str(http_timeout_s()))):
         os.environ.setdefault(name, value)
+    bound_sql_engine_attempts()
+
+
+class _SqlEngineAttempts(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Sets :data:`SQL_ENGINE_ATTEMPTS` on MLflow's ``mlflow.store.db.utils`` when MLflow imports it: that
+    module costs seconds to import (sqlalchemy), and only a process that opens a SQL store needs it."""
+
+    name = "mlflow.store.db.utils"
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname != self.name:
+            return None
+        for finder in sys.meta_path:
+            spec = None if finder is self else finder.find_spec(fullname, path, target)
+            if spec is not None:
+                self._loader, spec.loader = spec.loader, self
+                return spec
+        return None
+
+    def create_module(self, spec):
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module):
+        self._loader.exec_module(module)
+        _bound(module)
+
+
+def _bound(module) -> None:
+    import logging
+
+    module.MAX_RETRY_COUNT = min(module.MAX_RETRY_COUNT, SQL_ENGINE_ATTEMPTS)
+    # each failed attempt is a multi-line WARNING; the command's one error line says what failed
+    logging.getLogger(module.__name__).addFilter(
+        lambda record: not record.getMessage().startswith("SQLAlchemy engine could not be created"))
+
+
+def bound_sql_engine_attempts() -> None:
+    """A SQL store that is down (PostgreSQL refusing connections) costs a CLI command a second, not MLflow's
+    ~100 s of engine retries (:data:`SQL_ENGINE_ATTEMPTS`)."""
+    module = sys.modules.get(_SqlEngineAttempts.name)
+    if module is not None:
+        _bound(module)
+    elif not any(isinstance(finder, _SqlEngineAttempts) for finder in sys.meta_path):
+        sys.meta_path.insert(0, _SqlEngineAttempts())
 
 
 # --------------------------------------------------------------------------- failures in one line
@@ -237,19 +355,22 @@ def store_errors(uri: str, doing: str):
     except VitregError:
         raise  # already one line naming the fix
     except Exception as exc:  # noqa: BLE001 - MlflowException, requests/urllib3 errors, sqlalchemy errors
-        raise StoreError(f"the tracking store at {redact(uri)} failed while {doing} ({first_line(exc)}): "
-                         f"check that it is up, or MLFLOW_TRACKING_URI") from None
+        raise store_fault(exc, uri, doing) from None
+
+
+#: where the exceptions a tracking store raises come from: MLflow, its HTTP stack, its SQL stack and drivers
+STORE_LIBRARIES = {"mlflow", "requests", "urllib3", "http", "sqlalchemy", "sqlite3", "alembic", "psycopg",
+                   "psycopg2", "pymysql", "MySQLdb"}
 
 
 def store_error_for(exc: BaseException) -> StoreError | None:
-    """The one line for a failure of the tracking store that reached the CLI unconverted (an MLflow,
-    requests or urllib3 error): the store, masked, and the reason (``HTTP 503 from the server``); None for
+    """The one line for a failure of the tracking store that reached the CLI unconverted (an MLflow, HTTP or
+    SQL error): the store, masked, the reason and the advice for its cause (:func:`store_fault`); None for
     any other exception."""
     names = {cls.__module__.split(".")[0] for cls in type(exc).__mro__}
-    if not names & {"mlflow", "requests", "urllib3"}:
+    if not names & STORE_LIBRARIES:
         return None
-    return StoreError(f"the tracking store at {redact(mlflow.get_tracking_uri())} failed ({first_line(exc)}): "
-                      f"check that it is up and answers, or MLFLOW_TRACKING_URI")
+    return store_fault(exc, mlflow.get_tracking_uri())
 
 
 def first_line(exc: BaseException) -> str:

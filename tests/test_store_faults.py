@@ -1,0 +1,240 @@
+"""Issue 31, families 6 and 7: a tracking store that cannot be read is one `error:` line with the advice for its
+cause (busy, damaged, not a store, read-only, not permitted, a lock file that is a folder, a server that is down
+or does not speak HTTP), exit 2, within seconds of the same command against a refused port, nothing RUNNING.
+
+The faults are real: a PostgreSQL URI on a port nobody listens on, a sqlite file held under ``BEGIN EXCLUSIVE``
+by another connection, files truncated or overwritten, a tmpfs mounted read-only, a socket server that writes an
+SSH banner and closes. Modes are met as root with ``setpriv --bounding-set -dac_override,-dac_read_search``
+(root without the capabilities that bypass file modes).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import shutil
+import socket
+import sqlite3
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from vitreg.errors import StoreError
+from vitreg.tracking.store import prepare_store, sqlite_path
+
+from conftest import free_port, migrated_store, subprocess_env
+
+NO_MODE_BYPASS = ["setpriv", "--bounding-set", "-dac_override,-dac_read_search"]
+AS_ROOT = pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs and dropping capabilities need root")
+
+
+def _truncated(tmp_path: Path) -> str:
+    uri = migrated_store(tmp_path / "store")
+    db = sqlite_path(uri)
+    db.write_bytes(db.read_bytes()[: db.stat().st_size // 3])
+    return uri
+
+
+def _overwritten(tmp_path: Path) -> str:
+    uri = migrated_store(tmp_path / "store")
+    with open(sqlite_path(uri), "r+b") as fh:  # the header and the first pages: what a stray write does
+        fh.write(os.urandom(64 * 1024))
+    return uri
+
+
+# --------------------------------------------------------------------------- the advice, per cause (fast)
+
+
+def test_a_lock_path_that_is_a_folder_is_named_not_called_a_broken_store(tmp_path):
+    """Issue 31 family 7: was "not a usable MLflow database ... move it away" (which would lose its runs)."""
+    uri = migrated_store(tmp_path / "store")
+    lock = sqlite_path(uri).with_name("mlflow.db.lock")
+    lock.mkdir()
+    with pytest.raises(StoreError) as caught:
+        prepare_store(uri)
+    message = str(caught.value)
+    assert f"the lock file {lock} beside the tracking store" in message and "is a folder: remove" in message
+    assert "move it away" not in message and "not a usable" not in message
+
+
+def test_a_truncated_store_is_called_damaged_with_a_way_out(tmp_path):
+    """A sqlite file cut short (a copy interrupted, a full disk): "damaged", restore from a backup."""
+    uri = _truncated(tmp_path)
+    with pytest.raises(StoreError) as caught:
+        prepare_store(uri)
+    message = str(caught.value)
+    assert f"the tracking store {sqlite_path(uri)} is damaged" in message and "restore it from a backup" in message
+
+
+def test_an_overwritten_store_is_one_line_naming_it(tmp_path):
+    """Its header overwritten, sqlite cannot tell a damaged store from a file that never was one."""
+    uri = _overwritten(tmp_path)
+    with pytest.raises(StoreError) as caught:
+        prepare_store(uri)
+    message = str(caught.value)
+    assert f"the tracking store {sqlite_path(uri)} " in message
+    assert "is damaged" in message or "not a usable MLflow database" in message, message
+
+
+@pytest.mark.slow
+@AS_ROOT
+def test_a_store_on_a_read_only_file_system_is_called_read_only(tmp_path):
+    """Issue 31 family 7: a valid store in a read-only place was "not a usable MLflow database ... move it away"."""
+    source = sqlite_path(migrated_store(tmp_path / "store"))
+    mount = tmp_path / "ro"
+    mount.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mount)], check=True)
+    try:
+        shutil.copyfile(source, mount / "mlflow.db")
+        subprocess.run(["mount", "-o", "remount,ro", str(mount)], check=True)
+        with pytest.raises(StoreError) as caught:
+            prepare_store(f"sqlite:///{mount / 'mlflow.db'}")
+        message = str(caught.value)
+        assert f"{mount / 'mlflow.db'} is on a read-only file system" in message, message
+        assert "move it away" not in message and "not a usable" not in message
+    finally:
+        subprocess.run(["umount", str(mount)], check=True)
+
+
+# --------------------------------------------------------------------------- commands against each fault (slow)
+
+
+@pytest.fixture
+def ssh_banner():
+    """A TCP server that answers every connection with an SSH banner and closes it: not HTTP."""
+    server = socket.create_server(("127.0.0.1", 0))
+    stop = threading.Event()
+
+    def serve():
+        server.settimeout(0.2)
+        while not stop.is_set():
+            try:
+                conn, _ = server.accept()
+            except TimeoutError:
+                continue
+            with conn:
+                conn.sendall(b"SSH-2.0-OpenSSH_9.6\r\n")
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.getsockname()[1]}"
+    stop.set()
+    thread.join()
+    server.close()
+
+
+class _Held(str):
+    """A store's URI, and ``holder``: the connection holding it under BEGIN EXCLUSIVE."""
+
+    holder: sqlite3.Connection
+
+
+@pytest.fixture
+def locked(tmp_path):
+    """A migrated sqlite store held by another connection under BEGIN EXCLUSIVE until the test lets it go."""
+    uri = _Held(migrated_store(tmp_path / "locked"))
+    uri.holder = sqlite3.connect(sqlite_path(uri), isolation_level=None)
+    uri.holder.execute("BEGIN EXCLUSIVE")
+    yield uri
+    uri.holder.close()
+
+
+RUN_ID = "0123456789abcdef0123456789abcdef"
+TINY = ["--model", "test_vit", "--img-size", "32", "--batch-size", "2", "--device", "cpu", "--experiment", "f"]
+COMMANDS = {
+    "runs --stale": ["runs", "--stale"],
+    "compare": ["compare", "--experiment", "f"],
+    "pull": ["pull", f"runs:/{RUN_ID}/checkpoints/last"],
+    "bench": ["bench", *TINY, "--task", "infer", "--warmup", "1", "--steps", "2", "--repeats", "2"],
+    "infer": ["infer", "--model-uri", f"runs:/{RUN_ID}/checkpoints/last", "--device", "cpu", "--warmup", "1",
+              "--steps", "2", "--repeats", "2"],
+    "train": ["train", *TINY, "--steps", "2"],
+}
+# what each fault's line must say: the cause, in the words of its advice
+SAYS = {"postgres-down": "does not answer", "locked": "is busy", "truncated": "is damaged",
+        "overwritten": ("is damaged", "not a usable MLflow database"), "ssh-banner": "not as an MLflow server speaks"}
+
+
+def _vitreg(args: list[str], uri: str, cwd: Path, prefix=()) -> tuple[subprocess.CompletedProcess, float]:
+    began = time.monotonic()
+    done = subprocess.run([*prefix, sys.executable, "-m", "vitreg", *args], cwd=cwd, capture_output=True, text=True,
+                          env=subprocess_env(uri, MLFLOW_DISABLE_TELEMETRY="true", VITREG_STORE_BUSY_S="1"),
+                          timeout=400)
+    return done, time.monotonic() - began
+
+
+@functools.lru_cache(maxsize=None)
+def _baseline_s(command: str, cwd: str) -> float:
+    """The same command against a port nobody listens on (refused at once): imports, start-up, one line."""
+    return _vitreg(COMMANDS[command], f"http://127.0.0.1:{free_port()}", Path(cwd))[1]
+
+
+def _fault_uri(fault: str, request, tmp_path: Path) -> str:
+    if fault == "postgres-down":
+        return f"postgresql://vitreg:s3cretpw@127.0.0.1:{free_port()}/vitreg"
+    if fault == "ssh-banner":
+        return request.getfixturevalue("ssh_banner")
+    if fault == "locked":
+        return request.getfixturevalue("locked")
+    return {"truncated": _truncated, "overwritten": _overwritten}[fault](tmp_path)
+
+
+def assert_one_line(done: subprocess.CompletedProcess, says) -> str:
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert len(errors) == 1 and "Traceback" not in done.stderr + done.stdout, done.stderr[-3000:]
+    says = (says,) if isinstance(says, str) else says
+    assert any(phrase in errors[0] for phrase in says), errors[0]
+    assert "s3cretpw" not in done.stderr + done.stdout
+    return errors[0]
+
+
+def _nothing_running(uri: str) -> None:
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(uri)
+    running = [r for e in client.search_experiments() for r in client.search_runs([e.experiment_id])
+               if r.info.status == "RUNNING"]
+    assert running == []
+
+
+CASES = [(command, fault) for command in ("runs --stale", "compare", "pull") for fault in SAYS]
+CASES += [(command, fault) for command in ("bench", "infer", "train") for fault in ("postgres-down", "ssh-banner")]
+CASES += [("bench", "locked"), ("bench", "truncated")]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("command,fault", CASES, ids=[f"{c}-{f}" for c, f in CASES])
+def test_a_store_that_cannot_be_read_is_one_line_within_seconds(tmp_path, request, command, fault):
+    """Issue 31 family 6: a PostgreSQL store that is down cost ~120 s of MLflow's retries and a 211-line
+    traceback; a locked sqlite store gave `database is locked` tracebacks (runs --stale, compare); a damaged
+    one, tracebacks; an SSH banner at the URI, `http.client.BadStatusLine` from tracking/runs.py."""
+    baseline_s = _baseline_s(command, str(tmp_path.parent))
+    uri = _fault_uri(fault, request, tmp_path)
+    done, took = _vitreg(COMMANDS[command], uri, tmp_path)
+    assert_one_line(done, SAYS[fault])
+    assert took < baseline_s + 15, (took, baseline_s)
+    if fault == "locked":  # the one fault whose store can be read after: let go, then look
+        uri.holder.rollback()
+        _nothing_running(uri)
+
+
+@pytest.mark.slow
+@AS_ROOT
+@pytest.mark.skipif(not shutil.which("setpriv"), reason="modes met as root need setpriv")
+@pytest.mark.parametrize("command", ["runs --stale", "bench"])
+def test_a_store_this_user_cannot_read_is_called_a_permission_problem(tmp_path, command):
+    """Issue 31 family 7: a store the user cannot read was "not a usable MLflow database ... move it away"."""
+    uri = migrated_store(tmp_path / "store")
+    db = sqlite_path(uri)
+    os.chown(db, 65534, 65534)
+    os.chmod(db, 0o600)
+    done, _ = _vitreg(COMMANDS[command], uri, tmp_path, prefix=NO_MODE_BYPASS)
+    line = assert_one_line(done, f"the tracking store {db} cannot be read and written by this user")
+    assert "move it away" not in line and "not a usable" not in line
+    os.chown(db, 0, 0)
+    _nothing_running(uri)

@@ -1,0 +1,111 @@
+"""`vitreg sync`: spools whose run ended without the store holding all of it (server down, offline=true,
+a process killed), delivered later, exactly once: every record checked before the first is sent, the store's
+run counted after, the spool removed only when nothing is lacking.
+
+Kept apart from :mod:`vitreg.tracking.delivery` (the live tracker every run logs through): this is the later
+path, run by `vitreg sync`, `runs --stale` and a SLURM sweep's parent, over spools no process holds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from pathlib import Path
+
+from vitreg.errors import VitregError
+from vitreg.tracking.delivery import Delivery, seq_tag
+from vitreg.tracking.mlflow_on_first_use import mlflow
+from vitreg.tracking.spool import Spool, SpoolBusy, SpoolDamaged, SpoolUnusable, held, spool_root
+from vitreg.tracking.store import first_line, short_http_requests
+from vitreg.tracking.uris import redact
+
+
+class SyncError(VitregError):
+    """The tracking store did not take a spool; the message says what is still spooled."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Synced:
+    spool: Path
+    run_id: str | None  # None: left alone (in use by a running process)
+    records: int  # journal records delivered by this sync (0 when the server already had them all)
+
+    def describe(self) -> str:
+        if self.run_id is None:
+            return f"left {self.spool}: in use by a running process, which delivers it itself"
+        return f"delivered {self.spool} -> run {self.run_id} ({self.records} new records)"
+
+
+def _target_uri(spool: Spool, tracking_uri: str | None) -> str:
+    return tracking_uri or spool.run_record.get("tracking_uri") or mlflow.get_tracking_uri()
+
+
+def sync_one(spool: Spool, tracking_uri: str | None = None) -> Synced:
+    """Deliver one spool (locking it); raises :class:`SpoolBusy` when a running process holds it,
+    :class:`SpoolDamaged` (before sending anything) when a record is not as vitreg writes it, and
+    :class:`SyncError` when the store's run, counted after, lacks anything the spool held (kept then)."""
+    with held(spool):
+        records = spool.records()  # every record checked before the first is sent
+        delivery = Delivery(spool, mlflow.MlflowClient(tracking_uri=_target_uri(spool, tracking_uri)))
+        delivery.connect()
+        new = sum(r["seq"] > delivery.delivered_seq and r["kind"] != "run" for r in records)
+        delivery.push(records)
+        lacking = delivery.shortfall(records)
+        if lacking:  # the store lost something it had acknowledged: everything once more (it keeps one copy)
+            delivery.delivered_seq = -1
+            delivery.push(records)
+            lacking = delivery.shortfall(records)
+        if lacking:
+            delivery.client.set_tag(delivery.run_id, seq_tag(spool.run_record["spool_id"]), "-1")  # all, next time
+            raise SyncError(f"the tracking store's run {delivery.run_id} lacks {lacking} after delivering the "
+                            f"spool {spool.path} twice: the spool is kept; check the store, then run `vitreg sync` "
+                            f"again")
+    spool.remove()
+    delivery.tidy_up()
+    return Synced(spool.path, delivery.run_id, new)
+
+
+def pending(spool_dir: Path | None = None) -> list[Spool]:
+    """The spools waiting under ``spool_dir`` (default: :func:`~vitreg.tracking.spool.spool_root`)."""
+    return Spool.find(Path(spool_dir) if spool_dir else spool_root())
+
+
+def _left(spool_dir: Path | None) -> str:
+    spools = pending(spool_dir)
+    records = []
+    for spool in spools:
+        with contextlib.suppress(SpoolDamaged):  # counted as a run; its own sync says what is wrong
+            records += [r for r in spool.records() if r["kind"] != "run"]
+    points = sum(len(r.get("metrics", ())) for r in records)
+    return f"{len(spools)} run(s) under {spool_dir or spool_root()} ({len(records)} records, {points} metric points)"
+
+
+def sync(spool_dir: Path | None = None, tracking_uri: str | None = None) -> list[Synced]:
+    """Deliver every spool under ``spool_dir`` (a spool folder, or a folder of them).
+
+    Raises :class:`SyncError` (one line: the store, the reason, what is still spooled) at the first spool
+    the store does not take; spools delivered before it stay delivered.
+    """
+    if spool_dir is not None and not Path(spool_dir).is_dir():
+        raise SyncError(f"there is no spool at {spool_dir} (no such folder): what it held is lost, or the path is "
+                        f"wrong; `vitreg sync` without --spool delivers every spool under {spool_root()}")
+    done, refused = [], []
+    with short_http_requests():
+        for spool in pending(spool_dir):
+            try:
+                done.append(sync_one(spool, tracking_uri))
+            except SpoolBusy:
+                done.append(Synced(spool.path, None, 0))
+            except (SpoolDamaged, SpoolUnusable) as exc:  # this spool only: the others are still delivered
+                refused.append(exc)
+            except SyncError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - unreachable, 5xx, refused: say so in one line
+                raise SyncError(f"the tracking store at {redact(_target_uri(spool, tracking_uri))} did not take "
+                                f"the spool {spool.path} ({first_line(exc)}); still spooled: "
+                                f"{_left(spool_dir)}; run `vitreg sync` again when the store is back") from None
+    if refused:
+        more = f" ({len(refused) - 1} more spool(s) refused likewise)" if len(refused) > 1 else ""
+        delivered = f"; delivered {len(done)} other spool(s)" if done else ""
+        raise type(refused[0])(f"{refused[0]}{more}{delivered}")
+    return done
