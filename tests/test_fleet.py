@@ -213,8 +213,12 @@ def test_a_node_killed_mid_sweep_fails_its_children_and_the_sweep_goes_on(server
         _, err = sweep.communicate(timeout=480)
     finally:
         _end(sweep)
-    assert sweep.returncode == 0 and "Traceback" not in err, err[-3000:]
+    assert sweep.returncode == 2 and "Traceback" not in err, err[-3000:]  # the parent FAILED with its a100 children
     mine = [c for c in _children(client) if c.info.run_id not in before]
+    (parent_id,) = {c.data.tags["mlflow.parentRunId"] for c in mine}
+    assert client.get_run(parent_id).info.status == "FAILED"
+    assert f"2 finished, 2 failed (see the vitreg_error tags of the child runs): re-run the failed ones under the " \
+           f"same parent with `vitreg sweep --rerun-failed {parent_id}`" in err, err[-3000:]
     by_gpu = {g: [c for c in mine if c.data.tags["sweep_label"].endswith(f"-{g}")] for g in TYPES}
     assert {c.info.status for c in by_gpu["h100"]} == {"FINISHED"} and len(by_gpu["h100"]) == 2
     assert len(by_gpu["a100"]) == 2 and {c.info.status for c in by_gpu["a100"]} <= {"FAILED", "KILLED"}

@@ -65,3 +65,87 @@ def test_gpu_all_on_a_cluster_without_gpus_is_refused(tmp_path):
     assert sweep.returncode == 2
     (line,) = [x for x in err.splitlines() if x.startswith("error:")]
     assert "gpu=all: the Ray cluster at local has no GPU node" in line
+
+
+def _failing_children(tmp_path, monkeypatch, refuse: str) -> object:
+    """Children through a script that refuses the models in ``refuse`` while the returned flag file exists (as a
+    child refuses an option at run time: one `error:` line, exit 2, its run never opened) and runs the real
+    `vitreg bench` otherwise."""
+    import sys
+
+    from vitreg.fleet import children as child_commands
+
+    flag = tmp_path / "refuse"
+    flag.write_text(refuse)
+    script = tmp_path / "picky_child.py"
+    script.write_text(
+        "import os, sys\n"
+        "args = sys.argv[1:]\n"
+        f"flag = {str(flag)!r}\n"
+        "if os.path.exists(flag) and args[args.index('--model') + 1] in open(flag).read().split(','):\n"
+        "    print('error: this child refuses its model (the test says so)', file=sys.stderr); sys.exit(2)\n"
+        "from vitreg.cli.main import main\n"
+        "main(['bench', *args])\n")
+    real = child_commands.child_command
+    monkeypatch.setattr(child_commands, "child_command",
+                        lambda combo, bs, common: [sys.executable, str(script), *real(combo, bs, common)[4:]])
+    return flag
+
+
+def _sweep_in_process(*args):
+    from click.testing import CliRunner
+
+    from vitreg.cli.main import main
+
+    return CliRunner().invoke(main, ["sweep", *args])
+
+
+def _parent(client: MlflowClient, experiment: str = "fleet"):
+    exp = client.get_experiment_by_name(experiment)
+    (parent,) = [r for r in client.search_runs([exp.experiment_id]) if not r.data.tags.get("mlflow.parentRunId")]
+    return parent
+
+
+def test_a_sweep_whose_children_all_failed_ends_its_parent_failed(sqlite_store, tmp_path, monkeypatch):
+    """Issue 29: the parent of a sweep whose every child failed ended FINISHED (the command exited 2)."""
+    _failing_children(tmp_path, monkeypatch, "test_vit,test_vit2")
+    result = _sweep_in_process(*CHILD, *SHORT, "--experiment", "fleet")
+    client = MlflowClient(sqlite_store)
+    parent = _parent(client)
+    assert result.exit_code == 2, result.output[-3000:]
+    (line,) = [x for x in result.output.splitlines() if x.startswith("error:")]
+    assert f"sweep {parent.info.run_id}: 0 finished, 2 failed" in line
+    assert f"vitreg sweep --rerun-failed {parent.info.run_id}" in line
+    assert parent.info.status == "FAILED" and "2 failed" in parent.data.tags["vitreg_error"]
+    assert parent.data.metrics["n_failed"] == 2 and parent.data.metrics["n_finished"] == 0
+    assert {c.info.status for c in _children(client)} == {"FAILED"}
+
+
+def test_rerun_failed_completes_a_parent_under_the_same_run(sqlite_store, tmp_path, monkeypatch):
+    """One child of two fails (the parent ends FAILED, exit 2); `--rerun-failed PARENT` runs only that
+    combination again, with the options its child had, as a new child of the same parent, which ends FINISHED."""
+    flag = _failing_children(tmp_path, monkeypatch, "test_vit2")
+    first = _sweep_in_process(*CHILD, *SHORT, "--experiment", "fleet")
+    client = MlflowClient(sqlite_store)
+    assert first.exit_code == 2 and "1 finished, 1 failed" in first.output, first.output[-3000:]
+    parent_id = _parent(client).info.run_id
+    assert _parent(client).info.status == "FAILED"
+    (done,) = [c for c in _children(client) if c.info.status == "FINISHED"]
+
+    flag.unlink()  # the cause is fixed
+    again = _sweep_in_process("--rerun-failed", parent_id)
+    assert again.exit_code == 0, again.output[-3000:]
+    assert f"sweep {parent_id}: 2 finished, 0 failed" in again.output
+    parent = _parent(client)
+    assert parent.info.run_id == parent_id and parent.info.status == "FINISHED"
+    assert "vitreg_error" not in parent.data.tags and parent.data.metrics["n_failed"] == 0
+    children = _children(client)
+    by_model = {m: sorted((c for c in children if c.data.params.get("model", c.data.tags["sweep_label"]) == m),
+                          key=lambda c: c.info.start_time) for m in ("test_vit", "test_vit2")}
+    assert [c.info.run_id for c in by_model["test_vit"]] == [done.info.run_id]  # the finished child stays as it was
+    assert client.get_run(done.info.run_id).info.end_time == done.info.end_time
+    failed, rerun = by_model["test_vit2"]
+    assert failed.info.status == "FAILED" and rerun.info.status == "FINISHED"
+    assert rerun.data.tags["mlflow.parentRunId"] == parent_id
+    assert rerun.data.tags["sweep_index"] == failed.data.tags["sweep_index"]
+    assert (rerun.data.params["img_size"], rerun.data.params["steps"]) == ("32", "2")  # the options it had
