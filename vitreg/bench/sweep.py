@@ -161,6 +161,9 @@ def _latest_child_per_combination(parent_run, runs: list) -> dict:
     if parent_run.data.tags.get("vitreg_job") != "sweep":
         raise VitregError(f"run {parent_run.info.run_id} is not a sweep's parent run: pass the id the sweep printed "
                           f"(`sweep RUN_ID: ...`)")
+    if parent_run.info.status in ("RUNNING", "SCHEDULED"):  # its own process may still start or end children
+        raise VitregError(f"sweep {parent_run.info.run_id} is still {parent_run.info.status}: re-run its failed "
+                          f"children once it has ended (its process gone: `vitreg runs --stale --fix` ends it)")
     latest: dict = {}
     for run in sorted(runs, key=lambda r: r.info.start_time or 0):
         if "sweep_index" in run.data.tags:

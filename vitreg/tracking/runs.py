@@ -472,19 +472,22 @@ def run_and_children(parent_run_id: str):
     """Run ``parent_run_id`` and all its child runs (every page): what ``vitreg sweep --rerun-failed`` reads.
     A run the store does not have is one line naming the fix."""
     client = mlflow.MlflowClient()
-    try:
-        parent = client.get_run(parent_run_id)
-    except mlflow.exceptions.MlflowException:
-        raise VitregError(f"no run {parent_run_id!r} at {tracking_uri()}: pass the run id of a sweep's parent run "
-                          f"(the `sweep RUN_ID:` line it printed), or set MLFLOW_TRACKING_URI to its store") from None
-    found, token = [], None
-    while True:
-        page = client.search_runs([parent.info.experiment_id], f"tags.mlflow.parentRunId = '{parent_run_id}'",
-                                  max_results=1000, page_token=token)
-        found.extend(page)
-        token = page.token
-        if not token:
-            return parent, found
+    with store_errors(tracking_uri(), "reading the sweep's runs"):  # a store that is down: one line, never "no run"
+        try:
+            parent = client.get_run(parent_run_id)
+        except mlflow.exceptions.MlflowException as exc:
+            if exc.error_code != "RESOURCE_DOES_NOT_EXIST":
+                raise
+            raise VitregError(f"no run {parent_run_id!r} at {tracking_uri()}: pass the run id of a sweep's parent "
+                              f"run (its `sweep RUN_ID:` line), or set MLFLOW_TRACKING_URI to its store") from None
+        found, token = [], None
+        while True:
+            page = client.search_runs([parent.info.experiment_id], f"tags.mlflow.parentRunId = '{parent_run_id}'",
+                                      max_results=1000, page_token=token)
+            found.extend(page)
+            token = page.token
+            if not token:
+                return parent, found
 
 
 def search_runs(experiment: str, filter_string: str = ""):
