@@ -12,7 +12,8 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from conftest import migrated_store, subprocess_env
-from test_fleet import CHILD, LONG, SHORT, SWEEP, _bench_processes, _children, _end, _running_child, _start, _wait
+from test_fleet import (CHILD, LONG, SHORT, SWEEP, _bench_processes, _children, _end, _failing_children, _parent,
+                        _running_child, _start, _sweep_in_process, _wait)
 
 pytestmark = pytest.mark.slow
 
@@ -65,45 +66,6 @@ def test_gpu_all_on_a_cluster_without_gpus_is_refused(tmp_path):
     assert sweep.returncode == 2
     (line,) = [x for x in err.splitlines() if x.startswith("error:")]
     assert "gpu=all: the Ray cluster at local has no GPU node" in line
-
-
-def _failing_children(tmp_path, monkeypatch, refuse: str) -> object:
-    """Children through a script that refuses the models in ``refuse`` while the returned flag file exists (as a
-    child refuses an option at run time: one `error:` line, exit 2, its run never opened) and runs the real
-    `vitreg bench` otherwise."""
-    import sys
-
-    from vitreg.fleet import children as child_commands
-
-    flag = tmp_path / "refuse"
-    flag.write_text(refuse)
-    script = tmp_path / "picky_child.py"
-    script.write_text(
-        "import os, sys\n"
-        "args = sys.argv[1:]\n"
-        f"flag = {str(flag)!r}\n"
-        "if os.path.exists(flag) and args[args.index('--model') + 1] in open(flag).read().split(','):\n"
-        "    print('error: this child refuses its model (the test says so)', file=sys.stderr); sys.exit(2)\n"
-        "from vitreg.cli.main import main\n"
-        "main(['bench', *args])\n")
-    real = child_commands.child_command
-    monkeypatch.setattr(child_commands, "child_command",
-                        lambda combo, bs, common: [sys.executable, str(script), *real(combo, bs, common)[4:]])
-    return flag
-
-
-def _sweep_in_process(*args):
-    from click.testing import CliRunner
-
-    from vitreg.cli.main import main
-
-    return CliRunner().invoke(main, ["sweep", *args])
-
-
-def _parent(client: MlflowClient, experiment: str = "fleet"):
-    exp = client.get_experiment_by_name(experiment)
-    (parent,) = [r for r in client.search_runs([exp.experiment_id]) if not r.data.tags.get("mlflow.parentRunId")]
-    return parent
 
 
 def test_a_sweep_whose_children_all_failed_ends_its_parent_failed(sqlite_store, tmp_path, monkeypatch):
