@@ -76,6 +76,45 @@ def _end(proc: subprocess.Popen) -> None:
         proc.wait()
 
 
+def _failing_children(tmp_path, monkeypatch, refuse: str) -> object:
+    """Children through a script that refuses the models in ``refuse`` while the returned flag file exists (as a
+    child refuses an option at run time: one `error:` line, exit 2, its run never opened) and runs the real
+    `vitreg bench` otherwise."""
+    import sys
+
+    from vitreg.fleet import children as child_commands
+
+    flag = tmp_path / "refuse"
+    flag.write_text(refuse)
+    script = tmp_path / "picky_child.py"
+    script.write_text(
+        "import os, sys\n"
+        "args = sys.argv[1:]\n"
+        f"flag = {str(flag)!r}\n"
+        "if os.path.exists(flag) and args[args.index('--model') + 1] in open(flag).read().split(','):\n"
+        "    print('error: this child refuses its model (the test says so)', file=sys.stderr); sys.exit(2)\n"
+        "from vitreg.cli.main import main\n"
+        "main(['bench', *args])\n")
+    real = child_commands.child_command
+    monkeypatch.setattr(child_commands, "child_command",
+                        lambda combo, bs, common: [sys.executable, str(script), *real(combo, bs, common)[4:]])
+    return flag
+
+
+def _sweep_in_process(*args):
+    from click.testing import CliRunner
+
+    from vitreg.cli.main import main
+
+    return CliRunner().invoke(main, ["sweep", *args])
+
+
+def _parent(client: MlflowClient, experiment: str = "fleet"):
+    exp = client.get_experiment_by_name(experiment)
+    (parent,) = [r for r in client.search_runs([exp.experiment_id]) if not r.data.tags.get("mlflow.parentRunId")]
+    return parent
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     from vitreg.deploy import server as servers
@@ -200,6 +239,32 @@ def test_a_ray_child_out_of_memory_is_retried_with_a_smaller_batch(sqlite_store,
     assert by_status["FINISHED"].data.tags["requested_batch_size"] == "3"
 
 
+def test_rerun_failed_on_ray_completes_the_parent(sqlite_store, server, ray_cluster, monkeypatch, tmp_path):
+    """engine=ray: a child refused at run time fails (the parent FAILED); `--rerun-failed` on the same cluster runs
+    only it again, under the same parent, and the parent ends FINISHED."""
+    import tempfile
+
+    import mlflow
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", server)
+    mlflow.set_tracking_uri(server)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # Ray's own log lines: this test's folder
+    flag = _failing_children(tmp_path, monkeypatch, "test_vit2")
+    ray = ["--engine", "ray", "--ray-address", ray_cluster.address]
+    first = _sweep_in_process(*ray, *CHILD, *SHORT, "--experiment", "fleet-rerun")
+    client = MlflowClient(server)
+    assert first.exit_code == 2 and "1 finished, 1 failed" in first.output, first.output[-3000:]
+    parent_id = _parent(client, "fleet-rerun").info.run_id
+    flag.unlink()
+    again = _sweep_in_process(*ray, "--rerun-failed", parent_id)
+    assert again.exit_code == 0 and f"sweep {parent_id}: 2 finished, 0 failed" in again.output, again.output[-3000:]
+    assert client.get_run(parent_id).info.status == "FINISHED"
+    children = _children(client, "fleet-rerun")
+    assert sorted((c.data.tags["sweep_label"], c.info.status) for c in children) == [
+        ("test_vit", "FINISHED"), ("test_vit2", "FAILED"), ("test_vit2", "FINISHED")]
+    assert all(c.data.tags["sweep_engine"] == "ray" for c in children)
+
+
 def test_a_node_killed_mid_sweep_fails_its_children_and_the_sweep_goes_on(server, ray_cluster, tmp_path):
     """Last of the tests on the shared cluster (the last in this file; tests/_sessions.py keeps a group's tests in
     their file's order): it takes the second node away."""
@@ -213,8 +278,12 @@ def test_a_node_killed_mid_sweep_fails_its_children_and_the_sweep_goes_on(server
         _, err = sweep.communicate(timeout=480)
     finally:
         _end(sweep)
-    assert sweep.returncode == 0 and "Traceback" not in err, err[-3000:]
+    assert sweep.returncode == 2 and "Traceback" not in err, err[-3000:]  # the parent FAILED with its a100 children
     mine = [c for c in _children(client) if c.info.run_id not in before]
+    (parent_id,) = {c.data.tags["mlflow.parentRunId"] for c in mine}
+    assert client.get_run(parent_id).info.status == "FAILED"
+    assert f"2 finished, 2 failed (see the vitreg_error tags of the child runs): re-run the failed ones under the " \
+           f"same parent with `vitreg sweep --rerun-failed {parent_id}`" in err, err[-3000:]
     by_gpu = {g: [c for c in mine if c.data.tags["sweep_label"].endswith(f"-{g}")] for g in TYPES}
     assert {c.info.status for c in by_gpu["h100"]} == {"FINISHED"} and len(by_gpu["h100"]) == 2
     assert len(by_gpu["a100"]) == 2 and {c.info.status for c in by_gpu["a100"]} <= {"FAILED", "KILLED"}

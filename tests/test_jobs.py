@@ -128,13 +128,16 @@ def test_sweep_children_failures_and_oom_retry(sqlite_store, monkeypatch, tmp_pa
     result = CliRunner().invoke(main, ["sweep", "--models", "test_vit", "--amp", "off,fp16", "--batch-size", "1,3",
                                        "--img-size", "32", "--task", "infer", "--warmup", "1", "--steps", "2",
                                        "--repeats", "2", "--experiment", "sw"])
-    assert result.exit_code == 0, result.output
+    # the parent FAILED with its two fp16 combinations; the OOM child retried to a finish counts as finished
+    assert result.exit_code == 2, result.output
+    (error,) = [line for line in result.output.splitlines() if line.startswith("error:")]
+    assert ": 2 finished, 2 failed" in error and "--rerun-failed" in error, error
     # each child's own phases show as they come, under its place in the sweep (issue 14)
     assert re.search(r"sweep 1/\d: infer: window 2/2: ", result.output), result.output[-3000:]
     runs = _runs(MlflowClient(), "sw")
     parent = [r for r in runs if r.data.tags.get("vitreg_job") == "sweep"]
     children = [r for r in runs if r.data.tags.get("mlflow.parentRunId")]
-    assert len(parent) == 1 and parent[0].info.status == "FINISHED"
+    assert len(parent) == 1 and parent[0].info.status == "FAILED"
     assert parent[0].info.run_name == "sweep test_vit img32 · amp×batch_size · 4 runs"  # named by what it swept
     assert all(c.data.tags["mlflow.parentRunId"] == parent[0].info.run_id for c in children)
     finished = [c for c in children if c.info.status == "FINISHED"]

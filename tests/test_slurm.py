@@ -131,7 +131,11 @@ def test_a_node_killed_mid_sweep_fails_its_children_with_slurms_reason_and_the_r
     assert any("NODE_FAIL" in r and "gpu-h100" in r for r in reasons), reasons
     assert all("NODE_FAIL" in r or "no node of the SLURM cluster in service has GPU type h100" in r
                for r in reasons), reasons
-    assert sweep.returncode == 0 and "a100 2 done" in err and "h100 0 done, 0 running, 0 queued, 2 failed" in err
+    assert "a100 2 done" in err and "h100 0 done, 0 running, 0 queued, 2 failed" in err, err[-3000:]
+    (parent_id,) = {c.data.tags["mlflow.parentRunId"] for c in children.values()}
+    assert sweep.returncode == 2 and client.get_run(parent_id).info.status == "FAILED", err[-3000:]
+    (line,) = [x for x in err.splitlines() if x.startswith("error:")]
+    assert "2 finished, 2 failed" in line and f"--rerun-failed {parent_id}" in line, line
 
 
 @pytest.fixture(scope="module")
@@ -189,4 +193,5 @@ def test_a_job_the_cluster_cancels_ends_its_child_failed_with_slurms_word(slurm_
     run = client.get_run(child.info.run_id)
     assert run.info.status == "FAILED", err[-3000:]
     assert run.data.tags["vitreg_error"].startswith(f"slurm: job {job_id} CANCELLED"), run.data.tags["vitreg_error"]
-    assert sweep.returncode == 2 and "all 1 sweep runs failed" in err, err[-2000:]
+    assert sweep.returncode == 2 and "0 finished, 1 failed" in err, err[-2000:]
+    assert client.get_run(run.data.tags["mlflow.parentRunId"]).info.status == "FAILED"

@@ -102,3 +102,22 @@ def test_compare_shows_how_many_children_shared_a_host():
     assert "shared host" in format_table(comparison)
     alone = runs.assign(**{"tags.sweep_children_on_host": "1"})
     assert "shared host" not in format_table(compare_gpus(tidy(alone), baseline=None))
+
+
+def test_rerun_failed_of_a_run_that_is_no_ended_sweep_is_one_line(sqlite_store):
+    """`--rerun-failed` reads the parent first: an unknown id, a run that is not a sweep's parent, and a sweep
+    still RUNNING (its process may still start children) are refused, each in one line, and nothing runs."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient()
+    exp = client.create_experiment("sw")
+    plain = client.create_run(exp).info.run_id
+    client.set_terminated(plain, "FAILED")
+    running = client.create_run(exp, tags={"vitreg_job": "sweep"}).info.run_id
+    for run_id, needle in [("0123abcd", "no run '0123abcd' at"), (plain, f"run {plain} is not a sweep's parent run"),
+                           (running, f"sweep {running} is still RUNNING")]:
+        result = CliRunner().invoke(main, ["sweep", "--rerun-failed", run_id])
+        assert result.exit_code == 2, result.output
+        errors = [line for line in result.output.splitlines() if line.startswith("error:")]
+        assert len(errors) == 1 and needle in errors[0], result.output
+    assert len(_runs("sw")) == 2

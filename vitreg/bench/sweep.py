@@ -5,6 +5,7 @@ of its children."""
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import tempfile
@@ -24,6 +25,8 @@ SWEEP_LISTS = tuple(LIST_AXES)
 #: loaded 2-core host, docs/benchmarks.md "A fleet"); the estimate before a sweep starts is built on it
 CHILD_START_S = 23.0
 HOST_SHARE_TAG = "sweep_children_on_host"  # how many children shared the child's host while it ran
+#: on each child run: its combination's options and the sweep's common ones (JSON), what --rerun-failed runs again
+OPTIONS_TAG = "sweep_child_options"
 
 
 @dataclass(frozen=True)
@@ -35,6 +38,7 @@ class SweepSettings:
     max_parallel: int
     max_combinations: int
     experiment: str | None
+    rerun_failed: str  # a parent run id: re-run its failed children instead of a new sweep
     own: dict = field(default_factory=dict, compare=False)  # all of them, as given (engine=slurm reads its own)
 
     @classmethod
@@ -43,7 +47,8 @@ class SweepSettings:
             return option("sweep", name).parse(own.get(name, option("sweep", name).default))
 
         return cls(value("engine"), str(value("ray_address") or "auto"), value("max_parallel"),
-                   value("max_combinations"), own.get("experiment"), dict(own))
+                   value("max_combinations"), own.get("experiment"), str(value("rerun_failed") or "").strip(),
+                   dict(own))
 
 
 def run_sweep(own: dict, common: dict | None = None, max_oom_retries: int = 3, progress=progress) -> dict:
@@ -58,6 +63,8 @@ def run_sweep(own: dict, common: dict | None = None, max_oom_retries: int = 3, p
     """
     common = dict(common or {})
     settings = SweepSettings.parse(own)
+    if settings.rerun_failed:
+        return rerun_failed(settings, max_oom_retries, progress)
     axes = collect_axes({name: own.get(name, option("sweep", name).default) for name in SWEEP_LISTS},
                         axis_texts_of(own.get("axes", "")), common)
     if offline_mode():
@@ -121,11 +128,79 @@ def _run_parent(settings, axes, combos, common, engine, max_oom_retries, progres
         context = _Context(parent, common, len(combos), max_oom_retries, outcome, progress,
                            Board(engine.slots, progress))
         engine.run(context, combos)
-        parent.log_metrics({"n_finished": len(outcome["finished"]), "n_failed": len(outcome["failed"])})
-        if outcome["finished"]:
-            _log_comparison(parent)
-    progress(f"sweep {parent.run_id}: {len(outcome['finished'])} finished, {len(outcome['failed'])} failed")
+        _conclude(parent, context.last_ok, progress)
     return outcome
+
+
+def _conclude(parent, last_ok: dict, progress) -> None:
+    """The parent's counts and comparison; it ends FAILED (one line: how many, and how to re-run them) when the
+    last attempt of any combination did not finish (a child retried after running out of memory counts once)."""
+    failed = sorted(index for index, ok in last_ok.items() if not ok)
+    parent.log_metrics({"n_finished": len(last_ok) - len(failed), "n_failed": len(failed)})
+    if len(failed) < len(last_ok):
+        _log_comparison(parent)
+    summary = f"sweep {parent.run_id}: {len(last_ok) - len(failed)} finished, {len(failed)} failed"
+    if failed:
+        raise VitregError(f"{summary} (see the vitreg_error tags of the child runs): re-run the failed ones under the "
+                          f"same parent with `vitreg sweep --rerun-failed {parent.run_id}`")
+    progress(summary)
+
+
+def rerun_failed(settings: SweepSettings, max_oom_retries: int = 3, progress=progress) -> dict:
+    """``--rerun-failed PARENT``: each combination of that sweep whose last child ended FAILED or KILLED runs
+    again as a new child of the same parent, with the options its child was started with (:data:`OPTIONS_TAG`);
+    FINISHED children stay as they are. The parent is open again meanwhile and ends with the status of all of
+    its combinations (FAILED while any has no FINISHED child)."""
+    parent_run, runs = tracking.run_and_children(settings.rerun_failed)
+    latest = _latest_child_per_combination(parent_run, runs)
+    again = {index: run for index, run in latest.items() if run.info.status in ("FAILED", "KILLED")}
+    outcome = {"finished": [], "failed": []}
+    if not again:
+        progress(f"sweep {parent_run.info.run_id}: no failed child to re-run ({len(latest)} finished)")
+        return outcome
+    common, combos = _combinations_of(again.values())
+    engine = _engine(settings, common, progress)
+    try:
+        engine.check(combos, common)
+        progress(f"sweep {parent_run.info.run_id}: re-running {len(combos)} failed of {len(latest)} children on "
+                 f"{engine.where}")
+        with tracking.reopened_run(parent_run.info.run_id) as parent:
+            context = _Context(parent, common, len(combos), max_oom_retries, outcome, progress,
+                               Board(engine.slots, progress), indices=list(again))
+            context.last_ok.update({index: True for index in latest if index not in again})
+            engine.run(context, combos)
+            _conclude(parent, context.last_ok, progress)
+    finally:
+        engine.close()
+    return outcome
+
+
+def _latest_child_per_combination(parent_run, runs: list) -> dict:
+    """sweep_index -> the child run started last for it (its out-of-memory retries and re-runs came later)."""
+    if parent_run.data.tags.get("vitreg_job") != "sweep":
+        raise VitregError(f"run {parent_run.info.run_id} is not a sweep's parent run: pass the id the sweep printed "
+                          f"(`sweep RUN_ID: ...`)")
+    if parent_run.info.status in ("RUNNING", "SCHEDULED"):  # its own process may still start or end children
+        raise VitregError(f"sweep {parent_run.info.run_id} is still {parent_run.info.status}: re-run its failed "
+                          f"children once it has ended (its process gone: `vitreg runs --stale --fix` ends it)")
+    latest: dict = {}
+    for run in sorted(runs, key=lambda r: r.info.start_time or 0):
+        if "sweep_index" in run.data.tags:
+            latest[int(run.data.tags["sweep_index"])] = run
+    return latest
+
+
+def _combinations_of(child_runs) -> tuple[dict, list[Combination]]:
+    """The sweep's common options and each child's combination, read back from its :data:`OPTIONS_TAG`."""
+    saved = [(run, run.data.tags.get(OPTIONS_TAG)) for run in child_runs]
+    missing = [run.info.run_id for run, text in saved if not text]
+    if missing:
+        raise VitregError(f"child run {missing[0]} does not say which options it ran with (no {OPTIONS_TAG} tag: "
+                          f"made by an older vitreg): run that sweep again")
+    loaded = [(run, json.loads(text)) for run, text in saved]
+    combos = [Combination(tuple(opts["combination"].items()), run.data.tags.get("sweep_label", run.info.run_name))
+              for run, opts in loaded]
+    return loaded[0][1]["common"], combos
 
 
 @dataclass
@@ -139,15 +214,26 @@ class _Context:
     outcome: dict
     progress: object
     board: Board
+    # a re-run's combinations by the engines' count (1, 2, ...) -> their sweep_index in the first run; [] at first
+    indices: list = field(default_factory=list)
+    last_ok: dict = field(default_factory=dict)  # sweep_index -> whether its latest child finished
+    _index_of: dict = field(default_factory=dict)  # child run id -> sweep_index
 
     def child_run(self, combo: Combination, index: int, attempt: int, extra_tags: dict | None = None) -> str:
+        index = self.indices[index - 1] if self.indices else index
         name = combo.label + (f"-retry{attempt}" if attempt else "")
         tags = {"requested_batch_size": combo.batch_size, "sweep_index": index, "sweep_label": combo.label,
                 **(extra_tags or {})}  # the label stays a tag: bench names its run after its result
-        return tracking.create_child_run(self.parent, name, tags)
+        # a re-run starts again from the batch first asked for, not from an out-of-memory retry's smaller one
+        first = {**dict(combo.options), "batch_size": tags["requested_batch_size"]}
+        tags[OPTIONS_TAG] = json.dumps({"common": self.common, "combination": first}, default=str)
+        child_id = tracking.create_child_run(self.parent, name, tags)
+        self._index_of[child_id] = index
+        return child_id
 
     def record(self, child_id: str, ok: bool) -> None:
         self.outcome["finished" if ok else "failed"].append(child_id)
+        self.last_ok[self._index_of[child_id]] = ok
 
 
 class LocalEngine:

@@ -142,7 +142,7 @@ OPTIONS: tuple[Option, ...] = (
            ("infer",), required=True, spec_field=False,
            identity=True),
     Option("models", "str", "vit_base_patch16_224", "Comma-separated model names.", ("sweep",),
-           required=True, spec_field=False,
+           spec_field=False,  # not required: `sweep --rerun-failed PARENT` reads its models from the runs
            same_work="a sweep list: each child run takes one of its values as its own option"),
     Option("amp", "str", "auto", "Comma-separated, e.g. off,bf16.", ("sweep",), spec_field=False,
            same_work="a sweep list: each child run takes one of its values as its own option"),
@@ -191,6 +191,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("max_parallel", "int", 64, "children at once, at most (local: also one per nproc GPUs, one on CPU; "
            "ray: tasks in flight).", ("sweep",), minimum=1, spec_field=False,
            same_work="how many children run at once; each child's work is the same"),
+    Option("rerun_failed", "str", "", "a sweep's parent run id: re-run its FAILED and KILLED children under it, "
+           "each with the options it ran with (the FINISHED ones stay).", ("sweep",), spec_field=False,
+           mlproject=False, same_work="which children run again; each one's work is the one it was started with"),
     Option("max_combinations", "int", 256, "refuse a sweep of more combinations than this, before any child starts "
            "(raise it to mean it).", ("sweep",), minimum=1, spec_field=False,
            same_work="a bound on the sweep's size; each child's work is the same"),
@@ -503,7 +506,7 @@ HELP_GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
                        "ddp_static_graph", "ddp_comm_hook", "nnodes", "node_rank", "rdzv_endpoint", "num_workers",
                        "compile_cache", "profile", "profile_steps", "engine", "ray_address", "slurm_partition",
                        "slurm_account", "slurm_qos", "slurm_time_min", "slurm_sbatch", "slurm_gpu_by", "slurm_folder",
-                       "max_parallel", "max_combinations")),
+                       "max_parallel", "max_combinations", "rerun_failed")),
     ("Where to log", ("experiment", "run_name", "offline", "baseline_run", "log_every", "checkpoint_every", "keep_checkpoints",
                       "register_as",
                       "alias")),

@@ -6,12 +6,20 @@ a node of that type. The task runs ``vitreg bench`` on its node, logging straigh
 the child run the parent made. Tasks are never retried by Ray (``max_retries=0``): a child whose node died
 ends FAILED with Ray's reason, and the sweep goes on. SIGINT/SIGTERM to the parent cancels every task, which
 stops its child (the child ends its run KILLED), and ends every child run still open KILLED.
+
+Ray's own log lines (its C++ core's retries while a GCS does not answer, its state dumps, its Python logger)
+go to a file the sweep names (:class:`RayLogAside`), not to the sweep's console.
 """
 
 from __future__ import annotations
 
+import io
 import logging
+import os
 import socket
+import sys
+import tempfile
+from pathlib import Path
 
 from vitreg import signals
 from vitreg.errors import VitregError
@@ -43,6 +51,49 @@ def _check_answers(address: str) -> None:
                           f"--head` there, or pass ray_address=auto (this host's cluster) or local") from None
 
 
+class RayLogAside:
+    """While the sweep uses Ray, file descriptor 2 (where Ray's C++ core and Ray's Python logger write, and the
+    Ray processes a ``local`` cluster starts inherit) is the file :attr:`path`; vitreg's own lines still reach
+    the console through a ``sys.stderr`` on a copy of the console's descriptor. A redirect of the descriptor,
+    not of ``sys.stderr`` alone: Ray's core writes to fd 2 from C++, below Python."""
+
+    def __init__(self):
+        self.path = Path(tempfile.gettempdir()) / f"vitreg-ray-{os.getpid()}.log"
+        self._console_fd: int | None = None
+        self._stderr = None
+
+    def open(self) -> None:
+        sys.stderr.flush()
+        self._console_fd = os.dup(2)
+        log_fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        os.dup2(log_fd, 2)
+        os.close(log_fd)
+        self._stderr = sys.stderr
+        if _writes_to_fd2(sys.stderr):  # else (a test's CliRunner) sys.stderr is not the console: leave it
+            console = io.FileIO(self._console_fd, "w", closefd=False)
+            sys.stderr = io.TextIOWrapper(console, encoding=sys.stderr.encoding, errors="backslashreplace",
+                                          line_buffering=True)
+
+    def close(self) -> None:
+        """The console back on fd 2; the file kept only when Ray wrote to it."""
+        if self._console_fd is None:
+            return
+        sys.stderr.flush()
+        sys.stderr = self._stderr
+        os.dup2(self._console_fd, 2)
+        os.close(self._console_fd)
+        self._console_fd = None
+        if self.path.exists() and self.path.stat().st_size == 0:
+            self.path.unlink()
+
+
+def _writes_to_fd2(stream) -> bool:
+    try:
+        return stream.fileno() == 2
+    except (AttributeError, OSError, ValueError):  # io.UnsupportedOperation is both an OSError and a ValueError
+        return False
+
+
 def connect(address: str):
     """``ray.init`` against ``address`` (``local``: a cluster of this host alone). In the main thread (Ray sets
     its signal handlers there); an address that does not answer was refused by :func:`_check_answers` first."""
@@ -66,6 +117,16 @@ class RayEngine:
     """The sweep's children as Ray tasks; :meth:`run` submits them and follows them to their end."""
 
     def __init__(self, address: str, max_parallel: int, progress):
+        self.ray_log = RayLogAside()
+        self.ray_log.open()
+        progress(f"sweep: Ray's own log lines go to {self.ray_log.path}")
+        try:
+            self._join(address, max_parallel, progress)
+        except BaseException:
+            self.close()
+            raise
+
+    def _join(self, address: str, max_parallel: int, progress) -> None:
         self.ray = connect(address)
         self.address = address
         self.max_parallel = max_parallel
@@ -126,8 +187,12 @@ class RayEngine:
         Follower(self, ctx, combos).run()
 
     def close(self) -> None:
-        if self.ray.is_initialized():
-            self.ray.shutdown()
+        try:
+            ray = sys.modules.get("ray")  # None: it never imported (the refusal said so)
+            if ray is not None and ray.is_initialized():
+                ray.shutdown()
+        finally:
+            self.ray_log.close()
 
 
 def ray_type(label: str) -> str | None:

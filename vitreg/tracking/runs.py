@@ -202,6 +202,31 @@ def tracked_run(run_name: str | None = None, experiment: str | None = None, syst
         signals.forget_forced_exit(last_words)
 
 
+@contextlib.contextmanager
+def reopened_run(run_id: str):
+    """Run ``run_id`` (ended) open again, RUNNING, tracked as :func:`tracked_run` tracks a new run, so that it
+    ends with a true status again (a sweep's parent while its failed children are re-run). It is handed over as
+    ``mlflow run`` hands its run to a process (``MLFLOW_RUN_ID``), only while the run is opened: the
+    processes the body starts get their own."""
+    handed = os.environ.get("MLFLOW_RUN_ID")
+
+    def give_back():
+        os.environ.pop("MLFLOW_RUN_ID", None)
+        os.environ.update({"MLFLOW_RUN_ID": handed} if handed else {})
+
+    os.environ["MLFLOW_RUN_ID"] = run_id
+    try:
+        client = mlflow.MlflowClient()
+        client.update_run(run_id, status="RUNNING")
+        for stale in {ERROR_TAG, ERROR_KIND_TAG} & set(client.get_run(run_id).data.tags):
+            client.delete_tag(run_id, stale)  # why it failed last time is no longer true while it runs again
+        with tracked_run(system_metrics=False) as tracker:
+            give_back()
+            yield tracker
+    finally:
+        give_back()
+
+
 def _system_metrics(tracker):
     """GPU utilisation, memory and power curves (psutil + nvidia-ml-py), sampled every 2 s in a thread
     that logs them itself; none offline (nothing reaches the server then)."""
@@ -504,6 +529,28 @@ def child_runs(parent: Tracker):
     """The parent's child runs as a search_runs DataFrame."""
     return mlflow.search_runs(experiment_ids=[parent.experiment_id],
                               filter_string=f"tags.mlflow.parentRunId = '{parent.run_id}'")
+
+
+def run_and_children(parent_run_id: str):
+    """Run ``parent_run_id`` and all its child runs (every page): what ``vitreg sweep --rerun-failed`` reads.
+    A run the store does not have is one line naming the fix."""
+    client = mlflow.MlflowClient()
+    with store_errors(tracking_uri(), "reading the sweep's runs"):  # a store that is down: one line, never "no run"
+        try:
+            parent = client.get_run(parent_run_id)
+        except mlflow.exceptions.MlflowException as exc:
+            if exc.error_code != "RESOURCE_DOES_NOT_EXIST":
+                raise
+            raise VitregError(f"no run {parent_run_id!r} at {tracking_uri()}: pass the run id of a sweep's parent "
+                              f"run (its `sweep RUN_ID:` line), or set MLFLOW_TRACKING_URI to its store") from None
+        found, token = [], None
+        while True:
+            page = client.search_runs([parent.info.experiment_id], f"tags.mlflow.parentRunId = '{parent_run_id}'",
+                                      max_results=1000, page_token=token)
+            found.extend(page)
+            token = page.token
+            if not token:
+                return parent, found
 
 
 def search_runs(experiment: str, filter_string: str = ""):
