@@ -135,8 +135,8 @@ def command_options(command: str):
 
     def decorate(fn):
         for opt in reversed(options_of(command)):
-            if opt.required:
-                settings = {"required": True}
+            if opt.required:  # with ``unless``, checked in check_first: click knows no "unless"
+                settings = {"required": not opt.unless}
             else:
                 settings = {"default": opt.default_text if opt.default is not None else None,
                             "show_default": bool(opt.default_text)}
@@ -171,6 +171,8 @@ def check_first(command: str, values: dict) -> None:
     from vitreg.models.families import check_name
 
     for opt in options_of(command):
+        if opt.required and opt.unless and values.get(opt.name) is None and not values.get(opt.unless):
+            raise OneLineUsageError(f"Missing option '{opt.flags[0]}'", click.get_current_context())
         if values.get(opt.name) is not None and not opt.repeatable:
             opt.parse(values[opt.name])
     own_names = {o.name for o in options_of(command) if not o.spec_field}

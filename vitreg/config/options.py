@@ -64,6 +64,7 @@ class Option:
     spec_field: bool = True  # a BenchSpec/TrainSpec field; False: the command's own (launcher, run, sweep lists)
     mlproject: bool = True  # False: a click option only (the experiment and run name: `mlflow run` picks its own)
     required: bool = False  # the vitreg command refuses to run without it (its MLproject param may still default)
+    unless: str | None = None  # with required: ... unless this other option is given (sweep --rerun-failed)
     envvar: str | None = None
     lowercase: bool = False
     aliases: tuple[str, ...] = ()  # more click flags for it (``--experiment-name``, as ``mlflow run`` spells it)
@@ -142,7 +143,7 @@ OPTIONS: tuple[Option, ...] = (
            ("infer",), required=True, spec_field=False,
            identity=True),
     Option("models", "str", "vit_base_patch16_224", "Comma-separated model names.", ("sweep",),
-           spec_field=False,  # not required: `sweep --rerun-failed PARENT` reads its models from the runs
+           required=True, unless="rerun_failed", spec_field=False,  # --rerun-failed reads them from the runs
            same_work="a sweep list: each child run takes one of its values as its own option"),
     Option("amp", "str", "auto", "Comma-separated, e.g. off,bf16.", ("sweep",), spec_field=False,
            same_work="a sweep list: each child run takes one of its values as its own option"),
