@@ -55,7 +55,9 @@ def test_a_uri_at_the_end_of_a_sentence_keeps_the_punctuation_after_it():
 
 
 def test_what_holds_no_credential_is_shown_as_it_is():
-    for uri in ("http://127.0.0.1:5000/#/experiments/1/runs/abc", "http://h/?a=", "file:///tmp/x/y.db",
+    for uri in ("http://127.0.0.1:5000/#/experiments/1/runs/abc",
+                "http://127.0.0.1:5000/#/experiments/1/runs/abc?workflowType=machine_learning",  # a UI route
+                "http://h/?a=", "file:///tmp/x/y.db",
                 "models:/deit-tiny@champion", "runs:/0123/checkpoints/last"):
         assert redact(uri) == uri
 

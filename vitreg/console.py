@@ -43,8 +43,11 @@ def _mask_query(query: str) -> str:
 
 
 def _mask_fragment(fragment: str) -> str:
-    """Every ``name=value`` value of a fragment masked (an OAuth ``#access_token=``), the rest kept: a
-    fragment is also the MLflow UI's route (``#/experiments/1/runs/abc``), which vitreg prints as links."""
+    """Every ``name=value`` value of a fragment masked (an OAuth ``#access_token=``), the rest kept. A
+    fragment that starts with ``/`` is a page's route, not data sent by a server: the MLflow UI's links that
+    vitreg prints (``#/experiments/1/runs/abc?workflowType=machine_learning``) stay as they are."""
+    if fragment.startswith("/"):
+        return fragment
     return _VALUE.sub(f"={MASK}", fragment)
 
 
