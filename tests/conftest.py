@@ -95,6 +95,16 @@ def parsed(path: Path) -> ast.Module:
     return ast.parse(Path(path).read_text(), filename=str(path))
 
 
+@pytest.fixture
+def clean_vitreg_env(monkeypatch):
+    """No VITREG_* / MLflow settings from the developer's shell leak into a test (the spool's tests: a
+    VITREG_SPOOL_DIR or an MLflow run id there would change where a run goes)."""
+    for name in list(os.environ):
+        if name.startswith(("VITREG_", "MLFLOW_HTTP", "MLFLOW_RUN_ID", "MLFLOW_EXPERIMENT")):
+            monkeypatch.delenv(name)
+    monkeypatch.setenv("MLFLOW_DISABLE_TELEMETRY", "true")
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that nothing listens on right now (for a server a test starts)."""
     with socket.socket() as sock:

@@ -32,13 +32,7 @@ from vitreg.tracking.spool import Spool, flush_timeout_s, offline_mode, spool_ro
 from conftest import REPO, free_port, migrated_store, premigrated, subprocess_env
 
 
-@pytest.fixture(autouse=True)
-def _clean_env(monkeypatch):
-    """No VITREG_* / MLflow settings from the developer's shell leak into a test."""
-    for name in list(os.environ):
-        if name.startswith(("VITREG_", "MLFLOW_HTTP", "MLFLOW_RUN_ID", "MLFLOW_EXPERIMENT")):
-            monkeypatch.delenv(name)
-    monkeypatch.setenv("MLFLOW_DISABLE_TELEMETRY", "true")
+pytestmark = pytest.mark.usefixtures("clean_vitreg_env")
 
 
 @pytest.fixture(scope="module")

@@ -31,12 +31,7 @@ from conftest import REPO, migrated_store, subprocess_env
 NO_MODE_BYPASS = ["setpriv", "--bounding-set", "-dac_override,-dac_read_search"]
 
 
-@pytest.fixture(autouse=True)
-def _clean_env(monkeypatch):
-    for name in list(os.environ):
-        if name.startswith(("VITREG_", "MLFLOW_HTTP", "MLFLOW_RUN_ID", "MLFLOW_EXPERIMENT")):
-            monkeypatch.delenv(name)
-    monkeypatch.setenv("MLFLOW_DISABLE_TELEMETRY", "true")
+pytestmark = pytest.mark.usefixtures("clean_vitreg_env")
 
 
 @pytest.fixture
