@@ -137,7 +137,8 @@ def test_two_hosts_of_two_processes_make_one_run_logged_by_node_0(tmp_path):
     assert m["train_scaling_efficiency"] == pytest.approx(m["train_throughput_img_per_s"] / (4 * 100.0))
     arts = {a.path for a in client.list_artifacts(run.info.run_id)}
     assert {"results.json", "ranks.json", "report.md", "torchrun"} <= arts
-    assert {a.path for a in client.list_artifacts(run.info.run_id, "torchrun")} == {"torchrun/rank0", "torchrun/rank1"}
+    assert {a.path for a in client.list_artifacts(run.info.run_id, "torchrun")} == {"torchrun/rank0", "torchrun/rank1",
+                                                                                 "torchrun/torchrun.log"}
     # report.md shows what the user typed, not the launcher's generated line for the ranks
     report = open(client.download_artifacts(run.info.run_id, "report.md", str(tmp_path))).read()
     assert "mlflow run . -e bench" in report and "-P nproc=2" in report and "-P nnodes=2" in report, report

@@ -115,7 +115,7 @@ def test_two_hosts_make_one_run_rank0_logs_checkpoints_and_registers(tmp_path):
     # rank 0 speaks for the job; rank 1 (node 1's only process) says nothing
     assert "[rank0]: [vitreg] step 8/8" in outs[0][1]
     assert not any("[rank1]: [vitreg]" in err for _, err in outs)
-    assert {a.path for a in client.list_artifacts(rid, "torchrun")} == {"torchrun/rank0"}  # node 0's own process
+    assert {a.path for a in client.list_artifacts(rid, "torchrun")} == {"torchrun/rank0", "torchrun/torchrun.log"}  # node 0's own
 
 
 @pytest.mark.slow
@@ -133,7 +133,8 @@ def test_failing_ranks_fail_the_run_with_their_error_and_status(tmp_path):
     assert runs[0].data.tags["vitreg_error"] == last[len("error: "):]
     assert runs[0].data.tags["vitreg_job"] == "train" and runs[0].data.params["distillation"] == "soft"
     # a standalone launcher keeps both ranks' output in the run, the failing ones' included
-    assert {a.path for a in client.list_artifacts(runs[0].info.run_id, "torchrun")} == {"torchrun/rank0", "torchrun/rank1"}
+    assert {a.path for a in client.list_artifacts(runs[0].info.run_id, "torchrun")} == {"torchrun/rank0", "torchrun/rank1",
+                                                                                     "torchrun/torchrun.log"}
 
 
 # --------------------------------------------------------------------------------------------

@@ -17,7 +17,7 @@ from vitreg.errors import VitregError
 from vitreg.fleet import children
 from vitreg.fleet.axes import LIST_AXES, Combination, axis_texts_of, check_size, collect_axes, count, plan
 from vitreg.fleet.board import Board, Clock, format_seconds
-from vitreg.tracking import naming, runs as tracking
+from vitreg.tracking import runs as tracking
 from vitreg.tracking.spool import offline_mode
 
 SWEEP_LISTS = tuple(LIST_AXES)
@@ -94,6 +94,8 @@ def check_options(own: dict, common: dict) -> None:
     from vitreg.hardware.profiles import check_label_here
 
     settings = SweepSettings.parse(own)
+    if settings.rerun_failed:  # the combinations are the failed children's own, read from their runs
+        return
     common = dict(common)
     axes = collect_axes({name: own.get(name, option("sweep", name).default) for name in SWEEP_LISTS},
                         axis_texts_of(own.get("axes", "")), common)
@@ -118,6 +120,8 @@ def _engine(settings: SweepSettings, common: dict, progress):
 
 
 def _run_parent(settings, axes, combos, common, engine, max_oom_retries, progress) -> dict:
+    from vitreg.tracking import naming  # here: it imports pandas (analysis.render), which a typo check must not pay
+
     outcome = {"finished": [], "failed": []}
     parent_name = naming.sweep_run_name(axes, common, len(combos))
     with tracking.tracked_run(run_name=parent_name, experiment=settings.experiment, system_metrics=False) as parent:
