@@ -406,3 +406,55 @@ def test_a_full_spool_disk_is_one_line_naming_the_disk_and_the_run_is_not_left_r
         assert _running(uri) == []
     finally:
         subprocess.run(["umount", str(disk)], check=True)
+
+
+# --------------------------------------------------------------------------- a spool naming another server
+
+
+def test_a_spool_naming_another_server_gets_no_credentials_of_this_environment(store, tmp_path, monkeypatch):
+    """MLflow sends MLFLOW_TRACKING_TOKEN/PASSWORD to any http server it is pointed at: a planted spool whose
+    run record names another host must not receive them. Refused in one line naming --tracking-uri; nothing
+    contacted (the named port has a listener that records any connection), the spool kept as it was; with
+    --tracking-uri it goes where the user says."""
+    import socket
+    import threading
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(4)
+    listener.settimeout(0.2)
+    contacted, stop = [], threading.Event()
+
+    def accept():
+        while not stop.is_set():
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                continue
+            contacted.append(conn.recv(4096))
+            conn.close()
+
+    thread = threading.Thread(target=accept, daemon=True)
+    thread.start()
+    try:
+        spool = offline_run(tmp_path / "spools", tmp_path, steps=2)
+        journal = spool.path / JOURNAL
+        lines = journal.read_text().splitlines()
+        first = json.loads(lines[0])
+        first["tracking_uri"] = f"http://127.0.0.1:{listener.getsockname()[1]}/"
+        journal.write_text("\n".join([json.dumps(first), *lines[1:]]) + "\n")
+        before = snapshot(spool.path)
+        monkeypatch.setenv("MLFLOW_TRACKING_TOKEN", "tok-3e1f9a")
+        result = CliRunner().invoke(main, ["sync", "--spool", str(tmp_path / "spools")])
+        assert result.exit_code == 2, result.output
+        lines = result.output.strip().splitlines()
+        assert len(lines) == 1 and "credentials are not sent" in lines[0] and "--tracking-uri" in lines[0], lines
+        assert "tok-3e1f9a" not in result.output
+        assert contacted == [] and snapshot(spool.path) == before
+        delivered = CliRunner().invoke(main, ["sync", "--spool", str(tmp_path / "spools"), "--tracking-uri", store])
+        assert delivered.exit_code == 0, delivered.output
+        assert contacted == [] and MlflowClient().get_experiment_by_name("hostile") is not None
+    finally:
+        stop.set()
+        thread.join()
+        listener.close()

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
+import urllib.parse
 from pathlib import Path
 
 from vitreg.errors import VitregError
@@ -36,8 +38,34 @@ class Synced:
         return f"delivered {self.spool} -> run {self.run_id} ({self.records} new records)"
 
 
+#: What MLflow sends to any http(s) tracking server from the environment, whatever the URI says.
+SENT_CREDENTIALS = ("MLFLOW_TRACKING_TOKEN", "MLFLOW_TRACKING_PASSWORD", "MLFLOW_TRACKING_USERNAME")
+
+
 def _target_uri(spool: Spool, tracking_uri: str | None) -> str:
-    return tracking_uri or spool.run_record.get("tracking_uri") or mlflow.get_tracking_uri()
+    """Where a spool goes: ``--tracking-uri``, else the server it was logged against, else the current one.
+
+    A spool is data from disk: its recorded server must not receive this user's credentials unless it is the
+    server they are for. With a token or password in the environment, a spool naming another http(s) host
+    than MLFLOW_TRACKING_URI is refused (one line) until ``--tracking-uri`` says where it goes."""
+    if tracking_uri:
+        return tracking_uri
+    current = mlflow.get_tracking_uri()
+    recorded = spool.run_record.get("tracking_uri")
+    if not recorded:
+        return current
+    if _host(recorded) and _host(recorded) != _host(current) and any(os.environ.get(v) for v in SENT_CREDENTIALS):
+        raise SpoolDamaged(f"the spool {spool.path} names the tracking server {redact(recorded)}, not "
+                           f"MLFLOW_TRACKING_URI's ({redact(current)}): this environment's credentials are not sent "
+                           f"to a server a spool names; deliver it with `vitreg sync --spool {spool.path} "
+                           f"--tracking-uri URI` once you know where it belongs")
+    return recorded
+
+
+def _host(uri: str) -> str | None:
+    """An http(s) URI's host and port (None for a local store: no credentials go there)."""
+    parts = urllib.parse.urlsplit(uri)
+    return parts.netloc.rpartition("@")[2].lower() if parts.scheme in ("http", "https") else None
 
 
 def sync_one(spool: Spool, tracking_uri: str | None = None) -> Synced:
