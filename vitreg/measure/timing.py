@@ -244,15 +244,17 @@ class PhaseClock:
     def begin(self) -> None:
         """A command starts: the first in this process counts from the process's start (interpreter and
         imports: the ``import`` phase), a later one (the Python API, tests) from now."""
+        # the process's start is a wall-clock time (psutil): only the import phase is measured against it;
+        # every later phase on the monotonic clock, which a clock adjustment cannot move
         now = time.time()
-        self.last_s, self.phases = (now if self.began else min(process_started_s(), now)), {}
+        self.phases = {"import": 0.0 if self.began else max(0.0, now - process_started_s())}
         self.began = True
-        self.mark("import")
+        self.last_s = time.perf_counter()
 
     def mark(self, phase: str) -> None:
         if self.last_s is None:
             return
-        now = time.time()
+        now = time.perf_counter()
         self.phases[phase] = self.phases.get(phase, 0.0) + now - self.last_s
         self.last_s = now
 
