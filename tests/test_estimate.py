@@ -162,25 +162,34 @@ def test_the_estimate_times_the_run_s_own_step_in_its_precision_before_the_work(
 @pytest.mark.slow
 @pytest.mark.parametrize("counts", [dict(steps=0, repeats=6, window_min_s=0.3), dict(steps=40, repeats=4)],
                          ids=["adaptive-windows", "fixed"])
-def test_the_estimate_is_within_a_quarter_of_what_the_work_takes_on_this_cpu(counts):
+def test_the_estimate_is_within_a_quarter_of_what_the_work_takes_on_this_cpu(counts, monkeypatch):
     """The estimate against the work it estimates (the tasks, from after the line to the last window's
     untimed steps), measured in the same run: within 25 %. Six windows (repeats=6) as the precision target
     assumes; the windows' length from window_min_s (adaptive) or given steps (fixed)."""
-    from vitreg.bench.runner import run_benchmark
+    from vitreg.bench import runner
     from vitreg.hardware.profiles import PROFILES, DetectedHardware, resolve_hardware
     from vitreg.hardware.runtime import resolve_runtime
 
     cpu = DetectedHardware("cpu", "CPU (test)", 1, PROFILES["cpu"])
     spec = BenchSpec(model="test_vit", img_size=32, batch_size=4, warmup=5, task="both", **counts)
-    result = run_benchmark(spec, resolve_hardware("auto", cpu), resolve_runtime("off", "off", "inductor", cpu),
-                           progress=lambda _: None)
+    estimates = []  # the estimate the run made, with the step times its probe measured
+    real_estimate = runner._estimate
+    monkeypatch.setattr(runner, "_estimate", lambda *a: estimates.append(real_estimate(*a)) or estimates[-1])
+    result = runner.run_benchmark(spec, resolve_hardware("auto", cpu), resolve_runtime("off", "off", "inductor", cpu),
+                                  progress=lambda _: None)
     m = result.metrics()
-    # A step time that moves by more than a tenth between windows (other processes on the host: on this
-    # project's shared 2-core machine, 30 ms to 600 ms within one run) moves the work itself by more than any
+    # A step time that moves by more than a tenth between windows, or by a fifth between the probe and the
+    # windows (other processes on the host: on this project's shared 2-core machine, 30 ms to 600 ms within one
+    # run; CI's probe once ran 27 % slower than the windows after it), moves the work itself by more than any
     # estimate made beforehand can follow: the check is then not meaningful, and says why.
     scatter = max(m["infer_throughput_cv"], m["train_throughput_cv"])
     if scatter > 0.10:
         pytest.skip(f"the host's load moved the step time (window CV {scatter:.0%}): no estimate can be checked to 25 %")
+    for task, probe_s in estimates[0].step_s.items():
+        windows_s = spec.batch_size / m[f"{task}_throughput_img_per_s"]
+        if not 0.8 <= probe_s / windows_s <= 1.25:  # a fifth either way: beyond it, the 25 % cannot hold
+            pytest.skip(f"the host's load moved the {task} step time between the probe ({probe_s * 1e3:.1f} ms) "
+                        f"and the windows ({windows_s * 1e3:.1f} ms): no estimate can be checked to 25 %")
     assert 0.75 <= m["estimated_work_s"] / m["work_s"] <= 1.25, (m["estimated_work_s"], m["work_s"])
 
 
