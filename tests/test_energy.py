@@ -200,19 +200,26 @@ def test_a_spread_over_the_precision_target_is_said_with_what_the_windows_met():
     assert quiet.spread_note() is None and quiet.tags()["spread_over_target"] == "false"
 
 
-def test_a_run_whose_windows_miss_the_precision_target_says_so_in_its_last_line(sqlite_store, monkeypatch, capsys):
+def test_a_run_whose_windows_miss_the_precision_target_says_so_in_its_last_line(sqlite_store, monkeypatch, capsys,
+                                                                                 tmp_path):
     """A real tiny bench, in-process, with the target at 0 (any spread misses it): the tag is set and the warning
-    closes the run's output, just before the line that says where the run is (an offline run's spool must stay
-    the last line). At an unreachable target no warning is printed."""
+    is the run's last line, after the line that says where the run is; an offline run ends on its spool's `vitreg
+    sync` instead (that line must stay last), the warning just before it. At an unreachable target no warning."""
     from vitreg.bench.job import bench
 
     options = dict(model="test_vit", task="infer", batch_size=2, warmup=1, steps=2, repeats=3, device="cpu")
     monkeypatch.setattr(energy, "PRECISION_TARGET", 0.0)
     result = bench(options, experiment="spread")
     assert result.tasks[0].window_tags["spread_over_target"] == "true"
-    *_, warning, last = capsys.readouterr().out.strip().splitlines()
+    *_, where, warning = capsys.readouterr().out.strip().splitlines()
     assert warning.startswith("warning: infer: the windows' spread missed") and "infer_spread_over_target" in warning
-    assert last.startswith("logged run ") and "/runs/" in last  # where the run is logged stays the last line
+    assert where.startswith("logged run ") and "/runs/" in where
+    monkeypatch.setenv("VITREG_SPOOL_DIR", str(tmp_path / "spools"))
+    monkeypatch.setenv("VITREG_OFFLINE", "1")
+    bench(options, experiment="spread")
+    monkeypatch.delenv("VITREG_OFFLINE")
+    *_, warning, last = capsys.readouterr().out.strip().splitlines()
+    assert warning.startswith("warning: infer: the windows' spread missed") and "vitreg sync" in last
     monkeypatch.setattr(energy, "PRECISION_TARGET", float("inf"))
     bench(options, experiment="spread")
     assert not any(line.startswith("warning:") for line in capsys.readouterr().out.splitlines())

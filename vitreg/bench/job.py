@@ -116,12 +116,12 @@ def infer(model_uri: str, options: dict, experiment: str | None = None, run_name
 
 
 def _print_end(run, result: BenchResult | None) -> None:
-    """The run's last lines: when its windows spread too wide, that warning; then where its data is, last
-    (an offline run's spool and the `vitreg sync` that delivers it: what a user must not miss)."""
-    for warning in (spread_warning(result), precision_warning(result)) if result is not None else ():
-        if warning:
-            print(warning)
-    print(tracking.where_logged(run))
+    """The run's last lines: where its data is and, when its windows spread too wide, that warning. The
+    warning is the last line (a figure less sure than its digits is what a user must not miss), except for a
+    run still in the local spool: there the `vitreg sync` that delivers it comes last, or the data is lost."""
+    warnings = [w for w in (spread_warning(result), precision_warning(result)) if w] if result is not None else []
+    where = tracking.where_logged(run)
+    print("\n".join([*warnings, where] if tracking.still_spooled(run) else [where, *warnings]))
 
 
 #: Options that the registered checkpoint decides, not the user.

@@ -462,11 +462,16 @@ def check_server(timeout: float = 5.0) -> None:
             from None
 
 
+def still_spooled(tracker) -> bool:
+    """Whether the run is still only in the local spool (offline, or a store that did not take it)."""
+    return bool(tracker.offline or tracker.delivered is False)
+
+
 def where_logged(tracker) -> str:
-    """The line a job ends with: the run and how to open it (its page on a server; locally the UI command
-    that opens the store the run went to, :func:`~vitreg.tracking.store.ui_command`),
-    or, for a run still in the local spool (offline, or a store that did not take it), how to deliver it."""
-    if tracker.offline or tracker.delivered is False:  # a SpoolingTracker's run still in its spool
+    """The line that says where a job's run is: the run and how to open it (its page on a server; locally the
+    UI command that opens the store the run went to, :func:`~vitreg.tracking.store.ui_command`),
+    or, for a run still in the local spool (:func:`still_spooled`), how to deliver it."""
+    if still_spooled(tracker):
         return sync_hint(tracker.spool)
     uri = tracking_uri()  # masked; from the environment in a rank, which never imports mlflow
     from vitreg.tracking.naming import runs_page  # here: naming reads pandas, which a rank never needs
