@@ -344,10 +344,17 @@ def test_distillation_needs_a_distilled_student():
 
 
 def test_out_of_memory_in_a_step_is_typed_and_names_a_smaller_batch(monkeypatch):
+    import weakref
+
     spec = TrainSpec(**TINY, steps=2)
     model, info = create_model(spec.model, spec.img_size, CLASSES)
+    held = []
 
     def out_of_memory(*args, **kwargs):
+        activation = torch.ones(64, 64)  # what the failed step held, in its frame and in a reference cycle
+        cycle = [activation]
+        cycle.append(cycle)
+        held.append(weakref.ref(activation))
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
 
     monkeypatch.setattr(model, "forward", out_of_memory)
@@ -355,3 +362,5 @@ def test_out_of_memory_in_a_step_is_typed_and_names_a_smaller_batch(monkeypatch)
         engine.train(spec, runtime_for(spec), model, info, hooks=engine.Hooks(progress=lambda message: None))
     assert one_line(err) == ("training with batch_size=16 ran out of GPU memory: use a smaller batch_size "
                              "(e.g. 8)")
+    # the step's tensors are gone while the error is still held (its __context__ keeps torch's traceback)
+    assert err.value.__context__ is not None and held and held[0]() is None

@@ -1,7 +1,8 @@
 """vitreg.deploy.server: configuration checks (fast) and real ``mlflow server`` processes (slow).
 
-The slow tests start servers on free loopback ports, log a run through MLflow's client in a
-separate Python process and look at where things land on disk.
+The slow tests start servers on free loopback ports, log a run through MLflow's client (in this
+process, standing in the client's folder; a separate process where the process is the point: the bench
+runs, and tests/test_server_s3.py's client without boto3) and look at where things land on disk.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import textwrap
 import urllib.error
 import urllib.request
@@ -213,6 +215,38 @@ def log_run_via_client(url: str, cwd: Path, experiment: str, **extra_env: str) -
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def log_run_in_process(monkeypatch, url: str, cwd: Path, experiment: str, **extra_env: str) -> dict:
+    """What :data:`CLIENT` does, in this process through MLflow's client: the server's URL (and credentials)
+    in the environment, standing in ``cwd``, as a GPU box would (a process of its own would import MLflow
+    again, ~3 s of CPU, to prove nothing more: the artifact goes through the server's proxy either way)."""
+    import mlflow
+    import mlflow.tracking._tracking_service.utils as tracking_utils
+    from mlflow.tracking import MlflowClient
+
+    for name, value in {"MLFLOW_TRACKING_URI": url, **extra_env}.items():
+        monkeypatch.setenv(name, value)
+    # this process's MLflow may hold an earlier test's store, which outranks the variable (and resolves the
+    # run's mlflow-artifacts:/ URI): the server's for this test, the earlier one's again after
+    monkeypatch.setattr(tracking_utils, "_tracking_uri", tracking_utils._tracking_uri)
+    mlflow.set_tracking_uri(url)
+    cwd.mkdir(parents=True, exist_ok=True)
+    monkeypatch.chdir(cwd)
+    client = MlflowClient()
+    found = client.get_experiment_by_name(experiment)
+    experiment_id = found.experiment_id if found else client.create_experiment(experiment)
+    run = client.create_run(experiment_id, run_name="server-check")
+    run_id = run.info.run_id
+    client.log_param(run_id, "gpu", "cpu")
+    client.log_metric(run_id, "infer_throughput_img_per_s", 123.0)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "hello.txt")
+        with open(path, "w") as fh:
+            fh.write("hello from the client")
+        client.log_artifact(run_id, path, artifact_path="check")
+    client.set_terminated(run_id)
+    return {"experiment_id": experiment_id, "run_id": run_id, "artifact_uri": run.info.artifact_uri}
+
+
 def assert_artifact_on_server_disk(cfg: ServerConfig, info: dict, client_cwd: Path) -> None:
     assert info["artifact_uri"].startswith("mlflow-artifacts:/"), info
     stored = (Path(cfg.artifacts_destination) / info["experiment_id"] / info["run_id"]
@@ -300,13 +334,13 @@ def running_server(servers, name: str):
 
 
 @pytest.mark.slow
-def test_sqlite_server_stores_artifacts_under_destination(tmp_path, servers):
+def test_sqlite_server_stores_artifacts_under_destination(tmp_path, servers, monkeypatch):
     cfg, proc, printed = running_server(servers, "sqlite")
     assert f"export MLFLOW_TRACKING_URI=http://127.0.0.1:{cfg.port}\n" in printed
     assert get(cfg.health_url) == (200, b"OK")
 
     client_cwd = tmp_path / "gpu-box"
-    info = log_run_via_client(cfg.url, client_cwd, "server-check")
+    info = log_run_in_process(monkeypatch, cfg.url, client_cwd, "server-check")
     assert_artifact_on_server_disk(cfg, info, client_cwd)
     assert (cfg.data_dir / "mlflow.db").is_file()
     assert "Uvicorn running" in (cfg.data_dir / "server.log").read_text()
@@ -347,7 +381,7 @@ def test_postgresql_backend(tmp_path, servers):
 
 
 @pytest.mark.slow
-def test_basic_auth(tmp_path, servers):
+def test_basic_auth(tmp_path, servers, monkeypatch):
     pytest.importorskip("flask_wtf", reason="basic auth needs mlflow[auth] (Flask-WTF)")
     cfg, _, _ = running_server(servers, "auth")
     assert server.build_command(cfg)[-2:] == ["--app-name", "basic-auth"]
@@ -369,8 +403,7 @@ def test_basic_auth(tmp_path, servers):
 
     # What a GPU box does: the MLflow client with MLFLOW_TRACKING_USERNAME/PASSWORD.
     client_cwd = tmp_path / "gpu-box"
-    info = log_run_via_client(cfg.url, client_cwd, "auth-check",
-                              MLFLOW_TRACKING_USERNAME="admin",
+    info = log_run_in_process(monkeypatch, cfg.url, client_cwd, "auth-check", MLFLOW_TRACKING_USERNAME="admin",
                               MLFLOW_TRACKING_PASSWORD=ADMIN_PASSWORD)
     assert_artifact_on_server_disk(cfg, info, client_cwd)
 
