@@ -724,7 +724,9 @@ def test_adaptive_windows_under_ddp_are_the_same_windows_on_every_rank(tmp_path)
     """repeats=0 and steps=0 with nproc=2: rank 0's window length and stopping decision hold on every rank (a
     collective between windows), so the ranks time the same windows and their samples combine."""
     uri = migrated_store(tmp_path)
-    options = {**TINY, "nproc": "2", "steps": "0", "repeats": "0", "window_min_s": "0.05", "max_time_s": "4"}
+    # windows of 0.05 s for at most 1 s: over 6 windows (the fewest a precision stop needs) with room to spare,
+    # while both ranks spin for a quarter of the former 4 s
+    options = {**TINY, "nproc": "2", "steps": "0", "repeats": "0", "window_min_s": "0.05", "max_time_s": "1"}
     proc = subprocess.run([sys.executable, "-m", "vitreg.cli", "bench", *cli_args(options)],
                           env=child_env(uri, PYTHONPATH=str(REPO)), cwd=tmp_path, capture_output=True, text=True,
                           timeout=600)
