@@ -77,17 +77,39 @@ def assert_reduced(client, run, tmp_path, world: int) -> None:
 
 
 # Records, in each launcher (not in torchrun, not in a rank), whether it imported timm or torchvision: a
-# launcher is `vitreg bench` or the bench entry point that `mlflow run` starts.
+# launcher is `vitreg bench`, `vitreg train` or the entry point that `mlflow run` starts. And in each rank
+# (LOCAL_RANK set) the mlflow modules it imported, at its end: importing mlflow costs a process ~2.8 s of
+# CPU, and a rank of a vitreg launcher only writes the hand-off journal (rank 0) or nothing.
 # (sys.argv is read at exit: while sitecustomize runs, `-m`'s module is not in it yet.)
 LAUNCHER_IMPORTS = """
 import atexit, json, os, sys
-LAUNCHERS = (os.path.join("vitreg", "cli", "__main__.py"), os.path.join("entry_points", "bench.py"))
+LAUNCHERS = tuple(os.path.join(*p) for p in (("vitreg", "cli", "__main__.py"), ("entry_points", "bench.py"),
+                                             ("entry_points", "train.py")))
 def _record():
-    if "LOCAL_RANK" not in os.environ and sys.argv[0].endswith(LAUNCHERS):
+    if "LOCAL_RANK" in os.environ:
+        with open(os.path.join(os.environ["RECORD_DIR"], f"rank-{os.environ['RANK']}.json"), "w") as fh:
+            json.dump(sorted(m for m in sys.modules if m.split(".")[0] == "mlflow"), fh)
+    elif sys.argv[0].endswith(LAUNCHERS):
         with open(os.path.join(os.environ["RECORD_DIR"], f"launcher-{os.getpid()}.json"), "w") as fh:
             json.dump({m: m in sys.modules for m in ("timm", "torchvision")}, fh)
 atexit.register(_record)
 """
+
+
+def record_imports(tmp_path) -> Path:
+    """A folder holding :data:`LAUNCHER_IMPORTS` as a sitecustomize (put it first on the PYTHONPATH of the
+    launchers: their ranks inherit it), where the records go (RECORD_DIR)."""
+    record = tmp_path / "record"
+    record.mkdir()
+    (record / "sitecustomize.py").write_text(LAUNCHER_IMPORTS)
+    return record
+
+
+def ranks_imported_mlflow(record: Path, world: int) -> dict:
+    """Each rank's record: the mlflow modules it imported (a rank that left none fails the asking test)."""
+    found = {int(f.stem.split("-")[1]): json.loads(f.read_text()) for f in record.glob("rank-*.json")}
+    assert sorted(found) == list(range(world)), found
+    return found
 
 
 @pytest.mark.slow
@@ -105,9 +127,7 @@ def test_two_hosts_of_two_processes_make_one_run_logged_by_node_0(tmp_path):
     families.all_names(listed_before_ok=False)  # timm's listing: what any earlier job leaves in the user's cache
     memory.footprint(TINY["model"], int(TINY["img_size"]))
     uri = migrated_store(tmp_path)
-    record = tmp_path / "record"
-    record.mkdir()
-    (record / "sitecustomize.py").write_text(LAUNCHER_IMPORTS)
+    record = record_imports(tmp_path)
     env = child_env(uri, PYTHONPATH=os.pathsep.join([str(record), str(REPO)]), RECORD_DIR=str(record))
     base_id = fake_baseline_run(uri, throughput=100.0)
     options = {**TINY, "nproc": "2", "profile_steps": "2", "baseline_run": base_id,
@@ -151,6 +171,8 @@ def test_two_hosts_of_two_processes_make_one_run_logged_by_node_0(tmp_path):
     assert "train_device_busy_ms_per_step" not in m
     launchers = [json.loads(f.read_text()) for f in record.glob("launcher-*.json")]
     assert launchers == [{"timm": False, "torchvision": False}] * 2, launchers
+    # no rank imported mlflow: rank 0 handed its calls to node 0's launcher, the others logged nothing
+    assert ranks_imported_mlflow(record, 4) == {rank: [] for rank in range(4)}
 
 
 @pytest.mark.slow
@@ -191,37 +213,27 @@ def test_rank_killed_hard_fails_the_run(tmp_path):
     assert "torchrun/rank0/stderr.log" in logs
 
 
-RANK_PATH = """
-import json, os, sys
-from pathlib import Path
-from vitreg.bench.job import bench  # noqa: F401 - the modules a rank runs, imported as a rank imports them
-from vitreg.train.job import train  # noqa: F401
-from vitreg.ddp.launcher import rank_run
-from vitreg.tracking import runs as tracking
-with rank_run() as tracker:  # rank 0: the hand-off journal; rank 1: nothing
-    tracker.set_tags({"gpu": "cpu"})
-    tracker.log_metrics({"infer_throughput_img_per_s": 1.0})
-    print(tracking.tracking_uri(), tracking.where_logged(tracker), type(tracker).__name__)
-print(json.dumps(sorted(m for m in sys.modules if m.split(".")[0] == "mlflow")))
-"""
-
-
-@pytest.mark.slow
 @pytest.mark.parametrize("rank", [0, 1])
-def test_a_rank_under_the_launcher_never_imports_mlflow(tmp_path, rank):
-    """Importing mlflow costs a process ~2.8 s of CPU: a rank of a vitreg launcher only writes the hand-off
-    journal (rank 0) or nothing, and prints the tracking URI from the environment."""
-    from vitreg.tracking.handoff import announce_run
+def test_a_rank_under_the_launcher_hands_off_or_logs_nothing(tmp_path, monkeypatch, rank):
+    """Under a vitreg launcher, rank 0's tracker writes the hand-off journal and any other rank's does nothing;
+    both name the launcher's run and the tracking URI from the environment. (That no rank imports mlflow, for
+    it all: the real ranks of the two-host jobs here and in tests/test_train_ddp.py record it.)"""
+    from vitreg.tracking import runs as tracking
+    from vitreg.tracking.handoff import HandoffReader, announce_run
 
     announce_run(tmp_path / "handoff", "r" * 32, "1")
-    env = {**subprocess_env("sqlite:///" + str(tmp_path / "mlflow.db")), "LOCAL_RANK": str(rank), "RANK": str(rank),
-           "WORLD_SIZE": "2", launch.ENV_LAUNCH_DIR: str(tmp_path)}
-    done = subprocess.run([sys.executable, "-c", RANK_PATH], env=env, capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr[-3000:]
-    printed, imported = done.stdout.strip().splitlines()[-2:]
-    assert json.loads(imported) == []
-    assert printed.startswith(f"sqlite:///{tmp_path / 'mlflow.db'} logged run ")
+    uri = "sqlite:///" + str(tmp_path / "mlflow.db")
+    for name, value in {"MLFLOW_TRACKING_URI": uri, "LOCAL_RANK": str(rank), "RANK": str(rank), "WORLD_SIZE": "2",
+                        launch.ENV_LAUNCH_DIR: str(tmp_path)}.items():
+        monkeypatch.setenv(name, value)
+    reader = HandoffReader(tmp_path / "handoff")
+    with launch.rank_run() as tracker:
+        tracker.set_tags({"gpu": "cpu"})
+        tracker.log_metrics({"infer_throughput_img_per_s": 1.0})
+        printed = f"{tracking.tracking_uri()} {tracking.where_logged(tracker)} {type(tracker).__name__}"
+    assert printed.startswith(f"{uri} logged run ")
     assert printed.endswith("HandoffTracker" if rank == 0 else "NullTracker")
+    assert bool(reader.read_new()) == (rank == 0)  # rank 0's calls are in the journal; rank 1 wrote none
 
 
 def test_bad_model_refused_before_launching(sqlite_store):
@@ -724,7 +736,9 @@ def test_adaptive_windows_under_ddp_are_the_same_windows_on_every_rank(tmp_path)
     """repeats=0 and steps=0 with nproc=2: rank 0's window length and stopping decision hold on every rank (a
     collective between windows), so the ranks time the same windows and their samples combine."""
     uri = migrated_store(tmp_path)
-    options = {**TINY, "nproc": "2", "steps": "0", "repeats": "0", "window_min_s": "0.05", "max_time_s": "4"}
+    # windows of 0.05 s for at most 1 s: over 6 windows (the fewest a precision stop needs) with room to spare,
+    # while both ranks spin for a quarter of the former 4 s
+    options = {**TINY, "nproc": "2", "steps": "0", "repeats": "0", "window_min_s": "0.05", "max_time_s": "1"}
     proc = subprocess.run([sys.executable, "-m", "vitreg.cli", "bench", *cli_args(options)],
                           env=child_env(uri, PYTHONPATH=str(REPO)), cwd=tmp_path, capture_output=True, text=True,
                           timeout=600)

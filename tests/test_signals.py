@@ -11,7 +11,7 @@ import pytest
 from conftest import migrated_store, subprocess_env
 
 LONG_BENCH = ["-m", "vitreg.cli", "bench", "--model", "test_vit", "--img-size", "32", "--device", "cpu",
-              "--amp", "off", "--batch-size", "2", "--warmup", "2", "--steps", "200", "--repeats", "100",
+              "--amp", "off", "--batch-size", "2", "--warmup", "2", "--steps", "20", "--repeats", "1000",
               "--task", "infer", "--experiment", "signals"]
 
 

@@ -9,6 +9,7 @@ boundary, none per step).
 
 from __future__ import annotations
 
+import os
 import re
 import json
 import statistics
@@ -20,7 +21,8 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from conftest import free_port, migrated_store, subprocess_env
+from conftest import REPO, free_port, migrated_store, subprocess_env
+from test_ddp import ranks_imported_mlflow, record_imports
 from vitreg.ddp import world as distributed
 from vitreg.measure.figures import Figures
 from vitreg.ddp import launcher as launch
@@ -51,17 +53,20 @@ def vitreg_train(tmp_path, uri, options: dict, timeout=180):
 def test_two_hosts_make_one_run_rank0_logs_checkpoints_and_registers(tmp_path):
     """Two launchers as two hosts (nnodes=2, node_rank 0 and 1, one rendezvous endpoint), one process
     each: one MLflow run, from node 0, with world size 2, whose figures are the two ranks' reduced, and
-    whose checkpoints and registered version come from rank 0 alone; node 1's launcher opens no run.
+    whose checkpoints and registered version come from rank 0 alone; node 1's launcher opens no run; neither
+    rank imports mlflow (rank 0 hands its calls, checkpoints and registration request to the launcher).
     (The standalone ``--nproc 2`` path: the failing-ranks test below; bench on two hosts: test_ddp.py.)"""
     uri = migrated_store(tmp_path)
+    record = record_imports(tmp_path)
+    env = subprocess_env(uri, MLFLOW_DISABLE_TELEMETRY="true", PYTHONPATH=os.pathsep.join([str(record), str(REPO)]),
+                         RECORD_DIR=str(record))
     options = {**TINY, "steps": str(STEPS), "log_every": str(LOG_EVERY), "checkpoint_every": str(CKPT_EVERY),
                "register_as": "tiny-ddp", "alias": "champion", "experiment": "ddp-train",
                "ddp_bucket_mb": "1", "ddp_static_graph": "true", "ddp_comm_hook": "bf16"}
     hosts = ["--nnodes", "2", "--rdzv-endpoint", f"127.0.0.1:{free_port()}"]
     procs = [subprocess.Popen([sys.executable, "-m", "vitreg.cli", "train", *launch.options_to_args(options), *hosts,
                                "--node-rank", str(node)],
-                              env=subprocess_env(uri, MLFLOW_DISABLE_TELEMETRY="true"), cwd=tmp_path,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                              env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for node in (0, 1)]
     outs = [p.communicate(timeout=240) for p in procs]
     for p, (_, err) in zip(procs, outs):
@@ -116,22 +121,27 @@ def test_two_hosts_make_one_run_rank0_logs_checkpoints_and_registers(tmp_path):
     assert "[rank0]: [vitreg] step 8/8" in outs[0][1]
     assert not any("[rank1]: [vitreg]" in err for _, err in outs)
     assert {a.path for a in client.list_artifacts(rid, "torchrun")} == {"torchrun/rank0", "torchrun/torchrun.log"}  # node 0's own
+    assert ranks_imported_mlflow(record, 2) == {0: [], 1: []}
 
 
 @pytest.mark.slow
 def test_failing_ranks_fail_the_run_with_their_error_and_status(tmp_path):
-    """An error only the ranks see (the student has no distillation token): exit 2 (the ranks' own
-    VitregError status, not torchrun's 1), one FAILED run whose vitreg_error names the rank."""
+    """An error only the ranks see (a batch no host could hold: each rank refuses it before allocating,
+    as a single process does): exit 2 (the ranks' own VitregError status, not torchrun's 1), one error line
+    and no traceback on the console, one FAILED run whose vitreg_error names the rank. (The student without
+    a distillation token is refused one line later in the same plan, tests/test_train_e2e.py's BAD.)"""
     uri = migrated_store(tmp_path)
-    proc = vitreg_train(tmp_path, uri, {**TINY, "nproc": "2", "steps": "2", "distillation": "soft",
-                                        "teacher": "test_vit"})
-    assert proc.returncode == 2, proc.stderr[-4000:]
+    proc = vitreg_train(tmp_path, uri, {**TINY, "nproc": "2", "steps": "2", "batch_size": "100000000"}, timeout=600)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 2 and "Traceback" not in output, output[-3000:]
+    errors = [line for line in output.splitlines() if "error:" in line]
+    assert len(errors) == 1 and errors[0].startswith("error: rank ") and "batch_size=" in errors[0], output[-3000:]
     last = proc.stderr.strip().splitlines()[-1]
-    assert last.startswith("error: rank ") and "needs a distillation token" in last, proc.stderr[-3000:]
+    assert last == errors[0], proc.stderr[-3000:]
     client, runs = all_runs(uri)
     assert len(runs) == 1 and runs[0].info.status == "FAILED"
     assert runs[0].data.tags["vitreg_error"] == last[len("error: "):]
-    assert runs[0].data.tags["vitreg_job"] == "train" and runs[0].data.params["distillation"] == "soft"
+    assert runs[0].data.tags["vitreg_job"] == "train" and runs[0].data.params["batch_size"] == "100000000"
     # a standalone launcher keeps both ranks' output in the run, the failing ones' included
     assert {a.path for a in client.list_artifacts(runs[0].info.run_id, "torchrun")} == {"torchrun/rank0", "torchrun/rank1",
                                                                                      "torchrun/torchrun.log"}
@@ -249,3 +259,28 @@ def test_engine_reduces_once_per_log_boundary_and_once_at_the_end():
     assert result.figure("step_ms_p50") == pytest.approx(1.5 * local["step_ms_p50"])
     assert result.figure("final_loss") == pytest.approx(logs[7]["train_loss"]) == pytest.approx(local["final_loss"])
     assert result.figure("images") == 7 * 4 * 2
+
+
+@pytest.mark.parametrize("launched_by_vitreg", [True, False], ids=["vitreg-launcher", "own-torchrun"])
+def test_rank0_checks_the_registration_only_without_a_vitreg_launcher(tmp_path, monkeypatch, launched_by_vitreg):
+    """A vitreg launcher checked register_as against the registry before launching: its rank 0 does not check
+    again (that check imported mlflow into the rank, ~2.8 s of CPU, and asked the registry). Under a torchrun the
+    user started, rank 0 logs and registers itself, so it checks first."""
+    from vitreg.train import job
+
+    class Checked(Exception):
+        pass
+
+    class Planned(Exception):
+        pass
+
+    monkeypatch.setattr(job.model_registry, "check_registration", lambda *a: (_ for _ in ()).throw(Checked()))
+    monkeypatch.setattr(job, "job_context", lambda *a, **k: (_ for _ in ()).throw(Planned()))
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setenv("RANK", "0")
+    if launched_by_vitreg:
+        monkeypatch.setenv(launch.ENV_LAUNCH_DIR, str(tmp_path))
+    else:
+        monkeypatch.delenv(launch.ENV_LAUNCH_DIR, raising=False)
+    with pytest.raises(Planned if launched_by_vitreg else Checked):
+        job.resolve_plan(None, {**TINY, "nproc": "2", "steps": "2", "register_as": "tiny"}, tmp_path)

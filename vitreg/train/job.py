@@ -165,7 +165,9 @@ def resolve_plan(run, options: dict, workdir: Path, *, run_name=None, command=No
     spec = TrainSpec.from_options(options)
     placement = placement or launch.Placement()
     launches = not distributed.inside_torchrun() and launch.needs_torchrun(spec.nproc, placement.nnodes)
-    registers = placement.node_rank == 0 if launches else distributed.is_main_process()  # node 0's launcher, rank 0
+    # who checks register_as against the registry: node 0's launcher; else rank 0, unless a vitreg launcher holds
+    # the run (it checked already; its ranks never import mlflow, ~2.8 s of CPU, nor talk to the registry)
+    registers = placement.node_rank == 0 if launches else distributed.is_main_process() and not launch.launched_by_vitreg()
     check_model_name(spec.model)  # fail here, once, rather than in every rank
     if registers:
         _check_registration(spec)  # a bad register_as fails before any training
