@@ -80,6 +80,32 @@ def test_an_overwritten_store_is_one_line_naming_it(tmp_path):
     assert "is damaged" in message or "not a usable MLflow database" in message, message
 
 
+@pytest.mark.parametrize("command,job", [("bench", "vitreg.bench.job"), ("train", "vitreg.train.job"),
+                                         ("infer", "vitreg.bench.job")])
+def test_a_dead_server_is_said_before_the_job_s_heavy_imports(monkeypatch, ports_tried, command, job):
+    """A job against a server that does not answer says so before importing its module (torch, timm: seconds
+    before a line that needs neither); offline, the server is never asked and the job goes on to its import."""
+    import mlflow
+    from click.testing import CliRunner
+
+    from vitreg.cli.main import main
+
+    dead_port = free_port()
+    monkeypatch.setattr(mlflow, "get_tracking_uri", lambda: f"http://bob:pw@127.0.0.1:{dead_port}")
+    monkeypatch.setitem(sys.modules, job, None)  # importing the job's module now raises ImportError
+    monkeypatch.delenv("VITREG_OFFLINE", raising=False)
+    args = COMMANDS[command]
+    done = CliRunner().invoke(main, args)
+    assert done.exit_code == 2, (done.exception, done.output)
+    assert done.output.startswith("error: the MLflow tracking server at http://***@127.0.0.1:") and \
+        "Connection refused" in done.output and done.output.count("\n") == 1, done.output
+    assert [port for _, port in ports_tried].count(dead_port) == 1
+    ports_tried.clear()
+    offline = CliRunner().invoke(main, [*args, "--offline", "true"])
+    assert isinstance(offline.exception, ImportError) and job in str(offline.exception), offline.output
+    assert dead_port not in [port for _, port in ports_tried]
+
+
 @pytest.mark.slow
 @AS_ROOT
 def test_a_store_on_a_read_only_file_system_is_called_read_only(tmp_path):

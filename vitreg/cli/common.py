@@ -191,6 +191,26 @@ def check_first(command: str, values: dict) -> None:
         launcher_options(command, own)
         check_name(spec.model)
     check_label_here(spec.gpu, spec.device, spec.allow_gpu_mismatch)
+    server_first(command, own)
+
+
+def server_first(command: str, own: dict) -> None:
+    """A tracking server that does not answer is said before the job's heavy imports (torch, timm: seconds
+    of a user's wait for a line that needs neither), with the line the run's own check would give
+    (:func:`vitreg.tracking.runs.check_server`). Only where the run will be opened: not offline, not in a
+    torchrun rank other than 0 nor on a node other than the first (they never ask the server)."""
+    from vitreg.ddp.world import is_main_process
+
+    def parsed(name: str):
+        return option(command, name).parse(own[name]) if own.get(name) is not None else None
+
+    if not is_main_process() or parsed("node_rank"):
+        return
+    from vitreg.tracking import runs as tracking
+    from vitreg.tracking.spool import offline_mode
+
+    if not offline_mode(parsed("offline")):  # the option or VITREG_OFFLINE=1
+        tracking.check_server()
 
 
 #: Each DDP job's own keyword arguments besides the placement, each one of the command's own options
