@@ -84,7 +84,8 @@ def test_an_overwritten_store_is_one_line_naming_it(tmp_path):
                                          ("infer", "vitreg.bench.job")])
 def test_a_dead_server_is_said_before_the_job_s_heavy_imports(monkeypatch, ports_tried, command, job):
     """A job against a server that does not answer says so before importing its module (torch, timm: seconds
-    before a line that needs neither); offline, the server is never asked and the job goes on to its import."""
+    before a line that needs neither); offline, or in a torchrun rank, the server is not asked here and the job goes
+    on to its import."""
     import mlflow
     from click.testing import CliRunner
 
@@ -103,6 +104,9 @@ def test_a_dead_server_is_said_before_the_job_s_heavy_imports(monkeypatch, ports
     ports_tried.clear()
     offline = CliRunner().invoke(main, [*args, "--offline", "true"])
     assert isinstance(offline.exception, ImportError) and job in str(offline.exception), offline.output
+    monkeypatch.setenv("LOCAL_RANK", "0")  # a torchrun rank: its launcher has asked
+    rank = CliRunner().invoke(main, args)
+    assert isinstance(rank.exception, ImportError) and job in str(rank.exception), rank.output
     assert dead_port not in [port for _, port in ports_tried]
 
 

@@ -197,14 +197,15 @@ def check_first(command: str, values: dict) -> None:
 def server_first(command: str, own: dict) -> None:
     """A tracking server that does not answer is said before the job's heavy imports (torch, timm: seconds
     of a user's wait for a line that needs neither), with the line the run's own check would give
-    (:func:`vitreg.tracking.runs.check_server`). Only where the run will be opened: not offline, not in a
-    torchrun rank other than 0 nor on a node other than the first (they never ask the server)."""
-    from vitreg.ddp.world import is_main_process
+    (:func:`vitreg.tracking.runs.check_server`). Only in the process that opens the run: not offline, not in
+    a torchrun rank (its launcher has checked; a rank 0 of a torchrun the user started checks in its run), not
+    on a node other than the first (it never asks the server)."""
+    from vitreg.ddp.world import inside_torchrun
 
     def parsed(name: str):
         return option(command, name).parse(own[name]) if own.get(name) is not None else None
 
-    if not is_main_process() or parsed("node_rank"):
+    if inside_torchrun() or parsed("node_rank"):
         return
     from vitreg.tracking import runs as tracking
     from vitreg.tracking.spool import offline_mode
