@@ -110,6 +110,19 @@ def test_a_dead_server_is_said_before_the_job_s_heavy_imports(monkeypatch, ports
     assert dead_port not in [port for _, port in ports_tried]
 
 
+def test_a_server_uri_is_checked_whatever_the_case_of_its_scheme(ports_tried):
+    """``HTTP://`` names a server as ``http://`` does: it was not checked, and a dead one was found only as the
+    run started (after the job's imports), in other words."""
+    from vitreg.tracking.runs import check_server
+
+    dead_port = free_port()
+    with pytest.raises(StoreError) as caught:
+        check_server(uri=f"HTTP://127.0.0.1:{dead_port}/?X_API_KEY=UpperCas3Val")
+    assert str(caught.value).startswith(f"the MLflow tracking server at http://127.0.0.1:{dead_port}/?X_API_KEY=*** "
+                                        "does not answer"), str(caught.value)
+    assert [port for _, port in ports_tried].count(dead_port) == 1
+
+
 @pytest.mark.slow
 @AS_ROOT
 def test_a_store_on_a_read_only_file_system_is_called_read_only(tmp_path):

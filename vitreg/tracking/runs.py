@@ -430,14 +430,14 @@ def close_resumed(old_run_id: str, new_run_id: str, progress=lambda message: Non
     return True
 
 
-def check_server(timeout: float = 5.0) -> None:
-    """Fail fast, in one line, when the tracking URI is a server that does not answer.
+def check_server(timeout: float = 5.0, uri: str | None = None) -> None:
+    """Fail fast, in one line, when the tracking URI (``uri``, else MLflow's) is a server that does not answer.
 
     MLflow's client retries for minutes against a dead server; a user deserves the answer now. A URI with
     credentials (``http://user:password@host``) is checked with them as a header, and shown masked.
     """
-    uri = mlflow.get_tracking_uri()
-    if not uri.startswith(("http://", "https://")):
+    uri = mlflow.get_tracking_uri() if uri is None else uri
+    if not uri.lower().startswith(("http://", "https://")):  # a scheme is any case: HTTP:// is a server too
         return
     import http.client
     import urllib.error
