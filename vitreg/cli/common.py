@@ -211,11 +211,7 @@ def server_first(command: str, own: dict) -> None:
     from vitreg.tracking.spool import offline_mode
 
     if not offline_mode(parsed("offline")):  # the option or VITREG_OFFLINE=1
-        # MLflow's URI is MLFLOW_TRACKING_URI until a caller in this process sets another (set_tracking_uri):
-        # read without importing mlflow (~2 s of CPU) where nothing has imported it yet
-        uri = (sys.modules["mlflow"].get_tracking_uri() if "mlflow" in sys.modules
-               else os.environ.get("MLFLOW_TRACKING_URI", ""))
-        tracking.check_server(uri=uri)
+        tracking.check_server()  # it reads the URI without importing mlflow (~2 s of CPU) where nothing has
 
 
 #: Each DDP job's own keyword arguments besides the placement, each one of the command's own options
