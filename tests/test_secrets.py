@@ -150,12 +150,15 @@ def _env_for(uri: str, spool: Path) -> dict:
 
 @pytest.mark.slow
 def test_bench_against_a_dead_server_never_prints_a_secret_whatever_its_name_or_form(tmp_path):
+    """Each form of secret, one bench against a port nobody listens on: its one line names the server, masked,
+    and comes before the job's heavy imports (the import-time lines Python prints show none of them)."""
     port = free_port()
     procs = {}
     for n, (uri, secret) in enumerate(DEAD_SERVER_SECRETS.items()):
         uri = uri.format(port=port)
         procs[uri, secret] = subprocess.Popen([sys.executable, "-m", "vitreg", *BENCH], cwd=tmp_path,
-                                              env=_env_for(uri, tmp_path / f"spool{n}"), text=True,
+                                              env={**_env_for(uri, tmp_path / f"spool{n}"),
+                                                   "PYTHONPROFILEIMPORTTIME": "1"}, text=True,
                                               stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     for (uri, secret), proc in procs.items():
         try:
@@ -168,6 +171,8 @@ def test_bench_against_a_dead_server_never_prints_a_secret_whatever_its_name_or_
         assert f"127.0.0.1:{port}" in errors[0] and "***" in errors[0], errors[0]  # the server named, masked
         for literal in {secret, uri.split("=")[-1]}:  # raw and decoded
             assert literal not in printed, (uri, printed)
+        imported = {line.split("|")[-1].strip() for line in err.splitlines() if line.startswith("import time:")}
+        assert imported and not imported & {"torch", "timm", "mlflow"}, sorted(imported & {"torch", "timm", "mlflow"})
 
 
 # A command added to vitreg's own click group: every kind of printer a library or vitreg has, each given the

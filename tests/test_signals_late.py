@@ -74,6 +74,26 @@ def _error_lines(output: str) -> list[str]:
     return [line for line in output.splitlines() if line.startswith("error:")]
 
 
+def _vitreg_here(args: list[str], uri: str, **env):
+    """`vitreg ARGS` in this process (click's CliRunner), against the store at ``uri``: what follows a signalled
+    child (`runs --stale`, `sync`) is about the store it reads and writes, its exit code and its lines, not
+    about a process of its own (the signals went to the child)."""
+    import mlflow
+    from click.testing import CliRunner
+
+    from vitreg.cli.main import main
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("MLFLOW_TRACKING_URI", uri)
+        for name, value in env.items():
+            mp.setenv(name, str(value))
+        mlflow.set_tracking_uri(uri)
+        try:
+            return CliRunner().invoke(main, args)
+        finally:
+            mlflow.set_tracking_uri(None)
+
+
 def _child(tmp_path, patch: str, args: list[str]):
     uri = migrated_store(tmp_path)
     env = subprocess_env(uri, PYTHONPATH=str(REPO), VITREG_SPOOL_DIR=tmp_path / "spool")
@@ -103,14 +123,13 @@ def test_a_second_signal_while_the_run_ends_exits_with_its_end_kept_for_sync(tmp
     assert "again" in line and "ended FINISHED" in line and kept, line
     run, = _runs(uri)
     assert run.info.status == "RUNNING"  # the store has not been told: the end is in the spool
-    stale = subprocess.run([sys.executable, "-m", "vitreg.cli", "runs", "--stale", "--fix", "--older-than", "0"],
-                           env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
-    assert stale.returncode == 0 and f"run {run.info.run_id} not marked KILLED: it ended FINISHED" in stale.stderr, \
-        stale.stdout + stale.stderr
+    stale = _vitreg_here(["runs", "--stale", "--fix", "--older-than", "0"], uri,
+                         VITREG_SPOOL_DIR=env["VITREG_SPOOL_DIR"])
+    assert stale.exit_code == 0 and f"run {run.info.run_id} not marked KILLED: it ended FINISHED" in stale.stderr, \
+        (stale.exception, stale.output)
     assert _client(uri).get_run(run.info.run_id).info.status == "RUNNING"  # a complete run is never made KILLED
-    synced = subprocess.run([sys.executable, "-m", "vitreg.cli", "sync", "--spool", kept.group(1)], env=env,
-                            cwd=tmp_path, capture_output=True, text=True, timeout=300)
-    assert synced.returncode == 0, synced.stderr[-2000:]
+    synced = _vitreg_here(["sync", "--spool", kept.group(1)], uri, VITREG_SPOOL_DIR=env["VITREG_SPOOL_DIR"])
+    assert synced.exit_code == 0, (synced.exception, synced.output[-2000:])
     assert _client(uri).get_run(run.info.run_id).info.status == "FINISHED"  # the status the line named
 
 
@@ -173,8 +192,8 @@ def test_a_second_sigterm_during_train_s_clean_up_still_ends_the_run_killed(tmp_
     run, = _runs(uri)
     kept = re.search(r"vitreg sync --spool (\S+)`", line)
     if kept:  # the second signal reached the run's end before the store took it: the spool holds the end
-        subprocess.run([sys.executable, "-m", "vitreg.cli", "sync", "--spool", kept.group(1)], cwd=tmp_path,
-                       env=subprocess_env(uri), capture_output=True, text=True, timeout=300, check=True)
+        synced = _vitreg_here(["sync", "--spool", kept.group(1)], uri)
+        assert synced.exit_code == 0, (synced.exception, synced.output[-2000:])
     else:
         assert f"run {run.info.run_id} is marked KILLED" in line, line
     assert _client(uri).get_run(run.info.run_id).info.status == "KILLED"

@@ -80,6 +80,49 @@ def test_an_overwritten_store_is_one_line_naming_it(tmp_path):
     assert "is damaged" in message or "not a usable MLflow database" in message, message
 
 
+@pytest.mark.parametrize("command,job", [("bench", "vitreg.bench.job"), ("train", "vitreg.train.job"),
+                                         ("infer", "vitreg.bench.job")])
+def test_a_dead_server_is_said_before_the_job_s_heavy_imports(monkeypatch, ports_tried, command, job):
+    """A job against a server that does not answer says so before importing its module (torch, timm: seconds
+    before a line that needs neither); offline, or in a torchrun rank, the server is not asked here and the job goes
+    on to its import."""
+    import mlflow
+    from click.testing import CliRunner
+
+    from vitreg.cli.main import main
+
+    dead_port = free_port()
+    monkeypatch.setattr(mlflow, "get_tracking_uri", lambda: f"http://bob:pw@127.0.0.1:{dead_port}")
+    monkeypatch.setitem(sys.modules, job, None)  # importing the job's module now raises ImportError
+    monkeypatch.delenv("VITREG_OFFLINE", raising=False)
+    args = COMMANDS[command]
+    done = CliRunner().invoke(main, args)
+    assert done.exit_code == 2, (done.exception, done.output)
+    assert done.output.startswith("error: the MLflow tracking server at http://***@127.0.0.1:") and \
+        "Connection refused" in done.output and done.output.count("\n") == 1, done.output
+    assert [port for _, port in ports_tried].count(dead_port) == 1
+    ports_tried.clear()
+    offline = CliRunner().invoke(main, [*args, "--offline", "true"])
+    assert isinstance(offline.exception, ImportError) and job in str(offline.exception), offline.output
+    monkeypatch.setenv("LOCAL_RANK", "0")  # a torchrun rank: its launcher has asked
+    rank = CliRunner().invoke(main, args)
+    assert isinstance(rank.exception, ImportError) and job in str(rank.exception), rank.output
+    assert dead_port not in [port for _, port in ports_tried]
+
+
+def test_a_server_uri_is_checked_whatever_the_case_of_its_scheme(ports_tried):
+    """``HTTP://`` names a server as ``http://`` does: it was not checked, and a dead one was found only as the
+    run started (after the job's imports), in other words."""
+    from vitreg.tracking.runs import check_server
+
+    dead_port = free_port()
+    with pytest.raises(StoreError) as caught:
+        check_server(uri=f"HTTP://127.0.0.1:{dead_port}/?X_API_KEY=UpperCas3Val")
+    assert str(caught.value).startswith(f"the MLflow tracking server at http://127.0.0.1:{dead_port}/?X_API_KEY=*** "
+                                        "does not answer"), str(caught.value)
+    assert [port for _, port in ports_tried].count(dead_port) == 1
+
+
 @pytest.mark.slow
 @AS_ROOT
 def test_a_store_on_a_read_only_file_system_is_called_read_only(tmp_path):
@@ -169,7 +212,14 @@ def _vitreg(args: list[str], uri: str, cwd: Path, prefix=()) -> tuple[subprocess
 
 @functools.lru_cache(maxsize=None)
 def _baseline_s(command: str, cwd: str) -> float:
-    """The same command against a port nobody listens on (refused at once): imports, start-up, one line."""
+    """The same command against a port nobody listens on (refused at once): imports, start-up, one line. A job
+    (bench, infer, train) says a dead server before its imports (cli.common.server_first), so its baseline is a
+    sqlite store whose folder is a file: refused at once as its run starts, after the imports, as a store's
+    own fault is."""
+    if command in ("bench", "infer", "train"):
+        blocker = Path(cwd) / "baseline-store-folder-is-a-file"
+        blocker.touch()
+        return _vitreg(COMMANDS[command], f"sqlite:///{blocker / 'mlflow.db'}", Path(cwd))[1]
     return _vitreg(COMMANDS[command], f"http://127.0.0.1:{free_port()}", Path(cwd))[1]
 
 

@@ -191,6 +191,27 @@ def check_first(command: str, values: dict) -> None:
         launcher_options(command, own)
         check_name(spec.model)
     check_label_here(spec.gpu, spec.device, spec.allow_gpu_mismatch)
+    server_first(command, own)
+
+
+def server_first(command: str, own: dict) -> None:
+    """A tracking server that does not answer is said before the job's heavy imports (torch, timm: seconds
+    of a user's wait for a line that needs neither), with the line the run's own check would give
+    (:func:`vitreg.tracking.runs.check_server`). Only in the process that opens the run: not offline, not in
+    a torchrun rank (its launcher has checked; a rank 0 of a torchrun the user started checks in its run), not
+    on a node other than the first (it never asks the server)."""
+    from vitreg.ddp.world import inside_torchrun
+
+    def parsed(name: str):
+        return option(command, name).parse(own[name]) if own.get(name) is not None else None
+
+    if inside_torchrun() or parsed("node_rank"):
+        return
+    from vitreg.tracking import runs as tracking
+    from vitreg.tracking.spool import offline_mode
+
+    if not offline_mode(parsed("offline")):  # the option or VITREG_OFFLINE=1
+        tracking.check_server()  # it reads the URI without importing mlflow (~2 s of CPU) where nothing has
 
 
 #: Each DDP job's own keyword arguments besides the placement, each one of the command's own options

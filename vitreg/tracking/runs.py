@@ -40,7 +40,7 @@ from vitreg.tracking.delivery import (ERROR_KIND_TAG, ERROR_TAG, HEARTBEAT_TAG, 
 from vitreg.tracking.mlflow_on_first_use import mlflow
 from vitreg.tracking.spool import JOURNAL, flush_timeout_s, offline_mode
 from vitreg.tracking.store import first_line, prepare_store, short_http_requests, store_errors, ui_command
-from vitreg.tracking.uris import redact, scrub, tracking_uri, without_credentials
+from vitreg.tracking.uris import current_uri, redact, scrub, tracking_uri, without_credentials
 
 RESUMED_FROM_TAG = "vitreg_resumed_from"  # on the new run: the run id of the checkpoint it continues
 RESUMED_BY_TAG = "vitreg_resumed_by"  # on the old run: the newest run that resumed it
@@ -430,14 +430,14 @@ def close_resumed(old_run_id: str, new_run_id: str, progress=lambda message: Non
     return True
 
 
-def check_server(timeout: float = 5.0) -> None:
-    """Fail fast, in one line, when the tracking URI is a server that does not answer.
+def check_server(timeout: float = 5.0, uri: str | None = None) -> None:
+    """Fail fast, in one line, when the tracking URI (``uri``, else MLflow's) is a server that does not answer.
 
     MLflow's client retries for minutes against a dead server; a user deserves the answer now. A URI with
     credentials (``http://user:password@host``) is checked with them as a header, and shown masked.
     """
-    uri = mlflow.get_tracking_uri()
-    if not uri.startswith(("http://", "https://")):
+    uri = current_uri() if uri is None else uri  # mlflow is not imported for it: a dead server is said sooner
+    if not uri.lower().startswith(("http://", "https://")):  # a scheme is any case: HTTP:// is a server too
         return
     import http.client
     import urllib.error

@@ -21,11 +21,17 @@ def tracking_uri() -> str:
     sqlite path made absolute: which file it is, from any folder).
     Before mlflow is imported nothing can have called ``mlflow.set_tracking_uri``, so a set MLFLOW_TRACKING_URI
     is the answer MLflow would give: a DDP rank prints it without importing mlflow."""
+    return absolute_uri(redact(current_uri()))
+
+
+def current_uri() -> str:
+    """MLflow's current tracking URI as it is, credentials kept (for a request, never for a message), read
+    without importing mlflow where nothing has imported it yet (see :func:`tracking_uri`)."""
     if "mlflow" not in sys.modules and os.environ.get("MLFLOW_TRACKING_URI"):
-        return absolute_uri(redact(os.environ["MLFLOW_TRACKING_URI"]))
+        return os.environ["MLFLOW_TRACKING_URI"]
     from vitreg.tracking.mlflow_on_first_use import mlflow
 
-    return absolute_uri(redact(mlflow.get_tracking_uri()))
+    return mlflow.get_tracking_uri()
 
 
 def absolute_uri(uri: str) -> str:
