@@ -267,7 +267,9 @@ def test_a_store_that_cannot_be_read_is_one_line_within_seconds(tmp_path, reques
     uri = _fault_uri(fault, request, tmp_path)
     done, took = _vitreg(COMMANDS[command], uri, tmp_path)
     assert_one_line(done, SAYS[fault])
-    assert took < baseline_s + 15, (took, baseline_s)
+    # twice the baseline: it is measured once per command, and the load beside it moves (CI's other worker; a
+    # bench took 45 s here against a baseline of 26 s); MLflow's own retries, what this guards against, take ~120 s
+    assert took < 2 * baseline_s + 15, (took, baseline_s)
     if fault == "locked":  # the one fault whose store can be read after: let go, then look
         uri.holder.rollback()
         _nothing_running(uri)
