@@ -214,7 +214,7 @@ def test_rank_killed_hard_fails_the_run(tmp_path):
 
 
 @pytest.mark.parametrize("rank", [0, 1])
-def test_a_rank_under_the_launcher_hands_off_or_logs_nothing(tmp_path, monkeypatch, rank):
+def test_a_rank_under_the_launcher_hands_off_or_logs_nothing(sqlite_store, tmp_path, monkeypatch, rank):
     """Under a vitreg launcher, rank 0's tracker writes the hand-off journal and any other rank's does nothing;
     both name the launcher's run and the tracking URI from the environment. (That no rank imports mlflow, for
     it all: the real ranks of the two-host jobs here and in tests/test_train_ddp.py record it.)"""
@@ -222,8 +222,10 @@ def test_a_rank_under_the_launcher_hands_off_or_logs_nothing(tmp_path, monkeypat
     from vitreg.tracking.handoff import HandoffReader, announce_run
 
     announce_run(tmp_path / "handoff", "r" * 32, "1")
-    uri = "sqlite:///" + str(tmp_path / "mlflow.db")
-    for name, value in {"MLFLOW_TRACKING_URI": uri, "LOCAL_RANK": str(rank), "RANK": str(rank), "WORLD_SIZE": "2",
+    # the store as MLflow's environment and global state both name it: in this process an earlier test may have
+    # set MLflow's URI (a real rank never imports mlflow, and reads the environment)
+    uri = sqlite_store
+    for name, value in {"LOCAL_RANK": str(rank), "RANK": str(rank), "WORLD_SIZE": "2",
                         launch.ENV_LAUNCH_DIR: str(tmp_path)}.items():
         monkeypatch.setenv(name, value)
     reader = HandoffReader(tmp_path / "handoff")
