@@ -35,27 +35,6 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 # compile of a small training graph went from 23 s to 7 s; the generated code is the same.
 os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "1")
 
-
-def _tmpfs_with_room(min_free: int = 4 * 2**30) -> str | None:
-    """/dev/shm when it is a folder this user may write with ``min_free`` bytes free (a container's default
-    64 MB is not), else None."""
-    try:
-        fs = os.statvfs("/dev/shm")
-    except OSError:
-        return None
-    return "/dev/shm" if fs.f_bavail * fs.f_frsize >= min_free and os.access("/dev/shm", os.W_OK | os.X_OK) else None
-
-
-# What the tests write (stores, spools, checkpoints, pytest's tmp_path: tempfile's folder, which every child
-# process inherits through TMPDIR) goes to tmpfs where the machine has room for it: a sqlite commit or a
-# spool's fsync costs ~4 ms on this project's disks and 0.1 ms in memory (the spool tests ran 10 % faster:
-# docs/benchmarks.md). Set before anything below makes a folder; the xdist workers inherit it. A TMPDIR the
-# user set is kept; VITREG_TEST_TMPDIR names another folder ('' keeps tempfile's default).
-if "TMPDIR" not in os.environ and "PYTEST_XDIST_WORKER" not in os.environ:
-    _chosen = os.environ.get("VITREG_TEST_TMPDIR", _tmpfs_with_room())
-    if _chosen:
-        os.environ["TMPDIR"], tempfile.tempdir = _chosen, None
-
 # Runs a test cannot deliver (dead servers, offline=true, fuzzed options) wait in a spool: keep them in a
 # folder of this test process, not in the user's ~/.local/share/vitreg/spool. Child processes inherit it.
 if "VITREG_SPOOL_DIR" not in os.environ:
