@@ -185,12 +185,15 @@ def test_the_estimate_is_within_a_quarter_of_what_the_work_takes_on_this_cpu(cou
     scatter = max(m["infer_throughput_cv"], m["train_throughput_cv"])
     if scatter > 0.10:
         pytest.skip(f"the host's load moved the step time (window CV {scatter:.0%}): no estimate can be checked to 25 %")
-    for task, probe_s in estimates[0].step_s.items():
+    ratio = m["estimated_work_s"] / m["work_s"]
+    for task, probe_s in estimates[0].step_s.items() if not 0.75 <= ratio <= 1.25 else ():
         windows_s = spec.batch_size / m[f"{task}_throughput_img_per_s"]
-        if not 0.8 <= probe_s / windows_s <= 1.25:  # a fifth either way: beyond it, the 25 % cannot hold
+        # a miss is excused only when the probe ran more than a fifth off the windows (idle, the tiny infer
+        # step's probe reads 1.2x its windows and the estimate lands within 0.82-0.91 of the work)
+        if not 0.8 <= probe_s / windows_s <= 1.25:
             pytest.skip(f"the host's load moved the {task} step time between the probe ({probe_s * 1e3:.1f} ms) "
                         f"and the windows ({windows_s * 1e3:.1f} ms): no estimate can be checked to 25 %")
-    assert 0.75 <= m["estimated_work_s"] / m["work_s"] <= 1.25, (m["estimated_work_s"], m["work_s"])
+    assert 0.75 <= ratio <= 1.25, (m["estimated_work_s"], m["work_s"])
 
 
 def test_the_advice_leaves_out_the_options_already_in_use_and_spells_the_command_typed():
