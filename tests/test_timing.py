@@ -122,9 +122,8 @@ def test_the_phase_clock_counts_every_phase_but_the_timed_windows(monkeypatch):
     from vitreg.measure import timing
 
     now = {"s": 1000.0}
-    monkeypatch.setattr(timing.time, "time", lambda: now["s"])
     monkeypatch.setattr(timing.time, "perf_counter", lambda: now["s"])  # the phases after the import one
-    monkeypatch.setattr(timing, "process_started_s", lambda: 990.0)
+    monkeypatch.setattr(timing, "process_age_s", lambda: 10.0)
     clock = timing.PhaseClock()
     clock.begin()  # the process started 10 s ago: the import phase
     for phase, seconds in (("setup", 2.0), ("warmup", 1.0), ("timed", 30.0), ("warmup", 0.5), ("report", 0.25)):
@@ -134,3 +133,18 @@ def test_the_phase_clock_counts_every_phase_but_the_timed_windows(monkeypatch):
                                   "overhead_report_s": 0.25, "overhead_total_s": 13.75}
     clock.begin()  # a second command in the same process (the Python API): from now on, no import phase
     assert clock.overhead_s() == {"overhead_import_s": 0.0, "overhead_total_s": 0.0}
+
+
+def test_the_process_age_is_the_kernel_s_start_record():
+    """The import phase's length: this process's age from /proc on the boot-time clock. psutil reads the same
+    start record but adds it to the boot time in whole wall-clock seconds (/proc/stat's btime), so the two agree
+    to within a second; and the age moves with the monotonic clock, tick for tick."""
+    import psutil
+
+    from vitreg.measure.timing import process_age_s
+
+    by_wall_clock = time.time() - psutil.Process().create_time()
+    age, began = process_age_s(), time.perf_counter()
+    assert by_wall_clock > 0 and age == pytest.approx(by_wall_clock, abs=1.0)
+    sum(range(3_000_000))  # some CPU work between the two reads
+    assert process_age_s() - age == pytest.approx(time.perf_counter() - began, abs=0.005)

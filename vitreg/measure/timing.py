@@ -16,6 +16,7 @@ decide it; explicit ``steps``/``repeats`` keep fixed counts (to reproduce a run)
 from __future__ import annotations
 
 import math
+import os
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
@@ -217,15 +218,23 @@ def wall_seconds(fn, device_type: str, clock=time.perf_counter) -> float:
 # where a command's time goes outside its timed windows
 
 
-def process_started_s() -> float:
-    """When this process started, on ``time.time()``'s clock (the kernel's record, through psutil), so that the
-    first phase holds the interpreter's start and every import; now where psutil cannot tell."""
+def process_age_s() -> float:
+    """Seconds since this process started, so that the first phase holds the interpreter's start and every
+    import. On Linux from the kernel's own record, on the clock it keeps it on: ``/proc/self/stat``'s start
+    time (clock ticks since boot) against ``CLOCK_BOOTTIME``, which no wall-clock adjustment moves. Elsewhere
+    psutil's start time, which is only given on the wall clock; 0 where neither can tell."""
+    try:
+        with open("/proc/self/stat") as stat:
+            fields = stat.read().rpartition(")")[2].split()  # fields 3 on; the name before ")" may hold spaces
+        return max(0.0, time.clock_gettime(time.CLOCK_BOOTTIME) - int(fields[19]) / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError, AttributeError):  # not Linux
+        pass
     try:
         import psutil
 
-        return psutil.Process().create_time()
+        return max(0.0, time.time() - psutil.Process().create_time())
     except Exception:  # psutil missing or the process table unreadable: count from here
-        return time.time()
+        return 0.0
 
 
 @dataclass
@@ -244,10 +253,7 @@ class PhaseClock:
     def begin(self) -> None:
         """A command starts: the first in this process counts from the process's start (interpreter and
         imports: the ``import`` phase), a later one (the Python API, tests) from now."""
-        # the process's start is a wall-clock time (psutil): only the import phase is measured against it;
-        # every later phase on the monotonic clock, which a clock adjustment cannot move
-        now = time.time()
-        self.phases = {"import": 0.0 if self.began else max(0.0, now - process_started_s())}
+        self.phases = {"import": 0.0 if self.began else process_age_s()}
         self.began = True
         self.last_s = time.perf_counter()
 
