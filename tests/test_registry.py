@@ -21,7 +21,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from conftest import REPO, migrated_store, subprocess_env
+from conftest import REPO, migrated_store, subprocess_env, wait_until
 from vitreg.tracking import checkpoint_sources, model_registry
 from vitreg.tracking import runs as tracking
 from vitreg.checkpoint.format import last_pointer, save_checkpoint
@@ -468,7 +468,6 @@ def test_a_registered_model_serves_with_mlflow_models_serve(store, tmp_path):
     import json
     import subprocess
     import sys
-    import time
     import urllib.request
 
     import numpy as np
@@ -483,16 +482,15 @@ def test_a_registered_model_serves_with_mlflow_models_serve(store, tmp_path):
                              "--env-manager", "local", "--host", "127.0.0.1", "-p", str(port), "-w", "1"],
                             env=env, cwd=store.root, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        deadline = time.monotonic() + 180
-        while True:
+        def pings() -> bool:
             try:
                 with urllib.request.urlopen(f"http://127.0.0.1:{port}/ping", timeout=2) as resp:
-                    if resp.status == 200:
-                        break
+                    return resp.status == 200
             except OSError:
-                pass
-            assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "serve.log").read_text()[-3000:]
-            time.sleep(1)
+                assert proc.poll() is None, (tmp_path / "serve.log").read_text()[-3000:]
+                return False
+
+        wait_until(pings, 180, "the scoring server's /ping")
         batch = np.random.default_rng(0).standard_normal((2, 3, IMG, IMG), dtype=np.float32)
         request = urllib.request.Request(f"http://127.0.0.1:{port}/invocations", method="POST",
                                          data=json.dumps({"inputs": batch.tolist()}).encode(),

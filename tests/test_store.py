@@ -28,16 +28,19 @@ print(run.info.run_id)
 
 @pytest.mark.slow
 def test_four_processes_on_a_fresh_store_all_get_runs(tmp_path):
-    import time
+    from conftest import wait_until
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     go = tmp_path / "go"
     procs = [subprocess.Popen([sys.executable, "-c", CLIENT, uri, str(tmp_path / f"ready-{i}"), str(go)],
                               cwd=tmp_path, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
              for i in range(4)]
-    while len(list(tmp_path.glob("ready-*"))) < 4:  # the event: all four imported (no fixed head start)
+
+    def all_imported() -> bool:  # the event: all four imported (no fixed head start)
         assert all(p.poll() is None for p in procs), [p.communicate() for p in procs]
-        time.sleep(0.01)
+        return len(list(tmp_path.glob("ready-*"))) == 4
+
+    wait_until(all_imported, 120, "four clients' imports")
     go.touch()
     outs = [p.communicate(timeout=120) for p in procs]
     assert [p.returncode for p in procs] == [0, 0, 0, 0], [err[-600:] for _, err in outs]

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import migrated_store, premigrated
+from conftest import migrated_store, premigrated, wait_until
 from vitreg.deploy import server
 from vitreg.tracking.naming import NOTE_TAG, RunTitle, run_note, runs_page
 
@@ -368,17 +368,15 @@ def _free_port() -> int:
 
 
 def _wait_for(url: str, proc, timeout: float = 120) -> None:
-    import time
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    def answers() -> bool:
         assert proc.poll() is None, "make ui exited early"
         try:
             with urllib.request.urlopen(f"{url}/health", timeout=2):
-                return
+                return True
         except OSError:
-            time.sleep(0.5)
-    raise AssertionError(f"no UI at {url} after {timeout} s")
+            return False
+
+    wait_until(answers, timeout, f"a UI answering at {url}")
 
 
 def test_make_ui_prints_links_that_open_the_runs(tmp_path, shots, monkeypatch):
