@@ -8,6 +8,8 @@ from __future__ import annotations
 import signal
 import subprocess
 
+import psutil
+
 import pytest
 from mlflow.tracking import MlflowClient
 
@@ -18,13 +20,32 @@ from test_fleet import (CHILD, LONG, SHORT, SWEEP, _bench_processes, _children, 
 pytestmark = pytest.mark.slow
 
 
+def _started_child(client):
+    """A RUNNING child whose job has begun (its environment tags are logged: the worker runs it)."""
+    return next((r for r in _children(client) if r.info.status == "RUNNING" and "torch_version" in r.data.tags), None)
+
+
+def _workers(uri: str) -> list[psutil.Process]:
+    """The live warm workers of the sweeps that log to ``uri``."""
+    found = []
+    for proc in psutil.process_iter(["cmdline"]):
+        try:
+            if ("vitreg.cli.worker" in " ".join(proc.info["cmdline"] or ()) and proc.status() != psutil.STATUS_ZOMBIE
+                    and proc.environ().get("MLFLOW_TRACKING_URI") == uri):
+                found.append(proc)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return found
+
+
 def test_sigterm_to_a_local_sweep_ends_its_child_killed_with_it(tmp_path):
-    """Issue 20: the running child was not stopped; it died later on a closed pipe, FAILED BrokenPipeError."""
+    """Issue 20: the running child was not stopped; it died later on a closed pipe, FAILED BrokenPipeError.
+    The child runs in the sweep's warm worker, which ends with it."""
     uri = migrated_store(tmp_path)
     client = MlflowClient(uri)
     sweep = _start(uri, tmp_path, *CHILD, *LONG)
     try:
-        child = _wait(lambda: _running_child(client), 240, "a running child")
+        child = _wait(lambda: _started_child(client), 240, "a running child")
         sweep.send_signal(signal.SIGTERM)
         _, err = sweep.communicate(timeout=120)
     finally:
@@ -34,7 +55,49 @@ def test_sigterm_to_a_local_sweep_ends_its_child_killed_with_it(tmp_path):
     runs = {r.info.run_id: r for r in client.search_runs([client.get_experiment_by_name("fleet").experiment_id])}
     assert {r.info.status for r in runs.values()} == {"KILLED"}, {r.info.run_name: r.info.status for r in runs.values()}
     assert "stopped by SIGTERM" in runs[child.info.run_id].data.tags["vitreg_error"]
-    assert not _bench_processes(set(runs)), "a child outlived its sweep"
+    assert not _bench_processes(set(runs)) and not _workers(uri), "a child outlived its sweep"
+
+
+def test_a_warm_worker_runs_its_children_in_turn_and_outlives_a_failed_one(tmp_path):
+    """Issue 35: one worker runs every child of this CPU; the second child, refused inside its run (img_size 33
+    is no multiple of the patch), ends FAILED with its own line and the worker runs the third; the later
+    children pay no import (``overhead_import_s`` 0: the worker's imports were the first child's)."""
+    uri = migrated_store(tmp_path)
+    sweep = _start(uri, tmp_path, "--models", "test_vit", *CHILD[2:8], "--axis", "img_size=32,33,48",
+                   *CHILD[10:], *SHORT)
+    try:
+        _, err = sweep.communicate(timeout=400)
+    finally:
+        _end(sweep)
+    assert sweep.returncode == 2 and "2 finished, 1 failed" in err, err[-3000:]
+    children = sorted(_children(MlflowClient(uri)), key=lambda c: c.info.start_time)
+    assert [c.info.status for c in children] == ["FINISHED", "FAILED", "FINISHED"]
+    assert "not a multiple of test_vit's patch size 16" in children[1].data.tags["vitreg_error"]
+    assert children[0].data.metrics["overhead_import_s"] > 0.5
+    assert children[2].data.metrics["overhead_import_s"] == 0, "the third child paid imports: not the warm worker"
+    assert "Traceback" not in err, err[-3000:]
+    assert not _workers(uri), "the worker outlived its sweep"
+
+
+def test_a_crashed_worker_ends_only_its_child(tmp_path):
+    """Issue 35: a worker killed while it runs a child (as a kernel fault or the OOM killer would) ends that
+    child FAILED, saying so; the sweep starts a new worker for the next child, which finishes."""
+    uri = migrated_store(tmp_path)
+    client = MlflowClient(uri)
+    sweep = _start(uri, tmp_path, *CHILD[2:], "--models", "test_vit", "--axis", "repeats=100000,2")
+    try:
+        first = _wait(lambda: _started_child(client), 240, "the first child at work")
+        (worker,) = _workers(uri)
+        worker.kill()
+        _, err = sweep.communicate(timeout=300)
+    finally:
+        _end(sweep)
+    assert sweep.returncode == 2 and "1 finished, 1 failed" in err, err[-3000:]
+    runs = {r.info.run_id: r for r in _children(client)}
+    assert runs[first.info.run_id].info.status == "FAILED"
+    assert "warm worker" in runs[first.info.run_id].data.tags["vitreg_error"]
+    assert "died with exit status -9" in runs[first.info.run_id].data.tags["vitreg_error"]
+    assert [r.info.status for r in runs.values() if r.info.run_id != first.info.run_id] == ["FINISHED"]
 
 
 def test_a_local_sweep_runs_one_child_per_visible_gpu_at_once(tmp_path):
@@ -71,7 +134,7 @@ def test_gpu_all_on_a_cluster_without_gpus_is_refused(tmp_path):
 def test_a_sweep_whose_children_all_failed_ends_its_parent_failed(sqlite_store, tmp_path, monkeypatch):
     """Issue 29: the parent of a sweep whose every child failed ended FINISHED (the command exited 2)."""
     _failing_children(tmp_path, monkeypatch, "test_vit,test_vit2")
-    result = _sweep_in_process(*CHILD, *SHORT, "--experiment", "fleet")
+    result = _sweep_in_process("--isolate", "process", *CHILD, *SHORT, "--experiment", "fleet")
     client = MlflowClient(sqlite_store)
     parent = _parent(client)
     assert result.exit_code == 2, result.output[-3000:]
@@ -87,7 +150,7 @@ def test_rerun_failed_completes_a_parent_under_the_same_run(sqlite_store, tmp_pa
     """One child of two fails (the parent ends FAILED, exit 2); `--rerun-failed PARENT` runs only that
     combination again, with the options its child had, as a new child of the same parent, which ends FINISHED."""
     flag = _failing_children(tmp_path, monkeypatch, "test_vit2")
-    first = _sweep_in_process(*CHILD, *SHORT, "--experiment", "fleet")
+    first = _sweep_in_process("--isolate", "process", *CHILD, *SHORT, "--experiment", "fleet")
     client = MlflowClient(sqlite_store)
     assert first.exit_code == 2 and "1 finished, 1 failed" in first.output, first.output[-3000:]
     parent_id = _parent(client).info.run_id
@@ -95,7 +158,7 @@ def test_rerun_failed_completes_a_parent_under_the_same_run(sqlite_store, tmp_pa
     (done,) = [c for c in _children(client) if c.info.status == "FINISHED"]
 
     flag.unlink()  # the cause is fixed
-    again = _sweep_in_process("--rerun-failed", parent_id)
+    again = _sweep_in_process("--isolate", "process", "--rerun-failed", parent_id)
     assert again.exit_code == 0, again.output[-3000:]
     assert f"sweep {parent_id}: 2 finished, 0 failed" in again.output
     parent = _parent(client)

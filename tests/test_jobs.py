@@ -125,7 +125,7 @@ def test_sweep_children_failures_and_oom_retry(sqlite_store, monkeypatch, tmp_pa
         return [sys.executable, str(script), *real(combo, batch_size, common)[4:]]
 
     monkeypatch.setattr(child_commands, "child_command", fake)
-    result = CliRunner().invoke(main, ["sweep", "--models", "test_vit", "--amp", "off,fp16", "--batch-size", "1,3",
+    result = CliRunner().invoke(main, ["sweep", "--isolate", "process", "--models", "test_vit", "--amp", "off,fp16", "--batch-size", "1,3",
                                        "--img-size", "32", "--task", "infer", "--warmup", "1", "--steps", "2",
                                        "--repeats", "2", "--experiment", "sw"])
     # the parent FAILED with its two fp16 combinations; the OOM child retried to a finish counts as finished

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import tempfile
 from dataclasses import dataclass, field
 
@@ -39,6 +38,7 @@ class SweepSettings:
     max_combinations: int
     experiment: str | None
     rerun_failed: str  # a parent run id: re-run its failed children instead of a new sweep
+    isolate: str  # engine=local: "worker" (a warm process per GPU runs its children) or "process" (one a child)
     own: dict = field(default_factory=dict, compare=False)  # all of them, as given (engine=slurm reads its own)
 
     @classmethod
@@ -48,7 +48,7 @@ class SweepSettings:
 
         return cls(value("engine"), str(value("ray_address") or "auto"), value("max_parallel"),
                    value("max_combinations"), own.get("experiment"), str(value("rerun_failed") or "").strip(),
-                   dict(own))
+                   value("isolate"), dict(own))
 
 
 def run_sweep(own: dict, common: dict | None = None, max_oom_retries: int = 3, progress=progress) -> dict:
@@ -116,7 +116,7 @@ def _engine(settings: SweepSettings, common: dict, progress):
         from vitreg.fleet.ray_engine import RayEngine
 
         return RayEngine(settings.ray_address, settings.max_parallel, progress)
-    return LocalEngine(settings.max_parallel, str(common.get("device") or "auto"))
+    return LocalEngine(settings.max_parallel, str(common.get("device") or "auto"), settings.isolate)
 
 
 def _run_parent(settings, axes, combos, common, engine, max_oom_retries, progress) -> dict:
@@ -241,12 +241,13 @@ class _Context:
 
 
 class LocalEngine:
-    """``engine=local``: this host's GPUs, one child per ``nproc`` of them at once; on CPU one at a time."""
+    """``engine=local``: this host's GPUs, one child per ``nproc`` of them at once; on CPU one at a time. Each
+    child runs in the warm worker of its GPUs (``isolate=worker``) or in a process of its own."""
 
-    def __init__(self, max_parallel: int, device: str):
+    def __init__(self, max_parallel: int, device: str, isolate: str = "worker"):
         from vitreg.fleet.local import HostPool, host_gpus
 
-        self.pool = HostPool(host_gpus(device), max_parallel)
+        self.pool = HostPool(host_gpus(device), max_parallel, isolate)
         self.slots = self.pool.slots
         self.where = f"this host ({len(self.pool.gpus)} GPUs)" if self.pool.gpus else "this host's CPU"
 
@@ -258,6 +259,7 @@ class LocalEngine:
     def check(self, combos: list[Combination], common: dict) -> None:
         for combo in combos:
             self.pool.check_fits(_nproc(combo, common))
+        self.pool.warm_up()  # the children are sound: their workers import while the parent run is made
 
     def run(self, ctx: _Context, combos: list[Combination]) -> None:
         from vitreg.fleet.local import run_all
@@ -277,8 +279,8 @@ class LocalEngine:
             ctx.board.started("local")
             clock = Clock()
             child_id = ctx.child_run(combo, index, attempt)
-            env = tracking.env_for_run(dict(os.environ), child_id, ctx.parent.experiment_id)
-            returncode, tail, shared = self.pool.launch(children.child_command(combo, bs, ctx.common), env, gpus,
+            run_env = tracking.env_for_run({}, child_id, ctx.parent.experiment_id)
+            returncode, tail, shared = self.pool.launch(children.child_command(combo, bs, ctx.common), run_env, gpus,
                                                         lambda line: ctx.progress(f"{label}: {line}"))
             reason = tracking.finish_child_run(child_id, returncode, tail, stopped=bool(self.pool.stopping),
                                                tags={HOST_SHARE_TAG: shared})
@@ -295,7 +297,7 @@ class LocalEngine:
             bs = smaller
 
     def close(self) -> None:
-        pass
+        self.pool.close()
 
 
 def _nproc(combo: Combination, common: dict) -> int:

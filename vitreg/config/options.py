@@ -192,6 +192,10 @@ OPTIONS: tuple[Option, ...] = (
     Option("max_parallel", "int", 64, "children at once, at most (local: also one per nproc GPUs, one on CPU; "
            "ray: tasks in flight).", ("sweep",), minimum=1, spec_field=False,
            same_work="how many children run at once; each child's work is the same"),
+    Option("isolate", "choice", "worker", "engine=local: worker (one warm process per GPU runs its children one "
+           "after another: imports, store and compile caches paid once) or process (a process per child).",
+           ("sweep",), choices=("worker", "process"), spec_field=False,
+           same_work="which process runs a child; each child's work, seed and graph are its own"),
     Option("rerun_failed", "str", "", "a sweep's parent run id: re-run its FAILED and KILLED children under it, "
            "each with the options it ran with (the FINISHED ones stay).", ("sweep",), spec_field=False,
            mlproject=False, same_work="which children run again; each one's work is the one it was started with"),
@@ -507,7 +511,7 @@ HELP_GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
                        "ddp_static_graph", "ddp_comm_hook", "nnodes", "node_rank", "rdzv_endpoint", "num_workers",
                        "compile_cache", "profile", "profile_steps", "engine", "ray_address", "slurm_partition",
                        "slurm_account", "slurm_qos", "slurm_time_min", "slurm_sbatch", "slurm_gpu_by", "slurm_folder",
-                       "max_parallel", "max_combinations", "rerun_failed")),
+                       "max_parallel", "isolate", "max_combinations", "rerun_failed")),
     ("Where to log", ("experiment", "run_name", "offline", "baseline_run", "log_every", "checkpoint_every", "keep_checkpoints",
                       "register_as",
                       "alias")),

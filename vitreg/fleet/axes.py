@@ -21,7 +21,8 @@ _MODELS = "deit_tiny_patch16_224,vit_small_patch16_224"
 _EXAMPLES = {"models": _MODELS, "model": _MODELS, "amp": "off,bf16", "compile": "off,default",
              "batch_size": "32,256", "gpu": "h100,a100"}
 GPU_ALL = "all"  # gpu=all: every accelerator type of the Ray cluster (vitreg.fleet.ray_engine)
-SWEEP_OWN = ("axes", "engine", "ray_address", "max_parallel", "max_combinations", "rerun_failed")  # how the sweep runs
+# how the sweep runs
+SWEEP_OWN = ("axes", "engine", "ray_address", "max_parallel", "isolate", "max_combinations", "rerun_failed")
 
 
 @dataclass(frozen=True)

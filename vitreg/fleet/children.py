@@ -8,11 +8,10 @@ import Ray."""
 
 from __future__ import annotations
 
-import sys
-
 from vitreg.config.parse import AUTO_BATCH, options_to_args
 from vitreg.errors import OutOfMemory
 from vitreg.fleet.axes import Combination
+from vitreg.fleet.worker import python_command
 from vitreg.tracking import runs as tracking
 
 
@@ -31,17 +30,11 @@ def decay_batch(batch_size: int) -> int:
     return decay_batch_step(batch_size)
 
 
-#: ``python -m vitreg.cli`` without the working directory on the import path: ``-m`` (and ``-c``) put it first,
-#: so from the folder that holds a clone ``vitreg`` was the clone's folder and ``vitreg.tracking`` its top-level
-#: ``tracking/`` (every child failed). ``-P`` does this from Python 3.11 only.
-IMPORT_FROM_ANYWHERE = ("import runpy, sys; del sys.path[0]; "
-                        "runpy.run_module('vitreg.cli', run_name='__main__', alter_sys=True)")
-
-
 def child_command(combo: Combination, batch_size, common: dict) -> list[str]:
-    """``python -m vitreg.cli bench`` (:data:`IMPORT_FROM_ANYWHERE`) with the combination's options (at ``batch_size``) over the common ones."""
+    """``python -m vitreg.cli bench`` (:func:`vitreg.fleet.worker.python_command`) with the combination's options
+    (at ``batch_size``) over the common ones."""
     options = {**common, **dict(combo.options), "batch_size": batch_size}
-    return [sys.executable, "-c", IMPORT_FROM_ANYWHERE, "bench", *options_to_args(options)]
+    return python_command("vitreg.cli", "bench", *options_to_args(options))
 
 
 def ran_out_of_memory(child_id: str) -> bool:

@@ -1,15 +1,18 @@
 """``engine=local``: a sweep's children on this host, at once where it has several GPUs.
 
-Each child is a ``vitreg bench`` process that sees only its own GPUs (``CUDA_VISIBLE_DEVICES``: ``nproc`` of
-them); on CPU the children run one at a time (two at once would time each other). A child is stopped with its
-parent: SIGINT/SIGTERM to the sweep sends SIGTERM to every running child, which ends its own run KILLED, and
-Linux's parent-death signal ends a child whose parent died without a word (SIGKILL).
+Each child is a ``vitreg bench`` command that sees only its own GPUs (``CUDA_VISIBLE_DEVICES``: ``nproc`` of
+them), run in the warm worker of those GPUs (:mod:`vitreg.fleet.worker`: one process per GPU runs its children
+one after another) or, with ``isolate=process``, in a process of its own; on CPU the children run one at a
+time (two at once would time each other). A child is stopped with its parent: SIGINT/SIGTERM to the sweep
+sends SIGTERM to every running child's process, whose run ends KILLED, and Linux's parent-death signal ends a
+child whose parent died without a word (SIGKILL).
 """
 
 from __future__ import annotations
 
 import collections
 import ctypes
+import json
 import os
 import signal
 import subprocess
@@ -17,9 +20,13 @@ import sys
 import threading
 
 from vitreg.errors import VitregError
+from vitreg.fleet.worker import DONE, cli_args, python_command
 from vitreg.signals import interrupted_reason
 
 STOP_GRACE_S = 30.0  # a child asked to stop has this long to end its run KILLED before it is killed
+_TAIL_LINES = 40  # a child's last stderr lines, for the reason it failed
+#: how ``mlflow run`` hands a process its run (vitreg.tracking.runs.env_for_run): never a worker's own
+RUN_VARIABLES = ("MLFLOW_RUN_ID", "MLFLOW_EXPERIMENT_ID")
 _PR_SET_PDEATHSIG = 1
 
 
@@ -46,8 +53,10 @@ def host_gpus(device: str) -> list[str]:
 class HostPool:
     """The GPUs of this host shared among the running children, and how many children ran at once."""
 
-    def __init__(self, gpus: list[str], max_parallel: int):
+    def __init__(self, gpus: list[str], max_parallel: int, isolate: str = "worker"):
         self.gpus = list(gpus)
+        self.isolate = isolate
+        self._workers: dict[tuple, Worker] = {}  # the idle and busy warm workers, by the GPUs they see
         self._free = collections.deque(self.gpus)
         self._max = max_parallel if self.gpus else 1
         self._cond = threading.Condition()
@@ -81,24 +90,61 @@ class HostPool:
             self._max += 1
             self._cond.notify_all()
 
-    def launch(self, cmd: list[str], env: dict, gpus: list[str], on_line) -> tuple[int, str, int]:
-        """Run one child to its end: (exit status, the tail of its stderr, the most children at once meanwhile)."""
-        if self.gpus:
-            env = {**env, "CUDA_VISIBLE_DEVICES": ",".join(gpus)}
+    def launch(self, command: list[str], run_env: dict, gpus: list[str], on_line) -> tuple[int, str, int]:
+        """Run one child (``command``, with ``run_env`` over this process's variables: its run) to its end, in the
+        warm worker of its GPUs or in a process of its own: (exit status, the tail of its stderr, the most
+        children at once meanwhile)."""
+        env = self._env(gpus, run_env)
         with self._cond:
             if self.stopping:
                 return -signal.SIGTERM, "the sweep was stopped before this child started", 0
-            proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                    preexec_fn=die_with_parent)
+            worker = self._worker(tuple(gpus), env) if self.isolate == "worker" else None
+            proc = worker.proc if worker else subprocess.Popen(
+                command, env={**env, **run_env}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                preexec_fn=die_with_parent)
             self._running[proc.pid] = proc
             for pid in self._running:
                 self._shared[pid] = max(self._shared.get(pid, 0), len(self._running))
-        returncode, tail = relay(proc, on_line)
+        returncode, tail = worker.run(cli_args(command), run_env, on_line) if worker else relay(proc, on_line)
         if self.stopping:  # the last line is the reason its run is ended with, if it did not end it itself
             tail += f"\nits sweep was {self.stopping}\n"
         with self._cond:
             self._running.pop(proc.pid, None)
             return returncode, tail, self._shared.pop(proc.pid, 1)
+
+    def warm_up(self) -> None:
+        """Start the warm workers of the one-GPU children (the CPU's one on a host without GPUs) now, so that
+        their imports overlap what the sweep does before its first child (its parent run, its checks)."""
+        if self.isolate != "worker":
+            return
+        with self._cond:
+            for gpus in [(gpu,) for gpu in self.gpus[:self.slots]] or [()]:
+                self._worker(gpus, self._env(gpus))
+
+    def _env(self, gpus, run_env: dict | None = None) -> dict:
+        """A child's variables but its run's: this process's, its GPUs made the only ones it sees."""
+        env = {k: v for k, v in os.environ.items() if k not in (run_env or {}) and k not in RUN_VARIABLES}
+        if self.gpus:
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
+        return env
+
+    def _worker(self, gpus: tuple, env: dict) -> Worker:
+        """The warm worker of ``gpus``, started on first use or after the last one died; an idle worker that
+        sees any of them (a child of another nproc) is ended first: two processes would hold one GPU."""
+        worker = self._workers.get(gpus)
+        if worker is not None and worker.alive:
+            return worker
+        for other in [g for g in self._workers if set(g) & set(gpus)]:
+            self._workers.pop(other).close()
+        self._workers[gpus] = Worker(env)
+        return self._workers[gpus]
+
+    def close(self) -> None:
+        """End every warm worker (idle now: the sweep's children have all ended)."""
+        with self._cond:
+            workers, self._workers = list(self._workers.values()), {}
+        for worker in workers:
+            worker.close()
 
     def stop_all(self, reason: str) -> None:
         """SIGTERM to every running child; SIGKILL to any still there after :data:`STOP_GRACE_S`."""
@@ -107,6 +153,53 @@ class HostPool:
             procs = list(self._running.values())
         for proc in procs:
             stop(proc)
+
+
+class Worker:
+    """The parent's handle on one warm worker process, started with ``env`` (its GPUs in it)."""
+
+    def __init__(self, env: dict):
+        # no parent-death signal: it would end the worker with the child's thread that started it (the
+        # worker watches its parent itself)
+        self.proc = subprocess.Popen(python_command("vitreg.cli.worker"), env=env, stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1)
+        _copy_stdout(self.proc)
+
+    @property
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def run(self, args: list[str], env: dict, on_line) -> tuple[int, str]:
+        """Run ``vitreg ARGS`` in the worker with ``env`` set for its length, to its end: (exit status, the tail
+        of its stderr); each stderr line to ``on_line`` as it comes."""
+        tail: collections.deque = collections.deque(maxlen=_TAIL_LINES)
+        try:
+            self.proc.stdin.write(json.dumps({"args": args, "env": env}) + "\n")
+            self.proc.stdin.flush()
+        except OSError:  # it died between two children
+            pass
+        for line in self.proc.stderr:
+            if line.startswith(DONE):
+                return int(line[len(DONE):]), "".join(tail)
+            tail.append(line)
+            if line.strip():
+                on_line(line.rstrip().removeprefix("[vitreg] "))
+        returncode = self.proc.wait()  # no DONE: the worker died with this child (a kernel fault, the OOM killer)
+        tail.append(f"the sweep's warm worker (pid {self.proc.pid}) died with exit status {returncode} while it ran "
+                    f"this child\n")
+        return returncode or 1, "".join(tail)
+
+    def close(self) -> None:
+        """End an idle worker: its stdin closed, it exits; killed after :data:`STOP_GRACE_S`."""
+        try:
+            self.proc.stdin.close()
+        except OSError:
+            pass
+        try:
+            self.proc.wait(STOP_GRACE_S)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
 
 
 def stop(proc: subprocess.Popen) -> None:
@@ -121,15 +214,25 @@ def stop(proc: subprocess.Popen) -> None:
 
 def relay(proc: subprocess.Popen, on_line) -> tuple[int, str]:
     """The child's stdout to ours as it comes, each stderr line to ``on_line``; (exit status, stderr tail)."""
-    out = threading.Thread(target=lambda: sys.stdout.writelines(proc.stdout), daemon=True)
-    out.start()
-    tail: collections.deque = collections.deque(maxlen=40)
+    out = _copy_stdout(proc)
+    tail: collections.deque = collections.deque(maxlen=_TAIL_LINES)
     for line in proc.stderr:
         tail.append(line)
         if line.strip():
             on_line(line.rstrip().removeprefix("[vitreg] "))
-    out.join()
+    if out is not None:
+        out.join()
     return proc.wait(), "".join(tail)
+
+
+def _copy_stdout(proc: subprocess.Popen) -> threading.Thread | None:
+    """A thread copying the child's stdout to ours as it comes; None where it is not piped (a Ray task's or a
+    SLURM job's child: each thread then died on ``writelines(None)`` in every worker's log)."""
+    if proc.stdout is None:
+        return None
+    thread = threading.Thread(target=lambda: sys.stdout.writelines(proc.stdout), daemon=True)
+    thread.start()
+    return thread
 
 
 def run_all(jobs: list, need_of, work, pool: HostPool) -> None:
