@@ -31,8 +31,7 @@ SWEEP_FP8 = [*VITREG, "sweep", "--gpu", "h200", "--models", "vit_base_patch16_22
              "bf16,fp8", "--compile", "off,default", "--batch-size", "256,1024"]
 SWEEP_TF32 = [*VITREG, "sweep", "--gpu", "h200", "--models", "vit_base_patch16_224", "--task", "infer", "--amp",
               "tf32,bf16", "--compile", "off,default", "--batch-size", "32,256"]
-ONE_CHILD = ["--gpu", "h200", "--model", "vit_base_patch16_224", "--task", "infer", "--amp", "bf16", "--compile",
-             "default", "--batch-size", "256"]
+ALONE = ["--gpu", "h200", "--model", "vit_base_patch16_224", "--task", "infer", "--batch-size", "256"]
 
 #: suite -> [(name, timeout s, command)], run in this order
 SUITES = {
@@ -44,10 +43,18 @@ SUITES = {
         ("mission2", 200, MISSION),
         ("sweep_tf32", 240, [*SWEEP_TF32, "--experiment", "sweep-tf32"]),
     ],
-    # a child in the warm worker against the same configuration in a fresh process (within 1 %), and the
-    # 8-child sweep with fp8
+    # a child in the warm worker against the same configurations in fresh processes (within 1 %: compare with
+    # the children of time-to-answer's sweep_tf32), where a process's set-up goes (a profile), and the 8-child
+    # sweep with fp8
     "sweep-isolation": [
-        ("alone", 150, [*VITREG, "bench", *ONE_CHILD, "--experiment", "alone"]),
+        ("alone_bf16_eager", 120, [*VITREG, "bench", *ALONE, "--amp", "bf16", "--compile", "off", "--experiment",
+                                   "alone"]),
+        ("alone_tf32_compiled", 150, [*VITREG, "bench", *ALONE, "--amp", "tf32", "--compile", "default",
+                                      "--experiment", "alone"]),
+        ("profile", 150, [sys.executable, "-m", "cProfile", "-o", "bench.prof", "-m", "vitreg.cli", "bench", *ALONE,
+                          "--amp", "bf16", "--compile", "off", "--experiment", "profile"]),
+        ("profile_stats", 60, [sys.executable, "-c", "import pstats; pstats.Stats('bench.prof').sort_stats("
+                               "'cumulative').print_stats(r'vitreg/|mlflow/(store|tracking)|torch/cuda', 70)"]),
         ("sweep_fp8", 330, [*SWEEP_FP8, "--experiment", "sweep-fp8"]),
     ],
 }
