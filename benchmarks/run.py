@@ -42,10 +42,10 @@ SUITES = {
         ("mission1", 200, MISSION),
         ("mission2", 200, MISSION),
         ("sweep_tf32", 240, [*SWEEP_TF32, "--experiment", "sweep-tf32"]),
+        ("sweep_fp8", 330, [*SWEEP_FP8, "--experiment", "sweep-fp8"]),
     ],
     # a child in the warm worker against the same configurations in fresh processes (within 1 %: compare with
-    # the children of time-to-answer's sweep_tf32), where a process's set-up goes (a profile), and the 8-child
-    # sweep with fp8
+    # the children of time-to-answer's sweep_tf32), where a process's set-up goes (a profile), the fp8 sweep
     "sweep-isolation": [
         ("alone_bf16_eager", 120, [*VITREG, "bench", *ALONE, "--amp", "bf16", "--compile", "off", "--experiment",
                                    "alone"]),
