@@ -568,6 +568,21 @@ def search_runs(experiment: str, filter_string: str = ""):
                               output_format="pandas")
 
 
+def newest_runs(limit: int | None, experiment: str | None = None, status: str | None = None):
+    """The ``limit`` newest runs (None: all) of ``experiment`` (None: every active one), newest first, as
+    MLflow's ``search_runs`` frame plus ``experiment`` (its name); ``status``: only the runs in it."""
+    client = mlflow.MlflowClient()
+    with store_errors(client.tracking_uri, "listing runs"):
+        names = {exp.experiment_id: exp.name for exp in _experiments(client, experiment)}
+        found = mlflow.search_runs(experiment_ids=list(names), output_format="pandas",
+                                   filter_string=f"attributes.status = '{status}'" if status else "",
+                                   order_by=["attributes.start_time DESC"],
+                                   **({"max_results": limit} if limit else {}))
+    if len(found):
+        found.insert(1, "experiment", found["experiment_id"].map(names))
+    return found
+
+
 def experiment_tag(experiment: str, key: str) -> str | None:
     """The experiment's tag ``key`` (None: no such experiment or tag), e.g. the team's price table."""
     exp = mlflow.MlflowClient().get_experiment_by_name(experiment)
