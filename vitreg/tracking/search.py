@@ -16,6 +16,7 @@ import pandas as pd
 from vitreg.analysis.frame import (ALL_METRICS, CONDITION_COLUMNS, MISSING, NO_RUNS, NOT_APPLICABLE, RUN_COMMANDS,
                                    SHARED_METRICS, TASK_METRICS, CompareError, config_columns, id_columns)
 from vitreg.config.options import options_of
+from vitreg.console import plural
 from vitreg.config.parse import param_text
 from vitreg.config.spec import _TRUE, DDP_BUCKET_MB
 from vitreg.errors import VitregError
@@ -424,7 +425,7 @@ def _integer(df: pd.DataFrame, col: str) -> pd.Series:
 
 
 def experiment_links(store_uri: str, ui_url: str) -> list[str]:
-    """``NAME (N runs): URL`` for each experiment of ``store_uri`` that has runs, URL being its runs list
+    """``NAME (N runs): URL`` (``1 run``) for each experiment of ``store_uri`` that has runs, URL being its runs list
     in the MLflow UI at ``ui_url`` (MLflow 3's UI opens an experiment on its GenAI overview;
     :func:`~vitreg.tracking.naming.runs_page` opens the runs). Nothing when the store holds no runs yet."""
     from mlflow.tracking import MlflowClient
@@ -434,7 +435,7 @@ def experiment_links(store_uri: str, ui_url: str) -> list[str]:
     for exp in client.search_experiments():
         n = len(client.search_runs([exp.experiment_id], max_results=1000))
         if n:
-            links.append(f"{exp.name} ({n} runs): {ui_url}/{runs_page(exp.experiment_id)}")
+            links.append(f"{exp.name} ({plural(n, 'run')}): {ui_url}/{runs_page(exp.experiment_id)}")
     return links
 
 
