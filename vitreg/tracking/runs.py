@@ -29,6 +29,7 @@ import os
 import sys
 import tempfile
 import time
+import urllib.parse
 from pathlib import Path
 from typing import Protocol
 
@@ -481,6 +482,19 @@ def where_logged(tracker) -> str:
         base = without_credentials(uri)[0].rstrip("/")
         return f"logged run {tracker.run_id} to {uri}: {base}/{page}"
     return f"logged run {tracker.run_id} to {uri}: open it with `{ui_command(uri)}`, then http://127.0.0.1:5000/{page}"
+
+
+def artifacts_at(tracker, path: str) -> str:
+    """Where the run's artifacts under ``path`` are: the folder on this disk for a store that keeps them here
+    (sqlite or file: ``/home/me/mlruns/2/<run id>/artifacts/comparison``), else their URI (``s3://...``,
+    ``mlflow-artifacts:/...``); for a run still in the local spool, its ``runs:/`` URI (valid once synced)."""
+    if still_spooled(tracker):
+        return tracker.artifact_uri(path)
+    root = mlflow.MlflowClient().get_run(tracker.run_id).info.artifact_uri
+    parsed = urllib.parse.urlparse(root)
+    if parsed.scheme in ("", "file"):
+        return str(Path(urllib.parse.unquote(parsed.path)) / path)
+    return f"{root.rstrip('/')}/{path}"
 
 
 def create_child_run(parent: Tracker, name: str, tags: dict | None = None) -> str:
