@@ -85,6 +85,9 @@ def test_runs_takes_a_count_an_experiment_and_a_status(runs):
     (["--experiment", "nope"], "experiment 'nope' does not exist"),
     (["--fix"], "--fix ends runs left RUNNING by a process that is gone: pass --stale --fix"),
     (["--json"], "--json needs the experiment: pass --experiment NAME"),
+    (["-n", "0"], "-n '0' is not a number of runs: pass e.g. -n 50"),
+    (["--stale", "-n", "3"], "--stale lists every RUNNING run silent for --older-than seconds: pass it without -n "
+                             "and --status"),
 ])
 def test_runs_refuses_bad_input_in_one_line(runs, args, needle):
     result = CliRunner().invoke(main, ["runs", *args])

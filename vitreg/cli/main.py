@@ -180,13 +180,24 @@ def runs(limit, experiment, status, as_csv, as_json, stale, fix, older_than):
     experiment's finished runs as one frame (--csv, --json); runs left RUNNING by a killed process (--stale;
     --fix ends them KILLED)."""
     status = parse_choice(status, "status", _STATUSES).upper() if status else None
-    limit = parse_int(limit, "-n", minimum=1) if limit is not None else None
+    limit = _count(limit) if limit is not None else None
     if as_csv or as_json:
         _write_frame("--csv" if as_csv else "--json", stale, experiment, limit, status)
     elif stale or fix:
+        if limit or status:
+            raise VitregError("--stale lists every RUNNING run silent for --older-than seconds: pass it without "
+                              "-n and --status")
         _list_stale(stale, fix, experiment, parse_float(older_than, "--older-than", minimum=0))
     else:
         _list_runs(limit or int(_LISTED), experiment, status)
+
+
+def _count(text: str) -> int:
+    """``-n``'s value: how many runs, 1 or more."""
+    try:
+        return parse_int(text, "-n", minimum=1)
+    except VitregError:
+        raise VitregError(f"-n {text!r} is not a number of runs: pass e.g. -n 50") from None
 
 
 def _list_runs(limit: int, experiment: str | None, status: str | None) -> None:
