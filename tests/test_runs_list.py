@@ -100,3 +100,15 @@ def test_runs_json_is_the_csv_frame_as_records(runs):
     records = json.loads(result.output)
     assert [(r["run_id"], r["task"]) for r in records] == [(runs["busy"], "infer")], "the failed run has no figure"
     assert records[0]["busy_host"] == "true" and records[0]["throughput_img_per_s"] == pytest.approx(2.73)
+
+
+def test_runs_makes_no_store_where_there_is_none(tmp_path, monkeypatch):
+    """MLflow would create ./mlflow.db (in a checkout: a file to commit by mistake) to find no runs in it."""
+    import mlflow.tracking._tracking_service.utils as tracking_service
+
+    db = tmp_path / "mlflow.db"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{db}")
+    monkeypatch.setattr(tracking_service, "_tracking_uri", None)  # what an earlier test set in this process
+    result = CliRunner().invoke(main, ["runs"])
+    assert result.exit_code == 0 and result.output == f"no runs at sqlite:///{db}; `vitreg bench` logs one\n"
+    assert not db.exists()

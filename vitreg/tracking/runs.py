@@ -40,7 +40,8 @@ from vitreg.tracking.delivery import (ERROR_KIND_TAG, ERROR_TAG, HEARTBEAT_TAG, 
                                       open_run, requested_run_id, sync_hint)
 from vitreg.tracking.mlflow_on_first_use import mlflow
 from vitreg.tracking.spool import JOURNAL, flush_timeout_s, offline_mode
-from vitreg.tracking.store import first_line, prepare_store, short_http_requests, store_errors, ui_command
+from vitreg.tracking.store import (first_line, prepare_store, short_http_requests, sqlite_path, store_errors,
+                                   ui_command)
 from vitreg.tracking.uris import current_uri, redact, scrub, tracking_uri, without_credentials
 
 RESUMED_FROM_TAG = "vitreg_resumed_from"  # on the new run: the run id of the checkpoint it continues
@@ -584,7 +585,13 @@ def search_runs(experiment: str, filter_string: str = ""):
 
 def newest_runs(limit: int | None, experiment: str | None = None, status: str | None = None):
     """The ``limit`` newest runs (None: all) of ``experiment`` (None: every active one), newest first, as
-    MLflow's ``search_runs`` frame plus ``experiment`` (its name); ``status``: only the runs in it."""
+    MLflow's ``search_runs`` frame plus ``experiment`` (its name); ``status``: only the runs in it. A sqlite
+    store that does not exist yet has no runs, and a listing does not create it (MLflow would, in the cwd)."""
+    store = sqlite_path(mlflow.get_tracking_uri())
+    if store is not None and not store.exists():
+        import pandas as pd
+
+        return pd.DataFrame()
     client = mlflow.MlflowClient()
     with store_errors(client.tracking_uri, "listing runs"):
         names = {exp.experiment_id: exp.name for exp in _experiments(client, experiment)}
