@@ -884,6 +884,24 @@ def test_compare_command_by_torch_version(sqlite_store):
     assert run.data.params["by"] == "torch_version" and run.data.metrics["speedup_geomean_2.9.0"] == pytest.approx(0.9, rel=0.01)
 
 
+def test_compare_names_the_folder_of_its_files_and_the_run_s_page_in_the_ui(sqlite_store):
+    from pathlib import Path
+
+    from mlflow.tracking import MlflowClient
+
+    from vitreg.tracking.naming import runs_page
+
+    client = MlflowClient()
+    _log_bench_like(client, client.create_experiment("where"), "h200", [1000, 1004])
+    out = _compare_cli("--experiment", "where")
+    analysis = client.get_experiment_by_name("where/analysis").experiment_id
+    (run,) = client.search_runs([analysis])
+    line = next(line for line in out.splitlines() if line.startswith(f"[vitreg] compare run {run.info.run_id}"))
+    folder = Path(line.split(" files in ")[1].split(" (")[0])
+    assert folder.is_absolute() and folder.name == "comparison" and (folder / "comparison.md").is_file()
+    assert f"http://127.0.0.1:5000/{runs_page(analysis, run.info.run_id)}" in out  # the page, once `mlflow ui` runs
+
+
 def test_auto_batch_runs_are_one_configuration_and_the_table_shows_what_each_gpu_chose():
     rows = [run("a100", 1000, bs="auto"), run("a100", 1010, bs="auto"), run("h200", 2000, bs="auto"),
             run("h200", 2020, bs="auto")]

@@ -104,6 +104,26 @@ def test_compare_runs_are_named_by_what_they_compare_and_described():
     assert "1 mislabelled" in note and "faster" in note and "h200  20" in note and "comparison.md" in note
 
 
+def test_one_run_is_one_run_not_1_runs(sqlite_store):
+    from mlflow.tracking import MlflowClient
+
+    from vitreg.history.check import verdict_line
+    from vitreg.tracking.search import experiment_links
+
+    one = {"by": "gpu", "baseline": None, "n_runs": 1, "n_mislabelled_runs": 0, "metric": "throughput_img_per_s",
+           "n_configurations": 1, "verdicts": {}}
+    assert compare_run_name("laptop", one) == "compare gpu · laptop · 1 run"
+    assert ": 1 run, 1 configuration." in compare_note("laptop", one, "gpu  img/s\ncpu  9")
+    client = MlflowClient()
+    experiment_id = client.create_experiment("laptop")
+    client.create_run(experiment_id)
+    ui = "http://127.0.0.1:5000"
+    assert experiment_links(sqlite_store, ui) == [f"laptop (1 run): {ui}/{runs_page(experiment_id)}"]
+    row = {"ratio": 0.9, "ci_low": 0.8, "ci_high": 0.95, "threshold": 0.02, "history_runs": "abc", "candidate_runs": "new",
+           "cause": "", "verdict": "regressed", "series": "deit_ti16 infer", "gpu": "cpu"}
+    assert "; new vs 1 run (abc..abc)" in verdict_line(row)
+
+
 def test_note_holds_the_report_table_from_the_results_dict():
     result = _bench(_task("infer"), _task("train", compiled=False, mfu=None))
     as_json = json.loads(json.dumps(result.to_dict()))  # as results.json holds it

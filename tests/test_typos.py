@@ -107,6 +107,22 @@ def test_a_typo_is_one_line_and_leaves_no_run(sqlite_store, monkeypatch, args, n
     assert client.search_runs([e.experiment_id for e in client.search_experiments()]) == []
 
 
+@pytest.mark.parametrize("typo,hint", [
+    ("--modle", " (did you mean --model?)"),  # not "--model or --nnodes or --profile": those are not alike
+    ("--nnode", " (did you mean --nnodes?)"),
+    ("--batch_sise", " (did you mean --batch-size?)"),  # as --help spells it
+    ("--batch", " (did you mean --batch-size?)"),  # an abbreviation
+    ("--dry-run", ""),  # not "--node-rank": nothing is alike, and no guess beats a wrong one
+])
+def test_a_misspelt_option_suggests_only_options_alike_enough(typo, hint):
+    from vitreg.cli.main import main
+
+    result = CliRunner().invoke(main, ["bench", typo, "x"])
+    assert result.exit_code == 2
+    shown = typo.replace("_", "-")
+    assert result.output == f"error: no such option {shown}{hint}; see `vitreg bench --help`\n"
+
+
 def _seconds(argv: list[str], cwd, env) -> tuple[float, subprocess.CompletedProcess]:
     start = time.perf_counter()
     proc = subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)

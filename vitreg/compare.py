@@ -65,9 +65,10 @@ def run_compare(experiment: str, baseline: str | None = None, metric: str = "thr
         if prices:
             tracking.set_experiment_tag(experiment, PRICES_TAG, price_text(price_table))
     print(table)
-    progress(f"compare run {run.run_id} (experiment {logged_into(run, filed)!r}, "
-             f"id {run.experiment_id}): {len(files)} files under artifacts/comparison "
+    progress(f"compare run {run.run_id} (experiment {logged_into(run, filed)!r}, id {run.experiment_id}): "
+             f"{len(files)} files in {tracking.artifacts_at(run, 'comparison')} "
              f"({', '.join(Path(f).name for f in files)})")
+    progress(tracking.where_logged(run))  # its page in the UI
     return comparison
 
 

@@ -214,6 +214,12 @@ def quiet_libraries() -> None:
         cosine.addFilter(_SHORT_COSINE)
 
 
+def plural(n: int, word: str) -> str:
+    """``1 run``, ``2 runs``, ``0 runs``: a count as a line says it (a plain ``s``; every word vitreg counts
+    takes one)."""
+    return f"{n} {word}" + ("" if n == 1 else "s")
+
+
 def progress(message: str) -> None:
     """Print ``[vitreg] message`` to stderr, flushed (long jobs report as they go)."""
     print(f"[vitreg] {scrub(message)}", file=sys.stderr, flush=True)

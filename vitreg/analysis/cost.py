@@ -170,16 +170,31 @@ def condition_lines(runs: pd.DataFrame) -> list[str]:
     elif states:
         per = seen.groupby("gpu")["throttle"].agg(lambda s: "/".join(sorted(set(s.astype(str)))))
         lines.append("THROTTLE DIFFERS between the runs compared: " + ", ".join(f"{g}: {t}" for g, t in per.items()))
-    hot = seen[seen["throttle"].astype(str).str.split(",").map(lambda rs: bool(set(rs) & set(ALWAYS_FLAGGED)))]
+    suspect = suspect_masks(runs)
+    hot = runs[suspect["throttled"]]
     if len(hot):
         lines.append(f"THROTTLED by heat or a hardware brake: {len(hot)} run(s): "
                      + ", ".join(f"{r.run_id} ({r.gpu}: {r.throttle})" for r in hot.itertuples()))
-    busy = runs[runs["busy_host"].astype(str) == "true"] if "busy_host" in runs else runs.iloc[0:0]
+    busy = runs[suspect["busy host"]]
     if len(busy):
         lines.append(f"BUSY HOST: {busy['run_id'].nunique()} run(s) measured while other processes loaded the host "
                      f"(their figures may be low): " + ", ".join(sorted(set(busy["run_id"]))))
-    wide = runs[runs["spread_over_target"].astype(str) == "true"] if "spread_over_target" in runs else runs.iloc[0:0]
+    wide = runs[suspect["precision missed"]]
     if len(wide):
         lines.append(f"SPREAD: {wide['run_id'].nunique()} run(s) whose windows scattered more than the precision "
                      f"target ({PRECISION_TARGET:.0%} CV): " + ", ".join(sorted(set(wide["run_id"]))))
     return lines
+
+
+def suspect_masks(runs: pd.DataFrame) -> dict[str, pd.Series]:
+    """What makes a run's figure suspect, each a mask over the rows of ``runs`` (a tidy frame: its
+    condition columns, NaN for runs that predate them), under the word ``vitreg runs`` flags it with: measured
+    while other processes loaded the host, throttled by heat or a hardware brake (not the power cap: heavy
+    work's normal state), its windows scattered past the precision target."""
+    def column(name: str) -> pd.Series:  # the tags as text, missing ones ""
+        return (runs[name] if name in runs else pd.Series("", index=runs.index)).map(
+            lambda v: v if isinstance(v, str) else "")
+
+    hot = column("throttle").map(lambda reasons: bool(set(reasons.split(",")) & set(ALWAYS_FLAGGED)))
+    return {"busy host": column("busy_host") == "true", "throttled": hot.astype(bool),
+            "precision missed": column("spread_over_target") == "true"}

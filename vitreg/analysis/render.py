@@ -88,6 +88,24 @@ def _task_table(comparison, t: pd.DataFrame) -> list[str]:
     return lines
 
 
+_RUN_HEADS = {"run_id": "id", "start_time": "started (UTC)", "infer_img_per_s": "infer img/s",
+              "train_img_per_s": "train img/s"}
+NAME_WIDTH = 34  # a run's name is long (its figures, precision, batch...): the table keeps what tells runs apart
+
+
+def runs_table(runs: pd.DataFrame) -> str:
+    """``vitreg runs``' table of :func:`vitreg.tracking.search.run_list`'s rows: id, start, the experiment (when
+    the rows are of several), name (cut at :data:`NAME_WIDTH`), status, GPU, each task's img/s that some row
+    measured, and the flags of a suspect figure on the row that prints it."""
+    cols = ["run_id", "start_time"] + (["experiment"] if runs["experiment"].nunique() > 1 else [])
+    cols += ["name", "status", "gpu"] + [c for c in runs if c.endswith("_img_per_s") and runs[c].notna().any()]
+    cols += ["flags"] if (runs["flags"] != "").any() else []
+    started = pd.to_datetime(runs["start_time"], utc=True, errors="coerce").dt.strftime("%Y-%m-%d %H:%M")
+    names = runs["name"].map(lambda n: n if len(n) <= NAME_WIDTH else n[:NAME_WIDTH - 1] + "…")
+    body = _rows(runs.assign(start_time=started, name=names), cols)
+    return _fixed_width([_RUN_HEADS.get(c, c) for c in cols], body, [c.endswith("_img_per_s") for c in cols])
+
+
 def caveats(comparison) -> list[str]:
     """How to read the rows beyond metric and baseline: the axis when it is not the GPU, and what was
     done with mislabelled runs (the terminal's header lines; the reports' list items)."""

@@ -27,7 +27,7 @@ from click.core import ParameterSource
 
 from vitreg.cli.param_types import param_type
 from vitreg.config.options import HELP_GROUPS, help_group, option, options_of
-from vitreg.config.parse import param_text
+from vitreg.config.parse import close_names, param_text
 from vitreg.errors import VitregError
 from vitreg.environment import environ_restored
 from vitreg.signals import Terminated
@@ -92,8 +92,12 @@ class VitregCommand(click.Command):
 
     def shown_flags(self, ctx) -> set[str]:
         """The one spelling of each option that --help shows."""
-        return {p.shown if isinstance(p, OneSpelling) else p.opts[0]
-                for p in self.get_params(ctx) if isinstance(p, click.Option) and not p.hidden}
+        return set(self.spellings(ctx).values())
+
+    def spellings(self, ctx) -> dict[str, str]:
+        """Every accepted spelling of each option (``--batch_size``, ``--experiment-name``) -> the one --help shows."""
+        return {flag: p.shown if isinstance(p, OneSpelling) else p.opts[0]
+                for p in self.get_params(ctx) if isinstance(p, click.Option) and not p.hidden for flag in p.opts}
 
     def shell_complete(self, ctx, incomplete):
         items = super().shell_complete(ctx, incomplete)
@@ -104,8 +108,8 @@ class VitregCommand(click.Command):
         try:
             return super().parse_args(ctx, args)
         except click.NoSuchOption as exc:
-            shown = self.shown_flags(ctx)
-            close = [p for p in exc.possibilities or () if p in shown]
+            spellings = self.spellings(ctx)  # a spelling close to the typo suggests the option as --help shows it
+            close = list(dict.fromkeys(spellings[name] for name in close_names(exc.option_name, spellings, n=3)))
             hint = f" (did you mean {' or '.join(close)}?)" if close else ""
             raise OneLineUsageError(f"no such option {exc.option_name}{hint}", ctx) from None
         except click.UsageError as exc:

@@ -16,14 +16,16 @@ import click
 from vitreg import signals
 from vitreg.cli.common import (OneLineUsageError, OneSpelling, VitregCommand, check_first, command_line,
                                command_options, dashed, offline_if_asked, run_ddp_job, split_options, user_errors)
-from vitreg.cli.param_types import ChoiceText, FloatText, GpuLabel
+from vitreg.cli.param_types import ChoiceText, FloatText, GpuLabel, IntText
 from vitreg.config.options import option
-from vitreg.config.parse import parse_float
-from vitreg.console import mask_console, quiet_libraries
+from vitreg.config.parse import parse_choice, parse_float, parse_int
+from vitreg.console import mask_console, plural, quiet_libraries
 from vitreg.errors import VitregError
 from vitreg.tracking.store import bound_http_requests, quiet_artifact_downloads, quiet_mlflow_info
 
 _STALE_AFTER_S = "600"  # twenty heartbeat periods: a run silent that long has no process behind it
+_LISTED = "20"  # runs `vitreg runs` lists unless -n says: a screenful
+_STATUSES = ("running", "finished", "failed", "killed", "scheduled")  # MLflow's run statuses
 
 
 class VitregGroup(click.Group):
@@ -159,25 +161,66 @@ def sync(spool_dir, tracking_uri):
 
 
 @main.command("runs")
+@click.option("-n", "limit", type=IntText(min=1), default=None,
+              help=f"How many of the newest runs (default: {_LISTED} in the table; all with --csv/--json).")
+@click.option("--experiment", "--experiment-name", "experiment", cls=OneSpelling, default=None,
+              help="Look in this experiment only (default: all; --csv and --json need one).")
+@click.option("--status", type=ChoiceText(_STATUSES, case_sensitive=False), default=None,
+              help="Only runs in this status.")
+@click.option("--csv", "as_csv", is_flag=True,
+              help="Write the experiment's finished runs as CSV to stdout, one row per (run, task), every column.")
+@click.option("--json", "as_json", is_flag=True, help="The same frame as --csv, as JSON records.")
 @click.option("--stale", is_flag=True, help="List RUNNING runs whose process is gone (no heartbeat).")
 @click.option("--fix", is_flag=True, help="With --stale: end those runs KILLED, the reason in vitreg_error.")
-@click.option("--csv", "as_csv", is_flag=True,
-              help="Write the experiment's finished runs as CSV to stdout, one row per (run, task).")
-@click.option("--experiment", "--experiment-name", "experiment", cls=OneSpelling, default=None,
-              help="Look in this experiment only (default: all; --csv needs one).")
 @click.option("--older-than", "older_than", type=FloatText(min=0), default=_STALE_AFTER_S, show_default=True,
-              help="Seconds without a heartbeat (or, for a run that never sent one, since its start).")
+              help="With --stale: seconds without a heartbeat (or, for a run that never sent one, since its start).")
 @user_errors
-def runs(stale, fix, as_csv, experiment, older_than):
-    """An experiment's runs as one table (--csv), or runs left RUNNING by a killed process: list them
-    (--stale) and end them KILLED (--fix)."""
-    if as_csv:
-        _write_csv(stale, experiment)
+def runs(limit, experiment, status, as_csv, as_json, stale, fix, older_than):
+    """The newest runs of the store as a table (id, name, status, GPU, img/s, flags of a suspect figure); an
+    experiment's finished runs as one frame (--csv, --json); runs left RUNNING by a killed process (--stale;
+    --fix ends them KILLED)."""
+    status = parse_choice(status, "status", _STATUSES).upper() if status else None
+    limit = _count(limit) if limit is not None else None
+    if as_csv or as_json:
+        _write_frame("--csv" if as_csv else "--json", stale, experiment, limit, status)
+    elif stale or fix:
+        if limit or status:
+            raise VitregError("--stale lists every RUNNING run silent for --older-than seconds: pass it without "
+                              "-n and --status")
+        _list_stale(stale, fix, experiment, parse_float(older_than, "--older-than", minimum=0))
+    else:
+        _list_runs(limit or int(_LISTED), experiment, status)
+
+
+def _count(text: str) -> int:
+    """``-n``'s value: how many runs, 1 or more."""
+    try:
+        return parse_int(text, "-n", minimum=1)
+    except VitregError:
+        raise VitregError(f"-n {text!r} is not a number of runs: pass e.g. -n 50") from None
+
+
+def _list_runs(limit: int, experiment: str | None, status: str | None) -> None:
+    """The ``limit`` newest runs as :func:`vitreg.analysis.render.runs_table` draws them, or the line that says
+    there are none."""
+    from vitreg.analysis.render import runs_table
+    from vitreg.tracking import runs as tracking
+    from vitreg.tracking.search import run_list
+
+    listed = run_list(tracking.newest_runs(limit, experiment, status))
+    where = (f" in experiment {experiment!r}" if experiment else "") + (f" with status {status}" if status else "")
+    if not len(listed):
+        click.echo(f"no runs{where} at {tracking.tracking_uri()}; `vitreg bench` logs one")
         return
+    click.echo(runs_table(listed))
+    more = f"; more: vitreg runs -n {limit * 2}" if len(listed) == limit else ""
+    click.echo(f"{plural(len(listed), 'run')}{where}, newest first{more}")
+
+
+def _list_stale(stale: bool, fix: bool, experiment: str | None, seconds: float) -> None:
+    """``--stale``: RUNNING runs silent for ``seconds``, listed; with ``--fix`` ended KILLED."""
     if not stale:
-        raise VitregError("vitreg runs lists runs left RUNNING by a process that is gone: pass --stale "
-                          "(and --fix to end them KILLED), or --csv --experiment NAME for an experiment's results")
-    seconds = parse_float(older_than, "--older-than", minimum=0)
+        raise VitregError("--fix ends runs left RUNNING by a process that is gone: pass --stale --fix")
     from vitreg.tracking.runs import find_stale, mark_killed
 
     found = find_stale(seconds, experiment)
@@ -193,16 +236,19 @@ def runs(stale, fix, as_csv, experiment, older_than):
         click.echo(f"no RUNNING run silent for more than {seconds:g} s")
 
 
-def _write_csv(stale: bool, experiment: str | None) -> None:
-    """The experiment's tidy frame (what ``vitreg compare`` compares, and :func:`vitreg.api.runs` returns) as
-    CSV on stdout."""
+def _write_frame(flag: str, stale: bool, experiment: str | None, limit: int | None, status: str | None) -> None:
+    """The experiment's tidy frame (what ``vitreg compare`` compares, and :func:`vitreg.api.runs` returns) of its
+    ``limit`` newest finished benchmark runs, as CSV or JSON records on stdout."""
     if stale:
-        raise VitregError("--csv writes finished runs and --stale lists unfinished ones: pass one of them")
+        raise VitregError(f"{flag} writes finished runs and --stale lists unfinished ones: pass one of them")
     if not experiment:
-        raise VitregError("--csv needs the experiment: pass --experiment NAME")
-    from vitreg.tracking.search import benchmark_runs, tidy
+        raise VitregError(f"{flag} needs the experiment: pass --experiment NAME")
+    from vitreg.tracking import runs as tracking
+    from vitreg.tracking.search import benchmarks_only, tidy
 
-    click.echo(tidy(benchmark_runs(experiment)).to_csv(index=False), nl=False)
+    frame = tidy(benchmarks_only(tracking.newest_runs(limit, experiment, status)))
+    click.echo(frame.to_csv(index=False) if flag == "--csv" else
+               frame.to_json(orient="records", date_format="iso", indent=1) + "\n", nl=False)
 
 
 @main.command()

@@ -14,6 +14,20 @@ from vitreg.errors import VitregError
 TRUE = ("1", "true", "yes", "on", "y", "t")
 FALSE = ("0", "false", "no", "off", "n", "f", "")
 AUTO_BATCH = "auto"  # batch_size=auto: the runner searches the batch (vitreg.measure.autobatch)
+#: how alike (difflib's ratio) a mistyped option name must be to a real one to be suggested. click's 0.6, taken
+#: with the two dashes every flag shares, offered `--nnodes` and `--profile` for `--modle` (0.67, 0.63); without
+#: the dashes `--model` scores 0.8 and they 0.55 and 0.5 (`--prof` still finds `--profile`: 0.73)
+NAME_CUTOFF = 0.7
+
+
+def close_names(typed: str, known, n: int = 1) -> list[str]:
+    """The names of ``known`` alike enough to ``typed`` to suggest (:data:`NAME_CUTOFF`), the closest first, then
+    those it abbreviates (``--batch``: ``--batch-size``); compared without leading dashes, which say nothing."""
+    bare = {name.lstrip("-"): name for name in known}
+    word = typed.lstrip("-")
+    alike = difflib.get_close_matches(word, list(bare), n=n, cutoff=NAME_CUTOFF)
+    begun = [name for name in bare if len(word) >= 3 and name.startswith(word) and name not in alike]
+    return [bare[m] for m in (alike + begun)[:n]]
 
 
 def parse_bool(value, name: str, error: type[VitregError] = VitregError) -> bool:

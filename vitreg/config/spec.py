@@ -13,12 +13,11 @@ stay symbolic and are resolved by :mod:`vitreg.hardware.profiles` and :mod:`vitr
 from __future__ import annotations
 
 import dataclasses
-import difflib
 from dataclasses import dataclass, fields
 from typing import Literal  # noqa: F401 - named in the batch annotation below
 
 from vitreg.config.options import DDP_BUCKET_MB, spec_options
-from vitreg.config.parse import AUTO_BATCH, param_text
+from vitreg.config.parse import AUTO_BATCH, close_names, param_text
 from vitreg.config.parse import TRUE as _TRUE, parse_bool, parse_int  # noqa: F401 - other modules import them from here
 from vitreg.errors import VitregError
 from vitreg.hardware.precision import check_tasks
@@ -80,7 +79,7 @@ class _Spec:
         known = {f.name for f in fields(cls)}
         for key in options:
             if key not in known:
-                close = difflib.get_close_matches(key, sorted(known), n=1)
+                close = close_names(key, sorted(known))
                 hint = f" (did you mean {close[0]}?)" if close else ""
                 raise VitregError(f"unknown {cls._kind} option {key!r}{hint}; options: {', '.join(sorted(known))}")
         return cls(**{k: v for k, v in options.items() if v is not None})

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import pandas as pd
 
+from vitreg.console import plural
 from vitreg.history.verdict import change_points
 from vitreg.history.series import CAUSES, HARDWARE, MISSING, CheckError, Selection, Series, honest, require_tags, series_of
 from vitreg.history.verdict import IMPROVED, REGRESSED, UNJUDGED, VERDICTS, judge, needs
@@ -152,7 +153,7 @@ def verdict_line(r) -> str:
     ci = f" [{r['ci_low']:.3f}, {r['ci_high']:.3f}]" if np.isfinite(r["ci_low"]) else ""
     limit = f", threshold {r['threshold']:.1%}" if np.isfinite(r["threshold"]) else ""
     hist = r["history_runs"].split(",") if r["history_runs"] else []
-    runs = f"{r['candidate_runs']} vs {len(hist)} runs" + (f" ({hist[0]}..{hist[-1]})" if hist else "")
+    runs = f"{r['candidate_runs']} vs {plural(len(hist), 'run')}" + (f" ({hist[0]}..{hist[-1]})" if hist else "")
     cause = f"; changed: {r['cause']}" if r["cause"] else ""
     met = r.get("conditions") or ""
     if met:  # the GPU or the host, not the code, where the windows met what the history's did not

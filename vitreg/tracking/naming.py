@@ -23,6 +23,7 @@ import re
 from dataclasses import dataclass
 
 from vitreg.analysis.render import RESULT_HEADERS, markdown_table, result_rows
+from vitreg.console import plural
 
 SEP = " · "
 #: the tag MLflow's UI shows as a run's description
@@ -144,7 +145,7 @@ def compare_run_name(experiment: str, summary: dict) -> str:
     """A compare run's name, what is compared first: ``compare gpu vs a100 · laptop · 6 runs`` (``by`` and
     the baseline, the experiment compared, how many runs; ``· 1 mislabelled`` when some are)."""
     axis = f"compare {summary['by']}" + (f" vs {summary['baseline']}" if summary.get("baseline") else "")
-    parts = [axis, experiment, f"{summary['n_runs']} runs"]
+    parts = [axis, experiment, plural(summary["n_runs"], "run")]
     if summary.get("n_mislabelled_runs"):
         parts.append(f"{summary['n_mislabelled_runs']} mislabelled")
     return SEP.join(parts)
@@ -159,8 +160,7 @@ def sweep_run_name(axes: dict[str, list], common: dict, n_children: int) -> str:
     what = (RunTitle("", str(models[0]), "", img_size=int(sizes[0]) or None).workload() if len(models) == 1
             else f"{len(models)} models")
     varied = [name for name, values in axes.items() if len(values) > 1]
-    runs = f"{n_children} run" + "s" * (n_children != 1)
-    return SEP.join(["sweep " + what, *(["×".join(varied)] if varied else []), runs])
+    return SEP.join(["sweep " + what, *(["×".join(varied)] if varied else []), plural(n_children, "run")])
 
 
 #: MLflow 3's UI opens in its GenAI layout (its "Evaluations" pages) unless the browser chose "Model
@@ -197,7 +197,7 @@ def compare_note(experiment: str, summary: dict, table: str, max_lines: int = 40
     shown = lines[:max_lines] + ([f"... ({len(lines) - max_lines} more lines)"] if len(lines) > max_lines else [])
     return "\n".join([
         f"**{summary['metric']}** of experiment **{experiment}** along **{summary['by']}**{baseline}: "
-        f"{summary['n_runs']} runs, {summary['n_configurations']} configuration(s)"
+        f"{plural(summary['n_runs'], 'run')}, {plural(summary['n_configurations'], 'configuration')}"
         + (f", {summary['n_mislabelled_runs']} mislabelled" if summary.get("n_mislabelled_runs") else "")
         + (f"; verdicts: {verdicts}" if verdicts else "") + ".", "",
         "```", *shown, "```", "",

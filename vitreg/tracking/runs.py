@@ -29,6 +29,7 @@ import os
 import sys
 import tempfile
 import time
+import urllib.parse
 from pathlib import Path
 from typing import Protocol
 
@@ -39,7 +40,8 @@ from vitreg.tracking.delivery import (ERROR_KIND_TAG, ERROR_TAG, HEARTBEAT_TAG, 
                                       open_run, requested_run_id, sync_hint)
 from vitreg.tracking.mlflow_on_first_use import mlflow
 from vitreg.tracking.spool import JOURNAL, flush_timeout_s, offline_mode
-from vitreg.tracking.store import first_line, prepare_store, short_http_requests, store_errors, ui_command
+from vitreg.tracking.store import (first_line, prepare_store, short_http_requests, sqlite_path, store_errors,
+                                   ui_command)
 from vitreg.tracking.uris import current_uri, redact, scrub, tracking_uri, without_credentials
 
 RESUMED_FROM_TAG = "vitreg_resumed_from"  # on the new run: the run id of the checkpoint it continues
@@ -483,6 +485,19 @@ def where_logged(tracker) -> str:
     return f"logged run {tracker.run_id} to {uri}: open it with `{ui_command(uri)}`, then http://127.0.0.1:5000/{page}"
 
 
+def artifacts_at(tracker, path: str) -> str:
+    """Where the run's artifacts under ``path`` are: the folder on this disk for a store that keeps them here
+    (sqlite or file: ``/home/me/mlruns/2/<run id>/artifacts/comparison``), else their URI (``s3://...``,
+    ``mlflow-artifacts:/...``); for a run still in the local spool, its ``runs:/`` URI (valid once synced)."""
+    if still_spooled(tracker):
+        return tracker.artifact_uri(path)
+    root = mlflow.MlflowClient().get_run(tracker.run_id).info.artifact_uri
+    parsed = urllib.parse.urlparse(root)
+    if parsed.scheme in ("", "file"):
+        return str(Path(urllib.parse.unquote(parsed.path)) / path)
+    return f"{root.rstrip('/')}/{path}"
+
+
 def create_child_run(parent: Tracker, name: str, tags: dict | None = None) -> str:
     """A RUNNING child of ``parent`` for a subprocess to resume through MLFLOW_RUN_ID (as `mlflow run` does)."""
     from mlflow.utils.mlflow_tags import MLFLOW_PARENT_RUN_ID, MLFLOW_RUN_NAME
@@ -566,6 +581,27 @@ def search_runs(experiment: str, filter_string: str = ""):
                           f"check the name (mlflow experiments search) or MLFLOW_TRACKING_URI")
     return mlflow.search_runs(experiment_ids=[exp.experiment_id], filter_string=filter_string,
                               output_format="pandas")
+
+
+def newest_runs(limit: int | None, experiment: str | None = None, status: str | None = None):
+    """The ``limit`` newest runs (None: all) of ``experiment`` (None: every active one), newest first, as
+    MLflow's ``search_runs`` frame plus ``experiment`` (its name); ``status``: only the runs in it. A sqlite
+    store that does not exist yet has no runs, and a listing does not create it (MLflow would, in the cwd)."""
+    store = sqlite_path(mlflow.get_tracking_uri())
+    if store is not None and not store.exists():
+        import pandas as pd
+
+        return pd.DataFrame()
+    client = mlflow.MlflowClient()
+    with store_errors(client.tracking_uri, "listing runs"):
+        names = {exp.experiment_id: exp.name for exp in _experiments(client, experiment)}
+        found = mlflow.search_runs(experiment_ids=list(names), output_format="pandas",
+                                   filter_string=f"attributes.status = '{status}'" if status else "",
+                                   order_by=["attributes.start_time DESC"],
+                                   **({"max_results": limit} if limit else {}))
+    if len(found):
+        found.insert(1, "experiment", found["experiment_id"].map(names))
+    return found
 
 
 def experiment_tag(experiment: str, key: str) -> str | None:

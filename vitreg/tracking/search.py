@@ -16,21 +16,61 @@ import pandas as pd
 from vitreg.analysis.frame import (ALL_METRICS, CONDITION_COLUMNS, MISSING, NO_RUNS, NOT_APPLICABLE, RUN_COMMANDS,
                                    SHARED_METRICS, TASK_METRICS, CompareError, config_columns, id_columns)
 from vitreg.config.options import options_of
+from vitreg.console import plural
 from vitreg.config.parse import param_text
 from vitreg.config.spec import _TRUE, DDP_BUCKET_MB
 from vitreg.errors import VitregError
 from vitreg.measure.metrics import TASKS
-from vitreg.tracking.naming import runs_page
+from vitreg.tracking.naming import gpu_text, runs_page
 
 
 def benchmark_runs(experiment: str) -> pd.DataFrame:
     """The experiment's benchmark runs (bench, infer, train, timm imports), not its compare/check/sweep runs."""
     from vitreg.tracking import runs as tracking
 
-    runs = tracking.search_runs(experiment)
+    return benchmarks_only(tracking.search_runs(experiment))
+
+
+def benchmarks_only(runs: pd.DataFrame) -> pd.DataFrame:
+    """The benchmark runs of a ``search_runs()`` frame: its compare, check and sweep-parent runs left out."""
     if "tags.vitreg_job" in runs:
         runs = runs[~runs["tags.vitreg_job"].isin(["compare", "sweep", "check"])]
     return runs
+
+
+#: the columns of :func:`run_list`, before each task's ``<task>_img_per_s``
+RUN_LIST_COLUMNS = ("run_id", "experiment", "name", "status", "start_time", "gpu")
+
+
+def run_list(raw: pd.DataFrame) -> pd.DataFrame:
+    """One row per run of ``raw`` (:func:`vitreg.tracking.runs.newest_runs`' frame), in its order and of every
+    status, as ``vitreg runs`` lists them: :data:`RUN_LIST_COLUMNS` (``gpu`` as ``a100≠cpu`` for a run filed
+    under a GPU that did not run it), each task's ``<task>_img_per_s`` (NaN: not measured) and ``flags``, what
+    makes its figures suspect (:func:`vitreg.analysis.cost.suspect_masks`: ``busy host``, ...), read from the
+    columns :func:`tidy` gives compare, so the list and compare flag the same runs."""
+    from vitreg.analysis.cost import suspect_masks
+
+    if not len(raw):
+        return pd.DataFrame(columns=[*RUN_LIST_COLUMNS, "flags"])
+    df = raw.reset_index(drop=True)
+    base = _configurations(df, _coalesce(df, "tags.source").fillna("vitreg"))
+    out = pd.DataFrame({"run_id": base["run_id"], "experiment": _coalesce(df, "experiment"),
+                        "name": _coalesce(df, "tags.mlflow.runName").fillna(""), "status": _text(df, "status"),
+                        "start_time": base["start_time"],
+                        "gpu": [gpu_text(g, r if m else None) for g, r, m in zip(base["gpu"], base["ran_on"],
+                                                                                 base["mismatch"])]})
+    flags: list[list[str]] = [[] for _ in df.index]
+    task_param = _coalesce(df, "params.task").str.lower()
+    for task in TASKS:
+        part = _task_rows(df, base, task, task_param)
+        if part is None:
+            continue
+        out[f"{task}_img_per_s"] = part["throughput_img_per_s"]  # aligned on the run's row; NaN where not run
+        for word, mask in suspect_masks(part).items():
+            for row in part.index[mask]:
+                flags[row] += [word] if word not in flags[row] else []
+    out["flags"] = [", ".join(words) for words in flags]
+    return out
 
 
 def runs_frame(records) -> pd.DataFrame:
@@ -385,7 +425,7 @@ def _integer(df: pd.DataFrame, col: str) -> pd.Series:
 
 
 def experiment_links(store_uri: str, ui_url: str) -> list[str]:
-    """``NAME (N runs): URL`` for each experiment of ``store_uri`` that has runs, URL being its runs list
+    """``NAME (N runs): URL`` (``1 run``) for each experiment of ``store_uri`` that has runs, URL being its runs list
     in the MLflow UI at ``ui_url`` (MLflow 3's UI opens an experiment on its GenAI overview;
     :func:`~vitreg.tracking.naming.runs_page` opens the runs). Nothing when the store holds no runs yet."""
     from mlflow.tracking import MlflowClient
@@ -395,7 +435,7 @@ def experiment_links(store_uri: str, ui_url: str) -> list[str]:
     for exp in client.search_experiments():
         n = len(client.search_runs([exp.experiment_id], max_results=1000))
         if n:
-            links.append(f"{exp.name} ({n} runs): {ui_url}/{runs_page(exp.experiment_id)}")
+            links.append(f"{exp.name} ({plural(n, 'run')}): {ui_url}/{runs_page(exp.experiment_id)}")
     return links
 
 

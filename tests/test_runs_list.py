@@ -1,0 +1,114 @@
+"""`vitreg runs` with no option: the newest runs of the store as a table, a suspect figure flagged on its row.
+
+A real sqlite store; the runs are written with MLflow's client as vitreg's jobs tag them (no benchmark runs).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+from click.testing import CliRunner
+from mlflow.tracking import MlflowClient
+
+from vitreg.cli.main import main
+
+
+def _run(client, experiment_id, name, age_s, status="FINISHED", tags=(), metrics=(), params=()):
+    run = client.create_run(experiment_id, start_time=int((time.time() - age_s) * 1000), run_name=name,
+                            tags={"vitreg_job": "bench", "gpu": "cpu", **dict(tags)})
+    for key, value in {"model": "deit_tiny_patch16_224", "gpu": "auto", **dict(params)}.items():
+        client.log_param(run.info.run_id, key, value)
+    for key, value in dict(metrics).items():
+        client.log_metric(run.info.run_id, key, value)
+    if status != "RUNNING":
+        client.set_terminated(run.info.run_id, status)
+    return run.info.run_id
+
+
+@pytest.fixture
+def runs(sqlite_store):
+    """laptop: a quiet run (both tasks), a busy-host one (infer), a failed one; other: one still RUNNING."""
+    client = MlflowClient()
+    laptop, other = client.create_experiment("laptop"), client.create_experiment("other")
+    return {
+        "quiet": _run(client, laptop, "deit_ti16 · cpu · quiet", 400, params={"task": "both"},
+                      metrics={"infer_throughput_img_per_s": 9.44, "train_throughput_img_per_s": 3.1}),
+        "busy": _run(client, laptop, "deit_ti16 · cpu · busy", 300, params={"task": "infer"},
+                     tags={"infer_busy_host": "true"}, metrics={"infer_throughput_img_per_s": 2.73}),
+        "failed": _run(client, laptop, "deit_ti16 · cpu · failed", 200, status="FAILED", params={"task": "infer"}),
+        "running": _run(client, other, "still going", 100, status="RUNNING"),
+    }
+
+
+def _rows(output: str) -> list[str]:
+    """The table's body: the lines after its rule, up to the closing line."""
+    lines = output.splitlines()
+    rule = next(i for i, line in enumerate(lines) if set(line) <= {"-", " "} and line)
+    return lines[rule + 1:-1]
+
+
+def test_bare_runs_lists_the_newest_runs_of_the_store_with_their_figures_and_flags(runs):
+    result = CliRunner().invoke(main, ["runs"])
+    assert result.exit_code == 0, result.output
+    header = result.output.splitlines()[0].split()
+    assert header[:3] == ["id", "started", "(UTC)"] and "experiment" in header and "flags" in header
+    assert "infer img/s" in result.output and "train img/s" in result.output
+    rows = _rows(result.output)
+    assert [row.split()[0] for row in rows] == [runs[k] for k in ("running", "failed", "busy", "quiet")]
+    busy, quiet = rows[2], rows[3]
+    assert "2.73" in busy and busy.rstrip().endswith("busy host") and "FINISHED" in busy
+    assert "9.44" in quiet and "3.10" in quiet and "busy host" not in quiet
+    assert "RUNNING" in rows[0] and "other" in rows[0]
+    assert result.output.splitlines()[-1] == "4 runs, newest first"
+
+
+def test_runs_takes_a_count_an_experiment_and_a_status(runs):
+    runner = CliRunner()
+    two = runner.invoke(main, ["runs", "-n", "2"])
+    assert [row.split()[0] for row in _rows(two.output)] == [runs["running"], runs["failed"]]
+    assert two.output.splitlines()[-1] == "2 runs, newest first; more: vitreg runs -n 4"
+    laptop = runner.invoke(main, ["runs", "--experiment", "laptop", "--status", "finished"])
+    assert [row.split()[0] for row in _rows(laptop.output)] == [runs["busy"], runs["quiet"]]
+    assert "experiment" not in laptop.output.splitlines()[0], "one experiment: no column for it"
+    one = runner.invoke(main, ["runs", "--experiment", "laptop", "--status", "FAILED"])
+    assert one.exit_code == 0 and one.output.splitlines()[-1] == (
+        "1 run in experiment 'laptop' with status FAILED, newest first")
+    none = runner.invoke(main, ["runs", "--status", "killed"])
+    assert none.exit_code == 0 and none.output.startswith("no runs with status KILLED at ")
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--status", "finised"], "status='finised' is not one of running, finished, failed, killed, scheduled "
+                              "(did you mean status=finished?)"),
+    (["--experiment", "nope"], "experiment 'nope' does not exist"),
+    (["--fix"], "--fix ends runs left RUNNING by a process that is gone: pass --stale --fix"),
+    (["--json"], "--json needs the experiment: pass --experiment NAME"),
+    (["-n", "0"], "-n '0' is not a number of runs: pass e.g. -n 50"),
+    (["--stale", "-n", "3"], "--stale lists every RUNNING run silent for --older-than seconds: pass it without -n "
+                             "and --status"),
+])
+def test_runs_refuses_bad_input_in_one_line(runs, args, needle):
+    result = CliRunner().invoke(main, ["runs", *args])
+    assert result.exit_code == 2 and result.output.startswith(f"error: {needle}") and result.output.count("\n") == 1
+
+
+def test_runs_json_is_the_csv_frame_as_records(runs):
+    result = CliRunner().invoke(main, ["runs", "--experiment", "laptop", "--json", "-n", "2"])
+    assert result.exit_code == 0, result.output
+    records = json.loads(result.output)
+    assert [(r["run_id"], r["task"]) for r in records] == [(runs["busy"], "infer")], "the failed run has no figure"
+    assert records[0]["busy_host"] == "true" and records[0]["throughput_img_per_s"] == pytest.approx(2.73)
+
+
+def test_runs_makes_no_store_where_there_is_none(tmp_path, monkeypatch):
+    """MLflow would create ./mlflow.db (in a checkout: a file to commit by mistake) to find no runs in it."""
+    import mlflow.tracking._tracking_service.utils as tracking_service
+
+    db = tmp_path / "mlflow.db"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{db}")
+    monkeypatch.setattr(tracking_service, "_tracking_uri", None)  # what an earlier test set in this process
+    result = CliRunner().invoke(main, ["runs"])
+    assert result.exit_code == 0 and result.output == f"no runs at sqlite:///{db}; `vitreg bench` logs one\n"
+    assert not db.exists()
