@@ -23,6 +23,7 @@ import pandas as pd
 from vitreg.analysis.comparison import Comparison, compare_runs
 from vitreg.analysis.frame import DEFAULT_AXIS, CompareError
 from vitreg.analysis.stats import BETTER, WORSE
+from vitreg.files import read_text, read_toml
 from vitreg.measure.energy import ALWAYS_FLAGGED, POWER_CAP, PRECISION_TARGET
 
 COST, ENERGY = "usd_per_1m_img", "img_per_j"
@@ -58,6 +59,9 @@ def _price(value, where: str) -> float:
     return price
 
 
+PRICE_FILE_FIX = "pass a CSV (gpu,usd_per_hour) or TOML (h200 = 3.50) price table, or LABEL=USD pairs"
+
+
 def read_price_file(path) -> dict[str, float]:
     """A CSV (``gpu,usd_per_hour``) or TOML (``label = price``, flat or under ``[usd_per_gpu_hour]``) price table."""
     path = Path(path)
@@ -65,15 +69,10 @@ def read_price_file(path) -> dict[str, float]:
         raise CompareError(f"--prices {str(path)!r}: no such file; pass LABEL=USD pairs (h200=3.50,l4=0.80) or the "
                            "path of a CSV (gpu,usd_per_hour) or TOML (h200 = 3.50) price table")
     if path.suffix == ".toml":
-        import tomllib
-
-        try:
-            table = tomllib.loads(path.read_text())
-        except tomllib.TOMLDecodeError as e:
-            raise CompareError(f"{path}: not TOML ({e})") from None
+        table = read_toml(path, PRICE_FILE_FIX, CompareError)
         table = table.get("usd_per_gpu_hour", table)
         return {str(k).lower(): _price(v, f"{path}: {k}") for k, v in table.items()}
-    rows = list(csv.DictReader(path.read_text().splitlines()))
+    rows = list(csv.DictReader(read_text(path, PRICE_FILE_FIX, CompareError).splitlines()))
     if not rows or not {"gpu", "usd_per_hour"} <= set(rows[0]):
         raise CompareError(f"{path}: a price CSV needs the columns gpu,usd_per_hour (one GPU label a row)")
     return {r["gpu"].strip().lower(): _price(r["usd_per_hour"], f"{path}: {r['gpu']}") for r in rows}

@@ -34,7 +34,8 @@ from pathlib import Path
 from vitreg.checkpoint import format as ckpt
 from vitreg.checkpoint.export import export_folder
 from vitreg.console import progress
-from vitreg.errors import VitregError, path_kind
+from vitreg.errors import CheckpointError, VitregError, path_kind
+from vitreg.files import read_json, read_text
 from vitreg.tracking.mlflow_on_first_use import mlflow
 from vitreg.tracking.store import first_line, quiet_artifact_downloads, store_error_for, store_fault
 from vitreg.tracking.uris import tracking_uri
@@ -194,7 +195,7 @@ def _download_run_path(client, uri: str, dst: Path, what: str, progress) -> tupl
     entries = client.list_artifacts(run_id, path or None)
     if not entries and _is_last_file(client, run_id, path):
         pointer = Path(_download(f"runs:/{run_id}/{path}", dst / ".last", progress))
-        named = ckpt.read_last_pointer(pointer.read_text(errors="replace"), uri)
+        named = ckpt.read_last_pointer(_pointer_text(pointer, uri), uri)
         shutil.rmtree(dst / ".last", ignore_errors=True)
         path = f"{path.rpartition('/')[0]}/{named}".lstrip("/")
         entries = client.list_artifacts(run_id, path)
@@ -218,6 +219,11 @@ def _download_run_path(client, uri: str, dst: Path, what: str, progress) -> tupl
     return _find_checkpoint(local, uri), {"run_id": run_id, "run_folder": path or None}
 
 
+def _pointer_text(local: Path, uri: str) -> str:
+    """The text of a downloaded ``last`` file, read as every small file is (named by the URI it came from)."""
+    return read_text(local, ckpt.LAST_FIX, CheckpointError, where=uri, limit=ckpt.LAST_BYTES)
+
+
 def _is_last_file(client, run_id: str, path: str) -> bool:
     """Whether ``path`` is a ``last`` file of the run (a pointer, not a folder; a folder lists its files)."""
     parent, _, name = path.rpartition("/")
@@ -238,8 +244,8 @@ def _download_artifact_uri(uri: str, dst: Path, what: str, progress) -> Path:
     try:
         local = _download(uri, dst, progress)
         if local.is_file():  # a run's checkpoints/last: the folder it names sits beside it
-            local = _download(f"{uri.rstrip('/').rpartition('/')[0]}/{ckpt.read_last_pointer(local.read_text(), uri)}",
-                              dst / "named", progress)
+            named = ckpt.read_last_pointer(_pointer_text(local, uri), uri)
+            local = _download(f"{uri.rstrip('/').rpartition('/')[0]}/{named}", dst / "named", progress)
     except (mlflow.exceptions.MlflowException, OSError) as exc:
         raise VitregError(f"{what}={uri} cannot be downloaded from {tracking_uri()} ({first_line(exc)}): "
                           f"check the URI (MLFLOW_TRACKING_URI must be its store)") from None
@@ -281,12 +287,12 @@ def _fetch_shared_weights(client, directory: Path, label: str, progress) -> Path
     pointer = directory / SHARED_WEIGHTS
     if (directory / ckpt.WEIGHTS).exists() or not pointer.is_file():
         return directory
+    shared = read_json(pointer, "register the model again from its checkpoint", where=f"{label}: {pointer.name}")
     try:
-        shared = json.loads(pointer.read_text())
         run_id, folder = shared["run_id"], shared["checkpoint"]
         usable = shared.get("format") == SHARED_FORMAT and _RUN_ID.match(run_id) and \
             re.fullmatch(r"checkpoints/step-\d+", folder)
-    except (ValueError, KeyError, TypeError):
+    except (KeyError, TypeError):
         usable = False
     if not usable:
         raise VitregError(f"{label}: {CHECKPOINT_SUBDIR}/{SHARED_WEIGHTS} does not name a run checkpoint "

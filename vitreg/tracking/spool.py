@@ -41,6 +41,7 @@ from pathlib import Path
 
 from vitreg.config.parse import parse_bool, parse_float
 from vitreg.errors import VitregError
+from vitreg.files import FileFault, parse_json
 from vitreg.tracking.uris import has_credentials, scrub
 
 JOURNAL = "journal.jsonl"
@@ -391,8 +392,8 @@ class Spool:
         records = [self._parsed(journal, number, line) for number, line in enumerate(lines, 1)]
         if torn:
             try:
-                records.append(json.loads(torn.decode("utf-8")))
-            except ValueError:  # UnicodeDecodeError and JSONDecodeError both are
+                records.append(parse_json(torn))
+            except FileFault:
                 pass
         for seq, record in enumerate(records):
             problem = record_problem(self.path, record, seq)
@@ -403,11 +404,9 @@ class Spool:
     @staticmethod
     def _parsed(journal: Path, number: int, line: bytes):
         try:
-            return json.loads(line.decode("utf-8"))
-        except UnicodeDecodeError:
-            raise damaged(journal, number, "not UTF-8 text") from None
-        except ValueError as exc:
-            raise damaged(journal, number, f"not a JSON record: {exc}") from None
+            return parse_json(line)
+        except FileFault as exc:  # not UTF-8, a NUL, nested too deep, not JSON: said as it is
+            raise damaged(journal, number, str(exc)) from None
 
     @property
     def run_record(self) -> dict:

@@ -1,0 +1,161 @@
+"""Issue 39: every small file vitreg parses is read as hostile, and every path it reads from a folder it was
+given stays inside that folder once its links are followed.
+
+Families: a checkpoint's ``last`` (undecodable, nested 200,000 deep, a NUL, a fifo, huge; local, ``file://``
+and ``runs:/``), a spool journal line nested 200,000 deep, a ``--prices`` TOML nested as deep or a binary
+CSV, a price that makes the cost per image infinite, a price table over the experiment tag's limit; a spool
+whose ``artifacts/`` is a link to another folder, and a ``step-<N>`` folder named by ``last`` that is a link
+out of the run. Each must end in one ``error:`` line naming the file (or the value) and the fix, exit 2, no
+traceback, nothing read or delivered from outside.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+from mlflow.tracking import MlflowClient
+
+from test_spool_faults import assert_refused_untouched, offline_run, snapshot
+from vitreg.checkpoint.format import last_pointer, save_checkpoint
+from vitreg.cli.main import main
+from vitreg.models.factory import create_model
+from vitreg.tracking.spool import JOURNAL
+
+DEEP = 200_000
+NAMED = '{"format": "vitreg-last-1", "checkpoint": "step-2"}'
+BAD_LAST = {  # content of a `last` file (a callable makes the file itself)
+    "random-bytes": random.Random(39).randbytes(300),
+    "deep-json": b"[" * DEEP + b"]" * DEEP,
+    "deep-but-small": b"[" * 2000 + b"]" * 2000,  # deeper than the interpreter's recursion, inside the size cap
+    "nul": NAMED.encode() + b"\0",
+    "huge": NAMED.encode() + b" " * (2 << 20),
+    "fifo": os.mkfifo,
+}
+
+
+def one_error(result, *named: str) -> str:
+    """The result is exit 2 with one ``error:`` line, no traceback, naming each of ``named``; that line."""
+    assert result.exit_code == 2, (result.exit_code, result.output[-2000:], result.exception)
+    assert result.exception is None or isinstance(result.exception, SystemExit), repr(result.exception)
+    assert "Traceback" not in result.output, result.output
+    errors = [line for line in result.output.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, result.output
+    for name in named:
+        assert name in errors[0], (name, errors[0])
+    return errors[0]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:
+    """A real tiny test_vit checkpoint (step 2), copied into each test's run folder."""
+    model, info = create_model("test_vit", 32, 10)
+    return save_checkpoint(tmp_path_factory.mktemp("good") / "step-2", model, step=2,
+                           spec={"model": "test_vit"}, model_info=info)
+
+
+def run_checkpoints(tmp_path: Path, checkpoint: Path, last) -> Path:
+    """A run's ``checkpoints/`` as train leaves it (step-2 and ``last``), ``last`` replaced by ``last``."""
+    folder = tmp_path / "run" / "checkpoints"
+    shutil.copytree(checkpoint, folder / "step-2")
+    if callable(last):
+        last(folder / "last")
+    else:
+        (folder / "last").write_bytes(last)
+    return folder
+
+
+# --------------------------------------------------------------------------- a checkpoint's `last`
+
+
+def test_a_good_last_is_followed_in_every_form(tmp_path, checkpoint, sqlite_store):
+    """What the refusals below are not: the same folder with a `last` as train writes it pulls."""
+    folder = run_checkpoints(tmp_path, checkpoint, last_pointer(2).encode())
+    for source in (folder / "last", (folder / "last").as_uri()):
+        result = CliRunner().invoke(main, ["pull", str(source)])
+        assert result.exit_code == 0, result.output
+
+
+# a fifo through file:// is not here: the download refuses to copy it before vitreg reads anything
+@pytest.mark.parametrize("form, content", [("local", c) for c in BAD_LAST] +
+                         [("file-uri", c) for c in BAD_LAST if c != "fifo"])
+def test_a_hostile_last_is_one_line_naming_it(tmp_path, checkpoint, sqlite_store, form, content):
+    """Issue 39 family 2: 300 random bytes through file:// were a UnicodeDecodeError, a 200,000-deep one a
+    RecursionError (locally too); a fifo as `last` said the store should be moved away."""
+    last = run_checkpoints(tmp_path, checkpoint, BAD_LAST[content]) / "last"
+    source = str(last) if form == "local" else last.as_uri()
+    line = one_error(CliRunner().invoke(main, ["pull", source]), source)
+    assert "move it away" not in line
+
+
+@pytest.mark.parametrize("command", [["train", "--model", "test_vit", "--img-size", "32", "--num-classes", "10",
+                                      "--steps", "2", "--device", "cpu", "--num-workers", "0", "--resume"],
+                                     ["infer", "--device", "cpu", "--model-uri"]], ids=["resume", "infer"])
+def test_an_undecodable_last_through_file_uri_is_one_line_for_every_command(tmp_path, checkpoint, sqlite_store,
+                                                                             command):
+    uri = (run_checkpoints(tmp_path, checkpoint, BAD_LAST["random-bytes"]) / "last").as_uri()
+    one_error(CliRunner().invoke(main, [*command, uri]), uri, "not UTF-8")
+    running = MlflowClient().search_runs([e.experiment_id for e in MlflowClient().search_experiments()],
+                                         filter_string="attributes.status = 'RUNNING'")
+    assert not running
+
+
+def test_a_deep_last_through_runs_uri_is_one_line(tmp_path, checkpoint, sqlite_store):
+    import mlflow
+
+    with mlflow.start_run() as run:
+        mlflow.log_artifacts(str(checkpoint), "checkpoints/step-2")
+        mlflow.log_text(BAD_LAST["deep-but-small"].decode(), "checkpoints/last")
+    uri = f"runs:/{run.info.run_id}/checkpoints/last"
+    line = one_error(CliRunner().invoke(main, ["pull", uri]), uri, "not a vitreg 'last' file")
+    assert "move it away" not in line
+
+
+# --------------------------------------------------------------------------- spools
+
+
+@pytest.fixture
+def spool_store(sqlite_store, clean_vitreg_env):
+    return sqlite_store
+
+
+def test_a_deep_journal_line_is_one_line_naming_it(tmp_path, spool_store):
+    """Issue 39 family 2: a 200,000-deep line in journal.jsonl was a RecursionError traceback."""
+    spool = offline_run(tmp_path / "spool", tmp_path, steps=2)
+    journal = spool.path / JOURNAL
+    lines = journal.read_bytes().splitlines(keepends=True)
+    journal.write_bytes(b"".join(lines[:2] + [b"[" * DEEP + b"]" * DEEP + b"\n"] + lines[2:]))
+    before = snapshot(spool.path)
+    result = CliRunner().invoke(main, ["sync", "--spool", str(tmp_path / "spool")])
+    assert_refused_untouched(result, spool, before, 3)
+    assert "nested" in result.output
+
+
+# --------------------------------------------------------------------------- --prices
+
+
+def _price_file(tmp_path, name, data: bytes) -> str:
+    (tmp_path / name).write_bytes(data)
+    return str(tmp_path / name)
+
+
+PRICES = {  # --prices value (a callable: a file it writes) -> what the one line must name
+    "deep-toml": (lambda tmp: _price_file(tmp, "p.toml", b"h200 = " + b"[" * DEEP + b"]" * DEEP), "nested"),
+    "binary-csv": (lambda tmp: _price_file(tmp, "p.csv", random.Random(39).randbytes(300)), "not UTF-8"),
+    "nul-csv": (lambda tmp: _price_file(tmp, "p.csv", b"gpu,usd_per_hour\nh200,3.5\0\n"), "NUL"),
+}
+
+
+@pytest.mark.parametrize("case", list(PRICES))
+def test_a_bad_price_table_is_one_line(tmp_path, sqlite_store, case):
+    """Issue 39 families 2-4: a deep TOML (RecursionError), a binary CSV (UnicodeDecodeError), cpu=1e308
+    ("$ inf per 1M images", exit 0), a table over MLflow's 20,000-character tag value ("move it away")."""
+    make, named = PRICES[case]
+    prices = make(tmp_path)
+    MlflowClient().create_experiment("gpus")
+    line = one_error(CliRunner().invoke(main, ["compare", "--experiment", "gpus", "--prices", prices]), named)
+    assert "move it away" not in line

@@ -1,0 +1,120 @@
+"""The one reader of every small file vitreg parses: a checkpoint's ``last`` pointer, ``spec.json`` and
+``manifest.json``, a registered version's ``shared_weights.json``, a spool journal's lines, a ``--prices``
+TOML or CSV table.
+
+These files come from outside (a download, a shared folder, the user), so each is read as hostile: at most
+:data:`MAX_BYTES` (a fifo or a device is not read at all: it could block or never end), strict UTF-8 with
+no NUL byte, and JSON or TOML nested at most :data:`MAX_DEPTH` deep (the parsers recurse per level: a
+200,000-deep file would end in RecursionError). A fault is :class:`FileFault` (a ValueError, so a caller
+that refuses malformed JSON refuses these too); :func:`read_json`, :func:`read_toml` and :func:`read_text`
+turn it into one line naming the file and the fix.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import re
+import stat
+from itertools import accumulate
+
+from vitreg.errors import VitregError, unreadable
+
+#: 1 MiB: what vitreg writes into these files is a few KiB at most (a manifest of a few files, a price table)
+MAX_BYTES = 1 << 20
+#: vitreg's own files nest 3 deep; 64 leaves room for any hand-written table, far from the recursion limit
+MAX_DEPTH = 64
+
+# what may hold a bracket that is not nesting: strings (and TOML's comments), removed before counting
+_JSON_STRINGS = re.compile(r'"(?:[^"\\]|\\.)*"')
+_TOML_STRINGS = re.compile(r'"""[\s\S]*?"""|\'\'\'[\s\S]*?\'\'\'|"(?:[^"\\\n]|\\.)*"|\'[^\'\n]*\'|#[^\n]*')
+
+
+class FileFault(ValueError):
+    """What is wrong with a file's content, in a few words (the caller names the file and the fix)."""
+
+
+def decoded(data: bytes) -> str:
+    """``data`` as text: strict UTF-8, no NUL (which no text vitreg reads holds, and C code cuts at)."""
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise FileFault(f"not UTF-8 text (byte 0x{data[exc.start]:02x} at offset {exc.start})") from None
+    if "\0" in text:
+        raise FileFault(f"holds a NUL byte (at offset {text.index(chr(0))}): not a text file")
+    return text
+
+
+def check_depth(text: str, strings: re.Pattern = _JSON_STRINGS) -> str:
+    """``text`` itself, unless its brackets (outside ``strings``) nest deeper than :data:`MAX_DEPTH`."""
+    brackets = "".join(c for c in strings.sub("", text) if c in "[]{}")
+    # a closing bracket never counts below zero: stray ones cannot hide the depth of those that follow
+    depth = max(accumulate((1 if c in "[{" else -1 for c in brackets), lambda d, step: max(d + step, 0),
+                           initial=0))
+    if depth > MAX_DEPTH:
+        raise FileFault(f"nested {depth} levels deep, more than the {MAX_DEPTH} a vitreg file may hold")
+    return text
+
+
+def parse_json(data: bytes | str):
+    """One JSON value from ``data``, checked as the module docstring says; FileFault for anything else."""
+    import json
+
+    text = check_depth(decoded(data) if isinstance(data, bytes) else data)
+    try:
+        return json.loads(text)
+    except ValueError as exc:
+        raise FileFault(f"not valid JSON ({exc})") from None
+
+
+def read_bytes(path, limit: int = MAX_BYTES) -> bytes:
+    """At most ``limit`` bytes of the regular file ``path`` (links followed); FileFault for a larger file or
+    anything that is not a regular file. Opened without blocking, so a fifo is refused, not waited on."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    with os.fdopen(fd, "rb") as fh:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise FileFault("not a regular file (a folder, a fifo, a device or a socket)")
+        data = fh.read(limit + 1)
+    if len(data) > limit:
+        raise FileFault(f"larger than the {limit} bytes a vitreg file may hold")
+    return data
+
+
+def read_text(path, fix: str, error: type[VitregError] = VitregError, where: str | None = None,
+              limit: int = MAX_BYTES) -> str:
+    """The text of ``path``; else ``error`` naming ``where`` (default: the path), what is wrong and ``fix``."""
+    with faults_as(error, where or str(path), fix):
+        return decoded(read_bytes(path, limit))
+
+
+def read_json(path, fix: str, error: type[VitregError] = VitregError, where: str | None = None):
+    """The JSON value in ``path``, read as :func:`read_text` does."""
+    with faults_as(error, where or str(path), fix):
+        return parse_json(read_bytes(path))
+
+
+def read_toml(path, fix: str, error: type[VitregError] = VitregError) -> dict:
+    """The TOML table in ``path``, read as :func:`read_text` does."""
+    import tomllib
+
+    with faults_as(error, str(path), fix):
+        text = check_depth(decoded(read_bytes(path)), _TOML_STRINGS)
+        try:
+            return tomllib.loads(text)
+        except tomllib.TOMLDecodeError as exc:
+            raise FileFault(f"not TOML ({exc})") from None
+
+
+@contextlib.contextmanager
+def faults_as(error: type[VitregError], where: str, fix: str):
+    """Inside: a FileFault or an OSError becomes ``error`` naming ``where``, what is wrong and ``fix``."""
+    try:
+        yield
+    except FileFault as exc:
+        raise error(f"{where}: {exc}: {fix}") from None
+    except OSError as exc:
+        if exc.errno in (errno.ENOENT, errno.ENOTDIR):
+            raise error(f"{where} does not exist: {fix}") from None
+        raise error(f"{unreadable(exc.filename or where, exc)}; or {fix}") from None
+
