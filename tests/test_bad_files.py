@@ -115,6 +115,18 @@ def test_a_deep_last_through_runs_uri_is_one_line(tmp_path, checkpoint, sqlite_s
     assert "move it away" not in line
 
 
+def test_a_step_folder_linked_out_of_the_run_is_refused(tmp_path, checkpoint, sqlite_store):
+    """Issue 39 family 1: `last` naming step-9, a link to a checkpoint folder outside the run, loaded the
+    weights from there (exit 0)."""
+    folder = run_checkpoints(tmp_path, checkpoint, last_pointer(9).encode())
+    elsewhere = tmp_path / "elsewhere"
+    shutil.copytree(checkpoint, elsewhere)
+    (folder / "step-9").symlink_to(elsewhere, target_is_directory=True)
+    one_error(CliRunner().invoke(main, ["pull", str(folder / "last"), "--out", str(tmp_path / "out")]),
+              str(folder / "last"), "outside")
+    assert not (tmp_path / "out").exists()
+
+
 # --------------------------------------------------------------------------- spools
 
 
@@ -133,6 +145,19 @@ def test_a_deep_journal_line_is_one_line_naming_it(tmp_path, spool_store):
     result = CliRunner().invoke(main, ["sync", "--spool", str(tmp_path / "spool")])
     assert_refused_untouched(result, spool, before, 3)
     assert "nested" in result.output
+
+
+def test_a_spool_whose_artifacts_folder_is_a_link_is_refused(tmp_path, spool_store):
+    """Issue 39 family 1: the check resolved artifacts/ itself, so a linked artifacts/ passed and sync
+    delivered a file of the folder it pointed to (exit 0, "14 new records")."""
+    spool = offline_run(tmp_path / "spool", tmp_path, steps=2)
+    elsewhere = tmp_path / "elsewhere"
+    shutil.move(spool.path / "artifacts", elsewhere)
+    (spool.path / "artifacts").symlink_to(elsewhere, target_is_directory=True)
+    before = snapshot(spool.path)
+    result = CliRunner().invoke(main, ["sync", "--spool", str(tmp_path / "spool")])
+    assert "is outside the spool" in result.output
+    assert_refused_untouched(result, spool, before, len(before[JOURNAL].splitlines()) - 1)
 
 
 # --------------------------------------------------------------------------- --prices

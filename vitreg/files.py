@@ -18,6 +18,7 @@ import os
 import re
 import stat
 from itertools import accumulate
+from pathlib import Path
 
 from vitreg.errors import VitregError, unreadable
 
@@ -118,3 +119,13 @@ def faults_as(error: type[VitregError], where: str, fix: str):
             raise error(f"{where} does not exist: {fix}") from None
         raise error(f"{unreadable(exc.filename or where, exc)}; or {fix}") from None
 
+
+def inside(root, path, within: str = "") -> Path | None:
+    """``path`` with every link followed, if that lies inside ``root / within`` (``root``'s own links followed,
+    none below it), else None.
+
+    The one rule for a path vitreg reads or delivers from a folder it was given (a spool and its
+    ``artifacts/``, a run's ``checkpoints/``): checking a name's text, or resolving a folder on the way and
+    then comparing with it, lets a linked folder lead anywhere on the machine."""
+    resolved, home = Path(path).resolve(), Path(root).resolve() / within
+    return resolved if resolved.is_relative_to(home) else None

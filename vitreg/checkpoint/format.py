@@ -42,7 +42,7 @@ from pathlib import Path
 
 from vitreg.checkpoint.contents import FIX, check_weights, validate_spec
 from vitreg.errors import CheckpointError, VitregError, unreadable
-from vitreg.files import parse_json, read_json, read_text
+from vitreg.files import inside, parse_json, read_json, read_text
 from vitreg.models.factory import ModelInfo, create_model
 from vitreg.version import __version__
 
@@ -281,7 +281,7 @@ def confined(directory: Path, name: str) -> Path:
     must not make vitreg read, hash or copy a file elsewhere on the machine)."""
     plain = isinstance(name, str) and name not in ("", ".", "..") and not any(c in name for c in "/\\\0")
     path = directory / name if plain else None
-    if path is None or (path.is_symlink() and path.resolve().parent != directory.resolve()):
+    if path is None or inside(directory, path) is None:
         raise CheckpointError(f"checkpoint {directory}: {MANIFEST} lists {name!r}, which is not a file of the "
                               f"checkpoint folder (vitreg checkpoints are flat folders of plain names): {FIX}")
     return path
@@ -317,7 +317,11 @@ def follow_last(path) -> Path:
     if path.is_dir():
         return path
     text = read_text(path, LAST_FIX, CheckpointError, limit=LAST_BYTES)
-    return path.parent / read_last_pointer(text, str(path))
+    named = path.parent / read_last_pointer(text, str(path))
+    if named.exists() and inside(path.parent, named) is None:
+        raise CheckpointError(f"{path} names {named.name}, which is a link to {named.resolve()}, outside "
+                              f"{path.parent}: a run's checkpoints stay in its folder; {LAST_FIX}")
+    return named
 
 
 def ensure_verified(checkpoint) -> VerifiedCheckpoint:

@@ -41,7 +41,7 @@ from pathlib import Path
 
 from vitreg.config.parse import parse_bool, parse_float
 from vitreg.errors import VitregError
-from vitreg.files import FileFault, parse_json
+from vitreg.files import FileFault, inside, parse_json
 from vitreg.tracking.uris import has_credentials, scrub
 
 JOURNAL = "journal.jsonl"
@@ -228,9 +228,8 @@ def _inside_problem(spool_dir: Path, record: dict) -> str | None:
     relative = record.get("path")
     if not isinstance(relative, str) or not isinstance(record.get("is_dir"), bool):
         return "an artifact record without a path"
-    artifacts = (spool_dir / "artifacts").resolve()
-    local = (spool_dir / relative).resolve()
-    if Path(relative).is_absolute() or not local.is_relative_to(artifacts) or local == artifacts:
+    local = inside(spool_dir, spool_dir / relative, "artifacts")  # an artifacts/ that is a link leads out
+    if Path(relative).is_absolute() or local is None or local == spool_dir.resolve() / "artifacts":
         return f"the artifact {relative!r} is outside the spool"
     # a copy may be gone: delivery frees it once the store holds it (a checkpoint a step, so the spool does
     # not keep every one until the run ends); what is there must be what the record says
