@@ -172,6 +172,9 @@ PRICES = {  # --prices value (a callable: a file it writes) -> what the one line
     "deep-toml": (lambda tmp: _price_file(tmp, "p.toml", b"h200 = " + b"[" * DEEP + b"]" * DEEP), "nested"),
     "binary-csv": (lambda tmp: _price_file(tmp, "p.csv", random.Random(39).randbytes(300)), "not UTF-8"),
     "nul-csv": (lambda tmp: _price_file(tmp, "p.csv", b"gpu,usd_per_hour\nh200,3.5\0\n"), "NUL"),
+    "near-float-max": (lambda tmp: "cpu=1e308", "cpu=1e308"),
+    "near-float-max-in-csv": (lambda tmp: _price_file(tmp, "p.csv", b"gpu,usd_per_hour\ncpu,1e308\n"), "cpu"),
+    "over-the-tag-limit": (lambda tmp: ",".join(f"gpu{i}=1.5" for i in range(3000)), "20000"),
 }
 
 
@@ -181,6 +184,14 @@ def test_a_bad_price_table_is_one_line(tmp_path, sqlite_store, case):
     ("$ inf per 1M images", exit 0), a table over MLflow's 20,000-character tag value ("move it away")."""
     make, named = PRICES[case]
     prices = make(tmp_path)
-    MlflowClient().create_experiment("gpus")
+    client = MlflowClient()
+    experiment = client.create_experiment("gpus")
+    for gpu, throughput in (("cpu", 0.5), ("h200", 900.0)):  # a slow run: what 1e308 USD/h overflowed on
+        run = client.create_run(experiment, tags={"vitreg_job": "bench", "gpu": gpu, "amp": "bf16"})
+        for key, value in {"model": "test_vit", "task": "infer", "compile": "default", "batch_size": "8",
+                           "img_size": "32", "nproc": "1"}.items():
+            client.log_param(run.info.run_id, key, value)
+        client.log_metric(run.info.run_id, "infer_throughput_img_per_s", throughput)
+        client.set_terminated(run.info.run_id)
     line = one_error(CliRunner().invoke(main, ["compare", "--experiment", "gpus", "--prices", prices]), named)
     assert "move it away" not in line

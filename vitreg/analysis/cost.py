@@ -27,6 +27,10 @@ from vitreg.files import read_text, read_toml
 from vitreg.measure.energy import ALWAYS_FLAGGED, POWER_CAP, PRECISION_TARGET
 
 COST, ENERGY = "usd_per_1m_img", "img_per_j"
+#: USD per GPU-hour: far above any GPU's rent, and far below where a cost per image overflows to inf
+MAX_PRICE = 1e6
+#: the price table's text (:func:`price_text`) as an experiment tag: MLflow keeps at most 20,000 characters
+MAX_PRICES_CHARS = 20000
 NO_PRICE = ("no price per GPU-hour, so no cost per image: add one with --prices h200=3.50,l4=0.80 (USD per "
             "GPU-hour by GPU label, or a CSV/TOML file); compare keeps it in the experiment for the team")
 
@@ -36,12 +40,13 @@ def parse_prices(text: str) -> dict[str, float]:
     text = (text or "").strip()
     if not text:
         return {}
-    if "=" not in text:
-        return read_price_file(text)
-    prices = {}
-    for pair in text.split(","):
-        label, sep, value = pair.partition("=")
-        prices[label.strip().lower()] = _price(value, f"--prices {pair.strip()!r}") if sep else _bad(pair)
+    prices = read_price_file(text) if "=" not in text else {
+        label.strip().lower(): _price(value, f"--prices {pair.strip()!r}") if sep else _bad(pair)
+        for pair in text.split(",") for label, sep, value in [pair.partition("=")]}
+    if len(price_text(prices)) > MAX_PRICES_CHARS:  # refused before any work, not by the store at the end
+        raise CompareError(f"--prices holds {len(prices)} prices, {len(price_text(prices))} characters as "
+                           f"label=price pairs, over the {MAX_PRICES_CHARS} the experiment's "
+                           f"prices tag keeps: pass only the GPU labels of the runs compared")
     return prices
 
 
@@ -56,6 +61,9 @@ def _price(value, where: str) -> float:
         price = math.nan
     if not math.isfinite(price) or price <= 0:
         raise CompareError(f"{where}: {value!r} is not a positive price in USD per GPU-hour (e.g. 3.50)")
+    if price > MAX_PRICE:  # a price near float's limit gives an infinite cost per image, not a ranking
+        raise CompareError(f"{where}: {price:g} USD per GPU-hour is over {MAX_PRICE:,.0f}, the most a price may "
+                           f"be (its cost per image must stay finite): give it in USD per GPU-hour (e.g. 3.50)")
     return price
 
 
