@@ -195,3 +195,79 @@ def test_a_bad_price_table_is_one_line(tmp_path, sqlite_store, case):
         client.set_terminated(run.info.run_id)
     line = one_error(CliRunner().invoke(main, ["compare", "--experiment", "gpus", "--prices", prices]), named)
     assert "move it away" not in line
+
+
+# --------------------------------------------------------------------------- input errors are not store errors
+
+
+def _run_with_checkpoint(checkpoint: Path) -> tuple[str, Path]:
+    """A run of the current store with checkpoints/step-2 logged; its id and its local artifact folder."""
+    import mlflow
+
+    with mlflow.start_run() as run:
+        mlflow.log_artifacts(str(checkpoint), "checkpoints/step-2")
+    return run.info.run_id, Path(run.info.artifact_uri.removeprefix("file://"))
+
+
+def _last_in_the_store(make):
+    """``checkpoints/last`` in the run's artifact folder made by ``make(path, tmp_path)``."""
+    def damage(artifacts: Path, tmp: Path) -> str:
+        make(artifacts / "checkpoints" / "last", tmp)
+        return "runs:/{run}/checkpoints/last"
+    return damage
+
+
+BAD_SOURCES = {  # a pull source for a healthy store: what the one line must name
+    "dotdot": (lambda artifacts, tmp: "runs:/{run}/../../../../etc", "'..' in the path"),
+    "dotdot-in-checkpoints": (lambda artifacts, tmp: "runs:/{run}/checkpoints/../../../../../../etc/passwd",
+                              "'..' in the path"),
+    "last-a-fifo": (_last_in_the_store(lambda path, tmp: os.mkfifo(path)), "cannot be read"),
+    "last-a-link-outside": (_last_in_the_store(lambda path, tmp: path.symlink_to(
+        _price_file(tmp, "passwd", b"root:x:0:0::/root:/bin/sh\n"))), "cannot be read"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_SOURCES))
+def test_a_bad_source_for_a_healthy_store_is_not_called_a_store_fault(tmp_path, checkpoint, sqlite_store, case):
+    """Issue 39 family 3: these said "the tracking store ... is not a usable MLflow database: move it away
+    (a new one is created)" of a healthy store. They are a bad input, and said as such."""
+    run_id, artifacts = _run_with_checkpoint(checkpoint)
+    damage, named = BAD_SOURCES[case]
+    uri = damage(artifacts, tmp_path).format(run=run_id)
+    line = one_error(CliRunner().invoke(main, ["pull", uri]), named)
+    assert "move it away" not in line and "not a usable" not in line, line
+
+
+def test_a_run_id_that_is_no_run_id_is_not_called_a_store_fault(sqlite_store):
+    line = one_error(CliRunner().invoke(main, ["sweep", "--rerun-failed", "' OR 1=1 --"]), "' OR 1=1 --")
+    assert "move it away" not in line and "refused the request" in line, line
+
+
+def test_a_sqlite_uri_naming_a_folder_is_refused_as_such(tmp_path, monkeypatch, clean_vitreg_env):
+    """`MLFLOW_TRACKING_URI=sqlite:///` names the current folder: a typo, not a store to move away."""
+    import mlflow
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "sqlite:///")
+    monkeypatch.chdir(tmp_path)
+    mlflow.set_tracking_uri("sqlite:///")
+    try:
+        line = one_error(CliRunner().invoke(main, ["bench", "--model", "test_vit", "--device", "cpu"]),
+                         "names the folder", "sqlite:///PATH/mlflow.db")
+    finally:
+        mlflow.set_tracking_uri(None)
+    assert "move it away" not in line
+
+
+def test_move_it_away_is_said_only_of_a_store_that_does_not_open(tmp_path, sqlite_store):
+    """An error the advice cannot place (here a SQL error with no known cause) says "move it away" only
+    once opening the file shows it is no MLflow store; of a store that opens, it says what failed."""
+    from sqlalchemy.exc import OperationalError
+
+    from vitreg.tracking.store import store_fault
+
+    failure = OperationalError("SELECT 1", {}, Exception("no such column: runs.odd"))
+    healthy = str(store_fault(failure, sqlite_store, "reading runs"))
+    assert "opens as an MLflow store" in healthy and "move it away" not in healthy, healthy
+    junk = tmp_path / "junk.db"
+    junk.write_bytes(b"not sqlite at all" * 100)
+    assert "move it away" in str(store_fault(failure, f"sqlite:///{junk}"))

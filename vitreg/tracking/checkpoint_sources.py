@@ -186,19 +186,19 @@ def _download_run_path(client, uri: str, dst: Path, what: str, progress) -> tupl
     run_id, _, path = body.partition("/")
     if not run_id:
         raise VitregError(f"{what}={uri} names no run: use runs:/RUN_ID/checkpoints/last")
+    if ".." in path.split("/"):  # said as the input it is, before the store is asked (it refuses it too)
+        raise VitregError(f"{what}={uri} leaves the run's artifacts ('..' in the path): use "
+                          f"runs:/RUN_ID/checkpoints/last or another folder of the run")
     try:
         mlflow_call(lambda: client.get_run(run_id), f"look up run {run_id}")
     except mlflow.exceptions.MlflowException:
         raise VitregError(f"{what}={uri} cannot be downloaded: no run {run_id!r} at {tracking_uri()}: "
                           f"check the run id (mlflow runs list) or MLFLOW_TRACKING_URI") from None
-    path = path.strip("/")
-    entries = client.list_artifacts(run_id, path or None)
-    if not entries and _is_last_file(client, run_id, path):
-        pointer = Path(_download(f"runs:/{run_id}/{path}", dst / ".last", progress))
-        named = ckpt.read_last_pointer(_pointer_text(pointer, uri), uri)
-        shutil.rmtree(dst / ".last", ignore_errors=True)
-        path = f"{path.rpartition('/')[0]}/{named}".lstrip("/")
-        entries = client.list_artifacts(run_id, path)
+    try:
+        path, entries = _listed(client, run_id, path.strip("/"), uri, dst, progress)
+    except mlflow.exceptions.MlflowException as exc:  # the store answered: it is this path that is bad
+        raise CheckpointError(f"{what}={uri} cannot be read ({first_line(exc)}): it is no folder or file vitreg "
+                              f"wrote; point at one of the run's checkpoints/step-<N> folders instead") from None
     names = {Path(e.path).name: e for e in entries}
     if "manifest.json" not in names:
         subdirs = [e.path for e in entries if e.is_dir and any(
@@ -217,6 +217,18 @@ def _download_run_path(client, uri: str, dst: Path, what: str, progress) -> tupl
                           f"{', '.join(siblings) or 'nothing'}")
     local = _download(f"runs:/{run_id}/{path}" if path else f"runs:/{run_id}", dst, progress)
     return _find_checkpoint(local, uri), {"run_id": run_id, "run_folder": path or None}
+
+
+def _listed(client, run_id: str, path: str, uri: str, dst: Path, progress) -> tuple[str, list]:
+    """``path`` in the run's artifacts and what it holds; a ``last`` file is followed to the folder it names."""
+    entries = client.list_artifacts(run_id, path or None)
+    if not entries and _is_last_file(client, run_id, path):
+        pointer = Path(_download(f"runs:/{run_id}/{path}", dst / ".last", progress))
+        named = ckpt.read_last_pointer(_pointer_text(pointer, uri), uri)
+        shutil.rmtree(dst / ".last", ignore_errors=True)
+        path = f"{path.rpartition('/')[0]}/{named}".lstrip("/")
+        entries = client.list_artifacts(run_id, path)
+    return path, entries
 
 
 def _pointer_text(local: Path, uri: str) -> str:

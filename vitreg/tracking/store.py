@@ -19,7 +19,9 @@ failures told in one line, MLflow's own prints off.
   makes each request fail within seconds (the caller owns the back-off), :func:`bound_http_requests`
   bounds a CLI command's requests.
 - A store failure becomes one line naming the store, masked (:func:`store_errors`, :func:`store_error_for`,
-  :func:`first_line`).
+  :func:`first_line`). A request the store refused (HTTP 400/404: an invalid run id, an artifact path
+  outside the run) is said as the bad value it is, and "move it away" only of a sqlite file that does not
+  open as an MLflow store (:func:`_opens`), never inferred from a failed call.
 - MLflow's prints: it draws tqdm bars on stderr for each artifact download (three for one ``pull`` or
   ``infer``), in between vitreg's own progress lines, which already say what is downloaded where; it
   reads MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR each time it starts one, so setting it once in the process
@@ -148,6 +150,9 @@ def prepare_store(uri: str) -> None:
     path = sqlite_path(uri)
     if path is None:
         return
+    if path.name in ("", "..") or path.is_dir():  # sqlite:/// names the current folder: a typo, not a store
+        raise VitregError(f"MLFLOW_TRACKING_URI={redact(uri)} names the folder {os.path.abspath(path)}, not a "
+                          f"database file: use sqlite:///PATH/mlflow.db")
     deadline, pause, said = time.monotonic() + busy_wait_s(), 0.2, False
     while True:
         try:
@@ -224,6 +229,9 @@ def store_fault(exc: BaseException, uri: str, doing: str = "") -> StoreError:
     path = sqlite_path(uri)
     where = f"the tracking store {path}" if path else f"the tracking store at {redact(uri)}"
     while_doing = f" while {doing}" if doing else ""
+    if _refused_request(exc):  # the store answered: it is the value asked for that is wrong, not the store
+        return VitregError(f"{where} refused the request{while_doing} ({reason}): the store is fine, the value "
+                           f"given is not; check it (a run id, an artifact path, a name)")
     if _BUSY.search(text):
         return StoreError(f"{where} is busy{while_doing}: another process holds it locked; try again once it "
                           f"is done (a sqlite store takes one writer at a time)")
@@ -233,6 +241,9 @@ def store_fault(exc: BaseException, uri: str, doing: str = "") -> StoreError:
     if path and (_READ_ONLY.search(text) or _CANNOT_OPEN.search(text)):
         return StoreError(_local_reason(path, reason) or f"{where} cannot be opened ({reason}): check its file "
                                                          f"and folder, or MLFLOW_TRACKING_URI")
+    if path and _opens(path):  # "move it away" only for a store that does not open, never from a failed call
+        return StoreError(f"{where} opens as an MLflow store, but failed{while_doing} ({reason}): check what "
+                          f"was asked of it, or MLFLOW_TRACKING_URI")
     if path:
         return StoreError(f"{where} is not a usable MLflow database ({reason}): move it away (a new one is "
                           f"created) or point MLFLOW_TRACKING_URI elsewhere")
@@ -247,6 +258,26 @@ def store_fault(exc: BaseException, uri: str, doing: str = "") -> StoreError:
                           f"MLFLOW_TRACKING_URI")
     return StoreError(f"{where} failed{while_doing} ({reason}): check that it is up and answers, or "
                       f"MLFLOW_TRACKING_URI")
+
+
+def _refused_request(exc: BaseException) -> bool:
+    """Whether ``exc`` is MLflow's answer to a bad request (an invalid value, no such run or path: HTTP 400
+    or 404, from a server or a local store alike), not a failure of the store."""
+    status = getattr(exc, "get_http_status_code", None)
+    return isinstance(exc, mlflow.exceptions.MlflowException) and status is not None and status() in (400, 404)
+
+
+def _opens(path: Path) -> bool:
+    """Whether the sqlite file ``path`` opens, read-only, as an MLflow store (its runs and experiments
+    tables are there): the check before vitreg calls a store unusable."""
+    import sqlite3
+
+    try:
+        with contextlib.closing(sqlite3.connect(f"{Path(path).resolve().as_uri()}?mode=ro", uri=True)) as db:
+            names = {row[0] for row in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+    except (sqlite3.Error, OSError, ValueError):
+        return False
+    return {"runs", "experiments", "alembic_version"} <= names
 
 
 def busy_wait_s() -> float:
