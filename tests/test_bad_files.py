@@ -271,3 +271,15 @@ def test_move_it_away_is_said_only_of_a_store_that_does_not_open(tmp_path, sqlit
     junk = tmp_path / "junk.db"
     junk.write_bytes(b"not sqlite at all" * 100)
     assert "move it away" in str(store_fault(failure, f"sqlite:///{junk}"))
+
+
+def test_a_deep_cache_file_is_rebuilt_not_a_traceback(tmp_path, monkeypatch):
+    """The learned-facts cache is read with the same reader: nested 200,000 deep it was a RecursionError in
+    every command that checks a model name; now it is ignored and rebuilt like any unreadable cache."""
+    from vitreg.models import learned_facts
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    learned_facts.keep(names=("vit_listed",))
+    assert learned_facts.names() == {"vit_listed"}
+    learned_facts.cache_file().write_bytes(b"[" * DEEP + b"]" * DEEP)
+    assert learned_facts.names() == frozenset()
