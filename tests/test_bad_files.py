@@ -283,3 +283,22 @@ def test_a_deep_cache_file_is_rebuilt_not_a_traceback(tmp_path, monkeypatch):
     assert learned_facts.names() == {"vit_listed"}
     learned_facts.cache_file().write_bytes(b"[" * DEEP + b"]" * DEEP)
     assert learned_facts.names() == frozenset()
+
+
+@pytest.mark.parametrize("uri, named", [("sqlite:///", "names the folder"),
+                                        ("sqlite:///{tmp}/mlflow.db#token=SECRET", "has a fragment")])
+def test_a_sqlite_uri_naming_no_database_file_is_refused_by_runs_stale(tmp_path, monkeypatch, clean_vitreg_env,
+                                                                       uri, named):
+    """Issue 39 family 4: `runs --stale` with `sqlite:///` said "no RUNNING run" (exit 0), and a URI with
+    `#token=SECRET` made a store file whose name holds the secret."""
+    import mlflow
+
+    uri = uri.format(tmp=tmp_path)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    monkeypatch.chdir(tmp_path)
+    mlflow.set_tracking_uri(uri)
+    try:
+        line = one_error(CliRunner().invoke(main, ["runs", "--stale"]), named)
+    finally:
+        mlflow.set_tracking_uri(None)
+    assert "SECRET" not in line and not [p for p in tmp_path.rglob("*") if "SECRET" in p.name]

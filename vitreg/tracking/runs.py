@@ -39,7 +39,8 @@ from vitreg.tracking.delivery import (ERROR_KIND_TAG, ERROR_TAG, HEARTBEAT_TAG, 
                                       open_run, requested_run_id, sync_hint)
 from vitreg.tracking.mlflow_on_first_use import mlflow
 from vitreg.tracking.spool import JOURNAL, flush_timeout_s, offline_mode
-from vitreg.tracking.store import first_line, prepare_store, short_http_requests, store_errors, ui_command
+from vitreg.tracking.store import (check_sqlite_uri, first_line, prepare_store, short_http_requests, store_errors,
+                                   ui_command)
 from vitreg.tracking.uris import current_uri, redact, scrub, tracking_uri, without_credentials
 
 RESUMED_FROM_TAG = "vitreg_resumed_from"  # on the new run: the run id of the checkpoint it continues
@@ -353,7 +354,9 @@ def _last_seen(run) -> tuple[float, bool]:
 def find_stale(older_than_s: float = DEFAULT_STALE_AFTER_S, experiment: str | None = None,
                client: mlflow.MlflowClient | None = None, now: float | None = None) -> list[StaleRun]:
     """RUNNING runs (of ``experiment``, or of every experiment) not seen alive for ``older_than_s`` seconds."""
-    client = client or mlflow.MlflowClient()
+    if client is None:
+        check_server()  # a store URI that names no store is said, not searched and found empty
+        client = mlflow.MlflowClient()
     now = time.time() if now is None else now
     stale = []
     with short_http_requests(), store_errors(client.tracking_uri, "searching for RUNNING runs"):
@@ -431,12 +434,14 @@ def close_resumed(old_run_id: str, new_run_id: str, progress=lambda message: Non
 
 
 def check_server(timeout: float = 5.0, uri: str | None = None) -> None:
-    """Fail fast, in one line, when the tracking URI (``uri``, else MLflow's) is a server that does not answer.
+    """Fail fast, in one line, when the tracking URI (``uri``, else MLflow's) is a server that does not answer,
+    or a sqlite URI that names no database file (:func:`~vitreg.tracking.store.check_sqlite_uri`).
 
     MLflow's client retries for minutes against a dead server; a user deserves the answer now. A URI with
     credentials (``http://user:password@host``) is checked with them as a header, and shown masked.
     """
     uri = current_uri() if uri is None else uri  # mlflow is not imported for it: a dead server is said sooner
+    check_sqlite_uri(uri)
     if not uri.lower().startswith(("http://", "https://")):  # a scheme is any case: HTTP:// is a server too
         return
     import http.client

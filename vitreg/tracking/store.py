@@ -150,9 +150,7 @@ def prepare_store(uri: str) -> None:
     path = sqlite_path(uri)
     if path is None:
         return
-    if path.name in ("", "..") or path.is_dir():  # sqlite:/// names the current folder: a typo, not a store
-        raise VitregError(f"MLFLOW_TRACKING_URI={redact(uri)} names the folder {os.path.abspath(path)}, not a "
-                          f"database file: use sqlite:///PATH/mlflow.db")
+    check_sqlite_uri(uri)
     deadline, pause, said = time.monotonic() + busy_wait_s(), 0.2, False
     while True:
         try:
@@ -171,6 +169,21 @@ def prepare_store(uri: str) -> None:
             said = True
         time.sleep(pause)  # a back-off between attempts on a lock another process holds
         pause = min(pause * 2, 2.0)
+
+
+def check_sqlite_uri(uri: str) -> None:
+    """Refuse a sqlite URI that names no database file: a folder (``sqlite:///`` is the current one: a typo,
+    not a store), or a file whose name would carry the URI's fragment (sqlite keeps ``#token=...`` in the
+    name of the file it creates, a secret left on disk)."""
+    path = sqlite_path(uri)
+    if path is None:
+        return
+    if "#" in uri:
+        raise VitregError(f"MLFLOW_TRACKING_URI={redact(uri)} has a fragment (#...), which sqlite would make part "
+                          f"of the database file's name: remove it (a sqlite store takes no credentials)")
+    if path.name in ("", "..") or path.is_dir():
+        raise VitregError(f"MLFLOW_TRACKING_URI={redact(uri)} names the folder {os.path.abspath(path)}, not a "
+                          f"database file: use sqlite:///PATH/mlflow.db")
 
 
 def _build(uri: str, path: Path) -> None:
