@@ -302,3 +302,16 @@ def test_a_sqlite_uri_naming_no_database_file_is_refused_by_runs_stale(tmp_path,
     finally:
         mlflow.set_tracking_uri(None)
     assert "SECRET" not in line and not [p for p in tmp_path.rglob("*") if "SECRET" in p.name]
+
+
+def test_a_spool_tag_named_with_a_nul_is_refused_before_anything_is_delivered(tmp_path, spool_store):
+    """Issue 39 family 4: a tag whose name holds \\u0000 passed the journal check; the store created the run,
+    refused the tag, and the run stayed RUNNING with part of its history (every later sync failed there)."""
+    from test_spool_faults import insert_record
+
+    spool = offline_run(tmp_path / "spool", tmp_path, steps=2)
+    line = insert_record(spool, {"kind": "tags", "tags": {"gpu\0name": "cpu"}})
+    before = snapshot(spool.path)
+    result = CliRunner().invoke(main, ["sync", "--spool", str(tmp_path / "spool")])
+    assert_refused_untouched(result, spool, before, line)
+    assert "NUL" in result.output

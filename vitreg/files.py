@@ -4,8 +4,8 @@ TOML or CSV table.
 
 These files come from outside (a download, a shared folder, the user), so each is read as hostile: at most
 :data:`MAX_BYTES` (a fifo or a device is not read at all: it could block or never end), strict UTF-8 with
-no NUL byte, and JSON or TOML nested at most :data:`MAX_DEPTH` deep (the parsers recurse per level: a
-200,000-deep file would end in RecursionError). A fault is :class:`FileFault` (a ValueError, so a caller
+no NUL (nor a JSON string holding one as ``\\u0000``), and JSON or TOML nested at most :data:`MAX_DEPTH`
+deep (the parsers recurse per level: a 200,000-deep file would end in RecursionError). A fault is :class:`FileFault` (a ValueError, so a caller
 that refuses malformed JSON refuses these too); :func:`read_json`, :func:`read_toml` and :func:`read_text`
 turn it into one line naming the file and the fix.
 """
@@ -64,9 +64,21 @@ def parse_json(data: bytes | str):
 
     text = check_depth(decoded(data) if isinstance(data, bytes) else data)
     try:
-        return json.loads(text)
+        value = json.loads(text)
     except ValueError as exc:
         raise FileFault(f"not valid JSON ({exc})") from None
+    if _holds_nul(value):  # written as \u0000: no name or value vitreg reads holds one, and a store refuses it
+        raise FileFault("holds a NUL character (\\u0000) in a name or value")
+    return value
+
+
+def _holds_nul(value) -> bool:
+    """Whether a string anywhere in ``value`` (a parsed JSON value, at most MAX_DEPTH deep) holds a NUL."""
+    if isinstance(value, str):
+        return "\0" in value
+    if isinstance(value, dict):
+        return any(_holds_nul(k) or _holds_nul(v) for k, v in value.items())
+    return isinstance(value, list) and any(_holds_nul(v) for v in value)
 
 
 def read_bytes(path, limit: int = MAX_BYTES) -> bytes:
