@@ -315,3 +315,20 @@ def test_a_spool_tag_named_with_a_nul_is_refused_before_anything_is_delivered(tm
     result = CliRunner().invoke(main, ["sync", "--spool", str(tmp_path / "spool")])
     assert_refused_untouched(result, spool, before, line)
     assert "NUL" in result.output
+
+
+def test_a_journal_that_is_a_folder_is_said_not_skipped(tmp_path, spool_store):
+    """Issue 39 family 4: `journal.jsonl` a folder: `vitreg sync` said "nothing to deliver" (exit 0)."""
+    spool = offline_run(tmp_path / "spool", tmp_path, steps=2)
+    (spool.path / JOURNAL).unlink()
+    (spool.path / JOURNAL).mkdir()
+    one_error(CliRunner().invoke(main, ["sync", "--spool", str(tmp_path / "spool")]), str(spool.path / JOURNAL),
+              "not a file")
+    assert spool.path.is_dir()
+
+
+def test_a_spool_dir_that_is_a_file_is_said_not_skipped(tmp_path, spool_store, monkeypatch):
+    """Issue 39 family 4: VITREG_SPOOL_DIR a file: `vitreg sync` said "nothing to deliver" (exit 0)."""
+    (tmp_path / "spools").write_text("not a folder")
+    monkeypatch.setenv("VITREG_SPOOL_DIR", str(tmp_path / "spools"))
+    one_error(CliRunner().invoke(main, ["sync"]), str(tmp_path / "spools"), "VITREG_SPOOL_DIR")

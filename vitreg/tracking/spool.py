@@ -338,13 +338,17 @@ class Spool:
 
     @staticmethod
     def _found(path: Path) -> list["Spool"]:
-        if (path / JOURNAL).is_file():
-            return [Spool(path)]
+        if path.exists() and not path.is_dir():  # a file where the spools should be: said, not "nothing"
+            raise SpoolUnusable(f"{path} is a file, not a folder of spools: point VITREG_SPOOL_DIR (or --spool) "
+                                f"at the folder that holds them")
         if not path.is_dir():
             return []
-        # An empty journal is a crash inside create(), before the run was described: nothing to deliver
-        found = [p for p in path.iterdir() if (p / JOURNAL).is_file() and (p / JOURNAL).stat().st_size]
-        return [Spool(p) for p in sorted(found, key=lambda p: (p / JOURNAL).stat().st_mtime)]
+        folders = [path] if os.path.lexists(path / JOURNAL) else [p for p in path.iterdir()
+                                                                 if os.path.lexists(p / JOURNAL)]
+        # An empty journal is a crash inside create(), before the run was described: nothing to deliver. A
+        # journal that is no file is kept: reading it says what it is (records), not skipped in silence.
+        found = [p for p in folders if not (p / JOURNAL).is_file() or (p / JOURNAL).stat().st_size]
+        return [Spool(p) for p in sorted(found, key=lambda p: (p / JOURNAL).lstat().st_mtime)]
 
     def lock(self) -> None:
         """Hold this spool for this process (released on :meth:`release` or when the process dies)."""
@@ -382,6 +386,10 @@ class Spool:
         the file and line of the first that is not as vitreg writes it. The one exception is a crash in the
         middle of a write: a last line with no line end that does not parse is dropped."""
         journal = self.path / JOURNAL
+        if not journal.is_file():
+            raise SpoolDamaged(f"the spool journal {journal} is not a file (a folder, or a link to nothing): "
+                               f"nothing of that spool was delivered; remove the spool {self.path} if it holds "
+                               f"no run of yours")
         try:
             lines = journal.read_bytes().split(b"\n")
         except OSError as exc:
