@@ -332,3 +332,21 @@ def test_a_spool_dir_that_is_a_file_is_said_not_skipped(tmp_path, spool_store, m
     (tmp_path / "spools").write_text("not a folder")
     monkeypatch.setenv("VITREG_SPOOL_DIR", str(tmp_path / "spools"))
     one_error(CliRunner().invoke(main, ["sync"]), str(tmp_path / "spools"), "VITREG_SPOOL_DIR")
+
+
+def test_a_spool_without_its_end_is_kept_and_not_called_delivered(tmp_path, spool_store):
+    """Issue 39 family 4: a spool whose process stopped before writing the run's end (VITREG_FLUSH_TIMEOUT_S=nan
+    did that at the end of a whole benchmark) was reported "delivered" and removed; the run stayed RUNNING
+    for good. Now it is kept, and said, until the run is ended (runs --stale --fix); then sync removes it."""
+    spool = offline_run(tmp_path / "spool", tmp_path, steps=2)
+    journal = spool.path / JOURNAL
+    journal.write_bytes(b"".join(journal.read_bytes().splitlines(keepends=True)[:-1]))  # no end record
+    first = CliRunner().invoke(main, ["sync", "--spool", str(tmp_path / "spool")])
+    assert first.exit_code == 0 and "but not its end" in first.output and spool.path.is_dir(), first.output
+    (run,) = MlflowClient().search_runs([MlflowClient().get_experiment_by_name("hostile").experiment_id])
+    assert run.info.status == "RUNNING"
+    fixed = CliRunner().invoke(main, ["runs", "--stale", "--fix", "--older-than", "0"])
+    assert fixed.exit_code == 0 and MlflowClient().get_run(run.info.run_id).info.status == "KILLED", fixed.output
+    again = CliRunner().invoke(main, ["sync", "--spool", str(tmp_path / "spool")])
+    assert again.exit_code == 0 and f"delivered {spool.path} -> run {run.info.run_id}" in again.output, again.output
+    assert not spool.path.exists()
