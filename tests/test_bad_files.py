@@ -350,3 +350,17 @@ def test_a_spool_without_its_end_is_kept_and_not_called_delivered(tmp_path, spoo
     again = CliRunner().invoke(main, ["sync", "--spool", str(tmp_path / "spool")])
     assert again.exit_code == 0 and f"delivered {spool.path} -> run {run.info.run_id}" in again.output, again.output
     assert not spool.path.exists()
+
+
+@pytest.mark.parametrize("setting", ["VITREG_FLUSH_TIMEOUT_S", "VITREG_HEARTBEAT_S", "VITREG_HTTP_TIMEOUT_S"])
+def test_a_bad_tracking_setting_is_refused_before_the_run_opens(tmp_path, spool_store, monkeypatch, setting):
+    """Issue 39 family 4: VITREG_FLUSH_TIMEOUT_S=nan (offline) let the whole benchmark run, then exited 2 at
+    the end with a spool holding no end (which sync then removed, the run RUNNING for good)."""
+    monkeypatch.setenv("VITREG_SPOOL_DIR", str(tmp_path / "spools"))
+    monkeypatch.setenv(setting, "nan")
+    result = CliRunner().invoke(main, ["bench", "--model", "test_vit", "--img-size", "32", "--batch-size", "2",
+                                       "--device", "cpu", "--warmup", "1", "--steps", "2", "--repeats", "1",
+                                       "--offline", "true"])
+    one_error(result, setting)
+    assert "img/s" not in result.output, "refused before the benchmark ran"
+    assert not list((tmp_path / "spools").glob("*/" + JOURNAL)), "no run opened"

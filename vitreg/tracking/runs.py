@@ -36,11 +36,11 @@ from vitreg.errors import StoreError, VitregError
 from vitreg import signals
 from vitreg.signals import interrupted_reason
 from vitreg.tracking.delivery import (ERROR_KIND_TAG, ERROR_TAG, HEARTBEAT_TAG, SPOOL_ID_TAG, end_with_reason,
-                                      open_run, requested_run_id, sync_hint)
+                                      heartbeat_period_s, open_run, requested_run_id, sync_hint)
 from vitreg.tracking.mlflow_on_first_use import mlflow
 from vitreg.tracking.spool import JOURNAL, flush_timeout_s, offline_mode
-from vitreg.tracking.store import (check_sqlite_uri, first_line, prepare_store, short_http_requests, store_errors,
-                                   ui_command)
+from vitreg.tracking.store import (busy_wait_s, check_sqlite_uri, first_line, http_timeout_s, prepare_store,
+                                   short_http_requests, store_errors, ui_command)
 from vitreg.tracking.uris import current_uri, redact, scrub, tracking_uri, without_credentials
 
 RESUMED_FROM_TAG = "vitreg_resumed_from"  # on the new run: the run id of the checkpoint it continues
@@ -160,6 +160,12 @@ def _experiment_name(experiment: str | None) -> str:
     return "Default"
 
 
+def check_settings() -> None:
+    """Every ``VITREG_*`` setting the run's tracking reads, parsed before the run opens (one line naming the bad
+    one): read first where it is used, a bad value ended a whole benchmark in an error and its run unended."""
+    flush_timeout_s(), heartbeat_period_s(), http_timeout_s(), busy_wait_s()
+
+
 @contextlib.contextmanager
 def tracked_run(run_name: str | None = None, experiment: str | None = None, system_metrics: bool = True,
                 tags: dict | None = None, offline: bool | None = None):
@@ -173,6 +179,7 @@ def tracked_run(run_name: str | None = None, experiment: str | None = None, syst
     SIGTERM or SIGHUP. Only a process that logs opens one: ranks other than 0 get a :class:`NullTracker`
     from their caller (:func:`vitreg.ddp.launcher.rank_run`) and never touch the server.
     """
+    check_settings()
     uri = mlflow.get_tracking_uri()
     prepare_store(uri)  # a fresh sqlite file: created once, under a lock, even with several processes at once
     if not offline_mode(offline):

@@ -301,9 +301,13 @@ def busy_wait_s() -> float:
 # --------------------------------------------------------------------------- requests within bounded time
 
 
+DEFAULT_HTTP_TIMEOUT_S = 10
+
+
 def http_timeout_s() -> int:
     """``VITREG_HTTP_TIMEOUT_S`` (default 10): the most one request to the server may take during delivery."""
-    return int(parse_float(os.environ.get("VITREG_HTTP_TIMEOUT_S") or 10, "VITREG_HTTP_TIMEOUT_S", minimum=1))
+    return int(parse_float(os.environ.get("VITREG_HTTP_TIMEOUT_S") or DEFAULT_HTTP_TIMEOUT_S, "VITREG_HTTP_TIMEOUT_S",
+                           minimum=1))
 
 
 @contextlib.contextmanager
@@ -338,9 +342,13 @@ def bound_http_requests() -> None:
     """Every MLflow HTTP request of this process (a CLI command) ends within a bounded time: two retries
     a second apart, ``http_timeout_s()`` each, instead of MLflow's seven with doubling back-off (90-200 s
     against a server that answers 503). Settings the user made are kept."""
+    try:
+        timeout = http_timeout_s()
+    except VitregError:  # the CLI's group calls this before any one-line handler: the command says it
+        timeout = DEFAULT_HTTP_TIMEOUT_S  # (check_settings, short_http_requests) as the option it is
     for name, value in (("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2"), ("MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", "1"),
                         ("MLFLOW_HTTP_REQUEST_BACKOFF_JITTER", "0.5"),
-                        ("MLFLOW_HTTP_REQUEST_TIMEOUT", str(http_timeout_s()))):
+                        ("MLFLOW_HTTP_REQUEST_TIMEOUT", str(timeout))):
         os.environ.setdefault(name, value)
     bound_sql_engine_attempts()
 
