@@ -115,15 +115,23 @@ def test_a_deep_last_through_runs_uri_is_one_line(tmp_path, checkpoint, sqlite_s
     assert "move it away" not in line
 
 
-def test_a_step_folder_linked_out_of_the_run_is_refused(tmp_path, checkpoint, sqlite_store):
+@pytest.mark.parametrize("form", ["local", "file-uri", "runs-uri"])
+def test_a_step_folder_linked_out_of_the_run_is_refused(tmp_path, checkpoint, sqlite_store, form):
     """Issue 39 family 1: `last` naming step-9, a link to a checkpoint folder outside the run, loaded the
     weights from there (exit 0)."""
-    folder = run_checkpoints(tmp_path, checkpoint, last_pointer(9).encode())
+    if form == "runs-uri":
+        run_id, artifacts = _run_with_checkpoint(checkpoint)
+        folder = artifacts / "checkpoints"
+        (folder / "last").write_text(last_pointer(9))
+    else:
+        folder = run_checkpoints(tmp_path, checkpoint, last_pointer(9).encode())
     elsewhere = tmp_path / "elsewhere"
     shutil.copytree(checkpoint, elsewhere)
     (folder / "step-9").symlink_to(elsewhere, target_is_directory=True)
-    one_error(CliRunner().invoke(main, ["pull", str(folder / "last"), "--out", str(tmp_path / "out")]),
-              str(folder / "last"), "outside")
+    source = {"local": str(folder / "last"), "file-uri": (folder / "last").as_uri(),
+              "runs-uri": f"runs:/{run_id if form == 'runs-uri' else ''}/checkpoints/last"}[form]
+    line = one_error(CliRunner().invoke(main, ["pull", source, "--out", str(tmp_path / "out")]), source)
+    assert "outside" in line and "move it away" not in line, line
     assert not (tmp_path / "out").exists()
 
 
