@@ -5,9 +5,9 @@ TOML or CSV table.
 These files come from outside (a download, a shared folder, the user), so each is read as hostile: at most
 :data:`MAX_BYTES` (a fifo or a device is not read at all: it could block or never end), strict UTF-8 with
 no NUL (nor a JSON string holding one as ``\\u0000``), and JSON or TOML nested at most :data:`MAX_DEPTH`
-deep (the parsers recurse per level: a 200,000-deep file would end in RecursionError). A fault is :class:`FileFault` (a ValueError, so a caller
-that refuses malformed JSON refuses these too); :func:`read_json`, :func:`read_toml` and :func:`read_text`
-turn it into one line naming the file and the fix.
+deep (the parsers recurse per level: a 200,000-deep file would end in RecursionError). A fault is
+:class:`FileFault` (a ValueError, so a caller that refuses malformed JSON refuses these too);
+:func:`read_json`, :func:`read_toml` and :func:`read_text` turn it into one line naming the file and the fix.
 """
 
 from __future__ import annotations

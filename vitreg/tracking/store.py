@@ -234,10 +234,11 @@ def _local_reason(path: Path, reason: str) -> str | None:
     return None
 
 
-def store_fault(exc: BaseException, uri: str, doing: str = "") -> StoreError:
+def store_fault(exc: BaseException, uri: str, doing: str = "") -> VitregError:
     """The one line for a failure of the tracking store at ``uri``, with the advice for its cause: busy
     (another process holds it locked), damaged, read-only or not permitted, missing, a server that does
-    not answer, or does not answer HTTP; else the reason and where to look."""
+    not answer, or does not answer HTTP; else the reason and where to look. A request the store refused
+    is no store failure: a plain :class:`VitregError` naming the value."""
     text, reason = str(exc), first_line(exc)
     path = sqlite_path(uri)
     where = f"the tracking store {path}" if path else f"the tracking store at {redact(uri)}"
@@ -273,11 +274,15 @@ def store_fault(exc: BaseException, uri: str, doing: str = "") -> StoreError:
                       f"MLFLOW_TRACKING_URI")
 
 
+#: MLflow's answers to a request it understood and refused (from a server or a local store alike); not
+#: ENDPOINT_NOT_FOUND, also a 404, which a URI pointing at something that is no MLflow server gets
+_REFUSED_REQUEST = {"INVALID_PARAMETER_VALUE", "RESOURCE_DOES_NOT_EXIST", "BAD_REQUEST", "RESOURCE_ALREADY_EXISTS"}
+
+
 def _refused_request(exc: BaseException) -> bool:
-    """Whether ``exc`` is MLflow's answer to a bad request (an invalid value, no such run or path: HTTP 400
-    or 404, from a server or a local store alike), not a failure of the store."""
-    status = getattr(exc, "get_http_status_code", None)
-    return isinstance(exc, mlflow.exceptions.MlflowException) and status is not None and status() in (400, 404)
+    """Whether ``exc`` is MLflow's answer to a bad request (an invalid value, no such run or path), not a
+    failure of the store."""
+    return isinstance(exc, mlflow.exceptions.MlflowException) and exc.error_code in _REFUSED_REQUEST
 
 
 def _opens(path: Path) -> bool:
@@ -415,7 +420,7 @@ STORE_LIBRARIES = {"mlflow", "requests", "urllib3", "http", "sqlalchemy", "sqlit
                    "psycopg2", "pymysql", "MySQLdb"}
 
 
-def store_error_for(exc: BaseException) -> StoreError | None:
+def store_error_for(exc: BaseException) -> VitregError | None:
     """The one line for a failure of the tracking store that reached the CLI unconverted (an MLflow, HTTP or
     SQL error): the store, masked, the reason and the advice for its cause (:func:`store_fault`); None for
     any other exception."""
