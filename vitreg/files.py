@@ -17,7 +17,6 @@ import errno
 import os
 import re
 import stat
-from itertools import accumulate
 from pathlib import Path
 
 from vitreg.errors import VitregError, unreadable
@@ -28,8 +27,9 @@ MAX_BYTES = 1 << 20
 MAX_DEPTH = 64
 
 # what may hold a bracket that is not nesting: strings (and TOML's comments), removed before counting
-_JSON_STRINGS = re.compile(r'"(?:[^"\\]|\\.)*"')
-_TOML_STRINGS = re.compile(r'"""[\s\S]*?"""|\'\'\'[\s\S]*?\'\'\'|"(?:[^"\\\n]|\\.)*"|\'[^\'\n]*\'|#[^\n]*')
+_JSON_STRINGS = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"')  # unrolled: a third of the time of (a|b)* on a long line
+_TOML_STRINGS = re.compile(r'"""[\s\S]*?"""|\'\'\'[\s\S]*?\'\'\'|"[^"\\\n]*(?:\\.[^"\\\n]*)*"|\'[^\'\n]*\'|#[^\n]*')
+_NOT_A_BRACKET, _INNERMOST = re.compile(r"[^\[\]{}]+"), re.compile(r"\[\]|\{\}")
 
 
 class FileFault(ValueError):
@@ -49,13 +49,13 @@ def decoded(data: bytes) -> str:
 
 def check_depth(text: str, strings: re.Pattern = _JSON_STRINGS) -> str:
     """``text`` itself, unless its brackets (outside ``strings``) nest deeper than :data:`MAX_DEPTH`."""
-    brackets = "".join(c for c in strings.sub("", text) if c in "[]{}")
-    # a closing bracket never counts below zero: stray ones cannot hide the depth of those that follow
-    depth = max(accumulate((1 if c in "[{" else -1 for c in brackets), lambda d, step: max(d + step, 0),
-                           initial=0))
-    if depth > MAX_DEPTH:
-        raise FileFault(f"nested {depth} levels deep, more than the {MAX_DEPTH} a vitreg file may hold")
-    return text
+    brackets = _NOT_A_BRACKET.sub("", strings.sub("", text))
+    for _ in range(MAX_DEPTH + 1):  # each pass takes off the innermost level (in C: a line costs microseconds)
+        inner = _INNERMOST.sub("", brackets)
+        if inner == brackets:  # what is left is not nesting (stray brackets): the parser says what is wrong
+            return text
+        brackets = inner
+    raise FileFault(f"nested more than {MAX_DEPTH} levels deep, more than a vitreg file may hold")
 
 
 def parse_json(data: bytes | str):
@@ -67,7 +67,9 @@ def parse_json(data: bytes | str):
         value = json.loads(text)
     except ValueError as exc:
         raise FileFault(f"not valid JSON ({exc})") from None
-    if _holds_nul(value):  # written as \u0000: no name or value vitreg reads holds one, and a store refuses it
+    # written as \u0000 (a raw one is refused above): no name or value vitreg reads holds one, and a store
+    # refuses it; the text is searched first, the value walked only where it may hold one
+    if "\\u0000" in text and _holds_nul(value):
         raise FileFault("holds a NUL character (\\u0000) in a name or value")
     return value
 
