@@ -372,3 +372,22 @@ def test_a_bad_tracking_setting_is_refused_before_the_run_opens(tmp_path, spool_
     one_error(result, setting)
     assert "img/s" not in result.output, "refused before the benchmark ran"
     assert not list((tmp_path / "spools").glob("*/" + JOURNAL)), "no run opened"
+
+
+def test_brackets_inside_strings_and_comments_are_not_nesting(tmp_path, spool_store):
+    """The depth cap counts nesting, not bracket characters: a price table whose comment and quoted label hold
+    100 brackets, and a spool tag value holding 100, are taken as they are."""
+    from test_spool_faults import insert_record
+
+    from vitreg.analysis.cost import parse_prices
+
+    table = tmp_path / "p.toml"
+    deep = "[" * 100 + "]" * 100  # nested 100 deep, were it not inside a string or a comment
+    table.write_text(f'# {deep}\n[usd_per_gpu_hour]\n"h200 {deep}" = 3.5\n')
+    assert parse_prices(str(table)) == {f"h200 {deep}": 3.5}
+    spool = offline_run(tmp_path / "spool", tmp_path, steps=2)
+    insert_record(spool, {"kind": "tags", "tags": {"note": deep}})
+    result = CliRunner().invoke(main, ["sync", "--spool", str(tmp_path / "spool")])
+    assert result.exit_code == 0 and "delivered" in result.output, result.output
+    (run,) = MlflowClient().search_runs([MlflowClient().get_experiment_by_name("hostile").experiment_id])
+    assert run.data.tags["note"] == deep
