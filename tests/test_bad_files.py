@@ -1,12 +1,15 @@
-"""Issue 39: every small file vitreg parses is read as hostile, and every path it reads from a folder it was
-given stays inside that folder once its links are followed.
+"""Issue 39: every small file vitreg parses is read as hostile, every path it reads from a folder it was given
+stays inside that folder once its links are followed, a bad input is not called a store fault, and nothing
+is left silently "fine" or RUNNING.
 
 Families: a checkpoint's ``last`` (undecodable, nested 200,000 deep, a NUL, a fifo, huge; local, ``file://``
-and ``runs:/``), a spool journal line nested 200,000 deep, a ``--prices`` TOML nested as deep or a binary
-CSV, a price that makes the cost per image infinite, a price table over the experiment tag's limit; a spool
-whose ``artifacts/`` is a link to another folder, and a ``step-<N>`` folder named by ``last`` that is a link
-out of the run. Each must end in one ``error:`` line naming the file (or the value) and the fix, exit 2, no
-traceback, nothing read or delivered from outside.
+and ``runs:/``), a spool journal line nested 200,000 deep or a tag named with ``\\u0000``, a ``--prices``
+TOML nested as deep or a binary CSV, a price that makes the cost per image infinite, a price table over the
+experiment tag's limit; a spool whose ``artifacts/`` is a link to another folder, a ``step-<N>`` folder
+named by ``last`` that is a link out of the run; ``runs:/`` paths with ``..``, a bad run id, a sqlite URI
+naming a folder or holding a fragment; a journal that is a folder, a spool root that is a file, a spool
+without its end, a ``VITREG_*`` setting that is ``nan``. Each must end in one ``error:`` line naming the
+file (or the value) and the fix, exit 2, no traceback, nothing read or delivered from outside.
 """
 
 from __future__ import annotations
@@ -171,17 +174,17 @@ def test_a_spool_whose_artifacts_folder_is_a_link_is_refused(tmp_path, spool_sto
 # --------------------------------------------------------------------------- --prices
 
 
-def _price_file(tmp_path, name, data: bytes) -> str:
+def _file(tmp_path, name, data: bytes) -> str:
     (tmp_path / name).write_bytes(data)
     return str(tmp_path / name)
 
 
 PRICES = {  # --prices value (a callable: a file it writes) -> what the one line must name
-    "deep-toml": (lambda tmp: _price_file(tmp, "p.toml", b"h200 = " + b"[" * DEEP + b"]" * DEEP), "nested"),
-    "binary-csv": (lambda tmp: _price_file(tmp, "p.csv", random.Random(39).randbytes(300)), "not UTF-8"),
-    "nul-csv": (lambda tmp: _price_file(tmp, "p.csv", b"gpu,usd_per_hour\nh200,3.5\0\n"), "NUL"),
+    "deep-toml": (lambda tmp: _file(tmp, "p.toml", b"h200 = " + b"[" * DEEP + b"]" * DEEP), "nested"),
+    "binary-csv": (lambda tmp: _file(tmp, "p.csv", random.Random(39).randbytes(300)), "not UTF-8"),
+    "nul-csv": (lambda tmp: _file(tmp, "p.csv", b"gpu,usd_per_hour\nh200,3.5\0\n"), "NUL"),
     "near-float-max": (lambda tmp: "cpu=1e308", "cpu=1e308"),
-    "near-float-max-in-csv": (lambda tmp: _price_file(tmp, "p.csv", b"gpu,usd_per_hour\ncpu,1e308\n"), "cpu"),
+    "near-float-max-in-csv": (lambda tmp: _file(tmp, "p.csv", b"gpu,usd_per_hour\ncpu,1e308\n"), "cpu"),
     "over-the-tag-limit": (lambda tmp: ",".join(f"gpu{i}=1.5" for i in range(3000)), "20000"),
 }
 
@@ -231,7 +234,7 @@ BAD_SOURCES = {  # a pull source for a healthy store: what the one line must nam
                               "'..' in the path"),
     "last-a-fifo": (_last_in_the_store(lambda path, tmp: os.mkfifo(path)), "cannot be read"),
     "last-a-link-outside": (_last_in_the_store(lambda path, tmp: path.symlink_to(
-        _price_file(tmp, "passwd", b"root:x:0:0::/root:/bin/sh\n"))), "cannot be read"),
+        _file(tmp, "passwd", b"root:x:0:0::/root:/bin/sh\n"))), "cannot be read"),
 }
 
 
