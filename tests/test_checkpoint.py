@@ -145,6 +145,10 @@ def test_truncated_file(saved):
     (lambda p: (p / "manifest.json").unlink(), "has no manifest.json"),
     (lambda p: (p / "spec.json").unlink(), "spec.json is missing"),
     (lambda p: (p / "manifest.json").write_text("{"), "not valid JSON"),
+    # issue 39: a RecursionError and a UnicodeDecodeError traceback before the one reader (vitreg.files)
+    (lambda p: (p / "manifest.json").write_bytes(b"[" * 200_000 + b"]" * 200_000), "nested more than 64 levels deep"),
+    (lambda p: (p / "manifest.json").write_bytes(bytes(range(128, 256))), "not UTF-8 text"),
+    (lambda p: (p / "manifest.json").write_bytes(b"{}" + b" " * (2 << 20)), "larger than the 1048576 bytes"),
 ])
 def test_incomplete_checkpoints(saved, damage, needle):
     path = saved[0]

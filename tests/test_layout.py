@@ -234,7 +234,7 @@ def test_no_import_circle_in_vitreg():
 #: flows up from errors and the environment through the tables (GPUs, models, metrics, options) to the
 #: format, analysis and tracking, then to the jobs, the command line, the Python API and the root.
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("errors", "version", "environment", "console"),  # what everything may use: errors, the process, printing
+    ("errors", "files", "version", "environment", "console"),  # what all may use: errors, small files, the process, printing
     ("models",),  # model families, building a model, its FLOPs and memory floors
     ("hardware",),  # GPU profiles, runtime, precision, SDPA (which reads a model family's layout)
     ("measure",),  # timing, CUDA graphs, traces, batch search, the metric table

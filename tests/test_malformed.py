@@ -153,6 +153,8 @@ VARIANTS = [
     ("classes-count", _edit_spec(classes=["a", "b"]), "spec.json"),
     ("spec-a-list", _write("spec.json", b"[1, 2, 3]"), "spec.json"),
     ("spec-not-json", _write("spec.json", b"{model: test_vit"), "spec.json"),
+    # issue 39: a RecursionError traceback before the one reader (vitreg.files)
+    ("spec-nested-200000-deep", _write("spec.json", b"[" * 200_000 + b"]" * 200_000), "spec.json"),
     # resume compares spec.json with the run before reading the weights, and names spec.json
     ("num_classes-other-than-weights", _edit_spec(num_classes=7, classes=None),
      {"pull": "model.safetensors", "infer": "model.safetensors", "teacher": "model.safetensors",

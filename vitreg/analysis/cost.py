@@ -23,9 +23,14 @@ import pandas as pd
 from vitreg.analysis.comparison import Comparison, compare_runs
 from vitreg.analysis.frame import DEFAULT_AXIS, CompareError
 from vitreg.analysis.stats import BETTER, WORSE
+from vitreg.files import read_text, read_toml
 from vitreg.measure.energy import ALWAYS_FLAGGED, POWER_CAP, PRECISION_TARGET
 
 COST, ENERGY = "usd_per_1m_img", "img_per_j"
+#: USD per GPU-hour: far above any GPU's rent, and far below where a cost per image overflows to inf
+MAX_PRICE = 1e6
+#: the price table's text (:func:`price_text`) as an experiment tag: MLflow keeps at most 20,000 characters
+MAX_PRICES_CHARS = 20000
 NO_PRICE = ("no price per GPU-hour, so no cost per image: add one with --prices h200=3.50,l4=0.80 (USD per "
             "GPU-hour by GPU label, or a CSV/TOML file); compare keeps it in the experiment for the team")
 
@@ -35,12 +40,13 @@ def parse_prices(text: str) -> dict[str, float]:
     text = (text or "").strip()
     if not text:
         return {}
-    if "=" not in text:
-        return read_price_file(text)
-    prices = {}
-    for pair in text.split(","):
-        label, sep, value = pair.partition("=")
-        prices[label.strip().lower()] = _price(value, f"--prices {pair.strip()!r}") if sep else _bad(pair)
+    prices = read_price_file(text) if "=" not in text else {
+        label.strip().lower(): _price(value, f"--prices {pair.strip()!r}") if sep else _bad(pair)
+        for pair in text.split(",") for label, sep, value in [pair.partition("=")]}
+    if len(price_text(prices)) > MAX_PRICES_CHARS:  # refused before any work, not by the store at the end
+        raise CompareError(f"--prices holds {len(prices)} prices, {len(price_text(prices))} characters as "
+                           f"label=price pairs, over the {MAX_PRICES_CHARS} the experiment's "
+                           f"prices tag keeps: pass only the GPU labels of the runs compared")
     return prices
 
 
@@ -55,7 +61,13 @@ def _price(value, where: str) -> float:
         price = math.nan
     if not math.isfinite(price) or price <= 0:
         raise CompareError(f"{where}: {value!r} is not a positive price in USD per GPU-hour (e.g. 3.50)")
+    if price > MAX_PRICE:  # a price near float's limit gives an infinite cost per image, not a ranking
+        raise CompareError(f"{where}: {price:g} USD per GPU-hour is over {MAX_PRICE:,.0f}, the most a price may "
+                           f"be (its cost per image must stay finite): give it in USD per GPU-hour (e.g. 3.50)")
     return price
+
+
+PRICE_FILE_FIX = "pass a CSV (gpu,usd_per_hour) or TOML (h200 = 3.50) price table, or LABEL=USD pairs"
 
 
 def read_price_file(path) -> dict[str, float]:
@@ -65,15 +77,10 @@ def read_price_file(path) -> dict[str, float]:
         raise CompareError(f"--prices {str(path)!r}: no such file; pass LABEL=USD pairs (h200=3.50,l4=0.80) or the "
                            "path of a CSV (gpu,usd_per_hour) or TOML (h200 = 3.50) price table")
     if path.suffix == ".toml":
-        import tomllib
-
-        try:
-            table = tomllib.loads(path.read_text())
-        except tomllib.TOMLDecodeError as e:
-            raise CompareError(f"{path}: not TOML ({e})") from None
+        table = read_toml(path, PRICE_FILE_FIX, CompareError)
         table = table.get("usd_per_gpu_hour", table)
         return {str(k).lower(): _price(v, f"{path}: {k}") for k, v in table.items()}
-    rows = list(csv.DictReader(path.read_text().splitlines()))
+    rows = list(csv.DictReader(read_text(path, PRICE_FILE_FIX, CompareError).splitlines()))
     if not rows or not {"gpu", "usd_per_hour"} <= set(rows[0]):
         raise CompareError(f"{path}: a price CSV needs the columns gpu,usd_per_hour (one GPU label a row)")
     return {r["gpu"].strip().lower(): _price(r["usd_per_hour"], f"{path}: {r['gpu']}") for r in rows}

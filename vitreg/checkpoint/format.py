@@ -42,6 +42,7 @@ from pathlib import Path
 
 from vitreg.checkpoint.contents import FIX, check_weights, validate_spec
 from vitreg.errors import CheckpointError, VitregError, unreadable
+from vitreg.files import inside, parse_json, read_json, read_text
 from vitreg.models.factory import ModelInfo, create_model
 from vitreg.version import __version__
 
@@ -53,6 +54,8 @@ MANIFEST = "manifest.json"
 LAST = "last"  # the file naming a run's newest checkpoint folder
 LAST_FORMAT = "vitreg-last-1"
 _STEP_FOLDER = re.compile(r"^step-(\d+)$")
+LAST_FIX = "point at a checkpoints/step-<N> folder instead"
+LAST_BYTES = 4096  # a last file is one short JSON object (:func:`last_pointer`)
 _RESERVED = ("model", "img_size", "num_classes", "distilled", "step", "epoch", "train_spec", "vitreg_version",
              "source", "patch_size", "params_m", "format", "torch_version", "timm_version", "created_unix")
 
@@ -239,10 +242,7 @@ def _verified(directory: Path, fix: str) -> VerifiedCheckpoint:
         if _sha256(confined(directory, name)) != entry["sha256"]:
             raise VitregError(f"checkpoint {directory}: {name} sha256 mismatch (modified or corrupted since it was "
                               f"saved): {fix}")
-    try:
-        spec_json = json.loads((directory / SPEC).read_text())
-    except ValueError:
-        raise CheckpointError(f"checkpoint {directory}: {SPEC} is not valid JSON: {fix}") from None
+    spec_json = read_json(directory / SPEC, fix, CheckpointError, where=f"checkpoint {directory}: {SPEC}")
     return VerifiedCheckpoint(directory, manifest, validate_spec(spec_json, directory / SPEC))
 
 
@@ -253,13 +253,13 @@ def _read_manifest(directory: Path, fix: str) -> dict:
     manifest_path = directory / MANIFEST
     if not manifest_path.is_file():
         raise VitregError(f"checkpoint {directory} has no {MANIFEST} (incomplete or not a vitreg checkpoint): {fix}")
+    manifest = read_json(manifest_path, fix, where=f"checkpoint {directory}: {MANIFEST}")
     try:
-        manifest = json.loads(manifest_path.read_text())
         files = manifest["files"]
         entries_ok = isinstance(files, dict) and all(
             isinstance(e, dict) and isinstance(e.get("bytes"), int) and isinstance(e.get("sha256"), str)
             for e in files.values())
-    except (ValueError, KeyError, TypeError):
+    except (KeyError, TypeError):
         entries_ok = False
     if not entries_ok:
         raise VitregError(f"checkpoint {directory}: {MANIFEST} is not valid JSON with a 'files' map of "
@@ -281,7 +281,7 @@ def confined(directory: Path, name: str) -> Path:
     must not make vitreg read, hash or copy a file elsewhere on the machine)."""
     plain = isinstance(name, str) and name not in ("", ".", "..") and not any(c in name for c in "/\\\0")
     path = directory / name if plain else None
-    if path is None or (path.is_symlink() and path.resolve().parent != directory.resolve()):
+    if path is None or inside(directory, path) is None:
         raise CheckpointError(f"checkpoint {directory}: {MANIFEST} lists {name!r}, which is not a file of the "
                               f"checkpoint folder (vitreg checkpoints are flat folders of plain names): {FIX}")
     return path
@@ -301,26 +301,27 @@ def read_last_pointer(text: str, where: str) -> str:
     """The ``step-<N>`` folder a ``last`` file names; one-line VitregError for anything else (a tampered
     file must not lead outside the run's ``checkpoints/`` folder)."""
     try:
-        pointer = json.loads(text)
+        pointer = parse_json(text)
         name = pointer["checkpoint"] if isinstance(pointer, dict) and pointer.get("format") == LAST_FORMAT else None
     except (ValueError, KeyError, TypeError):
         name = None
     if not isinstance(name, str) or not _STEP_FOLDER.match(name):
         raise CheckpointError(f"{where} is not a vitreg '{LAST}' file ({{\"format\": \"{LAST_FORMAT}\", "
-                              f"\"checkpoint\": \"step-<N>\"}}): point at a checkpoints/step-<N> folder instead")
+                              f"\"checkpoint\": \"step-<N>\"}}): {LAST_FIX}")
     return name
 
 
 def follow_last(path) -> Path:
     """``path`` itself, or, when it is a ``last`` file, the ``step-<N>`` folder beside it that it names."""
     path = Path(path)
-    if not path.is_file():
+    if path.is_dir():
         return path
-    try:
-        text = path.read_text()
-    except (OSError, UnicodeDecodeError):
-        text = ""
-    return path.parent / read_last_pointer(text, str(path))
+    text = read_text(path, LAST_FIX, CheckpointError, limit=LAST_BYTES)
+    named = path.parent / read_last_pointer(text, str(path))
+    if named.exists() and inside(path.parent, named) is None:
+        raise CheckpointError(f"{path} names {named.name}, which is a link to {named.resolve()}, outside "
+                              f"{path.parent}: a run's checkpoints stay in its folder; {LAST_FIX}")
+    return named
 
 
 def ensure_verified(checkpoint) -> VerifiedCheckpoint:

@@ -28,6 +28,7 @@ from importlib import metadata
 from pathlib import Path
 
 from vitreg.environment import user_cache_dir
+from vitreg.files import parse_json, read_bytes
 
 # Footprints kept (the most recent): a launcher asks for the model it runs, so a short memory serves; a
 # fuzzing test or a sweep over image sizes does not grow the file without end.
@@ -50,8 +51,8 @@ def cache_file() -> Path | None:
 def _load() -> dict:
     path = cache_file()
     try:
-        data = json.loads(path.read_text(encoding="utf-8")) if path else {}
-    except (OSError, ValueError):
+        data = parse_json(read_bytes(path)) if path else {}
+    except (OSError, ValueError):  # a cache, rebuilt when unreadable (FileFault is a ValueError: too deep, ...)
         return {}
     return data if isinstance(data, dict) else {}
 

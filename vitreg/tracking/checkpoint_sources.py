@@ -34,7 +34,8 @@ from pathlib import Path
 from vitreg.checkpoint import format as ckpt
 from vitreg.checkpoint.export import export_folder
 from vitreg.console import progress
-from vitreg.errors import VitregError, path_kind
+from vitreg.errors import CheckpointError, VitregError, path_kind
+from vitreg.files import read_json, read_text
 from vitreg.tracking.mlflow_on_first_use import mlflow
 from vitreg.tracking.store import first_line, quiet_artifact_downloads, store_error_for, store_fault
 from vitreg.tracking.uris import tracking_uri
@@ -185,19 +186,19 @@ def _download_run_path(client, uri: str, dst: Path, what: str, progress) -> tupl
     run_id, _, path = body.partition("/")
     if not run_id:
         raise VitregError(f"{what}={uri} names no run: use runs:/RUN_ID/checkpoints/last")
+    if ".." in path.split("/"):  # said as the input it is, before the store is asked (it refuses it too)
+        raise VitregError(f"{what}={uri} leaves the run's artifacts ('..' in the path): use "
+                          f"runs:/RUN_ID/checkpoints/last or another folder of the run")
     try:
         mlflow_call(lambda: client.get_run(run_id), f"look up run {run_id}")
     except mlflow.exceptions.MlflowException:
         raise VitregError(f"{what}={uri} cannot be downloaded: no run {run_id!r} at {tracking_uri()}: "
                           f"check the run id (mlflow runs list) or MLFLOW_TRACKING_URI") from None
-    path = path.strip("/")
-    entries = client.list_artifacts(run_id, path or None)
-    if not entries and _is_last_file(client, run_id, path):
-        pointer = Path(_download(f"runs:/{run_id}/{path}", dst / ".last", progress))
-        named = ckpt.read_last_pointer(pointer.read_text(errors="replace"), uri)
-        shutil.rmtree(dst / ".last", ignore_errors=True)
-        path = f"{path.rpartition('/')[0]}/{named}".lstrip("/")
-        entries = client.list_artifacts(run_id, path)
+    try:
+        path, entries = _listed(client, run_id, path.strip("/"), uri, dst, progress)
+    except mlflow.exceptions.MlflowException as exc:  # the store answered: it is this path that is bad
+        raise CheckpointError(f"{what}={uri} cannot be read ({first_line(exc)}): it is no folder or file vitreg "
+                              f"wrote; point at one of the run's checkpoints/step-<N> folders instead") from None
     names = {Path(e.path).name: e for e in entries}
     if "manifest.json" not in names:
         subdirs = [e.path for e in entries if e.is_dir and any(
@@ -216,6 +217,23 @@ def _download_run_path(client, uri: str, dst: Path, what: str, progress) -> tupl
                           f"{', '.join(siblings) or 'nothing'}")
     local = _download(f"runs:/{run_id}/{path}" if path else f"runs:/{run_id}", dst, progress)
     return _find_checkpoint(local, uri), {"run_id": run_id, "run_folder": path or None}
+
+
+def _listed(client, run_id: str, path: str, uri: str, dst: Path, progress) -> tuple[str, list]:
+    """``path`` in the run's artifacts and what it holds; a ``last`` file is followed to the folder it names."""
+    entries = client.list_artifacts(run_id, path or None)
+    if not entries and _is_last_file(client, run_id, path):
+        pointer = Path(_download(f"runs:/{run_id}/{path}", dst / ".last", progress))
+        named = ckpt.read_last_pointer(_pointer_text(pointer, uri), uri)
+        shutil.rmtree(dst / ".last", ignore_errors=True)
+        path = f"{path.rpartition('/')[0]}/{named}".lstrip("/")
+        entries = client.list_artifacts(run_id, path)
+    return path, entries
+
+
+def _pointer_text(local: Path, uri: str) -> str:
+    """The text of a downloaded ``last`` file, read as every small file is (named by the URI it came from)."""
+    return read_text(local, ckpt.LAST_FIX, CheckpointError, where=uri, limit=ckpt.LAST_BYTES)
 
 
 def _is_last_file(client, run_id: str, path: str) -> bool:
@@ -238,8 +256,8 @@ def _download_artifact_uri(uri: str, dst: Path, what: str, progress) -> Path:
     try:
         local = _download(uri, dst, progress)
         if local.is_file():  # a run's checkpoints/last: the folder it names sits beside it
-            local = _download(f"{uri.rstrip('/').rpartition('/')[0]}/{ckpt.read_last_pointer(local.read_text(), uri)}",
-                              dst / "named", progress)
+            named = ckpt.read_last_pointer(_pointer_text(local, uri), uri)
+            local = _download(f"{uri.rstrip('/').rpartition('/')[0]}/{named}", dst / "named", progress)
     except (mlflow.exceptions.MlflowException, OSError) as exc:
         raise VitregError(f"{what}={uri} cannot be downloaded from {tracking_uri()} ({first_line(exc)}): "
                           f"check the URI (MLFLOW_TRACKING_URI must be its store)") from None
@@ -281,12 +299,12 @@ def _fetch_shared_weights(client, directory: Path, label: str, progress) -> Path
     pointer = directory / SHARED_WEIGHTS
     if (directory / ckpt.WEIGHTS).exists() or not pointer.is_file():
         return directory
+    shared = read_json(pointer, "register the model again from its checkpoint", where=f"{label}: {pointer.name}")
     try:
-        shared = json.loads(pointer.read_text())
         run_id, folder = shared["run_id"], shared["checkpoint"]
         usable = shared.get("format") == SHARED_FORMAT and _RUN_ID.match(run_id) and \
             re.fullmatch(r"checkpoints/step-\d+", folder)
-    except (ValueError, KeyError, TypeError):
+    except (KeyError, TypeError):
         usable = False
     if not usable:
         raise VitregError(f"{label}: {CHECKPOINT_SUBDIR}/{SHARED_WEIGHTS} does not name a run checkpoint "

@@ -21,7 +21,6 @@ checkpoint URIs; they are importable from here too, as the README shows.
 
 from __future__ import annotations
 
-import json
 import re
 import tempfile
 from dataclasses import dataclass, replace
@@ -31,6 +30,7 @@ from vitreg.checkpoint import format as ckpt
 from vitreg.checkpoint.export import stage_files
 from vitreg.console import progress
 from vitreg.errors import VitregError
+from vitreg.files import parse_json, read_bytes
 from vitreg.tracking.checkpoint_sources import (CHECKPOINT_TAG, SHARED_WEIGHTS, first_line, mlflow_call,
                                                resolve_checkpoint, shared_weights_text)
 from vitreg.tracking.checkpoint_sources import load_model, pull  # noqa: F401  (the README's import path)
@@ -242,7 +242,7 @@ def _shared_folder(client, run_id: str, located) -> str | None:
         return None
     try:
         with tempfile.TemporaryDirectory(prefix="vitreg-shared-") as tmp:
-            logged = json.loads(Path(client.download_artifacts(run_id, f"{folder}/{ckpt.MANIFEST}", tmp)).read_text())
+            logged = parse_json(read_bytes(client.download_artifacts(run_id, f"{folder}/{ckpt.MANIFEST}", tmp)))
         sha = logged["files"][ckpt.WEIGHTS]["sha256"]
     except (mlflow.exceptions.MlflowException, OSError, ValueError, KeyError, TypeError):
         return None

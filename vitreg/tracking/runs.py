@@ -37,11 +37,11 @@ from vitreg.errors import StoreError, VitregError
 from vitreg import signals
 from vitreg.signals import interrupted_reason
 from vitreg.tracking.delivery import (ERROR_KIND_TAG, ERROR_TAG, HEARTBEAT_TAG, SPOOL_ID_TAG, end_with_reason,
-                                      open_run, requested_run_id, sync_hint)
+                                      heartbeat_period_s, open_run, requested_run_id, sync_hint)
 from vitreg.tracking.mlflow_on_first_use import mlflow
 from vitreg.tracking.spool import JOURNAL, flush_timeout_s, offline_mode
-from vitreg.tracking.store import (first_line, prepare_store, short_http_requests, sqlite_path, store_errors,
-                                   ui_command)
+from vitreg.tracking.store import (busy_wait_s, check_sqlite_uri, first_line, http_timeout_s, prepare_store,
+                                   short_http_requests, sqlite_path, store_errors, ui_command)
 from vitreg.tracking.uris import current_uri, redact, scrub, tracking_uri, without_credentials
 
 RESUMED_FROM_TAG = "vitreg_resumed_from"  # on the new run: the run id of the checkpoint it continues
@@ -161,6 +161,12 @@ def _experiment_name(experiment: str | None) -> str:
     return "Default"
 
 
+def check_settings() -> None:
+    """Every ``VITREG_*`` setting the run's tracking reads, parsed before the run opens (one line naming the bad
+    one): read first where it is used, a bad value ended a whole benchmark in an error and its run unended."""
+    flush_timeout_s(), heartbeat_period_s(), http_timeout_s(), busy_wait_s()
+
+
 @contextlib.contextmanager
 def tracked_run(run_name: str | None = None, experiment: str | None = None, system_metrics: bool = True,
                 tags: dict | None = None, offline: bool | None = None):
@@ -174,6 +180,7 @@ def tracked_run(run_name: str | None = None, experiment: str | None = None, syst
     SIGTERM or SIGHUP. Only a process that logs opens one: ranks other than 0 get a :class:`NullTracker`
     from their caller (:func:`vitreg.ddp.launcher.rank_run`) and never touch the server.
     """
+    check_settings()
     uri = mlflow.get_tracking_uri()
     prepare_store(uri)  # a fresh sqlite file: created once, under a lock, even with several processes at once
     if not offline_mode(offline):
@@ -355,7 +362,9 @@ def _last_seen(run) -> tuple[float, bool]:
 def find_stale(older_than_s: float = DEFAULT_STALE_AFTER_S, experiment: str | None = None,
                client: mlflow.MlflowClient | None = None, now: float | None = None) -> list[StaleRun]:
     """RUNNING runs (of ``experiment``, or of every experiment) not seen alive for ``older_than_s`` seconds."""
-    client = client or mlflow.MlflowClient()
+    if client is None:
+        check_server()  # a store URI that names no store is said, not searched and found empty
+        client = mlflow.MlflowClient()
     now = time.time() if now is None else now
     stale = []
     with short_http_requests(), store_errors(client.tracking_uri, "searching for RUNNING runs"):
@@ -433,12 +442,14 @@ def close_resumed(old_run_id: str, new_run_id: str, progress=lambda message: Non
 
 
 def check_server(timeout: float = 5.0, uri: str | None = None) -> None:
-    """Fail fast, in one line, when the tracking URI (``uri``, else MLflow's) is a server that does not answer.
+    """Fail fast, in one line, when the tracking URI (``uri``, else MLflow's) is a server that does not answer,
+    or a sqlite URI that names no database file (:func:`~vitreg.tracking.store.check_sqlite_uri`).
 
     MLflow's client retries for minutes against a dead server; a user deserves the answer now. A URI with
     credentials (``http://user:password@host``) is checked with them as a header, and shown masked.
     """
     uri = current_uri() if uri is None else uri  # mlflow is not imported for it: a dead server is said sooner
+    check_sqlite_uri(uri)
     if not uri.lower().startswith(("http://", "https://")):  # a scheme is any case: HTTP:// is a server too
         return
     import http.client

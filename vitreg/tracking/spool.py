@@ -41,6 +41,7 @@ from pathlib import Path
 
 from vitreg.config.parse import parse_bool, parse_float
 from vitreg.errors import VitregError
+from vitreg.files import FileFault, inside, parse_json
 from vitreg.tracking.uris import has_credentials, scrub
 
 JOURNAL = "journal.jsonl"
@@ -227,9 +228,8 @@ def _inside_problem(spool_dir: Path, record: dict) -> str | None:
     relative = record.get("path")
     if not isinstance(relative, str) or not isinstance(record.get("is_dir"), bool):
         return "an artifact record without a path"
-    artifacts = (spool_dir / "artifacts").resolve()
-    local = (spool_dir / relative).resolve()
-    if Path(relative).is_absolute() or not local.is_relative_to(artifacts) or local == artifacts:
+    local = inside(spool_dir, spool_dir / relative, "artifacts")  # an artifacts/ that is a link leads out
+    if Path(relative).is_absolute() or local is None or local == spool_dir.resolve() / "artifacts":
         return f"the artifact {relative!r} is outside the spool"
     # a copy may be gone: delivery frees it once the store holds it (a checkpoint a step, so the spool does
     # not keep every one until the run ends); what is there must be what the record says
@@ -338,13 +338,17 @@ class Spool:
 
     @staticmethod
     def _found(path: Path) -> list["Spool"]:
-        if (path / JOURNAL).is_file():
-            return [Spool(path)]
+        if path.exists() and not path.is_dir():  # a file where the spools should be: said, not "nothing"
+            raise SpoolUnusable(f"{path} is a file, not a folder of spools: point VITREG_SPOOL_DIR (or --spool) "
+                                f"at the folder that holds them")
         if not path.is_dir():
             return []
-        # An empty journal is a crash inside create(), before the run was described: nothing to deliver
-        found = [p for p in path.iterdir() if (p / JOURNAL).is_file() and (p / JOURNAL).stat().st_size]
-        return [Spool(p) for p in sorted(found, key=lambda p: (p / JOURNAL).stat().st_mtime)]
+        folders = [path] if os.path.lexists(path / JOURNAL) else [p for p in path.iterdir()
+                                                                 if os.path.lexists(p / JOURNAL)]
+        # An empty journal is a crash inside create(), before the run was described: nothing to deliver. A
+        # journal that is no file is kept: reading it says what it is (records), not skipped in silence.
+        found = [p for p in folders if not (p / JOURNAL).is_file() or (p / JOURNAL).stat().st_size]
+        return [Spool(p) for p in sorted(found, key=lambda p: (p / JOURNAL).lstat().st_mtime)]
 
     def lock(self) -> None:
         """Hold this spool for this process (released on :meth:`release` or when the process dies)."""
@@ -382,6 +386,10 @@ class Spool:
         the file and line of the first that is not as vitreg writes it. The one exception is a crash in the
         middle of a write: a last line with no line end that does not parse is dropped."""
         journal = self.path / JOURNAL
+        if not journal.is_file():
+            raise SpoolDamaged(f"the spool journal {journal} is not a file (a folder, or a link to nothing): "
+                               f"nothing of that spool was delivered; remove the spool {self.path} if it holds "
+                               f"no run of yours")
         try:
             lines = journal.read_bytes().split(b"\n")
         except OSError as exc:
@@ -391,8 +399,8 @@ class Spool:
         records = [self._parsed(journal, number, line) for number, line in enumerate(lines, 1)]
         if torn:
             try:
-                records.append(json.loads(torn.decode("utf-8")))
-            except ValueError:  # UnicodeDecodeError and JSONDecodeError both are
+                records.append(parse_json(torn))
+            except FileFault:
                 pass
         for seq, record in enumerate(records):
             problem = record_problem(self.path, record, seq)
@@ -403,11 +411,9 @@ class Spool:
     @staticmethod
     def _parsed(journal: Path, number: int, line: bytes):
         try:
-            return json.loads(line.decode("utf-8"))
-        except UnicodeDecodeError:
-            raise damaged(journal, number, "not UTF-8 text") from None
-        except ValueError as exc:
-            raise damaged(journal, number, f"not a JSON record: {exc}") from None
+            return parse_json(line)
+        except FileFault as exc:  # not UTF-8, a NUL, nested too deep, not JSON: said as it is
+            raise damaged(journal, number, str(exc)) from None
 
     @property
     def run_record(self) -> dict:

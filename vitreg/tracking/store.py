@@ -19,7 +19,9 @@ failures told in one line, MLflow's own prints off.
   makes each request fail within seconds (the caller owns the back-off), :func:`bound_http_requests`
   bounds a CLI command's requests.
 - A store failure becomes one line naming the store, masked (:func:`store_errors`, :func:`store_error_for`,
-  :func:`first_line`).
+  :func:`first_line`). A request the store refused (HTTP 400/404: an invalid run id, an artifact path
+  outside the run) is said as the bad value it is, and "move it away" only of a sqlite file that does not
+  open as an MLflow store (:func:`_opens`), never inferred from a failed call.
 - MLflow's prints: it draws tqdm bars on stderr for each artifact download (three for one ``pull`` or
   ``infer``), in between vitreg's own progress lines, which already say what is downloaded where; it
   reads MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR each time it starts one, so setting it once in the process
@@ -148,6 +150,7 @@ def prepare_store(uri: str) -> None:
     path = sqlite_path(uri)
     if path is None:
         return
+    check_sqlite_uri(uri)
     deadline, pause, said = time.monotonic() + busy_wait_s(), 0.2, False
     while True:
         try:
@@ -166,6 +169,21 @@ def prepare_store(uri: str) -> None:
             said = True
         time.sleep(pause)  # a back-off between attempts on a lock another process holds
         pause = min(pause * 2, 2.0)
+
+
+def check_sqlite_uri(uri: str) -> None:
+    """Refuse a sqlite URI that names no database file: a folder (``sqlite:///`` is the current one: a typo,
+    not a store), or a file whose name would carry the URI's fragment (sqlite keeps ``#token=...`` in the
+    name of the file it creates, a secret left on disk)."""
+    path = sqlite_path(uri)
+    if path is None:
+        return
+    if "#" in uri:
+        raise VitregError(f"MLFLOW_TRACKING_URI={redact(uri)} has a fragment (#...), which sqlite would make part "
+                          f"of the database file's name: remove it (a sqlite store takes no credentials)")
+    if path.name in ("", "..") or path.is_dir():
+        raise VitregError(f"MLFLOW_TRACKING_URI={redact(uri)} names the folder {os.path.abspath(path)}, not a "
+                          f"database file: use sqlite:///PATH/mlflow.db")
 
 
 def _build(uri: str, path: Path) -> None:
@@ -216,14 +234,18 @@ def _local_reason(path: Path, reason: str) -> str | None:
     return None
 
 
-def store_fault(exc: BaseException, uri: str, doing: str = "") -> StoreError:
+def store_fault(exc: BaseException, uri: str, doing: str = "") -> VitregError:
     """The one line for a failure of the tracking store at ``uri``, with the advice for its cause: busy
     (another process holds it locked), damaged, read-only or not permitted, missing, a server that does
-    not answer, or does not answer HTTP; else the reason and where to look."""
+    not answer, or does not answer HTTP; else the reason and where to look. A request the store refused
+    is no store failure: a plain :class:`VitregError` naming the value."""
     text, reason = str(exc), first_line(exc)
     path = sqlite_path(uri)
     where = f"the tracking store {path}" if path else f"the tracking store at {redact(uri)}"
     while_doing = f" while {doing}" if doing else ""
+    if _refused_request(exc):  # the store answered: it is the value asked for that is wrong, not the store
+        return VitregError(f"{where} refused the request{while_doing} ({reason}): the store is fine, the value "
+                           f"given is not; check it (a run id, an artifact path, a name)")
     if _BUSY.search(text):
         return StoreError(f"{where} is busy{while_doing}: another process holds it locked; try again once it "
                           f"is done (a sqlite store takes one writer at a time)")
@@ -233,6 +255,9 @@ def store_fault(exc: BaseException, uri: str, doing: str = "") -> StoreError:
     if path and (_READ_ONLY.search(text) or _CANNOT_OPEN.search(text)):
         return StoreError(_local_reason(path, reason) or f"{where} cannot be opened ({reason}): check its file "
                                                          f"and folder, or MLFLOW_TRACKING_URI")
+    if path and _opens(path):  # "move it away" only for a store that does not open, never from a failed call
+        return StoreError(f"{where} opens as an MLflow store, but failed{while_doing} ({reason}): check what "
+                          f"was asked of it, or MLFLOW_TRACKING_URI")
     if path:
         return StoreError(f"{where} is not a usable MLflow database ({reason}): move it away (a new one is "
                           f"created) or point MLFLOW_TRACKING_URI elsewhere")
@@ -249,6 +274,30 @@ def store_fault(exc: BaseException, uri: str, doing: str = "") -> StoreError:
                       f"MLFLOW_TRACKING_URI")
 
 
+#: MLflow's answers to a request it understood and refused (from a server or a local store alike); not
+#: ENDPOINT_NOT_FOUND, also a 404, which a URI pointing at something that is no MLflow server gets
+_REFUSED_REQUEST = {"INVALID_PARAMETER_VALUE", "RESOURCE_DOES_NOT_EXIST", "BAD_REQUEST", "RESOURCE_ALREADY_EXISTS"}
+
+
+def _refused_request(exc: BaseException) -> bool:
+    """Whether ``exc`` is MLflow's answer to a bad request (an invalid value, no such run or path), not a
+    failure of the store."""
+    return isinstance(exc, mlflow.exceptions.MlflowException) and exc.error_code in _REFUSED_REQUEST
+
+
+def _opens(path: Path) -> bool:
+    """Whether the sqlite file ``path`` opens, read-only, as an MLflow store (its runs and experiments
+    tables are there): the check before vitreg calls a store unusable."""
+    import sqlite3
+
+    try:
+        with contextlib.closing(sqlite3.connect(f"{Path(path).resolve().as_uri()}?mode=ro", uri=True)) as db:
+            names = {row[0] for row in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+    except (sqlite3.Error, OSError, ValueError):
+        return False
+    return {"runs", "experiments", "alembic_version"} <= names
+
+
 def busy_wait_s() -> float:
     """``VITREG_STORE_BUSY_S`` (default 30): how long a locked sqlite store is waited for before "busy"."""
     return parse_float(os.environ.get("VITREG_STORE_BUSY_S") or 30, "VITREG_STORE_BUSY_S", minimum=0)
@@ -257,9 +306,13 @@ def busy_wait_s() -> float:
 # --------------------------------------------------------------------------- requests within bounded time
 
 
+DEFAULT_HTTP_TIMEOUT_S = 10
+
+
 def http_timeout_s() -> int:
     """``VITREG_HTTP_TIMEOUT_S`` (default 10): the most one request to the server may take during delivery."""
-    return int(parse_float(os.environ.get("VITREG_HTTP_TIMEOUT_S") or 10, "VITREG_HTTP_TIMEOUT_S", minimum=1))
+    return int(parse_float(os.environ.get("VITREG_HTTP_TIMEOUT_S") or DEFAULT_HTTP_TIMEOUT_S, "VITREG_HTTP_TIMEOUT_S",
+                           minimum=1))
 
 
 @contextlib.contextmanager
@@ -294,9 +347,13 @@ def bound_http_requests() -> None:
     """Every MLflow HTTP request of this process (a CLI command) ends within a bounded time: two retries
     a second apart, ``http_timeout_s()`` each, instead of MLflow's seven with doubling back-off (90-200 s
     against a server that answers 503). Settings the user made are kept."""
+    try:
+        timeout = http_timeout_s()
+    except VitregError:  # the CLI's group calls this before any one-line handler: the command says it
+        timeout = DEFAULT_HTTP_TIMEOUT_S  # (check_settings, short_http_requests) as the option it is
     for name, value in (("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2"), ("MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", "1"),
                         ("MLFLOW_HTTP_REQUEST_BACKOFF_JITTER", "0.5"),
-                        ("MLFLOW_HTTP_REQUEST_TIMEOUT", str(http_timeout_s()))):
+                        ("MLFLOW_HTTP_REQUEST_TIMEOUT", str(timeout))):
         os.environ.setdefault(name, value)
     bound_sql_engine_attempts()
 
@@ -363,7 +420,7 @@ STORE_LIBRARIES = {"mlflow", "requests", "urllib3", "http", "sqlalchemy", "sqlit
                    "psycopg2", "pymysql", "MySQLdb"}
 
 
-def store_error_for(exc: BaseException) -> StoreError | None:
+def store_error_for(exc: BaseException) -> VitregError | None:
     """The one line for a failure of the tracking store that reached the CLI unconverted (an MLflow, HTTP or
     SQL error): the store, masked, the reason and the advice for its cause (:func:`store_fault`); None for
     any other exception."""

@@ -1,6 +1,7 @@
 """`vitreg sync`: spools whose run ended without the store holding all of it (server down, offline=true,
 a process killed), delivered later, exactly once: every record checked before the first is sent, the store's
-run counted after, the spool removed only when nothing is lacking.
+run counted after, the spool removed only when nothing is lacking and the run has ended (a spool whose process
+stopped before writing the end is kept, and said, until the run is ended some other way: ``runs --stale --fix``).
 
 Kept apart from :mod:`vitreg.tracking.delivery` (the live tracker every run logs through): this is the later
 path, run by `vitreg sync`, `runs --stale` and a SLURM sweep's parent, over spools no process holds.
@@ -31,10 +32,15 @@ class Synced:
     spool: Path
     run_id: str | None  # None: left alone (in use by a running process)
     records: int  # journal records delivered by this sync (0 when the server already had them all)
+    ended: bool = True  # False: the spool holds no end and the store's run is RUNNING (the spool is kept)
 
     def describe(self) -> str:
         if self.run_id is None:
             return f"left {self.spool}: in use by a running process, which delivers it itself"
+        if not self.ended:
+            return (f"delivered {self.records} new records of {self.spool} -> run {self.run_id}, but not its end: "
+                    f"its process stopped before writing it, so the run stays RUNNING and the spool is kept; "
+                    f"end the run with `vitreg runs --stale --fix`, then `vitreg sync` removes the spool")
         return f"delivered {self.spool} -> run {self.run_id} ({self.records} new records)"
 
 
@@ -88,9 +94,13 @@ def sync_one(spool: Spool, tracking_uri: str | None = None) -> Synced:
             raise SyncError(f"the tracking store's run {delivery.run_id} lacks {lacking} after delivering the "
                             f"spool {spool.path} twice: the spool is kept; check the store, then run `vitreg sync` "
                             f"again")
-    spool.remove()
-    delivery.tidy_up()
-    return Synced(spool.path, delivery.run_id, new)
+        # a spool without its end (a process killed, or failed before the end) is not all of the run: it is
+        # kept until the store's run has ended some other way (runs --stale --fix), never called delivered
+        ended = records[-1]["kind"] == "end" or delivery.client.get_run(delivery.run_id).info.status != "RUNNING"
+    if ended:
+        spool.remove()
+        delivery.tidy_up()
+    return Synced(spool.path, delivery.run_id, new, ended)
 
 
 def pending(spool_dir: Path | None = None) -> list[Spool]:
