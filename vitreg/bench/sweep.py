@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 import tempfile
+import threading
 from dataclasses import dataclass, field
 
 from vitreg.config.options import option
@@ -131,6 +132,8 @@ def _run_parent(settings, axes, combos, common, engine, max_oom_retries, progres
                            "n_combinations": len(combos), "engine": settings.engine})
         context = _Context(parent, common, len(combos), max_oom_retries, outcome, progress,
                            Board(engine.slots, progress))
+        # the comparison's libraries (pandas, matplotlib: ~1.5 s) load while the children run, not after them
+        threading.Thread(target=_import_comparison, daemon=True).start()
         engine.run(context, combos)
         _conclude(parent, context.last_ok, progress)
     return outcome
@@ -302,6 +305,13 @@ class LocalEngine:
 
 def _nproc(combo: Combination, common: dict) -> int:
     return int(combo.get("nproc", common.get("nproc") or 1))
+
+
+def _import_comparison() -> None:
+    import matplotlib.backends.backend_agg  # noqa: F401  what the plots render with
+
+    from vitreg.analysis import comparison, render, report  # noqa: F401
+    from vitreg.tracking import search  # noqa: F401
 
 
 def _log_comparison(parent) -> None:

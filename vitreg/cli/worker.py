@@ -4,6 +4,7 @@ end written on stderr. Here, in the CLI's layer, because a child is a CLI comman
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import os
@@ -23,7 +24,11 @@ def serve() -> int:
     from vitreg.cli.main import main
     from vitreg.bench import job  # noqa: F401  torch, timm and the job, before the first child's clock starts
     from vitreg.tracking import runs  # noqa: F401  and MLflow
+    from vitreg.tracking.store import prepare_store
+    from vitreg.tracking.uris import current_uri
 
+    with contextlib.suppress(Exception):  # the store opened (MLflow keeps it) before the first child asks; a
+        prepare_store(current_uri())     # store that fails is said by that child, in its run's terms
     gc.freeze()  # the imports' millions of objects: out of every later collection's walk (0.3 s each)
     stops = {128 + s for s in ALL_STOP_SIGNALS}
     threading.Thread(target=_stop_with_parent, args=(os.getppid(),), daemon=True).start()
