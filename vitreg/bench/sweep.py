@@ -24,6 +24,9 @@ SWEEP_LISTS = tuple(LIST_AXES)
 #: the wall time of one tiny child (start-up, imports, the model, logging: 22.7 s for test_vit on this project's
 #: loaded 2-core host, docs/benchmarks.md "A fleet"); the estimate before a sweep starts is built on it
 CHILD_START_S = 23.0
+#: a later child's in a warm worker (its run, model, logging: 1-4 s on the H200, ~1.5 s on a 2-core CPU,
+#: docs/benchmarks.md "Time to an answer")
+WARM_CHILD_S = 2.0
 HOST_SHARE_TAG = "sweep_children_on_host"  # how many children shared the child's host while it ran
 #: on each child run: its combination's options and the sweep's common ones (JSON), what --rerun-failed runs again
 OPTIONS_TAG = "sweep_child_options"
@@ -78,9 +81,12 @@ def run_sweep(own: dict, common: dict | None = None, max_oom_retries: int = 3, p
         combos = plan(axes, common)
         engine.check(combos, common)
         rounds = math.ceil(len(combos) / engine.slots)
+        warm = isinstance(engine, LocalEngine) and settings.isolate == "worker"
+        start_s = CHILD_START_S + (rounds - 1) * WARM_CHILD_S if warm else rounds * CHILD_START_S
+        each = (f"~{CHILD_START_S:.0f} s for a GPU's warm worker, ~{WARM_CHILD_S:.0f} s a child in it" if warm
+                else f"~{CHILD_START_S:.0f} s a child")
         progress(f"sweep: {len(combos)} combinations, {engine.slots} at once on {engine.where}: about "
-                 f"{format_seconds(rounds * CHILD_START_S)} of start-up alone (~{CHILD_START_S:.0f} s a child), "
-                 f"plus each child's timed work")
+                 f"{format_seconds(start_s)} of start-up alone ({each}), plus each child's work")
         tracking.check_server()
         return _run_parent(settings, axes, combos, common, engine, max_oom_retries, progress)
     finally:
