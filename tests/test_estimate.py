@@ -52,6 +52,9 @@ def test_the_work_of_a_bench_is_its_steps_counted_as_the_run_will_take_them():
     assert BenchAhead(compiled, {"infer": 0.1}).task_seconds("infer") == pytest.approx(16.2 + estimate.COMPILE_S["default"])
     assert BenchAhead(compiled, {"infer": 0.1}, compile_cached=True).task_seconds("infer") == pytest.approx(
         16.2 + estimate.COMPILE_S["default"] / 4)
+    # a compile of this graph was timed before: its time, not the typical figure
+    assert BenchAhead(compiled, {"infer": 0.1}, compile_s={"infer": 9.9}).task_seconds("infer") == pytest.approx(
+        16.2 + 9.9)
     # batch_size=auto on the CPU: the steps at 64 (the search's top) and the probes at 8, 16, 32, 64 (5 steps each)
     auto = BenchSpec(model="test_vit", task="infer", warmup=10, steps=30, repeats=5)
     assert BenchAhead(auto, {"infer": 0.64}).task_seconds("infer") == pytest.approx(
@@ -218,3 +221,19 @@ def test_the_advice_leaves_out_the_options_already_in_use_and_spells_the_command
     done = BenchSpec(model="deit_tiny_patch16_224", batch_size=8, warmup=3, steps=5, repeats=3)
     line = BenchAhead(done, {"infer": 30.0, "train": 90.0}).line()
     assert line.startswith("estimate: bench will take") and "for a short run" not in line
+
+
+def test_a_timed_compile_is_what_the_next_estimate_of_its_graph_counts():
+    """Issue 35: the estimate put ViT-B's compile at 40 s (a typical figure) where the H200 took 9.9 s: estimate
+    / work 2.72. Each compile's time is kept per graph and cache state (cold, warm) and read back; any batch."""
+    from vitreg.measure import batch_cache
+
+    key = batch_cache.CacheKey("NVIDIA H200", "vit_base_patch16_224", 224, "tf32", "default", "auto", "2.11", "infer")
+    assert batch_cache.compile_seconds(key, warm=False) is None
+    batch_cache.keep_compile_seconds(key, "cold", 9.9)
+    batch_cache.keep_compile_seconds(key, "unused", 0.1)  # no compile of this cache: not kept
+    assert batch_cache.compile_seconds(key, warm=False) == 9.9 and batch_cache.compile_seconds(key, warm=True) is None
+    batch_cache.keep_compile_seconds(key, "warm", 2.5)
+    assert (batch_cache.compile_seconds(key, warm=True), batch_cache.compile_seconds(key, warm=False)) == (2.5, 9.9)
+    other = batch_cache.CacheKey(*[*key.__dict__.values()][:-1], "train")
+    assert batch_cache.compile_seconds(other, warm=False) is None

@@ -112,6 +112,8 @@ def _measure(step, bench: _Bench, task: str, batch_size: int, graph_eager_steps:
         else:
             first_s = wall_seconds(step, dev)
     state = cache.state() if cache is not None else None
+    if compiling and not graph_eager_steps:  # what the next estimate of this graph counts for its compile
+        batch_cache.keep_compile_seconds(batch_cache.key_for(spec, runtime, task), state, first_s)
     say(f"{task}: first call took {first_s:.2f} s{f' (compile cache {state})' if state else ''}; "
         f"warm-up {spec.warmup - 1} more iteration(s)")
     PHASES.mark("first_call")
@@ -488,7 +490,10 @@ def _estimate(model, bench: _Bench, fwd_flops: int, train_flops: int, cache_dir,
         del opt
         model.zero_grad(set_to_none=True)
     cached = cache_dir is not None and Path(cache_dir).is_dir() and any(Path(cache_dir).iterdir())
-    ahead = BenchAhead(spec, step_s, dev, cached, command)
+    learned = {task: batch_cache.compile_seconds(batch_cache.key_for(spec, runtime, task), warm=cached)
+               for task in step_s} if runtime.compile != "off" else {}
+    ahead = BenchAhead(spec, step_s, dev, cached, command,
+                       compile_s={task: s for task, s in learned.items() if s is not None})
     ahead.refuse_if_endless()
     line = ahead.line()
     if line:

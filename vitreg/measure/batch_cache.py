@@ -12,7 +12,9 @@ said in one line and rewritten, an entry of the wrong shape counts as missing. D
 
 Beside it, ``flops.json`` keeps the FLOP counts (:func:`counted_flops`): a forward and a training step of the
 same model at the same size count the same every time, and counting them runs the real model under torch's
-FlopCounterMode (a CPU run of ViT-B/16 spent seconds on it; every sweep child of one model counted again).
+FlopCounterMode (a CPU run of ViT-B/16 spent seconds on it; every sweep child of one model counted again). And
+``compile.json`` the last compile time of each graph, cold and warm (:func:`compile_seconds`): what the estimate
+counts for a compile once one was timed (a typical figure put ViT-B's at 40 s where the H200 took 10-12 s).
 """
 
 from __future__ import annotations
@@ -121,14 +123,43 @@ def _write(entries: dict, path: Path | None = None) -> None:
 def counted_flops(key: dict, count) -> int:
     """The FLOPs ``count()`` gives for the work ``key`` names (the model, its size, classes and distillation,
     its parameters, the library versions, forward or training step), counted once and read back after."""
-    path = cache_file().with_name("flops.json")
-    text = json.dumps(key, sort_keys=True)
-    entries, _ = _read(path)
-    kept = entries.get(text)
+    kept = _kept("flops.json", json.dumps(key, sort_keys=True))
     if type(kept) is int and kept > 0:
         return kept
     flops = int(count())
-    entries.pop(text, None)
-    entries[text] = flops  # newest last
-    _write(dict(list(entries.items())[-MAX_ENTRIES:]), path)
+    _keep("flops.json", json.dumps(key, sort_keys=True), flops)
     return flops
+
+
+# --------------------------------------------------------------------------------------------
+# compile times: what the estimate counts for a compile, once one of the same graph was timed
+
+
+def compile_seconds(key: CacheKey, warm: bool) -> float | None:
+    """The last compile (with its first call) of ``key``'s graph timed with the compile cache ``warm`` or cold;
+    None before one was. The batch is not in the key: a ViT's graph compiles in about the same time at any."""
+    kept = _kept("compile.json", key.text())
+    value = kept.get("warm" if warm else "cold") if isinstance(kept, dict) else None
+    return float(value) if isinstance(value, (int, float)) and value >= 0 else None
+
+
+def keep_compile_seconds(key: CacheKey, state: str | None, seconds: float) -> None:
+    """Keep a compile's time under the cache state it met (:class:`vitreg.hardware.compile_cache.CacheProbe`:
+    ``warm``, ``cold``; a ``partial`` one counts as cold, an ``unused`` one is not a compile of this cache)."""
+    if state not in ("warm", "cold", "partial"):
+        return
+    kept = _kept("compile.json", key.text())
+    _keep("compile.json", key.text(), {**(kept if isinstance(kept, dict) else {}),
+                                         "warm" if state == "warm" else "cold": round(seconds, 2)})
+
+
+def _kept(name: str, text: str):
+    return _read(cache_file().with_name(name))[0].get(text)
+
+
+def _keep(name: str, text: str, value) -> None:
+    path = cache_file().with_name(name)
+    entries, _ = _read(path)
+    entries.pop(text, None)
+    entries[text] = value  # newest last
+    _write(dict(list(entries.items())[-MAX_ENTRIES:]), path)

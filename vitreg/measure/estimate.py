@@ -212,6 +212,7 @@ class BenchAhead:
     device: str = "cpu"
     compile_cached: bool = False  # the compile cache folder already holds entries
     command: str = ""  # what the user typed: the advice takes its spelling (see :func:`spelled`)
+    compile_s: dict = field(default_factory=dict)  # task -> the last timed compile of its graph (batch_cache)
 
     def task_seconds(self, task: str) -> float:
         """First call (with compilation), warm-up, the timed windows, the untimed steps after them."""
@@ -220,7 +221,9 @@ class BenchAhead:
         timed = (spec.repeats or MIN_WINDOWS) * window
         if not spec.repeats:  # the stop rule starts no window that would end past max_time_s
             timed = max(window, min(timed, spec.max_time_s))
-        compile_s = COMPILE_S[spec.compile] * (0.25 if self.compile_cached else 1.0)
+        compile_s = self.compile_s.get(task)
+        if compile_s is None:  # no compile of this graph timed yet: a typical one
+            compile_s = COMPILE_S[spec.compile] * (0.25 if self.compile_cached else 1.0)
         return compile_s + (spec.warmup + AFTER_WINDOWS_STEPS) * step + timed + self._search_s(step)
 
     def _search_s(self, step: float) -> float:
