@@ -37,7 +37,7 @@ def serve() -> int:
             job_line = json.loads(line)
             status = run_child(main, job_line["args"], job_line["env"])
             sys.stdout.flush()
-            sys.stderr.write(f"{DONE}{status}\n")
+            sys.stderr.write(f"\n{DONE}{status}\n")  # on a line of its own, whatever the child left unended
             sys.stderr.flush()
             if status in stops:
                 return status
@@ -71,7 +71,10 @@ def run_child(main, args: list[str], env: dict) -> int:
         status = 1
     finally:
         for key, value in saved.items():
-            os.environ.pop(key, None) if value is None else os.environ.__setitem__(key, value)
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
         fresh_state()
     return status
 
