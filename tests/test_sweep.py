@@ -121,3 +121,18 @@ def test_rerun_failed_of_a_run_that_is_no_ended_sweep_is_one_line(sqlite_store):
         errors = [line for line in result.output.splitlines() if line.startswith("error:")]
         assert len(errors) == 1 and needle in errors[0], result.output
     assert len(_runs("sw")) == 2
+
+
+def test_the_time_left_counts_the_typical_child_not_the_first_ones_wait_for_its_worker():
+    """Issue 35: "about 3 min left" after the first child, then six more minutes. A GPU's first child also waits
+    for its warm worker's imports; the later ones are what the rest will take."""
+    from vitreg.fleet.board import Board
+
+    lines = []
+    board = Board(1, lines.append)
+    for _ in range(6):
+        board.queued("h200")
+    for seconds in (20.0, 2.0, 3.0):
+        board.started("h200")
+        board.ended("h200", True, seconds)
+    assert lines[-1].endswith("; about 9 s left"), lines[-1]  # 3 left x the median 3 s (the mean would say 25 s)

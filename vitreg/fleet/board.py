@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import statistics
 import threading
 import time
 
@@ -52,8 +53,9 @@ class Board:
         left = sum(c["running"] + c["queued"] for c in self._counts.values())
         eta = ""
         if self._durations and left:
-            mean = sum(self._durations) / len(self._durations)
-            eta = f"; about {format_seconds(mean * -(-left // self._slots))} left"
+            # the median child: a GPU's first child also waits for its warm worker's imports, once
+            typical = statistics.median(self._durations)
+            eta = f"; about {format_seconds(typical * -(-left // self._slots))} left"
         return "sweep: " + " | ".join(parts) + eta
 
 
