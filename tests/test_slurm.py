@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from mlflow.tracking import MlflowClient
@@ -21,8 +22,8 @@ SWEEP = [sys.executable, "-m", "vitreg.cli", "sweep", "--engine", "slurm"]
 NODE_OF = {"h100": "gpu-h100", "a100": "gpu-a100"}
 
 
-def _start(cluster, uri: str, tmp_path, *args) -> subprocess.Popen:
-    return subprocess.Popen([*SWEEP, *args, "--slurm-folder", str(tmp_path / "shared"), "--experiment", "fleet"],
+def _start(cluster, uri: str, tmp_path, *args, sweep=SWEEP) -> subprocess.Popen:
+    return subprocess.Popen([*sweep, *args, "--slurm-folder", str(tmp_path / "shared"), "--experiment", "fleet"],
                             cwd=tmp_path, env=subprocess_env(uri, **cluster.env), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
 
@@ -72,6 +73,23 @@ def test_two_gpu_types_by_two_batch_sizes_give_four_children_each_on_a_node_of_i
         job = _job(slurm_cluster, child.data.tags["slurm_job_id"])
         assert job["gres"] == f"gres:gpu:{gpu}:1" and job["node"] == NODE_OF[gpu], (gpu, job)
         assert child.data.tags["slurm_node"] == NODE_OF[gpu] and child.data.tags["slurm_spooled"] == "False"
+
+
+def test_a_sweep_submitted_beside_a_folder_called_vitreg_imports_the_installed_package(slurm_cluster, uri,
+                                                                                          tmp_path):
+    """Issue 40: submitit starts the job in the submitting folder with `python -m`, so a clone's `vitreg/` there
+    was imported instead of the package and every child failed. Typed as a user does: the `vitreg` script."""
+    shadow = tmp_path / "vitreg"
+    (shadow / "tracking").mkdir(parents=True)
+    (shadow / "__init__.py").write_text("raise ImportError('the folder beside the clone, not the package')\n")
+    sweep = _start(slurm_cluster, uri, tmp_path, "--gpu", "a100", *CHILD[2:], "--models", "test_vit", *SHORT,
+                   sweep=[str(Path(sys.executable).parent / "vitreg"), *SWEEP[3:]])
+    try:
+        _, err = sweep.communicate(timeout=600)
+    finally:
+        _end(sweep)
+    assert sweep.returncode == 0, err[-3000:]
+    assert [c.info.status for c in _children(MlflowClient(uri))] == ["FINISHED"], err[-3000:]
 
 
 def test_an_unknown_gpu_type_is_refused_in_one_line_naming_the_types_the_cluster_has(slurm_cluster, uri, tmp_path):

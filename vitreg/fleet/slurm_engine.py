@@ -169,14 +169,17 @@ class SlurmEngine:
             return (1 if wanted and self.options.gpu_by == "gres" else 0), wanted
         return nproc, wanted
 
-    def job_parameters(self, combo, common: dict, name: str) -> dict:
-        """submitit's SlurmExecutor parameters of one child's job."""
+    def job_parameters(self, combo, common: dict, name: str, folder: Path) -> dict:
+        """submitit's SlurmExecutor parameters of one child's job, started in ``folder`` (vitreg's own): submitit
+        runs ``python -m`` in the job's working directory, which comes first on the import path, and the
+        submitting folder may hold a clone named ``vitreg/`` that would shadow the package."""
         need, wanted = self._request(combo, common)
         nproc = int(combo.get("nproc", common.get("nproc") or 1))
         opts = self.options
         params = {"job_name": name[:100], "time": opts.time_min, "nodes": 1, "ntasks_per_node": 1,
                   "cpus_per_task": nproc, "partition": opts.partition or None, "account": opts.account or None,
-                  "qos": opts.qos or None, "stderr_to_stdout": False, "additional_parameters": dict(opts.sbatch)}
+                  "qos": opts.qos or None, "stderr_to_stdout": False,
+                  "additional_parameters": {"chdir": str(folder), **opts.sbatch}}
         if need and opts.gpu_by == "gres":
             params["gres"] = f"gpu:{wanted}:{need}" if wanted else f"gpu:{need}"
         elif need:
