@@ -63,6 +63,23 @@ def test_a_ray_address_that_does_not_answer_is_refused_after_one_connect(sqlite_
     assert [p for _, p in ports_tried].count(port) == 1 and joined == []
 
 
+def test_a_closed_ray_address_in_ray_address_is_refused_after_one_connect_naming_it(sqlite_store, monkeypatch,
+                                                                                    ports_tried):
+    """Issue 40: ray_address=auto defers to RAY_ADDRESS, as Ray does; that address went unchecked to ray.init,
+    which waited 60 s and more on a closed port, saying nothing on the console."""
+    import ray
+
+    joined = []
+    monkeypatch.setattr(ray, "init", lambda *args, **kwargs: joined.append(kwargs))
+    port = free_port()  # nothing listens there
+    monkeypatch.setenv("RAY_ADDRESS", f"127.0.0.1:{port}")
+    result = CliRunner().invoke(main, [*BASE, "--engine", "ray"])
+    errors = [line for line in result.output.splitlines() if line.startswith("error:")]
+    assert result.exit_code == 2 and len(errors) == 1, result.output
+    assert f"the Ray cluster at 127.0.0.1:{port} (RAY_ADDRESS) does not answer" in errors[0]
+    assert [p for _, p in ports_tried].count(port) == 1 and joined == []
+
+
 def test_axes_param_and_axis_flags_make_one_product():
     common = {"device": "cpu", "img_size": 32, "gpu": "auto"}
     axes = collect_axes({"models": "test_vit,test_vit2", "amp": "off", "compile": "off", "batch_size": "2"},

@@ -39,7 +39,11 @@ def _ray():
 
 
 def _check_answers(address: str) -> None:
-    """``HOST:PORT`` and ``ray://HOST:PORT``: a TCP connect, so a dead address is one line in seconds."""
+    """``HOST:PORT`` and ``ray://HOST:PORT``: a TCP connect, so a dead address is one line in seconds (ray.init
+    waits a minute and more for a GCS that does not answer). ``auto`` is RAY_ADDRESS when that is set, as
+    ``ray.init`` reads it."""
+    from_env = address == "auto" and os.environ.get("RAY_ADDRESS")
+    address = from_env or address
     if address in ("auto", "local"):
         return
     host, _, port = address.removeprefix("ray://").rpartition(":")
@@ -47,8 +51,9 @@ def _check_answers(address: str) -> None:
         with socket.create_connection((host, int(port)), timeout=CONNECT_TIMEOUT_S):
             pass
     except (OSError, ValueError) as exc:
-        raise VitregError(f"the Ray cluster at {address} does not answer ({exc}): start its head with `ray start "
-                          f"--head` there, or pass ray_address=auto (this host's cluster) or local") from None
+        where, fix = (" (RAY_ADDRESS)", "unset RAY_ADDRESS") if from_env else ("", "pass ray_address=auto")
+        raise VitregError(f"the Ray cluster at {address}{where} does not answer ({exc}): start its head with `ray "
+                          f"start --head` there, or {fix} (this host's cluster) or ray_address=local") from None
 
 
 class RayLogAside:
