@@ -138,3 +138,38 @@ def test_rerun_failed_of_a_run_that_is_no_ended_sweep_is_one_line(sqlite_store):
         errors = [line for line in result.output.splitlines() if line.startswith("error:")]
         assert len(errors) == 1 and needle in errors[0], result.output
     assert len(_runs("sw")) == 2
+
+
+@pytest.mark.parametrize("recorded", ["settings", "engine tag only"])
+def test_rerun_failed_of_a_ray_sweep_reruns_on_ray_at_its_address(sqlite_store, monkeypatch, recorded):
+    """Issue 40: `--rerun-failed` of a Ray parent ran its failed child on this host's CPU. It re-runs on the
+    parent's engine: at the address its sweep_settings tag records, or (a parent of an older vitreg, tagged
+    sweep_engine=ray alone) at Ray's own default, RAY_ADDRESS. Both addresses are closed: the refusal names it."""
+    import json
+
+    import ray
+    from mlflow.tracking import MlflowClient
+
+    from vitreg.bench.sweep import OPTIONS_TAG, SETTINGS_TAG
+
+    joined = []
+    monkeypatch.setattr(ray, "init", lambda *args, **kwargs: joined.append(kwargs))
+    address = f"127.0.0.1:{free_port()}"  # nothing listens there
+    tags = {"vitreg_job": "sweep", "sweep_engine": "ray"}
+    if recorded == "settings":
+        tags[SETTINGS_TAG] = json.dumps({"engine": "ray", "ray_address": address})
+    else:
+        monkeypatch.setenv("RAY_ADDRESS", address)
+    client = MlflowClient()
+    exp = client.create_experiment("sw")
+    parent = client.create_run(exp, tags=tags).info.run_id
+    options = {"common": {"device": "cpu", "img_size": 32}, "combination": {"model": "test_vit", "batch_size": 2}}
+    child = client.create_run(exp, tags={"mlflow.parentRunId": parent, "sweep_index": "1", "sweep_label": "test_vit",
+                                         "sweep_engine": "ray", OPTIONS_TAG: json.dumps(options)}).info.run_id
+    for run_id in (child, parent):
+        client.set_terminated(run_id, "FAILED")
+    result = CliRunner().invoke(main, ["sweep", "--rerun-failed", parent])
+    errors = [line for line in result.output.splitlines() if line.startswith("error:")]
+    assert result.exit_code == 2 and len(errors) == 1, result.output
+    assert f"the Ray cluster at {address}" in errors[0] and joined == [], errors
+    assert len(_runs("sw")) == 2
