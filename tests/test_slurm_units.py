@@ -63,6 +63,18 @@ def test_a_job_starts_in_vitregs_folder_not_the_submitting_one_unless_the_user_n
     assert mine["additional_parameters"] == {"chdir": "/scratch/me"}
 
 
+def test_a_cpu_child_of_a_type_no_node_has_is_told_the_types_not_to_pass_the_device_it_gave(monkeypatch):
+    """Issue 40 item 7: `--gpu a100 --device cpu` said "asks for 1 GPUs of type a100 ...: pass device=cpu"."""
+    from vitreg.fleet import slurm_engine
+
+    monkeypatch.setattr(slurm_engine, "cluster_nodes", lambda partition="": [
+        slurm_engine.Node("gpu-h100", "idle", {"h100": 1}, frozenset())])
+    with pytest.raises(VitregError) as refused:
+        _engine().check([_combo(model="test_vit")], {"gpu": "a100", "device": "cpu"})
+    assert "gpu=a100: no node of the SLURM cluster has GPU gres type a100 (it has: h100)" in str(refused.value)
+    assert "device=cpu" not in str(refused.value)
+
+
 def test_a_bad_slurm_option_is_one_line():
     with pytest.raises(VitregError, match="slurm_gpu_by"):
         _engine(slurm_gpu_by="label")

@@ -80,6 +80,20 @@ def test_a_closed_ray_address_in_ray_address_is_refused_after_one_connect_naming
     assert [p for _, p in ports_tried].count(port) == 1 and joined == []
 
 
+def test_a_cpu_child_of_a_type_no_ray_node_has_is_told_the_types_not_to_pass_the_device_it_gave():
+    """Issue 40 item 7: `--gpu a100 --device cpu` said "asks for 0 GPUs of type A100 ...: pass device=cpu"."""
+    from vitreg.errors import VitregError
+    from vitreg.fleet.axes import Combination
+    from vitreg.fleet.ray_engine import RayEngine
+
+    engine = RayEngine.__new__(RayEngine)  # no cluster: one node of type H100, as ray.nodes() shows it
+    engine._nodes = lambda: [{"Alive": True, "Resources": {"CPU": 2.0, "GPU": 1.0, "accelerator_type:H100": 1.0}}]
+    with pytest.raises(VitregError) as refused:
+        engine.check([Combination((("model", "test_vit"),), "test_vit")], {"gpu": "a100", "device": "cpu"})
+    assert "gpu=a100: no node of the Ray cluster has accelerator type A100 (it has: H100)" in str(refused.value)
+    assert "device=cpu" not in str(refused.value)
+
+
 def test_axes_param_and_axis_flags_make_one_product():
     common = {"device": "cpu", "img_size": 32, "gpu": "auto"}
     axes = collect_axes({"models": "test_vit,test_vit2", "amp": "off", "compile": "off", "batch_size": "2"},
