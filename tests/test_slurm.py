@@ -15,7 +15,8 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from conftest import free_port, migrated_store, premigrated, subprocess_env
-from test_fleet import CHILD, LONG, SHORT, _bench_processes, _children, _end, _wait
+from test_fleet import (CHILD, LONG, SHORT, _bench_processes, _children, _end, _failing_children, _parent,
+                        _sweep_in_process, _wait)
 
 pytestmark = pytest.mark.slow
 SWEEP = [sys.executable, "-m", "vitreg.cli", "sweep", "--engine", "slurm"]
@@ -213,3 +214,32 @@ def test_a_job_the_cluster_cancels_ends_its_child_failed_with_slurms_word(slurm_
     assert run.data.tags["vitreg_error"].startswith(f"slurm: job {job_id} CANCELLED"), run.data.tags["vitreg_error"]
     assert sweep.returncode == 2 and "0 finished, 1 failed" in err, err[-2000:]
     assert client.get_run(run.data.tags["mlflow.parentRunId"]).info.status == "FAILED"
+
+
+def test_rerun_failed_of_a_slurm_sweep_reruns_its_failed_child_as_a_slurm_job(slurm_cluster, uri, tmp_path,
+                                                                              monkeypatch):
+    """Issue 40: `--rerun-failed` of a SLURM parent ran the failed child on this host's CPU, untagged, beside the
+    old one. Given no engine option, it submits it to SLURM again (into the parent's folder); the old one says
+    which run replaced it."""
+    import mlflow
+
+    for key, value in {"MLFLOW_TRACKING_URI": uri, **slurm_cluster.env}.items():
+        monkeypatch.setenv(key, value)
+    mlflow.set_tracking_uri(uri)
+    monkeypatch.chdir(tmp_path)
+    flag = _failing_children(tmp_path, monkeypatch, "test_vit2")
+    first = _sweep_in_process("--engine", "slurm", "--slurm-folder", str(tmp_path / "shared"), *CHILD, *SHORT,
+                              "--experiment", "fleet")
+    client = MlflowClient(uri)
+    assert first.exit_code == 2 and "1 finished, 1 failed" in first.output, first.output[-3000:]
+    parent_id = _parent(client).info.run_id
+    flag.unlink()
+    again = _sweep_in_process("--rerun-failed", parent_id)
+    assert again.exit_code == 0 and f"sweep {parent_id}: 2 finished, 0 failed" in again.output, again.output[-3000:]
+    assert "re-running 1 of its 2 combinations (those with no finished child) on SLURM" in again.output
+    failed, rerun = sorted((c for c in _children(client) if c.data.tags["sweep_label"] == "test_vit2"),
+                           key=lambda c: c.info.start_time)
+    assert rerun.info.status == "FINISHED" and rerun.data.tags["sweep_engine"] == "slurm"
+    assert rerun.data.tags["slurm_job_id"] != failed.data.tags["slurm_job_id"]
+    assert (tmp_path / "shared" / f"sweep-{parent_id}" / "jobs" / rerun.data.tags["slurm_job_id"]).is_dir()
+    assert failed.data.tags["sweep_superseded_by"] == rerun.info.run_id
