@@ -176,6 +176,38 @@ def test_rerun_failed_completes_a_parent_under_the_same_run(sqlite_store, tmp_pa
     assert rerun.data.tags["mlflow.parentRunId"] == parent_id
     assert rerun.data.tags["sweep_index"] == failed.data.tags["sweep_index"]
     assert (rerun.data.params["img_size"], rerun.data.params["steps"]) == ("32", "2")  # the options it had
+    assert failed.data.tags["sweep_superseded_by"] == rerun.info.run_id  # issue 40: the old one says it was replaced
+    assert "sweep_superseded_by" not in rerun.data.tags and "sweep_superseded_by" not in done.data.tags
+
+
+def test_rerun_failed_runs_the_combinations_a_stopped_sweep_never_started(sqlite_store, monkeypatch):
+    """Issue 39: a sweep stopped by SIGTERM after its first child leaves its second combination without a child;
+    `--rerun-failed` ran only FAILED and KILLED children, so it said there was nothing to re-run and the parent
+    stayed KILLED with one of its two combinations never measured."""
+    from vitreg import signals
+    from vitreg.bench.sweep import LocalEngine
+
+    real_run = LocalEngine.run
+
+    def stopped_after_the_first(engine, ctx, combos):
+        real_run(engine, ctx, combos[:1])
+        raise signals.Terminated(signal.SIGTERM)  # as the signal arrives between two children
+
+    monkeypatch.setattr(LocalEngine, "run", stopped_after_the_first)
+    first = _sweep_in_process(*CHILD, *SHORT, "--experiment", "fleet")
+    client = MlflowClient(sqlite_store)
+    parent_id = _parent(client).info.run_id
+    assert first.exit_code == 128 + signal.SIGTERM and _parent(client).info.status == "KILLED", first.output[-3000:]
+    assert [c.data.tags["sweep_index"] for c in _children(client)] == ["1"]
+
+    monkeypatch.setattr(LocalEngine, "run", real_run)
+    again = _sweep_in_process("--rerun-failed", parent_id)
+    assert again.exit_code == 0 and f"sweep {parent_id}: 2 finished, 0 failed" in again.output, again.output[-3000:]
+    assert "re-running 1 of its 2 combinations" in again.output
+    assert _parent(client).info.status == "FINISHED"
+    children = {c.data.tags["sweep_index"]: c for c in _children(client)}
+    assert sorted(children) == ["1", "2"] and {c.info.status for c in children.values()} == {"FINISHED"}
+    assert children["2"].data.params["model"] == "test_vit2" and children["2"].data.params["img_size"] == "32"
 
 
 def test_rays_own_log_lines_go_to_the_file_the_sweep_names(tmp_path):

@@ -9,20 +9,22 @@ import os
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from mlflow.tracking import MlflowClient
 
 from conftest import free_port, migrated_store, premigrated, subprocess_env
-from test_fleet import CHILD, LONG, SHORT, _bench_processes, _children, _end, _wait
+from test_fleet import (CHILD, LONG, SHORT, _bench_processes, _children, _end, _failing_children, _parent,
+                        _sweep_in_process, _wait)
 
 pytestmark = pytest.mark.slow
 SWEEP = [sys.executable, "-m", "vitreg.cli", "sweep", "--engine", "slurm"]
 NODE_OF = {"h100": "gpu-h100", "a100": "gpu-a100"}
 
 
-def _start(cluster, uri: str, tmp_path, *args) -> subprocess.Popen:
-    return subprocess.Popen([*SWEEP, *args, "--slurm-folder", str(tmp_path / "shared"), "--experiment", "fleet"],
+def _start(cluster, uri: str, tmp_path, *args, sweep=SWEEP) -> subprocess.Popen:
+    return subprocess.Popen([*sweep, *args, "--slurm-folder", str(tmp_path / "shared"), "--experiment", "fleet"],
                             cwd=tmp_path, env=subprocess_env(uri, **cluster.env), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
 
@@ -72,6 +74,23 @@ def test_two_gpu_types_by_two_batch_sizes_give_four_children_each_on_a_node_of_i
         job = _job(slurm_cluster, child.data.tags["slurm_job_id"])
         assert job["gres"] == f"gres:gpu:{gpu}:1" and job["node"] == NODE_OF[gpu], (gpu, job)
         assert child.data.tags["slurm_node"] == NODE_OF[gpu] and child.data.tags["slurm_spooled"] == "False"
+
+
+def test_a_sweep_submitted_beside_a_folder_called_vitreg_imports_the_installed_package(slurm_cluster, uri,
+                                                                                          tmp_path):
+    """Issue 40: submitit starts the job in the submitting folder with `python -m`, so a clone's `vitreg/` there
+    was imported instead of the package and every child failed. Typed as a user does: the `vitreg` script."""
+    shadow = tmp_path / "vitreg"
+    (shadow / "tracking").mkdir(parents=True)
+    (shadow / "__init__.py").write_text("raise ImportError('the folder beside the clone, not the package')\n")
+    sweep = _start(slurm_cluster, uri, tmp_path, "--gpu", "a100", *CHILD[2:], "--models", "test_vit", *SHORT,
+                   sweep=[str(Path(sys.executable).parent / "vitreg"), *SWEEP[3:]])
+    try:
+        _, err = sweep.communicate(timeout=600)
+    finally:
+        _end(sweep)
+    assert sweep.returncode == 0, err[-3000:]
+    assert [c.info.status for c in _children(MlflowClient(uri))] == ["FINISHED"], err[-3000:]
 
 
 def test_an_unknown_gpu_type_is_refused_in_one_line_naming_the_types_the_cluster_has(slurm_cluster, uri, tmp_path):
@@ -195,3 +214,32 @@ def test_a_job_the_cluster_cancels_ends_its_child_failed_with_slurms_word(slurm_
     assert run.data.tags["vitreg_error"].startswith(f"slurm: job {job_id} CANCELLED"), run.data.tags["vitreg_error"]
     assert sweep.returncode == 2 and "0 finished, 1 failed" in err, err[-2000:]
     assert client.get_run(run.data.tags["mlflow.parentRunId"]).info.status == "FAILED"
+
+
+def test_rerun_failed_of_a_slurm_sweep_reruns_its_failed_child_as_a_slurm_job(slurm_cluster, uri, tmp_path,
+                                                                              monkeypatch):
+    """Issue 40: `--rerun-failed` of a SLURM parent ran the failed child on this host's CPU, untagged, beside the
+    old one. Given no engine option, it submits it to SLURM again (into the parent's folder); the old one says
+    which run replaced it."""
+    import mlflow
+
+    for key, value in {"MLFLOW_TRACKING_URI": uri, **slurm_cluster.env}.items():
+        monkeypatch.setenv(key, value)
+    mlflow.set_tracking_uri(uri)
+    monkeypatch.chdir(tmp_path)
+    flag = _failing_children(tmp_path, monkeypatch, "test_vit2")
+    first = _sweep_in_process("--engine", "slurm", "--slurm-folder", str(tmp_path / "shared"), *CHILD, *SHORT,
+                              "--experiment", "fleet")
+    client = MlflowClient(uri)
+    assert first.exit_code == 2 and "1 finished, 1 failed" in first.output, first.output[-3000:]
+    parent_id = _parent(client).info.run_id
+    flag.unlink()
+    again = _sweep_in_process("--rerun-failed", parent_id)
+    assert again.exit_code == 0 and f"sweep {parent_id}: 2 finished, 0 failed" in again.output, again.output[-3000:]
+    assert "re-running 1 of its 2 combinations (those with no finished child) on SLURM" in again.output
+    failed, rerun = sorted((c for c in _children(client) if c.data.tags["sweep_label"] == "test_vit2"),
+                           key=lambda c: c.info.start_time)
+    assert rerun.info.status == "FINISHED" and rerun.data.tags["sweep_engine"] == "slurm"
+    assert rerun.data.tags["slurm_job_id"] != failed.data.tags["slurm_job_id"]
+    assert (tmp_path / "shared" / f"sweep-{parent_id}" / "jobs" / rerun.data.tags["slurm_job_id"]).is_dir()
+    assert failed.data.tags["sweep_superseded_by"] == rerun.info.run_id

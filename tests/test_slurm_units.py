@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -12,6 +13,9 @@ from vitreg.errors import VitregError
 from vitreg.fleet import children
 from vitreg.fleet.axes import Combination
 from vitreg.fleet.slurm_engine import SlurmEngine, SlurmOptions, _gres_gpus, slurm_type
+
+
+JOBS = Path("/shared/sweep-1/jobs")
 
 
 def _engine(**own) -> SlurmEngine:
@@ -32,23 +36,43 @@ def test_sinfo_gres_text_gives_gpu_counts_per_type():
 
 def test_a_gpu_child_asks_for_nproc_gpus_of_its_type_and_one_task_for_torchrun():
     params = _engine(slurm_partition="gpu", slurm_account="lab", slurm_qos="short", slurm_time_min="30",
-                     slurm_sbatch="mem=16G;exclusive").job_parameters(_combo(gpu="a100-80gb", nproc=4), {}, "x")
+                     slurm_sbatch="mem=16G;exclusive").job_parameters(_combo(gpu="a100-80gb", nproc=4), {}, "x", JOBS)
     assert params["gres"] == "gpu:a100_80gb:4" and "constraint" not in params
     assert (params["ntasks_per_node"], params["cpus_per_task"], params["nodes"]) == (1, 4, 1)
     assert (params["partition"], params["account"], params["qos"], params["time"]) == ("gpu", "lab", "short", 30)
-    assert params["additional_parameters"] == {"mem": "16G", "exclusive": True}
+    assert params["additional_parameters"] == {"chdir": str(JOBS), "mem": "16G", "exclusive": True}
 
 
 def test_by_constraint_the_type_is_a_feature_and_the_gpus_an_untyped_count():
-    params = _engine(slurm_gpu_by="constraint").job_parameters(_combo(gpu="v100", nproc=2), {}, "x")
+    params = _engine(slurm_gpu_by="constraint").job_parameters(_combo(gpu="v100", nproc=2), {}, "x", JOBS)
     assert params["constraint"] == "v100" and params["gpus_per_node"] == 2 and "gres" not in params
 
 
 def test_a_cpu_child_holds_one_gpu_of_its_type_so_it_runs_on_that_node_alone():
     engine = _engine()
-    assert engine.job_parameters(_combo(gpu="h100"), {"device": "cpu"}, "x")["gres"] == "gpu:h100:1"
-    assert "gres" not in engine.job_parameters(_combo(), {"device": "cpu"}, "x")
+    assert engine.job_parameters(_combo(gpu="h100"), {"device": "cpu"}, "x", JOBS)["gres"] == "gpu:h100:1"
+    assert "gres" not in engine.job_parameters(_combo(), {"device": "cpu"}, "x", JOBS)
     assert slurm_type("auto") is None and slurm_type("4090") == "rtx4090"
+
+
+def test_a_job_starts_in_vitregs_folder_not_the_submitting_one_unless_the_user_names_one():
+    """Issue 40: submitit runs `python -m` in the job's working directory, first on the import path: started in
+    the submitting folder, a clone's `vitreg/` there was imported instead of the package."""
+    assert _engine().job_parameters(_combo(), {}, "x", JOBS)["additional_parameters"] == {"chdir": str(JOBS)}
+    mine = _engine(slurm_sbatch="chdir=/scratch/me").job_parameters(_combo(), {}, "x", JOBS)
+    assert mine["additional_parameters"] == {"chdir": "/scratch/me"}
+
+
+def test_a_cpu_child_of_a_type_no_node_has_is_told_the_types_not_to_pass_the_device_it_gave(monkeypatch):
+    """Issue 40 item 7: `--gpu a100 --device cpu` said "asks for 1 GPUs of type a100 ...: pass device=cpu"."""
+    from vitreg.fleet import slurm_engine
+
+    monkeypatch.setattr(slurm_engine, "cluster_nodes", lambda partition="": [
+        slurm_engine.Node("gpu-h100", "idle", {"h100": 1}, frozenset())])
+    with pytest.raises(VitregError) as refused:
+        _engine().check([_combo(model="test_vit")], {"gpu": "a100", "device": "cpu"})
+    assert "gpu=a100: no node of the SLURM cluster has GPU gres type a100 (it has: h100)" in str(refused.value)
+    assert "device=cpu" not in str(refused.value)
 
 
 def test_a_bad_slurm_option_is_one_line():

@@ -63,6 +63,37 @@ def test_a_ray_address_that_does_not_answer_is_refused_after_one_connect(sqlite_
     assert [p for _, p in ports_tried].count(port) == 1 and joined == []
 
 
+def test_a_closed_ray_address_in_ray_address_is_refused_after_one_connect_naming_it(sqlite_store, monkeypatch,
+                                                                                    ports_tried):
+    """Issue 40: ray_address=auto defers to RAY_ADDRESS, as Ray does; that address went unchecked to ray.init,
+    which waited 60 s and more on a closed port, saying nothing on the console."""
+    import ray
+
+    joined = []
+    monkeypatch.setattr(ray, "init", lambda *args, **kwargs: joined.append(kwargs))
+    port = free_port()  # nothing listens there
+    monkeypatch.setenv("RAY_ADDRESS", f"127.0.0.1:{port}")
+    result = CliRunner().invoke(main, [*BASE, "--engine", "ray"])
+    errors = [line for line in result.output.splitlines() if line.startswith("error:")]
+    assert result.exit_code == 2 and len(errors) == 1, result.output
+    assert f"the Ray cluster at 127.0.0.1:{port} (RAY_ADDRESS) does not answer" in errors[0]
+    assert [p for _, p in ports_tried].count(port) == 1 and joined == []
+
+
+def test_a_cpu_child_of_a_type_no_ray_node_has_is_told_the_types_not_to_pass_the_device_it_gave():
+    """Issue 40 item 7: `--gpu a100 --device cpu` said "asks for 0 GPUs of type A100 ...: pass device=cpu"."""
+    from vitreg.errors import VitregError
+    from vitreg.fleet.axes import Combination
+    from vitreg.fleet.ray_engine import RayEngine
+
+    engine = RayEngine.__new__(RayEngine)  # no cluster: one node of type H100, as ray.nodes() shows it
+    engine._nodes = lambda: [{"Alive": True, "Resources": {"CPU": 2.0, "GPU": 1.0, "accelerator_type:H100": 1.0}}]
+    with pytest.raises(VitregError) as refused:
+        engine.check([Combination((("model", "test_vit"),), "test_vit")], {"gpu": "a100", "device": "cpu"})
+    assert "gpu=a100: no node of the Ray cluster has accelerator type A100 (it has: H100)" in str(refused.value)
+    assert "device=cpu" not in str(refused.value)
+
+
 def test_axes_param_and_axis_flags_make_one_product():
     common = {"device": "cpu", "img_size": 32, "gpu": "auto"}
     axes = collect_axes({"models": "test_vit,test_vit2", "amp": "off", "compile": "off", "batch_size": "2"},
@@ -136,3 +167,38 @@ def test_the_time_left_counts_the_typical_child_not_the_first_ones_wait_for_its_
         board.started("h200")
         board.ended("h200", True, seconds)
     assert lines[-1].endswith("; about 9 s left"), lines[-1]  # 3 left x the median 3 s (the mean would say 25 s)
+
+
+@pytest.mark.parametrize("recorded", ["settings", "engine tag only"])
+def test_rerun_failed_of_a_ray_sweep_reruns_on_ray_at_its_address(sqlite_store, monkeypatch, recorded):
+    """Issue 40: `--rerun-failed` of a Ray parent ran its failed child on this host's CPU. It re-runs on the
+    parent's engine: at the address its sweep_settings tag records, or (a parent of an older vitreg, tagged
+    sweep_engine=ray alone) at Ray's own default, RAY_ADDRESS. Both addresses are closed: the refusal names it."""
+    import json
+
+    import ray
+    from mlflow.tracking import MlflowClient
+
+    from vitreg.bench.sweep import OPTIONS_TAG, SETTINGS_TAG
+
+    joined = []
+    monkeypatch.setattr(ray, "init", lambda *args, **kwargs: joined.append(kwargs))
+    address = f"127.0.0.1:{free_port()}"  # nothing listens there
+    tags = {"vitreg_job": "sweep", "sweep_engine": "ray"}
+    if recorded == "settings":
+        tags[SETTINGS_TAG] = json.dumps({"engine": "ray", "ray_address": address})
+    else:
+        monkeypatch.setenv("RAY_ADDRESS", address)
+    client = MlflowClient()
+    exp = client.create_experiment("sw")
+    parent = client.create_run(exp, tags=tags).info.run_id
+    options = {"common": {"device": "cpu", "img_size": 32}, "combination": {"model": "test_vit", "batch_size": 2}}
+    child = client.create_run(exp, tags={"mlflow.parentRunId": parent, "sweep_index": "1", "sweep_label": "test_vit",
+                                         "sweep_engine": "ray", OPTIONS_TAG: json.dumps(options)}).info.run_id
+    for run_id in (child, parent):
+        client.set_terminated(run_id, "FAILED")
+    result = CliRunner().invoke(main, ["sweep", "--rerun-failed", parent])
+    errors = [line for line in result.output.splitlines() if line.startswith("error:")]
+    assert result.exit_code == 2 and len(errors) == 1, result.output
+    assert f"the Ray cluster at {address}" in errors[0] and joined == [], errors
+    assert len(_runs("sw")) == 2

@@ -30,6 +30,12 @@ WARM_CHILD_S = 2.0
 HOST_SHARE_TAG = "sweep_children_on_host"  # how many children shared the child's host while it ran
 #: on each child run: its combination's options and the sweep's common ones (JSON), what --rerun-failed runs again
 OPTIONS_TAG = "sweep_child_options"
+#: on the parent: the sweep's own options as given (its engine, Ray address, SLURM partition...), JSON: a re-run's
+SETTINGS_TAG = "sweep_settings"
+#: the parent's artifact: the common options and every combination in sweep_index order, what a re-run starts
+#: again when a combination never got a child (the sweep was stopped first)
+COMBINATIONS_FILE = "sweep_combinations.json"
+SUPERSEDED_TAG = "sweep_superseded_by"  # on a child a re-run replaced: the run id of the one that replaced it
 
 
 @dataclass(frozen=True)
@@ -44,6 +50,13 @@ class SweepSettings:
     rerun_failed: str  # a parent run id: re-run its failed children instead of a new sweep
     isolate: str  # engine=local: "worker" (a warm process per GPU runs its children) or "process" (one a child)
     own: dict = field(default_factory=dict, compare=False)  # all of them, as given (engine=slurm reads its own)
+
+    def given(self) -> dict:
+        """The engine's options given other than their defaults (click fills those in): what the parent records
+        and what a re-run's command line changes of it; not the combinations' axes nor the run to re-run."""
+        skip = ("rerun_failed", "experiment", "axes", *SWEEP_LISTS)
+        return {k: v for k, v in self.own.items() if k not in skip and v not in (None, option("sweep", k).default,
+                                                                                 option("sweep", k).default_text)}
 
     @classmethod
     def parse(cls, own: dict) -> "SweepSettings":
@@ -133,7 +146,10 @@ def _run_parent(settings, axes, combos, common, engine, max_oom_retries, progres
     parent_name = naming.sweep_run_name(axes, common, len(combos))
     with tracking.tracked_run(run_name=parent_name, experiment=settings.experiment, system_metrics=False) as parent:
         parent.set_name(parent_name)  # under mlflow run the parent arrives with a random name
-        parent.set_tags({"vitreg_job": "sweep", "sweep_engine": settings.engine})
+        parent.set_tags({"vitreg_job": "sweep", "sweep_engine": settings.engine,
+                         SETTINGS_TAG: json.dumps(settings.given(), default=str)})
+        parent.log_dict({"common": common, "combinations": [{"label": c.label, "options": dict(c.options)}
+                                                            for c in combos]}, COMBINATIONS_FILE)
         parent.log_params({**{f"axis_{name}": ",".join(map(str, values))[:500] for name, values in axes.items()},
                            "n_combinations": len(combos), "engine": settings.engine})
         context = _Context(parent, common, len(combos), max_oom_retries, outcome, progress,
@@ -160,26 +176,31 @@ def _conclude(parent, last_ok: dict, progress) -> None:
 
 
 def rerun_failed(settings: SweepSettings, max_oom_retries: int = 3, progress=progress) -> dict:
-    """``--rerun-failed PARENT``: each combination of that sweep whose last child ended FAILED or KILLED runs
-    again as a new child of the same parent, with the options its child was started with (:data:`OPTIONS_TAG`);
-    FINISHED children stay as they are. The parent is open again meanwhile and ends with the status of all of
-    its combinations (FAILED while any has no FINISHED child)."""
+    """``--rerun-failed PARENT``: each combination of that sweep with no FINISHED child (its last one FAILED or
+    KILLED, or none: the sweep was stopped before it started) runs again as a new child of the same parent, with
+    its options (:data:`COMBINATIONS_FILE`, or its child's :data:`OPTIONS_TAG`), on the parent's engine with
+    the parent's engine options (:data:`SETTINGS_TAG`; those given now win); the child it replaces is tagged
+    :data:`SUPERSEDED_TAG`. FINISHED children stay as they are. The parent is open again meanwhile and ends
+    with the status of all of its combinations (FAILED while any has no FINISHED child)."""
     parent_run, runs = tracking.run_and_children(settings.rerun_failed)
     latest = _latest_child_per_combination(parent_run, runs)
-    again = {index: run for index, run in latest.items() if run.info.status in ("FAILED", "KILLED")}
+    common, again = _unfinished(parent_run, latest)
     outcome = {"finished": [], "failed": []}
     if not again:
         progress(f"sweep {parent_run.info.run_id}: no failed child to re-run ({len(latest)} finished)")
         return outcome
-    common, combos = _combinations_of(again.values())
+    settings = _settings_of(parent_run, settings)
+    combos = list(again.values())
     engine = _engine(settings, common, progress)
     try:
         engine.check(combos, common)
-        progress(f"sweep {parent_run.info.run_id}: re-running {len(combos)} failed of {len(latest)} children on "
-                 f"{engine.where}")
+        total = parent_run.data.params.get("n_combinations", len(latest))
+        progress(f"sweep {parent_run.info.run_id}: re-running {len(combos)} of its {total} combinations (those "
+                 f"with no finished child) on {engine.where}")
         with tracking.reopened_run(parent_run.info.run_id) as parent:
             context = _Context(parent, common, len(combos), max_oom_retries, outcome, progress,
-                               Board(engine.slots, progress), indices=list(again))
+                               Board(engine.slots, progress), indices=list(again),
+                               superseded={i: latest[i].info.run_id for i in again if i in latest})
             context.last_ok.update({index: True for index in latest if index not in again})
             engine.run(context, combos)
             _conclude(parent, context.last_ok, progress)
@@ -201,6 +222,28 @@ def _latest_child_per_combination(parent_run, runs: list) -> dict:
         if "sweep_index" in run.data.tags:
             latest[int(run.data.tags["sweep_index"])] = run
     return latest
+
+
+def _settings_of(parent_run, settings: SweepSettings) -> SweepSettings:
+    """The re-run's settings: the parent's (its engine tag alone, from an older vitreg), those given now over them."""
+    saved = parent_run.data.tags.get(SETTINGS_TAG)
+    recorded = json.loads(saved) if saved else {"engine": parent_run.data.tags.get("sweep_engine", "local")}
+    return SweepSettings.parse({**recorded, **settings.given(), "rerun_failed": settings.rerun_failed})
+
+
+def _unfinished(parent_run, latest: dict) -> tuple[dict, dict]:
+    """(the common options, sweep_index -> combination) of the combinations with no FINISHED child, from the
+    parent's record of them all (:data:`COMBINATIONS_FILE`)."""
+    def unfinished(index: int) -> bool:
+        return index not in latest or latest[index].info.status != "FINISHED"
+
+    planned = tracking.load_run_dict(parent_run.info.run_id, COMBINATIONS_FILE)
+    if planned is None:  # a parent of an older vitreg records none: its children's tags say what started
+        again = [index for index in latest if unfinished(index)]
+        common, combos = _combinations_of([latest[index] for index in again]) if again else ({}, [])
+        return common, dict(zip(again, combos))
+    return planned["common"], {index: Combination(tuple(c["options"].items()), c["label"])
+                               for index, c in enumerate(planned["combinations"], 1) if unfinished(index)}
 
 
 def _combinations_of(child_runs) -> tuple[dict, list[Combination]]:
@@ -230,6 +273,7 @@ class _Context:
     # a re-run's combinations by the engines' count (1, 2, ...) -> their sweep_index in the first run; [] at first
     indices: list = field(default_factory=list)
     last_ok: dict = field(default_factory=dict)  # sweep_index -> whether its latest child finished
+    superseded: dict = field(default_factory=dict)  # a re-run's sweep_index -> the child its first child replaces
     _index_of: dict = field(default_factory=dict)  # child run id -> sweep_index
 
     def child_run(self, combo: Combination, index: int, attempt: int, extra_tags: dict | None = None) -> str:
@@ -242,6 +286,8 @@ class _Context:
         tags[OPTIONS_TAG] = json.dumps({"common": self.common, "combination": first}, default=str)
         child_id = tracking.create_child_run(self.parent, name, tags)
         self._index_of[child_id] = index
+        if index in self.superseded:  # the old child stays (its failure is history): it says what replaced it
+            tracking.set_run_tags(self.superseded.pop(index), {SUPERSEDED_TAG: child_id})
         return child_id
 
     def record(self, child_id: str, ok: bool) -> None:

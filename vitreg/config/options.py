@@ -196,8 +196,10 @@ OPTIONS: tuple[Option, ...] = (
            "after another: imports, store and compile caches paid once) or process (a process per child).",
            ("sweep",), choices=("worker", "process"), spec_field=False,
            same_work="which process runs a child; each child's work, seed and graph are its own"),
-    Option("rerun_failed", "str", "", "a sweep's parent run id: re-run its FAILED and KILLED children under it, "
-           "each with the options it ran with (the FINISHED ones stay).", ("sweep",), spec_field=False,
+    Option("rerun_failed", "str", "", "a sweep's parent run id: re-run under it every combination with no "
+           "FINISHED child (failed, killed, or never started), each with its options, on the parent's engine and "
+           "engine options (those given now win; the FINISHED ones stay, a replaced child is tagged "
+           "sweep_superseded_by).", ("sweep",), spec_field=False,
            mlproject=False, same_work="which children run again; each one's work is the one it was started with"),
     Option("max_combinations", "int", 256, "refuse a sweep of more combinations than this, before any child starts "
            "(raise it to mean it).", ("sweep",), minimum=1, spec_field=False,

@@ -39,7 +39,11 @@ def _ray():
 
 
 def _check_answers(address: str) -> None:
-    """``HOST:PORT`` and ``ray://HOST:PORT``: a TCP connect, so a dead address is one line in seconds."""
+    """``HOST:PORT`` and ``ray://HOST:PORT``: a TCP connect, so a dead address is one line in seconds (ray.init
+    waits a minute and more for a GCS that does not answer). ``auto`` is RAY_ADDRESS when that is set, as
+    ``ray.init`` reads it."""
+    from_env = address == "auto" and os.environ.get("RAY_ADDRESS")
+    address = from_env or address
     if address in ("auto", "local"):
         return
     host, _, port = address.removeprefix("ray://").rpartition(":")
@@ -47,8 +51,9 @@ def _check_answers(address: str) -> None:
         with socket.create_connection((host, int(port)), timeout=CONNECT_TIMEOUT_S):
             pass
     except (OSError, ValueError) as exc:
-        raise VitregError(f"the Ray cluster at {address} does not answer ({exc}): start its head with `ray start "
-                          f"--head` there, or pass ray_address=auto (this host's cluster) or local") from None
+        where, fix = (" (RAY_ADDRESS)", "unset RAY_ADDRESS") if from_env else ("", "pass ray_address=auto")
+        raise VitregError(f"the Ray cluster at {address}{where} does not answer ({exc}): start its head with `ray "
+                          f"start --head` there, or {fix} (this host's cluster) or ray_address=local") from None
 
 
 class RayLogAside:
@@ -157,14 +162,14 @@ class RayEngine:
                                   f"accelerator type): pass gpu=auto, or join nodes with GPUs")
             axes["gpu"] = [label_of_ray_type(t) for t in types]
         for label in axes.get("gpu", []):
-            wanted = ray_type(label)
-            if wanted and wanted not in types:
-                raise VitregError(f"gpu={label}: no node of the Ray cluster has accelerator type {wanted} (it has: "
-                                  f"{', '.join(types) or 'none'}): pass gpu=all or the labels of the types it has")
+            _check_type(label, types)
 
     def check(self, combos: list, common: dict) -> None:
-        """Every child's GPUs fit on one node of its type."""
+        """Every child's type is on a node (a CPU child's too: it runs on a node of its type), and its GPUs fit
+        on one node of that type."""
+        types = self.accelerator_types()
         for combo in combos:
+            _check_type(str(combo.get("gpu", common.get("gpu") or "auto")), types)
             need, wanted = self._request(combo, common)
             fits = [n for n in self._nodes() if n["Resources"].get("GPU", 0) >= need
                     and (not wanted or _TYPE_PREFIX + wanted in n["Resources"])]
@@ -193,6 +198,13 @@ class RayEngine:
                 ray.shutdown()
         finally:
             self.ray_log.close()
+
+
+def _check_type(label: str, types: list[str]) -> None:
+    wanted = ray_type(label)
+    if wanted and wanted not in types:
+        raise VitregError(f"gpu={label}: no node of the Ray cluster has accelerator type {wanted} (it has: "
+                          f"{', '.join(types) or 'none'}): pass gpu=all or the labels of the types it has")
 
 
 def ray_type(label: str) -> str | None:

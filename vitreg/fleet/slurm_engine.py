@@ -125,32 +125,43 @@ class SlurmEngine:
 
     def offered_types(self, in_service_only: bool = False) -> list[str]:
         """The GPU types the cluster's nodes offer, as SLURM names them (gres types, or node features)."""
-        nodes = [n for n in cluster_nodes(self.options.partition) if n.in_service or not in_service_only]
+        return self._types_of([n for n in cluster_nodes(self.options.partition) if n.in_service or not in_service_only])
+
+    def _types_of(self, nodes: list[Node]) -> list[str]:
         if self.options.gpu_by == "gres":
             return sorted({kind for n in nodes for kind in n.gpus if kind})
         return sorted({f for n in nodes for f in n.features})
+
+    @property
+    def _how(self) -> str:
+        return "gres type" if self.options.gpu_by == "gres" else "feature"
 
     def expand_gpus(self, axes: dict) -> None:
         """``gpu=all``: one child per GPU type of the cluster; named labels must be types a node has."""
         from vitreg.fleet.axes import GPU_ALL
 
         types = self.offered_types()
-        how = "gres type" if self.options.gpu_by == "gres" else "feature"
         if axes.get("gpu") and GPU_ALL in axes["gpu"]:
             if not types:
-                raise VitregError(f"gpu=all: no node of the SLURM cluster has a GPU {how}: pass gpu=auto, or "
-                                  f"slurm_gpu_by={'constraint' if how == 'gres type' else 'gres'}")
+                raise VitregError(f"gpu=all: no node of the SLURM cluster has a GPU {self._how}: pass gpu=auto, or "
+                                  f"slurm_gpu_by={'constraint' if self.options.gpu_by == 'gres' else 'gres'}")
             axes["gpu"] = [label_of_slurm_type(t) for t in types]
         for label in axes.get("gpu", []):
-            wanted = slurm_type(label)
-            if wanted and wanted not in types:
-                raise VitregError(f"gpu={label}: no node of the SLURM cluster has GPU {how} {wanted} (it has: "
-                                  f"{', '.join(types) or 'none'}): pass gpu=all or the labels of the types it has")
+            self._check_type(label, types)
+
+    def _check_type(self, label: str, types: list[str]) -> None:
+        wanted = slurm_type(label)
+        if wanted and wanted not in types:
+            raise VitregError(f"gpu={label}: no node of the SLURM cluster has GPU {self._how} {wanted} (it has: "
+                              f"{', '.join(types) or 'none'}): pass gpu=all or the labels of the types it has")
 
     def check(self, combos: list, common: dict) -> None:
-        """Every child's GPUs fit on one node of its type (a job that can never start is refused now)."""
+        """Every child's type is on a node (a CPU child's too: it runs on a node of its type), and its GPUs fit
+        on one node of that type (a job that can never start is refused now)."""
         nodes = cluster_nodes(self.options.partition)
+        types = self._types_of(nodes)
         for combo in combos:
+            self._check_type(str(combo.get("gpu", common.get("gpu") or "auto")), types)
             need, wanted = self._request(combo, common)
             counts = [n.gpus.get(wanted, 0) if self.options.gpu_by == "gres" and wanted else sum(n.gpus.values())
                       for n in nodes if not wanted or self.options.gpu_by == "gres" or wanted in n.features]
@@ -169,14 +180,17 @@ class SlurmEngine:
             return (1 if wanted and self.options.gpu_by == "gres" else 0), wanted
         return nproc, wanted
 
-    def job_parameters(self, combo, common: dict, name: str) -> dict:
-        """submitit's SlurmExecutor parameters of one child's job."""
+    def job_parameters(self, combo, common: dict, name: str, folder: Path) -> dict:
+        """submitit's SlurmExecutor parameters of one child's job, started in ``folder`` (vitreg's own): submitit
+        runs ``python -m`` in the job's working directory, which comes first on the import path, and the
+        submitting folder may hold a clone named ``vitreg/`` that would shadow the package."""
         need, wanted = self._request(combo, common)
         nproc = int(combo.get("nproc", common.get("nproc") or 1))
         opts = self.options
         params = {"job_name": name[:100], "time": opts.time_min, "nodes": 1, "ntasks_per_node": 1,
                   "cpus_per_task": nproc, "partition": opts.partition or None, "account": opts.account or None,
-                  "qos": opts.qos or None, "stderr_to_stdout": False, "additional_parameters": dict(opts.sbatch)}
+                  "qos": opts.qos or None, "stderr_to_stdout": False,
+                  "additional_parameters": {"chdir": str(folder), **opts.sbatch}}
         if need and opts.gpu_by == "gres":
             params["gres"] = f"gpu:{wanted}:{need}" if wanted else f"gpu:{need}"
         elif need:

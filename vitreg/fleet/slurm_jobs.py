@@ -45,10 +45,13 @@ def slurm(*args: str) -> str:
 # ------------------------------------------------------------------ on the node
 
 
-def run_child(argv: list[str], env: dict, spool_dir: str, offline: str) -> tuple[int, str, bool]:
+def run_child(argv: list[str], env: dict, spool_dir: str, offline: str, workdir: str) -> tuple[int, str, bool]:
     """In the job, on its node: ``python argv...`` logging into the child run (``env``); (exit status, stderr
     tail, whether it spooled). ``offline=auto``: a node that cannot reach the tracking server spools to
-    ``spool_dir`` (in the shared folder) and the parent delivers it; ``true``: always spool."""
+    ``spool_dir`` (in the shared folder) and the parent delivers it; ``true``: always spool. The child runs in
+    ``workdir``, the submitting folder, where the sweep's relative paths point (when the node has it): the job
+    itself starts in vitreg's folder, and the child's command keeps the working directory off the import path
+    (:func:`vitreg.fleet.worker.python_command`)."""
     from vitreg.fleet.local import relay, stop
 
     os.environ.update(env)
@@ -56,7 +59,7 @@ def run_child(argv: list[str], env: dict, spool_dir: str, offline: str) -> tuple
     if spooled:
         os.environ.update(VITREG_OFFLINE="1", VITREG_SPOOL_DIR=spool_dir)
     proc = subprocess.Popen([sys.executable, *argv], env=dict(os.environ), stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, text=True, cwd=workdir if os.path.isdir(workdir) else None)
     try:
         returncode, tail = relay(proc, lambda line: None)
     except BaseException:  # scancel's SIGTERM reached this process first: the child ends its run KILLED
@@ -112,6 +115,7 @@ class Follower:
         self.pending: dict[str, _Child] = {}  # SLURM job id -> child
         folder = engine.options.folder / f"sweep-{ctx.parent.run_id}"
         self.jobs_dir, self.spools_dir = folder / "jobs", folder / "spool"
+        self.jobs_dir.mkdir(parents=True, exist_ok=True)  # every job starts in it (sbatch --chdir)
         self.executor = engine.submitit.SlurmExecutor(folder=str(self.jobs_dir / "%j"), max_num_timeout=0)
         self._last_types_check = 0.0
 
@@ -134,10 +138,10 @@ class Follower:
             _, wanted = self.engine._request(child.combo, self.ctx.common)
             argv, env = children.start_remote(self.ctx, child, "slurm", "slurm_gpu_type", wanted)
             env["MLFLOW_EXPERIMENT_NAME"] = self.ctx.parent.experiment_name
-            self.executor.update_parameters(**self.engine.job_parameters(child.combo, self.ctx.common,
-                                                                         f"vitreg-{child.combo.label}"))
+            self.executor.update_parameters(**self.engine.job_parameters(
+                child.combo, self.ctx.common, f"vitreg-{child.combo.label}", self.jobs_dir))
             child.job = self.executor.submit(run_child, argv, env, str(self.spools_dir / child.run_id),
-                                             self.engine.options.offline)
+                                             self.engine.options.offline, os.getcwd())
             child.clock = Clock()
             self.pending[child.job.job_id] = child
 

@@ -525,8 +525,7 @@ def finish_child_run(run_id: str, returncode: int, stderr: str, stopped: bool = 
     parent stopped it). ``tags``: more tags for the child run (where and beside whom it ran)."""
     client = mlflow.MlflowClient()
     run = client.get_run(run_id)
-    for key, value in (tags or {}).items():
-        client.set_tag(run_id, key, str(value))
+    set_run_tags(run_id, tags or {})
     reason = run.data.tags.get(ERROR_TAG, "")
     if returncode != 0 and not reason:
         lines = [line for line in stderr.strip().splitlines() if line.strip()]
@@ -629,6 +628,21 @@ def set_experiment_tag(experiment: str, key: str, value: str) -> None:
 
 def get_run(run_id: str):
     return mlflow.MlflowClient().get_run(run_id)
+
+
+def set_run_tags(run_id: str, tags: dict) -> None:
+    """Tags on a run that another process made or ended (a sweep's child it superseded)."""
+    client = mlflow.MlflowClient()
+    for key, value in tags.items():
+        client.set_tag(run_id, key, str(value))
+
+
+def load_run_dict(run_id: str, artifact_file: str) -> dict | None:
+    """The JSON a run logged with ``log_dict``; None when it has no such file (a run of an older vitreg)."""
+    try:
+        return mlflow.artifacts.load_dict(f"runs:/{run_id}/{artifact_file}")
+    except (mlflow.exceptions.MlflowException, OSError):
+        return None
 
 
 def download_artifacts(artifact_uri: str, dst: str | None = None) -> Path:
