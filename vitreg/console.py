@@ -220,13 +220,49 @@ def plural(n: int, word: str) -> str:
     return f"{n} {word}" + ("" if n == 1 else "s")
 
 
+#: Set (``1``) by ``-v/--verbose``, in the environment so the torchrun ranks inherit it: the detail lines
+#: (:func:`detail`) are printed too, not only kept for the run's log.
+VERBOSE_ENV = "VITREG_VERBOSE"
+#: The run's console log artifact: every progress and detail line of this process, whether printed or not
+CONSOLE_LOG = "console.log"
+_LOG: list[str] = []
+
+
+def verbose() -> bool:
+    return os.environ.get(VERBOSE_ENV, "") not in ("", "0", "false")
+
+
 def progress(message: str) -> None:
-    """Print ``[vitreg] message`` to stderr, flushed (long jobs report as they go)."""
-    print(f"[vitreg] {scrub(message)}", file=sys.stderr, flush=True)
+    """Print ``[vitreg] message`` to stderr, flushed (long jobs report as they go); kept for the run's log."""
+    line = f"[vitreg] {scrub(message)}"
+    _LOG.append(line)
+    print(line, file=sys.stderr, flush=True)
 
 
 def quiet(message: str) -> None:
     """A progress callback that says nothing (ranks other than 0 of a DDP job)."""
+
+
+def detail(message: str, say=progress) -> None:
+    """A line a reader of the run's log may want but the console does not need (the overhead by phase, the
+    energy source, a spread already in the run's warning): printed through ``say`` with ``-v`` only, kept in
+    the run's log (:func:`console_text`) either way. A rank that says nothing (:func:`quiet`) keeps nothing."""
+    if say is quiet:
+        return
+    if verbose():
+        say(message)
+    else:
+        _LOG.append(f"[vitreg] {scrub(message)}")
+
+
+def console_text() -> str:
+    """This process's progress and detail lines so far, as the run's :data:`CONSOLE_LOG` artifact holds them."""
+    return "\n".join(_LOG) + "\n"
+
+
+def forget_console() -> None:
+    """A new run starts its log empty (a CLI or API call in a process that ran another before)."""
+    _LOG.clear()
 
 
 @contextlib.contextmanager

@@ -24,6 +24,7 @@ version gets ``last_infer_run_id`` and the throughput.
 
 from __future__ import annotations
 
+import functools
 import shlex
 import sys
 import tempfile
@@ -35,7 +36,7 @@ from vitreg.bench.runner import run_benchmark
 from vitreg.config.options import identity_names, option
 from vitreg.config.parse import param_text
 from vitreg.config.spec import BenchSpec, parse_int
-from vitreg.console import progress
+from vitreg.console import CONSOLE_LOG, console_text, detail, forget_console, progress
 from vitreg.ddp import launcher as launch
 from vitreg.ddp import world as distributed
 from vitreg.ddp.context import JobContext, job_context
@@ -63,6 +64,7 @@ def bench(options: dict, experiment: str | None = None, run_name: str | None = N
     ``infer_scaling_efficiency``) = throughput_N / (N * throughput_1).
     """
     PHASES.begin()  # from the process's start: what a command costs before its first timed step
+    forget_console()  # the run's log holds this run's lines, not an earlier call's in the same process
     command = launch.typed_command(command)
     placement = placement or launch.Placement()
     if distributed.inside_torchrun():  # one rank of a job: a vitreg launcher's or a torchrun the user started
@@ -94,6 +96,7 @@ def infer(model_uri: str, options: dict, experiment: str | None = None, run_name
           progress=progress, command: str | None = None) -> BenchResult:
     """Pull ``model_uri`` and benchmark it (task=infer unless ``options['task']`` says otherwise) as one run."""
     PHASES.begin()
+    forget_console()
     command = command or shlex.join(sys.argv)
     model_uri = str(model_uri or "").strip()
     options = {"task": "infer", **{k: v for k, v in options.items() if v is not None}}
@@ -204,7 +207,7 @@ def benchmark_in_run(plan: BenchPlan) -> BenchResult:
     run.set_tags(tags)
     params = {**spec.to_params(), "gpu": hw.label, "amp": runtime.amp, "device": runtime.device,
               "img_size": info.img_size, **plan.params}
-    log_setup(run, params, env, ctx.progress)
+    log_setup(run, params, env, functools.partial(detail, say=ctx.progress))  # the params echo: the log's
     what = f"{plan.pulled.version_uri or plan.model_uri} ({info.name}) on " if plan.pulled else ""
     ctx.progress(f"run {run.run_id} at {tracking.tracking_uri()}; {what}gpu={hw.label} ({ctx.detected.name}), "
                  f"amp={runtime.amp}, compile={spec.compile}")
@@ -229,6 +232,7 @@ def benchmark_in_run(plan: BenchPlan) -> BenchResult:
         run.set_name(plan.title.name(result.tasks[0].batch_size, throughputs=throughputs))
     run.set_note(naming.run_note(result.to_dict(), ran_on=hw.detected.name if hw.mismatch else None))
     _log_overhead(run, ctx.progress)
+    run.log_text(console_text(), CONSOLE_LOG)  # what -v would have printed too, for whoever reads the run later
     return result
 
 
@@ -238,8 +242,8 @@ def _log_overhead(run, progress) -> None:
     PHASES.mark("report")
     overhead = job_metrics(PHASES.overhead_s())
     run.log_metrics(overhead)
-    progress("overhead outside the timed windows: " + ", ".join(
-        f"{name[len('overhead_'):-2]} {s:.2f} s" for name, s in overhead.items()))
+    detail("overhead outside the timed windows: " + ", ".join(
+        f"{name[len('overhead_'):-2]} {s:.2f} s" for name, s in overhead.items()), progress)
 
 
 def link_tags(pulled: checkpoint_sources.PullResult) -> dict:

@@ -462,6 +462,11 @@ OPTIONS: tuple[Option, ...] = (
     Option("run_name", "str", None, "MLflow run name (default: made of the model, GPU, amp, compile and batch size).",
            ("bench", "infer", "train"), spec_field=False, mlproject=False,
            same_work="what the run is called, not what it measures"),
+    # not an MLproject param: the README's tables stay the work's options; `mlflow run` takes VITREG_VERBOSE=1
+    Option("verbose", "bool", False, "also print what only the run's console.log keeps (overhead by phase, energy "
+           "source, params echo); the same as VITREG_VERBOSE=1.", ("bench", "infer", "train"), spec_field=False,
+           mlproject=False, envvar="VITREG_VERBOSE", aliases=("-v",),
+           same_work="what the console prints, not what the run measures"),
     Option("experiment", "str", None, "The experiment whose runs to compare.", ("compare", "check"), required=True,
            spec_field=False, aliases=("--experiment-name",),
            same_work="a compare option: it reads runs and measures nothing"),
@@ -512,7 +517,7 @@ HELP_GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
                        "compile_cache", "profile", "profile_steps", "engine", "ray_address", "slurm_partition",
                        "slurm_account", "slurm_qos", "slurm_time_min", "slurm_sbatch", "slurm_gpu_by", "slurm_folder",
                        "max_parallel", "isolate", "max_combinations", "rerun_failed")),
-    ("Where to log", ("experiment", "run_name", "offline", "baseline_run", "log_every", "checkpoint_every", "keep_checkpoints",
+    ("Where to log", ("experiment", "run_name", "offline", "verbose", "baseline_run", "log_every", "checkpoint_every", "keep_checkpoints",
                       "register_as",
                       "alias")),
 )
