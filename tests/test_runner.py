@@ -290,3 +290,12 @@ def test_a_second_run_of_the_same_model_reads_its_flop_counts_back(monkeypatch):
     other, _ = _run(steps=1, repeats=1, task="infer", img_size=48)  # another size is other work: counted
     assert counted == ["forward", "train", "forward"] and other.metrics()["fwd_gflops_per_img"] > \
         first.metrics()["fwd_gflops_per_img"]
+
+
+def test_the_table_shows_only_the_columns_this_device_fills():
+    """On a CPU: no compile s, peak alloc, MFU, J/img or SM MHz column of ``-`` only (issue 38)."""
+    result, _ = _run(task="infer")
+    header, _, *rows = report_table(result).splitlines()[1:]
+    assert not any(name in header for name in ("compile s", "peak alloc", "MFU", "J/img", "SM MHz"))
+    assert "img/s median" in header and "TFLOP/s" in header
+    assert all(" - " not in f" {row} " for row in rows)  # every column left has its value

@@ -147,10 +147,22 @@ def _rows(result: BenchResult) -> list[list[str]]:
 HEADERS = RESULT_HEADERS
 
 
+#: the cell of a figure this run has no value for (:meth:`vitreg.measure.metrics.Column.render`)
+NO_VALUE = "-"
+
+
+def _carried(rows: list[list[str]]) -> list[list[str]]:
+    """The header row and the rows, less the columns no row has a value in: the device measures no such
+    figure (a CPU has no compile time, CUDA allocator, datasheet peak, energy counter or SM clock), and five
+    columns of ``-`` hid the ones it has."""
+    keep = [i for i in range(len(rows[0])) if any(row[i] != NO_VALUE for row in rows[1:])]
+    return [[row[i] for i in keep] for row in rows]
+
+
 def results_table(result: BenchResult) -> str:
-    """Fixed-width table for the terminal."""
-    rows = [HEADERS] + _rows(result)
-    widths = [max(len(r[i]) for r in rows) for i in range(len(HEADERS))]
+    """Fixed-width table for the terminal: only the columns that carry a value on this device."""
+    rows = _carried([HEADERS] + _rows(result))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join([result.summary_line(), *lines])
