@@ -17,7 +17,7 @@ from vitreg.config.parse import param_text
 from vitreg.config.spec import BenchSpec
 from vitreg.environment import EnvInfo
 from vitreg.measure.autobatch import BatchChoice
-from vitreg.measure.energy import PRECISION_TARGET
+from vitreg.measure.energy import SPREAD_LIMIT
 from vitreg.measure.figures import Figures
 from vitreg.measure.graphs import EAGER_STEPS_BEFORE_CAPTURE
 from vitreg.measure.metrics import job_metrics, task_metrics
@@ -169,14 +169,14 @@ def results_table(result: BenchResult) -> str:
 
 
 def spread_warning(result: BenchResult) -> str | None:
-    """The run's last line when a task's windows spread wider than the precision target (its
+    """The run's last line when a task's window spread is over :data:`SPREAD_LIMIT` (its
     ``<task>_spread_over_target`` tag): the median is less sure than the table's digits suggest, so a
     comparison with it may see noise as a change. None when every task met the target."""
     missed = [t.task for t in result.tasks if t.window_tags.get("spread_over_target") == "true"]
     if not missed:
         return None
-    return (f"warning: {' and '.join(missed)}: the windows' spread missed the {PRECISION_TARGET:.0%} precision target "
-            f"(tag {missed[0]}_spread_over_target): rerun on a quiet machine, or with more steps per window, "
+    return (f"warning: {' and '.join(missed)}: window spread over {SPREAD_LIMIT:.0%} (the windows' CV; "
+            f"tag {missed[0]}_spread_over_target): rerun on a quiet machine, or with more steps per window, "
             f"before comparing")
 
 

@@ -190,7 +190,7 @@ def _timed_windows(step, bench: _Bench, task: str, batch_size: int, warm_iter_s:
             if stop is None and not spec.steps and lengthened < _LONGER_WINDOWS and _rank0(
                     bench, _lengthen(rates, rule, time.perf_counter() - started, 2 * win.total_ms / 1e3)):
                 lengthened, steps, windows, marks = lengthened + 1, 2 * steps, [], []
-                say(f"{task}: the windows spread too wide for the target: timing again with windows of {steps} steps "
+                say(f"{task}: the median's interval is still wider than the precision target: timing again with windows of {steps} steps "
                     f"(~{2 * win.total_ms / 1e3:.1f} s), which average more of what disturbs them")
     finally:
         meter.close()

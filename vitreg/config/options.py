@@ -286,10 +286,11 @@ OPTIONS: tuple[Option, ...] = (
                "is within `precision_pct` (at most 60 windows and `max_time_s`; the reason is tagged "
                "`<task>_timing_stop`)",
            same_work="the number of timed windows: more samples of the same work"),
-    Option("precision_pct", "float", 1.0, "repeats=0: stop when the median's 95 % interval is within this % of it.",
-           _TIMED, minimum=0.01, doc="with `repeats=0`: windows stop once the half-width of the median's 95 % "
+    Option("precision_pct", "float", 1.0, "repeats=0: the precision target: stop when the median's 95 % interval is within this % of it "
+           "(the window spread, the windows' CV, is a check apart: over 5% is flagged).",
+           _TIMED, minimum=0.01, doc="with `repeats=0`, the precision target: windows stop once the half-width of the median's 95 % "
            "interval (order statistics, distribution-free) is at most this % of the median; logged as "
-           "`<task>_throughput_ci95_halfwidth_pct`",
+           "`<task>_throughput_ci95_halfwidth_pct` (the window spread, their CV, is checked apart against 5 %)",
            same_work="how long the same work is timed: a bound on the median's uncertainty"),
     Option("window_min_s", "float", 1.0, "steps=0: each timed window lasts at least this many seconds (whole steps).",
            _TIMED, minimum=0.0, doc="with `steps=0`: each timed window lasts at least this long, in whole steps (1 s "
