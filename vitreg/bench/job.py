@@ -229,7 +229,8 @@ def benchmark_in_run(plan: BenchPlan) -> BenchResult:
     run.log_text(report_markdown(result, env, plan.command), "report.md")
     if not plan.run_name:  # now with the figure: the runs list reads without any column set-up
         throughputs = {t.task: t.throughput_img_per_s for t in result.tasks}
-        run.set_name(plan.title.name(result.tasks[0].batch_size, throughputs=throughputs))
+        name = plan.title.name(result.tasks[0].batch_size, throughputs=throughputs)
+        run.set_name(naming.SEP.join([name, *result.flags]))  # a suspect figure says so where it is read
     run.set_note(naming.run_note(result.to_dict(), ran_on=hw.detected.name if hw.mismatch else None))
     _log_overhead(run, ctx.progress)
     run.log_text(console_text(), CONSOLE_LOG)  # what -v would have printed too, for whoever reads the run later

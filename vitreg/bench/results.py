@@ -17,7 +17,7 @@ from vitreg.config.parse import param_text
 from vitreg.config.spec import BenchSpec
 from vitreg.environment import EnvInfo
 from vitreg.measure.autobatch import BatchChoice
-from vitreg.measure.energy import SPREAD_LIMIT
+from vitreg.measure.energy import ALWAYS_FLAGGED, SPREAD_LIMIT
 from vitreg.measure.figures import Figures
 from vitreg.measure.graphs import EAGER_STEPS_BEFORE_CAPTURE
 from vitreg.measure.metrics import job_metrics, task_metrics
@@ -49,6 +49,18 @@ class TaskResult:
     def throughput_img_per_s(self) -> float:
         """The median window's img/s, the whole job's."""
         return self.figures["throughput_img_per_s"]
+
+    @property
+    def flags(self) -> list[str]:
+        """What makes this figure suspect, in the words ``vitreg runs`` and compare use: measured beside other
+        load, throttled by heat or a hardware brake (not the power cap: heavy work's normal state), a window
+        spread over :data:`SPREAD_LIMIT`, or stopped short of the precision target (``precision_pct``)."""
+        tags = self.window_tags
+        found = {"busy host": tags.get("busy_host") == "true",
+                 "throttled": bool(set(tags.get("throttle", "none").split(",")) & set(ALWAYS_FLAGGED)),
+                 "wide spread": tags.get("spread_over_target") == "true",
+                 "precision missed": tags.get("timing_stop") in (STOP_MAX_TIME, STOP_MAX_WINDOWS)}
+        return [flag for flag, on in found.items() if on]
 
     def tags(self) -> dict[str, str]:
         """What this task ran, as run tags prefixed by the task (the chosen batch, the SDPA backend, ...)."""
@@ -121,6 +133,11 @@ class BenchResult:
         """Every task's :meth:`TaskResult.series`: log each ``(step, metrics)`` with that step."""
         return [point for task in self.tasks for point in task.series()]
 
+    @property
+    def flags(self) -> list[str]:
+        """Every task's :attr:`TaskResult.flags`, once each, in order: what the run's name carries."""
+        return list(dict.fromkeys(flag for task in self.tasks for flag in task.flags))
+
     def summary_line(self) -> str:
         """One line for the terminal above the results table: precision and SDPA backend(s)."""
         ran = ", ".join(f"{t.task} {t.sdpa_backend}" for t in self.tasks if t.sdpa_backend) or "-"
@@ -160,8 +177,10 @@ def _carried(rows: list[list[str]]) -> list[list[str]]:
 
 
 def results_table(result: BenchResult) -> str:
-    """Fixed-width table for the terminal: only the columns that carry a value on this device."""
-    rows = _carried([HEADERS] + _rows(result))
+    """Fixed-width table for the terminal: only the columns that carry a value on this device, and a figure
+    that is suspect flagged on its row (issue 38: a 3.5x slower figure was printed without a word)."""
+    flags = [", ".join(task.flags) or NO_VALUE for task in result.tasks]
+    rows = _carried([HEADERS + ["flags"]] + [row + [flag] for row, flag in zip(_rows(result), flags)])
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
