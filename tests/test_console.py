@@ -145,3 +145,22 @@ def test_verbose_prints_what_the_log_keeps(sqlite_store, monkeypatch, switch):
                  *switch).output
     assert "[vitreg] overhead outside the timed windows" in output
     assert "infer: energy and throttle state at the window edges" in output
+
+
+def test_a_library_warning_goes_to_the_run_s_log_and_to_verbose_only(capsys, monkeypatch):
+    """Issue 38: a library's warning (torchao's SyntaxWarning in a sweep child, a deprecation) is the log's,
+    not the console's; ``-v`` prints it."""
+    import warnings
+
+    from vitreg.console import VERBOSE_ENV, quiet_libraries, take_console
+
+    monkeypatch.delenv(VERBOSE_ENV, raising=False)
+    take_console()
+    with warnings.catch_warnings():  # puts the process's warning display back after
+        warnings.simplefilter("always")
+        quiet_libraries()
+        warnings.warn("an old API", UserWarning)
+        assert capsys.readouterr().err == "" and "UserWarning: an old API" in take_console()
+        monkeypatch.setenv(VERBOSE_ENV, "1")
+        warnings.warn("an old API", UserWarning)
+        assert "[vitreg] UserWarning: an old API" in capsys.readouterr().err

@@ -206,9 +206,11 @@ _SHORT_COSINE = _DropMessage("Cosine annealing scheduler will have no effect")
 
 def quiet_libraries() -> None:
     """A successful run's console holds vitreg's lines only: silence kineto's trace markers and driver
-    probe, and timm's short-cosine warning. Their real failures still reach vitreg, which checks what it
+    probe, and timm's short-cosine warning; the libraries' other warnings go to the run's log (``-v``: also
+    to the console). Their real failures still reach vitreg, which checks what it
     reads (an empty profile, a failed schedule) and says so in its own ``error:`` line."""
     os.environ.setdefault("KINETO_LOG_LEVEL", KINETO_QUIET)  # inherited by the torchrun ranks
+    warnings.showwarning = _warning_to_log
     cosine = logging.getLogger("timm.scheduler.cosine_lr")
     if _SHORT_COSINE not in cosine.filters:
         cosine.addFilter(_SHORT_COSINE)
@@ -246,7 +248,7 @@ def quiet(message: str) -> None:
 def detail(message: str, say=progress) -> None:
     """A line a reader of the run's log may want but the console does not need (the overhead by phase, the
     energy source, a spread already in the run's warning): printed through ``say`` with ``-v`` only, kept in
-    the run's log (:func:`console_text`) either way. A rank that says nothing (:func:`quiet`) keeps nothing."""
+    the run's log (:func:`take_console`) either way. A rank that says nothing (:func:`quiet`) keeps nothing."""
     if say is quiet:
         return
     if verbose():
@@ -255,14 +257,19 @@ def detail(message: str, say=progress) -> None:
         _LOG.append(f"[vitreg] {scrub(message)}")
 
 
-def console_text() -> str:
-    """This process's progress and detail lines so far, as the run's :data:`CONSOLE_LOG` artifact holds them."""
-    return "\n".join(_LOG) + "\n"
-
-
-def forget_console() -> None:
-    """A new run starts its log empty (a CLI or API call in a process that ran another before)."""
+def take_console() -> str:
+    """This process's progress and detail lines since the last call, as the run's :data:`CONSOLE_LOG` artifact
+    holds them: taken, so a second run in the same process (CliRunner, the Python API) logs its own lines,
+    and the first one also what was said before it started (an import's warning)."""
+    text = "\n".join(_LOG) + "\n"
     _LOG.clear()
+    return text
+
+
+def _warning_to_log(message, category, filename, lineno, file=None, line=None) -> None:
+    """A library's warning (a deprecation, torchao's SyntaxWarning in a sweep child) as a detail line: the
+    run's log keeps it, ``-v`` prints it; vitreg's own warnings are its ``warning:`` lines, not these."""
+    detail(f"{category.__name__}: {message} ({filename}:{lineno})")
 
 
 @contextlib.contextmanager

@@ -36,7 +36,7 @@ from vitreg.bench.runner import run_benchmark
 from vitreg.config.options import identity_names, option
 from vitreg.config.parse import param_text
 from vitreg.config.spec import BenchSpec, parse_int
-from vitreg.console import CONSOLE_LOG, console_text, detail, forget_console, progress
+from vitreg.console import CONSOLE_LOG, detail, progress, take_console
 from vitreg.ddp import launcher as launch
 from vitreg.ddp import world as distributed
 from vitreg.ddp.context import JobContext, job_context
@@ -64,7 +64,6 @@ def bench(options: dict, experiment: str | None = None, run_name: str | None = N
     ``infer_scaling_efficiency``) = throughput_N / (N * throughput_1).
     """
     PHASES.begin()  # from the process's start: what a command costs before its first timed step
-    forget_console()  # the run's log holds this run's lines, not an earlier call's in the same process
     command = launch.typed_command(command)
     placement = placement or launch.Placement()
     if distributed.inside_torchrun():  # one rank of a job: a vitreg launcher's or a torchrun the user started
@@ -96,7 +95,6 @@ def infer(model_uri: str, options: dict, experiment: str | None = None, run_name
           progress=progress, command: str | None = None) -> BenchResult:
     """Pull ``model_uri`` and benchmark it (task=infer unless ``options['task']`` says otherwise) as one run."""
     PHASES.begin()
-    forget_console()
     command = command or shlex.join(sys.argv)
     model_uri = str(model_uri or "").strip()
     options = {"task": "infer", **{k: v for k, v in options.items() if v is not None}}
@@ -233,7 +231,7 @@ def benchmark_in_run(plan: BenchPlan) -> BenchResult:
         run.set_name(naming.SEP.join([name, *result.flags]))  # a suspect figure says so where it is read
     run.set_note(naming.run_note(result.to_dict(), ran_on=hw.detected.name if hw.mismatch else None))
     _log_overhead(run, ctx.progress)
-    run.log_text(console_text(), CONSOLE_LOG)  # what -v would have printed too, for whoever reads the run later
+    run.log_text(take_console(), CONSOLE_LOG)  # what -v would have printed too, for whoever reads the run later
     return result
 
 

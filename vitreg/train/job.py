@@ -56,7 +56,7 @@ from typing import Callable
 
 from vitreg.checkpoint import format as ckpt
 from vitreg.config.spec import TrainSpec
-from vitreg.console import CONSOLE_LOG, console_text, detail, forget_console, progress
+from vitreg.console import CONSOLE_LOG, detail, progress, take_console
 from vitreg.ddp import launcher as launch
 from vitreg.ddp import world as distributed
 from vitreg.ddp.context import JobContext, job_context
@@ -89,7 +89,6 @@ def train(options: dict, experiment: str | None = None, run_name: str | None = N
     replaces the built-in rank-sharded sampler of ImageFolder data (it must give every rank the same
     number of batches).
     """
-    forget_console()  # the run's log holds this run's lines, not an earlier call's in the same process
     run_node = (placement or launch.Placement()).run_node
     workdir = Path(tempfile.mkdtemp(prefix="vitreg-train-"))  # downloaded resume source + local checkpoints
     world = distributed.World()
@@ -317,7 +316,7 @@ def _train_in_run(plan: TrainPlan):
             throughput = result.figure("throughput_img_per_s")
             if not plan.run_name and throughput:  # now with the figure: the runs list reads at a glance
                 plan.run.set_name(_run_name(plan, throughput))
-            plan.run.log_text(console_text(), CONSOLE_LOG)  # what -v would have printed too
+            plan.run.log_text(take_console(), CONSOLE_LOG)  # what -v would have printed too
         ok = True
     finally:
         logger.close(timeout=None if ok else 60)  # on the error path, do not hang on a dead server
