@@ -318,3 +318,18 @@ def test_a_suspect_figure_is_flagged_on_its_row():
     assert header.endswith("flags")
     assert infer_row.endswith("busy host, throttled, wide spread, precision missed") and train_row.endswith("-")
     assert flagged.flags == ["busy host", "throttled", "wide spread", "precision missed"]
+
+
+def test_the_run_s_warnings_are_one_line():
+    """A window spread over 5 % and the precision target missed: one ``warning:`` line says both (issue 38)."""
+    import dataclasses
+
+    from vitreg.bench.results import run_warning
+
+    result, _ = _run(task="infer")
+    (task,) = result.tasks
+    both = dataclasses.replace(task, window_tags={"spread_over_target": "true", "timing_stop": "max_time"})
+    warning = run_warning(dataclasses.replace(result, tasks=(both,)))
+    assert warning.count("warning:") == 1 and "\n" not in warning
+    assert "window spread over 5%" in warning and "the precision target 1 % was not reached" in warning
+    assert run_warning(dataclasses.replace(result, tasks=(dataclasses.replace(task, window_tags={}),))) is None

@@ -31,7 +31,7 @@ import tempfile
 from dataclasses import dataclass, field
 
 from vitreg.analysis.frame import FOLDED_INTO, SCALED_COLUMNS
-from vitreg.bench.results import BenchResult, precision_warning, report_markdown, results_table, spread_warning
+from vitreg.bench.results import BenchResult, report_markdown, results_table, run_warning
 from vitreg.bench.runner import run_benchmark
 from vitreg.config.options import identity_names, option
 from vitreg.config.parse import param_text
@@ -117,12 +117,12 @@ def infer(model_uri: str, options: dict, experiment: str | None = None, run_name
 
 
 def _print_end(run, result: BenchResult | None) -> None:
-    """The run's last lines: where its data is and, when its windows spread too wide, that warning. The
+    """The run's last lines: where its data is and, when a figure is less sure than it reads, one warning. The
     warning is the last line (a figure less sure than its digits is what a user must not miss), except for a
     run still in the local spool: there the `vitreg sync` that delivers it comes last, or the data is lost."""
-    warnings = [w for w in (spread_warning(result), precision_warning(result)) if w] if result is not None else []
+    warning = [said] if (said := run_warning(result)) else []
     where = tracking.where_logged(run)
-    print("\n".join([*warnings, where] if tracking.still_spooled(run) else [where, *warnings]))
+    print("\n".join([*warning, where] if tracking.still_spooled(run) else [where, *warning]))
 
 
 #: Options that the registered checkpoint decides, not the user.

@@ -216,6 +216,15 @@ def precision_warning(result: BenchResult) -> str | None:
             f"quiet machine or with a larger max_time_s before comparing")
 
 
+def run_warning(result: BenchResult | None) -> str | None:
+    """The run's one warning line (issue 38: one line of warnings), the window spread's and the precision
+    target's together; None when neither has anything to say (or no result: a launcher's run)."""
+    if result is None:
+        return None
+    said = [w for w in (spread_warning(result), precision_warning(result)) if w]
+    return "warning: " + "; ".join(w.removeprefix("warning: ") for w in said) if said else None
+
+
 def _markdown(headers: list[str], rows: list[list[str]]) -> str:
     return markdown_table(pd.DataFrame(rows, columns=headers))
 
