@@ -24,7 +24,7 @@ from vitreg.analysis.comparison import Comparison, compare_runs
 from vitreg.analysis.frame import DEFAULT_AXIS, CompareError
 from vitreg.analysis.stats import BETTER, WORSE
 from vitreg.files import read_text, read_toml
-from vitreg.measure.energy import ALWAYS_FLAGGED, POWER_CAP, SPREAD_LIMIT
+from vitreg.measure.energy import POWER_CAP, SPREAD_LIMIT, slowed
 
 COST, ENERGY = "usd_per_1m_img", "img_per_j"
 #: USD per GPU-hour: far above any GPU's rent, and far below where a cost per image overflows to inf
@@ -202,6 +202,6 @@ def suspect_masks(runs: pd.DataFrame) -> dict[str, pd.Series]:
         return (runs[name] if name in runs else pd.Series("", index=runs.index)).map(
             lambda v: v if isinstance(v, str) else "")
 
-    hot = column("throttle").map(lambda reasons: bool(set(reasons.split(",")) & set(ALWAYS_FLAGGED)))
+    hot = column("throttle").map(slowed)
     return {"busy host": column("busy_host") == "true", "throttled": hot.astype(bool),
             "wide spread": column("spread_over_target") == "true"}

@@ -17,7 +17,7 @@ from vitreg.config.parse import param_text
 from vitreg.config.spec import BenchSpec
 from vitreg.environment import EnvInfo
 from vitreg.measure.autobatch import BatchChoice
-from vitreg.measure.energy import ALWAYS_FLAGGED, SPREAD_LIMIT
+from vitreg.measure.energy import SPREAD_LIMIT, slowed
 from vitreg.measure.figures import Figures
 from vitreg.measure.graphs import EAGER_STEPS_BEFORE_CAPTURE
 from vitreg.measure.metrics import job_metrics, task_metrics
@@ -57,7 +57,7 @@ class TaskResult:
         spread over :data:`SPREAD_LIMIT`, or stopped short of the precision target (``precision_pct``)."""
         tags = self.window_tags
         found = {"busy host": tags.get("busy_host") == "true",
-                 "throttled": bool(set(tags.get("throttle", "none").split(",")) & set(ALWAYS_FLAGGED)),
+                 "throttled": slowed(tags.get("throttle", "none")),
                  "wide spread": tags.get("spread_over_target") == "true",
                  "precision missed": tags.get("timing_stop") in (STOP_MAX_TIME, STOP_MAX_WINDOWS)}
         return [flag for flag, on in found.items() if on]

@@ -60,6 +60,11 @@ BUSY_CPUS, BUSY_SHARE = 0.5, 0.1
 SPREAD_LIMIT = 0.05
 
 
+def slowed(throttle: str) -> bool:
+    """Whether a ``throttle`` tag (reasons, comma-separated) holds one that slows work (:data:`ALWAYS_FLAGGED`)."""
+    return bool(set(throttle.split(",")) & set(ALWAYS_FLAGGED))
+
+
 @dataclass(frozen=True)
 class Reading:
     """What one read of the source saw. ``None``: not available on this device (or not read)."""
