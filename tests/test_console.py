@@ -4,6 +4,8 @@ store-creation INFO lines, no timm short-cosine warning; and a failing run still
 
 from __future__ import annotations
 
+import re
+import shlex
 import subprocess
 import sys
 
@@ -88,3 +90,77 @@ def test_the_profiler_s_cycle_warning_stays_off_the_console(monkeypatch, recwarn
     with torch_profiler.profile(activities=[torch_profiler.ProfilerActivity.CPU]):  # the warning is real
         step()
     assert [w for w in recwarn if "Profiler clears events" in str(w.message)]
+
+
+# ---------------------------------------------------------------- what the console says by default (issue 38)
+CONSOLE_MAX_LINES = 25  # what runs, progress, the table, one line of warnings, where the run is
+
+
+def readme_cpu_example() -> list[str]:
+    """The README's CPU-sized bench, as printed there (the words after ``vitreg``)."""
+    (line,) = [line for line in (REPO / "README.md").read_text().splitlines()
+               if line.startswith("vitreg bench --model deit_tiny_patch16_224") and "--experiment laptop" in line]
+    return shlex.split(line.partition("#")[0])[1:]
+
+
+def cli(*args: str):
+    from click.testing import CliRunner
+
+    from vitreg.cli.main import main
+
+    result = CliRunner().invoke(main, list(args))
+    assert result.exit_code == 0, result.output[-3000:]
+    return result
+
+
+def console_log(run_id: str) -> str:
+    import mlflow
+
+    from vitreg.console import CONSOLE_LOG
+
+    return mlflow.artifacts.load_text(f"runs:/{run_id}/{CONSOLE_LOG}")
+
+
+def run_id_of(output: str) -> str:
+    return re.search(r"logged run ([0-9a-f]{32})", output).group(1)
+
+
+def test_the_readme_s_cpu_example_prints_at_most_25_lines(sqlite_store, monkeypatch):
+    """The overhead by phase, the energy source and each task's spread go to the run's console.log, not to
+    the console; what stays fits a screen."""
+    monkeypatch.delenv("VITREG_VERBOSE", raising=False)
+    output = cli(*readme_cpu_example()).output
+    lines = [line for line in output.splitlines() if line.strip()]
+    assert len(lines) <= CONSOLE_MAX_LINES, output
+    assert "overhead outside the timed windows" not in output and "at the window edges" not in output
+    log = console_log(run_id_of(output))
+    assert "overhead outside the timed windows" in log and "infer: energy and throttle state" in log
+
+
+@pytest.mark.parametrize("switch", [["-v"], ["--verbose"], []])
+def test_verbose_prints_what_the_log_keeps(sqlite_store, monkeypatch, switch):
+    if not switch:
+        monkeypatch.setenv("VITREG_VERBOSE", "1")
+    output = cli("bench", *TINY, "--task", "infer", "--warmup", "1", "--steps", "1", "--repeats", "2",
+                 *switch).output
+    assert "[vitreg] overhead outside the timed windows" in output
+    assert "infer: energy and throttle state at the window edges" in output
+
+
+def test_a_library_warning_goes_to_the_run_s_log_and_to_verbose_only(capsys, monkeypatch):
+    """Issue 38: a library's warning (torchao's SyntaxWarning in a sweep child, a deprecation) is the log's,
+    not the console's; ``-v`` prints it."""
+    import warnings
+
+    from vitreg.console import VERBOSE_ENV, quiet_libraries, take_console
+
+    monkeypatch.delenv(VERBOSE_ENV, raising=False)
+    take_console()
+    with warnings.catch_warnings():  # puts the process's warning display back after
+        warnings.simplefilter("always")
+        quiet_libraries()
+        warnings.warn("an old API", UserWarning)
+        assert capsys.readouterr().err == "" and "UserWarning: an old API" in take_console()
+        monkeypatch.setenv(VERBOSE_ENV, "1")
+        warnings.warn("an old API", UserWarning)
+        assert "[vitreg] UserWarning: an old API" in capsys.readouterr().err

@@ -105,7 +105,7 @@ def test_throttle_that_differs_heat_and_a_busy_host_are_marked():
     runs["spread_over_target"] = runs["spread_over_target"].astype(object)  # no run tagged it: all NaN
     runs.loc[h200[2], "spread_over_target"] = "true"
     lines = condition_lines(runs)
-    assert lines[3] == f"SPREAD: 1 run(s) whose windows scattered more than the precision target (5% CV): {runs.loc[h200[2], 'run_id']}"
+    assert lines[3] == f"SPREAD: 1 run(s) whose window spread was over 5% (the windows' CV): {runs.loc[h200[2], 'run_id']}"
     assert lines[0] == "THROTTLE DIFFERS between the runs compared: a100: sw_power_cap, h200: hw_thermal,sw_power_cap/" \
                        "sw_power_cap"
     assert lines[1].startswith("THROTTLED by heat or a hardware brake: 1 run(s): ")

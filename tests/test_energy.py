@@ -192,7 +192,7 @@ def test_a_spread_over_the_precision_target_is_said_with_what_the_windows_met():
     host = [_reading(0, True, host_busy_s=100.0, own_cpu_s=10.0, host_cpus=2),
             _reading(2.0, True, host_busy_s=104.0, own_cpu_s=12.0, host_cpus=2)]
     busy = TaskMarks((mark_window(host, 2.0, 64),) * 3, rates=(3.47, 400.0, 31.9))  # the issue's loaded 2-core host
-    assert busy.spread_note() == ("window-to-window spread 124.4% misses the 5% precision target "
+    assert busy.spread_note() == ("window spread 124.4% over 5% (the windows' CV) "
                                   "(busy host: 1.00 CPUs beside the run)")
     assert busy.tags()["spread_over_target"] == "true"
     quiet = TaskMarks(tuple(m for label, m in trace_windows(TRACE) if label.startswith("train")),
@@ -200,26 +200,26 @@ def test_a_spread_over_the_precision_target_is_said_with_what_the_windows_met():
     assert quiet.spread_note() is None and quiet.tags()["spread_over_target"] == "false"
 
 
-def test_a_run_whose_windows_miss_the_precision_target_says_so_in_its_last_line(sqlite_store, monkeypatch, capsys,
-                                                                                 tmp_path):
-    """A real tiny bench, in-process, with the target at 0 (any spread misses it): the tag is set and the warning
+def test_a_run_whose_window_spread_is_over_the_limit_says_so_in_its_last_line(sqlite_store, monkeypatch, capsys,
+                                                                               tmp_path):
+    """A real tiny bench, in-process, with the spread limit at 0 (any spread is over it): the tag is set and the warning
     is the run's last line, after the line that says where the run is; an offline run ends on its spool's `vitreg
-    sync` instead (that line must stay last), the warning just before it. At an unreachable target no warning."""
+    sync` instead (that line must stay last), the warning just before it. At an unreachable limit no warning."""
     from vitreg.bench.job import bench
 
     options = dict(model="test_vit", task="infer", batch_size=2, warmup=1, steps=2, repeats=3, device="cpu")
-    monkeypatch.setattr(energy, "PRECISION_TARGET", 0.0)
+    monkeypatch.setattr(energy, "SPREAD_LIMIT", 0.0)
     result = bench(options, experiment="spread")
     assert result.tasks[0].window_tags["spread_over_target"] == "true"
     *_, where, warning = capsys.readouterr().out.strip().splitlines()
-    assert warning.startswith("warning: infer: the windows' spread missed") and "infer_spread_over_target" in warning
+    assert warning.startswith("warning: infer: window spread over") and "infer_spread_over_target" in warning
     assert where.startswith("logged run ") and "/runs/" in where
     monkeypatch.setenv("VITREG_SPOOL_DIR", str(tmp_path / "spools"))
     monkeypatch.setenv("VITREG_OFFLINE", "1")
     bench(options, experiment="spread")
     monkeypatch.delenv("VITREG_OFFLINE")
     *_, warning, last = capsys.readouterr().out.strip().splitlines()
-    assert warning.startswith("warning: infer: the windows' spread missed") and "vitreg sync" in last
-    monkeypatch.setattr(energy, "PRECISION_TARGET", float("inf"))
+    assert warning.startswith("warning: infer: window spread over") and "vitreg sync" in last
+    monkeypatch.setattr(energy, "SPREAD_LIMIT", float("inf"))
     bench(options, experiment="spread")
     assert not any(line.startswith("warning:") for line in capsys.readouterr().out.splitlines())

@@ -161,3 +161,19 @@ def test_the_notes_table_keeps_its_cells_apart_where_mlflow_renders_it():
     assert len(cells) == len(header.split("|")[1:-1]) and all(c.startswith(f" {NBSP}") and c.endswith(f"{NBSP} ")
                                                              for c in cells)
     assert spaced_cells("| a \\| b | c |") == f"| {NBSP}a \\| b{NBSP} | {NBSP}c{NBSP} |"  # an escaped bar is text
+
+
+def test_a_run_measured_beside_other_load_says_so_in_its_name(sqlite_store, monkeypatch):
+    """Issue 38: a figure measured on a busy host is flagged where it is read, the run's name too (after the
+    figures: the model and GPU still lead the runs list's ~22 characters)."""
+    import mlflow
+
+    from vitreg.bench.job import bench
+    from vitreg.measure import energy
+
+    monkeypatch.setattr(energy, "BUSY_CPUS", -1.0)  # any load beside the run makes the host busy
+    monkeypatch.setattr(energy, "BUSY_SHARE", -1.0)
+    bench(dict(model="test_vit", img_size=32, task="infer", batch_size=2, warmup=1, steps=2, repeats=2,
+               device="cpu"), experiment="flags")
+    (name,) = mlflow.search_runs(experiment_names=["flags"])["tags.mlflow.runName"]
+    assert name.startswith("test_vit img32 · cpu · infer ") and "img/s" in name and " · busy host" in name

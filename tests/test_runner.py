@@ -290,3 +290,46 @@ def test_a_second_run_of_the_same_model_reads_its_flop_counts_back(monkeypatch):
     other, _ = _run(steps=1, repeats=1, task="infer", img_size=48)  # another size is other work: counted
     assert counted == ["forward", "train", "forward"] and other.metrics()["fwd_gflops_per_img"] > \
         first.metrics()["fwd_gflops_per_img"]
+
+
+def test_the_table_shows_only_the_columns_this_device_fills():
+    """On a CPU: no compile s, peak alloc, MFU, J/img or SM MHz column of ``-`` only (issue 38)."""
+    result, _ = _run(task="infer")
+    header, _, *rows = report_table(result).splitlines()[1:]
+    assert not any(name in header for name in ("compile s", "peak alloc", "MFU", "J/img", "SM MHz"))
+    assert "img/s median" in header and "TFLOP/s" in header
+    assert all(" - " not in f" {row} " for row in rows)  # every column left has its value
+
+
+def test_a_suspect_figure_is_flagged_on_its_row():
+    """Busy host, throttled, a window spread over 5 % or the precision target missed: said on the table's row
+    (issue 38: a 3.5x slower figure was printed without a word); a clean run has no flags column."""
+    import dataclasses
+
+    result, _ = _run()
+    infer, train = result.tasks
+    assert "flags" not in report_table(dataclasses.replace(result, tasks=(
+        dataclasses.replace(infer, window_tags={"busy_host": "false"}), dataclasses.replace(train, window_tags={}))))
+    suspect = {"busy_host": "true", "throttle": "hw_thermal,sw_power_cap", "spread_over_target": "true",
+               "timing_stop": "max_time"}
+    flagged = dataclasses.replace(result, tasks=(dataclasses.replace(infer, window_tags=suspect),
+                                                 dataclasses.replace(train, window_tags={"throttle": "sw_power_cap"})))
+    header, _, infer_row, train_row = report_table(flagged).splitlines()[1:]
+    assert header.endswith("flags")
+    assert infer_row.endswith("busy host, throttled, wide spread, precision missed") and train_row.endswith("-")
+    assert flagged.flags == ["busy host", "throttled", "wide spread", "precision missed"]
+
+
+def test_the_run_s_warnings_are_one_line():
+    """A window spread over 5 % and the precision target missed: one ``warning:`` line says both (issue 38)."""
+    import dataclasses
+
+    from vitreg.bench.results import run_warning
+
+    result, _ = _run(task="infer")
+    (task,) = result.tasks
+    both = dataclasses.replace(task, window_tags={"spread_over_target": "true", "timing_stop": "max_time"})
+    warning = run_warning(dataclasses.replace(result, tasks=(both,)))
+    assert warning.count("warning:") == 1 and "\n" not in warning
+    assert "window spread over 5%" in warning and "the precision target 1 % was not reached" in warning
+    assert run_warning(dataclasses.replace(result, tasks=(dataclasses.replace(task, window_tags={}),))) is None

@@ -206,9 +206,11 @@ _SHORT_COSINE = _DropMessage("Cosine annealing scheduler will have no effect")
 
 def quiet_libraries() -> None:
     """A successful run's console holds vitreg's lines only: silence kineto's trace markers and driver
-    probe, and timm's short-cosine warning. Their real failures still reach vitreg, which checks what it
+    probe, and timm's short-cosine warning; the libraries' other warnings go to the run's log (``-v``: also
+    to the console). Their real failures still reach vitreg, which checks what it
     reads (an empty profile, a failed schedule) and says so in its own ``error:`` line."""
     os.environ.setdefault("KINETO_LOG_LEVEL", KINETO_QUIET)  # inherited by the torchrun ranks
+    warnings.showwarning = _warning_to_log
     cosine = logging.getLogger("timm.scheduler.cosine_lr")
     if _SHORT_COSINE not in cosine.filters:
         cosine.addFilter(_SHORT_COSINE)
@@ -220,13 +222,54 @@ def plural(n: int, word: str) -> str:
     return f"{n} {word}" + ("" if n == 1 else "s")
 
 
+#: Set (``1``) by ``-v/--verbose``, in the environment so the torchrun ranks inherit it: the detail lines
+#: (:func:`detail`) are printed too, not only kept for the run's log.
+VERBOSE_ENV = "VITREG_VERBOSE"
+#: The run's console log artifact: every progress and detail line of this process, whether printed or not
+CONSOLE_LOG = "console.log"
+_LOG: list[str] = []
+
+
+def verbose() -> bool:
+    return os.environ.get(VERBOSE_ENV, "") not in ("", "0", "false")
+
+
 def progress(message: str) -> None:
-    """Print ``[vitreg] message`` to stderr, flushed (long jobs report as they go)."""
-    print(f"[vitreg] {scrub(message)}", file=sys.stderr, flush=True)
+    """Print ``[vitreg] message`` to stderr, flushed (long jobs report as they go); kept for the run's log."""
+    line = f"[vitreg] {scrub(message)}"
+    _LOG.append(line)
+    print(line, file=sys.stderr, flush=True)
 
 
 def quiet(message: str) -> None:
     """A progress callback that says nothing (ranks other than 0 of a DDP job)."""
+
+
+def detail(message: str, say=progress) -> None:
+    """A line a reader of the run's log may want but the console does not need (the overhead by phase, the
+    energy source, a spread already in the run's warning): printed through ``say`` with ``-v`` only, kept in
+    the run's log (:func:`take_console`) either way. A rank that says nothing (:func:`quiet`) keeps nothing."""
+    if say is quiet:
+        return
+    if verbose():
+        say(message)
+    else:
+        _LOG.append(f"[vitreg] {scrub(message)}")
+
+
+def take_console() -> str:
+    """This process's progress and detail lines since the last call, as the run's :data:`CONSOLE_LOG` artifact
+    holds them: taken, so a second run in the same process (CliRunner, the Python API) logs its own lines,
+    and the first one also what was said before it started (an import's warning)."""
+    text = "\n".join(_LOG) + "\n"
+    _LOG.clear()
+    return text
+
+
+def _warning_to_log(message, category, filename, lineno, file=None, line=None) -> None:
+    """A library's warning (a deprecation, torchao's SyntaxWarning in a sweep child) as a detail line: the
+    run's log keeps it, ``-v`` prints it; vitreg's own warnings are its ``warning:`` lines, not these."""
+    detail(f"{category.__name__}: {message} ({filename}:{lineno})")
 
 
 @contextlib.contextmanager

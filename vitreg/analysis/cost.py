@@ -24,7 +24,7 @@ from vitreg.analysis.comparison import Comparison, compare_runs
 from vitreg.analysis.frame import DEFAULT_AXIS, CompareError
 from vitreg.analysis.stats import BETTER, WORSE
 from vitreg.files import read_text, read_toml
-from vitreg.measure.energy import ALWAYS_FLAGGED, POWER_CAP, PRECISION_TARGET
+from vitreg.measure.energy import POWER_CAP, SPREAD_LIMIT, slowed
 
 COST, ENERGY = "usd_per_1m_img", "img_per_j"
 #: USD per GPU-hour: far above any GPU's rent, and far below where a cost per image overflows to inf
@@ -186,10 +186,10 @@ def condition_lines(runs: pd.DataFrame) -> list[str]:
     if len(busy):
         lines.append(f"BUSY HOST: {busy['run_id'].nunique()} run(s) measured while other processes loaded the host "
                      f"(their figures may be low): " + ", ".join(sorted(set(busy["run_id"]))))
-    wide = runs[suspect["precision missed"]]
+    wide = runs[suspect["wide spread"]]
     if len(wide):
-        lines.append(f"SPREAD: {wide['run_id'].nunique()} run(s) whose windows scattered more than the precision "
-                     f"target ({PRECISION_TARGET:.0%} CV): " + ", ".join(sorted(set(wide["run_id"]))))
+        lines.append(f"SPREAD: {wide['run_id'].nunique()} run(s) whose window spread was over {SPREAD_LIMIT:.0%} "
+                     f"(the windows' CV): " + ", ".join(sorted(set(wide["run_id"]))))
     return lines
 
 
@@ -197,11 +197,11 @@ def suspect_masks(runs: pd.DataFrame) -> dict[str, pd.Series]:
     """What makes a run's figure suspect, each a mask over the rows of ``runs`` (a tidy frame: its
     condition columns, NaN for runs that predate them), under the word ``vitreg runs`` flags it with: measured
     while other processes loaded the host, throttled by heat or a hardware brake (not the power cap: heavy
-    work's normal state), its windows scattered past the precision target."""
+    work's normal state), its window spread over :data:`SPREAD_LIMIT`."""
     def column(name: str) -> pd.Series:  # the tags as text, missing ones ""
         return (runs[name] if name in runs else pd.Series("", index=runs.index)).map(
             lambda v: v if isinstance(v, str) else "")
 
-    hot = column("throttle").map(lambda reasons: bool(set(reasons.split(",")) & set(ALWAYS_FLAGGED)))
+    hot = column("throttle").map(slowed)
     return {"busy host": column("busy_host") == "true", "throttled": hot.astype(bool),
-            "precision missed": column("spread_over_target") == "true"}
+            "wide spread": column("spread_over_target") == "true"}

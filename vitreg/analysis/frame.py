@@ -69,7 +69,7 @@ CHOSEN_COLUMNS = ("batch_chosen",)
 # What a run's timed windows met (its ``<task>_throttle``, ``<task>_busy_host`` and ``<task>_spread_over_target``
 # tags, from vitreg.measure.energy; NaN for runs that predate them): the clock-event reasons seen
 # (``sw_power_cap``, ``hw_thermal``, ... or ``none``), whether other processes loaded the host, and whether the
-# windows' spread missed the precision target. Compare marks runs by them; check names them as causes.
+# window spread was over 5 % (the windows' CV). Compare marks runs by them; check names them as causes.
 CONDITION_COLUMNS = ("throttle", "busy_host", "spread_over_target")
 
 

@@ -24,18 +24,19 @@ version gets ``last_infer_run_id`` and the throughput.
 
 from __future__ import annotations
 
+import functools
 import shlex
 import sys
 import tempfile
 from dataclasses import dataclass, field
 
 from vitreg.analysis.frame import FOLDED_INTO, SCALED_COLUMNS
-from vitreg.bench.results import BenchResult, precision_warning, report_markdown, results_table, spread_warning
+from vitreg.bench.results import BenchResult, report_markdown, results_table, run_warning
 from vitreg.bench.runner import run_benchmark
 from vitreg.config.options import identity_names, option
 from vitreg.config.parse import param_text
 from vitreg.config.spec import BenchSpec, parse_int
-from vitreg.console import progress
+from vitreg.console import CONSOLE_LOG, detail, progress, take_console
 from vitreg.ddp import launcher as launch
 from vitreg.ddp import world as distributed
 from vitreg.ddp.context import JobContext, job_context
@@ -116,12 +117,12 @@ def infer(model_uri: str, options: dict, experiment: str | None = None, run_name
 
 
 def _print_end(run, result: BenchResult | None) -> None:
-    """The run's last lines: where its data is and, when its windows spread too wide, that warning. The
+    """The run's last lines: where its data is and, when a figure is less sure than it reads, one warning. The
     warning is the last line (a figure less sure than its digits is what a user must not miss), except for a
     run still in the local spool: there the `vitreg sync` that delivers it comes last, or the data is lost."""
-    warnings = [w for w in (spread_warning(result), precision_warning(result)) if w] if result is not None else []
+    warning = [said] if (said := run_warning(result)) else []
     where = tracking.where_logged(run)
-    print("\n".join([*warnings, where] if tracking.still_spooled(run) else [where, *warnings]))
+    print("\n".join([*warning, where] if tracking.still_spooled(run) else [where, *warning]))
 
 
 #: Options that the registered checkpoint decides, not the user.
@@ -204,7 +205,7 @@ def benchmark_in_run(plan: BenchPlan) -> BenchResult:
     run.set_tags(tags)
     params = {**spec.to_params(), "gpu": hw.label, "amp": runtime.amp, "device": runtime.device,
               "img_size": info.img_size, **plan.params}
-    log_setup(run, params, env, ctx.progress)
+    log_setup(run, params, env, functools.partial(detail, say=ctx.progress))  # the params echo: the log's
     what = f"{plan.pulled.version_uri or plan.model_uri} ({info.name}) on " if plan.pulled else ""
     ctx.progress(f"run {run.run_id} at {tracking.tracking_uri()}; {what}gpu={hw.label} ({ctx.detected.name}), "
                  f"amp={runtime.amp}, compile={spec.compile}")
@@ -226,9 +227,11 @@ def benchmark_in_run(plan: BenchPlan) -> BenchResult:
     run.log_text(report_markdown(result, env, plan.command), "report.md")
     if not plan.run_name:  # now with the figure: the runs list reads without any column set-up
         throughputs = {t.task: t.throughput_img_per_s for t in result.tasks}
-        run.set_name(plan.title.name(result.tasks[0].batch_size, throughputs=throughputs))
+        name = plan.title.name(result.tasks[0].batch_size, throughputs=throughputs)
+        run.set_name(naming.SEP.join([name, *result.flags]))  # a suspect figure says so where it is read
     run.set_note(naming.run_note(result.to_dict(), ran_on=hw.detected.name if hw.mismatch else None))
     _log_overhead(run, ctx.progress)
+    run.log_text(take_console(), CONSOLE_LOG)  # what -v would have printed too, for whoever reads the run later
     return result
 
 
@@ -238,8 +241,8 @@ def _log_overhead(run, progress) -> None:
     PHASES.mark("report")
     overhead = job_metrics(PHASES.overhead_s())
     run.log_metrics(overhead)
-    progress("overhead outside the timed windows: " + ", ".join(
-        f"{name[len('overhead_'):-2]} {s:.2f} s" for name, s in overhead.items()))
+    detail("overhead outside the timed windows: " + ", ".join(
+        f"{name[len('overhead_'):-2]} {s:.2f} s" for name, s in overhead.items()), progress)
 
 
 def link_tags(pulled: checkpoint_sources.PullResult) -> dict:

@@ -17,7 +17,7 @@ from vitreg.config.parse import param_text
 from vitreg.config.spec import BenchSpec
 from vitreg.environment import EnvInfo
 from vitreg.measure.autobatch import BatchChoice
-from vitreg.measure.energy import PRECISION_TARGET
+from vitreg.measure.energy import SPREAD_LIMIT, slowed
 from vitreg.measure.figures import Figures
 from vitreg.measure.graphs import EAGER_STEPS_BEFORE_CAPTURE
 from vitreg.measure.metrics import job_metrics, task_metrics
@@ -49,6 +49,18 @@ class TaskResult:
     def throughput_img_per_s(self) -> float:
         """The median window's img/s, the whole job's."""
         return self.figures["throughput_img_per_s"]
+
+    @property
+    def flags(self) -> list[str]:
+        """What makes this figure suspect, in the words ``vitreg runs`` and compare use: measured beside other
+        load, throttled by heat or a hardware brake (not the power cap: heavy work's normal state), a window
+        spread over :data:`SPREAD_LIMIT`, or stopped short of the precision target (``precision_pct``)."""
+        tags = self.window_tags
+        found = {"busy host": tags.get("busy_host") == "true",
+                 "throttled": slowed(tags.get("throttle", "none")),
+                 "wide spread": tags.get("spread_over_target") == "true",
+                 "precision missed": tags.get("timing_stop") in (STOP_MAX_TIME, STOP_MAX_WINDOWS)}
+        return [flag for flag, on in found.items() if on]
 
     def tags(self) -> dict[str, str]:
         """What this task ran, as run tags prefixed by the task (the chosen batch, the SDPA backend, ...)."""
@@ -121,6 +133,11 @@ class BenchResult:
         """Every task's :meth:`TaskResult.series`: log each ``(step, metrics)`` with that step."""
         return [point for task in self.tasks for point in task.series()]
 
+    @property
+    def flags(self) -> list[str]:
+        """Every task's :attr:`TaskResult.flags`, once each, in order: what the run's name carries."""
+        return list(dict.fromkeys(flag for task in self.tasks for flag in task.flags))
+
     def summary_line(self) -> str:
         """One line for the terminal above the results table: precision and SDPA backend(s)."""
         ran = ", ".join(f"{t.task} {t.sdpa_backend}" for t in self.tasks if t.sdpa_backend) or "-"
@@ -147,24 +164,38 @@ def _rows(result: BenchResult) -> list[list[str]]:
 HEADERS = RESULT_HEADERS
 
 
+#: the cell of a figure this run has no value for (:meth:`vitreg.measure.metrics.Column.render`)
+NO_VALUE = "-"
+
+
+def _carried(rows: list[list[str]]) -> list[list[str]]:
+    """The header row and the rows, less the columns no row has a value in: the device measures no such
+    figure (a CPU has no compile time, CUDA allocator, datasheet peak, energy counter or SM clock), and five
+    columns of ``-`` hid the ones it has."""
+    keep = [i for i in range(len(rows[0])) if any(row[i] != NO_VALUE for row in rows[1:])]
+    return [[row[i] for i in keep] for row in rows]
+
+
 def results_table(result: BenchResult) -> str:
-    """Fixed-width table for the terminal."""
-    rows = [HEADERS] + _rows(result)
-    widths = [max(len(r[i]) for r in rows) for i in range(len(HEADERS))]
+    """Fixed-width table for the terminal: only the columns that carry a value on this device, and a figure
+    that is suspect flagged on its row (issue 38: a 3.5x slower figure was printed without a word)."""
+    flags = [", ".join(task.flags) or NO_VALUE for task in result.tasks]
+    rows = _carried([HEADERS + ["flags"]] + [row + [flag] for row, flag in zip(_rows(result), flags)])
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join([result.summary_line(), *lines])
 
 
 def spread_warning(result: BenchResult) -> str | None:
-    """The run's last line when a task's windows spread wider than the precision target (its
+    """The run's last line when a task's window spread is over :data:`SPREAD_LIMIT` (its
     ``<task>_spread_over_target`` tag): the median is less sure than the table's digits suggest, so a
     comparison with it may see noise as a change. None when every task met the target."""
     missed = [t.task for t in result.tasks if t.window_tags.get("spread_over_target") == "true"]
     if not missed:
         return None
-    return (f"warning: {' and '.join(missed)}: the windows' spread missed the {PRECISION_TARGET:.0%} precision target "
-            f"(tag {missed[0]}_spread_over_target): rerun on a quiet machine, or with more steps per window, "
+    return (f"warning: {' and '.join(missed)}: window spread over {SPREAD_LIMIT:.0%} (the windows' CV; "
+            f"tag {missed[0]}_spread_over_target): rerun on a quiet machine, or with more steps per window, "
             f"before comparing")
 
 
@@ -183,6 +214,15 @@ def precision_warning(result: BenchResult) -> str | None:
                      f"{t.repeats} windows (tag {t.task}_timing_stop={t.window_tags['timing_stop']})" for t in missed)
     return (f"warning: the precision target {result.spec.precision_pct:g} % was not reached ({said}): rerun on a "
             f"quiet machine or with a larger max_time_s before comparing")
+
+
+def run_warning(result: BenchResult | None) -> str | None:
+    """The run's one warning line (issue 38: one line of warnings), the window spread's and the precision
+    target's together; None when neither has anything to say (or no result: a launcher's run)."""
+    if result is None:
+        return None
+    said = [w for w in (spread_warning(result), precision_warning(result)) if w]
+    return "warning: " + "; ".join(w.removeprefix("warning: ") for w in said) if said else None
 
 
 def _markdown(headers: list[str], rows: list[list[str]]) -> str:

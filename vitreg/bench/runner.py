@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Callable
 
 from vitreg.bench.results import INFER_EAGER_STEPS_BEFORE_CAPTURE, BenchResult, TaskResult
-from vitreg.console import progress, ticking
+from vitreg.console import detail, progress, ticking
 from vitreg.errors import out_of_memory_as_error
 from vitreg.hardware.compile_cache import CacheProbe
 from vitreg.hardware.precision import fp8_agreement, input_dtype, prepare_model
@@ -168,7 +168,7 @@ def _timed_windows(step, bench: _Bench, task: str, batch_size: int, warm_iter_s:
     steps = spec.steps or _rank0(bench, steps_for_window(spec.window_min_s, warm_iter_s))
     windows, marks, stop, recalibrated, lengthened = [], [], None, 0, 0
     meter = open_meter(dev, bench.runtime.device_index)
-    say(f"{task}: energy and throttle state at the window edges: {meter.source.name}")
+    detail(f"{task}: energy and throttle state at the window edges: {meter.source.name}", say)
     started = time.perf_counter()
     try:
         while stop is None:
@@ -192,13 +192,13 @@ def _timed_windows(step, bench: _Bench, task: str, batch_size: int, warm_iter_s:
             if stop is None and not spec.steps and lengthened < _LONGER_WINDOWS and _rank0(
                     bench, _lengthen(rates, rule, time.perf_counter() - started, 2 * win.total_ms / 1e3)):
                 lengthened, steps, windows, marks = lengthened + 1, 2 * steps, [], []
-                say(f"{task}: the windows spread too wide for the target: timing again with windows of {steps} steps "
+                say(f"{task}: the median's interval is still wider than the precision target: timing again with windows of {steps} steps "
                     f"(~{2 * win.total_ms / 1e3:.1f} s), which average more of what disturbs them")
     finally:
         meter.close()
     task_marks = TaskMarks(tuple(marks), tuple(batch_size * w.iters / w.total_ms * 1e3 for w in windows))
-    if task_marks.spread_note():
-        say(f"{task}: {task_marks.spread_note()}")
+    if task_marks.spread_note():  # the run's warning line and the table's flag say it: the log keeps the causes
+        detail(f"{task}: {task_marks.spread_note()}", say)
     if task_marks.short_windows():
         say(f"{task}: no energy figure: windows of {windows[0].total_ms / 1e3:.2f} s are too short for the energy "
             f"counter (it refreshes every 20-100 ms); steps={steps_for_energy(windows[0].total_ms / 1e3, steps)} "

@@ -31,7 +31,7 @@ from vitreg.config.parse import close_names, param_text
 from vitreg.errors import VitregError
 from vitreg.environment import environ_restored
 from vitreg.signals import Terminated
-from vitreg.console import scrub
+from vitreg.console import VERBOSE_ENV, scrub
 
 
 class OneSpelling(click.Option):
@@ -249,15 +249,15 @@ def run_ddp_job(command: str, job, values: dict) -> None:
 
 @contextlib.contextmanager
 def offline_if_asked(command: str, own: dict):
-    """``offline=true``: log to the spool only, for the length of the command. It is set as
-    ``VITREG_OFFLINE=1`` in the environment, the one switch the tracking layer reads, so the
-    processes the command starts (the torchrun ranks) are offline too; restored after, so a command
-    run in-process (click's CliRunner, the Python API) leaves its caller as it was."""
-    if not option(command, "offline").parse(own["offline"]):
-        yield
-        return
-    with environ_restored("VITREG_OFFLINE"):
-        os.environ["VITREG_OFFLINE"] = "1"
+    """``offline=true``: log to the spool only, and ``verbose=true``: print the detail lines too, for the
+    length of the command. Each is set in the environment (``VITREG_OFFLINE=1``, the one switch the tracking
+    layer reads; ``VITREG_VERBOSE=1``, the console's), so the processes the command starts (the torchrun
+    ranks) inherit it; restored after, so a command run in-process (click's CliRunner, the Python API)
+    leaves its caller as it was."""
+    asked = {env: "1" for env, name in (("VITREG_OFFLINE", "offline"), (VERBOSE_ENV, "verbose"))
+             if option(command, name).parse(own[name])}
+    with environ_restored(*asked):
+        os.environ.update(asked)
         yield
 
 

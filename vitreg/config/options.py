@@ -288,10 +288,11 @@ OPTIONS: tuple[Option, ...] = (
                "is within `precision_pct` (at most 60 windows and `max_time_s`; the reason is tagged "
                "`<task>_timing_stop`)",
            same_work="the number of timed windows: more samples of the same work"),
-    Option("precision_pct", "float", 1.0, "repeats=0: stop when the median's 95 % interval is within this % of it.",
-           _TIMED, minimum=0.01, doc="with `repeats=0`: windows stop once the half-width of the median's 95 % "
+    Option("precision_pct", "float", 1.0, "repeats=0: the precision target: stop when the median's 95 % interval is within this % of it "
+           "(the window spread, the windows' CV, is a check apart: over 5% is flagged).",
+           _TIMED, minimum=0.01, doc="with `repeats=0`, the precision target: windows stop once the half-width of the median's 95 % "
            "interval (order statistics, distribution-free) is at most this % of the median; logged as "
-           "`<task>_throughput_ci95_halfwidth_pct`",
+           "`<task>_throughput_ci95_halfwidth_pct` (the window spread, their CV, is checked apart against 5 %)",
            same_work="how long the same work is timed: a bound on the median's uncertainty"),
     Option("window_min_s", "float", 1.0, "steps=0: each timed window lasts at least this many seconds (whole steps).",
            _TIMED, minimum=0.0, doc="with `steps=0`: each timed window lasts at least this long, in whole steps (1 s "
@@ -464,6 +465,11 @@ OPTIONS: tuple[Option, ...] = (
     Option("run_name", "str", None, "MLflow run name (default: made of the model, GPU, amp, compile and batch size).",
            ("bench", "infer", "train"), spec_field=False, mlproject=False,
            same_work="what the run is called, not what it measures"),
+    # not an MLproject param: the README's tables stay the work's options; `mlflow run` takes VITREG_VERBOSE=1
+    Option("verbose", "bool", False, "also print what only the run's console.log keeps (overhead by phase, energy "
+           "source, params echo); the same as VITREG_VERBOSE=1.", ("bench", "infer", "train"), spec_field=False,
+           mlproject=False, envvar="VITREG_VERBOSE", aliases=("-v",),
+           same_work="what the console prints, not what the run measures"),
     Option("experiment", "str", None, "The experiment whose runs to compare.", ("compare", "check"), required=True,
            spec_field=False, aliases=("--experiment-name",),
            same_work="a compare option: it reads runs and measures nothing"),
@@ -514,7 +520,7 @@ HELP_GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
                        "compile_cache", "profile", "profile_steps", "engine", "ray_address", "slurm_partition",
                        "slurm_account", "slurm_qos", "slurm_time_min", "slurm_sbatch", "slurm_gpu_by", "slurm_folder",
                        "max_parallel", "isolate", "max_combinations", "rerun_failed")),
-    ("Where to log", ("experiment", "run_name", "offline", "baseline_run", "log_every", "checkpoint_every", "keep_checkpoints",
+    ("Where to log", ("experiment", "run_name", "offline", "verbose", "baseline_run", "log_every", "checkpoint_every", "keep_checkpoints",
                       "register_as",
                       "alias")),
 )

@@ -12,7 +12,7 @@ from vitreg.console import plural
 from vitreg.history.verdict import change_points
 from vitreg.history.series import CAUSES, HARDWARE, MISSING, CheckError, Selection, Series, honest, require_tags, series_of
 from vitreg.history.verdict import IMPROVED, REGRESSED, UNJUDGED, VERDICTS, judge, needs
-from vitreg.measure.energy import ALWAYS_FLAGGED
+from vitreg.measure.energy import slowed
 from vitreg.measure.metrics import BY_NAME, HIGHER, LOWER
 
 # bad input is VitregError's exit code, 2; EXIT_CANNOT_JUDGE: nothing regressed, but some series has too little
@@ -108,7 +108,7 @@ def conditions(history: pd.DataFrame, candidate: pd.DataFrame) -> str:
     ViT-B sits at its cap in every sample)."""
     now, said = candidate.iloc[-1], []
     throttle, usual = _cell(now.get("throttle")), _usual(history.get("throttle"))
-    if throttle != MISSING and ((usual not in (None, throttle)) or set(throttle.split(",")) & set(ALWAYS_FLAGGED)):
+    if throttle != MISSING and ((usual not in (None, throttle)) or slowed(throttle)):
         said.append(f"throttled: {throttle}" + (f" (history: {usual})" if usual not in (None, throttle) else ""))
     clock, past = now.get("sm_clock_mhz"), pd.to_numeric(history.get("sm_clock_mhz"), errors="coerce")
     if past is not None and pd.notna(clock) and past.notna().any() and clock < past.median() * (1 - CLOCK_DROP):

@@ -43,6 +43,7 @@ hands back its checkpoints. The launcher registers the checkpoint once the hand-
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import queue
 import shutil
@@ -55,7 +56,7 @@ from typing import Callable
 
 from vitreg.checkpoint import format as ckpt
 from vitreg.config.spec import TrainSpec
-from vitreg.console import progress
+from vitreg.console import CONSOLE_LOG, detail, progress, take_console
 from vitreg.ddp import launcher as launch
 from vitreg.ddp import world as distributed
 from vitreg.ddp.context import JobContext, job_context
@@ -315,6 +316,7 @@ def _train_in_run(plan: TrainPlan):
             throughput = result.figure("throughput_img_per_s")
             if not plan.run_name and throughput:  # now with the figure: the runs list reads at a glance
                 plan.run.set_name(_run_name(plan, throughput))
+            plan.run.log_text(take_console(), CONSOLE_LOG)  # what -v would have printed too
         ok = True
     finally:
         logger.close(timeout=None if ok else 60)  # on the error path, do not hang on a dead server
@@ -375,9 +377,7 @@ def _log_setup(plan: TrainPlan, data) -> None:
     params = {**spec.to_params(), "gpu": hw.label, "amp": runtime.amp, "device": runtime.device,
               "img_size": info.img_size, "num_classes": info.num_classes}
     skipped = run.log_params(params)
-    if skipped:
-        plan.progress("kept the params mlflow run logged as typed (" +
-                      ", ".join(f"{k}={v}" for k, v in skipped.items()) + "); the resolved values are tags")
+    tracking.note_skipped_params(skipped, functools.partial(detail, say=plan.progress))  # the params echo: the log's
     ddp = f", {world.world_size} ranks ({world.backend})" if world.distributed else ""
     plan.progress(f"run {run.run_id} at {tracking.tracking_uri()}; {spec.model} ({info.params_m:.1f} M params, "
                   f"{info.img_size}px, {info.num_classes} classes) on {runtime.device} ({plan.ctx.detected.name})"
