@@ -237,22 +237,24 @@ def test_rays_own_log_lines_go_to_the_file_the_sweep_names(tmp_path):
 
 def test_a_sweep_of_four_children_costs_about_one_childs_overhead(tmp_path):
     """Issue 35 on this CPU: a 4-child sweep takes at most 1.5x the wall of its slowest child run alone plus the
-    children's work (``work_s``: each child's tasks, from the batch to the last window), both measured here. A
+    children's work (``work_s``: each child's tasks, from the batch to the last window), both measured here; the
+    alone run before and after the sweep (the suite's other worker loads the cores unevenly), their mean. A
     process per child (``--isolate process``) paid the alone run's ~8 s of imports and set-up four times: ~2x
     the bound."""
     uri = migrated_store(tmp_path)
     client = MlflowClient(uri)
     options = ["--device", "cpu", "--amp", "off", "--compile", "off", "--warmup", "1", "--steps", "3", "--repeats",
                "2"]
-    alone_s = _wall([sys.executable, "-m", "vitreg.cli", "bench", *options, "--model", "deit_tiny_patch16_224",
-                     "--batch-size", "8", "--img-size", "48", "--experiment", "alone"], uri, tmp_path)
-    (alone,) = client.search_runs([client.get_experiment_by_name("alone").experiment_id])
+    alone = [sys.executable, "-m", "vitreg.cli", "bench", *options, "--model", "deit_tiny_patch16_224",
+             "--batch-size", "8", "--img-size", "48", "--experiment", "alone"]
+    before_s = _wall(alone, uri, tmp_path)
     sweep_s = _wall([*SWEEP, *options, "--models", "deit_tiny_patch16_224", "--batch-size", "4,8", "--axis",
                      "img_size=32,48", "--experiment", "fleet"], uri, tmp_path)
+    alone_s = (before_s + _wall(alone, uri, tmp_path)) / 2
     children = _children(client)
     assert len(children) == 4 and {c.info.status for c in children} == {"FINISHED"}
     work_s = sum(c.data.metrics["work_s"] for c in children)
-    assert sweep_s <= 1.5 * alone_s + work_s, (sweep_s, alone_s, work_s, alone.data.metrics["work_s"])
+    assert sweep_s <= 1.5 * alone_s + work_s, (sweep_s, before_s, alone_s, work_s)
 
 
 def _wall(command: list[str], uri: str, cwd) -> float:

@@ -131,7 +131,9 @@ def faults_as(error: type[VitregError], where: str, fix: str):
     except OSError as exc:
         if exc.errno in (errno.ENOENT, errno.ENOTDIR):
             raise error(f"{where} does not exist: {fix}") from None
-        raise error(f"{unreadable(exc.filename or where, exc)}; or {fix}") from None
+        reason = unreadable(exc.filename or where, exc)
+        named = where == str(exc.filename or where)  # else where says what the file is: "checkpoint D: spec.json"
+        raise error(f"{reason}; or {fix}" if named else f"{where}: {reason}; or {fix}") from None
 
 
 def inside(root, path, within: str = "") -> Path | None:
