@@ -213,6 +213,7 @@ def test_no_printer_shows_a_secret_libraries_logging_warnings_and_tracebacks_inc
     uri = "http://L1brarySecret:@127.0.0.1:9/?refreshTok=Qu3rySecret"
     env = _env_for("sqlite:///" + str(tmp_path / "m.db"), tmp_path / "spool")
     env["NOISY_URI"] = uri
+    env["VITREG_VERBOSE"] = "1"  # the libraries' warnings are printed too (by default only the run's log has them)
     done = subprocess.run([sys.executable, "-c", NOISY_COMMAND, "noisy"], cwd=tmp_path, env=env, text=True,
                           capture_output=True, timeout=300)
     printed = done.stdout + done.stderr

@@ -29,6 +29,10 @@ from vitreg.models.factory import ModelInfo
 INFER_EAGER_STEPS_BEFORE_CAPTURE = 3
 
 
+#: What makes a figure suspect (:attr:`TaskResult.flags`), in the words a run's name, `vitreg runs` and compare use.
+FLAGS = ("busy host", "throttled", "wide spread", "precision missed")
+
+
 @dataclass(frozen=True)
 class TaskResult:
     """One task: what ran (batch, SDPA backend, compile cache) and its :class:`Figures`, the one
@@ -56,11 +60,10 @@ class TaskResult:
         load, throttled by heat or a hardware brake (not the power cap: heavy work's normal state), a window
         spread over :data:`SPREAD_LIMIT`, or stopped short of the precision target (``precision_pct``)."""
         tags = self.window_tags
-        found = {"busy host": tags.get("busy_host") == "true",
-                 "throttled": slowed(tags.get("throttle", "none")),
-                 "wide spread": tags.get("spread_over_target") == "true",
-                 "precision missed": tags.get("timing_stop") in (STOP_MAX_TIME, STOP_MAX_WINDOWS)}
-        return [flag for flag, on in found.items() if on]
+        found = (tags.get("busy_host") == "true", slowed(tags.get("throttle", "none")),
+                 tags.get("spread_over_target") == "true",
+                 tags.get("timing_stop") in (STOP_MAX_TIME, STOP_MAX_WINDOWS))
+        return [flag for flag, on in zip(FLAGS, found) if on]
 
     def tags(self) -> dict[str, str]:
         """What this task ran, as run tags prefixed by the task (the chosen batch, the SDPA backend, ...)."""
