@@ -14,6 +14,7 @@ import threading
 import time
 import traceback
 
+from vitreg.environment import environ_restored
 from vitreg.fleet.worker import DONE
 from vitreg.signals import ALL_STOP_SIGNALS
 
@@ -59,23 +60,17 @@ def _stop_with_parent(parent: int) -> None:
 def run_child(main, args: list[str], env: dict) -> int:
     """``vitreg ARGS`` with ``env`` set for its length: its exit status, as a process of its own would have
     exited (a traceback printed for an error no layer turned into one line); then :func:`fresh_state`."""
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
-        main(args=args, prog_name="vitreg")  # click's standalone mode: it ends in SystemExit, as a process
-        status = 0
-    except SystemExit as exc:
-        status = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-    except BaseException:  # noqa: BLE001  the child failed; the worker goes on
-        traceback.print_exc()
-        status = 1
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
-        fresh_state()
+    with environ_restored(*env):
+        os.environ.update(env)
+        try:
+            main(args=args, prog_name="vitreg")  # click's standalone mode: it ends in SystemExit, as a process
+            status = 0
+        except SystemExit as exc:
+            status = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        except BaseException:  # noqa: BLE001  the child failed; the worker goes on
+            traceback.print_exc()
+            status = 1
+    fresh_state()
     return status
 
 
