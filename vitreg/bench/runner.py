@@ -491,7 +491,7 @@ def _estimate(model, bench: _Bench, fwd_flops: int, train_flops: int, cache_dir,
         model.zero_grad(set_to_none=True)
     cached = cache_dir is not None and Path(cache_dir).is_dir() and any(Path(cache_dir).iterdir())
     learned = {task: batch_cache.compile_seconds(batch_cache.key_for(spec, runtime, task), warm=cached)
-               for task in step_s} if runtime.compile != "off" else {}
+               for task in step_s if runtime.compile != "off"}
     ahead = BenchAhead(spec, step_s, dev, cached, command,
                        compile_s={task: s for task, s in learned.items() if s is not None})
     ahead.refuse_if_endless()

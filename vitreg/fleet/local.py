@@ -22,11 +22,10 @@ import threading
 from vitreg.errors import VitregError
 from vitreg.fleet.worker import DONE, cli_args, python_command
 from vitreg.signals import interrupted_reason
+from vitreg.tracking.runs import without_requested_run
 
 STOP_GRACE_S = 30.0  # a child asked to stop has this long to end its run KILLED before it is killed
 _TAIL_LINES = 40  # a child's last stderr lines, for the reason it failed
-#: how ``mlflow run`` hands a process its run (vitreg.tracking.runs.env_for_run): never a worker's own
-RUN_VARIABLES = ("MLFLOW_RUN_ID", "MLFLOW_EXPERIMENT_ID")
 _PR_SET_PDEATHSIG = 1
 
 
@@ -94,7 +93,7 @@ class HostPool:
         """Run one child (``command``, with ``run_env`` over this process's variables: its run) to its end, in the
         warm worker of its GPUs or in a process of its own: (exit status, the tail of its stderr, the most
         children at once meanwhile)."""
-        env = self._env(gpus, run_env)
+        env = self._env(gpus)
         with self._cond:
             if self.stopping:
                 return -signal.SIGTERM, "the sweep was stopped before this child started", 0
@@ -121,9 +120,9 @@ class HostPool:
             for gpus in [(gpu,) for gpu in self.gpus[:self.slots]] or [()]:
                 self._worker(gpus, self._env(gpus))
 
-    def _env(self, gpus, run_env: dict | None = None) -> dict:
+    def _env(self, gpus) -> dict:
         """A child's variables but its run's: this process's, its GPUs made the only ones it sees."""
-        env = {k: v for k, v in os.environ.items() if k not in (run_env or {}) and k not in RUN_VARIABLES}
+        env = without_requested_run(dict(os.environ))  # the run is the child's own (run_env), never a worker's
         if self.gpus:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
         return env
