@@ -1,10 +1,11 @@
-"""nvidia-smi samples cut by the phases of an ddp_concurrency.sh log: per vitreg bench phase and GPU, the
-median SM clock, the median power and how often the SW power-cap throttle reason was set, over the samples
-above 250 W (the GPU working, not idling between phases).
+"""nvidia-smi samples cut by the phases of a timestamped log: per vitreg bench command and GPU, the median SM
+clock, the median power and how often the SW power-cap throttle reason was set, over the samples above 250 W
+(the GPU working, not idling between phases).
 
     python3 benchmarks/smi_phases.py SMI_CSV LOG [LOG...]
 
-SMI_CSV: the script's smi.csv (several may be concatenated; timestamps keep them apart); LOG: its log.txt.
+SMI_CSV: the smi.csv that benchmarks/run.py writes beside its log.txt (several may be concatenated; timestamps keep
+them apart); LOG: that log.txt, or a log of the older ddp_concurrency.sh in benchmarks/results/h200x2-2026-11-30*/.
 A phase runs from its log line to the next one.
 """
 from __future__ import annotations
@@ -38,9 +39,9 @@ def main(smi, *logs):
     for log in logs:
         marks = list(phases(log))
         for (t0, what), (t1, _) in zip(marks, marks[1:]):
-            if "vitreg bench" not in what:
+            if not re.search(r"vitreg(\.cli)? bench ", what):
                 continue
-            print(re.sub(r" --(amp|batch-size|gpu|task) \S+", "", what.replace("vitreg bench ", ""))[:150])
+            print(re.sub(r" --(amp|batch-size|gpu|task) \S+| ?(\S+ -m )?vitreg(\.cli)? bench", "", what).strip()[:150])
             for gpu in gpus:
                 s = [r for r in rows if t0 <= r[0] < t1 and r[1] == gpu and r[3] > 250]
                 if s:
