@@ -4,7 +4,7 @@ Makes runs cheaply with a plain MLflow client (benchmarks/check_runs.py: the par
 run logs, no model) in a temporary sqlite store, in steps up to --runs, and after each step times the command
 as a user runs it (`python -m vitreg check --experiment scale`, a fresh process: imports included), then the
 phases in this process: MLflow's search, the tidy frame and the verdicts, the report (one PNG per series) and
-the check run. Prints one line per step; figures in docs/benchmarks.md ("vitreg check at scale").
+the check run. Prints one line per step; figures in docs/benchmarks.md (suite check-scale).
 
     PYTHONPATH=$PWD python benchmarks/check_scale.py --runs 5000 --series 100
 """

@@ -1,4 +1,4 @@
-"""What a Ray sweep costs beyond its children's own work (docs/benchmarks.md, "A fleet"): run as a script,
+"""What a Ray sweep costs beyond its children's own work (docs/benchmarks.md, suite sweep): run as a script,
 ``PYTHONPATH=$PWD python tests/test_fleet_cost.py``; it holds no test (pytest collects nothing here).
 
 It times one child alone (``vitreg bench``, the same options), then a sweep of 8 such children on a Ray cluster

@@ -22,10 +22,10 @@ from vitreg.tracking.spool import offline_mode
 
 SWEEP_LISTS = tuple(LIST_AXES)
 #: the wall time of one tiny child (start-up, imports, the model, logging: 22.7 s for test_vit on this project's
-#: loaded 2-core host, docs/benchmarks.md "A fleet"); the estimate before a sweep starts is built on it
+#: loaded 2-core host, docs/benchmarks.md, suite sweep); the estimate before a sweep starts is built on it
 CHILD_START_S = 23.0
 #: a later child's in a warm worker (its run, model, logging: 1-4 s on the H200, ~1.5 s on a 2-core CPU,
-#: docs/benchmarks.md "Time to an answer")
+#: benchmarks/results/h200-2026-12-03-tta/)
 WARM_CHILD_S = 2.0
 HOST_SHARE_TAG = "sweep_children_on_host"  # how many children shared the child's host while it ran
 #: on each child run: its combination's options and the sweep's common ones (JSON), what --rerun-failed runs again

@@ -4,7 +4,7 @@ its own, in-process.
 
 Why: a child in a fresh process paid its interpreter, the torch/timm/MLflow imports, the store's set-up, the
 CUDA context and a cold compile before its first timed step (setup 10-16 s and imports 4-5 s a child on an
-H200, docs/benchmarks.md); the worker pays them once per GPU.
+H200, benchmarks/results/h200-2026-12-03-tta/); the worker pays them once per GPU.
 
 What a child keeps, against a process of its own (``--isolate process``): its own MLflow run (handed to it
 as ``mlflow run`` hands one, ``MLFLOW_RUN_ID``), its seed (bench seeds before it builds the model), a graph

@@ -140,7 +140,7 @@ def cudnn_autotuner():
     call (timed apart), and keeps the fastest. Without it, cuDNN's heuristic picks a slow kernel for the
     ViT patch embedding (a 16x16 convolution of stride 16): on an H200, DeiT-S at batch 1024, bf16,
     compiled, that convolution took 7.0 ms of a 37.8 ms step, 4.0 ms with the autotuner, and the step
-    went from 27,123 to 29,248 img/s (benchmarks/process_state.py, docs/benchmarks.md, 2026-12-02).
+    went from 27,123 to 29,248 img/s (benchmarks/results/h200-2026-12-02/).
     """
     import torch
 

@@ -49,8 +49,8 @@ MIN_HISTORY = 3
 
 # The smallest change ever called a regression. Runs of one configuration on separate machine starts
 # differ more than the windows inside a run: the same ViT-B DDP control gave 5,104 and 5,010 img/s on two
-# starts of the H200 pair (-1.8 %), with each run's own window CV at or under 1 % (docs/benchmarks.md, "DDP
-# on two H200s", fourth session). A gate that fails on less than 2 % would fail on a fresh machine.
+# starts of the H200 pair (-1.8 %), with each run's own window CV at or under 1 % (benchmarks/results/
+# h200x2-2026-11-30-s4/). A gate that fails on less than 2 % would fail on a fresh machine.
 NOISE_FLOOR = 0.02
 
 # Two-sided, for the interval and the threshold's t quantile. In 300 simulated seeds (1-3 % CV, 10 runs of

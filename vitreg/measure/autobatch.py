@@ -41,7 +41,7 @@ class SearchLimits:
 # then never times a smaller batch than timm's defaults on a GPU where 256 fits.
 # On a GPU a doubling must add 1 %: on an H200, ViT-B/16 inference gains 1.8 % from 256 to 512 (8,849 ->
 # 9,008 img/s in the probes), which a 3 % rule left on the table and the mission's command below timm's
-# 8,635 img/s (docs/benchmarks.md); the probes' own spread is ~0.3 %.
+# 8,635 img/s (benchmarks/results/h200-2026-12-01/); the probes' own spread is ~0.3 %.
 SEARCH_LIMITS = {"cuda": SearchLimits(start=256, limit=4096, max_probes=10, max_seconds=240.0, probe_steps=10,
                                      probe_warmup=3, min_gain=0.01),
                  "cpu": SearchLimits(start=8, limit=64, max_probes=4, max_seconds=60.0)}

@@ -1,7 +1,7 @@
 """What ``batch_size=auto`` measured, kept in the user's cache, so a later run of the same work skips the probes.
 
 The probes cost ~60 s of the mission's command on an H200 (issue 23; reusing them saved 14.4 s of
-its 82.9 s on 2026-12-02, docs/benchmarks.md), and their answer only changes with the work and the
+its 82.9 s on 2026-12-02, benchmarks/results/h200-2026-12-02/), and their answer only changes with the work and the
 machine. An entry is keyed by all of these: the GPU model (or the CPU's), the model,
 the image size, the precision, the compile mode, the SDPA backend asked for, the torch version and the
 task. A run that finds its key checks the kept batch with one probe (it must still fit: another process

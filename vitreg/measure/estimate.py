@@ -163,7 +163,7 @@ PROBE_FLOPS = {"cuda": 2e13, "cpu": 1e9}
 #: 2 x this plus one step.
 PROBE_S = 0.5
 #: Seconds torch.compile takes per task with a cold cache (a warm one takes about a quarter): typical
-#: ViT figures (ViT-B/16 on an H200, docs/benchmarks.md), since nothing can time a compile before it runs.
+#: ViT figures (ViT-B/16 on an H200, benchmarks/results/h200-*/), since nothing can time a compile before it runs.
 COMPILE_S = {"off": 0.0, "default": 40.0, "reduce-overhead": 60.0, "max-autotune": 300.0}
 #: Untimed steps after the windows (the SDPA backend read under the profiler: one step, and its start).
 AFTER_WINDOWS_STEPS = 2
