@@ -649,6 +649,11 @@ def open_run(experiment_name: str = "Default", run_name: str | None = None, tags
             with short_http_requests(), contextlib.suppress(Exception):
                 end_with_reason(client, run_id, "FAILED", str(exc))
         raise
-    if tags:
-        tracker.set_tags(tags)
+    try:
+        tracker.set_tags(tags or {})
+    except BaseException as exc:  # a tag refused (a NUL in its name): the run ends, its delivery thread with it
+        with contextlib.suppress(Exception):
+            tracker.set_tags({ERROR_TAG: first_line(exc)})
+        tracker.close("FAILED")
+        raise
     return tracker

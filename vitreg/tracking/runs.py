@@ -187,14 +187,15 @@ def tracked_run(run_name: str | None = None, experiment: str | None = None, syst
         check_server()
     tracker = open_run(_experiment_name(experiment), None if requested_run_id() else run_name, tags=tags,
                        offline=offline)
-    monitor = _system_metrics(tracker) if system_metrics else None
+    monitor = None
 
     def last_words(reason: str) -> None:  # vitreg.signals' watchdog, when the main thread cannot stop in time
         tracker.set_tags({ERROR_TAG: reason})
         tracker.close("KILLED", timeout_s=min(5.0, flush_timeout_s()))
 
     signals.on_forced_exit(last_words)
-    try:
+    try:  # from here on the run always ends: its delivery thread never outlives the job
+        monitor = _system_metrics(tracker) if system_metrics else None
         yield tracker
     except VitregError as exc:  # a DDP job whose ranks were stopped from outside says KILLED (ddp.launcher)
         _end(tracker, monitor, getattr(exc, "run_status", "FAILED"), str(exc), type(exc).__name__)
@@ -253,13 +254,15 @@ def _end(tracker, monitor, status: str, message: str | None = None, kind: str | 
     that arrives now, as the results table prints, is raised after the end; a second one exits once the end
     is in the spool), and note the one line that says where it ended (the CLI's last line on a stop)."""
     with signals.run_ending(lambda: _end_kept(tracker, status)):
-        if monitor is not None:
-            with short_http_requests():
-                monitor.finish()
-        if message:
-            tracker.set_tags({ERROR_TAG: " ".join(message.split())[:4000],
-                              **({ERROR_KIND_TAG: kind} if kind else {})})
-        delivered = tracker.close(status)
+        try:
+            if monitor is not None:
+                with short_http_requests():
+                    monitor.finish()
+            if message:
+                tracker.set_tags({ERROR_TAG: " ".join(message.split())[:4000],
+                                  **({ERROR_KIND_TAG: kind} if kind else {})})
+        finally:  # a failing monitor or tag still ends the run (and stops its delivery thread)
+            delivered = tracker.close(status)
         signals.run_ends.append(_where_ended(tracker, status, delivered))
 
 
