@@ -28,12 +28,19 @@ ARGS ?=
 
 install: $(STAMP)
 
+# A line per step, with what each usually takes (an idle 2-core machine, wheels cached): pip's own -q output
+# says nothing for minutes, and its progress bars would flood a CI log.
 $(STAMP): pyproject.toml
-	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q $(TORCH)
-	$(PY) -m pip install -q -e '.[test,server]'
+	@echo "[1/3] creating $(VENV) and upgrading pip (about 20 s)"
+	@$(PYTHON) -m venv $(VENV)
+	@$(PY) -m pip install -q --upgrade pip
+	@echo "[2/3] installing $(TORCH) (1-2 min; a first download of the CUDA build is ~3 GB)"
+	@$(PY) -m pip install -q $(TORCH)
+	@echo "[3/3] installing vitreg with timm, MLflow and the test tools (about 1 min)"
+	@$(PY) -m pip install -q -e '.[test,server]' > $(VENV)/pip-install.log 2>&1 || { tail -n 30 $(VENV)/pip-install.log; \
+	  echo "error: installing vitreg failed (above; the whole log: $(VENV)/pip-install.log)"; exit 2; }
 	@touch $@
+	@echo "installed into $(VENV)"
 
 bench: $(STAMP)
 	@defaults=""; for kv in $(BENCH_DEFAULTS); do \

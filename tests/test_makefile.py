@@ -45,3 +45,25 @@ def test_user_params_replace_the_defaults(tmp_path):
 def test_gpu_given_by_the_user_wins(tmp_path):
     params = _params(_make_bench(tmp_path, "-P gpu=cpu"))
     assert [p for p in params if p.startswith("gpu=")] == ["gpu=cpu"]
+
+
+@pytest.mark.slow
+def test_install_says_each_step_and_a_failed_one_in_one_line(tmp_path):
+    """`make install` prints a line per step with its usual time (pip -q is silent for minutes); when pip fails,
+    its log's tail and one `error:` line naming the whole log, exit 2. A fake python: `-m venv` makes a venv
+    whose python records its arguments and fails the editable install of vitreg."""
+    venv, calls = tmp_path / "venv", tmp_path / "calls.txt"
+    fake_pip = f'#!/bin/sh\necho "$@" >> {calls}\ncase "$*" in *" -e "*) echo "no matching distribution"; exit 1;; esac\n'
+    maker = tmp_path / "python3"
+    maker.write_text(f'#!/bin/sh\nmkdir -p "$3/bin"\nprintf \'%s\' \'{fake_pip}\' > "$3/bin/python"\n'
+                     f'chmod +x "$3/bin/python"\n')
+    maker.chmod(0o755)
+    done = subprocess.run(["make", "-s", "-C", str(REPO), "install", f"VENV={venv}", f"PYTHON={maker}"],
+                          capture_output=True, text=True, timeout=60)
+    steps = [line for line in done.stdout.splitlines() if line.startswith("[")]
+    assert [step[:5] for step in steps] == ["[1/3]", "[2/3]", "[3/3]"], done.stdout
+    assert all(" s)" in step or " min" in step for step in steps), steps  # each says how long it usually takes
+    assert "no matching distribution" in done.stdout and "error: installing vitreg failed" in done.stdout
+    assert str(venv / "pip-install.log") in done.stdout
+    assert done.returncode == 2 and not (venv / ".vitreg-installed").exists()
+    assert len(calls.read_text().splitlines()) == 3  # pip upgraded, torch, then vitreg
