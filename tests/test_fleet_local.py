@@ -178,6 +178,9 @@ def test_rerun_failed_completes_a_parent_under_the_same_run(sqlite_store, tmp_pa
     assert (rerun.data.params["img_size"], rerun.data.params["steps"]) == ("32", "2")  # the options it had
     assert failed.data.tags["sweep_superseded_by"] == rerun.info.run_id  # issue 40: the old one says it was replaced
     assert "sweep_superseded_by" not in rerun.data.tags and "sweep_superseded_by" not in done.data.tags
+    from vitreg.tracking.search import benchmark_runs  # what compare and check read: the replaced child left out
+
+    assert set(benchmark_runs("fleet")["run_id"]) == {done.info.run_id, rerun.info.run_id}
 
 
 def test_rerun_failed_runs_the_combinations_a_stopped_sweep_never_started(sqlite_store, monkeypatch):

@@ -19,6 +19,7 @@ from vitreg.fleet.axes import LIST_AXES, Combination, axis_texts_of, check_size,
 from vitreg.fleet.board import Board, Clock, format_seconds
 from vitreg.tracking import runs as tracking
 from vitreg.tracking.spool import offline_mode
+from vitreg.tracking.search import SUPERSEDED_TAG
 
 SWEEP_LISTS = tuple(LIST_AXES)
 #: the wall time of one tiny child (start-up, imports, the model, logging: 22.7 s for test_vit on this project's
@@ -35,7 +36,6 @@ SETTINGS_TAG = "sweep_settings"
 #: the parent's artifact: the common options and every combination in sweep_index order, what a re-run starts
 #: again when a combination never got a child (the sweep was stopped first)
 COMBINATIONS_FILE = "sweep_combinations.json"
-SUPERSEDED_TAG = "sweep_superseded_by"  # on a child a re-run replaced: the run id of the one that replaced it
 
 
 @dataclass(frozen=True)
