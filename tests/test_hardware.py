@@ -112,3 +112,16 @@ def test_each_profile_s_ray_type_is_what_ray_reports_for_its_card():
     # back from a node's type (gpu=all): the label that is the type where two share it, an unknown one lower-cased
     assert [label_of_ray_type(t) for t in ("H100", "A100", "GeForce-RTX-4090", "L40S")] == ["h100", "a100", "rtx4090",
                                                                                        "l40s"]
+
+
+def test_the_cpus_granted_and_torch_threads_are_recorded(monkeypatch):
+    """A SLURM job or a container grants fewer CPUs than the host has: the run says what it had (issue 40: the
+    same CPU configuration measured 8-27 img/s as SLURM children, 469-743 as Ray children)."""
+    import torch
+
+    from vitreg.environment import capture_environment
+
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0})
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 3)
+    tags = capture_environment().to_tags()
+    assert (tags["cpus_granted"], tags["torch_threads"]) == ("1", "3")

@@ -92,6 +92,8 @@ class EnvInfo:
     vitreg_git_sha: str
     #: NCCL_* and TORCH_NCCL_* variables set in the process (they change DDP figures), "K=V;K=V" sorted
     nccl_env: str = ""
+    cpus_granted: int = 0  # the CPUs this process may run on (a SLURM job's or a container's grant), of cpu_count
+    torch_threads: int = 0  # torch's intra-op threads: with cpus_granted, what a CPU figure or a host-bound step had
 
     def to_tags(self) -> dict[str, str]:
         return {k: ("" if v is None else str(v)) for k, v in asdict(self).items()}
@@ -133,6 +135,8 @@ def capture_environment() -> EnvInfo:
         os=platform.platform(),
         cpu_model=cpu_model(),
         cpu_count=os.cpu_count() or 0,
+        cpus_granted=len(os.sched_getaffinity(0)),
+        torch_threads=torch.get_num_threads(),
         hostname=socket.gethostname(),
         vitreg_git_sha=git_sha(),
         nccl_env=nccl_env(),
