@@ -19,7 +19,7 @@ import math
 import os
 import statistics
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -45,9 +45,6 @@ class Stats:
         """Coefficient of variation (std / mean): the run's own noise, unitless."""
         return self.std / self.mean if self.mean else 0.0
 
-    def as_dict(self) -> dict:
-        return {**asdict(self), "cv": self.cv}
-
 
 def percentile(values, q: float) -> float:
     """Linear-interpolated percentile (numpy's default method), q in [0, 100]."""
@@ -62,18 +59,9 @@ def summarize(values) -> Stats:
     if not data:
         raise ValueError("summarize() needs at least one value")
     p10, p90, p99 = (float(p) for p in np.percentile(data, [10, 90, 99]))
-    return Stats(
-        n=len(data),
-        median=statistics.median(data),
-        mean=statistics.fmean(data),
-        std=statistics.pstdev(data) if len(data) > 1 else 0.0,
-        min=min(data),
-        max=max(data),
-        p10=p10,
-        p90=p90,
-        p99=p99,
-        median_ci95_halfwidth_pct=median_halfwidth_pct(data),
-    )
+    return Stats(len(data), statistics.median(data), statistics.fmean(data),
+                 statistics.pstdev(data) if len(data) > 1 else 0.0, min(data), max(data), p10, p90, p99,
+                 median_halfwidth_pct(data))
 
 
 # --------------------------------------------------------------------------------------------
@@ -169,6 +157,9 @@ class Window:
     @property
     def iters(self) -> int:
         return len(self.iter_ms)
+
+    def img_per_s(self, batch_size: int) -> float:
+        return batch_size * self.iters / self.total_ms * 1e3
 
 
 def time_window(fn, iters: int, device_type: str, clock=time.perf_counter) -> Window:
