@@ -1,27 +1,15 @@
 """Energy, throttling and contention over exactly the timed windows.
 
-Energy comes from NVML's total-energy counter (``nvmlDeviceGetTotalEnergyConsumption``: millijoules since
-the driver loaded, Volta and newer), read at each window's edges. The counter is refreshed every 20-100 ms,
-so a reading is up to one refresh old at either edge: the energy of a window is off by at most one refresh
-period's worth, i.e. a relative error of at most ``REFRESH_S / window seconds``. Windows shorter than
-:data:`MIN_ENERGY_WINDOW_S` (error over 10 %) therefore give no energy figure, and the runner says which
-``steps`` would. A GPU without the counter falls back to power samples (every :data:`SAMPLE_S`) times the
-window's length, tagged as such. On the CPU there is no NVML: the energy figures are absent, never zero.
+Energy is NVML's total-energy counter read at each window's edges; it refreshes every 20-100 ms, so a window
+shorter than :data:`MIN_ENERGY_WINDOW_S` (an error over 10 %) gives no energy figure, and a GPU without the
+counter falls back to power samples. Between the edges a background thread samples (every :data:`SAMPLE_S`) the
+clock-event (throttle) reasons, SM clock, power and temperature; the edges also count other processes on the GPU
+and the host's CPU time beside this process's (``/proc/stat``). Each window gets a :class:`WindowMark`; a task's
+marks become figures and tags (:class:`TaskMarks`). On the CPU the energy figures are absent, never zero.
 
-Throttle and contention truth: a light background thread samples, every :data:`SAMPLE_S` while a window
-runs, the clock-event (throttle) reasons, the SM clock, power and temperature; the edges also count the
-other processes on the GPU and, from ``/proc/stat``, the CPU time the host spent beside this process's own
-threads (a loaded host slows a launch-bound loop). Each window is marked (:class:`WindowMark`) and a task's
-marks become figures (the metric table's ``window_power_w``, ``sm_clock_mhz``, ``power_capped_frac``) and
-tags (what throttled, in what share of windows, other GPU processes, host load, busy host).
-
-Reading source seam: :class:`WindowMeter` reads through a :class:`ReadingSource`: :class:`NvmlSource` (the
-GPU), :class:`HostSource` (the CPU alone) or :class:`ReplaySource` (a recorded trace: tests replay a real
-H200's readings through the very code the runner uses). ``VITREG_ENERGY_TRACE=path`` makes a run write its
-readings and windows there, one JSON object a line (the trace format, :func:`trace_windows`).
-
-Nothing here runs inside a timed loop: the edges are read before the first and after the last CUDA event
-of a window (outside its timed region), and the sampler thread's NVML calls release the GIL.
+:class:`WindowMeter` reads through a :class:`ReadingSource`: :class:`NvmlSource`, :class:`HostSource` or
+:class:`ReplaySource` (a trace recorded with ``VITREG_ENERGY_TRACE=path``, one JSON object a line: tests replay a
+real H200's readings through this code). Nothing here runs inside a timed loop.
 """
 
 from __future__ import annotations

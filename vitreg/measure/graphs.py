@@ -1,29 +1,12 @@
 """Whole-step CUDA graphs (``cuda_graph=true``): capture one step, replay it.
 
-A training step of a small model (DeiT-S at 128 images per GPU) launches hundreds of kernels that
-each run for microseconds; the host cannot queue them as fast as an H200 runs them, so the GPU
-waits on Python, and under DDP the ranks wait on each other's Python too. A CUDA graph records
-the step's kernels once (forward, loss, backward with DDP's bucketed all-reduce, AdamW) and
-replays them with one launch, so the step costs what the GPU needs and the all-reduce overlaps
-the backward as DDP intends.
-
-The recipe is PyTorch's (CUDA semantics notes, "CUDA Graphs", whole-network capture and "Usage
-with DistributedDataParallel"):
-
-- a capturable optimizer (``AdamW(fused=True, capturable=True)``: its step counter on the GPU);
-- autocast without its weight-cast cache (``cache_enabled=False``): a cached cast would be made
-  once at capture and never again;
-- gradients set to None before the capture, so the captured backward writes them into the
-  graph's own memory on every replay instead of accumulating;
-- warm-up steps on a side stream before the capture; under DDP, the wrap itself built on a side
-  stream, :data:`EAGER_STEPS_BEFORE_CAPTURE` eager steps (DDP samples runtime statistics with
-  CUDA timers during its first 10 iterations, which cannot be captured), and NCCL's asynchronous
-  error handling off before the process group exists (:func:`prepare_process_group`).
-
-Only what the step does on the GPU is replayed: the inputs are the benchmark's fixed synthetic
-batch, the learning rate is constant, and nothing reads the loss, which is why this is a bench
-option and not a ``train`` one. fp16 (GradScaler's host-side checks) and inductor's own CUDA
-graph modes are refused by :func:`check_cuda_graph`, which the spec calls on the options as asked.
+A small model's training step launches hundreds of microsecond kernels faster than Python can queue them; a
+CUDA graph records the step once (forward, loss, backward with DDP's all-reduce, AdamW) and replays it with one
+launch. PyTorch's recipe ("CUDA Graphs" in the CUDA semantics notes): a capturable optimizer, autocast without
+its weight-cast cache, gradients set to None before the capture, warm-up on a side stream; under DDP the wrap
+built on a side stream, :data:`EAGER_STEPS_BEFORE_CAPTURE` eager steps, and NCCL's asynchronous error handling
+off (:func:`prepare_process_group`). Only GPU work replays (fixed synthetic batch, constant learning rate, no
+loss read): a bench option, not a train one. :func:`check_cuda_graph` refuses what cannot be captured.
 """
 
 from __future__ import annotations
