@@ -20,8 +20,11 @@ import statistics
 import threading
 import time
 from dataclasses import asdict, dataclass, field, replace
-from pathlib import Path
 from typing import Iterator, Protocol
+
+import psutil
+
+from vitreg.measure.timing import STOP_MAX_TIME, STOP_MAX_WINDOWS
 
 TRACE_ENV = "VITREG_ENERGY_TRACE"
 SAMPLE_S = 0.05  # the sampler's period: a few samples in the shortest trusted window, light on the GIL
@@ -48,9 +51,22 @@ BUSY_CPUS, BUSY_SHARE = 0.5, 0.1
 SPREAD_LIMIT = 0.05
 
 
+#: What makes a figure suspect (:func:`suspect_flags`), in the words a run's name, `vitreg runs` and compare use.
+FLAGS = ("busy host", "throttled", "wide spread", "precision missed")
+
+
 def slowed(throttle: str) -> bool:
     """Whether a ``throttle`` tag (reasons, comma-separated) holds one that slows work (:data:`ALWAYS_FLAGGED`)."""
     return bool(set(throttle.split(",")) & set(ALWAYS_FLAGGED))
+
+
+def suspect_flags(tags: dict) -> list[str]:
+    """What makes a task's figure suspect, from its tags (no task prefix; missing ones unknown): measured beside
+    other load, throttled by heat or a hardware brake (not the power cap: heavy work's normal state), a window
+    spread over :data:`SPREAD_LIMIT`, or timing stopped short of the precision target (``precision_pct``)."""
+    found = (tags.get("busy_host") == "true", slowed(tags.get("throttle") or "none"),
+             tags.get("spread_over_target") == "true", tags.get("timing_stop") in (STOP_MAX_TIME, STOP_MAX_WINDOWS))
+    return [flag for flag, on in zip(FLAGS, found) if on]
 
 
 @dataclass(frozen=True)
@@ -85,15 +101,10 @@ class ReadingSource(Protocol):
 
 
 def _host_cpu() -> dict:
-    """All CPUs' busy seconds (/proc/stat, Linux; None elsewhere) and this process's own CPU seconds."""
-    own = sum(os.times()[:4])
-    try:
-        fields_ = Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]
-    except OSError:
-        return {"host_busy_s": None, "own_cpu_s": own, "host_cpus": os.cpu_count()}
-    ticks = [int(v) for v in fields_]
-    busy = sum(ticks) - ticks[3] - (ticks[4] if len(ticks) > 4 else 0)  # all but idle and iowait
-    return {"host_busy_s": busy / os.sysconf("SC_CLK_TCK"), "own_cpu_s": own, "host_cpus": os.cpu_count()}
+    """All CPUs' busy seconds (all but idle and iowait) and this process's own CPU seconds, children included."""
+    host = psutil.cpu_times()
+    busy = sum(host) - host.idle - getattr(host, "iowait", 0.0)
+    return {"host_busy_s": busy, "own_cpu_s": sum(os.times()[:4]), "host_cpus": os.cpu_count()}
 
 
 class HostSource:
