@@ -113,13 +113,18 @@ def estimate_line(work: WorkAhead, flops_per_s: float, device: str, compiling: b
                   command: str = "") -> str | None:
     """The line to say before ``work`` (None when it is quick): the estimate, its sum, how to make it short
     (in ``command``'s spelling; see :func:`spelled`)."""
-    seconds = work.seconds(flops_per_s)
+    return _estimate_line(work.what, "at least", work.seconds(flops_per_s), device,
+                          f"{work.flops_per_img / 1e9:.3g} GFLOP/img x {work.images:,} images at a measured "
+                          f"{flops_per_s / 1e9:.0f} GFLOP/s{'; compiling comes on top' if compiling else ''}",
+                          work.shorter, command)
+
+
+def _estimate_line(what: str, bound: str, seconds: float, device: str, basis: str, shorter: dict,
+                   command: str) -> str | None:
     if seconds <= LONG_S:
         return None
-    shorter = f"; for a short run: {spelled(work.shorter, command)}" if work.shorter else ""
-    return (f"estimate: {work.what} will take at least {duration_text(seconds)} on {_where(device)} "
-            f"({work.flops_per_img / 1e9:.3g} GFLOP/img x {work.images:,} images at a measured "
-            f"{flops_per_s / 1e9:.0f} GFLOP/s{'; compiling comes on top' if compiling else ''}){shorter}")
+    short = f"; for a short run: {spelled(shorter, command)}" if shorter else ""
+    return f"estimate: {what} will take {bound} {duration_text(seconds)} on {_where(device)} ({basis}){short}"
 
 
 def refuse_if_endless(work: WorkAhead, flops_per_s: float, device: str, command: str = "") -> None:
@@ -250,13 +255,10 @@ class BenchAhead:
 
     def line(self) -> str | None:
         """The line to say before the work (None when it is quick): the estimate, its parts, how to make it short."""
-        seconds, spec = self.seconds(), self.spec
-        if seconds <= LONG_S:
-            return None
+        spec = self.spec
         timing = (f"{spec.repeats} windows" if spec.repeats else
                   f"{MIN_WINDOWS}+ windows of >= {spec.window_min_s:g} s (at most {spec.max_time_s:g} s)")
         compiling = f"; compiling ~{COMPILE_S[spec.compile]:.0f} s a task (cold cache)" if spec.compile != "off" else ""
-        shorter = f"; for a short run: {spelled(self.shorter, self.command)}" if self.shorter else ""
-        return (f"estimate: bench will take about {duration_text(seconds)} on {_where(self.device)} "
-                f"({self._steps_text()}, measured in the run's precision; {spec.warmup} warm-up steps, {timing} per "
-                f"task{compiling}){shorter}")
+        return _estimate_line("bench", "about", self.seconds(), self.device, f"{self._steps_text()}, measured in the "
+                              f"run's precision; {spec.warmup} warm-up steps, {timing} per task{compiling}",
+                              self.shorter, self.command)
