@@ -308,15 +308,12 @@ def comparison_views(c) -> list[View]:
     return [comparison_view(c, block) for block in by_task(c.table, c.by)]
 
 
-def comparison_view(c, t: pd.DataFrame | None = None) -> View:
-    """What a reader of comparison.md / .html sees first. ``fixed`` holds the
-    configuration that is the same on every row (shown once, above the table); the table leads with the axis
-    value (the GPU), the figure (median, its unit in the header), the ratio to the baseline and the verdict,
-    then the interval, the configuration columns that vary, the runs and their spread (and, where there are
-    any, the hardware of mislabelled runs and the batches batch_size=auto chose). Cells are formatted text;
-    comparison.csv keeps every column of ``c.table`` at full precision. ``t``: the rows shown (one task's,
-    :func:`comparison_views`), all of them when None."""
-    t, m = (c.table if t is None else t), c.metric
+def comparison_view(c, t: pd.DataFrame) -> View:
+    """The rows ``t`` of comparison ``c`` as comparison.md / .html show them: the configuration every row shares
+    apart (``fixed``); the table leads with the axis value, the median (its unit in the header), the ratio to the
+    baseline and the verdict, then the interval, the configuration that varies, the runs and their spread (and,
+    where any, the hardware of mislabelled runs and the batches batch_size=auto chose)."""
+    m = c.metric
     fixed, varying = split_constant(t, [k for k in (*config_columns(), "gpu") if k != c.by], min_rows=1)
     cols = [c.by, f"{m}_median"] + (["speedup", "verdict"] if c.baseline else [])
     tail = varying + ["n_runs", f"{m}_cv"] + (["ran_on"] if t["mismatch"].any() else [])
@@ -327,9 +324,8 @@ def comparison_view(c, t: pd.DataFrame | None = None) -> View:
     if "ran_on" in view:  # the hardware of honest rows is their label: blank; mislabelled ones flagged
         view["ran_on"] = [f"{r} (MISLABELLED)" if bad else "" for r, bad in zip(view["ran_on"], t["mismatch"])]
     unit = BY_NAME[m].unit if m in BY_NAME else ""
-    heads = {f"{m}_median": f"{m} median" + (f" ({unit})" if unit else ""), "n_runs": "runs", f"{m}_cv": "cv",
-             "speedup": f"vs {c.baseline_label}", "ci": f"{c.confidence:.0%} CI", "batch_size": "batch",
-             "img_size": "img", "ran_on": "ran on", "batch_chosen": "batch chosen"}
+    heads = {**_HEADS, f"{m}_median": f"{m} median" + (f" ({unit})" if unit else ""), "n_runs": "runs",
+             f"{m}_cv": "cv", "speedup": f"vs {c.baseline_label}", "ci": f"{c.confidence:.0%} CI"}
     right = [col not in (*_text_keys(), "gpu", "verdict", "ran_on", c.by) for col in view.columns]
     return View(fixed, view.rename(columns=heads).reset_index(drop=True), right)
 
