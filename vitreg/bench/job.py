@@ -12,8 +12,6 @@ run and the model version both ways (``model_uri`` and ``registered_model_*`` ta
 from __future__ import annotations
 
 import functools
-import shlex
-import sys
 import tempfile
 from dataclasses import dataclass, field
 
@@ -78,7 +76,7 @@ def infer(model_uri: str, options: dict, experiment: str | None = None, run_name
           progress=progress, command: str | None = None) -> BenchResult:
     """Pull ``model_uri`` and benchmark it (task=infer unless ``options['task']`` says otherwise) as one run."""
     PHASES.begin()
-    command = command or shlex.join(sys.argv)
+    command = launch.typed_command(command)
     model_uri = str(model_uri or "").strip()
     options = {"task": "infer", **{k: v for k, v in options.items() if v is not None}}
     for key in FROM_CHECKPOINT:
