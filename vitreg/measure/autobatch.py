@@ -144,12 +144,9 @@ def _back_off(run, fits: int, too_big: int) -> str:
 
 
 def timed_probe(make_step, device: str, steps: int = 3, warmup: int = 2):
-    """A probe for :func:`find_batch`: ``make_step(batch)`` returns a step callable for that batch.
-
-    The probe runs ``warmup`` untimed steps, then ``steps`` timed ones between two synchronizes,
-    and returns img/s. The step and its tensors are dropped and the allocator's cache emptied
-    after each probe, so one probe's memory does not make the next one run out.
-    """
+    """A probe for :func:`find_batch` over ``make_step(batch)``: ``warmup`` untimed steps, then the img/s of
+    ``steps`` timed between two synchronizes; the step dropped and the allocator's cache emptied after each probe,
+    so one probe's memory does not make the next run out."""
     from vitreg.measure.timing import synchronize
 
     def probe(batch: int) -> float:

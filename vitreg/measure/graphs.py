@@ -23,11 +23,8 @@ EAGER_STEPS_BEFORE_CAPTURE = 11
 
 def check_cuda_graph(amp: str, compile: str = "off", compile_backend: str = "inductor",
                      device_type: str | None = None, amp_resolved: bool = False) -> None:
-    """Refuse what a whole-step CUDA graph (``cuda_graph=true``) cannot capture.
-
-    The spec checks the options as asked; the runner checks again once the hardware is known
-    (``device_type``, and the ``amp`` that ``auto`` resolved to: ``amp_resolved``).
-    """
+    """Refuse what a whole-step CUDA graph cannot capture: the spec checks the options as asked, the runner again
+    once the hardware is known (``device_type``, and the ``amp`` that ``auto`` resolved to: ``amp_resolved``)."""
     if device_type is not None and device_type != "cuda":
         raise VitregError(f"cuda_graph=true needs a CUDA GPU and this run is on {device_type}: "
                           f"pass cuda_graph=false (or run it on a GPU)")
@@ -74,12 +71,9 @@ def side_stream(enabled: bool):
 
 
 def capture(step, eager_steps: int = EAGER_STEPS_BEFORE_CAPTURE):
-    """Run ``step()`` ``eager_steps`` times on a side stream, capture one more call into a CUDA
-    graph, replay it once; returns the graph's ``replay`` (one call = one step).
-
-    ``step`` must do only GPU work on tensors that live as long as the graph (the synthetic batch,
-    the model, the optimizer's state), and must set gradients to None before its backward.
-    """
+    """``step()`` ``eager_steps`` times on a side stream, one more call captured into a CUDA graph and replayed
+    once; returns the graph's ``replay``. ``step`` must do only GPU work on tensors that outlive the graph and set
+    gradients to None before its backward."""
     import torch
 
     with side_stream(True):
