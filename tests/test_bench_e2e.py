@@ -9,7 +9,7 @@ import pytest
 from click.testing import CliRunner
 
 from conftest import REPO, migrated_store, subprocess_env
-from vitreg.bench.results import FLAGS
+from vitreg.measure.energy import FLAGS
 
 TINY = ["-P", "img_size=32", "-P", "batch_size=2", "-P", "warmup=2", "-P", "steps=3",
         "-P", "repeats=2"]

@@ -2,7 +2,7 @@ import time
 
 import pytest
 
-from vitreg.measure.timing import percentile, summarize, time_window, wall_seconds
+from vitreg.measure.timing import summarize, time_window, wall_seconds
 
 
 class FakeClock:
@@ -50,11 +50,9 @@ def test_a_real_window_is_bounded_by_its_sleeps_and_the_time_around_it():
     assert sum(win.iter_ms) == pytest.approx(win.total_ms) and win.total_ms <= around_ms
 
 
-def test_percentile_matches_numpy_linear():
-    data = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10]
-    assert percentile(data, 50) == 5.5
-    assert percentile(data, 90) == pytest.approx(9.1)
-    assert percentile(data, 0) == 1 and percentile(data, 100) == 10
+def test_percentiles_match_numpy_linear():
+    stats = summarize([1, 2, 3, 4, 5, 6, 7, 8, 9, 10])
+    assert stats.median == 5.5 and stats.p90 == pytest.approx(9.1) and stats.p10 == pytest.approx(1.9)
 
 
 def test_summarize_median_spread_cv():

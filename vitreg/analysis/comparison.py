@@ -1,14 +1,8 @@
-"""Compare recorded benchmark runs along one axis (across GPUs by default; or torch versions,
-compile modes, ...): configuration by configuration, with speedups against a baseline value,
-multi-process scaling and what torch.compile / AMP buy. Mislabelled runs (filed under a GPU that
-did not run them) are shown, marked, and kept out of speedups and verdicts unless asked for.
-
-Everything here is a pure function over the tidy runs frame (:mod:`vitreg.analysis.frame`, built
-by :func:`vitreg.tracking.search.tidy`); whether a difference is real is :mod:`vitreg.analysis.stats`'
-call, and rendering is :mod:`vitreg.analysis.render`'s. The flow is::
-
-    tidy frame --compare_runs()--> Comparison --format_table()  (terminal)
-                                              `-write_report()  (md/csv/html/png)
+"""Compare recorded benchmark runs along one axis (the GPU by default; or torch versions, compile modes, ...),
+configuration by configuration: speedups against a baseline value, multi-process scaling, what torch.compile /
+AMP buy. Mislabelled runs (filed under a GPU that did not run them) are shown, marked, and kept out of speedups
+and verdicts unless asked for. Pure functions over the tidy runs frame (:mod:`vitreg.analysis.frame`); whether a
+difference is real is :mod:`vitreg.analysis.stats`' call, the rendering :mod:`vitreg.analysis.render`'s.
 """
 
 from __future__ import annotations
@@ -23,34 +17,20 @@ from vitreg.analysis.frame import (CHOSEN_COLUMNS, DEFAULT_AXIS, HARDWARE_COLUMN
 from vitreg.analysis.stats import MISLABELLED, cv, geomean, improvement, spread, versus
 from vitreg.measure.metrics import BY_NAME, HIGHER, LOWER
 
-__all__ = ["Comparison", "compare_runs", "compare_gpus", "compile_amp_gains", "scaling_efficiency"]
-
-# The companion metrics every comparison row carries (medians), besides the one compared.
 #: what compile_amp_gains pairs runs along (the rest of the configuration must agree)
 GAINED_COLUMNS = ("amp", "compile")
-
+#: the metrics every comparison row carries (medians) besides the one compared
 COMPANIONS = ("throughput_img_per_s", "latency_ms_p50", "step_ms_p50", "peak_mem_allocated_mb", "mfu", "img_per_j",
               "usd_per_1m_img")
 
 
 @dataclass
 class Comparison:
-    """The result of :func:`compare_runs`: runs compared along one axis (``by``: the GPU by default).
-
-    ``table`` has one row per (configuration, axis value, mislabelled or not): the configuration columns
-    (:func:`~vitreg.analysis.frame.config_columns`),
-    ``gpu``, the axis column when it is not one of those, ``n_runs``, ``sources``, ``mismatch`` and
-    ``ran_on`` (see :data:`HARDWARE_COLUMNS`), ``<metric>_median/_min/_max/_cv/_spread`` (cv = sample
-    std / mean; spread = (max-min)/median), medians of the companion metrics, and, when a baseline was
-    chosen, ``baseline``, ``speedup`` (improvement factor vs the baseline's median for the same
-    configuration: >1 is better, so for latency-like metrics it is baseline/value), ``ci_low``,
-    ``ci_high`` (bootstrap interval of that factor) and ``verdict``.
-
-    ``values`` are the axis values compared, the baseline first; ``gpus`` the GPU labels of the runs
-    (the same as ``values`` when comparing GPUs). ``baseline_label`` names the baseline with its axis.
-    ``scaling`` is :func:`scaling_efficiency` of the same runs, ``gains`` is
-    :func:`compile_amp_gains`, ``runs`` the tidy rows the numbers came from.
-    """
+    """The result of :func:`compare_runs`. ``table``: one row per (configuration, axis value, mislabelled or
+    not): the configuration columns, ``gpu``, the axis, ``n_runs``, ``sources``, :data:`HARDWARE_COLUMNS`,
+    ``<metric>_median/_min/_max/_cv/_spread``, the companions' medians and, against a baseline, ``baseline``,
+    ``speedup`` (>1 is better, whichever way the metric goes), ``ci_low``, ``ci_high`` and ``verdict``.
+    ``values``: the axis values, the baseline first; ``gpus``: the runs' GPU labels; ``runs``: the tidy rows."""
 
     table: pd.DataFrame
     metric: str
@@ -100,20 +80,12 @@ class Comparison:
     def summary(self) -> dict:
         """Flat facts about the comparison, convenient for MLflow params/metrics or JSON."""
         cfg = self.table[list(config_columns())].drop_duplicates()
-        return {
-            "metric": self.metric,
-            "by": self.by,
-            "baseline": self.baseline,
-            "values": list(self.values),
-            "gpus": list(self.gpus),
-            "n_runs": int(self.runs["run_id"].nunique()),
-            "n_mislabelled_runs": int(self.runs.loc[self.runs["mismatch"], "run_id"].nunique()),
-            "include_mismatch": self.include_mismatch,
-            "n_configurations": int(len(cfg)),
-            "n_rows": int(len(self.table)),
-            "verdicts": self.verdict_counts,
-            "geomean_speedup": self.geomean_speedup(),
-        }
+        return {"metric": self.metric, "by": self.by, "baseline": self.baseline, "values": list(self.values),
+                "gpus": list(self.gpus), "n_runs": int(self.runs["run_id"].nunique()),
+                "n_mislabelled_runs": int(self.runs.loc[self.runs["mismatch"], "run_id"].nunique()),
+                "include_mismatch": self.include_mismatch, "n_configurations": int(len(cfg)),
+                "n_rows": int(len(self.table)), "verdicts": self.verdict_counts,
+                "geomean_speedup": self.geomean_speedup()}
 
 
 @dataclass(frozen=True)
@@ -145,34 +117,13 @@ def compare_runs(
     by: str = DEFAULT_AXIS,
     include_mismatch: bool = False,
 ) -> Comparison:
-    """Compare runs along ``by`` (the GPU, or any column the tidy frame carries: ``torch_version``,
-    ``compile``, ``amp``, ...), configuration by configuration.
-
-    ``runs`` is a tidy runs frame. Runs are grouped by everything that identifies a configuration
-    (:func:`~vitreg.analysis.frame.config_columns`, from the option table, and ``gpu``) except ``by``, so
-    a group holds runs that differ only along the
-    axis; each (group, axis value) is summarised by the median of ``metric`` and its spread. With
-    ``baseline`` (a value of the axis, such as ``"a100"`` or ``"2.8.0"``, matched case-insensitively)
-    each also gets a speedup against the baseline value's runs of the same configuration:
-
-    * both sides have >= 2 runs: percentile bootstrap (``n_boot`` resamples of each side's runs,
-      independently, ``seed`` for reproducibility) of the ratio of medians. The verdict is
-      "faster"/"slower" ("better"/"worse" for non-speed metrics) only when the interval excludes
-      1 *and* the relative change exceeds both sides' own spread ((max-min)/median of the runs);
-      otherwise "within noise".
-    * either side has a single run: point estimate only, verdict "single run".
-    * the baseline value never ran the configuration: verdict "no baseline".
-
-    Mislabelled runs (``mismatch``: their hardware is not their GPU label) are rows of their own,
-    never pooled with honest runs; they get no speedup and the verdict "mislabelled", and are no
-    baseline, unless ``include_mismatch`` (then their verdicts say "(mislabelled)").
-
-    ``baseline=None`` gives the per-value summary without speedup columns.
-
-    Raises :class:`CompareError` for an empty frame, an unknown ``metric`` (the message lists the
-    available ones), a metric no run recorded, an axis no run records, or a baseline with no runs
-    (the message lists the values present).
-    """
+    """Compare the tidy frame's ``runs`` along ``by`` (the GPU, or any column it carries: ``torch_version``,
+    ``compile``, ...): grouped by every configuration column and ``gpu`` but ``by``, each (group, axis value)
+    summarised by the median of ``metric`` and its spread, and with ``baseline`` (an axis value, matched
+    case-blind) a speedup against its runs of the same configuration, with a bootstrap interval and a verdict
+    (:func:`vitreg.analysis.stats.versus`: ``n_boot`` resamples, ``seed``, ``confidence``). Mislabelled runs are
+    rows of their own with no speedup (verdict "mislabelled") and no baseline, unless ``include_mismatch``.
+    :class:`CompareError` names the fix for an empty frame, an unknown metric, axis or baseline."""
     if n_boot < 100:
         raise CompareError(f"n_boot={n_boot} is too few bootstrap resamples; use at least 100 (default 2000)")
     if not 0.5 <= confidence < 1:
@@ -191,21 +142,11 @@ def compare_runs(
     for config, cfg_runs in measured.groupby(keys, dropna=False, sort=True):
         rows += _block(dict(zip(keys, config)), cfg_runs, ask)
     return Comparison(
-        table=_table(rows, ask),
-        metric=metric,
-        baseline=baseline,
-        higher_is_better=higher,
-        confidence=confidence,
-        n_boot=n_boot,
-        seed=seed,
+        _table(rows, ask), metric, baseline, higher, confidence, n_boot, seed,
         gpus=ordered if by == DEFAULT_AXIS else sorted(measured["gpu"].astype(str).unique()),
-        runs=measured.reset_index(drop=True),
-        scaling=scaling_efficiency(runs, include_mismatch=include_mismatch),
-        gains=compile_amp_gains(runs, include_mismatch=include_mismatch),
-        by=by,
-        values=ordered,
-        include_mismatch=include_mismatch,
-    )
+        runs=measured.reset_index(drop=True), scaling=scaling_efficiency(runs, include_mismatch=include_mismatch),
+        gains=compile_amp_gains(runs, include_mismatch=include_mismatch), by=by, values=ordered,
+        include_mismatch=include_mismatch)
 
 
 #: the name bench/sweep.py (and code written before compare --by) calls it by
@@ -258,7 +199,7 @@ def _measured(runs: pd.DataFrame, metric: str) -> pd.DataFrame:
         have = sorted(runs["task"].unique())
         raise CompareError(
             f"no finished run recorded {metric} (runs have task {', '.join(have)}); pick a metric "
-            f"of those tasks, e.g. {_suggest_metric(runs)}"
+            f"of those tasks, e.g. {'latency_ms_p50' if (runs['task'] == 'infer').any() else 'step_ms_p50'}"
         )
     return measured
 
@@ -270,10 +211,8 @@ def _baseline(baseline: str | None, values: list[str], metric: str, by: str) -> 
     match = [v for v in values if v.lower() == str(baseline).strip().lower()]
     if not match:
         what, present = ("GPU", "GPUs present") if by == DEFAULT_AXIS else (by, f"{by} values present")
-        raise CompareError(
-            f"baseline {what} {baseline!r} has no finished runs with {metric}; {present}: "
-            f"{', '.join(values)}; pass one of them as the baseline"
-        )
+        raise CompareError(f"baseline {what} {baseline!r} has no finished runs with {metric}; {present}: "
+                           f"{', '.join(values)}; pass one of them as the baseline")
     return match[0]
 
 
@@ -331,21 +270,13 @@ def _polarity(metric: str, runs: pd.DataFrame) -> bool:
     measurable = [c for c in runs.columns if c not in id_columns() and c not in SHARED_METRICS
                   and pd.api.types.is_numeric_dtype(runs[c])]
     if metric not in measurable:
-        raise CompareError(
-            f"unknown metric {metric!r}; use one of: {', '.join(sorted(measurable))} "
-            "(names without the infer_/train_ prefix)"
-        )
+        raise CompareError(f"unknown metric {metric!r}; use one of: {', '.join(sorted(measurable))} "
+                           "(names without the infer_/train_ prefix)")
     declared = BY_NAME.get(metric)
     if declared is None or declared.better not in (HIGHER, LOWER):
-        raise CompareError(
-            f"metric {metric!r} has no better direction vitreg knows of; compare on "
-            "throughput_img_per_s, latency_ms_p50, step_ms_p50, peak_mem_allocated_mb or mfu"
-        )
+        raise CompareError(f"metric {metric!r} has no better direction vitreg knows of; compare on "
+                           "throughput_img_per_s, latency_ms_p50, step_ms_p50, peak_mem_allocated_mb or mfu")
     return declared.better == HIGHER
-
-
-def _suggest_metric(runs: pd.DataFrame) -> str:
-    return "latency_ms_p50" if (runs["task"] == "infer").any() else "step_ms_p50"
 
 
 # --------------------------------------------------------------------------------------------
@@ -359,16 +290,10 @@ def _honest(runs: pd.DataFrame, include_mismatch: bool) -> pd.DataFrame:
 
 def scaling_efficiency(runs: pd.DataFrame, metric: str = "throughput_img_per_s",
                        include_mismatch: bool = False) -> pd.DataFrame:
-    """Multi-process (DDP) scaling of train runs.
-
-    Train runs are grouped by configuration minus ``nproc`` and ``ddp`` (:data:`SCALED_COLUMNS`; same
-    per-process batch, i.e. weak scaling) and GPU. For every ``nproc`` N of a group that has some N > 1:
-    ``speedup_vs_1 = median(N) / median(1)`` and ``efficiency = median(N) / (N * median(1))``,
-    where ``metric`` is the global ``train_throughput_img_per_s``. Both are NaN when the group
-    has no single-process run to scale from. Returns an empty frame (same columns) when no
-    multi-process train runs exist. Mislabelled runs are left out (``include_mismatch``: they scale
-    among themselves, marked in the ``mismatch`` column).
-    """
+    """Weak scaling of train runs: grouped by configuration but :data:`SCALED_COLUMNS` and GPU, for every
+    ``nproc`` N of a group with some N > 1, ``speedup_vs_1 = median(N) / median(1)`` and ``efficiency =
+    speedup_vs_1 / N`` (NaN without a single-process run). Mislabelled runs left out (``include_mismatch``:
+    they scale among themselves, marked)."""
     keys = [k for k in config_columns() if k not in SCALED_COLUMNS] + ["gpu", "mismatch"]
     columns = keys + ["nproc", "ddp", "n_runs", f"{metric}_median", "speedup_vs_1", "efficiency"]
     require_tidy(runs)
@@ -383,35 +308,19 @@ def scaling_efficiency(runs: pd.DataFrame, metric: str = "throughput_img_per_s",
         ones = grp.loc[grp["nproc"] == 1, metric]
         one = float(ones.median()) if len(ones) else np.nan
         for (n, ddp), (med, count) in stats.iterrows():
-            rows.append(dict(
-                zip(keys, key),
-                nproc=int(n),
-                ddp=ddp,
-                n_runs=int(count),
-                **{f"{metric}_median": float(med)},
-                speedup_vs_1=float(med / one) if one == one else np.nan,
-                efficiency=float(med / (n * one)) if one == one else np.nan,
-            ))
+            rows.append(dict(zip(keys, key), nproc=int(n), ddp=ddp, n_runs=int(count),
+                             **{f"{metric}_median": float(med)}, speedup_vs_1=float(med / one) if one == one else np.nan,
+                             efficiency=float(med / (n * one)) if one == one else np.nan))
     out = pd.DataFrame(rows, columns=columns)
     return out.astype({"nproc": "Int64", "batch_size": "Int64", "img_size": "Int64"})
 
 
 def compile_amp_gains(runs: pd.DataFrame, metric: str = "throughput_img_per_s",
                       include_mismatch: bool = False) -> pd.DataFrame:
-    """What ``torch.compile`` and mixed precision buy, per configuration (all configuration columns but
-    ``amp`` and ``compile``) and GPU.
-
-    Compares medians of ``metric`` between configurations that differ only in ``compile`` or
-    ``amp``, on the same GPU:
-
-    * ``change="compile=<mode>"``, ``held="amp=<x>"``: compile mode vs ``compile=off``;
-    * ``change="amp=<dtype>"``, ``held="compile=<y>"``: bf16/fp16 vs ``amp=off``;
-    * ``change="amp=<dtype>+compile=<mode>"``, ``held="-"``: both vs neither.
-
-    Rows appear only where both sides exist. ``speedup = new/base`` (throughput) or base/new for
-    time-like metrics, so >1 always means the change helped. Mislabelled runs are left out
-    (``include_mismatch``: paired among themselves, marked in the ``mismatch`` column).
-    """
+    """What ``torch.compile`` and mixed precision buy, per configuration (but ``amp`` and ``compile``) and GPU:
+    medians of ``metric`` paired where both sides exist, ``change="compile=<mode>"`` (``held="amp=<x>"``) against
+    compile off, ``"amp=<dtype>"`` against amp off, ``"amp=<dtype>+compile=<mode>"`` against neither; ``speedup``
+    > 1 means the change helped. Mislabelled runs left out (``include_mismatch``: paired among themselves)."""
     keys = [k for k in config_columns() if k not in GAINED_COLUMNS] + ["gpu", "mismatch"]
     columns = keys + ["change", "held", "base_median", "new_median", "speedup", "n_base", "n_new"]
     require_tidy(runs)

@@ -1,13 +1,10 @@
 """Which GPU is cheapest per image, and which gives the most images per joule, with compare's verdicts.
 
-A price per GPU-hour per GPU label comes from the user (vitreg ships no prices): ``--prices
-h200=3.50,l4=0.80`` or a file (CSV with columns ``gpu,usd_per_hour``, or TOML ``h200 = 3.50``, flat or under
-``[usd_per_gpu_hour]``). A run's ``usd_per_1m_img`` is its price x its GPUs (``nproc``) / 3600 / its img/s x 1e6.
-Cost and ``img_per_j`` (logged by runs whose device reads energy) are compared as any metric is
-(:func:`vitreg.analysis.comparison.compare_runs`: the same bootstrap interval and verdicts as throughput),
-and said in a sentence per GPU: "on vit_base_patch16_224 infer, the l4 is 2.30x cheaper per image than the
-h200, 95 % interval [2.1, 2.5]". What the runs' timed windows met (throttling, a busy host) is said once
-where all runs share it and marked where they differ (:func:`condition_lines`). Pure: no MLflow here.
+Prices per GPU-hour come from the user (vitreg ships none): ``--prices h200=3.50,l4=0.80`` or a CSV
+(``gpu,usd_per_hour``) or TOML file. A run's ``usd_per_1m_img`` = price x GPUs / 3600 / img/s x 1e6; it and
+``img_per_j`` are compared as any metric (:func:`vitreg.analysis.comparison.compare_runs`) and said in a sentence
+per GPU. What the runs' windows met (throttling, a busy host) is said once where all share it, marked where they
+differ (:func:`condition_lines`). Pure: no MLflow here.
 """
 
 from __future__ import annotations
@@ -21,10 +18,11 @@ import numpy as np
 import pandas as pd
 
 from vitreg.analysis.comparison import Comparison, compare_runs
-from vitreg.analysis.frame import DEFAULT_AXIS, CompareError
+from vitreg.analysis.frame import CONDITION_COLUMNS, DEFAULT_AXIS, CompareError
+from vitreg.analysis.render import cell
 from vitreg.analysis.stats import BETTER, WORSE
 from vitreg.files import read_text, read_toml
-from vitreg.measure.energy import POWER_CAP, SPREAD_LIMIT, slowed
+from vitreg.measure.energy import FLAGS, POWER_CAP, SPREAD_LIMIT, suspect_flags
 
 COST, ENERGY = "usd_per_1m_img", "img_per_j"
 #: USD per GPU-hour: far above any GPU's rent, and far below where a cost per image overflows to inf
@@ -146,7 +144,7 @@ def sentences(c: Comparison) -> list[str]:
     metric, lines = c.metric, []
     said, value = _SAY[metric]
     for _, r in c.table.iterrows():
-        what = f"{r['model']} {r['task']} (batch {_cell(r['batch_size'])})"
+        what = f"{r['model']} {r['task']} (batch {cell(r['batch_size'])})"
         shown = value.format(v=r[f"{metric}_median"])
         if not c.baseline or r["verdict"] == "baseline" or not np.isfinite(r["speedup"]):
             lines.append(f"on {what}, the {r[c.by]}: {shown}" + (f" ({r['verdict']})" if c.baseline else ""))
@@ -158,10 +156,6 @@ def sentences(c: Comparison) -> list[str]:
         verdict = _VERDICT[metric].get(r["verdict"], r["verdict"])
         lines.append(f"on {what}, the {r[c.by]} {said(r['speedup'])} the {c.baseline} ({shown}){ci}: {verdict}")
     return lines
-
-
-def _cell(v) -> str:
-    return "-" if v is None or (not isinstance(v, str) and pd.isna(v)) else str(v)
 
 
 def condition_lines(runs: pd.DataFrame) -> list[str]:
@@ -194,14 +188,10 @@ def condition_lines(runs: pd.DataFrame) -> list[str]:
 
 
 def suspect_masks(runs: pd.DataFrame) -> dict[str, pd.Series]:
-    """What makes a run's figure suspect, each a mask over the rows of ``runs`` (a tidy frame: its
-    condition columns, NaN for runs that predate them), under the word ``vitreg runs`` flags it with: measured
-    while other processes loaded the host, throttled by heat or a hardware brake (not the power cap: heavy
-    work's normal state), its window spread over :data:`SPREAD_LIMIT`."""
-    def column(name: str) -> pd.Series:  # the tags as text, missing ones ""
-        return (runs[name] if name in runs else pd.Series("", index=runs.index)).map(
-            lambda v: v if isinstance(v, str) else "")
-
-    hot = column("throttle").map(slowed)
-    return {"busy host": column("busy_host") == "true", "throttled": hot.astype(bool),
-            "wide spread": column("spread_over_target") == "true"}
+    """Each word ``vitreg runs`` flags a suspect figure with (:func:`vitreg.measure.energy.suspect_flags`: busy
+    host, throttled, wide spread) as a mask over the rows of the tidy frame ``runs``, from its condition columns
+    (NaN for runs that predate them)."""
+    present = [c for c in CONDITION_COLUMNS if c in runs]
+    flags = [suspect_flags({k: v for k, v in zip(present, row) if isinstance(v, str)})
+             for row in runs[present].itertuples(index=False)]
+    return {word: pd.Series([word in f for f in flags], index=runs.index, dtype=bool) for word in FLAGS[:3]}

@@ -84,7 +84,7 @@ def _task_table(comparison, t: pd.DataFrame) -> list[str]:
         for row, (_, r) in zip(body, t.iterrows()):
             row += [format_value("speedup", r["speedup"]), _format_ci(r["ci_low"], r["ci_high"]),
                     str(r["verdict"])]
-    lines.append(_fixed_width(header, body, right))
+    lines.append(fixed_width(header, body, right))
     return lines
 
 
@@ -103,7 +103,7 @@ def runs_table(runs: pd.DataFrame) -> str:
     started = pd.to_datetime(runs["start_time"], utc=True, errors="coerce").dt.strftime("%Y-%m-%d %H:%M")
     names = runs["name"].map(lambda n: n if len(n) <= NAME_WIDTH else n[:NAME_WIDTH - 1] + "…")
     body = _rows(runs.assign(start_time=started, name=names), cols)
-    return _fixed_width([_RUN_HEADS.get(c, c) for c in cols], body, [c.endswith("_img_per_s") for c in cols])
+    return fixed_width([_RUN_HEADS.get(c, c) for c in cols], body, [c.endswith("_img_per_s") for c in cols])
 
 
 def caveats(comparison) -> list[str]:
@@ -128,7 +128,7 @@ def _scaling_table(s: pd.DataFrame, heads: dict) -> str:
     scols = split_constant(s, [k for k in config_columns() if k not in ("task", *SCALED_COLUMNS)])[1]
     scols += ["gpu"] + (["mismatch"] if s["mismatch"].any() else [])
     scols += ["nproc", "ddp", "n_runs", s.columns[-3], "speedup_vs_1", "efficiency"]
-    return _fixed_width(
+    return fixed_width(
         [heads.get(c, c if c != s.columns[-3] else "median") for c in scols],
         _rows(s, scols),
         [c not in (*_text_keys(), "gpu", "ddp", "mismatch") for c in scols],
@@ -164,7 +164,7 @@ def split_constant(t: pd.DataFrame, keys, min_rows: int = 2) -> tuple[dict, list
     return fixed, varying
 
 
-def _fixed_width(header: list[str], body: list[list[str]], right: list[bool]) -> str:
+def fixed_width(header: list[str], body: list[list[str]], right: list[bool]) -> str:
     widths = [max([len(h)] + [len(r[i]) for r in body]) for i, h in enumerate(header)]
 
     def line(cells):
@@ -186,20 +186,20 @@ def cell(v) -> str:
 def format_column(col: str, values) -> list[str]:
     """Format a whole column with one precision, so digits line up (1,012 next to 994, not 994.0)."""
     vals = list(values)
-    nums = [float(v) for v in vals if isinstance(v, (float, np.floating)) and not math.isnan(v)]
-    plain = not (col.endswith(("_cv", "_spread", "mfu")) or col in _RATIO_COLUMNS
-                 or col == "efficiency" or col in _COUNT_COLUMNS)
-    if not nums or not plain:
-        return [format_value(col, v) for v in vals]
-    scale = max(abs(x) for x in nums)
-    spec = ",.0f" if scale >= 1000 else ".1f" if scale >= 100 else ".2f" if scale >= 1 else ".3g"
-    out = []
-    for v in vals:
-        if isinstance(v, (float, np.floating)) and not math.isnan(v):
-            out.append(format(float(v), spec))
-        else:
-            out.append(format_value(col, v))
-    return out
+    nums = [abs(float(v)) for v in vals if _number(v)]
+    plain = not (col.endswith(("_cv", "_spread", "mfu")) or col in (*_RATIO_COLUMNS, *_COUNT_COLUMNS, "efficiency"))
+    scale = max(nums) if nums and plain else None
+    return [format(float(v), _magnitude(scale)) if scale is not None and _number(v) else format_value(col, v)
+            for v in vals]
+
+
+def _number(v) -> bool:
+    return isinstance(v, (float, np.floating)) and not math.isnan(v)
+
+
+def _magnitude(a: float) -> str:
+    """The format of a figure of about ``a``: no decimals from 1,000 on, three significant digits below 1."""
+    return ",.0f" if a >= 1000 else ".1f" if a >= 100 else ".2f" if a >= 1 else ".3g"
 
 
 _RATIO_COLUMNS = ("speedup", "ci_low", "ci_high", "speedup_vs_1", "geomean_speedup")
@@ -222,14 +222,7 @@ def format_value(col: str, v) -> str:
         return f"{v:.3f}"
     if isinstance(v, (int, np.integer)) or (float(v).is_integer() and col in _COUNT_COLUMNS):
         return str(int(v))
-    a = abs(float(v))
-    if a >= 1000:
-        return f"{v:,.0f}"
-    if a >= 100:
-        return f"{v:.1f}"
-    if a >= 1:
-        return f"{v:.2f}"
-    return f"{v:.3g}"
+    return format(v, _magnitude(abs(float(v))))
 
 
 def _format_ci(lo, hi) -> str:
@@ -240,10 +233,7 @@ def _format_ci(lo, hi) -> str:
 
 def display(df: pd.DataFrame) -> pd.DataFrame:
     """A string copy of ``df`` with every cell formatted for humans (markdown, HTML)."""
-    out = pd.DataFrame(index=df.index)
-    for c in df.columns:
-        out[c] = format_column(c, df[c].astype(object))
-    return out
+    return pd.DataFrame({c: format_column(c, df[c].astype(object)) for c in df.columns}, index=df.index)
 
 
 def readable(df: pd.DataFrame) -> pd.DataFrame:
@@ -318,15 +308,12 @@ def comparison_views(c) -> list[View]:
     return [comparison_view(c, block) for block in by_task(c.table, c.by)]
 
 
-def comparison_view(c, t: pd.DataFrame | None = None) -> View:
-    """What a reader of comparison.md / .html sees first. ``fixed`` holds the
-    configuration that is the same on every row (shown once, above the table); the table leads with the axis
-    value (the GPU), the figure (median, its unit in the header), the ratio to the baseline and the verdict,
-    then the interval, the configuration columns that vary, the runs and their spread (and, where there are
-    any, the hardware of mislabelled runs and the batches batch_size=auto chose). Cells are formatted text;
-    comparison.csv keeps every column of ``c.table`` at full precision. ``t``: the rows shown (one task's,
-    :func:`comparison_views`), all of them when None."""
-    t, m = (c.table if t is None else t), c.metric
+def comparison_view(c, t: pd.DataFrame) -> View:
+    """The rows ``t`` of comparison ``c`` as comparison.md / .html show them: the configuration every row shares
+    apart (``fixed``); the table leads with the axis value, the median (its unit in the header), the ratio to the
+    baseline and the verdict, then the interval, the configuration that varies, the runs and their spread (and,
+    where any, the hardware of mislabelled runs and the batches batch_size=auto chose)."""
+    m = c.metric
     fixed, varying = split_constant(t, [k for k in (*config_columns(), "gpu") if k != c.by], min_rows=1)
     cols = [c.by, f"{m}_median"] + (["speedup", "verdict"] if c.baseline else [])
     tail = varying + ["n_runs", f"{m}_cv"] + (["ran_on"] if t["mismatch"].any() else [])
@@ -337,9 +324,8 @@ def comparison_view(c, t: pd.DataFrame | None = None) -> View:
     if "ran_on" in view:  # the hardware of honest rows is their label: blank; mislabelled ones flagged
         view["ran_on"] = [f"{r} (MISLABELLED)" if bad else "" for r, bad in zip(view["ran_on"], t["mismatch"])]
     unit = BY_NAME[m].unit if m in BY_NAME else ""
-    heads = {f"{m}_median": f"{m} median" + (f" ({unit})" if unit else ""), "n_runs": "runs", f"{m}_cv": "cv",
-             "speedup": f"vs {c.baseline_label}", "ci": f"{c.confidence:.0%} CI", "batch_size": "batch",
-             "img_size": "img", "ran_on": "ran on", "batch_chosen": "batch chosen"}
+    heads = {**_HEADS, f"{m}_median": f"{m} median" + (f" ({unit})" if unit else ""), "n_runs": "runs",
+             f"{m}_cv": "cv", "speedup": f"vs {c.baseline_label}", "ci": f"{c.confidence:.0%} CI"}
     right = [col not in (*_text_keys(), "gpu", "verdict", "ran_on", c.by) for col in view.columns]
     return View(fixed, view.rename(columns=heads).reset_index(drop=True), right)
 

@@ -16,19 +16,10 @@ from vitreg.analysis.render import caveats, cell, comparison_views, frame_html, 
 
 
 def write_report(comparison: Comparison, out_dir) -> list[Path]:
-    """Write the comparison as files in ``out_dir`` and return their paths.
-
-    Always ``comparison.md``, ``comparison.csv`` (exactly ``comparison.table``, full precision),
-    ``comparison.html`` and ``throughput_by_gpu.png`` (grouped bars of the metric's median per
-    configuration and GPU, error bars spanning the runs' min..max); ``compile_amp_gains.png`` /
-    ``compile_amp_gains.csv`` when compile or AMP variants can be paired, ``scaling.csv`` when
-    multi-process train runs exist.
-
-    Files are rendered into a hidden temporary directory inside ``out_dir`` and moved into place
-    only when all of them succeeded, so a failure leaves no half-written report behind: existing
-    files of the same name are replaced only on success, and directories this call created are
-    removed again.
-    """
+    """The comparison as files in ``out_dir`` (returns their paths): comparison.md, .csv (exactly its table),
+    .html, throughput_by_gpu.png; compile_amp_gains.png / .csv and scaling.csv where there are any. All are
+    rendered in a hidden folder inside ``out_dir`` and moved into place only when every one succeeded: a failure
+    replaces no file and removes the folders this call created."""
     out_dir = Path(out_dir)
     missing = [p for p in (out_dir, *out_dir.parents) if not p.exists()]
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -115,54 +106,57 @@ def _geomeans(c: Comparison) -> pd.DataFrame:
 _CHART = "throughput_by_gpu.png"
 
 
-def _report_markdown(c: Comparison, names: list[str]) -> str:
-    """comparison.md: the GPU, the figure with its unit, the ratio and the verdict lead the first table (the
-    MLflow UI's preview shows a table's first columns); one table per task, the configuration every row of
-    it shares a line above it, not columns; every user string goes out through :func:`inert`."""
-    parts = [f"# vitreg {inert(_axis(c))} comparison", ""]
-    parts += [f"- {inert(line)}" for line in _about(c) if line]
-    parts += ["", f"## Per configuration and {inert(_axis(c))}", ""]
+def _blocks(c: Comparison, names: list[str]) -> list[tuple[str, object]]:
+    """What comparison.md and .html show, in order, as ``(kind, content)``: the GPU, the figure with its unit, the
+    ratio and the verdict lead the first table (the MLflow UI's preview shows a table's first columns); one table
+    per task, the configuration every row of it shares a line above it, not columns."""
+    axis = _axis(c)
+    out = [("h1", f"vitreg {axis} comparison"), ("ul", [line for line in _about(c) if line]),
+           ("h2", f"Per configuration and {axis}")]
     for fixed, view, right in comparison_views(c):
-        parts += [f"- {inert(_same_everywhere(fixed))}", ""] if fixed else []
-        parts += [markdown_table(view, right), ""]
+        out += [("fixed", _same_everywhere(fixed))] if fixed else []
+        out.append(("view", (view, right)))
     geo = _geomeans(c)
-    if not geo.empty:
-        parts += ["## Geometric-mean speedup vs baseline", "", frame_markdown(geo), ""]
-    parts += [f"Chart: `{_CHART}` (median per configuration and {inert(_axis(c))}, whiskers: the runs' "
-              "min..max), in this run's artifacts:", "", f"![metric by {inert(_axis(c))}]({_CHART})", ""]
-    if not c.scaling.empty:
-        parts += ["## Multi-process scaling (train)", "", frame_markdown(c.scaling), ""]
+    out += [("h2", "Geometric-mean speedup vs baseline"), ("frame", geo)] if not geo.empty else []
+    out.append(("chart", axis))
+    out += [("h2", "Multi-process scaling (train)"), ("frame", c.scaling)] if not c.scaling.empty else []
     if not c.gains.empty:
-        parts += ["## torch.compile and AMP gains", "", frame_markdown(c.gains), ""]
-        if "compile_amp_gains.png" in names:
-            parts += ["![compile and AMP gains](compile_amp_gains.png)", ""]
-    parts += ["Every column at full precision: `comparison.csv`.", ""]
-    return "\n".join(parts)
+        out += [("h2", "torch.compile and AMP gains"), ("frame", c.gains)]
+        out += [("gains chart", None)] if "compile_amp_gains.png" in names else []
+    return out
+
+
+def _report_markdown(c: Comparison, names: list[str]) -> str:
+    """comparison.md; every user string goes out through :func:`inert`."""
+    def lines(kind: str, x) -> list[str]:
+        if kind == "chart":
+            return [f"Chart: `{_CHART}` (median per configuration and {inert(x)}, whiskers: the runs' min..max), in "
+                    "this run's artifacts:", "", f"![metric by {inert(x)}]({_CHART})"]
+        return {"h1": lambda: [f"# {inert(x)}"], "h2": lambda: [f"## {inert(x)}"],
+                "ul": lambda: [f"- {inert(line)}" for line in x], "fixed": lambda: [f"- {inert(x)}"],
+                "view": lambda: [markdown_table(*x)], "frame": lambda: [frame_markdown(x)],
+                "gains chart": lambda: ["![compile and AMP gains](compile_amp_gains.png)"]}[kind]()
+
+    parts = [line for kind, x in _blocks(c, names) for line in [*lines(kind, x), ""]]
+    return "\n".join(parts + ["Every column at full precision: `comparison.csv`.", ""])
 
 
 def _report_html(c: Comparison, names: list[str]) -> str:
     """comparison.html, laid out like comparison.md: the shared configuration above a table of the varying
     columns only, so the table stays narrow (GPU, figure, ratio and verdict in view without scrolling)."""
-    axis = inert(_axis(c), "html")
-    body = [f"<h1>vitreg {axis} comparison</h1>", "<ul>"]
-    body += [f"<li>{inert(line, 'html')}</li>" for line in _about(c) if line]
-    body += ["</ul>", f"<h2>Per configuration and {axis}</h2>"]
-    for fixed, view, _ in comparison_views(c):
-        body += [f"<p>{inert(_same_everywhere(fixed), 'html')}</p>"] if fixed else []
-        body.append(view.to_html(index=False, escape=True, border=0, na_rep="-"))
-    geo = _geomeans(c)
-    if not geo.empty:
-        body += ["<h2>Geometric-mean speedup vs baseline</h2>", frame_html(geo)]
-    body.append(f'<p><img src="{_CHART}" alt="metric by {axis}"></p>')
-    if not c.scaling.empty:
-        body += ["<h2>Multi-process scaling (train)</h2>", frame_html(c.scaling)]
-    if not c.gains.empty:
-        body += ["<h2>torch.compile and AMP gains</h2>", frame_html(c.gains)]
-        if "compile_amp_gains.png" in names:
-            body.append('<p><img src="compile_amp_gains.png" alt="compile and AMP gains"></p>')
+    def html(kind: str, x) -> list[str]:
+        return {"h1": lambda: [f"<h1>{inert(x, 'html')}</h1>"], "h2": lambda: [f"<h2>{inert(x, 'html')}</h2>"],
+                "ul": lambda: ["<ul>", *(f"<li>{inert(line, 'html')}</li>" for line in x), "</ul>"],
+                "fixed": lambda: [f"<p>{inert(x, 'html')}</p>"],
+                "view": lambda: [x[0].to_html(index=False, escape=True, border=0, na_rep="-")],
+                "frame": lambda: [frame_html(x)],
+                "chart": lambda: [f'<p><img src="{_CHART}" alt="metric by {inert(x, "html")}"></p>'],
+                "gains chart": lambda: ['<p><img src="compile_amp_gains.png" alt="compile and AMP gains"></p>']}[kind]()
+
+    body = [line for kind, x in _blocks(c, names) for line in html(kind, x)]
     style = ("body{font-family:sans-serif;margin:2em;max-width:1000px}table{border-collapse:collapse;"
              "font-size:90%}th,td{border:1px solid #ccc;padding:2px 8px;text-align:right}"
              "th{background:#f4f4f4}img{max-width:100%}")
-    head = f"<title>vitreg {axis} comparison</title><style>{style}</style>"
+    head = f"<title>vitreg {inert(_axis(c), 'html')} comparison</title><style>{style}</style>"
     return (f"<!doctype html>\n<html><head><meta charset=\"utf-8\">{head}</head>\n<body>\n" + "\n".join(body) +
             "\n</body></html>\n")

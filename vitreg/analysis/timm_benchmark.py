@@ -1,29 +1,14 @@
-"""Turn timm ``benchmark.py`` result CSVs into vitreg runs, so published numbers sit next to ours.
+"""timm ``benchmark.py`` result CSVs read as vitreg runs, so published numbers sit next to ours.
 
-timm's ``benchmark.py`` writes one row per model. Its columns (``csv.DictWriter`` over the result
-dicts, so they vary with ``--bench`` and with whether a FLOP counter was installed) are::
-
-    model, param_count,
-    infer_samples_per_sec, infer_step_time, infer_batch_size, infer_img_size,
-    infer_gmacs, infer_macts,                        # when deepspeed/fvcore profiled the model
-    train_samples_per_sec, train_step_time, train_batch_size, train_img_size,
-    train_fwd_time, train_bwd_time, train_opt_time   # with --detail
-
-``*_step_time`` is the *mean* milliseconds per batch step; ``infer_gmacs`` is GMACs for one
-image (timm profiles at batch size 1) and ``infer_macts`` is millions of activations, not MACs.
-
-The published files (``results/`` in the timm repository) encode the setup in their name::
+timm writes one row per model: ``model, param_count`` and, per task, ``<task>_samples_per_sec``, ``_step_time``
+(the *mean* ms per batch), ``_batch_size``, ``_img_size`` (and ``infer_gmacs``: GMACs of one image, with a FLOP
+counter; ``train_fwd/bwd/opt_time`` with ``--detail``). Its published files name their setup::
 
     benchmark-{infer|train}-{precision}-{nchw|nhwc}-pt{torch}-{cu<ver>|cpu}-{device}[-dynamo].csv
-    e.g. benchmark-infer-amp-nchw-pt240-cu124-rtx4090.csv
-         benchmark-infer-amp_bf16-nchw-pt291-cu130-pro6000maxq-dynamo.csv
-         benchmark-infer-fp32-nchw-pt240-cpu-i7_12700h-dynamo.csv
+    e.g. benchmark-infer-amp_bf16-nchw-pt291-cu130-pro6000maxq-dynamo.csv
 
-where ``amp`` means autocast in float16, ``amp_bf16`` autocast in bfloat16, ``bf16``/``fp16`` the
-whole model cast to that dtype, and ``-dynamo`` a ``torch.compile``d model.
-
-This module does not import MLflow: :func:`read_timm_csv` returns plain :class:`ImportedRun`
-records and the tracking layer logs them (tag ``source=timm``).
+``amp``: autocast in float16, ``amp_bf16`` in bfloat16, ``bf16``/``fp16`` the model cast, ``-dynamo`` compiled.
+No MLflow here: :func:`read_timm_csv` returns :class:`ImportedRun` records the tracking layer logs (``source=timm``).
 """
 
 from __future__ import annotations
@@ -36,13 +21,6 @@ import pandas as pd
 
 from vitreg.errors import VitregError, first_line
 
-__all__ = [
-    "ImportedRun",
-    "TimmImportError",
-    "parse_timm_filename",
-    "read_timm_csv",
-]
-
 
 class TimmImportError(VitregError):
     """The file is not a timm benchmark CSV we can import; the one-line message names the fix."""
@@ -50,12 +28,7 @@ class TimmImportError(VitregError):
 
 @dataclass
 class ImportedRun:
-    """One model (and task) from a timm CSV, in vitreg's vocabulary.
-
-    ``params`` and ``tags`` are strings (as MLflow stores them); ``metrics`` are floats named like
-    vitreg's own (``infer_throughput_img_per_s``, ``infer_latency_ms_p50``, ``train_step_ms_p50``,
-    ``fwd_gflops_per_img``, ...).
-    """
+    """One model (and task) from a timm CSV in vitreg's names: params and tags as strings, metrics as floats."""
 
     params: dict[str, str]
     tags: dict[str, str]
@@ -67,23 +40,11 @@ class ImportedRun:
         return f"timm-{self.params['model']}-{self.params['task']}-{self.params['gpu']}"
 
 
-# Precision token in the file name -> (vitreg amp value, whether it is autocast).
-# vitreg's amp is autocast; timm's bf16/fp16 cast the whole model, which we still file under the
-# same dtype (closest vitreg setting) and record exactly in the timm_precision tag.
-_PRECISIONS = {
-    "amp": "fp16",  # timm --amp: torch.cuda.amp.autocast, float16 by default
-    "amp_fp16": "fp16",
-    "amp_float16": "fp16",
-    "amp_bf16": "bf16",
-    "amp_bfloat16": "bf16",
-    "fp32": "off",
-    "float32": "off",
-    "tf32": "off",
-    "bf16": "bf16",
-    "bfloat16": "bf16",
-    "fp16": "fp16",
-    "float16": "fp16",
-}
+# Precision token in the file name -> vitreg's amp. timm's bf16/fp16 cast the whole model where vitreg's amp is
+# autocast: filed under the same dtype, the closest setting, with the token in the timm_precision tag.
+_PRECISIONS = {"amp": "fp16", "amp_fp16": "fp16", "amp_float16": "fp16", "amp_bf16": "bf16", "amp_bfloat16": "bf16",
+               "fp32": "off", "float32": "off", "tf32": "off", "bf16": "bf16", "bfloat16": "bf16", "fp16": "fp16",
+               "float16": "fp16"}
 _TASKS = {"infer": "infer", "inference": "infer", "train": "train", "both": "both"}
 _COMPILE_TOKENS = {"dynamo", "compile", "compiled", "inductor"}
 
@@ -95,22 +56,13 @@ _KNOWN_PLAIN = ("model", "param_count", "error")
 
 
 def parse_timm_filename(name) -> dict:
-    """Read the setup encoded in a timm result file name.
-
-    Returns a dict with keys ``task`` (infer/train/both), ``amp`` (vitreg value off/bf16/fp16),
-    ``precision`` (timm's token, e.g. ``amp_bf16``), ``layout`` (nchw/nhwc), ``torch_version``
-    (``"2.4.0"``), ``cuda`` (``"12.4"``; None on CPU), ``gpu`` (vitreg-style label:
-    ``rtx4090``, ``pro6000maxq``, ``cpu``), ``cpu`` (the CPU model for CPU files) and ``compile``
-    (``"default"`` for ``-dynamo`` files, else ``"off"``). Anything the name does not say is None;
-    a name that is not ``benchmark-...`` gives all None (``compile`` included) rather than an error,
-    because the CSV itself may still be importable with an explicit GPU and precision.
-    """
-    stem = Path(str(name)).name
-    stem = re.sub(r"\.csv$", "", stem, flags=re.IGNORECASE)
-    out = dict(task=None, amp=None, precision=None, layout=None, torch_version=None, cuda=None,
-               gpu=None, cpu=None, compile=None)
-    tokens = stem.lower().split("-")
-    if not tokens or tokens[0] != "benchmark":
+    """The setup a timm result file's name says: ``task``, ``amp`` (vitreg's), ``precision`` (timm's token),
+    ``layout``, ``torch_version``, ``cuda``, ``gpu`` (vitreg's label, or ``cpu``), ``cpu`` (its model) and
+    ``compile``; None where it says nothing (all of them for a name not ``benchmark-...``: the CSV may still
+    import with an explicit GPU and precision)."""
+    tokens = re.sub(r"\.csv$", "", Path(str(name)).name, flags=re.IGNORECASE).lower().split("-")
+    out = dict.fromkeys(("task", "amp", "precision", "layout", "torch_version", "cuda", "gpu", "cpu", "compile"))
+    if tokens[0] != "benchmark":
         return out
     out["compile"] = "off"
     device, after_cpu = [], False
@@ -139,26 +91,12 @@ def parse_timm_filename(name) -> dict:
 
 
 def read_timm_csv(path, gpu: str | None = None, *, amp: str | None = None) -> list[ImportedRun]:
-    """Parse a timm ``benchmark.py`` results CSV into :class:`ImportedRun` records.
-
-    One record per model row; a ``bench=both`` row becomes one ``task=both`` record when the
-    infer and train halves used the same batch and image size, and two single-task records when
-    timm's out-of-memory retry shrank one of them (a vitreg run has one batch size).
-
-    ``gpu`` is the GPU to file the runs under; it is taken from the file name when omitted, and
-    must agree with it when both are present. Both are mapped to vitreg's labels
-    (``vitreg.hardware.profiles``), so ``4090``, ``RTX 4090`` and ``rtx4090`` agree and all file as
-    ``rtx4090``. ``amp`` (off/bf16/fp16) overrides the precision, which is otherwise read from the file
-    name. Rows timm marked with an error, or without a throughput, are skipped.
-
-    Metric mapping: ``<task>_samples_per_sec`` -> ``<task>_throughput_img_per_s``;
-    ``infer_step_time`` (mean ms per batch) -> ``infer_latency_ms_p50``; ``train_step_time`` ->
-    ``train_step_ms_p50``; ``infer_gmacs`` -> ``fwd_gflops_per_img`` (x2: one MAC is two FLOPs).
-    timm reports a mean, not a median; the ``timm_step_time`` tag says so on every run.
-
-    Raises :class:`TimmImportError` for a missing/empty file, columns timm does not write,
-    missing required columns, a GPU disagreement, or an unknown GPU/precision.
-    """
+    """One :class:`ImportedRun` per model row (a ``both`` row: one ``task=both`` run, or two when timm's
+    out-of-memory retry shrank one half's batch). ``gpu`` (else the file name's, which it must agree with)
+    and ``amp`` (else the file name's) in vitreg's labels; rows with an error or no throughput are skipped.
+    ``samples_per_sec`` -> ``throughput_img_per_s``, ``step_time`` -> ``latency_ms_p50`` / ``step_ms_p50`` (a
+    mean: the ``timm_step_time`` tag says so), ``infer_gmacs`` x2 -> ``fwd_gflops_per_img``.
+    :class:`TimmImportError` names the fix for any file it cannot read."""
     path = Path(path)
     if not path.is_file():
         raise TimmImportError(f"timm CSV not found: {path}; pass the path of a benchmark-*.csv file")
@@ -166,9 +104,8 @@ def read_timm_csv(path, gpu: str | None = None, *, amp: str | None = None) -> li
     try:
         df = pd.read_csv(path, dtype=str, keep_default_na=False, skipinitialspace=True)
     except pd.errors.EmptyDataError:
-        raise TimmImportError(
-            f"{path.name} is empty; expected a timm benchmark.py results CSV with a header row"
-        ) from None
+        raise TimmImportError(f"{path.name} is empty; expected a timm benchmark.py results CSV with a header "
+                              "row") from None
     except (pd.errors.ParserError, UnicodeDecodeError) as e:
         raise TimmImportError(f"{path.name} is not a readable CSV ({first_line(e)}); pass a timm benchmark.py results "
                               "file") from None
@@ -180,31 +117,21 @@ def read_timm_csv(path, gpu: str | None = None, *, amp: str | None = None) -> li
 
     runs = []
     for i, row in df.iterrows():
-        line = i + 2  # header is line 1
-        if row.get("error", "").strip():
+        line, model = i + 2, row["model"].strip()  # the header is line 1
+        if row.get("error", "").strip() or not model:
             continue
-        model = row["model"].strip()
-        if not model:
-            continue
-        halves = {}
-        for task in tasks:
-            vals = {k: _number(row, f"{task}_{k}", path.name, line)
-                    for k in _KNOWN_TASK_COLUMNS if f"{task}_{k}" in df.columns}
-            if vals.get("samples_per_sec") is not None:
-                halves[task] = vals
+        halves = {task: vals for task in tasks if (vals := {
+            k: _number(row, f"{task}_{k}", path.name, line) for k in _KNOWN_TASK_COLUMNS if f"{task}_{k}" in df.columns
+        }).get("samples_per_sec") is not None}
         if not halves:
             continue
         param_count = _number(row, "param_count", path.name, line) if "param_count" in df else None
         shape = {(h.get("batch_size"), h.get("img_size")) for h in halves.values()}
-        groups = [tuple(halves)] if len(shape) == 1 else [(t,) for t in halves]
-        for group in groups:
+        for group in [tuple(halves)] if len(shape) == 1 else [(t,) for t in halves]:
             runs.append(_make_run(model, group, halves, info, label, amp_value, param_count, path.name))
-
     if not runs:
-        raise TimmImportError(
-            f"{path.name} has no importable rows (all rows errored or lack a throughput); "
-            "check that timm's benchmark.py finished"
-        )
+        raise TimmImportError(f"{path.name} has no importable rows (all rows errored or lack a throughput); "
+                              "check that timm's benchmark.py finished")
     return runs
 
 
@@ -215,31 +142,23 @@ def _check_columns(df: pd.DataFrame, name: str, file_task: str | None) -> tuple[
     cols = list(df.columns)
     unknown = [c for c in cols if c not in _KNOWN_PLAIN and not re.match(r"(infer|train)_", c)]
     if unknown:
-        raise TimmImportError(
-            f"{name} has column(s) {', '.join(unknown)} that timm's benchmark.py does not write; "
-            "pass a benchmark.py results CSV (not e.g. a validation results-*.csv)"
-        )
+        raise TimmImportError(f"{name} has column(s) {', '.join(unknown)} that timm's benchmark.py does not write; "
+                              "pass a benchmark.py results CSV (not e.g. a validation results-*.csv)")
     if "model" not in cols:
         raise TimmImportError(f"{name} has no 'model' column; pass a timm benchmark.py results CSV")
     tasks = tuple(t for t in ("infer", "train") if f"{t}_samples_per_sec" in cols)
     if not tasks:
-        raise TimmImportError(
-            f"{name} has neither infer_samples_per_sec nor train_samples_per_sec; "
-            "it looks like a profile-only run, which has no throughput to import"
-        )
+        raise TimmImportError(f"{name} has neither infer_samples_per_sec nor train_samples_per_sec; "
+                              "it looks like a profile-only run, which has no throughput to import")
     for t in tasks:
         missing = [f"{t}_{k}" for k in _REQUIRED if f"{t}_{k}" not in cols]
         if missing:
-            raise TimmImportError(
-                f"{name} lacks column(s) {', '.join(missing)} needed to import its {t} results; "
-                "re-export the full benchmark.py CSV"
-            )
+            raise TimmImportError(f"{name} lacks column(s) {', '.join(missing)} needed to import its {t} results; "
+                                  "re-export the full benchmark.py CSV")
     wanted = {"infer": ("infer",), "train": ("train",), "both": ("infer", "train")}.get(file_task)
     if wanted and not set(wanted) <= set(tasks):
-        raise TimmImportError(
-            f"{name} says task={file_task} in its name but has only {'/'.join(tasks)} columns; "
-            "rename the file to match its contents"
-        )
+        raise TimmImportError(f"{name} says task={file_task} in its name but has only {'/'.join(tasks)} columns; "
+                              "rename the file to match its contents")
     return tasks
 
 
@@ -248,16 +167,12 @@ def _resolve_gpu(gpu: str | None, info: dict, name: str) -> str:
     if gpu is not None and str(gpu).strip():
         given = _gpu_label(gpu)
         if file_gpu is not None and given != file_gpu:
-            raise TimmImportError(
-                f"--gpu {str(gpu).strip()} ({given}) disagrees with the GPU in the file name "
-                f"({file_gpu}, from {name}); drop --gpu or import the right file"
-            )
+            raise TimmImportError(f"--gpu {str(gpu).strip()} ({given}) disagrees with the GPU in the file name "
+                                  f"({file_gpu}, from {name}); drop --gpu or import the right file")
         return given
     if file_gpu is None:
-        raise TimmImportError(
-            f"cannot tell which GPU {name} was measured on (its name does not follow "
-            "benchmark-<task>-<precision>-<layout>-pt<ver>-cu<ver>-<gpu>.csv); pass --gpu"
-        )
+        raise TimmImportError(f"cannot tell which GPU {name} was measured on (its name does not follow "
+                              "benchmark-<task>-<precision>-<layout>-pt<ver>-cu<ver>-<gpu>.csv); pass --gpu")
     return file_gpu
 
 
@@ -268,34 +183,19 @@ def _resolve_amp(amp: str | None, info: dict, name: str) -> str:
             raise TimmImportError(f"amp {amp!r} is not one of off, bf16, fp16")
         return value
     if info["amp"] is None:
-        raise TimmImportError(
-            f"cannot tell the precision of {name} from its name (expected a token like amp, "
-            "amp_bf16, fp32); pass amp=off/bf16/fp16 (--amp)"
-        )
+        raise TimmImportError(f"cannot tell the precision of {name} from its name (expected a token like amp, "
+                              "amp_bf16, fp32); pass amp=off/bf16/fp16 (--amp)")
     return info["amp"]
 
 
 def _make_run(model, group, halves, info, gpu, amp, param_count, file_name) -> ImportedRun:
     first = halves[group[0]]
     task = "both" if len(group) == 2 else group[0]
-    params = {
-        "model": model,
-        "task": task,
-        "batch_size": _int_text(first.get("batch_size")),
-        "img_size": _int_text(first.get("img_size")),
-        "amp": amp,
-        "compile": info["compile"] or "off",
-        "gpu": gpu,
-        "nproc": "1",
-    }
-    tags = {
-        "source": "timm",
-        "gpu": gpu,
-        "amp": amp,
-        "timm_file": file_name,
-        # timm's step time is a mean over its timed steps, not the p50 vitreg measures.
-        "timm_step_time": "mean",
-    }
+    params = {"model": model, "task": task, "batch_size": _int_text(first.get("batch_size")),
+              "img_size": _int_text(first.get("img_size")), "amp": amp, "compile": info["compile"] or "off",
+              "gpu": gpu, "nproc": "1"}
+    # timm's step time is a mean over its timed steps, not the p50 vitreg measures.
+    tags = {"source": "timm", "gpu": gpu, "amp": amp, "timm_file": file_name, "timm_step_time": "mean"}
     for key, tag in (("torch_version", "torch_version"), ("cuda", "cuda_version"),
                      ("precision", "timm_precision"), ("layout", "timm_layout"), ("cpu", "cpu")):
         if info.get(key):
@@ -320,9 +220,7 @@ def _number(row, col: str, name: str, line: int) -> float | None:
     try:
         return float(text)
     except ValueError:
-        raise TimmImportError(
-            f"{name} line {line}: {col}={text!r} is not a number; fix or delete that row"
-        ) from None
+        raise TimmImportError(f"{name} line {line}: {col}={text!r} is not a number; fix or delete that row") from None
 
 
 def _int_text(v: float | None) -> str:
@@ -348,12 +246,9 @@ def _cuda_version(digits: str) -> str:
 
 
 def _gpu_label(text: str) -> str:
-    """The vitreg label for a GPU name as timm files and people spell it.
-
-    Uses vitreg.hardware.profiles's labels and aliases so imported runs group with tracked ones
-    (``4090``, ``RTX 4090``, ``NVIDIA GeForce RTX 4090`` -> ``rtx4090``; ``NVIDIA A100-SXM4-80GB``
-    -> ``a100-80gb``); a card vitreg has no profile for keeps a compact slug (``pro6000maxq``).
-    """
+    """The vitreg label (``vitreg.hardware.profiles``) for a GPU name as timm files and people spell it
+    (``4090``, ``NVIDIA GeForce RTX 4090`` -> ``rtx4090``), so imported runs group with tracked ones; a card with
+    no profile keeps a compact slug (``pro6000maxq``)."""
     from vitreg.hardware.profiles import PROFILES, match_profile, normalize_label
 
     label = normalize_label(str(text))

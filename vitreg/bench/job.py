@@ -1,32 +1,17 @@
 """The ``bench`` job and the ``infer`` job, which runs bench's body on a registered model's real weights.
 
 Each job resolves, once, at its top, everything its later steps read into one frozen :class:`BenchPlan`
-(:func:`plan_bench`, :func:`plan_infer`): the spec, the process's hardware, runtime and DDP world
-(:func:`vitreg.ddp.context.job_context`), the model and its facts, the run's naming, the scaling
-baseline. The body (:func:`benchmark_in_run`: runner -> tracking) takes the plan and nothing else.
-
-The entry point and the ``vitreg bench`` command both call :func:`bench`; the options are parsed once,
-in the process the user started, inside its run. A process is one of three: the *launcher* of a DDP
-job (``nproc > 1``, or several hosts: :func:`_launch_bench`, through the launcher's phases
-:mod:`vitreg.ddp.launcher`), a *rank* of one (a vitreg launcher's or a torchrun the user started), or
-a plain process. The launcher holds the one MLflow run (system metrics included), checks what needs
-no GPU, runs the same bench under torchrun and logs what the ranks hand back. Each rank runs
-:func:`bench` too, on its own GPU with ``batch_size`` images per GPU; the figures are reduced over the
-ranks (:mod:`vitreg.ddp.world`) and rank 0 hands them to the launcher, which relates them to
-``baseline_run``. Which process relates the figures to the baseline is decided in one place,
-:func:`scaling_baseline`.
-
-``infer``: options -> plan (the model and img_size come from the registered checkpoint, pulled once
-the cheap checks passed) -> bench's body; then the run and the model version are linked both ways:
-the run gets ``model_uri``, ``registered_model_name`` and ``registered_model_version`` tags, the
-version gets ``last_infer_run_id`` and the throughput.
+(:func:`plan_bench`, :func:`plan_infer`); the body (:func:`benchmark_in_run`: runner -> tracking) takes the plan
+and nothing else. A process is the *launcher* of a DDP job (``nproc > 1`` or several hosts:
+:func:`_launch_bench`: the one MLflow run, the checks that need no GPU, torchrun, what the ranks hand back), a
+*rank* of one (figures reduced over the ranks, rank 0 hands them back), or a plain process. Which process
+relates the figures to ``baseline_run`` is decided in one place, :func:`scaling_baseline`. ``infer`` links the
+run and the model version both ways (``model_uri`` and ``registered_model_*`` tags; ``last_infer_run_id``).
 """
 
 from __future__ import annotations
 
 import functools
-import shlex
-import sys
 import tempfile
 from dataclasses import dataclass, field
 
@@ -56,13 +41,9 @@ from vitreg.tracking.tags import log_setup, log_what_ran, resolved_tags, world_t
 def bench(options: dict, experiment: str | None = None, run_name: str | None = None, progress=progress,
           command: str | None = None, *, placement: launch.Placement | None = None,
           baseline_run: str | None = None) -> BenchResult | None:
-    """Run one benchmark and log it as one MLflow run. Raises VitregError on bad input (run ends FAILED).
-
-    ``nproc > 1`` (or a ``placement`` over several hosts: nnodes, node_rank, rdzv_endpoint) launches
-    torchrun and returns None in this launching process. ``baseline_run``: the run id of a 1-process
-    run of the same config; its throughput gives ``train_scaling_efficiency`` (and
-    ``infer_scaling_efficiency``) = throughput_N / (N * throughput_1).
-    """
+    """Run one benchmark as one MLflow run (VitregError on bad input: the run ends FAILED). ``nproc > 1`` or a
+    ``placement`` over several hosts launches torchrun and returns None here. ``baseline_run``: a 1-process run
+    of the same config, for ``<task>_scaling_efficiency`` = throughput_N / (N * throughput_1)."""
     PHASES.begin()  # from the process's start: what a command costs before its first timed step
     command = launch.typed_command(command)
     placement = placement or launch.Placement()
@@ -95,7 +76,7 @@ def infer(model_uri: str, options: dict, experiment: str | None = None, run_name
           progress=progress, command: str | None = None) -> BenchResult:
     """Pull ``model_uri`` and benchmark it (task=infer unless ``options['task']`` says otherwise) as one run."""
     PHASES.begin()
-    command = command or shlex.join(sys.argv)
+    command = launch.typed_command(command)
     model_uri = str(model_uri or "").strip()
     options = {"task": "infer", **{k: v for k, v in options.items() if v is not None}}
     for key in FROM_CHECKPOINT:

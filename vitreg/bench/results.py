@@ -11,26 +11,22 @@ from dataclasses import asdict, dataclass, field
 import pandas as pd
 
 from vitreg.analysis.frame import options_shown_in
-from vitreg.analysis.render import RESULT_HEADERS, code_block, inert, markdown_table, result_rows
+from vitreg.analysis.render import RESULT_HEADERS as HEADERS
+from vitreg.analysis.render import code_block, fixed_width, inert, markdown_table, result_rows
 from vitreg.config.options import identity_names
 from vitreg.config.parse import param_text
 from vitreg.config.spec import BenchSpec
 from vitreg.environment import EnvInfo
 from vitreg.measure.autobatch import BatchChoice
-from vitreg.measure.energy import SPREAD_LIMIT, slowed
+from vitreg.measure.energy import SPREAD_LIMIT, suspect_flags
 from vitreg.measure.figures import Figures
 from vitreg.measure.graphs import EAGER_STEPS_BEFORE_CAPTURE
 from vitreg.measure.metrics import job_metrics, task_metrics
-from vitreg.measure.timing import STOP_MAX_TIME, STOP_MAX_WINDOWS
 from vitreg.models.factory import ModelInfo
 
 #: eager forward passes before an inference capture (no DDP there: a few to settle the allocator); the
 #: runner runs them, report.md says so
 INFER_EAGER_STEPS_BEFORE_CAPTURE = 3
-
-
-#: What makes a figure suspect (:attr:`TaskResult.flags`), in the words a run's name, `vitreg runs` and compare use.
-FLAGS = ("busy host", "throttled", "wide spread", "precision missed")
 
 
 @dataclass(frozen=True)
@@ -56,14 +52,8 @@ class TaskResult:
 
     @property
     def flags(self) -> list[str]:
-        """What makes this figure suspect, in the words ``vitreg runs`` and compare use: measured beside other
-        load, throttled by heat or a hardware brake (not the power cap: heavy work's normal state), a window
-        spread over :data:`SPREAD_LIMIT`, or stopped short of the precision target (``precision_pct``)."""
-        tags = self.window_tags
-        found = (tags.get("busy_host") == "true", slowed(tags.get("throttle", "none")),
-                 tags.get("spread_over_target") == "true",
-                 tags.get("timing_stop") in (STOP_MAX_TIME, STOP_MAX_WINDOWS))
-        return [flag for flag, on in zip(FLAGS, found) if on]
+        """What makes this figure suspect (:func:`vitreg.measure.energy.suspect_flags` of its tags)."""
+        return suspect_flags(self.window_tags)
 
     def tags(self) -> dict[str, str]:
         """What this task ran, as run tags prefixed by the task (the chosen batch, the SDPA backend, ...)."""
@@ -156,15 +146,8 @@ class BenchResult:
 # as text: the terminal table and report.md
 
 
-def _fmt(value, spec=",.1f", none="-") -> str:
-    return none if value is None else format(value, spec)
-
-
 def _rows(result: BenchResult) -> list[list[str]]:
     return result_rows({"task": t.task, "batch_size": t.batch_size, "metrics": t.metrics()} for t in result.tasks)
-
-
-HEADERS = RESULT_HEADERS
 
 
 #: the cell of a figure this run has no value for (:meth:`vitreg.measure.metrics.Column.render`)
@@ -184,10 +167,7 @@ def results_table(result: BenchResult) -> str:
     that is suspect flagged on its row (issue 38: a 3.5x slower figure was printed without a word)."""
     flags = [", ".join(task.flags) or NO_VALUE for task in result.tasks]
     rows = _carried([HEADERS + ["flags"]] + [row + [flag] for row, flag in zip(_rows(result), flags)])
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    lines = ["  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in rows]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join([result.summary_line(), *lines])
+    return "\n".join([result.summary_line(), fixed_width(rows[0], rows[1:], [False] * len(rows[0]))])
 
 
 def spread_warning(result: BenchResult) -> str | None:
@@ -202,18 +182,16 @@ def spread_warning(result: BenchResult) -> str | None:
             f"before comparing")
 
 
-def _halfwidth_text(halfwidth_pct: float | None) -> str:
-    return "no 95 % interval (under 6 windows)" if halfwidth_pct is None else f"+-{halfwidth_pct:.2f} %"
-
-
 def precision_warning(result: BenchResult) -> str | None:
     """The run's last line when a task stopped timing before its median was as sure as ``precision_pct`` asked
     (its ``<task>_timing_stop`` tag: ``max_time`` or ``max_windows``). None when every task met it or ran
     fixed counts."""
-    missed = [t for t in result.tasks if t.window_tags.get("timing_stop") in (STOP_MAX_TIME, STOP_MAX_WINDOWS)]
+    missed = [t for t in result.tasks if "precision missed" in t.flags]
     if not missed:
         return None
-    said = "; ".join(f"{t.task}: {_halfwidth_text(t.figures.get('throughput_ci95_halfwidth_pct'))} after "
+    halfwidth = {t.task: t.figures.get("throughput_ci95_halfwidth_pct") for t in missed}
+    said = "; ".join(f"{t.task}: " + ("no 95 % interval (under 6 windows)" if halfwidth[t.task] is None else
+                                      f"+-{halfwidth[t.task]:.2f} %") + " after "
                      f"{t.repeats} windows (tag {t.task}_timing_stop={t.window_tags['timing_stop']})" for t in missed)
     return (f"warning: the precision target {result.spec.precision_pct:g} % was not reached ({said}): rerun on a "
             f"quiet machine or with a larger max_time_s before comparing")
@@ -256,7 +234,8 @@ def _cuda_rows(result: BenchResult, env: EnvInfo) -> list[list[str]]:
 def _gpu_text(result: BenchResult, env: EnvInfo) -> str:
     if not env.gpu_count:
         return f"none (CPU: {env.cpu_model}, {env.cpu_count} cores)"
-    gpus = f"{env.gpu_name} x{env.gpu_count} ({_fmt(env.gpu_memory_gb, '.0f')} GB, cc {env.compute_capability or '-'})"
+    memory = "-" if env.gpu_memory_gb is None else f"{env.gpu_memory_gb:.0f}"
+    gpus = f"{env.gpu_name} x{env.gpu_count} ({memory} GB, cc {env.compute_capability or '-'})"
     return gpus if result.device == "cuda" else f"{gpus}, not used: the run was on {result.device}"
 
 

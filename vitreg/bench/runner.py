@@ -1,14 +1,10 @@
 """The benchmark itself: inference and training-step throughput, timed honestly.
 
-For each task: with ``batch_size=auto``, search the batch first (:mod:`vitreg.measure.autobatch`);
-build synthetic inputs on the device (outside any timed region), call once and time that call apart
-(it carries torch.compile's compilation and CUDA's lazy initialisation), run the remaining warm-up,
-then ``repeats`` windows of ``steps`` iterations each, timed per iteration with CUDA events
-(:mod:`vitreg.measure.timing`). Nothing is logged, printed per iteration, or synchronised inside a
-window. After the windows, outside any timing: the SDPA backend that ran is read from the profiler,
-and with ``profile=true`` a trace is written. The whole run holds the precision's math mode and the
-SDPA backend (:func:`vitreg.hardware.runtime.run_context`). Results are typed values, and say what
-ran (:meth:`BenchResult.tags`); :mod:`vitreg.tracking.runs` logs them.
+Per task: the batch (``batch_size=auto``: searched, :mod:`vitreg.measure.autobatch`), synthetic inputs made on
+the device outside any timing, the first call timed apart (compilation, lazy initialisation), the warm-up, then
+timed windows of CUDA events (:mod:`vitreg.measure.timing`): nothing logged, printed or synchronised inside one.
+After the windows, untimed: the SDPA backend that ran, and the ``profile=true`` trace. Results are typed values
+(:class:`vitreg.bench.results.BenchResult`) that :mod:`vitreg.tracking.runs` logs.
 """
 
 from __future__ import annotations
@@ -84,17 +80,12 @@ class _Bench:
 
 
 def _measure(step, bench: _Bench, task: str, batch_size: int, graph_eager_steps: int = 0):
-    """First call timed apart, warm-up, then the timed windows; returns ``(figures, step, cache, tags)``: this
-    rank's :class:`Figures` (samples, first call, warm-up, peak memory, energy and clocks, windows taken), the
-    step the windows ran (a graph replay under cuda_graph=true), the first call's compile cache state (None: not
-    compiling) and the windows' tags (throttle, contention, why the windows stopped).
-
-    Under DDP the reducer's ``align`` (a barrier) runs after the warm-up, so every rank's windows start
-    together. ``graph_eager_steps`` > 0 (``cuda_graph=true``): the "first call" is that many eager
-    steps, the capture of one more into a CUDA graph and one replay (:func:`vitreg.measure.graphs.capture`);
-    every later call, timed or not, is a replay. When compiling, the first call runs with a ticker
-    (a long compile must not look hung) and the compile cache's hits and misses are counted around it.
-    """
+    """First call timed apart, warm-up, then the timed windows; returns this rank's :class:`Figures`, the step
+    the windows ran (a graph replay under cuda_graph=true), the first call's compile cache state (None: not
+    compiling) and the windows' tags. ``graph_eager_steps`` > 0: the first call is that many eager steps, the
+    capture of one more and a replay (:func:`vitreg.measure.graphs.capture`). A compiling first call runs with a
+    ticker (a long compile must not look hung); under DDP a barrier after the warm-up starts the ranks' windows
+    together."""
     PHASES.mark("task_setup")  # the batch search, the optimizer and the step, since the last phase
     spec, runtime, say = bench.spec, bench.runtime, bench.progress
     dev = runtime.device
@@ -126,7 +117,7 @@ def _measure(step, bench: _Bench, task: str, batch_size: int, graph_eager_steps:
     PHASES.mark("timed")
     alloc, reserved = _memory_mb(dev)
     figures = Figures(task, {
-        "window_img_per_s": tuple(batch_size * w.iters / w.total_ms * 1e3 for w in windows),
+        "window_img_per_s": marks.rates,
         ITERATION_TIME[task]: tuple(ms for w in windows for ms in w.iter_ms),
         "first_call_s": first_s, "warmup_s": warm_s, "timed_windows": len(windows),
         "steps_per_window": windows[-1].iters,
@@ -184,7 +175,7 @@ def _timed_windows(step, bench: _Bench, task: str, batch_size: int, warm_iter_s:
                 continue
             windows.append(win)
             marks.append(mark)
-            rates = [batch_size * w.iters / w.total_ms * 1e3 for w in windows]
+            rates = [w.img_per_s(batch_size) for w in windows]
             stop = rule.reason(rates, time.perf_counter() - started, win.total_ms / 1e3)
             if not rule.repeats:  # fixed counts stop alike on every rank without a word between them
                 stop = _rank0(bench, stop)
@@ -196,7 +187,7 @@ def _timed_windows(step, bench: _Bench, task: str, batch_size: int, warm_iter_s:
                     f"(~{2 * win.total_ms / 1e3:.1f} s), which average more of what disturbs them")
     finally:
         meter.close()
-    task_marks = TaskMarks(tuple(marks), tuple(batch_size * w.iters / w.total_ms * 1e3 for w in windows))
+    task_marks = TaskMarks(tuple(marks), tuple(w.img_per_s(batch_size) for w in windows))
     if task_marks.spread_note():  # the run's warning line and the table's flag say it: the log keeps the causes
         detail(f"{task}: {task_marks.spread_note()}", say)
     if task_marks.short_windows():
@@ -234,11 +225,6 @@ def missed_target_text(rates, rule: StopRule, stop: str) -> str:
     return (f"precision target {rule.precision_pct:g} % not reached: {reached} after {len(rates)} window(s), "
             f"stopped by {limit}; the windows scatter (a busy host, throttling): rerun on a quiet machine or raise "
             f"max_time_s")
-
-
-def _oom_guard(fn, batch_size: int, task: str):
-    with out_of_memory_as_error(task, batch_size):
-        return fn()
 
 
 def _choose_batch(make_step, task: str, bench: _Bench):
@@ -287,11 +273,8 @@ def _infer_steps(net, info: ModelInfo, runtime: Runtime, cache: bool):
 
 
 def run_inference(model, bench: _Bench, fwd_flops: int) -> TaskResult:
-    """Forward passes in eval mode under inference_mode and the precision, synthetic batch on the device.
-
-    Under DDP (``bench.reducer``, a :class:`vitreg.ddp.world.ResultReducer`) every rank runs its own
-    unwrapped copy independently, on its own GPU; the global throughput is the sum of the ranks'.
-    """
+    """Forward passes in eval mode under inference_mode and the precision on a synthetic batch; under DDP each
+    rank runs its own unwrapped copy and the job's throughput is the ranks' sum."""
     runtime, info = bench.runtime, bench.info
     _reset_memory(runtime.device)
     model.eval()
@@ -299,13 +282,23 @@ def run_inference(model, bench: _Bench, fwd_flops: int) -> TaskResult:
     bs, choice = _choose_batch(_infer_steps(model, info, runtime, cache), "infer", bench)
     compiled = runtime.compile_model(model)
     step = _infer_steps(compiled, info, runtime, cache)(bs)  # the batch is made once, before any timing
-    eager = INFER_EAGER_STEPS_BEFORE_CAPTURE if bench.spec.cuda_graph else 0
-    figures, timed_step, cache_state, tags = _oom_guard(lambda: _measure(step, bench, "infer", bs, eager), bs,
-                                                        "infer")
-    backend = _after_windows("infer", timed_step, step, bench)
+    return _timed_task("infer", step, bench, bs, choice, fwd_flops)
+
+
+def _timed_task(task: str, step, bench: _Bench, batch_size: int, choice, flops_per_img: int) -> TaskResult:
+    """``step`` timed (:func:`_measure`; an out-of-memory error names the batch), then the untimed work after
+    its windows (train: the profiled communication time), the figures made the job's."""
+    eager = 0
+    if bench.spec.cuda_graph:
+        eager = INFER_EAGER_STEPS_BEFORE_CAPTURE if task == "infer" else EAGER_STEPS_BEFORE_CAPTURE
+    with out_of_memory_as_error(task, batch_size):
+        figures, timed_step, cache_state, tags = _measure(step, bench, task, batch_size, eager)
+    if task == "train":
+        figures = figures.with_values(**_comm_figures(timed_step, bench))
+    backend = _after_windows(task, timed_step, step, bench)
     PHASES.mark("after_windows")
-    return TaskResult("infer", bs, info.img_size, figures["steps_per_window"], figures["timed_windows"],
-                      _job_figures(figures, bench, fwd_flops), backend, cache_state, choice, tags)
+    return TaskResult(task, batch_size, bench.info.img_size, figures["steps_per_window"], figures["timed_windows"],
+                      _job_figures(figures, bench, flops_per_img), backend, cache_state, choice, tags)
 
 
 def _train_steps(net, opt, scaler, info: ModelInfo, runtime: Runtime, cache: bool):
@@ -333,12 +326,8 @@ def _train_steps(net, opt, scaler, info: ModelInfo, runtime: Runtime, cache: boo
 
 
 def run_train_step(model, bench: _Bench, train_flops: int) -> TaskResult:
-    """Full training steps: forward, loss, backward, (scaled) AdamW step, on a fixed synthetic batch.
-
-    ``bench.wrap`` lets DDP wrap the model (before compile, after a batch_size=auto search: the probes
-    run the unwrapped model); ``bench.reducer`` (:class:`vitreg.ddp.world.ResultReducer`) combines the
-    ranks' own timings into the job's: each rank processes ``batch_size`` images per step, rates add up.
-    """
+    """Full training steps (forward, loss, backward, (scaled) AdamW step) on a fixed synthetic batch; under DDP
+    ``bench.wrap`` wraps the model after a batch search (the probes run it unwrapped), before compile."""
     import torch
 
     runtime, info, spec = bench.runtime, bench.info, bench.spec
@@ -357,17 +346,10 @@ def run_train_step(model, bench: _Bench, train_flops: int) -> TaskResult:
         with side_stream(graphed and bench.wrap is not None):  # DDP is built on a side stream before a capture
             net = bench.wrap(model) if bench.wrap else model
         step = _train_steps(runtime.compile_model(net), opt, scaler, info, runtime, not graphed)(bs)
-        eager = EAGER_STEPS_BEFORE_CAPTURE if graphed else 0
-        figures, timed_step, cache_state, tags = _oom_guard(lambda: _measure(step, bench, "train", bs, eager), bs,
-                                                            "train")
-        figures = figures.with_values(**_comm_figures(timed_step, bench))
-        backend = _after_windows("train", timed_step, step, bench)
-        PHASES.mark("after_windows")
+        return _timed_task("train", step, bench, bs, choice, train_flops)
     finally:
         if info.distilled and hasattr(model, "set_distilled_training"):
             model.set_distilled_training(False)
-    return TaskResult("train", bs, info.img_size, figures["steps_per_window"], figures["timed_windows"],
-                      _job_figures(figures, bench, train_flops), backend, cache_state, choice, tags)
 
 
 def _comm_figures(timed_step, bench: _Bench) -> dict:
@@ -416,15 +398,10 @@ def _flops_key(info: ModelInfo, what: str) -> dict:
 
 def run_benchmark(spec: BenchSpec, hardware: ResolvedHardware, runtime: Runtime, progress=progress,
                   model_factory=None, wrap=None, reducer=None, command: str = "") -> BenchResult:
-    """Build the model, count its FLOPs, run each task of the spec; returns a :class:`BenchResult`.
-    ``command``: what the user typed (a long run's estimate spells its advice the same way).
-
-    ``model_factory`` (optional) returns ``(model, ModelInfo)`` instead of :func:`create_model`, for
-    benchmarking a registered model's rebuilt weights. Under DDP, ``wrap`` wraps the training model
-    and ``reducer`` (:class:`vitreg.ddp.world.ResultReducer`) turns each rank's figures into the
-    job's; every rank must call this with the same spec. The precision's weight cast (or FP8
-    quantization) comes after the FLOPs are counted and before any compile.
-    """
+    """Build the model (or ``model_factory()``: a registered model's weights), count its FLOPs, run each task of
+    the spec. ``command``: what the user typed (the estimate's advice takes its spelling). Under DDP ``wrap`` wraps
+    the training model and ``reducer`` turns each rank's figures into the job's (every rank calls this with the
+    same spec). The precision's weight cast comes after the FLOP count and before any compile."""
     import torch
 
     require_cuda(spec.cuda_graph, runtime.device, runtime.amp)

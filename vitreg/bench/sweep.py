@@ -69,21 +69,15 @@ class SweepSettings:
 
 
 def run_sweep(own: dict, common: dict | None = None, max_oom_retries: int = 3, progress=progress) -> dict:
-    """Run every combination as a child run of one parent run, each in its own process.
-
-    Everything is checked before a child starts: every combination as a BenchSpec, the sweep's size against
-    ``max_combinations``, the engine (the GPUs here, or the Ray cluster's nodes and GPU types). A child that
-    fails is recorded FAILED with its reason and the sweep goes on; a child that ran out of GPU memory (its
-    run's ``vitreg_error_kind`` tag is ``OutOfMemory``) is retried with a smaller batch
-    (:func:`vitreg.fleet.children.decay_batch`).
-    SIGINT/SIGTERM stops every running child, which ends KILLED, and the parent with it.
-    """
+    """Run every combination as a child run of one parent run, each in its own process, everything checked
+    before a child starts (each combination as a BenchSpec, the size, the engine). A failed child is recorded
+    FAILED and the sweep goes on; one out of GPU memory is retried with a smaller batch
+    (:func:`vitreg.fleet.children.decay_batch`). SIGINT/SIGTERM ends the children KILLED, and the parent."""
     common = dict(common or {})
     settings = SweepSettings.parse(own)
     if settings.rerun_failed:
         return rerun_failed(settings, max_oom_retries, progress)
-    axes = collect_axes({name: own.get(name, option("sweep", name).default) for name in SWEEP_LISTS},
-                        axis_texts_of(own.get("axes", "")), common)
+    axes = _axes(own, common)
     if offline_mode():
         raise VitregError("sweep needs the tracking store (its runs are child runs of one parent run there): "
                           "unset VITREG_OFFLINE, or run `vitreg bench --offline true` once per combination")
@@ -117,14 +111,18 @@ def check_options(own: dict, common: dict) -> None:
     if settings.rerun_failed:  # the combinations are the failed children's own, read from their runs
         return
     common = dict(common)
-    axes = collect_axes({name: own.get(name, option("sweep", name).default) for name in SWEEP_LISTS},
-                        axis_texts_of(own.get("axes", "")), common)
+    axes = _axes(own, common)
     check_size(count(axes), settings.max_combinations)
     combos = plan(axes, common)
     if settings.engine == "local" and "gpu" not in axes:  # several GPU types: the local engine says why not
         for combo in combos:
             check_label_here(str(combo.get("gpu", common.get("gpu") or "auto")), str(common.get("device") or "auto"),
                              option("bench", "allow_gpu_mismatch").parse(common.get("allow_gpu_mismatch", False)))
+
+
+def _axes(own: dict, common: dict) -> dict:
+    return collect_axes({name: own.get(name, option("sweep", name).default) for name in SWEEP_LISTS},
+                        axis_texts_of(own.get("axes", "")), common)
 
 
 def _engine(settings: SweepSettings, common: dict, progress):

@@ -1,19 +1,11 @@
 """``batch_size=auto``: the batch with the best throughput that fits, found by short probes.
 
-:func:`find_batch` is the search and knows nothing of models: it calls ``probe(batch)``, which
-runs a few timed steps at that batch and returns images per second, or raises an out-of-memory
-error (see :func:`is_out_of_memory`). The search doubles the batch while throughput still
-improves by ``min_gain`` and the batch fits; after an out-of-memory it steps back down a grid of
-powers of two and their midpoints (2048 -> 1536 -> 1024, as timm's batch decay does) until one
-fits. A batch that does not fit even at the start is decayed the same way. The number of probes
-and their total time are bounded. The chosen batch is the smallest one within ``min_gain`` of the
-fastest probe: a larger batch that is not clearly faster only costs memory and latency, and a
-choice made within probe noise would not repeat from run to run. Every probe is returned, for a
-metric series and the report.
-
-:func:`timed_probe` builds a real probe from a step factory; :data:`SEARCH_LIMITS` holds the
-bounds per device (a CPU gets a small search: its throughput flattens early and it has no
-out-of-memory error to stop at).
+:func:`find_batch` knows nothing of models: ``probe(batch)`` returns img/s or raises out of memory. It doubles
+the batch while throughput still improves by ``min_gain`` and the batch fits; after an out-of-memory it steps
+back down a grid of powers of two and their midpoints (2048 -> 1536 -> 1024, as timm's batch decay does). Probes
+and their time are bounded (:data:`SEARCH_LIMITS`, per device). The choice is the smallest batch within
+``min_gain`` of the fastest probe: a larger one not clearly faster costs memory and latency, and would not
+repeat from run to run.
 """
 
 from __future__ import annotations
@@ -152,12 +144,9 @@ def _back_off(run, fits: int, too_big: int) -> str:
 
 
 def timed_probe(make_step, device: str, steps: int = 3, warmup: int = 2):
-    """A probe for :func:`find_batch`: ``make_step(batch)`` returns a step callable for that batch.
-
-    The probe runs ``warmup`` untimed steps, then ``steps`` timed ones between two synchronizes,
-    and returns img/s. The step and its tensors are dropped and the allocator's cache emptied
-    after each probe, so one probe's memory does not make the next one run out.
-    """
+    """A probe for :func:`find_batch` over ``make_step(batch)``: ``warmup`` untimed steps, then the img/s of
+    ``steps`` timed between two synchronizes; the step dropped and the allocator's cache emptied after each probe,
+    so one probe's memory does not make the next run out."""
     from vitreg.measure.timing import synchronize
 
     def probe(batch: int) -> float:
@@ -180,18 +169,10 @@ def timed_probe(make_step, device: str, steps: int = 3, warmup: int = 2):
 
 def search_batch(make_step, task: str, device: str, torch_device, distributed: bool, progress,
                  key=None) -> BatchChoice:
-    """The runner's search: :func:`find_batch` over :func:`timed_probe` of ``make_step`` within this
-    device's :data:`SEARCH_LIMITS`, saying what it does; under DDP (``distributed``) the ranks'
-    smallest choice (:func:`smallest_over_ranks`), so every rank times the same batch.
-
-    ``key`` (a :class:`vitreg.measure.batch_cache.CacheKey`; not under DDP, where the ranks must agree):
-    a batch an earlier run kept for it is checked by one probe and reused (``source="cache"``); what a
-    search finds is kept for the next run.
-
-    ``make_step`` should run the eager model: a compiled probe would compile once per batch
-    (minutes under max-autotune), and torch.compile turns to dynamic shapes after the second batch,
-    which would then be the graph the timed windows run.
-    """
+    """The runner's search: :func:`find_batch` over :func:`timed_probe` of ``make_step`` (the eager model: a
+    compiled probe compiles once per batch, then turns to dynamic shapes) within :data:`SEARCH_LIMITS`; under DDP
+    (``distributed``) the ranks' smallest choice. ``key`` (not under DDP): a batch an earlier run kept for it
+    is checked by one probe and reused (``source="cache"``); what a search finds is kept."""
     limits = SEARCH_LIMITS[device]
     probe = timed_probe(make_step, device, limits.probe_steps, limits.probe_warmup)
     key = None if distributed else key

@@ -1,20 +1,11 @@
-"""What ``batch_size=auto`` measured, kept in the user's cache, so a later run of the same work skips the probes.
+"""What earlier runs measured, kept in the user's cache so a later run of the same work skips it.
 
-The probes cost ~60 s of the mission's command on an H200 (issue 23; reusing them saved 14.4 s of
-its 82.9 s on 2026-12-02, benchmarks/results/h200-2026-12-02/), and their answer only changes with the work and the
-machine. An entry is keyed by all of these: the GPU model (or the CPU's), the model,
-the image size, the precision, the compile mode, the SDPA backend asked for, the torch version and the
-task. A run that finds its key checks the kept batch with one probe (it must still fit: another process
-may hold memory now) and times it; a batch that runs out of memory is dropped and the full search runs
-again, said in one line. The file is one JSON object (``autobatch.json`` under
-:func:`vitreg.environment.user_cache_dir`, or ``$VITREG_BATCH_CACHE``): a file that cannot be read is
-said in one line and rewritten, an entry of the wrong shape counts as missing. Delete the file to forget every choice.
-
-Beside it, ``flops.json`` keeps the FLOP counts (:func:`counted_flops`): a forward and a training step of the
-same model at the same size count the same every time, and counting them runs the real model under torch's
-FlopCounterMode (a CPU run of ViT-B/16 spent seconds on it; every sweep child of one model counted again). And
-``compile.json`` the last compile time of each graph, cold and warm (:func:`compile_seconds`): what the estimate
-counts for a compile once one was timed (a typical figure put ViT-B's at 40 s where the H200 took 10-12 s).
+``autobatch.json`` (under :func:`vitreg.environment.user_cache_dir`, or ``$VITREG_BATCH_CACHE``): the batch
+``batch_size=auto`` chose, keyed by the machine, model, image size, precision, compile mode, SDPA, torch and task
+(the probes cost ~60 s on an H200, issue 23). A run that finds its key checks the kept batch with one probe; one
+that runs out of memory is dropped and the search runs again. Beside it ``flops.json`` keeps FLOP counts
+(:func:`counted_flops`) and ``compile.json`` each graph's last compile time, cold and warm (:func:`compile_seconds`,
+what the estimate counts). A file that cannot be read is said in one line and rewritten; delete it to forget.
 """
 
 from __future__ import annotations
@@ -92,20 +83,28 @@ def lookup(key: CacheKey) -> tuple[int | None, str | None]:
 
 def keep(key: CacheKey, batch: int, probes: str) -> None:
     """Keep ``batch`` for ``key`` (``probes``: the search's one-line summary, for a reader of the file)."""
-    entries, _ = _read()
-    entries.pop(key.text(), None)
-    entries[key.text()] = {"batch": batch, "probes": probes}  # newest last
-    _write(dict(list(entries.items())[-MAX_ENTRIES:]))
+    _keep(cache_file(), key.text(), {"batch": batch, "probes": probes})
 
 
 def forget(key: CacheKey) -> None:
     entries, _ = _read()
     if entries.pop(key.text(), None) is not None:
-        _write(entries)
+        _write(entries, cache_file())
 
 
-def _write(entries: dict, path: Path | None = None) -> None:
-    path = path or cache_file()
+def _kept(name: str, text: str):
+    return _read(cache_file().with_name(name))[0].get(text)
+
+
+def _keep(path: Path, text: str, value) -> None:
+    """``value`` under ``text`` in the file at ``path``, newest last, the :data:`MAX_ENTRIES` newest kept."""
+    entries, _ = _read(path)
+    entries.pop(text, None)
+    entries[text] = value
+    _write(dict(list(entries.items())[-MAX_ENTRIES:]), path)
+
+
+def _write(entries: dict, path: Path) -> None:
     tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -127,7 +126,7 @@ def counted_flops(key: dict, count) -> int:
     if type(kept) is int and kept > 0:
         return kept
     flops = int(count())
-    _keep("flops.json", json.dumps(key, sort_keys=True), flops)
+    _keep(cache_file().with_name("flops.json"), json.dumps(key, sort_keys=True), flops)
     return flops
 
 
@@ -149,17 +148,6 @@ def keep_compile_seconds(key: CacheKey, state: str | None, seconds: float) -> No
     if state not in ("warm", "cold", "partial"):
         return
     kept = _kept("compile.json", key.text())
-    _keep("compile.json", key.text(), {**(kept if isinstance(kept, dict) else {}),
-                                         "warm" if state == "warm" else "cold": round(seconds, 2)})
+    kept = {**(kept if isinstance(kept, dict) else {}), "warm" if state == "warm" else "cold": round(seconds, 2)}
+    _keep(cache_file().with_name("compile.json"), key.text(), kept)
 
-
-def _kept(name: str, text: str):
-    return _read(cache_file().with_name(name))[0].get(text)
-
-
-def _keep(name: str, text: str, value) -> None:
-    path = cache_file().with_name(name)
-    entries, _ = _read(path)
-    entries.pop(text, None)
-    entries[text] = value  # newest last
-    _write(dict(list(entries.items())[-MAX_ENTRIES:]), path)

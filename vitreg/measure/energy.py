@@ -1,27 +1,15 @@
 """Energy, throttling and contention over exactly the timed windows.
 
-Energy comes from NVML's total-energy counter (``nvmlDeviceGetTotalEnergyConsumption``: millijoules since
-the driver loaded, Volta and newer), read at each window's edges. The counter is refreshed every 20-100 ms,
-so a reading is up to one refresh old at either edge: the energy of a window is off by at most one refresh
-period's worth, i.e. a relative error of at most ``REFRESH_S / window seconds``. Windows shorter than
-:data:`MIN_ENERGY_WINDOW_S` (error over 10 %) therefore give no energy figure, and the runner says which
-``steps`` would. A GPU without the counter falls back to power samples (every :data:`SAMPLE_S`) times the
-window's length, tagged as such. On the CPU there is no NVML: the energy figures are absent, never zero.
+Energy is NVML's total-energy counter read at each window's edges; it refreshes every 20-100 ms, so a window
+shorter than :data:`MIN_ENERGY_WINDOW_S` (an error over 10 %) gives no energy figure, and a GPU without the
+counter falls back to power samples. Between the edges a background thread samples (every :data:`SAMPLE_S`) the
+clock-event (throttle) reasons, SM clock, power and temperature; the edges also count other processes on the GPU
+and the host's CPU time beside this process's (``/proc/stat``). Each window gets a :class:`WindowMark`; a task's
+marks become figures and tags (:class:`TaskMarks`). On the CPU the energy figures are absent, never zero.
 
-Throttle and contention truth: a light background thread samples, every :data:`SAMPLE_S` while a window
-runs, the clock-event (throttle) reasons, the SM clock, power and temperature; the edges also count the
-other processes on the GPU and, from ``/proc/stat``, the CPU time the host spent beside this process's own
-threads (a loaded host slows a launch-bound loop). Each window is marked (:class:`WindowMark`) and a task's
-marks become figures (the metric table's ``window_power_w``, ``sm_clock_mhz``, ``power_capped_frac``) and
-tags (what throttled, in what share of windows, other GPU processes, host load, busy host).
-
-Reading source seam: :class:`WindowMeter` reads through a :class:`ReadingSource`: :class:`NvmlSource` (the
-GPU), :class:`HostSource` (the CPU alone) or :class:`ReplaySource` (a recorded trace: tests replay a real
-H200's readings through the very code the runner uses). ``VITREG_ENERGY_TRACE=path`` makes a run write its
-readings and windows there, one JSON object a line (the trace format, :func:`trace_windows`).
-
-Nothing here runs inside a timed loop: the edges are read before the first and after the last CUDA event
-of a window (outside its timed region), and the sampler thread's NVML calls release the GIL.
+:class:`WindowMeter` reads through a :class:`ReadingSource`: :class:`NvmlSource`, :class:`HostSource` or
+:class:`ReplaySource` (a trace recorded with ``VITREG_ENERGY_TRACE=path``, one JSON object a line: tests replay a
+real H200's readings through this code). Nothing here runs inside a timed loop.
 """
 
 from __future__ import annotations
@@ -32,8 +20,11 @@ import statistics
 import threading
 import time
 from dataclasses import asdict, dataclass, field, replace
-from pathlib import Path
 from typing import Iterator, Protocol
+
+import psutil
+
+from vitreg.measure.timing import STOP_MAX_TIME, STOP_MAX_WINDOWS
 
 TRACE_ENV = "VITREG_ENERGY_TRACE"
 SAMPLE_S = 0.05  # the sampler's period: a few samples in the shortest trusted window, light on the GIL
@@ -60,9 +51,22 @@ BUSY_CPUS, BUSY_SHARE = 0.5, 0.1
 SPREAD_LIMIT = 0.05
 
 
+#: What makes a figure suspect (:func:`suspect_flags`), in the words a run's name, `vitreg runs` and compare use.
+FLAGS = ("busy host", "throttled", "wide spread", "precision missed")
+
+
 def slowed(throttle: str) -> bool:
     """Whether a ``throttle`` tag (reasons, comma-separated) holds one that slows work (:data:`ALWAYS_FLAGGED`)."""
     return bool(set(throttle.split(",")) & set(ALWAYS_FLAGGED))
+
+
+def suspect_flags(tags: dict) -> list[str]:
+    """What makes a task's figure suspect, from its tags (no task prefix; missing ones unknown): measured beside
+    other load, throttled by heat or a hardware brake (not the power cap: heavy work's normal state), a window
+    spread over :data:`SPREAD_LIMIT`, or timing stopped short of the precision target (``precision_pct``)."""
+    found = (tags.get("busy_host") == "true", slowed(tags.get("throttle") or "none"),
+             tags.get("spread_over_target") == "true", tags.get("timing_stop") in (STOP_MAX_TIME, STOP_MAX_WINDOWS))
+    return [flag for flag, on in zip(FLAGS, found) if on]
 
 
 @dataclass(frozen=True)
@@ -97,15 +101,10 @@ class ReadingSource(Protocol):
 
 
 def _host_cpu() -> dict:
-    """All CPUs' busy seconds (/proc/stat, Linux; None elsewhere) and this process's own CPU seconds."""
-    own = sum(os.times()[:4])
-    try:
-        fields_ = Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]
-    except OSError:
-        return {"host_busy_s": None, "own_cpu_s": own, "host_cpus": os.cpu_count()}
-    ticks = [int(v) for v in fields_]
-    busy = sum(ticks) - ticks[3] - (ticks[4] if len(ticks) > 4 else 0)  # all but idle and iowait
-    return {"host_busy_s": busy / os.sysconf("SC_CLK_TCK"), "own_cpu_s": own, "host_cpus": os.cpu_count()}
+    """All CPUs' busy seconds (all but idle and iowait) and this process's own CPU seconds, children included."""
+    host = psutil.cpu_times()
+    busy = sum(host) - host.idle - getattr(host, "iowait", 0.0)
+    return {"host_busy_s": busy, "own_cpu_s": sum(os.times()[:4]), "host_cpus": os.cpu_count()}
 
 
 class HostSource:

@@ -1,16 +1,10 @@
 """Before long work, one line saying how long it will take here and how to make it short.
 
-A GPU-sized command typed on a CPU (``vitreg bench --model vit_base_patch16_224 --batch-size 256``) was
-still at work after minutes with nothing said. bench's estimate (:class:`BenchAhead`) times the model's own
-steps, in the run's precision, on the run's device: a forward (and a training step, with a learning rate of 0
-that leaves the weights as they were) at a probe batch small enough to cost a fraction of a second, scaled to
-the batch. A bare fp32 matrix product, the earlier probe, said 114 s for a bf16 H200 run that took 58 s: a
-ViT's step is neither a matmul's rate nor fp32's. Then it counts what the run will do: the warm-up, the
-windows (``steps=0``: as many steps as last ``window_min_s``; ``repeats=0``: the precision target is assumed
-met at :data:`vitreg.measure.timing.MIN_WINDOWS` windows, capped by ``max_time_s``), the compilation
-(:data:`COMPILE_S`, a typical figure: nothing can be timed before compiling) and a batch search. train's
-estimate is still its FLOPs over a measured matrix product (:func:`measured_flops_per_s`). Quick work says
-nothing; the bench estimate is logged (``estimated_work_s``) beside what the work took (``work_s``).
+bench's estimate (:class:`BenchAhead`) times the model's own steps in the run's precision on the run's device at a
+small probe batch, scaled to the batch, then counts what the run will do: warm-up, windows (``repeats=0``: the
+target assumed met at :data:`vitreg.measure.timing.MIN_WINDOWS` windows, capped by ``max_time_s``), compilation
+(the last one timed for this graph, else :data:`COMPILE_S`) and a batch search. train's estimate is its FLOPs over
+a measured matrix product (:func:`measured_flops_per_s`). Quick work says nothing; work past a year is refused.
 """
 
 from __future__ import annotations
@@ -30,28 +24,28 @@ LONG_S = 60.0
 #: and the estimate errs short, so what is refused would take longer still (`--warmup 10**30` on a CPU was
 #: accepted after an estimate of 4.8e24 hours, and ran until killed).
 ENDLESS_S = 365 * 24 * 3600.0
-#: The CPU batch search's largest batch (:data:`vitreg.measure.autobatch.SEARCH_LIMITS`): batch_size=auto.
-_CPU_AUTO_BATCH = 64
-_GPU_AUTO_BATCH = 256
 
 
 def measured_flops_per_s(device: str = "cpu", n: int | None = None, dtype=None) -> float:
-    """FLOP/s of a square matrix product in ``dtype`` (default fp32) on ``device`` (best of three after one
-    warm-up), with the threads this process has: what a ViT's matrix products can reach here at most."""
+    """FLOP/s of a square matrix product in ``dtype`` (default fp32) on ``device`` (best of four), with the
+    threads this process has: what a ViT's matrix products can reach here at most."""
     import torch
 
     n = n or (4096 if device == "cuda" else 384)
     a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
-    best = float("inf")
-    for _ in range(4):
-        if device == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        a @ b
-        if device == "cuda":
-            torch.cuda.synchronize()
-        best = min(best, time.perf_counter() - start)
+    best = min(wall_seconds(lambda: a @ b, device, clock=time.perf_counter) for _ in range(4))  # read at call time
     return 2 * n**3 / max(best, 1e-9)
+
+
+def _where(device: str) -> str:
+    return "this CPU" if device == "cpu" else "this GPU"
+
+
+def _refuse_if_endless(what: str, seconds: float, device: str, basis: str, shorter: dict, command: str) -> None:
+    """One line, before the work starts, when it cannot finish here (longer than :data:`ENDLESS_S`)."""
+    if seconds > ENDLESS_S:
+        raise VitregError(f"{what} would take at least {duration_text(seconds)} on {_where(device)} ({basis}), more "
+                          f"than a year: it cannot finish; for a short run: {spelled(shorter, command)}")
 
 
 @dataclass(frozen=True)
@@ -119,24 +113,23 @@ def estimate_line(work: WorkAhead, flops_per_s: float, device: str, compiling: b
                   command: str = "") -> str | None:
     """The line to say before ``work`` (None when it is quick): the estimate, its sum, how to make it short
     (in ``command``'s spelling; see :func:`spelled`)."""
-    seconds = work.seconds(flops_per_s)
+    return _estimate_line(work.what, "at least", work.seconds(flops_per_s), device,
+                          f"{work.flops_per_img / 1e9:.3g} GFLOP/img x {work.images:,} images at a measured "
+                          f"{flops_per_s / 1e9:.0f} GFLOP/s{'; compiling comes on top' if compiling else ''}",
+                          work.shorter, command)
+
+
+def _estimate_line(what: str, bound: str, seconds: float, device: str, basis: str, shorter: dict,
+                   command: str) -> str | None:
     if seconds <= LONG_S:
         return None
-    where = "this CPU" if device == "cpu" else "this GPU"
-    shorter = f"; for a short run: {spelled(work.shorter, command)}" if work.shorter else ""
-    return (f"estimate: {work.what} will take at least {duration_text(seconds)} on {where} "
-            f"({work.flops_per_img / 1e9:.3g} GFLOP/img x {work.images:,} images at a measured "
-            f"{flops_per_s / 1e9:.0f} GFLOP/s{'; compiling comes on top' if compiling else ''}){shorter}")
+    short = f"; for a short run: {spelled(shorter, command)}" if shorter else ""
+    return f"estimate: {what} will take {bound} {duration_text(seconds)} on {_where(device)} ({basis}){short}"
 
 
 def refuse_if_endless(work: WorkAhead, flops_per_s: float, device: str, command: str = "") -> None:
-    """One line, before the work starts, when it cannot finish here (longer than :data:`ENDLESS_S`)."""
-    seconds = work.seconds(flops_per_s)
-    if seconds > ENDLESS_S:
-        where = "this CPU" if device == "cpu" else "this GPU"
-        raise VitregError(f"{work.what} would take at least {duration_text(seconds)} on {where} "
-                          f"({work.images:.3g} images at a measured {flops_per_s / 1e9:.0f} GFLOP/s), more than a "
-                          f"year: it cannot finish; for a short run: {spelled(work.shorter, command)}")
+    _refuse_if_endless(work.what, work.seconds(flops_per_s), device,
+                       f"{work.images:.3g} images at a measured {flops_per_s / 1e9:.0f} GFLOP/s", work.shorter, command)
 
 
 def say_if_long(work: WorkAhead, device: str, progress, compiling: bool = False, command: str = "") -> str | None:
@@ -173,7 +166,7 @@ def estimated_batch(spec, device: str) -> int:
     """The spec's batch; batch_size=auto: the largest the search tries first (the CPU's top, the GPU's start)."""
     if not spec.auto_batch:
         return int(spec.batch_size)
-    return _GPU_AUTO_BATCH if device == "cuda" else _CPU_AUTO_BATCH
+    return SEARCH_LIMITS["cuda"].start if device == "cuda" else SEARCH_LIMITS["cpu"].limit
 
 
 def probe_batch(batch: int, flops_per_img: float, device: str) -> int:
@@ -253,26 +246,19 @@ class BenchAhead:
                    "repeats": spec.repeats}
         return not_in_use(SHORT_BENCH, current)
 
+    def _steps_text(self) -> str:
+        return ", ".join(f"{t} {s * 1e3:,.1f} ms/step" for t, s in self.step_s.items())
+
     def refuse_if_endless(self) -> None:
-        """One line, before the work starts, when it cannot finish here (longer than :data:`ENDLESS_S`)."""
-        seconds = self.seconds()
-        if seconds > ENDLESS_S:
-            where = "this CPU" if self.device == "cpu" else "this GPU"
-            steps = ", ".join(f"{t} {s * 1e3:,.1f} ms/step" for t, s in self.step_s.items())
-            raise VitregError(f"bench would take at least {duration_text(seconds)} on {where} ({steps}, measured), "
-                              f"more than a year: it cannot finish; for a short run: "
-                              f"{spelled(self.shorter, self.command)}")
+        _refuse_if_endless("bench", self.seconds(), self.device, f"{self._steps_text()}, measured", self.shorter,
+                           self.command)
 
     def line(self) -> str | None:
         """The line to say before the work (None when it is quick): the estimate, its parts, how to make it short."""
-        seconds = self.seconds()
-        if seconds <= LONG_S:
-            return None
-        where = "this CPU" if self.device == "cpu" else "this GPU"
-        steps = ", ".join(f"{t} {s * 1e3:,.1f} ms/step" for t, s in self.step_s.items())
-        timing = (f"{self.spec.repeats} windows" if self.spec.repeats else
-                  f"{MIN_WINDOWS}+ windows of >= {self.spec.window_min_s:g} s (at most {self.spec.max_time_s:g} s)")
-        compiling = f"; compiling ~{COMPILE_S[self.spec.compile]:.0f} s a task (cold cache)" if self.spec.compile != "off" else ""
-        shorter = f"; for a short run: {spelled(self.shorter, self.command)}" if self.shorter else ""
-        return (f"estimate: bench will take about {duration_text(seconds)} on {where} ({steps}, measured in the run's "
-                f"precision; {self.spec.warmup} warm-up steps, {timing} per task{compiling}){shorter}")
+        spec = self.spec
+        timing = (f"{spec.repeats} windows" if spec.repeats else
+                  f"{MIN_WINDOWS}+ windows of >= {spec.window_min_s:g} s (at most {spec.max_time_s:g} s)")
+        compiling = f"; compiling ~{COMPILE_S[spec.compile]:.0f} s a task (cold cache)" if spec.compile != "off" else ""
+        return _estimate_line("bench", "about", self.seconds(), self.device, f"{self._steps_text()}, measured in the "
+                              f"run's precision; {spec.warmup} warm-up steps, {timing} per task{compiling}",
+                              self.shorter, self.command)

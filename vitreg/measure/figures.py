@@ -1,17 +1,10 @@
 """One record of figures, keyed by metric name: what a task measured, from the timing to what is logged.
 
-A :class:`Figures` holds one task's values by their names in the metric table
-(:data:`vitreg.measure.metrics.METRICS`), checked there when it is made: a sample row (one value per
-window or per iteration), a figure a rank measured, or one computed from the others. The same
-record goes through every stage:
-
-1. the runner or the training loop records what this rank measured (samples and figures);
-2. under DDP the reducer combines the ranks' records name by name, by each row's rank rule
-   (:func:`vitreg.ddp.world.reduce_figures`);
-3. :meth:`Figures.summarized` takes each statistic row of its sample (median, p90, cv, ...);
-4. :meth:`Figures.completed` computes the job-level rows (``world``, ``per_gpu``, ``job``: world
-   size, per-GPU throughput, achieved TFLOP/s, MFU, compile time) for bench and train alike;
-5. :meth:`Figures.metrics` names them for MLflow (``<task>_<name>``; job-level rows as they are).
+A :class:`Figures` holds one task's values under their names in :data:`vitreg.measure.metrics.METRICS` (checked
+there): samples, figures a rank measured, figures computed from the others. The runner or the training loop
+records it; under DDP the reducer combines the ranks' records by each row's rule
+(:func:`vitreg.ddp.world.reduce_figures`); :meth:`Figures.summarized` takes the statistics of the samples,
+:meth:`Figures.completed` the job-level rows (:data:`DERIVED`), :meth:`Figures.metrics` names them for MLflow.
 """
 
 from __future__ import annotations

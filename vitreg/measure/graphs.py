@@ -1,29 +1,12 @@
 """Whole-step CUDA graphs (``cuda_graph=true``): capture one step, replay it.
 
-A training step of a small model (DeiT-S at 128 images per GPU) launches hundreds of kernels that
-each run for microseconds; the host cannot queue them as fast as an H200 runs them, so the GPU
-waits on Python, and under DDP the ranks wait on each other's Python too. A CUDA graph records
-the step's kernels once (forward, loss, backward with DDP's bucketed all-reduce, AdamW) and
-replays them with one launch, so the step costs what the GPU needs and the all-reduce overlaps
-the backward as DDP intends.
-
-The recipe is PyTorch's (CUDA semantics notes, "CUDA Graphs", whole-network capture and "Usage
-with DistributedDataParallel"):
-
-- a capturable optimizer (``AdamW(fused=True, capturable=True)``: its step counter on the GPU);
-- autocast without its weight-cast cache (``cache_enabled=False``): a cached cast would be made
-  once at capture and never again;
-- gradients set to None before the capture, so the captured backward writes them into the
-  graph's own memory on every replay instead of accumulating;
-- warm-up steps on a side stream before the capture; under DDP, the wrap itself built on a side
-  stream, :data:`EAGER_STEPS_BEFORE_CAPTURE` eager steps (DDP samples runtime statistics with
-  CUDA timers during its first 10 iterations, which cannot be captured), and NCCL's asynchronous
-  error handling off before the process group exists (:func:`prepare_process_group`).
-
-Only what the step does on the GPU is replayed: the inputs are the benchmark's fixed synthetic
-batch, the learning rate is constant, and nothing reads the loss, which is why this is a bench
-option and not a ``train`` one. fp16 (GradScaler's host-side checks) and inductor's own CUDA
-graph modes are refused by :func:`check_cuda_graph`, which the spec calls on the options as asked.
+A small model's training step launches hundreds of microsecond kernels faster than Python can queue them; a
+CUDA graph records the step once (forward, loss, backward with DDP's all-reduce, AdamW) and replays it with one
+launch. PyTorch's recipe ("CUDA Graphs" in the CUDA semantics notes): a capturable optimizer, autocast without
+its weight-cast cache, gradients set to None before the capture, warm-up on a side stream; under DDP the wrap
+built on a side stream, :data:`EAGER_STEPS_BEFORE_CAPTURE` eager steps, and NCCL's asynchronous error handling
+off (:func:`prepare_process_group`). Only GPU work replays (fixed synthetic batch, constant learning rate, no
+loss read): a bench option, not a train one. :func:`check_cuda_graph` refuses what cannot be captured.
 """
 
 from __future__ import annotations
@@ -40,11 +23,8 @@ EAGER_STEPS_BEFORE_CAPTURE = 11
 
 def check_cuda_graph(amp: str, compile: str = "off", compile_backend: str = "inductor",
                      device_type: str | None = None, amp_resolved: bool = False) -> None:
-    """Refuse what a whole-step CUDA graph (``cuda_graph=true``) cannot capture.
-
-    The spec checks the options as asked; the runner checks again once the hardware is known
-    (``device_type``, and the ``amp`` that ``auto`` resolved to: ``amp_resolved``).
-    """
+    """Refuse what a whole-step CUDA graph cannot capture: the spec checks the options as asked, the runner again
+    once the hardware is known (``device_type``, and the ``amp`` that ``auto`` resolved to: ``amp_resolved``)."""
     if device_type is not None and device_type != "cuda":
         raise VitregError(f"cuda_graph=true needs a CUDA GPU and this run is on {device_type}: "
                           f"pass cuda_graph=false (or run it on a GPU)")
@@ -91,12 +71,9 @@ def side_stream(enabled: bool):
 
 
 def capture(step, eager_steps: int = EAGER_STEPS_BEFORE_CAPTURE):
-    """Run ``step()`` ``eager_steps`` times on a side stream, capture one more call into a CUDA
-    graph, replay it once; returns the graph's ``replay`` (one call = one step).
-
-    ``step`` must do only GPU work on tensors that live as long as the graph (the synthetic batch,
-    the model, the optimizer's state), and must set gradients to None before its backward.
-    """
+    """``step()`` ``eager_steps`` times on a side stream, one more call captured into a CUDA graph and replayed
+    once; returns the graph's ``replay``. ``step`` must do only GPU work on tensors that outlive the graph and set
+    gradients to None before its backward."""
     import torch
 
     with side_stream(True):

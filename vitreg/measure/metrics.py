@@ -1,29 +1,14 @@
 """Every benchmark metric, declared once: name, unit, which way is better, how DDP ranks combine it.
 
-The runner names its results from this table (:func:`task_metrics`), the DDP reducers take their
-rules from it (:func:`combine`), the bench report lays out :data:`REPORT_COLUMNS` from it, and
-compare takes its stable columns and its idea of "better" from it. MLflow sees the names: a
-per-task metric is logged as ``<task>_<name>`` (``infer_latency_ms_p50``), a job-level one as is
-(``fwd_gflops_per_img``). Renaming an entry renames a logged metric; add, don't rename.
+The runner names its results from this table (:func:`task_metrics`), the DDP reducers take their rules from it
+(:func:`combine`), the bench report lays out :data:`REPORT_COLUMNS`, compare takes its columns and "better" from
+it. MLflow sees ``<task>_<name>`` for a per-task metric, the name alone for a job-level one: add, don't rename.
 
-How ranks combine (``ranks``): every rank of a DDP job times its own windows.
-
-- ``sum``: the ranks work at the same time, so their rates add up (per window: the figure is
-  then taken over the summed windows, e.g. the median of global throughput);
-- ``max``: the slowest rank sets the pace of a synchronous job (per iteration for step times),
-  and the largest rank's figure is the job's for memory and one-off times;
-- ``min``: the rank that got least far (steps measured);
-- ``per_gpu``: the job's summed figure divided by its world size;
-- ``world``: the job's size itself;
-- ``same``: equal on every rank (work per image, parameters): nothing to combine;
-- ``main``: rank 0's alone (validation runs there);
-- ``job``: computed after the reduction from the job's own figures (achieved TFLOP/s, MFU, scaling).
-
-A row with ``of=(sample, stat)`` is a statistic of a sample row (one value per window or per
-iteration, ``logged=False``): the ranks' samples combine element by element, then
-:meth:`vitreg.measure.figures.Figures.summarized` takes the statistic. Every figure travels in one
-record keyed by these names (:class:`vitreg.measure.figures.Figures`), from the measurement through
-the DDP reducer to what is logged: adding a metric is a row here and the code that measures it.
+How the ranks' own figures combine (``ranks``): ``sum`` (rates add up; per window for a sample), ``max`` (the
+slowest rank sets a synchronous job's pace; memory, one-off times), ``min`` (the rank that got least far),
+``same`` / ``main`` (rank 0's), and, computed after the reduction from the job's figures, ``per_gpu``, ``world``
+and ``job``. A row with ``of=(sample, stat)`` is a statistic of a sample row (``logged=False``), taken after
+the ranks' samples combine element by element (:meth:`vitreg.measure.figures.Figures.summarized`).
 """
 
 from __future__ import annotations
@@ -206,10 +191,6 @@ def compared_metrics(task: str) -> tuple[str, ...]:
 def compared_job_metrics() -> tuple[str, ...]:
     """The job-level metrics compare's frame carries on every task row of a run."""
     return tuple(m.name for m in METRICS if not m.tasks and m.compared)
-
-
-def better(name: str) -> str:
-    return metric(name).better
 
 
 def combine(name: str, per_rank: list):

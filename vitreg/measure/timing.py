@@ -1,16 +1,14 @@
 """Timers and statistics.
 
-GPU work is asynchronous: a host clock read after launching kernels measures how fast Python
-queued them, not how long the GPU took (the mistake of ``time.time()`` without a synchronize).
-:func:`time_window` therefore records a CUDA event between iterations and reads them all after a
-single synchronize at the end of the window, so per-iteration latencies come without a host sync
-inside the timed region. On the CPU, work is synchronous and ``perf_counter`` is exact enough.
+GPU work is asynchronous: a host clock read after launching kernels measures how fast Python queued them, not
+how long the GPU took. :func:`time_window` therefore records a CUDA event between iterations and reads them all
+after one synchronize at the window's end: per-iteration times without a host sync inside the timed region. On
+the CPU, work is synchronous and ``perf_counter`` is exact enough.
 
-How long to time (:class:`StopRule`): by default each window lasts at least ``window_min_s`` (whole
-steps) and windows go on until the median window's 95 % interval is within the precision target, between
-:data:`MIN_WINDOWS` and :data:`MAX_WINDOWS` windows and under a time cap, as nvbench's ``stdrel`` criterion
-(a noise target, a minimum time, a timeout) and pyperf's calibration (a value lasts at least ``min_time``)
-decide it; explicit ``steps``/``repeats`` keep fixed counts (to reproduce a run).
+How long to time (:class:`StopRule`): each window lasts at least ``window_min_s``, and windows go on until the
+median window's 95 % interval is within the precision target, between :data:`MIN_WINDOWS` and
+:data:`MAX_WINDOWS` windows and under a time cap (nvbench's ``stdrel`` criterion, pyperf's ``min_time``);
+explicit ``steps``/``repeats`` keep fixed counts (to reproduce a run).
 """
 
 from __future__ import annotations
@@ -19,7 +17,7 @@ import math
 import os
 import statistics
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -45,35 +43,15 @@ class Stats:
         """Coefficient of variation (std / mean): the run's own noise, unitless."""
         return self.std / self.mean if self.mean else 0.0
 
-    def as_dict(self) -> dict:
-        return {**asdict(self), "cv": self.cv}
-
-
-def percentile(values, q: float) -> float:
-    """Linear-interpolated percentile (numpy's default method), q in [0, 100]."""
-    data = list(values)
-    if not data:
-        raise ValueError("percentile of an empty sample")
-    return float(np.percentile(data, q))
-
 
 def summarize(values) -> Stats:
     data = [float(v) for v in values]
     if not data:
         raise ValueError("summarize() needs at least one value")
     p10, p90, p99 = (float(p) for p in np.percentile(data, [10, 90, 99]))
-    return Stats(
-        n=len(data),
-        median=statistics.median(data),
-        mean=statistics.fmean(data),
-        std=statistics.pstdev(data) if len(data) > 1 else 0.0,
-        min=min(data),
-        max=max(data),
-        p10=p10,
-        p90=p90,
-        p99=p99,
-        median_ci95_halfwidth_pct=median_halfwidth_pct(data),
-    )
+    return Stats(len(data), statistics.median(data), statistics.fmean(data),
+                 statistics.pstdev(data) if len(data) > 1 else 0.0, min(data), max(data), p10, p90, p99,
+                 median_halfwidth_pct(data))
 
 
 # --------------------------------------------------------------------------------------------
@@ -169,6 +147,9 @@ class Window:
     @property
     def iters(self) -> int:
         return len(self.iter_ms)
+
+    def img_per_s(self, batch_size: int) -> float:
+        return batch_size * self.iters / self.total_ms * 1e3
 
 
 def time_window(fn, iters: int, device_type: str, clock=time.perf_counter) -> Window:
