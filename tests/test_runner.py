@@ -121,9 +121,9 @@ def test_flops_are_counted_outside_the_sdpa_restriction(monkeypatch):
 
     unrestricted = []
 
-    def counting(fn, *args):
+    def counting(fn, *args, **kw):
         unrestricted.append(torch.backends.cuda.flash_sdp_enabled())  # sdpa=math switches flash off
-        return count_flops(fn, *args)
+        return count_flops(fn, *args, **kw)
 
     count_flops = runner.forward_flops_per_image.__globals__["count_flops"]
     monkeypatch.setitem(runner.forward_flops_per_image.__globals__, "count_flops", counting)
@@ -174,17 +174,26 @@ def test_compiling_records_the_cache_folder_and_state_and_restores_the_process_s
 
 
 @pytest.mark.slow  # the profiler over both tasks: ~5 s of CPU; the tracing itself is tested in test_trace.py
-def test_profile_true_writes_a_trace_and_the_top_ops_per_task_outside_the_windows():
+def test_profile_true_writes_a_trace_the_top_ops_and_the_steps_anatomy_per_task_outside_the_windows():
     from pathlib import Path
 
     import shutil
 
+    from vitreg.measure.anatomy import CLASSES
+
     result, messages = _run(profile="true")
-    folder = Path(result.profile_dir)
+    folder, m = Path(result.profile_dir), result.metrics()
     try:
         for task in ("infer", "train"):
             assert (folder / task / "trace.json.gz").stat().st_size > 0
             assert "Self CPU" in (folder / task / "top_ops.txt").read_text()
+            table = (folder / task / "anatomy.txt").read_text()
+            assert "host (CPU op self time" in table and "unknown" in table  # a CPU has no peak to be against
+            assert (folder / task / "anatomy.png").read_bytes().startswith(b"\x89PNG")
+            assert sum(m[f"{task}_anatomy_{c}_pct"] for c in CLASSES) == pytest.approx(100)
+            assert m[f"{task}_anatomy_matmul_ms_per_img"] > 0 and m[f"{task}_anatomy_matmul_tflops"] > 0
+            said = [line for line in messages if line.startswith(f"{task}: step anatomy (host time): ")]
+            assert len(said) == 1 and f"profile/{task}/anatomy.txt" in said[0], messages
         assert len(result.tasks[0].figures[ITERATION_TIME[result.tasks[0].task]]) == 2 * 3  # traced steps untimed
         assert any("profile=true" in m for m in messages)
     finally:
