@@ -329,6 +329,29 @@ def test_a_suspect_figure_is_flagged_on_its_row():
     assert flagged.flags == ["busy host", "throttled", "wide spread", "precision missed"]
 
 
+def test_eager_fp8_is_said_in_one_line_with_its_fix_and_tagged(monkeypatch):
+    """amp=fp8 with compile=off: one console line says it runs at about half of bf16's speed on an H200 and names
+    --compile default; the infer task is tagged and flagged (issue 37). torchao's quantization is stood in for by
+    the bf16 weights it starts from (fp8 needs a GPU with FP8 tensor cores and torchao, absent here)."""
+    import torch
+
+    from vitreg.bench import runner
+    from vitreg.hardware.runtime import Runtime
+
+    monkeypatch.setattr(runner, "prepare_model", lambda model, precision: model.to(torch.bfloat16))
+    spec = BenchSpec(model="test_vit", img_size=32, batch_size=2, warmup=2, steps=2, repeats=2, task="infer",
+                     amp="fp8")
+    messages = []
+    result = run_benchmark(spec, resolve_hardware("auto", CPU), Runtime("cpu", "fp8", "off"),
+                           progress=messages.append)
+    said = [m for m in messages if m.startswith("eager fp8")]
+    assert len(said) == 1 and "\n" not in said[0] and "half of bf16's speed on an H200" in said[0]
+    assert "4,866 vs 8,740 img/s" in said[0] and "--compile default" in said[0]
+    assert result.tags()["infer_eager_fp8"] == "true" and result.flags[-1] == "eager fp8"  # (a loaded host: more)
+    assert Runtime("cuda", "fp8-rowwise", "default", "aot_eager").eager_fp8  # nothing fuses without inductor
+    assert not Runtime("cuda", "fp8", "default").eager_fp8 and not Runtime("cuda", "bf16", "off").eager_fp8
+
+
 def test_the_run_s_warnings_are_one_line():
     """A window spread over 5 % and the precision target missed: one ``warning:`` line says both (issue 38)."""
     import dataclasses

@@ -167,7 +167,7 @@ def _cell(v) -> str:
 def condition_lines(runs: pd.DataFrame) -> list[str]:
     """What the runs' timed windows met: a throttle state all share said once (the software power cap is heavy
     work's normal state on an H200), one that differs between GPUs marked, heat or hardware brakes always
-    flagged, and runs taken on a busy host named."""
+    flagged, runs taken on a busy host named, and runs of eager fp8 (its known slow path)."""
     lines = []
     seen = runs.dropna(subset=["throttle"]) if "throttle" in runs else runs.iloc[0:0]
     states = sorted(set(seen["throttle"].astype(str)))
@@ -190,6 +190,11 @@ def condition_lines(runs: pd.DataFrame) -> list[str]:
     if len(wide):
         lines.append(f"SPREAD: {wide['run_id'].nunique()} run(s) whose window spread was over {SPREAD_LIMIT:.0%} "
                      f"(the windows' CV): " + ", ".join(sorted(set(wide["run_id"]))))
+    eager = runs[suspect["eager fp8"]]
+    if len(eager):
+        lines.append(f"EAGER FP8: {eager['run_id'].nunique()} run(s) ran fp8 without compile, about half of bf16's "
+                     f"speed on an H200 (--compile default fuses the quantize steps): "
+                     + ", ".join(sorted(set(eager["run_id"]))))
     return lines
 
 
@@ -197,11 +202,11 @@ def suspect_masks(runs: pd.DataFrame) -> dict[str, pd.Series]:
     """What makes a run's figure suspect, each a mask over the rows of ``runs`` (a tidy frame: its
     condition columns, NaN for runs that predate them), under the word ``vitreg runs`` flags it with: measured
     while other processes loaded the host, throttled by heat or a hardware brake (not the power cap: heavy
-    work's normal state), its window spread over :data:`SPREAD_LIMIT`."""
+    work's normal state), its window spread over :data:`SPREAD_LIMIT`, fp8 run eagerly (about half of bf16's speed)."""
     def column(name: str) -> pd.Series:  # the tags as text, missing ones ""
         return (runs[name] if name in runs else pd.Series("", index=runs.index)).map(
             lambda v: v if isinstance(v, str) else "")
 
     hot = column("throttle").map(slowed)
     return {"busy host": column("busy_host") == "true", "throttled": hot.astype(bool),
-            "wide spread": column("spread_over_target") == "true"}
+            "wide spread": column("spread_over_target") == "true", "eager fp8": column("eager_fp8") == "true"}

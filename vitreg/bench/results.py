@@ -29,8 +29,9 @@ from vitreg.models.factory import ModelInfo
 INFER_EAGER_STEPS_BEFORE_CAPTURE = 3
 
 
-#: What makes a figure suspect (:attr:`TaskResult.flags`), in the words a run's name, `vitreg runs` and compare use.
-FLAGS = ("busy host", "throttled", "wide spread", "precision missed")
+#: What makes a figure suspect or slower than it need be (:attr:`TaskResult.flags`), in the words a run's name,
+#: `vitreg runs` and compare use.
+FLAGS = ("busy host", "throttled", "wide spread", "precision missed", "eager fp8")
 
 
 @dataclass(frozen=True)
@@ -58,11 +59,12 @@ class TaskResult:
     def flags(self) -> list[str]:
         """What makes this figure suspect, in the words ``vitreg runs`` and compare use: measured beside other
         load, throttled by heat or a hardware brake (not the power cap: heavy work's normal state), a window
-        spread over :data:`SPREAD_LIMIT`, or stopped short of the precision target (``precision_pct``)."""
+        spread over :data:`SPREAD_LIMIT`, stopped short of the precision target (``precision_pct``), or fp8 run
+        eagerly (:data:`vitreg.hardware.precision.EAGER_FP8_NOTE`: about half of bf16's speed)."""
         tags = self.window_tags
         found = (tags.get("busy_host") == "true", slowed(tags.get("throttle", "none")),
                  tags.get("spread_over_target") == "true",
-                 tags.get("timing_stop") in (STOP_MAX_TIME, STOP_MAX_WINDOWS))
+                 tags.get("timing_stop") in (STOP_MAX_TIME, STOP_MAX_WINDOWS), tags.get("eager_fp8") == "true")
         return [flag for flag, on in zip(FLAGS, found) if on]
 
     def tags(self) -> dict[str, str]:

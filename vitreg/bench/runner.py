@@ -25,7 +25,7 @@ from vitreg.bench.results import INFER_EAGER_STEPS_BEFORE_CAPTURE, BenchResult, 
 from vitreg.console import detail, progress, ticking
 from vitreg.errors import out_of_memory_as_error
 from vitreg.hardware.compile_cache import CacheProbe
-from vitreg.hardware.precision import fp8_agreement, input_dtype, prepare_model
+from vitreg.hardware.precision import EAGER_FP8_NOTE, fp8_agreement, input_dtype, prepare_model
 from vitreg.hardware.sdpa import detect_backend
 from vitreg.measure import batch_cache
 from vitreg.measure.autobatch import search_batch
@@ -324,6 +324,8 @@ def run_inference(model, bench: _Bench, fwd_flops: int) -> TaskResult:
     figures, timed_step, cache_state, tags = _oom_guard(lambda: _measure(step, bench, "infer", bs, eager), bs,
                                                         "infer")
     backend, anatomy = _after_windows("infer", timed_step, step, bench, bs, fwd_flops)
+    if runtime.eager_fp8:  # a known slow path: the run's name, `vitreg runs` and compare say so
+        tags = {**tags, "eager_fp8": "true"}
     PHASES.mark("after_windows")
     return TaskResult("infer", bs, info.img_size, figures["steps_per_window"], figures["timed_windows"],
                       _job_figures(figures.with_values(**anatomy), bench, fwd_flops), backend, cache_state, choice,
@@ -483,6 +485,8 @@ def run_benchmark(spec: BenchSpec, hardware: ResolvedHardware, runtime: Runtime,
         del reference
         progress(f"fp8 against bf16 weights on a fixed batch: top-1 agreement {agreement.top1_agreement:.1%}, "
                  f"max |logit difference| {agreement.max_abs_logit_diff:.3g}")
+    if runtime.eager_fp8:
+        progress(EAGER_FP8_NOTE)
     profile_dir = tempfile.mkdtemp(prefix="vitreg-profile-") if spec.profile else None
     bench = _Bench(spec, runtime, hardware, info, progress, wrap, reducer, profile_dir, attention_flops)
     tasks = []
