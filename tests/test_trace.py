@@ -123,6 +123,26 @@ def test_device_time_counts_overlapping_kernels_once_and_the_gaps_between_them_a
     assert device_times([]) == dict.fromkeys(CLASSES, 0.0)
 
 
+def test_on_a_gpu_the_classes_are_the_device_kernels_and_not_the_ranges_drawn_over_them():
+    """torch.profiler's events of a CUDA run as the trace holds them: the CPU ops that launched the kernels and the
+    device-side range of record_function (inductor's compiled region) are not kernel time."""
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType
+
+    from vitreg.measure.traces import _class_us
+
+    def event(name, start, end, device=DeviceType.CUDA, annotation=False):
+        return SimpleNamespace(name=name, device_type=device, time_range=SimpleNamespace(start=start, end=end),
+                               is_user_annotation=annotation, self_cpu_time_total=end - start, cpu_parent=None)
+
+    events = [event("aten::addmm", 0, 5, DeviceType.CPU), event("Torch-Compiled Region: 0/0", 0, 100, annotation=True),
+              event("nvjet_tst_192x192_64x4_2x1_v_bz_coopB_TNT", 10, 50),
+              event("triton_per_fused__to_copy_add_native_layer_norm_2", 60, 70)]
+    times = _class_us(events, cuda=True)
+    assert (times["matmul"], times["norm_pointwise"], times["other"], times["idle"]) == (40, 10, 0, 10)
+
+
 def test_host_time_outside_any_op_is_idle_and_never_below_zero():
     assert host_times([("aten::addmm", 70.0), ("aten::gelu", 20.0)], span_us=100.0)["idle"] == 10.0
     assert host_times([("aten::addmm", 120.0)], span_us=100.0)["idle"] == 0.0  # intra-op threads

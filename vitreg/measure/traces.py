@@ -112,13 +112,15 @@ def trace_steps(step, steps: int, device: str, out_dir, warmup: int = 1) -> Trac
 
 
 def _class_us(events, cuda: bool) -> dict:
-    """The profiled steps' µs per kernel class: the device's kernels, memcpys and memsets on a GPU; on a CPU
-    each op's self time, and the span from the first op's start to the last op's end."""
+    """The profiled steps' µs per kernel class: the device's kernels, memcpys and memsets on a GPU (not the
+    ranges record_function draws on the device's timeline over them, e.g. inductor's ``CompiledFunction``: torch's
+    own tables leave them out too); on a CPU each op's self time, and the span from the first op's start to the last
+    op's end."""
     from torch.autograd import DeviceType
 
     if cuda:
         return device_times([(e.name, e.time_range.start, e.time_range.end) for e in events
-                             if e.device_type == DeviceType.CUDA])
+                             if e.device_type == DeviceType.CUDA and not e.is_user_annotation])
     ops = [e for e in events if e.device_type == DeviceType.CPU]
     tops = [e for e in ops if e.cpu_parent is None]
     span = max(e.time_range.end for e in tops) - min(e.time_range.start for e in tops) if tops else 0.0
