@@ -120,6 +120,7 @@ def test_device_time_counts_overlapping_kernels_once_and_the_gaps_between_them_a
                ("Memset (Device)", 100, 110)]  # 20 µs of no kernel before it
     times = device_times(kernels)
     assert (times["matmul"], times["attention"], times["memcpy"], times["idle"]) == (60, 30, 10, 20)
+    assert device_times([("nvjet_tst", 0, 100), ("flash_fwd_kernel", 10, 20)])["idle"] == 0  # the span ends at 100
     assert device_times([]) == dict.fromkeys(CLASSES, 0.0)
 
 

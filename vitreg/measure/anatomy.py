@@ -14,7 +14,8 @@ such count or peak (the bandwidth-bound classes, a CPU, an unknown GPU).
 
 Names only: a kernel's name does not always say what it did. ``direct_copy_kernel`` is a dtype cast
 or a layout copy (counted as cast); an eager fp8 scale's amax is a generic max reduction (counted as
-pointwise). The classes are what the names make sure of; the trace (Perfetto) has the rest.
+pointwise), while its ``|x|`` (``AbsFunctor``) and clamp kernels count as quantize (a ViT step has none
+otherwise). The classes are what the names make sure of; the trace (Perfetto) has the rest.
 """
 
 from __future__ import annotations
@@ -75,7 +76,7 @@ def _fused_class(ops: str) -> str:
     rest = ops
     for layout in _LAYOUT_OPS:
         rest = rest.replace(layout, "")
-    if rest.strip("_0123456789t"):
+    if rest.strip("_0123456789t"):  # t: aten.t, the transpose inductor names so
         return "norm_pointwise"
     return "quantize_cast" if "_to_copy" in ops else "memcpy"
 
@@ -105,7 +106,7 @@ def device_times(kernels) -> dict[str, float]:
             covered, reach = covered + end - start, end
         elif end > reach:
             covered, reach = covered + end - reach, end
-    out["idle"] = (spans[-1][1] - spans[0][0] - covered) if spans else 0.0
+    out["idle"] = (reach - spans[0][0] - covered) if spans else 0.0  # reach: the last kernel's end
     return out
 
 
