@@ -289,8 +289,9 @@ def test_a_second_run_of_the_same_model_reads_its_flop_counts_back(monkeypatch):
 
     counted = []
     real_forward, real_train = runner.forward_flops_per_image, runner.train_flops_per_image
-    monkeypatch.setattr(runner, "forward_flops_per_image", lambda *a: counted.append("forward") or real_forward(*a))
-    monkeypatch.setattr(runner, "train_flops_per_image", lambda *a: counted.append("train") or real_train(*a))
+    monkeypatch.setattr(runner, "forward_flops_per_image",
+                        lambda *a, **kw: counted.append("forward") or real_forward(*a, **kw))
+    monkeypatch.setattr(runner, "train_flops_per_image", lambda *a, **kw: counted.append("train") or real_train(*a, **kw))
     first, _ = _run(steps=1, repeats=1)
     second, _ = _run(steps=1, repeats=1)
     assert counted == ["forward", "train"]  # the first run counted; the second read both counts back
