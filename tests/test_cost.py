@@ -113,6 +113,20 @@ def test_throttle_that_differs_heat_and_a_busy_host_are_marked():
     assert condition_lines(_runs().assign(throttle=np.nan, busy_host=np.nan)) == []  # runs that predate the tags
 
 
+def test_an_eager_fp8_run_is_flagged_from_its_tag():
+    """amp=fp8 without compile runs at about half of bf16's speed (issue 37): its <task>_eager_fp8 tag makes compare
+    say so and `vitreg runs` flag it, like a busy host."""
+    from vitreg.analysis.cost import suspect_masks
+
+    rows = [_run("h200", 4866.0), _run("h200", 12285.0)]
+    rows[0]["tags.infer_eager_fp8"] = "true"
+    runs = tidy(pd.DataFrame(rows))
+    assert suspect_masks(runs)["eager fp8"].tolist() == [True, False]
+    (line,) = condition_lines(runs)
+    assert line == (f"EAGER FP8: 1 run(s) ran fp8 without compile, about half of bf16's speed on an H200 "
+                    f"(--compile default fuses the quantize steps): {rows[0]['run_id']}")
+
+
 def test_vitreg_compare_with_prices_prints_the_ranking_and_keeps_the_prices_in_the_experiment(sqlite_store):
     from mlflow.tracking import MlflowClient
 

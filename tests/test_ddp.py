@@ -20,7 +20,7 @@ import pytest
 from click.testing import CliRunner
 
 from conftest import REPO, free_port, migrated_store, subprocess_env
-from vitreg.bench.results import FLAGS
+from vitreg.measure.energy import FLAGS
 from vitreg.ddp import world as distributed
 from vitreg.ddp import diagnose as diagnosis
 from vitreg.ddp import launcher as launch

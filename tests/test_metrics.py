@@ -18,6 +18,7 @@ from vitreg.config.spec import BenchSpec
 from vitreg.ddp import world
 from vitreg.hardware.precision import Fp8Agreement
 from vitreg.measure import metrics
+from vitreg.measure.anatomy import CLASSES, Anatomy
 from vitreg.measure.autobatch import BatchChoice, Probe
 from vitreg.measure.figures import Figures, Work
 from vitreg.measure.traces import CommProfile
@@ -32,9 +33,17 @@ NOT_FROM_THE_RUNNER = {"scaling_efficiency", "data_wait_frac", "first_step_s", "
     m.name for m in metrics.METRICS if m.name.startswith("overhead_")}  # the job's phases (vitreg/bench/job.py)
 
 
+#: profile=true's step anatomy (vitreg.measure.anatomy): 80 ms of matmul kernels, 10 of attention, 10 of idle gaps
+_ANATOMY = Anatomy({**dict.fromkeys(CLASSES, 0.0), "matmul": 80_000.0, "attention": 10_000.0, "idle": 10_000.0}, 2,
+                   64, False, {"matmul": 4.4e9, "attention": 0.2e9}, {"matmul": 989.4, "attention": 989.4})
+ANATOMY_NAMES = [f"anatomy_{c}_{unit}" for c in CLASSES for unit in ("ms_per_img", "pct")] + [
+    "anatomy_matmul_tflops", "anatomy_attention_tflops"]
+
+
 def _task(task: str, compiled: bool = True, **values) -> TaskResult:
     """A task result with every optional figure measured (a compiled DDP job on CUDA, profiled)."""
     profiled = {"allreduce_ms_per_step": 1.5, "device_busy_ms_per_step": 2.5} if task == "train" else {}
+    profiled.update(_ANATOMY.figures())  # profile=true
     figures = Figures(task, {"window_img_per_s": (1200.0, 1234.5, 1250.0),
                              metrics.ITERATION_TIME[task]: (3.0, 3.0, 4.0, 5.0, 5.0), "first_call_s": 12.5,
                              "warmup_s": 0.75, "gflops_per_img": 4.6, "peak_mem_allocated_mb": 12345.6,
@@ -80,7 +89,8 @@ def test_logged_names_are_the_ones_mlflow_always_had():
                        + [f"infer_{k}" for k in stats + ["latency_ms_p50", "latency_ms_p90", "latency_ms_p99",
                                                         "latency_ms_mean"] + tail + ddp + energy]
                        + [f"train_{k}" for k in stats + ["step_ms_p50", "step_ms_p90", "step_ms_p99", "step_ms_mean"]
-                          + tail + ["allreduce_ms_per_step", "device_busy_ms_per_step"] + ddp + energy])
+                          + tail + ["allreduce_ms_per_step", "device_busy_ms_per_step"] + ddp + energy]
+                       + [f"{t}_{k}" for t in ("infer", "train") for k in ANATOMY_NAMES])
     assert m["infer_throughput_img_per_s_per_gpu"] == 1234.5 / 2 and m["infer_compile_time_s"] == 12.5
     # the median window's joules per image: of (690/1200, 700/1234.5, 710/1250) = (0.575, 0.567, 0.568), 0.568
     assert m["infer_energy_j_per_img"] == pytest.approx(710 / 1250) and m["infer_mean_power_w"] == 700.0

@@ -121,9 +121,9 @@ def test_flops_are_counted_outside_the_sdpa_restriction(monkeypatch):
 
     unrestricted = []
 
-    def counting(fn, *args):
+    def counting(fn, *args, **kw):
         unrestricted.append(torch.backends.cuda.flash_sdp_enabled())  # sdpa=math switches flash off
-        return count_flops(fn, *args)
+        return count_flops(fn, *args, **kw)
 
     count_flops = runner.forward_flops_per_image.__globals__["count_flops"]
     monkeypatch.setitem(runner.forward_flops_per_image.__globals__, "count_flops", counting)
@@ -174,17 +174,26 @@ def test_compiling_records_the_cache_folder_and_state_and_restores_the_process_s
 
 
 @pytest.mark.slow  # the profiler over both tasks: ~5 s of CPU; the tracing itself is tested in test_trace.py
-def test_profile_true_writes_a_trace_and_the_top_ops_per_task_outside_the_windows():
+def test_profile_true_writes_a_trace_the_top_ops_and_the_steps_anatomy_per_task_outside_the_windows():
     from pathlib import Path
 
     import shutil
 
+    from vitreg.measure.anatomy import CLASSES
+
     result, messages = _run(profile="true")
-    folder = Path(result.profile_dir)
+    folder, m = Path(result.profile_dir), result.metrics()
     try:
         for task in ("infer", "train"):
             assert (folder / task / "trace.json.gz").stat().st_size > 0
             assert "Self CPU" in (folder / task / "top_ops.txt").read_text()
+            table = (folder / task / "anatomy.txt").read_text()
+            assert "host (CPU op self time" in table and "unknown" in table  # a CPU has no peak to be against
+            assert (folder / task / "anatomy.png").read_bytes().startswith(b"\x89PNG")
+            assert sum(m[f"{task}_anatomy_{c}_pct"] for c in CLASSES) == pytest.approx(100)
+            assert m[f"{task}_anatomy_matmul_ms_per_img"] > 0 and m[f"{task}_anatomy_matmul_tflops"] > 0
+            said = [line for line in messages if line.startswith(f"{task}: step anatomy (host time): ")]
+            assert len(said) == 1 and f"profile/{task}/anatomy.txt" in said[0], messages
         assert len(result.tasks[0].figures[ITERATION_TIME[result.tasks[0].task]]) == 2 * 3  # traced steps untimed
         assert any("profile=true" in m for m in messages)
     finally:
@@ -280,8 +289,9 @@ def test_a_second_run_of_the_same_model_reads_its_flop_counts_back(monkeypatch):
 
     counted = []
     real_forward, real_train = runner.forward_flops_per_image, runner.train_flops_per_image
-    monkeypatch.setattr(runner, "forward_flops_per_image", lambda *a: counted.append("forward") or real_forward(*a))
-    monkeypatch.setattr(runner, "train_flops_per_image", lambda *a: counted.append("train") or real_train(*a))
+    monkeypatch.setattr(runner, "forward_flops_per_image",
+                        lambda *a, **kw: counted.append("forward") or real_forward(*a, **kw))
+    monkeypatch.setattr(runner, "train_flops_per_image", lambda *a, **kw: counted.append("train") or real_train(*a, **kw))
     first, _ = _run(steps=1, repeats=1)
     second, _ = _run(steps=1, repeats=1)
     assert counted == ["forward", "train"]  # the first run counted; the second read both counts back
@@ -318,6 +328,29 @@ def test_a_suspect_figure_is_flagged_on_its_row():
     assert header.endswith("flags")
     assert infer_row.endswith("busy host, throttled, wide spread, precision missed") and train_row.endswith("-")
     assert flagged.flags == ["busy host", "throttled", "wide spread", "precision missed"]
+
+
+def test_eager_fp8_is_said_in_one_line_with_its_fix_and_tagged(monkeypatch):
+    """amp=fp8 with compile=off: one console line says it runs at about half of bf16's speed on an H200 and names
+    --compile default; the infer task is tagged and flagged (issue 37). torchao's quantization is stood in for by
+    the bf16 weights it starts from (fp8 needs a GPU with FP8 tensor cores and torchao, absent here)."""
+    import torch
+
+    from vitreg.bench import runner
+    from vitreg.hardware.runtime import Runtime
+
+    monkeypatch.setattr(runner, "prepare_model", lambda model, precision: model.to(torch.bfloat16))
+    spec = BenchSpec(model="test_vit", img_size=32, batch_size=2, warmup=2, steps=2, repeats=2, task="infer",
+                     amp="fp8")
+    messages = []
+    result = run_benchmark(spec, resolve_hardware("auto", CPU), Runtime("cpu", "fp8", "off"),
+                           progress=messages.append)
+    said = [m for m in messages if m.startswith("eager fp8")]
+    assert len(said) == 1 and "\n" not in said[0] and "half of bf16's speed on an H200" in said[0]
+    assert "4,866 vs 8,740 img/s" in said[0] and "--compile default" in said[0]
+    assert result.tags()["infer_eager_fp8"] == "true" and result.flags[-1] == "eager fp8"  # (a loaded host: more)
+    assert Runtime("cuda", "fp8-rowwise", "default", "aot_eager").eager_fp8  # nothing fuses without inductor
+    assert not Runtime("cuda", "fp8", "default").eager_fp8 and not Runtime("cuda", "bf16", "off").eager_fp8
 
 
 def test_the_run_s_warnings_are_one_line():

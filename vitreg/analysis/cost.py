@@ -161,7 +161,7 @@ def sentences(c: Comparison) -> list[str]:
 def condition_lines(runs: pd.DataFrame) -> list[str]:
     """What the runs' timed windows met: a throttle state all share said once (the software power cap is heavy
     work's normal state on an H200), one that differs between GPUs marked, heat or hardware brakes always
-    flagged, and runs taken on a busy host named."""
+    flagged, runs taken on a busy host named, and runs of eager fp8 (its known slow path)."""
     lines = []
     seen = runs.dropna(subset=["throttle"]) if "throttle" in runs else runs.iloc[0:0]
     states = sorted(set(seen["throttle"].astype(str)))
@@ -184,14 +184,20 @@ def condition_lines(runs: pd.DataFrame) -> list[str]:
     if len(wide):
         lines.append(f"SPREAD: {wide['run_id'].nunique()} run(s) whose window spread was over {SPREAD_LIMIT:.0%} "
                      f"(the windows' CV): " + ", ".join(sorted(set(wide["run_id"]))))
+    eager = runs[suspect["eager fp8"]]
+    if len(eager):
+        lines.append(f"EAGER FP8: {eager['run_id'].nunique()} run(s) ran fp8 without compile, about half of bf16's "
+                     f"speed on an H200 (--compile default fuses the quantize steps): "
+                     + ", ".join(sorted(set(eager["run_id"]))))
     return lines
 
 
 def suspect_masks(runs: pd.DataFrame) -> dict[str, pd.Series]:
     """Each word ``vitreg runs`` flags a suspect figure with (:func:`vitreg.measure.energy.suspect_flags`: busy
-    host, throttled, wide spread) as a mask over the rows of the tidy frame ``runs``, from its condition columns
-    (NaN for runs that predate them)."""
+    host, throttled, wide spread, eager fp8) as a mask over the rows of the tidy frame ``runs``, from its
+    condition columns (NaN for runs that predate them)."""
     present = [c for c in CONDITION_COLUMNS if c in runs]
     flags = [suspect_flags({k: v for k, v in zip(present, row) if isinstance(v, str)})
              for row in runs[present].itertuples(index=False)]
-    return {word: pd.Series([word in f for f in flags], index=runs.index, dtype=bool) for word in FLAGS[:3]}
+    words = [word for word in FLAGS if word != "precision missed"]  # a tidy frame has no timing_stop column
+    return {word: pd.Series([word in f for f in flags], index=runs.index, dtype=bool) for word in words}

@@ -69,8 +69,9 @@ CHOSEN_COLUMNS = ("batch_chosen",)
 # What a run's timed windows met (its ``<task>_throttle``, ``<task>_busy_host`` and ``<task>_spread_over_target``
 # tags, from vitreg.measure.energy; NaN for runs that predate them): the clock-event reasons seen
 # (``sw_power_cap``, ``hw_thermal``, ... or ``none``), whether other processes loaded the host, and whether the
-# window spread was over 5 % (the windows' CV). Compare marks runs by them; check names them as causes.
-CONDITION_COLUMNS = ("throttle", "busy_host", "spread_over_target")
+# window spread was over 5 % (the windows' CV); and ``eager_fp8`` (``<task>_eager_fp8``: fp8 without inductor, about
+# half of bf16's speed). Compare marks runs by them; check names them as causes.
+CONDITION_COLUMNS = ("throttle", "busy_host", "spread_over_target", "eager_fp8")
 
 
 

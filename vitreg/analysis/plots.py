@@ -1,4 +1,5 @@
-"""The comparison's charts: the metric along the compared axis per configuration, and what compile / AMP buy.
+"""The comparison's charts: the metric along the compared axis per configuration, and what compile / AMP buy;
+and one run's step anatomy (``profile=true``: where a step's time goes per kernel class).
 
 Matplotlib's object API with an explicit Agg canvas: no pyplot global state and no GUI backend,
 so this works headless and does not change the caller's matplotlib backend. Every chart is meant
@@ -19,6 +20,7 @@ import pandas as pd
 from vitreg.analysis.frame import DEFAULT_AXIS, MISSING, NOT_APPLICABLE, config_columns
 from vitreg.analysis.render import by_task, cell, format_value, split_constant
 from vitreg.hardware.profiles import PROFILES
+from vitreg.measure.anatomy import CLASS_TEXT, CLASSES, FLOP_CLASSES
 from vitreg.measure.metrics import BY_NAME
 
 DPI = 110
@@ -225,5 +227,30 @@ def plot_gains(c, path: Path):
             ax.annotate(f"{v:.2f}x" + (" (single run)" if one else ""), (v, yy), xytext=(3, 0),
                         textcoords="offset points",
                         va="center", fontsize=7)
+    fig.savefig(path, dpi=DPI)
+    return fig
+
+
+def plot_anatomy(anatomy, task: str, path: Path):
+    """A step's anatomy (:class:`vitreg.measure.anatomy.Anatomy`): a bar of ms per image per kernel class, each
+    labelled with its share and, for matmul and attention, the TFLOP/s reached; saved to ``path``."""
+    ms = [anatomy.ms_per_img(c) for c in CLASSES]
+    fig = _figure(8.0, 3.8)
+    ax = fig.add_subplot(1, 1, 1)
+    y = np.arange(len(CLASSES))[::-1]  # the table's order, top down
+    ax.barh(y, ms, color=["tab:gray" if c == "idle" else "tab:blue" for c in CLASSES])
+    ax.set_yticks(y)
+    ax.set_yticklabels([CLASS_TEXT[c] for c in CLASSES], fontsize=9)
+    for yy, c, v in zip(y, CLASSES, ms):
+        tflops = anatomy.tflops(c) if c in FLOP_CLASSES else None
+        ceiling = anatomy.ceiling_tflops.get(c)
+        of = f" ({100 * tflops / ceiling:.0f} % of {ceiling:,.0f})" if tflops and ceiling else ""
+        reached = f", {tflops:,.4g} TFLOP/s{of}" if tflops else ""
+        ax.annotate(f"{v:.4f} ms, {anatomy.pct(c):.1f} %{reached}", (v, yy), xytext=(3, 0),
+                    textcoords="offset points", va="center", fontsize=8)
+    ax.set_xlim(0, max(max(ms), 1e-9) * 1.6)  # room for the labels
+    ax.set_xlabel("ms per image (" + ("host: CPU op self time" if anatomy.host else "GPU kernel time") + ")")
+    fig.suptitle(f"{task}: step anatomy, {anatomy.steps} profiled steps of {anatomy.batch} images")
+    ax.grid(axis="x", alpha=0.3)
     fig.savefig(path, dpi=DPI)
     return fig

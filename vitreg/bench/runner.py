@@ -13,7 +13,7 @@ import contextlib
 import copy
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -21,7 +21,7 @@ from vitreg.bench.results import INFER_EAGER_STEPS_BEFORE_CAPTURE, BenchResult, 
 from vitreg.console import detail, progress, ticking
 from vitreg.errors import out_of_memory_as_error
 from vitreg.hardware.compile_cache import CacheProbe
-from vitreg.hardware.precision import fp8_agreement, input_dtype, prepare_model
+from vitreg.hardware.precision import EAGER_FP8_NOTE, fp8_agreement, input_dtype, prepare_model
 from vitreg.hardware.sdpa import detect_backend
 from vitreg.measure import batch_cache
 from vitreg.measure.autobatch import search_batch
@@ -30,6 +30,7 @@ from vitreg.measure.metrics import ITERATION_TIME
 from vitreg.measure.estimate import BenchAhead, estimated_batch, step_seconds
 from vitreg.measure.graphs import EAGER_STEPS_BEFORE_CAPTURE, capture, require_cuda, side_stream
 from vitreg.hardware.profiles import ResolvedHardware
+from vitreg.measure.anatomy import CHART_FILE, TABLE_FILE, Anatomy, ceilings
 from vitreg.measure.traces import trace_steps
 from vitreg.models.factory import ModelInfo, create_model
 from vitreg.models.memory import check_batch_fits
@@ -77,6 +78,7 @@ class _Bench:
     wrap: Callable | None = None  # DDP: wraps the training model
     reducer: object = None  # DDP: a vitreg.ddp.world.ResultReducer
     profile_dir: str | None = None  # profile=true: where the traces go
+    attention_flops: dict = field(default_factory=dict)  # profile=true: per task, attention's FLOPs per image
 
 
 def _measure(step, bench: _Bench, task: str, batch_size: int, graph_eager_steps: int = 0):
@@ -240,18 +242,37 @@ def _choose_batch(make_step, task: str, bench: _Bench):
     return choice.batch, choice
 
 
-def _after_windows(task: str, timed_step, eager_step, bench: _Bench):
-    """Untimed work after the windows: the profile=true trace, then the SDPA backend that ran.
+def _after_windows(task: str, timed_step, eager_step, bench: _Bench, batch: int, flops_per_img: int):
+    """Untimed work after the windows: the profile=true trace and the step's anatomy, then the SDPA backend that
+    ran; returns ``(backend, anatomy figures)`` (no figures without profile=true).
 
     The backend is read from an eager-launched step: a whole-step CUDA graph replay hides every op
     (the eager step before capture stands in for it), and a replay of inductor's own CUDA graphs
     shows no SDPA op either (then ``unknown`` rather than a wrong ``unfused``).
     """
-    runtime = bench.runtime
+    runtime, anatomy = bench.runtime, {}
     if bench.profile_dir is not None:
         bench.progress(f"{task}: profile=true: {PROFILE_TRACE_STEPS} step(s) under torch.profiler (not timed)")
-        trace_steps(timed_step, PROFILE_TRACE_STEPS, runtime.device, Path(bench.profile_dir) / task)
-    return detect_backend(eager_step if bench.spec.cuda_graph else timed_step, runtime.device, runtime.uses_cudagraphs)
+        files = trace_steps(timed_step, PROFILE_TRACE_STEPS, runtime.device, Path(bench.profile_dir) / task)
+        anatomy = _anatomy(task, files, bench, batch, flops_per_img)
+    backend = detect_backend(eager_step if bench.spec.cuda_graph else timed_step, runtime.device,
+                             runtime.uses_cudagraphs)
+    return backend, anatomy
+
+
+def _anatomy(task: str, files, bench: _Bench, batch: int, flops_per_img: int) -> dict:
+    """The traced steps per kernel class (:class:`Anatomy`): its table and chart beside the trace, its one
+    console line, and its figures. The matmuls' FLOPs are the task's count less attention's."""
+    from vitreg.analysis.plots import plot_anatomy
+
+    attention = bench.attention_flops.get(task, 0)
+    anatomy = Anatomy(files.class_us, files.steps, batch, files.host,
+                      {"matmul": flops_per_img - attention, "attention": attention},
+                      ceilings(bench.runtime.precision, bench.hardware))
+    (files.trace.parent / TABLE_FILE).write_text(anatomy.table(task))
+    plot_anatomy(anatomy, task, files.trace.parent / CHART_FILE)
+    bench.progress(anatomy.line(task))
+    return anatomy.figures()
 
 
 def _infer_steps(net, info: ModelInfo, runtime: Runtime, cache: bool):
@@ -287,7 +308,8 @@ def run_inference(model, bench: _Bench, fwd_flops: int) -> TaskResult:
 
 def _timed_task(task: str, step, bench: _Bench, batch_size: int, choice, flops_per_img: int) -> TaskResult:
     """``step`` timed (:func:`_measure`; an out-of-memory error names the batch), then the untimed work after
-    its windows (train: the profiled communication time), the figures made the job's."""
+    its windows (train: the profiled communication time; profile=true: the step's anatomy), the figures made
+    the job's."""
     eager = 0
     if bench.spec.cuda_graph:
         eager = INFER_EAGER_STEPS_BEFORE_CAPTURE if task == "infer" else EAGER_STEPS_BEFORE_CAPTURE
@@ -295,10 +317,13 @@ def _timed_task(task: str, step, bench: _Bench, batch_size: int, choice, flops_p
         figures, timed_step, cache_state, tags = _measure(step, bench, task, batch_size, eager)
     if task == "train":
         figures = figures.with_values(**_comm_figures(timed_step, bench))
-    backend = _after_windows(task, timed_step, step, bench)
+    backend, anatomy = _after_windows(task, timed_step, step, bench, batch_size, flops_per_img)
+    if bench.runtime.eager_fp8:  # a known slow path: the run's name, `vitreg runs` and compare say so
+        tags = {**tags, "eager_fp8": "true"}
     PHASES.mark("after_windows")
     return TaskResult(task, batch_size, bench.info.img_size, figures["steps_per_window"], figures["timed_windows"],
-                      _job_figures(figures, bench, flops_per_img), backend, cache_state, choice, tags)
+                      _job_figures(figures.with_values(**anatomy), bench, flops_per_img), backend, cache_state,
+                      choice, tags)
 
 
 def _train_steps(net, opt, scaler, info: ModelInfo, runtime: Runtime, cache: bool):
@@ -378,11 +403,20 @@ def _job_figures(figures: Figures, bench: _Bench, flops_per_img: int) -> Figures
     return figures.summarized().completed(Work.of(bench.runtime, bench.hardware, world_size))
 
 
-def _train_flops(model, info: ModelInfo, runtime: Runtime) -> int:
+def _train_flops(model, info: ModelInfo, runtime: Runtime, attention: bool = False) -> int:
     import torch
 
     criterion = torch.nn.CrossEntropyLoss()
-    return train_flops_per_image(model, info.img_size, runtime.torch_device, lambda out, y: loss_of(out, y, criterion))
+    return train_flops_per_image(model, info.img_size, runtime.torch_device, lambda out, y: loss_of(out, y, criterion),
+                                 attention=attention)
+
+
+def _attention_flops(model, info: ModelInfo, runtime: Runtime, tasks) -> dict:
+    """profile=true: each task's attention FLOPs per image, for the anatomy (the rest of its count is the
+    matmuls'), counted in fp32 like the totals and kept like them."""
+    counts = {"infer": lambda: forward_flops_per_image(model, info.img_size, runtime.torch_device, attention=True),
+              "train": lambda: _train_flops(model, info, runtime, attention=True)}
+    return {task: batch_cache.counted_flops(_flops_key(info, f"{task} attention"), counts[task]) for task in tasks}
 
 
 def _flops_key(info: ModelInfo, what: str) -> dict:
@@ -419,6 +453,7 @@ def run_benchmark(spec: BenchSpec, hardware: ResolvedHardware, runtime: Runtime,
                                           lambda: forward_flops_per_image(model, info.img_size, runtime.torch_device))
     train_flops = batch_cache.counted_flops(_flops_key(info, "train"), lambda: _train_flops(model, info, runtime)) \
         if "train" in spec.tasks else 0
+    attention_flops = _attention_flops(model, info, runtime, spec.tasks) if spec.profile else {}
     # amp=fp8*: a bf16 copy first, to say how far the quantized model's logits land from it
     reference = copy.deepcopy(model).to(torch.bfloat16) if precision.fp8 else None
     model = prepare_model(model, precision)
@@ -427,8 +462,10 @@ def run_benchmark(spec: BenchSpec, hardware: ResolvedHardware, runtime: Runtime,
         del reference
         progress(f"fp8 against bf16 weights on a fixed batch: top-1 agreement {agreement.top1_agreement:.1%}, "
                  f"max |logit difference| {agreement.max_abs_logit_diff:.3g}")
+    if runtime.eager_fp8:
+        progress(EAGER_FP8_NOTE)
     profile_dir = tempfile.mkdtemp(prefix="vitreg-profile-") if spec.profile else None
-    bench = _Bench(spec, runtime, hardware, info, progress, wrap, reducer, profile_dir)
+    bench = _Bench(spec, runtime, hardware, info, progress, wrap, reducer, profile_dir, attention_flops)
     tasks = []
     with run_context(runtime, model, spec.sdpa, spec.compile_cache, train="train" in spec.tasks) as cache_dir:
         ahead = _estimate(model, bench, fwd_flops, train_flops, cache_dir, command)  # a GPU-sized run on a CPU says so

@@ -246,7 +246,8 @@ OPTIONS: tuple[Option, ...] = (
                "`fp16` (autocast), `bf16-weights` / `fp16-weights` (weights and input cast, no autocast; infer only), "
                "`fp8` (torchao float8 Linear layers, the fastest recipe measured: tensor-wise scales; `fp8-rowwise` / "
                "`fp8-tensorwise` by name; infer only, compute capability >= 8.9, `pip install torchao`; logs "
-               "fp8_top1_agreement and fp8_max_abs_logit_diff against bf16). "
+               "fp8_top1_agreement and fp8_max_abs_logit_diff against bf16; without `compile` it runs eager, at about "
+               "half of bf16's speed on an H200: said in one line, tagged `infer_eager_fp8`, flagged `eager fp8`). "
                "`auto` = bf16 where the GPU has it, fp16 on V100/T4, off on CPU. Tagged `precision`",
            identity=True),
     Option("amp", "choice", "auto",
@@ -425,11 +426,18 @@ OPTIONS: tuple[Option, ...] = (
                "these runs as `compile=<mode>+cudagraph` and scales them from graphed `nproc=1` runs. What it "
                "changes on real GPUs: docs/benchmarks.md, \"Whole-step CUDA graphs\"",
            identity=True),
-    Option("profile", "bool", False, "true: after the timed windows, a torch.profiler Chrome trace of a few steps "
-           "and a top-20 ops table per task (artifacts under profile/).", ("bench", "infer"),
+    Option("profile", "bool", False, "true: after the timed windows, a torch.profiler Chrome trace of a few steps, "
+           "a top-20 ops table and the step's anatomy per kernel class per task (artifacts under profile/).",
+           ("bench", "infer"),
            doc="`true`: after the timed windows (never inside them), a few steady-state steps of each task under "
-               "`torch.profiler`: a Chrome trace (`profile/<task>/trace.json.gz`, open it in Perfetto) and the 20 "
-               "ops with the most self time (`profile/<task>/top_ops.txt`). Not with `cuda_graph=true`",
+               "`torch.profiler`: a Chrome trace (`profile/<task>/trace.json.gz`, open it in Perfetto), the 20 "
+               "ops with the most self time (`profile/<task>/top_ops.txt`) and the step's anatomy: the same steps' "
+               "time per kernel class (matmul, attention, norm/pointwise, quantize/cast, memory copy, other, idle "
+               "gaps with no kernel running) per image and as a share of the step, matmul's and attention's TFLOP/s "
+               "against the precision's datasheet peak (`unknown` without one, e.g. on CPU, where the classes are "
+               "host op time) in `profile/<task>/anatomy.txt` and `anatomy.png`, logged as "
+               "`<task>_anatomy_<class>_ms_per_img`, `_pct` and `_tflops`; one console line names the two largest "
+               "classes. Not with `cuda_graph=true`",
            same_work="the profiled steps run after the timed windows, never inside them"),
     Option("seed", "int", 0, "seed of the model init and the data.", ("bench", "infer", "train"), minimum=0,
            maximum=SEED_MAX,

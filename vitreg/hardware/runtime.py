@@ -60,6 +60,12 @@ class Runtime:
         return self.device == "cuda" and self.compile_backend == "inductor" and self.compile in (
             "reduce-overhead", "max-autotune")
 
+    @property
+    def eager_fp8(self) -> bool:
+        """An fp8 mode without inductor (compile off, or a debugging backend): nothing fuses torchao's quantize
+        steps, the slow path :data:`vitreg.hardware.precision.EAGER_FP8_NOTE` says."""
+        return self.precision.fp8 and (self.compile == "off" or self.compile_backend != "inductor")
+
     def mark_step(self) -> None:
         if self.uses_cudagraphs:
             import torch

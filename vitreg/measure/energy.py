@@ -52,7 +52,7 @@ SPREAD_LIMIT = 0.05
 
 
 #: What makes a figure suspect (:func:`suspect_flags`), in the words a run's name, `vitreg runs` and compare use.
-FLAGS = ("busy host", "throttled", "wide spread", "precision missed")
+FLAGS = ("busy host", "throttled", "wide spread", "precision missed", "eager fp8")
 
 
 def slowed(throttle: str) -> bool:
@@ -63,9 +63,11 @@ def slowed(throttle: str) -> bool:
 def suspect_flags(tags: dict) -> list[str]:
     """What makes a task's figure suspect, from its tags (no task prefix; missing ones unknown): measured beside
     other load, throttled by heat or a hardware brake (not the power cap: heavy work's normal state), a window
-    spread over :data:`SPREAD_LIMIT`, or timing stopped short of the precision target (``precision_pct``)."""
+    spread over :data:`SPREAD_LIMIT`, timing stopped short of the precision target (``precision_pct``), or fp8
+    run eagerly (about half of bf16's speed: :data:`vitreg.hardware.precision.EAGER_FP8_NOTE`)."""
     found = (tags.get("busy_host") == "true", slowed(tags.get("throttle") or "none"),
-             tags.get("spread_over_target") == "true", tags.get("timing_stop") in (STOP_MAX_TIME, STOP_MAX_WINDOWS))
+             tags.get("spread_over_target") == "true", tags.get("timing_stop") in (STOP_MAX_TIME, STOP_MAX_WINDOWS),
+             tags.get("eager_fp8") == "true")
     return [flag for flag, on in zip(FLAGS, found) if on]
 
 

@@ -16,6 +16,8 @@ from __future__ import annotations
 import string
 from dataclasses import dataclass
 
+from vitreg.measure.anatomy import CLASS_TEXT, CLASSES, FLOP_CLASSES
+
 TASKS = ("infer", "train")
 HIGHER, LOWER, NEITHER = "higher", "lower", "none"
 RANK_RULES = ("sum", "max", "min", "per_gpu", "world", "same", "main", "job")
@@ -93,6 +95,13 @@ METRICS: tuple[Metric, ...] = (
            doc="profile_steps>0: all-reduce kernel time per step (torch.profiler)"),
     Metric("device_busy_ms_per_step", "ms", LOWER, "max", ".2f", ("train",),
            doc="profile_steps>0: GPU busy time per step (torch.profiler)"),
+    # profile=true: the profiled steps per kernel class (vitreg.measure.anatomy); GPU kernel time, host time on a CPU
+    *(Metric(f"anatomy_{c}_ms_per_img", "ms", LOWER, "main", ".4f", doc=f"profile=true: ms per image in "
+             f"{CLASS_TEXT[c]} (GPU kernel time; on a CPU, op self time), rank 0's") for c in CLASSES),
+    *(Metric(f"anatomy_{c}_pct", "%", NEITHER, "main", ".1f", doc=f"profile=true: {CLASS_TEXT[c]}'s share of the "
+             "profiled step in %") for c in CLASSES),
+    *(Metric(f"anatomy_{c}_tflops", "TFLOP/s", HIGHER, "main", ".3g", doc=f"profile=true: {c} FLOPs counted on the "
+             f"model / time in {c} kernels") for c in FLOP_CLASSES),
     Metric("batch_probe_img_per_s", "img/s", HIGHER, "job", ",.0f", speed=True,
            doc="batch_size=auto: one probe's img/s (eager, a few steps), logged with step = the probed batch; "
                "under DDP rank 0's probes"),

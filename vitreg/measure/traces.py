@@ -2,7 +2,8 @@
 
 :func:`trace_steps` (``profile=true``) records a few steady-state steps and writes a Chrome trace
 (open it in Perfetto or chrome://tracing) and a table of the 20 ops with the most self time, for
-the job to log as artifacts.
+the job to log as artifacts, and the same steps' time per kernel class (:mod:`vitreg.measure.anatomy`)
+for the runner to make the step's anatomy of.
 
 :func:`profile_comm` runs ``steps`` more training steps under the profiler and returns, per step,
 the time spent in gradient all-reduce and, on a GPU, the time the GPU spent in kernels at all.
@@ -20,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from vitreg.console import quiet_profiler
+from vitreg.measure.anatomy import device_times, host_times
 from vitreg.errors import VitregError
 
 TRACE_FILE = "trace.json.gz"  # torch gzips a Chrome trace whose name ends in .gz: ViT-B's is ~10x smaller
@@ -69,6 +71,8 @@ class TraceFiles:
     trace: Path  # Chrome trace
     ops_table: Path  # key_averages().table, top ops by self time on the device (CPU time on a CPU)
     steps: int
+    class_us: dict  # µs per kernel class over the steps (vitreg.measure.anatomy.CLASSES), idle gaps included
+    host: bool  # True: no device kernels, the classes hold CPU op self time
 
 
 def check_profile_request(profile: bool, cuda_graph: bool) -> None:
@@ -100,8 +104,24 @@ def trace_steps(step, steps: int, device: str, out_dir, warmup: int = 1) -> Trac
             step()
         if cuda:
             torch.cuda.synchronize()
-    files = TraceFiles(out / TRACE_FILE, out / OPS_TABLE_FILE, steps)
+    files = TraceFiles(out / TRACE_FILE, out / OPS_TABLE_FILE, steps, _class_us(prof.events(), cuda), not cuda)
     prof.export_chrome_trace(str(files.trace))
     sort_by = "self_cuda_time_total" if cuda else "self_cpu_time_total"
     files.ops_table.write_text(prof.key_averages().table(sort_by=sort_by, row_limit=TOP_OPS) + "\n")
     return files
+
+
+def _class_us(events, cuda: bool) -> dict:
+    """The profiled steps' µs per kernel class: the device's kernels, memcpys and memsets on a GPU (not the
+    ranges record_function draws on the device's timeline over them, e.g. inductor's ``CompiledFunction``: torch's
+    own tables leave them out too); on a CPU each op's self time, and the span from the first op's start to the last
+    op's end."""
+    from torch.autograd import DeviceType
+
+    if cuda:
+        return device_times([(e.name, e.time_range.start, e.time_range.end) for e in events
+                             if e.device_type == DeviceType.CUDA and not e.is_user_annotation])
+    ops = [e for e in events if e.device_type == DeviceType.CPU]
+    tops = [e for e in ops if e.cpu_parent is None]
+    span = max(e.time_range.end for e in tops) - min(e.time_range.start for e in tops) if tops else 0.0
+    return host_times([(e.name, e.self_cpu_time_total) for e in ops], span)
