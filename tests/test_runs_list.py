@@ -29,11 +29,13 @@ def _run(client, experiment_id, name, age_s, status="FINISHED", tags=(), metrics
 
 @pytest.fixture
 def runs(sqlite_store):
-    """laptop: a quiet run (both tasks), a busy-host one (infer), a failed one; other: one still RUNNING."""
+    """laptop: a quiet run (both tasks; train stopped short of the precision target), a busy-host one (infer), a
+    failed one; other: one still RUNNING."""
     client = MlflowClient()
     laptop, other = client.create_experiment("laptop"), client.create_experiment("other")
     return {
         "quiet": _run(client, laptop, "deit_ti16 · cpu · quiet", 400, params={"task": "both"},
+                      tags={"infer_timing_stop": "precision_met", "train_timing_stop": "max_time"},
                       metrics={"infer_throughput_img_per_s": 9.44, "train_throughput_img_per_s": 3.1}),
         "busy": _run(client, laptop, "deit_ti16 · cpu · busy", 300, params={"task": "infer"},
                      tags={"infer_busy_host": "true"}, metrics={"infer_throughput_img_per_s": 2.73}),
@@ -60,6 +62,7 @@ def test_bare_runs_lists_the_newest_runs_of_the_store_with_their_figures_and_fla
     busy, quiet = rows[2], rows[3]
     assert "2.73" in busy and busy.rstrip().endswith("busy host") and "FINISHED" in busy
     assert "9.44" in quiet and "3.10" in quiet and "busy host" not in quiet
+    assert quiet.rstrip().endswith("precision missed") and "precision missed" not in busy  # issue 38
     assert "RUNNING" in rows[0] and "other" in rows[0]
     assert result.output.splitlines()[-1] == "4 runs, newest first"
 

@@ -194,10 +194,9 @@ def condition_lines(runs: pd.DataFrame) -> list[str]:
 
 def suspect_masks(runs: pd.DataFrame) -> dict[str, pd.Series]:
     """Each word ``vitreg runs`` flags a suspect figure with (:func:`vitreg.measure.energy.suspect_flags`: busy
-    host, throttled, wide spread, eager fp8) as a mask over the rows of the tidy frame ``runs``, from its
+    host, throttled, wide spread, precision missed, eager fp8) as a mask over the rows of the tidy frame ``runs``, from its
     condition columns (NaN for runs that predate them)."""
     present = [c for c in CONDITION_COLUMNS if c in runs]
     flags = [suspect_flags({k: v for k, v in zip(present, row) if isinstance(v, str)})
              for row in runs[present].itertuples(index=False)]
-    words = [word for word in FLAGS if word != "precision missed"]  # a tidy frame has no timing_stop column
-    return {word: pd.Series([word in f for f in flags], index=runs.index, dtype=bool) for word in words}
+    return {word: pd.Series([word in f for f in flags], index=runs.index, dtype=bool) for word in FLAGS}

@@ -70,8 +70,9 @@ CHOSEN_COLUMNS = ("batch_chosen",)
 # tags, from vitreg.measure.energy; NaN for runs that predate them): the clock-event reasons seen
 # (``sw_power_cap``, ``hw_thermal``, ... or ``none``), whether other processes loaded the host, and whether the
 # window spread was over 5 % (the windows' CV); and ``eager_fp8`` (``<task>_eager_fp8``: fp8 without inductor, about
-# half of bf16's speed). Compare marks runs by them; check names them as causes.
-CONDITION_COLUMNS = ("throttle", "busy_host", "spread_over_target", "eager_fp8")
+# half of bf16's speed); ``timing_stop``: why the windows stopped (the precision target met, or a cap short of it).
+# Compare marks runs by them; check names them as causes.
+CONDITION_COLUMNS = ("throttle", "busy_host", "spread_over_target", "eager_fp8", "timing_stop")
 
 
 
