@@ -421,14 +421,20 @@ def _start_torchrun(cmd: list[str], env: dict, log_path: Path) -> subprocess.Pop
     return proc
 
 
-def _stop_torchrun(proc: subprocess.Popen, timeout_s: float = 60.0) -> None:
-    """Stop torchrun and its workers (SIGTERM: each rank stops cleanly), SIGKILL after ``timeout_s``."""
-    proc.terminate()  # torchrun turns SIGTERM into stopping its workers
+def stop_child(proc: subprocess.Popen, grace_s: float, sig: int | None = signal.SIGTERM) -> None:
+    """``sig`` to a child (None: it was asked to end otherwise), SIGKILL if it is still there after ``grace_s``."""
+    if sig is not None and proc.poll() is None:
+        proc.send_signal(sig)
     try:
-        proc.wait(timeout=timeout_s)
+        proc.wait(grace_s)
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
+
+
+def _stop_torchrun(proc: subprocess.Popen) -> None:
+    """Stop torchrun and its workers (SIGTERM: each rank stops cleanly), SIGKILL after 60 s."""
+    stop_child(proc, 60.0)
     _forwarded(proc)
 
 
