@@ -21,7 +21,7 @@ import os
 import re
 import signal
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"
@@ -154,8 +154,7 @@ def _killed_outcome(outcome: LaunchOutcome, killed: dict[int, int]) -> LaunchOut
                     None)
     last_words = last_error_line(_stderr_of(rank_dir)) if rank_dir is not None else None
     why = _killed_message(-killed[rank]) + (f"; its last error line: {last_words}" if last_words else "")
-    return LaunchOutcome(outcome.returncode, outcome.returncode, rank, why, outcome.log_dir, outcome.nproc,
-                         outcome.node_rank)
+    return replace(outcome, rank=rank, error=why)
 
 
 def diagnose(returncode: int, log_dir: Path, nproc: int, node_rank: int = 0, torchrun_text: str = "") -> LaunchOutcome:
@@ -167,18 +166,18 @@ def diagnose(returncode: int, log_dir: Path, nproc: int, node_rank: int = 0, tor
     log_dir = Path(log_dir)
     outcome = LaunchOutcome(returncode, returncode, None, None, log_dir, nproc, node_rank)
     if returncode == 0:
-        return LaunchOutcome(0, 0, None, None, log_dir, nproc, node_rank)
+        return outcome
     signalled = _TORCHRUN_SIGNALLED.search(torchrun_text)
     if signalled:  # the ranks' "stopped by SIGTERM" follow from it
         signum = int(signalled.group(1))
-        return LaunchOutcome(returncode, 128 + signum, None, f"torchrun was stopped by {_signal_name(signum)}, "
-                             f"and its ranks with it", log_dir, nproc, node_rank)
+        return replace(outcome, exit_code=128 + signum,
+                       error=f"torchrun was stopped by {_signal_name(signum)}, and its ranks with it")
     killed = killed_ranks(torchrun_text)
 
     def recorded(rank_dir: Path, error: dict) -> LaunchOutcome:
         message = error.get("message") or last_error_line(_stderr_of(rank_dir))
-        code = int(error.get("errorCode") or returncode)
-        return LaunchOutcome(returncode, code, outcome._global(rank_dir), message, log_dir, nproc, node_rank)
+        return replace(outcome, exit_code=int(error.get("errorCode") or returncode), rank=outcome._global(rank_dir),
+                       error=message)
 
     errors = _error_files(log_dir)
     failed = [(d, e) for _, d, e in errors if int(e.get("errorCode") or returncode) not in STOPPED_CODES]
@@ -193,5 +192,5 @@ def diagnose(returncode: int, log_dir: Path, nproc: int, node_rank: int = 0, tor
     for rank_dir in rank_dirs:
         error = None if rank_dir in with_file else last_error_line(_stderr_of(rank_dir))
         if error:
-            return LaunchOutcome(returncode, returncode, outcome._global(rank_dir), error, log_dir, nproc, node_rank)
+            return replace(outcome, rank=outcome._global(rank_dir), error=error)
     return recorded(*errors[0][1:]) if errors else outcome

@@ -1,43 +1,19 @@
 """The ``train`` job, read top to bottom: resolve the plan -> launch -> run the loop -> log and register.
 
-:func:`train` opens the job's run and resolves, once, a :class:`TrainPlan`: the spec, the checks that
-need no step (model name, ``register_as``, the data layout), this process's world, hardware and
-runtime, the model and its facts, the checkpoint a ``resume=`` names, the run's title. Every later
-step takes the plan and never returns to the options, the model factory or the checkpoint source.
-Then either this process launches torchrun (:func:`_launch_train`) or it trains (:func:`_train_in_run`).
+:func:`train` opens the job's run and resolves, once, a :class:`TrainPlan`; every later step takes the plan and
+never returns to the options, the model factory or the checkpoint source (``resume=`` and ``teacher=`` go
+through :func:`vitreg.tracking.checkpoint_sources.resolve_checkpoint`). Then either this process launches
+torchrun (:func:`_launch_train`, as ``bench`` does: the launcher holds the one MLflow run, rank 0 hands its
+calls back to it, the other ranks log nothing) or it trains (:func:`_train_in_run`).
 
-The loop (:mod:`vitreg.train.loop`) reports through callbacks; :class:`RunLogger` turns them into
-MLflow calls that never run inside a step:
+The loop (:mod:`vitreg.train.loop`) reports through callbacks; :class:`RunLogger` turns them into MLflow calls
+that never run inside a step: the curves, one ``log_metrics`` batch per ``log_every`` steps; the checkpoints
+(:class:`CheckpointUploader`); at the end the summary metrics, ``results.json``, and ``register_as``.
 
-- curves (``train_loss``, ``lr``, ``train_img_per_s``, ``grad_norm``, ``data_wait_frac``, ``epoch``,
-  ``val_top1``) as one ``log_metrics`` batch per ``log_every`` steps;
-- checkpoints as run artifacts ``checkpoints/step-<N>/``, then the small file ``checkpoints/last`` naming
-  the newest (one copy of the weights and optimizer state per step, and ``last`` moves only once its
-  folder is complete), then the deletion of the steps beyond ``keep_checkpoints``, by
-  :class:`CheckpointUploader`;
-- the summary metrics, ``results.json``, environment and pip freeze at the end; then ``register_as``
-  (:func:`_register`), checked against the registry while the plan is resolved.
-
-Those calls go through one background thread (in order) when the tracker is bound to its run id
-(``Tracker.thread_safe``; MLflow's active run is thread-local, so a fluent call from another thread
-would open a new run); otherwise they run inline at the log boundary, still outside any timed step.
-
-Checkpoint sources (``resume=``, ``teacher=``) go through the one resolver,
-:func:`vitreg.tracking.checkpoint_sources.resolve_checkpoint`.
-
-DDP (``nproc > 1``), as ``bench`` does it: the process the user started becomes the launcher
-(:func:`_launch_train`). It holds the one MLflow run (or resumes ``mlflow run``'s), checks what
-needs no GPU (model name, data layout, ``nproc`` against the visible GPUs; any ``nproc`` on the
-CPU, with gloo), and runs the same ``train`` under torchrun through
-:func:`vitreg.ddp.launcher.launch_job`, which logs what rank 0 hands back, ends the run FAILED with
-the failing rank's error and passes its exit status on. Each rank joins the process group, trains
-its own shard (an ``EpochSampler`` shard of an ImageFolder, or synthetic batches seeded by rank)
-with ``batch_size`` images per process; no rank talks to MLflow: rank 0's tracker hands its calls
-(curves, checkpoints, the registration request) to the launcher, the others get a NullTracker.
-Curves carry the loss averaged over the ranks and img/s summed over them; the summary throughput
-is the sum of the ranks' rates and the step time the slowest rank's (``ranks.json`` keeps each
-rank's). The ranks wait for rank 0 at a barrier before leaving, so none exits while rank 0 still
-hands back its checkpoints. The launcher registers the checkpoint once the hand-off is logged.
+Under DDP each rank trains its own shard with ``batch_size`` images per process; the curves carry the loss
+averaged over the ranks and img/s summed over them, the summary the sum of the ranks' rates and the slowest
+rank's step time (``ranks.json`` keeps each rank's). The ranks wait for rank 0 at a barrier before leaving, so
+none exits while rank 0 still hands back its checkpoints.
 """
 
 from __future__ import annotations
@@ -170,8 +146,8 @@ def resolve_plan(run, options: dict, workdir: Path, *, run_name=None, command=No
     # the run (it checked already; its ranks never import mlflow, ~2.8 s of CPU, nor talk to the registry)
     registers = placement.node_rank == 0 if launches else distributed.is_main_process() and not launch.launched_by_vitreg()
     check_model_name(spec.model)  # fail here, once, rather than in every rank
-    if registers:
-        _check_registration(spec)  # a bad register_as fails before any training
+    if registers and spec.register_as:  # a bad register_as fails before any training
+        model_registry.check_registration(spec.register_as, spec.alias, spec.model)
     # data=PATH's layout, even where num_classes is given, and its image headers: once per job (a launcher or
     # rank 0), not in every rank
     data_classes = resolve_num_classes(spec.replace(num_classes=0), check_images=distributed.is_main_process())
@@ -253,12 +229,6 @@ def teacher_loader(uri: str):
     """The teacher model a ``teacher=`` URI names, downloaded into a folder that goes once it is loaded."""
     model, _, _ = checkpoint_sources.load_model(uri)
     return model
-
-
-def _check_registration(spec: TrainSpec) -> None:
-    """``register_as``/``alias`` checked against the registry before training (no-op without them)."""
-    if spec.register_as:
-        model_registry.check_registration(spec.register_as, spec.alias, spec.model)
 
 
 # --------------------------------------------------------------------------- the launch
@@ -347,7 +317,7 @@ def _run_loop(plan: TrainPlan, logger: RunLogger, data):
     checkpoints = loop.Checkpoints(plan.workdir / CHECKPOINT_ARTIFACTS, plan.resume, {"run_id": plan.run.run_id})
     try:
         return loop.train(spec, plan.runtime, plan.model, plan.info,
-                          sources=loop.Sources(data, plan.teacher, teacher_loader), checkpoints=checkpoints, hooks=hooks,
+                          sources=loop.Sources(data, plan.teacher), checkpoints=checkpoints, hooks=hooks,
                           ranks=ranks)
     finally:
         bar.close()  # before the results are logged, so their lines print below the bar

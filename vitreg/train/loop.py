@@ -1,45 +1,18 @@
 """The training loop: AdamW + warm-up/cosine LR, AMP, compile, DeiT distillation, checkpoints, callbacks.
 
-No MLflow here (runners never log). :func:`train` reports through callbacks (:class:`Hooks`), which
-:mod:`vitreg.train.job` turns into batched MLflow calls, and returns a typed :class:`TrainResult`:
+No MLflow here: :func:`train` reports through callbacks (:class:`Hooks`) and returns a :class:`TrainResult`.
+It is a sequence of named steps over two values: :class:`_Setup` (what :func:`_prepare` built) and
+:class:`_Tally` (what changes as updates run).
 
-- ``on_step(step)`` after every optimizer update: host-only, for a progress bar; it gets no values,
-  because reading a loss off the GPU would be a CPU-GPU sync every step.
-- ``on_log(step, metrics)`` every ``log_every`` updates and at the end, with ``train_loss`` (mean
-  over the interval), ``lr``, ``train_img_per_s``, ``grad_norm``, ``data_wait_frac``, ``epoch``.
-  This is the one sync point of an interval: per-step CUDA events recorded in the interval are read
-  here, so timing never adds a sync inside a step.
-- ``on_checkpoint(step, path)`` after a checkpoint directory is written (every ``checkpoint_every``
-  updates and at the end).
-- ``on_epoch_end(epoch, metrics)`` at each epoch boundary, with ``val_top1``/``val_loss`` when the
-  data has a ``val/`` split.
+Ctrl-C, and SIGTERM/SIGHUP once :func:`vitreg.signals.install` routes them, stop the loop between updates: the
+open interval is logged, a checkpoint of the step reached is written, and the ``KeyboardInterrupt`` goes on up
+carrying the :class:`TrainResult` so far as its ``partial_result``.
 
-The loop is a sequence of named steps over two values: :class:`_Setup` (what :func:`_prepare`
-built: model, data, optimizer, schedule, scaler, criterion) and :class:`_Tally` (what changes as
-updates run: the step, the interval's loss and times, the last validation and checkpoint).
-
-Ctrl-C, and SIGTERM/SIGHUP once :func:`vitreg.signals.install` routes them, stop the loop between
-updates (:func:`vitreg.signals.update_is_atomic` holds them for the length of one): the open interval is logged, a
-checkpoint of the step reached is written, and the ``KeyboardInterrupt`` goes on up carrying the
-:class:`TrainResult` so far as its ``partial_result``, for the job to log before the run ends KILLED.
-
-Throughput is measured as bench's train task measures it: the first step (compilation, lazy init)
-is timed apart, the next steps are a warm-up, and the rest are timed per step (CUDA events on the
-GPU, ``perf_counter`` on the CPU); ``throughput_img_per_s`` is images over the sum of those step
-times, so checkpoint writes, validation and logging between steps are not counted.
-
-DDP: pass :class:`Ranks`: ``wrap`` (a function that wraps the model, e.g. in DistributedDataParallel;
-applied before torch.compile, as bench does), ``world_size``/``rank`` (data sharding), ``is_main=False``
-on ranks that must not write checkpoints or run validation, and ``reducer`` (a
-:class:`vitreg.ddp.world.TrainReducer`): at each log boundary it all-reduces the interval's loss
-(mean over ranks) and img/s (sum), one collective per boundary and none per step; at the end the
-job's throughput is the sum of the ranks' and its step time the slowest rank's. Every rank must
-make the same number of steps (the data gives each rank the same number of batches).
-
-Besides the loop this module holds what only the loop uses, each under its own heading: what it is
-given besides spec, runtime and model (:class:`Sources`, :class:`Checkpoints`, :class:`Hooks`,
-:class:`Ranks`) and what it returns (:class:`TrainResult`); the optimizer and schedule; the step clock;
-validation and the gradient norm.
+Throughput is measured as bench's train task measures it: the first step (compilation, lazy init) is timed
+apart, the next steps are a warm-up, the rest are timed per step (CUDA events on the GPU, ``perf_counter`` on
+the CPU, read once per log interval: no sync inside a step); checkpoints, validation and logging between steps
+are not counted. Under DDP (:class:`Ranks`) the model is wrapped before torch.compile, as bench does, and the
+reducer all-reduces the loss and img/s once per log boundary, never per step.
 """
 
 from __future__ import annotations
@@ -67,14 +40,14 @@ WARMUP_LR_INIT = 1e-6  # DeiT's warmup_lr: where the linear warm-up starts
 
 # --------------------------------------------------------------------------- what the loop is given and returns
 
-# Four values besides the spec, runtime and model: what it trains on (Sources), where its checkpoints go
-# and come from (Checkpoints), its callbacks (Hooks) and its place in a DDP job (Ranks). It returns a
-# TrainResult, whose figures are one Figures record (named and logged by the metric table, as bench's are).
-
 
 @dataclass(frozen=True)
 class Hooks:
-    """The loop's callbacks (see the module docstring) and where its messages go."""
+    """The loop's callbacks and where its messages go: ``on_step(step)`` after every update (host-only: no
+    value read off the GPU); ``on_log(step, metrics)`` every ``log_every`` updates and at the end (``train_loss``
+    over the interval, ``lr``, ``train_img_per_s``, ``grad_norm``, ``data_wait_frac``, ``epoch``);
+    ``on_checkpoint(step, path)`` after a checkpoint is written; ``on_epoch_end(epoch, metrics)``, with
+    ``val_top1``/``val_loss`` when the data has a ``val/`` split."""
 
     on_step: Callable | None = None
     on_log: Callable | None = None
@@ -552,21 +525,18 @@ class StepClock:
         self._open = None
         self._pending: list = []
 
+    def _now(self):
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
     def start(self) -> None:
-        if self.cuda:
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            self._open = event
-        else:
-            self._open = time.perf_counter()
+        self._open = self._now()
 
     def stop(self) -> None:
-        if self.cuda:
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            self._pending.append((self._open, event))
-        else:
-            self._pending.append((self._open, time.perf_counter()))
+        self._pending.append((self._open, self._now()))
 
     def collect(self) -> list[float]:
         """Milliseconds of each step since the last collect; synchronises on the last event (CUDA)."""
