@@ -1,14 +1,10 @@
 """``engine=ray``: each child of a sweep a Ray task on the cluster, asking for the GPUs it needs.
 
-A task asks for ``nproc`` GPUs (none with ``device=cpu``) and, when the child is filed under a GPU label, the
-accelerator type Ray reports for it (``vitreg.hardware.profiles.RAY_ACCELERATOR_TYPES``), so Ray places it on
-a node of that type. The task runs ``vitreg bench`` on its node, logging straight to the tracking server into
-the child run the parent made. Tasks are never retried by Ray (``max_retries=0``): a child whose node died
-ends FAILED with Ray's reason, and the sweep goes on. SIGINT/SIGTERM to the parent cancels every task, which
-stops its child (the child ends its run KILLED), and ends every child run still open KILLED.
-
-Ray's own log lines (its C++ core's retries while a GCS does not answer, its state dumps, its Python logger)
-go to a file the sweep names (:class:`RayLogAside`), not to the sweep's console.
+A task asks for ``nproc`` GPUs (none with ``device=cpu``) and the accelerator type Ray reports for its GPU label
+(``vitreg.hardware.profiles.RAY_ACCELERATOR_TYPES``), and runs ``vitreg bench`` on its node, logging straight
+into the child run the parent made. Tasks are never retried by Ray: a child whose node died ends FAILED with
+Ray's reason. SIGINT/SIGTERM cancels every task (its child ends KILLED). Ray's own log lines go to a file the
+sweep names (:class:`RayLogAside`), not to the sweep's console.
 """
 
 from __future__ import annotations

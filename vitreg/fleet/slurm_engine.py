@@ -1,18 +1,13 @@
 """``engine=slurm``: each child of a sweep a SLURM job, submitted through submitit, asking for its GPU type.
 
-A child filed under a GPU label asks SLURM for that type: ``--gres=gpu:TYPE:N`` (``slurm_gpu_by=gres``, N =
-``nproc``, one on CPU so the node's GPU is held) or ``--constraint=TYPE`` (``slurm_gpu_by=constraint``, node
-features), TYPE from :data:`vitreg.hardware.profiles.SLURM_GPU_TYPES`. Each job is one task (torchrun starts
-the ``nproc`` ranks itself) with ``nproc`` CPUs. The job runs :func:`vitreg.fleet.slurm_jobs.run_child` on its
-node: ``vitreg bench`` logging into the child run the parent made; a node that cannot reach the tracking server (``offline=auto``,
-the default) logs to a spool in the shared ``slurm_folder`` instead, and the parent delivers it once the job
-ended (:func:`vitreg.tracking.sync.sync`, exactly once: a delivered spool is removed).
-
-The parent follows its jobs with ``squeue`` once a second (SLURM's accounting, ``sacct``, is often off):
-a job the cluster cancelled or whose node failed ends its child FAILED with SLURM's state and reason; a
-pending job whose GPU type no node in service has any more is cancelled and FAILED. SIGINT/SIGTERM to the
-parent cancels every job (``scancel``: the running child gets SIGTERM and ends its run KILLED) and ends every
-child run KILLED; the parent waits until none of its jobs is left in the queue.
+A child filed under a GPU label asks for that type: ``--gres=gpu:TYPE:N`` (``slurm_gpu_by=gres``, N = ``nproc``,
+one on CPU so the node's GPU is held) or ``--constraint=TYPE`` (``slurm_gpu_by=constraint``), TYPE from
+:data:`vitreg.hardware.profiles.SLURM_GPU_TYPES`. Each job is one task (torchrun starts the ranks) with
+``nproc`` CPUs, running :func:`vitreg.fleet.slurm_jobs.run_child` on its node; a node that cannot reach the
+tracking server (``offline=auto``) spools into the shared ``slurm_folder``, and the parent delivers the spool
+once the job ended, exactly once. The parent follows its jobs with ``squeue`` (``sacct`` is often off): a job
+the cluster ended, or a pending one whose GPU type no node in service has any more, ends its child FAILED with
+SLURM's reason; SIGINT/SIGTERM cancels every job (``scancel``) and ends every child run KILLED.
 """
 
 from __future__ import annotations

@@ -1,21 +1,15 @@
 """Training data: synthetic class-conditional batches made on the device, or an ImageFolder tree.
 
-Both kinds give the loop the same thing: ``steps_per_epoch``, ``num_classes`` and
-``batches(epoch, start)``, an iterator of ``(images, labels)`` already on the device, starting at
-batch ``start`` of ``epoch``, so a resumed run sees exactly the batches it would have seen.
+Both kinds give the loop ``steps_per_epoch``, ``num_classes`` and ``batches(epoch, start)``, an iterator of
+``(images, labels)`` on the device starting at batch ``start`` of ``epoch``, so a resumed run sees exactly the
+batches it would have seen.
 
-Synthetic data (the default) needs no disk and no loader processes, so a training run measures the
-model, not the input pipeline: each class has a fixed random low-resolution "prototype" image; a
-sample is its prototype, upsampled, plus Gaussian noise. The loss can therefore fall (there is
-something to learn), and batch ``k`` is a pure function of ``(seed, rank, k)``.
-
-``data=PATH`` is a torchvision ``ImageFolder`` layout, ``PATH/train/<class>/*.jpg`` and optionally
-``PATH/val/<class>/*.jpg``, read by a DataLoader (``num_workers`` processes, pinned memory,
-persistent workers) with timm's ``create_transform`` (random-resized-crop + flip + colour jitter for
-training, resize + centre crop for validation, the model's mean/std and interpolation). An image that
-cannot be decoded stops the run with one line naming the file (:class:`UndecodableImage`), with or
-without loader processes; a file that is no image at all (a text file named ``.jpg``), or one this user may
-not read, is refused before the run trains, by its first bytes.
+Synthetic data (the default) needs no disk and no loader processes, so a run measures the model, not the input
+pipeline: a sample is its class's fixed random low-resolution prototype, upsampled, plus Gaussian noise (there
+is something to learn), and batch ``k`` is a pure function of ``(seed, rank, k)``. ``data=PATH`` is a
+torchvision ``ImageFolder`` layout (``PATH/train/<class>/*.jpg``, optionally ``PATH/val/...``) read by a
+DataLoader with timm's transforms; a file that is no image, or that this user may not read, is refused before
+the run trains, and one that cannot be decoded stops it with one line naming the file.
 """
 
 from __future__ import annotations
@@ -35,13 +29,9 @@ _NOISE_STD = 1.0
 
 
 class UndecodableImage(VitregError):
-    """An image file of ``data=PATH`` that PIL cannot decode; the message names the file.
-
-    Refused, not skipped: skipping would change the data set under the run (the epoch's length, the
-    class balance, and the sample order a resumed run must see again) without anyone deciding it, and
-    finding every bad file first would mean decoding the whole folder before the first step. A broken
-    file is usually a broken copy, which the user wants to hear about.
-    """
+    """An image file of ``data=PATH`` that PIL cannot decode; the message names the file. Refused, not skipped:
+    skipping would change the data set under the run (the epoch's length, the class balance, the order a
+    resumed run must see again) without anyone deciding it."""
 
     @classmethod
     def from_loader(cls, exc: "UndecodableImage") -> "UndecodableImage":
@@ -109,12 +99,8 @@ class SyntheticData:
 
 
 class EpochSampler:
-    """A seeded permutation per epoch, sharded over ranks, that can start part-way through.
-
-    Like ``DistributedSampler`` (pads to a multiple of the world size, ``set_epoch``), plus
-    ``set_start(n)`` to skip the first ``n`` samples of this rank's shard without loading them,
-    which is what resuming mid-epoch needs.
-    """
+    """A seeded permutation per epoch, sharded over ranks as ``DistributedSampler`` does, plus ``set_start(n)``
+    to skip the first ``n`` samples of this rank's shard without loading them (resuming mid-epoch)."""
 
     def __init__(self, size: int, seed: int = 0, rank: int = 0, world_size: int = 1, shuffle: bool = True):
         self.size = size
@@ -160,7 +146,6 @@ class FolderData:
         """``spec``: the TrainSpec (its data folder, batch_size, num_workers, seed, num_classes); ``info``: the
         model's ModelInfo (its img_size, and its num_classes where the spec leaves it to the data)."""
         import torch
-        from torchvision import datasets
 
         root, img_size, batch_size = spec.data, info.img_size, spec.batch_size
         num_workers, seed, num_classes = spec.num_workers, spec.seed, spec.num_classes or info.num_classes
@@ -168,11 +153,7 @@ class FolderData:
         self.root = Path(root).expanduser()
         train_dir, val_dir = _check_layout(self.root)
         transform_train, transform_val = _transforms(img_size, model)
-        try:
-            self.train_set = datasets.ImageFolder(str(train_dir), transform=transform_train, loader=load_image)
-        except (FileNotFoundError, OSError) as exc:
-            raise VitregError(f"data={root}: {train_dir} has class folders but no images torchvision can read "
-                              f"({' '.join(str(exc).split())[:160]}): put .jpg/.png files in train/<class>/") from None
+        self.train_set = _image_folder(root, train_dir, transform_train, "put .jpg/.png files in train/<class>/")
         self.classes = list(self.train_set.classes)
         self.num_classes = len(self.classes)
         if num_classes and num_classes != self.num_classes:
@@ -197,11 +178,7 @@ class FolderData:
         self.steps_per_epoch = len(self.train_set) // world_size // batch_size
         self.val = None
         if val_dir is not None:
-            try:
-                val_set = datasets.ImageFolder(str(val_dir), transform=transform_val, loader=load_image)
-            except (FileNotFoundError, OSError) as exc:
-                raise VitregError(f"data={root}: {val_dir} has no readable images "
-                                  f"({' '.join(str(exc).split())[:160]}): fill val/<class>/ or remove val/") from None
+            val_set = _image_folder(root, val_dir, transform_val, "fill val/<class>/ or remove val/")
             if list(val_set.classes) != self.classes:
                 missing = sorted(set(self.classes) ^ set(val_set.classes))[:3]
                 raise VitregError(f"data={root}: val/ and train/ have different class folders (e.g. {missing}): "
@@ -226,6 +203,16 @@ class FolderData:
     def val_batches(self):
         for images, labels in _decoded(self.val):
             yield images.to(self.device, non_blocking=True), labels.to(self.device, non_blocking=True)
+
+
+def _image_folder(root, folder: Path, transform, fix: str):
+    from torchvision import datasets
+
+    try:
+        return datasets.ImageFolder(str(folder), transform=transform, loader=load_image)
+    except (FileNotFoundError, OSError) as exc:
+        raise VitregError(f"data={root}: {folder} has class folders but no images torchvision can read "
+                          f"({' '.join(str(exc).split())[:160]}): {fix}") from None
 
 
 def _decoded(loader):
@@ -323,7 +310,10 @@ def _check_header(root: Path, path: str) -> None:
             prefix = fh.read(16)
     except OSError as exc:
         raise VitregError(f"data={root}: {unreadable(path, exc)}, or remove it") from None
-    if not any(_accepts(test, prefix) for _, test in _image_formats().values()) and not _pil_opens(path):
+    from PIL import Image
+
+    Image.init()  # every plugin, each with its header test in Image.OPEN
+    if not any(_accepts(test, prefix) for _, test in Image.OPEN.values()) and not _pil_opens(path):
         raise UndecodableImage(f"data={root}: {path} is not an image (no image format starts like it): replace or "
                                f"remove the file")
 
@@ -346,14 +336,6 @@ def _pil_opens(path: str) -> bool:
         return True  # an image, too large to decode: load_image says so in its own line
     except (OSError, ValueError, SyntaxError):
         return False
-
-
-def _image_formats() -> dict:
-    """PIL's registered formats (its ``Image.OPEN``: name -> (opener, header test)), all plugins loaded."""
-    from PIL import Image
-
-    Image.init()
-    return Image.OPEN
 
 
 def _transforms(img_size: int, model=None):
