@@ -201,6 +201,19 @@ def relay(proc: subprocess.Popen, on_line) -> tuple[int, str]:
     return proc.wait(), "".join(tail)
 
 
+def run_remote_child(argv: list[str], env: dict, cwd: str | None = None) -> tuple[int, str]:
+    """A cluster's child on its node (a Ray task's, a SLURM job's): ``python argv...`` with ``env``, to its end:
+    (exit status, stderr tail). Stopped with SIGTERM (its run ends KILLED) when this process is stopped
+    (``ray.cancel``, ``scancel``) or dies."""
+    proc = subprocess.Popen([sys.executable, *argv], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True, cwd=cwd, preexec_fn=die_with_parent)
+    try:
+        return relay(proc, lambda line: None)
+    except BaseException:
+        stop_child(proc, STOP_GRACE_S)
+        raise
+
+
 def _copy_stdout(proc: subprocess.Popen) -> threading.Thread | None:
     """A thread copying the child's stdout to ours as it comes; None where it is not piped (a Ray task's or a
     SLURM job's child: each thread then died on ``writelines(None)`` in every worker's log)."""

@@ -4,16 +4,13 @@ say they started, and :class:`Follower`, the parent's loop that submits the task
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import time
 
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from vitreg.ddp.launcher import die_with_parent, stop_child
 from vitreg.fleet import children
-from vitreg.fleet.local import STOP_GRACE_S, relay
+from vitreg.fleet.local import STOP_GRACE_S, run_remote_child
 from vitreg.tracking import runs as tracking
 
 
@@ -37,13 +34,7 @@ def run_child(child_id: str, argv: list[str], env: dict, tally) -> tuple[int, st
     node id). Cancelled (SIGINT/SIGTERM to the sweep): the child gets SIGTERM and ends its run KILLED."""
     node_id = ray.get_runtime_context().get_node_id()
     ray.get(tally.start.remote(child_id, node_id))
-    proc = subprocess.Popen([sys.executable, *argv], env={**os.environ, **env}, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True, preexec_fn=die_with_parent)
-    try:
-        returncode, tail = relay(proc, lambda line: None)
-    except KeyboardInterrupt:  # ray.cancel: stop the child the way the parent was stopped
-        stop_child(proc, STOP_GRACE_S)
-        raise
+    returncode, tail = run_remote_child(argv, {**os.environ, **env})
     return returncode, tail, node_id
 
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,20 +49,13 @@ def run_child(argv: list[str], env: dict, spool_dir: str, offline: str, workdir:
     ``workdir``, the submitting folder, where the sweep's relative paths point (when the node has it): the job
     itself starts in vitreg's folder, and the child's command keeps the working directory off the import path
     (:func:`vitreg.fleet.worker.python_command`)."""
-    from vitreg.ddp.launcher import stop_child
-    from vitreg.fleet.local import STOP_GRACE_S as CHILD_GRACE_S, relay
+    from vitreg.fleet.local import run_remote_child
 
     os.environ.update(env)
     spooled = offline == "true" or (offline == "auto" and not _reaches_server())
     if spooled:
         os.environ.update(VITREG_OFFLINE="1", VITREG_SPOOL_DIR=spool_dir)
-    proc = subprocess.Popen([sys.executable, *argv], env=dict(os.environ), stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True, cwd=workdir if os.path.isdir(workdir) else None)
-    try:
-        returncode, tail = relay(proc, lambda line: None)
-    except BaseException:  # scancel's SIGTERM reached this process first: the child ends its run KILLED
-        stop_child(proc, CHILD_GRACE_S)
-        raise
+    returncode, tail = run_remote_child(argv, dict(os.environ), cwd=workdir if os.path.isdir(workdir) else None)
     return returncode, tail, spooled
 
 

@@ -15,7 +15,6 @@ the run trains, and one that cannot be decoded stops it with one line naming the
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 from pathlib import Path
 
@@ -98,43 +97,27 @@ class SyntheticData:
             yield self.batch(epoch * self.steps_per_epoch + i)
 
 
-class EpochSampler:
-    """A seeded permutation per epoch, sharded over ranks as ``DistributedSampler`` does, plus ``set_start(n)``
-    to skip the first ``n`` samples of this rank's shard without loading them (resuming mid-epoch)."""
+def epoch_sampler(dataset, seed: int, rank: int, world_size: int):
+    """torch's ``DistributedSampler`` (a seeded permutation per epoch, padded and sharded over the ranks) that can
+    also start part-way through: ``set_start(n)`` skips the first ``n`` samples of this rank's shard without
+    loading them (resuming mid-epoch). Made here, not at import: planning a job reads this module, not torch."""
+    import itertools
 
-    def __init__(self, size: int, seed: int = 0, rank: int = 0, world_size: int = 1, shuffle: bool = True):
-        self.size = size
-        self.seed = seed
-        self.rank = rank
-        self.world_size = world_size
-        self.shuffle = shuffle
-        self.epoch = 0
-        self.start = 0
-        self.per_rank = math.ceil(size / world_size)
+    from torch.utils.data import DistributedSampler
 
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
+    class EpochSampler(DistributedSampler):
+        start = 0
 
-    def set_start(self, start: int) -> None:
-        self.start = start
+        def set_start(self, start: int) -> None:
+            self.start = start
 
-    def _indices(self) -> list[int]:
-        import torch
+        def __iter__(self):
+            return itertools.islice(super().__iter__(), self.start, None)
 
-        if self.shuffle:
-            g = torch.Generator().manual_seed(self.seed + self.epoch)
-            order = torch.randperm(self.size, generator=g).tolist()
-        else:
-            order = list(range(self.size))
-        total = self.per_rank * self.world_size
-        order += order[: total - len(order)]  # pad so every rank gets the same count
-        return order[self.rank:total:self.world_size]
+        def __len__(self) -> int:
+            return self.num_samples - self.start
 
-    def __iter__(self):
-        return iter(self._indices()[self.start:])
-
-    def __len__(self) -> int:
-        return self.per_rank - self.start
+    return EpochSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=seed)
 
 
 class FolderData:
@@ -171,7 +154,7 @@ class FolderData:
         if sampler_factory is not None:
             self.sampler = sampler_factory(self.train_set)
         else:
-            self.sampler = EpochSampler(len(self.train_set), seed=seed, rank=rank, world_size=world_size)
+            self.sampler = epoch_sampler(self.train_set, seed, rank, world_size)
         # drop_last: every step has the same shape (no recompile, honest per-step timing)
         self.loader = torch.utils.data.DataLoader(self.train_set, batch_size=batch_size, sampler=self.sampler,
                                                   drop_last=True, **loader_kw)
