@@ -86,12 +86,6 @@ def killed_ranks(torchrun_text: str) -> dict[int, int]:
     return {rank: code for rank, code in failures.items() if code < 0 and code not in _NOT_TORCHRUN_S_STOP}
 
 
-def _killed_message(signum: int) -> str:
-    name = _signal_name(signum)
-    why = " (as the OOM killer does when the host runs out of memory)" if signum == signal.SIGKILL else ""
-    return f"killed by {name}{why}"
-
-
 @dataclass(frozen=True)
 class LaunchOutcome:
     """What became of a torchrun job, as seen from this host's launcher."""
@@ -153,7 +147,10 @@ def _killed_outcome(outcome: LaunchOutcome, killed: dict[int, int]) -> LaunchOut
     rank_dir = next((d for d in outcome.log_dir.glob("*/attempt_*/*") if d.name.isdigit() and outcome._global(d) == rank),
                     None)
     last_words = last_error_line(_stderr_of(rank_dir)) if rank_dir is not None else None
-    why = _killed_message(-killed[rank]) + (f"; its last error line: {last_words}" if last_words else "")
+    signum = -killed[rank]
+    why = f"killed by {_signal_name(signum)}" + (" (as the OOM killer does when the host runs out of memory)"
+                                                 if signum == signal.SIGKILL else "")
+    why += f"; its last error line: {last_words}" if last_words else ""
     return replace(outcome, rank=rank, error=why)
 
 

@@ -22,7 +22,8 @@ from vitreg.tracking import runs as tracking
 def smaller_batch(bs, child_id: str) -> int:
     """The batch to retry with after a failure: smaller after an out-of-memory one, else 0 (no retry);
     batch_size=auto backs off inside the child already."""
-    if bs == AUTO_BATCH or not ran_out_of_memory(child_id):
+    # the child is another process: its error's class reaches us as the tag its tracked_run set
+    if bs == AUTO_BATCH or tracking.get_run(child_id).data.tags.get(tracking.ERROR_KIND_TAG) != OutOfMemory.__name__:
         return 0
     return decay_batch(bs)
 
@@ -39,11 +40,6 @@ def child_command(combo: Combination, batch_size, common: dict) -> list[str]:
     (at ``batch_size``) over the common ones."""
     options = {**common, **dict(combo.options), "batch_size": batch_size}
     return python_command("vitreg.cli", "bench", *options_to_args(options))
-
-
-def ran_out_of_memory(child_id: str) -> bool:
-    # the child is another process: its error's class reaches us as the tag its tracked_run set
-    return tracking.get_run(child_id).data.tags.get(tracking.ERROR_KIND_TAG) == OutOfMemory.__name__
 
 
 def start_remote(ctx, child, engine: str, type_tag: str, wanted: str | None) -> tuple[list[str], dict]:

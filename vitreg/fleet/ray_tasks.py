@@ -9,6 +9,7 @@ import time
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from vitreg.errors import first_line
 from vitreg.fleet import children
 from vitreg.fleet.local import STOP_GRACE_S, run_remote_child
 from vitreg.tracking import runs as tracking
@@ -73,7 +74,7 @@ class Follower(children.Follower):
             returncode, tail, tags = -15, self.reasons.get(child.run_id, "cancelled"), {}
             stopped = child.run_id not in self.reasons
         except ray.exceptions.RayError as exc:  # the node or worker died, or the task itself raised
-            returncode, tail, tags = -1, f"ray: {type(exc).__name__}: {_first_line(exc)}", {}
+            returncode, tail, tags = -1, f"ray: {type(exc).__name__}: {first_line(exc, 300)}", {}
         reason = tracking.finish_child_run(child.run_id, returncode, tail, stopped=stopped, tags=tags)
         self._ended(child, returncode == 0, reason)
 
@@ -101,8 +102,3 @@ class Follower(children.Follower):
             ray.cancel(ref, force=True)
             tracking.finish_child_run(child.run_id, -9, f"its sweep was {reason}; its task did not stop in time",
                                       stopped=True)
-
-
-def _first_line(exc) -> str:
-    lines = [line for line in str(exc).splitlines() if line.strip()]
-    return lines[0][:300] if lines else ""

@@ -110,11 +110,8 @@ class Follower(children.Follower):
             out = slurm("squeue", "-h", "-t", "all", "-j", ",".join(self.pending), "-o", "%i|%T|%r|%N")
         except VitregError:  # every job id forgotten (squeue refuses the list), or slurmctld busy: next poll
             return {}
-        states = {}
-        for line in out.splitlines():
-            job_id, state, reason, node = (line.split("|") + ["", "", ""])[:4]
-            states[job_id.strip()] = _JobState(state.strip(), reason.strip(), node.strip())
-        return states
+        rows = ([f.strip() for f in (line.split("|") + ["", "", ""])[:4]] for line in out.splitlines())
+        return {job_id: _JobState(state, reason, node) for job_id, state, reason, node in rows}
 
     def _follow(self, states: dict[str, _JobState]) -> None:
         for job_id, child in list(self.pending.items()):
@@ -154,15 +151,12 @@ class Follower(children.Follower):
         outcome, value = self.engine.submitit.core.utils.pickle_load(result) if result.exists() else (None, None)
         if outcome == "success" and now.state == "COMPLETED":
             return value
-        spooled = value[2] if outcome == "success" else self._has_spool(child)
+        spooled = value[2] if outcome == "success" else (self.spools_dir / child.run_id).is_dir()
         if outcome == "error":  # run_child itself raised: vitreg or its python is missing on the node
             return -1, f"the job's python failed: {str(value).strip().splitlines()[-1][:300]}", spooled
         where = f" on {now.node or child.node}" if (now.node or child.node) else ""
         why = f" ({now.reason})" if now.reason and now.reason != "None" else ""
         return -1, f"slurm: job {child.job.job_id} {now.state}{why}{where}", spooled
-
-    def _has_spool(self, child: RemoteChild) -> bool:
-        return (self.spools_dir / child.run_id).is_dir()
 
     def _deliver(self, child: RemoteChild) -> None:
         """The child's spool from the shared folder to the tracking store, once; then the folder goes."""
@@ -204,7 +198,6 @@ class Follower(children.Follower):
                 break
             time.sleep(POLL_S)
         for child in self.pending.values():
-            if self._has_spool(child):
-                self._deliver(child)
+            self._deliver(child)
             tracking.finish_child_run(child.run_id, -15, f"its sweep was {reason}", stopped=True)
 
