@@ -125,7 +125,7 @@ class FolderData:
 
     kind = "folder"
 
-    def __init__(self, spec, info, device, model=None, rank: int = 0, world_size: int = 1, sampler_factory=None):
+    def __init__(self, spec, info, device, model=None, rank: int = 0, world_size: int = 1):
         """``spec``: the TrainSpec (its data folder, batch_size, num_workers, seed, num_classes); ``info``: the
         model's ModelInfo (its img_size, and its num_classes where the spec leaves it to the data)."""
         import torch
@@ -151,10 +151,7 @@ class FolderData:
         pin = self.device.type == "cuda"
         loader_kw = dict(num_workers=num_workers, pin_memory=pin, persistent_workers=num_workers > 0,
                          **({"prefetch_factor": 4} if num_workers > 0 else {}))
-        if sampler_factory is not None:
-            self.sampler = sampler_factory(self.train_set)
-        else:
-            self.sampler = epoch_sampler(self.train_set, seed, rank, world_size)
+        self.sampler = epoch_sampler(self.train_set, seed, rank, world_size)
         # drop_last: every step has the same shape (no recompile, honest per-step timing)
         self.loader = torch.utils.data.DataLoader(self.train_set, batch_size=batch_size, sampler=self.sampler,
                                                   drop_last=True, **loader_kw)
@@ -170,16 +167,9 @@ class FolderData:
                                                    num_workers=num_workers, pin_memory=pin)
 
     def batches(self, epoch: int, start: int = 0):
-        if hasattr(self.sampler, "set_epoch"):
-            self.sampler.set_epoch(epoch)
-        if hasattr(self.sampler, "set_start"):
-            self.sampler.set_start(start * self.batch_size)
-            skip = 0
-        else:
-            skip = start  # a sampler without set_start: skip batches the slow way
-        for i, (images, labels) in enumerate(_decoded(self.loader)):
-            if i < skip:
-                continue
+        self.sampler.set_epoch(epoch)
+        self.sampler.set_start(start * self.batch_size)
+        for images, labels in _decoded(self.loader):
             # non_blocking with pinned memory: the copy overlaps the previous step's GPU work
             yield images.to(self.device, non_blocking=True), labels.to(self.device, non_blocking=True)
 
@@ -329,18 +319,14 @@ def _transforms(img_size: int, model=None):
     return create_transform(**config, is_training=True), create_transform(**config, is_training=False)
 
 
-def build_data(spec, info, device, model=None, rank: int = 0, world_size: int = 1, sampler_factory=None):
-    """The training data a :class:`~vitreg.config.spec.TrainSpec` asks for, for a model described by ``info``.
-
-    ``sampler_factory(dataset)`` (for DDP launchers) replaces the built-in rank-sharded sampler of
-    ImageFolder data; synthetic data is sharded by seeding each rank differently.
-    """
+def build_data(spec, info, device, model=None, rank: int = 0, world_size: int = 1):
+    """The training data a :class:`~vitreg.config.spec.TrainSpec` asks for, for a model described by ``info``,
+    this rank's shard (synthetic data: seeded by rank)."""
     if spec.synthetic:
         num_classes = spec.num_classes or SYNTHETIC_DEFAULT_CLASSES
         return SyntheticData(num_classes, info.img_size, spec.batch_size, device, spec.seed, rank, world_size)
     check_num_workers(spec.num_workers)
-    return FolderData(spec, info, device, model=model, rank=rank, world_size=world_size,
-                      sampler_factory=sampler_factory)
+    return FolderData(spec, info, device, model=model, rank=rank, world_size=world_size)
 
 
 def usable_cpus() -> int:

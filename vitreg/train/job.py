@@ -55,16 +55,10 @@ CHECKPOINT_ARTIFACTS = "checkpoints"
 
 
 def train(options: dict, experiment: str | None = None, run_name: str | None = None, progress=progress,
-          command: str | None = None, *, sampler_factory=None, placement: launch.Placement | None = None):
-    """Train one model and log it as one MLflow run; returns the loop's TrainResult.
-
-    ``nproc > 1`` (or a ``placement`` over several hosts) launches torchrun (see the module docstring)
-    and returns None in this launching process; with several hosts the same command runs on each
-    (node 0 holds rank 0, the run, the checkpoints and the registration). Inside torchrun (a vitreg
-    launcher's, or one the user started) this is one rank of the job. ``sampler_factory(dataset)``
-    replaces the built-in rank-sharded sampler of ImageFolder data (it must give every rank the same
-    number of batches).
-    """
+          command: str | None = None, *, placement: launch.Placement | None = None):
+    """Train one model and log it as one MLflow run; returns the loop's TrainResult. ``nproc > 1`` (or a
+    ``placement`` over several hosts, each running the same command) launches torchrun and returns None in this
+    launching process; inside torchrun this is one rank of the job."""
     run_node = (placement or launch.Placement()).run_node
     workdir = Path(tempfile.mkdtemp(prefix="vitreg-train-"))  # downloaded resume source + local checkpoints
     world = distributed.World()
@@ -73,7 +67,7 @@ def train(options: dict, experiment: str | None = None, run_name: str | None = N
                   launch.launcher_run(run_name, experiment, run_node))
         with opened as run:  # a refusal while the plan is resolved ends this run FAILED, with its error
             plan = resolve_plan(run, options, workdir, run_name=run_name, command=command, placement=placement,
-                                progress=progress, sampler_factory=sampler_factory)
+                                progress=progress)
             if plan.launches:
                 return _launch_train(plan)
             world = plan.world
@@ -112,7 +106,6 @@ class TrainPlan:
     progress: Callable  # quiet on DDP ranks other than 0: rank 0 speaks for the job
     launches: bool  # this process launches torchrun and trains nothing itself
     num_classes: int  # the head size: num_classes, else the class folders of data
-    sampler_factory: Callable | None = None
     ctx: JobContext | None = None  # a training process's world, hardware, runtime, wrap and reducer
     model: object = None  # the student, built with the seed: its facts (info) come from building it
     info: ModelInfo | None = None
@@ -135,7 +128,7 @@ class TrainPlan:
 
 
 def resolve_plan(run, options: dict, workdir: Path, *, run_name=None, command=None, placement=None,
-                 progress=progress, sampler_factory=None) -> TrainPlan:
+                 progress=progress) -> TrainPlan:
     """The plan of this process: what needs no step is checked here, before any training or launch."""
     from vitreg.train.data import resolve_num_classes
 
@@ -152,7 +145,7 @@ def resolve_plan(run, options: dict, workdir: Path, *, run_name=None, command=No
     # rank 0), not in every rank
     data_classes = resolve_num_classes(spec.replace(num_classes=0), check_images=distributed.is_main_process())
     plan = TrainPlan(options, spec, run, run_name, launch.typed_command(command), placement, workdir, progress, launches,
-                     num_classes=spec.num_classes or data_classes, sampler_factory=sampler_factory)
+                     num_classes=spec.num_classes or data_classes)
     if launches:
         if spec.resume and not spec.resume.startswith(("runs:/", "models:/")) and "://" not in spec.resume:
             resolve_checkpoint_source(spec.resume)  # a local path that does not exist
@@ -259,7 +252,7 @@ def _train_in_run(plan: TrainPlan):
 
     spec, world = plan.spec, plan.world
     data = build_data(spec, plan.info, plan.runtime.torch_device, model=plan.model, rank=world.rank,
-                      world_size=world.world_size, sampler_factory=plan.sampler_factory)
+                      world_size=world.world_size)
     if world.is_main:
         from vitreg.train import loop
 

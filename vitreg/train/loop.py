@@ -58,13 +58,11 @@ class Hooks:
 
 @dataclass(frozen=True)
 class Sources:
-    """What the loop trains on and learns from: ``data`` (default: :func:`vitreg.train.data.build_data`),
-    the distillation ``teacher`` (default: :func:`vitreg.train.losses.create_teacher`, which loads a
-    ``teacher=`` URI through ``teacher_loader``)."""
+    """What the loop trains on and learns from: ``data`` (default: :func:`vitreg.train.data.build_data`), the
+    distillation ``teacher`` (default: :func:`vitreg.train.losses.create_teacher` of ``spec.teacher``)."""
 
     data: object = None
     teacher: object = None
-    teacher_loader: Callable | None = None
 
 
 @dataclass(frozen=True)
@@ -79,16 +77,15 @@ class Checkpoints:
 
 @dataclass(frozen=True)
 class Ranks:
-    """This process's place in a DDP job, for the loop: data sharding (``rank`` of ``world_size``,
-    ``sampler_factory``), the DDP ``wrap``, the ``reducer`` (a :class:`vitreg.ddp.world.TrainReducer`),
-    and ``is_main`` (False on ranks that must not write checkpoints or validate)."""
+    """This process's place in a DDP job, for the loop: data sharding (``rank`` of ``world_size``), the DDP
+    ``wrap``, the ``reducer`` (a :class:`vitreg.ddp.world.TrainReducer`), and ``is_main`` (False on ranks that
+    must not write checkpoints or validate)."""
 
     world_size: int = 1
     rank: int = 0
     is_main: bool = True
     wrap: Callable | None = None
     reducer: object = None
-    sampler_factory: Callable | None = None
 
 
 @dataclass(frozen=True)
@@ -125,12 +122,9 @@ class TrainResult:
 
 
 def resume_spec(spec, checkpoint: ckpt.VerifiedCheckpoint, info, progress=progress):
-    """The spec a resumed run trains with: this one, with the checkpoint's ``seed``.
-
-    The seed defines the synthetic data set (its class prototypes) and the sample order of an
-    ImageFolder, so continuing with another one would train on another task. Refuses a checkpoint of
-    another model (name, img_size, num_classes). Whoever builds the data calls this, once, before.
-    """
+    """The spec a resumed run trains with: this one, with the checkpoint's ``seed`` (it defines the synthetic
+    data and an ImageFolder's sample order: another one would train on another task). Refuses a checkpoint of
+    another model. Whoever builds the data calls this, once, before."""
     spec_json = ckpt.check_compatible(checkpoint, info)
     saved = spec_json.get("train_spec", {}).get("seed")
     if saved is not None and str(saved) != str(spec.seed):
@@ -202,12 +196,9 @@ class _Tally:
 
 def train(spec, runtime, model, info, *, sources: Sources = Sources(), checkpoints: Checkpoints = Checkpoints(),
           hooks: Hooks = Hooks(), ranks: Ranks = Ranks()) -> TrainResult:
-    """Train ``model`` (built by :func:`vitreg.models.factory.create_model`, described by ``info``) as ``spec`` says.
-
-    A resumed run (``checkpoints.resume_from``) continues at the checkpoint's step, with its optimizer,
-    LR schedule, scaler and RNG states; ``spec`` is then :func:`resume_spec` of it, so that the data
-    is the one the checkpoint was trained on.
-    """
+    """Train ``model`` (described by ``info``) as ``spec`` says. A resumed run (``checkpoints.resume_from``)
+    continues at the checkpoint's step with its optimizer, schedule, scaler and RNG states; ``spec`` is then
+    :func:`resume_spec` of it, so that the data is the one the checkpoint was trained on."""
     progress = hooks.progress
     setup = _prepare(spec, runtime, model, info, sources, checkpoints, hooks, ranks)
     tally = _Tally(step=setup.start_step, clock=StepClock(runtime.device),
@@ -267,8 +258,7 @@ def _prepare(spec, runtime, model, info, sources: Sources, checkpoints: Checkpoi
     model.train()
     data, teacher, progress = sources.data, sources.teacher, hooks.progress
     if data is None:
-        data = build_data(spec, info, device, model=model, rank=ranks.rank, world_size=ranks.world_size,
-                          sampler_factory=ranks.sampler_factory)
+        data = build_data(spec, info, device, model=model, rank=ranks.rank, world_size=ranks.world_size)
     if data.num_classes != info.num_classes:
         raise VitregError(f"the data has {data.num_classes} classes, the model head {info.num_classes}: "
                           f"pass num_classes=0 to take it from the data")
@@ -276,7 +266,7 @@ def _prepare(spec, runtime, model, info, sources: Sources, checkpoints: Checkpoi
     total = total_steps_of(spec, spe)
     check_distillable(spec, info)
     if spec.distillation != "none" and teacher is None:
-        teacher = create_teacher(spec, info, device, sources.teacher_loader, progress)
+        teacher = create_teacher(spec, info, device, progress=progress)
     criterion = build_criterion(spec, info, teacher)
     if info.distilled and hasattr(model, "set_distilled_training"):
         model.set_distilled_training(True)  # DeiT: training returns (class, distillation) outputs
@@ -482,8 +472,6 @@ def _finish(setup: _Setup, tally: _Tally, stopped_by: str | None = None) -> Trai
 
 # --------------------------------------------------------------------------- optimizer and LR schedule
 
-# DeiT's recipe: AdamW and a warm-up + cosine, stepped per update.
-
 
 def build_optimizer(model, spec, runtime):
     """AdamW, weight decay off for biases, norms, position embeddings and tokens (as DeiT/timm).
@@ -550,8 +538,6 @@ class StepClock:
 
 
 # --------------------------------------------------------------------------- validation and gradient norm
-
-# What the loop measures besides the loss.
 
 
 @torch.no_grad()
