@@ -88,11 +88,8 @@ def visible_gpu_count() -> int:
 
 
 def check_nproc(nproc: int, device: str, gpu_count: int) -> None:
-    """Refuse more processes than GPUs, before launching anything.
-
-    ``device`` is the requested one (auto/cuda/cpu). On the CPU (``device=cpu``, or ``auto`` on a
-    host without GPUs) any ``nproc`` is allowed: gloo processes, for tests and CI.
-    """
+    """Refuse more processes than GPUs, before launching anything; on the CPU (``device=cpu``, or ``auto`` on a
+    host without GPUs) any ``nproc`` is allowed: gloo processes, for tests and CI."""
     if nproc <= 1 or device == "cpu":
         return
     if gpu_count == 0:

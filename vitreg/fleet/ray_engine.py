@@ -54,10 +54,9 @@ def _check_answers(address: str) -> None:
 
 
 class RayLogAside:
-    """While the sweep uses Ray, file descriptor 2 (where Ray's C++ core and Ray's Python logger write, and the
-    Ray processes a ``local`` cluster starts inherit) is the file :attr:`path`; vitreg's own lines still reach
-    the console through a ``sys.stderr`` on a copy of the console's descriptor. A redirect of the descriptor,
-    not of ``sys.stderr`` alone: Ray's core writes to fd 2 from C++, below Python."""
+    """While the sweep uses Ray, file descriptor 2 (where Ray's C++ core writes, below Python, and what a
+    ``local`` cluster's processes inherit) is the file :attr:`path`; vitreg's own lines still reach the console
+    through a ``sys.stderr`` on a copy of the console's descriptor."""
 
     def __init__(self):
         self.path = Path(tempfile.gettempdir()) / f"vitreg-ray-{os.getpid()}.log"

@@ -352,17 +352,10 @@ def _log_setup(plan: TrainPlan, data) -> None:
 def _train_tags(plan: TrainPlan, data_kind: str) -> dict:
     """bench's resolved tags (names people group by) plus the training ones."""
     spec, runtime, info = plan.spec, plan.runtime, plan.info
-    return {
-        **resolved_tags(spec, plan.hardware, runtime, info.img_size, task="train"),
-        "vitreg_job": "train",
-        "precision": runtime.precision.label,  # what ran: fp32, tf32, autocast-bf16, autocast-fp16
-        "sdpa": spec.sdpa,
-        "num_classes": info.num_classes,
-        "data": data_kind,
-        "distillation": spec.distillation,
-        "teacher": spec.teacher or None,
-        "resumed_from": spec.resume or None,
-    }
+    return {**resolved_tags(spec, plan.hardware, runtime, info.img_size, task="train"), "vitreg_job": "train",
+            "precision": runtime.precision.label,  # what ran: fp32, tf32, autocast-bf16, autocast-fp16
+            "sdpa": spec.sdpa, "num_classes": info.num_classes, "data": data_kind, "distillation": spec.distillation,
+            "teacher": spec.teacher or None, "resumed_from": spec.resume or None}
 
 
 def _run_name(plan: TrainPlan, throughput: float | None = None) -> str:
