@@ -221,14 +221,10 @@ def _read_manifest(directory: Path, fix: str) -> dict:
     if not manifest_path.is_file():
         raise VitregError(f"checkpoint {directory} has no {MANIFEST} (incomplete or not a vitreg checkpoint): {fix}")
     manifest = read_json(manifest_path, fix, where=f"checkpoint {directory}: {MANIFEST}")
-    try:
-        files = manifest["files"]
-        entries_ok = isinstance(files, dict) and all(
+    files = manifest.get("files") if isinstance(manifest, dict) else None
+    if not isinstance(files, dict) or not all(
             isinstance(e, dict) and isinstance(e.get("bytes"), int) and isinstance(e.get("sha256"), str)
-            for e in files.values())
-    except (KeyError, TypeError):
-        entries_ok = False
-    if not entries_ok:
+            for e in files.values()):
         raise VitregError(f"checkpoint {directory}: {MANIFEST} is not valid JSON with a 'files' map of "
                           f"{{sha256, bytes}}: {fix}")
     if manifest.get("format") != FORMAT:

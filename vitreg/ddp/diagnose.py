@@ -1,17 +1,12 @@
 """Why a torchrun job failed: the root-cause rank, its one-line error and its own exit status.
 
-Failures come back the way torch elastic passes them: torchrun gives every worker an error file
-(``TORCHELASTIC_ERROR_FILE``, ``<log_dir>/<run>/attempt_<N>/<local_rank>/error.json``) and a worker
-that fails writes its error there (:func:`record_error`, in torch's format, so torchrun's own failure
-summary shows it too). The first file written names the root cause. A worker killed by a signal
-writes nothing; then the last error line of a worker's stderr log names it.
-
-When one worker dies, torchrun stops the others with SIGTERM, and each of them records "stopped by
-SIGTERM" (exit 143): those are consequences, so they name the root cause only when no other rank
-failed (the whole job was stopped). A worker killed by a signal it cannot catch (SIGKILL: the OOM
-killer's) writes nothing at all, and its peers then report only the lost connection: torchrun's own
-failure summary (its stderr, kept by the launcher in ``torchrun.log``) gives each failed rank's exit
-status, ``-9`` for SIGKILL, and says when torchrun itself was stopped (its ``SignalException``).
+Failures come back the way torch elastic passes them: a worker that fails writes its error file
+(``TORCHELASTIC_ERROR_FILE``; :func:`record_error`, in torch's format) and the first file written names the
+root cause. When one worker dies, torchrun stops the others with SIGTERM, and each records "stopped by
+SIGTERM": consequences, which name the root cause only when no other rank failed. A worker killed by a signal
+it cannot catch (SIGKILL: the OOM killer's) writes nothing and its peers report only the lost connection:
+torchrun's failure summary (in ``torchrun.log``) then gives each failed rank's exit status, and says when
+torchrun itself was stopped; else the last error line of a rank's stderr names the cause.
 """
 
 from __future__ import annotations

@@ -45,10 +45,8 @@ def slurm(*args: str) -> str:
 def run_child(argv: list[str], env: dict, spool_dir: str, offline: str, workdir: str) -> tuple[int, str, bool]:
     """In the job, on its node: ``python argv...`` logging into the child run (``env``); (exit status, stderr
     tail, whether it spooled). ``offline=auto``: a node that cannot reach the tracking server spools to
-    ``spool_dir`` (in the shared folder) and the parent delivers it; ``true``: always spool. The child runs in
-    ``workdir``, the submitting folder, where the sweep's relative paths point (when the node has it): the job
-    itself starts in vitreg's folder, and the child's command keeps the working directory off the import path
-    (:func:`vitreg.fleet.worker.python_command`)."""
+    ``spool_dir`` (in the shared folder) for the parent to deliver; ``true``: always. The child runs in
+    ``workdir``, the submitting folder, where the sweep's relative paths point (when the node has it)."""
     from vitreg.fleet.local import run_remote_child
 
     os.environ.update(env)
