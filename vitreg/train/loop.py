@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Callable
 
@@ -112,9 +112,7 @@ class TrainResult:
         return self.figures.metrics()
 
     def to_dict(self) -> dict:
-        out = {k: getattr(self, k) for k in ("step", "start_step", "steps_run", "epoch", "total_steps",
-                                             "steps_per_epoch", "batch_size", "world_size", "last_checkpoint",
-                                             "stopped_by")}
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "figures"}
         return {**out, "figures": self.figures.to_dict(), "metrics": self.metrics()}
 
 
