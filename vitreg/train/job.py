@@ -89,12 +89,8 @@ def train(options: dict, experiment: str | None = None, run_name: str | None = N
 
 @dataclass(frozen=True)
 class TrainPlan:
-    """What every step after :func:`resolve_plan` reads: resolved once, at the job's top.
-
-    A launcher's plan stops at ``num_classes`` (it trains nothing); a training process's holds its
-    context (world, hardware, runtime), the model built for it and its facts, the checkpoint it resumes
-    from, the teacher and the run's title.
-    """
+    """What every step after :func:`resolve_plan` reads, resolved once at the job's top. A launcher's plan stops
+    at ``num_classes`` (it trains nothing)."""
 
     options: dict  # as they came: a launcher forwards them to every rank
     spec: TrainSpec  # a resumed run's carries the checkpoint's seed
@@ -424,12 +420,9 @@ def _print_summary(result, run) -> None:
 
 
 class RunLogger:
-    """MLflow calls for one run, in submission order, off the training thread when that is safe.
-
-    With a thread-safe tracker (bound to its run id) a single daemon thread runs the calls; the
-    training loop only enqueues. Otherwise :meth:`submit` runs the call at once. An error in the
-    thread is raised at the next :meth:`submit` or at :meth:`close`.
-    """
+    """MLflow calls for one run, in submission order, off the training thread when that is safe: one daemon
+    thread with a thread-safe tracker (bound to its run id; MLflow's active run is thread-local), else at once.
+    An error in the thread is raised at the next :meth:`submit` or at :meth:`close`."""
 
     def __init__(self, tracker):
         self.tracker = tracker
@@ -490,12 +483,9 @@ class RunLogger:
 
 
 class CheckpointUploader:
-    """Logs each checkpoint as ``checkpoints/step-<N>``, then points ``checkpoints/last`` at it, then deletes
-    the run's checkpoints beyond the newest ``keep`` (0: none) and the local copies of older ones (the
-    newest stays, for registration).
-
-    In that order, through the run's one ordered queue: a process killed at any point leaves ``last``
-    naming a complete folder, and never fewer than ``keep`` of them."""
+    """Logs each checkpoint as ``checkpoints/step-<N>``, then points ``checkpoints/last`` at it, then deletes the
+    run's checkpoints beyond the newest ``keep`` (0: none) and the older local copies; in that order, through
+    the run's one queue: a process killed at any point leaves ``last`` naming a complete folder."""
 
     def __init__(self, logger: RunLogger, keep: int = 1):
         self.logger = logger
