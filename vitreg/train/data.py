@@ -67,9 +67,6 @@ class SyntheticData:
         self.device = torch.device(device)
         self.seed = seed
         self.rank = rank
-        self.world_size = world_size
-        self.classes = [str(i) for i in range(num_classes)]
-        self.train_images = images_per_epoch
         self.steps_per_epoch = max(1, images_per_epoch // (batch_size * world_size))
         self.val = None  # no held-out set: val_top1 is reported for ImageFolder data only
         # The same prototypes on every rank (seeded by seed alone), made on the CPU for determinism
@@ -133,8 +130,7 @@ class FolderData:
         root, img_size, batch_size = spec.data, info.img_size, spec.batch_size
         num_workers, seed, num_classes = spec.num_workers, spec.seed, spec.num_classes or info.num_classes
 
-        self.root = Path(root).expanduser()
-        train_dir, val_dir = _check_layout(self.root)
+        train_dir, val_dir = _check_layout(Path(root).expanduser())
         transform_train, transform_val = _transforms(img_size, model)
         self.train_set = _image_folder(root, train_dir, transform_train, "put .jpg/.png files in train/<class>/")
         self.classes = list(self.train_set.classes)
@@ -145,7 +141,6 @@ class FolderData:
         if len(self.train_set) < batch_size * world_size:
             raise VitregError(f"data={root} has {len(self.train_set)} training images, fewer than one batch "
                               f"(batch_size={batch_size} x {world_size} process(es)): use a smaller batch_size")
-        self.train_images = len(self.train_set)
         self.device = torch.device(device)
         self.batch_size = batch_size
         pin = self.device.type == "cuda"
