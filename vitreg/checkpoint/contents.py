@@ -1,13 +1,10 @@
 """What a checkpoint holds, checked as strictly as user input before anything is built from it.
 
-A checkpoint whose files match their manifest can still be unusable: a ``spec.json`` edited by hand
-(a string where a number goes, a key missing), a ``model.safetensors`` that is some other file, or
-weights saved for another model. A manifest proves only that the files are the ones it lists, so
-these are checked on their own: :func:`validate_spec` parses every key the loaders read with the
-option table's parsers (the same types and ranges as ``-P`` values), and :func:`check_weights` reads
-the names and shapes in the safetensors header (no tensor data) and compares them with the built
-model's state before anything is loaded. Each failure is one :class:`~vitreg.errors.CheckpointError`
-line naming the file.
+A manifest proves only that the files are the ones it lists: a ``spec.json`` edited by hand, a
+``model.safetensors`` that is some other file, or weights saved for another model pass it. So
+:func:`validate_spec` parses every key the loaders read with the option table's parsers, and
+:func:`check_weights` compares the names and shapes in the safetensors header (no tensor data) with the built
+model's before anything is loaded. Each failure is one :class:`~vitreg.errors.CheckpointError` naming the file.
 """
 
 from __future__ import annotations
@@ -19,6 +16,7 @@ from vitreg.config.parse import parse_bool, parse_int
 from vitreg.errors import CheckpointError, VitregError
 
 FIX = "re-save it, or point at another checkpoint (e.g. an earlier checkpoints/step-<N>)"
+
 
 def _scalar(value, name: str):
     # JSON true/false must not pass for numbers (int(True) is 1), nor a list for anything
@@ -37,17 +35,13 @@ def _model_name(value, name: str) -> str:
     return value.strip()
 
 
+def _int(least: int):
+    return lambda v, name: parse_int(_scalar(v, name), name, least, error=CheckpointError)
+
+
 #: spec.json keys the loaders read: name -> parser of the raw JSON value
-_REQUIRED = {
-    "model": _model_name,
-    "img_size": lambda v, name: parse_int(_scalar(v, name), name, 1, error=CheckpointError),
-    "num_classes": lambda v, name: parse_int(_scalar(v, name), name, 1, error=CheckpointError),
-    "step": lambda v, name: parse_int(_scalar(v, name), name, 0, error=CheckpointError),
-}
-_OPTIONAL = {
-    "epoch": lambda v, name: parse_int(_scalar(v, name), name, 0, error=CheckpointError),
-    "distilled": lambda v, name: parse_bool(_scalar(v, name), name, error=CheckpointError),
-}
+_REQUIRED = {"model": _model_name, "img_size": _int(1), "num_classes": _int(1), "step": _int(0)}
+_OPTIONAL = {"epoch": _int(0), "distilled": lambda v, name: parse_bool(_scalar(v, name), name, error=CheckpointError)}
 
 
 def validate_spec(spec_json, path: Path) -> dict:

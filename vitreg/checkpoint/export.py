@@ -1,16 +1,10 @@
-"""A checkpoint as a self-contained folder for users: the weights, spec.json, a manifest of exactly
-those, and a README with the loader (``vitreg pull --out``, and the files a registered version holds).
+"""A checkpoint as a self-contained folder for users: the weights, spec.json, a manifest of exactly those, and
+a README with the loader (``vitreg pull --out``, and the files a registered version holds). The training-only
+state is left out. ``--out`` is written all or nothing (a temporary folder beside it, verified, then renamed).
 
-The training-only state (``train_state.pt``: optimizer, scheduler, scaler, ~2x the weights) is left
-out. ``--out`` is written all or nothing: into a temporary folder beside it, verified there, then
-renamed into place, so a failure (a refused manifest, a full disk, a kill) leaves no half-written
-folder under the name the user gave.
-
-The files get the user's permissions (their umask), whatever mode the file they were made from had.
-``safetensors`` writes ``model.safetensors`` as 0600 (it writes a temporary file and renames it),
-MLflow's local artifact store and its downloads keep that mode, and ``shutil.copy2`` copies it: so
-the weights in a ``vitreg pull --out`` folder were readable by their owner only, next to 0644
-``spec.json`` and ``README.md``.
+The files get the user's permissions (their umask), whatever mode the file they were made from had:
+``safetensors`` writes ``model.safetensors`` as 0600, MLflow's store and downloads keep that mode, and
+``shutil.copy2`` copied it, so exported weights were readable by their owner only.
 """
 
 from __future__ import annotations

@@ -8,24 +8,16 @@ A checkpoint is a directory::
                          "train_spec", "vitreg_version", ...}: enough to rebuild the model
     manifest.json       {"format": "vitreg-checkpoint-1", "files": {name: {"sha256", "bytes"}}}
 
-Rebuilding a model (:func:`load_model`, what ``pull`` and the registry use) reads only JSON and
-safetensors, so a checkpoint from anywhere can be loaded without running its code. Resuming
-(:func:`load_training_state`) also reads ``train_state.pt``, with ``weights_only=True``: tensors and
-plain containers only. :func:`verify_checkpoint` checks every file against the manifest once and
-returns a :class:`VerifiedCheckpoint` that the loaders take, so a truncated upload or an edited file
-fails with a one-line :class:`~vitreg.errors.VitregError` naming the file, not deep in torch. Files
-that match their manifest are still checked for what they hold (:mod:`vitreg.checkpoint.contents`):
-``spec.json`` as strictly as user input, the weights' names and shapes against the built model.
+Rebuilding a model (:func:`load_model`) reads only JSON and safetensors: a checkpoint from anywhere loads
+without running its code; resuming also reads ``train_state.pt`` with ``weights_only=True``.
+:func:`verify_checkpoint` checks every file against the manifest once and returns a :class:`VerifiedCheckpoint`
+that the loaders take, so a truncated upload or an edited file is one line naming the file, not an error deep
+in torch; what the files hold is checked too (:mod:`vitreg.checkpoint.contents`). The directory is written
+under a temporary name and renamed into place: a process killed while saving leaves no half-written one.
 
-The directory is written under a temporary name and renamed into place, so a process killed while
-saving leaves the previous checkpoint (or nothing), never a half-written one under the real name.
-
-A run keeps its checkpoints as ``checkpoints/step-<N>/`` folders and names the newest in a small
-file, ``checkpoints/last`` (:func:`last_pointer`): ``{"format": "vitreg-last-1", "checkpoint":
-"step-<N>", "step": N}``. A second folder of the same bytes under ``last`` would double the disk a
-run takes (weights and optimizer state twice); the file is written after the folder it names is
-complete, so ``last`` moves in one write and always names an intact checkpoint.
-:func:`follow_last` reads it, and refuses a pointer to anything but a sibling ``step-<N>`` folder.
+A run keeps its checkpoints as ``checkpoints/step-<N>/`` folders and names the newest in a small file,
+``checkpoints/last`` (:func:`last_pointer`), not a second copy of the same bytes; it is written after the
+folder it names is complete, so ``last`` always names an intact checkpoint.
 """
 
 from __future__ import annotations
@@ -62,15 +54,13 @@ _RESERVED = ("model", "img_size", "num_classes", "distilled", "step", "epoch", "
 
 def unwrap_model(model):
     """The plain ``nn.Module`` under torch.compile (``_orig_mod``) and DDP (``module``) wrappers."""
-    seen = 0
-    while seen < 8:
+    for _ in range(8):
         if hasattr(model, "_orig_mod"):
             model = model._orig_mod
         elif type(model).__name__ in ("DistributedDataParallel", "DataParallel") and hasattr(model, "module"):
             model = model.module
         else:
             break
-        seen += 1
     return model
 
 
@@ -135,12 +125,8 @@ class TrainingState:
 
 def save_checkpoint(directory, model, *, step: int, spec: dict, model_info: ModelInfo, epoch: int = 0,
                     state: TrainingState = TrainingState(), extra: dict | None = None) -> Path:
-    """Write a checkpoint directory (replacing one already there) and return its path.
-
-    ``spec`` is the training spec as params (``TrainSpec.to_params()``); ``state`` the optimizer,
-    scheduler and scaler to resume with; ``extra`` adds top-level keys to ``spec.json`` (e.g. ``classes``,
-    the loss); it may not override the keys this function writes.
-    """
+    """Write a checkpoint directory (replacing one already there) and return its path. ``spec``: the training
+    spec as params; ``extra``: more top-level keys of ``spec.json`` (``classes``, the loss), none of its own."""
     import safetensors.torch
     import torch
 
@@ -155,35 +141,16 @@ def save_checkpoint(directory, model, *, step: int, spec: dict, model_info: Mode
     try:
         safetensors.torch.save_file(_weights_of(model), str(partial / WEIGHTS),
                                     metadata={"format": "pt", "model": model_info.name, "step": str(step)})
-        saved = {
-            "step": int(step),
-            "epoch": int(epoch),
-            "optimizer": state.optimizer.state_dict() if state.optimizer is not None else None,
-            "scheduler": state.scheduler.state_dict() if state.scheduler is not None else None,
-            "scaler": state.scaler.state_dict() if state.scaler is not None else None,
-            "rng": _rng_state(),
-        }
-        torch.save(saved, partial / STATE)
+        objects = {k: getattr(state, k) for k in ("optimizer", "scheduler", "scaler")}
+        saved = {k: o.state_dict() if o is not None else None for k, o in objects.items()}
+        torch.save({"step": int(step), "epoch": int(epoch), **saved, "rng": _rng_state()}, partial / STATE)
         import timm
 
-        spec_json = {
-            "format": FORMAT,
-            "model": model_info.name,
-            "source": model_info.source,
-            "img_size": model_info.img_size,
-            "patch_size": model_info.patch_size,
-            "num_classes": model_info.num_classes,
-            "params_m": model_info.params_m,
-            "distilled": model_info.distilled,
-            "step": int(step),
-            "epoch": int(epoch),
-            "train_spec": dict(spec),
-            "vitreg_version": __version__,
-            "torch_version": torch.__version__,
-            "timm_version": timm.__version__,
-            "created_unix": time.time(),
-            **(extra or {}),
-        }
+        info = {k: getattr(model_info, k) for k in ("source", "img_size", "patch_size", "num_classes", "params_m",
+                                                    "distilled")}
+        spec_json = {"format": FORMAT, "model": model_info.name, **info, "step": int(step), "epoch": int(epoch),
+                     "train_spec": dict(spec), "vitreg_version": __version__, "torch_version": torch.__version__,
+                     "timm_version": timm.__version__, "created_unix": time.time(), **(extra or {})}
         (partial / SPEC).write_text(json.dumps(spec_json, indent=2, sort_keys=True, default=str))
         files = {name: {"sha256": _sha256(partial / name), "bytes": (partial / name).stat().st_size}
                  for name in (WEIGHTS, STATE, SPEC)}
@@ -254,14 +221,10 @@ def _read_manifest(directory: Path, fix: str) -> dict:
     if not manifest_path.is_file():
         raise VitregError(f"checkpoint {directory} has no {MANIFEST} (incomplete or not a vitreg checkpoint): {fix}")
     manifest = read_json(manifest_path, fix, where=f"checkpoint {directory}: {MANIFEST}")
-    try:
-        files = manifest["files"]
-        entries_ok = isinstance(files, dict) and all(
+    files = manifest.get("files") if isinstance(manifest, dict) else None
+    if not isinstance(files, dict) or not all(
             isinstance(e, dict) and isinstance(e.get("bytes"), int) and isinstance(e.get("sha256"), str)
-            for e in files.values())
-    except (KeyError, TypeError):
-        entries_ok = False
-    if not entries_ok:
+            for e in files.values()):
         raise VitregError(f"checkpoint {directory}: {MANIFEST} is not valid JSON with a 'files' map of "
                           f"{{sha256, bytes}}: {fix}")
     if manifest.get("format") != FORMAT:
@@ -339,12 +302,8 @@ def _load_weights(model, directory: Path, device="cpu") -> None:
 
 
 def load_model(checkpoint, device="cpu"):
-    """Rebuild the model a checkpoint holds: ``(model, ModelInfo, spec_json)``, in eval mode on ``device``.
-
-    ``checkpoint``: a :class:`VerifiedCheckpoint`, or a directory (verified here). Builds the
-    timm/torchvision model from ``spec.json`` (random init, no hub), loads ``model.safetensors``
-    strictly. Never unpickles anything.
-    """
+    """Rebuild the model a checkpoint (verified, or a directory verified here) holds: ``(model, ModelInfo,
+    spec_json)``, in eval mode on ``device``, built from ``spec.json`` with no hub; never unpickles anything."""
     checkpoint = ensure_verified(checkpoint)
     spec_json = checkpoint.spec
     try:
@@ -369,12 +328,8 @@ def check_compatible(checkpoint, info: ModelInfo) -> dict:
 
 def load_training_state(checkpoint, model, optimizer=None, scheduler=None, scaler=None) -> tuple[int, int]:
     """Restore weights, optimizer, scheduler, scaler and RNG states from ``checkpoint`` (verified, or a
-    directory verified here); returns ``(step, epoch)``.
-
-    ``train_state.pt`` is read with ``torch.load(weights_only=True)``: tensors and plain containers, no
-    arbitrary objects. The optimizer's implementation flags (``fused``/``foreach``/``capturable``) stay
-    those of the optimizer passed in, so a checkpoint from a GPU (fused AdamW) resumes on a CPU.
-    """
+    directory verified here); returns ``(step, epoch)``. The optimizer's implementation flags (``fused``...)
+    stay those of the optimizer passed in, so a checkpoint from a GPU (fused AdamW) resumes on a CPU."""
     checkpoint = ensure_verified(checkpoint)
     directory = checkpoint.directory
     if STATE not in checkpoint.manifest["files"]:

@@ -1,17 +1,12 @@
 """Why a torchrun job failed: the root-cause rank, its one-line error and its own exit status.
 
-Failures come back the way torch elastic passes them: torchrun gives every worker an error file
-(``TORCHELASTIC_ERROR_FILE``, ``<log_dir>/<run>/attempt_<N>/<local_rank>/error.json``) and a worker
-that fails writes its error there (:func:`record_error`, in torch's format, so torchrun's own failure
-summary shows it too). The first file written names the root cause. A worker killed by a signal
-writes nothing; then the last error line of a worker's stderr log names it.
-
-When one worker dies, torchrun stops the others with SIGTERM, and each of them records "stopped by
-SIGTERM" (exit 143): those are consequences, so they name the root cause only when no other rank
-failed (the whole job was stopped). A worker killed by a signal it cannot catch (SIGKILL: the OOM
-killer's) writes nothing at all, and its peers then report only the lost connection: torchrun's own
-failure summary (its stderr, kept by the launcher in ``torchrun.log``) gives each failed rank's exit
-status, ``-9`` for SIGKILL, and says when torchrun itself was stopped (its ``SignalException``).
+Failures come back the way torch elastic passes them: a worker that fails writes its error file
+(``TORCHELASTIC_ERROR_FILE``; :func:`record_error`, in torch's format) and the first file written names the
+root cause. When one worker dies, torchrun stops the others with SIGTERM, and each records "stopped by
+SIGTERM": consequences, which name the root cause only when no other rank failed. A worker killed by a signal
+it cannot catch (SIGKILL: the OOM killer's) writes nothing and its peers report only the lost connection:
+torchrun's failure summary (in ``torchrun.log``) then gives each failed rank's exit status, and says when
+torchrun itself was stopped; else the last error line of a rank's stderr names the cause.
 """
 
 from __future__ import annotations
@@ -21,7 +16,7 @@ import os
 import re
 import signal
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"
@@ -86,12 +81,6 @@ def killed_ranks(torchrun_text: str) -> dict[int, int]:
     return {rank: code for rank, code in failures.items() if code < 0 and code not in _NOT_TORCHRUN_S_STOP}
 
 
-def _killed_message(signum: int) -> str:
-    name = _signal_name(signum)
-    why = " (as the OOM killer does when the host runs out of memory)" if signum == signal.SIGKILL else ""
-    return f"killed by {name}{why}"
-
-
 @dataclass(frozen=True)
 class LaunchOutcome:
     """What became of a torchrun job, as seen from this host's launcher."""
@@ -153,9 +142,11 @@ def _killed_outcome(outcome: LaunchOutcome, killed: dict[int, int]) -> LaunchOut
     rank_dir = next((d for d in outcome.log_dir.glob("*/attempt_*/*") if d.name.isdigit() and outcome._global(d) == rank),
                     None)
     last_words = last_error_line(_stderr_of(rank_dir)) if rank_dir is not None else None
-    why = _killed_message(-killed[rank]) + (f"; its last error line: {last_words}" if last_words else "")
-    return LaunchOutcome(outcome.returncode, outcome.returncode, rank, why, outcome.log_dir, outcome.nproc,
-                         outcome.node_rank)
+    signum = -killed[rank]
+    why = f"killed by {_signal_name(signum)}" + (" (as the OOM killer does when the host runs out of memory)"
+                                                 if signum == signal.SIGKILL else "")
+    why += f"; its last error line: {last_words}" if last_words else ""
+    return replace(outcome, rank=rank, error=why)
 
 
 def diagnose(returncode: int, log_dir: Path, nproc: int, node_rank: int = 0, torchrun_text: str = "") -> LaunchOutcome:
@@ -167,18 +158,18 @@ def diagnose(returncode: int, log_dir: Path, nproc: int, node_rank: int = 0, tor
     log_dir = Path(log_dir)
     outcome = LaunchOutcome(returncode, returncode, None, None, log_dir, nproc, node_rank)
     if returncode == 0:
-        return LaunchOutcome(0, 0, None, None, log_dir, nproc, node_rank)
+        return outcome
     signalled = _TORCHRUN_SIGNALLED.search(torchrun_text)
     if signalled:  # the ranks' "stopped by SIGTERM" follow from it
         signum = int(signalled.group(1))
-        return LaunchOutcome(returncode, 128 + signum, None, f"torchrun was stopped by {_signal_name(signum)}, "
-                             f"and its ranks with it", log_dir, nproc, node_rank)
+        return replace(outcome, exit_code=128 + signum,
+                       error=f"torchrun was stopped by {_signal_name(signum)}, and its ranks with it")
     killed = killed_ranks(torchrun_text)
 
     def recorded(rank_dir: Path, error: dict) -> LaunchOutcome:
         message = error.get("message") or last_error_line(_stderr_of(rank_dir))
-        code = int(error.get("errorCode") or returncode)
-        return LaunchOutcome(returncode, code, outcome._global(rank_dir), message, log_dir, nproc, node_rank)
+        return replace(outcome, exit_code=int(error.get("errorCode") or returncode), rank=outcome._global(rank_dir),
+                       error=message)
 
     errors = _error_files(log_dir)
     failed = [(d, e) for _, d, e in errors if int(e.get("errorCode") or returncode) not in STOPPED_CODES]
@@ -193,5 +184,5 @@ def diagnose(returncode: int, log_dir: Path, nproc: int, node_rank: int = 0, tor
     for rank_dir in rank_dirs:
         error = None if rank_dir in with_file else last_error_line(_stderr_of(rank_dir))
         if error:
-            return LaunchOutcome(returncode, returncode, outcome._global(rank_dir), error, log_dir, nproc, node_rank)
+            return replace(outcome, rank=outcome._global(rank_dir), error=error)
     return recorded(*errors[0][1:]) if errors else outcome

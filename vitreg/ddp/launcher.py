@@ -1,25 +1,15 @@
 """Run a vitreg job under torchrun from a plain process (``-P nproc=N`` / ``--nproc N``), and the ranks' side of it.
 
-The process the user started (``vitreg bench``, ``mlflow run -e bench``) becomes the *launcher*: it
-holds the job's one MLflow run (:func:`launcher_run`) and goes through four phases, each a function:
-:func:`check` what needs no GPU (the job adds its own checks after it), then, from
-:func:`launch_job`, :func:`launch` the same command under ``python -m torch.distributed.run ... -m
-vitreg.ddp.launcher -- -m vitreg.cli bench <the same options>`` with a launch folder of its own,
-:func:`receive` what rank 0 hands back while the ranks run, :func:`log` the outcome. No rank talks to
-MLflow: rank 0 writes its tracker calls into the launch folder (:mod:`vitreg.tracking.handoff`), the
-other ranks log nothing (:func:`rank_run`); the launcher replays rank 0's calls and the ranks' logs
-into its run, and ends it FAILED with the root cause (:mod:`vitreg.ddp.diagnose`) if they failed.
-torchrun is a child that never outlives the launcher (see "torchrun as a child" below).
+The process the user started becomes the *launcher*: it holds the job's one MLflow run (:func:`launcher_run`)
+and goes through four phases: :func:`check` what needs no GPU, then (:func:`launch_job`) :func:`launch` the same
+command under torchrun through the worker shim below, :func:`receive` what rank 0 hands back while the ranks run
+(:mod:`vitreg.tracking.handoff`; the other ranks log nothing, :func:`rank_run`), :func:`log` the outcome, ending
+the run FAILED with the root cause (:mod:`vitreg.ddp.diagnose`) and that rank's own exit status if they failed.
 
-``python -m vitreg.ddp.launcher -- <python args>`` is the thin shim torchrun runs in every worker: it
-runs ``<python args>`` (``-m module args...`` or ``script.py args...``) as ``python`` would and
-writes a failure to the worker's torch elastic error file. torchrun itself exits 1 whatever its
-workers returned; the launcher passes on the root cause's own status (2 for a VitregError).
-
-Single host: ``torchrun --standalone --nproc-per-node N``. Several hosts: the same command on
-every host with ``nnodes``, that host's ``node_rank`` and one ``rdzv_endpoint`` (``HOST:PORT`` of
-node 0); static rendezvous, so node 0 holds global rank 0, whose launcher holds the run. A torchrun
-the user started themselves has no vitreg launcher: there rank 0 logs into a run of its own.
+``python -m vitreg.ddp.launcher -- <python args>`` is the shim torchrun runs in every worker: it runs the
+arguments as ``python`` would and writes a failure to the worker's torch elastic error file. Several hosts use
+static rendezvous, so node 0 holds global rank 0, whose launcher holds the run; a torchrun the user started
+has no vitreg launcher, and its rank 0 logs into a run of its own.
 """
 
 from __future__ import annotations
@@ -98,11 +88,8 @@ def visible_gpu_count() -> int:
 
 
 def check_nproc(nproc: int, device: str, gpu_count: int) -> None:
-    """Refuse more processes than GPUs, before launching anything.
-
-    ``device`` is the requested one (auto/cuda/cpu). On the CPU (``device=cpu``, or ``auto`` on a
-    host without GPUs) any ``nproc`` is allowed: gloo processes, for tests and CI.
-    """
+    """Refuse more processes than GPUs, before launching anything; on the CPU (``device=cpu``, or ``auto`` on a
+    host without GPUs) any ``nproc`` is allowed: gloo processes, for tests and CI."""
     if nproc <= 1 or device == "cpu":
         return
     if gpu_count == 0:
@@ -145,11 +132,9 @@ def torchrun_command(argv: list[str], nproc: int, nnodes: int = 1, node_rank: in
         cmd += [f"--nnodes={nnodes}", f"--node-rank={node_rank}", f"--rdzv-endpoint={rdzv_endpoint}"]
     cmd.append("--max-restarts=0")  # a benchmark that failed once is not retried into a different number
     if log_dir:
-        # every rank's output goes to the console and to log_dir (with each worker's error file),
-        # where the launcher finds the root cause of a failure and from where it logs them as artifacts. The "[rank<N>]: " prefix of
-        # each console line is set by LINE_PREFIX_ENV in torchrun's environment (launch): torchrun
-        # reads that variable in every version since 2.2, while its --log-line-prefix-template flag
-        # is recent (torch 2.11's torchrun hands the unknown flag to the workers' python, which exits 2).
+        # every rank's output to the console and to log_dir (with its error file), for the root cause and the
+        # artifacts; the "[rank<N>]: " prefix comes from LINE_PREFIX_ENV (launch), which torchrun reads since 2.2,
+        # not --log-line-prefix-template (torch 2.11's torchrun hands that flag to the workers' python: exit 2)
         cmd += [f"--log-dir={log_dir}", "--tee=3"]
     # "--": torchrun's argparse would otherwise read the workers' options as its own abbreviations
     # (`--nproc` is ambiguous with its --nproc-per-node); the shim drops it.
@@ -162,13 +147,8 @@ def torchrun_command(argv: list[str], nproc: int, nnodes: int = 1, node_rank: in
 
 @contextlib.contextmanager
 def launcher_run(run_name: str | None = None, experiment: str | None = None, node_rank: int = 0):
-    """The launcher's MLflow run: yields its tracker, or None on a node other than 0.
-
-    Node 0's launcher (global rank 0 lives there) opens the job's one run (or resumes ``mlflow
-    run``'s) with system metrics: it lives as long as the job, so its sampler covers it all.
-    Another node's launcher opens no run, unless ``mlflow run`` already made one for it, which
-    must then end too. Errors inside end the run FAILED (``vitreg_error``).
-    """
+    """The launcher's MLflow run (with system metrics: it lives as long as the job): node 0's, or the one
+    ``mlflow run`` made for another node (it must end too); else None. Errors inside end it FAILED."""
     from vitreg.tracking import runs as tracking
 
     if node_rank == 0 or tracking.requested_run_id():
@@ -210,12 +190,10 @@ def check(spec, placement: Placement) -> int:
 
 @contextlib.contextmanager
 def launch_job(run, spec, job: JobLaunch, progress):
-    """The launcher's other phases, in order, for ``run`` (None on a node other than 0): :func:`launch`
-    torchrun, :func:`receive` rank 0's calls into the run while it runs, :func:`log` the outcome; then
-    yield what rank 0 handed back (a :class:`vitreg.tracking.handoff.Handoff`, whose files last until
-    the block ends). On failure raises :class:`LaunchError` with the root cause (the surrounding
-    ``tracked_run`` then ends the run FAILED with it in ``vitreg_error``); a node other than 0 then
-    keeps its ranks' logs, which no run holds."""
+    """The launcher's other phases for ``run`` (None on a node other than 0): :func:`launch`, :func:`receive`,
+    :func:`log`; then yield what rank 0 handed back (a :class:`vitreg.tracking.handoff.Handoff`, whose files
+    last until the block ends). A failure raises :class:`LaunchError`; a node other than 0 then keeps its
+    ranks' logs, which no run holds."""
     from vitreg.tracking.handoff import HandoffReader
 
     folder = Path(tempfile.mkdtemp(prefix="vitreg-launch-"))
@@ -323,19 +301,12 @@ def _log_rank_logs(run, outcome: LaunchOutcome) -> None:
 # --------------------------------------------------------------------------------------------
 # torchrun as a child that never outlives its launcher, stopped without torchrun's traceback
 #
-# - A launcher SIGKILLed (the OOM killer, ``kill -9``) runs no clean-up, so the OS must do it: torchrun
-#   starts with the parent-death signal set to SIGKILL (``prctl(PR_SET_PDEATHSIG, SIGKILL)``), and each
-#   worker shim to SIGTERM (:func:`die_with_parent`): the launcher's death ends torchrun at once, whose
-#   death stops its workers, each as it would for ``kill <pid>``. Not SIGTERM for torchrun: its own
-#   graceful shutdown, with the launcher gone, sometimes hung past the job's start-up time with its
-#   ranks already exited and never reaped (tests/test_signals_ddp.py, twice under a loaded suite), and
-#   there is nobody left for it to report to.
-# - A launcher asked to stop (SIGTERM, SIGHUP, SIGQUIT, Ctrl-C) stops torchrun with SIGTERM, which stops
-#   the workers. torchrun's stderr passes through :class:`_Forwarder`: all of it into ``torchrun.log``
-#   (logged with the ranks' logs), and to the console only the ranks' own lines (``[rank<N>]:``), without
-#   their tracebacks and ``error:`` lines: the launcher's one line names the root cause and that log.
-#   torchrun's own lines (its ``SignalException`` and ``ChildFailedError`` tracebacks, its failure
-#   summary) say nothing that line does not; the summary is read back from the log (ddp/diagnose.py).
+# - A launcher SIGKILLed runs no clean-up, so the OS does it: torchrun starts with the parent-death signal
+#   SIGKILL, each worker shim with SIGTERM (:func:`die_with_parent`). Not SIGTERM for torchrun: its graceful
+#   shutdown with the launcher gone sometimes hung with its ranks exited and never reaped (test_signals_ddp.py).
+# - A launcher asked to stop stops torchrun with SIGTERM, which stops the workers. torchrun's stderr goes whole
+#   into ``torchrun.log`` and, to the console, only the ranks' own lines without their tracebacks
+#   (:class:`_Forwarder`): the launcher's one line names the root cause and that log.
 
 _PR_SET_PDEATHSIG = 1
 
@@ -399,12 +370,9 @@ class _Forwarder(threading.Thread):
 
 
 def _start_torchrun(cmd: list[str], env: dict, log_path: Path) -> subprocess.Popen:
-    """Start torchrun (``cmd``) so that it dies with this process and its stderr is kept in ``log_path``
-    and forwarded (:class:`_Forwarder`).
-
-    A stop signal during the fork would be raised inside the fork's at-fork hooks, where Python prints
-    ``Exception ignored`` and drops it (the job then ran to its end): it is held until torchrun exists,
-    then raised here, after torchrun is stopped."""
+    """Start torchrun so that it dies with this process, its stderr kept in ``log_path`` and forwarded. A stop
+    signal during the fork would be dropped in the at-fork hooks (the job then ran to its end): it is held
+    until torchrun exists, then raised here, after torchrun is stopped."""
     from vitreg.signals import starting_a_process
 
     proc = None
@@ -421,14 +389,20 @@ def _start_torchrun(cmd: list[str], env: dict, log_path: Path) -> subprocess.Pop
     return proc
 
 
-def _stop_torchrun(proc: subprocess.Popen, timeout_s: float = 60.0) -> None:
-    """Stop torchrun and its workers (SIGTERM: each rank stops cleanly), SIGKILL after ``timeout_s``."""
-    proc.terminate()  # torchrun turns SIGTERM into stopping its workers
+def stop_child(proc: subprocess.Popen, grace_s: float, sig: int | None = signal.SIGTERM) -> None:
+    """``sig`` to a child (None: it was asked to end otherwise), SIGKILL if it is still there after ``grace_s``."""
+    if sig is not None and proc.poll() is None:
+        proc.send_signal(sig)
     try:
-        proc.wait(timeout=timeout_s)
+        proc.wait(grace_s)
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
+
+
+def _stop_torchrun(proc: subprocess.Popen) -> None:
+    """Stop torchrun and its workers (SIGTERM: each rank stops cleanly), SIGKILL after 60 s."""
+    stop_child(proc, 60.0)
     _forwarded(proc)
 
 
@@ -456,12 +430,8 @@ def typed_command(given: str | None = None) -> str:
 
 @contextlib.contextmanager
 def rank_run(run_name: str | None = None, experiment: str | None = None):
-    """The tracker of one process of a job.
-
-    Under a vitreg launcher: rank 0's calls go to the launcher (a HandoffTracker), the other ranks
-    get a NullTracker; nothing here talks to MLflow. A plain process, or a torchrun the user
-    started: a run of its own (``tracked_run``) on rank 0, a NullTracker on the other ranks.
-    """
+    """The tracker of one process of a job: a NullTracker on ranks other than 0; on rank 0 a HandoffTracker
+    under a vitreg launcher (no MLflow here), else a run of its own (a torchrun the user started)."""
     from vitreg.tracking import runs as tracking
 
     if not is_main_process():

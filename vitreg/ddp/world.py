@@ -1,16 +1,8 @@
-"""DDP plumbing for processes that torchrun started: the world, the process group, the wrap, and
-the reduction of what every rank measured into one set of figures.
-
-Nothing here launches processes (that is :mod:`vitreg.ddp.launcher`) or logs (that is
-:mod:`vitreg.tracking`). Outside torchrun every function is a cheap no-op, so a
-single-process run never initialises a process group.
-
-How the figures combine (see :func:`reduce_figures`): every rank times its own windows with its
-own CUDA events; per window, the global throughput is the SUM of the ranks' rates (so the median
-reported is the median of global throughput), and per iteration the step time is the MAX over the
-ranks (the slowest rank sets the pace of a synchronous job): each metric's rule is declared in
-:mod:`vitreg.measure.metrics`. ``batch_size`` is per process (per
-GPU): a job of N ranks processes ``N * batch_size`` images per step.
+"""DDP plumbing for processes that torchrun started: the world, the process group, the wrap, and the reduction
+of what every rank measured into one set of figures (:func:`reduce_figures`). Nothing here launches processes
+(:mod:`vitreg.ddp.launcher`) or logs (:mod:`vitreg.tracking`); outside torchrun every function is a cheap no-op,
+so a single-process run never initialises a process group. ``batch_size`` is per process: a job of N ranks
+processes ``N * batch_size`` images per step.
 """
 
 from __future__ import annotations
@@ -59,14 +51,10 @@ def _env_int(name: str, default: int) -> int:
         raise VitregError(f"{name}={os.environ[name]!r} is not an integer: unset it or launch with torchrun") from None
 
 
-def init_from_env(device_type: str, timeout_s: float | None = None) -> World:
-    """Join the process group torchrun describes in the environment; returns this rank's :class:`World`.
-
-    ``device_type`` is the resolved runtime device ("cuda" or "cpu"). On CUDA each rank binds to
-    GPU ``LOCAL_RANK`` (``torch.cuda.set_device``) and uses NCCL; on the CPU, gloo. Outside
-    torchrun, or in a torchrun job of one process, nothing is initialised and ``World()`` (with
-    the device set) comes back.
-    """
+def init_from_env(device_type: str) -> World:
+    """Join the process group torchrun describes in the environment; returns this rank's :class:`World`. On CUDA
+    each rank binds GPU ``LOCAL_RANK`` and uses NCCL; on the CPU, gloo. Outside torchrun, or in a job of one
+    process, nothing is initialised."""
     device = "cuda:0" if device_type == "cuda" else "cpu"
     if not inside_torchrun():
         return World(device=device)
@@ -88,26 +76,16 @@ def init_from_env(device_type: str, timeout_s: float | None = None) -> World:
         return World(rank, local_rank, 1, device, None, local_world)
     backend = "nccl" if device_type == "cuda" else "gloo"
     if not dist.is_initialized():
-        kwargs = {}
-        if timeout_s:
-            import datetime
-
-            kwargs["timeout"] = datetime.timedelta(seconds=timeout_s)
-        if backend == "nccl":
-            # device_id binds the communicator to this GPU eagerly (no guessing in barrier()).
-            kwargs["device_id"] = torch.device("cuda", local_rank)
+        # device_id binds the communicator to this GPU eagerly (no guessing in barrier())
+        kwargs = {"device_id": torch.device("cuda", local_rank)} if backend == "nccl" else {}
         dist.init_process_group(backend=backend, **kwargs)  # env:// (MASTER_ADDR/PORT, RANK, WORLD_SIZE)
     return World(rank, local_rank, world_size, device, dist.get_backend(), local_world)
 
 
 def join_job(spec, reducer_factory, cuda_graph: bool = False):
-    """This process's place in a DDP job, set up the same way for bench and train: ``(world, wrap, reducer)``.
-
-    In a torchrun worker this binds the rank's GPU (before anything touches CUDA) and joins the
-    process group; with more than one rank, ``wrap`` wraps a model in DistributedDataParallel with
-    the spec's DDP settings and ``reducer`` is ``reducer_factory(world)``. A plain process (or a
-    one-rank job) gets ``wrap = reducer = None``. ``cuda_graph``: the job captures CUDA graphs (bench).
-    """
+    """This process's place in a DDP job, set up the same way for bench and train: ``(world, wrap, reducer)``;
+    ``wrap`` (DDP with the spec's settings) and ``reducer_factory(world)`` only with more than one rank.
+    ``cuda_graph``: the job captures CUDA graphs (bench)."""
     if not inside_torchrun():
         return World(), None, None
     if cuda_graph:  # captured steps need this before the process group
@@ -153,14 +131,9 @@ def ddp_wrap(model, world: World, *, bucket_cap_mb: float | None = None, gradien
              static_graph: bool = False, find_unused_parameters: bool = False, comm_hook: str = "none", **kwargs):
     """``DistributedDataParallel(model)`` for this rank; the model itself when the world is one process.
 
-    ``gradient_as_bucket_view=True`` (default here, not in torch) makes gradients views into the
-    all-reduce buckets: no copy between them, and one gradient-sized buffer less of peak memory.
-    ``bucket_cap_mb`` (torch's default, 25, when None) sets how much gradient is reduced per call;
-    ``static_graph=True`` lets DDP skip per-step graph bookkeeping when the graph never changes.
-    ``comm_hook="bf16"`` / ``"fp16"`` registers torch's compress hook: each bucket is cast to that
-    precision, divided by the world size and all-reduced, then copied back into the fp32 gradients
-    (half the bytes on the wire, gradients rounded to 8 / 11 significant bits once per step).
-    Further keyword arguments go to DistributedDataParallel unchanged.
+    ``gradient_as_bucket_view=True`` (default here, not in torch): no copy between gradients and the all-reduce
+    buckets, one gradient-sized buffer less of peak memory. ``comm_hook="bf16"`` / ``"fp16"``: torch's compress
+    hook (half the bytes on the wire, gradients rounded once per step). Other arguments go to DDP unchanged.
     """
     if not world.distributed:
         return model
@@ -218,27 +191,11 @@ def gather_objects(obj, world: World) -> list:
     return gathered
 
 
-def all_reduce_results(figures: Figures, world: World) -> tuple[Figures, list[Figures]]:
-    """Gather every rank's figures (a collective: every rank must call it) and reduce them.
-
-    Returns ``(global_figures, per_rank_figures)``, the same on every rank. A few hundred floats
-    per task travel, once, after the timed windows.
-    """
-    gathered = gather_objects(figures, world)
-    if len(gathered) == 1:
-        return figures, gathered
-    return reduce_figures(gathered), gathered
-
-
 @dataclass
 class ResultReducer:
-    """What the runner needs from DDP, as one object (``run_benchmark(..., reducer=...)``):
-
-    - :meth:`align` before the timed windows of each task, so the ranks' windows overlap in time
-      and summing their rates means "this many images per second, together";
-    - calling it on a task's raw figures, which returns the global ones;
-    - ``per_rank`` keeps what each rank measured, per task, for the report (a straggler GPU shows).
-    """
+    """What the runner needs from DDP (``run_benchmark(..., reducer=...)``): :meth:`align` before each task's
+    timed windows, so that the ranks' windows overlap and their summed rates mean "together"; a call on a task's
+    figures returns the job's; ``per_rank`` keeps each rank's, per task, for the report (a straggler shows)."""
 
     world: World
     per_rank: dict = field(default_factory=dict)
@@ -251,9 +208,9 @@ class ResultReducer:
         barrier()
 
     def __call__(self, task: str, figures: Figures) -> Figures:
-        total, ranks = all_reduce_results(figures, self.world)
-        self.per_rank[task] = ranks
-        return total
+        """Every rank's figures gathered (a collective: every rank must call it), kept, and reduced."""
+        self.per_rank[task] = gathered = gather_objects(figures, self.world)
+        return figures if len(gathered) == 1 else reduce_figures(gathered)
 
     def slowest_profile(self, profile):
         """A :class:`vitreg.measure.traces.CommProfile` per rank -> the job's: the largest of each figure
@@ -268,10 +225,7 @@ class ResultReducer:
 
     def per_rank_report(self) -> dict:
         """``{task: [{rank, throughput_img_per_s_median, throughput_img_per_s_windows, iter_ms_p50, ...}]}``."""
-        out = {}
-        for task, ranks in self.per_rank.items():
-            out[task] = [_rank_row(r, f.summarized()) for r, f in enumerate(ranks)]
-        return out
+        return {task: [_rank_row(r, f.summarized()) for r, f in enumerate(ranks)] for task, ranks in self.per_rank.items()}
 
 
 def _rank_row(rank: int, figures: Figures) -> dict:
@@ -286,11 +240,8 @@ def _rank_row(rank: int, figures: Figures) -> dict:
 
 
 def join_world(nproc: int, device: str) -> World:
-    """This rank's World for a job of ``nproc`` processes per host on ``device`` (auto/cuda/cpu).
-
-    Refuses a torchrun whose process count differs from ``nproc`` (the logged param, so the run
-    says what ran). Call it before anything touches CUDA: on a GPU it binds GPU ``LOCAL_RANK``.
-    """
+    """This rank's World for a job of ``nproc`` processes per host on ``device`` (auto/cuda/cpu); refuses a
+    torchrun of another process count (the logged param must say what ran)."""
     local_world = _env_int("LOCAL_WORLD_SIZE", 1)
     if nproc != local_world:
         raise VitregError(f"nproc={nproc} but torchrun started {local_world} process(es) on this node: pass "
@@ -302,28 +253,14 @@ def join_world(nproc: int, device: str) -> World:
 
 @dataclass
 class TrainReducer:
-    """What the training loop needs from DDP (``vitreg.train.loop.train``'s ``reducer``), as one object.
-
-    - :meth:`interval` at a log boundary: ONE all-reduce of two numbers, the interval's mean loss
-      and img/s of this rank; returns the job's mean loss and summed img/s. Never called per step:
-      the log boundary is already the loop's one sync point.
-    - :meth:`align` after a step at which rank 0 saved a checkpoint or validated, so the other
-      ranks wait for it there, not inside their next timed step;
-    - :meth:`figures` once, after the last step: gathers every rank's figures (a few floats,
-      pickled once) and returns the job's, keeping each rank's in ``per_rank`` for ``ranks.json``.
-
-    Both are collectives: every rank calls them at the same step.
-    """
+    """What the training loop needs from DDP (``vitreg.train.loop.train``'s ``reducer``), as one object; each
+    call is a collective: every rank makes it at the same step."""
 
     world: World
     per_rank: list = field(default_factory=list)
     #: this rank's own loss of the last interval (before averaging), for ranks.json
     last_local_loss: float | None = None
     intervals: int = 0  # log boundaries reduced so far (one all-reduce each)
-
-    @property
-    def world_size(self) -> int:
-        return self.world.world_size
 
     def interval(self, loss, img_per_s: float | None) -> tuple[float, float | None]:
         """``(mean loss over ranks, summed img/s)``; ``loss`` is this rank's interval mean, a 0-d tensor."""
@@ -339,7 +276,7 @@ class TrainReducer:
         # one host copy of both: the sync this log boundary makes anyway
         (self.last_local_loss, _), (loss_sum, rate) = torch.stack([local, total]).tolist()
         self.intervals += 1
-        return loss_sum / self.world_size, (rate if img_per_s is not None else None)
+        return loss_sum / self.world.world_size, (rate if img_per_s is not None else None)
 
     def align(self) -> None:
         """Wait for every rank (after rank 0's checkpoint or validation, outside the timed steps)."""

@@ -11,7 +11,6 @@ child whose parent died without a word (SIGKILL).
 from __future__ import annotations
 
 import collections
-import ctypes
 import json
 import os
 import signal
@@ -19,6 +18,7 @@ import subprocess
 import sys
 import threading
 
+from vitreg.ddp.launcher import die_with_parent, stop_child
 from vitreg.errors import VitregError
 from vitreg.fleet.worker import DONE, cli_args, python_command
 from vitreg.signals import interrupted_reason
@@ -26,15 +26,6 @@ from vitreg.tracking.runs import without_requested_run
 
 STOP_GRACE_S = 30.0  # a child asked to stop has this long to end its run KILLED before it is killed
 _TAIL_LINES = 40  # a child's last stderr lines, for the reason it failed
-_PR_SET_PDEATHSIG = 1
-
-
-def die_with_parent() -> None:
-    """In a child between fork and exec: SIGTERM when the thread that started it ends (Linux; elsewhere no-op)."""
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-    except (OSError, AttributeError):
-        pass
 
 
 def host_gpus(device: str) -> list[str]:
@@ -151,7 +142,7 @@ class HostPool:
             self.stopping = reason
             procs = list(self._running.values())
         for proc in procs:
-            stop(proc)
+            stop_child(proc, STOP_GRACE_S)
 
 
 class Worker:
@@ -194,21 +185,7 @@ class Worker:
             self.proc.stdin.close()
         except OSError:
             pass
-        try:
-            self.proc.wait(STOP_GRACE_S)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-
-
-def stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(STOP_GRACE_S)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
+        stop_child(self.proc, STOP_GRACE_S, sig=None)
 
 
 def relay(proc: subprocess.Popen, on_line) -> tuple[int, str]:
@@ -222,6 +199,19 @@ def relay(proc: subprocess.Popen, on_line) -> tuple[int, str]:
     if out is not None:
         out.join()
     return proc.wait(), "".join(tail)
+
+
+def run_remote_child(argv: list[str], env: dict, cwd: str | None = None) -> tuple[int, str]:
+    """A cluster's child on its node (a Ray task's, a SLURM job's): ``python argv...`` with ``env``, to its end:
+    (exit status, stderr tail). Stopped with SIGTERM (its run ends KILLED) when this process is stopped
+    (``ray.cancel``, ``scancel``) or dies."""
+    proc = subprocess.Popen([sys.executable, *argv], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True, cwd=cwd, preexec_fn=die_with_parent)
+    try:
+        return relay(proc, lambda line: None)
+    except BaseException:
+        stop_child(proc, STOP_GRACE_S)
+        raise
 
 
 def _copy_stdout(proc: subprocess.Popen) -> threading.Thread | None:

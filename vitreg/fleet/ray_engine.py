@@ -1,14 +1,10 @@
 """``engine=ray``: each child of a sweep a Ray task on the cluster, asking for the GPUs it needs.
 
-A task asks for ``nproc`` GPUs (none with ``device=cpu``) and, when the child is filed under a GPU label, the
-accelerator type Ray reports for it (``vitreg.hardware.profiles.RAY_ACCELERATOR_TYPES``), so Ray places it on
-a node of that type. The task runs ``vitreg bench`` on its node, logging straight to the tracking server into
-the child run the parent made. Tasks are never retried by Ray (``max_retries=0``): a child whose node died
-ends FAILED with Ray's reason, and the sweep goes on. SIGINT/SIGTERM to the parent cancels every task, which
-stops its child (the child ends its run KILLED), and ends every child run still open KILLED.
-
-Ray's own log lines (its C++ core's retries while a GCS does not answer, its state dumps, its Python logger)
-go to a file the sweep names (:class:`RayLogAside`), not to the sweep's console.
+A task asks for ``nproc`` GPUs (none with ``device=cpu``) and the accelerator type Ray reports for its GPU label
+(``vitreg.hardware.profiles.RAY_ACCELERATOR_TYPES``), and runs ``vitreg bench`` on its node, logging straight
+into the child run the parent made. Tasks are never retried by Ray: a child whose node died ends FAILED with
+Ray's reason. SIGINT/SIGTERM cancels every task (its child ends KILLED). Ray's own log lines go to a file the
+sweep names (:class:`RayLogAside`), not to the sweep's console.
 """
 
 from __future__ import annotations
@@ -23,6 +19,7 @@ from pathlib import Path
 
 from vitreg import signals
 from vitreg.errors import VitregError
+from vitreg.fleet.children import ClusterChecks
 from vitreg.hardware.profiles import RAY_ACCELERATOR_TYPES, label_of_ray_type, normalize_label
 from vitreg.tracking import runs as tracking
 
@@ -57,10 +54,9 @@ def _check_answers(address: str) -> None:
 
 
 class RayLogAside:
-    """While the sweep uses Ray, file descriptor 2 (where Ray's C++ core and Ray's Python logger write, and the
-    Ray processes a ``local`` cluster starts inherit) is the file :attr:`path`; vitreg's own lines still reach
-    the console through a ``sys.stderr`` on a copy of the console's descriptor. A redirect of the descriptor,
-    not of ``sys.stderr`` alone: Ray's core writes to fd 2 from C++, below Python."""
+    """While the sweep uses Ray, file descriptor 2 (where Ray's C++ core writes, below Python, and what a
+    ``local`` cluster's processes inherit) is the file :attr:`path`; vitreg's own lines still reach the console
+    through a ``sys.stderr`` on a copy of the console's descriptor."""
 
     def __init__(self):
         self.path = Path(tempfile.gettempdir()) / f"vitreg-ray-{os.getpid()}.log"
@@ -118,8 +114,12 @@ def connect(address: str):
     return ray
 
 
-class RayEngine:
+class RayEngine(ClusterChecks):
     """The sweep's children as Ray tasks; :meth:`run` submits them and follows them to their end."""
+
+    cluster = "the Ray cluster"
+    type_word = "accelerator type"
+    no_gpus_fix = "join nodes with GPUs, or pass device=cpu"
 
     def __init__(self, address: str, max_parallel: int, progress):
         self.ray_log = RayLogAside()
@@ -147,44 +147,21 @@ class RayEngine:
     def _nodes(self) -> list[dict]:
         return [n for n in self.ray.nodes() if n.get("Alive")]
 
-    def accelerator_types(self) -> list[str]:
-        return sorted({k.removeprefix(_TYPE_PREFIX) for n in self._nodes() for k in n["Resources"]
-                       if k.startswith(_TYPE_PREFIX)})
+    def types_of(self, nodes: list[dict]) -> list[str]:
+        return sorted({k.removeprefix(_TYPE_PREFIX) for n in nodes for k in n["Resources"] if k.startswith(_TYPE_PREFIX)})
 
-    def expand_gpus(self, axes: dict) -> None:
-        """``gpu=all``: one child per accelerator type of the cluster; named labels must be types it has."""
-        from vitreg.fleet.axes import GPU_ALL
+    def gpus_per_node(self, nodes: list[dict], wanted: str | None) -> list[int]:
+        return [int(n["Resources"].get("GPU", 0)) for n in nodes if not wanted or _TYPE_PREFIX + wanted in n["Resources"]]
 
-        types = self.accelerator_types()
-        if axes.get("gpu") and GPU_ALL in axes["gpu"]:
-            if not types:
-                raise VitregError(f"gpu=all: the Ray cluster at {self.address} has no GPU node (no node reports an "
-                                  f"accelerator type): pass gpu=auto, or join nodes with GPUs")
-            axes["gpu"] = [label_of_ray_type(t) for t in types]
-        for label in axes.get("gpu", []):
-            _check_type(label, types)
+    def type_of(self, label: str) -> str | None:
+        return ray_type(label)
 
-    def check(self, combos: list, common: dict) -> None:
-        """Every child's type is on a node (a CPU child's too: it runs on a node of its type), and its GPUs fit
-        on one node of that type."""
-        types = self.accelerator_types()
-        for combo in combos:
-            _check_type(str(combo.get("gpu", common.get("gpu") or "auto")), types)
-            need, wanted = self._request(combo, common)
-            fits = [n for n in self._nodes() if n["Resources"].get("GPU", 0) >= need
-                    and (not wanted or _TYPE_PREFIX + wanted in n["Resources"])]
-            if not fits:
-                most = max((int(n["Resources"].get("GPU", 0)) for n in self._nodes()), default=0)
-                fix = f"pass nproc={most} or less" if most else "join nodes with GPUs, or pass device=cpu"
-                raise VitregError(f"{combo.label} asks for {need} GPUs{f' of type {wanted}' if wanted else ''} and "
-                                  f"no node of the Ray cluster has them (the most a node has: {most}): {fix}")
+    label_of = staticmethod(label_of_ray_type)
 
-    @staticmethod
-    def _request(combo, common: dict) -> tuple[int, str | None]:
-        """(GPUs, accelerator type) a child's task asks for."""
-        device = str(combo.get("device", common.get("device") or "auto"))
-        need = 0 if device == "cpu" else int(combo.get("nproc", common.get("nproc") or 1))
-        return need, ray_type(str(combo.get("gpu", common.get("gpu") or "auto")))
+    @property
+    def none_offered(self) -> str:
+        return (f"gpu=all: the Ray cluster at {self.address} has no GPU node (no node reports an accelerator type): "
+                f"pass gpu=auto, or join nodes with GPUs")
 
     def run(self, ctx, combos: list) -> None:
         from vitreg.fleet.ray_tasks import Follower
@@ -198,13 +175,6 @@ class RayEngine:
                 ray.shutdown()
         finally:
             self.ray_log.close()
-
-
-def _check_type(label: str, types: list[str]) -> None:
-    wanted = ray_type(label)
-    if wanted and wanted not in types:
-        raise VitregError(f"gpu={label}: no node of the Ray cluster has accelerator type {wanted} (it has: "
-                          f"{', '.join(types) or 'none'}): pass gpu=all or the labels of the types it has")
 
 
 def ray_type(label: str) -> str | None:

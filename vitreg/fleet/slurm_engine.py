@@ -1,18 +1,13 @@
 """``engine=slurm``: each child of a sweep a SLURM job, submitted through submitit, asking for its GPU type.
 
-A child filed under a GPU label asks SLURM for that type: ``--gres=gpu:TYPE:N`` (``slurm_gpu_by=gres``, N =
-``nproc``, one on CPU so the node's GPU is held) or ``--constraint=TYPE`` (``slurm_gpu_by=constraint``, node
-features), TYPE from :data:`vitreg.hardware.profiles.SLURM_GPU_TYPES`. Each job is one task (torchrun starts
-the ``nproc`` ranks itself) with ``nproc`` CPUs. The job runs :func:`vitreg.fleet.slurm_jobs.run_child` on its
-node: ``vitreg bench`` logging into the child run the parent made; a node that cannot reach the tracking server (``offline=auto``,
-the default) logs to a spool in the shared ``slurm_folder`` instead, and the parent delivers it once the job
-ended (:func:`vitreg.tracking.sync.sync`, exactly once: a delivered spool is removed).
-
-The parent follows its jobs with ``squeue`` once a second (SLURM's accounting, ``sacct``, is often off):
-a job the cluster cancelled or whose node failed ends its child FAILED with SLURM's state and reason; a
-pending job whose GPU type no node in service has any more is cancelled and FAILED. SIGINT/SIGTERM to the
-parent cancels every job (``scancel``: the running child gets SIGTERM and ends its run KILLED) and ends every
-child run KILLED; the parent waits until none of its jobs is left in the queue.
+A child filed under a GPU label asks for that type: ``--gres=gpu:TYPE:N`` (``slurm_gpu_by=gres``, N = ``nproc``,
+one on CPU so the node's GPU is held) or ``--constraint=TYPE`` (``slurm_gpu_by=constraint``), TYPE from
+:data:`vitreg.hardware.profiles.SLURM_GPU_TYPES`. Each job is one task (torchrun starts the ranks) with
+``nproc`` CPUs, running :func:`vitreg.fleet.slurm_jobs.run_child` on its node; a node that cannot reach the
+tracking server (``offline=auto``) spools into the shared ``slurm_folder``, and the parent delivers the spool
+once the job ended, exactly once. The parent follows its jobs with ``squeue`` (``sacct`` is often off): a job
+the cluster ended, or a pending one whose GPU type no node in service has any more, ends its child FAILED with
+SLURM's reason; SIGINT/SIGTERM cancels every job (``scancel``) and ends every child run KILLED.
 """
 
 from __future__ import annotations
@@ -22,6 +17,7 @@ from pathlib import Path
 
 from vitreg.config.options import option
 from vitreg.errors import VitregError
+from vitreg.fleet.children import ClusterChecks
 from vitreg.fleet.slurm_jobs import Follower, slurm
 from vitreg.hardware.profiles import SLURM_GPU_TYPES, normalize_label
 
@@ -107,8 +103,11 @@ def _sbatch_options(text) -> dict:
     return found
 
 
-class SlurmEngine:
+class SlurmEngine(ClusterChecks):
     """The sweep's children as SLURM jobs; :meth:`run` submits them and follows them to their end."""
+
+    cluster = "the SLURM cluster"
+    no_gpus_fix = "pass device=cpu, or a partition with GPUs"
 
     def __init__(self, own: dict, max_parallel: int, progress):
         self.options = SlurmOptions.parse(own)
@@ -123,68 +122,44 @@ class SlurmEngine:
         part = f"partition {self.options.partition}" if self.options.partition else "its default partition"
         self.where = f"SLURM ({len(nodes)} node{'s' if len(nodes) > 1 else ''}, {part})"
 
-    def offered_types(self, in_service_only: bool = False) -> list[str]:
-        """The GPU types the cluster's nodes offer, as SLURM names them (gres types, or node features)."""
-        return self._types_of([n for n in cluster_nodes(self.options.partition) if n.in_service or not in_service_only])
+    def _nodes(self) -> list[Node]:
+        return cluster_nodes(self.options.partition)
 
-    def _types_of(self, nodes: list[Node]) -> list[str]:
+    def types_of(self, nodes: list[Node]) -> list[str]:
+        """The GPU types the nodes offer, as SLURM names them (gres types, or node features)."""
         if self.options.gpu_by == "gres":
             return sorted({kind for n in nodes for kind in n.gpus if kind})
         return sorted({f for n in nodes for f in n.features})
 
+    def gpus_per_node(self, nodes: list[Node], wanted: str | None) -> list[int]:
+        if self.options.gpu_by == "gres" and wanted:
+            return [n.gpus.get(wanted, 0) for n in nodes]
+        return [sum(n.gpus.values()) for n in nodes if not wanted or wanted in n.features]
+
     @property
-    def _how(self) -> str:
-        return "gres type" if self.options.gpu_by == "gres" else "feature"
+    def type_word(self) -> str:
+        return "GPU gres type" if self.options.gpu_by == "gres" else "GPU feature"
 
-    def expand_gpus(self, axes: dict) -> None:
-        """``gpu=all``: one child per GPU type of the cluster; named labels must be types a node has."""
-        from vitreg.fleet.axes import GPU_ALL
+    @property
+    def none_offered(self) -> str:
+        other = "constraint" if self.options.gpu_by == "gres" else "gres"
+        return f"gpu=all: no node of the SLURM cluster has a {self.type_word}: pass gpu=auto, or slurm_gpu_by={other}"
 
-        types = self.offered_types()
-        if axes.get("gpu") and GPU_ALL in axes["gpu"]:
-            if not types:
-                raise VitregError(f"gpu=all: no node of the SLURM cluster has a GPU {self._how}: pass gpu=auto, or "
-                                  f"slurm_gpu_by={'constraint' if self.options.gpu_by == 'gres' else 'gres'}")
-            axes["gpu"] = [label_of_slurm_type(t) for t in types]
-        for label in axes.get("gpu", []):
-            self._check_type(label, types)
+    def type_of(self, label: str) -> str | None:
+        return slurm_type(label)
 
-    def _check_type(self, label: str, types: list[str]) -> None:
-        wanted = slurm_type(label)
-        if wanted and wanted not in types:
-            raise VitregError(f"gpu={label}: no node of the SLURM cluster has GPU {self._how} {wanted} (it has: "
-                              f"{', '.join(types) or 'none'}): pass gpu=all or the labels of the types it has")
+    def label_of(self, kind: str) -> str:
+        return {slurm: label for label, slurm in SLURM_GPU_TYPES.items()}.get(kind, normalize_label(kind))
 
-    def check(self, combos: list, common: dict) -> None:
-        """Every child's type is on a node (a CPU child's too: it runs on a node of its type), and its GPUs fit
-        on one node of that type (a job that can never start is refused now)."""
-        nodes = cluster_nodes(self.options.partition)
-        types = self._types_of(nodes)
-        for combo in combos:
-            self._check_type(str(combo.get("gpu", common.get("gpu") or "auto")), types)
-            need, wanted = self._request(combo, common)
-            counts = [n.gpus.get(wanted, 0) if self.options.gpu_by == "gres" and wanted else sum(n.gpus.values())
-                      for n in nodes if not wanted or self.options.gpu_by == "gres" or wanted in n.features]
-            if need and max(counts, default=0) < need:
-                most = max(counts, default=0)
-                fix = f"pass nproc={most} or less" if most else "pass device=cpu, or a partition with GPUs"
-                raise VitregError(f"{combo.label} asks for {need} GPUs{f' of type {wanted}' if wanted else ''} and "
-                                  f"no node of the SLURM cluster has them (the most a node has: {most}): {fix}")
-
-    def _request(self, combo, common: dict) -> tuple[int, str | None]:
-        """(GPUs, SLURM GPU type) a child's job asks for; a CPU child of a type holds one GPU of it."""
-        device = str(combo.get("device", common.get("device") or "auto"))
-        nproc = int(combo.get("nproc", common.get("nproc") or 1))
-        wanted = slurm_type(str(combo.get("gpu", common.get("gpu") or "auto")))
-        if device == "cpu":
-            return (1 if wanted and self.options.gpu_by == "gres" else 0), wanted
-        return nproc, wanted
+    def cpu_gpus(self, wanted: str | None) -> int:
+        """A CPU child of a type holds one GPU of it (gres), so that it runs on that node alone."""
+        return 1 if wanted and self.options.gpu_by == "gres" else 0
 
     def job_parameters(self, combo, common: dict, name: str, folder: Path) -> dict:
         """submitit's SlurmExecutor parameters of one child's job, started in ``folder`` (vitreg's own): submitit
         runs ``python -m`` in the job's working directory, which comes first on the import path, and the
         submitting folder may hold a clone named ``vitreg/`` that would shadow the package."""
-        need, wanted = self._request(combo, common)
+        need, wanted = self.request(combo, common)
         nproc = int(combo.get("nproc", common.get("nproc") or 1))
         opts = self.options
         params = {"job_name": name[:100], "time": opts.time_min, "nodes": 1, "ntasks_per_node": 1,
@@ -212,7 +187,3 @@ def slurm_type(label: str) -> str | None:
     if label in ("auto", "cpu"):
         return None
     return SLURM_GPU_TYPES.get(label, label)
-
-
-def label_of_slurm_type(kind: str) -> str:
-    return {slurm: label for label, slurm in SLURM_GPU_TYPES.items()}.get(kind, normalize_label(kind))

@@ -6,16 +6,13 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from vitreg import signals
 from vitreg.errors import VitregError
 from vitreg.fleet import children
-from vitreg.fleet.board import Clock
-from vitreg.signals import interrupted_reason
+from vitreg.fleet.children import RemoteChild
 from vitreg.tracking import runs as tracking
 
 COMMAND_TIMEOUT_S = 30.0
@@ -48,23 +45,15 @@ def slurm(*args: str) -> str:
 def run_child(argv: list[str], env: dict, spool_dir: str, offline: str, workdir: str) -> tuple[int, str, bool]:
     """In the job, on its node: ``python argv...`` logging into the child run (``env``); (exit status, stderr
     tail, whether it spooled). ``offline=auto``: a node that cannot reach the tracking server spools to
-    ``spool_dir`` (in the shared folder) and the parent delivers it; ``true``: always spool. The child runs in
-    ``workdir``, the submitting folder, where the sweep's relative paths point (when the node has it): the job
-    itself starts in vitreg's folder, and the child's command keeps the working directory off the import path
-    (:func:`vitreg.fleet.worker.python_command`)."""
-    from vitreg.fleet.local import relay, stop
+    ``spool_dir`` (in the shared folder) for the parent to deliver; ``true``: always. The child runs in
+    ``workdir``, the submitting folder, where the sweep's relative paths point (when the node has it)."""
+    from vitreg.fleet.local import run_remote_child
 
     os.environ.update(env)
     spooled = offline == "true" or (offline == "auto" and not _reaches_server())
     if spooled:
         os.environ.update(VITREG_OFFLINE="1", VITREG_SPOOL_DIR=spool_dir)
-    proc = subprocess.Popen([sys.executable, *argv], env=dict(os.environ), stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True, cwd=workdir if os.path.isdir(workdir) else None)
-    try:
-        returncode, tail = relay(proc, lambda line: None)
-    except BaseException:  # scancel's SIGTERM reached this process first: the child ends its run KILLED
-        stop(proc)
-        raise
+    returncode, tail = run_remote_child(argv, dict(os.environ), cwd=workdir if os.path.isdir(workdir) else None)
     return returncode, tail, spooled
 
 
@@ -80,70 +69,36 @@ def _reaches_server() -> bool:
 
 
 @dataclass
-class _Child:
-    """One attempt at one combination: its place in the sweep, its run and its SLURM job once made."""
-
-    index: int
-    combo: object
-    attempt: int
-    requested: object
-    run_id: str = ""
-    job: object = None
-    clock: Clock | None = None
-    started: bool = False
-    node: str = ""
-    unseen_polls: int = 0  # polls in a row that squeue did not show the job
-
-    @property
-    def key(self) -> str:
-        return str(self.combo.get("gpu") or "any")
-
-
-@dataclass
 class _JobState:
     state: str
     reason: str
     node: str
 
 
-class Follower:
+class Follower(children.Follower):
     """Submits a sweep's jobs (at most ``max_parallel`` in the queue) and ends each child run with its outcome."""
 
+    engine_name, type_tag = "slurm", "slurm_gpu_type"
+
     def __init__(self, engine, ctx, combos: list):
-        self.engine, self.ctx = engine, ctx
-        self.queue = [_Child(index, combo, 0, combo.batch_size) for index, combo in enumerate(combos, 1)]
-        self.pending: dict[str, _Child] = {}  # SLURM job id -> child
+        super().__init__(engine, ctx, combos)
         folder = engine.options.folder / f"sweep-{ctx.parent.run_id}"
         self.jobs_dir, self.spools_dir = folder / "jobs", folder / "spool"
         self.jobs_dir.mkdir(parents=True, exist_ok=True)  # every job starts in it (sbatch --chdir)
         self.executor = engine.submitit.SlurmExecutor(folder=str(self.jobs_dir / "%j"), max_num_timeout=0)
         self._last_types_check = 0.0
 
-    def run(self) -> None:
-        for child in self.queue:
-            self.ctx.board.queued(child.key)
-        try:
-            while self.queue or self.pending:
-                self._submit()
-                time.sleep(POLL_S)
-                self._follow(self._states())
-        except KeyboardInterrupt as exc:
-            stop = _as_received(exc)
-            self._cancel_all(interrupted_reason(stop))
-            raise stop from None
+    def _submit(self, child: RemoteChild, argv: list[str], env: dict, need: int, wanted: str | None) -> str:
+        env["MLFLOW_EXPERIMENT_NAME"] = self.ctx.parent.experiment_name
+        self.executor.update_parameters(**self.engine.job_parameters(
+            child.combo, self.ctx.common, f"vitreg-{child.combo.label}", self.jobs_dir))
+        child.job = self.executor.submit(run_child, argv, env, str(self.spools_dir / child.run_id),
+                                         self.engine.options.offline, os.getcwd())
+        return child.job.job_id
 
-    def _submit(self) -> None:
-        while self.queue and len(self.pending) < self.engine.max_parallel:
-            child = self.queue.pop(0)
-            _, wanted = self.engine._request(child.combo, self.ctx.common)
-            argv, env = children.start_remote(self.ctx, child, "slurm", "slurm_gpu_type", wanted)
-            env["MLFLOW_EXPERIMENT_NAME"] = self.ctx.parent.experiment_name
-            self.executor.update_parameters(**self.engine.job_parameters(
-                child.combo, self.ctx.common, f"vitreg-{child.combo.label}", self.jobs_dir))
-            child.job = self.executor.submit(run_child, argv, env, str(self.spools_dir / child.run_id),
-                                             self.engine.options.offline, os.getcwd())
-            child.clock = Clock()
-            self.pending[child.job.job_id] = child
+    def _poll(self) -> None:
+        time.sleep(POLL_S)
+        self._follow(self._states())
 
     def _states(self) -> dict[str, _JobState]:
         """Every pending job's state as squeue shows it (ended jobs too, while slurmctld remembers them)."""
@@ -153,11 +108,8 @@ class Follower:
             out = slurm("squeue", "-h", "-t", "all", "-j", ",".join(self.pending), "-o", "%i|%T|%r|%N")
         except VitregError:  # every job id forgotten (squeue refuses the list), or slurmctld busy: next poll
             return {}
-        states = {}
-        for line in out.splitlines():
-            job_id, state, reason, node = (line.split("|") + ["", "", ""])[:4]
-            states[job_id.strip()] = _JobState(state.strip(), reason.strip(), node.strip())
-        return states
+        rows = ([f.strip() for f in (line.split("|") + ["", "", ""])[:4]] for line in out.splitlines())
+        return {job_id: _JobState(state, reason, node) for job_id, state, reason, node in rows}
 
     def _follow(self, states: dict[str, _JobState]) -> None:
         for job_id, child in list(self.pending.items()):
@@ -170,14 +122,12 @@ class Follower:
                 continue
             child.unseen_polls = 0
             if now is not None and now.state == "RUNNING" and not child.started:
-                child.started, child.node = True, now.node
-                tracking.set_child_status(child.run_id, "RUNNING")
-                self.ctx.board.started(child.key)
+                self._started(child, now.node)
             if now is None or now.state in ENDED:
                 self._settle(self.pending.pop(job_id), now or _JobState("COMPLETED", "", child.node))
         self._cancel_unplaceable(states)
 
-    def _settle(self, child: _Child, now: _JobState) -> None:
+    def _settle(self, child: RemoteChild, now: _JobState) -> None:
         """A job ended: deliver its spool (once), end its run with the outcome, retry an out-of-memory child."""
         returncode, tail, spooled = self._outcome(child, now)
         if spooled:
@@ -190,32 +140,23 @@ class Follower:
         if now.state != "COMPLETED":  # whatever the child made of the SIGTERM it got (KILLED), SLURM ended it
             tracking.set_child_status(child.run_id, "FAILED")
             reason = tail
-        ok = returncode == 0 and now.state == "COMPLETED"
-        self.ctx.record(child.run_id, ok)
-        self.ctx.board.ended(child.key, ok, child.clock.seconds() if ok else None,
-                             was="running" if child.started else "queued")
-        if not ok:
-            self.ctx.progress(f"sweep {child.index}/{self.ctx.total} {child.combo.label}: FAILED: {reason}")
-            self._retry_smaller(child)
+        self._ended(child, returncode == 0 and now.state == "COMPLETED", reason)
 
-    def _outcome(self, child: _Child, now: _JobState) -> tuple[int, str, bool]:
+    def _outcome(self, child: RemoteChild, now: _JobState) -> tuple[int, str, bool]:
         """(exit status, reason or stderr tail, spooled): the child's own from the job's result file when SLURM
         let the job complete; else SLURM's state and reason (or the job's own python error, when it raised)."""
         result = Path(child.job.paths.result_pickle)
         outcome, value = self.engine.submitit.core.utils.pickle_load(result) if result.exists() else (None, None)
         if outcome == "success" and now.state == "COMPLETED":
             return value
-        spooled = value[2] if outcome == "success" else self._has_spool(child)
+        spooled = value[2] if outcome == "success" else (self.spools_dir / child.run_id).is_dir()
         if outcome == "error":  # run_child itself raised: vitreg or its python is missing on the node
             return -1, f"the job's python failed: {str(value).strip().splitlines()[-1][:300]}", spooled
         where = f" on {now.node or child.node}" if (now.node or child.node) else ""
         why = f" ({now.reason})" if now.reason and now.reason != "None" else ""
         return -1, f"slurm: job {child.job.job_id} {now.state}{why}{where}", spooled
 
-    def _has_spool(self, child: _Child) -> bool:
-        return (self.spools_dir / child.run_id).is_dir()
-
-    def _deliver(self, child: _Child) -> None:
+    def _deliver(self, child: RemoteChild) -> None:
         """The child's spool from the shared folder to the tracking store, once; then the folder goes."""
         from vitreg.tracking.sync import sync
 
@@ -225,14 +166,6 @@ class Follower:
                 self.ctx.progress(f"sweep {child.index}/{self.ctx.total}: {synced.describe()}")
             shutil.rmtree(folder, ignore_errors=True)
 
-    def _retry_smaller(self, child: _Child) -> None:
-        retries_left = child.attempt < self.ctx.max_oom_retries
-        smaller = children.smaller_batch(child.combo.batch_size, child.run_id) if retries_left else 0
-        if smaller >= 1:
-            self.ctx.progress(f"out of memory at batch {child.combo.batch_size}: retrying with batch {smaller}")
-            self.queue.append(_Child(child.index, child.combo.with_batch(smaller), child.attempt + 1, child.requested))
-            self.ctx.board.requeued(child.key)
-
     def _cancel_unplaceable(self, states: dict[str, _JobState]) -> None:
         """A pending job whose GPU type no node in service has any more (its node died) never starts: cancel it
         (it then ends FAILED with that reason, through :meth:`_follow`)."""
@@ -240,17 +173,15 @@ class Follower:
         if not waiting or time.monotonic() - self._last_types_check < 5 * POLL_S:
             return
         self._last_types_check = time.monotonic()
-        types = set(self.engine.offered_types(in_service_only=True))
+        types = set(self.engine.types_of([n for n in self.engine._nodes() if n.in_service]))
         for child in waiting:
-            _, wanted = self.engine._request(child.combo, self.ctx.common)
+            _, wanted = self.engine.request(child.combo, self.ctx.common)
             if wanted and wanted not in types:
                 self.pending.pop(child.job.job_id)
                 slurm("scancel", child.job.job_id)
                 reason = f"no node of the SLURM cluster in service has GPU type {wanted} (its nodes are down)"
                 tracking.finish_child_run(child.run_id, -1, reason, tags={tracking.ERROR_TAG: reason})
-                self.ctx.record(child.run_id, False)
-                self.ctx.board.ended(child.key, False, was="queued")
-                self.ctx.progress(f"sweep {child.index}/{self.ctx.total} {child.combo.label}: FAILED: {reason}")
+                self._ended(child, False, reason, retry=False)
 
     def _cancel_all(self, reason: str) -> None:
         """SIGINT/SIGTERM: scancel every job (a running child gets SIGTERM and ends its run KILLED), wait until
@@ -265,13 +196,6 @@ class Follower:
                 break
             time.sleep(POLL_S)
         for child in self.pending.values():
-            if self._has_spool(child):
-                self._deliver(child)
+            self._deliver(child)
             tracking.finish_child_run(child.run_id, -15, f"its sweep was {reason}", stopped=True)
 
-
-def _as_received(exc: KeyboardInterrupt) -> KeyboardInterrupt:
-    """The signal that came is what the runs and the exit status say."""
-    if not isinstance(exc, signals.Terminated) and signals._received:
-        return signals.Terminated(signals._received[0])
-    return exc

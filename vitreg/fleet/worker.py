@@ -1,26 +1,20 @@
 """A sweep's warm worker: one process per GPU of this host (per CPU on a host without one) that runs the
-children given that GPU one after another, each as the ``vitreg bench`` command it would be in a process of
-its own, in-process.
+children given that GPU one after another, in-process, each as the ``vitreg bench`` command it would be alone.
 
-Why: a child in a fresh process paid its interpreter, the torch/timm/MLflow imports, the store's set-up, the
-CUDA context and a cold compile before its first timed step (setup 10-16 s and imports 4-5 s a child on an
-H200, benchmarks/results/h200-2026-12-03-tta/); the worker pays them once per GPU.
+Why: a child in a fresh process paid its interpreter, the imports, the store's set-up, the CUDA context and a
+cold compile before its first timed step (10-16 s a child on an H200, benchmarks/results/h200-2026-12-03-tta/);
+the worker pays them once per GPU.
 
-What a child keeps, against a process of its own (``--isolate process``): its own MLflow run (handed to it
-as ``mlflow run`` hands one, ``MLFLOW_RUN_ID``), its seed (bench seeds before it builds the model), a graph
-of its own (dynamo's caches are reset between children, so no child runs a graph recompiled for another's
-shapes; inductor's compiled-code caches are kept: compilation paid once), an emptied CUDA caching allocator
-and fresh peak-memory counters, and its own failure: a bad option, an out-of-memory error or any exception
-ends that child FAILED and the worker takes the next. What it loses: the CUDA context and the cuBLAS/cuDNN
-handles are shared (a fault that poisons the context ends the worker: the parent ends the child it ran FAILED
-and starts a new worker for the rest), and process-wide state that no child resets (a library's own caches,
-the host allocator's fragmentation) lives on.
+What a child keeps, against a process of its own (``--isolate process``): its own MLflow run (handed to it as
+``mlflow run`` does, ``MLFLOW_RUN_ID``), its seed, a graph of its own (dynamo's caches are reset between
+children; inductor's compiled code is kept), an emptied CUDA caching allocator and fresh peak-memory counters,
+and its own failure (that child ends FAILED, the worker takes the next). What it loses: the CUDA context and the
+cuBLAS/cuDNN handles are shared (a fault that poisons the context ends the worker: the parent ends its child
+FAILED and starts a new worker), and process-wide state no child resets lives on.
 
 The protocol: the parent (:class:`vitreg.fleet.local.Worker`) writes one JSON line per child to the worker's
-stdin, the command's arguments and its run's variables; the worker (:func:`vitreg.cli.worker.serve`, in the
-CLI's layer: a child is a CLI command) runs it and writes :data:`DONE` and the exit status on stderr. stdout is
-the children's stdout, relayed as it comes; stderr's other lines are the children's progress. A closed stdin
-ends the worker.
+stdin (its arguments and its run's variables); the worker (:func:`vitreg.cli.worker.serve`) runs it and writes
+:data:`DONE` and the exit status on stderr. stdout is the children's; a closed stdin ends the worker.
 """
 
 from __future__ import annotations

@@ -1,27 +1,20 @@
 """Training data: synthetic class-conditional batches made on the device, or an ImageFolder tree.
 
-Both kinds give the loop the same thing: ``steps_per_epoch``, ``num_classes`` and
-``batches(epoch, start)``, an iterator of ``(images, labels)`` already on the device, starting at
-batch ``start`` of ``epoch``, so a resumed run sees exactly the batches it would have seen.
+Both kinds give the loop ``steps_per_epoch``, ``num_classes`` and ``batches(epoch, start)``, an iterator of
+``(images, labels)`` on the device starting at batch ``start`` of ``epoch``, so a resumed run sees exactly the
+batches it would have seen.
 
-Synthetic data (the default) needs no disk and no loader processes, so a training run measures the
-model, not the input pipeline: each class has a fixed random low-resolution "prototype" image; a
-sample is its prototype, upsampled, plus Gaussian noise. The loss can therefore fall (there is
-something to learn), and batch ``k`` is a pure function of ``(seed, rank, k)``.
-
-``data=PATH`` is a torchvision ``ImageFolder`` layout, ``PATH/train/<class>/*.jpg`` and optionally
-``PATH/val/<class>/*.jpg``, read by a DataLoader (``num_workers`` processes, pinned memory,
-persistent workers) with timm's ``create_transform`` (random-resized-crop + flip + colour jitter for
-training, resize + centre crop for validation, the model's mean/std and interpolation). An image that
-cannot be decoded stops the run with one line naming the file (:class:`UndecodableImage`), with or
-without loader processes; a file that is no image at all (a text file named ``.jpg``), or one this user may
-not read, is refused before the run trains, by its first bytes.
+Synthetic data (the default) needs no disk and no loader processes, so a run measures the model, not the input
+pipeline: a sample is its class's fixed random low-resolution prototype, upsampled, plus Gaussian noise (there
+is something to learn), and batch ``k`` is a pure function of ``(seed, rank, k)``. ``data=PATH`` is a
+torchvision ``ImageFolder`` layout (``PATH/train/<class>/*.jpg``, optionally ``PATH/val/...``) read by a
+DataLoader with timm's transforms; a file that is no image, or that this user may not read, is refused before
+the run trains, and one that cannot be decoded stops it with one line naming the file.
 """
 
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 from pathlib import Path
 
@@ -35,13 +28,9 @@ _NOISE_STD = 1.0
 
 
 class UndecodableImage(VitregError):
-    """An image file of ``data=PATH`` that PIL cannot decode; the message names the file.
-
-    Refused, not skipped: skipping would change the data set under the run (the epoch's length, the
-    class balance, and the sample order a resumed run must see again) without anyone deciding it, and
-    finding every bad file first would mean decoding the whole folder before the first step. A broken
-    file is usually a broken copy, which the user wants to hear about.
-    """
+    """An image file of ``data=PATH`` that PIL cannot decode; the message names the file. Refused, not skipped:
+    skipping would change the data set under the run (the epoch's length, the class balance, the order a
+    resumed run must see again) without anyone deciding it."""
 
     @classmethod
     def from_loader(cls, exc: "UndecodableImage") -> "UndecodableImage":
@@ -78,9 +67,6 @@ class SyntheticData:
         self.device = torch.device(device)
         self.seed = seed
         self.rank = rank
-        self.world_size = world_size
-        self.classes = [str(i) for i in range(num_classes)]
-        self.train_images = images_per_epoch
         self.steps_per_epoch = max(1, images_per_epoch // (batch_size * world_size))
         self.val = None  # no held-out set: val_top1 is reported for ImageFolder data only
         # The same prototypes on every rank (seeded by seed alone), made on the CPU for determinism
@@ -108,47 +94,27 @@ class SyntheticData:
             yield self.batch(epoch * self.steps_per_epoch + i)
 
 
-class EpochSampler:
-    """A seeded permutation per epoch, sharded over ranks, that can start part-way through.
+def epoch_sampler(dataset, seed: int, rank: int, world_size: int):
+    """torch's ``DistributedSampler`` (a seeded permutation per epoch, padded and sharded over the ranks) that can
+    also start part-way through: ``set_start(n)`` skips the first ``n`` samples of this rank's shard without
+    loading them (resuming mid-epoch). Made here, not at import: planning a job reads this module, not torch."""
+    import itertools
 
-    Like ``DistributedSampler`` (pads to a multiple of the world size, ``set_epoch``), plus
-    ``set_start(n)`` to skip the first ``n`` samples of this rank's shard without loading them,
-    which is what resuming mid-epoch needs.
-    """
+    from torch.utils.data import DistributedSampler
 
-    def __init__(self, size: int, seed: int = 0, rank: int = 0, world_size: int = 1, shuffle: bool = True):
-        self.size = size
-        self.seed = seed
-        self.rank = rank
-        self.world_size = world_size
-        self.shuffle = shuffle
-        self.epoch = 0
-        self.start = 0
-        self.per_rank = math.ceil(size / world_size)
+    class EpochSampler(DistributedSampler):
+        start = 0
 
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
+        def set_start(self, start: int) -> None:
+            self.start = start
 
-    def set_start(self, start: int) -> None:
-        self.start = start
+        def __iter__(self):
+            return itertools.islice(super().__iter__(), self.start, None)
 
-    def _indices(self) -> list[int]:
-        import torch
+        def __len__(self) -> int:
+            return self.num_samples - self.start
 
-        if self.shuffle:
-            g = torch.Generator().manual_seed(self.seed + self.epoch)
-            order = torch.randperm(self.size, generator=g).tolist()
-        else:
-            order = list(range(self.size))
-        total = self.per_rank * self.world_size
-        order += order[: total - len(order)]  # pad so every rank gets the same count
-        return order[self.rank:total:self.world_size]
-
-    def __iter__(self):
-        return iter(self._indices()[self.start:])
-
-    def __len__(self) -> int:
-        return self.per_rank - self.start
+    return EpochSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=seed)
 
 
 class FolderData:
@@ -156,23 +122,17 @@ class FolderData:
 
     kind = "folder"
 
-    def __init__(self, spec, info, device, model=None, rank: int = 0, world_size: int = 1, sampler_factory=None):
+    def __init__(self, spec, info, device, model=None, rank: int = 0, world_size: int = 1):
         """``spec``: the TrainSpec (its data folder, batch_size, num_workers, seed, num_classes); ``info``: the
         model's ModelInfo (its img_size, and its num_classes where the spec leaves it to the data)."""
         import torch
-        from torchvision import datasets
 
         root, img_size, batch_size = spec.data, info.img_size, spec.batch_size
         num_workers, seed, num_classes = spec.num_workers, spec.seed, spec.num_classes or info.num_classes
 
-        self.root = Path(root).expanduser()
-        train_dir, val_dir = _check_layout(self.root)
+        train_dir, val_dir = _check_layout(Path(root).expanduser())
         transform_train, transform_val = _transforms(img_size, model)
-        try:
-            self.train_set = datasets.ImageFolder(str(train_dir), transform=transform_train, loader=load_image)
-        except (FileNotFoundError, OSError) as exc:
-            raise VitregError(f"data={root}: {train_dir} has class folders but no images torchvision can read "
-                              f"({' '.join(str(exc).split())[:160]}): put .jpg/.png files in train/<class>/") from None
+        self.train_set = _image_folder(root, train_dir, transform_train, "put .jpg/.png files in train/<class>/")
         self.classes = list(self.train_set.classes)
         self.num_classes = len(self.classes)
         if num_classes and num_classes != self.num_classes:
@@ -181,27 +141,19 @@ class FolderData:
         if len(self.train_set) < batch_size * world_size:
             raise VitregError(f"data={root} has {len(self.train_set)} training images, fewer than one batch "
                               f"(batch_size={batch_size} x {world_size} process(es)): use a smaller batch_size")
-        self.train_images = len(self.train_set)
         self.device = torch.device(device)
         self.batch_size = batch_size
         pin = self.device.type == "cuda"
         loader_kw = dict(num_workers=num_workers, pin_memory=pin, persistent_workers=num_workers > 0,
                          **({"prefetch_factor": 4} if num_workers > 0 else {}))
-        if sampler_factory is not None:
-            self.sampler = sampler_factory(self.train_set)
-        else:
-            self.sampler = EpochSampler(len(self.train_set), seed=seed, rank=rank, world_size=world_size)
+        self.sampler = epoch_sampler(self.train_set, seed, rank, world_size)
         # drop_last: every step has the same shape (no recompile, honest per-step timing)
         self.loader = torch.utils.data.DataLoader(self.train_set, batch_size=batch_size, sampler=self.sampler,
                                                   drop_last=True, **loader_kw)
         self.steps_per_epoch = len(self.train_set) // world_size // batch_size
         self.val = None
         if val_dir is not None:
-            try:
-                val_set = datasets.ImageFolder(str(val_dir), transform=transform_val, loader=load_image)
-            except (FileNotFoundError, OSError) as exc:
-                raise VitregError(f"data={root}: {val_dir} has no readable images "
-                                  f"({' '.join(str(exc).split())[:160]}): fill val/<class>/ or remove val/") from None
+            val_set = _image_folder(root, val_dir, transform_val, "fill val/<class>/ or remove val/")
             if list(val_set.classes) != self.classes:
                 missing = sorted(set(self.classes) ^ set(val_set.classes))[:3]
                 raise VitregError(f"data={root}: val/ and train/ have different class folders (e.g. {missing}): "
@@ -210,22 +162,25 @@ class FolderData:
                                                    num_workers=num_workers, pin_memory=pin)
 
     def batches(self, epoch: int, start: int = 0):
-        if hasattr(self.sampler, "set_epoch"):
-            self.sampler.set_epoch(epoch)
-        if hasattr(self.sampler, "set_start"):
-            self.sampler.set_start(start * self.batch_size)
-            skip = 0
-        else:
-            skip = start  # a sampler without set_start: skip batches the slow way
-        for i, (images, labels) in enumerate(_decoded(self.loader)):
-            if i < skip:
-                continue
+        self.sampler.set_epoch(epoch)
+        self.sampler.set_start(start * self.batch_size)
+        for images, labels in _decoded(self.loader):
             # non_blocking with pinned memory: the copy overlaps the previous step's GPU work
             yield images.to(self.device, non_blocking=True), labels.to(self.device, non_blocking=True)
 
     def val_batches(self):
         for images, labels in _decoded(self.val):
             yield images.to(self.device, non_blocking=True), labels.to(self.device, non_blocking=True)
+
+
+def _image_folder(root, folder: Path, transform, fix: str):
+    from torchvision import datasets
+
+    try:
+        return datasets.ImageFolder(str(folder), transform=transform, loader=load_image)
+    except (FileNotFoundError, OSError) as exc:
+        raise VitregError(f"data={root}: {folder} has class folders but no images torchvision can read "
+                          f"({' '.join(str(exc).split())[:160]}): {fix}") from None
 
 
 def _decoded(loader):
@@ -323,7 +278,10 @@ def _check_header(root: Path, path: str) -> None:
             prefix = fh.read(16)
     except OSError as exc:
         raise VitregError(f"data={root}: {unreadable(path, exc)}, or remove it") from None
-    if not any(_accepts(test, prefix) for _, test in _image_formats().values()) and not _pil_opens(path):
+    from PIL import Image
+
+    Image.init()  # every plugin, each with its header test in Image.OPEN
+    if not any(_accepts(test, prefix) for _, test in Image.OPEN.values()) and not _pil_opens(path):
         raise UndecodableImage(f"data={root}: {path} is not an image (no image format starts like it): replace or "
                                f"remove the file")
 
@@ -348,14 +306,6 @@ def _pil_opens(path: str) -> bool:
         return False
 
 
-def _image_formats() -> dict:
-    """PIL's registered formats (its ``Image.OPEN``: name -> (opener, header test)), all plugins loaded."""
-    from PIL import Image
-
-    Image.init()
-    return Image.OPEN
-
-
 def _transforms(img_size: int, model=None):
     from timm.data import create_transform, resolve_data_config
 
@@ -364,18 +314,14 @@ def _transforms(img_size: int, model=None):
     return create_transform(**config, is_training=True), create_transform(**config, is_training=False)
 
 
-def build_data(spec, info, device, model=None, rank: int = 0, world_size: int = 1, sampler_factory=None):
-    """The training data a :class:`~vitreg.config.spec.TrainSpec` asks for, for a model described by ``info``.
-
-    ``sampler_factory(dataset)`` (for DDP launchers) replaces the built-in rank-sharded sampler of
-    ImageFolder data; synthetic data is sharded by seeding each rank differently.
-    """
+def build_data(spec, info, device, model=None, rank: int = 0, world_size: int = 1):
+    """The training data a :class:`~vitreg.config.spec.TrainSpec` asks for, for a model described by ``info``,
+    this rank's shard (synthetic data: seeded by rank)."""
     if spec.synthetic:
         num_classes = spec.num_classes or SYNTHETIC_DEFAULT_CLASSES
         return SyntheticData(num_classes, info.img_size, spec.batch_size, device, spec.seed, rank, world_size)
     check_num_workers(spec.num_workers)
-    return FolderData(spec, info, device, model=model, rank=rank, world_size=world_size,
-                      sampler_factory=sampler_factory)
+    return FolderData(spec, info, device, model=model, rank=rank, world_size=world_size)
 
 
 def usable_cpus() -> int:

@@ -1,43 +1,19 @@
 """The ``train`` job, read top to bottom: resolve the plan -> launch -> run the loop -> log and register.
 
-:func:`train` opens the job's run and resolves, once, a :class:`TrainPlan`: the spec, the checks that
-need no step (model name, ``register_as``, the data layout), this process's world, hardware and
-runtime, the model and its facts, the checkpoint a ``resume=`` names, the run's title. Every later
-step takes the plan and never returns to the options, the model factory or the checkpoint source.
-Then either this process launches torchrun (:func:`_launch_train`) or it trains (:func:`_train_in_run`).
+:func:`train` opens the job's run and resolves, once, a :class:`TrainPlan`; every later step takes the plan and
+never returns to the options, the model factory or the checkpoint source (``resume=`` and ``teacher=`` go
+through :func:`vitreg.tracking.checkpoint_sources.resolve_checkpoint`). Then either this process launches
+torchrun (:func:`_launch_train`, as ``bench`` does: the launcher holds the one MLflow run, rank 0 hands its
+calls back to it, the other ranks log nothing) or it trains (:func:`_train_in_run`).
 
-The loop (:mod:`vitreg.train.loop`) reports through callbacks; :class:`RunLogger` turns them into
-MLflow calls that never run inside a step:
+The loop (:mod:`vitreg.train.loop`) reports through callbacks; :class:`RunLogger` turns them into MLflow calls
+that never run inside a step: the curves, one ``log_metrics`` batch per ``log_every`` steps; the checkpoints
+(:class:`CheckpointUploader`); at the end the summary metrics, ``results.json``, and ``register_as``.
 
-- curves (``train_loss``, ``lr``, ``train_img_per_s``, ``grad_norm``, ``data_wait_frac``, ``epoch``,
-  ``val_top1``) as one ``log_metrics`` batch per ``log_every`` steps;
-- checkpoints as run artifacts ``checkpoints/step-<N>/``, then the small file ``checkpoints/last`` naming
-  the newest (one copy of the weights and optimizer state per step, and ``last`` moves only once its
-  folder is complete), then the deletion of the steps beyond ``keep_checkpoints``, by
-  :class:`CheckpointUploader`;
-- the summary metrics, ``results.json``, environment and pip freeze at the end; then ``register_as``
-  (:func:`_register`), checked against the registry while the plan is resolved.
-
-Those calls go through one background thread (in order) when the tracker is bound to its run id
-(``Tracker.thread_safe``; MLflow's active run is thread-local, so a fluent call from another thread
-would open a new run); otherwise they run inline at the log boundary, still outside any timed step.
-
-Checkpoint sources (``resume=``, ``teacher=``) go through the one resolver,
-:func:`vitreg.tracking.checkpoint_sources.resolve_checkpoint`.
-
-DDP (``nproc > 1``), as ``bench`` does it: the process the user started becomes the launcher
-(:func:`_launch_train`). It holds the one MLflow run (or resumes ``mlflow run``'s), checks what
-needs no GPU (model name, data layout, ``nproc`` against the visible GPUs; any ``nproc`` on the
-CPU, with gloo), and runs the same ``train`` under torchrun through
-:func:`vitreg.ddp.launcher.launch_job`, which logs what rank 0 hands back, ends the run FAILED with
-the failing rank's error and passes its exit status on. Each rank joins the process group, trains
-its own shard (an ``EpochSampler`` shard of an ImageFolder, or synthetic batches seeded by rank)
-with ``batch_size`` images per process; no rank talks to MLflow: rank 0's tracker hands its calls
-(curves, checkpoints, the registration request) to the launcher, the others get a NullTracker.
-Curves carry the loss averaged over the ranks and img/s summed over them; the summary throughput
-is the sum of the ranks' rates and the step time the slowest rank's (``ranks.json`` keeps each
-rank's). The ranks wait for rank 0 at a barrier before leaving, so none exits while rank 0 still
-hands back its checkpoints. The launcher registers the checkpoint once the hand-off is logged.
+Under DDP each rank trains its own shard with ``batch_size`` images per process; the curves carry the loss
+averaged over the ranks and img/s summed over them, the summary the sum of the ranks' rates and the slowest
+rank's step time (``ranks.json`` keeps each rank's). The ranks wait for rank 0 at a barrier before leaving, so
+none exits while rank 0 still hands back its checkpoints.
 """
 
 from __future__ import annotations
@@ -79,16 +55,10 @@ CHECKPOINT_ARTIFACTS = "checkpoints"
 
 
 def train(options: dict, experiment: str | None = None, run_name: str | None = None, progress=progress,
-          command: str | None = None, *, sampler_factory=None, placement: launch.Placement | None = None):
-    """Train one model and log it as one MLflow run; returns the loop's TrainResult.
-
-    ``nproc > 1`` (or a ``placement`` over several hosts) launches torchrun (see the module docstring)
-    and returns None in this launching process; with several hosts the same command runs on each
-    (node 0 holds rank 0, the run, the checkpoints and the registration). Inside torchrun (a vitreg
-    launcher's, or one the user started) this is one rank of the job. ``sampler_factory(dataset)``
-    replaces the built-in rank-sharded sampler of ImageFolder data (it must give every rank the same
-    number of batches).
-    """
+          command: str | None = None, *, placement: launch.Placement | None = None):
+    """Train one model and log it as one MLflow run; returns the loop's TrainResult. ``nproc > 1`` (or a
+    ``placement`` over several hosts, each running the same command) launches torchrun and returns None in this
+    launching process; inside torchrun this is one rank of the job."""
     run_node = (placement or launch.Placement()).run_node
     workdir = Path(tempfile.mkdtemp(prefix="vitreg-train-"))  # downloaded resume source + local checkpoints
     world = distributed.World()
@@ -97,7 +67,7 @@ def train(options: dict, experiment: str | None = None, run_name: str | None = N
                   launch.launcher_run(run_name, experiment, run_node))
         with opened as run:  # a refusal while the plan is resolved ends this run FAILED, with its error
             plan = resolve_plan(run, options, workdir, run_name=run_name, command=command, placement=placement,
-                                progress=progress, sampler_factory=sampler_factory)
+                                progress=progress)
             if plan.launches:
                 return _launch_train(plan)
             world = plan.world
@@ -119,12 +89,8 @@ def train(options: dict, experiment: str | None = None, run_name: str | None = N
 
 @dataclass(frozen=True)
 class TrainPlan:
-    """What every step after :func:`resolve_plan` reads: resolved once, at the job's top.
-
-    A launcher's plan stops at ``num_classes`` (it trains nothing); a training process's holds its
-    context (world, hardware, runtime), the model built for it and its facts, the checkpoint it resumes
-    from, the teacher and the run's title.
-    """
+    """What every step after :func:`resolve_plan` reads, resolved once at the job's top. A launcher's plan stops
+    at ``num_classes`` (it trains nothing)."""
 
     options: dict  # as they came: a launcher forwards them to every rank
     spec: TrainSpec  # a resumed run's carries the checkpoint's seed
@@ -136,7 +102,6 @@ class TrainPlan:
     progress: Callable  # quiet on DDP ranks other than 0: rank 0 speaks for the job
     launches: bool  # this process launches torchrun and trains nothing itself
     num_classes: int  # the head size: num_classes, else the class folders of data
-    sampler_factory: Callable | None = None
     ctx: JobContext | None = None  # a training process's world, hardware, runtime, wrap and reducer
     model: object = None  # the student, built with the seed: its facts (info) come from building it
     info: ModelInfo | None = None
@@ -159,7 +124,7 @@ class TrainPlan:
 
 
 def resolve_plan(run, options: dict, workdir: Path, *, run_name=None, command=None, placement=None,
-                 progress=progress, sampler_factory=None) -> TrainPlan:
+                 progress=progress) -> TrainPlan:
     """The plan of this process: what needs no step is checked here, before any training or launch."""
     from vitreg.train.data import resolve_num_classes
 
@@ -170,13 +135,13 @@ def resolve_plan(run, options: dict, workdir: Path, *, run_name=None, command=No
     # the run (it checked already; its ranks never import mlflow, ~2.8 s of CPU, nor talk to the registry)
     registers = placement.node_rank == 0 if launches else distributed.is_main_process() and not launch.launched_by_vitreg()
     check_model_name(spec.model)  # fail here, once, rather than in every rank
-    if registers:
-        _check_registration(spec)  # a bad register_as fails before any training
+    if registers and spec.register_as:  # a bad register_as fails before any training
+        model_registry.check_registration(spec.register_as, spec.alias, spec.model)
     # data=PATH's layout, even where num_classes is given, and its image headers: once per job (a launcher or
     # rank 0), not in every rank
     data_classes = resolve_num_classes(spec.replace(num_classes=0), check_images=distributed.is_main_process())
     plan = TrainPlan(options, spec, run, run_name, launch.typed_command(command), placement, workdir, progress, launches,
-                     num_classes=spec.num_classes or data_classes, sampler_factory=sampler_factory)
+                     num_classes=spec.num_classes or data_classes)
     if launches:
         if spec.resume and not spec.resume.startswith(("runs:/", "models:/")) and "://" not in spec.resume:
             resolve_checkpoint_source(spec.resume)  # a local path that does not exist
@@ -255,12 +220,6 @@ def teacher_loader(uri: str):
     return model
 
 
-def _check_registration(spec: TrainSpec) -> None:
-    """``register_as``/``alias`` checked against the registry before training (no-op without them)."""
-    if spec.register_as:
-        model_registry.check_registration(spec.register_as, spec.alias, spec.model)
-
-
 # --------------------------------------------------------------------------- the launch
 
 
@@ -289,7 +248,7 @@ def _train_in_run(plan: TrainPlan):
 
     spec, world = plan.spec, plan.world
     data = build_data(spec, plan.info, plan.runtime.torch_device, model=plan.model, rank=world.rank,
-                      world_size=world.world_size, sampler_factory=plan.sampler_factory)
+                      world_size=world.world_size)
     if world.is_main:
         from vitreg.train import loop
 
@@ -347,7 +306,7 @@ def _run_loop(plan: TrainPlan, logger: RunLogger, data):
     checkpoints = loop.Checkpoints(plan.workdir / CHECKPOINT_ARTIFACTS, plan.resume, {"run_id": plan.run.run_id})
     try:
         return loop.train(spec, plan.runtime, plan.model, plan.info,
-                          sources=loop.Sources(data, plan.teacher, teacher_loader), checkpoints=checkpoints, hooks=hooks,
+                          sources=loop.Sources(data, plan.teacher), checkpoints=checkpoints, hooks=hooks,
                           ranks=ranks)
     finally:
         bar.close()  # before the results are logged, so their lines print below the bar
@@ -389,17 +348,10 @@ def _log_setup(plan: TrainPlan, data) -> None:
 def _train_tags(plan: TrainPlan, data_kind: str) -> dict:
     """bench's resolved tags (names people group by) plus the training ones."""
     spec, runtime, info = plan.spec, plan.runtime, plan.info
-    return {
-        **resolved_tags(spec, plan.hardware, runtime, info.img_size, task="train"),
-        "vitreg_job": "train",
-        "precision": runtime.precision.label,  # what ran: fp32, tf32, autocast-bf16, autocast-fp16
-        "sdpa": spec.sdpa,
-        "num_classes": info.num_classes,
-        "data": data_kind,
-        "distillation": spec.distillation,
-        "teacher": spec.teacher or None,
-        "resumed_from": spec.resume or None,
-    }
+    return {**resolved_tags(spec, plan.hardware, runtime, info.img_size, task="train"), "vitreg_job": "train",
+            "precision": runtime.precision.label,  # what ran: fp32, tf32, autocast-bf16, autocast-fp16
+            "sdpa": spec.sdpa, "num_classes": info.num_classes, "data": data_kind, "distillation": spec.distillation,
+            "teacher": spec.teacher or None, "resumed_from": spec.resume or None}
 
 
 def _run_name(plan: TrainPlan, throughput: float | None = None) -> str:
@@ -468,12 +420,9 @@ def _print_summary(result, run) -> None:
 
 
 class RunLogger:
-    """MLflow calls for one run, in submission order, off the training thread when that is safe.
-
-    With a thread-safe tracker (bound to its run id) a single daemon thread runs the calls; the
-    training loop only enqueues. Otherwise :meth:`submit` runs the call at once. An error in the
-    thread is raised at the next :meth:`submit` or at :meth:`close`.
-    """
+    """MLflow calls for one run, in submission order, off the training thread when that is safe: one daemon
+    thread with a thread-safe tracker (bound to its run id; MLflow's active run is thread-local), else at once.
+    An error in the thread is raised at the next :meth:`submit` or at :meth:`close`."""
 
     def __init__(self, tracker):
         self.tracker = tracker
@@ -534,12 +483,9 @@ class RunLogger:
 
 
 class CheckpointUploader:
-    """Logs each checkpoint as ``checkpoints/step-<N>``, then points ``checkpoints/last`` at it, then deletes
-    the run's checkpoints beyond the newest ``keep`` (0: none) and the local copies of older ones (the
-    newest stays, for registration).
-
-    In that order, through the run's one ordered queue: a process killed at any point leaves ``last``
-    naming a complete folder, and never fewer than ``keep`` of them."""
+    """Logs each checkpoint as ``checkpoints/step-<N>``, then points ``checkpoints/last`` at it, then deletes the
+    run's checkpoints beyond the newest ``keep`` (0: none) and the older local copies; in that order, through
+    the run's one queue: a process killed at any point leaves ``last`` naming a complete folder."""
 
     def __init__(self, logger: RunLogger, keep: int = 1):
         self.logger = logger

@@ -1,52 +1,25 @@
 """The training loop: AdamW + warm-up/cosine LR, AMP, compile, DeiT distillation, checkpoints, callbacks.
 
-No MLflow here (runners never log). :func:`train` reports through callbacks (:class:`Hooks`), which
-:mod:`vitreg.train.job` turns into batched MLflow calls, and returns a typed :class:`TrainResult`:
+No MLflow here: :func:`train` reports through callbacks (:class:`Hooks`) and returns a :class:`TrainResult`.
+It is a sequence of named steps over two values: :class:`_Setup` (what :func:`_prepare` built) and
+:class:`_Tally` (what changes as updates run).
 
-- ``on_step(step)`` after every optimizer update: host-only, for a progress bar; it gets no values,
-  because reading a loss off the GPU would be a CPU-GPU sync every step.
-- ``on_log(step, metrics)`` every ``log_every`` updates and at the end, with ``train_loss`` (mean
-  over the interval), ``lr``, ``train_img_per_s``, ``grad_norm``, ``data_wait_frac``, ``epoch``.
-  This is the one sync point of an interval: per-step CUDA events recorded in the interval are read
-  here, so timing never adds a sync inside a step.
-- ``on_checkpoint(step, path)`` after a checkpoint directory is written (every ``checkpoint_every``
-  updates and at the end).
-- ``on_epoch_end(epoch, metrics)`` at each epoch boundary, with ``val_top1``/``val_loss`` when the
-  data has a ``val/`` split.
+Ctrl-C, and SIGTERM/SIGHUP once :func:`vitreg.signals.install` routes them, stop the loop between updates: the
+open interval is logged, a checkpoint of the step reached is written, and the ``KeyboardInterrupt`` goes on up
+carrying the :class:`TrainResult` so far as its ``partial_result``.
 
-The loop is a sequence of named steps over two values: :class:`_Setup` (what :func:`_prepare`
-built: model, data, optimizer, schedule, scaler, criterion) and :class:`_Tally` (what changes as
-updates run: the step, the interval's loss and times, the last validation and checkpoint).
-
-Ctrl-C, and SIGTERM/SIGHUP once :func:`vitreg.signals.install` routes them, stop the loop between
-updates (:func:`vitreg.signals.update_is_atomic` holds them for the length of one): the open interval is logged, a
-checkpoint of the step reached is written, and the ``KeyboardInterrupt`` goes on up carrying the
-:class:`TrainResult` so far as its ``partial_result``, for the job to log before the run ends KILLED.
-
-Throughput is measured as bench's train task measures it: the first step (compilation, lazy init)
-is timed apart, the next steps are a warm-up, and the rest are timed per step (CUDA events on the
-GPU, ``perf_counter`` on the CPU); ``throughput_img_per_s`` is images over the sum of those step
-times, so checkpoint writes, validation and logging between steps are not counted.
-
-DDP: pass :class:`Ranks`: ``wrap`` (a function that wraps the model, e.g. in DistributedDataParallel;
-applied before torch.compile, as bench does), ``world_size``/``rank`` (data sharding), ``is_main=False``
-on ranks that must not write checkpoints or run validation, and ``reducer`` (a
-:class:`vitreg.ddp.world.TrainReducer`): at each log boundary it all-reduces the interval's loss
-(mean over ranks) and img/s (sum), one collective per boundary and none per step; at the end the
-job's throughput is the sum of the ranks' and its step time the slowest rank's. Every rank must
-make the same number of steps (the data gives each rank the same number of batches).
-
-Besides the loop this module holds what only the loop uses, each under its own heading: what it is
-given besides spec, runtime and model (:class:`Sources`, :class:`Checkpoints`, :class:`Hooks`,
-:class:`Ranks`) and what it returns (:class:`TrainResult`); the optimizer and schedule; the step clock;
-validation and the gradient norm.
+Throughput is measured as bench's train task measures it: the first step (compilation, lazy init) is timed
+apart, the next steps are a warm-up, the rest are timed per step (CUDA events on the GPU, ``perf_counter`` on
+the CPU, read once per log interval: no sync inside a step); checkpoints, validation and logging between steps
+are not counted. Under DDP (:class:`Ranks`) the model is wrapped before torch.compile, as bench does, and the
+reducer all-reduces the loss and img/s once per log boundary, never per step.
 """
 
 from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Callable
 
@@ -67,14 +40,14 @@ WARMUP_LR_INIT = 1e-6  # DeiT's warmup_lr: where the linear warm-up starts
 
 # --------------------------------------------------------------------------- what the loop is given and returns
 
-# Four values besides the spec, runtime and model: what it trains on (Sources), where its checkpoints go
-# and come from (Checkpoints), its callbacks (Hooks) and its place in a DDP job (Ranks). It returns a
-# TrainResult, whose figures are one Figures record (named and logged by the metric table, as bench's are).
-
 
 @dataclass(frozen=True)
 class Hooks:
-    """The loop's callbacks (see the module docstring) and where its messages go."""
+    """The loop's callbacks and where its messages go: ``on_step(step)`` after every update (host-only: no
+    value read off the GPU); ``on_log(step, metrics)`` every ``log_every`` updates and at the end (``train_loss``
+    over the interval, ``lr``, ``train_img_per_s``, ``grad_norm``, ``data_wait_frac``, ``epoch``);
+    ``on_checkpoint(step, path)`` after a checkpoint is written; ``on_epoch_end(epoch, metrics)``, with
+    ``val_top1``/``val_loss`` when the data has a ``val/`` split."""
 
     on_step: Callable | None = None
     on_log: Callable | None = None
@@ -85,13 +58,11 @@ class Hooks:
 
 @dataclass(frozen=True)
 class Sources:
-    """What the loop trains on and learns from: ``data`` (default: :func:`vitreg.train.data.build_data`),
-    the distillation ``teacher`` (default: :func:`vitreg.train.losses.create_teacher`, which loads a
-    ``teacher=`` URI through ``teacher_loader``)."""
+    """What the loop trains on and learns from: ``data`` (default: :func:`vitreg.train.data.build_data`), the
+    distillation ``teacher`` (default: :func:`vitreg.train.losses.create_teacher` of ``spec.teacher``)."""
 
     data: object = None
     teacher: object = None
-    teacher_loader: Callable | None = None
 
 
 @dataclass(frozen=True)
@@ -106,16 +77,15 @@ class Checkpoints:
 
 @dataclass(frozen=True)
 class Ranks:
-    """This process's place in a DDP job, for the loop: data sharding (``rank`` of ``world_size``,
-    ``sampler_factory``), the DDP ``wrap``, the ``reducer`` (a :class:`vitreg.ddp.world.TrainReducer`),
-    and ``is_main`` (False on ranks that must not write checkpoints or validate)."""
+    """This process's place in a DDP job, for the loop: data sharding (``rank`` of ``world_size``), the DDP
+    ``wrap``, the ``reducer`` (a :class:`vitreg.ddp.world.TrainReducer`), and ``is_main`` (False on ranks that
+    must not write checkpoints or validate)."""
 
     world_size: int = 1
     rank: int = 0
     is_main: bool = True
     wrap: Callable | None = None
     reducer: object = None
-    sampler_factory: Callable | None = None
 
 
 @dataclass(frozen=True)
@@ -142,9 +112,7 @@ class TrainResult:
         return self.figures.metrics()
 
     def to_dict(self) -> dict:
-        out = {k: getattr(self, k) for k in ("step", "start_step", "steps_run", "epoch", "total_steps",
-                                             "steps_per_epoch", "batch_size", "world_size", "last_checkpoint",
-                                             "stopped_by")}
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "figures"}
         return {**out, "figures": self.figures.to_dict(), "metrics": self.metrics()}
 
 
@@ -152,12 +120,9 @@ class TrainResult:
 
 
 def resume_spec(spec, checkpoint: ckpt.VerifiedCheckpoint, info, progress=progress):
-    """The spec a resumed run trains with: this one, with the checkpoint's ``seed``.
-
-    The seed defines the synthetic data set (its class prototypes) and the sample order of an
-    ImageFolder, so continuing with another one would train on another task. Refuses a checkpoint of
-    another model (name, img_size, num_classes). Whoever builds the data calls this, once, before.
-    """
+    """The spec a resumed run trains with: this one, with the checkpoint's ``seed`` (it defines the synthetic
+    data and an ImageFolder's sample order: another one would train on another task). Refuses a checkpoint of
+    another model. Whoever builds the data calls this, once, before."""
     spec_json = ckpt.check_compatible(checkpoint, info)
     saved = spec_json.get("train_spec", {}).get("seed")
     if saved is not None and str(saved) != str(spec.seed):
@@ -229,12 +194,9 @@ class _Tally:
 
 def train(spec, runtime, model, info, *, sources: Sources = Sources(), checkpoints: Checkpoints = Checkpoints(),
           hooks: Hooks = Hooks(), ranks: Ranks = Ranks()) -> TrainResult:
-    """Train ``model`` (built by :func:`vitreg.models.factory.create_model`, described by ``info``) as ``spec`` says.
-
-    A resumed run (``checkpoints.resume_from``) continues at the checkpoint's step, with its optimizer,
-    LR schedule, scaler and RNG states; ``spec`` is then :func:`resume_spec` of it, so that the data
-    is the one the checkpoint was trained on.
-    """
+    """Train ``model`` (described by ``info``) as ``spec`` says. A resumed run (``checkpoints.resume_from``)
+    continues at the checkpoint's step with its optimizer, schedule, scaler and RNG states; ``spec`` is then
+    :func:`resume_spec` of it, so that the data is the one the checkpoint was trained on."""
     progress = hooks.progress
     setup = _prepare(spec, runtime, model, info, sources, checkpoints, hooks, ranks)
     tally = _Tally(step=setup.start_step, clock=StepClock(runtime.device),
@@ -294,8 +256,7 @@ def _prepare(spec, runtime, model, info, sources: Sources, checkpoints: Checkpoi
     model.train()
     data, teacher, progress = sources.data, sources.teacher, hooks.progress
     if data is None:
-        data = build_data(spec, info, device, model=model, rank=ranks.rank, world_size=ranks.world_size,
-                          sampler_factory=ranks.sampler_factory)
+        data = build_data(spec, info, device, model=model, rank=ranks.rank, world_size=ranks.world_size)
     if data.num_classes != info.num_classes:
         raise VitregError(f"the data has {data.num_classes} classes, the model head {info.num_classes}: "
                           f"pass num_classes=0 to take it from the data")
@@ -303,7 +264,7 @@ def _prepare(spec, runtime, model, info, sources: Sources, checkpoints: Checkpoi
     total = total_steps_of(spec, spe)
     check_distillable(spec, info)
     if spec.distillation != "none" and teacher is None:
-        teacher = create_teacher(spec, info, device, sources.teacher_loader, progress)
+        teacher = create_teacher(spec, info, device, progress=progress)
     criterion = build_criterion(spec, info, teacher)
     if info.distilled and hasattr(model, "set_distilled_training"):
         model.set_distilled_training(True)  # DeiT: training returns (class, distillation) outputs
@@ -509,8 +470,6 @@ def _finish(setup: _Setup, tally: _Tally, stopped_by: str | None = None) -> Trai
 
 # --------------------------------------------------------------------------- optimizer and LR schedule
 
-# DeiT's recipe: AdamW and a warm-up + cosine, stepped per update.
-
 
 def build_optimizer(model, spec, runtime):
     """AdamW, weight decay off for biases, norms, position embeddings and tokens (as DeiT/timm).
@@ -552,21 +511,18 @@ class StepClock:
         self._open = None
         self._pending: list = []
 
+    def _now(self):
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
     def start(self) -> None:
-        if self.cuda:
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            self._open = event
-        else:
-            self._open = time.perf_counter()
+        self._open = self._now()
 
     def stop(self) -> None:
-        if self.cuda:
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            self._pending.append((self._open, event))
-        else:
-            self._pending.append((self._open, time.perf_counter()))
+        self._pending.append((self._open, self._now()))
 
     def collect(self) -> list[float]:
         """Milliseconds of each step since the last collect; synchronises on the last event (CUDA)."""
@@ -580,8 +536,6 @@ class StepClock:
 
 
 # --------------------------------------------------------------------------- validation and gradient norm
-
-# What the loop measures besides the loss.
 
 
 @torch.no_grad()

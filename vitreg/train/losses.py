@@ -26,19 +26,10 @@ def loss_of(output, target, criterion):
 
 
 class DistillationLoss(torch.nn.Module):
-    """DeiT's distillation loss (facebookresearch/deit ``losses.py``), unchanged in substance.
-
-    ``outputs`` is ``(class_head, dist_head)`` for a distilled model in training mode. The base
-    criterion trains the class head on the labels; the distillation head learns from the teacher:
-
-    - ``none``: base loss only;
-    - ``soft``: KL(student_dist/tau || teacher/tau) * tau^2, summed and divided by the number of logits;
-    - ``hard``: cross-entropy of the distillation head against the teacher's argmax;
-
-    and the loss is ``(1 - alpha) * base + alpha * distillation``. The teacher runs under
-    ``torch.no_grad`` (and under whatever autocast the caller opened, so it shares the student's
-    precision).
-    """
+    """DeiT's distillation loss (facebookresearch/deit ``losses.py``), unchanged in substance: the class head
+    learns the labels, the distillation head the teacher (``soft``: KL at temperature tau; ``hard``: its argmax),
+    mixed ``(1 - alpha) * base + alpha * distillation``. The teacher runs without gradients, under the caller's
+    autocast (the student's precision)."""
 
     def __init__(self, base_criterion, teacher_model, distillation_type: str, alpha: float, tau: float):
         super().__init__()
@@ -77,12 +68,8 @@ class DistillationLoss(torch.nn.Module):
 
 
 class TwoHeadLoss(torch.nn.Module):
-    """``distillation=none`` on a distilled DeiT: both heads on the labels, averaged (bench's train loss).
-
-    DeiT itself trains only the class head then, leaving the distillation head random while the
-    eval output averages the two; training both keeps the eval output meaningful and the step
-    identical to what ``vitreg bench`` times.
-    """
+    """``distillation=none``: both heads of a distilled DeiT on the labels, averaged (bench's train loss). DeiT
+    trains only the class head then, leaving the other random while the eval output averages the two."""
 
     def __init__(self, base_criterion):
         super().__init__()
@@ -114,15 +101,9 @@ def build_criterion(spec, info, teacher=None):
 
 
 def create_teacher(spec, info, device, loader: Callable | None = None, progress=progress):
-    """The teacher for ``spec.teacher``, in eval mode on ``device``, without gradients.
-
-    - ``models:/...`` or ``runs:/...``: ``loader(uri)`` (the registry's loader, passed in so training
-      does not import the tracking layer); it returns a module or a ``(module, ...)`` tuple;
-    - a local checkpoint directory: :func:`vitreg.checkpoint.format.load_model`;
-    - otherwise a timm model name, built with **random weights** (vitreg never downloads from a
-      hub): fine for timing distillation, useless for accuracy. For a real teacher, train or
-      register one and pass its ``models:/`` URI.
-    """
+    """The teacher for ``spec.teacher``, in eval mode on ``device``, without gradients: a ``models:/`` or
+    ``runs:/`` URI through ``loader(uri)`` (a module or a ``(module, ...)`` tuple), a checkpoint directory, or a
+    timm name built with random weights (vitreg never downloads from a hub: for timing only)."""
     from vitreg.models.factory import create_model
 
     name = spec.teacher
