@@ -1,32 +1,19 @@
 """A spooled run reaches the tracking store exactly once, in order: live from a background thread while
-the work goes on (:class:`SpoolingTracker`, what every run logs through), or later with ``vitreg sync``.
+the work goes on (:class:`SpoolingTracker`, what every run logs through), or later with ``vitreg sync``
+(:func:`vitreg.tracking.sync.sync`: to the URI given, else the one it was logged against, else the current one).
 
-Live: every tracker call appends to the run's :class:`~vitreg.tracking.spool.Spool` (a local write) and
-returns. A background thread delivers what is pending about once a second (sooner when much piles up),
-in ``log_batch`` calls, with a heartbeat tag (``vitreg_heartbeat``, every ``VITREG_HEARTBEAT_S``
-seconds, default 30: what tells a live run from a stale one, :func:`vitreg.tracking.runs.find_stale`);
-when the server fails it backs off (0.5 s doubling to 8 s) and tries again, for as long as the work goes
-on. :meth:`SpoolingTracker.close` journals the final status and waits at most ``timeout_s``
-(``VITREG_FLUSH_TIMEOUT_S``, default 30) for the rest; what is still undelivered then stays in the spool,
-and one line says how to deliver it (``vitreg sync``). Offline (``offline=true`` / ``VITREG_OFFLINE=1``)
-nothing is sent at all.
-An artifact's copy leaves the spool as soon as the server holds it (the checkpoints a training logs every
-``checkpoint_every`` steps would otherwise stay on local disk until the run ends).
+Live: every tracker call appends to the run's :class:`~vitreg.tracking.spool.Spool` and returns. A thread
+delivers what is pending about once a second (sooner when much piles up) in ``log_batch`` calls, with a
+heartbeat tag (``vitreg_heartbeat``, every ``VITREG_HEARTBEAT_S`` s: what tells a live run from a stale one,
+:func:`vitreg.tracking.runs.find_stale`), backing off 0.5 s doubling to 8 s while the server fails.
+:meth:`SpoolingTracker.close` waits at most ``VITREG_FLUSH_TIMEOUT_S`` (30 s) for the rest; what is left stays
+in the spool, and one line says ``vitreg sync``. An artifact's copy leaves the spool once the server holds it.
 
-Exactly once: the server says what it already has. Every batch carries the tag
-``vitreg_spool_seq.<spool id>`` = the sequence number of the last journal record it covers, so a delivery
-that starts again (the next attempt of the background thread, or ``vitreg sync`` after a crash) skips
-what the run already holds. MLflow's SQL store writes a ``log_batch``'s params, then metrics, then tags:
-the sequence tag lands last, and a batch cut short before it is sent again whole, which MLflow absorbs (a
-metric point identical in key, value, timestamp and step is stored once; a param with the same value is
-accepted). Artifacts are uploaded to the same path again (an overwrite), and the final status is set
-before the tag that covers it. A run the server never saw is created with the tag ``vitreg_spool_id``
-and looked up by that tag before creating, so a crash right after creating it does not make a second run.
-
-``vitreg sync`` (:func:`vitreg.tracking.sync.sync`): each spool goes to the tracking URI given, else the one it was logged
-against, else the current one (``MLFLOW_TRACKING_URI``); delivery resumes where the server's run says it
-stopped: a second sync adds nothing, a sync cut short resumes. A delivered spool is removed; a spool held
-by a running process is left to it.
+Exactly once: every batch carries the tag ``vitreg_spool_seq.<spool id>`` = the last journal record it covers,
+so a delivery that starts again skips what the run holds. MLflow's SQL store writes a batch's tags last: a
+batch cut short is sent again whole, which MLflow absorbs (an identical metric point is stored once, an
+identical param accepted); an artifact is uploaded again to the same path. A new run is created with the tag
+``vitreg_spool_id`` and looked up by it first: a crash right after creating it makes no second run.
 """
 
 from __future__ import annotations
@@ -78,13 +65,9 @@ def end_with_reason(client: mlflow.MlflowClient, run_id: str, status: str, reaso
 
 
 def delete_run_artifacts(client: mlflow.MlflowClient, run_id: str, artifact_path: str) -> None:
-    """Remove ``artifact_path`` from the run's artifacts (MLflow's client has no such call: its artifact
-    repository does, for local folders, the server's proxy, S3, GCS, Azure blobs and HDFS).
-
-    A store that cannot or may not delete (no such call, a 4xx answer: a user without the permission)
-    keeps the files: the run is then larger, not wrong, and delivery must go on rather than retry for
-    ever. A server error or a lost connection is raised, and retried like any other record. Deleting a
-    path that is gone already (a delivery started again after a crash) does nothing."""
+    """Remove ``artifact_path`` from the run's artifacts (through MLflow's artifact repository: its client has
+    no such call). A store that cannot or may not delete (a 4xx answer) keeps the files: the run is then
+    larger, not wrong, and delivery goes on. A server error or a lost connection is raised, and retried."""
     from mlflow.store.artifact.artifact_repository_registry import get_artifact_repository
 
     repo = get_artifact_repository(client.get_run(run_id).info.artifact_uri, tracking_uri=client.tracking_uri)
@@ -219,7 +202,7 @@ class Delivery:
                     self._send(batch)
                     batch = _Batch()
                 batch.add(record)
-            else:
+            else:  # sent alone, then its own sequence tag
                 self._send(batch)
                 self._apply(record)
                 batch = _Batch()
@@ -290,12 +273,9 @@ class Delivery:
             self.client.set_terminated(self.run_id, record["status"], end_time=record["end_time"])
 
     def tidy_up(self) -> None:
-        """Take the heartbeat off the run once it has ended and this spool is delivered: MLflow's UI lists
-        every tag not under ``mlflow.`` (its ``getVisibleTagValues``) beside the ones people filter by, and
-        only :func:`vitreg.tracking.runs.find_stale` reads it, on RUNNING runs (a launcher's run that its rank
-        0 shares keeps it until it ends). The sequence tag and the spool id stay: they make a second delivery
-        of the same journal (``vitreg sync`` of a kept copy) add nothing. Best effort: a tag left behind is
-        only in view."""
+        """Take the heartbeat off an ended, delivered run: MLflow's UI lists it beside the tags people filter by,
+        and only :func:`vitreg.tracking.runs.find_stale` reads it, on RUNNING runs. The sequence tag and the
+        spool id stay (a second delivery of the same journal adds nothing). Best effort."""
         if self.run_id is None:
             return
         try:
@@ -339,14 +319,8 @@ def sync_hint(spool: Spool) -> str:
 
 class SpoolingTracker:
     """The :class:`~vitreg.tracking.runs.Tracker` of every run :func:`~vitreg.tracking.runs.tracked_run`
-    opens: MLflow, the one backend, behind the spool. Its calls are journaled and delivered in the
-    background (the module docstring); beyond the protocol it holds :attr:`spool`, ends with
-    :meth:`close` (``tracked_run``'s, not the job's) and is asked :meth:`check_on_server` before a
-    registration.
-
-    ``existing_params``: what the server run already holds (``mlflow run``'s ``-P`` values), so that
-    :meth:`log_params` can say which requested values it keeps without asking the server.
-    """
+    opens: its calls are journaled and delivered in the background; it ends with :meth:`close`.
+    ``existing_params``: what the server run already holds (``mlflow run``'s ``-P`` values)."""
 
     thread_safe = True
 
@@ -442,8 +416,7 @@ class SpoolingTracker:
     def log_artifact(self, path, artifact_path: str | None = None) -> None:
         self._journal([self.spool.append_artifact(path, artifact_path)])
 
-    def log_artifacts(self, path, artifact_path: str | None = None) -> None:
-        self._journal([self.spool.append_artifact(path, artifact_path)])
+    log_artifacts = log_artifact  # a file or a folder alike: the spool copies either
 
     def delete_artifacts(self, artifact_path: str) -> None:
         self._journal([self.spool.append_delete(artifact_path)])
@@ -619,11 +592,8 @@ def open_run(experiment_name: str = "Default", run_name: str | None = None, tags
              offline=None, root=None) -> SpoolingTracker:
     """Start (or, under ``mlflow run``, continue) a run the spooled way and return its tracker.
 
-    Online this costs one short request (a dead store fails it in seconds, one line naming the store): it
-    creates the run, or reads ``mlflow run``'s (``MLFLOW_RUN_ID``) for its experiment and its ``-P``
-    params, so the run id is known from the start (for the registry, child runs, ``runs:/`` URIs). The
-    run is not MLflow's fluent active run: nothing but the tracker ends it. Offline nothing is sent, and
-    ``vitreg sync`` creates the run later.
+    Online this costs one short request, which creates the run (or reads ``mlflow run``'s for its experiment
+    and ``-P`` params), so the run id is known from the start. Offline ``vitreg sync`` creates it later.
     """
     offline = offline_mode(offline)
     uri = mlflow.get_tracking_uri()

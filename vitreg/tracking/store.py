@@ -1,35 +1,7 @@
-"""The tracking store as this process reaches it: made ready once, asked within bounded time, its
-failures told in one line, MLflow's own prints off.
-
-- Where a sqlite store keeps its artifacts, one rule wherever the process stands (:func:`artifact_root`):
-  beside its file, ``mlruns/`` for ``mlflow.db`` (MLflow's own default pair) and ``<name>-mlruns/`` for
-  any other ``<name>.db``. MLflow would file a new experiment's artifacts under ``./mlruns`` of the
-  current folder whatever the store, so two stores used from one folder shared ``./mlruns/1/``, and a
-  store used from another folder scattered its artifacts there. vitreg makes the Default experiment of a
-  store it creates, and every experiment it creates, through a store built with that root
-  (:func:`create_experiment`), and says in one line when it creates a store.
-- A local sqlite store is created and migrated once even when several processes start on it together
-  (:func:`prepare_store`). MLflow's tracking store creates and migrates a fresh sqlite schema in every
-  process that opens it, with no lock: processes that start together on a new ``mlflow.db`` race in the
-  migration (``_alembic_tmp_tags already exists``) and can leave the file broken for every later client.
-  :func:`prepare_store` takes an exclusive lock beside the database file while this process builds its
-  store (migrating it if needed); MLflow caches that store per URI, so later calls in the process reuse
-  it without migrating again.
-- MLflow's HTTP client retries for minutes against a dead or failing server; :func:`short_http_requests`
-  makes each request fail within seconds (the caller owns the back-off), :func:`bound_http_requests`
-  bounds a CLI command's requests.
-- A store failure becomes one line naming the store, masked (:func:`store_errors`, :func:`store_error_for`,
-  :func:`first_line`). A request the store refused (HTTP 400/404: an invalid run id, an artifact path
-  outside the run) is said as the bad value it is, and "move it away" only of a sqlite file that does not
-  open as an MLflow store (:func:`_opens`), never inferred from a failed call.
-- MLflow's prints: it draws tqdm bars on stderr for each artifact download (three for one ``pull`` or
-  ``infer``), in between vitreg's own progress lines, which already say what is downloaded where; it
-  reads MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR each time it starts one, so setting it once in the process
-  (before the first download) is enough. When a run ends against a server MLflow writes ``View run ...
-  at: <host>/#/...`` to stdout (``TrackingServiceClient._log_url``), with the host as MLflow holds it: a
-  tracking URI's credentials included. vitreg's last line (:func:`vitreg.tracking.runs.where_logged`)
-  gives the same link, masked, so MLflow's is turned off with MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT,
-  which it reads at each end of a run.
+"""The tracking store as this process reaches it: made ready once (:func:`prepare_store`, a sqlite store's
+artifacts beside its file: :func:`artifact_root`), asked within bounded time (:func:`short_http_requests`,
+:func:`bound_http_requests`), its failures told in one line naming it, masked (:func:`store_errors`,
+:func:`store_fault`), MLflow's own prints off (:func:`quiet_artifact_downloads`, :func:`quiet_mlflow_info`).
 """
 
 from __future__ import annotations
@@ -61,6 +33,9 @@ _REFUSED = re.compile(r"connection refused|could not connect|Can't connect to|Na
                       r"could not translate host name", re.IGNORECASE)
 _NOT_HTTP = re.compile(r"BadStatusLine|RemoteDisconnected|Connection aborted|InvalidChunkLength|"
                        r"ProtocolError", re.IGNORECASE)
+#: MLflow's answers to a request it understood and refused (from a server or a local store alike); not
+#: ENDPOINT_NOT_FOUND, also a 404, which a URI pointing at something that is no MLflow server gets
+_REFUSED_REQUEST = {"INVALID_PARAMETER_VALUE", "RESOURCE_DOES_NOT_EXIST", "BAD_REQUEST", "RESOURCE_ALREADY_EXISTS"}
 #: MLflow's SQL store tries to build its engine 10 times, sleeping 0.1 * (2**n - 1) s between (~100 s against a
 #: database that is down) and reads no setting for it: a CLI command tries twice (0.1 s of sleep; a sqlite file
 #: another process holds locked costs sqlite's 5 s busy timeout an attempt)
@@ -85,8 +60,8 @@ def sqlite_path(uri: str) -> Path | None:
 
 def artifact_root(uri: str) -> Path | None:
     """Where the experiments of the sqlite store at ``uri`` keep their artifacts (``<root>/<experiment id>/``):
-    ``mlruns`` beside ``mlflow.db``, ``<name>-mlruns`` beside any other ``<name>.db``. None for other stores
-    (a server files artifacts where it is configured to)."""
+    ``mlruns`` beside ``mlflow.db``, ``<name>-mlruns`` beside any other ``<name>.db``, from whatever folder
+    (MLflow's ``./mlruns`` of the current folder let two stores share ``./mlruns/1/``). None for other stores."""
     path = sqlite_path(uri)
     if path is None:
         return None
@@ -131,16 +106,11 @@ def ui_command(uri: str) -> str:
     return f"make ui UI_STORE={store}"
 
 
-@contextlib.contextmanager
-def _exclusive(lock_path: Path):
-    with open(lock_path, "a") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)  # released when the file closes, also if this process dies
-        yield
-
-
 def prepare_store(uri: str) -> None:
-    """Create (or open) the sqlite store at ``uri`` under a file lock; nothing for other stores. MLflow's
-    routine INFO lines are off from here on (:func:`quiet_mlflow_info`).
+    """Create (or open) the sqlite store at ``uri`` under a file lock beside it; nothing for other stores.
+    MLflow migrates a fresh schema in every process that opens it, unlocked: processes starting together on a
+    new file raced (``_alembic_tmp_tags already exists``) and could break it. MLflow's routine INFO lines are
+    off from here on (:func:`quiet_mlflow_info`).
 
     Raises :class:`StoreError`, naming the file, when it cannot be created or is not a usable store. A store
     another process holds locked (sqlite's "database is locked") is waited for, then called busy: it is
@@ -190,7 +160,8 @@ def _build(uri: str, path: Path) -> None:
     lock = path.with_name(path.name + ".lock")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        with _exclusive(lock):
+        with open(lock, "a") as held:
+            fcntl.flock(held, fcntl.LOCK_EX)  # released when the file closes, also if this process dies
             if not path.exists() or path.stat().st_size == 0:
                 store_with_root(uri)  # creates the schema and the Default experiment, its artifacts in the root
                 progress(new_store_line(uri))
@@ -243,7 +214,8 @@ def store_fault(exc: BaseException, uri: str, doing: str = "") -> VitregError:
     path = sqlite_path(uri)
     where = f"the tracking store {path}" if path else f"the tracking store at {redact(uri)}"
     while_doing = f" while {doing}" if doing else ""
-    if _refused_request(exc):  # the store answered: it is the value asked for that is wrong, not the store
+    # the store answered a bad request (an invalid value, no such run or path): the value is wrong, not the store
+    if isinstance(exc, mlflow.exceptions.MlflowException) and exc.error_code in _REFUSED_REQUEST:
         return VitregError(f"{where} refused the request{while_doing} ({reason}): the store is fine, the value "
                            f"given is not; check it (a run id, an artifact path, a name)")
     if _BUSY.search(text):
@@ -272,17 +244,6 @@ def store_fault(exc: BaseException, uri: str, doing: str = "") -> VitregError:
                           f"MLFLOW_TRACKING_URI")
     return StoreError(f"{where} failed{while_doing} ({reason}): check that it is up and answers, or "
                       f"MLFLOW_TRACKING_URI")
-
-
-#: MLflow's answers to a request it understood and refused (from a server or a local store alike); not
-#: ENDPOINT_NOT_FOUND, also a 404, which a URI pointing at something that is no MLflow server gets
-_REFUSED_REQUEST = {"INVALID_PARAMETER_VALUE", "RESOURCE_DOES_NOT_EXIST", "BAD_REQUEST", "RESOURCE_ALREADY_EXISTS"}
-
-
-def _refused_request(exc: BaseException) -> bool:
-    """Whether ``exc`` is MLflow's answer to a bad request (an invalid value, no such run or path), not a
-    failure of the store."""
-    return isinstance(exc, mlflow.exceptions.MlflowException) and exc.error_code in _REFUSED_REQUEST
 
 
 def _opens(path: Path) -> bool:
