@@ -1,25 +1,13 @@
 """Checkpoints in the tracking store: resolve a models:/, runs:/ or local source into one verified
 checkpoint, pull it back as a real timm model, export it.
 
-:func:`resolve_checkpoint` is the one resolver; ``train`` (resume=, teacher=), ``pull``, ``infer``
-and registration all use it. Sources it accepts: ``models:/NAME@ALIAS`` (``@latest`` is MLflow's
-built-in newest version), ``models:/NAME/VERSION``, ``models:/m-<id>`` (a logged model),
-``runs:/RUN_ID/checkpoints/last`` (any run folder holding a checkpoint), another artifact URI
-(``s3://...``), and a local checkpoint folder. The checkpoint is verified once, there, and handed on
-as a :class:`~vitreg.checkpoint.format.VerifiedCheckpoint`.
-
-A run names its newest checkpoint in the file ``checkpoints/last`` (a pointer to a sibling
-``step-<N>`` folder, :func:`vitreg.checkpoint.format.last_pointer`): ``runs:/RUN_ID/checkpoints/last``
-and a local ``.../checkpoints/last`` file are followed to that folder.
-
-A registered version holds the checkpoint (``spec.json``, ``manifest.json`` and, unless it shares
-them, the weights ``model.safetensors``) in the logged model's ``extra_files/``. A version registered
-from a checkpoint its run logged shares that run's weights instead of holding a second copy:
-``extra_files/shared_weights.json`` names the run's ``checkpoints/step-<N>`` folder, and the weights
-are downloaded from there (:func:`_fetch_shared_weights`). :func:`pull` verifies the sha256 of every
-file against the version's own manifest either way, rebuilds the timm model from ``spec.json`` and
-loads the safetensors weights. Nothing is unpickled, and the pt2 graph is never loaded (it is a
-GraphModule pinned to the device it was exported on, not the timm model).
+:func:`resolve_checkpoint` is the one resolver (``train``'s resume= and teacher=, ``pull``, ``infer``,
+registration); it takes :data:`SOURCES`, a logged model (``models:/m-<id>``) or another artifact URI
+(``s3://...``), follows a run's ``checkpoints/last`` pointer to its ``step-<N>`` folder, verifies the
+checkpoint once and hands it on as a :class:`~vitreg.checkpoint.format.VerifiedCheckpoint`. A registered
+version's files are in its logged model's ``extra_files/``; one that shares its run's weights
+(``shared_weights.json``) gets them from the run (:func:`_fetch_shared_weights`), verified against the
+version's own manifest either way. Nothing is unpickled, and the pt2 graph is never loaded.
 """
 
 from __future__ import annotations

@@ -1,23 +1,16 @@
 """A run's life: opened by :func:`tracked_run`, logged through a :class:`Tracker`, ended with a true status,
 and ended KILLED when no process is left to end it; child runs of a sweep; reading runs back.
 
-Only :mod:`vitreg.tracking` reaches mlflow, and only through :mod:`vitreg.tracking.mlflow_on_first_use` (imported on
-first use: DDP ranks never pay for it). Runners and training loops return typed results; this layer logs
-them, outside any timed region.
-
 Conventions:
 - ``mlflow run`` creates the run, logs every ``-P`` value as a param and passes ``MLFLOW_RUN_ID``;
   :func:`tracked_run` resumes that run. MLflow params are immutable, so a resolved value that differs
-  from what the user typed (``gpu=auto`` -> ``h200``) cannot replace the param: resolved values are
-  always set as tags of the same name (``gpu``, ``amp``, ``device``, ``img_size``), and as params
-  wherever MLflow has not already logged the request. Group and compare by the tags.
-- Under torchrun only rank 0 logs; under a vitreg launcher no rank talks to MLflow: rank 0 hands its
-  calls to the launcher (:mod:`vitreg.tracking.handoff`), which logs them into the run it holds. Which
-  process is rank 0 is the caller's to say (:func:`vitreg.ddp.launcher.rank_run`): tracking sits below ddp.
+  from what the user typed (``gpu=auto`` -> ``h200``) is always set as a tag of the same name, and as a
+  param wherever MLflow has not already logged the request. Group and compare by the tags.
+- Under torchrun only rank 0 logs; under a vitreg launcher rank 0 hands its calls to the launcher
+  (:mod:`vitreg.tracking.handoff`). Which process is rank 0 is the caller's to say: tracking sits below ddp.
 - A run that fails ends FAILED with the one-line reason in the ``vitreg_error`` tag; never RUNNING. A run
-  whose process is gone (SIGKILL, the OOM killer, a lost host) is ended KILLED later: by its stale
-  heartbeat (:func:`find_stale`, :func:`mark_killed`, ``vitreg runs --stale --fix``) or by the run that
-  resumes its checkpoint (:func:`close_resumed`).
+  whose process is gone is ended KILLED later: by its stale heartbeat (:func:`find_stale`,
+  ``vitreg runs --stale --fix``) or by the run that resumes its checkpoint (:func:`close_resumed`).
 """
 
 from __future__ import annotations
@@ -52,13 +45,9 @@ DEFAULT_STALE_AFTER_S = 600.0
 class Tracker(Protocol):
     """What a job logs through: the calls against one run, each a batch (never one call per value).
 
-    MLflow is the one backend, behind the local spool: every run :func:`tracked_run` opens logs through a
-    :class:`~vitreg.tracking.delivery.SpoolingTracker`, which journals each call and delivers it from a
-    thread (it also holds ``spool``, ends with ``close`` and is asked ``check_on_server``; those are
-    ``tracked_run``'s and the registry's, not the job's). The two other implementations are not backends:
-    :class:`NullTracker` (ranks that do not log) and :class:`vitreg.tracking.handoff.HandoffTracker` (rank 0
-    under a vitreg launcher: its calls are written down for the launcher to replay into its own
-    ``SpoolingTracker``). A new backend would be another class with these calls, opened in ``tracked_run``.
+    Every run :func:`tracked_run` opens logs through a :class:`~vitreg.tracking.delivery.SpoolingTracker`
+    (MLflow behind the local spool); :class:`NullTracker` (ranks that do not log) and
+    :class:`vitreg.tracking.handoff.HandoffTracker` (rank 0 under a vitreg launcher) take the same calls.
     """
 
     run_id: str
@@ -96,38 +85,17 @@ class NullTracker(Tracker):
         self.run_id = run_id
         self.experiment_id = experiment_id
 
-    def log_params(self, params):
-        return {}
-
-    def set_name(self, name):
-        pass
-
-    def set_tags(self, tags):
-        pass
-
-    def log_metrics(self, metrics, step=None, synchronous=True):
-        pass
-
-    def flush(self):
-        pass
-
-    def log_text(self, text, artifact_file):
-        pass
-
-    def log_dict(self, data, artifact_file):
-        pass
-
-    def log_artifact(self, path, artifact_path=None):
-        pass
-
-    def log_artifacts(self, path, artifact_path=None):
-        pass
-
-    def delete_artifacts(self, artifact_path):
-        pass
-
-    def set_note(self, text):
-        pass
+    def log_params(self, params): return {}
+    def set_name(self, name): pass
+    def set_tags(self, tags): pass
+    def log_metrics(self, metrics, step=None, synchronous=True): pass
+    def flush(self): pass
+    def log_text(self, text, artifact_file): pass
+    def log_dict(self, data, artifact_file): pass
+    def log_artifact(self, path, artifact_path=None): pass
+    def log_artifacts(self, path, artifact_path=None): pass
+    def delete_artifacts(self, artifact_path): pass
+    def set_note(self, text): pass
 
 
 def note_skipped_params(skipped: dict, progress) -> None:
@@ -301,19 +269,11 @@ def fail_requested_run(message: str) -> None:
 
 
 # --------------------------------------------------------------------------- runs no process will end
-# A live vitreg process refreshes the tag ``vitreg_heartbeat`` (unix seconds) on its run every
-# ``VITREG_HEARTBEAT_S`` seconds (default 30; the spool's delivery thread does it). A RUNNING run whose
-# heartbeat, or, for a run without one, whose start, is older than a threshold has no process behind it:
-# :func:`find_stale` lists such runs and :func:`mark_killed` ends them KILLED, with the reason in
-# ``vitreg_error``. A process cut off from the server also stops refreshing its heartbeat: keep the
-# threshold well above the heartbeat period (the default, 600 s, is twenty periods). Should such a
-# process reconnect, its delivery sets the status it really ended with.
-#
-# A resumed run and the run it resumed from point at each other (:func:`close_resumed`). Resuming a
-# checkpoint is the proof that its run is over: the new run closes it KILLED. A heartbeat cannot tell
-# here: a run SIGKILLed a second ago still has a fresh one. Should the old run's process be alive after
-# all (a checkpoint of a run still training, resumed elsewhere), its own end sets the status it really
-# ended with.
+# A RUNNING run whose heartbeat (refreshed every VITREG_HEARTBEAT_S by its delivery thread), or, for a run
+# without one, whose start, is older than a threshold has no process behind it. Keep the threshold well above
+# the heartbeat period (600 s is twenty): a process cut off from the server stops refreshing it too, and
+# should it reconnect, its delivery sets the status it really ended with. A resumed checkpoint proves its
+# run is over (a heartbeat cannot: a run SIGKILLed a second ago has a fresh one): :func:`close_resumed`.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -335,20 +295,17 @@ def _experiments(client: mlflow.MlflowClient, experiment: str | None) -> list:
         return client.search_experiments(view_type=mlflow.entities.ViewType.ACTIVE_ONLY)
     found = client.get_experiment_by_name(experiment)
     if found is None:
-        raise VitregError(f"experiment {experiment!r} does not exist: check the name "
-                          f"(mlflow experiments search) or MLFLOW_TRACKING_URI")
+        raise VitregError(f"experiment {experiment!r} does not exist at {redact(client.tracking_uri)}: check the "
+                          f"name (mlflow experiments search) or MLFLOW_TRACKING_URI")
     return [found]
 
 
-def _running_runs(client: mlflow.MlflowClient, experiment_id: str):
-    token = None
-    while True:
-        page = client.search_runs([experiment_id], filter_string="attributes.status = 'RUNNING'",
-                                  max_results=1000, page_token=token)
-        yield from page
-        token = page.token
-        if not token:
-            return
+def _all_runs(client: mlflow.MlflowClient, experiment_id: str, filter_string: str) -> list:
+    """Every run of the experiment that ``filter_string`` matches, page after page."""
+    from mlflow.utils import get_results_from_paginated_fn
+
+    return get_results_from_paginated_fn(lambda size, token: client.search_runs(
+        [experiment_id], filter_string, max_results=size, page_token=token), 1000)
 
 
 def _last_seen(run) -> tuple[float, bool]:
@@ -369,7 +326,7 @@ def find_stale(older_than_s: float = DEFAULT_STALE_AFTER_S, experiment: str | No
     stale = []
     with short_http_requests(), store_errors(client.tracking_uri, "searching for RUNNING runs"):
         for exp in _experiments(client, experiment):
-            for run in _running_runs(client, exp.experiment_id):
+            for run in _all_runs(client, exp.experiment_id, "attributes.status = 'RUNNING'"):
                 last_seen, heartbeat = _last_seen(run)
                 if now - last_seen > older_than_s:
                     stale.append(StaleRun(run.info.run_id, exp.name, run.info.run_name or "", last_seen, heartbeat))
@@ -573,22 +530,12 @@ def run_and_children(parent_run_id: str):
                 raise
             raise VitregError(f"no run {parent_run_id!r} at {tracking_uri()}: pass the run id of a sweep's parent "
                               f"run (its `sweep RUN_ID:` line), or set MLFLOW_TRACKING_URI to its store") from None
-        found, token = [], None
-        while True:
-            page = client.search_runs([parent.info.experiment_id], f"tags.mlflow.parentRunId = '{parent_run_id}'",
-                                      max_results=1000, page_token=token)
-            found.extend(page)
-            token = page.token
-            if not token:
-                return parent, found
+        return parent, _all_runs(client, parent.info.experiment_id, f"tags.mlflow.parentRunId = '{parent_run_id}'")
 
 
 def search_runs(experiment: str, filter_string: str = ""):
     """All runs of an experiment (by name) as a pandas DataFrame, MLflow's ``search_runs`` columns."""
-    exp = mlflow.MlflowClient().get_experiment_by_name(experiment)
-    if exp is None:
-        raise VitregError(f"experiment {experiment!r} does not exist at {tracking_uri()}: "
-                          f"check the name (mlflow experiments search) or MLFLOW_TRACKING_URI")
+    exp = _experiments(mlflow.MlflowClient(), experiment)[0]
     return mlflow.search_runs(experiment_ids=[exp.experiment_id], filter_string=filter_string,
                               output_format="pandas")
 
