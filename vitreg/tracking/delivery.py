@@ -188,9 +188,7 @@ class Delivery:
 
     def push(self, records: list[dict]) -> int:
         """Deliver ``records`` (in order) that the server does not hold yet; returns the last seq delivered.
-
-        Raises MlflowException / OSError / requests errors when the store fails; what was delivered before
-        the failure is recorded on the server, so calling again later resumes.
+        A store failure is raised; what was delivered before it is recorded on the server: a later call resumes.
         """
         self.connect()
         batch = _Batch()
@@ -215,8 +213,7 @@ class Delivery:
 
     def shortfall(self, records: list[dict]) -> str | None:
         """What the server's run lacks of ``records``, counted: params and tags by name, metric points per
-        name, artifact files by path, the final status. None when it holds them all (it may hold more:
-        another process logging into the same run). Only then may the spool go."""
+        name, artifact files by path, the final status. None when it holds them all: only then may the spool go."""
         expected = Contents(records, Path(self.spool.path))
         run = self.client.get_run(self.connect())
         lacking = [f"param {k}" for k in sorted(expected.params - run.data.params.keys())]
@@ -251,8 +248,7 @@ class Delivery:
 
     def _release(self, record: dict) -> None:
         """Free the spool's copy of an artifact once the server's sequence tag covers it (no delivery reads a
-        covered record again): a training logs a checkpoint every ``checkpoint_every`` steps, and until
-        the run ended the spool kept a copy of every one, those ``keep_checkpoints`` had deleted too."""
+        covered record again): else the spool kept every checkpoint a training logged until the run ended."""
         if record["kind"] == "artifact":
             copy = Path(self.spool.path) / record["path"]
             shutil.rmtree(copy if record["is_dir"] else copy.parent, ignore_errors=True)
@@ -351,11 +347,7 @@ class SpoolingTracker:
     @classmethod
     def open(cls, experiment_name: str, run_name: str | None = None, run_id: str | None = None,
              tracking_uri: str | None = None, root=None, **kwargs) -> "SpoolingTracker":
-        """A new spool for one run and its tracker.
-
-        ``run_id``: the server run it continues, when one exists (``mlflow run``'s); ``tracking_uri``:
-        where to deliver (default: MLflow's current one, when the thread starts).
-        """
+        """A new spool for one run (``run_id``: the server run it continues, if any) and its tracker."""
         spool = Spool.create(experiment_name, run_name=run_name, run_id=run_id, tracking_uri=tracking_uri,
                              root=root)
         return cls(spool, **kwargs)
@@ -445,9 +437,8 @@ class SpoolingTracker:
             time.sleep(0.05)
 
     def check_on_server(self, name: str) -> None:
-        """Before registering ``name`` from this run: wait until the run's files are on the server (the
-        version points at them); a run still in the spool cannot be registered yet, one line says how to
-        do it after ``vitreg sync``."""
+        """Before registering ``name`` from this run: wait until the run's files are on the server; else one
+        line says how to register it after ``vitreg sync``."""
         if not self.wait_delivered(flush_timeout_s(None)):
             raise VitregError(f"cannot register {name!r} yet: the run is not on the tracking server "
                               f"({self._last_error or 'offline'}); deliver it with `vitreg sync --spool "
@@ -462,11 +453,8 @@ class SpoolingTracker:
         return self._closed
 
     def close(self, status: str = "FINISHED", timeout_s: float | None = None) -> bool:
-        """Journal the final status; wait up to ``timeout_s`` for delivery. True when the server has it all.
-
-        Otherwise the spool stays (locked until this process ends or delivery stops) and one line says
-        where it is and how to deliver it.
-        """
+        """Journal the final status; wait up to ``timeout_s`` for delivery. True when the server has it all;
+        otherwise the spool stays and one line says where it is and how to deliver it."""
         if self._closed is not None:
             return self._closed  # one end per run: a second close (an error path after the first) is a no-op
         self._closed = self._close(status, flush_timeout_s(timeout_s))
@@ -515,7 +503,7 @@ class SpoolingTracker:
 
     def _close_lost(self) -> bool:
         """The spool can no longer keep the run: stop delivering, end the server run FAILED with the reason
-        (when the server answers), and say so in one line. Never claims the run is kept anywhere."""
+        (when the server answers), and say so in one line."""
         self._stopped.set()
         self._wake.set()
         if self._thread is not None:

@@ -138,15 +138,11 @@ def check_settings() -> None:
 @contextlib.contextmanager
 def tracked_run(run_name: str | None = None, experiment: str | None = None, system_metrics: bool = True,
                 tags: dict | None = None, offline: bool | None = None):
-    """Start (or resume, under ``mlflow run``) a run and yield its tracker: a
-    :class:`~vitreg.tracking.delivery.SpoolingTracker` (MLflow, behind the spool: nothing chooses another),
-    so the work never waits on the server and nothing measured is lost when the server goes away (it stays
-    in the local spool; ``vitreg sync`` delivers it).
-
-    The run always ends with a true status: FINISHED; FAILED on :class:`VitregError` (the message in the
-    ``vitreg_error`` tag, its class in ``vitreg_error_kind``) or any other exception; KILLED on Ctrl-C,
-    SIGTERM or SIGHUP. Only a process that logs opens one: ranks other than 0 get a :class:`NullTracker`
-    from their caller (:func:`vitreg.ddp.launcher.rank_run`) and never touch the server.
+    """Start (or resume, under ``mlflow run``) a run and yield its
+    :class:`~vitreg.tracking.delivery.SpoolingTracker`: the work never waits on the server, and what it
+    logs stays in the local spool while the server is away. The run always ends with a true status:
+    FINISHED; FAILED on an exception (a :class:`VitregError`'s message in ``vitreg_error``, its class in
+    ``vitreg_error_kind``); KILLED on Ctrl-C, SIGTERM or SIGHUP.
     """
     check_settings()
     uri = mlflow.get_tracking_uri()
@@ -217,9 +213,8 @@ def _system_metrics(tracker):
 
 
 def _end(tracker, monitor, status: str, message: str | None = None, kind: str | None = None) -> None:
-    """End the run with ``status``, the stop signals held meanwhile (:func:`vitreg.signals.run_ending`: one
-    that arrives now, as the results table prints, is raised after the end; a second one exits once the end
-    is in the spool), and note the one line that says where it ended (the CLI's last line on a stop)."""
+    """End the run with ``status``, the stop signals held meanwhile (:func:`vitreg.signals.run_ending`), and
+    note the one line that says where it ended (the CLI's last line on a stop)."""
     with signals.run_ending(lambda: _end_kept(tracker, status)):
         if monitor is not None:
             with short_http_requests():
@@ -353,8 +348,8 @@ def mark_killed(runs: list[StaleRun], client: mlflow.MlflowClient | None = None)
 
 
 def _ended_in_a_spool() -> dict[str, str]:
-    """``{spool id or run id: where its end is}`` of the runs whose local spool holds their end (a process
-    stopped a second time before the store took it): such a run is over, and `vitreg sync` gives it its status."""
+    """``{spool id or run id: where its end is}`` of the runs whose local spool holds their end: over, and
+    `vitreg sync` gives them their status."""
     from vitreg.tracking.sync import pending
 
     ended = {}
@@ -371,13 +366,8 @@ def _ended_in_a_spool() -> dict[str, str]:
 
 
 def close_resumed(old_run_id: str, new_run_id: str, progress=lambda message: None) -> bool:
-    """Tag the old run with its successor and end it KILLED if it is still RUNNING.
-
-    The new run's own tag (:data:`RESUMED_FROM_TAG`) goes through its tracker like its other tags. The
-    old run is another run, edited directly; a store that does not hold it (a checkpoint copied from
-    elsewhere) or cannot be reached now only costs a line: the training goes on. Returns whether the
-    old run was found.
-    """
+    """Tag the old run with its successor and end it KILLED if it is still RUNNING; returns whether the old
+    run was found. A store that does not hold it, or cannot be reached now, only costs a line."""
     if old_run_id == new_run_id:
         return True
     client = mlflow.MlflowClient()
@@ -399,12 +389,9 @@ def close_resumed(old_run_id: str, new_run_id: str, progress=lambda message: Non
 
 
 def check_server(timeout: float = 5.0, uri: str | None = None) -> None:
-    """Fail fast, in one line, when the tracking URI (``uri``, else MLflow's) is a server that does not answer,
-    or a sqlite URI that names no database file (:func:`~vitreg.tracking.store.check_sqlite_uri`).
-
-    MLflow's client retries for minutes against a dead server; a user deserves the answer now. A URI with
-    credentials (``http://user:password@host``) is checked with them as a header, and shown masked.
-    """
+    """Fail fast, in one line, when the tracking URI (``uri``, else MLflow's) is a server that does not answer
+    (MLflow's client retries for minutes), or a sqlite URI that names no database file. A URI's credentials
+    go as a header, and are shown masked."""
     uri = current_uri() if uri is None else uri  # mlflow is not imported for it: a dead server is said sooner
     check_sqlite_uri(uri)
     if not uri.lower().startswith(("http://", "https://")):  # a scheme is any case: HTTP:// is a server too
@@ -438,9 +425,8 @@ def still_spooled(tracker) -> bool:
 
 
 def where_logged(tracker) -> str:
-    """The line that says where a job's run is: the run and how to open it (its page on a server; locally the
-    UI command that opens the store the run went to, :func:`~vitreg.tracking.store.ui_command`),
-    or, for a run still in the local spool (:func:`still_spooled`), how to deliver it."""
+    """The line that says where a job's run is: its page on a server, locally the UI command that opens its
+    store (:func:`~vitreg.tracking.store.ui_command`); for a run still in the local spool, how to deliver it."""
     if still_spooled(tracker):
         return sync_hint(tracker.spool)
     uri = tracking_uri()  # masked; from the environment in a rank, which never imports mlflow
@@ -454,9 +440,8 @@ def where_logged(tracker) -> str:
 
 
 def artifacts_at(tracker, path: str) -> str:
-    """Where the run's artifacts under ``path`` are: the folder on this disk for a store that keeps them here
-    (sqlite or file: ``/home/me/mlruns/2/<run id>/artifacts/comparison``), else their URI (``s3://...``,
-    ``mlflow-artifacts:/...``); for a run still in the local spool, its ``runs:/`` URI (valid once synced)."""
+    """Where the run's artifacts under ``path`` are: the folder on this disk for a store that keeps them here,
+    else their URI (``s3://...``); for a run still in the local spool, its ``runs:/`` URI (valid once synced)."""
     if still_spooled(tracker):
         return tracker.artifact_uri(path)
     root = mlflow.MlflowClient().get_run(tracker.run_id).info.artifact_uri

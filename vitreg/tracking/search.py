@@ -240,27 +240,17 @@ def _canonical(option, value: str) -> str:
         return value
 
 
-def _model(df: pd.DataFrame, base: pd.DataFrame) -> pd.Series:
-    # an infer run's param is its checkpoint's architecture (model_uri folds into it: the same kernels)
-    return _coalesce(df, "params.model", "tags.model").fillna(MISSING)
-
-
-def _amp(df: pd.DataFrame, base: pd.DataFrame) -> pd.Series:
-    return _coalesce(df, "tags.amp", "params.amp").fillna(MISSING)  # the resolved precision first (auto -> bf16)
-
-
 def _compile(df: pd.DataFrame, base: pd.DataFrame) -> pd.Series:
     """``compile`` with its backend (``default@eager``; the default backend, and any with ``compile=off``, adds
-    nothing: runs that predate the option used it) and ``+cudagraph`` (:func:`_with_cuda_graph`)."""
+    nothing: runs that predate the option used it) and ``+cudagraph`` for ``cuda_graph=true`` runs."""
     mode = _coalesce(df, "params.compile", "tags.compile").fillna(MISSING)
     default = param_text(_any_option("compile_backend").default)
     backend = _coalesce(df, "params.compile_backend", "tags.compile_backend").fillna(default).str.lower()
     shown = ~mode.isin(["off", MISSING]) & (backend != default)
-    return _with_cuda_graph(df, mode.where(~shown, mode.astype(str) + "@" + backend.astype(str)))
-
-
-def _batch_size(df: pd.DataFrame, base: pd.DataFrame) -> pd.Series:
-    return _integer(df, "params.batch_size")  # batch_size=auto is <NA>: such runs are one configuration
+    compile_ = mode.where(~shown, mode.astype(str) + "@" + backend.astype(str))
+    # a CUDA graph replays the same step another way: kept apart like a compile mode
+    cuda_graph = _coalesce(df, "params.cuda_graph", "tags.cuda_graph").map(_is_true).astype(bool)
+    return compile_.where(~cuda_graph, compile_.astype(str) + "+cudagraph")
 
 
 def _img_size(df: pd.DataFrame, base: pd.DataFrame) -> pd.Series:
@@ -278,14 +268,18 @@ def _nproc(df: pd.DataFrame, base: pd.DataFrame) -> pd.Series:
     return _integer(df, "tags.world_size").fillna(per_host * _integer(df, "params.nnodes").fillna(1))
 
 
-def _ddp(df: pd.DataFrame, base: pd.DataFrame) -> pd.Series:
-    return _ddp_setting(df, base["nproc"])
-
-
 #: configuration columns not read from one option alone (FOLDED_INTO, resolved tags, integers), in the
 #: order of config_columns() (ddp reads nproc); every other configuration column is one option's value
-_BUILDERS = {"model": _model, "batch_size": _batch_size, "img_size": _img_size, "amp": _amp,
-             "compile": _compile, "nproc": _nproc, "ddp": _ddp}
+_BUILDERS = {
+    # an infer run's param is its checkpoint's architecture (model_uri folds into it: the same kernels)
+    "model": lambda df, base: _coalesce(df, "params.model", "tags.model").fillna(MISSING),
+    "batch_size": lambda df, base: _integer(df, "params.batch_size"),  # auto is <NA>: one configuration
+    "img_size": _img_size,
+    "amp": lambda df, base: _coalesce(df, "tags.amp", "params.amp").fillna(MISSING),  # resolved (auto -> bf16)
+    "compile": _compile,
+    "nproc": _nproc,
+    "ddp": lambda df, base: _ddp_setting(df, base["nproc"]),
+}
 
 
 def _hardware(df: pd.DataFrame, gpu: pd.Series) -> tuple[pd.Series, pd.Series]:
@@ -371,14 +365,6 @@ def _is_true(value) -> bool:
     return isinstance(value, str) and value.strip().lower() in _TRUE
 
 
-def _with_cuda_graph(df: pd.DataFrame, compile_: pd.Series) -> pd.Series:
-    """``compile`` plus ``+cudagraph`` for runs whose steps were replayed from a CUDA graph
-    (``cuda_graph=true``): a different way of running the same step, kept apart like a compile mode
-    (and, in compile_amp_gains, compared with plain ``off`` as one)."""
-    on = _coalesce(df, "params.cuda_graph", "tags.cuda_graph").map(_is_true).astype(bool)
-    return compile_.where(~on, compile_.astype(str) + "+cudagraph")
-
-
 def _ddp_setting(df: pd.DataFrame, nproc: pd.Series) -> pd.Series:
     """The DDP settings as one configuration string: ``-`` for single-process runs (the settings do
     nothing there), else ``bucket<MB>`` plus ``+static`` for ``ddp_static_graph=true``, ``+bf16``
@@ -406,14 +392,10 @@ def _ddp_setting(df: pd.DataFrame, nproc: pd.Series) -> pd.Series:
 def _nccl_differences(tags: pd.Series | None, rows: list[int]) -> dict[int, list[tuple[str, str]]]:
     """For each of ``rows``: the ``(name, value)`` pairs of its ``nccl_env`` tag (``"K=V;K=V"``)
     whose variable is not set to one same value in all of ``rows``, sorted by name."""
-    env = {i: _nccl_vars(tags.iloc[i] if tags is not None else None) for i in rows}
+    texts = {i: (tags.iloc[i] if tags is not None else None) or "" for i in rows}
+    env = {i: dict(kv.split("=", 1) for kv in text.split(";") if "=" in kv) for i, text in texts.items()}
     varying = {k for k in set().union(*env.values()) if len({e.get(k) for e in env.values()}) > 1}
     return {i: sorted((k, v) for k, v in e.items() if k in varying) for i, e in env.items()}
-
-
-def _nccl_vars(tag: str | None) -> dict[str, str]:
-    """An ``nccl_env`` tag (``"K=V;K=V"``, as :func:`vitreg.environment.nccl_env` writes it) as a dict; missing: empty."""
-    return dict(kv.split("=", 1) for kv in (tag or "").split(";") if "=" in kv)
 
 
 def _integer(df: pd.DataFrame, col: str) -> pd.Series:

@@ -58,11 +58,8 @@ def spool_root(env: dict | None = None) -> Path:
 
 
 def offline_mode(value=None) -> bool:
-    """``offline=true`` (the option) or ``VITREG_OFFLINE=1`` (either one): log to the spool only.
-
-    Either, not the option over the variable: ``mlflow run`` passes every param's default (``false``),
-    which must not undo a ``VITREG_OFFLINE=1`` set for a whole session without a network.
-    """
+    """``offline=true`` (the option) or ``VITREG_OFFLINE=1``, either one (``mlflow run`` passes every param's
+    default, ``false``, which must not undo the variable): log to the spool only."""
     option = parse_bool(value, "offline") if value is not None else False
     return option or parse_bool(os.environ.get("VITREG_OFFLINE") or "false", "VITREG_OFFLINE")
 
@@ -125,9 +122,8 @@ def mount_point(path: Path) -> Path:
 
 
 def os_reason(exc: OSError) -> tuple[int | None, str]:
-    """An OSError's errno and its words. ``shutil.Error`` (a tree copy's) carries no errno but a list of
-    ``(source, target, reason)``, one per file that failed: its first reason, and ENOSPC when any says the
-    disk is full (its repr runs to thousands of characters and names every file)."""
+    """An OSError's errno and its words; for a tree copy's ``shutil.Error`` (a list of reasons, one per file,
+    thousands of characters) the first reason, or one that says the disk is full."""
     if isinstance(exc, shutil.Error) and exc.args and isinstance(exc.args[0], list) and exc.args[0]:
         reasons = [str(entry[-1]) for entry in exc.args[0] if isinstance(entry, (tuple, list)) and entry]
         full = next((r for r in reasons if f"[Errno {errno.ENOSPC}]" in r or f"[Errno {errno.EDQUOT}]" in r), None)
@@ -152,8 +148,7 @@ def lost_reason(spool_path: Path, exc: OSError) -> str:
 
 
 def check_spool_root(root: Path) -> None:
-    """Make sure spools can be written under ``root`` (made if missing), before a run exists anywhere:
-    a folder that is read-only, a file, a symlink loop or not writable, or a full disk, is one
+    """Make sure spools can be written under ``root`` (made if missing) before a run exists anywhere: else one
     :class:`SpoolUnusable` line naming the fix, and no run is left RUNNING on the server for it."""
     root = Path(root)
     try:
@@ -177,10 +172,8 @@ def unusable_reason(root: Path, exc: OSError) -> str:
 
 
 # --------------------------------------------------------------------------- what a journal may hold
-# A spool is data from outside: `vitreg sync` may be pointed at one somebody else wrote. Every record is
-# checked against what Spool writes before anything of the spool is delivered: an artifact names a file
-# inside its own spool (resolved, symlinks followed: vitreg copies files in, never links), a tag is never
-# delivery's own bookkeeping, every value has the type MLflow is sent.
+# A spool is data from outside (`vitreg sync` may be pointed at one somebody else wrote): an artifact names a
+# file inside its own spool, a tag is never delivery's own, every value has the type MLflow is sent.
 
 RESERVED_TAG_PREFIX = "vitreg_spool_"  # delivery's own tags (the spool id, how far it got): never from a record
 STATUSES = ("FINISHED", "FAILED", "KILLED")
@@ -375,8 +368,7 @@ class Spool:
 
     def records(self) -> list[dict]:
         """Every record, in order, each checked (:func:`record_problem`); raises :class:`SpoolDamaged` naming
-        the file and line of the first that is not as vitreg writes it. The one exception is a crash in the
-        middle of a write: a last line with no line end that does not parse is dropped."""
+        the file and line of the first that is not as vitreg writes it. A last line torn by a crash is dropped."""
         journal = self.path / JOURNAL
         if not journal.is_file():
             raise SpoolDamaged(f"the spool journal {journal} is not a file (a folder, or a link to nothing): "
@@ -432,8 +424,8 @@ class Spool:
 
     @contextlib.contextmanager
     def _kept(self):
-        """A write inside that fails (``OSError``; ``shutil.Error``, a tree copy's, is one too) means the spool
-        can no longer keep the run: the first reason is kept in :attr:`lost` and raised as :class:`SpoolLost`."""
+        """A write inside that fails (``OSError``) means the spool can no longer keep the run: the first reason
+        is kept in :attr:`lost` and raised as :class:`SpoolLost`."""
         try:
             yield
         except OSError as exc:

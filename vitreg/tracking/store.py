@@ -71,8 +71,7 @@ def artifact_root(uri: str) -> Path | None:
 
 def store_with_root(uri: str):
     """MLflow's own sqlite store for ``uri``, built with :func:`artifact_root` as its artifact root (MLflow's
-    client builds its store with ``./mlruns`` of the current folder, and offers no other root). Building it
-    on a new file creates the schema and the Default experiment, as MLflow's client would."""
+    client offers no other root than ``./mlruns``); on a new file it makes the schema and the Default experiment."""
     from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
 
     return SqlAlchemyStore(uri, str(artifact_root(uri)))
@@ -93,9 +92,8 @@ def create_experiment(client, name: str) -> str:
 
 
 def ui_command(uri: str) -> str:
-    """The command that opens the MLflow UI on the store at ``uri`` (masked), from where the process stands:
-    ``make ui`` in the checkout for its own ``mlflow.db`` (the Makefile's default), ``make ui UI_STORE=...``
-    there for another store, ``mlflow ui --backend-store-uri ...`` anywhere else."""
+    """The command that opens the MLflow UI on the store at ``uri`` from where the process stands: ``make ui``
+    (``UI_STORE=...`` for another store than ``mlflow.db``) in the checkout, else ``mlflow ui --backend-store-uri``."""
     store = absolute_uri(uri)
     makefile = Path("Makefile")
     in_checkout = makefile.is_file() and re.search(r"^ui:", makefile.read_text(errors="replace"), re.M) is not None
@@ -110,11 +108,8 @@ def prepare_store(uri: str) -> None:
     """Create (or open) the sqlite store at ``uri`` under a file lock beside it; nothing for other stores.
     MLflow migrates a fresh schema in every process that opens it, unlocked: processes starting together on a
     new file raced (``_alembic_tmp_tags already exists``) and could break it. MLflow's routine INFO lines are
-    off from here on (:func:`quiet_mlflow_info`).
-
-    Raises :class:`StoreError`, naming the file, when it cannot be created or is not a usable store. A store
-    another process holds locked (sqlite's "database is locked") is waited for, then called busy: it is
-    not broken, and moving it away would lose its runs.
+    off from here on (:func:`quiet_mlflow_info`). Raises :class:`StoreError`, naming the file, when it cannot be
+    created or is not a usable store; one another process holds locked is waited for, then called busy.
     """
     quiet_mlflow_info()  # every run opens its store here, the CLI's and the Python API's alike
     path = sqlite_path(uri)
@@ -185,8 +180,7 @@ def new_store_line(uri: str) -> str:
 
 def _local_reason(path: Path, reason: str) -> str | None:
     """Why the sqlite file ``path`` cannot be opened, from what is on disk (as this user sees it): the store
-    or its folder missing, unreadable, or read-only (sqlite writes a journal beside the store even to read
-    one that another process changed). None when the disk shows nothing wrong."""
+    or its folder missing, unreadable, or read-only. None when the disk shows nothing wrong."""
     folder = path.parent
     if not folder.is_dir():
         return (f"the folder {folder} of the tracking store {path} does not exist or is not a folder ({reason}): "
@@ -206,9 +200,8 @@ def _local_reason(path: Path, reason: str) -> str | None:
 
 
 def store_fault(exc: BaseException, uri: str, doing: str = "") -> VitregError:
-    """The one line for a failure of the tracking store at ``uri``, with the advice for its cause: busy
-    (another process holds it locked), damaged, read-only or not permitted, missing, a server that does
-    not answer, or does not answer HTTP; else the reason and where to look. A request the store refused
+    """The one line for a failure of the tracking store at ``uri``, with the advice for its cause (busy,
+    damaged, read-only, missing, a server that does not answer or not in HTTP); a request the store refused
     is no store failure: a plain :class:`VitregError` naming the value."""
     text, reason = str(exc), first_line(exc)
     path = sqlite_path(uri)
@@ -247,8 +240,7 @@ def store_fault(exc: BaseException, uri: str, doing: str = "") -> VitregError:
 
 
 def _opens(path: Path) -> bool:
-    """Whether the sqlite file ``path`` opens, read-only, as an MLflow store (its runs and experiments
-    tables are there): the check before vitreg calls a store unusable."""
+    """Whether the sqlite file ``path`` opens, read-only, as an MLflow store: before vitreg calls one unusable."""
     import sqlite3
 
     try:
@@ -305,9 +297,8 @@ def short_http_requests():
 
 
 def bound_http_requests() -> None:
-    """Every MLflow HTTP request of this process (a CLI command) ends within a bounded time: two retries
-    a second apart, ``http_timeout_s()`` each, instead of MLflow's seven with doubling back-off (90-200 s
-    against a server that answers 503). Settings the user made are kept."""
+    """Every MLflow HTTP request of this process (a CLI command) ends within a bounded time: two retries a
+    second apart instead of MLflow's seven with doubling back-off (90-200 s against a 503). The user's own win."""
     try:
         timeout = http_timeout_s()
     except VitregError:  # the CLI's group calls this before any one-line handler: the command says it
@@ -382,9 +373,8 @@ STORE_LIBRARIES = {"mlflow", "requests", "urllib3", "http", "sqlalchemy", "sqlit
 
 
 def store_error_for(exc: BaseException) -> VitregError | None:
-    """The one line for a failure of the tracking store that reached the CLI unconverted (an MLflow, HTTP or
-    SQL error): the store, masked, the reason and the advice for its cause (:func:`store_fault`); None for
-    any other exception."""
+    """The one line (:func:`store_fault`) for an MLflow, HTTP or SQL error that reached the CLI unconverted;
+    None for any other exception."""
     names = {cls.__module__.split(".")[0] for cls in type(exc).__mro__}
     if not names & STORE_LIBRARIES:
         return None
@@ -392,8 +382,7 @@ def store_error_for(exc: BaseException) -> VitregError | None:
 
 
 def first_line(exc: BaseException) -> str:
-    """The reason in a few words: MLflow wraps urllib3's in a paragraph naming the URL and the pool.
-    Any URI or credential in it is masked (:func:`~vitreg.tracking.uris.scrub`)."""
+    """The reason in a few words (MLflow wraps urllib3's in a paragraph naming the URL and the pool), masked."""
     return scrub(_reason(exc))
 
 
@@ -414,8 +403,8 @@ def _reason(exc: BaseException) -> str:
 
 
 def quiet_artifact_downloads() -> None:
-    """No artifact progress bars in this process and its children, unless the user asked for them
-    (an MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR already set is kept); and never MLflow's run links."""
+    """No tqdm bars of MLflow's between vitreg's progress lines (which say what is downloaded where) in this
+    process and its children, unless MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR asks; never MLflow's run links."""
     os.environ.setdefault(PROGRESS_BAR_VARIABLE, "false")
     quiet_run_links()
 
@@ -426,10 +415,8 @@ def quiet_run_links() -> None:
     os.environ[RUN_LINKS_VARIABLE] = "true"
 
 
-#: MLflow's INFO lines a successful run does not need: the system-metrics monitor's start, stop and "Skip
-#: logging GPU metrics" (every run), and the store's "Creating initial MLflow database tables" (a new
-#: sqlite file). They are logging records of these loggers (MLflow's handler writes them to stderr);
-#: their WARNING and ERROR records still show.
+#: the loggers of MLflow's INFO lines a successful run does not need (the system-metrics monitor's start and
+#: stop, "Creating initial MLflow database tables"); their WARNING and ERROR records still show
 QUIET_MLFLOW_LOGGERS = ("mlflow.system_metrics", "mlflow.store.db.utils")
 
 

@@ -1,10 +1,7 @@
 """`vitreg sync`: spools whose run ended without the store holding all of it (server down, offline=true,
-a process killed), delivered later, exactly once: every record checked before the first is sent, the store's
-run counted after, the spool removed only when nothing is lacking and the run has ended (a spool whose process
-stopped before writing the end is kept, and said, until the run is ended some other way: ``runs --stale --fix``).
-
-Kept apart from :mod:`vitreg.tracking.delivery` (the live tracker every run logs through): this is the later
-path, run by `vitreg sync`, `runs --stale` and a SLURM sweep's parent, over spools no process holds.
+a process killed), delivered later over :mod:`vitreg.tracking.delivery`, exactly once: every record checked
+before the first is sent, the store's run counted after, the spool removed only when nothing is lacking and
+the run has ended (a spool without its end is kept, and said, until ``runs --stale --fix`` ends the run).
 """
 
 from __future__ import annotations
