@@ -123,19 +123,12 @@ class Handoff:
     @property
     def metrics(self) -> dict[str, float]:
         """The summary metrics (logged without a step): the job's results."""
-        out: dict[str, float] = {}
-        for c in self.calls:
-            if c["call"] == "log_metrics" and c["step"] is None:
-                out.update(c["metrics"])
-        return out
+        return {k: v for c in self.calls if c["call"] == "log_metrics" and c["step"] is None
+                for k, v in c["metrics"].items()}
 
     @property
     def tags(self) -> dict[str, str]:
-        out: dict[str, str] = {}
-        for c in self.calls:
-            if c["call"] == "set_tags":
-                out.update(c["tags"])
-        return out
+        return {k: v for c in self.calls if c["call"] == "set_tags" for k, v in c["tags"].items()}
 
     @property
     def registration(self) -> dict | None:

@@ -35,6 +35,7 @@ from vitreg.tracking.mlflow_on_first_use import mlflow
 from vitreg.tracking.spool import JOURNAL, flush_timeout_s, offline_mode
 from vitreg.tracking.store import (busy_wait_s, check_sqlite_uri, first_line, http_timeout_s, prepare_store,
                                    short_http_requests, sqlite_path, store_errors, ui_command)
+from vitreg.tracking.sync import SENT_CREDENTIALS, pending
 from vitreg.tracking.uris import current_uri, redact, scrub, tracking_uri, without_credentials
 
 RESUMED_FROM_TAG = "vitreg_resumed_from"  # on the new run: the run id of the checkpoint it continues
@@ -43,12 +44,9 @@ DEFAULT_STALE_AFTER_S = 600.0
 
 
 class Tracker(Protocol):
-    """What a job logs through: the calls against one run, each a batch (never one call per value).
-
-    Every run :func:`tracked_run` opens logs through a :class:`~vitreg.tracking.delivery.SpoolingTracker`
-    (MLflow behind the local spool); :class:`NullTracker` (ranks that do not log) and
-    :class:`vitreg.tracking.handoff.HandoffTracker` (rank 0 under a vitreg launcher) take the same calls.
-    """
+    """What a job logs through: the calls against one run, each a batch (never one call per value): a
+    :class:`~vitreg.tracking.delivery.SpoolingTracker` (every run :func:`tracked_run` opens), a
+    :class:`NullTracker` (ranks that do not log) or a :class:`~vitreg.tracking.handoff.HandoffTracker`."""
 
     run_id: str
     experiment_id: str
@@ -350,8 +348,6 @@ def mark_killed(runs: list[StaleRun], client: mlflow.MlflowClient | None = None)
 def _ended_in_a_spool() -> dict[str, str]:
     """``{spool id or run id: where its end is}`` of the runs whose local spool holds their end: over, and
     `vitreg sync` gives them their status."""
-    from vitreg.tracking.sync import pending
-
     ended = {}
     for spool in pending():
         try:
@@ -486,8 +482,7 @@ def set_child_status(run_id: str, status: str) -> None:
 def remote_child_env(run_id: str, experiment_id: str) -> dict:
     """The variables a child on another host needs to log into run ``run_id``: the tracking URI (a server's,
     with any credentials MLflow reads from the environment) and the run (as ``mlflow run`` hands it)."""
-    keep = ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD", "MLFLOW_TRACKING_TOKEN",
-            "MLFLOW_TRACKING_INSECURE_TLS", "MLFLOW_TRACKING_SERVER_CERT_PATH")
+    keep = (*SENT_CREDENTIALS, "MLFLOW_TRACKING_INSECURE_TLS", "MLFLOW_TRACKING_SERVER_CERT_PATH")
     env = {k: os.environ[k] for k in keep if k in os.environ}
     return env_for_run({**env, "MLFLOW_TRACKING_URI": mlflow.get_tracking_uri()}, run_id, experiment_id)
 

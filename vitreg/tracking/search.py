@@ -43,11 +43,9 @@ RUN_LIST_COLUMNS = ("run_id", "experiment", "name", "status", "start_time", "gpu
 
 
 def run_list(raw: pd.DataFrame) -> pd.DataFrame:
-    """One row per run of ``raw`` (:func:`vitreg.tracking.runs.newest_runs`' frame), in its order and of every
-    status, as ``vitreg runs`` lists them: :data:`RUN_LIST_COLUMNS` (``gpu`` as ``a100≠cpu`` for a run filed
-    under a GPU that did not run it), each task's ``<task>_img_per_s`` (NaN: not measured) and ``flags``, what
-    makes its figures suspect (:func:`vitreg.analysis.cost.suspect_masks`: ``busy host``, ...), read from the
-    columns :func:`tidy` gives compare, so the list and compare flag the same runs."""
+    """One row per run of ``raw`` (:func:`vitreg.tracking.runs.newest_runs`' frame), as ``vitreg runs`` lists
+    them: :data:`RUN_LIST_COLUMNS`, each task's ``<task>_img_per_s`` (NaN: not measured) and ``flags``
+    (:func:`vitreg.analysis.cost.suspect_masks` on :func:`tidy`'s columns: the list and compare flag alike)."""
     from vitreg.analysis.cost import suspect_masks
 
     if not len(raw):
@@ -94,20 +92,11 @@ def tidy(runs_df: pd.DataFrame, axes: tuple[str, ...] = ()) -> pd.DataFrame:
     (FAILED, RUNNING, KILLED) is dropped because its numbers are partial or absent.
 
     Columns of the result: ``run_id, start_time, source, gpu`` and the configuration columns
-    (:func:`~vitreg.analysis.frame.config_columns`: every identity option of the option table, so runs
-    that differ in any of them are never pooled; :func:`_option_column` says what a run that lacks one
-    gets; ``task`` is the row's own task, ``infer`` or ``train``: a ``task=both`` run yields one row of
-    each, so it is comparable with single-task runs), followed by the task's metrics with the
-    ``infer_`` / ``train_`` prefix stripped (``throughput_img_per_s``, ``latency_ms_p50``,
-    ``step_ms_p50``, ...; all of ``ALL_METRICS`` are present, NaN where not recorded, plus any
-    other ``metrics.<task>_*`` the runs carry).
-
-    ``gpu`` is the resolved ``tags.gpu``, falling back to ``params.gpu``; ``amp`` and ``img_size``
-    likewise prefer the resolved ``tags.amp`` / ``tags.img_size``. ``compile`` ends in
-    ``+cudagraph`` for ``cuda_graph=true`` runs. ``nproc`` is the number of processes in the whole job: the
-    ``world_size`` tag of DDP runs (``nproc x nnodes`` for several hosts), else ``params.nproc``
-    (times ``params.nnodes``), else 1. ``batch_size``, ``img_size`` and ``nproc``
-    are nullable integers.
+    (:func:`~vitreg.analysis.frame.config_columns`: runs that differ in any are never pooled; ``task`` is the
+    row's own, a ``task=both`` run yields one row of each), then the task's metrics without their ``infer_`` /
+    ``train_`` prefix (all of ``ALL_METRICS``, NaN where not recorded, and any other the runs carry).
+    ``gpu``, ``amp`` and ``img_size`` prefer the resolved tag to the param; ``nproc`` counts the job's
+    processes (:func:`_nproc`); ``batch_size``, ``img_size`` and ``nproc`` are nullable integers.
 
     ``mismatch`` is true for a mislabelled run: tagged ``gpu_mismatch=true``, or its ``detected_gpu``
     tag is not its ``gpu``, or it ran on the CPU (``device=cpu``, ``gpu_name=none``) under a GPU label;
@@ -193,14 +182,9 @@ def _jobs(df: pd.DataFrame, source: pd.Series) -> list[str]:
 
 
 def _option_column(df: pd.DataFrame, name: str, jobs: list[str]) -> pd.Series:
-    """An identity option as a configuration column: the run's param (else its tag of that name), as the
-    option parses it (``0`` and ``0.0`` alike, choices lowercased), so equal settings compare equal.
-
-    A run that lacks it was logged before the option existed, or by a command that does not take it. The
-    first ran at what is now the option's default (sdpa: torch picked, ``auto``; compile_backend:
-    ``inductor``), so it gets that default of its command and compares with runs at it; the second gets
-    :data:`~vitreg.analysis.frame.NOT_APPLICABLE` (a bench run has no ``clip_grad``), which keeps it
-    apart from a command's runs that set one."""
+    """An identity option as a configuration column: the run's param (else its tag), as the option parses it
+    (``0`` and ``0.0`` alike), so equal settings compare equal. A run that lacks it predates the option (it
+    gets its command's default, what it ran at) or ran a command without it (:data:`NOT_APPLICABLE`)."""
     taken = {job: [o for o in options_of(job) if o.name == name] for job in set(jobs)}
     out = []
     for param, tag, job in zip(_coalesce(df, f"params.{name}"), _coalesce(df, f"tags.{name}"), jobs):
@@ -217,10 +201,8 @@ def _option_column(df: pd.DataFrame, name: str, jobs: list[str]) -> pd.Series:
 
 def _resolved(option, param, tag):
     """What a run ran with for ``option``: its param, unless that is missing or the option's default, which
-    may be a request resolved later (``num_classes=0``: the data's classes, 1000 for synthetic); then the
-    run's tag of the same name, which a job sets to the resolved value. So a run whose params ``mlflow run``
-    logged as typed (``0``) and one whose params ``vitreg train`` logged resolved (``1000``) are one
-    configuration; a param set to something else is what the user asked for and stays."""
+    may be a request resolved later (``num_classes=0``); then the run's tag, the resolved value. So ``mlflow
+    run``'s typed ``0`` and ``vitreg train``'s resolved ``1000`` are one configuration."""
     if not isinstance(tag, str):
         return param
     if not isinstance(param, str) or _canonical(option, param) == param_text(option.default):
@@ -300,9 +282,7 @@ def _task_rows(df: pd.DataFrame, base: pd.DataFrame, task: str, task_param: pd.S
     """One row per run that ran ``task`` and recorded something for it; None when none did."""
     prefix = f"metrics.{task}_"
     values = {c[len(prefix):]: pd.to_numeric(df[c], errors="coerce") for c in df.columns if c.startswith(prefix)}
-    recorded = pd.Series(False, index=df.index)
-    for v in values.values():
-        recorded |= v.notna()
+    recorded = pd.DataFrame(values, index=df.index).notna().any(axis=1)
     # The task param is authoritative; without it (hand-made frames) trust the metrics.
     wanted = task_param.isin([task, "both"]).fillna(False) | (task_param.isna() & recorded)
     wanted &= recorded  # a task that logged nothing has nothing to compare
@@ -366,13 +346,10 @@ def _is_true(value) -> bool:
 
 
 def _ddp_setting(df: pd.DataFrame, nproc: pd.Series) -> pd.Series:
-    """The DDP settings as one configuration string: ``-`` for single-process runs (the settings do
-    nothing there), else ``bucket<MB>`` plus ``+static`` for ``ddp_static_graph=true``, ``+bf16``
-    / ``+fp16`` for a ``ddp_comm_hook``, and ``+NAME=VALUE`` for each NCCL variable of the run's
-    ``nccl_env`` tag that is not the same in every multi-process run compared (``NCCL_MAX_CTAS=8`` on
-    some runs and not on others; a variable every run has, such as the image's ``NCCL_VERSION``, says
-    nothing and is left out). Runs that predate the settings (no params) ran with torch's defaults,
-    which is what they get here."""
+    """The DDP settings as one configuration string: ``-`` for single-process runs, else ``bucket<MB>`` plus
+    ``+static``, ``+bf16`` / ``+fp16`` (the comm hook) and ``+NAME=VALUE`` for each NCCL variable of the
+    ``nccl_env`` tag not set alike in every multi-process run compared. Runs without the params get torch's
+    defaults, what they ran with."""
     bucket = pd.to_numeric(df["params.ddp_bucket_mb"], errors="coerce") if "params.ddp_bucket_mb" in df else None
     static = _text(df, "params.ddp_static_graph")
     hook = _text(df, "params.ddp_comm_hook")
