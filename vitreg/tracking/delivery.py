@@ -112,8 +112,8 @@ def experiment_id_for(client: mlflow.MlflowClient, name: str) -> str:
 class _Batch:
     """Up to one log_batch call of records, and the last sequence number it covers."""
 
-    def __init__(self):
-        self.metrics, self.params, self.tags, self.last_seq = [], {}, {}, None
+    def __init__(self, last_seq: int | None = None):
+        self.metrics, self.params, self.tags, self.last_seq = [], {}, {}, last_seq
 
     def fits(self, record: dict) -> bool:
         metrics = len(self.metrics) + len(record.get("metrics", ()))
@@ -203,9 +203,7 @@ class Delivery:
             else:  # sent alone, then its own sequence tag
                 self._send(batch)
                 self._apply(record)
-                batch = _Batch()
-                batch.last_seq = record["seq"]
-                self._send(batch)
+                self._send(_Batch(last_seq=record["seq"]))
                 self._release(record)
                 batch = _Batch()
         self._send(batch)

@@ -92,9 +92,7 @@ class _Request:
 
 def _log_and_register(client, run_id: str, loaded: tuple, located, request: _Request, stage: Path, progress):
     """The pt2 model with the checkpoint files under the run, its version, the alias; ``(version, moved_from)``.
-
-    ``loaded``: ``(model, info, spec)`` as :func:`vitreg.checkpoint.format.load_model` rebuilt them;
-    ``located``: the checkpoint as the resolver found it."""
+    ``loaded``: ``(model, info, spec)`` as :func:`vitreg.checkpoint.format.load_model` rebuilt them."""
     import mlflow.pytorch  # the flavor module (imports torch.export machinery): only when registering
     import numpy as np
 
