@@ -4,7 +4,7 @@ import base64
 
 import pytest
 
-from vitreg.tracking.uris import has_credentials, has_password, redact, scrub, without_credentials
+from vitreg.tracking.uris import has_credentials, redact, scrub, without_credentials
 
 
 def test_redact_masks_the_whole_userinfo():
@@ -12,7 +12,7 @@ def test_redact_masks_the_whole_userinfo():
     assert redact("postgresql+psycopg://u:p@db:5432/mlflow") == "postgresql+psycopg://***@db:5432/mlflow"
     assert redact("http://127.0.0.1:5000") == "http://127.0.0.1:5000"
     assert redact("sqlite:////tmp/mlflow.db") == "sqlite:////tmp/mlflow.db"
-    assert has_password("http://a:b@h") and not has_password("file:///x")
+    assert has_credentials("http://a:b@h") and not has_credentials("file:///x")
 
 
 def test_redact_masks_every_kind_of_credential():

@@ -45,7 +45,7 @@ from pathlib import Path
 from vitreg.console import mask_console
 from vitreg.deploy.config import (ARTIFACT_CLIENTS, ServerConfig, ServerError, driver_requirement, importable,
                                   is_local, local_path, public_fields, uri_scheme)
-from vitreg.tracking.uris import has_password, redact
+from vitreg.tracking.uris import has_credentials, redact
 
 _LOG_TAIL_LINES = 15  # server log lines shown when start-up fails
 
@@ -72,7 +72,7 @@ def build_command(cfg: ServerConfig) -> list[str]:
         "--port", str(cfg.port),
         "--workers", str(cfg.workers),
     ]
-    if not has_password(cfg.backend_store_uri):
+    if not has_credentials(cfg.backend_store_uri):
         cmd += ["--backend-store-uri", cfg.backend_store_uri]
     cmd += ["--serve-artifacts", "--artifacts-destination", cfg.artifacts_destination]
     if cfg.allowed_hosts:
@@ -88,7 +88,7 @@ def child_env(cfg: ServerConfig, base: dict[str, str] | None = None) -> dict[str
     # MLflow's job runner (GenAI scorers, trace rollups) is not used here and makes start-up
     # slower (~6 s with 1 worker without it); an explicit setting in the environment still wins.
     env.setdefault("MLFLOW_SERVER_ENABLE_JOB_EXECUTION", "false")
-    if has_password(cfg.backend_store_uri):
+    if has_credentials(cfg.backend_store_uri):
         env["MLFLOW_BACKEND_STORE_URI"] = cfg.backend_store_uri
     if cfg.auth:
         env["MLFLOW_FLASK_SERVER_SECRET_KEY"] = cfg.secret_key
@@ -313,7 +313,7 @@ def _signal_group(proc: subprocess.Popen, sig: int, quiet_only: bool = False) ->
 def _describe(cfg: ServerConfig) -> str:
     lines = [f"{k} = {v}" for k, v in public_fields(cfg).items()]
     lines.append(" ".join(redact(part) for part in build_command(cfg)))
-    if has_password(cfg.backend_store_uri):
+    if has_credentials(cfg.backend_store_uri):
         lines.append("(the backend store URI holds a password: it reaches the server as "
                      "MLFLOW_BACKEND_STORE_URI, not on the command line)")
     return "\n".join(lines)

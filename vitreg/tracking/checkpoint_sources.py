@@ -1,25 +1,13 @@
 """Checkpoints in the tracking store: resolve a models:/, runs:/ or local source into one verified
 checkpoint, pull it back as a real timm model, export it.
 
-:func:`resolve_checkpoint` is the one resolver; ``train`` (resume=, teacher=), ``pull``, ``infer``
-and registration all use it. Sources it accepts: ``models:/NAME@ALIAS`` (``@latest`` is MLflow's
-built-in newest version), ``models:/NAME/VERSION``, ``models:/m-<id>`` (a logged model),
-``runs:/RUN_ID/checkpoints/last`` (any run folder holding a checkpoint), another artifact URI
-(``s3://...``), and a local checkpoint folder. The checkpoint is verified once, there, and handed on
-as a :class:`~vitreg.checkpoint.format.VerifiedCheckpoint`.
-
-A run names its newest checkpoint in the file ``checkpoints/last`` (a pointer to a sibling
-``step-<N>`` folder, :func:`vitreg.checkpoint.format.last_pointer`): ``runs:/RUN_ID/checkpoints/last``
-and a local ``.../checkpoints/last`` file are followed to that folder.
-
-A registered version holds the checkpoint (``spec.json``, ``manifest.json`` and, unless it shares
-them, the weights ``model.safetensors``) in the logged model's ``extra_files/``. A version registered
-from a checkpoint its run logged shares that run's weights instead of holding a second copy:
-``extra_files/shared_weights.json`` names the run's ``checkpoints/step-<N>`` folder, and the weights
-are downloaded from there (:func:`_fetch_shared_weights`). :func:`pull` verifies the sha256 of every
-file against the version's own manifest either way, rebuilds the timm model from ``spec.json`` and
-loads the safetensors weights. Nothing is unpickled, and the pt2 graph is never loaded (it is a
-GraphModule pinned to the device it was exported on, not the timm model).
+:func:`resolve_checkpoint` is the one resolver (``train``'s resume= and teacher=, ``pull``, ``infer``,
+registration); it takes :data:`SOURCES`, a logged model (``models:/m-<id>``) or another artifact URI
+(``s3://...``), follows a run's ``checkpoints/last`` pointer to its ``step-<N>`` folder, verifies the
+checkpoint once and hands it on as a :class:`~vitreg.checkpoint.format.VerifiedCheckpoint`. A registered
+version's files are in its logged model's ``extra_files/``; one that shares its run's weights
+(``shared_weights.json``) gets them from the run (:func:`_fetch_shared_weights`), verified against the
+version's own manifest either way. Nothing is unpickled, and the pt2 graph is never loaded.
 """
 
 from __future__ import annotations
@@ -67,13 +55,9 @@ class Located:
 
 
 def resolve_checkpoint(source: str, dst=None, what: str = "model_uri", progress=progress) -> Located:
-    """The one checkpoint ``source`` names (see the module docstring), verified.
-
-    A remote source is downloaded into ``dst`` (default: a new temporary folder, the caller's to
-    remove once this returns; removed here when it raises). ``what`` is the option that holds
-    ``source`` (``resume``, ``teacher``, ``model_uri``): error messages name it. Unknown models,
-    aliases, versions and run paths raise VitregError naming what exists.
-    """
+    """The one checkpoint ``source`` names, verified; a remote one downloaded into ``dst`` (default: a new
+    temporary folder, the caller's to remove; removed here when it raises). ``what``: the option that holds
+    ``source``, which error messages name, with what exists (models, aliases, versions, run paths)."""
     source = str(source).strip()
     if source.startswith(("models:/", "runs:/")) or "://" in source:
         own_dst = dst is None
@@ -239,7 +223,8 @@ def _pointer_text(local: Path, uri: str) -> str:
 def _is_last_file(client, run_id: str, path: str) -> bool:
     """Whether ``path`` is a ``last`` file of the run (a pointer, not a folder; a folder lists its files)."""
     parent, _, name = path.rpartition("/")
-    return name == ckpt.LAST and any(e.path == path and not e.is_dir for e in client.list_artifacts(run_id, parent or None))
+    return name == ckpt.LAST and any(e.path == path and not e.is_dir
+                                     for e in client.list_artifacts(run_id, parent or None))
 
 
 def _download_source(source: str, dst: Path, what: str, progress) -> tuple[Path, dict]:
@@ -292,10 +277,8 @@ def shared_weights_text(run_id: str, folder: str) -> str:
 
 
 def _fetch_shared_weights(client, directory: Path, label: str, progress) -> Path:
-    """``directory`` with its weights: a version that shares them with its run gets them from there.
-
-    The file is then verified against the version's own manifest (sha256), as a copy would be: the run's
-    folder is where the bytes come from, never what they are trusted for."""
+    """``directory`` with its weights: a version that shares them with its run gets them from there (then
+    verified against the version's own manifest, as a copy would be)."""
     pointer = directory / SHARED_WEIGHTS
     if (directory / ckpt.WEIGHTS).exists() or not pointer.is_file():
         return directory
@@ -363,12 +346,8 @@ class PullResult:
 
 def pull(uri: str, out_dir=None, dst=None, progress=progress) -> PullResult:
     """Download, verify (sha256), rebuild and smoke-test a registered model; optionally export it.
-
-    ``dst`` is where the downloaded files go (default: a new temporary folder, kept and printed).
-    ``out_dir`` additionally receives a self-contained copy: ``model.safetensors``, ``spec.json``,
-    ``manifest.json`` and a README.md showing how to load it with timm + safetensors alone.
-    Unknown models, aliases, versions and run paths raise VitregError naming what exists.
-    """
+    ``dst``: where the downloaded files go (default: a new temporary folder, kept and printed); ``out_dir``:
+    a self-contained copy besides (:func:`vitreg.checkpoint.export.export_folder`)."""
     uri = str(uri).strip()
     own_dst = dst is None  # a folder we create: removed on failure, and when --out holds the files
     dst = Path(tempfile.mkdtemp(prefix="vitreg-pull-")) if own_dst else Path(dst)

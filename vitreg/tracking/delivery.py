@@ -1,32 +1,19 @@
 """A spooled run reaches the tracking store exactly once, in order: live from a background thread while
-the work goes on (:class:`SpoolingTracker`, what every run logs through), or later with ``vitreg sync``.
+the work goes on (:class:`SpoolingTracker`, what every run logs through), or later with ``vitreg sync``
+(:func:`vitreg.tracking.sync.sync`: to the URI given, else the one it was logged against, else the current one).
 
-Live: every tracker call appends to the run's :class:`~vitreg.tracking.spool.Spool` (a local write) and
-returns. A background thread delivers what is pending about once a second (sooner when much piles up),
-in ``log_batch`` calls, with a heartbeat tag (``vitreg_heartbeat``, every ``VITREG_HEARTBEAT_S``
-seconds, default 30: what tells a live run from a stale one, :func:`vitreg.tracking.runs.find_stale`);
-when the server fails it backs off (0.5 s doubling to 8 s) and tries again, for as long as the work goes
-on. :meth:`SpoolingTracker.close` journals the final status and waits at most ``timeout_s``
-(``VITREG_FLUSH_TIMEOUT_S``, default 30) for the rest; what is still undelivered then stays in the spool,
-and one line says how to deliver it (``vitreg sync``). Offline (``offline=true`` / ``VITREG_OFFLINE=1``)
-nothing is sent at all.
-An artifact's copy leaves the spool as soon as the server holds it (the checkpoints a training logs every
-``checkpoint_every`` steps would otherwise stay on local disk until the run ends).
+Live: every tracker call appends to the run's :class:`~vitreg.tracking.spool.Spool` and returns. A thread
+delivers what is pending about once a second (sooner when much piles up) in ``log_batch`` calls, with a
+heartbeat tag (``vitreg_heartbeat``, every ``VITREG_HEARTBEAT_S`` s: what tells a live run from a stale one,
+:func:`vitreg.tracking.runs.find_stale`), backing off 0.5 s doubling to 8 s while the server fails.
+:meth:`SpoolingTracker.close` waits at most ``VITREG_FLUSH_TIMEOUT_S`` (30 s) for the rest; what is left stays
+in the spool, and one line says ``vitreg sync``. An artifact's copy leaves the spool once the server holds it.
 
-Exactly once: the server says what it already has. Every batch carries the tag
-``vitreg_spool_seq.<spool id>`` = the sequence number of the last journal record it covers, so a delivery
-that starts again (the next attempt of the background thread, or ``vitreg sync`` after a crash) skips
-what the run already holds. MLflow's SQL store writes a ``log_batch``'s params, then metrics, then tags:
-the sequence tag lands last, and a batch cut short before it is sent again whole, which MLflow absorbs (a
-metric point identical in key, value, timestamp and step is stored once; a param with the same value is
-accepted). Artifacts are uploaded to the same path again (an overwrite), and the final status is set
-before the tag that covers it. A run the server never saw is created with the tag ``vitreg_spool_id``
-and looked up by that tag before creating, so a crash right after creating it does not make a second run.
-
-``vitreg sync`` (:func:`vitreg.tracking.sync.sync`): each spool goes to the tracking URI given, else the one it was logged
-against, else the current one (``MLFLOW_TRACKING_URI``); delivery resumes where the server's run says it
-stopped: a second sync adds nothing, a sync cut short resumes. A delivered spool is removed; a spool held
-by a running process is left to it.
+Exactly once: every batch carries the tag ``vitreg_spool_seq.<spool id>`` = the last journal record it covers,
+so a delivery that starts again skips what the run holds. MLflow's SQL store writes a batch's tags last: a
+batch cut short is sent again whole, which MLflow absorbs (an identical metric point is stored once, an
+identical param accepted); an artifact is uploaded again to the same path. A new run is created with the tag
+``vitreg_spool_id`` and looked up by it first: a crash right after creating it makes no second run.
 """
 
 from __future__ import annotations
@@ -78,13 +65,9 @@ def end_with_reason(client: mlflow.MlflowClient, run_id: str, status: str, reaso
 
 
 def delete_run_artifacts(client: mlflow.MlflowClient, run_id: str, artifact_path: str) -> None:
-    """Remove ``artifact_path`` from the run's artifacts (MLflow's client has no such call: its artifact
-    repository does, for local folders, the server's proxy, S3, GCS, Azure blobs and HDFS).
-
-    A store that cannot or may not delete (no such call, a 4xx answer: a user without the permission)
-    keeps the files: the run is then larger, not wrong, and delivery must go on rather than retry for
-    ever. A server error or a lost connection is raised, and retried like any other record. Deleting a
-    path that is gone already (a delivery started again after a crash) does nothing."""
+    """Remove ``artifact_path`` from the run's artifacts (through MLflow's artifact repository: its client has
+    no such call). A store that cannot or may not delete (a 4xx answer) keeps the files: the run is then
+    larger, not wrong, and delivery goes on. A server error or a lost connection is raised, and retried."""
     from mlflow.store.artifact.artifact_repository_registry import get_artifact_repository
 
     repo = get_artifact_repository(client.get_run(run_id).info.artifact_uri, tracking_uri=client.tracking_uri)
@@ -129,8 +112,8 @@ def experiment_id_for(client: mlflow.MlflowClient, name: str) -> str:
 class _Batch:
     """Up to one log_batch call of records, and the last sequence number it covers."""
 
-    def __init__(self):
-        self.metrics, self.params, self.tags, self.last_seq = [], {}, {}, None
+    def __init__(self, last_seq: int | None = None):
+        self.metrics, self.params, self.tags, self.last_seq = [], {}, {}, last_seq
 
     def fits(self, record: dict) -> bool:
         metrics = len(self.metrics) + len(record.get("metrics", ()))
@@ -205,9 +188,7 @@ class Delivery:
 
     def push(self, records: list[dict]) -> int:
         """Deliver ``records`` (in order) that the server does not hold yet; returns the last seq delivered.
-
-        Raises MlflowException / OSError / requests errors when the store fails; what was delivered before
-        the failure is recorded on the server, so calling again later resumes.
+        A store failure is raised; what was delivered before it is recorded on the server: a later call resumes.
         """
         self.connect()
         batch = _Batch()
@@ -219,12 +200,10 @@ class Delivery:
                     self._send(batch)
                     batch = _Batch()
                 batch.add(record)
-            else:
+            else:  # sent alone, then its own sequence tag
                 self._send(batch)
                 self._apply(record)
-                batch = _Batch()
-                batch.last_seq = record["seq"]
-                self._send(batch)
+                self._send(_Batch(last_seq=record["seq"]))
                 self._release(record)
                 batch = _Batch()
         self._send(batch)
@@ -232,8 +211,7 @@ class Delivery:
 
     def shortfall(self, records: list[dict]) -> str | None:
         """What the server's run lacks of ``records``, counted: params and tags by name, metric points per
-        name, artifact files by path, the final status. None when it holds them all (it may hold more:
-        another process logging into the same run). Only then may the spool go."""
+        name, artifact files by path, the final status. None when it holds them all: only then may the spool go."""
         expected = Contents(records, Path(self.spool.path))
         run = self.client.get_run(self.connect())
         lacking = [f"param {k}" for k in sorted(expected.params - run.data.params.keys())]
@@ -268,8 +246,7 @@ class Delivery:
 
     def _release(self, record: dict) -> None:
         """Free the spool's copy of an artifact once the server's sequence tag covers it (no delivery reads a
-        covered record again): a training logs a checkpoint every ``checkpoint_every`` steps, and until
-        the run ended the spool kept a copy of every one, those ``keep_checkpoints`` had deleted too."""
+        covered record again): else the spool kept every checkpoint a training logged until the run ended."""
         if record["kind"] == "artifact":
             copy = Path(self.spool.path) / record["path"]
             shutil.rmtree(copy if record["is_dir"] else copy.parent, ignore_errors=True)
@@ -290,12 +267,9 @@ class Delivery:
             self.client.set_terminated(self.run_id, record["status"], end_time=record["end_time"])
 
     def tidy_up(self) -> None:
-        """Take the heartbeat off the run once it has ended and this spool is delivered: MLflow's UI lists
-        every tag not under ``mlflow.`` (its ``getVisibleTagValues``) beside the ones people filter by, and
-        only :func:`vitreg.tracking.runs.find_stale` reads it, on RUNNING runs (a launcher's run that its rank
-        0 shares keeps it until it ends). The sequence tag and the spool id stay: they make a second delivery
-        of the same journal (``vitreg sync`` of a kept copy) add nothing. Best effort: a tag left behind is
-        only in view."""
+        """Take the heartbeat off an ended, delivered run: MLflow's UI lists it beside the tags people filter by,
+        and only :func:`vitreg.tracking.runs.find_stale` reads it, on RUNNING runs. The sequence tag and the
+        spool id stay (a second delivery of the same journal adds nothing). Best effort."""
         if self.run_id is None:
             return
         try:
@@ -339,14 +313,8 @@ def sync_hint(spool: Spool) -> str:
 
 class SpoolingTracker:
     """The :class:`~vitreg.tracking.runs.Tracker` of every run :func:`~vitreg.tracking.runs.tracked_run`
-    opens: MLflow, the one backend, behind the spool. Its calls are journaled and delivered in the
-    background (the module docstring); beyond the protocol it holds :attr:`spool`, ends with
-    :meth:`close` (``tracked_run``'s, not the job's) and is asked :meth:`check_on_server` before a
-    registration.
-
-    ``existing_params``: what the server run already holds (``mlflow run``'s ``-P`` values), so that
-    :meth:`log_params` can say which requested values it keeps without asking the server.
-    """
+    opens: its calls are journaled and delivered in the background; it ends with :meth:`close`.
+    ``existing_params``: what the server run already holds (``mlflow run``'s ``-P`` values)."""
 
     thread_safe = True
 
@@ -377,11 +345,7 @@ class SpoolingTracker:
     @classmethod
     def open(cls, experiment_name: str, run_name: str | None = None, run_id: str | None = None,
              tracking_uri: str | None = None, root=None, **kwargs) -> "SpoolingTracker":
-        """A new spool for one run and its tracker.
-
-        ``run_id``: the server run it continues, when one exists (``mlflow run``'s); ``tracking_uri``:
-        where to deliver (default: MLflow's current one, when the thread starts).
-        """
+        """A new spool for one run (``run_id``: the server run it continues, if any) and its tracker."""
         spool = Spool.create(experiment_name, run_name=run_name, run_id=run_id, tracking_uri=tracking_uri,
                              root=root)
         return cls(spool, **kwargs)
@@ -442,8 +406,7 @@ class SpoolingTracker:
     def log_artifact(self, path, artifact_path: str | None = None) -> None:
         self._journal([self.spool.append_artifact(path, artifact_path)])
 
-    def log_artifacts(self, path, artifact_path: str | None = None) -> None:
-        self._journal([self.spool.append_artifact(path, artifact_path)])
+    log_artifacts = log_artifact  # a file or a folder alike: the spool copies either
 
     def delete_artifacts(self, artifact_path: str) -> None:
         self._journal([self.spool.append_delete(artifact_path)])
@@ -472,9 +435,8 @@ class SpoolingTracker:
             time.sleep(0.05)
 
     def check_on_server(self, name: str) -> None:
-        """Before registering ``name`` from this run: wait until the run's files are on the server (the
-        version points at them); a run still in the spool cannot be registered yet, one line says how to
-        do it after ``vitreg sync``."""
+        """Before registering ``name`` from this run: wait until the run's files are on the server; else one
+        line says how to register it after ``vitreg sync``."""
         if not self.wait_delivered(flush_timeout_s(None)):
             raise VitregError(f"cannot register {name!r} yet: the run is not on the tracking server "
                               f"({self._last_error or 'offline'}); deliver it with `vitreg sync --spool "
@@ -489,11 +451,8 @@ class SpoolingTracker:
         return self._closed
 
     def close(self, status: str = "FINISHED", timeout_s: float | None = None) -> bool:
-        """Journal the final status; wait up to ``timeout_s`` for delivery. True when the server has it all.
-
-        Otherwise the spool stays (locked until this process ends or delivery stops) and one line says
-        where it is and how to deliver it.
-        """
+        """Journal the final status; wait up to ``timeout_s`` for delivery. True when the server has it all;
+        otherwise the spool stays and one line says where it is and how to deliver it."""
         if self._closed is not None:
             return self._closed  # one end per run: a second close (an error path after the first) is a no-op
         self._closed = self._close(status, flush_timeout_s(timeout_s))
@@ -542,7 +501,7 @@ class SpoolingTracker:
 
     def _close_lost(self) -> bool:
         """The spool can no longer keep the run: stop delivering, end the server run FAILED with the reason
-        (when the server answers), and say so in one line. Never claims the run is kept anywhere."""
+        (when the server answers), and say so in one line."""
         self._stopped.set()
         self._wake.set()
         if self._thread is not None:
@@ -619,11 +578,8 @@ def open_run(experiment_name: str = "Default", run_name: str | None = None, tags
              offline=None, root=None) -> SpoolingTracker:
     """Start (or, under ``mlflow run``, continue) a run the spooled way and return its tracker.
 
-    Online this costs one short request (a dead store fails it in seconds, one line naming the store): it
-    creates the run, or reads ``mlflow run``'s (``MLFLOW_RUN_ID``) for its experiment and its ``-P``
-    params, so the run id is known from the start (for the registry, child runs, ``runs:/`` URIs). The
-    run is not MLflow's fluent active run: nothing but the tracker ends it. Offline nothing is sent, and
-    ``vitreg sync`` creates the run later.
+    Online this costs one short request, which creates the run (or reads ``mlflow run``'s for its experiment
+    and ``-P`` params), so the run id is known from the start. Offline ``vitreg sync`` creates it later.
     """
     offline = offline_mode(offline)
     uri = mlflow.get_tracking_uri()

@@ -1,13 +1,11 @@
 """Rank 0 -> launcher: what a rank would log, written down for the launcher to log.
 
-Under a vitreg launcher no rank talks to MLflow. Rank 0 gets a :class:`HandoffTracker` on a
-folder the launcher gave it: every tracker call becomes one JSON line of ``calls.jsonl`` (in call
-order) and every file or folder to log is copied (hard-linked where it can be) under ``files/``.
-While torchrun runs, and once more when it is done, the launcher reads the new lines
-(:class:`HandoffReader`) and replays them into the run it holds (:func:`replay`): curves and
-checkpoints show up during a training as they would from rank 0 itself. The figures the launcher
-relates to a baseline come from the same :class:`Handoff`, not from the store. The launcher writes ``run.json`` first, so that rank 0 names
-the run it is logging for (progress lines, checkpoint metadata, artifact URIs).
+Under a vitreg launcher no rank talks to MLflow. Rank 0 gets a :class:`HandoffTracker` on a folder the
+launcher gave it (``run.json``, written first, names the run): every tracker call becomes one JSON line of
+``calls.jsonl`` and every file or folder to log is copied (hard-linked where it can be) under ``files/``.
+While torchrun runs, and once more at its end, the launcher reads the new lines (:class:`HandoffReader`) and
+replays them into its run (:func:`replay`); the figures it relates to a baseline come from the same
+:class:`Handoff`, not from the store.
 """
 
 from __future__ import annotations
@@ -125,19 +123,12 @@ class Handoff:
     @property
     def metrics(self) -> dict[str, float]:
         """The summary metrics (logged without a step): the job's results."""
-        out: dict[str, float] = {}
-        for c in self.calls:
-            if c["call"] == "log_metrics" and c["step"] is None:
-                out.update(c["metrics"])
-        return out
+        return {k: v for c in self.calls if c["call"] == "log_metrics" and c["step"] is None
+                for k, v in c["metrics"].items()}
 
     @property
     def tags(self) -> dict[str, str]:
-        out: dict[str, str] = {}
-        for c in self.calls:
-            if c["call"] == "set_tags":
-                out.update(c["tags"])
-        return out
+        return {k: v for c in self.calls if c["call"] == "set_tags" for k, v in c["tags"].items()}
 
     @property
     def registration(self) -> dict | None:
@@ -175,25 +166,18 @@ class HandoffReader:
         return Handoff(self.directory, tuple(self._calls))
 
 
+#: the calls a hand-off replays into the launcher's tracker, each with the arguments it was written with
+#: (``register_checkpoint`` is left to the caller: the version reads the run's figures, once they are logged)
+REPLAYED = ("log_params", "set_name", "set_tags", "log_metrics", "log_text", "set_note", "log_artifact",
+            "log_artifacts", "delete_artifacts")
+
+
 def replay(directory, calls: list[dict], tracker: Tracker, progress) -> None:
-    """Log rank 0's ``calls`` (from the hand-off in ``directory``) into ``tracker``'s run, in order;
-    registration is left to the caller."""
-    directory = Path(directory)
+    """Log rank 0's ``calls`` (from the hand-off in ``directory``) into ``tracker``'s run, in order."""
     for c in calls:
-        call = c["call"]
-        if call == "log_params":
-            note_skipped_params(tracker.log_params(c["params"]), progress)
-        elif call == "set_name":
-            tracker.set_name(c["name"])
-        elif call == "set_tags":
-            tracker.set_tags(c["tags"])
-        elif call == "log_metrics":
-            tracker.log_metrics(c["metrics"], c["step"])
-        elif call == "log_text":
-            tracker.log_text(c["text"], c["artifact_file"])
-        elif call == "set_note":
-            tracker.set_note(c["text"])
-        elif call in ("log_artifact", "log_artifacts"):
-            getattr(tracker, call)(directory / c["path"], c["artifact_path"])
-        elif call == "delete_artifacts":
-            tracker.delete_artifacts(c["artifact_path"])
+        if c["call"] not in REPLAYED:
+            continue
+        args = {k: Path(directory) / v if k == "path" else v for k, v in c.items() if k != "call"}
+        held = getattr(tracker, c["call"])(**args)
+        if c["call"] == "log_params":
+            note_skipped_params(held, progress)

@@ -1,22 +1,12 @@
 """The MLflow Model Registry side of vitreg: register a checkpoint as a model version.
 
-A registered version is self-contained. It holds two things:
-
-- the MLflow ``pytorch`` flavor (pt2, ``torch.export``), so the MLflow UI, ``mlflow models serve``
-  and pyfunc work as usual;
-- the vitreg checkpoint itself (``spec.json``, ``manifest.json`` and the weights ``model.safetensors``)
-  in the logged model's ``extra_files/``, which :func:`vitreg.tracking.checkpoint_sources.pull` reads back.
-
-A checkpoint that the registering run logged itself (what ``train -P register_as=`` and ``vitreg register
-runs:/...`` register) is not copied a second time: the version's ``extra_files/`` holds its spec and
-manifest and ``shared_weights.json``, naming the run's ``checkpoints/step-<N>`` folder whose weights
-have the manifest's sha256 (checked here, before sharing; checked again by every pull). The pt2
-model is MLflow's serving copy and stays whole. The run's checkpoint then lives as long as the
-version needs it: deleting the run (``mlflow gc``) leaves the version unpullable, as MLflow 2's
-versions that pointed at run artifacts were.
-
-``pull`` and ``load_model`` live in :mod:`vitreg.tracking.checkpoint_sources`, with the resolver of
-checkpoint URIs; they are importable from here too, as the README shows.
+A version holds MLflow's ``pytorch`` flavor (pt2, ``torch.export``: the UI, ``mlflow models serve`` and
+pyfunc work as usual) and the vitreg checkpoint in the logged model's ``extra_files/``, which
+:func:`vitreg.tracking.checkpoint_sources.pull` reads back. A checkpoint its registering run logged itself is
+not copied a second time: ``extra_files/`` holds its spec, manifest and ``shared_weights.json``, naming the
+run's ``checkpoints/step-<N>`` folder whose weights have the manifest's sha256 (checked here and by every
+pull); deleting the run (``mlflow gc``) leaves such a version unpullable. ``pull`` and ``load_model`` are
+importable from here too, as the README shows.
 """
 
 from __future__ import annotations
@@ -35,6 +25,7 @@ from vitreg.tracking.checkpoint_sources import (CHECKPOINT_TAG, SHARED_WEIGHTS, 
                                                resolve_checkpoint, shared_weights_text)
 from vitreg.tracking.checkpoint_sources import load_model, pull  # noqa: F401  (the README's import path)
 from vitreg.tracking.mlflow_on_first_use import mlflow
+from vitreg.tracking.spool import clean_tags
 from vitreg.tracking.uris import tracking_uri
 
 #: Batch of the pt2 input example. A batch of 1 makes torch.export specialise the batch dimension to
@@ -50,19 +41,11 @@ _VERSION_ALIAS_RE = re.compile(r"^[vV]\d+$")
 
 def register_checkpoint(tracker, checkpoint_dir, name: str, alias: str | None = "latest", tags: dict | None = None,
                         input_example_size: int | None = None, progress=progress):
-    """Register a vitreg checkpoint as a new version of registered model ``name``; returns the ModelVersion.
-
-    ``tracker`` is the :class:`vitreg.tracking.runs.Tracker` of the run that produced the checkpoint: the
-    model is logged under that run (MLflow 3: a logged model linked to the run) and the version's
-    ``source_run_id``, ``gpu`` and ``train_throughput_img_per_s`` tags come from it.
-    ``checkpoint_dir`` is a local checkpoint folder or a ``runs:/`` URI of one. ``alias`` is moved to
-    the new version; ``"latest"`` (the default) sets nothing, because MLflow reserves it and already
-    resolves ``models:/NAME@latest`` to the newest version. ``input_example_size`` is the side of the
-    pt2 input example (default: the checkpoint's ``img_size``).
-
-    Refuses (VitregError) an invalid alias, a tampered checkpoint, and a registered model ``name``
-    whose versions are another architecture. Ranks other than 0 (a NullTracker) register nothing and
-    get ``None``.
+    """Register a vitreg checkpoint (a local folder or a ``runs:/`` URI) as a new version of ``name`` under
+    ``tracker``'s run; returns the ModelVersion (None for a rank that does not log). ``alias`` moves to the new
+    version; ``"latest"`` sets nothing (MLflow resolves ``@latest`` itself). ``input_example_size``: the pt2
+    example's side (default: the checkpoint's ``img_size``). Refuses (VitregError) an invalid alias, a
+    tampered checkpoint, and a ``name`` whose versions are another architecture.
     """
     check_on_server = getattr(tracker, "check_on_server", None)  # a spooling tracker may hold the run locally
     if check_on_server is not None:
@@ -109,9 +92,7 @@ class _Request:
 
 def _log_and_register(client, run_id: str, loaded: tuple, located, request: _Request, stage: Path, progress):
     """The pt2 model with the checkpoint files under the run, its version, the alias; ``(version, moved_from)``.
-
-    ``loaded``: ``(model, info, spec)`` as :func:`vitreg.checkpoint.format.load_model` rebuilt them;
-    ``located``: the checkpoint as the resolver found it."""
+    ``loaded``: ``(model, info, spec)`` as :func:`vitreg.checkpoint.format.load_model` rebuilt them."""
     import mlflow.pytorch  # the flavor module (imports torch.export machinery): only when registering
     import numpy as np
 
@@ -137,10 +118,12 @@ def _log_and_register(client, run_id: str, loaded: tuple, located, request: _Req
         metadata={CHECKPOINT_TAG: checkpoint.manifest["format"], "vitreg_model": spec["model"]})
     version_tags = _version_tags(client, run_id, (spec, info), located, request.source, request.tags)
     mv = mlflow.register_model(logged.model_uri, name, tags=version_tags)
-    _tag_registered_model(client, name, spec["model"])
+    registered = client.get_registered_model(name)
+    if (registered.tags or {}).get("model") != spec["model"]:
+        client.set_registered_model_tag(name, "model", spec["model"])
     moved_from = None
     if alias and alias.lower() != "latest":
-        moved_from = _alias_version(client, name, alias)
+        moved_from = (registered.aliases or {}).get(alias)
         client.set_registered_model_alias(name, alias, mv.version)
     client.set_tag(run_id, "registered_model_name", name)
     client.set_tag(run_id, "registered_model_version", str(mv.version))
@@ -205,16 +188,6 @@ def _check_owner(client, name: str, arch: str) -> None:
                           f"choose another register_as (e.g. register_as={name}-{arch.replace('_', '-')})")
 
 
-def _tag_registered_model(client, name: str, arch: str) -> None:
-    tags = client.get_registered_model(name).tags or {}
-    if tags.get("model") != arch:
-        client.set_registered_model_tag(name, "model", arch)
-
-
-def _alias_version(client, name: str, alias: str):
-    return (client.get_registered_model(name).aliases or {}).get(alias)
-
-
 def _pip_requirements() -> list[str]:
     # Explicit requirements: MLflow's own inference of them imports and runs the model again (~6 s).
     from importlib import metadata
@@ -270,8 +243,7 @@ def _version_tags(client, run_id: str, loaded: tuple, located, source: str, extr
         "checkpoint_source": _checkpoint_source(source, checkpoint.directory, run_id),
         "weights_sha256": checkpoint.manifest["files"][ckpt.WEIGHTS]["sha256"],
     }
-    tags.update(extra or {})
-    return {k: str(v) for k, v in tags.items() if v is not None and not str(k).startswith("mlflow.")}
+    return clean_tags({**tags, **(extra or {})})
 
 
 def _checkpoint_source(source: str, directory: Path, run_id: str) -> str:

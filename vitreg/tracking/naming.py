@@ -11,10 +11,7 @@ of the configuration; the GPU is what the runs list groups by (Group by -> gpu),
     vit_b16 img224 · h200 · infer 8,635 img/s · train 2,101 img/s · bf16 · ...  task=both
     deit_ti16 img224 · a100≠cpu · train 25.2 img/s · fp32 · bs64                filed as a100, ran on a CPU
 
-The note (MLflow's ``mlflow.note.content`` tag, shown as the run page's description) holds the
-results table of report.md, so the run page answers "how fast" without opening artifacts.
-
-Pure text; the jobs set the name and the note through :mod:`vitreg.tracking.runs`.
+The note (the run page's description) holds report.md's results table: the page answers "how fast".
 """
 
 from __future__ import annotations
@@ -58,11 +55,8 @@ def gpu_text(gpu: str, ran_on: str | None = None) -> str:
 
 @dataclass(frozen=True)
 class RunTitle:
-    """What a run's name says of the run besides its batch and figures: the model and its image size
-    (``img_size``, pixels; None: not known yet), the GPU label (``a100≠cpu`` when ``ran_on``, the hardware
-    that really ran it, differs), precision and what else changes the figure (compile mode, CUDA graph,
-    processes); ``job`` (``train``, ``infer``) is said while there is no figure yet, the figure's task
-    says it after."""
+    """What a run's name says of the run besides its batch and figures (``ran_on``: the hardware that really
+    ran it; ``job`` is said while there is no figure yet, the figure's task says it after)."""
 
     gpu: str
     model: str
@@ -79,9 +73,7 @@ class RunTitle:
         return short_model(self.model) + (f" img{self.img_size}" if self.img_size else "")
 
     def name(self, batch_size, throughputs: dict[str, float] | None = None) -> str:
-        """The run's name, what tells runs apart first (the runs list shows ~22 characters): the model and
-        image size, the GPU, the throughputs with their unit (``throughputs``, once measured; the job while
-        there are none), then precision, batch size, compile mode, CUDA graph and processes."""
+        """The run's name, what tells runs apart first (the module docstring): ``throughputs`` once measured."""
         figures = [throughput_text(task, value) for task, value in (throughputs or {}).items()]
         parts = [self.workload(), gpu_text(self.gpu, self.ran_on)]
         parts += figures or ([self.job] if self.job else [])
@@ -104,9 +96,8 @@ _SEPARATOR_CELL = re.compile(r"\s*:?-+:?\s*")
 
 
 def spaced_cells(table: str) -> str:
-    """A markdown table (``| a | b |`` lines) with a no-break space each side of every cell's text, its
-    header separator (``|:---|``) left as it is: the table still parses as one, and reads as one on the
-    run page (:data:`NBSP`)."""
+    """A markdown table with a no-break space each side of every cell's text (:data:`NBSP`), its header
+    separator (``|:---|``) left as it is."""
     lines = []
     for line in table.splitlines():
         cells = _CELL_EDGE.split(line)[1:-1]
@@ -152,9 +143,8 @@ def compare_run_name(experiment: str, summary: dict) -> str:
 
 
 def sweep_run_name(axes: dict[str, list], common: dict, n_children: int) -> str:
-    """A sweep parent's name: ``sweep deit_ti16 img224 · amp×batch_size · 4 runs``: the workload (or ``3
-    models``), the axes it went along, how many children. Set by the job itself: under ``mlflow run`` the
-    parent arrives with a random name (``amusing-grub-951``)."""
+    """A sweep parent's name: ``sweep deit_ti16 img224 · amp×batch_size · 4 runs`` (or ``3 models``); set by
+    the job itself, as ``mlflow run`` gives the parent a random name."""
     models = axes.get("model") or [common.get("model") or "?"]
     sizes = axes.get("img_size") or [common.get("img_size") or 0]
     what = (RunTitle("", str(models[0]), "", img_size=int(sizes[0]) or None).workload() if len(models) == 1
@@ -177,10 +167,8 @@ def runs_page(experiment_id: str, run_id: str | None = None) -> str:
 
 
 def analysis_experiment(experiment: str) -> str:
-    """Where compare and check file their runs unless told otherwise: ``laptop/analysis`` beside
-    ``laptop``. Their own experiment rather than a tag to filter on: the benchmarks' runs list stays the
-    benchmarks with no filter typed (MLflow's runs list keeps no default filter), and every link to
-    ``laptop`` shows only what was measured."""
+    """Where compare and check file their runs unless told otherwise: ``laptop/analysis`` beside ``laptop``,
+    so the benchmarks' runs list stays the benchmarks with no filter typed (MLflow's keeps none)."""
     return f"{experiment}/analysis"
 
 

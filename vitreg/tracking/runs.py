@@ -1,23 +1,16 @@
 """A run's life: opened by :func:`tracked_run`, logged through a :class:`Tracker`, ended with a true status,
 and ended KILLED when no process is left to end it; child runs of a sweep; reading runs back.
 
-Only :mod:`vitreg.tracking` reaches mlflow, and only through :mod:`vitreg.tracking.mlflow_on_first_use` (imported on
-first use: DDP ranks never pay for it). Runners and training loops return typed results; this layer logs
-them, outside any timed region.
-
 Conventions:
 - ``mlflow run`` creates the run, logs every ``-P`` value as a param and passes ``MLFLOW_RUN_ID``;
   :func:`tracked_run` resumes that run. MLflow params are immutable, so a resolved value that differs
-  from what the user typed (``gpu=auto`` -> ``h200``) cannot replace the param: resolved values are
-  always set as tags of the same name (``gpu``, ``amp``, ``device``, ``img_size``), and as params
-  wherever MLflow has not already logged the request. Group and compare by the tags.
-- Under torchrun only rank 0 logs; under a vitreg launcher no rank talks to MLflow: rank 0 hands its
-  calls to the launcher (:mod:`vitreg.tracking.handoff`), which logs them into the run it holds. Which
-  process is rank 0 is the caller's to say (:func:`vitreg.ddp.launcher.rank_run`): tracking sits below ddp.
+  from what the user typed (``gpu=auto`` -> ``h200``) is always set as a tag of the same name, and as a
+  param wherever MLflow has not already logged the request. Group and compare by the tags.
+- Under torchrun only rank 0 logs; under a vitreg launcher rank 0 hands its calls to the launcher
+  (:mod:`vitreg.tracking.handoff`). Which process is rank 0 is the caller's to say: tracking sits below ddp.
 - A run that fails ends FAILED with the one-line reason in the ``vitreg_error`` tag; never RUNNING. A run
-  whose process is gone (SIGKILL, the OOM killer, a lost host) is ended KILLED later: by its stale
-  heartbeat (:func:`find_stale`, :func:`mark_killed`, ``vitreg runs --stale --fix``) or by the run that
-  resumes its checkpoint (:func:`close_resumed`).
+  whose process is gone is ended KILLED later: by its stale heartbeat (:func:`find_stale`,
+  ``vitreg runs --stale --fix``) or by the run that resumes its checkpoint (:func:`close_resumed`).
 """
 
 from __future__ import annotations
@@ -42,6 +35,7 @@ from vitreg.tracking.mlflow_on_first_use import mlflow
 from vitreg.tracking.spool import JOURNAL, flush_timeout_s, offline_mode
 from vitreg.tracking.store import (busy_wait_s, check_sqlite_uri, first_line, http_timeout_s, prepare_store,
                                    short_http_requests, sqlite_path, store_errors, ui_command)
+from vitreg.tracking.sync import SENT_CREDENTIALS, pending
 from vitreg.tracking.uris import current_uri, redact, scrub, tracking_uri, without_credentials
 
 RESUMED_FROM_TAG = "vitreg_resumed_from"  # on the new run: the run id of the checkpoint it continues
@@ -50,16 +44,9 @@ DEFAULT_STALE_AFTER_S = 600.0
 
 
 class Tracker(Protocol):
-    """What a job logs through: the calls against one run, each a batch (never one call per value).
-
-    MLflow is the one backend, behind the local spool: every run :func:`tracked_run` opens logs through a
-    :class:`~vitreg.tracking.delivery.SpoolingTracker`, which journals each call and delivers it from a
-    thread (it also holds ``spool``, ends with ``close`` and is asked ``check_on_server``; those are
-    ``tracked_run``'s and the registry's, not the job's). The two other implementations are not backends:
-    :class:`NullTracker` (ranks that do not log) and :class:`vitreg.tracking.handoff.HandoffTracker` (rank 0
-    under a vitreg launcher: its calls are written down for the launcher to replay into its own
-    ``SpoolingTracker``). A new backend would be another class with these calls, opened in ``tracked_run``.
-    """
+    """What a job logs through: the calls against one run, each a batch (never one call per value): a
+    :class:`~vitreg.tracking.delivery.SpoolingTracker` (every run :func:`tracked_run` opens), a
+    :class:`NullTracker` (ranks that do not log) or a :class:`~vitreg.tracking.handoff.HandoffTracker`."""
 
     run_id: str
     experiment_id: str
@@ -96,38 +83,17 @@ class NullTracker(Tracker):
         self.run_id = run_id
         self.experiment_id = experiment_id
 
-    def log_params(self, params):
-        return {}
-
-    def set_name(self, name):
-        pass
-
-    def set_tags(self, tags):
-        pass
-
-    def log_metrics(self, metrics, step=None, synchronous=True):
-        pass
-
-    def flush(self):
-        pass
-
-    def log_text(self, text, artifact_file):
-        pass
-
-    def log_dict(self, data, artifact_file):
-        pass
-
-    def log_artifact(self, path, artifact_path=None):
-        pass
-
-    def log_artifacts(self, path, artifact_path=None):
-        pass
-
-    def delete_artifacts(self, artifact_path):
-        pass
-
-    def set_note(self, text):
-        pass
+    def log_params(self, params): return {}
+    def set_name(self, name): pass
+    def set_tags(self, tags): pass
+    def log_metrics(self, metrics, step=None, synchronous=True): pass
+    def flush(self): pass
+    def log_text(self, text, artifact_file): pass
+    def log_dict(self, data, artifact_file): pass
+    def log_artifact(self, path, artifact_path=None): pass
+    def log_artifacts(self, path, artifact_path=None): pass
+    def delete_artifacts(self, artifact_path): pass
+    def set_note(self, text): pass
 
 
 def note_skipped_params(skipped: dict, progress) -> None:
@@ -170,15 +136,11 @@ def check_settings() -> None:
 @contextlib.contextmanager
 def tracked_run(run_name: str | None = None, experiment: str | None = None, system_metrics: bool = True,
                 tags: dict | None = None, offline: bool | None = None):
-    """Start (or resume, under ``mlflow run``) a run and yield its tracker: a
-    :class:`~vitreg.tracking.delivery.SpoolingTracker` (MLflow, behind the spool: nothing chooses another),
-    so the work never waits on the server and nothing measured is lost when the server goes away (it stays
-    in the local spool; ``vitreg sync`` delivers it).
-
-    The run always ends with a true status: FINISHED; FAILED on :class:`VitregError` (the message in the
-    ``vitreg_error`` tag, its class in ``vitreg_error_kind``) or any other exception; KILLED on Ctrl-C,
-    SIGTERM or SIGHUP. Only a process that logs opens one: ranks other than 0 get a :class:`NullTracker`
-    from their caller (:func:`vitreg.ddp.launcher.rank_run`) and never touch the server.
+    """Start (or resume, under ``mlflow run``) a run and yield its
+    :class:`~vitreg.tracking.delivery.SpoolingTracker`: the work never waits on the server, and what it
+    logs stays in the local spool while the server is away. The run always ends with a true status:
+    FINISHED; FAILED on an exception (a :class:`VitregError`'s message in ``vitreg_error``, its class in
+    ``vitreg_error_kind``); KILLED on Ctrl-C, SIGTERM or SIGHUP.
     """
     check_settings()
     uri = mlflow.get_tracking_uri()
@@ -250,9 +212,8 @@ def _system_metrics(tracker):
 
 
 def _end(tracker, monitor, status: str, message: str | None = None, kind: str | None = None) -> None:
-    """End the run with ``status``, the stop signals held meanwhile (:func:`vitreg.signals.run_ending`: one
-    that arrives now, as the results table prints, is raised after the end; a second one exits once the end
-    is in the spool), and note the one line that says where it ended (the CLI's last line on a stop)."""
+    """End the run with ``status``, the stop signals held meanwhile (:func:`vitreg.signals.run_ending`), and
+    note the one line that says where it ended (the CLI's last line on a stop)."""
     with signals.run_ending(lambda: _end_kept(tracker, status)):
         try:
             if monitor is not None:
@@ -304,19 +265,11 @@ def fail_requested_run(message: str) -> None:
 
 
 # --------------------------------------------------------------------------- runs no process will end
-# A live vitreg process refreshes the tag ``vitreg_heartbeat`` (unix seconds) on its run every
-# ``VITREG_HEARTBEAT_S`` seconds (default 30; the spool's delivery thread does it). A RUNNING run whose
-# heartbeat, or, for a run without one, whose start, is older than a threshold has no process behind it:
-# :func:`find_stale` lists such runs and :func:`mark_killed` ends them KILLED, with the reason in
-# ``vitreg_error``. A process cut off from the server also stops refreshing its heartbeat: keep the
-# threshold well above the heartbeat period (the default, 600 s, is twenty periods). Should such a
-# process reconnect, its delivery sets the status it really ended with.
-#
-# A resumed run and the run it resumed from point at each other (:func:`close_resumed`). Resuming a
-# checkpoint is the proof that its run is over: the new run closes it KILLED. A heartbeat cannot tell
-# here: a run SIGKILLed a second ago still has a fresh one. Should the old run's process be alive after
-# all (a checkpoint of a run still training, resumed elsewhere), its own end sets the status it really
-# ended with.
+# A RUNNING run whose heartbeat (refreshed every VITREG_HEARTBEAT_S by its delivery thread), or, for a run
+# without one, whose start, is older than a threshold has no process behind it. Keep the threshold well above
+# the heartbeat period (600 s is twenty): a process cut off from the server stops refreshing it too, and
+# should it reconnect, its delivery sets the status it really ended with. A resumed checkpoint proves its
+# run is over (a heartbeat cannot: a run SIGKILLed a second ago has a fresh one): :func:`close_resumed`.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -338,20 +291,17 @@ def _experiments(client: mlflow.MlflowClient, experiment: str | None) -> list:
         return client.search_experiments(view_type=mlflow.entities.ViewType.ACTIVE_ONLY)
     found = client.get_experiment_by_name(experiment)
     if found is None:
-        raise VitregError(f"experiment {experiment!r} does not exist: check the name "
-                          f"(mlflow experiments search) or MLFLOW_TRACKING_URI")
+        raise VitregError(f"experiment {experiment!r} does not exist at {redact(client.tracking_uri)}: check the "
+                          f"name (mlflow experiments search) or MLFLOW_TRACKING_URI")
     return [found]
 
 
-def _running_runs(client: mlflow.MlflowClient, experiment_id: str):
-    token = None
-    while True:
-        page = client.search_runs([experiment_id], filter_string="attributes.status = 'RUNNING'",
-                                  max_results=1000, page_token=token)
-        yield from page
-        token = page.token
-        if not token:
-            return
+def _all_runs(client: mlflow.MlflowClient, experiment_id: str, filter_string: str) -> list:
+    """Every run of the experiment that ``filter_string`` matches, page after page."""
+    from mlflow.utils import get_results_from_paginated_fn
+
+    return get_results_from_paginated_fn(lambda size, token: client.search_runs(
+        [experiment_id], filter_string, max_results=size, page_token=token), 1000)
 
 
 def _last_seen(run) -> tuple[float, bool]:
@@ -372,7 +322,7 @@ def find_stale(older_than_s: float = DEFAULT_STALE_AFTER_S, experiment: str | No
     stale = []
     with short_http_requests(), store_errors(client.tracking_uri, "searching for RUNNING runs"):
         for exp in _experiments(client, experiment):
-            for run in _running_runs(client, exp.experiment_id):
+            for run in _all_runs(client, exp.experiment_id, "attributes.status = 'RUNNING'"):
                 last_seen, heartbeat = _last_seen(run)
                 if now - last_seen > older_than_s:
                     stale.append(StaleRun(run.info.run_id, exp.name, run.info.run_name or "", last_seen, heartbeat))
@@ -399,10 +349,8 @@ def mark_killed(runs: list[StaleRun], client: mlflow.MlflowClient | None = None)
 
 
 def _ended_in_a_spool() -> dict[str, str]:
-    """``{spool id or run id: where its end is}`` of the runs whose local spool holds their end (a process
-    stopped a second time before the store took it): such a run is over, and `vitreg sync` gives it its status."""
-    from vitreg.tracking.sync import pending
-
+    """``{spool id or run id: where its end is}`` of the runs whose local spool holds their end: over, and
+    `vitreg sync` gives them their status."""
     ended = {}
     for spool in pending():
         try:
@@ -417,13 +365,8 @@ def _ended_in_a_spool() -> dict[str, str]:
 
 
 def close_resumed(old_run_id: str, new_run_id: str, progress=lambda message: None) -> bool:
-    """Tag the old run with its successor and end it KILLED if it is still RUNNING.
-
-    The new run's own tag (:data:`RESUMED_FROM_TAG`) goes through its tracker like its other tags. The
-    old run is another run, edited directly; a store that does not hold it (a checkpoint copied from
-    elsewhere) or cannot be reached now only costs a line: the training goes on. Returns whether the
-    old run was found.
-    """
+    """Tag the old run with its successor and end it KILLED if it is still RUNNING; returns whether the old
+    run was found. A store that does not hold it, or cannot be reached now, only costs a line."""
     if old_run_id == new_run_id:
         return True
     client = mlflow.MlflowClient()
@@ -445,12 +388,9 @@ def close_resumed(old_run_id: str, new_run_id: str, progress=lambda message: Non
 
 
 def check_server(timeout: float = 5.0, uri: str | None = None) -> None:
-    """Fail fast, in one line, when the tracking URI (``uri``, else MLflow's) is a server that does not answer,
-    or a sqlite URI that names no database file (:func:`~vitreg.tracking.store.check_sqlite_uri`).
-
-    MLflow's client retries for minutes against a dead server; a user deserves the answer now. A URI with
-    credentials (``http://user:password@host``) is checked with them as a header, and shown masked.
-    """
+    """Fail fast, in one line, when the tracking URI (``uri``, else MLflow's) is a server that does not answer
+    (MLflow's client retries for minutes), or a sqlite URI that names no database file. A URI's credentials
+    go as a header, and are shown masked."""
     uri = current_uri() if uri is None else uri  # mlflow is not imported for it: a dead server is said sooner
     check_sqlite_uri(uri)
     if not uri.lower().startswith(("http://", "https://")):  # a scheme is any case: HTTP:// is a server too
@@ -484,9 +424,8 @@ def still_spooled(tracker) -> bool:
 
 
 def where_logged(tracker) -> str:
-    """The line that says where a job's run is: the run and how to open it (its page on a server; locally the
-    UI command that opens the store the run went to, :func:`~vitreg.tracking.store.ui_command`),
-    or, for a run still in the local spool (:func:`still_spooled`), how to deliver it."""
+    """The line that says where a job's run is: its page on a server, locally the UI command that opens its
+    store (:func:`~vitreg.tracking.store.ui_command`); for a run still in the local spool, how to deliver it."""
     if still_spooled(tracker):
         return sync_hint(tracker.spool)
     uri = tracking_uri()  # masked; from the environment in a rank, which never imports mlflow
@@ -500,9 +439,8 @@ def where_logged(tracker) -> str:
 
 
 def artifacts_at(tracker, path: str) -> str:
-    """Where the run's artifacts under ``path`` are: the folder on this disk for a store that keeps them here
-    (sqlite or file: ``/home/me/mlruns/2/<run id>/artifacts/comparison``), else their URI (``s3://...``,
-    ``mlflow-artifacts:/...``); for a run still in the local spool, its ``runs:/`` URI (valid once synced)."""
+    """Where the run's artifacts under ``path`` are: the folder on this disk for a store that keeps them here,
+    else their URI (``s3://...``); for a run still in the local spool, its ``runs:/`` URI (valid once synced)."""
     if still_spooled(tracker):
         return tracker.artifact_uri(path)
     root = mlflow.MlflowClient().get_run(tracker.run_id).info.artifact_uri
@@ -547,8 +485,7 @@ def set_child_status(run_id: str, status: str) -> None:
 def remote_child_env(run_id: str, experiment_id: str) -> dict:
     """The variables a child on another host needs to log into run ``run_id``: the tracking URI (a server's,
     with any credentials MLflow reads from the environment) and the run (as ``mlflow run`` hands it)."""
-    keep = ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD", "MLFLOW_TRACKING_TOKEN",
-            "MLFLOW_TRACKING_INSECURE_TLS", "MLFLOW_TRACKING_SERVER_CERT_PATH")
+    keep = (*SENT_CREDENTIALS, "MLFLOW_TRACKING_INSECURE_TLS", "MLFLOW_TRACKING_SERVER_CERT_PATH")
     env = {k: os.environ[k] for k in keep if k in os.environ}
     return env_for_run({**env, "MLFLOW_TRACKING_URI": mlflow.get_tracking_uri()}, run_id, experiment_id)
 
@@ -576,22 +513,12 @@ def run_and_children(parent_run_id: str):
                 raise
             raise VitregError(f"no run {parent_run_id!r} at {tracking_uri()}: pass the run id of a sweep's parent "
                               f"run (its `sweep RUN_ID:` line), or set MLFLOW_TRACKING_URI to its store") from None
-        found, token = [], None
-        while True:
-            page = client.search_runs([parent.info.experiment_id], f"tags.mlflow.parentRunId = '{parent_run_id}'",
-                                      max_results=1000, page_token=token)
-            found.extend(page)
-            token = page.token
-            if not token:
-                return parent, found
+        return parent, _all_runs(client, parent.info.experiment_id, f"tags.mlflow.parentRunId = '{parent_run_id}'")
 
 
 def search_runs(experiment: str, filter_string: str = ""):
     """All runs of an experiment (by name) as a pandas DataFrame, MLflow's ``search_runs`` columns."""
-    exp = mlflow.MlflowClient().get_experiment_by_name(experiment)
-    if exp is None:
-        raise VitregError(f"experiment {experiment!r} does not exist at {tracking_uri()}: "
-                          f"check the name (mlflow experiments search) or MLFLOW_TRACKING_URI")
+    exp = _experiments(mlflow.MlflowClient(), experiment)[0]
     return mlflow.search_runs(experiment_ids=[exp.experiment_id], filter_string=filter_string,
                               output_format="pandas")
 

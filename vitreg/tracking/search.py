@@ -51,11 +51,9 @@ RUN_LIST_COLUMNS = ("run_id", "experiment", "name", "status", "start_time", "gpu
 
 
 def run_list(raw: pd.DataFrame) -> pd.DataFrame:
-    """One row per run of ``raw`` (:func:`vitreg.tracking.runs.newest_runs`' frame), in its order and of every
-    status, as ``vitreg runs`` lists them: :data:`RUN_LIST_COLUMNS` (``gpu`` as ``a100≠cpu`` for a run filed
-    under a GPU that did not run it), each task's ``<task>_img_per_s`` (NaN: not measured) and ``flags``, what
-    makes its figures suspect (:func:`vitreg.analysis.cost.suspect_masks`: ``busy host``, ...), read from the
-    columns :func:`tidy` gives compare, so the list and compare flag the same runs."""
+    """One row per run of ``raw`` (:func:`vitreg.tracking.runs.newest_runs`' frame), as ``vitreg runs`` lists
+    them: :data:`RUN_LIST_COLUMNS`, each task's ``<task>_img_per_s`` (NaN: not measured) and ``flags``
+    (:func:`vitreg.analysis.cost.suspect_masks` on :func:`tidy`'s columns: the list and compare flag alike)."""
     from vitreg.analysis.cost import suspect_masks
 
     if not len(raw):
@@ -102,20 +100,11 @@ def tidy(runs_df: pd.DataFrame, axes: tuple[str, ...] = ()) -> pd.DataFrame:
     (FAILED, RUNNING, KILLED) is dropped because its numbers are partial or absent.
 
     Columns of the result: ``run_id, start_time, source, gpu`` and the configuration columns
-    (:func:`~vitreg.analysis.frame.config_columns`: every identity option of the option table, so runs
-    that differ in any of them are never pooled; :func:`_option_column` says what a run that lacks one
-    gets; ``task`` is the row's own task, ``infer`` or ``train``: a ``task=both`` run yields one row of
-    each, so it is comparable with single-task runs), followed by the task's metrics with the
-    ``infer_`` / ``train_`` prefix stripped (``throughput_img_per_s``, ``latency_ms_p50``,
-    ``step_ms_p50``, ...; all of ``ALL_METRICS`` are present, NaN where not recorded, plus any
-    other ``metrics.<task>_*`` the runs carry).
-
-    ``gpu`` is the resolved ``tags.gpu``, falling back to ``params.gpu``; ``amp`` and ``img_size``
-    likewise prefer the resolved ``tags.amp`` / ``tags.img_size``. ``compile`` ends in
-    ``+cudagraph`` for ``cuda_graph=true`` runs. ``nproc`` is the number of processes in the whole job: the
-    ``world_size`` tag of DDP runs (``nproc x nnodes`` for several hosts), else ``params.nproc``
-    (times ``params.nnodes``), else 1. ``batch_size``, ``img_size`` and ``nproc``
-    are nullable integers.
+    (:func:`~vitreg.analysis.frame.config_columns`: runs that differ in any are never pooled; ``task`` is the
+    row's own, a ``task=both`` run yields one row of each), then the task's metrics without their ``infer_`` /
+    ``train_`` prefix (all of ``ALL_METRICS``, NaN where not recorded, and any other the runs carry).
+    ``gpu``, ``amp`` and ``img_size`` prefer the resolved tag to the param; ``nproc`` counts the job's
+    processes (:func:`_nproc`); ``batch_size``, ``img_size`` and ``nproc`` are nullable integers.
 
     ``mismatch`` is true for a mislabelled run: tagged ``gpu_mismatch=true``, or its ``detected_gpu``
     tag is not its ``gpu``, or it ran on the CPU (``device=cpu``, ``gpu_name=none``) under a GPU label;
@@ -201,14 +190,9 @@ def _jobs(df: pd.DataFrame, source: pd.Series) -> list[str]:
 
 
 def _option_column(df: pd.DataFrame, name: str, jobs: list[str]) -> pd.Series:
-    """An identity option as a configuration column: the run's param (else its tag of that name), as the
-    option parses it (``0`` and ``0.0`` alike, choices lowercased), so equal settings compare equal.
-
-    A run that lacks it was logged before the option existed, or by a command that does not take it. The
-    first ran at what is now the option's default (sdpa: torch picked, ``auto``; compile_backend:
-    ``inductor``), so it gets that default of its command and compares with runs at it; the second gets
-    :data:`~vitreg.analysis.frame.NOT_APPLICABLE` (a bench run has no ``clip_grad``), which keeps it
-    apart from a command's runs that set one."""
+    """An identity option as a configuration column: the run's param (else its tag), as the option parses it
+    (``0`` and ``0.0`` alike), so equal settings compare equal. A run that lacks it predates the option (it
+    gets its command's default, what it ran at) or ran a command without it (:data:`NOT_APPLICABLE`)."""
     taken = {job: [o for o in options_of(job) if o.name == name] for job in set(jobs)}
     out = []
     for param, tag, job in zip(_coalesce(df, f"params.{name}"), _coalesce(df, f"tags.{name}"), jobs):
@@ -225,10 +209,8 @@ def _option_column(df: pd.DataFrame, name: str, jobs: list[str]) -> pd.Series:
 
 def _resolved(option, param, tag):
     """What a run ran with for ``option``: its param, unless that is missing or the option's default, which
-    may be a request resolved later (``num_classes=0``: the data's classes, 1000 for synthetic); then the
-    run's tag of the same name, which a job sets to the resolved value. So a run whose params ``mlflow run``
-    logged as typed (``0``) and one whose params ``vitreg train`` logged resolved (``1000``) are one
-    configuration; a param set to something else is what the user asked for and stays."""
+    may be a request resolved later (``num_classes=0``); then the run's tag, the resolved value. So ``mlflow
+    run``'s typed ``0`` and ``vitreg train``'s resolved ``1000`` are one configuration."""
     if not isinstance(tag, str):
         return param
     if not isinstance(param, str) or _canonical(option, param) == param_text(option.default):
@@ -248,27 +230,17 @@ def _canonical(option, value: str) -> str:
         return value
 
 
-def _model(df: pd.DataFrame, base: pd.DataFrame) -> pd.Series:
-    # an infer run's param is its checkpoint's architecture (model_uri folds into it: the same kernels)
-    return _coalesce(df, "params.model", "tags.model").fillna(MISSING)
-
-
-def _amp(df: pd.DataFrame, base: pd.DataFrame) -> pd.Series:
-    return _coalesce(df, "tags.amp", "params.amp").fillna(MISSING)  # the resolved precision first (auto -> bf16)
-
-
 def _compile(df: pd.DataFrame, base: pd.DataFrame) -> pd.Series:
     """``compile`` with its backend (``default@eager``; the default backend, and any with ``compile=off``, adds
-    nothing: runs that predate the option used it) and ``+cudagraph`` (:func:`_with_cuda_graph`)."""
+    nothing: runs that predate the option used it) and ``+cudagraph`` for ``cuda_graph=true`` runs."""
     mode = _coalesce(df, "params.compile", "tags.compile").fillna(MISSING)
     default = param_text(_any_option("compile_backend").default)
     backend = _coalesce(df, "params.compile_backend", "tags.compile_backend").fillna(default).str.lower()
     shown = ~mode.isin(["off", MISSING]) & (backend != default)
-    return _with_cuda_graph(df, mode.where(~shown, mode.astype(str) + "@" + backend.astype(str)))
-
-
-def _batch_size(df: pd.DataFrame, base: pd.DataFrame) -> pd.Series:
-    return _integer(df, "params.batch_size")  # batch_size=auto is <NA>: such runs are one configuration
+    compile_ = mode.where(~shown, mode.astype(str) + "@" + backend.astype(str))
+    # a CUDA graph replays the same step another way: kept apart like a compile mode
+    cuda_graph = _coalesce(df, "params.cuda_graph", "tags.cuda_graph").map(_is_true).astype(bool)
+    return compile_.where(~cuda_graph, compile_.astype(str) + "+cudagraph")
 
 
 def _img_size(df: pd.DataFrame, base: pd.DataFrame) -> pd.Series:
@@ -286,14 +258,18 @@ def _nproc(df: pd.DataFrame, base: pd.DataFrame) -> pd.Series:
     return _integer(df, "tags.world_size").fillna(per_host * _integer(df, "params.nnodes").fillna(1))
 
 
-def _ddp(df: pd.DataFrame, base: pd.DataFrame) -> pd.Series:
-    return _ddp_setting(df, base["nproc"])
-
-
 #: configuration columns not read from one option alone (FOLDED_INTO, resolved tags, integers), in the
 #: order of config_columns() (ddp reads nproc); every other configuration column is one option's value
-_BUILDERS = {"model": _model, "batch_size": _batch_size, "img_size": _img_size, "amp": _amp,
-             "compile": _compile, "nproc": _nproc, "ddp": _ddp}
+_BUILDERS = {
+    # an infer run's param is its checkpoint's architecture (model_uri folds into it: the same kernels)
+    "model": lambda df, base: _coalesce(df, "params.model", "tags.model").fillna(MISSING),
+    "batch_size": lambda df, base: _integer(df, "params.batch_size"),  # auto is <NA>: one configuration
+    "img_size": _img_size,
+    "amp": lambda df, base: _coalesce(df, "tags.amp", "params.amp").fillna(MISSING),  # resolved (auto -> bf16)
+    "compile": _compile,
+    "nproc": _nproc,
+    "ddp": lambda df, base: _ddp_setting(df, base["nproc"]),
+}
 
 
 def _hardware(df: pd.DataFrame, gpu: pd.Series) -> tuple[pd.Series, pd.Series]:
@@ -314,9 +290,7 @@ def _task_rows(df: pd.DataFrame, base: pd.DataFrame, task: str, task_param: pd.S
     """One row per run that ran ``task`` and recorded something for it; None when none did."""
     prefix = f"metrics.{task}_"
     values = {c[len(prefix):]: pd.to_numeric(df[c], errors="coerce") for c in df.columns if c.startswith(prefix)}
-    recorded = pd.Series(False, index=df.index)
-    for v in values.values():
-        recorded |= v.notna()
+    recorded = pd.DataFrame(values, index=df.index).notna().any(axis=1)
     # The task param is authoritative; without it (hand-made frames) trust the metrics.
     wanted = task_param.isin([task, "both"]).fillna(False) | (task_param.isna() & recorded)
     wanted &= recorded  # a task that logged nothing has nothing to compare
@@ -379,22 +353,11 @@ def _is_true(value) -> bool:
     return isinstance(value, str) and value.strip().lower() in _TRUE
 
 
-def _with_cuda_graph(df: pd.DataFrame, compile_: pd.Series) -> pd.Series:
-    """``compile`` plus ``+cudagraph`` for runs whose steps were replayed from a CUDA graph
-    (``cuda_graph=true``): a different way of running the same step, kept apart like a compile mode
-    (and, in compile_amp_gains, compared with plain ``off`` as one)."""
-    on = _coalesce(df, "params.cuda_graph", "tags.cuda_graph").map(_is_true).astype(bool)
-    return compile_.where(~on, compile_.astype(str) + "+cudagraph")
-
-
 def _ddp_setting(df: pd.DataFrame, nproc: pd.Series) -> pd.Series:
-    """The DDP settings as one configuration string: ``-`` for single-process runs (the settings do
-    nothing there), else ``bucket<MB>`` plus ``+static`` for ``ddp_static_graph=true``, ``+bf16``
-    / ``+fp16`` for a ``ddp_comm_hook``, and ``+NAME=VALUE`` for each NCCL variable of the run's
-    ``nccl_env`` tag that is not the same in every multi-process run compared (``NCCL_MAX_CTAS=8`` on
-    some runs and not on others; a variable every run has, such as the image's ``NCCL_VERSION``, says
-    nothing and is left out). Runs that predate the settings (no params) ran with torch's defaults,
-    which is what they get here."""
+    """The DDP settings as one configuration string: ``-`` for single-process runs, else ``bucket<MB>`` plus
+    ``+static``, ``+bf16`` / ``+fp16`` (the comm hook) and ``+NAME=VALUE`` for each NCCL variable of the
+    ``nccl_env`` tag not set alike in every multi-process run compared. Runs without the params get torch's
+    defaults, what they ran with."""
     bucket = pd.to_numeric(df["params.ddp_bucket_mb"], errors="coerce") if "params.ddp_bucket_mb" in df else None
     static = _text(df, "params.ddp_static_graph")
     hook = _text(df, "params.ddp_comm_hook")
@@ -414,14 +377,10 @@ def _ddp_setting(df: pd.DataFrame, nproc: pd.Series) -> pd.Series:
 def _nccl_differences(tags: pd.Series | None, rows: list[int]) -> dict[int, list[tuple[str, str]]]:
     """For each of ``rows``: the ``(name, value)`` pairs of its ``nccl_env`` tag (``"K=V;K=V"``)
     whose variable is not set to one same value in all of ``rows``, sorted by name."""
-    env = {i: _nccl_vars(tags.iloc[i] if tags is not None else None) for i in rows}
+    texts = {i: (tags.iloc[i] if tags is not None else None) or "" for i in rows}
+    env = {i: dict(kv.split("=", 1) for kv in text.split(";") if "=" in kv) for i, text in texts.items()}
     varying = {k for k in set().union(*env.values()) if len({e.get(k) for e in env.values()}) > 1}
     return {i: sorted((k, v) for k, v in e.items() if k in varying) for i, e in env.items()}
-
-
-def _nccl_vars(tag: str | None) -> dict[str, str]:
-    """An ``nccl_env`` tag (``"K=V;K=V"``, as :func:`vitreg.environment.nccl_env` writes it) as a dict; missing: empty."""
-    return dict(kv.split("=", 1) for kv in (tag or "").split(";") if "=" in kv)
 
 
 def _integer(df: pd.DataFrame, col: str) -> pd.Series:

@@ -12,12 +12,8 @@ A spool is a folder ``<root>/<spool id>/`` holding
 Appending is a local write and flush (no network, no fsync); :meth:`Spool.fsync` makes the journal
 durable and is called at batch boundaries (before each delivery attempt and at the end). A line torn by
 a crash is the last one and is ignored on reading. Delivery (live, or later with ``vitreg sync``) sends
-records in order; the server run's ``vitreg_spool_seq.<spool id>`` tag says how far it got (see
-:mod:`vitreg.tracking.delivery`). A spool is removed only once the store's run is counted to hold
-all of it. A spool is data from outside (`vitreg sync` may be pointed at one somebody else wrote): every
-record is checked (:func:`record_problem`) before any of it is delivered. What a tag, metric or dict artifact
-may hold on its way to MLflow (:func:`clean_tags`, :func:`clean_metrics`, :func:`dict_text`) is said here
-once, for every tracker.
+records in order (:mod:`vitreg.tracking.delivery`); a spool is removed only once the store's run is counted
+to hold all of it. Every record is checked (:func:`record_problem`) before any of it is delivered.
 
 Settings (environment): ``VITREG_SPOOL_DIR`` (the root; default ``$XDG_DATA_HOME/vitreg/spool``, i.e.
 ``~/.local/share/vitreg/spool``), ``VITREG_OFFLINE`` (true: write the spool only, deliver later),
@@ -62,11 +58,8 @@ def spool_root(env: dict | None = None) -> Path:
 
 
 def offline_mode(value=None) -> bool:
-    """``offline=true`` (the option) or ``VITREG_OFFLINE=1`` (either one): log to the spool only.
-
-    Either, not the option over the variable: ``mlflow run`` passes every param's default (``false``),
-    which must not undo a ``VITREG_OFFLINE=1`` set for a whole session without a network.
-    """
+    """``offline=true`` (the option) or ``VITREG_OFFLINE=1``, either one (``mlflow run`` passes every param's
+    default, ``false``, which must not undo the variable): log to the spool only."""
     option = parse_bool(value, "offline") if value is not None else False
     return option or parse_bool(os.environ.get("VITREG_OFFLINE") or "false", "VITREG_OFFLINE")
 
@@ -129,9 +122,8 @@ def mount_point(path: Path) -> Path:
 
 
 def os_reason(exc: OSError) -> tuple[int | None, str]:
-    """An OSError's errno and its words. ``shutil.Error`` (a tree copy's) carries no errno but a list of
-    ``(source, target, reason)``, one per file that failed: its first reason, and ENOSPC when any says the
-    disk is full (its repr runs to thousands of characters and names every file)."""
+    """An OSError's errno and its words; for a tree copy's ``shutil.Error`` (a list of reasons, one per file,
+    thousands of characters) the first reason, or one that says the disk is full."""
     if isinstance(exc, shutil.Error) and exc.args and isinstance(exc.args[0], list) and exc.args[0]:
         reasons = [str(entry[-1]) for entry in exc.args[0] if isinstance(entry, (tuple, list)) and entry]
         full = next((r for r in reasons if f"[Errno {errno.ENOSPC}]" in r or f"[Errno {errno.EDQUOT}]" in r), None)
@@ -141,24 +133,22 @@ def os_reason(exc: OSError) -> tuple[int | None, str]:
     return exc.errno, exc.strerror or str(exc)
 
 
-def disk_full_reason(path: Path) -> str:
-    return (f"the local disk at {mount_point(path)} holding the spool {path} is full: free space there or set "
-            f"VITREG_SPOOL_DIR to another disk")
+def disk_full_reason(path: Path, consequence: str = "") -> str:
+    return (f"the local disk at {mount_point(path)} holding the spool {path} is full: {consequence}free space "
+            f"there or set VITREG_SPOOL_DIR to another disk")
 
 
 def lost_reason(spool_path: Path, exc: OSError) -> str:
     """One line saying why the spool cannot keep the run: the local disk (named) or the removed folder."""
     number, words = os_reason(exc)
+    lost = "what the run measures from now on cannot be kept"
     if number in (errno.ENOSPC, errno.EDQUOT):
-        return (f"the local disk at {mount_point(spool_path)} holding the spool {spool_path} is full: what the run "
-                f"measures from now on cannot be kept; free space there or set VITREG_SPOOL_DIR to another disk")
-    return (f"the spool {spool_path} cannot be written ({words}): what the run measures from now on "
-            f"cannot be kept; do not remove a spool while its run is logging")
+        return disk_full_reason(spool_path, f"{lost}; ")
+    return f"the spool {spool_path} cannot be written ({words}): {lost}; do not remove a spool while its run is logging"
 
 
 def check_spool_root(root: Path) -> None:
-    """Make sure spools can be written under ``root`` (made if missing), before a run exists anywhere:
-    a folder that is read-only, a file, a symlink loop or not writable, or a full disk, is one
+    """Make sure spools can be written under ``root`` (made if missing) before a run exists anywhere: else one
     :class:`SpoolUnusable` line naming the fix, and no run is left RUNNING on the server for it."""
     root = Path(root)
     try:
@@ -182,10 +172,8 @@ def unusable_reason(root: Path, exc: OSError) -> str:
 
 
 # --------------------------------------------------------------------------- what a journal may hold
-# A spool is data from outside: `vitreg sync` may be pointed at one somebody else wrote. Every record is
-# checked against what Spool writes before anything of the spool is delivered: an artifact names a file
-# inside its own spool (resolved, symlinks followed: vitreg copies files in, never links), a tag is never
-# delivery's own bookkeeping, every value has the type MLflow is sent.
+# A spool is data from outside (`vitreg sync` may be pointed at one somebody else wrote): an artifact names a
+# file inside its own spool, a tag is never delivery's own, every value has the type MLflow is sent.
 
 RESERVED_TAG_PREFIX = "vitreg_spool_"  # delivery's own tags (the spool id, how far it got): never from a record
 STATUSES = ("FINISHED", "FAILED", "KILLED")
@@ -330,25 +318,22 @@ class Spool:
     @staticmethod
     def find(path: Path) -> list["Spool"]:
         """The spools at ``path``: the folder itself if it is one, else the spools inside it (oldest first)."""
+        path = Path(path)
         try:
-            return Spool._found(Path(path))
+            if path.exists() and not path.is_dir():  # a file where the spools should be: said, not "nothing"
+                raise SpoolUnusable(f"{path} is a file, not a folder of spools: point VITREG_SPOOL_DIR (or "
+                                    f"--spool) at the folder that holds them")
+            if not path.is_dir():
+                return []
+            folders = [path] if os.path.lexists(path / JOURNAL) else [p for p in path.iterdir()
+                                                                     if os.path.lexists(p / JOURNAL)]
+            # An empty journal is a crash inside create(), before the run was described: nothing to deliver. A
+            # journal that is no file is kept: reading it says what it is (records), not skipped in silence.
+            found = [p for p in folders if not (p / JOURNAL).is_file() or (p / JOURNAL).stat().st_size]
+            return [Spool(p) for p in sorted(found, key=lambda p: (p / JOURNAL).lstat().st_mtime)]
         except OSError as exc:
             raise SpoolUnusable(f"the spools at {path} cannot be listed ({exc.strerror or exc}): run `vitreg sync` as "
                                 f"the user who wrote them, or fix that folder's permissions") from None
-
-    @staticmethod
-    def _found(path: Path) -> list["Spool"]:
-        if path.exists() and not path.is_dir():  # a file where the spools should be: said, not "nothing"
-            raise SpoolUnusable(f"{path} is a file, not a folder of spools: point VITREG_SPOOL_DIR (or --spool) "
-                                f"at the folder that holds them")
-        if not path.is_dir():
-            return []
-        folders = [path] if os.path.lexists(path / JOURNAL) else [p for p in path.iterdir()
-                                                                 if os.path.lexists(p / JOURNAL)]
-        # An empty journal is a crash inside create(), before the run was described: nothing to deliver. A
-        # journal that is no file is kept: reading it says what it is (records), not skipped in silence.
-        found = [p for p in folders if not (p / JOURNAL).is_file() or (p / JOURNAL).stat().st_size]
-        return [Spool(p) for p in sorted(found, key=lambda p: (p / JOURNAL).lstat().st_mtime)]
 
     def lock(self) -> None:
         """Hold this spool for this process (released on :meth:`release` or when the process dies)."""
@@ -383,8 +368,7 @@ class Spool:
 
     def records(self) -> list[dict]:
         """Every record, in order, each checked (:func:`record_problem`); raises :class:`SpoolDamaged` naming
-        the file and line of the first that is not as vitreg writes it. The one exception is a crash in the
-        middle of a write: a last line with no line end that does not parse is dropped."""
+        the file and line of the first that is not as vitreg writes it. A last line torn by a crash is dropped."""
         journal = self.path / JOURNAL
         if not journal.is_file():
             raise SpoolDamaged(f"the spool journal {journal} is not a file (a folder, or a link to nothing): "
@@ -427,7 +411,7 @@ class Spool:
         with self._write_lock:
             if self._fh is None:
                 if self._next_seq is None:  # reopened (sync): continue after what is there
-                    self._next_seq = len(self._records_or_empty())
+                    self._next_seq = len(self.records()) if (self.path / JOURNAL).exists() else 0
                 self._fh = open(self.path / JOURNAL, "a", encoding="utf-8")
             record = {"seq": self._next_seq, **record}
             with self._kept():
@@ -440,16 +424,13 @@ class Spool:
 
     @contextlib.contextmanager
     def _kept(self):
-        """A write inside that fails (``OSError``; ``shutil.Error``, a tree copy's, is one too) means the spool
-        can no longer keep the run: the first reason is kept in :attr:`lost` and raised as :class:`SpoolLost`."""
+        """A write inside that fails (``OSError``) means the spool can no longer keep the run: the first reason
+        is kept in :attr:`lost` and raised as :class:`SpoolLost`."""
         try:
             yield
         except OSError as exc:
             self.lost = self.lost or lost_reason(self.path, exc)
             raise SpoolLost(self.lost) from None
-
-    def _records_or_empty(self) -> list[dict]:
-        return self.records() if (self.path / JOURNAL).exists() else []
 
     def fsync(self) -> None:
         """Make what was appended durable (survives a power cut); cheap enough per batch, not per call."""
@@ -476,31 +457,28 @@ class Spool:
         source = Path(local_path)
         if not source.exists():
             raise VitregError(f"artifact {source} does not exist: nothing to log")
-        if self.lost:
-            return {"kind": "artifact"}  # nothing is kept any more: not copied
-        slot = f"artifacts/{uuid.uuid4().hex[:12]}"
-        target = self.path / slot
-        with self._kept():
-            target.mkdir()  # no parents: a removed spool must fail here, not be made again
-            if source.is_dir():
-                shutil.copytree(source, target, dirs_exist_ok=True)
-                return self._append({"kind": "artifact", "path": slot, "is_dir": True,
-                                     "artifact_path": artifact_path})
-            shutil.copy2(source, target / source.name)
-        return self._append({"kind": "artifact", "path": f"{slot}/{source.name}", "is_dir": False,
-                             "artifact_path": artifact_path})
+        if source.is_dir():
+            return self._append_copy("", lambda slot: shutil.copytree(source, slot, dirs_exist_ok=True),
+                                     artifact_path)
+        return self._append_copy(source.name, lambda slot: shutil.copy2(source, slot / source.name), artifact_path)
 
     def append_text(self, text: str, artifact_file: str) -> dict:
         """``log_text``: the text as a file at ``artifact_file`` (``dir/name.ext``) of the run."""
         directory, _, name = artifact_file.rpartition("/")
+        return self._append_copy(name, lambda slot: (slot / name).write_text(scrub(text), encoding="utf-8"),
+                                 directory or None)
+
+    def _append_copy(self, name: str, write, artifact_path: str | None) -> dict:
+        """Journal an artifact that ``write(slot)`` puts into a new slot folder: the file ``name``, or the
+        folder itself for no name. Nothing is copied once the spool is lost."""
         if self.lost:
             return {"kind": "artifact"}
-        slot = self.path / "artifacts" / uuid.uuid4().hex[:12]
+        slot = f"artifacts/{uuid.uuid4().hex[:12]}"
         with self._kept():
-            slot.mkdir()  # no parents: a removed spool must fail here, not be made again
-            (slot / name).write_text(scrub(text), encoding="utf-8")
-        return self._append({"kind": "artifact", "path": str((slot / name).relative_to(self.path)),
-                             "is_dir": False, "artifact_path": directory or None})
+            (self.path / slot).mkdir()  # no parents: a removed spool must fail here, not be made again
+            write(self.path / slot)
+        return self._append({"kind": "artifact", "path": f"{slot}/{name}" if name else slot, "is_dir": not name,
+                             "artifact_path": artifact_path})
 
     def append_delete(self, artifact_path: str) -> dict:
         """``delete_artifacts``: remove what the run holds at ``artifact_path``, once what came before is delivered."""
@@ -543,13 +521,3 @@ def artifact_files(spool_dir: Path, record: dict) -> list[str]:
         return [prefix + local.name]
     # a folder whose copy was freed after delivery (Delivery._release) is no longer countable here
     return [prefix + f.relative_to(local).as_posix() for f in local.rglob("*") if f.is_file()]
-
-
-@contextlib.contextmanager
-def held(spool: Spool):
-    """Lock ``spool`` for the duration (for delivering a spool written by a process that has ended)."""
-    spool.lock()
-    try:
-        yield spool
-    finally:
-        spool.release()

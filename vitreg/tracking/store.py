@@ -1,35 +1,7 @@
-"""The tracking store as this process reaches it: made ready once, asked within bounded time, its
-failures told in one line, MLflow's own prints off.
-
-- Where a sqlite store keeps its artifacts, one rule wherever the process stands (:func:`artifact_root`):
-  beside its file, ``mlruns/`` for ``mlflow.db`` (MLflow's own default pair) and ``<name>-mlruns/`` for
-  any other ``<name>.db``. MLflow would file a new experiment's artifacts under ``./mlruns`` of the
-  current folder whatever the store, so two stores used from one folder shared ``./mlruns/1/``, and a
-  store used from another folder scattered its artifacts there. vitreg makes the Default experiment of a
-  store it creates, and every experiment it creates, through a store built with that root
-  (:func:`create_experiment`), and says in one line when it creates a store.
-- A local sqlite store is created and migrated once even when several processes start on it together
-  (:func:`prepare_store`). MLflow's tracking store creates and migrates a fresh sqlite schema in every
-  process that opens it, with no lock: processes that start together on a new ``mlflow.db`` race in the
-  migration (``_alembic_tmp_tags already exists``) and can leave the file broken for every later client.
-  :func:`prepare_store` takes an exclusive lock beside the database file while this process builds its
-  store (migrating it if needed); MLflow caches that store per URI, so later calls in the process reuse
-  it without migrating again.
-- MLflow's HTTP client retries for minutes against a dead or failing server; :func:`short_http_requests`
-  makes each request fail within seconds (the caller owns the back-off), :func:`bound_http_requests`
-  bounds a CLI command's requests.
-- A store failure becomes one line naming the store, masked (:func:`store_errors`, :func:`store_error_for`,
-  :func:`first_line`). A request the store refused (HTTP 400/404: an invalid run id, an artifact path
-  outside the run) is said as the bad value it is, and "move it away" only of a sqlite file that does not
-  open as an MLflow store (:func:`_opens`), never inferred from a failed call.
-- MLflow's prints: it draws tqdm bars on stderr for each artifact download (three for one ``pull`` or
-  ``infer``), in between vitreg's own progress lines, which already say what is downloaded where; it
-  reads MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR each time it starts one, so setting it once in the process
-  (before the first download) is enough. When a run ends against a server MLflow writes ``View run ...
-  at: <host>/#/...`` to stdout (``TrackingServiceClient._log_url``), with the host as MLflow holds it: a
-  tracking URI's credentials included. vitreg's last line (:func:`vitreg.tracking.runs.where_logged`)
-  gives the same link, masked, so MLflow's is turned off with MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT,
-  which it reads at each end of a run.
+"""The tracking store as this process reaches it: made ready once (:func:`prepare_store`, a sqlite store's
+artifacts beside its file: :func:`artifact_root`), asked within bounded time (:func:`short_http_requests`,
+:func:`bound_http_requests`), its failures told in one line naming it, masked (:func:`store_errors`,
+:func:`store_fault`), MLflow's own prints off (:func:`quiet_artifact_downloads`, :func:`quiet_mlflow_info`).
 """
 
 from __future__ import annotations
@@ -61,6 +33,9 @@ _REFUSED = re.compile(r"connection refused|could not connect|Can't connect to|Na
                       r"could not translate host name", re.IGNORECASE)
 _NOT_HTTP = re.compile(r"BadStatusLine|RemoteDisconnected|Connection aborted|InvalidChunkLength|"
                        r"ProtocolError", re.IGNORECASE)
+#: MLflow's answers to a request it understood and refused (from a server or a local store alike); not
+#: ENDPOINT_NOT_FOUND, also a 404, which a URI pointing at something that is no MLflow server gets
+_REFUSED_REQUEST = {"INVALID_PARAMETER_VALUE", "RESOURCE_DOES_NOT_EXIST", "BAD_REQUEST", "RESOURCE_ALREADY_EXISTS"}
 #: MLflow's SQL store tries to build its engine 10 times, sleeping 0.1 * (2**n - 1) s between (~100 s against a
 #: database that is down) and reads no setting for it: a CLI command tries twice (0.1 s of sleep; a sqlite file
 #: another process holds locked costs sqlite's 5 s busy timeout an attempt)
@@ -85,8 +60,8 @@ def sqlite_path(uri: str) -> Path | None:
 
 def artifact_root(uri: str) -> Path | None:
     """Where the experiments of the sqlite store at ``uri`` keep their artifacts (``<root>/<experiment id>/``):
-    ``mlruns`` beside ``mlflow.db``, ``<name>-mlruns`` beside any other ``<name>.db``. None for other stores
-    (a server files artifacts where it is configured to)."""
+    ``mlruns`` beside ``mlflow.db``, ``<name>-mlruns`` beside any other ``<name>.db``, from whatever folder
+    (MLflow's ``./mlruns`` of the current folder let two stores share ``./mlruns/1/``). None for other stores."""
     path = sqlite_path(uri)
     if path is None:
         return None
@@ -96,8 +71,7 @@ def artifact_root(uri: str) -> Path | None:
 
 def store_with_root(uri: str):
     """MLflow's own sqlite store for ``uri``, built with :func:`artifact_root` as its artifact root (MLflow's
-    client builds its store with ``./mlruns`` of the current folder, and offers no other root). Building it
-    on a new file creates the schema and the Default experiment, as MLflow's client would."""
+    client offers no other root than ``./mlruns``); on a new file it makes the schema and the Default experiment."""
     from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
 
     return SqlAlchemyStore(uri, str(artifact_root(uri)))
@@ -118,9 +92,8 @@ def create_experiment(client, name: str) -> str:
 
 
 def ui_command(uri: str) -> str:
-    """The command that opens the MLflow UI on the store at ``uri`` (masked), from where the process stands:
-    ``make ui`` in the checkout for its own ``mlflow.db`` (the Makefile's default), ``make ui UI_STORE=...``
-    there for another store, ``mlflow ui --backend-store-uri ...`` anywhere else."""
+    """The command that opens the MLflow UI on the store at ``uri`` from where the process stands: ``make ui``
+    (``UI_STORE=...`` for another store than ``mlflow.db``) in the checkout, else ``mlflow ui --backend-store-uri``."""
     store = absolute_uri(uri)
     makefile = Path("Makefile")
     in_checkout = makefile.is_file() and re.search(r"^ui:", makefile.read_text(errors="replace"), re.M) is not None
@@ -131,20 +104,12 @@ def ui_command(uri: str) -> str:
     return f"make ui UI_STORE={store}"
 
 
-@contextlib.contextmanager
-def _exclusive(lock_path: Path):
-    with open(lock_path, "a") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)  # released when the file closes, also if this process dies
-        yield
-
-
 def prepare_store(uri: str) -> None:
-    """Create (or open) the sqlite store at ``uri`` under a file lock; nothing for other stores. MLflow's
-    routine INFO lines are off from here on (:func:`quiet_mlflow_info`).
-
-    Raises :class:`StoreError`, naming the file, when it cannot be created or is not a usable store. A store
-    another process holds locked (sqlite's "database is locked") is waited for, then called busy: it is
-    not broken, and moving it away would lose its runs.
+    """Create (or open) the sqlite store at ``uri`` under a file lock beside it; nothing for other stores.
+    MLflow migrates a fresh schema in every process that opens it, unlocked: processes starting together on a
+    new file raced (``_alembic_tmp_tags already exists``) and could break it. MLflow's routine INFO lines are
+    off from here on (:func:`quiet_mlflow_info`). Raises :class:`StoreError`, naming the file, when it cannot be
+    created or is not a usable store; one another process holds locked is waited for, then called busy.
     """
     quiet_mlflow_info()  # every run opens its store here, the CLI's and the Python API's alike
     path = sqlite_path(uri)
@@ -190,7 +155,8 @@ def _build(uri: str, path: Path) -> None:
     lock = path.with_name(path.name + ".lock")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        with _exclusive(lock):
+        with open(lock, "a") as held:
+            fcntl.flock(held, fcntl.LOCK_EX)  # released when the file closes, also if this process dies
             if not path.exists() or path.stat().st_size == 0:
                 store_with_root(uri)  # creates the schema and the Default experiment, its artifacts in the root
                 progress(new_store_line(uri))
@@ -214,8 +180,7 @@ def new_store_line(uri: str) -> str:
 
 def _local_reason(path: Path, reason: str) -> str | None:
     """Why the sqlite file ``path`` cannot be opened, from what is on disk (as this user sees it): the store
-    or its folder missing, unreadable, or read-only (sqlite writes a journal beside the store even to read
-    one that another process changed). None when the disk shows nothing wrong."""
+    or its folder missing, unreadable, or read-only. None when the disk shows nothing wrong."""
     folder = path.parent
     if not folder.is_dir():
         return (f"the folder {folder} of the tracking store {path} does not exist or is not a folder ({reason}): "
@@ -235,15 +200,15 @@ def _local_reason(path: Path, reason: str) -> str | None:
 
 
 def store_fault(exc: BaseException, uri: str, doing: str = "") -> VitregError:
-    """The one line for a failure of the tracking store at ``uri``, with the advice for its cause: busy
-    (another process holds it locked), damaged, read-only or not permitted, missing, a server that does
-    not answer, or does not answer HTTP; else the reason and where to look. A request the store refused
+    """The one line for a failure of the tracking store at ``uri``, with the advice for its cause (busy,
+    damaged, read-only, missing, a server that does not answer or not in HTTP); a request the store refused
     is no store failure: a plain :class:`VitregError` naming the value."""
     text, reason = str(exc), first_line(exc)
     path = sqlite_path(uri)
     where = f"the tracking store {path}" if path else f"the tracking store at {redact(uri)}"
     while_doing = f" while {doing}" if doing else ""
-    if _refused_request(exc):  # the store answered: it is the value asked for that is wrong, not the store
+    # the store answered a bad request (an invalid value, no such run or path): the value is wrong, not the store
+    if isinstance(exc, mlflow.exceptions.MlflowException) and exc.error_code in _REFUSED_REQUEST:
         return VitregError(f"{where} refused the request{while_doing} ({reason}): the store is fine, the value "
                            f"given is not; check it (a run id, an artifact path, a name)")
     if _BUSY.search(text):
@@ -274,20 +239,8 @@ def store_fault(exc: BaseException, uri: str, doing: str = "") -> VitregError:
                       f"MLFLOW_TRACKING_URI")
 
 
-#: MLflow's answers to a request it understood and refused (from a server or a local store alike); not
-#: ENDPOINT_NOT_FOUND, also a 404, which a URI pointing at something that is no MLflow server gets
-_REFUSED_REQUEST = {"INVALID_PARAMETER_VALUE", "RESOURCE_DOES_NOT_EXIST", "BAD_REQUEST", "RESOURCE_ALREADY_EXISTS"}
-
-
-def _refused_request(exc: BaseException) -> bool:
-    """Whether ``exc`` is MLflow's answer to a bad request (an invalid value, no such run or path), not a
-    failure of the store."""
-    return isinstance(exc, mlflow.exceptions.MlflowException) and exc.error_code in _REFUSED_REQUEST
-
-
 def _opens(path: Path) -> bool:
-    """Whether the sqlite file ``path`` opens, read-only, as an MLflow store (its runs and experiments
-    tables are there): the check before vitreg calls a store unusable."""
+    """Whether the sqlite file ``path`` opens, read-only, as an MLflow store: before vitreg calls one unusable."""
     import sqlite3
 
     try:
@@ -344,9 +297,8 @@ def short_http_requests():
 
 
 def bound_http_requests() -> None:
-    """Every MLflow HTTP request of this process (a CLI command) ends within a bounded time: two retries
-    a second apart, ``http_timeout_s()`` each, instead of MLflow's seven with doubling back-off (90-200 s
-    against a server that answers 503). Settings the user made are kept."""
+    """Every MLflow HTTP request of this process (a CLI command) ends within a bounded time: two retries a
+    second apart instead of MLflow's seven with doubling back-off (90-200 s against a 503). The user's own win."""
     try:
         timeout = http_timeout_s()
     except VitregError:  # the CLI's group calls this before any one-line handler: the command says it
@@ -421,9 +373,8 @@ STORE_LIBRARIES = {"mlflow", "requests", "urllib3", "http", "sqlalchemy", "sqlit
 
 
 def store_error_for(exc: BaseException) -> VitregError | None:
-    """The one line for a failure of the tracking store that reached the CLI unconverted (an MLflow, HTTP or
-    SQL error): the store, masked, the reason and the advice for its cause (:func:`store_fault`); None for
-    any other exception."""
+    """The one line (:func:`store_fault`) for an MLflow, HTTP or SQL error that reached the CLI unconverted;
+    None for any other exception."""
     names = {cls.__module__.split(".")[0] for cls in type(exc).__mro__}
     if not names & STORE_LIBRARIES:
         return None
@@ -431,8 +382,7 @@ def store_error_for(exc: BaseException) -> VitregError | None:
 
 
 def first_line(exc: BaseException) -> str:
-    """The reason in a few words: MLflow wraps urllib3's in a paragraph naming the URL and the pool.
-    Any URI or credential in it is masked (:func:`~vitreg.tracking.uris.scrub`)."""
+    """The reason in a few words (MLflow wraps urllib3's in a paragraph naming the URL and the pool), masked."""
     return scrub(_reason(exc))
 
 
@@ -453,8 +403,8 @@ def _reason(exc: BaseException) -> str:
 
 
 def quiet_artifact_downloads() -> None:
-    """No artifact progress bars in this process and its children, unless the user asked for them
-    (an MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR already set is kept); and never MLflow's run links."""
+    """No tqdm bars of MLflow's between vitreg's progress lines (which say what is downloaded where) in this
+    process and its children, unless MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR asks; never MLflow's run links."""
     os.environ.setdefault(PROGRESS_BAR_VARIABLE, "false")
     quiet_run_links()
 
@@ -465,10 +415,8 @@ def quiet_run_links() -> None:
     os.environ[RUN_LINKS_VARIABLE] = "true"
 
 
-#: MLflow's INFO lines a successful run does not need: the system-metrics monitor's start, stop and "Skip
-#: logging GPU metrics" (every run), and the store's "Creating initial MLflow database tables" (a new
-#: sqlite file). They are logging records of these loggers (MLflow's handler writes them to stderr);
-#: their WARNING and ERROR records still show.
+#: the loggers of MLflow's INFO lines a successful run does not need (the system-metrics monitor's start and
+#: stop, "Creating initial MLflow database tables"); their WARNING and ERROR records still show
 QUIET_MLFLOW_LOGGERS = ("mlflow.system_metrics", "mlflow.store.db.utils")
 
 

@@ -1,10 +1,7 @@
 """`vitreg sync`: spools whose run ended without the store holding all of it (server down, offline=true,
-a process killed), delivered later, exactly once: every record checked before the first is sent, the store's
-run counted after, the spool removed only when nothing is lacking and the run has ended (a spool whose process
-stopped before writing the end is kept, and said, until the run is ended some other way: ``runs --stale --fix``).
-
-Kept apart from :mod:`vitreg.tracking.delivery` (the live tracker every run logs through): this is the later
-path, run by `vitreg sync`, `runs --stale` and a SLURM sweep's parent, over spools no process holds.
+a process killed), delivered later over :mod:`vitreg.tracking.delivery`, exactly once: every record checked
+before the first is sent, the store's run counted after, the spool removed only when nothing is lacking and
+the run has ended (a spool without its end is kept, and said, until ``runs --stale --fix`` ends the run).
 """
 
 from __future__ import annotations
@@ -18,7 +15,7 @@ from pathlib import Path
 from vitreg.errors import VitregError
 from vitreg.tracking.delivery import Delivery, seq_tag
 from vitreg.tracking.mlflow_on_first_use import mlflow
-from vitreg.tracking.spool import Spool, SpoolBusy, SpoolDamaged, SpoolUnusable, held, spool_root
+from vitreg.tracking.spool import Spool, SpoolBusy, SpoolDamaged, SpoolUnusable, spool_root
 from vitreg.tracking.store import first_line, short_http_requests
 from vitreg.tracking.uris import redact
 
@@ -78,7 +75,8 @@ def sync_one(spool: Spool, tracking_uri: str | None = None) -> Synced:
     """Deliver one spool (locking it); raises :class:`SpoolBusy` when a running process holds it,
     :class:`SpoolDamaged` (before sending anything) when a record is not as vitreg writes it, and
     :class:`SyncError` when the store's run, counted after, lacks anything the spool held (kept then)."""
-    with held(spool):
+    spool.lock()
+    try:
         records = spool.records()  # every record checked before the first is sent
         delivery = Delivery(spool, mlflow.MlflowClient(tracking_uri=_target_uri(spool, tracking_uri)))
         delivery.connect()
@@ -97,6 +95,8 @@ def sync_one(spool: Spool, tracking_uri: str | None = None) -> Synced:
         # a spool without its end (a process killed, or failed before the end) is not all of the run: it is
         # kept until the store's run has ended some other way (runs --stale --fix), never called delivered
         ended = records[-1]["kind"] == "end" or delivery.client.get_run(delivery.run_id).info.status != "RUNNING"
+    finally:
+        spool.release()
     if ended:
         spool.remove()
         delivery.tidy_up()

@@ -1,8 +1,5 @@
 """What every job's run is labelled with: the setup params and artifacts, the resolved tags, the DDP tags.
-
-Shared by the bench, infer and train jobs, so that none of them imports another. Each caller says
-what it ran (``task``, ``cuda_graph``, the DDP settings) rather than this module guessing it from
-the spec's type.
+Shared by the bench, infer and train jobs; each says what it ran (``task``, ``cuda_graph``, DDP settings).
 """
 
 from __future__ import annotations
@@ -31,10 +28,8 @@ def _graph_tag(cuda_graph: bool | None) -> dict:
 
 
 def identity_tags(spec) -> dict:
-    """The spec's value of every option that changes the work measured (the option table's identity
-    options, :func:`vitreg.config.options.identity_names`), as tags: the runs list groups and filters by
-    what makes two runs the same configuration, an option added to the table is tagged with no change
-    here. The DDP settings are left to :func:`world_tags`, which tags them where a model was wrapped."""
+    """The spec's value of every identity option (:func:`vitreg.config.options.identity_names`) as tags, what
+    the runs list groups by; the DDP settings are :func:`world_tags`'s, where a model was wrapped."""
     names = {name for command in RUN_COMMANDS for name in identity_names(command)} - set(options_shown_in("ddp"))
     values = {f.name: param_text(getattr(spec, f.name)) for f in fields(spec) if f.name in names}
     return {name: value for name, value in values.items() if value != ""}  # teacher="": no teacher, no tag

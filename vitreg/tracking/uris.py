@@ -47,10 +47,6 @@ def has_credentials(uri: str) -> bool:
     return redact(uri) != uri
 
 
-def has_password(uri: str) -> bool:  # the name older callers use
-    return has_credentials(uri)
-
-
 def without_credentials(uri: str) -> tuple[str, dict[str, str]]:
     """``(uri without userinfo, headers)``: the userinfo, if any, as a basic ``Authorization`` header."""
     parts = urllib.parse.urlsplit(uri)
