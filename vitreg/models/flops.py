@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 
 def count_flops(fn, *args) -> int:
     """FLOPs of one call of ``fn(*args)`` as PyTorch's FlopCounterMode counts them (2 per multiply-add).
@@ -17,35 +19,32 @@ def count_flops(fn, *args) -> int:
     return int(counter.get_total_flops())
 
 
+@contextlib.contextmanager
+def _mode(model, training: bool):
+    """``model`` in train or eval mode for the block, as it was after."""
+    was_training = model.training
+    model.train(training)
+    try:
+        yield
+    finally:
+        model.train(was_training)
+
+
 def forward_flops_per_image(model, img_size: int, device) -> int:
     """Forward FLOPs for one image, counted on the real (uncompiled) model in eval mode."""
     import torch
 
-    was_training = model.training
-    model.eval()
-    try:
-        x = torch.randn(1, 3, img_size, img_size, device=device)
-        with torch.no_grad():
-            return count_flops(model, x)
-    finally:
-        model.train(was_training)
+    with _mode(model, False), torch.no_grad():
+        return count_flops(model, torch.randn(1, 3, img_size, img_size, device=device))
 
 
 def train_flops_per_image(model, img_size: int, device, loss_fn) -> int:
     """Forward + backward FLOPs for one image (about 3x the forward), counted, not assumed."""
     import torch
 
-    was_training = model.training
-    model.train()
-    try:
-        x = torch.randn(1, 3, img_size, img_size, device=device)
-        y = torch.zeros(1, dtype=torch.long, device=device)
-
-        def step():
-            loss_fn(model(x), y).backward()
-
-        flops = count_flops(step)
+    x = torch.randn(1, 3, img_size, img_size, device=device)
+    y = torch.zeros(1, dtype=torch.long, device=device)
+    with _mode(model, True):
+        flops = count_flops(lambda: loss_fn(model(x), y).backward())
         model.zero_grad(set_to_none=True)
         return flops
-    finally:
-        model.train(was_training)
