@@ -90,11 +90,15 @@ def _insist(signum: int):
     os._exit(128 + signum)
 
 
-def _say(line: str) -> None:
-    """One ``error:`` line, written straight to fd 2 (the process ends next, with ``os._exit``)."""
+def _flush() -> None:
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):
             stream.flush()
+
+
+def _say(line: str) -> None:
+    """One ``error:`` line, written straight to fd 2 (the process ends next, with ``os._exit``)."""
+    _flush()
     with contextlib.suppress(Exception):
         os.write(2, f"error: {line}\n".encode())
 
@@ -117,9 +121,7 @@ def _exit_now(signum: int, reason: str) -> None:
             callback(reason)
         except Exception as exc:  # noqa: BLE001 - last words must not keep the process alive
             print(f"[vitreg] while stopping: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
-    for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(Exception):
-            stream.flush()
+    _flush()
     os._exit(128 + signum)
 
 

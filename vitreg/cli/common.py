@@ -206,9 +206,8 @@ def _own_value(command: str, own: dict, name: str):
 
 
 def run_ddp_job(command: str, job, values: dict) -> None:
-    """The body of the DDP job commands (``bench``, ``train``): ``job(options, ...)`` with the spec's
-    fields (forwarded as they are to torchrun's ranks, checked by the spec), the run's experiment and
-    name, the launcher's options, the command line the user typed, and ``offline=`` honoured."""
+    """The body of the DDP job commands (``bench``, ``train``): ``job`` with the spec's fields, the run's experiment
+    and name, the launcher's options and the command line typed."""
     options, own = split_options(command, values)
     with offline_if_asked(command, own):
         job(options, experiment=own["experiment"], run_name=own["run_name"],
@@ -227,8 +226,7 @@ def offline_if_asked(command: str, own: dict):
 
 
 def user_errors(fn):
-    """Turn VitregError into a one-line message and exit 2 (no traceback), everywhere in the CLI;
-    the MLflow run the command was asked to log into (``mlflow run``'s) is marked FAILED."""
+    """A VitregError as one ``error:`` line and exit 2, the run ``mlflow run`` opened marked FAILED."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):

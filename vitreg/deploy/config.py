@@ -48,10 +48,7 @@ _PERMISSIONS = ("READ", "USE", "EDIT", "MANAGE", "NO_PERMISSIONS")
 
 
 class ServerError(VitregError):
-    """The server cannot be configured or started; the one-line message says what to do.
-
-    ``details`` optionally holds more lines (the tail of the server log) for a terminal.
-    """
+    """The server cannot be configured or started; ``details``: more lines for a terminal (the log's tail)."""
 
     def __init__(self, message: str, details: str | None = None):
         super().__init__(message)
@@ -63,11 +60,8 @@ def uri_scheme(uri: str) -> str:
 
 
 def _check_backend_uri(uri: str, name: str = "VITREG_BACKEND_URI") -> str:
-    """Validate a database URI (``name`` is the variable it came from).
-
-    Makes a relative SQLite path absolute (the server runs in the data folder) and spells out
-    the installed driver when the URI names none (``postgresql://`` -> ``postgresql+psycopg://``).
-    """
+    """Validate a database URI (from variable ``name``): a relative SQLite path made absolute (the server runs in
+    the data folder), the installed driver spelt out where the URI names none (``postgresql+psycopg://``)."""
     scheme = uri_scheme(uri)
     dialect, _, driver = scheme.partition("+")
     if dialect == "postgres":
@@ -132,11 +126,8 @@ _SECRETS = {"admin_password": "VITREG_ADMIN_PASSWORD", "secret_key": "MLFLOW_FLA
 
 @dataclass(frozen=True)
 class ServerConfig:
-    """Everything needed to run one tracking server. Build it with :meth:`from_env`.
-
-    ``backend_store_uri`` and ``artifacts_destination`` default to a SQLite file and a folder
-    inside ``data_dir``. Secrets (``admin_password``, ``secret_key``) stay out of ``repr``.
-    """
+    """Everything needed to run one tracking server (:meth:`from_env`); the store and artifacts default to a SQLite
+    file and a folder in ``data_dir``, and the secrets stay out of ``repr``."""
 
     host: str = "127.0.0.1"
     port: int = 5000

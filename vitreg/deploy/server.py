@@ -32,11 +32,8 @@ _LOG_TAIL_LINES = 15  # server log lines shown when start-up fails
 
 
 def build_command(cfg: ServerConfig) -> list[str]:
-    """The ``mlflow server`` command line for ``cfg``, run with this interpreter.
-
-    A backend URI that carries a password travels in the child's environment
-    (``MLFLOW_BACKEND_STORE_URI``, see :func:`child_env`) instead, so it never shows in ``ps``.
-    """
+    """The ``mlflow server`` command line for ``cfg``; a backend URI with a password travels in the child's
+    environment instead (:func:`child_env`), so it never shows in ``ps``."""
     cmd = [sys.executable, "-m", "mlflow", "server", "--host", cfg.host, "--port", str(cfg.port),
            "--workers", str(cfg.workers)]
     if not has_password(cfg.backend_store_uri):
@@ -164,11 +161,8 @@ def _last_error(lines: list[str]) -> str:
 
 def wait_healthy(url: str, timeout: float = 60.0, proc: subprocess.Popen | None = None,
                  interval: float = 0.25) -> None:
-    """Poll ``GET url`` (a ``/health`` URL) until it answers 200 ``OK``.
-
-    Raises :class:`ServerError` after ``timeout`` seconds, or as soon as ``proc`` (the server
-    process, when given) has exited.
-    """
+    """Poll ``GET url`` until it answers 200 ``OK``; :class:`ServerError` after ``timeout`` seconds, or once
+    ``proc`` (the server, when given) has exited."""
     deadline = time.monotonic() + timeout
     last = "no answer"
     while True:
@@ -193,12 +187,8 @@ def wait_healthy(url: str, timeout: float = 60.0, proc: subprocess.Popen | None 
 
 def start(cfg: ServerConfig, wait: bool = True, timeout: float = 60.0,
           quiet: bool = False) -> subprocess.Popen:
-    """Start ``mlflow server`` for ``cfg`` and (with ``wait``) return once it is healthy.
-
-    The server runs in its own process group (so :func:`stop` also ends its uvicorn workers),
-    with ``cfg.data_dir`` as working directory and its output appended to ``cfg.log_path``.
-    Prints ``export MLFLOW_TRACKING_URI=...`` once healthy unless ``quiet``.
-    """
+    """Start ``mlflow server`` for ``cfg`` in its own process group (:func:`stop` ends its workers too), its output
+    appended to ``cfg.log_path``; with ``wait``, return once it is healthy (printing the URI unless ``quiet``)."""
     _check_requirements(cfg)
     _check_port_free(cfg)
     _prepare(cfg)

@@ -3,17 +3,10 @@
 :func:`resolve_precision` turns the ``amp`` option into a :class:`Precision` (refusing what the hardware or
 the task cannot do); the runner applies it with :func:`prepare_model` (weights cast or quantized, once, after
 the FLOPs are counted), :func:`math_mode` (TF32 switches) and :func:`autocast` (each step). Modes
-(``amp=`` -> the ``precision`` tag):
-
-- ``off`` -> ``fp32``: matmuls in strict fp32; ``tf32`` -> ``tf32``: fp32 tensors on the TF32 tensor cores
-  (Ampere or later; MFU against the TF32 peak).
-- ``bf16`` / ``fp16`` -> ``autocast-bf16`` / ``autocast-fp16``: fp32 master weights under autocast.
-- ``bf16-weights`` / ``fp16-weights``: the weights and the batch cast, no autocast (timm ``benchmark.py
-  --precision bf16``). Inference only: without an fp32 master copy an optimizer step rounds updates away.
-- ``fp8`` -> ``fp8-torchao-tensorwise``: torchao float8 dynamic quantization of the Linear layers, the rest
-  in bf16 weights; inference only, compute capability >= 8.9. ``fp8`` is the recipe measured fastest (one
-  scale per tensor: 12,160 img/s against 11,641 per row, ViT-B/16 on an H200, issue 23); ``fp8-rowwise`` by
-  name. The run logs how far its logits are from bf16's (:func:`fp8_agreement`).
+(the modes: the ``amp`` option's entry in the option table; :func:`precision_of` names each one's label).
+The weight modes and fp8 are inference only: without an fp32 master copy an optimizer step rounds updates
+away. ``fp8`` is the recipe measured fastest (one scale per tensor: 12,160 img/s against 11,641 per row,
+ViT-B/16 on an H200, issue 23).
 """
 
 from __future__ import annotations

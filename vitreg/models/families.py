@@ -265,7 +265,7 @@ class TorchvisionFamily(Family):
     PATCH_SIZES = {"vit_b_16": 16, "vit_b_32": 32, "vit_l_16": 16, "vit_l_32": 32, "vit_h_14": 14}
 
     def names(self, listed_before_ok: bool = False, fresh: bool = False) -> frozenset[str]:
-        return frozenset(self.prefixes[0] + arch for arch in self.PATCH_SIZES)
+        return frozenset(self.shown_names())
 
     def shown_names(self) -> tuple[str, ...]:
         return tuple(self.prefixes[0] + arch for arch in self.PATCH_SIZES)
