@@ -263,18 +263,13 @@ def stopped(exc: KeyboardInterrupt) -> None:
 
     signum = exc.signum if isinstance(exc, Terminated) else signal.SIGINT
     where = f"; {signals.run_ends[-1]}" if signals.run_ends else ""
-    if where and _under_mlflow_run():
+    ctx = click.get_current_context(silent=True)
+    if where and ctx is not None and _entry_point(ctx):  # an MLproject entry point: `mlflow run`'s child
         # MLflow 3's `mlflow run` then sets FAILED on every run whose command did not exit 0, whatever the
         # run's status (its _maybe_set_run_terminated compares the status string with RunStatus' integers)
         where += ", then `mlflow run` marks it FAILED (as it does every run whose command did not exit 0)"
     click.echo(f"error: {signals.interrupted_reason(exc)}{where}", err=True)
     sys.exit(128 + signum)
-
-
-def _under_mlflow_run() -> bool:
-    """True in an MLproject entry point (``mlflow run``'s child), which ``prog_name`` says."""
-    ctx = click.get_current_context(silent=True)
-    return ctx is not None and _entry_point(ctx) is not None
 
 
 def _entry_point(ctx: click.Context) -> str | None:
