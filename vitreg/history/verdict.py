@@ -117,15 +117,12 @@ def needs(verdict: Verdict) -> str:
     if verdict.verdict != TOO_NOISY:
         return ""
     quiet = verdict.noise * CATCH / verdict.threshold  # the noise at which this history would see CATCH
-    longer = _history_for(verdict.noise, verdict.n_candidate, verdict.n_history)
+    # the fewest history runs at this noise whose threshold is within CATCH (none up to 100: say nothing)
+    longer = next((n for n in range(verdict.n_history + 1, 101)
+                   if threshold_of(verdict.noise, n, verdict.n_candidate) <= CATCH), None)
     more = f", or {longer} runs of history at this noise" if longer else ""
     return (f"sees only changes over {verdict.threshold:.1%}, not {CATCH:.0%}: needs runs with under {quiet:.1%} "
             f"spread (now {verdict.noise:.1%}: a quiet host, longer windows){more}")
-
-
-def _history_for(noise: float, n_candidate: int, n_history: int, most: int = 100) -> int | None:
-    """The fewest history runs at ``noise`` whose threshold is within CATCH (None: more than ``most``)."""
-    return next((n for n in range(n_history + 1, most + 1) if threshold_of(noise, n, n_candidate) <= CATCH), None)
 
 
 # ---------------------------------------------------------------- change points
