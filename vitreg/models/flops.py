@@ -6,11 +6,8 @@ import contextlib
 
 
 def count_flops(fn, *args) -> int:
-    """FLOPs of one call of ``fn(*args)`` as PyTorch's FlopCounterMode counts them (2 per multiply-add).
-
-    It counts the matrix products and attention that dominate a ViT; element-wise work (GELU,
-    LayerNorm, softmax) is not counted, which is the usual convention for MFU.
-    """
+    """FLOPs of one call of ``fn(*args)`` as PyTorch's FlopCounterMode counts them (2 per multiply-add): matrix
+    products and attention, not element-wise work (the usual convention for MFU)."""
     from torch.utils.flop_counter import FlopCounterMode
 
     counter = FlopCounterMode(display=False)
