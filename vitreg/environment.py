@@ -48,20 +48,33 @@ def git_sha(path: Path = PROJECT_ROOT) -> str:
         return "unknown"
 
 
-def _nvml_driver() -> str | None:
+def nvml_ask(question, no_driver=None):
+    """``question(pynvml)`` between NVML's init and shutdown; ``no_driver`` without an NVIDIA driver, None where
+    nvidia-ml-py is not installed or NVML cannot say (not our error to raise)."""
     try:
         import pynvml  # from nvidia-ml-py
     except ImportError:
         return None
     try:
         pynvml.nvmlInit()
-        try:
-            version = pynvml.nvmlSystemGetDriverVersion()
-            return version.decode() if isinstance(version, bytes) else version
-        finally:
-            pynvml.nvmlShutdown()
-    except Exception:  # no driver, no GPU, or NVML refuses: not our error to raise
+    except (pynvml.NVMLError_LibraryNotFound, pynvml.NVMLError_DriverNotLoaded):
+        return no_driver
+    except pynvml.NVMLError:
         return None
+    try:
+        return question(pynvml)
+    except pynvml.NVMLError:
+        return None
+    finally:
+        pynvml.nvmlShutdown()
+
+
+def nvml_text(value) -> str:
+    return value.decode() if isinstance(value, bytes) else value  # older nvidia-ml-py answers bytes
+
+
+def _nvml_driver() -> str | None:
+    return nvml_ask(lambda nvml: nvml_text(nvml.nvmlSystemGetDriverVersion()))
 
 
 @dataclass(frozen=True)

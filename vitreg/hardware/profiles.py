@@ -158,24 +158,10 @@ def check_label_here(requested: str, device: str, allow_mismatch: bool) -> None:
 def _host_gpu_names() -> tuple[str, ...] | None:
     """This host's NVIDIA GPUs as the driver names them (every one, whatever CUDA_VISIBLE_DEVICES hides);
     () without a driver (then torch sees no GPU either); None where NVML cannot say."""
-    try:
-        import pynvml  # from nvidia-ml-py
-    except ImportError:
-        return None
-    try:
-        pynvml.nvmlInit()
-    except (pynvml.NVMLError_LibraryNotFound, pynvml.NVMLError_DriverNotLoaded):
-        return ()
-    except pynvml.NVMLError:
-        return None
-    try:
-        names = [pynvml.nvmlDeviceGetName(pynvml.nvmlDeviceGetHandleByIndex(i))
-                 for i in range(pynvml.nvmlDeviceGetCount())]
-        return tuple(n.decode() if isinstance(n, bytes) else n for n in names)
-    except pynvml.NVMLError:
-        return None
-    finally:
-        pynvml.nvmlShutdown()
+    from vitreg.environment import nvml_ask, nvml_text
+
+    return nvml_ask(lambda nvml: tuple(nvml_text(nvml.nvmlDeviceGetName(nvml.nvmlDeviceGetHandleByIndex(i)))
+                                       for i in range(nvml.nvmlDeviceGetCount())), no_driver=())
 
 
 @dataclass(frozen=True)
