@@ -1,13 +1,10 @@
-"""vitreg from Python: :func:`bench`, :func:`compare`, :func:`check` and :func:`runs`, as ``vitreg.api.bench(...)``
-after ``import vitreg`` (the package root imports this module), or ``from vitreg.api import bench``.
+"""vitreg from Python: :func:`bench`, :func:`compare`, :func:`check` and :func:`runs` (``vitreg.api.bench(...)``).
 
-Each takes the options of the command of the same name (the option table's names, typed values or
-strings) and returns what the command computed: a :class:`~vitreg.bench.results.BenchResult`, a
-:class:`~vitreg.analysis.comparison.Comparison`, the tidy runs frame. Bad input raises
-:class:`~vitreg.errors.VitregError` with the same one-line message the CLI prints. The heavy imports
-(torch, mlflow, pandas) happen inside the calls, so ``import vitreg`` stays cheap.
+Each takes the options of the command of the same name (typed values or strings) and returns what the command
+computed; bad input raises :class:`~vitreg.errors.VitregError` with the CLI's one-line message. The heavy
+imports happen inside the calls, so ``import vitreg`` stays cheap.
 
-Kept apart: a boundary, the names and signatures users' code calls; only the package root imports it.
+Kept apart: a boundary, the names and signatures users' code calls.
 """
 
 from __future__ import annotations
@@ -34,13 +31,9 @@ def bench(*, experiment: str | None = None, run_name: str | None = None, **optio
 
 def compare(experiment: str, baseline: str | None = None, metric: str = "throughput_img_per_s", by: str = "gpu",
             include_mismatch: bool = False, prices: str = "", **analysis):
-    """The comparison ``vitreg compare`` prints, computed from the experiment's runs without logging a
-    compare run: along ``by`` (``gpu``, or a tag/param such as ``torch_version``, ``compile``), runs
-    whose hardware is not their GPU label left out of speedups unless ``include_mismatch``.
-    ``analysis`` goes to :func:`vitreg.analysis.comparison.compare_runs` (``n_boot``, ``seed``,
-    ``confidence``). Its ``table`` is a DataFrame, one row per (configuration, ``by`` value). ``prices``
-    ("h200=3.50,l4=0.80" or a price file) gives every run its ``usd_per_1m_img`` (compare on it with
-    ``metric="usd_per_1m_img"``)."""
+    """The comparison ``vitreg compare`` prints, without logging a compare run; ``analysis`` goes to
+    :func:`vitreg.analysis.comparison.compare_runs` (``n_boot``, ``seed``, ``confidence``), ``prices``
+    ("h200=3.50,l4=0.80" or a price file) gives every run its ``usd_per_1m_img``."""
     from vitreg.analysis.comparison import compare_runs
     from vitreg.analysis.cost import parse_prices, with_costs
     from vitreg.tracking.search import benchmark_runs, tidy
@@ -52,19 +45,16 @@ def compare(experiment: str, baseline: str | None = None, metric: str = "through
 
 def check(experiment: str, metric: str = "throughput_img_per_s", window: int = 10, candidate: str | None = None,
           candidate_tag: str | None = None, baseline_tag: str | None = None, seed: int = 0):
-    """What ``vitreg check`` finds, without logging a check run: each configuration x GPU of the experiment,
-    its candidate (``candidate`` run id, the runs tagged ``candidate_tag`` "KEY=VALUE", else the newest run)
-    against its history (the ``window`` runs before it, or those tagged ``baseline_tag``). Returns a
-    :class:`~vitreg.history.check.CheckResult`: ``table`` (one row per series), ``lines()``, ``exit_code``."""
+    """What ``vitreg check`` finds, without logging a check run: a :class:`~vitreg.history.check.CheckResult`
+    (``table``, ``lines()``, ``exit_code``)."""
     from vitreg.compare import check as run, selection_of
 
     return run(experiment, metric, selection_of(window, candidate, candidate_tag, baseline_tag), seed=seed)[0]
 
 
 def runs(experiment: str):
-    """The experiment's finished benchmark runs as one DataFrame, one row per (run, task): its
-    configuration columns, then every metric without its task prefix (``throughput_img_per_s``,
-    ``latency_ms_p50``, ...). The frame ``vitreg runs --experiment NAME --csv`` writes."""
+    """The experiment's finished benchmark runs, one row per (run, task), metrics without their task prefix: the
+    frame ``vitreg runs --experiment NAME --csv`` writes."""
     from vitreg.tracking.search import benchmark_runs, tidy
 
     return tidy(benchmark_runs(experiment))

@@ -1,13 +1,7 @@
-"""The jobs that read an experiment's runs back and log what they found beside them: ``compare``,
-``check``, and ``import-timm`` (which logs timm's published numbers as runs to compare with).
-
-Each reads runs through :mod:`vitreg.tracking.search` (MLflow's frame -> the tidy frame) and writes
-them through :mod:`vitreg.tracking.runs`; the statistics live in :mod:`vitreg.analysis` and
-:mod:`vitreg.history`, and timm's CSV parsing in :mod:`vitreg.analysis.timm_benchmark`, all pure. Every
-input is checked before a run is opened: a bad request leaves no half-written run behind.
-
-The check run holds the summary (markdown, HTML, CSV) and one chart per series as artifacts, the verdicts
-as its note, and tags naming the runs it read.
+"""The jobs that read an experiment's runs back and log what they found beside them: ``compare``, ``check``,
+and ``import-timm`` (timm's published numbers as runs to compare with). Runs are read through
+:mod:`vitreg.tracking.search` and written through :mod:`vitreg.tracking.runs`; the statistics are
+:mod:`vitreg.analysis`'s and :mod:`vitreg.history`'s. Every input is checked before a run is opened.
 """
 
 from __future__ import annotations
@@ -31,16 +25,9 @@ TAG_LIMIT = 5000  # characters of a tag value (MLflow stores up to 8,000); the f
 def run_compare(experiment: str, baseline: str | None = None, metric: str = "throughput_img_per_s",
                 run_name: str | None = None, log_experiment: str | None = None, by: str = "gpu",
                 include_mismatch: bool = False, prices: str = ""):
-    """Compare the experiment's runs along ``by`` (across GPUs by default); log the table and plots as
-    artifacts of a compare run.
-
-    The compare run goes into ``<experiment>/analysis`` (:func:`~vitreg.tracking.naming.analysis_experiment`:
-    the benchmarks' runs list stays the benchmarks), unless ``log_experiment`` names another (under
-    ``mlflow run`` it is the run ``mlflow run`` opened, in the experiment that chose). The comparison is computed (and every input checked) before a run is
-    opened, so a bad request leaves no half-written run behind. ``prices`` (LABEL=USD pairs or a price
-    file, :mod:`vitreg.analysis.cost`) adds the cost per image; given, it is kept in the experiment's
-    ``vitreg_prices`` tag, and left empty, that tag's prices are used.
-    """
+    """Compare the experiment's runs along ``by``; log the table and plots as artifacts of a compare run in
+    ``<experiment>/analysis`` (or ``log_experiment``). ``prices`` (:mod:`vitreg.analysis.cost`) adds the cost
+    per image and is kept in the experiment's ``vitreg_prices`` tag; left empty, that tag's are used."""
     from vitreg.analysis.comparison import compare_runs
     from vitreg.analysis.cost import energy_and_cost, parse_prices, price_text, with_costs
     from vitreg.analysis.render import format_table
@@ -86,8 +73,7 @@ def _energy_and_cost_text(extra) -> list[str]:
 
 
 def _extra_reports(extra, tmp: Path, write_report) -> list[Path]:
-    """The report of each energy or cost comparison (its table, CSV and chart) under energy_and_cost/<metric>/,
-    and energy_and_cost/summary.md with the sentences."""
+    """Each energy or cost comparison's report under energy_and_cost/<metric>/, and the sentences in its summary.md."""
     files = []
     for metric, comparison in extra.comparisons.items():
         files += write_report(comparison, tmp / "energy_and_cost" / metric)
@@ -100,8 +86,7 @@ def _extra_reports(extra, tmp: Path, write_report) -> list[Path]:
 
 
 def logged_into(run, asked: str) -> str:
-    """The experiment the compare run really went to: under ``mlflow run`` the one ``mlflow run`` chose
-    (its --experiment-name, else Default), whatever ``experiment=`` named as the runs to compare."""
+    """The experiment the run really went to (under ``mlflow run``: the one ``mlflow run`` chose)."""
     return getattr(run, "experiment_name", None) or asked
 
 
@@ -146,8 +131,7 @@ def import_timm(path: str, gpu: str | None = None, amp: str | None = None, exper
 # ---------------------------------------------------------------- check
 
 def selection_of(window, candidate, candidate_tag, baseline_tag) -> Selection:
-    """The check's :class:`~vitreg.history.series.Selection` from the command's text values (the CLI's and
-    the Python API's)."""
+    """The check's :class:`~vitreg.history.series.Selection` from the command's text values."""
     from vitreg.history.series import parse_tag
 
     return Selection(window=option("check", "window").parse(window), candidate=(candidate or "").strip() or None,
@@ -171,11 +155,8 @@ def check(experiment: str, metric: str = "throughput_img_per_s", selection: Sele
 
 @contextlib.contextmanager
 def collector_paused():
-    """Python's cyclic garbage collector off for the block, as it was after. MLflow's search builds a few
-    objects per param, tag and metric of every run, and each full collection walks every object of the
-    process (~300,000 after importing mlflow and pandas): with it on, 400 runs took 5.3 s to read, off 1.9 s
-    (benchmarks/check_scale.py's runs, profiled). What the block allocates is freed by reference counting
-    or at the next collection."""
+    """Python's cyclic garbage collector off for the block: each collection walks every object of the process,
+    and MLflow's search makes many (400 runs read in 5.3 s with it on, 1.9 s off: benchmarks/check_scale.py)."""
     was_on = gc.isenabled()
     gc.disable()
     try:
@@ -187,9 +168,8 @@ def collector_paused():
 
 def run_check(experiment: str, metric: str = "throughput_img_per_s", selection: Selection = Selection(),
               log_experiment: str | None = None, run_name: str | None = None, progress=progress):
-    """Check the experiment's runs, print one line per series (regressions first), log the check run;
-    returns the result (its ``exit_code``: 0 nothing regressed, 1 something did, 3 some series could not be
-    judged: too little or too noisy a history, each line saying what it needs)."""
+    """Check the experiment's runs, print one line per series (regressions first), log the check run; returns
+    the result (its ``exit_code``: 0 nothing regressed, 1 something did, 3 some series could not be judged)."""
     from vitreg.history.report import about, write_check
 
     result, raw = check(experiment, metric, selection)

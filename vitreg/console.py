@@ -2,17 +2,11 @@
 results table), a heartbeat while a long call runs, and the libraries' own console lines that a successful
 run does not need, silenced where they come from.
 
-Every line goes through :func:`scrub`: a URI in it is printed with its credentials masked, and the
-tracking URI's own credentials never appear, whoever composed the line. One rule, :func:`redact`, whatever the
-names: the whole userinfo (``http://user:password@host``, a token alone ``http://TOKEN@host`` or
-``http://TOKEN:@host``, ``s3://KEY:SECRET@bucket`` all show ``***@host``), every query value (``?passwd=``,
-``?accessToken=``, a presigned ``X-Amz-Signature=``: a name says nothing reliable about its value) and every
-``name=value`` of the fragment. :func:`scrub` does it for every URI inside a message, and also masks the
-literal values of this process's tracking URI wherever they appear (an MLflow error may quote them out of
-their URI). The CLI routes everything it prints through it (:func:`mask_console`: vitreg's lines, click's,
-a library's logging, warnings, tracebacks); the tracking layer stores tags and params through the same
-functions. The masking lives here, below every layer that prints or stores text. It reads the four variables
-that hold the tracking credentials (:data:`CREDENTIAL_VARIABLES`) only to mask their values.
+Every line goes through :func:`scrub`: each URI in it :func:`redact`-ed (the whole userinfo, every query
+value, every ``name=value`` of the fragment: a name says nothing reliable about its value), and the literal
+credentials of this process's tracking URI masked wherever they appear (an MLflow error may quote them out of
+their URI). :func:`mask_console` routes everything the CLI prints through it; the tracking layer stores tags
+and params through the same functions.
 """
 
 from __future__ import annotations
@@ -35,27 +29,22 @@ _VALUE = re.compile(r"=[^&;#]+")
 
 
 def _mask_query(query: str) -> str:
-    """Every value of a query string masked, whatever its name: a name says nothing reliable about what its
-    value holds (``passwd``, ``accessToken``, ``X-Amz-Signature``, ``sig``...), and a value with no name
-    (``?TOKEN``) is masked whole."""
+    """Every value of a query string masked, whatever its name; a value with no name (``?TOKEN``) whole."""
     return "&".join(_VALUE.sub(f"={MASK}", item) if "=" in item else (MASK if item else item)
                     for item in query.split("&"))
 
 
 def _mask_fragment(fragment: str) -> str:
-    """Every ``name=value`` value of a fragment masked (an OAuth ``#access_token=``), the rest kept. A
-    fragment that starts with ``/`` is a page's route, not data sent by a server: the MLflow UI's links that
-    vitreg prints (``#/experiments/1/runs/abc?workflowType=machine_learning``) stay as they are."""
+    """Every ``name=value`` value of a fragment masked (an OAuth ``#access_token=``); a page's route (``#/...``, the
+    MLflow UI's links) kept."""
     if fragment.startswith("/"):
         return fragment
     return _VALUE.sub(f"={MASK}", fragment)
 
 
 def redact(uri: str) -> str:
-    """A URI as vitreg may print or store it: the whole userinfo masked (``scheme://user:pw@host``,
-    ``http://TOKEN@host`` and ``http://TOKEN:@host`` all show ``***@host``: which part holds the secret
-    depends on the server), every query value masked whatever its name, and every ``name=value`` of the
-    fragment; a URI with none of these unchanged."""
+    """A URI as vitreg may print or store it: the whole userinfo masked (``user:pw@``, ``TOKEN@`` and ``TOKEN:@``
+    all show ``***@``: which part holds the secret depends on the server), the query and fragment values too."""
     try:
         parts = urllib.parse.urlsplit(uri)
     except ValueError:  # an unparseable URI is shown as its scheme only, if it could hold anything
@@ -68,9 +57,8 @@ def redact(uri: str) -> str:
 
 
 def _secrets_of(uri: str) -> set[str]:
-    """The literal credentials a URI carries, raw and percent-decoded, for masking where they appear outside
-    their URI: the password (or the user, when there is no password: a token alone), every query value and
-    every fragment value; at least 4 characters long (shorter ones would mask common words)."""
+    """The literal credentials a URI carries (the password, or a token alone, the query and fragment values), raw
+    and percent-decoded, of 4 characters or more (shorter ones would mask common words)."""
     try:
         parts = urllib.parse.urlsplit(uri)
     except ValueError:
@@ -91,8 +79,7 @@ CREDENTIAL_VARIABLES = (("MLFLOW_TRACKING_URI", "MLFLOW_REGISTRY_URI"), ("MLFLOW
 
 
 def known_secrets() -> set[str]:
-    """The credentials of this process's tracking and registry URIs (from the environment: a rank that never
-    imports mlflow knows them too)."""
+    """The credentials of this process's tracking and registry URIs, from the environment."""
     uris, secrets = CREDENTIAL_VARIABLES
     found = set()
     for name in uris:
@@ -114,10 +101,8 @@ def scrub(text: str) -> str:
 
 
 class MaskedStream:
-    """``sys.stdout`` or ``sys.stderr`` with every write scrubbed (:func:`scrub`): whatever prints through it,
-    vitreg's own lines, click's messages, a library's logging handler or a warning, a traceback, the bytes a
-    launcher forwards through ``.buffer``, shows no credential. A write is scrubbed whole: Python's print,
-    logging, warnings and tracebacks each write a message (and a URI in it) in one call."""
+    """``sys.stdout`` or ``sys.stderr`` with every write scrubbed (its ``.buffer`` too), whoever writes. A write is
+    scrubbed whole: print, logging, warnings and tracebacks each write a message in one call."""
 
     def __init__(self, stream, encoding: str | None = None):
         self.stream = stream
@@ -148,10 +133,8 @@ class MaskedStream:
 
 
 def mask_console() -> None:
-    """Route everything this process prints through :func:`scrub`: ``sys.stdout`` and ``sys.stderr`` each
-    become a :class:`MaskedStream`, and a logging handler made earlier with the bare stream writes to the
-    masked one (MLflow's and Python's last-resort handler look ``sys.stderr`` up at each write). Called first
-    by the CLI; repeated calls change nothing."""
+    """Route everything this process prints through :func:`scrub`: ``sys.stdout`` and ``sys.stderr`` become
+    :class:`MaskedStream`, and logging handlers made earlier with the bare stream write to the masked one."""
     for name in ("stdout", "stderr"):
         bare = getattr(sys, name)
         if bare is None or isinstance(bare, MaskedStream):
@@ -164,11 +147,9 @@ def mask_console() -> None:
                 handler.setStream(masked)
 
 
-#: Kineto (the C++ half of torch.profiler, which vitreg runs to read the SDPA backend that ran and for
-#: ``profile=true``) writes ``USDT: ... profiler_start/stop`` at every profile and, without a GPU,
-#: ``ERROR: ... gpuGetDeviceCount failed with code 35`` (no CUDA driver) straight to fd 2. It reads
-#: KINETO_LOG_LEVEL when the first profile starts (libkineto_init); its levels are VERBOSE=0 ... ERROR=4,
-#: USDT=5, so 6 silences it. A KINETO_LOG_LEVEL the user set is kept (e.g. 0 to debug the profiler).
+#: Kineto (torch.profiler's C++ half) writes ``USDT: ... profiler_start/stop`` at every profile and, without a
+#: GPU, ``ERROR: ... gpuGetDeviceCount failed``, straight to fd 2; its levels end at USDT=5, so 6 silences it.
+#: A KINETO_LOG_LEVEL the user set is kept.
 KINETO_QUIET = "6"
 
 
@@ -183,32 +164,26 @@ class _DropMessage(logging.Filter):
         return not str(record.msg).startswith(self.prefix)
 
 
-#: torch.profiler warns once per process, when a profile prepares its trace a second time (on a GPU, as
-#: the profile starts), that events are cleared at the end of each cycle: vitreg runs each profile for one
-#: cycle and reads it whole, so the warning only interrupts the progress lines.
+#: torch.profiler's warning at a second profile: vitreg runs each profile for one cycle and reads it whole.
 _PROFILER_CYCLE_WARNING = "Warning: Profiler clears events at the end of each cycle"
 
 
 @contextlib.contextmanager
 def quiet_profiler():
-    """Around a torch.profiler profile: kineto's trace markers and driver probe off (:data:`KINETO_QUIET`, set
-    before the first profile starts kineto), and torch's cycle warning off; the profile itself unchanged."""
+    """Around a torch.profiler profile: kineto's lines (:data:`KINETO_QUIET`) and torch's cycle warning off."""
     os.environ.setdefault("KINETO_LOG_LEVEL", KINETO_QUIET)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=re.escape(_PROFILER_CYCLE_WARNING), category=UserWarning)
         yield
 
 
-#: timm's CosineLRScheduler warns when its cosine has one step (``t_initial == 1``), which vitreg's
-#: schedule makes on purpose for runs with at most one update after the warm-up (tests, smoke runs).
+#: timm's CosineLRScheduler warns of a one-step cosine, which vitreg makes on purpose for the shortest runs.
 _SHORT_COSINE = _DropMessage("Cosine annealing scheduler will have no effect")
 
 
 def quiet_libraries() -> None:
-    """A successful run's console holds vitreg's lines only: silence kineto's trace markers and driver
-    probe, and timm's short-cosine warning; the libraries' other warnings go to the run's log (``-v``: also
-    to the console). Their real failures still reach vitreg, which checks what it
-    reads (an empty profile, a failed schedule) and says so in its own ``error:`` line."""
+    """A successful run's console holds vitreg's lines only: kineto's and timm's short-cosine lines silenced, the
+    libraries' other warnings sent to the run's log (``-v``: also to the console)."""
     os.environ.setdefault("KINETO_LOG_LEVEL", KINETO_QUIET)  # inherited by the torchrun ranks
     warnings.showwarning = _warning_to_log
     cosine = logging.getLogger("timm.scheduler.cosine_lr")
@@ -217,8 +192,7 @@ def quiet_libraries() -> None:
 
 
 def plural(n: int, word: str) -> str:
-    """``1 run``, ``2 runs``, ``0 runs``: a count as a line says it (a plain ``s``; every word vitreg counts
-    takes one)."""
+    """``1 run``, ``2 runs``, ``0 runs``."""
     return f"{n} {word}" + ("" if n == 1 else "s")
 
 
@@ -246,9 +220,8 @@ def quiet(message: str) -> None:
 
 
 def detail(message: str, say=progress) -> None:
-    """A line a reader of the run's log may want but the console does not need (the overhead by phase, the
-    energy source, a spread already in the run's warning): printed through ``say`` with ``-v`` only, kept in
-    the run's log (:func:`take_console`) either way. A rank that says nothing (:func:`quiet`) keeps nothing."""
+    """A line for the run's log (:func:`take_console`), printed through ``say`` with ``-v`` only; a rank that says
+    nothing (:func:`quiet`) keeps nothing."""
     if say is quiet:
         return
     if verbose():
@@ -258,17 +231,15 @@ def detail(message: str, say=progress) -> None:
 
 
 def take_console() -> str:
-    """This process's progress and detail lines since the last call, as the run's :data:`CONSOLE_LOG` artifact
-    holds them: taken, so a second run in the same process (CliRunner, the Python API) logs its own lines,
-    and the first one also what was said before it started (an import's warning)."""
+    """This process's progress and detail lines since the last call (the run's :data:`CONSOLE_LOG`): taken, so a
+    second run in the same process logs its own."""
     text = "\n".join(_LOG) + "\n"
     _LOG.clear()
     return text
 
 
 def _warning_to_log(message, category, filename, lineno, file=None, line=None) -> None:
-    """A library's warning (a deprecation, torchao's SyntaxWarning in a sweep child) as a detail line: the
-    run's log keeps it, ``-v`` prints it; vitreg's own warnings are its ``warning:`` lines, not these."""
+    """A library's warning as a :func:`detail` line."""
     detail(f"{category.__name__}: {message} ({filename}:{lineno})")
 
 

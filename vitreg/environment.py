@@ -1,10 +1,6 @@
-"""The environment a number was measured in: GPU, driver, CUDA stack, library versions, host; and the
-user's cache folder (:func:`user_cache_dir`) where models/, measure/ and hardware/ keep what a later process
-may reuse. It imports no other vitreg module, so every layer may read it.
-
-Nothing here runs at import time; :func:`capture_environment` reads it when asked. Versions of
-packages are read from their installed metadata (no imports of mlflow here: only the tracking
-layer talks to MLflow).
+"""The environment a number was measured in: GPU, driver, CUDA stack, library versions, host
+(:func:`capture_environment`, when asked); and the user's cache folder (:func:`user_cache_dir`). It imports no
+other vitreg module, so every layer may read it; package versions come from their installed metadata.
 """
 
 from __future__ import annotations
@@ -52,20 +48,33 @@ def git_sha(path: Path = PROJECT_ROOT) -> str:
         return "unknown"
 
 
-def _nvml_driver() -> str | None:
+def nvml_ask(question, no_driver=None):
+    """``question(pynvml)`` between NVML's init and shutdown; ``no_driver`` without an NVIDIA driver, None where
+    nvidia-ml-py is not installed or NVML cannot say (not our error to raise)."""
     try:
         import pynvml  # from nvidia-ml-py
     except ImportError:
         return None
     try:
         pynvml.nvmlInit()
-        try:
-            version = pynvml.nvmlSystemGetDriverVersion()
-            return version.decode() if isinstance(version, bytes) else version
-        finally:
-            pynvml.nvmlShutdown()
-    except Exception:  # no driver, no GPU, or NVML refuses: not our error to raise
+    except (pynvml.NVMLError_LibraryNotFound, pynvml.NVMLError_DriverNotLoaded):
+        return no_driver
+    except pynvml.NVMLError:
         return None
+    try:
+        return question(pynvml)
+    except pynvml.NVMLError:
+        return None
+    finally:
+        pynvml.nvmlShutdown()
+
+
+def nvml_text(value) -> str:
+    return value.decode() if isinstance(value, bytes) else value  # older nvidia-ml-py answers bytes
+
+
+def _nvml_driver() -> str | None:
+    return nvml_ask(lambda nvml: nvml_text(nvml.nvmlSystemGetDriverVersion()))
 
 
 @dataclass(frozen=True)
@@ -105,42 +114,19 @@ class EnvInfo:
 def capture_environment() -> EnvInfo:
     import torch
 
-    gpu_name, gpu_count, mem_gb, cc = "none", 0, None, None
+    gpu = ("none", 0, None, None)  # name, count, memory in GB, compute capability
     nccl = None
     if torch.cuda.is_available():
         props = torch.cuda.get_device_properties(0)
-        gpu_name, gpu_count = props.name, torch.cuda.device_count()
-        mem_gb = round(props.total_memory / 1024**3, 1)
-        cc = f"{props.major}.{props.minor}"
-    try:
-        if torch.distributed.is_available() and torch.cuda.is_available():
-            nccl = ".".join(str(v) for v in torch.cuda.nccl.version())
-    except Exception:  # NCCL missing from this build
-        nccl = None
+        gpu = (props.name, torch.cuda.device_count(), round(props.total_memory / 1024**3, 1),
+               f"{props.major}.{props.minor}")
+        with contextlib.suppress(Exception):  # NCCL missing from this build
+            nccl = ".".join(str(v) for v in torch.cuda.nccl.version()) if torch.distributed.is_available() else None
     cudnn = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
-    return EnvInfo(
-        gpu_name=gpu_name,
-        gpu_count=gpu_count,
-        gpu_memory_gb=mem_gb,
-        compute_capability=cc,
-        driver_version=_nvml_driver(),
-        cuda_version=torch.version.cuda,
-        cudnn_version=str(cudnn) if cudnn else None,
-        nccl_version=nccl,
-        torch_version=torch.__version__,
-        torchvision_version=_version("torchvision"),
-        timm_version=_version("timm"),
-        mlflow_version=_version("mlflow"),
-        python_version=platform.python_version(),
-        os=platform.platform(),
-        cpu_model=cpu_model(),
-        cpu_count=os.cpu_count() or 0,
-        cpus_granted=len(os.sched_getaffinity(0)),
-        torch_threads=torch.get_num_threads(),
-        hostname=socket.gethostname(),
-        vitreg_git_sha=git_sha(),
-        nccl_env=nccl_env(),
-    )
+    return EnvInfo(*gpu, _nvml_driver(), torch.version.cuda, str(cudnn) if cudnn else None, nccl, torch.__version__,
+                   *(_version(dist) for dist in ("torchvision", "timm", "mlflow")), platform.python_version(),
+                   platform.platform(), cpu_model(), os.cpu_count() or 0, socket.gethostname(), git_sha(), nccl_env(),
+                   len(os.sched_getaffinity(0)), torch.get_num_threads())
 
 
 def user_cache_dir() -> Path:
@@ -152,9 +138,8 @@ def user_cache_dir() -> Path:
 
 @contextlib.contextmanager
 def environ_restored(*names: str):
-    """The variables ``names`` put back as they were (their value, or no variable) when the block ends:
-    a command run in-process (CliRunner, the Python API, a notebook) may set them for the processes it
-    starts and still leave its caller's environment as it found it."""
+    """The variables ``names`` put back as they were (their value, or no variable) when the block ends, so an
+    in-process command (CliRunner, the Python API) leaves its caller's environment as it found it."""
     saved = {name: os.environ.get(name) for name in names}
     try:
         yield
@@ -167,18 +152,14 @@ def environ_restored(*names: str):
 
 
 def nccl_env(environ=None) -> str:
-    """The NCCL settings of this process as ``"K=V;K=V"``, sorted: NCCL_* and TORCH_NCCL_* variables
-    (channel counts, NVLS, async error handling...), which move DDP throughput without any code change."""
+    """The NCCL_* and TORCH_NCCL_* variables as ``"K=V;K=V"``, sorted: they move DDP throughput without a code change."""
     environ = os.environ if environ is None else environ
     return ";".join(f"{k}={environ[k]}" for k in sorted(environ) if k.startswith(("NCCL_", "TORCH_NCCL_")))
 
 
 def _name_and_version(dist) -> tuple[str, str]:
-    """A distribution's Name and Version from the header block of its METADATA (PKG-INFO for an egg).
-
-    ``dist.metadata`` parses the whole file as an e-mail message, long description included: for the
-    ~170 distributions of this project's environment that cost 0.5 s per pip_freeze, on every run.
-    """
+    """A distribution's Name and Version from the header block of its METADATA (PKG-INFO for an egg):
+    ``dist.metadata`` parses the long description too, 0.5 s per pip_freeze for this environment."""
     text = dist.read_text("METADATA") or dist.read_text("PKG-INFO") or ""
     fields = {}
     for line in text.split("\n\n", 1)[0].splitlines():  # the headers end at the first blank line
@@ -190,9 +171,7 @@ def _name_and_version(dist) -> tuple[str, str]:
 
 @functools.lru_cache(maxsize=1)
 def pip_freeze() -> str:
-    """``name==version`` of every installed distribution, sorted (what ``pip freeze`` shows, without pip).
-
-    Read once per process: what is installed does not change under a running job."""
+    """``name==version`` of every installed distribution, sorted, as ``pip freeze`` shows; once per process."""
     seen = {}
     for dist in metadata.distributions():
         name, version = _name_and_version(dist)

@@ -1,10 +1,7 @@
-"""The exception types that mean "the user asked for something we cannot do".
-
-Every check on user input raises :class:`VitregError` with a one-line message that names the fix.
-The CLI turns it into ``error: <message>`` on stderr and exit status 2; the tracking layer marks the
-MLflow run FAILED, stores the message in the ``vitreg_error`` tag and the class name in
-``vitreg_error_kind`` (so a parent process, e.g. ``sweep``, branches on the kind, not on the text).
-Anything else is a bug and keeps its traceback.
+"""The exception types that mean "the user asked for something we cannot do": a one-line message that names
+the fix; the CLI prints ``error: <message>`` and exits 2, the tracking layer marks the run FAILED with it
+(``vitreg_error``, and the class name in ``vitreg_error_kind`` for a parent to branch on). Anything else is a
+bug and keeps its traceback.
 """
 
 from __future__ import annotations
@@ -40,13 +37,8 @@ class OutOfMemory(VitregError):
 
 @contextlib.contextmanager
 def out_of_memory_as_error(what: str, batch_size: int):
-    """Turn torch's out-of-memory error inside the block into :class:`OutOfMemory` naming a smaller batch.
-
-    The cached blocks are released first, so whatever runs after the error (the run's tracking, a
-    retry in the same process) has the memory back. The failed step's locals (its batch, activations,
-    gradients) live on in torch's error's traceback, which the OutOfMemory raised here keeps as its
-    ``__context__`` for as long as the caller holds it: those frames are cleared, so the tensors go at once.
-    """
+    """Turn torch's out-of-memory error inside the block into :class:`OutOfMemory` naming a smaller batch, the
+    memory given back first: the failed step's frames (its tensors) cleared, the cached blocks released."""
     import torch
 
     try:
@@ -56,9 +48,7 @@ def out_of_memory_as_error(what: str, batch_size: int):
         import traceback
 
         traceback.clear_frames(exc.__traceback__)  # frames still running (the caller's) are left as they are
-        # What is left is what the raise itself made (its frames, traceback, the cycles between them): young
-        # objects. A full collection walks every object of the process: 0.3 s after torch and timm are
-        # imported, seconds in a process that has run for a while (10 s in a test worker).
+        # what is left are young objects of the raise; a full collection walks every object (seconds)
         gc.collect(1)
         torch.cuda.empty_cache()
         raise OutOfMemory(f"{what} with batch_size={batch_size} ran out of GPU memory: use a smaller batch_size "
@@ -66,8 +56,7 @@ def out_of_memory_as_error(what: str, batch_size: int):
 
 
 def first_line(exc: BaseException, limit: int = 200) -> str:
-    """An exception's first line, cut to ``limit`` characters, for a one-line error (its class name
-    when it has no text). Library errors often run to a paragraph or a traceback-like dump."""
+    """An exception's first line, cut to ``limit`` characters (its class name when it has no text)."""
     text = str(exc).strip()
     if not text:
         return type(exc).__name__
@@ -76,11 +65,8 @@ def first_line(exc: BaseException, limit: int = 200) -> str:
 
 
 def path_kind(path, what: str, fix: str) -> str:
-    """``"dir"``, ``"file"`` or ``"missing"`` for a path the user typed as option ``what``.
-
-    ``Path.exists()`` swallows only "no such file"; a name too long for the file system, a symlink
-    loop or a folder without permission raise OSError, which becomes one line naming the option.
-    """
+    """``"dir"``, ``"file"`` or ``"missing"`` for a path the user typed as option ``what``; an OSError (a name too
+    long, a link loop, no permission) as one line naming the option."""
     try:
         if path.is_dir():
             return "dir"
@@ -90,8 +76,7 @@ def path_kind(path, what: str, fix: str) -> str:
 
 
 def unreadable(path, exc: OSError) -> str:
-    """``path`` cannot be read, why, and the fix: this process's user needs read permission (and, for a
-    folder, permission to enter it and everything inside)."""
+    """``path`` cannot be read, why, and the chmod that fixes it."""
     mode = "-R a+rX" if os.path.isdir(path) else "a+r"
     return (f"{path} cannot be read ({exc.strerror or first_line(exc)}): make it readable by this user "
             f"(chmod {mode} {shlex.quote(str(path))})")

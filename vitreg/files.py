@@ -1,13 +1,8 @@
-"""The one reader of every small file vitreg parses: a checkpoint's ``last`` pointer, ``spec.json`` and
-``manifest.json``, a registered version's ``shared_weights.json``, a spool journal's lines, a ``--prices``
-TOML or CSV table.
-
-These files come from outside (a download, a shared folder, the user), so each is read as hostile: at most
-:data:`MAX_BYTES` (a fifo or a device is not read at all: it could block or never end), strict UTF-8 with
-no NUL (nor a JSON string holding one as ``\\u0000``), and JSON or TOML nested at most :data:`MAX_DEPTH`
-deep (the parsers recurse per level: a 200,000-deep file would end in RecursionError). A fault is
-:class:`FileFault` (a ValueError, so a caller that refuses malformed JSON refuses these too);
-:func:`read_json`, :func:`read_toml` and :func:`read_text` turn it into one line naming the file and the fix.
+"""The one reader of every small file vitreg parses (a checkpoint's pointer, spec.json and manifest.json, a
+spool journal's lines, a ``--prices`` table). They come from outside, so each is read as hostile: at most
+:data:`MAX_BYTES` of a regular file (a fifo could block), strict UTF-8 without NUL (nor ``\\u0000`` in JSON),
+nested at most :data:`MAX_DEPTH` deep (the parsers recurse per level). A fault is :class:`FileFault` (a
+ValueError); :func:`read_json`, :func:`read_toml` and :func:`read_text` make it one line naming the file and the fix.
 """
 
 from __future__ import annotations
@@ -84,8 +79,8 @@ def _holds_nul(value) -> bool:
 
 
 def read_bytes(path, limit: int = MAX_BYTES) -> bytes:
-    """At most ``limit`` bytes of the regular file ``path`` (links followed); FileFault for a larger file or
-    anything that is not a regular file. Opened without blocking, so a fifo is refused, not waited on."""
+    """At most ``limit`` bytes of the regular file ``path`` (links followed; opened without blocking, so a fifo is
+    refused, not waited on); FileFault for a larger file or anything else."""
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
     with os.fdopen(fd, "rb") as fh:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
@@ -137,11 +132,7 @@ def faults_as(error: type[VitregError], where: str, fix: str):
 
 
 def inside(root, path, within: str = "") -> Path | None:
-    """``path`` with every link followed, if that lies inside ``root / within`` (``root``'s own links followed,
-    none below it), else None.
-
-    The one rule for a path vitreg reads or delivers from a folder it was given (a spool and its
-    ``artifacts/``, a run's ``checkpoints/``): checking a name's text, or resolving a folder on the way and
-    then comparing with it, lets a linked folder lead anywhere on the machine."""
+    """``path`` with every link followed, if that lies inside ``root / within``, else None: the one rule for a path
+    read from a folder vitreg was given (checking the name's text lets a linked folder lead anywhere)."""
     resolved, home = Path(path).resolve(), Path(root).resolve() / within
     return resolved if resolved.is_relative_to(home) else None

@@ -1,27 +1,16 @@
 """SIGTERM, SIGHUP and SIGQUIT end a vitreg process the way Ctrl-C does: with a true status and clean-up.
 
-The signals that stop a run cleanly are :data:`STOP_SIGNALS` plus SIGINT (Ctrl-C, Python's own
-``KeyboardInterrupt``). Schedulers (Slurm, Kubernetes, ``timeout``) stop jobs with SIGTERM; a closed
-terminal sends SIGHUP; Ctrl-\\ sends SIGQUIT. Python's default for these is to die on the spot (SIGQUIT
-with a core dump), leaving the MLflow run RUNNING and temporary folders behind. :func:`install` turns the
-first one into :class:`Terminated`, raised in the main thread; it is a ``KeyboardInterrupt``, so every
-clean-up path written for Ctrl-C (the tracked run ending KILLED, the launcher stopping torchrun, ``finally``
-blocks removing temp folders) runs for it too. SIGKILL cannot be caught: a run killed so is found by its
-heartbeat (``vitreg runs --stale``).
+Python's default for these is to die on the spot, leaving the MLflow run RUNNING and temporary folders
+behind. :func:`install` turns the first one into :class:`Terminated`, a ``KeyboardInterrupt``, so every
+clean-up path written for Ctrl-C (the run ending KILLED, torchrun stopped, ``finally`` blocks) runs for it
+too. SIGKILL cannot be caught: such a run is found by its heartbeat (``vitreg runs --stale``).
 
-A second signal means the user insists, and still leaves the run a terminal status: it cuts the clean-up
-short with a new :class:`Terminated` (the run then ends KILLED), or, inside a block that must not be cut
-(:func:`update_is_atomic`), ends the run KILLED and exits at once; while a run's end is written
-(:func:`run_ending`) it exits as soon as the end is in the spool. A SIGTERM after a Ctrl-C is not a second
-signal but the same stop relayed (:func:`_take`).
-
-A bound on the wait: Python runs a handler only between bytecodes of the main thread, so a main thread
-inside one long C call (a collective whose peer died, a step at 16000 px) would never see the signal,
-and a signal held for one optimizer update (:func:`update_is_atomic`) waits for that update. The C
-level handler also writes the signal to a wake-up pipe; a watchdog thread reads it and, if the main thread
-has not acted on it within :func:`stop_grace_s` (``VITREG_STOP_GRACE_S``, default 60 s), runs the
-registered last words (:func:`on_forced_exit`: the tracked run ends KILLED with the reason) and exits
-with 128 + N.
+A second signal means the user insists: it cuts the clean-up short (the run still ends KILLED), or, inside
+a block that must not be cut (:func:`update_is_atomic`, :func:`run_ending`), exits as soon as the run's end
+is kept. A SIGTERM after a Ctrl-C is the same stop relayed (:func:`_take`). Python runs a handler only
+between bytecodes of the main thread, so a watchdog thread, woken by the signal's wake-up pipe, ends a main
+thread that has not acted within ``VITREG_STOP_GRACE_S`` (default 60 s): the run ended KILLED by its last
+words (:func:`on_forced_exit`), exit 128 + N.
 """
 
 from __future__ import annotations
@@ -66,12 +55,9 @@ def stop_grace_s() -> float:
 
 
 def _take(signum: int) -> str:
-    """Note a stop signal and say what it is: ``"first"``, ``"relayed"`` or ``"again"``.
-
-    A SIGTERM after a SIGINT is the same stop, relayed: a terminal's Ctrl-C reaches the whole foreground
-    process group, and ``mlflow run`` (its ``cancel``) and torchrun then send SIGTERM to the child they
-    run. Taken as a second stop, it would cut short the clean-up of every Ctrl-C under them. Any other
-    second signal (Ctrl-C twice, ``kill`` twice) is the user insisting."""
+    """Note a stop signal and say what it is: ``"first"``, ``"relayed"`` or ``"again"``. A SIGTERM after a SIGINT
+    is the same stop relayed (``mlflow run`` and torchrun pass a Ctrl-C on to their child as SIGTERM); any other
+    second signal is the user insisting."""
     relayed = bool(_received) and signum == signal.SIGTERM and set(_received) == {signal.SIGINT}
     first = not _received
     _received.append(signum)
@@ -87,6 +73,7 @@ def _raise_stop(signum: int):
 
 
 def _stop(signum, _frame):
+    """The handler of every stop signal, Ctrl-C's too (its first one raises Python's ``KeyboardInterrupt``)."""
     taken = _take(signum)
     if taken == "first":
         _raise_stop(signum)
@@ -94,26 +81,24 @@ def _stop(signum, _frame):
         _insist(signum)
 
 
-def _interrupt(signum, _frame):
-    """Ctrl-C: the first one as Python does it (``KeyboardInterrupt``), noted as a stop like the others."""
-    _stop(signum, _frame)
-
-
 def _insist(signum: int):
-    """A second stop outside any hold. While a run is open its end must still be written: the clean-up in
-    progress (a final checkpoint, torchrun's stop) is cut short by a new :class:`Terminated`, and the run
-    ends KILLED as it goes up (its end is held: :func:`run_ending`). With no run open, exit at once."""
+    """A second stop outside any hold: with a run open, a new :class:`Terminated` cuts its clean-up short (the
+    run still ends KILLED: :func:`run_ending`); with none, exit at once."""
     if _last_words:
         raise Terminated(signum)
     _say(f"stopped by {signal.Signals(signum).name} again: exiting at once")
     os._exit(128 + signum)
 
 
-def _say(line: str) -> None:
-    """One ``error:`` line, written straight to fd 2 (the process ends next, with ``os._exit``)."""
+def _flush() -> None:
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):
             stream.flush()
+
+
+def _say(line: str) -> None:
+    """One ``error:`` line, written straight to fd 2 (the process ends next, with ``os._exit``)."""
+    _flush()
     with contextlib.suppress(Exception):
         os.write(2, f"error: {line}\n".encode())
 
@@ -136,16 +121,8 @@ def _exit_now(signum: int, reason: str) -> None:
             callback(reason)
         except Exception as exc:  # noqa: BLE001 - last words must not keep the process alive
             print(f"[vitreg] while stopping: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
-    for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(Exception):
-            stream.flush()
+    _flush()
     os._exit(128 + signum)
-
-
-def _force_exit(signum: int, grace: float) -> None:
-    name = signal.Signals(signum).name
-    _exit_now(signum, f"stopped by {name}: the step in progress did not end within {grace:g} s "
-                      f"(VITREG_STOP_GRACE_S), so no checkpoint of it was written")
 
 
 def _watch(read_fd: int) -> None:
@@ -162,7 +139,8 @@ def _watch(read_fd: int) -> None:
             continue
         grace = stop_grace_s()
         if not _acted.wait(grace):
-            _force_exit(stops[0], grace)
+            _exit_now(stops[0], f"stopped by {signal.Signals(stops[0]).name}: the step in progress did not end "
+                                f"within {grace:g} s (VITREG_STOP_GRACE_S), so no checkpoint of it was written")
         return  # acted on: the clean-up runs in the main thread (a second signal exits at once)
 
 
@@ -193,7 +171,7 @@ def install() -> None:
     for sig in STOP_SIGNALS:
         signal.signal(sig, _stop)
     if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
-        signal.signal(signal.SIGINT, _interrupt)
+        signal.signal(signal.SIGINT, _stop)
     _start_watchdog()
 
 
@@ -203,21 +181,15 @@ def interrupted_reason(exc: KeyboardInterrupt) -> str:
     return str(exc) if isinstance(exc, Terminated) else "interrupted (Ctrl-C)"
 
 
-# Stopping a training between optimizer updates, never inside one. Raised between optimizer.step() and
-# the step counter's increment, a KeyboardInterrupt would leave the weights one update ahead of the step,
-# and the final checkpoint would resume one update ahead of its data; raised inside AdamW's update, some
-# parameters would have moved and others not. update_is_atomic holds the stop signals for the few lines
-# of one update and delivers the held one, to the handler that was installed, when the update is
-# complete. The same hold keeps a signal out of a fork (starting torchrun): Python runs the handler
-# inside the fork's at-fork hooks there, where an exception is printed as "Exception ignored" and lost.
-# It lives here, beside the handlers it holds back, and imports nothing heavy.
+# Stopping a training between optimizer updates, never inside one: raised inside an update, a stop would leave
+# some parameters moved and others not, or the weights one update ahead of the step their checkpoint names.
+# The same hold keeps a signal out of a fork (starting torchrun), whose at-fork hooks would lose the exception.
 
 
 @contextlib.contextmanager
 def held(insist, takes_up: bool = False):
-    """Hold SIGINT/SIGTERM/SIGHUP/SIGQUIT inside the block; deliver the first one after it. A second one
-    that insists (:func:`_take`) calls ``insist(signum)``; a relayed one is the same stop. ``takes_up``: the
-    block itself is the process's answer to a stop (a run's end), so the watchdog does not time it."""
+    """Hold the stop signals inside the block; deliver the first one after it. A second one that insists calls
+    ``insist(signum)``. ``takes_up``: the block is the process's answer to a stop (a run's end): not timed."""
     if threading.current_thread() is not threading.main_thread():
         yield  # signals reach the main thread only
         return
@@ -248,26 +220,20 @@ def _exits_now(what: str):
 
 
 def update_is_atomic():
-    """Hold the stop signals inside one optimizer update; deliver the first one after it. A second one
-    inside the block exits at once (the user means it), the open run ended KILLED first. An update that
-    does not end within ``VITREG_STOP_GRACE_S`` is not waited for: the watchdog ends the process then (a
-    collective whose peer died never ends)."""
+    """Hold the stop signals inside one optimizer update; a second one exits at once, the open run ended KILLED
+    first (as the watchdog does after ``VITREG_STOP_GRACE_S``: a collective whose peer died never ends)."""
     return held(_exits_now("inside an optimizer update: no checkpoint of it was written"))
 
 
 def starting_a_process():
-    """Hold the stop signals while a child process is forked (:func:`held`): the caller stops the child
-    when the held stop is raised after the block."""
+    """Hold the stop signals while a child process is forked; the caller stops the child when it is raised."""
     return held(_exits_now("while a process started"))
 
 
 @contextlib.contextmanager
 def run_ending(kept_line):
-    """Hold the stop signals while a run's end is written and delivered, so that a signal at that moment
-    (as the results table prints) cannot leave the run RUNNING with no end in its spool. The first one is
-    delivered after the end (the run ended FINISHED when its work was complete). One that insists exits at
-    once as soon as ``kept_line()`` says where the end is kept (its spool, for ``vitreg sync``); until
-    then (the end being journaled: milliseconds) it waits for it."""
+    """Hold the stop signals while a run's end is written, so that none leaves the run RUNNING with no end in its
+    spool; one that insists exits as soon as ``kept_line()`` says where the end is kept (milliseconds)."""
     def insist(signum):
         line = kept_line()
         if line:
@@ -280,10 +246,8 @@ def run_ending(kept_line):
 
 
 def _deliver(signum: int, handler) -> None:
-    """What ``signum`` would have done without the hold: vitreg's handlers' stop (:class:`Terminated`,
-    Ctrl-C's ``KeyboardInterrupt``), another Python handler, or the default action (the process ends), or
-    nothing (ignored)."""
-    if handler in (_stop, _interrupt):
+    """What ``signum`` would have done without the hold: vitreg's stop, another handler, the default, or nothing."""
+    if handler is _stop:
         _raise_stop(signum)
     elif callable(handler):
         handler(signum, None)
@@ -295,15 +259,11 @@ _freeze_registered = False
 
 
 def freeze_at_exit() -> None:
-    """Skip interpreter shutdown's garbage collections in this process (once; called by the CLI and the
-    torchrun worker shim when they start, not on import: a library importer keeps its own exit).
+    """Skip interpreter shutdown's garbage collections (once; called by the CLI and the torchrun worker shim).
 
-    A process that has imported torch, timm and mlflow holds millions of objects, and the garbage
-    collections of interpreter shutdown walk all of them: 1.5-1.7 s after the last line of work, in
-    every vitreg process (the CLI, the launcher, each DDP rank). Freezing them when the exit handlers
-    run skips those walks (0.2 s). Registered before the work imports torch or mlflow, this handler runs
-    after every handler they register (mlflow's flushes, multiprocessing's clean-up), so those all still
-    run; what is skipped is collecting cyclic garbage that the OS reclaims a moment later anyway.
+    Shutdown's collections walk the millions of objects torch, timm and mlflow make: 1.5-1.7 s after the last
+    line of work, in every vitreg process; frozen, 0.2 s. Registered before those imports, this runs after
+    their exit handlers, which all still run; the OS reclaims the skipped garbage a moment later anyway.
     """
     global _freeze_registered
     if not _freeze_registered:

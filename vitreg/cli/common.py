@@ -1,15 +1,6 @@
 """What the ``vitreg`` commands (:mod:`vitreg.cli.main`) and the Python API (:mod:`vitreg.api`) share: the
 click options from the option table, one-line user errors, the launcher's own options of the DDP jobs
-(bench, train), and the command a user typed to start a job, as report.md shows it.
-
-Under ``mlflow run`` the process sees only the MLproject command line (``entry_points/bench.py --gpu auto
---model ... `` with every param, defaults included) and MLFLOW_RUN_ID / MLFLOW_TRACKING_URI /
-MLFLOW_EXPERIMENT_ID; ``mlflow run``'s own flags (``--env-manager``, ``--experiment-name``) never reach
-it. So the command is rebuilt from the params: ``mlflow run . -e bench -P k=v`` for each param that
-differs from its default, which runs the same job, with ``--env-manager local`` when the job runs in no
-environment ``mlflow run`` made (its conda envs are named ``mlflow-<hash>``, its virtualenvs live under
-``~/.mlflow/envs``): the command as it was typed. A ``vitreg`` command is rebuilt from the options
-given on its command line or in the environment, in the option table's order.
+(bench, train), and the command a user typed to start a job, as report.md shows it (:func:`command_line`).
 """
 
 from __future__ import annotations
@@ -35,10 +26,9 @@ from vitreg.console import VERBOSE_ENV, scrub
 
 
 class OneSpelling(click.Option):
-    """An option whose --help line shows one flag (``--batch-size``; ``shown``, where given: sweep's
-    ``--axis``). The other spellings stay accepted: ``--batch_size`` because ``mlflow run`` appends an
-    undeclared ``-P batch_size=8`` as ``--batch_size 8``, ``--experiment-name`` because it is ``mlflow run``'s
-    own spelling. ``group``: the --help section it is listed in (:class:`VitregCommand`)."""
+    """An option whose --help line shows one flag (``--batch-size``, or ``shown``: sweep's ``--axis``); the
+    others stay accepted (``mlflow run`` passes an undeclared ``-P batch_size=8`` as ``--batch_size 8``).
+    ``group``: the --help section it is listed in (:class:`VitregCommand`)."""
 
     def __init__(self, *args, shown: str | None = None, group: str | None = None, **kwargs):
         super().__init__(*args, **kwargs)
@@ -54,9 +44,7 @@ class OneSpelling(click.Option):
 
 
 def dashed(token: str) -> str:
-    """click's token_normalize_func for every command: ``--batch_size`` is ``--batch-size``, ``import_timm`` is
-    ``import-timm``. One spelling rule for every option and command: the dashed one is shown, the underscored
-    one (``mlflow run``'s for an undeclared ``-P k=v``) works as well."""
+    """click's token_normalize_func: ``--batch_size`` is ``--batch-size``, ``import_timm`` is ``import-timm``."""
     return token.replace("_", "-")
 
 
@@ -70,12 +58,9 @@ class OneLineUsageError(click.UsageError):
 
 
 class VitregCommand(click.Command):
-    """A command whose --help lists its options in sections (:data:`vitreg.config.options.HELP_GROUPS`: what to
-    run, how, where to log) and whose usage errors are one line, suggesting only spellings --help shows.
-
-    click has no option sections of its own; click-option-group declares them with decorators around the
-    options and rich-click from a dict per command, through its own formatter. Both are a dependency for
-    what this does in ``format_options``: the option table already names each option's section.
+    """A command whose --help lists its options in sections (:data:`vitreg.config.options.HELP_GROUPS`) and whose
+    usage errors are one line, suggesting only spellings --help shows. (click-option-group and rich-click would
+    be a dependency for what ``format_options`` does: the option table already names each option's section.)
     """
 
     def format_options(self, ctx, formatter) -> None:
@@ -90,10 +75,6 @@ class VitregCommand(click.Command):
             with formatter.section(title):
                 formatter.write_dl(records)
 
-    def shown_flags(self, ctx) -> set[str]:
-        """The one spelling of each option that --help shows."""
-        return set(self.spellings(ctx).values())
-
     def spellings(self, ctx) -> dict[str, str]:
         """Every accepted spelling of each option (``--batch_size``, ``--experiment-name``) -> the one --help shows."""
         return {flag: p.shown if isinstance(p, OneSpelling) else p.opts[0]
@@ -101,7 +82,7 @@ class VitregCommand(click.Command):
 
     def shell_complete(self, ctx, incomplete):
         items = super().shell_complete(ctx, incomplete)
-        shown = self.shown_flags(ctx)
+        shown = set(self.spellings(ctx).values())
         return [item for item in items if not item.value.startswith("-") or item.value in shown]
 
     def parse_args(self, ctx, args):
@@ -117,8 +98,7 @@ class VitregCommand(click.Command):
 
 
 def sentence(text: str) -> str:
-    """Help as click and MLflow write it: a capital first letter (unless the text opens with a name that is
-    spelt in lower case: ``timm``, ``models:/...``, ``vit_*``)."""
+    """Help with a capital first letter, as click writes it (not where it opens with a name: ``timm``, ``vit_*``)."""
     first = text.split(" ", 1)[0]
     if not text or first == "timm" or not first.rstrip(":,.;").isalpha():
         return text
@@ -128,13 +108,9 @@ def sentence(text: str) -> str:
 def command_options(command: str):
     """Decorator: every option of ``command`` in :data:`vitreg.config.options.OPTIONS`, as click options.
 
-    Values stay strings, parsed by the spec (or :func:`launcher_options`), so ``--flag false`` and
-    ``-P flag=false`` mean the same thing; each option keyword is its name (``compile``, ``batch_size``).
-    Each option's click type (:func:`vitreg.cli.param_types.param_type`) only shows its kind, choices
-    and bounds in --help and completes its values: it accepts any text. A boolean's value may be left
-    out (``--allow-gpu-mismatch`` alone is ``true``), as a flag reads; ``true``/``false`` still follow it, as
-    MLproject's command line writes them. --help shows one spelling of each (:class:`OneSpelling`), in
-    its section.
+    Values stay strings, parsed by the spec, so ``--flag false`` and ``-P flag=false`` mean the same thing (the
+    click types, :mod:`vitreg.cli.param_types`, only show and complete). A boolean's value may be left out
+    (``--allow-gpu-mismatch`` alone is ``true``).
     """
 
     def decorate(fn):
@@ -157,20 +133,17 @@ def command_options(command: str):
 
 
 def split_options(command: str, values: dict) -> tuple[dict, dict]:
-    """A command's click values as (the spec's fields, the command's own options), both by name."""
-    fields = {o.name for o in options_of(command) if o.spec_field}
-    return ({k: v for k, v in values.items() if k in fields},
-            {k: v for k, v in values.items() if k not in fields})
+    """A command's values as (the spec's fields, the command's own options), both by name; a name of no option
+    goes with the fields, for the spec to refuse."""
+    own = {o.name for o in options_of(command) if not o.spec_field}
+    return ({k: v for k, v in values.items() if k not in own}, {k: v for k, v in values.items() if k in own})
 
 
 def check_first(command: str, values: dict) -> None:
-    """Refuse a bad option value of a job (``bench``, ``train``, ``infer``, ``sweep``) before any heavy import
-    (torch, timm, mlflow: 5-10 s here, minutes on a loaded host) and before any run exists, so a typo costs
-    about a second and leaves nothing in the store: every value by its option, the spec's checks across
-    options, the launcher's, the model's name (:func:`vitreg.models.families.check_name`, without timm) and
-    the GPU label against this host (:func:`vitreg.hardware.profiles.check_label_here`, without torch).
-    What needs the model built or the device (img_size against the patch size, amp against the GPU) stays
-    the job's check, inside its run."""
+    """Refuse a bad option value of a job before any heavy import (torch, timm, mlflow: 5-10 s) and before any
+    run exists: every value by its option, the spec's checks, the launcher's, the model's name (without timm)
+    and the GPU label against this host (without torch). What needs the model built or the device stays the
+    job's check, inside its run."""
     from vitreg.hardware.profiles import check_label_here
     from vitreg.models.families import check_name
 
@@ -179,9 +152,7 @@ def check_first(command: str, values: dict) -> None:
             raise OneLineUsageError(f"Missing option '{opt.flags[0]}'", click.get_current_context())
         if values.get(opt.name) is not None and not opt.repeatable:
             opt.parse(values[opt.name])
-    own_names = {o.name for o in options_of(command) if not o.spec_field}
-    own = {k: v for k, v in values.items() if k in own_names}
-    fields = {k: v for k, v in values.items() if k not in own_names}  # a name of no option: the spec refuses it
+    fields, own = split_options(command, values)
     if command == "sweep":
         from vitreg.bench.sweep import check_options
 
@@ -199,22 +170,17 @@ def check_first(command: str, values: dict) -> None:
 
 
 def server_first(command: str, own: dict) -> None:
-    """A tracking server that does not answer is said before the job's heavy imports (torch, timm: seconds
-    of a user's wait for a line that needs neither), with the line the run's own check would give
-    (:func:`vitreg.tracking.runs.check_server`). Only in the process that opens the run: not offline, not in
-    a torchrun rank (its launcher has checked; a rank 0 of a torchrun the user started checks in its run), not
-    on a node other than the first (it never asks the server)."""
+    """A tracking server that does not answer is said before the job's heavy imports, in the run's own words
+    (:func:`vitreg.tracking.runs.check_server`); only in the process that opens the run (not offline, not a
+    torchrun rank, not a node other than the first)."""
     from vitreg.ddp.world import inside_torchrun
 
-    def parsed(name: str):
-        return option(command, name).parse(own[name]) if own.get(name) is not None else None
-
-    if inside_torchrun() or parsed("node_rank"):
+    if inside_torchrun() or _own_value(command, own, "node_rank"):
         return
     from vitreg.tracking import runs as tracking
     from vitreg.tracking.spool import offline_mode
 
-    if not offline_mode(parsed("offline")):  # the option or VITREG_OFFLINE=1
+    if not offline_mode(_own_value(command, own, "offline")):  # the option or VITREG_OFFLINE=1
         tracking.check_server()  # it reads the URI without importing mlflow (~2 s of CPU) where nothing has
 
 
@@ -228,19 +194,20 @@ def launcher_options(command: str, own: dict) -> dict:
     ``train()``: ``placement`` (``nnodes``, ``node_rank``, ``rdzv_endpoint``) and :data:`JOB_OPTIONS`."""
     from vitreg.ddp.launcher import Placement, check_nodes
 
-    def parsed(name: str):
-        value = option(command, name).parse(own[name])
-        return value.strip() or None if isinstance(value, str) else value
-
-    placement = Placement(*(parsed(name) for name in ("nnodes", "node_rank", "rdzv_endpoint")))
+    placement = Placement(*(_own_value(command, own, name) for name in ("nnodes", "node_rank", "rdzv_endpoint")))
     check_nodes(placement.nnodes, placement.node_rank, placement.rdzv_endpoint)  # also for one process
-    return {"placement": placement, **{name: parsed(name) for name in JOB_OPTIONS[command]}}
+    return {"placement": placement, **{name: _own_value(command, own, name) for name in JOB_OPTIONS[command]}}
+
+
+def _own_value(command: str, own: dict, name: str):
+    """One of the command's own options, parsed (None: not given, or empty text)."""
+    value = option(command, name).parse(own[name]) if own.get(name) is not None else None
+    return value.strip() or None if isinstance(value, str) else value
 
 
 def run_ddp_job(command: str, job, values: dict) -> None:
-    """The body of the DDP job commands (``bench``, ``train``): ``job(options, ...)`` with the spec's
-    fields (forwarded as they are to torchrun's ranks, checked by the spec), the run's experiment and
-    name, the launcher's options, the command line the user typed, and ``offline=`` honoured."""
+    """The body of the DDP job commands (``bench``, ``train``): ``job`` with the spec's fields, the run's experiment
+    and name, the launcher's options and the command line typed."""
     options, own = split_options(command, values)
     with offline_if_asked(command, own):
         job(options, experiment=own["experiment"], run_name=own["run_name"],
@@ -249,11 +216,8 @@ def run_ddp_job(command: str, job, values: dict) -> None:
 
 @contextlib.contextmanager
 def offline_if_asked(command: str, own: dict):
-    """``offline=true``: log to the spool only, and ``verbose=true``: print the detail lines too, for the
-    length of the command. Each is set in the environment (``VITREG_OFFLINE=1``, the one switch the tracking
-    layer reads; ``VITREG_VERBOSE=1``, the console's), so the processes the command starts (the torchrun
-    ranks) inherit it; restored after, so a command run in-process (click's CliRunner, the Python API)
-    leaves its caller as it was."""
+    """``offline=true`` and ``verbose=true`` for the length of the command, as ``VITREG_OFFLINE=1`` and
+    ``VITREG_VERBOSE=1`` (the torchrun ranks inherit them); restored after, for an in-process caller."""
     asked = {env: "1" for env, name in (("VITREG_OFFLINE", "offline"), (VERBOSE_ENV, "verbose"))
              if option(command, name).parse(own[name])}
     with environ_restored(*asked):
@@ -262,8 +226,7 @@ def offline_if_asked(command: str, own: dict):
 
 
 def user_errors(fn):
-    """Turn VitregError into a one-line message and exit 2 (no traceback), everywhere in the CLI;
-    the MLflow run the command was asked to log into (``mlflow run``'s) is marked FAILED."""
+    """A VitregError as one ``error:`` line and exit 2, the run ``mlflow run`` opened marked FAILED."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
@@ -294,14 +257,14 @@ def user_errors(fn):
 
 
 def stopped(exc: KeyboardInterrupt) -> None:
-    """The one line of a command stopped by a signal, and its exit status: 128 + N, as a shell's (130 for
-    Ctrl-C, not click's ``Aborted!`` and 1). The line says where the run ended (its status as the store
-    holds it, or the spool that keeps it), so the status it names is the one the store shows."""
+    """The one line of a command stopped by a signal, saying where its run ended, and exit 128 + N as a shell's
+    (130 for Ctrl-C, not click's ``Aborted!`` and 1)."""
     from vitreg import signals
 
     signum = exc.signum if isinstance(exc, Terminated) else signal.SIGINT
     where = f"; {signals.run_ends[-1]}" if signals.run_ends else ""
-    if where and _under_mlflow_run():
+    ctx = click.get_current_context(silent=True)
+    if where and ctx is not None and _entry_point(ctx):  # an MLproject entry point: `mlflow run`'s child
         # MLflow 3's `mlflow run` then sets FAILED on every run whose command did not exit 0, whatever the
         # run's status (its _maybe_set_run_terminated compares the status string with RunStatus' integers)
         where += ", then `mlflow run` marks it FAILED (as it does every run whose command did not exit 0)"
@@ -309,10 +272,10 @@ def stopped(exc: KeyboardInterrupt) -> None:
     sys.exit(128 + signum)
 
 
-def _under_mlflow_run() -> bool:
-    """True in an MLproject entry point (``mlflow run``'s child), which ``prog_name`` says."""
-    ctx = click.get_current_context(silent=True)
-    return ctx is not None and PurePath(ctx.find_root().info_name or "").parent.name == ENTRY_POINTS_DIR
+def _entry_point(ctx: click.Context) -> str | None:
+    """The MLproject entry point this command runs as (``entry_points/bench.py``: ``bench``), else None."""
+    prog = PurePath(ctx.find_root().info_name or "vitreg")
+    return prog.stem if prog.parent.name == ENTRY_POINTS_DIR else None
 
 
 # ---------------------------------------------------------------- the command typed
@@ -321,11 +284,15 @@ ENTRY_POINTS_DIR = "entry_points"  # the MLproject scripts call the CLI with pro
 
 
 def command_line(ctx: click.Context) -> str:
-    """``mlflow run . -e bench -P model=deit_tiny_patch16_224`` or ``vitreg bench --model deit_tiny_patch16_224``."""
+    """``mlflow run . -e bench -P model=deit_tiny_patch16_224`` or ``vitreg bench --model deit_tiny_patch16_224``.
+
+    Under ``mlflow run`` the process sees only the MLproject command line (every param, defaults included), so
+    the command is rebuilt from the params that differ from their defaults, with ``--env-manager local`` where
+    no environment of ``mlflow run``'s runs it; a ``vitreg`` command from the options given on its command line
+    or in the environment, in the option table's order."""
     command = ctx.info_name
-    prog = PurePath(ctx.find_root().info_name or "vitreg")
-    if prog.parent.name == ENTRY_POINTS_DIR:
-        return _mlflow_run(prog.stem, ctx.params)
+    if _entry_point(ctx):
+        return _mlflow_run(_entry_point(ctx), ctx.params)
     given = [o for o in options_of(command) if ctx.get_parameter_source(o.name) in
              (ParameterSource.COMMANDLINE, ParameterSource.ENVIRONMENT) and ctx.params.get(o.name) is not None]
     words = ["vitreg", command]
@@ -335,7 +302,7 @@ def command_line(ctx: click.Context) -> str:
 
 
 def _env_manager_local() -> bool:
-    """True when this process runs in an environment ``mlflow run`` did not build (``--env-manager local``)."""
+    """True outside an environment ``mlflow run`` built (its conda envs ``mlflow-<hash>``, its ``~/.mlflow/envs``)."""
     conda = os.environ.get("CONDA_DEFAULT_ENV", "")
     return not conda.startswith("mlflow-") and f"{os.sep}.mlflow{os.sep}envs{os.sep}" not in sys.prefix
 

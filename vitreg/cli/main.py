@@ -1,9 +1,5 @@
 """The ``vitreg`` command (click): the group and every subcommand, each a thin shell over a library call.
-
-Errors the user can fix (:class:`VitregError`) print one line, ``error: ...``, and exit 2; the
-MLflow run, if one was opened, has already been marked FAILED by the tracking layer. ``vitreg check``
-exits 0 when no configuration x GPU regressed, 1 when one did, 2 on bad input (nothing written).
-"""
+Errors the user can fix (:class:`VitregError`) print one line, ``error: ...``, and exit 2."""
 
 from __future__ import annotations
 
@@ -193,7 +189,6 @@ def runs(limit, experiment, status, as_csv, as_json, stale, fix, older_than):
 
 
 def _count(text: str) -> int:
-    """``-n``'s value: how many runs, 1 or more."""
     try:
         return parse_int(text, "-n", minimum=1)
     except VitregError:
@@ -201,8 +196,7 @@ def _count(text: str) -> int:
 
 
 def _list_runs(limit: int, experiment: str | None, status: str | None) -> None:
-    """The ``limit`` newest runs as :func:`vitreg.analysis.render.runs_table` draws them, or the line that says
-    there are none."""
+    """The ``limit`` newest runs as :func:`vitreg.analysis.render.runs_table` draws them."""
     from vitreg.analysis.render import runs_table
     from vitreg.tracking import runs as tracking
     from vitreg.tracking.search import run_list
@@ -237,8 +231,7 @@ def _list_stale(stale: bool, fix: bool, experiment: str | None, seconds: float) 
 
 
 def _write_frame(flag: str, stale: bool, experiment: str | None, limit: int | None, status: str | None) -> None:
-    """The experiment's tidy frame (what ``vitreg compare`` compares, and :func:`vitreg.api.runs` returns) of its
-    ``limit`` newest finished benchmark runs, as CSV or JSON records on stdout."""
+    """The tidy frame of the experiment's ``limit`` newest finished benchmark runs, as CSV or JSON records."""
     if stale:
         raise VitregError(f"{flag} writes finished runs and --stale lists unfinished ones: pass one of them")
     if not experiment:

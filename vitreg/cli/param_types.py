@@ -1,11 +1,7 @@
 """The click type of each option in the option table: what ``--help`` shows and what shell completion
-offers, never what is accepted.
-
-Every type here hands the text on exactly as typed (:meth:`_AsTyped.convert`): the spec parses it
-(:meth:`vitreg.config.options.Option.parse`), so a bad value is vitreg's one-line ``error: ...``
-(exit 2, and under ``mlflow run`` the run marked FAILED) whether it came from ``--amp``, ``-P amp=``
-or an environment variable. Click's own checks would print a multi-line usage error instead and
-leave the MLflow run RUNNING.
+offers, never what is accepted. Each hands the text on as typed (:class:`_AsTyped`) for the spec to parse,
+so a bad value is vitreg's one-line ``error: ...`` (and under ``mlflow run`` the run marked FAILED) wherever it
+came from; click's own checks would print a multi-line usage error and leave the MLflow run RUNNING.
 """
 
 from __future__ import annotations
@@ -24,9 +20,8 @@ class _AsTyped:
 
 
 class ChoiceText(_AsTyped, click.Choice):
-    """``[off|bf16|fp16|auto]`` in --help; completes the choices (case-insensitively). The choices are shown as
-    the option table spells them: the commands' token normalisation (``--batch_size`` -> ``--batch-size``)
-    is for option names, not values (``aot_eager``)."""
+    """``[off|bf16|fp16|auto]`` in --help; completes the choices, spelt as the table spells them (the commands'
+    token normalisation is for option names, not values: ``aot_eager``)."""
 
     def normalize_choice(self, choice, ctx):
         return super().normalize_choice(choice, None)
@@ -37,7 +32,7 @@ _SHOWN_MAXIMUM = 2**31
 
 
 class IntText(_AsTyped, click.IntRange):
-    """``INTEGER RANGE`` and ``[x>=1]`` in --help (a bound above 2**31 is not shown: 19 digits say nothing)."""
+    """``INTEGER RANGE`` and ``[x>=1]`` in --help."""
 
     def _describe_range(self) -> str:
         if self.max is not None and self.max >= _SHOWN_MAXIMUM:
@@ -57,10 +52,6 @@ class BatchText(IntText):
         return [CompletionItem(AUTO_BATCH)] if AUTO_BATCH.startswith(incomplete.lower()) else []
 
 
-class IntTextUnbounded(_AsTyped, click.types.IntParamType):
-    """``INTEGER`` in --help (no bounds to show)."""
-
-
 class FloatText(_AsTyped, click.FloatRange):
     """``FLOAT RANGE`` and e.g. ``[0.0<=x<1.0]`` in --help."""
 
@@ -70,8 +61,7 @@ class FloatTextUnbounded(_AsTyped, click.types.FloatParamType):
 
 
 class BoolText(_AsTyped, click.types.BoolParamType):
-    """``[BOOLEAN]`` in --help (the value may be left out: ``--profile`` alone is ``--profile true``); completes
-    ``true`` and ``false`` (the spellings MLflow params use)."""
+    """``[BOOLEAN]`` in --help (the value may be left out: ``--profile`` alone is ``--profile true``)."""
 
     def get_metavar(self, param, ctx=None):
         return "[BOOLEAN]"
@@ -93,10 +83,8 @@ class GpuLabel(_AsTyped, click.types.StringParamType):
 
 
 class ModelName(_AsTyped, click.types.StringParamType):
-    """``MODEL`` in --help; completes the timm and torchvision names vitreg builds: from the names an earlier
-    process kept in the user's cache (:mod:`vitreg.models.known`), else from timm (importing it, with
-    torchvision and torch._dynamo, took 11.8 s per TAB on a loaded 2-core machine), keeping them for the
-    next TAB."""
+    """``MODEL`` in --help; completes the names vitreg builds, without importing timm where an earlier process
+    kept them (:mod:`vitreg.models.learned_facts`: the import took 11.8 s per TAB on a loaded 2-core host)."""
 
     name = "model"
 
@@ -130,8 +118,6 @@ def param_type(opt: Option) -> click.ParamType:
 
 def _number_type(opt: Option) -> click.ParamType:
     upper = opt.maximum if opt.below is None else opt.below
-    if opt.minimum is None and upper is None:
-        return IntTextUnbounded() if opt.kind == "int" else FloatTextUnbounded()
-    if opt.kind == "int":
-        return IntText(min=opt.minimum, max=upper, max_open=opt.below is not None)
-    return FloatText(min=opt.minimum, max=upper, max_open=opt.below is not None)
+    if opt.minimum is None and upper is None and opt.kind == "float":  # every int option has a bound
+        return FloatTextUnbounded()
+    return (IntText if opt.kind == "int" else FloatText)(min=opt.minimum, max=upper, max_open=opt.below is not None)

@@ -48,18 +48,15 @@ def serve() -> int:
 
 
 def _stop_with_parent(parent: int) -> None:
-    """SIGTERM to this worker once its sweep is gone (a SIGKILL leaves no word): the child it runs then ends
-    KILLED, as a child process does by Linux's parent-death signal. That signal cannot serve a worker: it
-    fires when the thread that started the process ends, and a worker outlives the child's thread that
-    started it."""
+    """SIGTERM to this worker once its sweep is gone, so its child ends KILLED (Linux's parent-death signal
+    fires when the starting thread ends, which a worker outlives)."""
     while os.getppid() == parent:
         time.sleep(1.0)
     os.kill(os.getpid(), signal.SIGTERM)
 
 
 def run_child(main, args: list[str], env: dict) -> int:
-    """``vitreg ARGS`` with ``env`` set for its length: its exit status, as a process of its own would have
-    exited (a traceback printed for an error no layer turned into one line); then :func:`fresh_state`."""
+    """``vitreg ARGS`` with ``env`` set for its length: its exit status, as a process of its own would exit."""
     with environ_restored(*env):
         os.environ.update(env)
         try:

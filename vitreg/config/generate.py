@@ -1,7 +1,5 @@
-"""MLproject and the README's parameter tables, written from the option table (:mod:`vitreg.config.options`).
-
-``make mlproject`` (``python -m vitreg.config.generate``) rewrites both files; ``--check`` changes
-nothing and exits 1 naming the files that are out of date. Both stay checked in: ``mlflow run`` reads
+"""MLproject and the README's parameter tables, written from the option table (``make mlproject``; ``--check``
+changes nothing and exits 1 naming the files out of date). Both stay checked in: ``mlflow run`` reads
 MLproject, and a reader reads the README on the web.
 """
 

@@ -1,19 +1,13 @@
 """Every option of ``bench``, ``infer``, ``sweep``, ``train``, ``compare`` and ``check``, declared once:
-:data:`OPTIONS`.
+:data:`OPTIONS`. From it come the click options (:func:`vitreg.cli.common.command_options`), MLproject and
+the README's parameter tables (:mod:`vitreg.config.generate`), the fields of BenchSpec and TrainSpec and how
+each is parsed (:mod:`vitreg.config.spec`), and the argv that hands options to a child process.
 
-From this table come the click options of each command (:func:`vitreg.cli.common.command_options`),
-the MLproject params and command lines and the README's parameter tables
-(:mod:`vitreg.config.generate`, ``make mlproject``), the fields of BenchSpec and TrainSpec and how each
-is parsed (:mod:`vitreg.config.spec`), and the argv that hands options to a child process
-(:func:`options_to_args`).
-
-**Adding an option** touches: its :class:`Option` entry below (``identity=True`` when it changes the
-work measured, else ``same_work="why not"``); for a spec field, also its line in the class body of
-``BenchSpec`` / ``TrainSpec`` (:mod:`vitreg.config.spec`, in table order: tests/test_layout.py catches a
-drift); its ``--help`` section in :data:`HELP_GROUPS` (tests/test_cli_help.py catches a job's option without one); then ``make mlproject`` (it rewrites MLproject and the README tables; tests/test_options.py fails
-until you do); and its behaviour where the spec's value is used (docs/ARCHITECTURE.md, "Where to add"). An option whose meaning or default differs between commands (``steps``:
-iterations per timed window in bench, optimizer updates in train) is two entries with the same name
-and disjoint commands.
+**Adding an option** touches: its :class:`Option` entry below (``identity=True`` when it changes the work
+measured, else ``same_work="why not"``); for a spec field, its line in the class body of ``BenchSpec`` /
+``TrainSpec`` (in table order: tests/test_layout.py); its ``--help`` section in :data:`HELP_GROUPS`; then
+``make mlproject``; and its behaviour where the spec's value is used (docs/ARCHITECTURE.md, "Where to add").
+An option whose meaning or default differs between commands (``steps``) is two entries with disjoint commands.
 """
 
 from __future__ import annotations
@@ -136,41 +130,40 @@ _DDP = ("bench", "train")  # the commands that run one job on several processes 
 _RUNS = ("bench", "infer", "sweep", "train")  # the commands that log benchmark or training runs
 _TIMED = ("bench", "infer", "sweep")  # the commands that time windows of iterations
 _CHECKS = "a check option: it reads runs and measures nothing"
+_COMPARES = "a compare option: it reads runs and measures nothing"
 _WHERE = "where the children run, not what each measures"
+_SWEEP_LIST = "a sweep list: each child run takes one of its values as its own option"
 
 OPTIONS: tuple[Option, ...] = (
     Option("model_uri", "str", None, "models:/NAME@ALIAS, models:/NAME/VERSION or runs:/RUN_ID/checkpoints/last.",
-           ("infer",), required=True, spec_field=False,
-           identity=True),
+           ("infer",), required=True, spec_field=False, identity=True),
     Option("models", "str", "vit_base_patch16_224", "Comma-separated model names.", ("sweep",),
            required=True, unless="rerun_failed", spec_field=False,  # --rerun-failed reads them from the runs
-           same_work="a sweep list: each child run takes one of its values as its own option"),
+           same_work=_SWEEP_LIST),
     Option("amp", "str", "auto", "Comma-separated, e.g. off,bf16.", ("sweep",), spec_field=False,
-           same_work="a sweep list: each child run takes one of its values as its own option"),
+           same_work=_SWEEP_LIST),
     Option("compile", "str", "off", "Comma-separated, e.g. off,default.", ("sweep",), spec_field=False,
-           same_work="a sweep list: each child run takes one of its values as its own option"),
+           same_work=_SWEEP_LIST),
     Option("batch_size", "str", AUTO_BATCH, "Comma-separated, e.g. 32,256, or auto (as in bench: the fastest batch "
-           "that fits, searched by each child).", ("sweep",), spec_field=False,
-           same_work="a sweep list: each child run takes one of its values as its own option"),
+           "that fits, searched by each child).", ("sweep",), spec_field=False, same_work=_SWEEP_LIST),
     Option("axes", "str", "", "one more axis over any bench option, e.g. sdpa=auto,cudnn; repeatable (--axes "
            "\"NAME=V1,V2;NAME=V1,V2\" takes several at once).", ("sweep",), spec_field=False, aliases=("--axis",),
            repeatable=True, help_flag="--axis",
            doc="more axes, `NAME=V1,V2;NAME=V1,V2`, over any bench option (`sdpa=auto,cudnn;nproc=1,2`); on the CLI "
                "also `--axis NAME=V1,V2`, repeatable. Every combination is checked against the option table before "
-               "any child starts",
-           same_work="a sweep list: each child run takes one of its values as its own option"),
+               "any child starts", same_work=_SWEEP_LIST),
     Option("engine", "choice", "local", "local (this host: one child per GPU at once), ray (a Ray cluster) or slurm "
            "(a SLURM cluster, through submitit).",
            ("sweep",), choices=("local", "ray", "slurm"), spec_field=False,
            doc="`local`: children on this host, one per GPU at once (one at a time on CPU); `ray`: each child a Ray "
                "task on the cluster at `ray_address`, asking for `nproc` GPUs of the GPU type it is filed under; "
                "`slurm`: each child a SLURM job (submitit) asking for its GPU type by gres or constraint",
-           same_work="where the children run, not what each measures"),
+           same_work=_WHERE),
     Option("ray_address", "str", "auto", "engine=ray: auto (the running cluster), ray://HOST:PORT, HOST:PORT, or "
            "local (start one here).", ("sweep",), spec_field=False,
            doc="`engine=ray`: `auto` (the cluster this host belongs to), `ray://HOST:PORT` (Ray Client), "
                "`HOST:PORT` (the head's GCS) or `local` (start a one-node cluster here for the sweep)",
-           same_work="where the children run, not what each measures"),
+           same_work=_WHERE),
     Option("slurm_partition", "str", "", "engine=slurm: the partition (empty: the cluster's default).", ("sweep",),
            spec_field=False, same_work=_WHERE),
     Option("slurm_account", "str", "", "engine=slurm: the account the jobs are charged to (empty: yours).",
@@ -212,16 +205,13 @@ OPTIONS: tuple[Option, ...] = (
     Option("model", "str", "vit_base_patch16_224", f"a name of a model family: {names_text()}.",
            ("bench",),
            doc=f"a name of a model family (vitreg/models/families.py): {names_text(markdown=True)}; distilled DeiTs "
-               "train both heads. Always random weights (`pretrained=False`).",
-           identity=True),
+               "train both heads. Always random weights (`pretrained=False`).", identity=True),
     Option("model", "str", "deit_tiny_patch16_224",
            f"a name of a model family ({names_text()}); deit_*_distilled_* for distillation.",
-           ("train",), doc=f"a name of a model family: {names_text(markdown=True)}",
-           identity=True),
+           ("train",), doc=f"a name of a model family: {names_text(markdown=True)}", identity=True),
     Option("task", "choice", "both", "what to time: inference, a training step, or both.", ("bench", "sweep"),
            choices=TASKS,
-           doc="`infer`, `train` or `both`",
-           identity=True),
+           doc="`infer`, `train` or `both`", identity=True),
     Option("task", "choice", "infer", "what to time: inference, a training step, or both.", ("infer",), choices=TASKS,
            identity=True),
     Option("batch_size", "batch", AUTO_BATCH, "images per step per process, or auto: the fastest batch that fits, "
@@ -231,14 +221,11 @@ OPTIONS: tuple[Option, ...] = (
                "CPU: 8 to 64) and takes the smallest within 3 % of the fastest. Logged as the "
                "`<task>_batch_probe_img_per_s` series (step = batch) and the `<task>_batch_size_chosen` tag; the "
                "`batch_size` tag stays `auto`. With `nproc` > 1 every rank probes alone and all take the smallest "
-               "choice",
-           identity=True),
+               "choice", identity=True),
     Option("batch_size", "int", 64, "images per step per process.", ("train",), minimum=1,
-           doc="images per iteration (per GPU with `nproc` > 1)",
-           identity=True),
+           doc="images per iteration (per GPU with `nproc` > 1)", identity=True),
     Option("img_size", "int", 0, "0 = the model's default resolution.", ("bench", "sweep", "train"), minimum=0,
-           doc="input resolution; `0` = the model's default. Must be a multiple of the patch size.",
-           identity=True),
+           doc="input resolution; `0` = the model's default. Must be a multiple of the patch size.", identity=True),
     Option("amp", "choice", "auto",
            "precision; auto = bf16 where the GPU has it, fp16 on V100/T4, off on CPU.",
            ("bench", "infer"), choices=AMP_CHOICES,
@@ -254,14 +241,12 @@ OPTIONS: tuple[Option, ...] = (
            "precision; auto = bf16 where the GPU has it, fp16 on V100/T4, off on CPU.",
            ("train",), choices=TRAIN_AMP_CHOICES,
            doc="`off` (strict fp32), `tf32` (fp32, TF32 matmuls), `bf16`, `fp16` (autocast; fp16 training uses "
-               "GradScaler). `auto` = bf16 where the GPU has it, fp16 on V100/T4, off on CPU.",
-           identity=True),
+               "GradScaler). `auto` = bf16 where the GPU has it, fp16 on V100/T4, off on CPU.", identity=True),
     Option("sdpa", "choice", "auto", "attention kernel (auto: torch picks per call).",
            ("bench", "infer", "train"), choices=SDPA_CHOICES,
            doc="scaled-dot-product-attention backend: `auto` (torch picks per call), `flash`, `cudnn`, "
                "`efficient`, `math`. A backend that cannot run here is refused before the run; the backend that "
-               "ran, read from the profiler, is tagged `<task>_sdpa_backend`",
-           identity=True),
+               "ran, read from the profiler, is tagged `<task>_sdpa_backend`", identity=True),
     Option("compile_cache", "str", "", "folder of the persistent torch.compile cache (empty: $VITREG_COMPILE_CACHE "
            "or ~/.cache/vitreg/inductor).", ("bench", "infer", "train"),
            doc="folder of the persistent inductor / FX-graph cache, used when compiling (`\"\"`: "
@@ -278,17 +263,14 @@ OPTIONS: tuple[Option, ...] = (
     Option("warmup", "int", 10, "untimed iterations (the first one is timed apart as compile/first-call time).",
            _TIMED, minimum=1, maximum=COUNT_MAX,
            doc="untimed iterations; the first is timed apart (`*_first_call_s`, and `*_compile_time_s` when "
-               "compiling)",
-           same_work="untimed iterations before the timed windows"),
+               "compiling)", same_work="untimed iterations before the timed windows"),
     Option("steps", "int", 0, "iterations per timed window; 0 = as many as last window_min_s.", _TIMED, minimum=0, maximum=COUNT_MAX,
            doc="iterations per timed window; `0`: as many as last `window_min_s` (a number reproduces a run's "
-               "`<task>_steps_per_window`)",
-           same_work="the length of a timed window: more samples of the same work"),
+               "`<task>_steps_per_window`)", same_work="the length of a timed window: more samples of the same work"),
     Option("repeats", "int", 0, "timed windows; 0 = until the median is within precision_pct.", _TIMED, minimum=0, maximum=COUNT_MAX,
            doc="timed windows (median and spread over them); `0`: from 6 windows on, until the median's 95 % interval "
                "is within `precision_pct` (at most 60 windows and `max_time_s`; the reason is tagged "
-               "`<task>_timing_stop`)",
-           same_work="the number of timed windows: more samples of the same work"),
+               "`<task>_timing_stop`)", same_work="the number of timed windows: more samples of the same work"),
     Option("precision_pct", "float", 1.0, "repeats=0: the precision target: stop when the median's 95 % interval is within this % of it "
            "(the window spread, the windows' CV, is a check apart: over 5% is flagged).",
            _TIMED, minimum=0.01, doc="with `repeats=0`, the precision target: windows stop once the half-width of the median's 95 % "
@@ -313,11 +295,9 @@ OPTIONS: tuple[Option, ...] = (
            same_work="how long training lasts; the figures are per step"),
     Option("lr", "float", 5e-4, "peak learning rate (AdamW). DeiT: 5e-4 x batch/512.", ("train",), minimum=0.0,
            doc="peak learning rate (AdamW; DeiT: 5e-4 x batch/512): warm-up, then cosine to `min_lr` at the last "
-               "step",
-           same_work="an optimizer value: the same kernels on other numbers"),
+               "step", same_work="an optimizer value: the same kernels on other numbers"),
     Option("weight_decay", "float", 0.05, "AdamW weight decay (not on biases, norms, position embeddings, tokens).",
-           ("train",), minimum=0.0, doc="AdamW; none on biases, norms, position embedding, tokens",
-           same_work="an optimizer value: the same kernels on other numbers"),
+           ("train",), minimum=0.0, same_work="an optimizer value: the same kernels on other numbers"),
     Option("warmup_steps", "int", 10, "linear LR warm-up steps (from 1e-6), then a cosine to --min-lr at the last step.",
            ("train",), minimum=0, doc="linear LR warm-up steps (from 1e-6), before the cosine",
            same_work="an LR-schedule value: the same kernels on other numbers"),
@@ -325,60 +305,46 @@ OPTIONS: tuple[Option, ...] = (
            doc="LR at the end of the cosine (the last step)",
            same_work="an LR-schedule value: the same kernels on other numbers"),
     Option("clip_grad", "float", 0.0, "max global gradient norm; 0 = no clipping.", ("train",), minimum=0.0,
-           doc="max global gradient norm, 0 = off",
            identity=True),
     Option("label_smoothing", "float", 0.1, "label smoothing of the cross-entropy (DeiT: 0.1).", ("train",),
-           minimum=0.0, below=1.0, doc="label smoothing of the cross-entropy (DeiT: 0.1)",
-           same_work="a loss value: the same kernels on other numbers"),
+           minimum=0.0, below=1.0, same_work="a loss value: the same kernels on other numbers"),
     Option("data", "str", "synthetic", "synthetic (class-conditional tensors made on the device) or a folder with "
            "train/<class>/ and optionally val/<class>/ (torchvision ImageFolder).", ("train",),
            doc="`synthetic` (class-conditional tensors made on the device) or a folder with `train/<class>/` "
-               "(and `val/<class>/`, for top-1 each epoch)",
-           identity=True),
+               "(and `val/<class>/`, for top-1 each epoch)", identity=True),
     Option("num_workers", "int", 4, "DataLoader processes for --data PATH.", ("train",), minimum=0,
-           doc="DataLoader processes for `data=PATH`",
-           identity=True),
+           doc="DataLoader processes for `data=PATH`", identity=True),
     Option("num_classes", "int", 0, "classifier classes; 0 = the class folders of --data (1000 for synthetic).",
            ("train",), minimum=0, doc="classifier classes; `0` = the class folders of `data` (1000 for synthetic)",
            identity=True),
     Option("log_every", "int", 10, "steps between logged metrics (the only CPU-GPU sync of the loop).", ("train",),
-           minimum=1, doc="metrics interval (the loop's only GPU sync)",
-           same_work="how often the loss is read back; the step's work is the same"),
+           minimum=1, same_work="how often the loss is read back; the step's work is the same"),
     Option("checkpoint_every", "int", 1000,
            "steps between checkpoints (checkpoints/step-<N> and checkpoints/last); 0 = only at the end.",
-           ("train",), minimum=0, doc="checkpoint interval (0 = only at the end)",
-           same_work="how often a checkpoint is written; the step's work is the same"),
+           ("train",), minimum=0, same_work="how often a checkpoint is written; the step's work is the same"),
     Option("keep_checkpoints", "int", 1,
            "checkpoints a run keeps (the newest; older checkpoints/step-<N> are deleted as new ones are logged); "
-           "0 = all.", ("train",), minimum=0, doc="checkpoints kept: the newest N (0 = all; each is weights + optimizer)",
+           "0 = all.", ("train",), minimum=0,
            same_work="how many checkpoints stay on disk; the step's work is the same"),
     Option("resume", "str", "", "runs:/<run_id>/checkpoints/last or a checkpoint directory: continue at its step, "
-           "same LR schedule.", ("train",), doc="`runs:/<id>/checkpoints/last` or a checkpoint folder",
-           same_work="where training starts: the same steps from another point"),
+           "same LR schedule.", ("train",), same_work="where training starts: the same steps from another point"),
     Option("distillation", "choice", "none", "DeiT's distillation loss, for deit_*_distilled_* models.",
-           ("train",), choices=DISTILLATION_CHOICES, doc="DeiT's none/soft/hard",
-           identity=True),
+           ("train",), choices=DISTILLATION_CHOICES, doc="DeiT's none/soft/hard", identity=True),
     Option("teacher", "str", "", "timm name (random weights: vitreg never downloads), models:/<name>@<alias>, "
-           "runs:/... or a checkpoint directory.", ("train",),
-           doc="timm name (random weights: vitreg never downloads), `models:/<name>@<alias>`, `runs:/...` or a "
-               "checkpoint folder",
-           identity=True),
+           "runs:/... or a checkpoint directory.", ("train",), identity=True),
     Option("distill_alpha", "float", 0.5, "weight of the distillation loss.", ("train",), minimum=0.0, maximum=1.0,
            doc="weight of the distillation loss (0 to 1)",
            same_work="a loss weight: the same kernels on other numbers"),
     Option("distill_tau", "float", 1.0, "temperature of soft distillation.", ("train",), minimum=0.0,
-           doc="temperature of soft distillation",
-           same_work="a loss temperature: the same kernels on other numbers"),
+            same_work="a loss temperature: the same kernels on other numbers"),
     Option("register_as", "str", "", "register the final checkpoint as this model name (empty: do not register).",
-           ("train",), doc="register the final checkpoint as this model name (`\"\"`: do not register)",
-           same_work="what happens to the checkpoint after the run"),
+           ("train",), same_work="what happens to the checkpoint after the run"),
     Option("alias", "str", "latest", "alias of the registered version.", ("train",),
            doc="alias of the registered version; `latest` always means the newest version",
            same_work="what happens to the checkpoint after the run"),
     Option("device", "choice", "auto", "where to run (auto: CUDA when a GPU is visible).", _RUNS,
            choices=DEVICE_CHOICES,
-           doc="`auto`, `cuda`, `cpu`",
-           same_work="resolves to the hardware the run is filed under (its gpu label)"),
+           doc="`auto`, `cuda`, `cpu`", same_work="resolves to the hardware the run is filed under (its gpu label)"),
     Option("allow_gpu_mismatch", "bool", False,
            "true: file the run under --gpu even if the hardware differs (tagged gpu_mismatch=true).", _RUNS,
            doc="`true` files the run under `gpu` even when the hardware differs, tagged `gpu_mismatch=true`",
@@ -389,20 +355,17 @@ OPTIONS: tuple[Option, ...] = (
            doc="processes per host, one per GPU. `>1` runs `torchrun --standalone` under the hood; `batch_size` is "
                "per process, so one step of the job is `nproc x batch_size` images. Refused if larger than the "
                "visible GPUs; with `device=cpu` any number of gloo processes runs. For `infer`, each process runs "
-               "its own copy (no DDP) and the throughputs add up.",
-           identity=True),
+               "its own copy (no DDP) and the throughputs add up.", identity=True),
     Option("ddp_bucket_mb", "float", DDP_BUCKET_MB,
            "DDP gradient bucket size in MB (torch's bucket_cap_mb): gradient all-reduced per call, with nproc>1.",
            _DDP,
            doc="DDP gradient bucket size in MB (torch's `bucket_cap_mb`): how much gradient one all-reduce carries. "
-               "Train with `nproc>1` only; tagged on the run",
-           identity=True),
+               "Train with `nproc>1` only; tagged on the run", identity=True),
     Option("ddp_static_graph", "bool", False,
            "true: DDP static_graph (skips per-step graph bookkeeping; the graph must not change), with nproc>1.", _DDP,
            doc="`true` sets DDP's `static_graph` (no per-step graph bookkeeping; the model's graph must not change). "
                "`compare` keeps runs with different DDP settings apart (its `ddp` column) and scales each from the "
-               "same `nproc=1` runs",
-           identity=True),
+               "same `nproc=1` runs", identity=True),
     Option("ddp_comm_hook", "choice", "none",
            "none, or bf16/fp16: DDP all-reduces the gradients in that precision (torch's compress hook), with nproc>1.",
            _DDP, choices=DDP_COMM_HOOKS,
@@ -441,18 +404,15 @@ OPTIONS: tuple[Option, ...] = (
            same_work="the profiled steps run after the timed windows, never inside them"),
     Option("seed", "int", 0, "seed of the model init and the data.", ("bench", "infer", "train"), minimum=0,
            maximum=SEED_MAX,
-           doc="torch seed for weights and synthetic data",
            same_work="the values of the weights and synthetic data, not their shapes: the same kernels on "
                      "other numbers"),
     Option("nnodes", "int", 1, "hosts in a multi-host DDP job: the same command on each, with its --node-rank and one "
            "--rdzv-endpoint.", _DDP, minimum=1, spec_field=False,
            doc="hosts in a multi-host job: run the same command on every host with its own `node_rank` and the "
                "same `rdzv_endpoint`. Node 0 holds rank 0 and the MLflow run (start it there with `mlflow run` or "
-               "`vitreg bench`); other hosts use `vitreg bench --node-rank k`, which opens no run.",
-           identity=True),
+               "`vitreg bench`); other hosts use `vitreg bench --node-rank k`, which opens no run.", identity=True),
     Option("node_rank", "int", 0, "this host's index, 0..nnodes-1; node 0 holds rank 0, which logs the MLflow run.",
-           _DDP, minimum=0, spec_field=False, doc="this host's index, `0`...`nnodes-1`",
-           same_work="which host of the job this is; the job is the same"),
+           _DDP, minimum=0, spec_field=False, same_work="which host of the job this is; the job is the same"),
     Option("rdzv_endpoint", "str", "", "HOST:PORT on node 0 that every host can reach (nnodes>1).", _DDP,
            spec_field=False, doc="`HOST:PORT` on node 0 that every host can reach; required when `nnodes>1`",
            same_work="where the hosts meet; the job is the same"),
@@ -479,29 +439,25 @@ OPTIONS: tuple[Option, ...] = (
            mlproject=False, envvar="VITREG_VERBOSE", aliases=("-v",),
            same_work="what the console prints, not what the run measures"),
     Option("experiment", "str", None, "The experiment whose runs to compare.", ("compare", "check"), required=True,
-           spec_field=False, aliases=("--experiment-name",),
-           same_work="a compare option: it reads runs and measures nothing"),
+           spec_field=False, aliases=("--experiment-name",), same_work=_COMPARES),
     Option("baseline", "str", "", "the --by value to compute speedups against (a GPU label such as a100; 2.8.0 "
-           "with --by torch_version); empty: none.", ("compare",), spec_field=False,
-           same_work="a compare option: it reads runs and measures nothing"),
+           "with --by torch_version); empty: none.", ("compare",), spec_field=False, same_work=_COMPARES),
     Option("metric", "str", "throughput_img_per_s",
            "Metric (task prefix stripped) to compare, e.g. latency_ms_p50, step_ms_p50.", ("compare", "check"),
-           spec_field=False,
-           same_work="a compare option: it reads runs and measures nothing"),
+           spec_field=False, same_work=_COMPARES),
     Option("log_experiment", "str", None, "Experiment for the compare/check run itself (ignored under `mlflow run`).",
            ("compare", "check"), spec_field=False, mlproject=False, envvar="MLFLOW_EXPERIMENT_NAME",
-           same_work="a compare option: it reads runs and measures nothing"),
+           same_work=_COMPARES),
     Option("by", "str", "gpu", "the axis to compare along: gpu, or any tag or param the runs carry (torch_version, "
            "compile, amp, timm_version, vitreg_git_sha, ...); runs are paired when they differ only in it.",
-           ("compare",), spec_field=False,
-           same_work="a compare option: it reads runs and measures nothing"),
+           ("compare",), spec_field=False, same_work=_COMPARES),
     Option("include_mismatch", "bool", False, "true: give mislabelled runs (gpu_mismatch=true, or hardware that is not "
            "their GPU label) speedups and verdicts too; they are marked either way.", ("compare",), spec_field=False,
-           same_work="a compare option: it reads runs and measures nothing"),
+           same_work=_COMPARES),
     Option("prices", "str", "", "USD per GPU-hour by GPU label (h200=3.50,l4=0.80), or a CSV (gpu,usd_per_hour) or "
            "TOML price file: adds $ per 1M images beside img/s and images per joule, with verdicts; kept in the "
            "experiment (tag vitreg_prices) for the team. Empty: the experiment's.", ("compare",), spec_field=False,
-           same_work="a compare option: it reads runs and measures nothing"),
+           same_work=_COMPARES),
     Option("window", "int", 10, "history: the candidate's N previous runs (of its configuration and GPU).", ("check",),
            minimum=1, spec_field=False, same_work=_CHECKS),
     Option("candidate", "str", "", "run id to check (empty: the newest run of each configuration x GPU).", ("check",),
@@ -528,9 +484,8 @@ HELP_GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
                        "compile_cache", "profile", "profile_steps", "engine", "ray_address", "slurm_partition",
                        "slurm_account", "slurm_qos", "slurm_time_min", "slurm_sbatch", "slurm_gpu_by", "slurm_folder",
                        "max_parallel", "isolate", "max_combinations", "rerun_failed")),
-    ("Where to log", ("experiment", "run_name", "offline", "verbose", "baseline_run", "log_every", "checkpoint_every", "keep_checkpoints",
-                      "register_as",
-                      "alias")),
+    ("Where to log", ("experiment", "run_name", "offline", "verbose", "baseline_run", "log_every", "checkpoint_every",
+                      "keep_checkpoints", "register_as", "alias")),
 )
 
 

@@ -1,8 +1,6 @@
-"""Text -> typed value, with a one-line error naming the fix: the parsers of every vitreg option.
-
-Values arrive as strings (``mlflow run -P k=v``, click, environment variables), so a bool is parsed
-from its text, never from its truthiness (``bool("false")`` is True). ``error`` lets a caller raise
-its own :class:`VitregError` subclass (the tracking server's ``ServerError``).
+"""Text -> typed value, with a one-line error naming the fix: the parsers of every vitreg option. A bool is
+parsed from its text, never its truthiness (``bool("false")`` is True); ``error`` lets a caller raise its own
+:class:`VitregError` subclass (the tracking server's ``ServerError``).
 """
 
 from __future__ import annotations
@@ -14,15 +12,14 @@ from vitreg.errors import VitregError
 TRUE = ("1", "true", "yes", "on", "y", "t")
 FALSE = ("0", "false", "no", "off", "n", "f", "")
 AUTO_BATCH = "auto"  # batch_size=auto: the runner searches the batch (vitreg.measure.autobatch)
-#: how alike (difflib's ratio) a mistyped option name must be to a real one to be suggested. click's 0.6, taken
-#: with the two dashes every flag shares, offered `--nnodes` and `--profile` for `--modle` (0.67, 0.63); without
-#: the dashes `--model` scores 0.8 and they 0.55 and 0.5 (`--prof` still finds `--profile`: 0.73)
+#: how alike (difflib's ratio) a mistyped option name must be to a real one to be suggested, without the dashes:
+#: click's 0.6, with them, offered `--nnodes` and `--profile` for `--modle`
 NAME_CUTOFF = 0.7
 
 
 def close_names(typed: str, known, n: int = 1) -> list[str]:
-    """The names of ``known`` alike enough to ``typed`` to suggest (:data:`NAME_CUTOFF`), the closest first, then
-    those it abbreviates (``--batch``: ``--batch-size``); compared without leading dashes, which say nothing."""
+    """The names of ``known`` alike enough to ``typed`` to suggest, the closest first, then those it abbreviates
+    (``--batch``: ``--batch-size``)."""
     bare = {name.lstrip("-"): name for name in known}
     word = typed.lstrip("-")
     alike = difflib.get_close_matches(word, list(bare), n=n, cutoff=NAME_CUTOFF)
@@ -44,8 +41,7 @@ def parse_bool(value, name: str, error: type[VitregError] = VitregError) -> bool
 
 def parse_int(value, name: str, minimum: int | None = None, maximum: int | None = None,
               error: type[VitregError] = VitregError) -> int:
-    """An integer from a string or an int, at least ``minimum`` and, given a ``maximum``, within
-    ``minimum..maximum`` (the message then names the range)."""
+    """An integer from a string or an int, at least ``minimum`` (and, given, at most ``maximum``)."""
     ranged = f"set it to a number from {minimum} to {maximum}" if maximum is not None else None
     try:
         number = int(str(value).strip())
@@ -105,8 +101,7 @@ def param_text(value) -> str:
 
 
 def options_to_args(options: dict) -> list[str]:
-    """``{"batch_size": "64", "compile": "off"}`` -> ``["--batch-size", "64", "--compile", "off"]`` (None skipped):
-    the argv that hands options to a child vitreg process (a torchrun rank, a sweep child)."""
+    """``{"batch_size": "64"}`` -> ``["--batch-size", "64"]`` (None skipped): the argv of a child vitreg process."""
     args = []
     for key, value in options.items():
         if value is not None:

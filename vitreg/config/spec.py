@@ -1,13 +1,10 @@
 """What the user asked for, validated once: :class:`BenchSpec` and :class:`TrainSpec`.
 
-Their fields are the options of :data:`vitreg.config.options.OPTIONS` that the ``bench`` / ``train``
-command forwards to its spec: same names, types and defaults. Values arrive as strings from
-``mlflow run -P k=v`` and from click; each field is parsed by its option's kind, choices and bounds,
-so nothing below this module ever sees an unparsed option. What one value alone cannot say (``min_lr``
-above ``lr``, a teacher without distillation) is checked here, by hand; what CUDA graphs cannot capture
-and what the profiler cannot see are checked by the modules that run them (:mod:`vitreg.measure.graphs`,
-:mod:`vitreg.measure.traces`), called from here. Values that depend on the hardware (``gpu=auto``, ``amp=auto``, ``device=auto``, ``img_size=0``)
-stay symbolic and are resolved by :mod:`vitreg.hardware.profiles` and :mod:`vitreg.models.factory`.
+Their fields are the spec options of :data:`vitreg.config.options.OPTIONS`, each parsed by its option's kind,
+choices and bounds (values arrive as strings from ``-P k=v`` and click), so nothing below sees an unparsed
+option. What one value alone cannot say (``min_lr`` above ``lr``) is checked here. Values that depend on the
+hardware (``gpu=auto``, ``amp=auto``, ``img_size=0``) stay symbolic until :mod:`vitreg.hardware.profiles` and
+:mod:`vitreg.models.factory` resolve them.
 """
 
 from __future__ import annotations
@@ -27,12 +24,9 @@ from vitreg.measure.traces import check_profile_request
 
 
 class _Spec:
-    """What BenchSpec and TrainSpec share: parsing by the table, params for MLflow, construction from dicts.
-
-    A spec class names its command (``command="bench"`` in its bases) and declares that command's spec
-    options as its fields, in table order, their kinds as annotations, their defaults the table's
-    (tests/test_layout.py compares the class bodies with the table).
-    """
+    """What BenchSpec and TrainSpec share: parsing by the table, params for MLflow, construction from dicts. A
+    spec class names its command in its bases and declares that command's spec options as its fields, in table
+    order (tests/test_layout.py compares the class bodies with the table)."""
 
     _kind = "spec"  # the command whose options are the fields; named in the unknown-option message
     _options: tuple = ()
@@ -87,13 +81,8 @@ class _Spec:
 
 @dataclass(frozen=True)
 class BenchSpec(_Spec, command="bench"):
-    """One benchmark: a model, a batch, a precision, a compile mode, and how long to time it.
-
-    ``steps`` iterations make one timed window (0: as many as last ``window_min_s``); ``repeats`` windows
-    give the median and the spread (0: until the median's 95 % interval is within ``precision_pct``, see
-    :class:`vitreg.measure.timing.StopRule`). ``warmup`` iterations run first and are never timed into the result (the first of them
-    carries compilation when ``compile`` is on, and is reported apart as ``compile_time_s``).
-    """
+    """One benchmark: a model, a batch, a precision, a compile mode, and how long to time it (each option's
+    meaning: its entry in the option table)."""
 
     gpu: str = "auto"
     model: str = "vit_base_patch16_224"
@@ -122,7 +111,6 @@ class BenchSpec(_Spec, command="bench"):
     profile: bool = False
     seed: int = 0
 
-
     def _check(self) -> None:
         check_tasks(self.amp, self.tasks)
         check_profile_request(self.profile, self.cuda_graph)
@@ -146,16 +134,8 @@ class BenchSpec(_Spec, command="bench"):
 
 @dataclass(frozen=True)
 class TrainSpec(_Spec, command="train"):
-    """One training run: model, data, optimisation, precision, checkpoints, distillation, registration.
-
-    ``steps`` counts optimizer updates; ``steps=0`` trains ``epochs`` passes over the data instead (a
-    synthetic epoch is :data:`vitreg.train.data.SYNTHETIC_IMAGES_PER_EPOCH` images). The LR follows
-    ``warmup_steps`` of linear warm-up from 1e-6 then a cosine down to ``min_lr`` at the last step.
-    ``num_classes=0`` takes the number of class folders of ``data`` (1000 for synthetic data).
-    ``teacher`` (with ``distillation=soft|hard`` and a ``deit_*_distilled_*`` model) is a timm name
-    (built with random weights: vitreg never downloads), a ``models:/`` URI of a registered model,
-    or a local checkpoint directory.
-    """
+    """One training run: model, data, optimisation, precision, checkpoints, distillation, registration (each
+    option's meaning: its entry in the option table)."""
 
     gpu: str = "auto"
     model: str = "deit_tiny_patch16_224"
@@ -194,7 +174,6 @@ class TrainSpec(_Spec, command="train"):
     ddp_static_graph: bool = False
     ddp_comm_hook: str = "none"
     seed: int = 0
-
 
     def _check(self) -> None:
         if self.steps == 0 and self.epochs == 0:

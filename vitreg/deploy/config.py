@@ -2,7 +2,7 @@
 
 Every check that needs no process runs here (URI schemes and drivers, ports, auth settings), so a bad
 setting is one line before anything starts. :mod:`vitreg.deploy.server` runs the server from it.
-The variables are listed in that module's docstring and in tracking/README.md.
+The variables are listed in tracking/README.md.
 """
 
 from __future__ import annotations
@@ -48,10 +48,7 @@ _PERMISSIONS = ("READ", "USE", "EDIT", "MANAGE", "NO_PERMISSIONS")
 
 
 class ServerError(VitregError):
-    """The server cannot be configured or started; the one-line message says what to do.
-
-    ``details`` optionally holds more lines (the tail of the server log) for a terminal.
-    """
+    """The server cannot be configured or started; ``details``: more lines for a terminal (the log's tail)."""
 
     def __init__(self, message: str, details: str | None = None):
         super().__init__(message)
@@ -63,29 +60,18 @@ def uri_scheme(uri: str) -> str:
 
 
 def _check_backend_uri(uri: str, name: str = "VITREG_BACKEND_URI") -> str:
-    """Validate a database URI (``name`` is the variable it came from).
-
-    Makes a relative SQLite path absolute (the server runs in the data folder) and spells out
-    the installed driver when the URI names none (``postgresql://`` -> ``postgresql+psycopg://``).
-    """
+    """Validate a database URI (from variable ``name``): a relative SQLite path made absolute (the server runs in
+    the data folder), the installed driver spelt out where the URI names none (``postgresql+psycopg://``)."""
     scheme = uri_scheme(uri)
     dialect, _, driver = scheme.partition("+")
     if dialect == "postgres":
-        raise ServerError(
-            f"{name} scheme '{scheme}' is not understood by SQLAlchemy; "
-            "write postgresql://user:password@host:5432/db"
-        )
+        raise ServerError(f"{name} scheme '{scheme}' is not understood by SQLAlchemy; "
+                          "write postgresql://user:password@host:5432/db")
     if dialect not in _DIALECTS or "://" not in uri:
-        raise ServerError(
-            f"{name} scheme '{scheme or uri}' is not supported; use "
-            "sqlite:////absolute/path/mlflow.db or postgresql://user:password@host:5432/db "
-            "(mysql:// and mssql:// also work)"
-        )
+        raise ServerError(f"{name} scheme '{scheme or uri}' is not supported; use sqlite:////absolute/path/mlflow.db "
+                          "or postgresql://user:password@host:5432/db (mysql:// and mssql:// also work)")
     if driver and driver not in _DRIVERS:
-        raise ServerError(
-            f"{name} driver '{driver}' is unknown; use one of "
-            f"{', '.join(sorted(_DRIVERS))} or leave it out"
-        )
+        raise ServerError(f"{name} driver '{driver}' is unknown; use one of {', '.join(sorted(_DRIVERS))} or leave it out")
     if dialect == "sqlite":
         if not uri.startswith("sqlite:///"):
             raise ServerError(f"{name} for SQLite needs three slashes: sqlite:///path/mlflow.db")
@@ -97,11 +83,8 @@ def _check_backend_uri(uri: str, name: str = "VITREG_BACKEND_URI") -> str:
         candidates = _DEFAULT_DRIVERS[dialect]
         installed = [d for d in candidates if importable(_DRIVERS[d][0])]
         if not installed:
-            requirement = _DRIVERS[candidates[0]][1]
-            raise ServerError(
-                f"{name} ({dialect}) needs a database driver; run "
-                f"{Path(sys.executable).name} -m pip install '{requirement}'"
-            )
+            raise ServerError(f"{name} ({dialect}) needs a database driver; run "
+                              f"{Path(sys.executable).name} -m pip install '{_DRIVERS[candidates[0]][1]}'")
         uri = f"{dialect}+{installed[0]}" + uri[len(scheme):]
     return uri
 
@@ -130,21 +113,21 @@ def local_path(dest: str) -> Path:
     return Path(dest)
 
 
-def _parse_port(value) -> int:
-    return parse_int(value, "VITREG_SERVER_PORT", 1, 65535, error=ServerError)
-
-
-def _parse_workers(value) -> int:
-    return parse_int(value, "VITREG_SERVER_WORKERS", 1, 64, error=ServerError)
+#: The variable each field is read from (:meth:`ServerConfig.from_env`); unset or blank: the field's default
+_VARIABLES = {"host": "VITREG_SERVER_HOST", "port": "VITREG_SERVER_PORT", "workers": "VITREG_SERVER_WORKERS",
+              "data_dir": "VITREG_SERVER_DATA", "backend_store_uri": "VITREG_BACKEND_URI",
+              "artifacts_destination": "VITREG_ARTIFACTS_DESTINATION", "allowed_hosts": "VITREG_ALLOWED_HOSTS",
+              "auth": "VITREG_AUTH", "admin_username": "VITREG_ADMIN_USERNAME",
+              "auth_default_permission": "VITREG_AUTH_DEFAULT_PERMISSION",
+              "auth_database_uri": "VITREG_AUTH_DATABASE_URI"}
+#: ... taken verbatim, not stripped: leading and trailing spaces are part of a password
+_SECRETS = {"admin_password": "VITREG_ADMIN_PASSWORD", "secret_key": "MLFLOW_FLASK_SERVER_SECRET_KEY"}
 
 
 @dataclass(frozen=True)
 class ServerConfig:
-    """Everything needed to run one tracking server. Build it with :meth:`from_env`.
-
-    ``backend_store_uri`` and ``artifacts_destination`` default to a SQLite file and a folder
-    inside ``data_dir``. Secrets (``admin_password``, ``secret_key``) stay out of ``repr``.
-    """
+    """Everything needed to run one tracking server (:meth:`from_env`); the store and artifacts default to a SQLite
+    file and a folder in ``data_dir``, and the secrets stay out of ``repr``."""
 
     host: str = "127.0.0.1"
     port: int = 5000
@@ -162,12 +145,11 @@ class ServerConfig:
 
     def __post_init__(self):
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731 (frozen)
-        set_("port", _parse_port(self.port))
-        set_("workers", _parse_workers(self.workers))
+        set_("port", parse_int(self.port, "VITREG_SERVER_PORT", 1, 65535, error=ServerError))
+        set_("workers", parse_int(self.workers, "VITREG_SERVER_WORKERS", 1, 64, error=ServerError))
+        set_("auth", parse_bool(self.auth, "VITREG_AUTH", error=ServerError))
         if not self.host or any(c.isspace() for c in self.host):
-            raise ServerError(
-                f"VITREG_SERVER_HOST={self.host!r} is not a host; use 127.0.0.1 or 0.0.0.0"
-            )
+            raise ServerError(f"VITREG_SERVER_HOST={self.host!r} is not a host; use 127.0.0.1 or 0.0.0.0")
         data_dir = Path(self.data_dir).expanduser().resolve()
         set_("data_dir", data_dir)
         backend = self.backend_store_uri or f"sqlite:///{data_dir / 'mlflow.db'}"
@@ -187,59 +169,31 @@ class ServerConfig:
 
     def _check_auth(self):
         if not self.secret_key:
-            raise ServerError(
-                "VITREG_AUTH=true needs MLFLOW_FLASK_SERVER_SECRET_KEY; export it with a long "
-                "random value, e.g. $(python -c 'import secrets; print(secrets.token_hex(32))')"
-            )
+            raise ServerError("VITREG_AUTH=true needs MLFLOW_FLASK_SERVER_SECRET_KEY; export it with a long random "
+                              "value, e.g. $(python -c 'import secrets; print(secrets.token_hex(32))')")
         if not self.admin_password:
-            raise ServerError(
-                "VITREG_AUTH=true needs VITREG_ADMIN_PASSWORD (12+ characters) for the admin user; "
-                "there is no default password"
-            )
+            raise ServerError("VITREG_AUTH=true needs VITREG_ADMIN_PASSWORD (12+ characters) for the admin user; "
+                              "there is no default password")
         if len(self.admin_password) < 12 or self.admin_password == "password1234":
-            raise ServerError(
-                "VITREG_ADMIN_PASSWORD must have 12+ characters and not be MLflow's old default "
-                "'password1234'; choose another"
-            )
+            raise ServerError("VITREG_ADMIN_PASSWORD must have 12+ characters and not be MLflow's old default "
+                              "'password1234'; choose another")
         if not self.admin_username or not self.admin_username.strip():
-            raise ServerError(
-                "VITREG_ADMIN_USERNAME is empty; leave it unset (admin) or name the admin user"
-            )
+            raise ServerError("VITREG_ADMIN_USERNAME is empty; leave it unset (admin) or name the admin user")
         permission = self.auth_default_permission.strip().upper()
         if permission not in _PERMISSIONS:
-            raise ServerError(
-                f"VITREG_AUTH_DEFAULT_PERMISSION={self.auth_default_permission!r} is unknown; "
-                f"use one of {', '.join(_PERMISSIONS)}"
-            )
+            raise ServerError(f"VITREG_AUTH_DEFAULT_PERMISSION={self.auth_default_permission!r} is unknown; "
+                              f"use one of {', '.join(_PERMISSIONS)}")
         object.__setattr__(self, "auth_default_permission", permission)
         auth_db = self.auth_database_uri or f"sqlite:///{self.data_dir / 'basic_auth.db'}"
-        auth_db = _check_backend_uri(auth_db, "VITREG_AUTH_DATABASE_URI")
-        object.__setattr__(self, "auth_database_uri", auth_db)
+        object.__setattr__(self, "auth_database_uri", _check_backend_uri(auth_db, "VITREG_AUTH_DATABASE_URI"))
 
     @classmethod
     def from_env(cls, environ: dict[str, str] | None = None) -> "ServerConfig":
-        """Read the ``VITREG_*`` variables (module docstring); raise :class:`ServerError`."""
+        """Read the ``VITREG_*`` variables (:data:`_VARIABLES`, :data:`_SECRETS`); raise :class:`ServerError`."""
         env = os.environ if environ is None else environ
-        get = lambda name: (env.get(name) or "").strip() or None  # noqa: E731
-        port = _parse_port(get("VITREG_SERVER_PORT") or "5000")
-        workers = _parse_workers(get("VITREG_SERVER_WORKERS") or "1")
-        auth = parse_bool(env.get("VITREG_AUTH", "false"), "VITREG_AUTH", error=ServerError)
-        return cls(
-            host=get("VITREG_SERVER_HOST") or "127.0.0.1",
-            port=port,
-            workers=workers,
-            data_dir=Path(get("VITREG_SERVER_DATA") or "vitreg-data"),
-            backend_store_uri=get("VITREG_BACKEND_URI"),
-            artifacts_destination=get("VITREG_ARTIFACTS_DESTINATION"),
-            allowed_hosts=get("VITREG_ALLOWED_HOSTS"),
-            auth=auth,
-            admin_username=get("VITREG_ADMIN_USERNAME") or "admin",
-            # Passwords are taken verbatim: leading/trailing spaces are part of them.
-            admin_password=env.get("VITREG_ADMIN_PASSWORD") or None,
-            secret_key=env.get("MLFLOW_FLASK_SERVER_SECRET_KEY") or None,
-            auth_default_permission=get("VITREG_AUTH_DEFAULT_PERMISSION") or "READ",
-            auth_database_uri=get("VITREG_AUTH_DATABASE_URI"),
-        )
+        given = {name: (env.get(variable) or "").strip() for name, variable in _VARIABLES.items()}
+        given.update({name: env.get(variable) for name, variable in _SECRETS.items()})
+        return cls(**{name: value for name, value in given.items() if value})
 
     @property
     def _wildcard(self) -> bool:

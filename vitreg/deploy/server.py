@@ -1,36 +1,17 @@
 """Start and stop the team's MLflow tracking server (``python -m vitreg.deploy.server``).
 
 The server is MLflow's own ``mlflow server``, run as a child process of this interpreter: this
-module never imports mlflow (only ``vitreg/tracking/`` may). It turns
-environment variables into a :class:`~vitreg.deploy.config.ServerConfig`, the config into a command line
-(:func:`build_command`), starts it with its output in ``<data>/server.log`` (:func:`start`), waits
-until ``GET /health`` answers ``OK`` (:func:`wait_healthy`) and stops it again (:func:`stop`).
-
-Environment (all optional)::
-
-    VITREG_SERVER_HOST            127.0.0.1       interface to bind; 0.0.0.0 for a team server
-    VITREG_SERVER_PORT            5000
-    VITREG_SERVER_WORKERS         1               uvicorn workers
-    VITREG_SERVER_DATA            ./vitreg-data   folder for the SQLite store, artifacts, log
-    VITREG_BACKEND_URI            sqlite:///<data>/mlflow.db   (postgresql://... for teams)
-    VITREG_ARTIFACTS_DESTINATION  <data>/artifacts             (s3://bucket/path for teams)
-    VITREG_ALLOWED_HOSTS          passed to --allowed-hosts (MLflow's default: localhost and
-                                  private IPs)
-    VITREG_AUTH                   true -> MLflow basic auth (--app-name basic-auth); then
-    MLFLOW_FLASK_SERVER_SECRET_KEY  is required, and
-    VITREG_ADMIN_PASSWORD         is required (12+ characters; there is no default password)
-    VITREG_ADMIN_USERNAME         admin
-    VITREG_AUTH_DEFAULT_PERMISSION  READ  (what every signed-in user may do on every experiment:
-                                  READ, USE, EDIT, MANAGE, NO_PERMISSIONS)
-    VITREG_AUTH_DATABASE_URI      sqlite:///<data>/basic_auth.db   (users and permissions)
-
-Artifacts are always proxied (``--serve-artifacts``): clients upload through the server, so GPU
-boxes need no S3 credentials and nothing lands in a client's working directory.
+module never imports mlflow (only ``vitreg/tracking/`` may). The ``VITREG_*`` variables (tracking/README.md
+lists them) make a :class:`~vitreg.deploy.config.ServerConfig`, the config a command line
+(:func:`build_command`), started with its output in ``<data>/server.log`` (:func:`start`) until ``GET /health``
+answers ``OK`` (:func:`wait_healthy`), and stopped (:func:`stop`). Artifacts are always proxied
+(``--serve-artifacts``): GPU boxes need no S3 credentials.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import re
 import signal
@@ -49,29 +30,12 @@ from vitreg.tracking.uris import has_credentials, redact
 
 _LOG_TAIL_LINES = 15  # server log lines shown when start-up fails
 
-__all__ = [
-    "ServerConfig",
-    "ServerError",
-    "build_command",
-    "child_env",
-    "main",
-    "start",
-    "stop",
-    "wait_healthy",
-]
 
 def build_command(cfg: ServerConfig) -> list[str]:
-    """The ``mlflow server`` command line for ``cfg``, run with this interpreter.
-
-    A backend URI that carries a password travels in the child's environment
-    (``MLFLOW_BACKEND_STORE_URI``, see :func:`child_env`) instead, so it never shows in ``ps``.
-    """
-    cmd = [
-        sys.executable, "-m", "mlflow", "server",
-        "--host", cfg.host,
-        "--port", str(cfg.port),
-        "--workers", str(cfg.workers),
-    ]
+    """The ``mlflow server`` command line for ``cfg``; a backend URI with a password travels in the child's
+    environment instead (:func:`child_env`), so it never shows in ``ps``."""
+    cmd = [sys.executable, "-m", "mlflow", "server", "--host", cfg.host, "--port", str(cfg.port),
+           "--workers", str(cfg.workers)]
     if not has_credentials(cfg.backend_store_uri):
         cmd += ["--backend-store-uri", cfg.backend_store_uri]
     cmd += ["--serve-artifacts", "--artifacts-destination", cfg.artifacts_destination]
@@ -121,18 +85,12 @@ def _check_port_free(cfg: ServerConfig) -> None:
         try:
             sock.bind((host, cfg.port))
         except socket.gaierror:
-            raise ServerError(
-                f"VITREG_SERVER_HOST={cfg.host!r} does not resolve; use 127.0.0.1 or 0.0.0.0"
-            ) from None
+            raise ServerError(f"VITREG_SERVER_HOST={cfg.host!r} does not resolve; use 127.0.0.1 or 0.0.0.0") from None
         except PermissionError:
-            raise ServerError(
-                f"port {cfg.port} needs root privileges; set VITREG_SERVER_PORT above 1023"
-            ) from None
+            raise ServerError(f"port {cfg.port} needs root privileges; set VITREG_SERVER_PORT above 1023") from None
         except OSError as exc:
-            raise ServerError(
-                f"port {cfg.port} on {cfg.host} is already in use ({exc.strerror}); stop the other "
-                "server or set VITREG_SERVER_PORT to a free port"
-            ) from None
+            raise ServerError(f"port {cfg.port} on {cfg.host} is already in use ({exc.strerror}); stop the other "
+                              "server or set VITREG_SERVER_PORT to a free port") from None
 
 
 def _check_requirements(cfg: ServerConfig) -> None:
@@ -150,21 +108,17 @@ def _check_requirements(cfg: ServerConfig) -> None:
         needs.append(("VITREG_AUTH", "flask_wtf", "mlflow[auth]"))
     for name, module, requirement in needs:
         if not importable(module):
-            raise ServerError(
-                f"{name} needs the Python package {requirement!r}; run "
-                f"{Path(sys.executable).name} -m pip install '{requirement}'"
-            )
+            raise ServerError(f"{name} needs the Python package {requirement!r}; run "
+                              f"{Path(sys.executable).name} -m pip install '{requirement}'")
 
 
 def _prepare(cfg: ServerConfig) -> None:
     try:
         _make_folders(cfg)
     except OSError as exc:
-        raise ServerError(
-            f"cannot write {exc.filename or cfg.data_dir} ({exc.strerror or exc}); set "
-            "VITREG_SERVER_DATA (or VITREG_BACKEND_URI / VITREG_ARTIFACTS_DESTINATION) to a "
-            "writable place"
-        ) from None
+        raise ServerError(f"cannot write {exc.filename or cfg.data_dir} ({exc.strerror or exc}); set "
+                          "VITREG_SERVER_DATA (or VITREG_BACKEND_URI / VITREG_ARTIFACTS_DESTINATION) to a "
+                          "writable place") from None
 
 
 def _make_folders(cfg: ServerConfig) -> None:
@@ -207,18 +161,13 @@ def _last_error(lines: list[str]) -> str:
 
 def wait_healthy(url: str, timeout: float = 60.0, proc: subprocess.Popen | None = None,
                  interval: float = 0.25) -> None:
-    """Poll ``GET url`` (a ``/health`` URL) until it answers 200 ``OK``.
-
-    Raises :class:`ServerError` after ``timeout`` seconds, or as soon as ``proc`` (the server
-    process, when given) has exited.
-    """
+    """Poll ``GET url`` until it answers 200 ``OK``; :class:`ServerError` after ``timeout`` seconds, or once
+    ``proc`` (the server, when given) has exited."""
     deadline = time.monotonic() + timeout
     last = "no answer"
     while True:
         if proc is not None and proc.poll() is not None:
-            raise ServerError(
-                f"the server exited with status {proc.returncode} before {url} answered"
-            )
+            raise ServerError(f"the server exited with status {proc.returncode} before {url} answered")
         try:
             wait = max(0.5, min(5.0, deadline - time.monotonic()))
             with urllib.request.urlopen(url, timeout=wait) as resp:
@@ -238,12 +187,8 @@ def wait_healthy(url: str, timeout: float = 60.0, proc: subprocess.Popen | None 
 
 def start(cfg: ServerConfig, wait: bool = True, timeout: float = 60.0,
           quiet: bool = False) -> subprocess.Popen:
-    """Start ``mlflow server`` for ``cfg`` and (with ``wait``) return once it is healthy.
-
-    The server runs in its own process group (so :func:`stop` also ends its uvicorn workers),
-    with ``cfg.data_dir`` as working directory and its output appended to ``cfg.log_path``.
-    Prints ``export MLFLOW_TRACKING_URI=...`` once healthy unless ``quiet``.
-    """
+    """Start ``mlflow server`` for ``cfg`` in its own process group (:func:`stop` ends its workers too), its output
+    appended to ``cfg.log_path``; with ``wait``, return once it is healthy (printing the URI unless ``quiet``)."""
     _check_requirements(cfg)
     _check_port_free(cfg)
     _prepare(cfg)
@@ -253,15 +198,8 @@ def start(cfg: ServerConfig, wait: bool = True, timeout: float = 60.0,
         shown = " ".join(redact(part) for part in cmd)
         log.write(f"=== vitreg.deploy.server {time.strftime('%Y-%m-%d %H:%M:%S')}: {shown}\n".encode())
         log.flush()
-        proc = subprocess.Popen(
-            cmd,
-            stdin=subprocess.DEVNULL,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env=child_env(cfg),
-            cwd=cfg.data_dir,
-            start_new_session=True,
-        )
+        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                env=child_env(cfg), cwd=cfg.data_dir, start_new_session=True)
     if not wait:
         return proc
     try:
@@ -271,11 +209,9 @@ def start(cfg: ServerConfig, wait: bool = True, timeout: float = 60.0,
         stop(proc)
         tail = _log_tail(cfg.log_path, offset)
         if died:
-            raise ServerError(
-                f"mlflow server exited with status {proc.returncode} during start-up: "
-                f"{_last_error(tail)} (fix that; full log: {cfg.log_path})",
-                details="\n".join(tail),
-            ) from None
+            raise ServerError(f"mlflow server exited with status {proc.returncode} during start-up: "
+                              f"{_last_error(tail)} (fix that; full log: {cfg.log_path})",
+                              details="\n".join(tail)) from None
         raise ServerError(f"{exc} ({cfg.log_path})", details="\n".join(tail)) from None
     except BaseException:  # Ctrl-C or SIGTERM while waiting: the server is in its own group
         stop(proc)
@@ -304,10 +240,8 @@ def _signal_group(proc: subprocess.Popen, sig: int, quiet_only: bool = False) ->
         os.killpg(proc.pid, sig)  # start() made the server the leader of its own group
     except (ProcessLookupError, PermissionError):
         if not quiet_only:
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 proc.send_signal(sig)
-            except ProcessLookupError:
-                pass
 
 
 def _describe(cfg: ServerConfig) -> str:
@@ -322,15 +256,11 @@ def _describe(cfg: ServerConfig) -> str:
 def main(argv: list[str] | None = None) -> int:
     """``python -m vitreg.deploy.server``: run the server in the foreground until Ctrl-C / SIGTERM."""
     mask_console()  # the server's log tail and errors may quote the store's URI
-    parser = argparse.ArgumentParser(
-        prog="python -m vitreg.deploy.server",
-        description="Run the vitreg MLflow tracking server, configured by VITREG_* variables "
-        "(see tracking/README.md).",
-    )
-    parser.add_argument("--dry-run", action="store_true",
-                        help="print the configuration and the mlflow command, start nothing")
-    parser.add_argument("--timeout", type=float, default=60.0,
-                        help="seconds to wait for /health (default 60)")
+    parser = argparse.ArgumentParser(prog="python -m vitreg.deploy.server", description="Run the vitreg MLflow "
+                                     "tracking server, configured by VITREG_* variables (see tracking/README.md).")
+    parser.add_argument("--dry-run", action="store_true", help="print the configuration and the mlflow command, "
+                        "start nothing")
+    parser.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for /health (default 60)")
     args = parser.parse_args(argv)
 
     def _terminate(signum, _frame):

@@ -1,16 +1,9 @@
 """A persistent torch.compile cache: inductor's FX-graph and AOTAutograd caches in a folder that outlives the run.
 
-Inductor already caches compiled graphs on disk, but by default under ``/tmp/torchinductor_<user>``,
-which a reboot or a fresh container wipes: then every run pays the full compile again (minutes
-under ``max-autotune``). :func:`use_compile_cache` points inductor at a folder of the user's
-choice (``compile_cache=`` option, else ``$VITREG_COMPILE_CACHE``, else
-``$XDG_CACHE_HOME/vitreg/inductor`` or ``~/.cache/vitreg/inductor``) before the first compile; the
-Triton kernels, the autotuning results and the FX graphs all go under it.
-
-Whether the cache served a compile is read from inductor's own counters, not guessed from the
-folder: :class:`CacheProbe` snapshots ``torch._dynamo.utils.counters`` around the first (compiling)
-call and says ``warm`` (every graph was a hit), ``cold`` (every graph was compiled), ``partial``
-(some of each) or ``unused`` (no graph went through the cache: ``compile=off``, another backend).
+Inductor's default folder, ``/tmp/torchinductor_<user>``, goes with a reboot or a fresh container, and every
+run then pays the full compile again (minutes under ``max-autotune``). :func:`use_compile_cache` points
+inductor at ``compile_cache=``, else ``$VITREG_COMPILE_CACHE``, else the user's cache folder. Whether the
+cache served a compile is read from inductor's own counters (:class:`CacheProbe`), not guessed from the folder.
 """
 
 from __future__ import annotations
@@ -38,12 +31,8 @@ def default_cache_dir() -> Path:
 
 
 def use_compile_cache(folder: str | os.PathLike | None = None) -> Path:
-    """Make inductor cache into ``folder`` (or :func:`default_cache_dir`); returns the folder.
-
-    Call before the first ``torch.compile`` call of the process. Sets ``TORCHINDUCTOR_CACHE_DIR``
-    (read by inductor each time it resolves its cache folder) and switches the FX-graph and
-    AOTAutograd caches on, in case a user's environment turned them off.
-    """
+    """Make inductor cache into ``folder`` (or :func:`default_cache_dir`), before the process's first compile, with
+    the FX-graph and AOTAutograd caches on (a user's environment may have turned them off); returns the folder."""
     path = Path(folder).expanduser() if folder else default_cache_dir()
     _require_writable(path)
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(path)
@@ -58,20 +47,14 @@ def use_compile_cache(folder: str | os.PathLike | None = None) -> Path:
 
 @contextlib.contextmanager
 def compile_cache_folder(folder: str | os.PathLike | None = None):
-    """:func:`use_compile_cache` for the length of a ``with`` block; the process's previous cache settings
-    come back on exit (a test suite or a notebook that runs several benchmarks keeps its own)."""
+    """:func:`use_compile_cache` for the length of a ``with`` block: the process's own settings come back after
+    (torch's config ``patch`` restores the switches)."""
     import torch._functorch.config as functorch_config
     import torch._inductor.config as inductor_config
 
-    saved = (inductor_config.fx_graph_cache, inductor_config.autotune_local_cache,
-             functorch_config.enable_autograd_cache)
-    with environ_restored("TORCHINDUCTOR_CACHE_DIR"):
-        path = use_compile_cache(folder)
-        try:
-            yield path
-        finally:
-            (inductor_config.fx_graph_cache, inductor_config.autotune_local_cache,
-             functorch_config.enable_autograd_cache) = saved
+    with environ_restored("TORCHINDUCTOR_CACHE_DIR"), functorch_config.patch(enable_autograd_cache=True), \
+            inductor_config.patch(fx_graph_cache=True, autotune_local_cache=True):
+        yield use_compile_cache(folder)
 
 
 def _require_writable(path: Path) -> None:
@@ -93,7 +76,8 @@ def _counts() -> dict[str, int]:
 
 @dataclass
 class CacheProbe:
-    """Counts cache hits and misses between :meth:`start` and :meth:`state`; one per first call."""
+    """Counts cache hits and misses between :meth:`start` and :meth:`state` (one per first call): ``warm`` (every
+    graph a hit), ``cold`` (every graph compiled), ``partial``, or ``unused`` (no graph went through the cache)."""
 
     before: dict | None = None
 

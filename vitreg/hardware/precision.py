@@ -1,28 +1,12 @@
 """Precision modes: which number format the weights, the activations and the matrix units use.
 
-The ``amp`` option names one of these modes; :func:`resolve_precision` turns it into a
-:class:`Precision` (refusing what the hardware or the task cannot do), and the runner applies it in
-three places: :func:`prepare_model` once after the FLOPs are counted (casts or quantizes the
-weights), :func:`math_mode` around the whole run (TF32 switches, restored afterwards) and
-:func:`autocast` around each step. ``Precision.label`` says what ran, for the ``precision`` tag.
-
-Modes (``amp=`` value -> label):
-- ``off``     -> ``fp32``: fp32 weights and activations, matmuls in strict fp32 (cuDNN convolutions
-  follow torch's own default, which already allows TF32 for them).
-- ``tf32``    -> ``tf32``: fp32 weights and activations; matmuls and convolutions on the TF32 tensor
-  cores (10-bit mantissa inputs, fp32 accumulate). MFU against the TF32 peak. Ampere or later.
-- ``bf16`` / ``fp16`` -> ``autocast-bf16`` / ``autocast-fp16``: fp32 master weights, autocast
-  casts each op's inputs (today's ``amp``); trains and infers.
-- ``bf16-weights`` / ``fp16-weights`` -> same label: the weights themselves cast to bf16/fp16 and
-  the input batch too, no autocast (timm ``benchmark.py --precision bf16``). Inference only: no
-  fp32 master copy, so an optimizer step would round every update away.
-- ``fp8``     -> ``fp8-torchao-tensorwise``: torchao float8 dynamic activation + weight quantization
-  of the Linear layers, the rest in bf16 weights. Inference only, compute capability >= 8.9, torchao
-  installed. ``fp8`` runs the fastest recipe measured: one scale per tensor (on an H200, ViT-B/16,
-  batch 1024, compiled: 12,160 img/s against 11,641 with one scale per row, issue 23). Each recipe can
-  be asked for by name: ``fp8-tensorwise``, ``fp8-rowwise`` (finer scales: closer to bf16 where a
-  tensor's rows differ widely in range). The run logs how far its logits are from bf16's on a fixed
-  input (:func:`fp8_agreement`).
+:func:`resolve_precision` turns the ``amp`` option into a :class:`Precision` (refusing what the hardware or
+the task cannot do); the runner applies it with :func:`prepare_model` (weights cast or quantized, once, after
+the FLOPs are counted), :func:`math_mode` (TF32 switches) and :func:`autocast` (each step). Modes
+(the modes: the ``amp`` option's entry in the option table; :func:`precision_of` names each one's label).
+The weight modes and fp8 are inference only: without an fp32 master copy an optimizer step rounds updates
+away. ``fp8`` is the recipe measured fastest (one scale per tensor: 12,160 img/s against 11,641 per row,
+ViT-B/16 on an H200, issue 23).
 """
 
 from __future__ import annotations
@@ -64,11 +48,7 @@ class Precision:
         return self.amp in INFERENCE_ONLY
 
     def mfu(self, achieved_tflops: float, profile) -> float | None:
-        """Achieved over the dense peak of the units this mode runs on (a GpuProfile's ``peak_tflops``).
-
-        None where the profile has no such peak (CPU, an unknown GPU, ``fp8`` on a profile without
-        an FP8 peak) rather than a ratio against the wrong units.
-        """
+        """Achieved over the profile's dense peak of the units this mode runs on; None where it has none."""
         peak = profile.peak_tflops.get(self.peak_dtype)
         return achieved_tflops / peak if peak else None
 
@@ -89,10 +69,7 @@ def precision_of(amp: str) -> Precision:
 
 def resolve_precision(amp: str, device: str, tasks: tuple[str, ...] = ("infer",),
                       capability: tuple[int, int] | None = None) -> Precision:
-    """Check that ``amp`` can run here and for these tasks; ``capability`` is the GPU's (major, minor).
-
-    ``amp=auto`` must already be resolved (``vitreg.hardware.runtime.resolve_runtime`` does it).
-    """
+    """Check that ``amp`` (``auto`` resolved) can run here and for these tasks; ``capability``: the GPU's."""
     if amp not in PRECISION_CHOICES:
         raise VitregError(f"amp={amp} is not a precision mode: use one of {', '.join(PRECISION_CHOICES)}")
     check_tasks(amp, tasks)
@@ -140,11 +117,8 @@ def torch_dtype(name: str | None):
 
 
 def prepare_model(model, precision: Precision):
-    """Cast or quantize the weights in place for the mode; returns the model.
-
-    Call once, after FLOPs are counted (the counter feeds an fp32 batch) and before torch.compile.
-    The input batch must then be made in :func:`input_dtype`.
-    """
+    """Cast or quantize the weights in place for the mode, after the FLOPs are counted and before torch.compile;
+    returns the model. The input batch must then be made in :func:`input_dtype`."""
     if precision.weights_dtype:
         model = model.to(torch_dtype(precision.weights_dtype))
     if precision.fp8:
@@ -171,10 +145,7 @@ class Fp8Agreement:
 
 
 def fp8_agreement(model, quantized_model, img_size: int, device, batch: int = 64, seed: int = 0) -> Fp8Agreement:
-    """Both models' logits on one seeded random batch (bf16, eval, no grad), compared.
-
-    ``model`` holds the bf16 weights, ``quantized_model`` the same after :func:`quantize_fp8`.
-    """
+    """The bf16 ``model``'s and its :func:`quantize_fp8` copy's logits on one seeded random batch, compared."""
     import torch
 
     gen = torch.Generator(device="cpu").manual_seed(seed)
@@ -194,13 +165,9 @@ def input_dtype(precision: Precision):
 
 @contextlib.contextmanager
 def math_mode(precision: Precision):
-    """TF32 matmuls and convolutions on for a ``tf32`` run, strict fp32 matmuls otherwise; restored on exit.
-
-    Strict is enforced where a caller switched TF32 on globally (timm's benchmark.py does), so an
-    ``amp=off`` figure cannot silently be a TF32 one. Where the setting is already what the mode
-    needs, nothing is touched: torch records an explicit ``highest`` differently from its untouched
-    default, and inductor's CPU code generation tells the two apart.
-    """
+    """TF32 matmuls and convolutions on for a ``tf32`` run, strict fp32 matmuls otherwise (also where a caller
+    switched TF32 on globally, as timm's benchmark.py does); restored on exit. A setting already right is not
+    touched: torch records an explicit ``highest`` apart from its default, and inductor's CPU codegen sees it."""
     import torch
 
     wanted = "high" if precision.tf32 else "highest"

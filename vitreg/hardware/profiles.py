@@ -1,15 +1,9 @@
 """GPU profiles: short labels, dense datasheet peaks, detection and the label check.
 
-A run's ``gpu`` label is what people group by in the MLflow UI, so a wrong label poisons every
-comparison made with it. :func:`resolve_hardware` therefore detects the hardware first and refuses
-an explicit label that does not match (unless the user says ``allow_gpu_mismatch``), before any
-GPU work starts.
-
-Peaks are the vendors' *dense* tensor-core figures (no 2:4 sparsity), in TFLOP/s, per dtype of
-the matrix units that AMP uses: ``bf16``, ``fp16``, ``tf32`` and plain ``fp32``, and ``fp8`` (e4m3, fp32
-accumulate) where the chip has FP8 tensor cores. MFU is achieved
-FLOP/s over that peak; a profile without a peak for the active dtype (CPU, unknown GPU) reports
-no MFU rather than a made-up one.
+A run's ``gpu`` label is what people group by, so a wrong label poisons every comparison made with it:
+:func:`resolve_hardware` refuses an explicit label that does not match the detected hardware (unless
+``allow_gpu_mismatch``), before any GPU work. Peaks are the vendors' *dense* tensor-core TFLOP/s (no 2:4
+sparsity) per dtype; a profile without a peak for the active dtype (CPU, an unknown GPU) reports no MFU.
 """
 
 from __future__ import annotations
@@ -44,22 +38,19 @@ class GpuProfile:
 
 
 # Adding a GPU is one entry here: its label, name, dense peaks per dtype, compute capability, the pattern that
-# detects it and the accelerator type Ray reports for it. The gpu option's help, the README and MLproject text
-# list the labels from here; a sweep's Ray task for gpu=LABEL asks for the profile's ray_type.
-# Dense datasheet peaks (TFLOP/s). Sources: NVIDIA V100, A100, H100, H200, L4, T4 datasheets and the
-# Ada (RTX 4090) whitepaper (fp16/bf16 with fp32 accumulate, which is what PyTorch uses).
-# Ray's types are what its NVIDIA accelerator manager makes of the device name (the model token: "NVIDIA
-# A100-SXM4-80GB" -> A100, "NVIDIA H100 PCIe" -> H100, a GeForce card's whole name "GeForce-RTX-4090");
-# tests/test_hardware.py holds each entry to Ray's own function.
+# detects it and the accelerator type Ray reports for it; the help, README and MLproject list the labels from
+# here. Peaks: NVIDIA's datasheets and the Ada whitepaper (fp16/bf16 with fp32 accumulate, as PyTorch uses).
+# Ray's types are what its NVIDIA accelerator manager makes of the device name (tests/test_hardware.py holds
+# each entry to Ray's own function).
+_A100 = {"bf16": 312.0, "fp16": 312.0, "tf32": 156.0, "fp32": 19.5}
+_H100_SXM = {"fp8": 1978.9, "bf16": 989.4, "fp16": 989.4, "tf32": 494.7, "fp32": 66.9}  # and the H200's
 PROFILES: dict[str, GpuProfile] = {
     p.label: p
     for p in [
         GpuProfile("v100", "NVIDIA V100 (SXM2)", {"fp16": 125.0, "fp32": 15.7}, "7.0", (r"v100",), ray_type="V100"),
         GpuProfile("t4", "NVIDIA T4", {"fp16": 65.0, "fp32": 8.1}, "7.5", (r"\bt4\b",), ray_type="T4"),
-        GpuProfile("a100", "NVIDIA A100 40GB", {"bf16": 312.0, "fp16": 312.0, "tf32": 156.0, "fp32": 19.5},
-                   "8.0", (r"a100(?!.*80)",), ray_type="A100"),
-        GpuProfile("a100-80gb", "NVIDIA A100 80GB", {"bf16": 312.0, "fp16": 312.0, "tf32": 156.0, "fp32": 19.5},
-                   "8.0", (r"a100.*80",), ray_type="A100"),
+        GpuProfile("a100", "NVIDIA A100 40GB", _A100, "8.0", (r"a100(?!.*80)",), ray_type="A100"),
+        GpuProfile("a100-80gb", "NVIDIA A100 80GB", _A100, "8.0", (r"a100.*80",), ray_type="A100"),
         GpuProfile("l4", "NVIDIA L4", {"fp8": 242.8, "bf16": 121.0, "fp16": 121.0, "tf32": 60.0, "fp32": 30.3},
                    "8.9", (r"\bl4\b",), ray_type="L4"),
         GpuProfile("rtx4090", "NVIDIA GeForce RTX 4090", {
@@ -68,20 +59,15 @@ PROFILES: dict[str, GpuProfile] = {
         GpuProfile("h100-pcie", "NVIDIA H100 PCIe", {
                        "fp8": 1513.0, "bf16": 756.0, "fp16": 756.0, "tf32": 378.0, "fp32": 51.0},
                    "9.0", (r"h100.*pcie",), ray_type="H100"),
-        GpuProfile("h100", "NVIDIA H100 SXM", {
-                       "fp8": 1978.9, "bf16": 989.4, "fp16": 989.4, "tf32": 494.7, "fp32": 66.9},
-                   "9.0", (r"h100",), ray_type="H100"),
-        GpuProfile("h200", "NVIDIA H200 SXM", {
-                       "fp8": 1978.9, "bf16": 989.4, "fp16": 989.4, "tf32": 494.7, "fp32": 66.9},
-                   "9.0", (r"h200",), ray_type="H200"),
+        GpuProfile("h100", "NVIDIA H100 SXM", _H100_SXM, "9.0", (r"h100",), ray_type="H100"),
+        GpuProfile("h200", "NVIDIA H200 SXM", _H100_SXM, "9.0", (r"h200",), ray_type="H200"),
         GpuProfile("cpu", "CPU", {}, None, ()),
     ]
 }
 
 
 def label_list(code: bool = False) -> str:
-    """The labels of :data:`PROFILES` in its order, for the ``gpu`` option's help (``v100, t4, ...``) and,
-    with ``code``, the README (```v100`, `t4`, ...``): adding a profile above is all it takes to list it."""
+    """The labels of :data:`PROFILES`, for the ``gpu`` option's help (``v100, t4, ...``; ``code``: the README's)."""
     return ", ".join(f"`{label}`" if code else label for label in PROFILES)
 
 
@@ -92,9 +78,8 @@ RAY_ACCELERATOR_TYPES = {p.label: p.ray_type for p in PROFILES.values() if p.ray
 
 
 def label_of_ray_type(accelerator_type: str) -> str:
-    """vitreg's GPU label for a Ray accelerator type: the label that is the type itself where two share it
-    (``H100`` -> ``h100``), else the one label of that type (``GeForce-RTX-4090`` -> ``rtx4090``); an unknown
-    type lower-cased (``L40S`` -> ``l40s``)."""
+    """vitreg's GPU label for a Ray accelerator type: the type itself where two labels share it (``H100``), else
+    its one label (``GeForce-RTX-4090`` -> ``rtx4090``); an unknown type lower-cased (``L40S`` -> ``l40s``)."""
     labels = [label for label, ray in RAY_ACCELERATOR_TYPES.items() if ray == accelerator_type]
     lowered = accelerator_type.lower()
     return lowered if lowered in labels or not labels else labels[0]
@@ -122,8 +107,6 @@ class DetectedHardware:
 def match_profile(device_name: str) -> GpuProfile:
     """The profile for a CUDA device name; an unknown GPU gets a profile of its own with no peaks."""
     lowered = device_name.lower()
-    # H100 PCIe before H100, A100 80GB before A100: the dict order above puts the specific ones first
-    # within each family, and each pattern excludes the others where needed.
     for profile in PROFILES.values():
         if any(re.search(p, lowered) for p in profile.patterns):
             return profile
@@ -152,10 +135,9 @@ def normalize_label(label: str) -> str:
 
 
 def check_label_here(requested: str, device: str, allow_mismatch: bool) -> None:
-    """Refuse, before torch is imported or any run exists, a ``gpu`` label :func:`resolve_hardware` would refuse
-    on this host whatever it detects: with ``device=cpu`` anything but ``cpu``; else a label of none of the
-    host's GPUs as NVML names them (no CUDA context: milliseconds), nor ``cpu`` where ``device=auto`` may
-    fall back to it. Where NVML cannot say, the label is left to :func:`resolve_hardware`."""
+    """Refuse, before torch is imported, a ``gpu`` label :func:`resolve_hardware` would refuse on this host
+    whatever it detects: a label of none of the host's GPUs as NVML names them (nor ``cpu`` where the device
+    may be the CPU). Where NVML cannot say, the label is left to :func:`resolve_hardware`."""
     label = normalize_label(requested)
     if label == "auto" or allow_mismatch:
         return
@@ -165,39 +147,21 @@ def check_label_here(requested: str, device: str, allow_mismatch: bool) -> None:
     possible = [match_profile(name).label for name in names] + (["cpu"] if device != "cuda" else [])
     if label in possible:
         return
-    close = _close_labels(label)
+    import difflib
+
+    close = difflib.get_close_matches(label, list(PROFILES), n=1, cutoff=0.6)
     what = "" if label in PROFILES else f" ({label!r} is not a known label{f'; did you mean {close[0]}?' if close else ''})"
     raise VitregError(f"gpu={requested} is not this host's hardware ({', '.join(dict.fromkeys(possible))}){what}: use "
                       f"gpu={possible[0]} or gpu=auto (or allow_gpu_mismatch=true to file it as {label} anyway)")
 
 
-def _close_labels(label: str) -> list[str]:
-    import difflib
-
-    return difflib.get_close_matches(label, list(PROFILES), n=1, cutoff=0.6)
-
-
 def _host_gpu_names() -> tuple[str, ...] | None:
     """This host's NVIDIA GPUs as the driver names them (every one, whatever CUDA_VISIBLE_DEVICES hides);
     () without a driver (then torch sees no GPU either); None where NVML cannot say."""
-    try:
-        import pynvml  # from nvidia-ml-py
-    except ImportError:
-        return None
-    try:
-        pynvml.nvmlInit()
-    except (pynvml.NVMLError_LibraryNotFound, pynvml.NVMLError_DriverNotLoaded):
-        return ()
-    except pynvml.NVMLError:
-        return None
-    try:
-        names = [pynvml.nvmlDeviceGetName(pynvml.nvmlDeviceGetHandleByIndex(i))
-                 for i in range(pynvml.nvmlDeviceGetCount())]
-        return tuple(n.decode() if isinstance(n, bytes) else n for n in names)
-    except pynvml.NVMLError:
-        return None
-    finally:
-        pynvml.nvmlShutdown()
+    from vitreg.environment import nvml_ask, nvml_text
+
+    return nvml_ask(lambda nvml: tuple(nvml_text(nvml.nvmlDeviceGetName(nvml.nvmlDeviceGetHandleByIndex(i)))
+                                       for i in range(nvml.nvmlDeviceGetCount())), no_driver=())
 
 
 @dataclass(frozen=True)
@@ -211,21 +175,15 @@ class ResolvedHardware:
 
 
 def resolve_hardware(requested: str, detected: DetectedHardware, allow_mismatch: bool = False) -> ResolvedHardware:
-    """Check the requested label against the detected hardware.
-
-    ``auto`` takes the detected profile. An explicit label must name what is there; otherwise a
-    one-line error names the detected GPU and the label to use. With ``allow_mismatch`` the run
-    goes ahead under the requested label (MFU against that label's peaks) and is tagged
-    ``gpu_mismatch=true`` so it can be filtered out of honest comparisons.
-    """
+    """The requested label checked against the detected hardware (``auto``: the detected profile). With
+    ``allow_mismatch`` another label files the run (MFU against its peaks), tagged ``gpu_mismatch=true``."""
     label = normalize_label(requested)
     if label == "auto":
         return ResolvedHardware(detected.profile.label, detected.profile, detected, False)
-    known = label in PROFILES
     if label == detected.profile.label:
         return ResolvedHardware(label, detected.profile, detected, False)
     if not allow_mismatch:
-        what = "" if known else f" ({label!r} is not a known label; known: {', '.join(PROFILES)})"
+        what = "" if label in PROFILES else f" ({label!r} is not a known label; known: {', '.join(PROFILES)})"
         raise VitregError(
             f"gpu={requested} does not match the detected hardware {detected.name!r}{what}: "
             f"use gpu={detected.profile.label} or gpu=auto (or allow_gpu_mismatch=true to file it as {label} anyway)"

@@ -40,11 +40,8 @@ class Runtime:
         return precisions.torch_dtype(self.precision.autocast_dtype)
 
     def autocast(self, cache: bool = True):
-        """Autocast context for the active precision (a no-op context for the modes without autocast).
-
-        ``cache=False`` turns off autocast's cache of casted weights, which a CUDA graph capture
-        needs (a cast cached at capture would never be redone on replay).
-        """
+        """Autocast for the active precision (a no-op without); ``cache=False`` for a CUDA graph capture (a cast
+        cached at capture would never be redone on replay)."""
         return precisions.autocast(self.precision, self.device, cache)
 
     def grad_scaler(self):
@@ -120,14 +117,9 @@ def compute_dtype(runtime: Runtime):
 
 @contextlib.contextmanager
 def run_context(runtime: Runtime, model, sdpa: str = "auto", compile_cache: str = "", train: bool = False):
-    """What a benchmark or training run holds around all of its steps, the first (compiling) one included.
-
-    In order: the SDPA backend is checked by one real call of the model's attention shape (a
-    one-line refusal before any long work), the compile cache folder is set (before the first
-    compile: inductor reads it when it compiles) when compiling, then the precision's math mode
-    (TF32 switches), the SDPA backend restriction and cuDNN's autotuner. Everything is restored on exit. Yields the
-    compile cache folder (None when not compiling).
-    """
+    """What a run holds around all of its steps, the first (compiling) one included, restored on exit: the SDPA
+    backend checked by one real call first, then the compile cache folder (yielded; None when not compiling),
+    the math mode, the SDPA restriction and cuDNN's autotuner."""
     if sdpa != "auto":
         check_backend(sdpa, runtime.torch_device, compute_dtype(runtime), *attention_shape(model), backward=train)
     with contextlib.ExitStack() as stack:
@@ -140,14 +132,9 @@ def run_context(runtime: Runtime, model, sdpa: str = "auto", compile_cache: str 
 
 @contextlib.contextmanager
 def cudnn_autotuner():
-    """cuDNN's autotuner on for the run (timm's benchmark.py and train.py set it too); restored on exit.
-
-    A benchmark or training run feeds one input shape, so cuDNN times its algorithms once, in the first
-    call (timed apart), and keeps the fastest. Without it, cuDNN's heuristic picks a slow kernel for the
-    ViT patch embedding (a 16x16 convolution of stride 16): on an H200, DeiT-S at batch 1024, bf16,
-    compiled, that convolution took 7.0 ms of a 37.8 ms step, 4.0 ms with the autotuner, and the step
-    went from 27,123 to 29,248 img/s (benchmarks/results/h200-2026-12-02/).
-    """
+    """cuDNN's autotuner on for the run, as timm sets it; restored on exit. One input shape: cuDNN times its
+    algorithms once, in the first call (timed apart). Its heuristic alone picked a slow patch-embedding kernel:
+    DeiT-S on an H200 went from 27,123 to 29,248 img/s with the autotuner (benchmarks/results/h200-2026-12-02/)."""
     import torch
 
     saved = torch.backends.cudnn.benchmark

@@ -1,21 +1,11 @@
 """Which scaled-dot-product-attention kernel runs: chosen by ``sdpa=``, checked by a real call, read back.
 
-timm's ViT attention calls ``F.scaled_dot_product_attention`` (when ``timm.layers.use_fused_attn()``
-is on, the default), and torch picks a kernel per call among its backends. ``sdpa=auto`` leaves
-that choice to torch; ``flash``, ``cudnn``, ``efficient`` or ``math`` allow that backend alone
-(``torch.nn.attention.sdpa_kernel``).
-
-- :func:`check_backend` runs one tiny SDPA call under the requested backend on the run's device,
-  dtype and attention shape, and refuses in one line if torch cannot run it there (the reason is
-  torch's own warning). A table of GPU generations would go stale with every torch release.
-- :func:`sdpa_context` is the context to hold around every step, the first (compiling) one
-  included: inductor resolves the SDPA backend when it traces the graph.
-- :func:`detect_backend` runs one step under torch.profiler and names the backend whose op or
-  kernel actually ran (``sdpa_backend`` tag), whatever was requested.
-
-On CPU torch has two of them, both real CPU kernels: ``flash`` (op
-``aten::_scaled_dot_product_flash_attention_for_cpu``, what ``auto`` picks) and ``math``;
-``efficient`` and ``cudnn`` are CUDA-only.
+``sdpa=auto`` leaves the choice to torch, per call; ``flash``, ``cudnn``, ``efficient`` or ``math`` allow that
+backend alone (``torch.nn.attention.sdpa_kernel``, held around every step: inductor resolves it when it
+traces). :func:`check_backend` runs one tiny call of the run's shape and refuses, with torch's own reason, a
+backend torch cannot run there (a table of GPU generations would go stale with every torch release);
+:func:`detect_backend` names the backend that actually ran, from the profiler. On CPU torch has ``flash``
+(what ``auto`` picks) and ``math``.
 """
 
 from __future__ import annotations
@@ -28,9 +18,8 @@ from vitreg.errors import VitregError
 
 SDPA_CHOICES = ("auto", "flash", "cudnn", "efficient", "math")
 
-# Substrings of profiler event names (CPU-side aten ops and CUDA kernel names) per backend. The
-# aten op is recorded whenever the dispatcher runs it, eager or from an inductor graph; the kernel
-# names catch a launch whose op was not recorded.
+# Substrings of profiler event names per backend: the aten op (recorded eager or from an inductor graph), and
+# the CUDA kernels, for a launch whose op was not recorded.
 BACKEND_MARKERS = {
     "flash": ("_scaled_dot_product_flash_attention", "flash_fwd", "flash_bwd", "pytorch_flash"),
     "efficient": ("_scaled_dot_product_efficient_attention", "_efficient_attention", "fmha_cutlass"),
@@ -74,10 +63,8 @@ def attention_shape(model) -> tuple[int, int, int]:
 
 def check_backend(choice: str, device: str, dtype, num_heads: int, head_dim: int, seq_len: int,
                   backward: bool = False) -> None:
-    """Run one SDPA call of this shape (:func:`attention_shape`) under ``choice``; refuse in one line if torch cannot.
-
-    ``backward=True`` for training: some backends have a forward kernel but no backward for a shape.
-    """
+    """Run one SDPA call of this shape under ``choice`` (with ``backward`` for training: some backends have
+    no backward for a shape); refuse in one line if torch cannot."""
     if choice == "auto":
         return
     import torch
@@ -120,14 +107,9 @@ UNKNOWN = "unknown"  # the step replays inductor's CUDA graphs: no op is recorde
 
 
 def detect_backend(step, device: str, replays_graphs: bool = False) -> str:
-    """Run ``step()`` once under torch.profiler and return :func:`backends_in` of what ran.
-
-    Call it outside the timed windows, under the same :func:`sdpa_context` as the run, on a step
-    that launches kernels one by one (a CUDA-graph replay hides them: detect on a warm compiled
-    step before capture, or on the eager model). ``replays_graphs``: the step replays inductor's
-    CUDA graphs (compile=reduce-overhead/max-autotune), so finding no SDPA op means :data:`UNKNOWN`,
-    not :data:`NO_SDPA`.
-    """
+    """:func:`backends_in` of one ``step()`` under torch.profiler, outside the timed windows, on a step that
+    launches kernels one by one. ``replays_graphs``: the step replays inductor's CUDA graphs, which hide the
+    ops, so finding none means :data:`UNKNOWN`."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 

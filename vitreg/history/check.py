@@ -9,9 +9,9 @@ import numpy as np
 import pandas as pd
 
 from vitreg.console import plural
-from vitreg.history.verdict import change_points
-from vitreg.history.series import CAUSES, HARDWARE, MISSING, CheckError, Selection, Series, honest, require_tags, series_of
-from vitreg.history.verdict import IMPROVED, REGRESSED, UNJUDGED, VERDICTS, judge, needs
+from vitreg.history.series import (CAUSES, HARDWARE, MISSING, CheckError, Selection, Series, cell_text, honest,
+                                   require_tags, series_of)
+from vitreg.history.verdict import IMPROVED, REGRESSED, UNJUDGED, VERDICTS, change_points, judge, needs
 from vitreg.measure.energy import slowed
 from vitreg.measure.metrics import BY_NAME, HIGHER, LOWER
 
@@ -66,8 +66,7 @@ class CheckResult:
 
 def check_runs(frame: pd.DataFrame, metric: str = "throughput_img_per_s", selection: Selection = Selection(),
                seed: int = 0) -> CheckResult:
-    """Check every configuration x GPU of the tidy ``frame`` (:func:`vitreg.tracking.search.tidy`, with
-    :func:`vitreg.history.series.carried_columns` carried) under ``selection``."""
+    """Check every configuration x GPU of the tidy ``frame`` (with :func:`~vitreg.history.series.carried_columns`)."""
     higher = _higher(metric, frame)
     require_tags(honest(frame), selection)
     series = series_of(frame, metric, selection)
@@ -89,38 +88,37 @@ def check_runs(frame: pd.DataFrame, metric: str = "throughput_img_per_s", select
 
 
 def likely_cause(history: pd.DataFrame, candidate: pd.DataFrame) -> str:
-    """``torch_version 2.8.0 -> 2.9.0; batch_chosen 256 -> 128``: the environment of the candidate where it
-    differs from the history's last run ("" when nothing differs or there is no history)."""
+    """``torch_version 2.8.0 -> 2.9.0; batch_chosen 256 -> 128``: where the candidate's environment differs from
+    the history's last run's."""
     if history.empty:
         return ""
     before, now = history.iloc[-1], candidate.iloc[-1]
     changed = []
     for col in CAUSES:
-        if col in history and _cell(before[col]) != _cell(now[col]):
-            changed.append(f"{col} {_cell(before[col])} -> {_cell(now[col])}")
+        if col in history and cell_text(before[col]) != cell_text(now[col]):
+            changed.append(f"{col} {cell_text(before[col])} -> {cell_text(now[col])}")
     return "; ".join(changed)
 
 
 def conditions(history: pd.DataFrame, candidate: pd.DataFrame) -> str:
-    """``throttled: hw_thermal,sw_power_cap (history: sw_power_cap); SM clock 1,500 MHz (history 1,740)``:
-    what the candidate's timed windows met where the history's did not ("" when nothing differs). Heat and
-    hardware brakes are named always; the power cap only where the history held it differently (an H200 under
-    ViT-B sits at its cap in every sample)."""
+    """``throttled: hw_thermal (history: sw_power_cap); SM clock 1,500 MHz (history 1,740)``: what the candidate's
+    timed windows met where the history's did not ("" when nothing differs); the power cap only where the
+    history held it differently (an H200 under ViT-B sits at its cap in every sample)."""
     now, said = candidate.iloc[-1], []
-    throttle, usual = _cell(now.get("throttle")), _usual(history.get("throttle"))
+    throttle, usual = cell_text(now.get("throttle")), _usual(history.get("throttle"))
     if throttle != MISSING and ((usual not in (None, throttle)) or slowed(throttle)):
         said.append(f"throttled: {throttle}" + (f" (history: {usual})" if usual not in (None, throttle) else ""))
     clock, past = now.get("sm_clock_mhz"), pd.to_numeric(history.get("sm_clock_mhz"), errors="coerce")
     if past is not None and pd.notna(clock) and past.notna().any() and clock < past.median() * (1 - CLOCK_DROP):
         said.append(f"SM clock {clock:,.0f} MHz (history {past.median():,.0f})")
-    if _cell(now.get("busy_host")) == "true" and _usual(history.get("busy_host")) != "true":
+    if cell_text(now.get("busy_host")) == "true" and _usual(history.get("busy_host")) != "true":
         said.append("busy host (other processes used the CPUs during the timed windows)")
     return "; ".join(said)
 
 
 def _usual(values) -> str | None:
     """The most common recorded value of a history column (None: nothing recorded)."""
-    recorded = [] if values is None else [_cell(v) for v in values if _cell(v) != MISSING]
+    recorded = [] if values is None else [cell_text(v) for v in values if cell_text(v) != MISSING]
     return max(set(recorded), key=recorded.count) if recorded else None
 
 
@@ -161,6 +159,3 @@ def verdict_line(r) -> str:
     need = f"; {r['needs']}" if r.get("needs") else ""
     return f"{r['verdict'].upper()}: {r['series']} on {r['gpu']}: {ratio}{ci}{limit}; {runs}{cause}{need}"
 
-
-def _cell(v) -> str:
-    return MISSING if v is None or (not isinstance(v, str) and pd.isna(v)) else str(v)

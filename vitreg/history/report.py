@@ -10,9 +10,8 @@ from pathlib import Path
 import numpy as np
 
 from vitreg.analysis.render import frame_html, frame_markdown
-from vitreg.history.verdict import segment_medians
 from vitreg.history.series import MISSING
-from vitreg.history.verdict import CONFIDENCE, NOISE_FLOOR, REGRESSED
+from vitreg.history.verdict import CONFIDENCE, NOISE_FLOOR, REGRESSED, segment_medians
 
 DPI = 80
 # more runs than this: every k-th run is labelled (tick labels are most of a chart's drawing time)

@@ -1,10 +1,6 @@
-"""The series of a check: the runs of each configuration x GPU in run order, and in each which runs are the
-candidate and which its history.
-
-A configuration is the identity options of the option table
-(:func:`vitreg.config.options.identity_names`; runs differing in any of them are never one series); the
-hardware is the GPU label and the GPU model the run detected (``gpu_name``). Mislabelled runs (the tidy
-frame's ``mismatch``: filed under a GPU that did not run them) never enter a series.
+"""The series of a check: the runs of each configuration x GPU in run order, and which are the candidate and
+which its history. A configuration is the identity options of the option table; the hardware the GPU label
+and the GPU model (``gpu_name``). Mislabelled runs (the tidy frame's ``mismatch``) never enter a series.
 """
 
 from __future__ import annotations
@@ -119,7 +115,7 @@ def series_of(frame: pd.DataFrame, metric: str, selection: Selection) -> list[Se
     rows = honest(frame)
     rows = rows[pd.to_numeric(rows[metric], errors="coerce").notna()]
     keys = key_columns(rows)
-    text = pd.DataFrame({k: rows[k].map(_key_text) for k in keys}, index=rows.index)
+    text = pd.DataFrame({k: rows[k].map(cell_text) for k in keys}, index=rows.index)
     out = []
     for values, index in text.groupby(keys, sort=True).groups.items():
         runs = _runs(rows.loc[index], metric, selection.tag_keys)
@@ -164,6 +160,6 @@ def _tagged(runs: pd.DataFrame, tag: tuple[str, str]) -> pd.Series:
     return runs[key].astype(str) == value if key in runs else pd.Series(False, index=runs.index)
 
 
-def _key_text(value) -> str:
-    """A key cell as text (NaN and <NA> as :data:`MISSING`), so that groups of any dtype compare alike."""
+def cell_text(value) -> str:
+    """A cell as text (None, NaN and <NA> as :data:`MISSING`), so that values of any dtype compare alike."""
     return MISSING if value is None or (not isinstance(value, str) and pd.isna(value)) else str(value)

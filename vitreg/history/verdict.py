@@ -1,24 +1,15 @@
 """Did a candidate run get slower than its history? The verdict on one configuration x GPU.
 
-A candidate (one run, or a few repeats) is set against the runs before it. The ratio of medians
-(candidate / history, oriented so that > 1 is better) gets a percentile bootstrap interval
-(:func:`vitreg.analysis.stats.bootstrap_ci`), and the verdict is "regressed" or "improved" only when
-that interval excludes 1 *and* the change is larger than a noise threshold taken from the
-configuration's own spread: the scatter of the history's runs, or the runs' own window-to-window
-spread (``throughput_cv``) where that is larger, scaled by Student's t for the number of history runs
-(few runs: a wide threshold), and never below :data:`NOISE_FLOOR`.
+The ratio of medians (candidate / history, oriented so that > 1 is better) gets a percentile bootstrap
+interval, and the verdict is "regressed" or "improved" only when that interval excludes 1 *and* the change
+exceeds a noise threshold from the configuration's own spread (the history's scatter, or the runs' own
+``throughput_cv`` where larger), scaled by Student's t for the number of history runs, never below
+:data:`NOISE_FLOOR`. tests/test_check_stats.py: a 5 % step after 10 runs at 1 % noise is flagged in >= 95 of
+100 seeds, pure noise at 1-3 % CV in <= 5 of 100.
 
-Tested where the answer is known (tests/test_check_stats.py): a 5 % step after 10 runs at 1 % noise is
-flagged in >= 95 of 100 seeds, pure noise at 1-3 % CV in <= 5 of 100.
-
-Where a series' level changed (the check report marks it, and a change of level names a likely cause):
-change points found by ``ruptures`` (``KernelCPD`` with the linear kernel: the least-squares cost of a shift in the mean, solved by ruptures' C implementation of PELT, Killick et al.
-2012; its Python ``Pelt`` took 2.2 s on 500 runs, this 0.5 ms), not by a hand-written detector.
-
-The series is made relative (value / its median) and divided by its noise, estimated from the run-to-run
-differences (their median absolute value, which a few steps do not move, unlike the standard deviation);
-a change point must then pay a BIC-like penalty of :data:`PENALTY` x log(n). A level shift much smaller
-than :data:`NOISE_FLOOR` is never a change point: the noise is taken as at least a quarter of the floor.
+Change points come from ``ruptures`` (``KernelCPD``, linear kernel: PELT in C, 0.5 ms on 500 runs), on the
+series made relative and divided by its robust run-to-run noise, with a BIC-like penalty of :data:`PENALTY` x
+log(n); a shift much smaller than :data:`NOISE_FLOOR` is never one.
 """
 
 from __future__ import annotations
@@ -36,26 +27,21 @@ VERDICTS = (REGRESSED, IMPROVED, WITHIN_NOISE, NOT_ENOUGH, TOO_NOISY)
 #: the verdicts of a series the check cannot judge: it says what it needs, and exits with a code of its own
 UNJUDGED = (NOT_ENOUGH, TOO_NOISY)
 
-# The change a gate must be able to see. A series whose threshold is wider can hide a regression this large,
-# so "within noise" there would pass what was never judged (a loaded 2-core host gave the same configuration
-# 46-91 % CV and a threshold of 3444 %): such a series is "too noisy", and the check says what it needs. 15 %:
-# ten runs at 3 % CV (threshold ~7 %) stay judged in every seed of tests/test_check_stats.py; at 10 %, 6 of 100
-# such histories came out too noisy by the luck of their scatter.
+# The change a gate must be able to see: a series whose threshold is wider is "too noisy", not "within noise"
+# (a loaded 2-core host gave a threshold of 3444 %). 15 %: ten runs at 3 % CV stay judged in every seed of
+# tests/test_check_stats.py; at 10 %, 6 of 100 came out too noisy by the luck of their scatter.
 CATCH = 0.15
 
-# Fewer than three earlier runs give no estimate of their scatter worth a verdict (two runs: one
-# difference), so such a pair says "not enough history" and never passes or fails a gate.
+# Fewer than three earlier runs give no estimate of their scatter worth a verdict: "not enough history".
 MIN_HISTORY = 3
 
-# The smallest change ever called a regression. Runs of one configuration on separate machine starts
-# differ more than the windows inside a run: the same ViT-B DDP control gave 5,104 and 5,010 img/s on two
-# starts of the H200 pair (-1.8 %), with each run's own window CV at or under 1 % (benchmarks/results/
-# h200x2-2026-11-30-s4/). A gate that fails on less than 2 % would fail on a fresh machine.
+# The smallest change ever called a regression: runs on separate machine starts differ more than the windows
+# inside a run (the same ViT-B DDP control: 5,104 and 5,010 img/s on two starts of the H200 pair, -1.8 %:
+# benchmarks/results/h200x2-2026-11-30-s4/).
 NOISE_FLOOR = 0.02
 
-# Two-sided, for the interval and the threshold's t quantile. In 300 simulated seeds (1-3 % CV, 10 runs of
-# history, one candidate) pure noise crossed either threshold in 2.7-4.3 % and the regression one in 1.3-2.3 %;
-# a 5 % step at 1 % noise was caught in 98.7 %. 0.99 caught only 89 % of those steps.
+# Two-sided, for the interval and the threshold's t quantile: in 300 simulated seeds pure noise crossed either
+# threshold in 2.7-4.3 %, a 5 % step at 1 % noise was caught in 98.7 % (0.99 caught only 89 %).
 CONFIDENCE = 0.95
 N_BOOT = 2000
 
@@ -94,8 +80,7 @@ def noise_of(history, run_cvs=()) -> float:
 
 
 def threshold_of(noise: float, n_history: int, n_candidate: int) -> float:
-    """The relative change pure noise stays within with :data:`CONFIDENCE`: Student's t (``n_history`` - 1
-    degrees of freedom) times the spread of median(candidate) - median(history), at least the floor."""
+    """The relative change pure noise stays within with :data:`CONFIDENCE` (Student's t), at least the floor."""
     from scipy.stats import t
 
     quantile = float(t.ppf(1 - (1 - CONFIDENCE) / 2, n_history - 1))
@@ -133,15 +118,12 @@ def needs(verdict: Verdict) -> str:
     if verdict.verdict != TOO_NOISY:
         return ""
     quiet = verdict.noise * CATCH / verdict.threshold  # the noise at which this history would see CATCH
-    longer = _history_for(verdict.noise, verdict.n_candidate, verdict.n_history)
+    # the fewest history runs at this noise whose threshold is within CATCH (none up to 100: say nothing)
+    longer = next((n for n in range(verdict.n_history + 1, 101)
+                   if threshold_of(verdict.noise, n, verdict.n_candidate) <= CATCH), None)
     more = f", or {longer} runs of history at this noise" if longer else ""
     return (f"sees only changes over {verdict.threshold:.1%}, not {CATCH:.0%}: needs runs with under {quiet:.1%} "
             f"spread (now {verdict.noise:.1%}: a quiet host, longer windows){more}")
-
-
-def _history_for(noise: float, n_candidate: int, n_history: int, most: int = 100) -> int | None:
-    """The fewest history runs at ``noise`` whose threshold is within CATCH (None: more than ``most``)."""
-    return next((n for n in range(n_history + 1, most + 1) if threshold_of(noise, n, n_candidate) <= CATCH), None)
 
 
 # ---------------------------------------------------------------- change points

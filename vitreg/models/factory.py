@@ -26,20 +26,13 @@ class ModelInfo:
 
 
 def check_model_name(name: str, listed_before_ok: bool = True) -> None:
-    """Refuse a name no registered family can build, suggesting the closest real ones (see
-    :func:`vitreg.models.families.check_name`)."""
+    """Refuse a name no registered family can build (:func:`vitreg.models.families.check_name`)."""
     check_name(name, listed_before_ok)
 
 
 def create_model(name: str, img_size: int = 0, num_classes: int = 1000):
-    """Build the model on the CPU with random weights; returns ``(model, ModelInfo)``.
-
-    ``img_size=0`` keeps the model's default resolution. Any other size must be a multiple of the
-    patch size: position embeddings are built for the size given here, and a size the patch grid does
-    not divide fails only at the first forward pass, deep inside the model. A size whose weights alone
-    would not fit in this host's memory is refused before they are allocated (:mod:`vitreg.models.memory`
-    measures them on PyTorch's meta device first).
-    """
+    """Build the model on the CPU with random weights; returns ``(model, ModelInfo)``. ``img_size=0``: the
+    model's default; another must be a multiple of the patch size, and its weights must fit this host."""
     check_host_fits(footprint(name, img_size, num_classes), f"model={name} with img_size={img_size or 'default'}")
     family, size, patch = checked_size(name, img_size)
     try:

@@ -1,11 +1,8 @@
-"""Model families as adapters, each registered under the name prefixes it builds (as timm registers a
-model's entry point under its name, and picks a model's source by its prefix, ``hf-hub:``).
-
-A family knows, for the names it owns: which exist, how to build one with random weights, its patch
-size (the stride of its token grid: an image size must be a multiple of it), and, read from a built
-model, the :class:`Architecture` the memory floor (:mod:`vitreg.models.memory`) and the SDPA check
-(:mod:`vitreg.hardware.sdpa`) need. Nothing else in vitreg parses a model name or reads a model's
-attributes, so adding a family is one :func:`register_family` call at the end of this file.
+"""Model families as adapters, each registered under the name prefixes it builds (as timm picks a model's
+source by its prefix). A family knows which names exist, how to build one with random weights, its patch
+size, and the :class:`Architecture` of a built model (for the memory floor and the SDPA check). Nothing else
+in vitreg parses a model name or reads a model's attributes: adding a family is one :func:`register_family`
+call at the end of this file.
 """
 
 from __future__ import annotations
@@ -54,11 +51,10 @@ class Family:
         raise NotImplementedError
 
     def build(self, name: str, img_size: int, num_classes: int):
-        """The model with random weights at ``img_size`` (checked already) on the current default device."""
+        """The model with random weights at ``img_size`` on the current default device."""
         raise NotImplementedError
 
     def owns(self, model) -> bool:
-        """Whether ``model`` (an instance) is one of this family's."""
         raise NotImplementedError
 
     def architecture(self, model) -> Architecture:
@@ -82,8 +78,12 @@ def family_of(name: str) -> Family:
     owners = [(len(p), f) for f in _FAMILIES for p in f.prefixes if name.startswith(p)]
     if owners:
         return max(owners, key=lambda owner: owner[0])[1]
-    raise VitregError(f"model {name!r} is of no family vitreg builds: use a name starting with "
-                      f"{', '.join(p for f in _FAMILIES for p in f.prefixes)} (e.g. model=vit_base_patch16_224)")
+    raise VitregError(f"model {name!r} is of no family vitreg builds: use a name starting with {_prefixes()} "
+                      "(e.g. model=vit_base_patch16_224)")
+
+
+def _prefixes() -> str:
+    return ", ".join(p for f in _FAMILIES for p in f.prefixes)
 
 
 def family_of_model(model) -> Family:
@@ -112,19 +112,15 @@ def all_names(listed_before_ok: bool = True) -> list[str]:
 
 def check_name(name: str, listed_before_ok: bool = True) -> Family:
     """The family of ``name`` if it can build it; one line with the closest real names otherwise.
-
-    ``listed_before_ok``: answer without importing timm, from the names an earlier process listed for this
-    timm install (:mod:`vitreg.models.learned_facts`) or, for a name not listed there, from timm's source
-    (:func:`vitreg.models.learned_facts.source_names`): a typo costs a file scan, not timm's 3-5 s import. The
-    process that builds the model passes False and asks timm itself.
+    ``listed_before_ok``: answer without importing timm (:mod:`vitreg.models.learned_facts`); the process that
+    builds the model passes False and asks timm itself.
     """
     try:
         family = family_of(name)
     except VitregError:
         if _timm_has(name, listed_before_ok):
             raise VitregError(f"model {name!r} is not a vision transformer vitreg builds: use a name starting with "
-                              f"{', '.join(p for f in _FAMILIES for p in f.prefixes)} "
-                              f"(e.g. model=vit_base_patch16_224)") from None
+                              f"{_prefixes()} (e.g. model=vit_base_patch16_224)") from None
         family = None
     if family is not None and (name in family.names(listed_before_ok)
                                or name in family.names(listed_before_ok, fresh=True)):
@@ -137,15 +133,13 @@ def check_name(name: str, listed_before_ok: bool = True) -> Family:
     elif close:
         hint = f"did you mean {', '.join(close)}?"
     else:
-        prefixes = ", ".join(p for f in _FAMILIES for p in f.prefixes)
-        hint = f"use a name starting with {prefixes} (timm.list_models('vit_*'))"
+        hint = f"use a name starting with {_prefixes()} (timm.list_models('vit_*'))"
     raise VitregError(f"unknown model {name!r}: {hint}")
 
 
 def _timm_names(listed_before_ok: bool, fresh: bool = False) -> frozenset[str]:
-    """timm's model names: listed by timm itself (``listed_before_ok=False``), else without importing it: an
-    earlier process's list, or (``fresh``, or no list kept) timm's source; timm itself when its source
-    cannot be read."""
+    """timm's model names: listed by timm itself (``listed_before_ok=False``), else an earlier process's list, or
+    (``fresh``, or no list kept) timm's source; timm itself when its source cannot be read."""
     if not listed_before_ok:
         return _timm_listed()
     kept = frozenset() if fresh else learned_facts.names()
@@ -176,8 +170,7 @@ def _pair(value) -> tuple:
 
 @functools.lru_cache(maxsize=1)
 def _timm_listed() -> frozenset[str]:
-    """timm's names under every timm family's prefixes (30 ms once timm is imported), kept in the user's
-    cache for processes that only check a name."""
+    """timm's names under every timm family's prefixes, kept for processes that only check a name."""
     import timm
 
     prefixes = tuple(p for f in _FAMILIES if isinstance(f, TimmFamily) for p in f.prefixes)
@@ -188,9 +181,8 @@ def _timm_listed() -> frozenset[str]:
 
 
 class TimmFamily(Family):
-    """timm models with a ``patch_embed`` (its ``grid_size``), ``blocks`` (each an ``attn`` with
-    ``num_heads`` and ``head_dim``, an ``mlp``), ``embed_dim`` and ``num_prefix_tokens``: timm's ViT,
-    DeiT, EVA and their relatives share that layout."""
+    """timm models of the ViT layout (``patch_embed``, ``blocks`` of ``attn`` and ``mlp``, ``embed_dim``,
+    ``num_prefix_tokens``): ViT, DeiT, EVA and their relatives."""
 
     library = "timm"
     loader_line = ('model = timm.create_model(spec["model"], pretrained=False, img_size=spec["img_size"], '
@@ -236,12 +228,8 @@ def _first_linear_width(module, default: int) -> int:
 
 
 def _timm_create(name: str, **kwargs):
-    """``timm.create_model`` with random weights; on the meta device without initialising them.
-
-    Initialising meta tensors computes nothing, but timm's truncated-normal init runs through
-    torch's Python reference ops there: it made a meta build of deit_tiny cost more than a real one,
-    and every command builds its model on the meta device first (:func:`vitreg.models.memory.footprint`).
-    """
+    """``timm.create_model`` with random weights; on the meta device without initialising them (timm's init runs
+    through torch's Python reference ops there: a meta build of deit_tiny cost more than a real one)."""
     import timm
     import torch
 
@@ -255,8 +243,7 @@ def _timm_create(name: str, **kwargs):
 
 @functools.lru_cache(maxsize=None)
 def _timm_stride(name: str, default_size: int) -> int:
-    """Pixels per token side, read from a weightless (meta-device) instance at its default size: the patch
-    size of a plain ViT, the backbone's stride of a hybrid (vit_small_r26_s32: 32, its patch_embed's 1)."""
+    """Pixels per token side, read from a meta-device instance: a plain ViT's patch size, a hybrid's stride."""
     import torch
 
     with torch.device("meta"):
@@ -278,7 +265,7 @@ class TorchvisionFamily(Family):
     PATCH_SIZES = {"vit_b_16": 16, "vit_b_32": 32, "vit_l_16": 16, "vit_l_32": 32, "vit_h_14": 14}
 
     def names(self, listed_before_ok: bool = False, fresh: bool = False) -> frozenset[str]:
-        return frozenset(self.prefixes[0] + arch for arch in self.PATCH_SIZES)
+        return frozenset(self.shown_names())
 
     def shown_names(self) -> tuple[str, ...]:
         return tuple(self.prefixes[0] + arch for arch in self.PATCH_SIZES)

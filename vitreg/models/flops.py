@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
+
 
 def count_flops(fn, *args, attention: bool = False) -> int:
-    """FLOPs of one call of ``fn(*args)`` as PyTorch's FlopCounterMode counts them (2 per multiply-add).
-
-    It counts the matrix products and attention that dominate a ViT; element-wise work (GELU,
-    LayerNorm, softmax) is not counted, which is the usual convention for MFU. ``attention``: only
-    the fused attention ops' (SDPA's flash, efficient and cuDNN kernels, forward and backward), which a
-    step's anatomy puts beside the attention kernels' time; the total less them is the matmuls'.
-    """
+    """FLOPs of one call of ``fn(*args)`` as PyTorch's FlopCounterMode counts them (2 per multiply-add): matrix
+    products and attention, not element-wise work (the usual convention for MFU). ``attention``: only the fused
+    attention ops' (SDPA's kernels, forward and backward), which a step's anatomy puts beside the attention
+    kernels' time; the total less them is the matmuls'."""
     from torch.utils.flop_counter import FlopCounterMode
 
     counter = FlopCounterMode(display=False)
@@ -21,19 +20,24 @@ def count_flops(fn, *args, attention: bool = False) -> int:
     return int(counter.get_total_flops())
 
 
+@contextlib.contextmanager
+def _mode(model, training: bool):
+    """``model`` in train or eval mode for the block, as it was after."""
+    was_training = model.training
+    model.train(training)
+    try:
+        yield
+    finally:
+        model.train(was_training)
+
+
 def forward_flops_per_image(model, img_size: int, device, attention: bool = False) -> int:
     """Forward FLOPs for one image, counted on the real (uncompiled) model in eval mode (``attention``: see
     :func:`count_flops`)."""
     import torch
 
-    was_training = model.training
-    model.eval()
-    try:
-        x = torch.randn(1, 3, img_size, img_size, device=device)
-        with torch.no_grad():
-            return count_flops(model, x, attention=attention)
-    finally:
-        model.train(was_training)
+    with _mode(model, False), torch.no_grad():
+        return count_flops(model, torch.randn(1, 3, img_size, img_size, device=device), attention=attention)
 
 
 def train_flops_per_image(model, img_size: int, device, loss_fn, attention: bool = False) -> int:
@@ -41,17 +45,9 @@ def train_flops_per_image(model, img_size: int, device, loss_fn, attention: bool
     :func:`count_flops`)."""
     import torch
 
-    was_training = model.training
-    model.train()
-    try:
-        x = torch.randn(1, 3, img_size, img_size, device=device)
-        y = torch.zeros(1, dtype=torch.long, device=device)
-
-        def step():
-            loss_fn(model(x), y).backward()
-
-        flops = count_flops(step, attention=attention)
+    x = torch.randn(1, 3, img_size, img_size, device=device)
+    y = torch.zeros(1, dtype=torch.long, device=device)
+    with _mode(model, True):
+        flops = count_flops(lambda: loss_fn(model(x), y).backward(), attention=attention)
         model.zero_grad(set_to_none=True)
         return flops
-    finally:
-        model.train(was_training)

@@ -1,11 +1,9 @@
 """The least memory a benchmark needs, known before anything is allocated.
 
-A batch or an image size nobody can run (a batch of millions, an image of a million pixels a side) would
-otherwise end in an allocation traceback, or get the process killed by the OOM killer. The model is built
-once on PyTorch's ``meta`` device (shapes, no storage) to read its parameter count, width, depth and
-token count; from those come lower bounds: what the weights, one input batch and the activations that
-must exist at once take. A bound is a floor, never a guess from above, so nothing that could run is
-refused; what it catches is what cannot.
+A batch or an image size nobody can run would end in an allocation traceback or the OOM killer. The model is
+built once on PyTorch's ``meta`` device (shapes, no storage) to read its sizes; from those come lower bounds:
+the weights, one input batch and the activations that must exist at once. A floor, never a guess from above,
+so nothing that could run is refused.
 """
 
 from __future__ import annotations
@@ -24,8 +22,7 @@ HALF_BYTES = 2  # activations are at least bf16/fp16 wide
 
 @dataclass(frozen=True)
 class Footprint:
-    """Sizes of a model at one resolution, read from a weightless instance (its family's
-    :class:`~vitreg.models.families.Architecture`, with the parameter count)."""
+    """Sizes of a model at one resolution, read from a weightless instance."""
 
     params: int
     tokens: int  # sequence length: patches + class/distillation/register tokens
@@ -46,8 +43,8 @@ TORCH_MAX_ELEMENTS = 2**63 - 1
 
 
 def checked_size(name: str, img_size: int):
-    """``(family, size, patch_size)`` for building ``name`` at ``img_size`` (0: its default), refusing in one
-    line a name no family builds, a size the patch grid does not divide, or one past torch's integer range."""
+    """``(family, size, patch_size)`` for building ``name`` at ``img_size`` (0: its default), refusing a name no
+    family builds, a size the patch grid does not divide, or one past torch's integer range."""
     family = check_name(name, listed_before_ok=False)
     size = img_size or family.default_size(name)
     if 3 * size * size > TORCH_MAX_ELEMENTS:
@@ -63,8 +60,7 @@ def checked_size(name: str, img_size: int):
 
 @functools.lru_cache(maxsize=64)  # a job asks several times (the model, the batch, the processes)
 def footprint(name: str, img_size: int = 0, num_classes: int = 1000) -> Footprint:
-    """Build ``name`` on the meta device (no memory) and read its sizes; refuses bad names/sizes as
-    create_model does."""
+    """Build ``name`` on the meta device (no memory) and read its sizes."""
     import torch
 
     family, size, _patch = checked_size(name, img_size)
@@ -93,9 +89,8 @@ def _remember(key: str, measured: Footprint) -> None:
 
 
 def check_ranks_fit(nproc: int, name: str, img_size: int, num_classes: int, device_type: str) -> None:
-    """:func:`check_nproc_fits` for a launcher, which builds no model: from the footprint an earlier process
-    measured for this timm install (:mod:`vitreg.models.learned_facts`; no timm import), else from the model. A
-    refusal is always made from the model itself: an edited cache file can never refuse a job."""
+    """:func:`check_nproc_fits` for a launcher, from the footprint an earlier process kept (no timm import), else
+    from the model; a refusal is always made from the model itself (an edited cache file never refuses a job)."""
     key = _cache_key(name, img_size, num_classes)
     kept = learned_facts.sizes(key)
     if kept is not None and len(kept) == len(fields(Footprint)):
@@ -109,16 +104,10 @@ def check_ranks_fit(nproc: int, name: str, img_size: int, num_classes: int, devi
 
 
 def minimum_bytes(fp: Footprint, batch_size: int, train: bool, sdpa: str = "auto") -> int:
-    """The floor of one step's memory: weights (+ gradients and AdamW's two moments when training), the
-    fp32 input batch, and the activations that must be alive together.
-
-    Inference holds one block's at a time: the residual stream beside the attention's q, k and v, or
-    beside the MLP's hidden layer, whichever is larger. Training keeps, for the backward pass, every
-    block's inputs of its linear layers and of attention (the residual, q, k, v, the attention output,
-    the MLP's input and hidden: 6 widths and one hidden per token). Attention as plain matmuls (a
-    model that does not fuse it, or ``sdpa=math``) also materialises heads x tokens x tokens scores
-    per image: in one block when inferring, kept in every block when training. That term grows with the
-    fourth power of the image side and decides at large image sizes.
+    """The floor of one step's memory: weights (+ gradients and AdamW's two moments when training), the fp32
+    input batch, and the activations alive together: inference one block's (the residual beside q, k, v or
+    the MLP's hidden layer), training every block's inputs of its linear layers and attention (6 widths and one
+    hidden per token). Unfused attention (or ``sdpa=math``) adds heads x tokens x tokens scores per image.
     """
     weights = fp.weight_bytes * (4 if train else 1)
     inputs = batch_size * 3 * fp.img_size**2 * FP32_BYTES
@@ -164,13 +153,8 @@ PROCESS_BASELINE_BYTES = 300 * 1024**2
 
 def check_batch_fits(model, batch_size: int, tasks, device_type: str, device_index: int = 0,
                      available: int | None = None, sdpa: str = "auto") -> None:
-    """Refuse a batch whose step cannot fit the device it runs on, before anything is allocated.
-
-    ``model``: a :class:`Footprint`, a ``ModelInfo`` (its name, img_size and num_classes) or a model
-    name (its default size). ``tasks``: ``"infer"`` and/or ``"train"``; the dearer one decides.
-    ``available``: free bytes (default: what the device reports now). ``sdpa``: the run's backend
-    (``math`` materialises the attention scores).
-    """
+    """Refuse a batch whose step cannot fit the device it runs on, before anything is allocated. ``model``: a
+    :class:`Footprint`, a ``ModelInfo`` or a model name; ``available``: free bytes (default: the device's now)."""
     fp = _footprint_of(model)
     if available is None:
         free, where = device_available(device_type, device_index)
@@ -181,12 +165,9 @@ def check_batch_fits(model, batch_size: int, tasks, device_type: str, device_ind
 
 
 def check_nproc_fits(nproc: int, model, device_type: str, available: int | None = None) -> None:
-    """Refuse ``nproc`` processes on this host when their floor of host memory exceeds what is free.
-
-    Each process needs :data:`PROCESS_BASELINE_BYTES` plus the model's weights (every rank builds the
-    model on the CPU, DDP then copies rank 0's); on the CPU (gloo) it also runs its step there. Run
-    before the launcher starts anyone: past this, the OOM killer takes the launcher and leaves orphans.
-    """
+    """Refuse ``nproc`` processes on this host when their floor of host memory (:data:`PROCESS_BASELINE_BYTES`,
+    the weights every rank builds on the CPU, and on the CPU a step) exceeds what is free: past it, the OOM
+    killer takes the launcher and leaves orphans."""
     fp = _footprint_of(model)
     available = _host_available() if available is None else available
     per_process = PROCESS_BASELINE_BYTES + fp.weight_bytes
