@@ -136,6 +136,8 @@ def test_sigterm_to_the_launcher_keeps_rank0s_hand_off_and_ends_the_run_killed(t
     results = json.loads(Path(c.download_artifacts(run.info.run_id, "results.json", str(tmp_path))).read_text())
     assert results["result"]["step"] == reached and "SIGTERM" in results["result"]["stopped_by"]
     assert run.data.tags.get("torch_version") or any(k.startswith("env_") for k in run.data.tags), run.data.tags
+    logged = {f.path for f in c.list_artifacts(run_id, "torchrun")}  # issue 39: the stopped launcher's logs too
+    assert "torchrun/torchrun.log" in logged and "torchrun/rank0" in logged, logged
 
 
 @pytest.mark.slow

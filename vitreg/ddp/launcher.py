@@ -202,7 +202,13 @@ def launch_job(run, spec, job: JobLaunch, progress):
     try:
         started = time.monotonic()
         torchrun = launch(run, spec, job, folder, progress)
-        returncode = receive(torchrun, reader, run, progress)
+        try:
+            returncode = receive(torchrun, reader, run, progress)
+        except BaseException:  # the launcher was stopped (torchrun is, by now): the ranks' output still goes in
+            if run is not None:
+                with contextlib.suppress(Exception):  # never in the way of the stop itself
+                    _log_rank_logs(run, diagnose(1, folder / _LOGS, spec.nproc, job.placement.node_rank, ""))
+            raise
         outcome = diagnose(returncode, folder / _LOGS, spec.nproc, job.placement.node_rank,
                            _read(folder / _LOGS / TORCHRUN_LOG))
         log(run, reader, outcome, time.monotonic() - started, progress)
