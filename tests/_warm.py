@@ -19,15 +19,16 @@ from vitreg.fleet.worker import DONE, python_command
 
 
 class WarmVitreg:
-    """``vitreg`` commands, one after another, in one worker started in ``cwd`` with ``env``; its stdout goes
-    to ``out_file`` (a file, not a pipe: once the worker says a command ended, all it wrote is there)."""
+    """``vitreg`` commands, one after another, in one worker started in ``cwd`` with ``env`` (and ``popen``'s
+    other arguments: a ``preexec_fn``); its stdout goes to ``out_file`` (a file, not a pipe: once the worker says
+    a command ended, all it wrote is there)."""
 
-    def __init__(self, cwd: Path, env: dict, out_file: Path):
+    def __init__(self, cwd: Path, env: dict, out_file: Path, **popen):
         self._out_path = Path(out_file)
         self._out = open(self._out_path, "wb")
         self._read = 0
         self.proc = subprocess.Popen(python_command("vitreg.cli.worker"), cwd=cwd, env=env, stdin=subprocess.PIPE,
-                                     stdout=self._out, stderr=subprocess.PIPE, text=True, bufsize=1)
+                                     stdout=self._out, stderr=subprocess.PIPE, text=True, bufsize=1, **popen)
 
     def _new_stdout(self) -> str:
         with open(self._out_path, "rb") as out:
