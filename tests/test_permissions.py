@@ -19,6 +19,7 @@ import sys
 
 import pytest
 
+from _warm import WarmVitreg
 from conftest import REPO, migrated_store, subprocess_env
 
 _PR_CAPBSET_DROP = 24
@@ -38,25 +39,41 @@ def _drop_if_root() -> None:
         _without_root_file_access()
 
 
-@pytest.fixture
-def unprivileged(tmp_path):
-    """Run ``vitreg ARGS`` as a process that file modes apply to, against a store of its own in tmp_path."""
-    locked = tmp_path / "probe"
+@pytest.fixture(scope="module")
+def warm_unprivileged(tmp_path_factory):
+    """One warm vitreg worker (tests/_warm.py) that file modes apply to: the capabilities are dropped before it
+    starts, as before each command's own process; what the tests check is each command's refusal, not its
+    process's start (seven processes before, each importing torch). None where they cannot be dropped."""
+    root = tmp_path_factory.mktemp("unprivileged")
+    locked = root / "probe"
     locked.write_text("x")
     locked.chmod(0)
     try:
         probe = subprocess.run([sys.executable, "-c", f"open({str(locked)!r}).read()"], capture_output=True,
                                preexec_fn=_drop_if_root)
     except subprocess.SubprocessError as exc:  # prctl refused (no CAP_SETPCAP in this container)
-        pytest.skip(f"cannot drop root's file access here: {exc}")
+        yield f"cannot drop root's file access here: {exc}"
+        return
     if probe.returncode == 0:
-        pytest.skip("file modes do not apply to processes here (root with its capabilities kept)")
-    env = subprocess_env(migrated_store(tmp_path), PYTHONPATH=str(REPO), VITREG_SPOOL_DIR=str(tmp_path / "spool"),
-                         MLFLOW_EXPERIMENT_NAME="unreadable")
+        yield "file modes do not apply to processes here (root with its capabilities kept)"
+        return
+    env = subprocess_env(migrated_store(root / "store"), PYTHONPATH=str(REPO))
+    warm = WarmVitreg(root, env, root / "stdout", preexec_fn=_drop_if_root)
+    yield warm
+    assert warm.close().returncode == 0
+
+
+@pytest.fixture
+def unprivileged(tmp_path, warm_unprivileged):
+    """Run ``vitreg ARGS`` where file modes apply (the module's warm worker), against a store of its own in
+    tmp_path."""
+    if isinstance(warm_unprivileged, str):
+        pytest.skip(warm_unprivileged)
+    env = {"MLFLOW_TRACKING_URI": migrated_store(tmp_path), "VITREG_SPOOL_DIR": str(tmp_path / "spool"),
+           "MLFLOW_EXPERIMENT_NAME": "unreadable"}
 
     def run(*args: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "vitreg", *args], cwd=tmp_path, env=env, capture_output=True,
-                              text=True, timeout=300, preexec_fn=_drop_if_root)
+        return warm_unprivileged.run(*args, env=env)
 
     def run_here(*args: str):
         """``vitreg ARGS`` in this process (click's CliRunner), with the same store and settings: a check that

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from _warm import WarmVitreg
 from conftest import free_port, premigrated
 
 SECRET = "Sup3rS3cretPw"
@@ -58,14 +59,31 @@ class Box:
         self.uri = f"http://{userinfo}@127.0.0.1:{port}"
         self.outputs: list[str] = []
 
-    def run(self, *args: str, offline: bool = False, expect: int = 0) -> subprocess.CompletedProcess:
+        self.warm: WarmVitreg | None = None
+
+    def env(self) -> dict:
         env = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_", "VITREG_"))}
         env.update(MLFLOW_TRACKING_URI=self.uri, MLFLOW_EXPERIMENT_NAME="secrets", MLFLOW_DISABLE_TELEMETRY="true",
                    VITREG_SPOOL_DIR=str(self.spool), PYTHONUNBUFFERED="1", VITREG_FLUSH_TIMEOUT_S="20")
-        if offline:
-            env["VITREG_OFFLINE"] = "1"
-        proc = subprocess.run([sys.executable, "-m", "vitreg", *args], cwd=self.cwd, env=env, capture_output=True,
-                              text=True, timeout=300)
+        return env
+
+    def start_warm(self, out_file: Path) -> None:
+        """The next commands run in one warm vitreg worker (tests/_warm.py) instead of a process each."""
+        self.warm = WarmVitreg(self.cwd, self.env(), out_file)
+
+    def close_warm(self) -> None:
+        """End the warm worker; what it printed as it ended is searched too."""
+        ended = self.warm.close()
+        self.outputs.append(f"$ (the warm worker ends)\n{ended.stdout}\n{ended.stderr}")
+        assert ended.returncode == 0, self.outputs[-1][-3000:]
+
+    def run(self, *args: str, offline: bool = False, expect: int = 0) -> subprocess.CompletedProcess:
+        extra = {"VITREG_OFFLINE": "1"} if offline else {}
+        if self.warm:
+            proc = self.warm.run(*args, env=extra)
+        else:
+            proc = subprocess.run([sys.executable, "-m", "vitreg", *args], cwd=self.cwd, env={**self.env(), **extra},
+                                  capture_output=True, text=True, timeout=300)
         self.outputs.append(f"$ vitreg {' '.join(args)}\n{proc.stdout}\n{proc.stderr}")
         assert proc.returncode == expect, self.outputs[-1][-3000:]
         assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
@@ -82,7 +100,10 @@ def files_holding(root: Path, needle: bytes) -> list[str]:
 
 @pytest.mark.slow
 def test_no_command_prints_or_stores_the_tracking_uris_password(tmp_path, mlflow_server):
+    """Thirteen commands in one warm vitreg worker (a real process: what they print, exit with and store is
+    each command's; how a process starts with a secret URI is the token and dead-server tests' own)."""
     box = Box(tmp_path, mlflow_server.port, f"alice:{SECRET}")
+    box.start_warm(tmp_path / "warm-stdout")
     bench = box.run(*BENCH)
     assert "logged run" in bench.stdout + bench.stderr and "http://***@127.0.0.1" in bench.stderr
     train = run_id_of(box.run(*TRAIN))
@@ -101,6 +122,7 @@ def test_no_command_prints_or_stores_the_tracking_uris_password(tmp_path, mlflow
     spooled = tmp_path / "spool-copy"
     shutil.copytree(box.spool, spooled)
     box.run("sync")
+    box.close_warm()
 
     printed = "\n".join(box.outputs)
     assert SECRET not in printed, [line for line in printed.splitlines() if SECRET in line]
