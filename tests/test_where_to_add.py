@@ -186,9 +186,10 @@ def test_an_option_is_one_entry_in_options(tmp_path):
     """)
     spec_py = tree / "vitreg/config/spec.py"  # a spec field: its line in the spec's class body, in table order
     body = spec_py.read_text()
-    anchor = '    """\n\n    gpu: str = "auto"\n    model: str = "vit_base_patch16_224"\n'
-    assert body.count(anchor) == 1, "BenchSpec's body no longer starts with gpu, model: update this test"
-    spec_py.write_text(body.replace(anchor, '    """\n\n    channels_last: bool = False\n' + anchor[9:]))
+    head, cls, rest = body.partition("class BenchSpec(")
+    anchor = '\n\n    gpu: str = "auto"\n'  # the class body's first field, after its docstring
+    assert cls and anchor in rest, "BenchSpec's body no longer starts with gpu: update this test"
+    spec_py.write_text(head + cls + rest.replace(anchor, '\n\n    channels_last: bool = False' + anchor[1:], 1))
     stale = subprocess.run([sys.executable, "-m", "vitreg.config.generate", "--check"], cwd=tree,
                            env={**os.environ, "PYTHONPATH": str(tree)}, capture_output=True, text=True)
     assert stale.returncode == 1 and "make mlproject" in stale.stderr  # the one command the row names

@@ -19,7 +19,6 @@ from vitreg.fleet.axes import LIST_AXES, Combination, axis_texts_of, check_size,
 from vitreg.fleet.board import Board, Clock, format_seconds
 from vitreg.tracking import runs as tracking
 from vitreg.tracking.spool import offline_mode
-from vitreg.tracking.search import SUPERSEDED_TAG
 
 SWEEP_LISTS = tuple(LIST_AXES)
 #: the wall time of one tiny child (start-up, imports, the model, logging: 22.7 s for test_vit on this project's
@@ -178,7 +177,7 @@ def rerun_failed(settings: SweepSettings, max_oom_retries: int = 3, progress=pro
     KILLED, or none: the sweep was stopped before it started) runs again as a new child of the same parent, with
     its options (:data:`COMBINATIONS_FILE`, or its child's :data:`OPTIONS_TAG`), on the parent's engine with
     the parent's engine options (:data:`SETTINGS_TAG`; those given now win); the child it replaces is tagged
-    :data:`SUPERSEDED_TAG`. FINISHED children stay as they are. The parent is open again meanwhile and ends
+    ``sweep_superseded_by``. FINISHED children stay as they are. The parent is open again meanwhile and ends
     with the status of all of its combinations (FAILED while any has no FINISHED child)."""
     parent_run, runs = tracking.run_and_children(settings.rerun_failed)
     latest = _latest_child_per_combination(parent_run, runs)
@@ -285,7 +284,7 @@ class _Context:
         child_id = tracking.create_child_run(self.parent, name, tags)
         self._index_of[child_id] = index
         if index in self.superseded:  # the old child stays (its failure is history): it says what replaced it
-            tracking.set_run_tags(self.superseded.pop(index), {SUPERSEDED_TAG: child_id})
+            tracking.set_run_tags(self.superseded.pop(index), {tracking.SUPERSEDED_TAG: child_id})
         return child_id
 
     def record(self, child_id: str, ok: bool) -> None:

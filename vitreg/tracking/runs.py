@@ -40,6 +40,7 @@ from vitreg.tracking.uris import current_uri, redact, scrub, tracking_uri, witho
 
 RESUMED_FROM_TAG = "vitreg_resumed_from"  # on the new run: the run id of the checkpoint it continues
 RESUMED_BY_TAG = "vitreg_resumed_by"  # on the old run: the newest run that resumed it
+SUPERSEDED_TAG = "sweep_superseded_by"  # on a sweep child a re-run replaced: the run id of its replacement
 DEFAULT_STALE_AFTER_S = 600.0
 
 

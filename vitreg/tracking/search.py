@@ -24,18 +24,14 @@ from vitreg.measure.metrics import TASKS
 from vitreg.tracking.naming import gpu_text, runs_page
 
 
-#: on a sweep's child that ``--rerun-failed`` replaced: the run id of the child that replaced it
-SUPERSEDED_TAG = "sweep_superseded_by"
-
-
 def benchmark_runs(experiment: str) -> pd.DataFrame:
     """The experiment's benchmark runs (bench, infer, train, timm imports), not its compare/check/sweep runs
     nor a sweep's child a re-run replaced (its figures, if any, are the same work measured again)."""
     from vitreg.tracking import runs as tracking
 
     runs = benchmarks_only(tracking.search_runs(experiment))
-    if f"tags.{SUPERSEDED_TAG}" in runs:
-        runs = runs[runs[f"tags.{SUPERSEDED_TAG}"].isna()]
+    if f"tags.{tracking.SUPERSEDED_TAG}" in runs:
+        runs = runs[runs[f"tags.{tracking.SUPERSEDED_TAG}"].isna()]
     return runs
 
 
