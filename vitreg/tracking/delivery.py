@@ -529,27 +529,29 @@ class SpoolingTracker:
     # ----------------------------------------------------------------- the delivery thread
 
     def _deliver_loop(self) -> None:
+        # short_http_requests around each round, not the whole loop: its settings are asserted afresh each time,
+        # and an idle or forgotten delivery holds no process-wide state between rounds
         retry_at, backoff, next_beat = 0.0, _BACKOFF_FIRST_S, 0.0
-        with short_http_requests():
-            try:
-                # Built here: for a sqlite store the client creates (or migrates) the database, seconds of work
+        try:
+            with short_http_requests():  # for a sqlite store the client creates (or migrates) the database here
                 client = self._client or mlflow.MlflowClient(tracking_uri=self._uri)
                 self._delivery = Delivery(self.spool, client, heartbeat=True)
-                while not self._stopped.is_set() and not self._done.is_set():
-                    now = time.monotonic()
-                    self._wake.wait(retry_at - now if retry_at > now else _DELIVERY_INTERVAL_S)
-                    self._wake.clear()
-                    if self._stopped.is_set() or time.monotonic() < retry_at:
-                        continue
-                    try:
+            while not self._stopped.is_set() and not self._done.is_set():
+                now = time.monotonic()
+                self._wake.wait(retry_at - now if retry_at > now else _DELIVERY_INTERVAL_S)
+                self._wake.clear()
+                if self._stopped.is_set() or time.monotonic() < retry_at:
+                    continue
+                try:
+                    with short_http_requests():
                         next_beat = self._deliver_pending(next_beat)
-                        retry_at, backoff = 0.0, _BACKOFF_FIRST_S
-                    except Exception as exc:  # noqa: BLE001 - any server or network failure: retry later
-                        self._last_error = first_line(exc)
-                        retry_at, backoff = time.monotonic() + backoff, min(backoff * 2, _BACKOFF_MAX_S)
-            finally:
-                if not self._done.is_set():
-                    self.spool.release()  # undelivered: `vitreg sync` may take it once this ends
+                    retry_at, backoff = 0.0, _BACKOFF_FIRST_S
+                except Exception as exc:  # noqa: BLE001 - any server or network failure: retry later
+                    self._last_error = first_line(exc)
+                    retry_at, backoff = time.monotonic() + backoff, min(backoff * 2, _BACKOFF_MAX_S)
+        finally:
+            if not self._done.is_set():
+                self.spool.release()  # undelivered: `vitreg sync` may take it once this ends
 
     def _deliver_pending(self, next_beat: float) -> float:
         """One round: send what is pending (or a heartbeat when due); returns when the next beat is due."""

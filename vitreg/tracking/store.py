@@ -278,10 +278,12 @@ def short_http_requests():
     """
     global _short_http_users
     with _short_http_lock:
+        settings = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": str(http_timeout_s())}
         if _short_http_users == 0:
-            settings = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": str(http_timeout_s())}
             _saved_http_settings.update({name: os.environ.get(name) for name in settings})
-            os.environ.update(settings)
+        # set at every entry, not only the first: whatever changed the variables while another delivery ran (a
+        # caller's own settings, a test's monkeypatch undone) must not give this one MLflow's minutes of retries
+        os.environ.update(settings)
         _short_http_users += 1
     try:
         yield
