@@ -274,7 +274,7 @@ def short_http_requests():
 
     The caller owns the back-off: a dead server then costs seconds, not MLflow's minutes of retries.
     MLflow reads these variables at every request and has no per-client setting, so they are set for
-    the whole process while any delivery runs, and restored when the last one ends.
+    the whole process while any delivery round or sync runs, and restored when the last one ends.
     """
     global _short_http_users
     with _short_http_lock:
