@@ -114,19 +114,24 @@ class EnvInfo:
 def capture_environment() -> EnvInfo:
     import torch
 
-    gpu = ("none", 0, None, None)  # name, count, memory in GB, compute capability
+    gpu = {"gpu_name": "none", "gpu_count": 0, "gpu_memory_gb": None, "compute_capability": None}
     nccl = None
     if torch.cuda.is_available():
         props = torch.cuda.get_device_properties(0)
-        gpu = (props.name, torch.cuda.device_count(), round(props.total_memory / 1024**3, 1),
-               f"{props.major}.{props.minor}")
+        gpu = {"gpu_name": props.name, "gpu_count": torch.cuda.device_count(),
+               "gpu_memory_gb": round(props.total_memory / 1024**3, 1),
+               "compute_capability": f"{props.major}.{props.minor}"}
         with contextlib.suppress(Exception):  # NCCL missing from this build
             nccl = ".".join(str(v) for v in torch.cuda.nccl.version()) if torch.distributed.is_available() else None
     cudnn = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
-    return EnvInfo(*gpu, _nvml_driver(), torch.version.cuda, str(cudnn) if cudnn else None, nccl, torch.__version__,
-                   *(_version(dist) for dist in ("torchvision", "timm", "mlflow")), platform.python_version(),
-                   platform.platform(), cpu_model(), os.cpu_count() or 0, socket.gethostname(), git_sha(), nccl_env(),
-                   len(os.sched_getaffinity(0)), torch.get_num_threads())
+    # by name: a field out of place would label a run with another field's value, and nothing would fail
+    return EnvInfo(**gpu, driver_version=_nvml_driver(), cuda_version=torch.version.cuda,
+                   cudnn_version=str(cudnn) if cudnn else None, nccl_version=nccl, torch_version=torch.__version__,
+                   torchvision_version=_version("torchvision"), timm_version=_version("timm"),
+                   mlflow_version=_version("mlflow"), python_version=platform.python_version(), os=platform.platform(),
+                   cpu_model=cpu_model(), cpu_count=os.cpu_count() or 0, hostname=socket.gethostname(),
+                   vitreg_git_sha=git_sha(), nccl_env=nccl_env(), cpus_granted=len(os.sched_getaffinity(0)),
+                   torch_threads=torch.get_num_threads())
 
 
 def user_cache_dir() -> Path:
