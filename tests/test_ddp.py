@@ -493,6 +493,24 @@ def test_diagnose_names_a_rank_killed_by_sigkill_over_its_peer_s_lost_connection
     assert diagnosis.killed_ranks(TORCHRUN_SUMMARY.replace("-9 (pid: 11) (SIGKILL)", "-15 (pid: 11) (SIGTERM)")) == {}
 
 
+def test_diagnose_names_the_stopped_rank_over_its_peer_s_lost_connection(tmp_path):
+    """CI once: SIGTERM to rank 0, whose peer recorded "Connection closed by peer" (exit 1) before rank 0 wrote
+    its own stop; the lost connection follows the stop and must not be named the cause."""
+    lost = ("RuntimeError: [pair.cc:561] Connection closed by peer [127.0.0.1]:16296", 1)
+    stop_line = "[vitreg] stopped by SIGTERM: stopped at step 6/100000; final checkpoint step-6\n"
+    later = fake_logs(tmp_path / "later", {0: stop_line + "error: stopped by SIGTERM\n", 1: lost[0] + "\n"},
+                      errors={1: lost, 0: ("", 143)})
+    out = diagnosis.diagnose(1, later, nproc=2)
+    assert (out.rank, out.exit_code, out.message) == (0, 143, "rank 0: stopped by SIGTERM")
+    # rank 0 ended before it wrote any record: torchrun's summary gives its status
+    summary = TORCHRUN_SUMMARY.replace("-9 (pid: 11) (SIGKILL)", "143 (pid: 11)")
+    silent = fake_logs(tmp_path / "silent", {0: stop_line, 1: lost[0] + "\n"}, errors={1: lost})
+    out = diagnosis.diagnose(1, silent, nproc=2, torchrun_text=summary)
+    assert (out.rank, out.exit_code, out.message) == (0, 143, "rank 0: stopped by SIGTERM")
+    # with nothing else to go by, the lost connection is still said
+    assert diagnosis.diagnose(1, silent, nproc=2).message == f"rank 1: {lost[0]}"
+
+
 def test_diagnose_names_torchrun_itself_when_it_was_stopped(tmp_path):
     logs = fake_logs(tmp_path, {0: "error: stopped by SIGTERM\n", 1: "error: stopped by SIGTERM\n"},
                      errors={0: ("", 143), 1: ("", 143)})

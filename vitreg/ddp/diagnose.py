@@ -6,7 +6,8 @@ root cause. When one worker dies, torchrun stops the others with SIGTERM, and ea
 SIGTERM": consequences, which name the root cause only when no other rank failed. A worker killed by a signal
 it cannot catch (SIGKILL: the OOM killer's) writes nothing and its peers report only the lost connection:
 torchrun's failure summary (in ``torchrun.log``) then gives each failed rank's exit status, and says when
-torchrun itself was stopped; else the last error line of a rank's stderr names the cause.
+torchrun itself was stopped; else the last error line of a rank's stderr names the cause. A lost peer
+follows another rank's end, even a stop's whose record came later: it is named only when nothing else is.
 """
 
 from __future__ import annotations
@@ -74,11 +75,23 @@ def _signal_name(signum: int) -> str:
         return f"signal {signum}"
 
 
+def summary_failures(torchrun_text: str) -> dict[int, int]:
+    """``{global rank: exit status}`` of every failed rank in torchrun's summary."""
+    return {int(rank): int(code) for rank, code in _SUMMARY_FAILURE.findall(torchrun_text)}
+
+
 def killed_ranks(torchrun_text: str) -> dict[int, int]:
     """``{global rank: exit status}`` of the ranks torchrun's summary shows killed by a signal no handler
     caught (SIGKILL, SIGSEGV, SIGABRT...), not the SIGTERM with which torchrun stops the survivors."""
-    failures = {int(rank): int(code) for rank, code in _SUMMARY_FAILURE.findall(torchrun_text)}
-    return {rank: code for rank, code in failures.items() if code < 0 and code not in _NOT_TORCHRUN_S_STOP}
+    return {rank: code for rank, code in summary_failures(torchrun_text).items()
+            if code < 0 and code not in _NOT_TORCHRUN_S_STOP}
+
+
+def _stop_signal(code: int) -> int | None:
+    """The stop signal an exit status says a rank ended by (143 or -15: SIGTERM), else None."""
+    if code in STOPPED_CODES:
+        return code - 128
+    return -code if code in _NOT_TORCHRUN_S_STOP else None
 
 
 @dataclass(frozen=True)
@@ -149,12 +162,21 @@ def _killed_outcome(outcome: LaunchOutcome, killed: dict[int, int]) -> LaunchOut
     return replace(outcome, rank=rank, error=why)
 
 
+def _code(error: dict, returncode: int) -> int:
+    return int(error.get("errorCode") or returncode)
+
+
+def _recorded(outcome: LaunchOutcome, rank_dir: Path, error: dict) -> LaunchOutcome:
+    """The outcome a rank's error file tells: its message (else its stderr's last error line), its exit status."""
+    message = error.get("message") or last_error_line(_stderr_of(rank_dir))
+    return replace(outcome, exit_code=_code(error, outcome.returncode), rank=outcome._global(rank_dir), error=message)
+
+
 def diagnose(returncode: int, log_dir: Path, nproc: int, node_rank: int = 0, torchrun_text: str = "") -> LaunchOutcome:
     """Name the root cause of a failed job, in this order: torchrun itself stopped by a signal; the first
-    error file written by a rank that failed on its own (not one that only lost its peer); a rank killed
-    by a signal no handler caught (torchrun's summary in ``torchrun_text``); a rank (rank 0 first) that wrote
-    no error file and whose stderr ends with an error line; a rank that was stopped
-    (SIGTERM/SIGHUP/SIGINT). Its message, and its exit status where it recorded one."""
+    error file written by a rank that failed on its own (not stopped, not one that only lost its peer); a rank
+    killed by a signal no handler caught (torchrun's summary in ``torchrun_text``); then what
+    :func:`_first_stop` finds. Its message, and its exit status where it recorded one."""
     log_dir = Path(log_dir)
     outcome = LaunchOutcome(returncode, returncode, None, None, log_dir, nproc, node_rank)
     if returncode == 0:
@@ -164,25 +186,33 @@ def diagnose(returncode: int, log_dir: Path, nproc: int, node_rank: int = 0, tor
         signum = int(signalled.group(1))
         return replace(outcome, exit_code=128 + signum,
                        error=f"torchrun was stopped by {_signal_name(signum)}, and its ranks with it")
+    errors = [(d, e) for _, d, e in _error_files(log_dir)]
+    first_hand = [(d, e) for d, e in errors
+                  if _code(e, returncode) not in STOPPED_CODES and not _PEER_LOST.search(str(e.get("message") or ""))]
+    if first_hand:
+        return _recorded(outcome, *first_hand[0])
     killed = killed_ranks(torchrun_text)
-
-    def recorded(rank_dir: Path, error: dict) -> LaunchOutcome:
-        message = error.get("message") or last_error_line(_stderr_of(rank_dir))
-        return replace(outcome, exit_code=int(error.get("errorCode") or returncode), rank=outcome._global(rank_dir),
-                       error=message)
-
-    errors = _error_files(log_dir)
-    failed = [(d, e) for _, d, e in errors if int(e.get("errorCode") or returncode) not in STOPPED_CODES]
-    if len(failed) < len(errors) or killed:  # a rank was stopped or killed: its peers only report the loss
-        failed = [(d, e) for d, e in failed if not _PEER_LOST.search(str(e.get("message") or ""))]
-    if failed:
-        return recorded(*failed[0])
-    with_file = {d for _, d, _ in errors}
     if killed:
         return _killed_outcome(outcome, killed)
-    rank_dirs = sorted({p.parent for p in log_dir.glob("*/attempt_*/*/stderr.log")}, key=lambda d: int(d.name))
+    return _first_stop(outcome, errors, torchrun_text)
+
+
+def _first_stop(outcome: LaunchOutcome, errors: list, torchrun_text: str) -> LaunchOutcome:
+    """No rank failed on its own: a rank (rank 0 first) that wrote no error file and whose stderr ends with an
+    error line; the first rank whose error file says it was stopped (SIGTERM/SIGHUP/SIGINT); a rank torchrun's
+    summary shows ended by a stop signal before it wrote one (CI once: rank 0 stopped, its peer's "Connection
+    closed by peer" recorded first); and last a rank that only lost its peer, which always follows another's end."""
+    with_file = {d for d, _ in errors}
+    rank_dirs = sorted({p.parent for p in outcome.log_dir.glob("*/attempt_*/*/stderr.log")}, key=lambda d: int(d.name))
     for rank_dir in rank_dirs:
         error = None if rank_dir in with_file else last_error_line(_stderr_of(rank_dir))
-        if error:
+        if error and not _PEER_LOST.search(error):
             return replace(outcome, rank=outcome._global(rank_dir), error=error)
-    return recorded(*errors[0][1:]) if errors else outcome
+    stopped = [(d, e) for d, e in errors if _code(e, outcome.returncode) in STOPPED_CODES]
+    if stopped:
+        return _recorded(outcome, *stopped[0])
+    signals = {rank: _stop_signal(code) for rank, code in summary_failures(torchrun_text).items() if _stop_signal(code)}
+    if signals:
+        rank = min(signals)
+        return replace(outcome, rank=rank, exit_code=128 + signals[rank], error=f"stopped by {_signal_name(signals[rank])}")
+    return _recorded(outcome, *errors[0]) if errors else outcome
