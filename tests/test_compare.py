@@ -400,6 +400,21 @@ def test_scaling_efficiency_hand_computed():
     assert len(vit) == 1 and math.isnan(vit.iloc[0]["efficiency"])
 
 
+def test_runs_granted_different_cpus_scale_apart_and_the_scaling_table_says_which():
+    def granted(cpus, rows):
+        return [{**r, "tags.cpus_granted": str(cpus), "tags.torch_threads": str(cpus)} for r in rows]
+
+    df = runs(*granted(1, repeats("h200", [100, 100], task="train", nproc=1) + repeats("h200", [150], task="train",
+                                                                                         nproc=2)),
+              *granted(16, repeats("h200", [1000, 1000], task="train", nproc=1) + repeats("h200", [1900], task="train",
+                                                                                            nproc=2)))
+    c = compare_gpus(df)
+    s = c.scaling.set_index(["cpus_granted", "nproc"])
+    assert s.loc[(1, 2), "efficiency"] == pytest.approx(0.75) and s.loc[(16, 2), "efficiency"] == pytest.approx(0.95)
+    scaling = format_table(c).split("scaling (train")[1]
+    assert "cpus" in scaling.splitlines()[1] and "threads" in scaling.splitlines()[1], scaling
+
+
 def test_ddp_settings_are_separate_configurations_that_scale_from_the_same_single_process_runs():
     df = runs(
         *repeats("h200", [1000, 1000], task="train", nproc=1, ddp=(25, False)),

@@ -127,7 +127,7 @@ def caveats(comparison) -> list[str]:
 
 
 def _scaling_table(s: pd.DataFrame, heads: dict) -> str:
-    scols = split_constant(s, [k for k in config_columns() if k not in ("task", *SCALED_COLUMNS)])[1]
+    scols = split_constant(s, [k for k in shown_keys(s, "gpu") if k not in ("task", *SCALED_COLUMNS)])[1]
     scols += ["gpu"] + (["mismatch"] if s["mismatch"].any() else [])
     scols += ["nproc", "ddp", "n_runs", s.columns[-3], "speedup_vs_1", "efficiency"]
     return fixed_width(
