@@ -81,14 +81,15 @@ class HostPool:
             self._max += 1
             self._cond.notify_all()
 
-    def launch(self, command: list[str], run_env: dict, gpus: list[str], on_line) -> tuple[int, str, int]:
+    def launch(self, command: list[str], run_env: dict, gpus: list[str], on_line) -> tuple[int, str, int, str]:
         """Run one child (``command``, with ``run_env`` over this process's variables: its run) to its end, in the
         warm worker of its GPUs or in a process of its own: (exit status, the tail of its stderr, the most
-        children at once meanwhile)."""
-        env = self._env(gpus)
+        children at once meanwhile, its stdout and stderr: a process's own, "" from a warm worker, whose stdout
+        its children share)."""
+        env, log = self._env(gpus), ChildLog()
         with self._cond:
             if self.stopping:
-                return -signal.SIGTERM, "the sweep was stopped before this child started", 0
+                return -signal.SIGTERM, "the sweep was stopped before this child started", 0, ""
             worker = self._worker(tuple(gpus), env) if self.isolate == "worker" else None
             proc = worker.proc if worker else subprocess.Popen(
                 command, env={**env, **run_env}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -96,12 +97,13 @@ class HostPool:
             self._running[proc.pid] = proc
             for pid in self._running:
                 self._shared[pid] = max(self._shared.get(pid, 0), len(self._running))
-        returncode, tail = worker.run(cli_args(command), run_env, on_line) if worker else relay(proc, on_line)
+        returncode, tail = (worker.run(cli_args(command), run_env, on_line) if worker
+                            else relay(proc, on_line, log.keep_stdout_echoed))
         if self.stopping:  # the last line is the reason its run is ended with, if it did not end it itself
             tail += f"\nits sweep was {self.stopping}\n"
         with self._cond:
             self._running.pop(proc.pid, None)
-            return returncode, tail, self._shared.pop(proc.pid, 1)
+            return returncode, tail, self._shared.pop(proc.pid, 1), log.text()
 
     def warm_up(self) -> None:
         """Start the warm workers of the one-GPU children (the CPU's one on a host without GPUs) now, so that
@@ -215,13 +217,18 @@ class ChildLog:
         self._lock = threading.Lock()
 
     def keep(self, line: str, stream) -> None:
-        stream.write(line)
-        stream.flush()  # a job's log file holds each line at once: a job SLURM kills keeps what it printed
+        if stream is not None:
+            stream.write(line)
+            stream.flush()  # a job's log file holds each line at once: a job SLURM kills keeps what it printed
         with self._lock:
             self._lines.append(line)
             self._chars += len(line)
             while self._chars > LOG_MAX_CHARS and len(self._lines) > 1:
                 self._chars -= len(self._lines.popleft())
+
+    def keep_stdout_echoed(self, line: str, stream) -> None:
+        """:meth:`keep` echoing only stdout lines: a local child's stderr reaches the console as the sweep's lines."""
+        self.keep(line, stream if stream is sys.stdout else None)
 
     def text(self) -> str:
         with self._lock:
