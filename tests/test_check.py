@@ -90,6 +90,19 @@ def test_nothing_regressed_exits_0_and_a_mislabelled_run_never_enters(client):
     assert odd not in run.data.tags["check_runs_read"] and run.data.metrics["n_mislabelled_rows"] == 1
 
 
+def test_a_run_granted_fewer_cpus_or_threads_is_not_checked_against_the_others_history(client):
+    exp = client.create_experiment("ci")
+    ray = {"cpus_granted": "16", "torch_threads": "16"}
+    for i, value in enumerate(np.random.default_rng(0).normal(600, 6, 10)):
+        log_run(client, exp, i, value, tags=ray)
+    slurm = log_run(client, exp, 10, 11.0, tags={"cpus_granted": "1", "torch_threads": "1"})  # 50x slower
+    result = _check()
+    assert result.exit_code == 3 and "REGRESSED" not in result.output, result.output
+    line = next(line for line in result.output.splitlines() if slurm in line)
+    assert line.startswith(f"NOT ENOUGH HISTORY: {TINY} cpus_granted=1 torch_threads=1 on h200"), line
+    assert f"WITHIN NOISE: {TINY} cpus_granted=16 torch_threads=16 on h200" in result.output
+
+
 def test_one_run_of_history_is_not_enough_and_the_gate_says_what_it_needs_with_its_own_exit_code(client):
     exp = client.create_experiment("ci")
     _history(client, exp, n=2, regress=SMALL)

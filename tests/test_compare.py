@@ -400,6 +400,21 @@ def test_scaling_efficiency_hand_computed():
     assert len(vit) == 1 and math.isnan(vit.iloc[0]["efficiency"])
 
 
+def test_runs_granted_different_cpus_scale_apart_and_the_scaling_table_says_which():
+    def granted(cpus, rows):
+        return [{**r, "tags.cpus_granted": str(cpus), "tags.torch_threads": str(cpus)} for r in rows]
+
+    df = runs(*granted(1, repeats("h200", [100, 100], task="train", nproc=1) + repeats("h200", [150], task="train",
+                                                                                         nproc=2)),
+              *granted(16, repeats("h200", [1000, 1000], task="train", nproc=1) + repeats("h200", [1900], task="train",
+                                                                                            nproc=2)))
+    c = compare_gpus(df)
+    s = c.scaling.set_index(["cpus_granted", "nproc"])
+    assert s.loc[(1, 2), "efficiency"] == pytest.approx(0.75) and s.loc[(16, 2), "efficiency"] == pytest.approx(0.95)
+    scaling = format_table(c).split("scaling (train")[1]
+    assert "cpus" in scaling.splitlines()[1] and "threads" in scaling.splitlines()[1], scaling
+
+
 def test_ddp_settings_are_separate_configurations_that_scale_from_the_same_single_process_runs():
     df = runs(
         *repeats("h200", [1000, 1000], task="train", nproc=1, ddp=(25, False)),
@@ -882,6 +897,40 @@ def test_compare_command_by_torch_version(sqlite_store):
     analysis = client.get_experiment_by_name("upgrade/analysis").experiment_id
     (run,) = [r for r in client.search_runs([analysis]) if r.data.tags.get("vitreg_job") == "compare"]
     assert run.data.params["by"] == "torch_version" and run.data.metrics["speedup_geomean_2.9.0"] == pytest.approx(0.9, rel=0.01)
+
+
+def test_compare_keeps_runs_granted_different_cpus_or_threads_apart_and_says_so(sqlite_store):
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient()
+    exp = client.create_experiment("grants")
+    _log_bench_like(client, exp, "cpu", [10, 11, 12], {"cpus_granted": "1", "torch_threads": "1"})  # a SLURM child
+    _log_bench_like(client, exp, "cpu", [600, 610, 620], {"cpus_granted": "16", "torch_threads": "16"})  # a Ray child
+    _log_bench_like(client, exp, "cpu", [300, 310], {"cpus_granted": "16", "torch_threads": "4"})
+    _log_bench_like(client, exp, "cpu", [50, 51])  # logged before the fields existed
+    out = _compare_cli("--experiment", "grants")
+    header = next(line for line in out.splitlines() if "median" in line and "cpus" in line)
+    assert "threads" in header
+    rows = {tuple(line.split()[1:3]): line.split()[4] for line in out.splitlines()
+            if line.startswith("test_vit ")}  # model, cpus, threads, gpu, n, median ...
+    assert rows == {("1", "1"): "3", ("16", "16"): "3", ("16", "4"): "2", ("-", "-"): "2"}, out
+    assert "CPU GRANTS DIFFER (cpus/threads; rows kept apart): -/-: 2 runs, 1/1: 3 runs, 16/16: 3 runs, " \
+           "16/4: 2 runs" in out
+    analysis = client.get_experiment_by_name("grants/analysis").experiment_id
+    (run,) = [r for r in client.search_runs([analysis]) if r.data.tags.get("vitreg_job") == "compare"]
+    assert run.data.metrics["n_runs"] == 10
+
+
+def test_runs_that_predate_the_grant_tags_group_and_read_as_before(sqlite_store):
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient()
+    exp = client.create_experiment("old")
+    _log_bench_like(client, exp, "cpu", [50, 51, 52])
+    _log_bench_like(client, exp, "cpu", [49, 53], {"cpus_granted": "", "torch_threads": ""})
+    out = _compare_cli("--experiment", "old")
+    (row,) = [line.split() for line in out.splitlines() if line.startswith("test_vit ")]
+    assert row[row.index("cpu") + 1] == "5" and "cpus" not in out and "GRANTS" not in out, out  # one row of 5
 
 
 def test_compare_names_the_folder_of_its_files_and_the_run_s_page_in_the_ui(sqlite_store):

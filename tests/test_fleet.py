@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -109,6 +110,20 @@ def _sweep_in_process(*args):
     return CliRunner().invoke(main, ["sweep", *args])
 
 
+def child_log(client: MlflowClient, child, tmp_path) -> str:
+    """The child run's logs/child.log: its stdout and stderr as its node saw them, kept by the parent."""
+    folder = tmp_path / "child-logs" / child.info.run_id
+    folder.mkdir(parents=True)
+    return (Path(client.download_artifacts(child.info.run_id, "logs/child.log", str(folder)))).read_text()
+
+
+def assert_output_kept(log: str, child) -> None:
+    """The child's stdout (its results table, where its run is) and stderr (vitreg's progress) are in ``log``,
+    with no thread's traceback (issue 40: `'NoneType' object is not iterable` in every worker's log)."""
+    assert f"logged run {child.info.run_id} to " in log and "img/s median" in log, log[-3000:]
+    assert "[vitreg] " in log and "Traceback" not in log, log[-3000:]
+
+
 def _parent(client: MlflowClient, experiment: str = "fleet"):
     exp = client.get_experiment_by_name(experiment)
     (parent,) = [r for r in client.search_runs([exp.experiment_id]) if not r.data.tags.get("mlflow.parentRunId")]
@@ -129,7 +144,7 @@ def server(tmp_path_factory):
         proc.wait(timeout=30)
 
 
-def test_gpu_all_places_each_child_on_a_node_of_its_type(server, ray_cluster, tmp_path):
+def test_gpu_all_places_each_child_on_a_node_of_its_type_and_keeps_its_output(server, ray_cluster, tmp_path):
     sweep = _start(server, tmp_path, "--engine", "ray", "--ray-address", ray_cluster.address, "--gpu", "all",
                    *CHILD, *SHORT)
     try:
@@ -144,6 +159,7 @@ def test_gpu_all_places_each_child_on_a_node_of_its_type(server, ray_cluster, tm
         gpu = child.data.params["gpu"]
         assert child.data.tags["sweep_label"].endswith(f"-{gpu}")
         assert child.data.tags["ray_node_id"] == ray_cluster.node_of[gpu], (child.info.run_name, gpu)
+        assert_output_kept(child_log(MlflowClient(server), child, tmp_path), child)
 
 
 def test_a_local_store_is_refused_on_a_cluster_of_two_nodes(ray_cluster, tmp_path):

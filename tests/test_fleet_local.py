@@ -17,7 +17,7 @@ from mlflow.tracking import MlflowClient
 
 from conftest import migrated_store, subprocess_env
 from test_fleet import (CHILD, LONG, SHORT, SWEEP, _bench_processes, _children, _end, _failing_children, _parent,
-                        _running_child, _start, _sweep_in_process, _wait)
+                        _running_child, _start, _sweep_in_process, _wait, child_log)
 
 pytestmark = pytest.mark.slow
 
@@ -146,6 +146,9 @@ def test_a_sweep_whose_children_all_failed_ends_its_parent_failed(sqlite_store, 
     assert parent.info.status == "FAILED" and "2 failed" in parent.data.tags["vitreg_error"]
     assert parent.data.metrics["n_failed"] == 2 and parent.data.metrics["n_finished"] == 0
     assert {c.info.status for c in _children(client)} == {"FAILED"}
+    for child in _children(client):  # a child that failed before its run opened (no console.log) left its words
+        log = child_log(client, child, tmp_path)
+        assert "error: this child refuses its model (the test says so)" in log, log
 
 
 def test_rerun_failed_completes_a_parent_under_the_same_run(sqlite_store, tmp_path, monkeypatch):

@@ -16,7 +16,7 @@ from mlflow.tracking import MlflowClient
 
 from conftest import free_port, migrated_store, premigrated, subprocess_env
 from test_fleet import (CHILD, LONG, SHORT, _bench_processes, _children, _end, _failing_children, _parent,
-                        _sweep_in_process, _wait)
+                        _sweep_in_process, _wait, assert_output_kept, child_log)
 
 pytestmark = pytest.mark.slow
 SWEEP = [sys.executable, "-m", "vitreg.cli", "sweep", "--engine", "slurm"]
@@ -57,7 +57,8 @@ def _readme_sweep() -> list[str]:
 def test_two_gpu_types_by_two_batch_sizes_give_four_children_each_on_a_node_of_its_type(slurm_cluster, uri,
                                                                                          tmp_path):
     """The README's command (its partition, time limit, task, experiment), with the stand-in types, a tiny
-    model on the CPU and this test's folder given after it (the last value of an option is the one taken)."""
+    model on the CPU and this test's folder given after it (the last value of an option is the one taken). Each
+    child run keeps its job's log files, the child's stdout and stderr in them (logs/child.log)."""
     sweep = _start(slurm_cluster, uri, tmp_path, *_readme_sweep(), "--gpu", "h100,a100", *CHILD[2:], "--models",
                    "test_vit", "--batch-size", "1,2", *SHORT)
     try:
@@ -74,6 +75,9 @@ def test_two_gpu_types_by_two_batch_sizes_give_four_children_each_on_a_node_of_i
         job = _job(slurm_cluster, child.data.tags["slurm_job_id"])
         assert job["gres"] == f"gres:gpu:{gpu}:1" and job["node"] == NODE_OF[gpu], (gpu, job)
         assert child.data.tags["slurm_node"] == NODE_OF[gpu] and child.data.tags["slurm_spooled"] == "False"
+        log = child_log(MlflowClient(uri), child, tmp_path)  # the job's log files, the child's lines in them
+        assert "==> the job's stdout (" in log and "==> the job's stderr (" in log, log[-3000:]
+        assert_output_kept(log, child)
 
 
 def test_a_sweep_submitted_beside_a_folder_called_vitreg_imports_the_installed_package(slurm_cluster, uri,

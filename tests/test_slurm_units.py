@@ -96,3 +96,43 @@ def test_children_import_vitreg_from_anywhere_even_beside_a_folder_called_vitreg
     shadowed = subprocess.run([sys.executable, "-m", "vitreg.cli", "bench", "--help"], cwd=tmp_path,
                               capture_output=True, text=True, timeout=120)
     assert shadowed.returncode != 0 and "the folder beside the clone" in shadowed.stderr
+
+
+def test_a_childs_cpus_are_nproc_unless_slurm_sbatch_names_them():
+    """What the README says a child is granted: ``--cpus-per-task=nproc``, or what ``slurm_sbatch`` says (the
+    sbatch script submitit writes: its additional parameters come last and win)."""
+    from submitit.slurm.slurm import _make_sbatch_string
+
+    def script(**own) -> str:
+        return _make_sbatch_string("true", str(JOBS), **_engine(**own).job_parameters(_combo(nproc=2), {}, "x", JOBS))
+
+    assert "#SBATCH --cpus-per-task=2\n" in script()
+    mine = script(slurm_sbatch="cpus-per-task=8;exclusive")
+    assert "#SBATCH --cpus-per-task=8\n" in mine and "#SBATCH --exclusive\n" in mine and "=2\n" not in mine
+
+
+def test_a_child_log_keeps_its_last_lines_and_writes_each_to_its_stream(monkeypatch):
+    import io
+
+    from vitreg.fleet import local
+
+    monkeypatch.setattr(local, "LOG_MAX_CHARS", 10)
+    out, err = io.StringIO(), io.StringIO()
+    log = local.ChildLog()
+    for line, stream in (("first\n", out), ("second\n", err), ("third\n", out)):
+        log.keep(line, stream)
+    assert log.text() == "third\n" and out.getvalue() == "first\nthird\n" and err.getvalue() == "second\n"
+
+
+def test_a_jobs_log_is_its_stdout_and_stderr_files_or_nothing(tmp_path):
+    from types import SimpleNamespace
+
+    from vitreg.fleet.slurm_jobs import job_log
+
+    job = SimpleNamespace(paths=SimpleNamespace(stdout=tmp_path / "7_0_log.out", stderr=tmp_path / "7_0_log.err"))
+    assert job_log(job) == ""
+    job.paths.stdout.write_text("logged run abc\n")
+    job.paths.stderr.write_text("[vitreg] sweep child\n")
+    text = job_log(job)
+    assert text.index("logged run abc") < text.index("==> the job's stderr") < text.index("[vitreg] sweep child")
+    assert text.startswith(f"==> the job's stdout ({job.paths.stdout}) <==\n")

@@ -12,8 +12,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import pandas as pd
 
-from vitreg.analysis.frame import (CHOSEN_COLUMNS, DEFAULT_AXIS, HARDWARE_COLUMNS, MISSING, SCALED_COLUMNS,
-                                   SHARED_METRICS, CompareError, config_columns, id_columns, require_tidy)
+from vitreg.analysis.frame import (CHOSEN_COLUMNS, DEFAULT_AXIS, GRANT_COLUMNS, HARDWARE_COLUMNS, MISSING,
+                                   SCALED_COLUMNS, SHARED_METRICS, CompareError, config_columns, group_columns,
+                                   id_columns, require_tidy)
 from vitreg.analysis.stats import MISLABELLED, cv, geomean, improvement, spread, versus
 from vitreg.measure.metrics import BY_NAME, HIGHER, LOWER
 
@@ -118,7 +119,7 @@ def compare_runs(
     include_mismatch: bool = False,
 ) -> Comparison:
     """Compare the tidy frame's ``runs`` along ``by`` (the GPU, or any column it carries: ``torch_version``,
-    ``compile``, ...): grouped by every configuration column and ``gpu`` but ``by``, each (group, axis value)
+    ``compile``, ...): grouped by every configuration column, ``gpu`` and the grant (:data:`GRANT_COLUMNS`) but ``by``, each (group, axis value)
     summarised by the median of ``metric`` and its spread, and with ``baseline`` (an axis value, matched
     case-blind) a speedup against its runs of the same configuration, with a bootstrap interval and a verdict
     (:func:`vitreg.analysis.stats.versus`: ``n_boot`` resamples, ``seed``, ``confidence``). Mislabelled runs are
@@ -135,7 +136,7 @@ def compare_runs(
     baseline = _baseline(baseline, values, metric, by)
     ask = _Question(metric, by, baseline, higher, include_mismatch, n_boot, confidence,
                     np.random.default_rng(seed), tuple(m for m in COMPANIONS if m != metric))
-    keys = [k for k in (*config_columns(), "gpu") if k != by]
+    keys = group_columns(by)
     ordered = ([baseline] if baseline else []) + [v for v in values if v != baseline]
     rows = []
     # dropna=False: a configuration with an unrecorded batch size is still a configuration.
@@ -248,12 +249,12 @@ def _most(values) -> float:
 
 def _table(rows: list[dict], ask: _Question) -> pd.DataFrame:
     table = pd.DataFrame(rows)
-    identity = list(dict.fromkeys([*config_columns(), "gpu", ask.by]))
+    identity = list(dict.fromkeys([*group_columns(), ask.by]))
     lead = identity + ["n_runs", "sources", *HARDWARE_COLUMNS, "shared_host", *CHOSEN_COLUMNS]
     stats = [f"{ask.metric}_{s}" for s in ("median", "min", "max", "cv", "spread")]
     tail = ["baseline", "speedup", "ci_low", "ci_high", "verdict"] if ask.baseline is not None else []
     table = table[lead + stats + list(ask.companions) + tail]
-    for key in ("batch_size", "img_size", "nproc"):
+    for key in ("batch_size", "img_size", "nproc", *GRANT_COLUMNS):
         if key != ask.by:  # the axis stays as the strings the baseline was matched against
             table[key] = table[key].astype("Int64")
     return table.reset_index(drop=True)
@@ -294,7 +295,7 @@ def scaling_efficiency(runs: pd.DataFrame, metric: str = "throughput_img_per_s",
     ``nproc`` N of a group with some N > 1, ``speedup_vs_1 = median(N) / median(1)`` and ``efficiency =
     speedup_vs_1 / N`` (NaN without a single-process run). Mislabelled runs left out (``include_mismatch``:
     they scale among themselves, marked)."""
-    keys = [k for k in config_columns() if k not in SCALED_COLUMNS] + ["gpu", "mismatch"]
+    keys = [k for k in group_columns() if k not in SCALED_COLUMNS] + ["mismatch"]
     columns = keys + ["nproc", "ddp", "n_runs", f"{metric}_median", "speedup_vs_1", "efficiency"]
     require_tidy(runs)
     train = _honest(runs, include_mismatch)
@@ -321,7 +322,7 @@ def compile_amp_gains(runs: pd.DataFrame, metric: str = "throughput_img_per_s",
     medians of ``metric`` paired where both sides exist, ``change="compile=<mode>"`` (``held="amp=<x>"``) against
     compile off, ``"amp=<dtype>"`` against amp off, ``"amp=<dtype>+compile=<mode>"`` against neither; ``speedup``
     > 1 means the change helped. Mislabelled runs left out (``include_mismatch``: paired among themselves)."""
-    keys = [k for k in config_columns() if k not in GAINED_COLUMNS] + ["gpu", "mismatch"]
+    keys = [k for k in group_columns() if k not in GAINED_COLUMNS] + ["mismatch"]
     columns = keys + ["change", "held", "base_median", "new_median", "speedup", "n_base", "n_new"]
     require_tidy(runs)
     higher = _polarity(metric, runs)

@@ -18,9 +18,10 @@ import numpy as np
 import pandas as pd
 
 from vitreg.analysis.comparison import Comparison, compare_runs
-from vitreg.analysis.frame import CONDITION_COLUMNS, DEFAULT_AXIS, CompareError
+from vitreg.analysis.frame import CONDITION_COLUMNS, DEFAULT_AXIS, GRANT_COLUMNS, CompareError
 from vitreg.analysis.render import cell
 from vitreg.analysis.stats import BETTER, WORSE
+from vitreg.console import plural
 from vitreg.files import read_text, read_toml
 from vitreg.measure.energy import FLAGS, POWER_CAP, SPREAD_LIMIT, suspect_flags
 
@@ -189,7 +190,21 @@ def condition_lines(runs: pd.DataFrame) -> list[str]:
         lines.append(f"EAGER FP8: {eager['run_id'].nunique()} run(s) ran fp8 without compile, about half of bf16's "
                      f"speed on an H200 (--compile default fuses the quantize steps): "
                      + ", ".join(sorted(set(eager["run_id"]))))
-    return lines
+    return lines + grant_lines(runs)
+
+
+def grant_lines(runs: pd.DataFrame) -> list[str]:
+    """One line when the runs compared were granted different CPUs or torch threads (their rows are kept apart:
+    a CPU figure moves 20-90x with them): each grant and how many runs had it; none when all had one grant."""
+    if any(c not in runs for c in GRANT_COLUMNS):
+        return []
+    grants = runs.drop_duplicates("run_id")[list(GRANT_COLUMNS)].astype(object)
+    said = grants.apply(lambda r: "/".join("-" if pd.isna(v) else str(int(v)) for v in r), axis=1)
+    if said.nunique() < 2:
+        return []
+    counts = said.value_counts().sort_index()
+    return ["CPU GRANTS DIFFER (cpus/threads; rows kept apart): "
+            + ", ".join(f"{g}: {plural(n, 'run')}" for g, n in counts.items())]
 
 
 def suspect_masks(runs: pd.DataFrame) -> dict[str, pd.Series]:

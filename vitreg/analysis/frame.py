@@ -74,12 +74,25 @@ CHOSEN_COLUMNS = ("batch_chosen",)
 # Compare marks runs by them; check names them as causes.
 CONDITION_COLUMNS = ("throttle", "busy_host", "spread_over_target", "eager_fp8", "timing_stop")
 
+# What a run was granted (its ``cpus_granted`` and ``torch_threads`` environment tags, nullable integers; <NA> for
+# runs that predate them): the CPUs it could run on and torch's intra-op threads. A CPU figure, or a host-bound
+# step, moves with them by 20-90x (a SLURM child's one-CPU job beside a Ray child on the whole node), so runs that
+# differ in either are never pooled: compare and check keep them apart like a configuration.
+GRANT_COLUMNS = ("cpus_granted", "torch_threads")
+
 
 
 def id_columns() -> tuple[str, ...]:
     """The columns of the tidy frame that are not measurements (read from the option table at each call, so
     an option added in-process is a column at once)."""
-    return ("run_id", "start_time", "source", "gpu") + config_columns() + HARDWARE_COLUMNS + CHOSEN_COLUMNS
+    return (("run_id", "start_time", "source", "gpu") + config_columns() + GRANT_COLUMNS + HARDWARE_COLUMNS
+            + CHOSEN_COLUMNS)
+
+
+def group_columns(by: str | None = None) -> list[str]:
+    """What runs must share to be pooled in one row of a comparison: the configuration, the GPU and the grant
+    (:data:`GRANT_COLUMNS`), less the axis ``by`` compared along."""
+    return [k for k in (*config_columns(), "gpu", *GRANT_COLUMNS) if k != by]
 
 
 # What a comparison is along (compare --by) unless asked otherwise.

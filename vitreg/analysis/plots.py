@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from vitreg.analysis.frame import DEFAULT_AXIS, MISSING, NOT_APPLICABLE, config_columns
+from vitreg.analysis.frame import DEFAULT_AXIS, MISSING, NOT_APPLICABLE, group_columns
 from vitreg.analysis.render import by_task, cell, format_value, split_constant
 from vitreg.hardware.profiles import PROFILES
 from vitreg.measure.anatomy import CLASS_TEXT, CLASSES, FLOP_CLASSES
@@ -127,7 +127,7 @@ def plot_by_gpu(c, path: Path):
     saved to ``path``; returns the figure (tests read its layout)."""
     t = c.table.reset_index(drop=True)
     m = c.metric
-    keys = [k for k in (*config_columns(), "gpu") if k != c.by]
+    keys = group_columns(c.by)
     cfg = t[keys].astype(object).where(t[keys].notna(), None)
     row_keys = [tuple(r) for r in cfg.itertuples(index=False)]
     configs = list(dict.fromkeys(row_keys))

@@ -15,7 +15,8 @@ from typing import NamedTuple
 import numpy as np
 import pandas as pd
 
-from vitreg.analysis.frame import DEFAULT_AXIS, NOT_APPLICABLE, SCALED_COLUMNS, config_columns
+from vitreg.analysis.frame import (DEFAULT_AXIS, GRANT_COLUMNS, NOT_APPLICABLE, SCALED_COLUMNS, config_columns,
+                                   group_columns)
 from vitreg.measure.metrics import BY_NAME, REPORT_COLUMNS
 
 #: the bench report's results table (report.md, the terminal, the run's note): one row per task
@@ -56,13 +57,14 @@ def by_task(t: pd.DataFrame, axis: str = DEFAULT_AXIS) -> list[pd.DataFrame]:
 
 
 _HEADS = {"n_runs": "n", "batch_size": "batch", "img_size": "img", "ran_on": "ran on",
-          "batch_chosen": "batch chosen", "shared_host": "shared host"}
+          "batch_chosen": "batch chosen", "shared_host": "shared host", "cpus_granted": "cpus",
+          "torch_threads": "threads"}
 
 
 def _task_table(comparison, t: pd.DataFrame) -> list[str]:
     """The terminal lines of one task's rows: the configuration they share, then the table of the rest."""
     m, by = comparison.metric, comparison.by
-    fixed, varying = split_constant(t, [k for k in (*config_columns(), "gpu") if k != by])
+    fixed, varying = split_constant(t, shown_keys(t, by))
     lines = []
     if fixed:
         lines.append("fixed: " + " ".join(f"{k}={cell(v)}" for k, v in fixed.items()))
@@ -125,7 +127,7 @@ def caveats(comparison) -> list[str]:
 
 
 def _scaling_table(s: pd.DataFrame, heads: dict) -> str:
-    scols = split_constant(s, [k for k in config_columns() if k not in ("task", *SCALED_COLUMNS)])[1]
+    scols = split_constant(s, [k for k in shown_keys(s, "gpu") if k not in ("task", *SCALED_COLUMNS)])[1]
     scols += ["gpu"] + (["mismatch"] if s["mismatch"].any() else [])
     scols += ["nproc", "ddp", "n_runs", s.columns[-3], "speedup_vs_1", "efficiency"]
     return fixed_width(
@@ -144,6 +146,12 @@ def _rows(df: pd.DataFrame, cols: list[str]) -> list[list[str]]:
 def _text_keys() -> tuple[str, ...]:
     """The configuration columns shown left-aligned: all but the counts."""
     return tuple(k for k in config_columns() if k not in _COUNT_COLUMNS)
+
+
+def shown_keys(t: pd.DataFrame, by: str) -> list[str]:
+    """The keys a comparison's rows ``t`` are told apart by (:func:`~vitreg.analysis.frame.group_columns`), less a
+    grant no row recorded (runs that predate ``cpus_granted``: their tables read as before)."""
+    return [k for k in group_columns(by) if k not in GRANT_COLUMNS or t[k].notna().any()]
 
 
 def split_constant(t: pd.DataFrame, keys, min_rows: int = 2) -> tuple[dict, list[str]]:
@@ -203,7 +211,7 @@ def _magnitude(a: float) -> str:
 
 
 _RATIO_COLUMNS = ("speedup", "ci_low", "ci_high", "speedup_vs_1", "geomean_speedup")
-_COUNT_COLUMNS = ("n_runs", "n_base", "n_new", "nproc", "batch_size", "img_size", "world_size")
+_COUNT_COLUMNS = ("n_runs", "n_base", "n_new", "nproc", "batch_size", "img_size", "world_size", *GRANT_COLUMNS)
 
 
 def format_value(col: str, v) -> str:
@@ -314,7 +322,7 @@ def comparison_view(c, t: pd.DataFrame) -> View:
     baseline and the verdict, then the interval, the configuration that varies, the runs and their spread (and,
     where any, the hardware of mislabelled runs and the batches batch_size=auto chose)."""
     m = c.metric
-    fixed, varying = split_constant(t, [k for k in (*config_columns(), "gpu") if k != c.by], min_rows=1)
+    fixed, varying = split_constant(t, shown_keys(t, c.by), min_rows=1)
     cols = [c.by, f"{m}_median"] + (["speedup", "verdict"] if c.baseline else [])
     tail = varying + ["n_runs", f"{m}_cv"] + (["ran_on"] if t["mismatch"].any() else [])
     tail += ["batch_chosen"] if t["batch_chosen"].notna().any() else []

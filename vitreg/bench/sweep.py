@@ -332,10 +332,10 @@ class LocalEngine:
             clock = Clock()
             child_id = ctx.child_run(combo, index, attempt)
             run_env = tracking.env_for_run({}, child_id, ctx.parent.experiment_id)
-            returncode, tail, shared = self.pool.launch(children.child_command(combo, bs, ctx.common), run_env, gpus,
-                                                        lambda line: ctx.progress(f"{label}: {line}"))
+            returncode, tail, shared, log = self.pool.launch(children.child_command(combo, bs, ctx.common), run_env,
+                                                             gpus, lambda line: ctx.progress(f"{label}: {line}"))
             reason = tracking.finish_child_run(child_id, returncode, tail, stopped=bool(self.pool.stopping),
-                                               tags={HOST_SHARE_TAG: shared})
+                                               tags={HOST_SHARE_TAG: shared}, log=log)
             ctx.record(child_id, returncode == 0)
             ctx.board.ended("local", returncode == 0, clock.seconds())
             if returncode == 0 or self.pool.stopping:

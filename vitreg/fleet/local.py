@@ -26,6 +26,7 @@ from vitreg.tracking.runs import without_requested_run
 
 STOP_GRACE_S = 30.0  # a child asked to stop has this long to end its run KILLED before it is killed
 _TAIL_LINES = 40  # a child's last stderr lines, for the reason it failed
+LOG_MAX_CHARS = 1_000_000  # the most of a cluster child's output its run keeps (the last lines)
 
 
 def host_gpus(device: str) -> list[str]:
@@ -80,14 +81,15 @@ class HostPool:
             self._max += 1
             self._cond.notify_all()
 
-    def launch(self, command: list[str], run_env: dict, gpus: list[str], on_line) -> tuple[int, str, int]:
+    def launch(self, command: list[str], run_env: dict, gpus: list[str], on_line) -> tuple[int, str, int, str]:
         """Run one child (``command``, with ``run_env`` over this process's variables: its run) to its end, in the
         warm worker of its GPUs or in a process of its own: (exit status, the tail of its stderr, the most
-        children at once meanwhile)."""
-        env = self._env(gpus)
+        children at once meanwhile, its stdout and stderr: a process's own, "" from a warm worker, whose stdout
+        its children share)."""
+        env, log = self._env(gpus), ChildLog()
         with self._cond:
             if self.stopping:
-                return -signal.SIGTERM, "the sweep was stopped before this child started", 0
+                return -signal.SIGTERM, "the sweep was stopped before this child started", 0, ""
             worker = self._worker(tuple(gpus), env) if self.isolate == "worker" else None
             proc = worker.proc if worker else subprocess.Popen(
                 command, env={**env, **run_env}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -95,12 +97,13 @@ class HostPool:
             self._running[proc.pid] = proc
             for pid in self._running:
                 self._shared[pid] = max(self._shared.get(pid, 0), len(self._running))
-        returncode, tail = worker.run(cli_args(command), run_env, on_line) if worker else relay(proc, on_line)
+        returncode, tail = (worker.run(cli_args(command), run_env, on_line) if worker
+                            else relay(proc, on_line, log.keep_stdout_echoed))
         if self.stopping:  # the last line is the reason its run is ended with, if it did not end it itself
             tail += f"\nits sweep was {self.stopping}\n"
         with self._cond:
             self._running.pop(proc.pid, None)
-            return returncode, tail, self._shared.pop(proc.pid, 1)
+            return returncode, tail, self._shared.pop(proc.pid, 1), log.text()
 
     def warm_up(self) -> None:
         """Start the warm workers of the one-GPU children (the CPU's one on a host without GPUs) now, so that
@@ -188,12 +191,15 @@ class Worker:
         stop_child(self.proc, STOP_GRACE_S, sig=None)
 
 
-def relay(proc: subprocess.Popen, on_line) -> tuple[int, str]:
-    """The child's stdout to ours as it comes, each stderr line to ``on_line``; (exit status, stderr tail)."""
-    out = _copy_stdout(proc)
+def relay(proc: subprocess.Popen, on_line, keep=None) -> tuple[int, str]:
+    """The child's stdout to ours as it comes, each stderr line to ``on_line``; (exit status, stderr tail).
+    ``keep(line, stream)``, where given, takes every line of both instead, with the stream of ours it belongs to."""
+    out = _copy_stdout(proc, keep)
     tail: collections.deque = collections.deque(maxlen=_TAIL_LINES)
     for line in proc.stderr:
         tail.append(line)
+        if keep:
+            keep(line, sys.stderr)
         if line.strip():
             on_line(line.rstrip().removeprefix("[vitreg] "))
     if out is not None:
@@ -201,25 +207,62 @@ def relay(proc: subprocess.Popen, on_line) -> tuple[int, str]:
     return proc.wait(), "".join(tail)
 
 
-def run_remote_child(argv: list[str], env: dict, cwd: str | None = None) -> tuple[int, str]:
+class ChildLog:
+    """A cluster child's stdout and stderr lines as they came, each also written to this process's own stream (a
+    SLURM job's log files, a Ray worker's log); :meth:`text` holds the last :data:`LOG_MAX_CHARS` of them."""
+
+    def __init__(self):
+        self._lines: collections.deque = collections.deque()
+        self._chars = 0
+        self._lock = threading.Lock()
+
+    def keep(self, line: str, stream) -> None:
+        if stream is not None:
+            stream.write(line)
+            stream.flush()  # a job's log file holds each line at once: a job SLURM kills keeps what it printed
+        with self._lock:
+            self._lines.append(line)
+            self._chars += len(line)
+            while self._chars > LOG_MAX_CHARS and len(self._lines) > 1:
+                self._chars -= len(self._lines.popleft())
+
+    def keep_stdout_echoed(self, line: str, stream) -> None:
+        """:meth:`keep` echoing only stdout lines: a local child's stderr reaches the console as the sweep's lines."""
+        self.keep(line, stream if stream is sys.stdout else None)
+
+    def text(self) -> str:
+        with self._lock:
+            return "".join(self._lines)
+
+
+def run_remote_child(argv: list[str], env: dict, cwd: str | None = None) -> tuple[int, str, str]:
     """A cluster's child on its node (a Ray task's, a SLURM job's): ``python argv...`` with ``env``, to its end:
-    (exit status, stderr tail). Stopped with SIGTERM (its run ends KILLED) when this process is stopped
-    (``ray.cancel``, ``scancel``) or dies."""
-    proc = subprocess.Popen([sys.executable, *argv], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+    (exit status, stderr tail, its stdout and stderr as they came: :class:`ChildLog`, also written to this
+    process's). Stopped with SIGTERM (its run ends KILLED) when this process is stopped (``ray.cancel``,
+    ``scancel``) or dies."""
+    proc = subprocess.Popen([sys.executable, *argv], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, cwd=cwd, preexec_fn=die_with_parent)
+    log = ChildLog()
     try:
-        return relay(proc, lambda line: None)
+        returncode, tail = relay(proc, lambda line: None, log.keep)
     except BaseException:
         stop_child(proc, STOP_GRACE_S)
         raise
+    return returncode, tail, log.text()
 
 
-def _copy_stdout(proc: subprocess.Popen) -> threading.Thread | None:
-    """A thread copying the child's stdout to ours as it comes; None where it is not piped (a Ray task's or a
-    SLURM job's child: each thread then died on ``writelines(None)`` in every worker's log)."""
+def _copy_stdout(proc: subprocess.Popen, keep=None) -> threading.Thread | None:
+    """A thread copying the child's stdout to ours as it comes (through ``keep(line, sys.stdout)`` where given);
+    None where it is not piped."""
     if proc.stdout is None:
         return None
-    thread = threading.Thread(target=lambda: sys.stdout.writelines(proc.stdout), daemon=True)
+    keep = keep or (lambda line, stream: stream.write(line))
+
+    def copy():
+        for line in proc.stdout:
+            keep(line, sys.stdout)
+
+    thread = threading.Thread(target=copy, daemon=True)
     thread.start()
     return thread
 

@@ -30,13 +30,14 @@ class Tally:
 
 
 @ray.remote(max_retries=0)
-def run_child(child_id: str, argv: list[str], env: dict, tally) -> tuple[int, str, str]:
+def run_child(child_id: str, argv: list[str], env: dict, tally) -> tuple[int, str, str, str]:
     """On the node Ray chose: ``python argv...`` with the child's run in ``env``; (exit status, stderr tail,
-    node id). Cancelled (SIGINT/SIGTERM to the sweep): the child gets SIGTERM and ends its run KILLED."""
+    node id, its stdout and stderr: the parent keeps them in its run, a node's worker log being out of reach).
+    Cancelled (SIGINT/SIGTERM to the sweep): the child gets SIGTERM and ends its run KILLED."""
     node_id = ray.get_runtime_context().get_node_id()
     ray.get(tally.start.remote(child_id, node_id))
-    returncode, tail = run_remote_child(argv, {**os.environ, **env})
-    return returncode, tail, node_id
+    returncode, tail, log = run_remote_child(argv, {**os.environ, **env})
+    return returncode, tail, node_id, log
 
 
 class Follower(children.Follower):
@@ -66,16 +67,16 @@ class Follower(children.Follower):
         self._cancel_unplaceable()
 
     def _settle(self, ref, child) -> None:
-        stopped = False
+        stopped, log = False, ""
         try:
-            returncode, tail, node_id = ray.get(ref)
+            returncode, tail, node_id, log = ray.get(ref)
             tags = {"ray_node_id": node_id}
         except ray.exceptions.TaskCancelledError:
             returncode, tail, tags = -15, self.reasons.get(child.run_id, "cancelled"), {}
             stopped = child.run_id not in self.reasons
         except ray.exceptions.RayError as exc:  # the node or worker died, or the task itself raised
             returncode, tail, tags = -1, f"ray: {type(exc).__name__}: {first_line(exc, 300)}", {}
-        reason = tracking.finish_child_run(child.run_id, returncode, tail, stopped=stopped, tags=tags)
+        reason = tracking.finish_child_run(child.run_id, returncode, tail, stopped=stopped, tags=tags, log=log)
         self._ended(child, returncode == 0, reason)
 
     def _cancel_unplaceable(self) -> None:

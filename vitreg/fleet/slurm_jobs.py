@@ -13,6 +13,7 @@ from pathlib import Path
 from vitreg.errors import VitregError
 from vitreg.fleet import children
 from vitreg.fleet.children import RemoteChild
+from vitreg.fleet.local import LOG_MAX_CHARS, run_remote_child
 from vitreg.tracking import runs as tracking
 
 COMMAND_TIMEOUT_S = 30.0
@@ -47,13 +48,12 @@ def run_child(argv: list[str], env: dict, spool_dir: str, offline: str, workdir:
     tail, whether it spooled). ``offline=auto``: a node that cannot reach the tracking server spools to
     ``spool_dir`` (in the shared folder) for the parent to deliver; ``true``: always. The child runs in
     ``workdir``, the submitting folder, where the sweep's relative paths point (when the node has it)."""
-    from vitreg.fleet.local import run_remote_child
-
     os.environ.update(env)
     spooled = offline == "true" or (offline == "auto" and not _reaches_server())
     if spooled:
         os.environ.update(VITREG_OFFLINE="1", VITREG_SPOOL_DIR=spool_dir)
-    returncode, tail = run_remote_child(argv, dict(os.environ), cwd=workdir if os.path.isdir(workdir) else None)
+    # the child's output goes to the job's log files too, which the parent keeps in the child run
+    returncode, tail, _ = run_remote_child(argv, dict(os.environ), cwd=workdir if os.path.isdir(workdir) else None)
     return returncode, tail, spooled
 
 
@@ -66,6 +66,16 @@ def _reaches_server() -> bool:
 
 
 # ------------------------------------------------------------------ on the submitting host
+
+
+def job_log(job) -> str:
+    """A job's log files (submitit's stdout and stderr of it, in the shared folder: what the job's python and the
+    child printed, the traceback of a job that failed before the child) as one text; "" where none was written."""
+    parts = []
+    for stream, path in (("stdout", Path(job.paths.stdout)), ("stderr", Path(job.paths.stderr))):
+        if path.is_file():
+            parts.append(f"==> the job's {stream} ({path}) <==\n{path.read_text(errors='replace')[-LOG_MAX_CHARS:]}")
+    return "\n".join(parts)
 
 
 @dataclass
@@ -136,7 +146,8 @@ class Follower(children.Follower):
                 "slurm_spooled": spooled}  # true: the node could not reach the server; the parent delivered it
         if now.state != "COMPLETED":  # the cluster ended it (cancelled, node failure, time limit): FAILED
             tags[tracking.ERROR_TAG] = tail
-        reason = tracking.finish_child_run(child.run_id, returncode, tail, stopped=False, tags=tags)
+        reason = tracking.finish_child_run(child.run_id, returncode, tail, stopped=False, tags=tags,
+                                           log=job_log(child.job))
         if now.state != "COMPLETED":  # whatever the child made of the SIGTERM it got (KILLED), SLURM ended it
             tracking.set_child_status(child.run_id, "FAILED")
             reason = tail
@@ -197,5 +208,6 @@ class Follower(children.Follower):
             time.sleep(POLL_S)
         for child in self.pending.values():
             self._deliver(child)
-            tracking.finish_child_run(child.run_id, -15, f"its sweep was {reason}", stopped=True)
+            tracking.finish_child_run(child.run_id, -15, f"its sweep was {reason}", stopped=True,
+                                      log=job_log(child.job))
 

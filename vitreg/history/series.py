@@ -1,6 +1,6 @@
 """The series of a check: the runs of each configuration x GPU in run order, and which are the candidate and
 which its history. A configuration is the identity options of the option table; the hardware the GPU label
-and the GPU model (``gpu_name``). Mislabelled runs (the tidy frame's ``mismatch``) never enter a series.
+and the GPU model (``gpu_name``), and the CPUs and threads a run was granted. Mislabelled runs (the tidy frame's ``mismatch``) never enter a series.
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
+from vitreg.analysis.frame import GRANT_COLUMNS
 from vitreg.config.options import identity_names
 from vitreg.errors import VitregError
 
@@ -91,8 +92,9 @@ class Series:
 
 
 def key_columns(frame: pd.DataFrame) -> list[str]:
-    """The columns that tell series apart: the identity options the frame carries, then the hardware."""
-    return [n for n in configuration_names() if n in frame] + [h for h in HARDWARE if h in frame]
+    """The columns that tell series apart: the identity options the frame carries, then the hardware and the CPUs
+    and threads the runs were granted (runs that predate those tags share one value, <NA>)."""
+    return [n for n in configuration_names() + HARDWARE + GRANT_COLUMNS if n in frame]
 
 
 def honest(frame: pd.DataFrame) -> pd.DataFrame:

@@ -460,14 +460,21 @@ def create_child_run(parent: Tracker, name: str, tags: dict | None = None) -> st
     return mlflow.MlflowClient().create_run(parent.experiment_id, tags=all_tags, run_name=name).info.run_id
 
 
+#: a cluster child's stdout and stderr as its node saw them (a Ray task's output, a SLURM job's log files)
+CHILD_LOG = "logs/child.log"
+
+
 def finish_child_run(run_id: str, returncode: int, stderr: str, stopped: bool = False,
-                     tags: dict | None = None) -> str:
+                     tags: dict | None = None, log: str = "") -> str:
     """After the child process: its error reason ('' on success); a child that died without ending its
     run (killed, crashed) is ended FAILED here with the last line it printed, KILLED when ``stopped`` (its
-    parent stopped it). ``tags``: more tags for the child run (where and beside whom it ran)."""
+    parent stopped it). ``tags``: more tags for the child run (where and beside whom it ran); ``log``: its
+    output, kept as the run's :data:`CHILD_LOG` (credentials in it scrubbed)."""
     client = mlflow.MlflowClient()
     run = client.get_run(run_id)
     set_run_tags(run_id, tags or {})
+    if log:
+        client.log_text(run_id, scrub(log), CHILD_LOG)
     reason = run.data.tags.get(ERROR_TAG, "")
     if returncode != 0 and not reason:
         lines = [line for line in stderr.strip().splitlines() if line.strip()]

@@ -13,8 +13,8 @@ import shlex
 import numpy as np
 import pandas as pd
 
-from vitreg.analysis.frame import (ALL_METRICS, CONDITION_COLUMNS, MISSING, NO_RUNS, NOT_APPLICABLE, RUN_COMMANDS,
-                                   SHARED_METRICS, TASK_METRICS, CompareError, config_columns, id_columns)
+from vitreg.analysis.frame import (ALL_METRICS, CONDITION_COLUMNS, GRANT_COLUMNS, MISSING, NO_RUNS, NOT_APPLICABLE,
+                                   RUN_COMMANDS, SHARED_METRICS, TASK_METRICS, CompareError, config_columns, id_columns)
 from vitreg.config.options import options_of
 from vitreg.console import plural
 from vitreg.config.parse import param_text
@@ -172,6 +172,9 @@ def _configurations(df: pd.DataFrame, source: pd.Series) -> pd.DataFrame:
         if column != "task":
             build = _BUILDERS.get(column)
             base[column] = build(df, base) if build else _option_column(df, column, jobs)
+    for name in GRANT_COLUMNS:  # the CPUs and threads it ran with (vitreg.environment; <NA> before them)
+        granted = _integer(df, f"tags.{name}")
+        base[name] = granted.where(granted > 0, pd.NA)
     base["mismatch"], base["ran_on"] = _hardware(df, base["gpu"])
     # sweep children run side by side on a host with several GPUs: how many shared it (1 = alone; NA: not a sweep's)
     base["children_on_host"] = _integer(df, "tags.sweep_children_on_host")
