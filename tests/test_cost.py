@@ -116,7 +116,7 @@ def test_throttle_that_differs_heat_and_a_busy_host_are_marked():
 def test_an_eager_fp8_run_is_flagged_from_its_tag():
     """amp=fp8 without compile runs at about half of bf16's speed (issue 37): its <task>_eager_fp8 tag makes compare
     say so and `vitreg runs` flag it, like a busy host."""
-    from vitreg.analysis.cost import suspect_masks
+    from vitreg.analysis.comparison import suspect_masks
 
     rows = [_run("h200", 4866.0), _run("h200", 12285.0)]
     rows[0]["tags.infer_eager_fp8"] = "true"

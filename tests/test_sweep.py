@@ -202,3 +202,35 @@ def test_rerun_failed_of_a_ray_sweep_reruns_on_ray_at_its_address(sqlite_store, 
     assert result.exit_code == 2 and len(errors) == 1, result.output
     assert f"the Ray cluster at {address}" in errors[0] and joined == [], errors
     assert len(_runs("sw")) == 2
+
+
+def test_the_sweeps_table_flags_the_row_of_a_child_measured_on_a_busy_host(sqlite_store, capsys):
+    """Issue 38: a sweep child measured beside other load (2.73 img/s against 9.44 alone) was printed in the
+    sweep's table without a word. The table the sweep prints at its end carries the flag on that child's row,
+    and only there; a configuration with several runs says how many of them are suspect."""
+    from mlflow.tracking import MlflowClient
+
+    from vitreg.bench import sweep
+    from vitreg.tracking import runs as tracking
+
+    client = MlflowClient()
+    with tracking.tracked_run(run_name="sweep", experiment="sw-flags", system_metrics=False) as parent:
+        # the children as a CPU bench logs them (params, the window tags, the figure), batch 4 beside other load
+        for i, (bs, img_s, busy) in enumerate([(2, 9.44, "false"), (4, 2.73, "true"), (8, 9.1, "false"),
+                                               (8, 3.0, "true"), (8, 9.3, "false")]):
+            child = tracking.create_child_run(parent, f"batch_size={bs}", {
+                "gpu": "cpu", "amp": "off", "img_size": "32", "infer_busy_host": busy,
+                "infer_host_load_beside_run": "1.65" if busy == "true" else "0.02", sweep.HOST_SHARE_TAG: "1"})
+            for key, value in {"model": "test_vit", "task": "infer", "batch_size": bs, "amp": "off",
+                               "compile": "off", "gpu": "cpu", "img_size": 32}.items():
+                client.log_param(child, key, value)
+            client.log_metric(child, "infer_throughput_img_per_s", img_s)
+            client.set_terminated(child, "FINISHED")
+        sweep._log_comparison(parent)
+    lines = capsys.readouterr().out.splitlines()
+    header = next((line for line in lines if line.split()[:2] == ["model", "batch"]), "")
+    assert header.rstrip().endswith("flags"), lines
+    rows = {line.split()[1]: line.rstrip() for line in lines if line.startswith("test_vit ")}  # by batch
+    assert rows["4"].endswith("busy host") and "2.73" in rows["4"], rows
+    assert rows["8"].endswith("busy host 1/3"), rows
+    assert rows["2"].endswith("-") and "busy" not in rows["2"], rows

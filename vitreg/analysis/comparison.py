@@ -12,10 +12,11 @@ from dataclasses import dataclass, field
 import numpy as np
 import pandas as pd
 
-from vitreg.analysis.frame import (CHOSEN_COLUMNS, DEFAULT_AXIS, GRANT_COLUMNS, HARDWARE_COLUMNS, MISSING,
-                                   SCALED_COLUMNS, SHARED_METRICS, CompareError, config_columns, group_columns,
+from vitreg.analysis.frame import (CHOSEN_COLUMNS, CONDITION_COLUMNS, DEFAULT_AXIS, GRANT_COLUMNS, HARDWARE_COLUMNS,
+                                   MISSING, SCALED_COLUMNS, SHARED_METRICS, CompareError, config_columns, group_columns,
                                    id_columns, require_tidy)
 from vitreg.analysis.stats import MISLABELLED, cv, geomean, improvement, spread, versus
+from vitreg.measure.energy import FLAGS, suspect_flags
 from vitreg.measure.metrics import BY_NAME, HIGHER, LOWER
 
 #: what compile_amp_gains pairs runs along (the rest of the configuration must agree)
@@ -29,8 +30,9 @@ COMPANIONS = ("throughput_img_per_s", "latency_ms_p50", "step_ms_p50", "peak_mem
 class Comparison:
     """The result of :func:`compare_runs`. ``table``: one row per (configuration, axis value, mislabelled or
     not): the configuration columns, ``gpu``, the axis, ``n_runs``, ``sources``, :data:`HARDWARE_COLUMNS`,
-    ``<metric>_median/_min/_max/_cv/_spread``, the companions' medians and, against a baseline, ``baseline``,
-    ``speedup`` (>1 is better, whichever way the metric goes), ``ci_low``, ``ci_high`` and ``verdict``.
+    ``flags`` (what makes its runs' figures suspect; NaN: nothing), ``<metric>_median/_min/_max/_cv/_spread``,
+    the companions' medians and, against a baseline, ``baseline``, ``speedup`` (>1 is better, whichever way the
+    metric goes), ``ci_low``, ``ci_high`` and ``verdict``.
     ``values``: the axis values, the baseline first; ``gpus``: the runs' GPU labels; ``runs``: the tidy rows."""
 
     table: pd.DataFrame
@@ -119,8 +121,8 @@ def compare_runs(
     include_mismatch: bool = False,
 ) -> Comparison:
     """Compare the tidy frame's ``runs`` along ``by`` (the GPU, or any column it carries: ``torch_version``,
-    ``compile``, ...): grouped by every configuration column, ``gpu`` and the grant (:data:`GRANT_COLUMNS`) but ``by``, each (group, axis value)
-    summarised by the median of ``metric`` and its spread, and with ``baseline`` (an axis value, matched
+    ``compile``, ...): grouped by every configuration column, ``gpu`` and the grant (:data:`GRANT_COLUMNS`) but
+    ``by``, each (group, axis value) summarised by the median of ``metric`` and its spread, and with ``baseline`` (an axis value, matched
     case-blind) a speedup against its runs of the same configuration, with a bootstrap interval and a verdict
     (:func:`vitreg.analysis.stats.versus`: ``n_boot`` resamples, ``seed``, ``confidence``). Mislabelled runs are
     rows of their own with no speedup (verdict "mislabelled") and no baseline, unless ``include_mismatch``.
@@ -229,6 +231,7 @@ def _summary_row(row: dict, grp: pd.DataFrame, ask: _Question) -> dict:
         ran_on="+".join(sorted(grp["ran_on"].dropna().astype(str).unique())) or np.nan,
         shared_host=_most(grp.get("children_on_host")),  # the most sweep children that shared a run's host
         batch_chosen="/".join(sorted(grp["batch_chosen"].dropna().astype(str).unique(), key=int)) or np.nan,
+        flags=_flags(grp),
         **{
             f"{metric}_median": float(np.median(vals)),
             f"{metric}_min": float(vals.min()),
@@ -242,6 +245,25 @@ def _summary_row(row: dict, grp: pd.DataFrame, ask: _Question) -> dict:
     return row
 
 
+def _flags(grp: pd.DataFrame) -> str | float:
+    """What makes the group's figures suspect, as ``vitreg runs`` and a run's name flag it (busy host, throttled,
+    ...): each word once, with how many of the runs it holds for when not all (``busy host 1/3``); NaN: none."""
+    words = [word if mask.all() else f"{word} {int(mask.sum())}/{len(mask)}"
+             for word, mask in suspect_masks(grp).items() if mask.any()]
+    return ", ".join(words) or np.nan
+
+
+def suspect_masks(runs: pd.DataFrame) -> dict[str, pd.Series]:
+    """Each word ``vitreg runs`` flags a suspect figure with (:func:`vitreg.measure.energy.suspect_flags`: busy
+    host, throttled, wide spread, precision missed, eager fp8) as a mask over the rows of the tidy frame ``runs``,
+    from its condition columns (NaN for runs that predate them): the runs list, compare and a sweep's table flag
+    alike."""
+    present = [c for c in CONDITION_COLUMNS if c in runs]
+    flags = [suspect_flags({k: v for k, v in zip(present, row) if isinstance(v, str)})
+             for row in runs[present].itertuples(index=False)]
+    return {word: pd.Series([word in f for f in flags], index=runs.index, dtype=bool) for word in FLAGS}
+
+
 def _most(values) -> float:
     values = pd.Series([] if values is None else values).dropna()
     return float(values.max()) if len(values) else np.nan
@@ -250,7 +272,7 @@ def _most(values) -> float:
 def _table(rows: list[dict], ask: _Question) -> pd.DataFrame:
     table = pd.DataFrame(rows)
     identity = list(dict.fromkeys([*group_columns(), ask.by]))
-    lead = identity + ["n_runs", "sources", *HARDWARE_COLUMNS, "shared_host", *CHOSEN_COLUMNS]
+    lead = identity + ["n_runs", "sources", *HARDWARE_COLUMNS, "shared_host", *CHOSEN_COLUMNS, "flags"]
     stats = [f"{ask.metric}_{s}" for s in ("median", "min", "max", "cv", "spread")]
     tail = ["baseline", "speedup", "ci_low", "ci_high", "verdict"] if ask.baseline is not None else []
     table = table[lead + stats + list(ask.companions) + tail]

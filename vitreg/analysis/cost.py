@@ -17,13 +17,13 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from vitreg.analysis.comparison import Comparison, compare_runs
-from vitreg.analysis.frame import CONDITION_COLUMNS, DEFAULT_AXIS, GRANT_COLUMNS, CompareError
+from vitreg.analysis.comparison import Comparison, compare_runs, suspect_masks
+from vitreg.analysis.frame import DEFAULT_AXIS, GRANT_COLUMNS, CompareError
 from vitreg.analysis.render import cell
 from vitreg.analysis.stats import BETTER, WORSE
 from vitreg.console import plural
 from vitreg.files import read_text, read_toml
-from vitreg.measure.energy import FLAGS, POWER_CAP, SPREAD_LIMIT, suspect_flags
+from vitreg.measure.energy import POWER_CAP, SPREAD_LIMIT
 
 COST, ENERGY = "usd_per_1m_img", "img_per_j"
 #: USD per GPU-hour: far above any GPU's rent, and far below where a cost per image overflows to inf
@@ -206,12 +206,3 @@ def grant_lines(runs: pd.DataFrame) -> list[str]:
     return ["CPU GRANTS DIFFER (cpus/threads; rows kept apart): "
             + ", ".join(f"{g}: {plural(n, 'run')}" for g, n in counts.items())]
 
-
-def suspect_masks(runs: pd.DataFrame) -> dict[str, pd.Series]:
-    """Each word ``vitreg runs`` flags a suspect figure with (:func:`vitreg.measure.energy.suspect_flags`: busy
-    host, throttled, wide spread, precision missed, eager fp8) as a mask over the rows of the tidy frame ``runs``, from its
-    condition columns (NaN for runs that predate them)."""
-    present = [c for c in CONDITION_COLUMNS if c in runs]
-    flags = [suspect_flags({k: v for k, v in zip(present, row) if isinstance(v, str)})
-             for row in runs[present].itertuples(index=False)]
-    return {word: pd.Series([word in f for f in flags], index=runs.index, dtype=bool) for word in FLAGS}

@@ -86,6 +86,11 @@ def _task_table(comparison, t: pd.DataFrame) -> list[str]:
         for row, (_, r) in zip(body, t.iterrows()):
             row += [format_value("speedup", r["speedup"]), _format_ci(r["ci_low"], r["ci_high"]),
                     str(r["verdict"])]
+    if "flags" in t and t["flags"].notna().any():  # a suspect figure flagged on the row that prints it (issue 38)
+        header.append("flags")
+        right.append(False)
+        for row, flags in zip(body, t["flags"]):
+            row.append(cell(flags))
     lines.append(fixed_width(header, body, right))
     return lines
 
@@ -326,6 +331,7 @@ def comparison_view(c, t: pd.DataFrame) -> View:
     cols = [c.by, f"{m}_median"] + (["speedup", "verdict"] if c.baseline else [])
     tail = varying + ["n_runs", f"{m}_cv"] + (["ran_on"] if t["mismatch"].any() else [])
     tail += ["batch_chosen"] if t["batch_chosen"].notna().any() else []
+    tail += ["flags"] if "flags" in t and t["flags"].notna().any() else []
     view = display(t[cols + tail])
     if c.baseline:
         view.insert(len(cols), "ci", [_format_ci(lo, hi) for lo, hi in zip(t["ci_low"], t["ci_high"])])

@@ -49,8 +49,8 @@ RUN_LIST_COLUMNS = ("run_id", "experiment", "name", "status", "start_time", "gpu
 def run_list(raw: pd.DataFrame) -> pd.DataFrame:
     """One row per run of ``raw`` (:func:`vitreg.tracking.runs.newest_runs`' frame), as ``vitreg runs`` lists
     them: :data:`RUN_LIST_COLUMNS`, each task's ``<task>_img_per_s`` (NaN: not measured) and ``flags``
-    (:func:`vitreg.analysis.cost.suspect_masks` on :func:`tidy`'s columns: the list and compare flag alike)."""
-    from vitreg.analysis.cost import suspect_masks
+    (:func:`vitreg.analysis.comparison.suspect_masks` on :func:`tidy`'s columns: the list and compare flag alike)."""
+    from vitreg.analysis.comparison import suspect_masks
 
     if not len(raw):
         return pd.DataFrame(columns=[*RUN_LIST_COLUMNS, "flags"])
