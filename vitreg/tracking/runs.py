@@ -394,6 +394,7 @@ def check_server(timeout: float = 5.0, uri: str | None = None) -> None:
     go as a header, and are shown masked."""
     uri = current_uri() if uri is None else uri  # mlflow is not imported for it: a dead server is said sooner
     check_sqlite_uri(uri)
+    check_sql_server(uri, timeout)
     if not uri.lower().startswith(("http://", "https://")):  # a scheme is any case: HTTP:// is a server too
         return
     import http.client
@@ -417,6 +418,34 @@ def check_server(timeout: float = 5.0, uri: str | None = None) -> None:
                          f"`make server`, or log offline (--offline true, -P offline=true or VITREG_OFFLINE=1: the "
                          f"run waits in the local spool for `vitreg sync`), or fix/unset MLFLOW_TRACKING_URI") \
             from None
+
+
+#: the SQL stores reached over TCP (``dialect+driver://``), each with its default port
+SQL_SERVER_PORTS = {"postgresql": 5432, "postgres": 5432, "mysql": 3306, "mariadb": 3306, "mssql": 1433}
+
+
+def check_sql_server(uri: str, timeout: float = 5.0) -> None:
+    """Fail fast, in one line, when the tracking URI is a SQL server (PostgreSQL, MySQL, SQL Server) whose host
+    does not take a TCP connection: said before mlflow, SQLAlchemy and the driver are imported (~3 s of CPU,
+    a job's torch too), and without MLflow's engine attempts. A server that takes the connection goes on to
+    MLflow as before, however slow it then is; a URI with no TCP host (a local socket, ``?host=``, several
+    hosts) is left to the driver."""
+    parts = urllib.parse.urlsplit(uri)
+    default = SQL_SERVER_PORTS.get(parts.scheme.partition("+")[0].lower())
+    if default is None or not parts.hostname or "host=" in parts.query.lower():
+        return
+    try:
+        port = parts.port or default
+    except ValueError:  # several hosts, or a port that is no number: the driver's own error says which
+        return
+    import socket
+
+    try:
+        socket.create_connection((parts.hostname, port), timeout=timeout).close()
+    except OSError as exc:
+        reason = "no answer in %g s" % timeout if isinstance(exc, TimeoutError) else (exc.strerror or str(exc))
+        raise StoreError(f"the tracking store at {redact(uri)} does not answer ({reason}): start it, or fix "
+                         f"MLFLOW_TRACKING_URI") from None
 
 
 def still_spooled(tracker) -> bool:
