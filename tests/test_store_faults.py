@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from vitreg.errors import StoreError
+from vitreg.errors import StoreError, VitregError
 from vitreg.tracking.store import prepare_store, sqlite_path
 
 from conftest import free_port, migrated_store, subprocess_env
@@ -311,11 +311,55 @@ def test_a_down_postgresql_is_said_before_the_heavy_imports_as_fast_as_a_dead_ht
         assert took < 2 * baseline_s + 3, (command, took, baseline_s)
 
 
+@pytest.fixture
+def silent_server():
+    """A TCP server that takes every connection and never says a word: a hung PostgreSQL, a port forwarded to
+    nothing. Its port."""
+    server = socket.create_server(("127.0.0.1", 0))
+    server.settimeout(0.2)
+    stop, held = threading.Event(), []
+
+    def serve():
+        while not stop.is_set():
+            try:
+                held.append(server.accept()[0])
+            except TimeoutError:
+                continue
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    yield server.getsockname()[1]
+    stop.set()
+    thread.join()
+    for conn in held:
+        conn.close()
+    server.close()
+
+
+@pytest.mark.slow
+def test_a_postgresql_that_takes_the_connection_and_never_answers_is_one_line_within_seconds(tmp_path, silent_server,
+                                                                                            monkeypatch):
+    """The probe passes such a server on (it takes the connection); psycopg then waited 130 s for its first word,
+    twice an engine attempt (with and without SSL), MLflow's engine twice: 520 s. The CLI sets libpq's
+    PGCONNECT_TIMEOUT (the user's own wins): 4 waits of SQL_CONNECT_TIMEOUT_S. The baseline is the same command
+    refused at once after the same imports and engine attempts: the host in ``?host=``, which the probe leaves
+    to the driver, on a port nobody listens on."""
+    from vitreg.tracking.store import SQL_CONNECT_TIMEOUT_S, SQL_ENGINE_ATTEMPTS
+
+    monkeypatch.delenv("PGCONNECT_TIMEOUT", raising=False)
+    baseline, baseline_s = _vitreg(["runs", "--stale"], f"postgresql://vitreg:s3cretpw@/vitreg?host=127.0.0.1:"
+                                                        f"{free_port()}", tmp_path)
+    assert_one_line(baseline, "Connection refused")
+    done, took = _vitreg(["runs", "--stale"], f"postgresql://vitreg:s3cretpw@127.0.0.1:{silent_server}/vitreg", tmp_path)
+    assert_one_line(done, "connection timeout expired")
+    waits_s = 2 * SQL_ENGINE_ATTEMPTS * SQL_CONNECT_TIMEOUT_S
+    assert took < 2 * baseline_s + waits_s + 10, (took, baseline_s)
+
+
 @pytest.mark.parametrize("uri", [
     "postgresql://u:pw@/vitreg",  # a local socket: no TCP host
     "postgresql://u:pw@/vitreg?host=/var/run/postgresql",
-    "postgresql://u:pw@127.0.0.1:1,127.0.0.1:2/vitreg",  # several hosts: the driver tries each
-    "postgresql://u:pw@127.0.0.1:notaport/vitreg",
+    "postgresql://u:pw@/vitreg?host=127.0.0.1:1&host=127.0.0.1:2",  # several hosts: the driver tries each
     "file:///tmp/mlruns",
     "databricks",
 ])
@@ -323,6 +367,19 @@ def test_a_uri_with_no_single_tcp_host_is_left_to_the_driver(uri, ports_tried):
     from vitreg.tracking.runs import check_sql_server
 
     check_sql_server(uri, timeout=1)
+    assert ports_tried == []
+
+
+@pytest.mark.parametrize("netloc", ["u:pw@127.0.0.1:5432,127.0.0.1:5433", "u:pw@db:port"])
+def test_a_sql_uri_whose_port_is_no_number_is_one_line_naming_the_form(netloc, ports_tried):
+    """Several hosts in the address (libpq's own form) were a ValueError traceback from MLflow's URI parsing."""
+    from vitreg.tracking.runs import check_sql_server
+
+    with pytest.raises(VitregError) as caught:
+        check_sql_server(f"postgresql://{netloc}/vitreg")
+    assert str(caught.value).startswith("the tracking URI postgresql://***@") and "pw" not in str(caught.value)
+    assert str(caught.value).endswith("has a port that is not a number: write postgresql://user:password@host:5432/db "
+                                      "(several hosts go in the query: ?host=host1:5432&host=host2:5432)")
     assert ports_tried == []
 
 

@@ -428,16 +428,19 @@ def check_sql_server(uri: str, timeout: float = 5.0) -> None:
     """Fail fast, in one line, when the tracking URI is a SQL server (PostgreSQL, MySQL, SQL Server) whose host
     does not take a TCP connection: said before mlflow, SQLAlchemy and the driver are imported (~3 s of CPU,
     a job's torch too), and without MLflow's engine attempts. A server that takes the connection goes on to
-    MLflow as before, however slow it then is; a URI with no TCP host (a local socket, ``?host=``, several
-    hosts) is left to the driver."""
+    MLflow as before, however slow it then is; a URI with no TCP host in its address (a local socket, hosts in
+    ``?host=``) is left to the driver. A port that is no number (``host1:5432,host2:5432``) is refused."""
     parts = urllib.parse.urlsplit(uri)
-    default = SQL_SERVER_PORTS.get(parts.scheme.partition("+")[0].lower())
+    dialect = parts.scheme.partition("+")[0].lower()
+    default = SQL_SERVER_PORTS.get(dialect)
     if default is None or not parts.hostname or "host=" in parts.query.lower():
         return
     try:
         port = parts.port or default
-    except ValueError:  # several hosts, or a port that is no number: the driver's own error says which
-        return
+    except ValueError:  # MLflow's URI parsing raised it as a traceback
+        raise VitregError(f"the tracking URI {redact(uri)} has a port that is not a number: write "
+                          f"{dialect}://user:password@host:{default}/db (several hosts go in the query: "
+                          f"?host=host1:{default}&host=host2:{default})") from None
     import socket
 
     try:
