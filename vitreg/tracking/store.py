@@ -41,9 +41,8 @@ _REFUSED_REQUEST = {"INVALID_PARAMETER_VALUE", "RESOURCE_DOES_NOT_EXIST", "BAD_R
 #: another process holds locked costs sqlite's 5 s busy timeout an attempt)
 SQL_ENGINE_ATTEMPTS = 2
 #: libpq's wait for a PostgreSQL that takes the TCP connection and then says nothing (a hung server, a port
-#: forwarded to nothing): psycopg's default is 130 s, and it makes two connections an engine attempt (with and
-#: without SSL), so a CLI command waited 520 s; 5 s each is 20 s. PGCONNECT_TIMEOUT or ``?connect_timeout=`` set
-#: by the user win.
+#: forwarded to nothing): psycopg's default is 130 s, one wait for each of MLflow's engine attempts, so a CLI
+#: command waited 260 s; 5 s each is 10 s. PGCONNECT_TIMEOUT or ``?connect_timeout=`` set by the user win.
 SQL_CONNECT_TIMEOUT_S = 5
 PROGRESS_BAR_VARIABLE = "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR"
 RUN_LINKS_VARIABLE = "MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT"
