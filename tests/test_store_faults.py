@@ -311,6 +311,25 @@ def test_a_down_postgresql_is_said_before_the_heavy_imports_as_fast_as_a_dead_ht
         assert took < 2 * baseline_s + 3, (command, took, baseline_s)
 
 
+@pytest.mark.parametrize("call", ["runs", "compare", "check"])
+def test_the_python_api_says_a_down_postgresql_at_once(call, monkeypatch, ports_tried):
+    """vitreg.api.runs and .compare went straight to MLflow's SQL engine, whose ten attempts (the CLI bounds them
+    to two; a Python caller's process is its own) took 108 s here: now the probe says it first, as the CLI does.
+    One connection tried, the probe's."""
+    import vitreg
+    from vitreg.tracking.mlflow_on_first_use import mlflow
+
+    dead = free_port()
+    uri = f"postgresql://vitreg:s3cretpw@127.0.0.1:{dead}/vitreg"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    monkeypatch.setattr(mlflow, "get_tracking_uri", lambda: uri)
+    with pytest.raises(StoreError) as caught:
+        getattr(vitreg.api, call)("f")
+    assert str(caught.value) == (f"the tracking store at postgresql://***@127.0.0.1:{dead}/vitreg does not answer "
+                                 "(Connection refused): start it, or fix MLFLOW_TRACKING_URI")
+    assert [port for _, port in ports_tried] == [dead]
+
+
 @pytest.fixture
 def silent_server():
     """A TCP server that takes every connection and never says a word: a hung PostgreSQL, a port forwarded to

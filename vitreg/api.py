@@ -69,8 +69,10 @@ def compare(experiment: str, baseline: str | None = None, metric: str = "through
     ("h200=3.50,l4=0.80" or a price file) gives every run its ``usd_per_1m_img``."""
     from vitreg.analysis.comparison import compare_runs
     from vitreg.analysis.cost import parse_prices, with_costs
+    from vitreg.tracking.runs import check_server
     from vitreg.tracking.search import benchmark_runs, tidy
 
+    check_server()  # as `vitreg compare`: a store that does not answer is said at once, not after MLflow's retries
     runs_frame = with_costs(tidy(benchmark_runs(experiment), axes=(by,)), parse_prices(prices))
     return compare_runs(runs_frame, baseline=baseline or None, metric=metric, by=by,
                         include_mismatch=include_mismatch, **analysis)
@@ -90,8 +92,10 @@ def check(experiment: str, metric: str = "throughput_img_per_s", window: int = 1
 def runs(experiment: str):
     """The experiment's finished benchmark runs, one row per (run, task), metrics without their task prefix: the
     frame ``vitreg runs --experiment NAME --csv`` writes."""
+    from vitreg.tracking.runs import check_server
     from vitreg.tracking.search import benchmark_runs, tidy
 
+    check_server()  # a store that does not answer is said at once, not after MLflow's retries (100 s for a SQL one)
     return tidy(benchmark_runs(experiment))
 
 
