@@ -380,6 +380,9 @@ def test_a_postgresql_that_takes_the_connection_and_never_answers_is_one_line_wi
     "postgresql://u:pw@/vitreg",  # a local socket: no TCP host
     "postgresql://u:pw@/vitreg?host=/var/run/postgresql",
     "postgresql://u:pw@/vitreg?host=127.0.0.1:1&host=127.0.0.1:2",  # several hosts: the driver tries each
+    "mysql+pymysql://u:pw@127.0.0.1/db?unix_socket=/run/mysqld/mysqld.sock",
+    "mysql://u:pw@localhost/db",  # mysqlclient takes "localhost" for its local socket
+    "mssql+pyodbc://u:pw@SomeDsn",  # an ODBC data source's name, not a host
     "file:///tmp/mlruns",
     "databricks",
 ])

@@ -19,6 +19,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import re
 import sys
 import tempfile
 import time
@@ -420,20 +421,23 @@ def check_server(timeout: float = 5.0, uri: str | None = None) -> None:
             from None
 
 
-#: the SQL stores reached over TCP (``dialect+driver://``), each with its default port
-SQL_SERVER_PORTS = {"postgresql": 5432, "postgres": 5432, "mysql": 3306, "mariadb": 3306, "mssql": 1433}
+#: the SQL stores whose URI's host is reached over TCP (``dialect+driver://``), each with its default port; not
+#: SQL Server (``mssql+pyodbc://user:pw@DSN`` names an ODBC data source, not a host)
+SQL_SERVER_PORTS = {"postgresql": 5432, "postgres": 5432, "mysql": 3306, "mariadb": 3306}
 
 
 def check_sql_server(uri: str, timeout: float = 5.0) -> None:
-    """Fail fast, in one line, when the tracking URI is a SQL server (PostgreSQL, MySQL, SQL Server) whose host
+    """Fail fast, in one line, when the tracking URI is a SQL server (PostgreSQL, MySQL) whose host
     does not take a TCP connection: said before mlflow, SQLAlchemy and the driver are imported (~3 s of CPU,
     a job's torch too), and without MLflow's engine attempts. A server that takes the connection goes on to
-    MLflow as before, however slow it then is; a URI with no TCP host in its address (a local socket, hosts in
-    ``?host=``) is left to the driver. A port that is no number (``host1:5432,host2:5432``) is refused."""
+    MLflow as before, however slow it then is; a URI with no TCP host in its address (a local socket: no host,
+    ``?host=``, ``?unix_socket=``, MySQL's ``localhost``; hosts in ``?host=``) is left to the driver. A port that is no number (``host1:5432,host2:5432``) is refused."""
     parts = urllib.parse.urlsplit(uri)
     dialect = parts.scheme.partition("+")[0].lower()
     default = SQL_SERVER_PORTS.get(dialect)
-    if default is None or not parts.hostname or "host=" in parts.query.lower():
+    if default is None or not parts.hostname or re.search(r"(^|&)(host|unix_socket)=", parts.query.lower()):
+        return
+    if default == 3306 and parts.hostname == "localhost":  # MySQL's client takes "localhost" for its local socket
         return
     try:
         port = parts.port or default
