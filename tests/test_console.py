@@ -166,3 +166,74 @@ def test_a_library_warning_goes_to_the_run_s_log_and_to_verbose_only(capsys, mon
         monkeypatch.setenv(VERBOSE_ENV, "1")
         warnings.warn("an old API", UserWarning)
         assert "[vitreg] UserWarning: an old API" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------ issue 39 point 5: masked during an API call only
+PASSWORD = "Pa55wordXyz"
+
+
+def test_masked_output_scrubs_streams_and_records_for_the_call_and_gives_them_back(monkeypatch, capsys):
+    """What vitreg.api's calls run inside: print, stderr and every log record (the message, its arguments and its
+    traceback, whatever handler gets it) masked while inside; after it, the caller's objects, unmasked again."""
+    import logging
+
+    from vitreg.console import MaskedStream, masked_output
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://alice:{PASSWORD}@127.0.0.1:1")
+    kept = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            kept.append(self.format(record))
+
+    logger = logging.getLogger("test_console.masked")
+    monkeypatch.setattr(logger, "handlers", [Keep()])
+    monkeypatch.setattr(logger, "propagate", False)
+    before = (sys.stdout, sys.stderr, logging.getLogRecordFactory())
+    with masked_output():
+        with masked_output():  # nested (an API call inside another): the inner one changes nothing
+            print(f"out {PASSWORD}")
+            print("err http://bob:Tok3nValue@h:2/", file=sys.stderr)
+        assert isinstance(sys.stdout, MaskedStream) and isinstance(sys.stderr, MaskedStream)
+        logger.warning("asked %s", f"http://alice:{PASSWORD}@127.0.0.1:1/api")
+        try:
+            raise RuntimeError(f"refused at {PASSWORD}")
+        except RuntimeError:
+            logger.exception("failed")
+    assert (sys.stdout, sys.stderr, logging.getLogRecordFactory()) == before
+    logger.warning(f"the caller's own {PASSWORD}")  # after the call: the caller's business, as it was
+    out, err = capsys.readouterr()
+    assert out == "out ***\n" and err == "err http://***@h:2/\n"
+    assert kept[0] == "asked http://***@127.0.0.1:1/api", kept
+    assert kept[1].startswith("failed\nTraceback") and "RuntimeError: refused at ***" in kept[1], kept[1]
+    assert PASSWORD not in kept[1] and kept[2] == f"the caller's own {PASSWORD}"
+
+
+def test_masked_output_keeps_what_the_caller_set_meanwhile_and_overlapping_calls_end_with_the_last(monkeypatch):
+    import io
+    import threading
+
+    from vitreg.console import MaskedStream, masked_output
+
+    monkeypatch.setattr(sys, "stderr", sys.stderr)  # put back at teardown whatever happens here
+    mine = io.StringIO()
+    with masked_output():
+        sys.stderr = mine  # the caller's own, set during the call (a callback): not taken back
+    assert sys.stderr is mine
+    bare = sys.stdout
+    inside, release = threading.Event(), threading.Event()
+
+    def other_call():
+        with masked_output():
+            inside.set()
+            release.wait(30)
+
+    thread = threading.Thread(target=other_call)
+    thread.start()
+    assert inside.wait(30)
+    with masked_output():
+        pass
+    assert isinstance(sys.stdout, MaskedStream)  # the other thread's call still runs: still masked
+    release.set()
+    thread.join()
+    assert sys.stdout is bare

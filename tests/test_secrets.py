@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from _warm import WarmVitreg
-from conftest import free_port, premigrated
+from conftest import free_port, premigrated, wait_until
 
 SECRET = "Sup3rS3cretPw"
 TOKEN = "tok3nOnlyXyz"
@@ -244,3 +244,93 @@ def test_no_printer_shows_a_secret_libraries_logging_warnings_and_tracebacks_inc
                  "forwarded bytes", "thread failed at", "uncaught at"):
         assert any(what in line and shown in line for line in printed.splitlines()), (what, printed)  # masked
     assert "L1brarySecret" not in printed and "Qu3rySecret" not in printed, printed
+
+
+# ------------------------------------------------------------ issue 39 point 5: the Python API's caller
+# A user's script: mlflow imported, then its own logging (a handler with the bare stderr, one keeping records, on
+# the root and on MLflow's logger), then vitreg.api.bench against a server with the password in the URI. What the script's
+# streams, handlers and record factory are is printed before and after the call, and again once every thread
+# the call started had time to print.
+API_CALLER = """
+import logging, os, sys, time, warnings
+import mlflow  # first: importing it sets MLflow's loggers' handlers anew
+logging.basicConfig(level=logging.INFO, format="CALLER %(levelname)s %(name)s %(message)s")
+kept = []
+
+
+class Keep(logging.Handler):
+    def emit(self, record):
+        kept.append(self.format(record))
+
+
+keep = Keep()
+logging.getLogger().addHandler(keep)
+logging.getLogger("mlflow").addHandler(keep)  # MLflow's loggers do not propagate to the root
+
+
+def state():
+    root = logging.getLogger()
+    return (sys.stdout, sys.stderr, logging.getLogRecordFactory(), warnings.showwarning, root.level,
+            [(h, getattr(h, "stream", None), list(h.filters), h.formatter) for h in root.handlers],
+            logging.getLogger("mlflow").handlers[-1] is keep)
+
+
+before = state()
+import vitreg
+
+result = vitreg.api.bench(model="test_vit", img_size=32, batch_size=2, device="cpu", task="infer", warmup=1,
+                          steps=300, repeats=3, experiment="api-caller")
+right_after = state()
+time.sleep(4)  # anything a thread of the call still had to say (MLflow's monitor samples every 2 s)
+print("result", type(result).__name__, "same" if before == right_after == state() else "changed")
+print("kept", len(kept), "records;", sum("***@127.0.0.1" in line for line in kept), "name the server masked")
+print("\\n".join(kept), file=open("kept.txt", "w"))
+"""
+
+
+@pytest.mark.slow
+def test_the_python_api_masks_what_libraries_print_during_the_call_and_leaves_the_callers_streams(tmp_path):
+    """MLflow's system-metrics monitor warns "Failed to get mlflow run: API request to http://alice:PASSWORD@..."
+    on stderr when the server goes away during a run: the CLI masked it, a Python caller saw the password. The
+    server here is stopped once the run is RUNNING on it; the run then goes on for seconds, the monitor asks."""
+    from vitreg.deploy import server
+    from vitreg.deploy.server import ServerConfig
+
+    cfg = ServerConfig(port=free_port(), data_dir=premigrated(tmp_path / "data"))
+    with pytest.MonkeyPatch.context() as mp:
+        for name in [n for n in os.environ if n.startswith(("VITREG_", "MLFLOW_"))]:
+            mp.delenv(name)
+        mp.setenv("MLFLOW_DISABLE_TELEMETRY", "true")
+        proc = server.start(cfg, timeout=120, quiet=True)
+    caller = None
+    try:
+        env = {**Box(tmp_path, cfg.port, f"alice:{SECRET}").env(), "VITREG_FLUSH_TIMEOUT_S": "5",
+               "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0"}  # the caller's own choice: a failed request fails at once
+        env.pop("MLFLOW_EXPERIMENT_NAME")
+        caller = subprocess.Popen([sys.executable, "-c", API_CALLER], cwd=tmp_path / "box", env=env, text=True,
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        from mlflow.tracking import MlflowClient
+
+        client = MlflowClient(f"http://127.0.0.1:{cfg.port}")
+
+        def running() -> bool:
+            assert caller.poll() is None, caller.communicate()
+            experiment = client.get_experiment_by_name("api-caller")
+            return bool(experiment and client.search_runs([experiment.experiment_id], "attributes.status = 'RUNNING'"))
+
+        wait_until(running, timeout_s=240, what="the API's run RUNNING on the server")
+        server.stop(proc)
+        out, err = caller.communicate(timeout=400)
+    finally:
+        server.stop(proc)
+        if caller is not None and caller.poll() is None:
+            caller.kill()
+            caller.wait()
+    printed = out + err
+    assert caller.returncode == 0, printed[-3000:]
+    assert SECRET not in printed, [line for line in printed.splitlines() if SECRET in line]
+    kept = (tmp_path / "box" / "kept.txt").read_text()
+    assert SECRET not in kept, kept
+    # the library did speak (masked), through the caller's handler and on stderr: what would have leaked
+    assert "Failed to get mlflow run" in kept and "API request to http://***@127.0.0.1" in err, err[-3000:]
+    assert "result BenchResult same" in out, out  # the caller's streams, handlers and logging as they were

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from vitreg.errors import StoreError
+from vitreg.errors import StoreError, VitregError
 from vitreg.tracking.store import prepare_store, sqlite_path
 
 from conftest import free_port, migrated_store, subprocess_env
@@ -273,6 +273,150 @@ def test_a_store_that_cannot_be_read_is_one_line_within_seconds(tmp_path, reques
     if fault == "locked":  # the one fault whose store can be read after: let go, then look
         uri.holder.rollback()
         _nothing_running(uri)
+
+
+#: what a store's refusal must not wait for: the tracking and SQL stack, the driver, the job's model stack
+HEAVY = {"mlflow", "sqlalchemy", "alembic", "psycopg", "psycopg2", "torch", "timm"}
+
+
+def _imported_and_took(args: list[str], uri: str, cwd: Path) -> tuple[subprocess.CompletedProcess, set, float]:
+    began = time.monotonic()
+    done = subprocess.run([sys.executable, "-m", "vitreg", *args], cwd=cwd, capture_output=True, text=True,
+                          env=subprocess_env(uri, MLFLOW_DISABLE_TELEMETRY="true", PYTHONPROFILEIMPORTTIME="1"),
+                          timeout=400)
+    took = time.monotonic() - began
+    imported = {line.split("|")[-1].strip().split(".")[0] for line in done.stderr.splitlines()
+                if line.startswith("import time:")}
+    done.stderr = "\n".join(line for line in done.stderr.splitlines() if not line.startswith("import time:"))
+    return done, imported, took
+
+
+@pytest.mark.slow
+def test_a_down_postgresql_is_said_before_the_heavy_imports_as_fast_as_a_dead_http_server(tmp_path):
+    """Issue 39 point 5: a PostgreSQL refusing connections was found by MLflow's SQL engine, after mlflow,
+    SQLAlchemy, the driver and (for a job) torch were imported: `runs --stale` 4.9 s and a bench 12 s on this
+    2-core machine beside one other test, 19 s under CI's load. A TCP probe now says it first, as a dead HTTP
+    server is said: each command's answer is bounded by the CLI's quickest refusal, `runs --stale` against a
+    dead HTTP server, measured here beside it (the best of three: under the same load, not a fixed figure)."""
+    dead = free_port()
+    baseline_s = min(_imported_and_took(["runs", "--stale"], f"http://127.0.0.1:{dead}", tmp_path)[2]
+                     for _ in range(3))
+    uri = f"postgresql://vitreg:s3cretpw@127.0.0.1:{dead}/vitreg"
+    commands = {**COMMANDS, "register": ["register", f"runs:/{RUN_ID}/checkpoints/last", "--name", "tiny"]}
+    for command, args in commands.items():
+        done, imported, took = _imported_and_took(args, uri, tmp_path)
+        line = assert_one_line(done, "does not answer (Connection refused)")
+        assert line.startswith(f"error: the tracking store at postgresql://***@127.0.0.1:{dead}/vitreg "), line
+        assert imported and not imported & HEAVY, (command, sorted(imported & HEAVY))
+        assert took < 2 * baseline_s + 3, (command, took, baseline_s)
+
+
+@pytest.mark.parametrize("call", ["runs", "compare", "check"])
+def test_the_python_api_says_a_down_postgresql_at_once(call, monkeypatch, ports_tried):
+    """vitreg.api.runs and .compare went straight to MLflow's SQL engine, whose ten attempts (the CLI bounds them
+    to two; a Python caller's process is its own) took 108 s here: now the probe says it first, as the CLI does.
+    One connection tried, the probe's."""
+    import vitreg
+    from vitreg.tracking.mlflow_on_first_use import mlflow
+
+    dead = free_port()
+    uri = f"postgresql://vitreg:s3cretpw@127.0.0.1:{dead}/vitreg"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    monkeypatch.setattr(mlflow, "get_tracking_uri", lambda: uri)
+    with pytest.raises(StoreError) as caught:
+        getattr(vitreg.api, call)("f")
+    assert str(caught.value) == (f"the tracking store at postgresql://***@127.0.0.1:{dead}/vitreg does not answer "
+                                 "(Connection refused): start it, or fix MLFLOW_TRACKING_URI")
+    assert [port for _, port in ports_tried] == [dead]
+
+
+@pytest.fixture
+def silent_server():
+    """A TCP server that takes every connection and never says a word: a hung PostgreSQL, a port forwarded to
+    nothing. Its port."""
+    server = socket.create_server(("127.0.0.1", 0))
+    server.settimeout(0.2)
+    stop, held = threading.Event(), []
+
+    def serve():
+        while not stop.is_set():
+            try:
+                held.append(server.accept()[0])
+            except TimeoutError:
+                continue
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    yield server.getsockname()[1]
+    stop.set()
+    thread.join()
+    for conn in held:
+        conn.close()
+    server.close()
+
+
+@pytest.mark.slow
+def test_a_postgresql_that_takes_the_connection_and_never_answers_is_one_line_within_seconds(tmp_path, silent_server,
+                                                                                            monkeypatch):
+    """The probe passes such a server on (it takes the connection); psycopg then waited 130 s for its first word
+    at each of MLflow's two engine attempts: 260 s. The CLI sets libpq's PGCONNECT_TIMEOUT (the user's own
+    wins): one wait of SQL_CONNECT_TIMEOUT_S an attempt (16 s in all here, 5.5 s of it start-up and imports, the
+    silent server seeing the probe and two connections 5 s apart). The baseline is the same command
+    refused at once after the same imports and engine attempts: the host in ``?host=``, which the probe leaves
+    to the driver, on a port nobody listens on."""
+    from vitreg.tracking.store import SQL_CONNECT_TIMEOUT_S, SQL_ENGINE_ATTEMPTS
+
+    monkeypatch.delenv("PGCONNECT_TIMEOUT", raising=False)
+    baseline, baseline_s = _vitreg(["runs", "--stale"], f"postgresql://vitreg:s3cretpw@/vitreg?host=127.0.0.1:"
+                                                        f"{free_port()}", tmp_path)
+    assert_one_line(baseline, "Connection refused")
+    done, took = _vitreg(["runs", "--stale"], f"postgresql://vitreg:s3cretpw@127.0.0.1:{silent_server}/vitreg", tmp_path)
+    assert_one_line(done, "connection timeout expired")
+    waits_s = SQL_ENGINE_ATTEMPTS * SQL_CONNECT_TIMEOUT_S
+    assert took < 2 * baseline_s + waits_s + 10, (took, baseline_s)
+
+
+@pytest.mark.parametrize("uri", [
+    "postgresql://u:pw@/vitreg",  # a local socket: no TCP host
+    "postgresql://u:pw@/vitreg?host=/var/run/postgresql",
+    "postgresql://u:pw@/vitreg?host=127.0.0.1:1&host=127.0.0.1:2",  # several hosts: the driver tries each
+    "mysql+pymysql://u:pw@127.0.0.1/db?unix_socket=/run/mysqld/mysqld.sock",
+    "mysql://u:pw@localhost/db",  # mysqlclient takes "localhost" for its local socket
+    "mssql+pyodbc://u:pw@SomeDsn",  # an ODBC data source's name, not a host
+    "file:///tmp/mlruns",
+    "databricks",
+])
+def test_a_uri_with_no_single_tcp_host_is_left_to_the_driver(uri, ports_tried):
+    from vitreg.tracking.runs import check_sql_server
+
+    check_sql_server(uri, timeout=1)
+    assert ports_tried == []
+
+
+@pytest.mark.parametrize("netloc", ["u:pw@127.0.0.1:5432,127.0.0.1:5433", "u:pw@db:port"])
+def test_a_sql_uri_whose_port_is_no_number_is_one_line_naming_the_form(netloc, ports_tried):
+    """Several hosts in the address (libpq's own form) were a ValueError traceback from MLflow's URI parsing."""
+    from vitreg.tracking.runs import check_sql_server
+
+    with pytest.raises(VitregError) as caught:
+        check_sql_server(f"postgresql://{netloc}/vitreg")
+    assert str(caught.value).startswith("the tracking URI postgresql://***@") and "pw" not in str(caught.value)
+    assert str(caught.value).endswith("has a port that is not a number: write postgresql://user:password@host:5432/db "
+                                      "(several hosts go in the query: ?host=host1:5432&host=host2:5432)")
+    assert ports_tried == []
+
+
+def test_a_sql_server_that_takes_the_connection_goes_on_to_mlflow(ssh_banner, ports_tried):
+    """The probe only says a host that refuses (or does not answer) the TCP connection: a server that takes it,
+    however it then answers, is MLflow's and the driver's to judge."""
+    from vitreg.tracking.runs import check_sql_server
+
+    port = int(ssh_banner.rsplit(":", 1)[1])
+    check_sql_server(f"mysql+pymysql://u:pw@127.0.0.1:{port}/db", timeout=5)
+    assert [p for _, p in ports_tried] == [port]
+    with pytest.raises(StoreError, match=r"^the tracking store at mysql\+pymysql://\*\*\*@127.0.0.1:\d+/db does not "
+                                         r"answer \(Connection refused\)"):
+        check_sql_server(f"mysql+pymysql://u:pw@127.0.0.1:{free_port()}/db")
 
 
 @pytest.mark.slow

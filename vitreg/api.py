@@ -2,16 +2,48 @@
 
 Each takes the options of the command of the same name (typed values or strings) and returns what the command
 computed; bad input raises :class:`~vitreg.errors.VitregError` with the CLI's one-line message. The heavy
-imports happen inside the calls, so ``import vitreg`` stays cheap.
+imports happen inside the calls, so ``import vitreg`` stays cheap. During a call, what the libraries print or log
+is masked as the CLI's output is (:func:`_masked`); the caller's streams and logging are theirs again after it.
 
 Kept apart: a boundary, the names and signatures users' code calls.
 """
 
 from __future__ import annotations
 
+import functools
+
+from vitreg.console import masked_output
+
+
+def _masked(fn):
+    """``fn`` with no credential of the tracking URI in anything printed or logged while it runs (MLflow's warnings
+    quote the URI with its password: :func:`vitreg.console.masked_output`), nor in what it raises: a store failure
+    no layer turned into one line becomes the CLI's one-line :class:`~vitreg.errors.VitregError`."""
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        with masked_output():
+            try:
+                return fn(*args, **kwargs)
+            except Exception as exc:
+                from vitreg.errors import VitregError
+
+                if isinstance(exc, VitregError):
+                    raise
+                from vitreg.tracking.store import store_error_for
+
+                error = store_error_for(exc)
+                if error is None:
+                    raise
+                raise error from None  # MLflow's text names the URI, credentials and all
+
+    return call
+
+
 _BENCH_LAUNCHER = ("nnodes", "node_rank", "rdzv_endpoint", "baseline_run")  # bench()'s own keyword arguments
 
 
+@_masked
 def bench(*, experiment: str | None = None, run_name: str | None = None, **options):
     """Run one benchmark and log it as one MLflow run, as ``vitreg bench`` does; returns its BenchResult
     (None in the launching process of an ``nproc > 1`` job: its ranks log).
@@ -29,6 +61,7 @@ def bench(*, experiment: str | None = None, run_name: str | None = None, **optio
                      **launcher_options("bench", own))
 
 
+@_masked
 def compare(experiment: str, baseline: str | None = None, metric: str = "throughput_img_per_s", by: str = "gpu",
             include_mismatch: bool = False, prices: str = "", **analysis):
     """The comparison ``vitreg compare`` prints, without logging a compare run; ``analysis`` goes to
@@ -36,13 +69,16 @@ def compare(experiment: str, baseline: str | None = None, metric: str = "through
     ("h200=3.50,l4=0.80" or a price file) gives every run its ``usd_per_1m_img``."""
     from vitreg.analysis.comparison import compare_runs
     from vitreg.analysis.cost import parse_prices, with_costs
+    from vitreg.tracking.runs import check_server
     from vitreg.tracking.search import benchmark_runs, tidy
 
+    check_server()  # as `vitreg compare`: a store that does not answer is said at once, not after MLflow's retries
     runs_frame = with_costs(tidy(benchmark_runs(experiment), axes=(by,)), parse_prices(prices))
     return compare_runs(runs_frame, baseline=baseline or None, metric=metric, by=by,
                         include_mismatch=include_mismatch, **analysis)
 
 
+@_masked
 def check(experiment: str, metric: str = "throughput_img_per_s", window: int = 10, candidate: str | None = None,
           candidate_tag: str | None = None, baseline_tag: str | None = None, seed: int = 0):
     """What ``vitreg check`` finds, without logging a check run: a :class:`~vitreg.history.check.CheckResult`
@@ -52,11 +88,14 @@ def check(experiment: str, metric: str = "throughput_img_per_s", window: int = 1
     return run(experiment, metric, selection_of(window, candidate, candidate_tag, baseline_tag), seed=seed)[0]
 
 
+@_masked
 def runs(experiment: str):
     """The experiment's finished benchmark runs, one row per (run, task), metrics without their task prefix: the
     frame ``vitreg runs --experiment NAME --csv`` writes."""
+    from vitreg.tracking.runs import check_server
     from vitreg.tracking.search import benchmark_runs, tidy
 
+    check_server()  # a store that does not answer is said at once, not after MLflow's retries (100 s for a SQL one)
     return tidy(benchmark_runs(experiment))
 
 

@@ -5,8 +5,8 @@ run does not need, silenced where they come from.
 Every line goes through :func:`scrub`: each URI in it :func:`redact`-ed (the whole userinfo, every query
 value, every ``name=value`` of the fragment: a name says nothing reliable about its value), and the literal
 credentials of this process's tracking URI masked wherever they appear (an MLflow error may quote them out of
-their URI). :func:`mask_console` routes everything the CLI prints through it; the tracking layer stores tags
-and params through the same functions.
+their URI). :func:`mask_console` routes everything the CLI prints through it, :func:`masked_output` what is
+printed during a Python API call; the tracking layer stores tags and params through the same functions.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import re
 import sys
 import threading
 import time
+import traceback
 import urllib.parse
 import warnings
 
@@ -145,6 +146,68 @@ def mask_console() -> None:
         for handler in (h for logger in loggers for h in getattr(logger, "handlers", ())):
             if isinstance(handler, logging.StreamHandler) and handler.stream is bare:
                 handler.setStream(masked)
+
+
+_masked_calls = 0  # Python API calls inside masked_output(); the last one out restores
+_masked_lock = threading.Lock()
+_saved_printers: dict = {}
+
+
+@contextlib.contextmanager
+def masked_output():
+    """For the length of a Python API call, what the libraries print is scrubbed as the CLI's is, without taking
+    over the caller's process for good: ``sys.stdout`` and ``sys.stderr`` are :class:`MaskedStream` (print,
+    warnings, MLflow's log handler, which writes to the ``sys.stderr`` of the moment) and every logging record is
+    made scrubbed (:func:`_scrubbing`: whatever handler the caller configured, with whatever stream, and the
+    records a handler keeps). The last call out puts back the streams and record factory it found, unless the
+    caller replaced them meanwhile (theirs are kept)."""
+    global _masked_calls
+    with _masked_lock:
+        if _masked_calls == 0:
+            _saved_printers.clear()
+            for name in ("stdout", "stderr"):
+                bare = getattr(sys, name)
+                if bare is not None and not isinstance(bare, MaskedStream):  # the CLI's own are masked already
+                    _saved_printers[name] = (bare, MaskedStream(bare))
+                    setattr(sys, name, _saved_printers[name][1])
+            factory = logging.getLogRecordFactory()
+            _saved_printers["records"] = (factory, _scrubbing(factory))
+            logging.setLogRecordFactory(_saved_printers["records"][1])
+        _masked_calls += 1
+    try:
+        yield
+    finally:
+        with _masked_lock:
+            _masked_calls -= 1
+            if _masked_calls == 0:
+                for name in ("stdout", "stderr"):
+                    if name in _saved_printers and getattr(sys, name) is _saved_printers[name][1]:
+                        setattr(sys, name, _saved_printers[name][0])
+                factory, ours = _saved_printers["records"]
+                if logging.getLogRecordFactory() is ours:
+                    logging.setLogRecordFactory(factory)
+                _saved_printers.clear()
+
+
+def _scrubbing(factory):
+    """A log record factory that makes ``factory``'s records with their message, traceback and stack scrubbed:
+    formatted at once (a record is only made once its level passes), so a handler holding the bare stream, a
+    formatter of its own or a list of records never sees a credential."""
+
+    def make(*args, **kwargs):
+        record = factory(*args, **kwargs)
+        try:
+            message = record.getMessage()
+        except Exception:  # noqa: BLE001 - a bad format string: logging's handler reports it as it would
+            return record
+        record.msg, record.args = scrub(message), ()
+        if record.exc_info and not record.exc_text:
+            record.exc_text = scrub("".join(traceback.format_exception(*record.exc_info)).rstrip("\n"))
+        if record.stack_info:
+            record.stack_info = scrub(record.stack_info)
+        return record
+
+    return make
 
 
 #: Kineto (torch.profiler's C++ half) writes ``USDT: ... profiler_start/stop`` at every profile and, without a

@@ -184,6 +184,17 @@ def server_first(command: str, own: dict) -> None:
         tracking.check_server()  # it reads the URI without importing mlflow (~2 s of CPU) where nothing has
 
 
+def store_first(source: str) -> None:
+    """A checkpoint in a SQL server store (``models:/``, ``runs:/`` with a PostgreSQL or MySQL tracking URI) that
+    refuses connections is said before the command's heavy imports (mlflow, SQLAlchemy, torch); an HTTP server's
+    failure is said as the download meets it (check_server's advice to log offline is a job's, not a pull's)."""
+    if str(source).strip().startswith(("models:/", "runs:/")):
+        from vitreg.tracking import runs as tracking
+        from vitreg.tracking.uris import current_uri
+
+        tracking.check_sql_server(current_uri())
+
+
 #: Each DDP job's own keyword arguments besides the placement, each one of the command's own options
 #: (not a spec field: the launcher uses it and does not forward it to the ranks); "" means none.
 JOB_OPTIONS = {"bench": ("baseline_run",), "train": ()}

@@ -11,7 +11,8 @@ import click
 
 from vitreg import signals
 from vitreg.cli.common import (OneLineUsageError, OneSpelling, VitregCommand, check_first, command_line,
-                               command_options, dashed, offline_if_asked, run_ddp_job, split_options, user_errors)
+                               command_options, dashed, offline_if_asked, run_ddp_job, split_options, store_first,
+                               user_errors)
 from vitreg.cli.param_types import ChoiceText, FloatText, GpuLabel, IntText
 from vitreg.config.options import option
 from vitreg.config.parse import parse_choice, parse_float, parse_int
@@ -252,6 +253,7 @@ def _write_frame(flag: str, stale: bool, experiment: str | None, limit: int | No
 @user_errors
 def register(checkpoint_uri, name, alias):
     """Register a run's checkpoint (runs:/<run_id>/checkpoints/last) as a new model version."""
+    store_first(checkpoint_uri)
     from vitreg.tracking.model_registry import register_run_checkpoint
 
     mv = register_run_checkpoint(checkpoint_uri, name, alias)
@@ -272,6 +274,7 @@ def pull(model_uri, out_dir):
     """
     import tempfile
 
+    store_first(model_uri)
     from vitreg.tracking.checkpoint_sources import pull as pull_model
 
     if out_dir:

@@ -19,6 +19,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import re
 import sys
 import tempfile
 import time
@@ -394,6 +395,7 @@ def check_server(timeout: float = 5.0, uri: str | None = None) -> None:
     go as a header, and are shown masked."""
     uri = current_uri() if uri is None else uri  # mlflow is not imported for it: a dead server is said sooner
     check_sqlite_uri(uri)
+    check_sql_server(uri, timeout)
     if not uri.lower().startswith(("http://", "https://")):  # a scheme is any case: HTTP:// is a server too
         return
     import http.client
@@ -417,6 +419,40 @@ def check_server(timeout: float = 5.0, uri: str | None = None) -> None:
                          f"`make server`, or log offline (--offline true, -P offline=true or VITREG_OFFLINE=1: the "
                          f"run waits in the local spool for `vitreg sync`), or fix/unset MLFLOW_TRACKING_URI") \
             from None
+
+
+#: the SQL stores whose URI's host is reached over TCP (``dialect+driver://``), each with its default port; not
+#: SQL Server (``mssql+pyodbc://user:pw@DSN`` names an ODBC data source, not a host)
+SQL_SERVER_PORTS = {"postgresql": 5432, "postgres": 5432, "mysql": 3306, "mariadb": 3306}
+
+
+def check_sql_server(uri: str, timeout: float = 5.0) -> None:
+    """Fail fast, in one line, when the tracking URI is a SQL server (PostgreSQL, MySQL) whose host
+    does not take a TCP connection: said before mlflow, SQLAlchemy and the driver are imported (~3 s of CPU,
+    a job's torch too), and without MLflow's engine attempts. A server that takes the connection goes on to
+    MLflow as before, however slow it then is; a URI with no TCP host in its address (a local socket: no host,
+    ``?host=``, ``?unix_socket=``, MySQL's ``localhost``; hosts in ``?host=``) is left to the driver. A port that is no number (``host1:5432,host2:5432``) is refused."""
+    parts = urllib.parse.urlsplit(uri)
+    dialect = parts.scheme.partition("+")[0].lower()
+    default = SQL_SERVER_PORTS.get(dialect)
+    if default is None or not parts.hostname or re.search(r"(^|&)(host|unix_socket)=", parts.query.lower()):
+        return
+    if default == 3306 and parts.hostname == "localhost":  # MySQL's client takes "localhost" for its local socket
+        return
+    try:
+        port = parts.port or default
+    except ValueError:  # MLflow's URI parsing raised it as a traceback
+        raise VitregError(f"the tracking URI {redact(uri)} has a port that is not a number: write "
+                          f"{dialect}://user:password@host:{default}/db (several hosts go in the query: "
+                          f"?host=host1:{default}&host=host2:{default})") from None
+    import socket
+
+    try:
+        socket.create_connection((parts.hostname, port), timeout=timeout).close()
+    except OSError as exc:
+        reason = "no answer in %g s" % timeout if isinstance(exc, TimeoutError) else (exc.strerror or str(exc))
+        raise StoreError(f"the tracking store at {redact(uri)} does not answer ({reason}): start it, or fix "
+                         f"MLFLOW_TRACKING_URI") from None
 
 
 def still_spooled(tracker) -> bool:

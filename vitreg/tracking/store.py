@@ -40,6 +40,10 @@ _REFUSED_REQUEST = {"INVALID_PARAMETER_VALUE", "RESOURCE_DOES_NOT_EXIST", "BAD_R
 #: database that is down) and reads no setting for it: a CLI command tries twice (0.1 s of sleep; a sqlite file
 #: another process holds locked costs sqlite's 5 s busy timeout an attempt)
 SQL_ENGINE_ATTEMPTS = 2
+#: libpq's wait for a PostgreSQL that takes the TCP connection and then says nothing (a hung server, a port
+#: forwarded to nothing): psycopg's default is 130 s, one wait for each of MLflow's engine attempts, so a CLI
+#: command waited 260 s; 5 s each is 10 s. PGCONNECT_TIMEOUT or ``?connect_timeout=`` set by the user win.
+SQL_CONNECT_TIMEOUT_S = 5
 PROGRESS_BAR_VARIABLE = "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR"
 RUN_LINKS_VARIABLE = "MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT"
 
@@ -347,7 +351,9 @@ def _bound(module) -> None:
 
 def bound_sql_engine_attempts() -> None:
     """A SQL store that is down (PostgreSQL refusing connections) costs a CLI command a second, not MLflow's
-    ~100 s of engine retries (:data:`SQL_ENGINE_ATTEMPTS`)."""
+    ~100 s of engine retries (:data:`SQL_ENGINE_ATTEMPTS`); one that takes the connection and never answers,
+    seconds (:data:`SQL_CONNECT_TIMEOUT_S`), not minutes."""
+    os.environ.setdefault("PGCONNECT_TIMEOUT", str(SQL_CONNECT_TIMEOUT_S))
     module = sys.modules.get(_SqlEngineAttempts.name)
     if module is not None:
         _bound(module)
