@@ -54,6 +54,12 @@ bench: $(STAMP)
 # files out in the order tests/_sessions.py sets, longest first, so no worker ends alone on a long file.
 PYTEST_ARGS ?= -n 2 --dist loadfile --no-loadscope-reorder
 
+# Python's bytecode cache on for the test runs, whatever PYTHONDONTWRITEBYTECODE the shell sets: each xdist
+# worker imports every test module, and pytest rewrites a module's asserts before it imports it (4-7 s of CPU
+# per worker, half its collection); it keeps the result in tests/__pycache__ (ignored by git) only where
+# bytecode may be written, and a later run reads it back (a first run from a fresh clone still pays it).
+test test-fast: export PYTHONDONTWRITEBYTECODE :=
+
 test: $(STAMP)
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 

@@ -115,10 +115,13 @@ def _weights_and_adamw_bytes() -> tuple[int, int]:
     return weights, 2 * sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
 
 
+@pytest.mark.slow
 def test_a_run_keeps_one_copy_of_weights_and_optimizer_per_kept_step(sqlite_store, tmp_path):
     """keep_checkpoints=2 of three checkpoints: two step folders, each weights + optimizer state once, a
     `last` file of a few bytes (no second folder), a registered version whose extra_files share the
-    run's weights; then a new run resumes from a kept step that is not the last, and one from last."""
+    run's weights; then a new run resumes from a kept step that is not the last, and one from last.
+    Slow tier: end to end, three trainings, a registration (its pt2 export) and a pull are its cost (5-8 s
+    of CPU, the fast tier's heaviest test); it starts no process."""
     from vitreg.train.job import train
 
     options = {"model": "test_vit", "img_size": "32", "num_classes": "10", "batch_size": "4", "steps": "6",
