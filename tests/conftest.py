@@ -50,7 +50,6 @@ def pytest_collection_finish(session):
     here. Frozen, they are left out of those walks (0.1 ms); what the tests make after this point is
     collected as before. The modules the tests import later (torch's dynamo and export, timm's models,
     matplotlib) are frozen after the test that imported them (:func:`_freeze_new_imports`)."""
-    _cache_mlflow_schema_head()
     gc.freeze()
     _FROZEN_AT[0] = len(sys.modules)
 
@@ -64,7 +63,6 @@ _NEW_MODULES = 20
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_protocol(item, nextitem):
     result = yield
-    _cache_mlflow_schema_head()
     _freeze_new_imports()
     return result
 
@@ -76,17 +74,6 @@ def _freeze_new_imports() -> None:
         gc.collect()
         gc.freeze()
         _FROZEN_AT[0] = len(sys.modules)
-
-
-def _cache_mlflow_schema_head() -> None:
-    """MLflow checks every store it opens against the head revision of its schema migrations, and finds that
-    head by loading its ~70 alembic migration scripts again each time (30-70 ms; ~230 stores in the fast
-    tier, a new one per test). The head is a constant of the installed MLflow: computed once per test
-    process. The check itself (the store's own revision read and compared) runs for every store as before.
-    Once MLflow's store module is imported (by a test module, or by the first test that opens a store)."""
-    utils = sys.modules.get("mlflow.store.db.utils")
-    if utils is not None and not hasattr(utils._get_latest_schema_revision, "cache_info"):
-        utils._get_latest_schema_revision = functools.lru_cache(maxsize=1)(utils._get_latest_schema_revision)
 
 
 #: What may appear in the checkout while the suite runs: Python's and pytest's caches.
