@@ -94,6 +94,26 @@ def test_a_cpu_child_of_a_type_no_ray_node_has_is_told_the_types_not_to_pass_the
     assert "device=cpu" not in str(refused.value)
 
 
+def test_compare_says_which_figures_may_have_shared_their_node():
+    """A cluster child of a sweep given share_node=true is tagged sweep_shared_node; compare's table says so."""
+    import pandas as pd
+
+    from vitreg.analysis.comparison import compare_gpus
+    from vitreg.analysis.render import format_table
+    from vitreg.tracking.search import tidy
+
+    runs = pd.DataFrame([{"run_id": f"r{i}", "status": "FINISHED", "params.model": "test_vit", "params.task": "infer",
+                          "tags.gpu": gpu, "params.gpu": gpu, "params.batch_size": "2", "params.amp": "off",
+                          "params.compile": "off", "metrics.infer_throughput_img_per_s": 100.0 + i,
+                          **({"tags.sweep_shared_node": "true"} if shared else {})}
+                         for i, (gpu, shared) in enumerate([("h100", True), ("h100", False), ("a100", True)])])
+    comparison = compare_gpus(tidy(runs), baseline=None)
+    assert comparison.table.set_index("gpu")["shared_node"].to_dict() == {"a100": "yes", "h100": "1/2"}
+    assert "shared node" in format_table(comparison)
+    alone = runs.drop(columns="tags.sweep_shared_node")
+    assert "shared node" not in format_table(compare_gpus(tidy(alone), baseline=None))
+
+
 def test_axes_param_and_axis_flags_make_one_product():
     common = {"device": "cpu", "img_size": 32, "gpu": "auto"}
     axes = collect_axes({"models": "test_vit,test_vit2", "amp": "off", "compile": "off", "batch_size": "2"},
