@@ -94,6 +94,27 @@ def test_a_cpu_child_of_a_type_no_ray_node_has_is_told_the_types_not_to_pass_the
     assert "device=cpu" not in str(refused.value)
 
 
+def test_a_ray_cpu_child_reserves_its_nodes_every_cpu_unless_share_node_and_a_gpu_child_only_its_gpus():
+    """Issue 40 item 4: a CPU child reserved one CPU, so two timed side by side on one node's CPU. Now it asks for
+    the most CPUs a node of its type has (no other child fits beside it); a GPU child its GPUs and one CPU, so an
+    8-GPU node still runs 8 children at once, each on its own GPU; share_node=true: one CPU, as before."""
+    from vitreg.fleet.axes import Combination
+    from vitreg.fleet.ray_engine import RayEngine
+
+    engine = RayEngine.__new__(RayEngine)  # no cluster: two H100 nodes of 16 and 32 CPUs, a CPU node of 64
+    engine._nodes = lambda: [{"Alive": True, "Resources": {"CPU": cpus, **gpus}} for cpus, gpus in [
+        (16.0, {"GPU": 8.0, "accelerator_type:H100": 1.0}), (32.0, {"GPU": 8.0, "accelerator_type:H100": 1.0}),
+        (64.0, {})]]
+    child = Combination((("model", "test_vit"),), "test_vit")
+    on_h100 = {"gpu": "h100", "device": "cpu"}
+    assert engine.task_options(child, on_h100) == {"num_cpus": 32, "num_gpus": 0, "accelerator_type": "H100"}
+    assert engine.task_options(child, {"device": "cpu"})["num_cpus"] == 64
+    assert engine.task_options(child, {"gpu": "h100", "nproc": 2}) == {"num_cpus": 1, "num_gpus": 2,
+                                                                       "accelerator_type": "H100"}
+    engine.share_node = True
+    assert engine.task_options(child, on_h100) == {"num_cpus": 1, "num_gpus": 0, "accelerator_type": "H100"}
+
+
 def test_compare_says_which_figures_may_have_shared_their_node():
     """A cluster child of a sweep given share_node=true is tagged sweep_shared_node; compare's table says so."""
     import pandas as pd

@@ -53,7 +53,7 @@ class Follower(children.Follower):
         self.reasons: dict[str, str] = {}  # child run id -> why the parent cancelled it (its GPU type is gone)
 
     def _submit(self, child, argv: list[str], env: dict, need: int, wanted: str | None):
-        options = {"num_cpus": 1, "num_gpus": need, **({"accelerator_type": wanted} if wanted else {})}
+        options = self.engine.task_options(child.combo, self.ctx.common)
         return run_child.options(**options).remote(child.run_id, argv, env, self.tally)
 
     def _poll(self) -> None:
