@@ -123,14 +123,16 @@ def _stop_cluster() -> None:
 
 @pytest.fixture(scope="session")
 def ray_cluster():
-    """A head (stand-in H100) and a second node (stand-in A100), one CPU each, small object stores, both on
+    """A head (stand-in H100) and a second node (stand-in A100), two CPUs each, small object stores, both on
     127.0.0.1; one per test run, for tests/test_fleet.py. Stopped after the last test that uses it (an idle
     cluster's half-dozen processes still take CPU) or at the end of the run, whichever comes
     first, by the PIDs of its nodes' processes and their children, whatever the tests did to it."""
     import ray._private.ray_constants as ray_constants
     from ray.cluster_utils import Cluster
 
-    small = {"num_cpus": 1, "object_store_memory": 80 * 2**20, "node_ip_address": "127.0.0.1"}
+    # two CPUs a node: room for two one-CPU tasks, so that a CPU child that reserved one CPU (before issue 40's
+    # share_node) would time beside another on its node (tests/test_fleet.py checks none does)
+    small = {"num_cpus": 2, "object_store_memory": 80 * 2**20, "node_ip_address": "127.0.0.1"}
     with pytest.MonkeyPatch.context() as mp:
         # Ray's switch for a cluster of one host (its default on macOS): every Ray process takes 127.0.0.1 as its
         # node's address, the nodes and every driver that joins them (a sweep, a test), this process included;

@@ -124,6 +124,24 @@ def assert_output_kept(log: str, child) -> None:
     assert "[vitreg] " in log and "Traceback" not in log, log[-3000:]
 
 
+def _assert_none_shared_a_node(client: MlflowClient, children: list) -> None:
+    """No two of ``children`` ran at once on one node: on each node, each child's first system-metric sample (its
+    process samples every 2 s from its run's start; a child with none counts from its run's end) came after the
+    end of the child before it there."""
+    by_node: dict = {}
+    for child in children:
+        by_node.setdefault(child.data.tags["ray_node_id"], []).append(child)
+    for node, runs in by_node.items():
+        spans = sorted((_first_sample(client, run), run.info.end_time) for run in runs)
+        for (_, end), (start, _) in zip(spans, spans[1:]):
+            assert start > end, f"two CPU children ran at once on node {node}: (first sample, end) {spans}"
+
+
+def _first_sample(client: MlflowClient, run) -> int:
+    history = client.get_metric_history(run.info.run_id, "system/cpu_utilization_percentage")
+    return min((m.timestamp for m in history), default=run.info.end_time)
+
+
 def _parent(client: MlflowClient, experiment: str = "fleet"):
     exp = client.get_experiment_by_name(experiment)
     (parent,) = [r for r in client.search_runs([exp.experiment_id]) if not r.data.tags.get("mlflow.parentRunId")]
@@ -155,7 +173,10 @@ def test_gpu_all_places_each_child_on_a_node_of_its_type_and_keeps_its_output(se
     assert "sweep: 4 combinations" in err and "a100 2 done, 0 running, 0 queued, 0 failed" in err, err[-3000:]
     children = _children(MlflowClient(server))
     assert len(children) == 4 and {c.info.status for c in children} == {"FINISHED"}
+    assert "2 at once on a Ray cluster of 2 nodes:" in err, err[-3000:]  # one CPU child a node: it has it alone
+    _assert_none_shared_a_node(MlflowClient(server), children)  # each reserved its node's two CPUs
     for child in children:
+        assert "sweep_shared_node" not in child.data.tags
         gpu = child.data.params["gpu"]
         assert child.data.tags["sweep_label"].endswith(f"-{gpu}")
         assert child.data.tags["ray_node_id"] == ray_cluster.node_of[gpu], (child.info.run_name, gpu)
@@ -257,7 +278,9 @@ def test_a_ray_child_out_of_memory_is_retried_with_a_smaller_batch(sqlite_store,
 
 def test_rerun_failed_on_ray_completes_the_parent(sqlite_store, server, ray_cluster, monkeypatch, tmp_path):
     """engine=ray: a child refused at run time fails (the parent FAILED); `--rerun-failed` on the same cluster runs
-    only it again, under the same parent, and the parent ends FINISHED."""
+    only it again, under the same parent, and the parent ends FINISHED. The first sweep lets its CPU children share
+    a node (`--share-node`, as they did before issue 40): the console says so, every child run is tagged so, and
+    the re-run keeps it (the parent's settings)."""
     import tempfile
 
     import mlflow
@@ -267,9 +290,10 @@ def test_rerun_failed_on_ray_completes_the_parent(sqlite_store, server, ray_clus
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # Ray's own log lines: this test's folder
     flag = _failing_children(tmp_path, monkeypatch, "test_vit2")
     ray = ["--engine", "ray", "--ray-address", ray_cluster.address]
-    first = _sweep_in_process(*ray, *CHILD, *SHORT, "--experiment", "fleet-rerun")
+    first = _sweep_in_process(*ray, *CHILD, *SHORT, "--share-node", "--experiment", "fleet-rerun")
     client = MlflowClient(server)
     assert first.exit_code == 2 and "1 finished, 1 failed" in first.output, first.output[-3000:]
+    assert "4 at once on a Ray cluster of 2 nodes, CPU children sharing a node (share_node=true)" in first.output
     parent_id = _parent(client, "fleet-rerun").info.run_id
     flag.unlink()
     again = _sweep_in_process(*ray, "--rerun-failed", parent_id)
@@ -278,7 +302,7 @@ def test_rerun_failed_on_ray_completes_the_parent(sqlite_store, server, ray_clus
     children = _children(client, "fleet-rerun")
     assert sorted((c.data.tags["sweep_label"], c.info.status) for c in children) == [
         ("test_vit", "FINISHED"), ("test_vit2", "FAILED"), ("test_vit2", "FINISHED")]
-    assert all(c.data.tags["sweep_engine"] == "ray" for c in children)
+    assert all(c.data.tags["sweep_engine"] == "ray" and c.data.tags["sweep_shared_node"] == "true" for c in children)
 
 
 def test_a_node_killed_mid_sweep_fails_its_children_and_the_sweep_goes_on(server, ray_cluster, tmp_path):

@@ -30,9 +30,10 @@ def _start(cluster, uri: str, tmp_path, *args, sweep=SWEEP) -> subprocess.Popen:
 
 
 def _job(cluster, job_id: str) -> dict:
-    """What slurmctld says of a job: its state, node, gres asked for (TRES per node) and constraint."""
-    line = cluster.run("squeue", "-h", "-t", "all", "-j", job_id, "-o", "%T|%N|%b|%f").strip()
-    return dict(zip(("state", "node", "gres", "constraint"), line.split("|")))
+    """What slurmctld says of a job: its state, node, gres asked for (TRES per node), constraint, and whether other
+    jobs may share its node (``NO``: it asked ``--exclusive``; ``OK``: its CPUs are its own, the node's others not)."""
+    line = cluster.run("squeue", "-h", "-t", "all", "-j", job_id, "-o", "%T|%N|%b|%f|%h").strip()
+    return dict(zip(("state", "node", "gres", "constraint", "oversubscribe"), line.split("|")))
 
 
 def _queue_is_empty(cluster) -> bool:
@@ -74,6 +75,7 @@ def test_two_gpu_types_by_two_batch_sizes_give_four_children_each_on_a_node_of_i
         gpu = child.data.tags["sweep_label"].rsplit("-", 1)[1]
         job = _job(slurm_cluster, child.data.tags["slurm_job_id"])
         assert job["gres"] == f"gres:gpu:{gpu}:1" and job["node"] == NODE_OF[gpu], (gpu, job)
+        assert job["oversubscribe"] == "NO", job  # a CPU child has its node alone (issue 40)
         assert child.data.tags["slurm_node"] == NODE_OF[gpu] and child.data.tags["slurm_spooled"] == "False"
         log = child_log(MlflowClient(uri), child, tmp_path)  # the job's log files, the child's lines in them
         assert "==> the job's stdout (" in log and "==> the job's stderr (" in log, log[-3000:]
@@ -224,7 +226,8 @@ def test_rerun_failed_of_a_slurm_sweep_reruns_its_failed_child_as_a_slurm_job(sl
                                                                               monkeypatch):
     """Issue 40: `--rerun-failed` of a SLURM parent ran the failed child on this host's CPU, untagged, beside the
     old one. Given no engine option, it submits it to SLURM again (into the parent's folder); the old one says
-    which run replaced it."""
+    which run replaced it. The first sweep lets CPU children share a node (`--share-node`: no `--exclusive`),
+    and the re-run keeps that (the parent's settings): its console line and its child run say so."""
     import mlflow
 
     for key, value in {"MLFLOW_TRACKING_URI": uri, **slurm_cluster.env}.items():
@@ -233,7 +236,7 @@ def test_rerun_failed_of_a_slurm_sweep_reruns_its_failed_child_as_a_slurm_job(sl
     monkeypatch.chdir(tmp_path)
     flag = _failing_children(tmp_path, monkeypatch, "test_vit2")
     first = _sweep_in_process("--engine", "slurm", "--slurm-folder", str(tmp_path / "shared"), *CHILD, *SHORT,
-                              "--experiment", "fleet")
+                              "--share-node", "--experiment", "fleet")
     client = MlflowClient(uri)
     assert first.exit_code == 2 and "1 finished, 1 failed" in first.output, first.output[-3000:]
     parent_id = _parent(client).info.run_id
@@ -241,9 +244,12 @@ def test_rerun_failed_of_a_slurm_sweep_reruns_its_failed_child_as_a_slurm_job(sl
     again = _sweep_in_process("--rerun-failed", parent_id)
     assert again.exit_code == 0 and f"sweep {parent_id}: 2 finished, 0 failed" in again.output, again.output[-3000:]
     assert "re-running 1 of its 2 combinations (those with no finished child) on SLURM" in again.output
+    assert "CPU children sharing a node (share_node=true)" in again.output, again.output[-3000:]
     failed, rerun = sorted((c for c in _children(client) if c.data.tags["sweep_label"] == "test_vit2"),
                            key=lambda c: c.info.start_time)
     assert rerun.info.status == "FINISHED" and rerun.data.tags["sweep_engine"] == "slurm"
+    assert rerun.data.tags["sweep_shared_node"] == "true"
+    assert _job(slurm_cluster, rerun.data.tags["slurm_job_id"])["oversubscribe"] != "NO"  # not --exclusive
     assert rerun.data.tags["slurm_job_id"] != failed.data.tags["slurm_job_id"]
     assert (tmp_path / "shared" / f"sweep-{parent_id}" / "jobs" / rerun.data.tags["slurm_job_id"]).is_dir()
     assert failed.data.tags["sweep_superseded_by"] == rerun.info.run_id

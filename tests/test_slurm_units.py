@@ -111,6 +111,25 @@ def test_a_childs_cpus_are_nproc_unless_slurm_sbatch_names_them():
     assert "#SBATCH --cpus-per-task=8\n" in mine and "#SBATCH --exclusive\n" in mine and "=2\n" not in mine
 
 
+def test_a_cpu_child_has_its_node_alone_unless_share_node_and_a_gpu_child_shares_it_with_other_gpus():
+    """Issue 40 item 4: a CPU child asked `--cpus-per-task=nproc`, so two CPU children could time side by side on
+    one node. Now its job is `--exclusive` (every CPU of the node its own); a GPU child keeps its gres and nproc
+    CPUs (the node's other GPUs take other children); share_node=true packs CPU children as before."""
+    from submitit.slurm.slurm import _make_sbatch_string
+
+    def script(engine, common) -> str:
+        return _make_sbatch_string("true", str(JOBS), **engine.job_parameters(_combo(gpu="h100"), common, "x", JOBS))
+
+    cpu = script(_engine(), {"device": "cpu"})
+    assert "#SBATCH --exclusive\n" in cpu and "--cpus-per-task" not in cpu and "--gres=gpu:h100:1\n" in cpu
+    gpu = script(_engine(), {"nproc": 2})
+    assert "--exclusive" not in gpu and "#SBATCH --cpus-per-task=2\n" in gpu and "--gres=gpu:h100:2\n" in gpu
+    shared = _engine()
+    shared.share_node = True
+    packed = script(shared, {"device": "cpu"})
+    assert "--exclusive" not in packed and "#SBATCH --cpus-per-task=1\n" in packed
+
+
 def test_a_child_log_keeps_its_last_lines_and_writes_each_to_its_stream(monkeypatch):
     import io
 

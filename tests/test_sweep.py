@@ -94,6 +94,47 @@ def test_a_cpu_child_of_a_type_no_ray_node_has_is_told_the_types_not_to_pass_the
     assert "device=cpu" not in str(refused.value)
 
 
+def test_a_ray_cpu_child_reserves_its_nodes_every_cpu_unless_share_node_and_a_gpu_child_only_its_gpus():
+    """Issue 40 item 4: a CPU child reserved one CPU, so two timed side by side on one node's CPU. Now it asks for
+    the most CPUs a node of its type has (no other child fits beside it); a GPU child its GPUs and one CPU, so an
+    8-GPU node still runs 8 children at once, each on its own GPU; share_node=true: one CPU, as before."""
+    from vitreg.fleet.axes import Combination
+    from vitreg.fleet.ray_engine import RayEngine
+
+    engine = RayEngine.__new__(RayEngine)  # no cluster: two H100 nodes of 16 and 32 CPUs, a CPU node of 64
+    engine._nodes = lambda: [{"Alive": True, "Resources": {"CPU": cpus, **gpus}} for cpus, gpus in [
+        (16.0, {"GPU": 8.0, "accelerator_type:H100": 1.0}), (32.0, {"GPU": 8.0, "accelerator_type:H100": 1.0}),
+        (64.0, {})]]
+    child = Combination((("model", "test_vit"),), "test_vit")
+    on_h100 = {"gpu": "h100", "device": "cpu"}
+    assert engine.task_options(child, on_h100) == {"num_cpus": 32, "num_gpus": 0, "accelerator_type": "H100"}
+    assert engine.task_options(child, {"device": "cpu"})["num_cpus"] == 64
+    assert engine.task_options(child, {"gpu": "h100", "nproc": 2}) == {"num_cpus": 1, "num_gpus": 2,
+                                                                       "accelerator_type": "H100"}
+    engine.share_node = True
+    assert engine.task_options(child, on_h100) == {"num_cpus": 1, "num_gpus": 0, "accelerator_type": "H100"}
+
+
+def test_compare_says_which_figures_may_have_shared_their_node():
+    """A cluster child of a sweep given share_node=true is tagged sweep_shared_node; compare's table says so."""
+    import pandas as pd
+
+    from vitreg.analysis.comparison import compare_gpus
+    from vitreg.analysis.render import format_table
+    from vitreg.tracking.search import tidy
+
+    runs = pd.DataFrame([{"run_id": f"r{i}", "status": "FINISHED", "params.model": "test_vit", "params.task": "infer",
+                          "tags.gpu": gpu, "params.gpu": gpu, "params.batch_size": "2", "params.amp": "off",
+                          "params.compile": "off", "metrics.infer_throughput_img_per_s": 100.0 + i,
+                          **({"tags.sweep_shared_node": "true"} if shared else {})}
+                         for i, (gpu, shared) in enumerate([("h100", True), ("h100", False), ("a100", True)])])
+    comparison = compare_gpus(tidy(runs), baseline=None)
+    assert comparison.table.set_index("gpu")["shared_node"].to_dict() == {"a100": "yes", "h100": "1/2"}
+    assert "shared node" in format_table(comparison)
+    alone = runs.drop(columns="tags.sweep_shared_node")
+    assert "shared node" not in format_table(compare_gpus(tidy(alone), baseline=None))
+
+
 def test_axes_param_and_axis_flags_make_one_product():
     common = {"device": "cpu", "img_size": 32, "gpu": "auto"}
     axes = collect_axes({"models": "test_vit,test_vit2", "amp": "off", "compile": "off", "batch_size": "2"},

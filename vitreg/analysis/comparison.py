@@ -230,6 +230,7 @@ def _summary_row(row: dict, grp: pd.DataFrame, ask: _Question) -> dict:
         mismatch=bool(grp["mismatch"].any()),
         ran_on="+".join(sorted(grp["ran_on"].dropna().astype(str).unique())) or np.nan,
         shared_host=_most(grp.get("children_on_host")),  # the most sweep children that shared a run's host
+        shared_node=_share(grp.get("on_shared_node")),
         batch_chosen="/".join(sorted(grp["batch_chosen"].dropna().astype(str).unique(), key=int)) or np.nan,
         flags=_flags(grp),
         **{
@@ -264,6 +265,13 @@ def suspect_masks(runs: pd.DataFrame) -> dict[str, pd.Series]:
     return {word: pd.Series([word in f for f in flags], index=runs.index, dtype=bool) for word in FLAGS}
 
 
+def _share(on_shared) -> str | float:
+    """``yes`` when every run of the group may have shared its node with other sweep children (its
+    ``sweep_shared_node`` tag is true: share_node=true), ``K/N`` when K of them; NaN when none."""
+    on = pd.Series([] if on_shared is None else on_shared, dtype=object) == "true"
+    return np.nan if not on.any() else "yes" if on.all() else f"{int(on.sum())}/{len(on)}"
+
+
 def _most(values) -> float:
     values = pd.Series([] if values is None else values).dropna()
     return float(values.max()) if len(values) else np.nan
@@ -272,7 +280,8 @@ def _most(values) -> float:
 def _table(rows: list[dict], ask: _Question) -> pd.DataFrame:
     table = pd.DataFrame(rows)
     identity = list(dict.fromkeys([*group_columns(), ask.by]))
-    lead = identity + ["n_runs", "sources", *HARDWARE_COLUMNS, "shared_host", *CHOSEN_COLUMNS, "flags"]
+    lead = identity + ["n_runs", "sources", *HARDWARE_COLUMNS, "shared_host", "shared_node", *CHOSEN_COLUMNS,
+                       "flags"]
     stats = [f"{ask.metric}_{s}" for s in ("median", "min", "max", "cv", "spread")]
     tail = ["baseline", "speedup", "ci_low", "ci_high", "verdict"] if ask.baseline is not None else []
     table = table[lead + stats + list(ask.companions) + tail]

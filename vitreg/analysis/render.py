@@ -57,8 +57,8 @@ def by_task(t: pd.DataFrame, axis: str = DEFAULT_AXIS) -> list[pd.DataFrame]:
 
 
 _HEADS = {"n_runs": "n", "batch_size": "batch", "img_size": "img", "ran_on": "ran on",
-          "batch_chosen": "batch chosen", "shared_host": "shared host", "cpus_granted": "cpus",
-          "torch_threads": "threads"}
+          "batch_chosen": "batch chosen", "shared_host": "shared host", "shared_node": "shared node",
+          "cpus_granted": "cpus", "torch_threads": "threads"}
 
 
 def _task_table(comparison, t: pd.DataFrame) -> list[str]:
@@ -72,6 +72,7 @@ def _task_table(comparison, t: pd.DataFrame) -> list[str]:
     cols = varying + [by] + (["ran_on"] if marked else [])
     cols += ["batch_chosen"] if t["batch_chosen"].notna().any() else []  # batch_size=auto runs
     cols += ["shared_host"] if "shared_host" in t and (t["shared_host"] > 1).any() else []  # sweep children at once
+    cols += ["shared_node"] if "shared_node" in t and t["shared_node"].notna().any() else []  # share_node=true
     cols += ["n_runs", f"{m}_median", f"{m}_min", f"{m}_max", f"{m}_cv"]
     heads = {f"{m}_median": "median", f"{m}_min": "min", f"{m}_max": "max", f"{m}_cv": "cv", **_HEADS}
     body = _rows(t, cols)

@@ -48,6 +48,7 @@ class SweepSettings:
     experiment: str | None
     rerun_failed: str  # a parent run id: re-run its failed children instead of a new sweep
     isolate: str  # engine=local: "worker" (a warm process per GPU runs its children) or "process" (one a child)
+    share_node: bool  # engine=ray/slurm: CPU children may share a node (else each has its node alone)
     own: dict = field(default_factory=dict, compare=False)  # all of them, as given (engine=slurm reads its own)
 
     def given(self) -> dict:
@@ -64,7 +65,7 @@ class SweepSettings:
 
         return cls(value("engine"), str(value("ray_address") or "auto"), value("max_parallel"),
                    value("max_combinations"), own.get("experiment"), str(value("rerun_failed") or "").strip(),
-                   value("isolate"), dict(own))
+                   value("isolate"), value("share_node"), dict(own))
 
 
 def run_sweep(own: dict, common: dict | None = None, max_oom_retries: int = 3, progress=progress) -> dict:
@@ -128,11 +129,12 @@ def _engine(settings: SweepSettings, common: dict, progress):
     if settings.engine == "slurm":
         from vitreg.fleet.slurm_engine import SlurmEngine
 
-        return SlurmEngine(settings.own, settings.max_parallel, progress)
+        return SlurmEngine(settings.own, settings.max_parallel, progress, settings.share_node)
     if settings.engine == "ray":
         from vitreg.fleet.ray_engine import RayEngine
 
-        return RayEngine(settings.ray_address, settings.max_parallel, progress)
+        return RayEngine(settings.ray_address, settings.max_parallel, progress, settings.share_node,
+                         str(common.get("device") or "auto"))
     return LocalEngine(settings.max_parallel, str(common.get("device") or "auto"), settings.isolate)
 
 

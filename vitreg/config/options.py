@@ -182,6 +182,14 @@ OPTIONS: tuple[Option, ...] = (
            "slurm_folder; the parent delivers it), true (always), false (never).", ("sweep",),
            choices=("auto", "true", "false"), spec_field=False,
            same_work="where a child's run is logged first, not what it measures"),
+    Option("share_node", "bool", False, "engine=ray/slurm: let CPU children share a node (Ray: one CPU each; SLURM: "
+           "no --exclusive); each child run is tagged sweep_shared_node=true.", ("sweep",),
+           spec_field=False,
+           doc="`engine=ray`/`slurm`: false (a CPU child has its node alone: Ray reserves every CPU of the node, "
+               "SLURM asks `--exclusive`; a GPU child holds its own GPUs and its node's other GPUs take other "
+               "children), true (CPU children are packed as the cluster allows: one Ray CPU, or SLURM's "
+               "`cpus-per-task=nproc`, each; their runs are tagged `sweep_shared_node=true`)",
+           same_work="how children are placed on nodes; a shared child's run says so (sweep_shared_node)"),
     Option("max_parallel", "int", 64, "children at once, at most (local: also one per nproc GPUs, one on CPU; "
            "ray: tasks in flight).", ("sweep",), minimum=1, spec_field=False,
            same_work="how many children run at once; each child's work is the same"),
@@ -483,7 +491,7 @@ HELP_GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
                        "ddp_static_graph", "ddp_comm_hook", "nnodes", "node_rank", "rdzv_endpoint", "num_workers",
                        "compile_cache", "profile", "profile_steps", "engine", "ray_address", "slurm_partition",
                        "slurm_account", "slurm_qos", "slurm_time_min", "slurm_sbatch", "slurm_gpu_by", "slurm_folder",
-                       "max_parallel", "isolate", "max_combinations", "rerun_failed")),
+                       "share_node", "max_parallel", "isolate", "max_combinations", "rerun_failed")),
     ("Where to log", ("experiment", "run_name", "offline", "verbose", "baseline_run", "log_every", "checkpoint_every",
                       "keep_checkpoints", "register_as", "alias")),
 )

@@ -18,6 +18,11 @@ from vitreg.fleet.board import Clock
 from vitreg.fleet.worker import python_command
 from vitreg.tracking import runs as tracking
 
+#: on a CPU child run of a cluster sweep given share_node=true: other children may have run beside it on its node
+SHARED_NODE_TAG = "sweep_shared_node"
+#: what a cluster engine's ``where`` (the console's "N at once on ...") adds when children may share a node
+SHARING_SAID = ", CPU children sharing a node (share_node=true)"
+
 
 def smaller_batch(bs, child_id: str) -> int:
     """The batch to retry with after a failure: smaller after an out-of-memory one, else 0 (no retry);
@@ -42,12 +47,14 @@ def child_command(combo: Combination, batch_size, common: dict) -> list[str]:
     return python_command("vitreg.cli", "bench", *options_to_args(options))
 
 
-def start_remote(ctx, child, engine: str, type_tag: str, wanted: str | None) -> tuple[list[str], dict]:
+def start_remote(ctx, child, engine: str, type_tag: str, wanted: str | None,
+                 shared: bool = False) -> tuple[list[str], dict]:
     """A child that runs on another host (a Ray task, a SLURM job): its run under the sweep's parent (``ctx``),
-    tagged with the engine and the GPU type asked for (``type_tag``, when one is), SCHEDULED until its node
-    starts it. Returns the python arguments the node's own python runs and the variables it needs to log into
-    that run."""
-    tags = {"sweep_engine": engine, "requested_batch_size": child.requested, type_tag: wanted}
+    tagged with the engine, the GPU type asked for (``type_tag``, when one is) and, when it may share its node
+    with other children (``shared``), :data:`SHARED_NODE_TAG`; SCHEDULED until its node starts it. Returns the python
+    arguments the node's own python runs and the variables it needs to log into that run."""
+    tags = {"sweep_engine": engine, "requested_batch_size": child.requested, type_tag: wanted,
+            SHARED_NODE_TAG: "true" if shared else None}
     child.run_id = ctx.child_run(child.combo, child.index, child.attempt,
                                  {k: v for k, v in tags.items() if v is not None})
     tracking.set_child_status(child.run_id, "SCHEDULED")
@@ -65,6 +72,7 @@ class ClusterChecks:
     cluster = ""  # "the Ray cluster", in messages
     type_word = ""  # what a type is there: "accelerator type", "GPU gres type"
     no_gpus_fix = ""  # what to do when no node has a GPU
+    share_node = False  # share_node=true: CPU children may run side by side on one node
 
     def cpu_gpus(self, wanted: str | None) -> int:
         """The GPUs a CPU child of type ``wanted`` holds."""
@@ -106,9 +114,14 @@ class ClusterChecks:
             return combo.get(name, common.get(name) or default)
 
         wanted = self.type_of(str(given("gpu", "auto")))
-        if str(given("device", "auto")) == "cpu":
+        if self.on_cpu(combo, common):
             return self.cpu_gpus(wanted), wanted
         return int(given("nproc", 1)), wanted
+
+    @staticmethod
+    def on_cpu(combo, common: dict) -> bool:
+        """Whether the child times on its node's CPU (``device=cpu``)."""
+        return str(combo.get("device", common.get("device") or "auto")) == "cpu"
 
 
 @dataclass
@@ -155,7 +168,8 @@ class Follower:
                 while self.queue and len(self.pending) < self.engine.max_parallel:
                     child = self.queue.pop(0)
                     need, wanted = self.engine.request(child.combo, self.ctx.common)
-                    argv, env = start_remote(self.ctx, child, self.engine_name, self.type_tag, wanted)
+                    shared = self.engine.share_node and self.engine.on_cpu(child.combo, self.ctx.common)
+                    argv, env = start_remote(self.ctx, child, self.engine_name, self.type_tag, wanted, shared)
                     self.pending[self._submit(child, argv, env, need, wanted)] = child
                     child.clock = Clock()
                 self._poll()

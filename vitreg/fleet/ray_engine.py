@@ -1,6 +1,7 @@
 """``engine=ray``: each child of a sweep a Ray task on the cluster, asking for the GPUs it needs.
 
-A task asks for ``nproc`` GPUs (none with ``device=cpu``) and the accelerator type Ray reports for its GPU label
+A task asks for ``nproc`` GPUs (none with ``device=cpu``: then every CPU of its node, so that it runs there alone,
+unless ``share_node``) and the accelerator type Ray reports for its GPU label
 (``vitreg.hardware.profiles.RAY_ACCELERATOR_TYPES``), and runs ``vitreg bench`` on its node, logging straight
 into the child run the parent made. Tasks are never retried by Ray: a child whose node died ends FAILED with
 Ray's reason. SIGINT/SIGTERM cancels every task (its child ends KILLED). Ray's own log lines go to a file the
@@ -19,7 +20,7 @@ from pathlib import Path
 
 from vitreg import signals
 from vitreg.errors import VitregError
-from vitreg.fleet.children import ClusterChecks
+from vitreg.fleet.children import SHARING_SAID, ClusterChecks
 from vitreg.hardware.profiles import RAY_ACCELERATOR_TYPES, label_of_ray_type, normalize_label
 from vitreg.tracking import runs as tracking
 
@@ -121,17 +122,18 @@ class RayEngine(ClusterChecks):
     type_word = "accelerator type"
     no_gpus_fix = "join nodes with GPUs, or pass device=cpu"
 
-    def __init__(self, address: str, max_parallel: int, progress):
+    def __init__(self, address: str, max_parallel: int, progress, share_node: bool = False, device: str = "auto"):
         self.ray_log = RayLogAside()
         self.ray_log.open()
         progress(f"sweep: Ray's own log lines go to {self.ray_log.path}")
+        self.share_node = share_node
         try:
-            self._join(address, max_parallel, progress)
+            self._join(address, max_parallel, progress, device)
         except BaseException:
             self.close()
             raise
 
-    def _join(self, address: str, max_parallel: int, progress) -> None:
+    def _join(self, address: str, max_parallel: int, progress, device: str) -> None:
         self.ray = connect(address)
         self.address = address
         self.max_parallel = max_parallel
@@ -141,8 +143,11 @@ class RayEngine(ClusterChecks):
             raise VitregError(f"the Ray cluster has {len(nodes)} nodes and the tracking store is local to this host "
                               f"({tracking.tracking_uri()}): the other nodes cannot reach it; set MLFLOW_TRACKING_URI "
                               f"to a tracking server (`vitreg server`)")
-        self.slots = max(1, min(max_parallel, sum(int(n["Resources"].get("CPU", 1)) for n in nodes)))
+        alone = device == "cpu" and not self.share_node  # one CPU child a node
+        at_once = len(nodes) if alone else sum(int(n["Resources"].get("CPU", 1)) for n in nodes)
+        self.slots = max(1, min(max_parallel, at_once))
         self.where = f"a Ray cluster of {len(nodes)} node{'s' if len(nodes) > 1 else ''}"
+        self.where += SHARING_SAID if self.share_node else ""
 
     def _nodes(self) -> list[dict]:
         return [n for n in self.ray.nodes() if n.get("Alive")]
@@ -155,6 +160,19 @@ class RayEngine(ClusterChecks):
 
     def type_of(self, label: str) -> str | None:
         return ray_type(label)
+
+    def task_options(self, combo, common: dict) -> dict:
+        """The Ray resources a child's task asks for: ``nproc`` GPUs of its type and one CPU (the node's other
+        GPUs take other children at once; none shares a GPU); a CPU child the node's every CPU, so that no other
+        child runs beside it (the most any node of its type has: every CPU child of the sweep times with one
+        grant), or one CPU with ``share_node``. Ray sets ``OMP_NUM_THREADS`` to the CPUs a task asks for,
+        unless the node sets it."""
+        need, wanted = self.request(combo, common)
+        cpus = 1
+        if self.on_cpu(combo, common) and not self.share_node:
+            of_type = [n for n in self._nodes() if not wanted or _TYPE_PREFIX + wanted in n["Resources"]]
+            cpus = max([1, *(int(n["Resources"].get("CPU", 1)) for n in of_type)])
+        return {"num_cpus": cpus, "num_gpus": need, **({"accelerator_type": wanted} if wanted else {})}
 
     label_of = staticmethod(label_of_ray_type)
 

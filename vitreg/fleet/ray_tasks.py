@@ -35,7 +35,9 @@ def run_child(child_id: str, argv: list[str], env: dict, tally) -> tuple[int, st
     node id, its stdout and stderr: the parent keeps them in its run, a node's worker log being out of reach).
     Cancelled (SIGINT/SIGTERM to the sweep): the child gets SIGTERM and ends its run KILLED."""
     node_id = ray.get_runtime_context().get_node_id()
-    ray.get(tally.start.remote(child_id, node_id))
+    # not waited for: a task blocked in ray.get lends its CPUs back meanwhile, and Ray started another child on
+    # them beside this one (issue 40: it reserves its node's every CPU so that none can)
+    tally.start.remote(child_id, node_id)
     returncode, tail, log = run_remote_child(argv, {**os.environ, **env})
     return returncode, tail, node_id, log
 
@@ -53,7 +55,7 @@ class Follower(children.Follower):
         self.reasons: dict[str, str] = {}  # child run id -> why the parent cancelled it (its GPU type is gone)
 
     def _submit(self, child, argv: list[str], env: dict, need: int, wanted: str | None):
-        options = {"num_cpus": 1, "num_gpus": need, **({"accelerator_type": wanted} if wanted else {})}
+        options = self.engine.task_options(child.combo, self.ctx.common)
         return run_child.options(**options).remote(child.run_id, argv, env, self.tally)
 
     def _poll(self) -> None:

@@ -3,9 +3,10 @@
 A child filed under a GPU label asks for that type: ``--gres=gpu:TYPE:N`` (``slurm_gpu_by=gres``, N = ``nproc``,
 one on CPU so the node's GPU is held) or ``--constraint=TYPE`` (``slurm_gpu_by=constraint``), TYPE from
 :data:`vitreg.hardware.profiles.SLURM_GPU_TYPES`. Each job is one task (torchrun starts the ranks) with
-``nproc`` CPUs, running :func:`vitreg.fleet.slurm_jobs.run_child` on its node; a node that cannot reach the
-tracking server (``offline=auto``) spools into the shared ``slurm_folder``, and the parent delivers the spool
-once the job ended, exactly once. The parent follows its jobs with ``squeue`` (``sacct`` is often off): a job
+``nproc`` CPUs (a CPU child: ``--exclusive``, its node alone, unless ``share_node``), running
+:func:`vitreg.fleet.slurm_jobs.run_child` on its node; a node that cannot reach the tracking server
+(``offline=auto``) spools into the shared ``slurm_folder``, and the parent delivers the spool once the job ended,
+exactly once. The parent follows its jobs with ``squeue`` (``sacct`` is often off): a job
 the cluster ended, or a pending one whose GPU type no node in service has any more, ends its child FAILED with
 SLURM's reason; SIGINT/SIGTERM cancels every job (``scancel``) and ends every child run KILLED.
 """
@@ -17,7 +18,7 @@ from pathlib import Path
 
 from vitreg.config.options import option
 from vitreg.errors import VitregError
-from vitreg.fleet.children import ClusterChecks
+from vitreg.fleet.children import SHARING_SAID, ClusterChecks
 from vitreg.fleet.slurm_jobs import Follower, slurm
 from vitreg.hardware.profiles import SLURM_GPU_TYPES, normalize_label
 
@@ -109,8 +110,9 @@ class SlurmEngine(ClusterChecks):
     cluster = "the SLURM cluster"
     no_gpus_fix = "pass device=cpu, or a partition with GPUs"
 
-    def __init__(self, own: dict, max_parallel: int, progress):
+    def __init__(self, own: dict, max_parallel: int, progress, share_node: bool = False):
         self.options = SlurmOptions.parse(own)
+        self.share_node = share_node
         self.submitit = _submitit()
         self.max_parallel = max_parallel
         self.progress = progress
@@ -121,6 +123,7 @@ class SlurmEngine(ClusterChecks):
         self.slots = max(1, min(max_parallel, len(nodes)))
         part = f"partition {self.options.partition}" if self.options.partition else "its default partition"
         self.where = f"SLURM ({len(nodes)} node{'s' if len(nodes) > 1 else ''}, {part})"
+        self.where += SHARING_SAID if share_node else ""
 
     def _nodes(self) -> list[Node]:
         return cluster_nodes(self.options.partition)
@@ -158,12 +161,16 @@ class SlurmEngine(ClusterChecks):
     def job_parameters(self, combo, common: dict, name: str, folder: Path) -> dict:
         """submitit's SlurmExecutor parameters of one child's job, started in ``folder`` (vitreg's own): submitit
         runs ``python -m`` in the job's working directory, which comes first on the import path, and the
-        submitting folder may hold a clone named ``vitreg/`` that would shadow the package."""
+        submitting folder may hold a clone named ``vitreg/`` that would shadow the package. A CPU child asks
+        ``--exclusive`` (its node alone, every CPU of it granted) unless ``share_node``; a GPU child its GPUs and
+        ``nproc`` CPUs (the node's other GPUs take other children)."""
         need, wanted = self.request(combo, common)
         nproc = int(combo.get("nproc", common.get("nproc") or 1))
         opts = self.options
+        alone = self.on_cpu(combo, common) and not self.share_node
         params = {"job_name": name[:100], "time": opts.time_min, "nodes": 1, "ntasks_per_node": 1,
-                  "cpus_per_task": nproc, "partition": opts.partition or None, "account": opts.account or None,
+                  "cpus_per_task": None if alone else nproc, "exclusive": True if alone else None,
+                  "partition": opts.partition or None, "account": opts.account or None,
                   "qos": opts.qos or None, "stderr_to_stdout": False,
                   "additional_parameters": {"chdir": str(folder), **opts.sbatch}}
         if need and opts.gpu_by == "gres":

@@ -20,6 +20,9 @@ COMMAND_TIMEOUT_S = 30.0
 POLL_S = 1.0  # squeue once a second: the parent's whole load on slurmctld
 STOP_GRACE_S = 60.0  # after scancel, how long the parent waits for its jobs to leave the queue
 FORGOTTEN_S = 60.0  # a job squeue has not shown for this long, with no result file, ended unseen
+#: the job parameters one child sets and another may not: each submission names them all (submitit's executor
+#: keeps what an earlier update set), unset ones as None, which submitit leaves out of the sbatch script
+PER_CHILD = ("gres", "gpus_per_node", "constraint", "exclusive", "cpus_per_task")
 ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "BOOT_FAIL", "DEADLINE",
          "OUT_OF_MEMORY", "SPECIAL_EXIT", "REVOKED"}
 
@@ -100,8 +103,8 @@ class Follower(children.Follower):
 
     def _submit(self, child: RemoteChild, argv: list[str], env: dict, need: int, wanted: str | None) -> str:
         env["MLFLOW_EXPERIMENT_NAME"] = self.ctx.parent.experiment_name
-        self.executor.update_parameters(**self.engine.job_parameters(
-            child.combo, self.ctx.common, f"vitreg-{child.combo.label}", self.jobs_dir))
+        params = self.engine.job_parameters(child.combo, self.ctx.common, f"vitreg-{child.combo.label}", self.jobs_dir)
+        self.executor.update_parameters(**{**dict.fromkeys(PER_CHILD), **params})
         child.job = self.executor.submit(run_child, argv, env, str(self.spools_dir / child.run_id),
                                          self.engine.options.offline, os.getcwd())
         return child.job.job_id

@@ -178,6 +178,8 @@ def _configurations(df: pd.DataFrame, source: pd.Series) -> pd.DataFrame:
     base["mismatch"], base["ran_on"] = _hardware(df, base["gpu"])
     # sweep children run side by side on a host with several GPUs: how many shared it (1 = alone; NA: not a sweep's)
     base["children_on_host"] = _integer(df, "tags.sweep_children_on_host")
+    # a cluster sweep's CPU child given share_node=true ("true": other children may have run beside it on its node)
+    base["on_shared_node"] = _coalesce(df, "tags.sweep_shared_node").str.lower()
     return base
 
 
