@@ -250,9 +250,9 @@ def test_no_printer_shows_a_secret_libraries_logging_warnings_and_tracebacks_inc
 # A user's script: mlflow imported, then its own logging (a handler with the bare stderr, one keeping records, on
 # the root and on MLflow's logger), then vitreg.api.bench against a server with the password in the URI. What the script's
 # streams, handlers and record factory are is printed before and after the call, and again once every thread
-# the call started had time to print.
+# the call started has ended (at most 60 s: its names are printed when one has not).
 API_CALLER = """
-import logging, os, sys, time, warnings
+import logging, os, sys, threading, time, warnings
 import mlflow  # first: importing it sets MLflow's loggers' handlers anew
 logging.basicConfig(level=logging.INFO, format="CALLER %(levelname)s %(name)s %(message)s")
 kept = []
@@ -276,12 +276,16 @@ def state():
 
 
 before = state()
+threads_before = set(threading.enumerate())
 import vitreg
 
 result = vitreg.api.bench(model="test_vit", img_size=32, batch_size=2, device="cpu", task="infer", warmup=1,
                           steps=300, repeats=3, experiment="api-caller")
 right_after = state()
-time.sleep(4)  # anything a thread of the call still had to say (MLflow's monitor samples every 2 s)
+deadline = time.monotonic() + 60  # anything a thread the call started still had to say: it says it before it ends
+while time.monotonic() < deadline and any(t.is_alive() for t in set(threading.enumerate()) - threads_before):
+    time.sleep(0.05)
+print("threads of the call left:", sorted(t.name for t in set(threading.enumerate()) - threads_before))
 print("result", type(result).__name__, "same" if before == right_after == state() else "changed")
 print("kept", len(kept), "records;", sum("***@127.0.0.1" in line for line in kept), "name the server masked")
 print("\\n".join(kept), file=open("kept.txt", "w"))
