@@ -122,9 +122,10 @@ def compare_runs(
 ) -> Comparison:
     """Compare the tidy frame's ``runs`` along ``by`` (the GPU, or any column it carries: ``torch_version``,
     ``compile``, ...): grouped by every configuration column, ``gpu`` and the grant (:data:`GRANT_COLUMNS`) but
-    ``by``, each (group, axis value) summarised by the median of ``metric`` and its spread, and with ``baseline`` (an axis value, matched
-    case-blind) a speedup against its runs of the same configuration, with a bootstrap interval and a verdict
-    (:func:`vitreg.analysis.stats.versus`: ``n_boot`` resamples, ``seed``, ``confidence``). Mislabelled runs are
+    ``by``, each (group, axis value) summarised by the median of ``metric`` and its spread, and with
+    ``baseline`` (an axis value, matched case-blind) a speedup against its runs of the same configuration, with
+    a bootstrap interval and a verdict (:func:`vitreg.analysis.stats.versus`: ``n_boot`` resamples, ``seed``,
+    ``confidence``). Mislabelled runs are
     rows of their own with no speedup (verdict "mislabelled") and no baseline, unless ``include_mismatch``.
     :class:`CompareError` names the fix for an empty frame, an unknown metric, axis or baseline."""
     if n_boot < 100:

@@ -211,8 +211,9 @@ def _first_stop(outcome: LaunchOutcome, errors: list, torchrun_text: str) -> Lau
     stopped = [(d, e) for d, e in errors if _code(e, outcome.returncode) in STOPPED_CODES]
     if stopped:
         return _recorded(outcome, *stopped[0])
-    signals = {rank: _stop_signal(code) for rank, code in summary_failures(torchrun_text).items() if _stop_signal(code)}
-    if signals:
-        rank = min(signals)
-        return replace(outcome, rank=rank, exit_code=128 + signals[rank], error=f"stopped by {_signal_name(signals[rank])}")
+    stops = {rank: signum for rank, code in summary_failures(torchrun_text).items() if (signum := _stop_signal(code))}
+    if stops:
+        rank = min(stops)
+        signum = stops[rank]
+        return replace(outcome, rank=rank, exit_code=128 + signum, error=f"stopped by {_signal_name(signum)}")
     return _recorded(outcome, *errors[0]) if errors else outcome

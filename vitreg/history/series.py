@@ -1,6 +1,7 @@
 """The series of a check: the runs of each configuration x GPU in run order, and which are the candidate and
 which its history. A configuration is the identity options of the option table; the hardware the GPU label
-and the GPU model (``gpu_name``), and the CPUs and threads a run was granted. Mislabelled runs (the tidy frame's ``mismatch``) never enter a series.
+and the GPU model (``gpu_name``), and the CPUs and threads a run was granted. Mislabelled runs (the tidy
+frame's ``mismatch``) never enter a series.
 """
 
 from __future__ import annotations

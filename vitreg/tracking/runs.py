@@ -19,7 +19,6 @@ import contextlib
 import dataclasses
 import json
 import os
-import re
 import sys
 import tempfile
 import time
@@ -431,11 +430,13 @@ def check_sql_server(uri: str, timeout: float = 5.0) -> None:
     does not take a TCP connection: said before mlflow, SQLAlchemy and the driver are imported (~3 s of CPU,
     a job's torch too), and without MLflow's engine attempts. A server that takes the connection goes on to
     MLflow as before, however slow it then is; a URI with no TCP host in its address (a local socket: no host,
-    ``?host=``, ``?unix_socket=``, MySQL's ``localhost``; hosts in ``?host=``) is left to the driver. A port that is no number (``host1:5432,host2:5432``) is refused."""
+    ``?host=``, ``?unix_socket=``, MySQL's ``localhost``; hosts in ``?host=``) is left to the driver. A port that
+    is no number (``host1:5432,host2:5432``) is refused."""
     parts = urllib.parse.urlsplit(uri)
     dialect = parts.scheme.partition("+")[0].lower()
     default = SQL_SERVER_PORTS.get(dialect)
-    if default is None or not parts.hostname or re.search(r"(^|&)(host|unix_socket)=", parts.query.lower()):
+    query = {key.lower() for key in urllib.parse.parse_qs(parts.query, keep_blank_values=True)}
+    if default is None or not parts.hostname or query & {"host", "unix_socket"}:
         return
     if default == 3306 and parts.hostname == "localhost":  # MySQL's client takes "localhost" for its local socket
         return
