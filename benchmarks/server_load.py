@@ -26,10 +26,11 @@ import time
 import urllib.request
 from pathlib import Path
 
+import numpy as np
+
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from vitreg.deploy import server  # noqa: E402
-from vitreg.measure.timing import percentile  # noqa: E402
 
 EXPERIMENT = "load"
 
@@ -128,9 +129,9 @@ def main():
             "server_workers": args.workers, "wall_s": round(wall, 1),
             "probe_requests_under_load": len(loaded),
             "probe_runs_search_ms_p50": round(statistics.median(loaded), 1) if loaded else None,
-            "probe_runs_search_ms_p99": round(percentile(loaded, 99), 1) if loaded else None,
+            "probe_runs_search_ms_p99": round(float(np.percentile(loaded, 99)), 1) if loaded else None,
             "probe_idle_ms_p50": round(statistics.median(idle), 1),
-            "probe_idle_ms_p99": round(percentile(idle, 99), 1),
+            "probe_idle_ms_p99": round(float(np.percentile(idle, 99)), 1),
             "cpu_count": os.cpu_count(),
         }
         failed = [err[-500:] for (out, err), c in zip(outputs, children) if c.returncode != 0]
