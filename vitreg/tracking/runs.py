@@ -189,15 +189,22 @@ def reopened_run(run_id: str):
 
     os.environ["MLFLOW_RUN_ID"] = run_id
     try:
-        client = mlflow.MlflowClient()
-        client.update_run(run_id, status="RUNNING")
-        for stale in {ERROR_TAG, ERROR_KIND_TAG} & set(client.get_run(run_id).data.tags):
-            client.delete_tag(run_id, stale)  # why it failed last time is no longer true while it runs again
+        reopen(run_id)
         with tracked_run(system_metrics=False) as tracker:
             give_back()
             yield tracker
     finally:
         give_back()
+
+
+def reopen(run_id: str, tags: dict | None = None) -> None:
+    """Run ``run_id`` RUNNING again, without the reason it ended with (no longer true while it runs again), with
+    ``tags``: a sweep's parent re-running its failed children, a SLURM child whose job was requeued."""
+    client = mlflow.MlflowClient()
+    client.update_run(run_id, status="RUNNING")
+    for stale in {ERROR_TAG, ERROR_KIND_TAG} & set(client.get_run(run_id).data.tags):
+        client.delete_tag(run_id, stale)
+    set_run_tags(run_id, tags or {})
 
 
 def _system_metrics(tracker):
@@ -207,7 +214,9 @@ def _system_metrics(tracker):
         return None
     from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
 
-    monitor = SystemMetricsMonitor(tracker.run_id, sampling_interval=2, samples_before_logging=1)
+    # a run handed over (a requeued SLURM child's) may hold an earlier process's samples: its steps go on after them
+    monitor = SystemMetricsMonitor(tracker.run_id, sampling_interval=2, samples_before_logging=1,
+                                   resume_logging=bool(requested_run_id()))
     monitor.start()
     return monitor
 
