@@ -6,7 +6,8 @@ file). The GPUs are gres entries whose device file is ``/dev/null`` (a ``Count``
 so a child asking for ``gpu:h100:1`` is placed on the h100 node and holds its one "GPU" (one child at a time
 per node). Every daemon runs in the foreground as a child of the test process, listens on 127.0.0.1 only
 (``NoInAddrAny,NoCtldInAddrAny``: without them slurmctld listens on every address) and is stopped by its PID.
-The scheduler runs every second (``sched_interval=1``) and a silent node is DOWN after 5 s (``SlurmdTimeout``).
+The scheduler runs every second (``sched_interval=1``), a silent node is DOWN after 5 s (``SlurmdTimeout``) and a
+requeued job starts again after 5 s (``cred_expire``; SLURM's default is 120 s).
 """
 
 from __future__ import annotations
@@ -156,7 +157,7 @@ SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
 CredType=cred/munge
-AuthInfo=socket={root}/munge.socket
+AuthInfo=socket={root}/munge.socket,cred_expire=5
 CommunicationParameters=NoInAddrAny,NoCtldInAddrAny
 StateSaveLocation={root}/ctld
 SlurmdSpoolDir={root}/spool/%n

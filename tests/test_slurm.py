@@ -253,3 +253,31 @@ def test_rerun_failed_of_a_slurm_sweep_reruns_its_failed_child_as_a_slurm_job(sl
     assert rerun.data.tags["slurm_job_id"] != failed.data.tags["slurm_job_id"]
     assert (tmp_path / "shared" / f"sweep-{parent_id}" / "jobs" / rerun.data.tags["slurm_job_id"]).is_dir()
     assert failed.data.tags["sweep_superseded_by"] == rerun.info.run_id
+
+
+def test_a_requeued_child_resumes_into_its_run_and_is_logged_once(slurm_cluster, uri, tmp_path):
+    """Issue 40: `scontrol requeue` (an administrator, or preemption) restarts a running child's job. The new
+    attempt logs into the same run (its id is the submission's), which holds one set of figures, no metric step
+    twice, ends FINISHED and says it was requeued; the parent counts the child once."""
+    client = MlflowClient(uri)
+    sweep = _start(slurm_cluster, uri, tmp_path, "--gpu", "a100", *CHILD[2:], "--models", "test_vit",
+                   "--repeats", "300")  # seconds of timing: still running after its first system-metric sample
+    try:
+        _wait(lambda: [c for c in _children(client) if c.info.status == "RUNNING" and _bench_processes(
+            {c.info.run_id}) and any(k.startswith("system/") for k in c.data.metrics)], 300, "a child logging")
+        (job_id,) = slurm_cluster.run("squeue", "-h", "-o", "%i").split()
+        # requeueable, as a cluster's jobs are by default (this one's are not: JobRequeue=0, a dead node fails them)
+        slurm_cluster.run("scontrol", "update", f"JobId={job_id}", "Requeue=1")
+        slurm_cluster.run("scontrol", "requeue", job_id)
+        _, err = sweep.communicate(timeout=600)
+    finally:
+        _end(sweep)
+    (run,) = _children(client)
+    assert sweep.returncode == 0 and "1 finished, 0 failed" in err, err[-3000:]
+    assert run.info.status == "FINISHED" and "vitreg_error" not in run.data.tags, run.data.tags
+    assert run.data.tags["slurm_job_id"] == job_id and run.data.tags["sweep_child_attempts"] == "2"
+    for key in run.data.metrics:
+        steps = [m.step for m in client.get_metric_history(run.info.run_id, key)]
+        assert len(steps) == len(set(steps)) and (key.startswith("system/") or len(steps) == 1), (key, steps)
+    parent = client.get_run(run.data.tags["mlflow.parentRunId"])
+    assert parent.info.status == "FINISHED" and parent.data.metrics["n_finished"] == 1

@@ -23,6 +23,7 @@ FORGOTTEN_S = 60.0  # a job squeue has not shown for this long, with no result f
 #: the job parameters one child sets and another may not: each submission names them all (submitit's executor
 #: keeps what an earlier update set), unset ones as None, which submitit leaves out of the sbatch script
 PER_CHILD = ("gres", "gpus_per_node", "constraint", "exclusive", "cpus_per_task")
+ATTEMPTS_TAG = "sweep_child_attempts"  # on a child whose job SLURM requeued: how many times the job started
 ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "BOOT_FAIL", "DEADLINE",
          "OUT_OF_MEMORY", "SPECIAL_EXIT", "REVOKED"}
 
@@ -50,9 +51,17 @@ def run_child(argv: list[str], env: dict, spool_dir: str, offline: str, workdir:
     """In the job, on its node: ``python argv...`` logging into the child run (``env``); (exit status, stderr
     tail, whether it spooled). ``offline=auto``: a node that cannot reach the tracking server spools to
     ``spool_dir`` (in the shared folder) for the parent to deliver; ``true``: always. The child runs in
-    ``workdir``, the submitting folder, where the sweep's relative paths point (when the node has it)."""
+    ``workdir``, the submitting folder, where the sweep's relative paths point (when the node has it). A job SLURM
+    requeued (``scontrol requeue``, preemption) runs again into the same run (its id came with the submission):
+    RUNNING again, tagged :data:`ATTEMPTS_TAG`, what an earlier attempt spooled dropped; a bench logs its figures at
+    its end, so they come once, from the attempt that finished."""
     os.environ.update(env)
     spooled = offline == "true" or (offline == "auto" and not _reaches_server())
+    attempt = int(os.environ.get("SLURM_RESTART_COUNT") or 0) + 1
+    if attempt > 1:
+        shutil.rmtree(spool_dir, ignore_errors=True)
+        if not spooled:
+            tracking.reopen(env["MLFLOW_RUN_ID"], {ATTEMPTS_TAG: attempt})
     if spooled:
         os.environ.update(VITREG_OFFLINE="1", VITREG_SPOOL_DIR=spool_dir)
     # the child's output goes to the job's log files too, which the parent keeps in the child run
