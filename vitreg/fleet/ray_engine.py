@@ -19,6 +19,7 @@ import tempfile
 from pathlib import Path
 
 from vitreg import signals
+from vitreg.environment import GIT_SHA_VAR, git_sha
 from vitreg.errors import VitregError
 from vitreg.fleet.children import SHARING_SAID, ClusterChecks
 from vitreg.hardware.profiles import RAY_ACCELERATOR_TYPES, label_of_ray_type, normalize_label
@@ -96,6 +97,17 @@ def _writes_to_fd2(stream) -> bool:
         return False
 
 
+def shipped_env() -> dict:
+    """The sweep's Ray job's ``runtime_env``: this vitreg package itself (``py_modules``: Ray zips the folder,
+    uploads it once by its content's hash and puts it first on every task's PYTHONPATH, so a child's own
+    process imports it too), so that a node whose Python has torch, timm and mlflow but not vitreg runs the
+    children, and one with another vitreg installed runs the submitter's code, not its own; and this
+    vitreg's commit (``VITREG_GIT_SHA``: the shipped copy is in no git tree), which a child's run records."""
+    package = Path(__file__).resolve().parents[1]
+    return {"py_modules": [str(package)], "excludes": ["__pycache__"],
+            "env_vars": {GIT_SHA_VAR: git_sha()}}
+
+
 def connect(address: str):
     """``ray.init`` against ``address`` (``local``: a cluster of this host alone). In the main thread (Ray sets
     its signal handlers there); an address that does not answer was refused by :func:`_check_answers` first."""
@@ -105,8 +117,8 @@ def connect(address: str):
         # "local" is Ray's own word for a new cluster of this host alone (never one already running here);
         # it listens on the loopback address only
         here = {"_node_ip_address": "127.0.0.1"} if address == "local" else {}
-        ray.init(address=address, log_to_driver=False, include_dashboard=False, logging_level=logging.WARNING,
-                 **here)
+        ray.init(address=address, runtime_env=shipped_env(), log_to_driver=False, include_dashboard=False,
+                 logging_level=logging.WARNING, **here)
         signals.install()  # ray.init set its own SIGTERM handler (exit 1 at once): SIGTERM must cancel the tasks
     except (ConnectionError, RuntimeError, ValueError) as exc:  # nothing there, or not a Ray cluster
         reason = (str(exc).splitlines() or [type(exc).__name__])[0][:200]
