@@ -3,9 +3,10 @@
 A task asks for ``nproc`` GPUs (none with ``device=cpu``: then every CPU of its node, so that it runs there alone,
 unless ``share_node``) and the accelerator type Ray reports for its GPU label
 (``vitreg.hardware.profiles.RAY_ACCELERATOR_TYPES``), and runs ``vitreg bench`` on its node, logging straight
-into the child run the parent made. Tasks are never retried by Ray: a child whose node died ends FAILED with
-Ray's reason. SIGINT/SIGTERM cancels every task (its child ends KILLED). Ray's own log lines go to a file the
-sweep names (:class:`RayLogAside`), not to the sweep's console.
+into the child run the parent made, with the sweep's own vitreg shipped along (:func:`shipped_env`). Tasks are
+never retried by Ray: a child whose node died ends FAILED with Ray's reason. SIGINT/SIGTERM cancels every task
+(its child ends KILLED). Ray's own log lines go to a file the sweep names (:class:`RayLogAside`), not to the
+sweep's console.
 """
 
 from __future__ import annotations
