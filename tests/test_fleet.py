@@ -305,6 +305,99 @@ def test_rerun_failed_on_ray_completes_the_parent(sqlite_store, server, ray_clus
     assert all(c.data.tags["sweep_engine"] == "ray" and c.data.tags["sweep_shared_node"] == "true" for c in children)
 
 
+def _bare_python(folder: Path) -> Path:
+    """A Python with this venv's packages (torch, timm, mlflow, Ray) and no vitreg: a venv whose one .pth names
+    this venv's site-packages, whose own .pth files (vitreg's editable-install finder among them) are therefore
+    never read."""
+    import sysconfig
+
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(folder)], check=True, timeout=60)
+    python = folder / "bin" / "python"
+    site = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                          capture_output=True, text=True, check=True, timeout=60).stdout.strip()
+    Path(site, "host-venv.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    return python
+
+
+# A node as the shared cluster adds its own (ray.cluster_utils.Cluster.add_node: `ray start` refuses to join a
+# cluster kept to 127.0.0.1), until SIGTERM (Ray's handler then ends its processes)
+BARE_NODE = """
+import signal
+from ray._private.node import Node
+from ray._private.parameter import RayParams
+params = RayParams(gcs_address="{address}", node_ip_address="127.0.0.1", num_cpus=2, num_gpus=0,
+                   resources={{"accelerator_type:L4": 1}}, object_store_memory=80 * 2**20, min_worker_port=0,
+                   max_worker_port=0, include_log_monitor=False, node_manager_port=0)
+params.dashboard_agent_listen_port = None
+node = Node(params, head=False, shutdown_at_exit=True, spawn_reaper=True)
+while True:
+    signal.pause()
+"""
+
+
+@pytest.fixture
+def bare_node(ray_cluster, tmp_path):
+    """A third node of the shared cluster (two CPUs, stand-in type L4) whose Python cannot import vitreg (no
+    PYTHONPATH, a folder of its own as its working directory); yields its node id. Ended by SIGTERM, then by the
+    PIDs of its process and everything it started."""
+    import psutil
+    import ray
+
+    from _sessions import _end_by_pid
+
+    python = _bare_python(tmp_path / "bare")
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    probe = subprocess.run([str(python), "-c", "import ray, torch, timm, mlflow\nimport vitreg"], cwd=tmp_path,
+                           env=env, capture_output=True, text=True, timeout=120)
+    assert "No module named 'vitreg'" in probe.stderr, probe.stderr[-2000:]  # and everything else imported
+    log = (tmp_path / "bare-node.log").open("w")
+    node = subprocess.Popen([str(python), "-c", BARE_NODE.format(address=ray_cluster.address)], cwd=tmp_path, env=env,
+                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        ray.init(address=ray_cluster.address, log_to_driver=False)
+        try:
+            found = _wait(lambda: node.poll() is not None or [n["NodeID"] for n in ray.nodes() if n["Alive"] and
+                                   "accelerator_type:L4" in n["Resources"]], 120, "the bare node to join")
+            assert node.poll() is None, (tmp_path / "bare-node.log").read_text()[-3000:]
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}; its log: {(tmp_path / 'bare-node.log').read_text()[-3000:]}") from None
+        finally:
+            ray.shutdown()
+        yield found[0]
+    finally:
+        try:
+            started = [psutil.Process(node.pid), *psutil.Process(node.pid).children(recursive=True)]
+        except psutil.NoSuchProcess:
+            started = []
+        node.terminate()  # Ray's own shutdown of the node's processes
+        try:
+            node.wait(timeout=30)
+        finally:
+            _end_by_pid(started)
+            log.close()
+
+
+def test_a_node_without_vitreg_runs_its_child_with_the_vitreg_the_sweep_ships(server, ray_cluster, bare_node,
+                                                                              tmp_path):
+    """Issue 40: the sweep ships its own vitreg package with its tasks (Ray's py_modules), so a node whose Python
+    has torch, timm and mlflow but not vitreg runs the child."""
+    from vitreg.environment import git_sha
+
+    client = MlflowClient(server)
+    before = {c.info.run_id for c in _children(client)}
+    sweep = _start(server, tmp_path, "--engine", "ray", "--ray-address", ray_cluster.address, "--gpu", "l4",
+                   *CHILD[2:], "--models", "test_vit", *SHORT)
+    try:
+        _, err = sweep.communicate(timeout=300)
+    finally:
+        _end(sweep)
+    (child,) = [c for c in _children(client) if c.info.run_id not in before]
+    assert sweep.returncode == 0, (err[-3000:], child.data.tags.get("vitreg_error"))
+    assert child.info.status == "FINISHED" and child.data.tags["ray_node_id"] == bare_node
+    assert child.data.metrics["infer_throughput_img_per_s"] > 0, sorted(child.data.metrics)
+    assert child.data.tags["vitreg_git_sha"] == git_sha()  # the shipped copy's commit: the submitter's
+    assert_output_kept(child_log(client, child, tmp_path), child)
+
 def test_a_node_killed_mid_sweep_fails_its_children_and_the_sweep_goes_on(server, ray_cluster, tmp_path):
     """Last of the tests on the shared cluster (the last in this file; tests/_sessions.py keeps a group's tests in
     their file's order): it takes the second node away."""

@@ -80,6 +80,32 @@ def test_a_closed_ray_address_in_ray_address_is_refused_after_one_connect_naming
     assert [p for _, p in ports_tried].count(port) == 1 and joined == []
 
 
+def test_a_ray_sweep_ships_vitreg_with_its_commit_and_adds_ray_runtime_env_or_refuses_it(sqlite_store, monkeypatch,
+                                                                                        tmp_path):
+    """Issue 40: the Ray job's runtime_env ships this vitreg package (py_modules) and its commit, after whatever
+    ray_runtime_env adds; a ray_runtime_env that is not one is one error line before Ray is joined."""
+    import json
+    from pathlib import Path
+
+    import ray
+
+    import vitreg
+    from vitreg.environment import git_sha
+    from vitreg.fleet.ray_engine import shipped_env
+
+    env = shipped_env(json.dumps({"pip": ["timm"], "py_modules": [str(tmp_path)], "env_vars": {"A": "1"}}))
+    assert env["py_modules"] == [str(tmp_path), str(Path(vitreg.__file__).resolve().parent)] and env["pip"] == ["timm"]
+    assert env["env_vars"] == {"A": "1", "VITREG_GIT_SHA": git_sha()} and "__pycache__" in env["excludes"]
+    joined = []
+    monkeypatch.setattr(ray, "init", lambda *args, **kwargs: joined.append(kwargs))
+    for bad in ("{pip: timm}", '["timm"]', '{"pip": 3}', '{"py_modules": "/"}', '{"py_modules": ["/no/such"]}'):
+        result = CliRunner().invoke(main, [*BASE, "--engine", "ray", "--ray-address", f"127.0.0.1:{free_port()}",
+                                           "--ray-runtime-env", bad])
+        errors = [line for line in result.output.splitlines() if line.startswith("error:")]
+        assert result.exit_code == 2 and len(errors) == 1 and "is not a runtime_env Ray takes" in errors[0], result.output
+    assert joined == []
+
+
 def test_a_cpu_child_of_a_type_no_ray_node_has_is_told_the_types_not_to_pass_the_device_it_gave():
     """Issue 40 item 7: `--gpu a100 --device cpu` said "asks for 0 GPUs of type A100 ...: pass device=cpu"."""
     from vitreg.errors import VitregError

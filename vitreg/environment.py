@@ -17,6 +17,8 @@ from importlib import metadata
 from pathlib import Path
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
+#: the commit of a vitreg shipped to a Ray node (vitreg.fleet.ray_engine.shipped_env), whose copy is in no git tree
+GIT_SHA_VAR = "VITREG_GIT_SHA"
 
 
 def _version(dist: str) -> str:
@@ -37,7 +39,10 @@ def cpu_model() -> str:
 
 
 def git_sha(path: Path = PROJECT_ROOT) -> str:
-    """The project's commit (with ``-dirty`` when the tree has changes), or ``unknown`` outside git."""
+    """The project's commit (with ``-dirty`` when the tree has changes), or ``unknown`` outside git; a shipped
+    copy's (:data:`GIT_SHA_VAR`) is its submitter's."""
+    if path == PROJECT_ROOT and os.environ.get(GIT_SHA_VAR):
+        return os.environ[GIT_SHA_VAR]
     try:
         sha = subprocess.run(["git", "-C", str(path), "rev-parse", "HEAD"], capture_output=True, text=True,
                              timeout=10, check=True).stdout.strip()

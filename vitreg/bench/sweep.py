@@ -134,7 +134,7 @@ def _engine(settings: SweepSettings, common: dict, progress):
         from vitreg.fleet.ray_engine import RayEngine
 
         return RayEngine(settings.ray_address, settings.max_parallel, progress, settings.share_node,
-                         str(common.get("device") or "auto"))
+                         str(common.get("device") or "auto"), str(settings.own.get("ray_runtime_env") or ""))
     return LocalEngine(settings.max_parallel, str(common.get("device") or "auto"), settings.isolate)
 
 

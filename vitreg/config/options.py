@@ -164,6 +164,9 @@ OPTIONS: tuple[Option, ...] = (
            doc="`engine=ray`: `auto` (the cluster this host belongs to), `ray://HOST:PORT` (Ray Client), "
                "`HOST:PORT` (the head's GCS) or `local` (start a one-node cluster here for the sweep)",
            same_work=_WHERE),
+    Option("ray_runtime_env", "str", "", "engine=ray: more of Ray's runtime_env for the tasks, JSON (e.g. "
+           "'{\"pip\": [\"timm\"]}' for nodes without timm); vitreg itself is always shipped.", ("sweep",),
+           spec_field=False, same_work="what the nodes' Python has; each run records its libraries' versions"),
     Option("slurm_partition", "str", "", "engine=slurm: the partition (empty: the cluster's default).", ("sweep",),
            spec_field=False, same_work=_WHERE),
     Option("slurm_account", "str", "", "engine=slurm: the account the jobs are charged to (empty: yours).",
@@ -489,9 +492,9 @@ HELP_GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("How to run it", ("gpu", "device", "allow_gpu_mismatch", "warmup", "steps", "repeats", "precision_pct",
                        "window_min_s", "max_time_s", "nproc", "ddp_bucket_mb",
                        "ddp_static_graph", "ddp_comm_hook", "nnodes", "node_rank", "rdzv_endpoint", "num_workers",
-                       "compile_cache", "profile", "profile_steps", "engine", "ray_address", "slurm_partition",
-                       "slurm_account", "slurm_qos", "slurm_time_min", "slurm_sbatch", "slurm_gpu_by", "slurm_folder",
-                       "share_node", "max_parallel", "isolate", "max_combinations", "rerun_failed")),
+                       "compile_cache", "profile", "profile_steps", "engine", "ray_address", "ray_runtime_env",
+                       "slurm_partition", "slurm_account", "slurm_qos", "slurm_time_min", "slurm_sbatch",
+                       "slurm_gpu_by", "slurm_folder", "share_node", "max_parallel", "isolate", "max_combinations", "rerun_failed")),
     ("Where to log", ("experiment", "run_name", "offline", "verbose", "baseline_run", "log_every", "checkpoint_every",
                       "keep_checkpoints", "register_as", "alias")),
 )

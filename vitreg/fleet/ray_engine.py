@@ -3,14 +3,16 @@
 A task asks for ``nproc`` GPUs (none with ``device=cpu``: then every CPU of its node, so that it runs there alone,
 unless ``share_node``) and the accelerator type Ray reports for its GPU label
 (``vitreg.hardware.profiles.RAY_ACCELERATOR_TYPES``), and runs ``vitreg bench`` on its node, logging straight
-into the child run the parent made. Tasks are never retried by Ray: a child whose node died ends FAILED with
-Ray's reason. SIGINT/SIGTERM cancels every task (its child ends KILLED). Ray's own log lines go to a file the
-sweep names (:class:`RayLogAside`), not to the sweep's console.
+into the child run the parent made, with the sweep's own vitreg shipped along (:func:`shipped_env`). Tasks are
+never retried by Ray: a child whose node died ends FAILED with Ray's reason. SIGINT/SIGTERM cancels every task
+(its child ends KILLED). Ray's own log lines go to a file the sweep names (:class:`RayLogAside`), not to the
+sweep's console.
 """
 
 from __future__ import annotations
 
 import io
+import json
 import logging
 import os
 import socket
@@ -19,7 +21,8 @@ import tempfile
 from pathlib import Path
 
 from vitreg import signals
-from vitreg.errors import VitregError
+from vitreg.environment import GIT_SHA_VAR, git_sha
+from vitreg.errors import VitregError, first_line
 from vitreg.fleet.children import SHARING_SAID, ClusterChecks
 from vitreg.hardware.profiles import RAY_ACCELERATOR_TYPES, label_of_ray_type, normalize_label
 from vitreg.tracking import runs as tracking
@@ -96,17 +99,42 @@ def _writes_to_fd2(stream) -> bool:
         return False
 
 
-def connect(address: str):
+def shipped_env(more: str = "") -> dict:
+    """The sweep's Ray job's ``runtime_env``: this vitreg package itself (``py_modules``: Ray zips the folder,
+    uploads it once by its content's hash and puts it first on every task's PYTHONPATH, so a child's own
+    process imports it too), so that a node whose Python has torch, timm and mlflow but not vitreg runs the
+    children, and one with another vitreg installed runs the submitter's code, not its own; and this
+    vitreg's commit (``VITREG_GIT_SHA``: the shipped copy is in no git tree), which a child's run records.
+    ``more`` (the ``ray_runtime_env`` option, JSON) adds to it: ``pip`` for nodes without timm, ``env_vars``..."""
+    from ray.runtime_env import RuntimeEnv
+
+    try:
+        env = json.loads(more or "{}")
+        if not isinstance(env, dict):
+            raise TypeError(f"a JSON object, not {type(env).__name__}")
+        RuntimeEnv(**env)  # Ray's own check of each field (the lists below are lists)
+    except (TypeError, ValueError) as exc:  # json's JSONDecodeError is a ValueError
+        raise VitregError(f"ray_runtime_env={more!r} is not a runtime_env Ray takes ({first_line(exc, 200)}): "
+                          f"pass a JSON object of its fields, e.g. '{{\"pip\": [\"timm\"]}}'") from None
+    package = str(Path(__file__).resolve().parents[1])
+    return {**env, "py_modules": [*env.get("py_modules", []), package],
+            "excludes": [*env.get("excludes", []), "__pycache__"],
+            "env_vars": {**env.get("env_vars", {}), GIT_SHA_VAR: git_sha()}}
+
+
+def connect(address: str, runtime_env: str = ""):
     """``ray.init`` against ``address`` (``local``: a cluster of this host alone). In the main thread (Ray sets
-    its signal handlers there); an address that does not answer was refused by :func:`_check_answers` first."""
+    its signal handlers there) with :func:`shipped_env`; an address that does not answer was refused by
+    :func:`_check_answers` first."""
     ray = _ray()
+    shipped = shipped_env(runtime_env)
     _check_answers(address)
     try:
         # "local" is Ray's own word for a new cluster of this host alone (never one already running here);
         # it listens on the loopback address only
         here = {"_node_ip_address": "127.0.0.1"} if address == "local" else {}
-        ray.init(address=address, log_to_driver=False, include_dashboard=False, logging_level=logging.WARNING,
-                 **here)
+        ray.init(address=address, runtime_env=shipped, log_to_driver=False, include_dashboard=False,
+                 logging_level=logging.WARNING, **here)
         signals.install()  # ray.init set its own SIGTERM handler (exit 1 at once): SIGTERM must cancel the tasks
     except (ConnectionError, RuntimeError, ValueError) as exc:  # nothing there, or not a Ray cluster
         reason = (str(exc).splitlines() or [type(exc).__name__])[0][:200]
@@ -122,19 +150,20 @@ class RayEngine(ClusterChecks):
     type_word = "accelerator type"
     no_gpus_fix = "join nodes with GPUs, or pass device=cpu"
 
-    def __init__(self, address: str, max_parallel: int, progress, share_node: bool = False, device: str = "auto"):
+    def __init__(self, address: str, max_parallel: int, progress, share_node: bool = False, device: str = "auto",
+                 runtime_env: str = ""):
         self.ray_log = RayLogAside()
         self.ray_log.open()
         progress(f"sweep: Ray's own log lines go to {self.ray_log.path}")
         self.share_node = share_node
         try:
-            self._join(address, max_parallel, progress, device)
+            self._join(address, max_parallel, progress, device, runtime_env)
         except BaseException:
             self.close()
             raise
 
-    def _join(self, address: str, max_parallel: int, progress, device: str) -> None:
-        self.ray = connect(address)
+    def _join(self, address: str, max_parallel: int, progress, device: str, runtime_env: str) -> None:
+        self.ray = connect(address, runtime_env)
         self.address = address
         self.max_parallel = max_parallel
         self.progress = progress
