@@ -1,10 +1,8 @@
 """What a checkpoint holds, checked as strictly as user input before anything is built from it.
 
-A manifest proves only that the files are the ones it lists: a ``spec.json`` edited by hand, a
-``model.safetensors`` that is some other file, or weights saved for another model pass it. So
-:func:`validate_spec` parses every key the loaders read with the option table's parsers, and
-:func:`check_weights` compares the names and shapes in the safetensors header (no tensor data) with the built
-model's before anything is loaded. Each failure is one :class:`~vitreg.errors.CheckpointError` naming the file.
+A manifest proves only that the files are the ones it lists, not that a hand-edited ``spec.json`` or weights
+saved for another model are right: :func:`validate_spec` parses every key the loaders read with the option
+table's parsers, :func:`check_weights` compares the safetensors header's names and shapes with the model's.
 """
 
 from __future__ import annotations
@@ -26,7 +24,6 @@ def _scalar(value, name: str):
 
 
 def _model_name(value, name: str) -> str:
-    """A name vitreg can build (checked against timm's list, as the ``model`` option is)."""
     from vitreg.models.factory import check_model_name
 
     if not isinstance(value, str) or not value.strip():
@@ -45,11 +42,8 @@ _OPTIONAL = {"epoch": _int(0), "distilled": lambda v, name: parse_bool(_scalar(v
 
 
 def validate_spec(spec_json, path: Path) -> dict:
-    """``spec.json``'s content with the keys the loaders read parsed to their types; CheckpointError otherwise.
-
-    Keys of ``train_spec`` that this vitreg does not know are kept as they are: a checkpoint written
-    by a vitreg with one more option still loads.
-    """
+    """``spec.json`` with the keys the loaders read parsed to their types; unknown ``train_spec`` keys kept (a
+    checkpoint of a vitreg with one more option still loads)."""
     if not isinstance(spec_json, dict):
         raise CheckpointError(f"{path} holds a JSON {type(spec_json).__name__}, not an object with model, img_size, "
                               f"num_classes and step: {FIX}")
@@ -69,7 +63,6 @@ def validate_spec(spec_json, path: Path) -> dict:
 
 
 def _train_spec(train_spec) -> dict:
-    """The training options a checkpoint was saved with (strings, as MLflow params), each parsed by its option."""
     if not isinstance(train_spec, dict):
         raise CheckpointError(f"train_spec is a JSON {type(train_spec).__name__}, not an object of options")
     options = {o.name: o for o in spec_options("train")}
