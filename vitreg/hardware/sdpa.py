@@ -1,11 +1,9 @@
 """Which scaled-dot-product-attention kernel runs: chosen by ``sdpa=``, checked by a real call, read back.
 
-``sdpa=auto`` leaves the choice to torch, per call; ``flash``, ``cudnn``, ``efficient`` or ``math`` allow that
-backend alone (``torch.nn.attention.sdpa_kernel``, held around every step: inductor resolves it when it
-traces). :func:`check_backend` runs one tiny call of the run's shape and refuses, with torch's own reason, a
-backend torch cannot run there (a table of GPU generations would go stale with every torch release);
-:func:`detect_backend` names the backend that actually ran, from the profiler. On CPU torch has ``flash``
-(what ``auto`` picks) and ``math``.
+``sdpa=auto`` leaves the choice to torch; another value allows that backend alone (``sdpa_kernel``, held around
+every step: inductor resolves it when it traces). :func:`check_backend` runs one tiny call of the run's shape and
+refuses with torch's own reason (a table of GPU generations would go stale); :func:`detect_backend` names the
+backend that ran, from the profiler.
 """
 
 from __future__ import annotations
@@ -18,8 +16,7 @@ from vitreg.errors import VitregError
 
 SDPA_CHOICES = ("auto", "flash", "cudnn", "efficient", "math")
 
-# Substrings of profiler event names per backend: the aten op (recorded eager or from an inductor graph), and
-# the CUDA kernels, for a launch whose op was not recorded.
+# Substrings of profiler event names per backend: the aten op, and the CUDA kernels for a launch with no op recorded.
 BACKEND_MARKERS = {
     "flash": ("_scaled_dot_product_flash_attention", "flash_fwd", "flash_bwd", "pytorch_flash"),
     "efficient": ("_scaled_dot_product_efficient_attention", "_efficient_attention", "fmha_cutlass"),
@@ -38,7 +35,6 @@ def _backend(choice: str):
 
 
 def sdpa_context(choice: str):
-    """The backend restriction for ``sdpa=choice`` (``auto``: no restriction)."""
     if choice not in SDPA_CHOICES:
         raise VitregError(f"sdpa={choice} is not a backend: use one of {', '.join(SDPA_CHOICES)}")
     if choice == "auto":
@@ -49,8 +45,7 @@ def sdpa_context(choice: str):
 
 
 def attention_shape(model) -> tuple[int, int, int]:
-    """``(num_heads, head_dim, tokens)`` of the model's attention, as its family reads it
-    (:mod:`vitreg.models.families`); ViT-B/16 at 224 px: (12, 64, 197). One line for a model of no family."""
+    """``(num_heads, head_dim, tokens)`` of the model's attention, as its family reads it."""
     from vitreg.models.families import architecture_of
 
     try:
@@ -63,8 +58,7 @@ def attention_shape(model) -> tuple[int, int, int]:
 
 def check_backend(choice: str, device: str, dtype, num_heads: int, head_dim: int, seq_len: int,
                   backward: bool = False) -> None:
-    """Run one SDPA call of this shape under ``choice`` (with ``backward`` for training: some backends have
-    no backward for a shape); refuse in one line if torch cannot."""
+    """One SDPA call of this shape under ``choice`` (and its backward, for training); one line if torch cannot."""
     if choice == "auto":
         return
     import torch
@@ -85,7 +79,6 @@ def check_backend(choice: str, device: str, dtype, num_heads: int, head_dim: int
 
 
 def _reasons(caught, limit: int = 240) -> str:
-    """torch's own reasons, from the warnings its backend selection gave (one per failed check)."""
     reasons = []
     for warning in caught:
         text = " ".join(str(warning.message).split("(Triggered internally")[0].split())
@@ -107,9 +100,8 @@ UNKNOWN = "unknown"  # the step replays inductor's CUDA graphs: no op is recorde
 
 
 def detect_backend(step, device: str, replays_graphs: bool = False) -> str:
-    """:func:`backends_in` of one ``step()`` under torch.profiler, outside the timed windows, on a step that
-    launches kernels one by one. ``replays_graphs``: the step replays inductor's CUDA graphs, which hide the
-    ops, so finding none means :data:`UNKNOWN`."""
+    """:func:`backends_in` of one ``step()`` under torch.profiler, outside the timed windows. ``replays_graphs``:
+    inductor's CUDA graphs hide the ops, so finding none means :data:`UNKNOWN`."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
