@@ -4,7 +4,7 @@ the hardware with its label checked, the runtime for this rank's device, and ran
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Callable
 
 from vitreg.console import quiet
@@ -24,10 +24,6 @@ class JobContext:
     progress: Callable
     wrap: Callable | None = None  # DDP with more than one rank: wraps a model in DistributedDataParallel
     reducer: object = None  # DDP with more than one rank: the job's reducer (ResultReducer / TrainReducer)
-
-    def with_spec(self, spec) -> JobContext:
-        """This context with another spec (infer learns its model from the checkpoint it pulls)."""
-        return replace(self, spec=spec)
 
 
 def job_context(run, spec, progress, reducer_factory=None, cuda_graph: bool = False) -> JobContext:

@@ -264,16 +264,12 @@ def _replay_new(reader, run, progress) -> None:
 
 
 def _log_rank_logs(run, outcome: LaunchOutcome) -> None:
-    with tempfile.TemporaryDirectory(prefix="vitreg-ranklogs-") as tmp:
-        for rank, files in outcome.rank_logs().items():
-            dst = Path(tmp) / f"rank{rank}"
-            dst.mkdir(parents=True, exist_ok=True)
-            for name, path in files.items():
-                shutil.copyfile(path, dst / f"{name}.log")
-        if (outcome.log_dir / TORCHRUN_LOG).is_file():
-            shutil.copyfile(outcome.log_dir / TORCHRUN_LOG, Path(tmp) / TORCHRUN_LOG)
-        if any(Path(tmp).iterdir()):
-            run.log_artifacts(tmp, "torchrun")
+    """``torchrun/rank<N>/stdout.log|stderr.log`` and ``torchrun/torchrun.log``."""
+    for rank, files in outcome.rank_logs().items():
+        for path in files.values():
+            run.log_artifact(path, f"torchrun/rank{rank}")
+    if (outcome.log_dir / TORCHRUN_LOG).is_file():
+        run.log_artifact(outcome.log_dir / TORCHRUN_LOG, "torchrun")
 
 
 # torchrun never outlives its launcher: a SIGKILLed launcher runs no clean-up, so the OS does it (parent-death

@@ -152,8 +152,8 @@ def _training_plan(plan: TrainPlan, ctx: JobContext) -> TrainPlan:
     hw = ctx.hardware
     title = naming.RunTitle(hw.label, spec.model, runtime.amp, spec.compile, ctx.world.world_size, job="train",
                             ran_on=hw.detected.profile.label if hw.mismatch else None, img_size=info.img_size)
-    plan = dataclasses.replace(plan, spec=spec, progress=ctx.progress, ctx=ctx.with_spec(spec), model=model,
-                               info=info, resume=resume, title=title)
+    plan = dataclasses.replace(plan, spec=spec, progress=ctx.progress, ctx=dataclasses.replace(ctx, spec=spec),
+                               model=model, info=info, resume=resume, title=title)
     plan = dataclasses.replace(plan, teacher=_teacher(plan))
     model.to(runtime.torch_device)  # in place: a Module's to() moves its own parameters
     return dataclasses.replace(plan, gflops=_flops_metrics(plan) if ctx.world.is_main else None)
