@@ -27,21 +27,16 @@ NO_SDPA = "unfused"  # no fused SDPA op ran: attention as separate matmuls and s
 # inductor decomposing the math backend)
 
 
-def _backend(choice: str):
-    from torch.nn.attention import SDPBackend
-
-    return {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
-            "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}[choice]
-
-
 def sdpa_context(choice: str):
     if choice not in SDPA_CHOICES:
         raise VitregError(f"sdpa={choice} is not a backend: use one of {', '.join(SDPA_CHOICES)}")
     if choice == "auto":
         return contextlib.nullcontext()
-    from torch.nn.attention import sdpa_kernel
+    from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    return sdpa_kernel([_backend(choice)])
+    backends = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
+                "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}
+    return sdpa_kernel([backends[choice]])
 
 
 def attention_shape(model) -> tuple[int, int, int]:

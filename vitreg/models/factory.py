@@ -22,8 +22,8 @@ class ModelInfo:
     distilled: bool  # DeiT distilled models return (cls, dist) heads in training
 
 
-def check_model_name(name: str, listed_before_ok: bool = True) -> None:
-    check_name(name, listed_before_ok)
+def check_model_name(name: str) -> None:
+    check_name(name)
 
 
 def create_model(name: str, img_size: int = 0, num_classes: int = 1000):

@@ -108,12 +108,15 @@ class FolderData:
 
     def __init__(self, spec, info, device, model=None, rank: int = 0, world_size: int = 1):
         import torch
+        from timm.data import create_transform, resolve_data_config
 
         root, img_size, batch_size = spec.data, info.img_size, spec.batch_size
         num_workers, seed, num_classes = spec.num_workers, spec.seed, spec.num_classes or info.num_classes
 
         train_dir, val_dir = _check_layout(Path(root).expanduser())
-        transform_train, transform_val = _transforms(img_size, model)
+        config = {**(resolve_data_config({}, model=model) if model is not None else {}),
+                  "input_size": (3, img_size, img_size)}
+        transform_train, transform_val = (create_transform(**config, is_training=t) for t in (True, False))
         self.train_set = _image_folder(root, train_dir, transform_train, "put .jpg/.png files in train/<class>/")
         self.classes = list(self.train_set.classes)
         self.num_classes = len(self.classes)
@@ -280,14 +283,6 @@ def _pil_opens(path: str) -> bool:
         return True  # an image, too large to decode: load_image says so in its own line
     except (OSError, ValueError, SyntaxError):
         return False
-
-
-def _transforms(img_size: int, model=None):
-    from timm.data import create_transform, resolve_data_config
-
-    config = resolve_data_config({}, model=model) if model is not None else {}
-    config["input_size"] = (3, img_size, img_size)
-    return create_transform(**config, is_training=True), create_transform(**config, is_training=False)
 
 
 def build_data(spec, info, device, model=None, rank: int = 0, world_size: int = 1):

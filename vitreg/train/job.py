@@ -377,8 +377,7 @@ class RunLogger:
 
     def __init__(self, tracker):
         self.tracker = tracker
-        # a NullTracker (ranks other than 0) does nothing: no thread for it
-        self.threaded = bool(getattr(tracker, "thread_safe", False)) and not isinstance(tracker, tracking.NullTracker)
+        self.threaded = bool(getattr(tracker, "thread_safe", False))  # a NullTracker's is False: no thread for it
         self._queue: queue.Queue = queue.Queue()
         self._error: BaseException | None = None
         self._thread = None
