@@ -122,7 +122,6 @@ class LaunchOutcome:
 
 
 def _error_files(log_dir: Path) -> list[tuple[float, Path, dict]]:
-    """``(time, rank folder, error)`` of every worker's error file, first written first."""
     found = []
     for path in log_dir.glob("*/attempt_*/*/error.json"):
         try:

@@ -142,8 +142,6 @@ def launcher_run(run_name: str | None = None, experiment: str | None = None, nod
 
 @dataclass(frozen=True)
 class JobLaunch:
-    """One DDP job's launch (bench and train alike): the command every rank runs, where, and the run's labels."""
-
     job: str  # the vitreg command the ranks run: "bench" or "train"
     options: dict  # the spec's fields, forwarded to every rank as they came
     run_name: str | None = None

@@ -15,8 +15,6 @@ from vitreg.measure.metrics import ITERATION_TIME, combine
 
 @dataclass(frozen=True)
 class World:
-    """Where this process sits in the job; ``World()`` is a plain, single process."""
-
     rank: int = 0
     local_rank: int = 0
     world_size: int = 1

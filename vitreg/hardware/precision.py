@@ -64,7 +64,6 @@ def precision_of(amp: str) -> Precision:
 
 def resolve_precision(amp: str, device: str, tasks: tuple[str, ...] = ("infer",),
                       capability: tuple[int, int] | None = None) -> Precision:
-    """``amp`` (``auto`` resolved) checked against the device, its compute ``capability`` and the tasks."""
     if amp not in PRECISION_CHOICES:
         raise VitregError(f"amp={amp} is not a precision mode: use one of {', '.join(PRECISION_CHOICES)}")
     check_tasks(amp, tasks)

@@ -77,7 +77,6 @@ class Runtime:
 
 def resolve_runtime(amp: str, compile: str, compile_backend: str, detected: DetectedHardware,
                     device_index: int = 0) -> Runtime:
-    """``amp=auto`` resolved to a dtype the hardware has; a precision mode it lacks refused."""
     profile = detected.profile
     if amp == "auto":
         amp = profile.default_amp if detected.device == "cuda" else "off"

@@ -40,7 +40,6 @@ def sdpa_context(choice: str):
 
 
 def attention_shape(model) -> tuple[int, int, int]:
-    """``(num_heads, head_dim, tokens)`` of the model's attention, as its family reads it."""
     from vitreg.models.families import architecture_of
 
     try:

@@ -5,6 +5,7 @@ a model name or reads a model's attributes: adding a family is one :func:`regist
 
 from __future__ import annotations
 
+import abc
 import difflib
 import functools
 from dataclasses import dataclass
@@ -15,8 +16,6 @@ from vitreg.models import learned_facts
 
 @dataclass(frozen=True)
 class Architecture:
-    """What the memory floor and the SDPA check read from a built (or meta-device) model."""
-
     tokens: int  # sequence length: patches + class/distillation/register tokens
     width: int  # embedding dimension
     depth: int  # transformer blocks
@@ -25,35 +24,31 @@ class Architecture:
     head_dim: int
 
 
-class Family:
+class Family(abc.ABC):
+    """A family adapter: ``names`` it can build (``listed_before_ok``, ``fresh``: see :func:`_timm_names`),
+    ``build`` one with random weights on the current default device, ``owns`` a built model."""
+
     #: name prefixes this family owns (``vit_``, ``torchvision:``)
     prefixes: tuple[str, ...] = ()
     #: the library a user loads an exported checkpoint with, and the line that builds the model there
     library = ""
     loader_line = ""
 
-    def names(self, listed_before_ok: bool = False, fresh: bool = False) -> frozenset[str]:
-        """Every name this family can build (``listed_before_ok``, ``fresh``: see :func:`_timm_names`)."""
-        raise NotImplementedError
-
     def shown_names(self) -> tuple[str, ...]:
         return tuple(f"{prefix}*" for prefix in self.prefixes)
 
-    def default_size(self, name: str) -> int:
-        raise NotImplementedError
-
-    def patch_size(self, name: str) -> int:
-        raise NotImplementedError
-
-    def build(self, name: str, img_size: int, num_classes: int):
-        """The model with random weights at ``img_size`` on the current default device."""
-        raise NotImplementedError
-
-    def owns(self, model) -> bool:
-        raise NotImplementedError
-
-    def architecture(self, model) -> Architecture:
-        raise NotImplementedError
+    @abc.abstractmethod
+    def names(self, listed_before_ok: bool = False, fresh: bool = False) -> frozenset[str]: ...
+    @abc.abstractmethod
+    def default_size(self, name: str) -> int: ...
+    @abc.abstractmethod
+    def patch_size(self, name: str) -> int: ...
+    @abc.abstractmethod
+    def build(self, name: str, img_size: int, num_classes: int): ...
+    @abc.abstractmethod
+    def owns(self, model) -> bool: ...
+    @abc.abstractmethod
+    def architecture(self, model) -> Architecture: ...
 
 
 _FAMILIES: list[Family] = []
@@ -68,7 +63,6 @@ def register_family(family: Family) -> Family:
 
 
 def family_of(name: str) -> Family:
-    """The family owning ``name`` (its longest matching prefix)."""
     owners = [(len(p), f) for f in _FAMILIES for p in f.prefixes if name.startswith(p)]
     if owners:
         return max(owners, key=lambda owner: owner[0])[1]
@@ -236,8 +230,6 @@ def _timm_stride(name: str, default_size: int) -> int:
 
 
 class TorchvisionFamily(Family):
-    """torchvision's VisionTransformer models, as ``torchvision:vit_b_16``."""
-
     prefixes = ("torchvision:",)
     library = "torchvision"
     loader_line = ('model = getattr(torchvision.models, spec["model"].split(":", 1)[1])(weights=None, '

@@ -286,7 +286,6 @@ def _pil_opens(path: str) -> bool:
 
 
 def build_data(spec, info, device, model=None, rank: int = 0, world_size: int = 1):
-    """The training data ``spec`` asks for, this rank's shard (synthetic data: seeded by rank)."""
     if spec.synthetic:
         num_classes = spec.num_classes or SYNTHETIC_DEFAULT_CLASSES
         return SyntheticData(num_classes, info.img_size, spec.batch_size, device, spec.seed, rank, world_size)

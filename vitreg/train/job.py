@@ -134,7 +134,6 @@ def resolve_plan(run, options: dict, workdir: Path, *, run_name=None, command=No
 
 
 def _training_plan(plan: TrainPlan, ctx: JobContext) -> TrainPlan:
-    """A training process's plan: context, model, the checkpoint it resumes (and its seed), teacher, FLOPs."""
     import torch
 
     from vitreg.train import loop
@@ -194,7 +193,6 @@ def resolve_checkpoint_source(source: str, dst=None, progress=progress):
 
 
 def _launch_train(plan: TrainPlan) -> None:
-    """The launcher's checks, every rank's host memory, torchrun, then the registration rank 0 asked for."""
     spec = plan.spec
     gpus = launch.check(spec, plan.placement)
     # host memory for every rank, before any is started: past it the OOM killer takes the launcher
@@ -217,7 +215,6 @@ def _train_in_run(plan: TrainPlan):
         from vitreg.train import loop
 
         _log_setup(plan, data)
-        # a GPU-sized run on a CPU says so before it starts
         steps = loop.total_steps_of(spec, data.steps_per_epoch)
         say_if_long(train_work(spec.batch_size * world.world_size, steps, plan.gflops * 1e9, spec.model),
                     plan.runtime.device, plan.progress, command=plan.command)
@@ -225,7 +222,6 @@ def _train_in_run(plan: TrainPlan):
     ok, stop = False, None
     try:
         try:
-            # TF32 switches (amp=tf32), the SDPA backend and the compile cache, around every step
             with run_context(plan.runtime, plan.model, spec.sdpa, spec.compile_cache, train=True):
                 result = _run_loop(plan, logger, data)
         except KeyboardInterrupt as exc:  # stopped between updates: log what was done, then end the run KILLED
@@ -304,7 +300,6 @@ def _log_setup(plan: TrainPlan, data) -> None:
 
 
 def _train_tags(plan: TrainPlan, data_kind: str) -> dict:
-    """bench's resolved tags (names people group by) plus the training ones."""
     spec, runtime, info = plan.spec, plan.runtime, plan.info
     return {**resolved_tags(spec, plan.hardware, runtime, info.img_size, task="train"), "vitreg_job": "train",
             "precision": runtime.precision.label,  # what ran: fp32, tf32, autocast-bf16, autocast-fp16
@@ -313,7 +308,6 @@ def _train_tags(plan: TrainPlan, data_kind: str) -> dict:
 
 
 def _run_name(plan: TrainPlan, throughput: float | None = None) -> str:
-    """The run's name as every vitreg run's: GPU label first, then (once measured) the throughput."""
     return plan.title.name(plan.spec.batch_size, throughputs={"train": throughput} if throughput else None)
 
 

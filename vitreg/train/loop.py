@@ -76,8 +76,6 @@ class Ranks:
 
 @dataclass(frozen=True)
 class TrainResult:
-    """What a training run did, and its figures (throughput global over the ranks)."""
-
     step: int  # optimizer updates reached, counting those before a resume
     start_step: int  # 0, or the step the run resumed at
     steps_run: int  # updates made by this run
@@ -91,7 +89,6 @@ class TrainResult:
     stopped_by: str | None = None  # why the run ended before total_steps (Ctrl-C, SIGTERM, SIGHUP); None: it did not
 
     def figure(self, name: str):
-        """The figure ``name`` (no task prefix); None where it was not measured."""
         return self.figures.get(name)
 
     def metrics(self) -> dict[str, float]:
@@ -273,7 +270,6 @@ def _restore(resume_from, model, optimizer, scheduler, scaler, total: int, spe: 
 
 
 def _step(setup: _Setup, tally: _Tally) -> bool:
-    """One optimizer update; returns whether it ends a log interval."""
     spec, runtime, spe = setup.spec, setup.runtime, setup.steps_per_epoch
     if tally.batches is None:
         tally.batches = setup.data.batches(tally.step // spe, tally.step % spe)
@@ -477,7 +473,6 @@ class StepClock:
         self._pending.append((self._open, self._now()))
 
     def collect(self) -> list[float]:
-        """Milliseconds of each step since the last collect."""
         pending, self._pending = self._pending, []
         if not pending:
             return []
