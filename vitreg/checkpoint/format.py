@@ -366,12 +366,12 @@ def ensure_verified(checkpoint) -> VerifiedCheckpoint:
     return checkpoint if isinstance(checkpoint, VerifiedCheckpoint) else verify_checkpoint(checkpoint)
 
 
-def _load_weights(model, directory: Path, device="cpu") -> None:
+def _load_weights(model, directory: Path) -> None:
     import safetensors.torch
 
     module = unwrap_model(model)
     check_weights(module, directory / WEIGHTS)
-    module.load_state_dict(safetensors.torch.load_file(str(directory / WEIGHTS), device=str(device)))
+    module.load_state_dict(safetensors.torch.load_file(str(directory / WEIGHTS)))
 
 
 def load_model(checkpoint, device="cpu"):

@@ -215,13 +215,13 @@ def launch(run, spec, job: JobLaunch, folder: Path, progress) -> subprocess.Pope
     return _start_torchrun(cmd, env, folder / _LOGS / TORCHRUN_LOG)
 
 
-def receive(torchrun: subprocess.Popen, reader, run, progress, poll_s: float = 2.0) -> int:
+def receive(torchrun: subprocess.Popen, reader, run, progress) -> int:
     """Wait for torchrun, logging rank 0's calls into ``run`` as they come; returns torchrun's status. Stopped or
     failing here, it stops torchrun first (SIGTERM: rank 0 hands back its last calls, which a stop then logs)."""
     try:
         while True:
             try:
-                returncode = torchrun.wait(timeout=poll_s)
+                returncode = torchrun.wait(timeout=2.0)
                 break
             except subprocess.TimeoutExpired:
                 _replay_new(reader, run, progress)

@@ -72,14 +72,14 @@ def check_backend(choice: str, device: str, dtype, num_heads: int, head_dim: int
                               f"use sdpa=auto (or another backend)") from None
 
 
-def _reasons(caught, limit: int = 240) -> str:
+def _reasons(caught) -> str:
     reasons = []
     for warning in caught:
         text = " ".join(str(warning.message).split("(Triggered internally")[0].split())
         if text and text not in reasons:
             reasons.append(text)
     joined = " ".join(reasons) or "torch has no such kernel for this device"
-    return joined if len(joined) <= limit else joined[:limit - 3] + "..."
+    return joined if len(joined) <= 240 else joined[:237] + "..."
 
 
 def backends_in(event_names) -> str:

@@ -114,8 +114,8 @@ def _gib(n: float) -> str:
     return f"{n / GIB:,.1f} GiB"
 
 
-def check_host_fits(fp: Footprint, what: str, available: int | None = None) -> None:
-    available = _host_available() if available is None else available
+def check_host_fits(fp: Footprint, what: str) -> None:
+    available = _host_available()
     if fp.weight_bytes > available:
         raise VitregError(f"{what} has {fp.params / 1e6:,.0f} M parameters ({_gib(fp.weight_bytes)} of weights), more "
                           f"than this host's {_gib(available)} of free memory: use a smaller img_size (0 = the "
