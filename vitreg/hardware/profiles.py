@@ -144,7 +144,8 @@ def check_label_here(requested: str, device: str, allow_mismatch: bool) -> None:
 
 
 def _host_gpu_names() -> tuple[str, ...] | None:
-    """Every NVIDIA GPU of this host, whatever CUDA_VISIBLE_DEVICES hides; () without a driver; None: NVML cannot say."""
+    """Every NVIDIA GPU of this host, whatever CUDA_VISIBLE_DEVICES hides; () without a driver; None: NVML
+    cannot say."""
     from vitreg.environment import nvml_ask, nvml_text
 
     return nvml_ask(lambda nvml: tuple(nvml_text(nvml.nvmlDeviceGetName(nvml.nvmlDeviceGetHandleByIndex(i)))

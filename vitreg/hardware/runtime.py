@@ -54,7 +54,7 @@ class Runtime:
 
     @property
     def eager_fp8(self) -> bool:
-        """fp8 without inductor: nothing fuses torchao's quantize steps (:data:`~vitreg.hardware.precision.EAGER_FP8_NOTE`)."""
+        """fp8 without inductor: nothing fuses torchao's quantize steps (:data:`precision.EAGER_FP8_NOTE`)."""
         return self.precision.fp8 and (self.compile == "off" or self.compile_backend != "inductor")
 
     def mark_step(self) -> None:
@@ -123,7 +123,8 @@ def run_context(runtime: Runtime, model, sdpa: str = "auto", compile_cache: str 
 @contextlib.contextmanager
 def cudnn_autotuner():
     """cuDNN's autotuner on, as timm sets it: one input shape, timed once in the first call. Its heuristic alone
-    picked a slow patch-embedding kernel: DeiT-S on an H200 27,123 -> 29,248 img/s (benchmarks/results/h200-2026-12-02/)."""
+    picked a slow patch-embedding kernel: DeiT-S on an H200, 27,123 -> 29,248 img/s
+    (benchmarks/results/h200-2026-12-02/)."""
     import torch
 
     saved = torch.backends.cudnn.benchmark
