@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from vitreg.checkpoint.export import copy_as_new_file, current_umask, follow_umask
+from vitreg.checkpoint.export import copy_as_new_file
 
 
 def mode(path) -> int:
@@ -23,10 +23,6 @@ def umask(request):
     os.umask(old)
 
 
-def test_current_umask_is_the_process_s(umask):
-    assert current_umask() == umask
-
-
 def test_a_copy_of_a_0600_file_gets_the_umask_s_mode(tmp_path, umask):
     src = tmp_path / "model.safetensors"
     src.write_bytes(b"weights")
@@ -36,16 +32,6 @@ def test_a_copy_of_a_0600_file_gets_the_umask_s_mode(tmp_path, umask):
     (tmp_path / "again").write_bytes(b"old")
     (tmp_path / "again").chmod(0o600)  # a file already there is replaced, not reused with its mode
     assert mode(copy_as_new_file(src, tmp_path / "again")) == 0o666 & ~umask
-
-
-def test_follow_umask_fixes_what_safetensors_writes(tmp_path, umask):
-    import safetensors.torch
-    import torch
-
-    path = tmp_path / "model.safetensors"
-    safetensors.torch.save_file({"w": torch.zeros(2)}, str(path))
-    follow_umask(path)
-    assert mode(path) == 0o666 & ~umask
 
 
 def test_pull_out_folder_follows_the_umask(tmp_path):

@@ -92,11 +92,14 @@ def test_cli_train_logs_run_checkpoints_and_registers(sqlite_store, tmp_path, mo
     # the checkpoint as a distillation teacher: downloaded, loaded, and its download folder gone
     import tempfile
 
-    from vitreg.train.job import teacher_loader
+    from types import SimpleNamespace
+
+    from vitreg.train.losses import create_teacher
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
     (tmp_path / "tmp").mkdir()
-    teacher = teacher_loader(f"runs:/{rid}/checkpoints/last")
+    student = SimpleNamespace(num_classes=tags["num_classes"])
+    teacher = create_teacher(SimpleNamespace(teacher=f"runs:/{rid}/checkpoints/last"), student, "cpu")
     assert sum(p.numel() for p in teacher.parameters()) > 0
     assert list((tmp_path / "tmp").iterdir()) == []
 

@@ -1,10 +1,6 @@
-"""A checkpoint as a self-contained folder for users: the weights, spec.json, a manifest of exactly those, and
-a README with the loader (``vitreg pull --out``, and the files a registered version holds). The training-only
-state is left out. ``--out`` is written all or nothing (a temporary folder beside it, verified, then renamed).
-
-The files get the user's permissions (their umask), whatever mode the file they were made from had:
-``safetensors`` writes ``model.safetensors`` as 0600, MLflow's store and downloads keep that mode, and
-``shutil.copy2`` copied it, so exported weights were readable by their owner only.
+"""A checkpoint as a self-contained folder for users (``vitreg pull --out``, a registered version's files): the
+weights, spec.json, their manifest and a README with the loader, written all or nothing. The files get the user's
+umask, not the 0600 safetensors writes (MLflow keeps that mode; copying it made exports readable by their owner only).
 """
 
 from __future__ import annotations
@@ -23,10 +19,8 @@ README = "README.md"
 
 
 def stage_files(checkpoint: ckpt.VerifiedCheckpoint, stage: Path, leave_out: tuple = ()) -> list[Path]:
-    """Copy the checkpoint minus training-only state into ``stage``, with a manifest listing exactly that.
-
-    ``leave_out``: files the manifest still lists but that are not copied (weights a registered version
-    shares with its run: the manifest keeps their sha256, so the bytes fetched later are checked)."""
+    """The checkpoint minus training-only state, with its manifest, into ``stage``. ``leave_out``: listed, not
+    copied (weights a registered version shares with its run: their sha256 checks the bytes fetched later)."""
     stage.mkdir(parents=True, exist_ok=True)
     manifest = checkpoint.manifest
     files = {k: v for k, v in manifest["files"].items() if k not in TRAIN_ONLY_FILES}
@@ -55,11 +49,7 @@ model.load_state_dict(safetensors.torch.load_file("model.safetensors")); model.e
 
 
 def export_folder(checkpoint: ckpt.VerifiedCheckpoint, out: Path, source: str) -> Path:
-    """Write the verified files and a README.md with the 3-line loader into ``out``, all or nothing.
-
-    ``out`` must be new, empty, or an earlier export (only the files an export writes): nothing of
-    the user's is replaced.
-    """
+    """The verified files and a README.md with the loader into ``out`` (new, empty or an earlier export)."""
     from vitreg.models.families import family_of
 
     out = Path(out)
@@ -95,7 +85,6 @@ def _check_replaceable(out: Path) -> None:
 
 
 def _swap_into_place(partial: Path, out: Path) -> None:
-    """Rename ``partial`` to ``out``; an earlier export there is moved aside first and removed after."""
     if not out.exists():
         os.rename(partial, out)
         return
@@ -109,32 +98,9 @@ def _swap_into_place(partial: Path, out: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
-# ---------------------------------------------------------------- file modes
-
 def copy_as_new_file(src, dst) -> Path:
     """Copy ``src``'s bytes (not its mode) to ``dst``, a new file created with the umask's mode."""
     dst = Path(dst)
     dst.unlink(missing_ok=True)  # an existing file would keep its own mode; a new one gets 0666 & ~umask
     shutil.copyfile(src, dst)
     return dst
-
-
-def follow_umask(path) -> Path:
-    """Give a file that a library created with its own mode (safetensors' 0600) the umask's mode."""
-    path = Path(path)
-    os.chmod(path, 0o666 & ~current_umask())
-    return path
-
-
-def current_umask() -> int:
-    """The process's umask. Linux shows it in /proc/self/status; elsewhere it is read by setting it
-    and setting it back (a moment in which another thread's new files would get 0o022)."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("Umask:"):
-                return int(line.split()[1], 8)
-    except OSError:
-        pass
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask

@@ -1,23 +1,16 @@
-"""Training checkpoints: safetensors weights, a torch training state, the spec, a sha256 manifest.
-
-A checkpoint is a directory::
+"""Training checkpoints: a directory of safetensors weights, a torch training state, the spec, a sha256 manifest.
 
     model.safetensors   the unwrapped module's state_dict (contiguous CPU tensors); no pickle
     train_state.pt      optimizer, LR scheduler, GradScaler, step, epoch, RNG states (torch.save)
-    spec.json           {"model", "img_size", "num_classes", "distilled", "step", "epoch",
-                         "train_spec", "vitreg_version", ...}: enough to rebuild the model
+    spec.json           {"model", "img_size", "num_classes", "distilled", "step", "epoch", "train_spec", ...}
     manifest.json       {"format": "vitreg-checkpoint-1", "files": {name: {"sha256", "bytes"}}}
 
-Rebuilding a model (:func:`load_model`) reads only JSON and safetensors: a checkpoint from anywhere loads
-without running its code; resuming also reads ``train_state.pt`` with ``weights_only=True``.
-:func:`verify_checkpoint` checks every file against the manifest once and returns a :class:`VerifiedCheckpoint`
-that the loaders take, so a truncated upload or an edited file is one line naming the file, not an error deep
-in torch; what the files hold is checked too (:mod:`vitreg.checkpoint.contents`). The directory is written
-under a temporary name and renamed into place: a process killed while saving leaves no half-written one.
-
-A run keeps its checkpoints as ``checkpoints/step-<N>/`` folders and names the newest in a small file,
-``checkpoints/last`` (:func:`last_pointer`), not a second copy of the same bytes; it is written after the
-folder it names is complete, so ``last`` always names an intact checkpoint.
+Loading reads only JSON and safetensors (resuming also ``train_state.pt``, ``weights_only=True``), so a checkpoint
+from anywhere runs no code. :func:`verify_checkpoint` checks every file against the manifest once, and, since a
+manifest proves only that the files are the ones it lists, what they hold, as strictly as user input
+(:func:`validate_spec`, :func:`check_weights`): a truncated or edited file is one line naming it. A checkpoint is
+written under a temporary name and renamed into place. A run names its newest ``checkpoints/step-<N>/`` in a small
+``checkpoints/last`` file (:func:`last_pointer`), written after that folder is complete.
 """
 
 from __future__ import annotations
@@ -32,10 +25,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from vitreg.checkpoint.contents import FIX, check_weights, validate_spec
+from vitreg.config.options import spec_options
+from vitreg.config.parse import parse_bool, parse_int
 from vitreg.errors import CheckpointError, VitregError, unreadable
 from vitreg.files import inside, parse_json, read_json, read_text
-from vitreg.models.factory import ModelInfo, create_model
+from vitreg.models.factory import ModelInfo, check_model_name, create_model
 from vitreg.version import __version__
 
 FORMAT = "vitreg-checkpoint-1"
@@ -50,10 +44,103 @@ LAST_FIX = "point at a checkpoints/step-<N> folder instead"
 LAST_BYTES = 4096  # a last file is one short JSON object (:func:`last_pointer`)
 _RESERVED = ("model", "img_size", "num_classes", "distilled", "step", "epoch", "train_spec", "vitreg_version",
              "source", "patch_size", "params_m", "format", "torch_version", "timm_version", "created_unix")
+FIX = "re-save it, or point at another checkpoint (e.g. an earlier checkpoints/step-<N>)"
+
+
+def _scalar(value, name: str):
+    # JSON true/false must not pass for numbers (int(True) is 1), nor a list for anything
+    if isinstance(value, (list, dict)) or value is None or (isinstance(value, bool) and name != "distilled"):
+        raise CheckpointError(f"{name}={value!r} is a {type(value).__name__}, not a single value")
+    return value
+
+
+def _model_name(value, name: str) -> str:
+    if not isinstance(value, str) or not value.strip():
+        raise CheckpointError(f"{name}={value!r} is not a model name (a non-empty string)")
+    check_model_name(value.strip())
+    return value.strip()
+
+
+def _int(least: int):
+    return lambda v, name: parse_int(_scalar(v, name), name, least, error=CheckpointError)
+
+
+#: spec.json keys the loaders read: name -> parser of the raw JSON value
+_REQUIRED = {"model": _model_name, "img_size": _int(1), "num_classes": _int(1), "step": _int(0)}
+_OPTIONAL = {"epoch": _int(0), "distilled": lambda v, name: parse_bool(_scalar(v, name), name, error=CheckpointError)}
+
+
+def validate_spec(spec_json, path: Path) -> dict:
+    """``spec.json`` with the keys the loaders read parsed to their types; unknown ``train_spec`` keys kept (a
+    checkpoint of a vitreg with one more option still loads)."""
+    if not isinstance(spec_json, dict):
+        raise CheckpointError(f"{path} holds a JSON {type(spec_json).__name__}, not an object with model, img_size, "
+                              f"num_classes and step: {FIX}")
+    missing = [key for key in _REQUIRED if key not in spec_json]
+    if missing:
+        raise CheckpointError(f"{path} has no {', '.join(missing)}: {FIX}")
+    typed = dict(spec_json)
+    try:
+        for key, parse in {**_REQUIRED, **_OPTIONAL}.items():
+            if key in spec_json:
+                typed[key] = parse(spec_json[key], key)
+        typed["train_spec"] = _train_spec(spec_json.get("train_spec", {}))
+        _check_classes(typed)
+    except VitregError as exc:
+        raise CheckpointError(f"{path}: {exc}; {FIX}") from None
+    return typed
+
+
+def _train_spec(train_spec) -> dict:
+    if not isinstance(train_spec, dict):
+        raise CheckpointError(f"train_spec is a JSON {type(train_spec).__name__}, not an object of options")
+    options = {o.name: o for o in spec_options("train")}
+    for key, value in train_spec.items():
+        if key in options:
+            if isinstance(value, (list, dict)):
+                raise CheckpointError(f"train_spec.{key}={value!r} is a {type(value).__name__}, not a single value")
+            options[key].parse(value)
+    return train_spec
+
+
+def _check_classes(spec_json: dict) -> None:
+    classes = spec_json.get("classes")
+    if classes is None:
+        return
+    if not isinstance(classes, list) or not all(isinstance(c, str) for c in classes):
+        raise CheckpointError("classes is not a list of class names")
+    if len(classes) != spec_json["num_classes"]:
+        raise CheckpointError(f"classes lists {len(classes)} names but num_classes={spec_json['num_classes']}")
+
+
+def check_weights(module, path: Path) -> None:
+    """Refuse a weights file that is not safetensors or whose tensor names/shapes differ from ``module``'s."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as weights:
+            shapes = {name: tuple(weights.get_slice(name).get_shape()) for name in weights.keys()}
+    except Exception as exc:  # safetensors raises its own error types, and OSError/ValueError on odd headers
+        detail = " ".join(str(exc).split())[:120] or type(exc).__name__
+        raise CheckpointError(f"{path} is not a safetensors file ({detail}): {FIX}") from None
+    wanted = {name: tuple(t.shape) for name, t in module.state_dict().items()}
+    what = f"{path} does not fit {type(module).__name__}"
+    missing = sorted(set(wanted) - set(shapes))
+    unexpected = sorted(set(shapes) - set(wanted))
+    if missing or unexpected:
+        parts = ([f"{len(missing)} missing (e.g. {missing[0]})"] if missing else []) + \
+                ([f"{len(unexpected)} unexpected (e.g. {unexpected[0]})"] if unexpected else [])
+        raise CheckpointError(f"{what}: weights {', '.join(parts)}; it was saved for another model or timm version")
+    wrong = [name for name in wanted if shapes[name] != wanted[name]]
+    if wrong:
+        name = wrong[0]
+        raise CheckpointError(f"{what}: {len(wrong)} tensor(s) of another shape (e.g. {name}: {list(shapes[name])} in "
+                              f"the file, {list(wanted[name])} in the model); its spec.json does not match its "
+                              f"weights: {FIX}")
+
 
 
 def unwrap_model(model):
-    """The plain ``nn.Module`` under torch.compile (``_orig_mod``) and DDP (``module``) wrappers."""
     for _ in range(8):
         if hasattr(model, "_orig_mod"):
             model = model._orig_mod
@@ -116,8 +203,6 @@ def _weights_of(model) -> dict:
 
 @dataclass(frozen=True)
 class TrainingState:
-    """What a resumed training continues with besides the weights (each optional: inference needs none)."""
-
     optimizer: object = None
     scheduler: object = None
     scaler: object = None  # torch.amp.GradScaler
@@ -125,8 +210,7 @@ class TrainingState:
 
 def save_checkpoint(directory, model, *, step: int, spec: dict, model_info: ModelInfo, epoch: int = 0,
                     state: TrainingState = TrainingState(), extra: dict | None = None) -> Path:
-    """Write a checkpoint directory (replacing one already there) and return its path. ``spec``: the training
-    spec as params; ``extra``: more top-level keys of ``spec.json`` (``classes``, the loss), none of its own."""
+    """Write (or replace) a checkpoint directory. ``extra``: more top-level keys of ``spec.json``, none of its own."""
     import safetensors.torch
     import torch
 
@@ -167,12 +251,8 @@ def save_checkpoint(directory, model, *, step: int, spec: dict, model_info: Mode
 
 @dataclass(frozen=True)
 class VerifiedCheckpoint:
-    """A checkpoint directory whose files matched their manifest (sizes and sha256) when it was verified,
-    and whose ``spec`` (spec.json, its keys parsed to their types) passed :func:`validate_spec`.
-
-    Verify once (:func:`verify_checkpoint`), then hand this on: the functions below take it as it
-    is, and verify a plain directory themselves.
-    """
+    """A checkpoint directory whose files matched their manifest, and its validated ``spec.json``: verify once,
+    then hand this on (the loaders verify a plain directory themselves)."""
 
     directory: Path
     manifest: dict
@@ -184,8 +264,7 @@ class VerifiedCheckpoint:
 
 
 def verify_checkpoint(directory) -> VerifiedCheckpoint:
-    """Check every file against the manifest, read and validate ``spec.json``. One-line VitregError otherwise,
-    also for a file or the folder this user may not read."""
+    """Every file checked against the manifest, ``spec.json`` validated; one-line VitregError otherwise."""
     directory = Path(directory)
     fix = "point resume/pull at another checkpoint (e.g. an earlier checkpoints/step-<N>)"
     try:
@@ -239,9 +318,8 @@ def _read_manifest(directory: Path, fix: str) -> dict:
 
 
 def confined(directory: Path, name: str) -> Path:
-    """``directory / name`` for a manifest entry, refused unless it is a plain file name in ``directory``
-    itself: no absolute path, no ``..``, no sub-folder, and no link that leads out (a tampered manifest
-    must not make vitreg read, hash or copy a file elsewhere on the machine)."""
+    """``directory / name`` for a manifest entry, refused unless a plain file name in ``directory`` (no ``..``, no
+    sub-folder, no link out): a tampered manifest must not make vitreg read, hash or copy a file elsewhere."""
     plain = isinstance(name, str) and name not in ("", ".", "..") and not any(c in name for c in "/\\\0")
     path = directory / name if plain else None
     if path is None or inside(directory, path) is None:
@@ -251,18 +329,15 @@ def confined(directory: Path, name: str) -> Path:
 
 
 def step_folder(step: int) -> str:
-    """The folder name of the checkpoint of ``step`` (``step-<N>``), locally and in the run's artifacts."""
     return f"step-{int(step)}"
 
 
 def last_pointer(step: int) -> str:
-    """The text of ``checkpoints/last``: the newest checkpoint is the sibling folder ``step-<step>``."""
     return json.dumps({"format": LAST_FORMAT, "checkpoint": step_folder(step), "step": int(step)}, indent=2)
 
 
 def read_last_pointer(text: str, where: str) -> str:
-    """The ``step-<N>`` folder a ``last`` file names; one-line VitregError for anything else (a tampered
-    file must not lead outside the run's ``checkpoints/`` folder)."""
+    """The ``step-<N>`` folder a ``last`` file names; a tampered file must not lead outside ``checkpoints/``."""
     try:
         pointer = parse_json(text)
         name = pointer["checkpoint"] if isinstance(pointer, dict) and pointer.get("format") == LAST_FORMAT else None
@@ -288,22 +363,19 @@ def follow_last(path) -> Path:
 
 
 def ensure_verified(checkpoint) -> VerifiedCheckpoint:
-    """``checkpoint`` itself when it is verified already, else the verification of that directory."""
     return checkpoint if isinstance(checkpoint, VerifiedCheckpoint) else verify_checkpoint(checkpoint)
 
 
-def _load_weights(model, directory: Path, device="cpu") -> None:
-    """The weights into ``model``, after their names and shapes were checked against it (no tensor read before)."""
+def _load_weights(model, directory: Path) -> None:
     import safetensors.torch
 
     module = unwrap_model(model)
     check_weights(module, directory / WEIGHTS)
-    module.load_state_dict(safetensors.torch.load_file(str(directory / WEIGHTS), device=str(device)))
+    module.load_state_dict(safetensors.torch.load_file(str(directory / WEIGHTS)))
 
 
 def load_model(checkpoint, device="cpu"):
-    """Rebuild the model a checkpoint (verified, or a directory verified here) holds: ``(model, ModelInfo,
-    spec_json)``, in eval mode on ``device``, built from ``spec.json`` with no hub; never unpickles anything."""
+    """``(model, ModelInfo, spec_json)`` rebuilt from a checkpoint, in eval mode on ``device``; no pickle, no hub."""
     checkpoint = ensure_verified(checkpoint)
     spec_json = checkpoint.spec
     try:
@@ -327,9 +399,8 @@ def check_compatible(checkpoint, info: ModelInfo) -> dict:
 
 
 def load_training_state(checkpoint, model, optimizer=None, scheduler=None, scaler=None) -> tuple[int, int]:
-    """Restore weights, optimizer, scheduler, scaler and RNG states from ``checkpoint`` (verified, or a
-    directory verified here); returns ``(step, epoch)``. The optimizer's implementation flags (``fused``...)
-    stay those of the optimizer passed in, so a checkpoint from a GPU (fused AdamW) resumes on a CPU."""
+    """Restore weights, optimizer, scheduler, scaler and RNG states; returns ``(step, epoch)``. The optimizer keeps
+    its own implementation flags (``fused``...), so a checkpoint from a GPU resumes on a CPU."""
     checkpoint = ensure_verified(checkpoint)
     directory = checkpoint.directory
     if STATE not in checkpoint.manifest["files"]:
@@ -367,7 +438,6 @@ def _check_like(saved, fresh: dict, what: str) -> None:
 
 
 def _read_state(path: Path) -> dict:
-    """``train_state.pt`` as a dict with an int ``step`` and ``epoch`` (torch.load with weights_only=True)."""
     import torch
 
     try:
@@ -383,7 +453,6 @@ def _read_state(path: Path) -> dict:
 
 
 def _load_optimizer(optimizer, saved, path: Path) -> None:
-    """The saved optimizer state, refused unless every tensor of it has its parameter's shape."""
     impl = [{k: g[k] for k in ("fused", "foreach", "capturable", "differentiable") if k in g}
             for g in optimizer.param_groups]
     try:

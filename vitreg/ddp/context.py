@@ -1,14 +1,10 @@
-"""One job context: what one process of a bench, infer or train job runs with, built once.
-
-:func:`job_context` joins the DDP world (a no-op outside torchrun), quiets every rank but 0, looks at
-the hardware, checks the GPU label and resolves the runtime (amp, compile) for this rank's device.
-The jobs then pass one :class:`JobContext` where they passed spec, hardware, runtime, world, run
-and progress one by one.
+"""What one process of a bench, infer or train job runs with, built once (:func:`job_context`): the DDP world,
+the hardware with its label checked, the runtime for this rank's device, and rank 0 alone speaking.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Callable
 
 from vitreg.console import quiet
@@ -19,8 +15,6 @@ from vitreg.hardware.runtime import resolve_runtime
 
 @dataclass(frozen=True)
 class JobContext:
-    """Spec, hardware, runtime, world, run and progress of one process of a job."""
-
     spec: object  # BenchSpec or TrainSpec
     detected: object  # vitreg.hardware.profiles.DetectedHardware: what is there
     hardware: object  # ResolvedHardware: the label the run is filed under, the profile for MFU
@@ -31,14 +25,9 @@ class JobContext:
     wrap: Callable | None = None  # DDP with more than one rank: wraps a model in DistributedDataParallel
     reducer: object = None  # DDP with more than one rank: the job's reducer (ResultReducer / TrainReducer)
 
-    def with_spec(self, spec) -> JobContext:
-        """This context with another spec (infer learns its model from the checkpoint it pulls)."""
-        return replace(self, spec=spec)
-
 
 def job_context(run, spec, progress, reducer_factory=None, cuda_graph: bool = False) -> JobContext:
-    """This process's context. ``reducer_factory(world)``: the DDP job's reducer (None: a job of one
-    process, such as infer, which joins no world). ``cuda_graph``: the job captures CUDA graphs."""
+    """``reducer_factory(world)``: the DDP job's reducer (None: a job of one process, which joins no world)."""
     world, wrap, reducer = distributed.World(), None, None
     if reducer_factory is not None:
         world, wrap, reducer = distributed.join_job(spec, reducer_factory, cuda_graph=cuda_graph)

@@ -1,13 +1,10 @@
 """Why a torchrun job failed: the root-cause rank, its one-line error and its own exit status.
 
-Failures come back the way torch elastic passes them: a worker that fails writes its error file
-(``TORCHELASTIC_ERROR_FILE``; :func:`record_error`, in torch's format) and the first file written names the
-root cause. When one worker dies, torchrun stops the others with SIGTERM, and each records "stopped by
-SIGTERM": consequences, which name the root cause only when no other rank failed. A worker killed by a signal
-it cannot catch (SIGKILL: the OOM killer's) writes nothing and its peers report only the lost connection:
-torchrun's failure summary (in ``torchrun.log``) then gives each failed rank's exit status, and says when
-torchrun itself was stopped; else the last error line of a rank's stderr names the cause. A lost peer
-follows another rank's end, even a stop's whose record came later: it is named only when nothing else is.
+A failing worker writes torch elastic's error file (:func:`record_error`); the first one written names the root
+cause. The survivors torchrun then stops record "stopped by SIGTERM": consequences, named only when no rank failed
+on its own. A worker SIGKILLed (the OOM killer) writes nothing and its peers report a lost connection: torchrun's
+failure summary (``torchrun.log``) then gives each rank's exit status, else a rank's stderr names the cause. A lost
+peer follows another rank's end, so it is named only when nothing else is.
 """
 
 from __future__ import annotations
@@ -28,9 +25,7 @@ _PEER_LOST = re.compile(r"closed by peer|reset by peer|remote worker crash|remot
 
 
 def record_error(message: str, exit_code: int, callstack: str = "") -> None:
-    """In a torchrun worker: write this worker's failure to its error file (a no-op elsewhere).
-
-    The first failure recorded wins (vitreg's own ``error: ...`` before the worker shim's exit)."""
+    """In a torchrun worker: this worker's failure into its error file; the first one recorded wins."""
     path = os.environ.get(ERROR_FILE_ENV)
     if not path or os.path.exists(path):
         return
@@ -47,8 +42,7 @@ _ERROR_LINE = re.compile(r"(?:[A-Za-z_]\w*\.)*[A-Za-z_]\w*(?:Error|Exception|Int
 
 
 def last_error_line(text: str) -> str | None:
-    """The last line of a worker's stderr that states an error: vitreg's ``error: ...`` or the last
-    line of a Python traceback (``RuntimeError: ...``). None if there is none."""
+    """The last line of a worker's stderr stating an error (vitreg's ``error: ...`` or a traceback's last)."""
     for line in reversed(text.splitlines()):
         if not line or line[0].isspace():
             continue  # traceback frames and their source lines are indented
@@ -76,13 +70,11 @@ def _signal_name(signum: int) -> str:
 
 
 def summary_failures(torchrun_text: str) -> dict[int, int]:
-    """``{global rank: exit status}`` of every failed rank in torchrun's summary."""
     return {int(rank): int(code) for rank, code in _SUMMARY_FAILURE.findall(torchrun_text)}
 
 
 def killed_ranks(torchrun_text: str) -> dict[int, int]:
-    """``{global rank: exit status}`` of the ranks torchrun's summary shows killed by a signal no handler
-    caught (SIGKILL, SIGSEGV, SIGABRT...), not the SIGTERM with which torchrun stops the survivors."""
+    """The failed ranks killed by a signal no handler caught (SIGKILL, SIGSEGV...), not torchrun's SIGTERM."""
     return {rank: code for rank, code in summary_failures(torchrun_text).items()
             if code < 0 and code not in _NOT_TORCHRUN_S_STOP}
 
@@ -96,8 +88,6 @@ def _stop_signal(code: int) -> int | None:
 
 @dataclass(frozen=True)
 class LaunchOutcome:
-    """What became of a torchrun job, as seen from this host's launcher."""
-
     returncode: int  # torchrun's own status (1 whenever a worker failed)
     exit_code: int  # the status to exit with: the root-cause worker's own one where it recorded it
     rank: int | None  # the root-cause rank (global), if one could be named
@@ -122,7 +112,6 @@ class LaunchOutcome:
         return f"rank {self.rank} exited with status {self.exit_code} without an error message (killed?)"
 
     def rank_logs(self) -> dict[int, dict[str, Path]]:
-        """``{global_rank: {"stdout": path, "stderr": path}}`` of the files torchrun wrote."""
         out: dict[int, dict[str, Path]] = {}
         for path in sorted(self.log_dir.glob("*/attempt_*/*/std*.log")):
             out.setdefault(self._global(path.parent), {})[path.stem] = path
@@ -133,7 +122,6 @@ class LaunchOutcome:
 
 
 def _error_files(log_dir: Path) -> list[tuple[float, Path, dict]]:
-    """Every worker's error file, first written first: ``(time, rank folder, the error)``."""
     found = []
     for path in log_dir.glob("*/attempt_*/*/error.json"):
         try:
@@ -150,7 +138,6 @@ def _stderr_of(rank_dir: Path) -> str:
 
 
 def _killed_outcome(outcome: LaunchOutcome, killed: dict[int, int]) -> LaunchOutcome:
-    """The lowest rank killed by a signal: the signal, and its stderr's last error line if it had one."""
     rank = min(killed)
     rank_dir = next((d for d in outcome.log_dir.glob("*/attempt_*/*") if d.name.isdigit() and outcome._global(d) == rank),
                     None)
@@ -167,16 +154,14 @@ def _code(error: dict, returncode: int) -> int:
 
 
 def _recorded(outcome: LaunchOutcome, rank_dir: Path, error: dict) -> LaunchOutcome:
-    """The outcome a rank's error file tells: its message (else its stderr's last error line), its exit status."""
     message = error.get("message") or last_error_line(_stderr_of(rank_dir))
     return replace(outcome, exit_code=_code(error, outcome.returncode), rank=outcome._global(rank_dir), error=message)
 
 
 def diagnose(returncode: int, log_dir: Path, nproc: int, node_rank: int = 0, torchrun_text: str = "") -> LaunchOutcome:
-    """Name the root cause of a failed job, in this order: torchrun itself stopped by a signal; the first
-    error file written by a rank that failed on its own (not stopped, not one that only lost its peer); a rank
-    killed by a signal no handler caught (torchrun's summary in ``torchrun_text``); then what
-    :func:`_first_stop` finds. Its message, and its exit status where it recorded one."""
+    """The root cause of a failed job, first found of: torchrun stopped by a signal; the first error file of a
+    rank that failed on its own (not stopped, not a lost peer); a rank killed by a signal no handler caught;
+    then what :func:`_first_stop` finds."""
     log_dir = Path(log_dir)
     outcome = LaunchOutcome(returncode, returncode, None, None, log_dir, nproc, node_rank)
     if returncode == 0:
@@ -198,10 +183,9 @@ def diagnose(returncode: int, log_dir: Path, nproc: int, node_rank: int = 0, tor
 
 
 def _first_stop(outcome: LaunchOutcome, errors: list, torchrun_text: str) -> LaunchOutcome:
-    """No rank failed on its own: a rank (rank 0 first) that wrote no error file and whose stderr ends with an
-    error line; the first rank whose error file says it was stopped (SIGTERM/SIGHUP/SIGINT); a rank torchrun's
-    summary shows ended by a stop signal before it wrote one (CI once: rank 0 stopped, its peer's "Connection
-    closed by peer" recorded first); and last a rank that only lost its peer, which always follows another's end."""
+    """No rank failed on its own: a rank without an error file whose stderr ends with an error; the first rank
+    recorded as stopped; a rank the summary shows ended by a stop signal before it wrote one (CI once: rank 0
+    stopped, its peer's "closed by peer" recorded first); last a rank that only lost its peer."""
     with_file = {d for d, _ in errors}
     rank_dirs = sorted({p.parent for p in outcome.log_dir.glob("*/attempt_*/*/stderr.log")}, key=lambda d: int(d.name))
     for rank_dir in rank_dirs:

@@ -1,15 +1,12 @@
-"""Run a vitreg job under torchrun from a plain process (``-P nproc=N`` / ``--nproc N``), and the ranks' side of it.
+"""Run a vitreg job under torchrun from a plain process (``--nproc N``), and the ranks' side of it.
 
-The process the user started becomes the *launcher*: it holds the job's one MLflow run (:func:`launcher_run`)
-and goes through four phases: :func:`check` what needs no GPU, then (:func:`launch_job`) :func:`launch` the same
-command under torchrun through the worker shim below, :func:`receive` what rank 0 hands back while the ranks run
-(:mod:`vitreg.tracking.handoff`; the other ranks log nothing, :func:`rank_run`), :func:`log` the outcome, ending
-the run FAILED with the root cause (:mod:`vitreg.ddp.diagnose`) and that rank's own exit status if they failed.
-
+The process the user started becomes the *launcher*: it holds the job's one MLflow run and goes through
+:func:`check` -> :func:`launch` -> :func:`receive` (rank 0's hand-back, :mod:`vitreg.tracking.handoff`) ->
+:func:`log` (a failure ends the run with the root cause, :mod:`vitreg.ddp.diagnose`, and that rank's status).
 ``python -m vitreg.ddp.launcher -- <python args>`` is the shim torchrun runs in every worker: it runs the
-arguments as ``python`` would and writes a failure to the worker's torch elastic error file. Several hosts use
-static rendezvous, so node 0 holds global rank 0, whose launcher holds the run; a torchrun the user started
-has no vitreg launcher, and its rank 0 logs into a run of its own.
+arguments as ``python`` would and writes a failure to torch elastic's error file. Several hosts use static
+rendezvous, so node 0 holds global rank 0; a torchrun the user started has no launcher, and its rank 0 logs
+into a run of its own.
 """
 
 from __future__ import annotations
@@ -35,11 +32,10 @@ from vitreg.ddp.diagnose import STOPPED_CODES, LaunchOutcome, diagnose, record_e
 from vitreg.ddp.world import inside_torchrun, is_main_process
 from vitreg.errors import VitregError
 
-# Set by the launcher in every worker's environment: the launch folder, where rank 0 hands its
-# tracker calls back. Its presence tells a worker that a vitreg launcher holds the run.
+# In every worker's environment: the launch folder, where rank 0 hands its tracker calls back (its presence says
+# a vitreg launcher holds the run), and the command the user typed, for report.md (a rank's own argv is the
+# launcher's generated line with every option spelled out).
 ENV_LAUNCH_DIR = "VITREG_LAUNCH_DIR"
-# ... and the command the user typed (``mlflow run . -e bench -P nproc=2``), which report.md shows:
-# a rank's own argv is the launcher's generated ``vitreg bench`` line with every option spelled out.
 ENV_COMMAND = "VITREG_LAUNCH_COMMAND"
 _HANDOFF = "handoff"
 _LOGS = "logs"
@@ -47,9 +43,8 @@ TORCHRUN_LOG = "torchrun.log"  # in the logs folder: torchrun's stderr, its own 
 
 
 class LaunchError(VitregError):
-    """The workers failed. The message is the root cause; ``exit_code`` is that worker's own status.
-    ``run_status``: KILLED when that is a stop signal's 128 + N (a rank or torchrun stopped from outside),
-    as for a stopped single-process job; FAILED otherwise."""
+    """The workers failed: the message is the root cause, ``exit_code`` that worker's own status, ``run_status``
+    KILLED for a stop signal's 128 + N (as for a stopped single-process job), else FAILED."""
 
     def __init__(self, message: str, exit_code: int = 1):
         super().__init__(message)
@@ -59,15 +54,11 @@ class LaunchError(VitregError):
 
 @dataclass(frozen=True)
 class Placement:
-    """Where a DDP job's processes run: ``nnodes`` hosts, this one ``node_rank``, and node 0's
-    ``rdzv_endpoint`` (HOST:PORT). The default is this host alone."""
+    """``nnodes`` hosts, this one's ``node_rank``, node 0's ``rdzv_endpoint`` (HOST:PORT); default: this host."""
 
     nnodes: int = 1
     node_rank: int = 0
     rdzv_endpoint: str | None = None
-
-    def check(self) -> None:
-        check_nodes(self.nnodes, self.node_rank, self.rdzv_endpoint)
 
     @property
     def run_node(self) -> int:
@@ -76,7 +67,6 @@ class Placement:
 
 
 def needs_torchrun(nproc: int, nnodes: int = 1) -> bool:
-    """The plan of a parsed job: torchrun for ``nproc > 1`` or several hosts, else this one process."""
     return nproc > 1 or nnodes != 1  # check_nodes() refuses nnodes < 1
 
 
@@ -88,8 +78,7 @@ def visible_gpu_count() -> int:
 
 
 def check_nproc(nproc: int, device: str, gpu_count: int) -> None:
-    """Refuse more processes than GPUs, before launching anything; on the CPU (``device=cpu``, or ``auto`` on a
-    host without GPUs) any ``nproc`` is allowed: gloo processes, for tests and CI."""
+    """Refuse more processes than GPUs; on the CPU any ``nproc`` is allowed (gloo processes, for tests and CI)."""
     if nproc <= 1 or device == "cpu":
         return
     if gpu_count == 0:
@@ -103,7 +92,6 @@ def check_nproc(nproc: int, device: str, gpu_count: int) -> None:
 
 
 def check_nodes(nnodes: int, node_rank: int, rdzv_endpoint: str | None) -> None:
-    """Check the multi-host options: ``nnodes>1`` needs the rendezvous endpoint and a valid node rank."""
     if nnodes < 1:
         raise VitregError(f"nnodes={nnodes} must be >= 1")
     if not 0 <= node_rank < nnodes:
@@ -122,7 +110,6 @@ LINE_PREFIX = "[rank${rank}]: "
 
 def torchrun_command(argv: list[str], nproc: int, nnodes: int = 1, node_rank: int = 0,
                      rdzv_endpoint: str | None = None, log_dir: str | None = None) -> list[str]:
-    """The torchrun command line that runs ``argv`` (python arguments) through the worker shim."""
     check_nodes(nnodes, node_rank, rdzv_endpoint)
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}"]
     if nnodes == 1 and not rdzv_endpoint:
@@ -141,14 +128,9 @@ def torchrun_command(argv: list[str], nproc: int, nnodes: int = 1, node_rank: in
     return cmd + ["-m", "vitreg.ddp.launcher", "--", *argv]
 
 
-# --------------------------------------------------------------------------------------------
-# the launcher: check -> launch -> receive -> log
-
-
 @contextlib.contextmanager
 def launcher_run(run_name: str | None = None, experiment: str | None = None, node_rank: int = 0):
-    """The launcher's MLflow run (with system metrics: it lives as long as the job): node 0's, or the one
-    ``mlflow run`` made for another node (it must end too); else None. Errors inside end it FAILED."""
+    """The launcher's MLflow run: node 0's, or the one ``mlflow run`` made for another node; else None."""
     from vitreg.tracking import runs as tracking
 
     if node_rank == 0 or tracking.requested_run_id():
@@ -160,10 +142,6 @@ def launcher_run(run_name: str | None = None, experiment: str | None = None, nod
 
 @dataclass(frozen=True)
 class JobLaunch:
-    """One DDP job's launch, as its job resolved it once (bench and train launch the same way): the
-    vitreg command every rank runs with the options as they came, on which hosts, and what the run's
-    labels say before any rank logs."""
-
     job: str  # the vitreg command the ranks run: "bench" or "train"
     options: dict  # the spec's fields, forwarded to every rank as they came
     run_name: str | None = None
@@ -174,15 +152,13 @@ class JobLaunch:
 
     @property
     def argv(self) -> list[str]:
-        """The python arguments every rank runs: ``-m vitreg.cli <job> <the options>``."""
         argv = ["-m", "vitreg.cli", self.job, *options_to_args(self.options)]
         return argv + ["--run-name", self.run_name] if self.run_name else argv
 
 
 def check(spec, placement: Placement) -> int:
-    """The launcher's first phase, before the job's own checks: the hosts, and ``nproc`` against the
-    GPUs visible here, with no GPU work. Returns that count (the job's checks of host memory use it)."""
-    placement.check()
+    """The hosts, and ``nproc`` against the GPUs visible here (no GPU work); returns that count."""
+    check_nodes(placement.nnodes, placement.node_rank, placement.rdzv_endpoint)
     gpus = visible_gpu_count()
     check_nproc(spec.nproc, spec.device, gpus)
     return gpus
@@ -190,10 +166,8 @@ def check(spec, placement: Placement) -> int:
 
 @contextlib.contextmanager
 def launch_job(run, spec, job: JobLaunch, progress):
-    """The launcher's other phases for ``run`` (None on a node other than 0): :func:`launch`, :func:`receive`,
-    :func:`log`; then yield what rank 0 handed back (a :class:`vitreg.tracking.handoff.Handoff`, whose files
-    last until the block ends). A failure raises :class:`LaunchError`; a node other than 0 then keeps its
-    ranks' logs, which no run holds."""
+    """:func:`launch`, :func:`receive`, :func:`log`; then yield rank 0's hand-off (its files last until the block
+    ends). A failure raises :class:`LaunchError`; a node other than 0 then keeps its ranks' logs (no run does)."""
     from vitreg.tracking.handoff import HandoffReader
 
     folder = Path(tempfile.mkdtemp(prefix="vitreg-launch-"))
@@ -219,8 +193,7 @@ def launch_job(run, spec, job: JobLaunch, progress):
 
 
 def launch(run, spec, job: JobLaunch, folder: Path, progress) -> subprocess.Popen:
-    """Label the run (a job whose ranks never get to log is still found), say what runs, tell rank 0
-    the run it logs for, and start torchrun with the same command in every rank."""
+    """Label the run (a job whose ranks never log is still found), tell rank 0 its run, start torchrun."""
     from vitreg.tracking import handoff as handback
     from vitreg.tracking import runs as tracking
     from vitreg.tracking.tags import label_launcher_run
@@ -242,15 +215,13 @@ def launch(run, spec, job: JobLaunch, folder: Path, progress) -> subprocess.Pope
     return _start_torchrun(cmd, env, folder / _LOGS / TORCHRUN_LOG)
 
 
-def receive(torchrun: subprocess.Popen, reader, run, progress, poll_s: float = 2.0) -> int:
-    """Wait for torchrun, logging rank 0's calls into ``run`` as they come (every ``poll_s`` seconds);
-    returns torchrun's status. Stopped (Ctrl-C, SIGTERM...) or failing here, it stops torchrun (SIGTERM:
-    each rank stops cleanly and rank 0 hands back its last calls) first; a stop then logs those calls
-    (a final checkpoint, points, results) before the run ends KILLED."""
+def receive(torchrun: subprocess.Popen, reader, run, progress) -> int:
+    """Wait for torchrun, logging rank 0's calls into ``run`` as they come; returns torchrun's status. Stopped or
+    failing here, it stops torchrun first (SIGTERM: rank 0 hands back its last calls, which a stop then logs)."""
     try:
         while True:
             try:
-                returncode = torchrun.wait(timeout=poll_s)
+                returncode = torchrun.wait(timeout=2.0)
                 break
             except subprocess.TimeoutExpired:
                 _replay_new(reader, run, progress)
@@ -259,13 +230,13 @@ def receive(torchrun: subprocess.Popen, reader, run, progress, poll_s: float = 2
         if isinstance(exc, KeyboardInterrupt):
             _replay_new(reader, run, progress)
         raise
-    _forwarded(torchrun)
+    torchrun.forwarder.join(5)  # the last of its stderr
     return returncode
 
 
 def log(run, reader, outcome: LaunchOutcome, seconds: float, progress) -> None:
-    """Log rank 0's last calls and every rank's output (``torchrun/rank<N>/stdout.log|stderr.log``),
-    whatever the outcome; raise :class:`LaunchError` with the root cause if the ranks failed."""
+    """Log rank 0's last calls and every rank's output, whatever the outcome; raise :class:`LaunchError` if the
+    ranks failed."""
     progress(f"torchrun {'finished' if outcome.ok else 'failed'} after {seconds:.1f} s")
     _replay_new(reader, run, progress)
     if run is not None:
@@ -283,7 +254,6 @@ def _read(path: Path) -> str:
 
 
 def _replay_new(reader, run, progress) -> None:
-    """Rank 0's calls since the last read, into the run (none on a node other than 0)."""
     from vitreg.tracking import handoff as handback
 
     calls = reader.read_new()
@@ -292,34 +262,24 @@ def _replay_new(reader, run, progress) -> None:
 
 
 def _log_rank_logs(run, outcome: LaunchOutcome) -> None:
-    with tempfile.TemporaryDirectory(prefix="vitreg-ranklogs-") as tmp:
-        for rank, files in outcome.rank_logs().items():
-            dst = Path(tmp) / f"rank{rank}"
-            dst.mkdir(parents=True, exist_ok=True)
-            for name, path in files.items():
-                shutil.copyfile(path, dst / f"{name}.log")
-        if (outcome.log_dir / TORCHRUN_LOG).is_file():
-            shutil.copyfile(outcome.log_dir / TORCHRUN_LOG, Path(tmp) / TORCHRUN_LOG)
-        if any(Path(tmp).iterdir()):
-            run.log_artifacts(tmp, "torchrun")
+    """``torchrun/rank<N>/stdout.log|stderr.log`` and ``torchrun/torchrun.log``."""
+    for rank, files in outcome.rank_logs().items():
+        for path in files.values():
+            run.log_artifact(path, f"torchrun/rank{rank}")
+    if (outcome.log_dir / TORCHRUN_LOG).is_file():
+        run.log_artifact(outcome.log_dir / TORCHRUN_LOG, "torchrun")
 
 
-# --------------------------------------------------------------------------------------------
-# torchrun as a child that never outlives its launcher, stopped without torchrun's traceback
-#
-# - A launcher SIGKILLed runs no clean-up, so the OS does it: torchrun starts with the parent-death signal
-#   SIGKILL, each worker shim with SIGTERM (:func:`die_with_parent`). Not SIGTERM for torchrun: its graceful
-#   shutdown with the launcher gone sometimes hung with its ranks exited and never reaped (test_signals_ddp.py).
-# - A launcher asked to stop stops torchrun with SIGTERM, which stops the workers. torchrun's stderr goes whole
-#   into ``torchrun.log`` and, to the console, only the ranks' own lines without their tracebacks
-#   (:class:`_Forwarder`): the launcher's one line names the root cause and that log.
+# torchrun never outlives its launcher: a SIGKILLed launcher runs no clean-up, so the OS does it (parent-death
+# signal SIGKILL for torchrun, SIGTERM for each worker shim; SIGTERM for torchrun sometimes hung with its ranks
+# exited and never reaped, test_signals_ddp.py). Its stderr goes whole into ``torchrun.log``, and only the ranks'
+# own lines, no tracebacks, to the console (:class:`_Forwarder`): the launcher's one line names the root cause.
 
 _PR_SET_PDEATHSIG = 1
 
 
 def die_with_parent(sig: int = signal.SIGTERM) -> None:
-    """Have the OS send ``sig`` to this process when its parent dies (Linux; a no-op elsewhere).
-    A parent that died before the call already made this process an orphan: then ``sig`` at once."""
+    """Have the OS send ``sig`` to this process when its parent dies (Linux); at once if it has died already."""
     if not sys.platform.startswith("linux"):
         return
     parent = os.getppid()
@@ -339,16 +299,13 @@ _TRACEBACK_OPENS = (b"Traceback (most recent call last):", b"During handling of 
 
 
 class _Forwarder(threading.Thread):
-    """Copies torchrun's stderr into ``log_path``, and the ranks' own lines of it to ours (:meth:`console_line`)."""
-
     def __init__(self, stream, log_path: Path):
         super().__init__(name="vitreg-torchrun-stderr", daemon=True)
         self.stream, self.log_path = stream, log_path
         self._in_traceback: set[bytes] = set()  # the ranks whose stderr is inside a traceback
 
     def console_line(self, line: bytes) -> bytes | None:
-        """A rank's line (one ``[rank<N>]:`` prefix), unless it belongs to a traceback or is its ``error:``
-        line; None for those and for torchrun's own lines."""
+        """A rank's line (one ``[rank<N>]:`` prefix); None for torchrun's own, a traceback's and ``error:`` lines."""
         rank_line = _RANK_LINE.match(line)
         if rank_line is None:
             return None
@@ -376,9 +333,8 @@ class _Forwarder(threading.Thread):
 
 
 def _start_torchrun(cmd: list[str], env: dict, log_path: Path) -> subprocess.Popen:
-    """Start torchrun so that it dies with this process, its stderr kept in ``log_path`` and forwarded. A stop
-    signal during the fork would be dropped in the at-fork hooks (the job then ran to its end): it is held
-    until torchrun exists, then raised here, after torchrun is stopped."""
+    """Start torchrun to die with this process, its stderr forwarded. A stop signal during the fork would be
+    dropped in the at-fork hooks (the job then ran to its end): it is held until torchrun exists."""
     from vitreg.signals import starting_a_process
 
     proc = None
@@ -407,28 +363,17 @@ def stop_child(proc: subprocess.Popen, grace_s: float, sig: int | None = signal.
 
 
 def _stop_torchrun(proc: subprocess.Popen) -> None:
-    """Stop torchrun and its workers (SIGTERM: each rank stops cleanly), SIGKILL after 60 s."""
+    """SIGTERM (each rank stops cleanly), SIGKILL after 60 s; then the last of its stderr forwarded."""
     stop_child(proc, 60.0)
-    _forwarded(proc)
-
-
-def _forwarded(proc: subprocess.Popen) -> None:
-    """After torchrun exited: the last of its stderr forwarded."""
     proc.forwarder.join(5)
 
 
-# --------------------------------------------------------------------------------------------
-# the ranks' side
-
-
 def launched_by_vitreg() -> bool:
-    """True in a worker of :func:`launch_job` (the launcher holds the run and its system metrics)."""
     return inside_torchrun() and bool(os.environ.get(ENV_LAUNCH_DIR))
 
 
 def typed_command(given: str | None = None) -> str:
-    """The command the user typed: the launcher's, in a rank it started; else ``given``; else this
-    process's argv."""
+    """The command the user typed: the launcher's, in a rank it started; else ``given``; else this argv."""
     if launched_by_vitreg() and os.environ.get(ENV_COMMAND):
         return os.environ[ENV_COMMAND]
     return given or shlex.join(sys.argv)
@@ -436,8 +381,8 @@ def typed_command(given: str | None = None) -> str:
 
 @contextlib.contextmanager
 def rank_run(run_name: str | None = None, experiment: str | None = None):
-    """The tracker of one process of a job: a NullTracker on ranks other than 0; on rank 0 a HandoffTracker
-    under a vitreg launcher (no MLflow here), else a run of its own (a torchrun the user started)."""
+    """A NullTracker on ranks other than 0; on rank 0 a HandoffTracker under a vitreg launcher (no MLflow here),
+    else a run of its own."""
     from vitreg.tracking import runs as tracking
 
     if not is_main_process():
@@ -449,19 +394,6 @@ def rank_run(run_name: str | None = None, experiment: str | None = None):
     else:
         with tracking.tracked_run(run_name=run_name, experiment=experiment) as run:
             yield run
-
-
-# --------------------------------------------------------------------------------------------
-# the worker shim: python -m vitreg.ddp.launcher <python args>
-
-
-def _exit_status(code) -> int:
-    if code is None:
-        return 0
-    if isinstance(code, int):
-        return code
-    print(code, file=sys.stderr)  # sys.exit("message"): Python prints it and exits 1
-    return 1
 
 
 def _run_python(argv: list[str]) -> None:
@@ -479,8 +411,8 @@ def _run_python(argv: list[str]) -> None:
 
 
 def worker_main(argv: list[str]) -> int:
-    """Run ``argv`` as ``python <argv>`` would, in this process; return its exit status. A failure goes
-    to the worker's error file too (vitreg's CLI has already written its own ``error: ...`` there)."""
+    """The worker shim: run ``argv`` as ``python <argv>`` would; return its exit status. A failure goes to the
+    worker's error file too (vitreg's CLI has already written its own ``error: ...`` there)."""
     import traceback
 
     if argv[:1] == ["--"]:
@@ -490,7 +422,9 @@ def worker_main(argv: list[str]) -> int:
         _run_python(argv)
         return 0
     except SystemExit as exc:
-        status = _exit_status(exc.code)
+        status = exc.code if isinstance(exc.code, int) else int(exc.code is not None)
+        if exc.code is not None and not isinstance(exc.code, int):
+            print(exc.code, file=sys.stderr)  # sys.exit("message"): Python prints it and exits 1
         if status:
             record_error("", status)  # the message is the last error line of its stderr
         return status

@@ -1,8 +1,6 @@
-"""DDP plumbing for processes that torchrun started: the world, the process group, the wrap, and the reduction
-of what every rank measured into one set of figures (:func:`reduce_figures`). Nothing here launches processes
-(:mod:`vitreg.ddp.launcher`) or logs (:mod:`vitreg.tracking`); outside torchrun every function is a cheap no-op,
-so a single-process run never initialises a process group. ``batch_size`` is per process: a job of N ranks
-processes ``N * batch_size`` images per step.
+"""DDP plumbing for processes torchrun started: the world, the process group, the wrap, and every rank's figures
+reduced into the job's (:func:`reduce_figures`). Outside torchrun every function is a cheap no-op, so a
+single-process run never initialises a process group. ``batch_size`` is per process.
 """
 
 from __future__ import annotations
@@ -17,8 +15,6 @@ from vitreg.measure.metrics import ITERATION_TIME, combine
 
 @dataclass(frozen=True)
 class World:
-    """Where this process sits in the job. ``World()`` is a plain, single process."""
-
     rank: int = 0
     local_rank: int = 0
     world_size: int = 1
@@ -40,7 +36,6 @@ class World:
 
 
 def inside_torchrun() -> bool:
-    """True in a worker that torchrun (or torch.distributed.run) started."""
     return "LOCAL_RANK" in os.environ
 
 
@@ -52,9 +47,7 @@ def _env_int(name: str, default: int) -> int:
 
 
 def init_from_env(device_type: str) -> World:
-    """Join the process group torchrun describes in the environment; returns this rank's :class:`World`. On CUDA
-    each rank binds GPU ``LOCAL_RANK`` and uses NCCL; on the CPU, gloo. Outside torchrun, or in a job of one
-    process, nothing is initialised."""
+    """Join torchrun's process group (NCCL with GPU ``LOCAL_RANK`` bound, else gloo); none for a job of one."""
     device = "cuda:0" if device_type == "cuda" else "cpu"
     if not inside_torchrun():
         return World(device=device)
@@ -83,9 +76,8 @@ def init_from_env(device_type: str) -> World:
 
 
 def join_job(spec, reducer_factory, cuda_graph: bool = False):
-    """This process's place in a DDP job, set up the same way for bench and train: ``(world, wrap, reducer)``;
-    ``wrap`` (DDP with the spec's settings) and ``reducer_factory(world)`` only with more than one rank.
-    ``cuda_graph``: the job captures CUDA graphs (bench)."""
+    """``(world, wrap, reducer)`` of this process, for bench and train alike; ``wrap`` (DDP with the spec's
+    settings) and ``reducer_factory(world)`` only with more than one rank."""
     if not inside_torchrun():
         return World(), None, None
     if cuda_graph:  # captured steps need this before the process group
@@ -101,7 +93,6 @@ def join_job(spec, reducer_factory, cuda_graph: bool = False):
 
 
 def is_main_process() -> bool:
-    """Rank 0 of the job, or a plain process."""
     return _env_int("RANK", 0) == 0
 
 
@@ -112,7 +103,6 @@ def _initialized() -> bool:
 
 
 def barrier() -> None:
-    """Wait for every rank (a no-op without a process group)."""
     if _initialized():
         import torch.distributed as dist
 
@@ -120,7 +110,6 @@ def barrier() -> None:
 
 
 def destroy() -> None:
-    """Leave the process group (a no-op without one). Call once, at the end, on every rank."""
     if _initialized():
         import torch.distributed as dist
 
@@ -129,12 +118,8 @@ def destroy() -> None:
 
 def ddp_wrap(model, world: World, *, bucket_cap_mb: float | None = None, gradient_as_bucket_view: bool = True,
              static_graph: bool = False, find_unused_parameters: bool = False, comm_hook: str = "none", **kwargs):
-    """``DistributedDataParallel(model)`` for this rank; the model itself when the world is one process.
-
-    ``gradient_as_bucket_view=True`` (default here, not in torch): no copy between gradients and the all-reduce
-    buckets, one gradient-sized buffer less of peak memory. ``comm_hook="bf16"`` / ``"fp16"``: torch's compress
-    hook (half the bytes on the wire, gradients rounded once per step). Other arguments go to DDP unchanged.
-    """
+    """``DistributedDataParallel(model)``; the model itself in a world of one. ``gradient_as_bucket_view=True``
+    (not torch's default): one gradient-sized buffer less of peak memory. ``comm_hook``: torch's compress hook."""
     if not world.distributed:
         return model
     from torch.nn.parallel import DistributedDataParallel
@@ -156,18 +141,10 @@ def ddp_wrap(model, world: World, *, bucket_cap_mb: float | None = None, gradien
     return ddp
 
 
-# --------------------------------------------------------------------------------------------
-# results
-
-
 def reduce_figures(per_rank: list[Figures]) -> Figures:
-    """Combine every rank's record of one task (pure), name by name, by the metric table's rank rules
-    (:func:`vitreg.measure.metrics.combine`): per window, the sum of the ranks' rates; per iteration,
-    the slowest rank; first call, warm-up, peak memory the largest; steps measured the fewest.
-
-    Every rank must hold the same names and samples of the same length (the same windows and
-    iterations); a row computed after the reduction (world size, MFU, ...) must not be there yet.
-    """
+    """Every rank's record of one task combined name by name by the metric table's rank rules
+    (:func:`vitreg.measure.metrics.combine`: rates summed per window, the slowest rank per iteration, ...).
+    The ranks must hold the same names and samples of the same length."""
     if not per_rank:
         raise ValueError("reduce_figures() needs the figures of at least one rank")
     names = {tuple(sorted(f.values)) for f in per_rank}
@@ -179,9 +156,8 @@ def reduce_figures(per_rank: list[Figures]) -> Figures:
 
 
 def gather_objects(obj, world: World) -> list:
-    """Every rank's ``obj``, in rank order (a collective: every rank must call it); ``[obj]`` without
-    a process group. For the few floats each rank reports once, after its timed work:
-    all_gather_object's pickling costs nothing there."""
+    """Every rank's ``obj`` in rank order (a collective); ``[obj]`` without a process group. For the few values
+    a rank reports once, after its timed work, where pickling costs nothing."""
     if not world.distributed or not _initialized():
         return [obj]
     import torch.distributed as dist
@@ -193,9 +169,8 @@ def gather_objects(obj, world: World) -> list:
 
 @dataclass
 class ResultReducer:
-    """What the runner needs from DDP (``run_benchmark(..., reducer=...)``): :meth:`align` before each task's
-    timed windows, so that the ranks' windows overlap and their summed rates mean "together"; a call on a task's
-    figures returns the job's; ``per_rank`` keeps each rank's, per task, for the report (a straggler shows)."""
+    """What the runner needs from DDP: :meth:`align` before each task's timed windows (so summed rates mean
+    "together"); a call on a task's figures returns the job's; ``per_rank`` keeps each rank's, per task."""
 
     world: World
     per_rank: dict = field(default_factory=dict)
@@ -208,13 +183,11 @@ class ResultReducer:
         barrier()
 
     def __call__(self, task: str, figures: Figures) -> Figures:
-        """Every rank's figures gathered (a collective: every rank must call it), kept, and reduced."""
         self.per_rank[task] = gathered = gather_objects(figures, self.world)
         return figures if len(gathered) == 1 else reduce_figures(gathered)
 
     def slowest_profile(self, profile):
-        """A :class:`vitreg.measure.traces.CommProfile` per rank -> the job's: the largest of each figure
-        (a collective: every rank must call it)."""
+        """The job's :class:`vitreg.measure.traces.CommProfile`: the largest of each figure (a collective)."""
         gathered = gather_objects(profile, self.world)
         if len(gathered) == 1:
             return profile
@@ -235,13 +208,8 @@ def _rank_row(rank: int, figures: Figures) -> dict:
             "first_call_s": figures.get("first_call_s"), "peak_mem_allocated_mb": figures.get("peak_mem_allocated_mb")}
 
 
-# --------------------------------------------------------------------------------------------
-# training: joining the world, the loss at log boundaries, the figures at the end
-
-
 def join_world(nproc: int, device: str) -> World:
-    """This rank's World for a job of ``nproc`` processes per host on ``device`` (auto/cuda/cpu); refuses a
-    torchrun of another process count (the logged param must say what ran)."""
+    """This rank's World; refuses a torchrun of another process count than ``nproc`` (the param must say what ran)."""
     local_world = _env_int("LOCAL_WORLD_SIZE", 1)
     if nproc != local_world:
         raise VitregError(f"nproc={nproc} but torchrun started {local_world} process(es) on this node: pass "
@@ -253,13 +221,11 @@ def join_world(nproc: int, device: str) -> World:
 
 @dataclass
 class TrainReducer:
-    """What the training loop needs from DDP (``vitreg.train.loop.train``'s ``reducer``), as one object; each
-    call is a collective: every rank makes it at the same step."""
+    """What the training loop needs from DDP; each call is a collective, made by every rank at the same step."""
 
     world: World
     per_rank: list = field(default_factory=list)
-    #: this rank's own loss of the last interval (before averaging), for ranks.json
-    last_local_loss: float | None = None
+    last_local_loss: float | None = None  # this rank's own loss of the last interval, for ranks.json
     intervals: int = 0  # log boundaries reduced so far (one all-reduce each)
 
     def interval(self, loss, img_per_s: float | None) -> tuple[float, float | None]:
@@ -279,12 +245,10 @@ class TrainReducer:
         return loss_sum / self.world.world_size, (rate if img_per_s is not None else None)
 
     def align(self) -> None:
-        """Wait for every rank (after rank 0's checkpoint or validation, outside the timed steps)."""
         barrier()
 
     def figures(self, local: Figures) -> Figures:
-        """Gather every rank's end-of-training figures; returns the job's (:func:`reduce_figures`).
-        ``per_rank`` keeps each rank's, with its own loss of the last interval, for ranks.json."""
+        """The job's end-of-training figures; ``per_rank`` keeps each rank's, with its own last loss."""
         gathered = gather_objects((local, self.last_local_loss), self.world)
         self.per_rank = [{"rank": r, **f.to_dict(), "final_loss": loss} for r, (f, loss) in enumerate(gathered)]
         return reduce_figures([f for f, _ in gathered])

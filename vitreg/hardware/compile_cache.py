@@ -1,9 +1,8 @@
 """A persistent torch.compile cache: inductor's FX-graph and AOTAutograd caches in a folder that outlives the run.
 
-Inductor's default folder, ``/tmp/torchinductor_<user>``, goes with a reboot or a fresh container, and every
-run then pays the full compile again (minutes under ``max-autotune``). :func:`use_compile_cache` points
-inductor at ``compile_cache=``, else ``$VITREG_COMPILE_CACHE``, else the user's cache folder. Whether the
-cache served a compile is read from inductor's own counters (:class:`CacheProbe`), not guessed from the folder.
+Inductor's default, ``/tmp/torchinductor_<user>``, goes with a reboot or a fresh container, and every run then
+pays the full compile again (minutes under ``max-autotune``). Whether the cache served a compile is read from
+inductor's own counters (:class:`CacheProbe`), not guessed from the folder.
 """
 
 from __future__ import annotations
@@ -31,8 +30,8 @@ def default_cache_dir() -> Path:
 
 
 def use_compile_cache(folder: str | os.PathLike | None = None) -> Path:
-    """Make inductor cache into ``folder`` (or :func:`default_cache_dir`), before the process's first compile, with
-    the FX-graph and AOTAutograd caches on (a user's environment may have turned them off); returns the folder."""
+    """Make inductor cache into ``folder``, else ``$VITREG_COMPILE_CACHE``, else the user's cache folder, with the
+    caches on (a user's environment may have turned them off); returns the folder."""
     path = Path(folder).expanduser() if folder else default_cache_dir()
     _require_writable(path)
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(path)
@@ -47,8 +46,7 @@ def use_compile_cache(folder: str | os.PathLike | None = None) -> Path:
 
 @contextlib.contextmanager
 def compile_cache_folder(folder: str | os.PathLike | None = None):
-    """:func:`use_compile_cache` for the length of a ``with`` block: the process's own settings come back after
-    (torch's config ``patch`` restores the switches)."""
+    """:func:`use_compile_cache` for a ``with`` block; the process's own settings come back after."""
     import torch._functorch.config as functorch_config
     import torch._inductor.config as inductor_config
 
@@ -76,8 +74,8 @@ def _counts() -> dict[str, int]:
 
 @dataclass
 class CacheProbe:
-    """Counts cache hits and misses between :meth:`start` and :meth:`state` (one per first call): ``warm`` (every
-    graph a hit), ``cold`` (every graph compiled), ``partial``, or ``unused`` (no graph went through the cache)."""
+    """Cache hits and misses between :meth:`start` and :meth:`state`: ``warm`` (all hits), ``cold``, ``partial``
+    or ``unused``."""
 
     before: dict | None = None
 

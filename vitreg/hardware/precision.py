@@ -1,12 +1,9 @@
 """Precision modes: which number format the weights, the activations and the matrix units use.
 
-:func:`resolve_precision` turns the ``amp`` option into a :class:`Precision` (refusing what the hardware or
-the task cannot do); the runner applies it with :func:`prepare_model` (weights cast or quantized, once, after
-the FLOPs are counted), :func:`math_mode` (TF32 switches) and :func:`autocast` (each step). Modes
-(the modes: the ``amp`` option's entry in the option table; :func:`precision_of` names each one's label).
-The weight modes and fp8 are inference only: without an fp32 master copy an optimizer step rounds updates
-away. ``fp8`` is the recipe measured fastest (one scale per tensor: 12,160 img/s against 11,641 per row,
-ViT-B/16 on an H200, issue 23).
+:func:`resolve_precision` turns ``amp`` into a :class:`Precision`, refusing what the hardware or the task cannot
+do; the runner applies it with :func:`prepare_model`, :func:`math_mode` and :func:`autocast`. The weight modes and
+fp8 are inference only: without an fp32 master copy an optimizer step rounds updates away. ``fp8`` is the recipe
+measured fastest (one scale per tensor: 12,160 img/s against 11,641 per row, ViT-B/16 on an H200, issue 23).
 """
 
 from __future__ import annotations
@@ -33,8 +30,6 @@ EAGER_FP8_NOTE = ("eager fp8 (amp=fp8 without compile) runs at about half of bf1
 
 @dataclass(frozen=True)
 class Precision:
-    """A resolved precision mode (see the module docstring for each one)."""
-
     amp: str  # the option value, one of PRECISION_CHOICES
     label: str  # what ran, for the ``precision`` tag and report.md
     autocast_dtype: str | None  # "bf16"/"fp16" under autocast, else None
@@ -48,7 +43,7 @@ class Precision:
         return self.amp in INFERENCE_ONLY
 
     def mfu(self, achieved_tflops: float, profile) -> float | None:
-        """Achieved over the profile's dense peak of the units this mode runs on; None where it has none."""
+        """Achieved over the profile's dense peak for this mode; None where it has none."""
         peak = profile.peak_tflops.get(self.peak_dtype)
         return achieved_tflops / peak if peak else None
 
@@ -69,45 +64,35 @@ def precision_of(amp: str) -> Precision:
 
 def resolve_precision(amp: str, device: str, tasks: tuple[str, ...] = ("infer",),
                       capability: tuple[int, int] | None = None) -> Precision:
-    """Check that ``amp`` (``auto`` resolved) can run here and for these tasks; ``capability``: the GPU's."""
     if amp not in PRECISION_CHOICES:
         raise VitregError(f"amp={amp} is not a precision mode: use one of {', '.join(PRECISION_CHOICES)}")
     check_tasks(amp, tasks)
-    if amp == "tf32":
-        _require_tf32(device, capability)
-    if amp == "bf16-weights" and device == "cuda" and capability is not None and tuple(capability) < (8, 0):
+    below_ampere = device == "cuda" and capability is not None and tuple(capability) < (8, 0)
+    if amp == "tf32" and device != "cuda":
+        raise VitregError("amp=tf32 needs an NVIDIA GPU (TF32 is a tensor-core format): use amp=off on CPU")
+    if amp == "tf32" and below_ampere:
+        raise VitregError(f"amp=tf32 needs compute capability >= 8.0 (Ampere), this GPU has "
+                          f"{capability[0]}.{capability[1]}: use amp=fp16 or amp=off")
+    if amp == "bf16-weights" and below_ampere:
         raise VitregError(f"amp=bf16-weights needs bf16 tensor cores (compute capability >= 8.0), this GPU has "
                           f"{capability[0]}.{capability[1]}: use amp=fp16-weights")
+    if amp in FP8_RECIPES and (device != "cuda" or capability is None or tuple(capability) < FP8_MIN_CAPABILITY):
+        have = "CPU" if device != "cuda" else f"compute capability {'.'.join(map(str, capability or ('?',)))}"
+        raise VitregError(f"amp=fp8 needs FP8 tensor cores (compute capability >= 8.9: L4, RTX 4090, H100, H200), "
+                          f"here {have}: use amp=bf16-weights or amp=bf16")
     if amp in FP8_RECIPES:
-        _require_fp8(device, capability)
+        try:
+            import torchao.quantization  # noqa: F401  (the optional extra)
+        except ImportError:
+            raise VitregError("amp=fp8 needs torchao (the optional fp8 extra): pip install torchao, "
+                              "or use amp=bf16-weights") from None
     return precision_of(amp)
 
 
 def check_tasks(amp: str, tasks: tuple[str, ...]) -> None:
-    """Refuse an inference-only mode for a run that trains (the spec calls this before any hardware work)."""
     if amp in INFERENCE_ONLY and "train" in tasks:
         raise VitregError(f"amp={amp} is inference only (no fp32 master weights to train): "
                           f"use task=infer, or amp=bf16 (autocast) to train")
-
-
-def _require_tf32(device: str, capability) -> None:
-    if device != "cuda":
-        raise VitregError("amp=tf32 needs an NVIDIA GPU (TF32 is a tensor-core format): use amp=off on CPU")
-    if capability is not None and tuple(capability) < (8, 0):
-        raise VitregError(f"amp=tf32 needs compute capability >= 8.0 (Ampere), this GPU has "
-                          f"{capability[0]}.{capability[1]}: use amp=fp16 or amp=off")
-
-
-def _require_fp8(device: str, capability) -> None:
-    if device != "cuda" or capability is None or tuple(capability) < FP8_MIN_CAPABILITY:
-        have = "CPU" if device != "cuda" else f"compute capability {'.'.join(map(str, capability or ('?',)))}"
-        raise VitregError(f"amp=fp8 needs FP8 tensor cores (compute capability >= 8.9: L4, RTX 4090, H100, H200), "
-                          f"here {have}: use amp=bf16-weights or amp=bf16")
-    try:
-        import torchao.quantization  # noqa: F401  (the optional extra)
-    except ImportError:
-        raise VitregError("amp=fp8 needs torchao (the optional fp8 extra): pip install torchao, "
-                          "or use amp=bf16-weights") from None
 
 
 def torch_dtype(name: str | None):
@@ -117,8 +102,8 @@ def torch_dtype(name: str | None):
 
 
 def prepare_model(model, precision: Precision):
-    """Cast or quantize the weights in place for the mode, after the FLOPs are counted and before torch.compile;
-    returns the model. The input batch must then be made in :func:`input_dtype`."""
+    """Weights cast or quantized in place, after the FLOPs are counted and before torch.compile; inputs must then
+    be made in :func:`input_dtype`."""
     if precision.weights_dtype:
         model = model.to(torch_dtype(precision.weights_dtype))
     if precision.fp8:
@@ -127,25 +112,22 @@ def prepare_model(model, precision: Precision):
 
 
 def quantize_fp8(model, recipe: str) -> None:
-    """torchao float8 dynamic activation + weight quantization of the Linear layers, in place."""
+    """torchao float8 dynamic activation + weight quantization of the Linear layers, in place: the matmul quantizes
+    its activation (one scale per tensor or row) at run time and calls the FP8 GEMM."""
     from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerRow, PerTensor, quantize_
 
-    # torchao swaps each nn.Linear's weight for a float8 tensor subclass; the matmul then quantizes
-    # its activation (one scale per tensor or per row) at run time and calls the FP8 tensor-core GEMM.
     granularity = PerTensor() if recipe == "tensorwise" else PerRow()
     quantize_(model, Float8DynamicActivationFloat8WeightConfig(granularity=granularity))
 
 
 @dataclass(frozen=True)
 class Fp8Agreement:
-    """FP8 against bf16 weights on one fixed input: what the speed costs in accuracy."""
-
     top1_agreement: float  # share of the images whose argmax class is the same
     max_abs_logit_diff: float
 
 
 def fp8_agreement(model, quantized_model, img_size: int, device, batch: int = 64, seed: int = 0) -> Fp8Agreement:
-    """The bf16 ``model``'s and its :func:`quantize_fp8` copy's logits on one seeded random batch, compared."""
+    """FP8 against bf16 logits on one seeded random batch: what the speed costs in accuracy."""
     import torch
 
     gen = torch.Generator(device="cpu").manual_seed(seed)
@@ -157,7 +139,6 @@ def fp8_agreement(model, quantized_model, img_size: int, device, batch: int = 64
 
 
 def input_dtype(precision: Precision):
-    """The dtype of the synthetic batch: the weights' dtype where they were cast, else fp32."""
     import torch
 
     return torch_dtype(precision.weights_dtype) or torch.float32
@@ -165,9 +146,8 @@ def input_dtype(precision: Precision):
 
 @contextlib.contextmanager
 def math_mode(precision: Precision):
-    """TF32 matmuls and convolutions on for a ``tf32`` run, strict fp32 matmuls otherwise (also where a caller
-    switched TF32 on globally, as timm's benchmark.py does); restored on exit. A setting already right is not
-    touched: torch records an explicit ``highest`` apart from its default, and inductor's CPU codegen sees it."""
+    """TF32 on for a ``tf32`` run, strict fp32 matmuls otherwise (also where a caller set TF32 globally, as timm's
+    benchmark.py does). A setting already right is not touched: inductor's CPU codegen sees an explicit ``highest``."""
     import torch
 
     wanted = "high" if precision.tf32 else "highest"
@@ -187,7 +167,6 @@ def math_mode(precision: Precision):
 
 
 def autocast(precision: Precision, device: str, cache: bool = True):
-    """Autocast for the autocast modes, a no-op context for every other mode."""
     import torch
 
     if not precision.autocast_dtype:

@@ -1,9 +1,8 @@
 """GPU profiles: short labels, dense datasheet peaks, detection and the label check.
 
-A run's ``gpu`` label is what people group by, so a wrong label poisons every comparison made with it:
-:func:`resolve_hardware` refuses an explicit label that does not match the detected hardware (unless
-``allow_gpu_mismatch``), before any GPU work. Peaks are the vendors' *dense* tensor-core TFLOP/s (no 2:4
-sparsity) per dtype; a profile without a peak for the active dtype (CPU, an unknown GPU) reports no MFU.
+A run's ``gpu`` label is what people group by, so a wrong one poisons every comparison: :func:`resolve_hardware`
+refuses a label the detected hardware does not match (unless ``allow_gpu_mismatch``). Peaks are *dense*
+tensor-core TFLOP/s (no 2:4 sparsity) per dtype; a profile without one for the active dtype reports no MFU.
 """
 
 from __future__ import annotations
@@ -16,8 +15,6 @@ from vitreg.errors import VitregError
 
 @dataclass(frozen=True)
 class GpuProfile:
-    """One kind of accelerator, as the datasheet describes it."""
-
     label: str
     name: str  # human name, e.g. "NVIDIA A100 40GB (SXM)"
     peak_tflops: dict = field(default_factory=dict)  # dtype -> dense TFLOP/s
@@ -31,17 +28,14 @@ class GpuProfile:
 
     @property
     def default_amp(self) -> str:
-        """bf16 where the tensor cores have it (Ampere and later), fp16 on V100/T4, off on CPU."""
         if self.label == "cpu":
             return "off"
         return "bf16" if self.supports_bf16 else "fp16"
 
 
-# Adding a GPU is one entry here: its label, name, dense peaks per dtype, compute capability, the pattern that
-# detects it and the accelerator type Ray reports for it; the help, README and MLproject list the labels from
-# here. Peaks: NVIDIA's datasheets and the Ada whitepaper (fp16/bf16 with fp32 accumulate, as PyTorch uses).
-# Ray's types are what its NVIDIA accelerator manager makes of the device name (tests/test_hardware.py holds
-# each entry to Ray's own function).
+# Adding a GPU is one entry here (the help, README and MLproject list the labels from it). Peaks: NVIDIA's
+# datasheets and the Ada whitepaper (fp16/bf16 with fp32 accumulate, as PyTorch uses). Ray's types are what its
+# NVIDIA accelerator manager makes of the device name (tests/test_hardware.py holds each entry to Ray's function).
 _A100 = {"bf16": 312.0, "fp16": 312.0, "tf32": 156.0, "fp32": 19.5}
 _H100_SXM = {"fp8": 1978.9, "bf16": 989.4, "fp16": 989.4, "tf32": 494.7, "fp32": 66.9}  # and the H200's
 PROFILES: dict[str, GpuProfile] = {
@@ -67,26 +61,23 @@ PROFILES: dict[str, GpuProfile] = {
 
 
 def label_list(code: bool = False) -> str:
-    """The labels of :data:`PROFILES`, for the ``gpu`` option's help (``v100, t4, ...``; ``code``: the README's)."""
     return ", ".join(f"`{label}`" if code else label for label in PROFILES)
 
 
-#: Ray's accelerator type of each label that has one (from the profiles): a sweep's Ray task for gpu=LABEL
-#: asks for accelerator_type=TYPE. Two labels may share one (a100 and a100-80gb: A100; h100-pcie and h100: H100):
-#: Ray places the task on any node of that type and the child's label check then refuses a card it is not.
+#: A sweep's Ray task for gpu=LABEL asks for accelerator_type=TYPE. Two labels may share one (a100, a100-80gb:
+#: A100): Ray places the task on any node of that type and the child's label check refuses a card it is not.
 RAY_ACCELERATOR_TYPES = {p.label: p.ray_type for p in PROFILES.values() if p.ray_type}
 
 
 def label_of_ray_type(accelerator_type: str) -> str:
-    """vitreg's GPU label for a Ray accelerator type: the type itself where two labels share it (``H100``), else
-    its one label (``GeForce-RTX-4090`` -> ``rtx4090``); an unknown type lower-cased (``L40S`` -> ``l40s``)."""
+    """The GPU label of a Ray accelerator type: its one label (``GeForce-RTX-4090`` -> ``rtx4090``), else the type
+    lower-cased (``H100``, shared by two labels; ``L40S``, unknown)."""
     labels = [label for label, ray in RAY_ACCELERATOR_TYPES.items() if ray == accelerator_type]
     lowered = accelerator_type.lower()
     return lowered if lowered in labels or not labels else labels[0]
 
 
-# SLURM's GPU types (gres type or node feature) of our labels where they are not the label itself: sites name
-# them in gres.conf; these are the common spellings (a sweep's SLURM job for gpu=LABEL asks for gpu:TYPE:N).
+# SLURM's GPU types (gres.conf's common spellings) where they are not the label: a job asks for gpu:TYPE:N.
 SLURM_GPU_TYPES = {"a100-80gb": "a100_80gb", "h100-pcie": "h100_pcie"}
 
 
@@ -96,8 +87,6 @@ ALIASES = {"a100-40gb": "a100", "h100-sxm": "h100", "4090": "rtx4090", "v100-32g
 
 @dataclass(frozen=True)
 class DetectedHardware:
-    """What is actually there: the device name as the driver reports it and its matching profile."""
-
     device: str  # "cuda" or "cpu"
     name: str
     count: int
@@ -105,7 +94,7 @@ class DetectedHardware:
 
 
 def match_profile(device_name: str) -> GpuProfile:
-    """The profile for a CUDA device name; an unknown GPU gets a profile of its own with no peaks."""
+    """The profile of a CUDA device name; an unknown GPU gets one of its own with no peaks."""
     lowered = device_name.lower()
     for profile in PROFILES.values():
         if any(re.search(p, lowered) for p in profile.patterns):
@@ -115,7 +104,7 @@ def match_profile(device_name: str) -> GpuProfile:
 
 
 def detect_hardware(device: str = "auto") -> DetectedHardware:
-    """Look at the machine (CUDA device 0 where there is one) without allocating anything on it."""
+    """CUDA device 0 where there is one, else the CPU; nothing allocated."""
     import torch
 
     if device in ("auto", "cuda") and torch.cuda.is_available():
@@ -135,9 +124,8 @@ def normalize_label(label: str) -> str:
 
 
 def check_label_here(requested: str, device: str, allow_mismatch: bool) -> None:
-    """Refuse, before torch is imported, a ``gpu`` label :func:`resolve_hardware` would refuse on this host
-    whatever it detects: a label of none of the host's GPUs as NVML names them (nor ``cpu`` where the device
-    may be the CPU). Where NVML cannot say, the label is left to :func:`resolve_hardware`."""
+    """Refuse, before torch is imported, a ``gpu`` label of none of this host's GPUs as NVML names them (nor
+    ``cpu`` where the device may be the CPU); where NVML cannot say, :func:`resolve_hardware` decides."""
     label = normalize_label(requested)
     if label == "auto" or allow_mismatch:
         return
@@ -156,8 +144,8 @@ def check_label_here(requested: str, device: str, allow_mismatch: bool) -> None:
 
 
 def _host_gpu_names() -> tuple[str, ...] | None:
-    """This host's NVIDIA GPUs as the driver names them (every one, whatever CUDA_VISIBLE_DEVICES hides);
-    () without a driver (then torch sees no GPU either); None where NVML cannot say."""
+    """Every NVIDIA GPU of this host, whatever CUDA_VISIBLE_DEVICES hides; () without a driver; None: NVML
+    cannot say."""
     from vitreg.environment import nvml_ask, nvml_text
 
     return nvml_ask(lambda nvml: tuple(nvml_text(nvml.nvmlDeviceGetName(nvml.nvmlDeviceGetHandleByIndex(i)))
@@ -166,8 +154,6 @@ def _host_gpu_names() -> tuple[str, ...] | None:
 
 @dataclass(frozen=True)
 class ResolvedHardware:
-    """The label a run is filed under, the profile used for MFU, and whether the user overrode a mismatch."""
-
     label: str
     profile: GpuProfile
     detected: DetectedHardware
@@ -175,8 +161,8 @@ class ResolvedHardware:
 
 
 def resolve_hardware(requested: str, detected: DetectedHardware, allow_mismatch: bool = False) -> ResolvedHardware:
-    """The requested label checked against the detected hardware (``auto``: the detected profile). With
-    ``allow_mismatch`` another label files the run (MFU against its peaks), tagged ``gpu_mismatch=true``."""
+    """The requested label checked against the detected hardware; with ``allow_mismatch`` another label files
+    the run (MFU against its peaks), tagged ``gpu_mismatch=true``."""
     label = normalize_label(requested)
     if label == "auto":
         return ResolvedHardware(detected.profile.label, detected.profile, detected, False)

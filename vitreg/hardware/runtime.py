@@ -1,7 +1,5 @@
-"""How a model runs: device, precision, GradScaler, torch.compile, and what a run holds around its steps.
-
-Shared by the benchmark runner and the training loop, so both measure the same thing.
-"""
+"""How a model runs: device, precision, GradScaler, torch.compile, and what a run holds around its steps; shared
+by the benchmark runner and the training loop, so both measure the same thing."""
 
 from __future__ import annotations
 
@@ -17,8 +15,6 @@ from vitreg.hardware.sdpa import attention_shape, check_backend, sdpa_context
 
 @dataclass(frozen=True)
 class Runtime:
-    """The resolved execution settings of a run (no ``auto`` left in them)."""
-
     device: str  # "cuda" or "cpu" (the device type; DDP picks the index)
     amp: str  # a precision mode, one of vitreg.hardware.precision.PRECISION_CHOICES (auto resolved)
     compile: str  # "off", "default", "reduce-overhead", "max-autotune"
@@ -40,8 +36,7 @@ class Runtime:
         return precisions.torch_dtype(self.precision.autocast_dtype)
 
     def autocast(self, cache: bool = True):
-        """Autocast for the active precision (a no-op without); ``cache=False`` for a CUDA graph capture (a cast
-        cached at capture would never be redone on replay)."""
+        """``cache=False`` for a CUDA graph capture: a cast cached at capture would never be redone on replay."""
         return precisions.autocast(self.precision, self.device, cache)
 
     def grad_scaler(self):
@@ -59,8 +54,7 @@ class Runtime:
 
     @property
     def eager_fp8(self) -> bool:
-        """An fp8 mode without inductor (compile off, or a debugging backend): nothing fuses torchao's quantize
-        steps, the slow path :data:`vitreg.hardware.precision.EAGER_FP8_NOTE` says."""
+        """fp8 without inductor: nothing fuses torchao's quantize steps (:data:`precision.EAGER_FP8_NOTE`)."""
         return self.precision.fp8 and (self.compile == "off" or self.compile_backend != "inductor")
 
     def mark_step(self) -> None:
@@ -70,7 +64,7 @@ class Runtime:
             torch.compiler.cudagraph_mark_step_begin()
 
     def compile_model(self, model):
-        """Wrap with torch.compile (lazy: compilation happens at the first call, which the runner times apart)."""
+        """torch.compile (lazy: it compiles at the first call, which the runner times apart)."""
         if self.compile == "off":
             return model
         import torch
@@ -83,7 +77,6 @@ class Runtime:
 
 def resolve_runtime(amp: str, compile: str, compile_backend: str, detected: DetectedHardware,
                     device_index: int = 0) -> Runtime:
-    """Turn ``amp=auto`` into a dtype the hardware has, and refuse a precision mode it lacks."""
     profile = detected.profile
     if amp == "auto":
         amp = profile.default_amp if detected.device == "cuda" else "off"
@@ -98,7 +91,6 @@ def resolve_runtime(amp: str, compile: str, compile_backend: str, detected: Dete
 
 
 def _capability(detected: DetectedHardware, device_index: int) -> tuple[int, int]:
-    """The GPU's compute capability: its profile's, else (an unknown GPU) the driver's."""
     if detected.profile.compute_capability:
         major, minor = detected.profile.compute_capability.split(".")
         return int(major), int(minor)
@@ -108,7 +100,6 @@ def _capability(detected: DetectedHardware, device_index: int) -> tuple[int, int
 
 
 def compute_dtype(runtime: Runtime):
-    """The dtype the model's matmuls and attention see: the autocast or weights dtype, else fp32."""
     import torch
 
     p = runtime.precision
@@ -117,9 +108,8 @@ def compute_dtype(runtime: Runtime):
 
 @contextlib.contextmanager
 def run_context(runtime: Runtime, model, sdpa: str = "auto", compile_cache: str = "", train: bool = False):
-    """What a run holds around all of its steps, the first (compiling) one included, restored on exit: the SDPA
-    backend checked by one real call first, then the compile cache folder (yielded; None when not compiling),
-    the math mode, the SDPA restriction and cuDNN's autotuner."""
+    """What a run holds around all of its steps, restored on exit: the compile cache folder (yielded; None when not
+    compiling), the math mode, the SDPA backend (checked by one real call first) and cuDNN's autotuner."""
     if sdpa != "auto":
         check_backend(sdpa, runtime.torch_device, compute_dtype(runtime), *attention_shape(model), backward=train)
     with contextlib.ExitStack() as stack:
@@ -132,9 +122,9 @@ def run_context(runtime: Runtime, model, sdpa: str = "auto", compile_cache: str 
 
 @contextlib.contextmanager
 def cudnn_autotuner():
-    """cuDNN's autotuner on for the run, as timm sets it; restored on exit. One input shape: cuDNN times its
-    algorithms once, in the first call (timed apart). Its heuristic alone picked a slow patch-embedding kernel:
-    DeiT-S on an H200 went from 27,123 to 29,248 img/s with the autotuner (benchmarks/results/h200-2026-12-02/)."""
+    """cuDNN's autotuner on, as timm sets it: one input shape, timed once in the first call. Its heuristic alone
+    picked a slow patch-embedding kernel: DeiT-S on an H200, 27,123 -> 29,248 img/s
+    (benchmarks/results/h200-2026-12-02/)."""
     import torch
 
     saved = torch.backends.cudnn.benchmark

@@ -1,11 +1,9 @@
 """Which scaled-dot-product-attention kernel runs: chosen by ``sdpa=``, checked by a real call, read back.
 
-``sdpa=auto`` leaves the choice to torch, per call; ``flash``, ``cudnn``, ``efficient`` or ``math`` allow that
-backend alone (``torch.nn.attention.sdpa_kernel``, held around every step: inductor resolves it when it
-traces). :func:`check_backend` runs one tiny call of the run's shape and refuses, with torch's own reason, a
-backend torch cannot run there (a table of GPU generations would go stale with every torch release);
-:func:`detect_backend` names the backend that actually ran, from the profiler. On CPU torch has ``flash``
-(what ``auto`` picks) and ``math``.
+``sdpa=auto`` leaves the choice to torch; another value allows that backend alone (``sdpa_kernel``, held around
+every step: inductor resolves it when it traces). :func:`check_backend` runs one tiny call of the run's shape and
+refuses with torch's own reason (a table of GPU generations would go stale); :func:`detect_backend` names the
+backend that ran, from the profiler.
 """
 
 from __future__ import annotations
@@ -18,8 +16,7 @@ from vitreg.errors import VitregError
 
 SDPA_CHOICES = ("auto", "flash", "cudnn", "efficient", "math")
 
-# Substrings of profiler event names per backend: the aten op (recorded eager or from an inductor graph), and
-# the CUDA kernels, for a launch whose op was not recorded.
+# Substrings of profiler event names per backend: the aten op, and the CUDA kernels for a launch with no op recorded.
 BACKEND_MARKERS = {
     "flash": ("_scaled_dot_product_flash_attention", "flash_fwd", "flash_bwd", "pytorch_flash"),
     "efficient": ("_scaled_dot_product_efficient_attention", "_efficient_attention", "fmha_cutlass"),
@@ -30,27 +27,19 @@ NO_SDPA = "unfused"  # no fused SDPA op ran: attention as separate matmuls and s
 # inductor decomposing the math backend)
 
 
-def _backend(choice: str):
-    from torch.nn.attention import SDPBackend
-
-    return {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
-            "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}[choice]
-
-
 def sdpa_context(choice: str):
-    """The backend restriction for ``sdpa=choice`` (``auto``: no restriction)."""
     if choice not in SDPA_CHOICES:
         raise VitregError(f"sdpa={choice} is not a backend: use one of {', '.join(SDPA_CHOICES)}")
     if choice == "auto":
         return contextlib.nullcontext()
-    from torch.nn.attention import sdpa_kernel
+    from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    return sdpa_kernel([_backend(choice)])
+    backends = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
+                "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}
+    return sdpa_kernel([backends[choice]])
 
 
 def attention_shape(model) -> tuple[int, int, int]:
-    """``(num_heads, head_dim, tokens)`` of the model's attention, as its family reads it
-    (:mod:`vitreg.models.families`); ViT-B/16 at 224 px: (12, 64, 197). One line for a model of no family."""
     from vitreg.models.families import architecture_of
 
     try:
@@ -63,8 +52,7 @@ def attention_shape(model) -> tuple[int, int, int]:
 
 def check_backend(choice: str, device: str, dtype, num_heads: int, head_dim: int, seq_len: int,
                   backward: bool = False) -> None:
-    """Run one SDPA call of this shape under ``choice`` (with ``backward`` for training: some backends have
-    no backward for a shape); refuse in one line if torch cannot."""
+    """One SDPA call of this shape under ``choice`` (and its backward, for training); one line if torch cannot."""
     if choice == "auto":
         return
     import torch
@@ -84,15 +72,14 @@ def check_backend(choice: str, device: str, dtype, num_heads: int, head_dim: int
                               f"use sdpa=auto (or another backend)") from None
 
 
-def _reasons(caught, limit: int = 240) -> str:
-    """torch's own reasons, from the warnings its backend selection gave (one per failed check)."""
+def _reasons(caught) -> str:
     reasons = []
     for warning in caught:
         text = " ".join(str(warning.message).split("(Triggered internally")[0].split())
         if text and text not in reasons:
             reasons.append(text)
     joined = " ".join(reasons) or "torch has no such kernel for this device"
-    return joined if len(joined) <= limit else joined[:limit - 3] + "..."
+    return joined if len(joined) <= 240 else joined[:237] + "..."
 
 
 def backends_in(event_names) -> str:
@@ -107,9 +94,8 @@ UNKNOWN = "unknown"  # the step replays inductor's CUDA graphs: no op is recorde
 
 
 def detect_backend(step, device: str, replays_graphs: bool = False) -> str:
-    """:func:`backends_in` of one ``step()`` under torch.profiler, outside the timed windows, on a step that
-    launches kernels one by one. ``replays_graphs``: the step replays inductor's CUDA graphs, which hide the
-    ops, so finding none means :data:`UNKNOWN`."""
+    """:func:`backends_in` of one ``step()`` under torch.profiler, outside the timed windows. ``replays_graphs``:
+    inductor's CUDA graphs hide the ops, so finding none means :data:`UNKNOWN`."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 

@@ -1,6 +1,5 @@
-"""Model creation: any name of a registered family (:mod:`vitreg.models.families`), built with random
-weights (``pretrained=False``): benchmarks do not need trained weights, and vitreg never reaches a model
-hub. Trained weights come back through our own safetensors checkpoints (:mod:`vitreg.checkpoint`).
+"""Model creation with random weights: benchmarks need no trained weights, and vitreg never reaches a model hub
+(trained weights come back through its own checkpoints, :mod:`vitreg.checkpoint`).
 """
 
 from __future__ import annotations
@@ -14,8 +13,6 @@ from vitreg.models.memory import check_host_fits, checked_size, footprint
 
 @dataclass(frozen=True)
 class ModelInfo:
-    """Facts about a model that the runner and the report need."""
-
     name: str
     source: str  # the family's library: "timm" or "torchvision"
     img_size: int
@@ -25,14 +22,12 @@ class ModelInfo:
     distilled: bool  # DeiT distilled models return (cls, dist) heads in training
 
 
-def check_model_name(name: str, listed_before_ok: bool = True) -> None:
-    """Refuse a name no registered family can build (:func:`vitreg.models.families.check_name`)."""
-    check_name(name, listed_before_ok)
+def check_model_name(name: str) -> None:
+    check_name(name)
 
 
 def create_model(name: str, img_size: int = 0, num_classes: int = 1000):
-    """Build the model on the CPU with random weights; returns ``(model, ModelInfo)``. ``img_size=0``: the
-    model's default; another must be a multiple of the patch size, and its weights must fit this host."""
+    """``(model, ModelInfo)`` on the CPU with random weights; ``img_size=0``: the model's default."""
     check_host_fits(footprint(name, img_size, num_classes), f"model={name} with img_size={img_size or 'default'}")
     family, size, patch = checked_size(name, img_size)
     try:

@@ -1,12 +1,11 @@
-"""Model families as adapters, each registered under the name prefixes it builds (as timm picks a model's
-source by its prefix). A family knows which names exist, how to build one with random weights, its patch
-size, and the :class:`Architecture` of a built model (for the memory floor and the SDPA check). Nothing else
-in vitreg parses a model name or reads a model's attributes: adding a family is one :func:`register_family`
-call at the end of this file.
+"""Model families as adapters, each registered under the name prefixes it builds: which names exist, how to build
+one with random weights, its patch size, the :class:`Architecture` of a built model. Nothing else in vitreg parses
+a model name or reads a model's attributes: adding a family is one :func:`register_family` call at the end.
 """
 
 from __future__ import annotations
 
+import abc
 import difflib
 import functools
 from dataclasses import dataclass
@@ -17,8 +16,6 @@ from vitreg.models import learned_facts
 
 @dataclass(frozen=True)
 class Architecture:
-    """What the memory floor and the SDPA check read from a built (or weightless, meta-device) model."""
-
     tokens: int  # sequence length: patches + class/distillation/register tokens
     width: int  # embedding dimension
     depth: int  # transformer blocks
@@ -27,8 +24,9 @@ class Architecture:
     head_dim: int
 
 
-class Family:
-    """The adapter's interface; :class:`TimmFamily` and :class:`TorchvisionFamily` implement it."""
+class Family(abc.ABC):
+    """A family adapter: ``names`` it can build (``listed_before_ok``, ``fresh``: see :func:`_timm_names`),
+    ``build`` one with random weights on the current default device, ``owns`` a built model."""
 
     #: name prefixes this family owns (``vit_``, ``torchvision:``)
     prefixes: tuple[str, ...] = ()
@@ -36,36 +34,27 @@ class Family:
     library = ""
     loader_line = ""
 
-    def names(self, listed_before_ok: bool = False, fresh: bool = False) -> frozenset[str]:
-        """Every name this family can build (``listed_before_ok``, ``fresh``: see :func:`_timm_names`)."""
-        raise NotImplementedError
-
     def shown_names(self) -> tuple[str, ...]:
-        """How help and docs list the names (without importing the library)."""
         return tuple(f"{prefix}*" for prefix in self.prefixes)
 
-    def default_size(self, name: str) -> int:
-        raise NotImplementedError
-
-    def patch_size(self, name: str) -> int:
-        raise NotImplementedError
-
-    def build(self, name: str, img_size: int, num_classes: int):
-        """The model with random weights at ``img_size`` on the current default device."""
-        raise NotImplementedError
-
-    def owns(self, model) -> bool:
-        raise NotImplementedError
-
-    def architecture(self, model) -> Architecture:
-        raise NotImplementedError
+    @abc.abstractmethod
+    def names(self, listed_before_ok: bool = False, fresh: bool = False) -> frozenset[str]: ...
+    @abc.abstractmethod
+    def default_size(self, name: str) -> int: ...
+    @abc.abstractmethod
+    def patch_size(self, name: str) -> int: ...
+    @abc.abstractmethod
+    def build(self, name: str, img_size: int, num_classes: int): ...
+    @abc.abstractmethod
+    def owns(self, model) -> bool: ...
+    @abc.abstractmethod
+    def architecture(self, model) -> Architecture: ...
 
 
 _FAMILIES: list[Family] = []
 
 
 def register_family(family: Family) -> Family:
-    """Add ``family``; a prefix another family owns already is refused (one owner per name)."""
     taken = {p for f in _FAMILIES for p in f.prefixes} & set(family.prefixes)
     if taken:
         raise ValueError(f"model name prefixes {sorted(taken)} are registered already")
@@ -74,7 +63,6 @@ def register_family(family: Family) -> Family:
 
 
 def family_of(name: str) -> Family:
-    """The family owning ``name`` (its longest matching prefix); one line naming the families otherwise."""
     owners = [(len(p), f) for f in _FAMILIES for p in f.prefixes if name.startswith(p)]
     if owners:
         return max(owners, key=lambda owner: owner[0])[1]
@@ -87,7 +75,6 @@ def _prefixes() -> str:
 
 
 def family_of_model(model) -> Family:
-    """The family of a built model; one line for a model of no registered family."""
     for family in _FAMILIES:
         if family.owns(model):
             return family
@@ -100,21 +87,18 @@ def architecture_of(model) -> Architecture:
 
 
 def names_text(markdown: bool = False) -> str:
-    """The names every family builds, for help and docs: ``vit_*, deit_*, ..., torchvision:vit_b_16, ...``."""
+    """For help and docs: ``vit_*, deit_*, ..., torchvision:vit_b_16, ...``."""
     quote = "`" if markdown else ""
     return ", ".join(f"{quote}{shown}{quote}" for f in _FAMILIES for shown in f.shown_names())
 
 
 def all_names(listed_before_ok: bool = True) -> list[str]:
-    """Every buildable name of every family (for shell completion)."""
     return sorted(n for f in _FAMILIES for n in f.names(listed_before_ok))
 
 
 def check_name(name: str, listed_before_ok: bool = True) -> Family:
-    """The family of ``name`` if it can build it; one line with the closest real names otherwise.
-    ``listed_before_ok``: answer without importing timm (:mod:`vitreg.models.learned_facts`); the process that
-    builds the model passes False and asks timm itself.
-    """
+    """The family of ``name`` if it can build it, else one line with the closest names. ``listed_before_ok``:
+    answer without importing timm (:mod:`vitreg.models.learned_facts`); a process that builds passes False."""
     try:
         family = family_of(name)
     except VitregError:
@@ -138,8 +122,7 @@ def check_name(name: str, listed_before_ok: bool = True) -> Family:
 
 
 def _timm_names(listed_before_ok: bool, fresh: bool = False) -> frozenset[str]:
-    """timm's model names: listed by timm itself (``listed_before_ok=False``), else an earlier process's list, or
-    (``fresh``, or no list kept) timm's source; timm itself when its source cannot be read."""
+    """timm's names: from timm itself, else an earlier process's list, else (``fresh``) timm's source."""
     if not listed_before_ok:
         return _timm_listed()
     kept = frozenset() if fresh else learned_facts.names()
@@ -147,7 +130,6 @@ def _timm_names(listed_before_ok: bool, fresh: bool = False) -> frozenset[str]:
 
 
 def _timm_has(name: str, listed_before_ok: bool) -> bool:
-    """Whether timm has a model of that name, of any kind (``resnet50`` too)."""
     source = _timm_source() if listed_before_ok else frozenset()
     if source:
         return name in source
@@ -161,16 +143,13 @@ def _timm_source() -> frozenset[str]:
     return learned_facts.source_names()
 
 
-# --------------------------------------------------------------------------- timm
-
-
 def _pair(value) -> tuple:
     return tuple(value) if isinstance(value, (tuple, list)) else (value, value)
 
 
 @functools.lru_cache(maxsize=1)
 def _timm_listed() -> frozenset[str]:
-    """timm's names under every timm family's prefixes, kept for processes that only check a name."""
+    """timm's names of every timm family, kept for processes that only check a name."""
     import timm
 
     prefixes = tuple(p for f in _FAMILIES if isinstance(f, TimmFamily) for p in f.prefixes)
@@ -181,8 +160,7 @@ def _timm_listed() -> frozenset[str]:
 
 
 class TimmFamily(Family):
-    """timm models of the ViT layout (``patch_embed``, ``blocks`` of ``attn`` and ``mlp``, ``embed_dim``,
-    ``num_prefix_tokens``): ViT, DeiT, EVA and their relatives."""
+    """timm models of the ViT layout (``patch_embed``, ``blocks`` of ``attn`` and ``mlp``): ViT, DeiT, EVA..."""
 
     library = "timm"
     loader_line = ('model = timm.create_model(spec["model"], pretrained=False, img_size=spec["img_size"], '
@@ -228,8 +206,8 @@ def _first_linear_width(module, default: int) -> int:
 
 
 def _timm_create(name: str, **kwargs):
-    """``timm.create_model`` with random weights; on the meta device without initialising them (timm's init runs
-    through torch's Python reference ops there: a meta build of deit_tiny cost more than a real one)."""
+    """``timm.create_model`` with random weights; uninitialised on the meta device (timm's init runs through
+    torch's Python reference ops there: a meta build of deit_tiny cost more than a real one)."""
     import timm
     import torch
 
@@ -243,7 +221,7 @@ def _timm_create(name: str, **kwargs):
 
 @functools.lru_cache(maxsize=None)
 def _timm_stride(name: str, default_size: int) -> int:
-    """Pixels per token side, read from a meta-device instance: a plain ViT's patch size, a hybrid's stride."""
+    """Pixels per token side from a meta-device instance: a ViT's patch size, a hybrid's stride."""
     import torch
 
     with torch.device("meta"):
@@ -251,12 +229,7 @@ def _timm_stride(name: str, default_size: int) -> int:
     return max(1, default_size // int(_pair(probe.patch_embed.grid_size)[0]))
 
 
-# --------------------------------------------------------------------------- torchvision
-
-
 class TorchvisionFamily(Family):
-    """torchvision's VisionTransformer models, as ``torchvision:vit_b_16``."""
-
     prefixes = ("torchvision:",)
     library = "torchvision"
     loader_line = ('model = getattr(torchvision.models, spec["model"].split(":", 1)[1])(weights=None, '
@@ -292,8 +265,6 @@ class TorchvisionFamily(Family):
         return Architecture(tokens=int(model.seq_length), width=width, depth=len(layers),
                             hidden=_first_linear_width(layers[0].mlp, width), heads=heads, head_dim=width // heads)
 
-
-# --------------------------------------------------------------------------- the families vitreg builds
 
 register_family(TimmFamily("vit_", "deit_", "deit3_", "test_vit"))
 register_family(TimmFamily("eva02_"))

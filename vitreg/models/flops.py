@@ -6,10 +6,8 @@ import contextlib
 
 
 def count_flops(fn, *args, attention: bool = False) -> int:
-    """FLOPs of one call of ``fn(*args)`` as PyTorch's FlopCounterMode counts them (2 per multiply-add): matrix
-    products and attention, not element-wise work (the usual convention for MFU). ``attention``: only the fused
-    attention ops' (SDPA's kernels, forward and backward), which a step's anatomy puts beside the attention
-    kernels' time; the total less them is the matmuls'."""
+    """FLOPs of ``fn(*args)`` as FlopCounterMode counts them: matmuls and attention, not element-wise work (the
+    convention for MFU). ``attention``: only the fused attention ops', which a step's anatomy sets beside their time."""
     from torch.utils.flop_counter import FlopCounterMode
 
     counter = FlopCounterMode(display=False)
@@ -22,7 +20,6 @@ def count_flops(fn, *args, attention: bool = False) -> int:
 
 @contextlib.contextmanager
 def _mode(model, training: bool):
-    """``model`` in train or eval mode for the block, as it was after."""
     was_training = model.training
     model.train(training)
     try:
@@ -32,8 +29,7 @@ def _mode(model, training: bool):
 
 
 def forward_flops_per_image(model, img_size: int, device, attention: bool = False) -> int:
-    """Forward FLOPs for one image, counted on the real (uncompiled) model in eval mode (``attention``: see
-    :func:`count_flops`)."""
+    """Forward FLOPs of one image on the real (uncompiled) model in eval mode."""
     import torch
 
     with _mode(model, False), torch.no_grad():
@@ -41,8 +37,7 @@ def forward_flops_per_image(model, img_size: int, device, attention: bool = Fals
 
 
 def train_flops_per_image(model, img_size: int, device, loss_fn, attention: bool = False) -> int:
-    """Forward + backward FLOPs for one image (about 3x the forward), counted, not assumed (``attention``: see
-    :func:`count_flops`)."""
+    """Forward + backward FLOPs of one image (about 3x the forward), counted, not assumed."""
     import torch
 
     x = torch.randn(1, 3, img_size, img_size, device=device)

@@ -1,10 +1,9 @@
 """What earlier processes learned about timm's models, for a process that checks a model but builds none.
 
-A DDP launcher or a sweep's parent checks the model's name and memory floor before it starts anyone; learning
-either means importing timm (3-4 s). So each process that does import timm keeps what it learned in the
-user's cache (``timm-<version>-<install>.json``), and those look there first. A process that builds a model
-never takes a value from here; a missing, unreadable or edited file only costs the import. A name no earlier
-process listed is looked up in timm's source instead (:func:`source_names`: 0.19 s against 5 s for the import).
+A DDP launcher or a sweep's parent checks the model's name and memory floor, which means importing timm (3-4 s);
+so a process that imports timm keeps what it learned in the user's cache, and those look there first. A process
+that builds a model never reads it; a missing or edited file only costs the import. A name no process listed is
+looked up in timm's source (:func:`source_names`: 0.19 s against 5 s for the import).
 """
 
 from __future__ import annotations
@@ -27,7 +26,6 @@ MAX_SIZES = 64
 
 
 def cache_file() -> Path | None:
-    """This timm install's file (None when timm is not installed)."""
     spec = importlib.util.find_spec("timm")  # finds timm's folder without importing it
     if spec is None or not spec.origin:
         return None
@@ -49,7 +47,6 @@ def _load() -> dict:
 
 
 def names() -> frozenset[str]:
-    """The ViT/DeiT names an earlier process listed (empty when none did)."""
     listed = _load().get("names")
     return frozenset(n for n in listed if isinstance(n, str)) if isinstance(listed, list) else frozenset()
 
@@ -59,8 +56,7 @@ _REGISTERED = re.compile(r"^@register_model\s*\ndef\s+(\w+)\s*\(", re.MULTILINE)
 
 
 def source_names() -> frozenset[str]:
-    """Every model name timm registers, read from its source without importing it (empty when timm is not
-    installed or its source cannot be read: the caller then asks timm itself)."""
+    """Every model name timm registers, read from its source (empty where it cannot be: then ask timm)."""
     spec = importlib.util.find_spec("timm")
     if spec is None or not spec.submodule_search_locations:
         return frozenset()
@@ -76,7 +72,6 @@ def source_names() -> frozenset[str]:
 
 
 def sizes(key: str) -> tuple[int, ...] | None:
-    """The integers kept under ``key`` (a model's footprint), or None."""
     kept = _load().get("sizes", {})
     value = kept.get(key) if isinstance(kept, dict) else None
     if isinstance(value, list) and value and all(type(v) is int and v >= 0 for v in value):

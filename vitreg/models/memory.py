@@ -1,9 +1,6 @@
-"""The least memory a benchmark needs, known before anything is allocated.
-
-A batch or an image size nobody can run would end in an allocation traceback or the OOM killer. The model is
-built once on PyTorch's ``meta`` device (shapes, no storage) to read its sizes; from those come lower bounds:
-the weights, one input batch and the activations that must exist at once. A floor, never a guess from above,
-so nothing that could run is refused.
+"""The least memory a benchmark needs, known before anything is allocated (not an allocation traceback or the OOM
+killer): sizes read from the model built on the ``meta`` device give lower bounds for the weights, one input batch
+and the activations that must exist at once. A floor, never a guess from above: nothing that could run is refused.
 """
 
 from __future__ import annotations
@@ -22,8 +19,6 @@ HALF_BYTES = 2  # activations are at least bf16/fp16 wide
 
 @dataclass(frozen=True)
 class Footprint:
-    """Sizes of a model at one resolution, read from a weightless instance."""
-
     params: int
     tokens: int  # sequence length: patches + class/distillation/register tokens
     width: int  # embedding dimension
@@ -43,8 +38,7 @@ TORCH_MAX_ELEMENTS = 2**63 - 1
 
 
 def checked_size(name: str, img_size: int):
-    """``(family, size, patch_size)`` for building ``name`` at ``img_size`` (0: its default), refusing a name no
-    family builds, a size the patch grid does not divide, or one past torch's integer range."""
+    """``(family, size, patch_size)`` for ``name`` at ``img_size`` (0: its default), refusing what cannot be built."""
     family = check_name(name, listed_before_ok=False)
     size = img_size or family.default_size(name)
     if 3 * size * size > TORCH_MAX_ELEMENTS:
@@ -60,7 +54,6 @@ def checked_size(name: str, img_size: int):
 
 @functools.lru_cache(maxsize=64)  # a job asks several times (the model, the batch, the processes)
 def footprint(name: str, img_size: int = 0, num_classes: int = 1000) -> Footprint:
-    """Build ``name`` on the meta device (no memory) and read its sizes."""
     import torch
 
     family, size, _patch = checked_size(name, img_size)
@@ -89,8 +82,8 @@ def _remember(key: str, measured: Footprint) -> None:
 
 
 def check_ranks_fit(nproc: int, name: str, img_size: int, num_classes: int, device_type: str) -> None:
-    """:func:`check_nproc_fits` for a launcher, from the footprint an earlier process kept (no timm import), else
-    from the model; a refusal is always made from the model itself (an edited cache file never refuses a job)."""
+    """:func:`check_nproc_fits` from the footprint an earlier process kept (no timm import), else from the model; a
+    refusal is always made from the model itself (an edited cache file never refuses a job)."""
     key = _cache_key(name, img_size, num_classes)
     kept = learned_facts.sizes(key)
     if kept is not None and len(kept) == len(fields(Footprint)):
@@ -104,11 +97,10 @@ def check_ranks_fit(nproc: int, name: str, img_size: int, num_classes: int, devi
 
 
 def minimum_bytes(fp: Footprint, batch_size: int, train: bool, sdpa: str = "auto") -> int:
-    """The floor of one step's memory: weights (+ gradients and AdamW's two moments when training), the fp32
-    input batch, and the activations alive together: inference one block's (the residual beside q, k, v or
-    the MLP's hidden layer), training every block's inputs of its linear layers and attention (6 widths and one
-    hidden per token). Unfused attention (or ``sdpa=math``) adds heads x tokens x tokens scores per image.
-    """
+    """The floor of one step: weights (+ gradients and AdamW's moments to train), the fp32 input batch, and the
+    activations alive together: to infer one block's (the residual beside q, k, v or the MLP's hidden layer), to
+    train every block's linear and attention inputs (6 widths and one hidden per token). Unfused attention (or
+    ``sdpa=math``) adds heads x tokens x tokens scores per image."""
     weights = fp.weight_bytes * (4 if train else 1)
     inputs = batch_size * 3 * fp.img_size**2 * FP32_BYTES
     per_token = 6 * fp.width + fp.hidden if train else max(4 * fp.width, fp.width + fp.hidden)
@@ -122,9 +114,8 @@ def _gib(n: float) -> str:
     return f"{n / GIB:,.1f} GiB"
 
 
-def check_host_fits(fp: Footprint, what: str, available: int | None = None) -> None:
-    """Refuse a model whose weights alone exceed this host's available memory (before building it)."""
-    available = _host_available() if available is None else available
+def check_host_fits(fp: Footprint, what: str) -> None:
+    available = _host_available()
     if fp.weight_bytes > available:
         raise VitregError(f"{what} has {fp.params / 1e6:,.0f} M parameters ({_gib(fp.weight_bytes)} of weights), more "
                           f"than this host's {_gib(available)} of free memory: use a smaller img_size (0 = the "
@@ -133,7 +124,6 @@ def check_host_fits(fp: Footprint, what: str, available: int | None = None) -> N
 
 def check_step_fits(fp: Footprint, batch_size: int, train: bool, available: int, where: str,
                     sdpa: str = "auto") -> None:
-    """Refuse a batch whose floor (:func:`minimum_bytes`) exceeds ``available`` bytes on ``where``."""
     need = minimum_bytes(fp, batch_size, train, sdpa)
     if need <= available:
         return
@@ -153,21 +143,21 @@ PROCESS_BASELINE_BYTES = 300 * 1024**2
 
 def check_batch_fits(model, batch_size: int, tasks, device_type: str, device_index: int = 0,
                      available: int | None = None, sdpa: str = "auto") -> None:
-    """Refuse a batch whose step cannot fit the device it runs on, before anything is allocated. ``model``: a
-    :class:`Footprint`, a ``ModelInfo`` or a model name; ``available``: free bytes (default: the device's now)."""
+    """Refuse a batch whose step cannot fit its device. ``model``: a Footprint, a ModelInfo or a name."""
     fp = _footprint_of(model)
-    if available is None:
-        free, where = device_available(device_type, device_index)
-    else:
-        free, where = available, f"GPU {device_index}" if device_type == "cuda" else "this host"
+    where = f"GPU {device_index}" if device_type == "cuda" else "this host"
+    if available is None and device_type == "cuda":
+        import torch
+
+        available = torch.cuda.mem_get_info(device_index)[0]
+    available = _host_available() if available is None else available
     for task in tasks:
-        check_step_fits(fp, batch_size, task == "train", free, where, sdpa)
+        check_step_fits(fp, batch_size, task == "train", int(available), where, sdpa)
 
 
 def check_nproc_fits(nproc: int, model, device_type: str, available: int | None = None) -> None:
-    """Refuse ``nproc`` processes on this host when their floor of host memory (:data:`PROCESS_BASELINE_BYTES`,
-    the weights every rank builds on the CPU, and on the CPU a step) exceeds what is free: past it, the OOM
-    killer takes the launcher and leaves orphans."""
+    """Refuse ``nproc`` processes whose floor of host memory (a baseline, the weights, on the CPU a step) exceeds
+    what is free: past it, the OOM killer takes the launcher and leaves orphans."""
     fp = _footprint_of(model)
     available = _host_available() if available is None else available
     per_process = PROCESS_BASELINE_BYTES + fp.weight_bytes
@@ -195,12 +185,3 @@ def _host_available() -> int:
 
     return int(psutil.virtual_memory().available)
 
-
-def device_available(device_type: str, index: int = 0) -> tuple[int, str]:
-    """``(free bytes, a name for messages)`` of the device a step runs on."""
-    if device_type == "cuda":
-        import torch
-
-        free, _total = torch.cuda.mem_get_info(index)
-        return int(free), f"GPU {index}"
-    return _host_available(), "this host"

@@ -1,15 +1,11 @@
 """Training data: synthetic class-conditional batches made on the device, or an ImageFolder tree.
 
-Both kinds give the loop ``steps_per_epoch``, ``num_classes`` and ``batches(epoch, start)``, an iterator of
-``(images, labels)`` on the device starting at batch ``start`` of ``epoch``, so a resumed run sees exactly the
-batches it would have seen.
-
+Both give the loop ``steps_per_epoch``, ``num_classes`` and ``batches(epoch, start)``, the ``(images, labels)``
+on the device from batch ``start`` of ``epoch``: a resumed run sees exactly the batches it would have seen.
 Synthetic data (the default) needs no disk and no loader processes, so a run measures the model, not the input
-pipeline: a sample is its class's fixed random low-resolution prototype, upsampled, plus Gaussian noise (there
-is something to learn), and batch ``k`` is a pure function of ``(seed, rank, k)``. ``data=PATH`` is a
-torchvision ``ImageFolder`` layout (``PATH/train/<class>/*.jpg``, optionally ``PATH/val/...``) read by a
-DataLoader with timm's transforms; a file that is no image, or that this user may not read, is refused before
-the run trains, and one that cannot be decoded stops it with one line naming the file.
+pipeline: a sample is its class's fixed random prototype, upsampled, plus noise, and batch ``k`` is a pure
+function of ``(seed, rank, k)``. ``data=PATH`` is an ``ImageFolder`` layout read with timm's transforms; a file
+that is no image or unreadable is refused before the run trains, one that cannot be decoded stops it.
 """
 
 from __future__ import annotations
@@ -28,19 +24,16 @@ _NOISE_STD = 1.0
 
 
 class UndecodableImage(VitregError):
-    """An image file of ``data=PATH`` that PIL cannot decode; the message names the file. Refused, not skipped:
-    skipping would change the data set under the run (the epoch's length, the class balance, the order a
-    resumed run must see again) without anyone deciding it."""
+    """An image of ``data=PATH`` that PIL cannot decode. Refused, not skipped: skipping would change the data set
+    under the run (the epoch's length, the class balance, a resumed run's order) without anyone deciding it."""
 
     @classmethod
     def from_loader(cls, exc: "UndecodableImage") -> "UndecodableImage":
-        """The worker's own message: a DataLoader worker's error reaches the main process as a new
-        exception whose text is the worker's whole traceback, ending in ``UndecodableImage: <message>``."""
+        """The worker's own message, from the whole traceback a DataLoader worker's error carries."""
         return cls(str(exc).rpartition(f"{cls.__name__}: ")[2])
 
 
 def load_image(path: str):
-    """ImageFolder's loader (PIL, RGB), with an undecodable file as one line naming it."""
     from PIL import Image
 
     try:
@@ -53,8 +46,6 @@ def load_image(path: str):
 
 
 class SyntheticData:
-    """Class-conditional tensors generated on the device, deterministic per (seed, rank, step)."""
-
     kind = "synthetic"
 
     def __init__(self, num_classes: int, img_size: int, batch_size: int, device, seed: int = 0, rank: int = 0,
@@ -69,20 +60,16 @@ class SyntheticData:
         self.rank = rank
         self.steps_per_epoch = max(1, images_per_epoch // (batch_size * world_size))
         self.val = None  # no held-out set: val_top1 is reported for ImageFolder data only
-        # The same prototypes on every rank (seeded by seed alone), made on the CPU for determinism
-        # across devices, then moved once.
+        # the same prototypes on every rank, made on the CPU for determinism across devices
         g = torch.Generator().manual_seed(seed)
         self._prototypes = torch.randn(num_classes, 3, _PROTOTYPE_SIZE, _PROTOTYPE_SIZE, generator=g).to(self.device)
         self._gen = torch.Generator(device=self.device)
 
     def batch(self, index: int):
-        """Global batch ``index`` (0-based over the whole run) for this rank."""
         import torch
         import torch.nn.functional as F
 
-        # seed from (seed, rank, index) so a resumed run regenerates exactly the batches it would have seen;
-        # manual_seed is host-side bookkeeping, no device sync
-        # (modulo 2**63: a Generator's seed is a 64-bit integer; smaller values are as they always were)
+        # manual_seed is host-side, no device sync; modulo 2**63: a Generator's seed is a 64-bit integer
         self._gen.manual_seed(((self.seed * 1_000_003 + self.rank) * 1_000_000_007 + index) % (1 << 63))
         labels = torch.randint(0, self.num_classes, (self.batch_size,), generator=self._gen, device=self.device)
         means = F.interpolate(self._prototypes[labels], size=(self.img_size, self.img_size), mode="nearest")
@@ -95,9 +82,8 @@ class SyntheticData:
 
 
 def epoch_sampler(dataset, seed: int, rank: int, world_size: int):
-    """torch's ``DistributedSampler`` (a seeded permutation per epoch, padded and sharded over the ranks) that can
-    also start part-way through: ``set_start(n)`` skips the first ``n`` samples of this rank's shard without
-    loading them (resuming mid-epoch). Made here, not at import: planning a job reads this module, not torch."""
+    """torch's ``DistributedSampler`` that can start part-way through an epoch (``set_start(n)``: the first ``n``
+    samples of this rank's shard skipped unloaded). Made here, not at import: planning a job imports no torch."""
     import itertools
 
     from torch.utils.data import DistributedSampler
@@ -118,20 +104,19 @@ def epoch_sampler(dataset, seed: int, rank: int, world_size: int):
 
 
 class FolderData:
-    """``PATH/train`` (and ``PATH/val``) as DataLoaders that put batches on the device."""
-
     kind = "folder"
 
     def __init__(self, spec, info, device, model=None, rank: int = 0, world_size: int = 1):
-        """``spec``: the TrainSpec (its data folder, batch_size, num_workers, seed, num_classes); ``info``: the
-        model's ModelInfo (its img_size, and its num_classes where the spec leaves it to the data)."""
         import torch
+        from timm.data import create_transform, resolve_data_config
 
         root, img_size, batch_size = spec.data, info.img_size, spec.batch_size
         num_workers, seed, num_classes = spec.num_workers, spec.seed, spec.num_classes or info.num_classes
 
         train_dir, val_dir = _check_layout(Path(root).expanduser())
-        transform_train, transform_val = _transforms(img_size, model)
+        config = {**(resolve_data_config({}, model=model) if model is not None else {}),
+                  "input_size": (3, img_size, img_size)}
+        transform_train, transform_val = (create_transform(**config, is_training=t) for t in (True, False))
         self.train_set = _image_folder(root, train_dir, transform_train, "put .jpg/.png files in train/<class>/")
         self.classes = list(self.train_set.classes)
         self.num_classes = len(self.classes)
@@ -164,13 +149,19 @@ class FolderData:
     def batches(self, epoch: int, start: int = 0):
         self.sampler.set_epoch(epoch)
         self.sampler.set_start(start * self.batch_size)
-        for images, labels in _decoded(self.loader):
-            # non_blocking with pinned memory: the copy overlaps the previous step's GPU work
-            yield images.to(self.device, non_blocking=True), labels.to(self.device, non_blocking=True)
+        return self._on_device(self.loader)
 
     def val_batches(self):
-        for images, labels in _decoded(self.val):
-            yield images.to(self.device, non_blocking=True), labels.to(self.device, non_blocking=True)
+        return self._on_device(self.val)
+
+    def _on_device(self, loader):
+        """``loader``'s batches on the device, a worker's UndecodableImage as the worker's one line."""
+        try:
+            for images, labels in loader:
+                # non_blocking with pinned memory: the copy overlaps the previous step's GPU work
+                yield images.to(self.device, non_blocking=True), labels.to(self.device, non_blocking=True)
+        except UndecodableImage as exc:
+            raise UndecodableImage.from_loader(exc) from None
 
 
 def _image_folder(root, folder: Path, transform, fix: str):
@@ -183,16 +174,7 @@ def _image_folder(root, folder: Path, transform, fix: str):
                           f"({' '.join(str(exc).split())[:160]}): {fix}") from None
 
 
-def _decoded(loader):
-    """``loader``'s batches, with a worker's UndecodableImage as the worker's one line."""
-    try:
-        yield from loader
-    except UndecodableImage as exc:
-        raise UndecodableImage.from_loader(exc) from None
-
-
 def _listing(root: Path, folder: Path) -> list[os.DirEntry]:
-    """``folder``'s entries, or one line naming it when this user may not read it."""
     try:
         with os.scandir(folder) as entries:
             return list(entries)
@@ -213,13 +195,12 @@ def _class_dirs(root: Path, path: Path) -> list[Path]:
 
 def _check_layout(root: Path, images: bool = False):
     """``root``'s train/ (and val/) folders, checked as ImageFolder will walk them; ``images``: every image
-    file's header too (:func:`_check_images`), which the process that plans the job does once."""
+    file's header too, which the process that plans the job does once."""
     layout = "PATH/train/<class>/*.jpg (and optionally PATH/val/<class>/*.jpg)"
-    kind = path_kind(root, "data", f"pass data=synthetic or a folder laid out as {layout}")
-    if kind == "missing":
-        raise VitregError(f"data={root} does not exist: pass data=synthetic or a folder laid out as {layout}")
-    if kind == "file":
-        raise VitregError(f"data={root} is a file, not a folder: pass data=synthetic or a folder laid out as {layout}")
+    fix = f"pass data=synthetic or a folder laid out as {layout}"
+    kind = path_kind(root, "data", fix)
+    if kind in ("missing", "file"):
+        raise VitregError(f"data={root} {'does not exist' if kind == 'missing' else 'is a file, not a folder'}: {fix}")
     train_dir = root / "train"
     if not _is_dir(root, train_dir):
         raise VitregError(f"data={root} has no train/ sub-folder: lay it out as {layout}")
@@ -242,10 +223,9 @@ def _check_layout(root: Path, images: bool = False):
 
 
 def _folders(root: Path, top: Path):
-    """``(folder, entries)`` for every folder under ``top``, walked as ImageFolder walks it (following links,
-    ``os.walk(followlinks=True)``), each real folder once; a folder this user may not read is refused, and
-    so is a link back to a folder read already: ImageFolder would read its images again and again (a class
-    counted 41 times over)."""
+    """``(folder, entries)`` under ``top`` as ImageFolder walks it (following links), each real folder once. A link
+    back to a folder read already is refused: ImageFolder would read its images again and again (a class counted
+    41 times over)."""
     seen: set[str] = set()
     stack = [top]
     while stack:
@@ -261,10 +241,9 @@ def _folders(root: Path, top: Path):
 
 
 def _check_images(root: Path, entries: list[os.DirEntry]) -> None:
-    """Every file of a folder that ImageFolder will load (by its extension) is readable and starts like an
-    image a PIL plugin reads: 16 bytes each, not a decode, so a text file named ``.jpg`` or an unreadable
-    file is refused before the run trains, not at the batch that reaches it. A header that passes can still
-    hide a broken body, which :func:`load_image` refuses when it is decoded."""
+    """Every file ImageFolder will load is readable and starts like an image a PIL plugin reads: 16 bytes each,
+    not a decode, so a text file named ``.jpg`` is refused before the run trains (a broken body is refused when
+    :func:`load_image` decodes it)."""
     from torchvision.datasets.folder import IMG_EXTENSIONS
 
     for entry in entries:
@@ -294,7 +273,7 @@ def _accepts(header_test, prefix: bytes) -> bool:
 
 
 def _pil_opens(path: str) -> bool:
-    """PIL's lazy open (the header parsed, nothing decoded): for a format PIL knows by its parser alone."""
+    """PIL's lazy open (nothing decoded): for a format PIL knows by its parser alone."""
     from PIL import Image
 
     try:
@@ -306,17 +285,7 @@ def _pil_opens(path: str) -> bool:
         return False
 
 
-def _transforms(img_size: int, model=None):
-    from timm.data import create_transform, resolve_data_config
-
-    config = resolve_data_config({}, model=model) if model is not None else {}
-    config["input_size"] = (3, img_size, img_size)
-    return create_transform(**config, is_training=True), create_transform(**config, is_training=False)
-
-
 def build_data(spec, info, device, model=None, rank: int = 0, world_size: int = 1):
-    """The training data a :class:`~vitreg.config.spec.TrainSpec` asks for, for a model described by ``info``,
-    this rank's shard (synthetic data: seeded by rank)."""
     if spec.synthetic:
         num_classes = spec.num_classes or SYNTHETIC_DEFAULT_CLASSES
         return SyntheticData(num_classes, info.img_size, spec.batch_size, device, spec.seed, rank, world_size)
@@ -333,9 +302,8 @@ def usable_cpus() -> int:
 
 
 def check_num_workers(num_workers: int) -> None:
-    """Refuse more DataLoader processes than the machine can run: each is a full Python process holding a
-    copy of the dataset's index (hundreds of MB); past two per usable CPU they only wait their turn, and
-    at thousands the OOM killer ends the run."""
+    """Refuse more DataLoader processes than the machine can run: each holds a copy of the dataset's index
+    (hundreds of MB); past two per usable CPU they only wait their turn, at thousands the OOM killer ends the run."""
     most = max(2, 2 * usable_cpus())
     if num_workers > most:
         raise VitregError(f"num_workers={num_workers} is more DataLoader processes than this machine's "
@@ -343,8 +311,7 @@ def check_num_workers(num_workers: int) -> None:
 
 
 def resolve_num_classes(spec, check_images: bool = False) -> int:
-    """The head size before the model exists: ``num_classes``, else the class folders of ``data``, the folder
-    checked as it is counted; ``check_images``: its image files' headers too (:func:`_check_images`)."""
+    """The head size before the model exists: ``num_classes``, else the class folders of ``data``, checked."""
     if spec.num_classes:
         return spec.num_classes
     if spec.synthetic:

@@ -1,19 +1,11 @@
 """The ``train`` job, read top to bottom: resolve the plan -> launch -> run the loop -> log and register.
 
-:func:`train` opens the job's run and resolves, once, a :class:`TrainPlan`; every later step takes the plan and
-never returns to the options, the model factory or the checkpoint source (``resume=`` and ``teacher=`` go
-through :func:`vitreg.tracking.checkpoint_sources.resolve_checkpoint`). Then either this process launches
-torchrun (:func:`_launch_train`, as ``bench`` does: the launcher holds the one MLflow run, rank 0 hands its
-calls back to it, the other ranks log nothing) or it trains (:func:`_train_in_run`).
-
-The loop (:mod:`vitreg.train.loop`) reports through callbacks; :class:`RunLogger` turns them into MLflow calls
-that never run inside a step: the curves, one ``log_metrics`` batch per ``log_every`` steps; the checkpoints
-(:class:`CheckpointUploader`); at the end the summary metrics, ``results.json``, and ``register_as``.
-
-Under DDP each rank trains its own shard with ``batch_size`` images per process; the curves carry the loss
-averaged over the ranks and img/s summed over them, the summary the sum of the ranks' rates and the slowest
-rank's step time (``ranks.json`` keeps each rank's). The ranks wait for rank 0 at a barrier before leaving, so
-none exits while rank 0 still hands back its checkpoints.
+:func:`train` resolves one :class:`TrainPlan` at its top; later steps read only the plan. Then this process
+either launches torchrun (:func:`_launch_train`, as ``bench`` does: the launcher holds the one MLflow run, rank 0
+hands its calls back) or trains (:func:`_train_in_run`). The loop's callbacks become MLflow calls off the
+training thread (:class:`RunLogger`): curves per ``log_every`` steps, checkpoints (:class:`CheckpointUploader`),
+then summary metrics, ``results.json`` and ``register_as``. Under DDP the curves carry the loss averaged and img/s
+summed over the ranks (``ranks.json`` keeps each rank's).
 """
 
 from __future__ import annotations
@@ -51,14 +43,10 @@ from vitreg.tracking.tags import resolved_tags, world_tags
 CHECKPOINT_ARTIFACTS = "checkpoints"
 
 
-# --------------------------------------------------------------------------- the job
-
-
 def train(options: dict, experiment: str | None = None, run_name: str | None = None, progress=progress,
           command: str | None = None, *, placement: launch.Placement | None = None):
-    """Train one model and log it as one MLflow run; returns the loop's TrainResult. ``nproc > 1`` (or a
-    ``placement`` over several hosts, each running the same command) launches torchrun and returns None in this
-    launching process; inside torchrun this is one rank of the job."""
+    """Train one model and log it as one MLflow run; returns the loop's TrainResult, or None in a process that
+    launches torchrun (``nproc > 1`` or a ``placement`` over several hosts)."""
     run_node = (placement or launch.Placement()).run_node
     workdir = Path(tempfile.mkdtemp(prefix="vitreg-train-"))  # downloaded resume source + local checkpoints
     world = distributed.World()
@@ -84,13 +72,9 @@ def train(options: dict, experiment: str | None = None, run_name: str | None = N
     return result
 
 
-# --------------------------------------------------------------------------- the plan
-
-
 @dataclass(frozen=True)
 class TrainPlan:
-    """What every step after :func:`resolve_plan` reads, resolved once at the job's top. A launcher's plan stops
-    at ``num_classes`` (it trains nothing)."""
+    """What every step after :func:`resolve_plan` reads. A launcher's plan stops at ``num_classes``."""
 
     options: dict  # as they came: a launcher forwards them to every rank
     spec: TrainSpec  # a resumed run's carries the checkpoint's seed
@@ -150,10 +134,6 @@ def resolve_plan(run, options: dict, workdir: Path, *, run_name=None, command=No
 
 
 def _training_plan(plan: TrainPlan, ctx: JobContext) -> TrainPlan:
-    """A training process's plan: its context, the model to train (on its device, its work per image
-    counted), the checkpoint it resumes from, with the spec a resume continues with (its seed), and the
-    teacher. Checks what needs no step first; a teacher= that cannot load is refused before the data,
-    the run's setup and the FLOPs count are made."""
     import torch
 
     from vitreg.train import loop
@@ -171,18 +151,16 @@ def _training_plan(plan: TrainPlan, ctx: JobContext) -> TrainPlan:
     hw = ctx.hardware
     title = naming.RunTitle(hw.label, spec.model, runtime.amp, spec.compile, ctx.world.world_size, job="train",
                             ran_on=hw.detected.profile.label if hw.mismatch else None, img_size=info.img_size)
-    plan = dataclasses.replace(plan, spec=spec, progress=ctx.progress, ctx=ctx.with_spec(spec), model=model,
-                               info=info, resume=resume, title=title)
+    plan = dataclasses.replace(plan, spec=spec, progress=ctx.progress, ctx=dataclasses.replace(ctx, spec=spec),
+                               model=model, info=info, resume=resume, title=title)
     plan = dataclasses.replace(plan, teacher=_teacher(plan))
     model.to(runtime.torch_device)  # in place: a Module's to() moves its own parameters
     return dataclasses.replace(plan, gflops=_flops_metrics(plan) if ctx.world.is_main else None)
 
 
 def _teacher(plan: TrainPlan):
-    """The distillation teacher (None without distillation), built before the data, the run's setup and
-    the FLOPs count: a teacher= that cannot be loaded is refused before that work. A timm-name
-    teacher's random init draws on a forked RNG, so the student's data and dropout stream is the one
-    it would be without a teacher."""
+    """The distillation teacher, built before the data and the run's setup, so a bad teacher= fails early; on a
+    forked RNG, so the student's data and dropout stream is the one it would be without a teacher."""
     if plan.spec.distillation == "none":  # TrainSpec holds a teacher exactly when it distills
         return None
     import torch
@@ -190,11 +168,11 @@ def _teacher(plan: TrainPlan):
     from vitreg.train.losses import create_teacher
 
     with torch.random.fork_rng(devices=[]):
-        return create_teacher(plan.spec, plan.info, plan.runtime.torch_device, teacher_loader, plan.progress)
+        return create_teacher(plan.spec, plan.info, plan.runtime.torch_device, plan.progress)
 
 
 def _flops_metrics(plan: TrainPlan) -> float:
-    """GFLOPs of one training image (student only), counted without touching the training RNG stream."""
+    """GFLOPs of one training image (student only), on a forked RNG."""
     import torch
 
     from vitreg.models.flops import train_flops_per_image
@@ -214,18 +192,7 @@ def resolve_checkpoint_source(source: str, dst=None, progress=progress):
     return checkpoint_sources.resolve_checkpoint(source, dst, what="resume", progress=progress).checkpoint
 
 
-def teacher_loader(uri: str):
-    """The teacher model a ``teacher=`` URI names, downloaded into a folder that goes once it is loaded."""
-    model, _, _ = checkpoint_sources.load_model(uri)
-    return model
-
-
-# --------------------------------------------------------------------------- the launch
-
-
 def _launch_train(plan: TrainPlan) -> None:
-    """The launcher (``plan.run`` is None on a node other than 0): the launcher's checks, every rank's host
-    memory, torchrun, then the registration rank 0 asked for, against the run its hand-off was logged into."""
     spec = plan.spec
     gpus = launch.check(spec, plan.placement)
     # host memory for every rank, before any is started: past it the OOM killer takes the launcher
@@ -238,12 +205,7 @@ def _launch_train(plan: TrainPlan) -> None:
             _register(plan.run, spec, request["path"], request["tags"])
 
 
-# --------------------------------------------------------------------------- the loop
-
-
 def _train_in_run(plan: TrainPlan):
-    """One process's training inside its run, as its plan says: the data, the run's setup, the loop, the
-    results; returns the TrainResult."""
     from vitreg.train.data import build_data
 
     spec, world = plan.spec, plan.world
@@ -253,7 +215,6 @@ def _train_in_run(plan: TrainPlan):
         from vitreg.train import loop
 
         _log_setup(plan, data)
-        # a GPU-sized run on a CPU says so before it starts
         steps = loop.total_steps_of(spec, data.steps_per_epoch)
         say_if_long(train_work(spec.batch_size * world.world_size, steps, plan.gflops * 1e9, spec.model),
                     plan.runtime.device, plan.progress, command=plan.command)
@@ -261,7 +222,6 @@ def _train_in_run(plan: TrainPlan):
     ok, stop = False, None
     try:
         try:
-            # TF32 switches (amp=tf32), the SDPA backend and the compile cache, around every step
             with run_context(plan.runtime, plan.model, spec.sdpa, spec.compile_cache, train=True):
                 result = _run_loop(plan, logger, data)
         except KeyboardInterrupt as exc:  # stopped between updates: log what was done, then end the run KILLED
@@ -285,7 +245,6 @@ def _train_in_run(plan: TrainPlan):
 
 
 def _run_loop(plan: TrainPlan, logger: RunLogger, data):
-    """The loop, its callbacks wired to the progress bar and the run logger; returns its TrainResult."""
     from vitreg.train import loop
 
     spec, world, ctx = plan.spec, plan.world, plan.ctx
@@ -313,18 +272,13 @@ def _run_loop(plan: TrainPlan, logger: RunLogger, data):
 
 
 def _completed(plan: TrainPlan, result):
-    """The result with the job-level figures the loop cannot know (the work per image, parameters,
-    achieved TFLOP/s and MFU against this GPU's peak): computed as bench computes them."""
+    """The result with the job-level figures (work per image, TFLOP/s, MFU), computed as bench computes them."""
     figures = result.figures.with_values(gflops_per_img=plan.gflops, params_m=plan.info.params_m if plan.gflops else None)
     work = Work.of(plan.runtime, plan.hardware, result.world_size)
     return dataclasses.replace(result, figures=figures.completed(work))
 
 
-# --------------------------------------------------------------------------- logging and registering
-
-
 def _log_setup(plan: TrainPlan, data) -> None:
-    """Rank 0, before the first step: the run's lineage, name, tags, params, environment and pip freeze."""
     run, spec, hw, runtime, world, info = plan.run, plan.spec, plan.hardware, plan.runtime, plan.world, plan.info
     resumed_run = plan.resume.spec.get("run_id") if plan.resume else None
     if isinstance(resumed_run, str):  # the run that saved the checkpoint this one resumes
@@ -346,7 +300,6 @@ def _log_setup(plan: TrainPlan, data) -> None:
 
 
 def _train_tags(plan: TrainPlan, data_kind: str) -> dict:
-    """bench's resolved tags (names people group by) plus the training ones."""
     spec, runtime, info = plan.spec, plan.runtime, plan.info
     return {**resolved_tags(spec, plan.hardware, runtime, info.img_size, task="train"), "vitreg_job": "train",
             "precision": runtime.precision.label,  # what ran: fp32, tf32, autocast-bf16, autocast-fp16
@@ -355,13 +308,10 @@ def _train_tags(plan: TrainPlan, data_kind: str) -> dict:
 
 
 def _run_name(plan: TrainPlan, throughput: float | None = None) -> str:
-    """GPU label first, then (once measured) the training throughput, as every vitreg run is named (the runs
-    list cuts names short); a run filed under a GPU that did not run it says so (``a100≠cpu``)."""
     return plan.title.name(plan.spec.batch_size, throughputs={"train": throughput} if throughput else None)
 
 
 def _log_results(plan: TrainPlan, logger: RunLogger, data, result, register=True) -> None:
-    """Rank 0 (or the one process): summary metrics, results.json, ranks.json, registration."""
     run, spec, hw, runtime, info = plan.run, plan.spec, plan.hardware, plan.runtime, plan.info
     metrics = result.metrics()
     logger.metrics(metrics)
@@ -384,9 +334,8 @@ def _log_results(plan: TrainPlan, logger: RunLogger, data, result, register=True
 
 
 def _register(tracker, spec: TrainSpec, checkpoint_dir, tags: dict):
-    """When ``register_as`` is set, register the final checkpoint (already logged under ``checkpoints/last``)
-    as a new version of that model and move the alias; returns the ModelVersion, or None. Under a
-    vitreg launcher rank 0's tracker hands the request back, and the launcher calls this with its run."""
+    """Register the logged final checkpoint as ``register_as`` (None when unset); under a vitreg launcher rank 0
+    hands the request back and the launcher calls this with its run."""
     if not spec.register_as:
         return None
     if checkpoint_dir is None:
@@ -416,18 +365,13 @@ def _print_summary(result, run) -> None:
     print(tracking.where_logged(run))
 
 
-# --------------------------------------------------------------------------- what the loop's callbacks drive
-
-
 class RunLogger:
-    """MLflow calls for one run, in submission order, off the training thread when that is safe: one daemon
-    thread with a thread-safe tracker (bound to its run id; MLflow's active run is thread-local), else at once.
+    """MLflow calls for one run, in order, on one daemon thread when the tracker is thread-safe, else at once.
     An error in the thread is raised at the next :meth:`submit` or at :meth:`close`."""
 
     def __init__(self, tracker):
         self.tracker = tracker
-        # a NullTracker (ranks other than 0) does nothing: no thread for it
-        self.threaded = bool(getattr(tracker, "thread_safe", False)) and not isinstance(tracker, tracking.NullTracker)
+        self.threaded = bool(getattr(tracker, "thread_safe", False))  # a NullTracker's is False: no thread for it
         self._queue: queue.Queue = queue.Queue()
         self._error: BaseException | None = None
         self._thread = None
@@ -483,9 +427,8 @@ class RunLogger:
 
 
 class CheckpointUploader:
-    """Logs each checkpoint as ``checkpoints/step-<N>``, then points ``checkpoints/last`` at it, then deletes the
-    run's checkpoints beyond the newest ``keep`` (0: none) and the older local copies; in that order, through
-    the run's one queue: a process killed at any point leaves ``last`` naming a complete folder."""
+    """Logs ``checkpoints/step-<N>``, then points ``last`` at it, then deletes all but the newest ``keep`` (0: all
+    kept) and older local copies: in that order, so a kill at any point leaves ``last`` naming a whole folder."""
 
     def __init__(self, logger: RunLogger, keep: int = 1):
         self.logger = logger
@@ -546,7 +489,6 @@ class ProgressBar:
             self.progress(text)
 
     def close(self) -> None:
-        """End the bar (once: later calls do nothing), so that what follows prints below it."""
         if self.bar is not None:
             self.bar.close()
             self.bar = None

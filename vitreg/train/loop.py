@@ -1,18 +1,14 @@
 """The training loop: AdamW + warm-up/cosine LR, AMP, compile, DeiT distillation, checkpoints, callbacks.
 
-No MLflow here: :func:`train` reports through callbacks (:class:`Hooks`) and returns a :class:`TrainResult`.
-It is a sequence of named steps over two values: :class:`_Setup` (what :func:`_prepare` built) and
-:class:`_Tally` (what changes as updates run).
+No MLflow here: :func:`train` reports through :class:`Hooks` and returns a :class:`TrainResult`. It runs named
+steps over :class:`_Setup` (built once) and :class:`_Tally` (what changes as updates run). An interrupt
+(Ctrl-C, or SIGTERM/SIGHUP through :mod:`vitreg.signals`) stops it between updates: the open interval is
+logged, the step reached is checkpointed, and the ``KeyboardInterrupt`` goes on carrying ``partial_result``.
 
-Ctrl-C, and SIGTERM/SIGHUP once :func:`vitreg.signals.install` routes them, stop the loop between updates: the
-open interval is logged, a checkpoint of the step reached is written, and the ``KeyboardInterrupt`` goes on up
-carrying the :class:`TrainResult` so far as its ``partial_result``.
-
-Throughput is measured as bench's train task measures it: the first step (compilation, lazy init) is timed
-apart, the next steps are a warm-up, the rest are timed per step (CUDA events on the GPU, ``perf_counter`` on
-the CPU, read once per log interval: no sync inside a step); checkpoints, validation and logging between steps
-are not counted. Under DDP (:class:`Ranks`) the model is wrapped before torch.compile, as bench does, and the
-reducer all-reduces the loss and img/s once per log boundary, never per step.
+Throughput is measured as bench's train task measures it: the first step timed apart, then a warm-up, then
+per-step times (CUDA events or ``perf_counter``) read once per log interval, never a sync inside a step.
+Under DDP the model is wrapped before torch.compile, as bench does, and the reducer all-reduces the loss
+and img/s once per log boundary.
 """
 
 from __future__ import annotations
@@ -38,16 +34,10 @@ THROUGHPUT_WARMUP_STEPS = 10  # as BenchSpec.warmup: steps after the first that 
 WARMUP_LR_INIT = 1e-6  # DeiT's warmup_lr: where the linear warm-up starts
 
 
-# --------------------------------------------------------------------------- what the loop is given and returns
-
-
 @dataclass(frozen=True)
 class Hooks:
-    """The loop's callbacks and where its messages go: ``on_step(step)`` after every update (host-only: no
-    value read off the GPU); ``on_log(step, metrics)`` every ``log_every`` updates and at the end (``train_loss``
-    over the interval, ``lr``, ``train_img_per_s``, ``grad_norm``, ``data_wait_frac``, ``epoch``);
-    ``on_checkpoint(step, path)`` after a checkpoint is written; ``on_epoch_end(epoch, metrics)``, with
-    ``val_top1``/``val_loss`` when the data has a ``val/`` split."""
+    """The loop's callbacks: ``on_step(step)`` after every update (host-only); ``on_log(step, metrics)`` every
+    ``log_every`` updates and at the end; ``on_checkpoint(step, path)``; ``on_epoch_end(epoch, metrics)``."""
 
     on_step: Callable | None = None
     on_log: Callable | None = None
@@ -58,8 +48,7 @@ class Hooks:
 
 @dataclass(frozen=True)
 class Sources:
-    """What the loop trains on and learns from: ``data`` (default: :func:`vitreg.train.data.build_data`), the
-    distillation ``teacher`` (default: :func:`vitreg.train.losses.create_teacher` of ``spec.teacher``)."""
+    """``data`` and the distillation ``teacher``; None: built from the spec."""
 
     data: object = None
     teacher: object = None
@@ -67,8 +56,7 @@ class Sources:
 
 @dataclass(frozen=True)
 class Checkpoints:
-    """``directory``: where ``step-<N>/`` checkpoints are written (None: none); ``resume_from``: a
-    checkpoint (a VerifiedCheckpoint or a directory) to continue from; ``extra``: saved in each one."""
+    """Where ``step-<N>/`` checkpoints go (None: none), the one to resume from, and extra spec.json keys."""
 
     directory: Path | None = None
     resume_from: object = None
@@ -77,9 +65,7 @@ class Checkpoints:
 
 @dataclass(frozen=True)
 class Ranks:
-    """This process's place in a DDP job, for the loop: data sharding (``rank`` of ``world_size``), the DDP
-    ``wrap``, the ``reducer`` (a :class:`vitreg.ddp.world.TrainReducer`), and ``is_main`` (False on ranks that
-    must not write checkpoints or validate)."""
+    """This process's place in a DDP job; only ``is_main`` writes checkpoints and validates."""
 
     world_size: int = 1
     rank: int = 0
@@ -90,8 +76,6 @@ class Ranks:
 
 @dataclass(frozen=True)
 class TrainResult:
-    """What a training run did, and its figures (throughput global over the ranks, images per second)."""
-
     step: int  # optimizer updates reached, counting those before a resume
     start_step: int  # 0, or the step the run resumed at
     steps_run: int  # updates made by this run
@@ -105,7 +89,6 @@ class TrainResult:
     stopped_by: str | None = None  # why the run ended before total_steps (Ctrl-C, SIGTERM, SIGHUP); None: it did not
 
     def figure(self, name: str):
-        """The figure ``name`` (a metric table name, no task prefix); None where it was not measured."""
         return self.figures.get(name)
 
     def metrics(self) -> dict[str, float]:
@@ -116,13 +99,9 @@ class TrainResult:
         return {**out, "figures": self.figures.to_dict(), "metrics": self.metrics()}
 
 
-# --------------------------------------------------------------------------- resuming
-
-
 def resume_spec(spec, checkpoint: ckpt.VerifiedCheckpoint, info, progress=progress):
-    """The spec a resumed run trains with: this one, with the checkpoint's ``seed`` (it defines the synthetic
-    data and an ImageFolder's sample order: another one would train on another task). Refuses a checkpoint of
-    another model. Whoever builds the data calls this, once, before."""
+    """``spec`` with the checkpoint's ``seed``, which defines the data and its order (another seed trains another
+    task); refuses a checkpoint of another model. Call it before building the data."""
     spec_json = ckpt.check_compatible(checkpoint, info)
     saved = spec_json.get("train_spec", {}).get("seed")
     if saved is not None and str(saved) != str(spec.seed):
@@ -136,13 +115,8 @@ def total_steps_of(spec, steps_per_epoch: int) -> int:
     return spec.steps if spec.steps > 0 else spec.epochs * steps_per_epoch
 
 
-# --------------------------------------------------------------------------- the loop
-
-
 @dataclass(frozen=True)
 class _Setup:
-    """What a run trains with; built once by :func:`_prepare`."""
-
     spec: object  # TrainSpec
     runtime: object
     model: object  # the plain module: checkpoints and validation use it
@@ -172,8 +146,6 @@ class _Setup:
 
 @dataclass
 class _Tally:
-    """What changes as the updates run."""
-
     step: int
     clock: StepClock
     loss_sum: torch.Tensor  # the interval's summed loss, on the device: no sync per step
@@ -194,9 +166,8 @@ class _Tally:
 
 def train(spec, runtime, model, info, *, sources: Sources = Sources(), checkpoints: Checkpoints = Checkpoints(),
           hooks: Hooks = Hooks(), ranks: Ranks = Ranks()) -> TrainResult:
-    """Train ``model`` (described by ``info``) as ``spec`` says. A resumed run (``checkpoints.resume_from``)
-    continues at the checkpoint's step with its optimizer, schedule, scaler and RNG states; ``spec`` is then
-    :func:`resume_spec` of it, so that the data is the one the checkpoint was trained on."""
+    """Train ``model`` as ``spec`` says; a resumed run continues with the checkpoint's optimizer, schedule,
+    scaler and RNG states, and ``spec`` must then be :func:`resume_spec` of it."""
     progress = hooks.progress
     setup = _prepare(spec, runtime, model, info, sources, checkpoints, hooks, ranks)
     tally = _Tally(step=setup.start_step, clock=StepClock(runtime.device),
@@ -232,11 +203,8 @@ def train(spec, runtime, model, info, *, sources: Sources = Sources(), checkpoin
 
 
 def _stop_at_step(setup: _Setup, tally: _Tally, progress, reason: str) -> None:
-    """After an interrupt between updates: the open interval's metrics and a checkpoint of the step reached.
-
-    Under DDP the other ranks may stop at another step, so nothing that needs them (the interval's
-    all-reduce) runs here; rank 0's checkpoint needs no one.
-    """
+    """After an interrupt: the open interval's metrics and a checkpoint of the step reached. Under DDP the
+    others may stop at another step, so nothing here needs them (no all-reduce)."""
     if tally.interval_steps and setup.reducer is None:
         _log(setup, tally)
     saved = tally.last_checkpoint is not None and Path(tally.last_checkpoint).name == f"step-{tally.step}"
@@ -248,7 +216,6 @@ def _stop_at_step(setup: _Setup, tally: _Tally, progress, reason: str) -> None:
 
 def _prepare(spec, runtime, model, info, sources: Sources, checkpoints: Checkpoints, hooks: Hooks,
              ranks: Ranks) -> _Setup:
-    """Model on the device, data, criterion (with the teacher), optimizer, schedule, the resumed state, compile."""
     from vitreg.train.data import build_data
 
     device = runtime.torch_device
@@ -287,7 +254,6 @@ def _prepare(spec, runtime, model, info, sources: Sources, checkpoints: Checkpoi
 
 
 def _restore(resume_from, model, optimizer, scheduler, scaler, total: int, spe: int, progress) -> int:
-    """Load the checkpoint's training state into the fresh objects; returns the step to continue at."""
     checkpoint = ckpt.ensure_verified(resume_from)
     fresh = {k: getattr(scheduler, k) for k in ("t_initial", "warmup_t", "lr_min", "base_values")}
     start_step, _ = ckpt.load_training_state(checkpoint, model, optimizer, scheduler, scaler)
@@ -304,7 +270,6 @@ def _restore(resume_from, model, optimizer, scheduler, scaler, total: int, spe: 
 
 
 def _step(setup: _Setup, tally: _Tally) -> bool:
-    """One optimizer update, timed between steps' events; returns whether it ends a log interval."""
     spec, runtime, spe = setup.spec, setup.runtime, setup.steps_per_epoch
     if tally.batches is None:
         tally.batches = setup.data.batches(tally.step // spe, tally.step % spe)
@@ -385,7 +350,6 @@ def _log(setup: _Setup, tally: _Tally) -> None:
 
 
 def _maybe_end_epoch(setup: _Setup, tally: _Tally) -> bool:
-    """At an epoch boundary: a fresh batch iterator next step, validation (rank 0), ``on_epoch_end``."""
     spe = setup.steps_per_epoch
     if tally.step % spe:
         return False
@@ -400,7 +364,7 @@ def _maybe_end_epoch(setup: _Setup, tally: _Tally) -> bool:
 
 
 def _maybe_checkpoint(setup: _Setup, tally: _Tally) -> bool:
-    """Every ``checkpoint_every`` steps and at the end; returns whether one was due (on every rank)."""
+    """Returns whether a checkpoint was due (on every rank); rank 0 writes it."""
     step, spec = tally.step, setup.spec
     every = spec.checkpoint_every
     due = setup.checkpoints and (step == setup.total or bool(every and step % every == 0))
@@ -413,7 +377,6 @@ def _maybe_checkpoint(setup: _Setup, tally: _Tally) -> bool:
 
 
 def _save_checkpoint(setup: _Setup, tally: _Tally) -> None:
-    """``step-<N>`` of the step reached, announced to ``on_checkpoint``."""
     step, spec = tally.step, setup.spec
     data, loss = setup.data, tally.final_loss
     extra = {"classes": list(data.classes) if data.kind == "folder" else None, "data": data.kind,
@@ -434,13 +397,11 @@ def _validate(setup: _Setup, tally: _Tally) -> None:
 
 
 def _warm_steps(steps_run: int) -> int:
-    """Steps not timed into the throughput: the first (compilation, lazy init) and a warm-up after it,
-    at most half of the rest, so that a short run still measures something."""
+    """Steps not timed: the first (compilation) and a warm-up, at most half of the rest (a short run measures)."""
     return 0 if steps_run <= 1 else 1 + min(THROUGHPUT_WARMUP_STEPS, (steps_run - 1) // 2)
 
 
 def _finish(setup: _Setup, tally: _Tally, stopped_by: str | None = None) -> TrainResult:
-    """This run's figures after the first step and the warm-up, combined over the ranks."""
     spec, world_size = setup.spec, setup.world_size
     steps_run = tally.step - setup.start_step
     warm = _warm_steps(steps_run)
@@ -468,15 +429,9 @@ def _finish(setup: _Setup, tally: _Tally, stopped_by: str | None = None) -> Trai
         stopped_by=stopped_by)
 
 
-# --------------------------------------------------------------------------- optimizer and LR schedule
-
-
 def build_optimizer(model, spec, runtime):
-    """AdamW, weight decay off for biases, norms, position embeddings and tokens (as DeiT/timm).
-
-    ``fused=True`` on CUDA: one kernel for all parameters, and it reads GradScaler's scale and inf
-    flag on the device, so an fp16 step needs no host sync for the inf check.
-    """
+    """AdamW, no weight decay for biases, norms, position embeddings and tokens (as DeiT/timm). ``fused`` on CUDA:
+    it reads GradScaler's scale and inf flag on the device, so an fp16 step needs no host sync."""
     from timm.optim import param_groups_weight_decay
 
     no_decay = model.no_weight_decay() if hasattr(model, "no_weight_decay") else ()
@@ -486,11 +441,8 @@ def build_optimizer(model, spec, runtime):
 
 
 def build_scheduler(optimizer, spec, total_steps: int):
-    """timm's CosineLRScheduler, stepped per update: linear warm-up from 1e-6 over ``warmup_steps``, then a
-    cosine from ``lr`` to ``min_lr`` over the remaining ``total_steps - warmup_steps`` updates.
-
-    Update ``u`` (0-based) runs at ``lr_at(u)``: call ``scheduler.step_update(u + 1)`` after it.
-    """
+    """timm's CosineLRScheduler per update: linear warm-up from 1e-6, then a cosine to ``min_lr``. Call
+    ``step_update(u + 1)`` after update ``u``."""
     from timm.scheduler import CosineLRScheduler
 
     warmup = min(spec.warmup_steps, max(total_steps - 1, 0))  # a run shorter than its warm-up still decays
@@ -499,12 +451,8 @@ def build_scheduler(optimizer, spec, total_steps: int):
                              t_in_epochs=False)
 
 
-# --------------------------------------------------------------------------- step times
-
-
 class StepClock:
-    """Per-step times without a sync per step: CUDA events recorded around each step, read in a batch
-    at :meth:`collect` (the log boundary); ``perf_counter`` on the CPU, where work is synchronous."""
+    """Per-step times with no sync per step: CUDA events read at :meth:`collect`; ``perf_counter`` on the CPU."""
 
     def __init__(self, device_type: str):
         self.cuda = device_type == "cuda"
@@ -525,7 +473,6 @@ class StepClock:
         self._pending.append((self._open, self._now()))
 
     def collect(self) -> list[float]:
-        """Milliseconds of each step since the last collect; synchronises on the last event (CUDA)."""
         pending, self._pending = self._pending, []
         if not pending:
             return []
@@ -535,13 +482,9 @@ class StepClock:
         return [(b - a) * 1e3 for a, b in pending]
 
 
-# --------------------------------------------------------------------------- validation and gradient norm
-
-
 @torch.no_grad()
 def evaluate(model, data, runtime) -> tuple[float, float]:
-    """Top-1 (percent) and mean CE over ``data.val``, on the plain model in eval mode (a distilled DeiT
-    averages its two heads there)."""
+    """Top-1 (percent) and mean CE over ``data.val`` in eval mode (a distilled DeiT averages its heads)."""
     was_training = model.training
     model.eval()
     device = runtime.torch_device

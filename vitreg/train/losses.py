@@ -1,14 +1,11 @@
-"""Training losses: label-smoothed cross-entropy on one or two heads, and DeiT's distillation loss.
+"""Training losses: label-smoothed cross-entropy on one or two heads, DeiT's distillation loss, its teacher.
 
-``criterion(inputs, outputs, labels)`` is the one signature the loop calls: a distillation loss needs
-the inputs (the teacher sees the same images as the student). :func:`create_teacher` builds that
-teacher from ``teacher=``.
+The loop calls ``criterion(inputs, outputs, labels)``: the teacher sees the student's inputs.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -26,10 +23,9 @@ def loss_of(output, target, criterion):
 
 
 class DistillationLoss(torch.nn.Module):
-    """DeiT's distillation loss (facebookresearch/deit ``losses.py``), unchanged in substance: the class head
-    learns the labels, the distillation head the teacher (``soft``: KL at temperature tau; ``hard``: its argmax),
-    mixed ``(1 - alpha) * base + alpha * distillation``. The teacher runs without gradients, under the caller's
-    autocast (the student's precision)."""
+    """DeiT's distillation loss (facebookresearch/deit ``losses.py``): the class head learns the labels, the
+    distillation head the teacher (``soft``: KL at temperature tau; ``hard``: its argmax), mixed by ``alpha``.
+    The teacher runs without gradients, under the caller's autocast."""
 
     def __init__(self, base_criterion, teacher_model, distillation_type: str, alpha: float, tau: float):
         super().__init__()
@@ -68,8 +64,8 @@ class DistillationLoss(torch.nn.Module):
 
 
 class TwoHeadLoss(torch.nn.Module):
-    """``distillation=none``: both heads of a distilled DeiT on the labels, averaged (bench's train loss). DeiT
-    trains only the class head then, leaving the other random while the eval output averages the two."""
+    """``distillation=none``: both heads of a distilled DeiT on the labels, averaged (bench's train loss); DeiT
+    would train the class head alone, leaving the other random while the eval output averages the two."""
 
     def __init__(self, base_criterion):
         super().__init__()
@@ -80,14 +76,12 @@ class TwoHeadLoss(torch.nn.Module):
 
 
 def check_distillable(spec, info) -> None:
-    """DeiT distillation trains the distillation token's head: the student must have one."""
     if spec.distillation != "none" and not info.distilled:
         raise VitregError(f"distillation={spec.distillation} needs a distillation token, which {info.name} lacks: "
                           f"use a deit_*_distilled_* model (e.g. deit_tiny_distilled_patch16_224) or distillation=none")
 
 
 def build_criterion(spec, info, teacher=None):
-    """``criterion(inputs, outputs, labels)`` for the spec: label-smoothed CE, with DeiT distillation."""
     # torch's label_smoothing is the same loss as timm's LabelSmoothingCrossEntropy
     # ((1 - s) * NLL + s * mean(-log p)) and compiles without a custom op
     base = torch.nn.CrossEntropyLoss(label_smoothing=spec.label_smoothing)
@@ -100,19 +94,16 @@ def build_criterion(spec, info, teacher=None):
     return DistillationLoss(base, teacher, spec.distillation, spec.distill_alpha, spec.distill_tau)
 
 
-def create_teacher(spec, info, device, loader: Callable | None = None, progress=progress):
+def create_teacher(spec, info, device, progress=progress):
     """The teacher for ``spec.teacher``, in eval mode on ``device``, without gradients: a ``models:/`` or
-    ``runs:/`` URI through ``loader(uri)`` (a module or a ``(module, ...)`` tuple), a checkpoint directory, or a
-    timm name built with random weights (vitreg never downloads from a hub: for timing only)."""
+    ``runs:/`` URI, a checkpoint directory, or a timm name with random weights (vitreg never reaches a hub)."""
     from vitreg.models.factory import create_model
 
     name = spec.teacher
     if "://" in name or name.startswith(("models:/", "runs:/")):
-        if loader is None:
-            raise VitregError(f"teacher={name} needs the checkpoint loader (vitreg.tracking.checkpoint_sources.load_model), "
-                              f"which is not available here: pass a checkpoint directory or a timm name")
-        loaded = loader(name)
-        teacher = loaded[0] if isinstance(loaded, (tuple, list)) else loaded
+        from vitreg.tracking.checkpoint_sources import load_model  # downloaded into a folder that goes once loaded
+
+        teacher, _, _ = load_model(name)
     elif Path(name).expanduser().is_dir():
         teacher, _, _ = ckpt.load_model(Path(name).expanduser())
     else:
