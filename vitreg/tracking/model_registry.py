@@ -1,12 +1,8 @@
-"""The MLflow Model Registry side of vitreg: register a checkpoint as a model version.
-
-A version holds MLflow's ``pytorch`` flavor (pt2, ``torch.export``: the UI, ``mlflow models serve`` and
-pyfunc work as usual) and the vitreg checkpoint in the logged model's ``extra_files/``, which
-:func:`vitreg.tracking.checkpoint_sources.pull` reads back. A checkpoint its registering run logged itself is
-not copied a second time: ``extra_files/`` holds its spec, manifest and ``shared_weights.json``, naming the
-run's ``checkpoints/step-<N>`` folder whose weights have the manifest's sha256 (checked here and by every
-pull); deleting the run (``mlflow gc``) leaves such a version unpullable. ``pull`` and ``load_model`` are
-importable from here too, as the README shows.
+"""Register a checkpoint as a model version: MLflow's ``pytorch`` flavor (pt2: the UI, ``mlflow models serve``
+and pyfunc work as usual) and the vitreg checkpoint in the logged model's ``extra_files/``. A checkpoint its
+registering run logged itself is not copied a second time: ``shared_weights.json`` names the run's
+``checkpoints/step-<N>`` folder whose weights have the manifest's sha256; deleting the run (``mlflow gc``)
+leaves such a version unpullable.
 """
 
 from __future__ import annotations
@@ -36,17 +32,13 @@ _NAME_RE = re.compile(r"^[\w.\-]+$")
 _VERSION_ALIAS_RE = re.compile(r"^[vV]\d+$")
 
 
-# --------------------------------------------------------------------------- register
-
 
 def register_checkpoint(tracker, checkpoint_dir, name: str, alias: str | None = "latest", tags: dict | None = None,
                         input_example_size: int | None = None, progress=progress):
     """Register a vitreg checkpoint (a local folder or a ``runs:/`` URI) as a new version of ``name`` under
     ``tracker``'s run; returns the ModelVersion (None for a rank that does not log). ``alias`` moves to the new
     version; ``"latest"`` sets nothing (MLflow resolves ``@latest`` itself). ``input_example_size``: the pt2
-    example's side (default: the checkpoint's ``img_size``). Refuses (VitregError) an invalid alias, a
-    tampered checkpoint, and a ``name`` whose versions are another architecture.
-    """
+    example's side (default: the checkpoint's ``img_size``)."""
     check_on_server = getattr(tracker, "check_on_server", None)  # a spooling tracker may hold the run locally
     if check_on_server is not None:
         check_on_server(name)
@@ -56,7 +48,6 @@ def register_checkpoint(tracker, checkpoint_dir, name: str, alias: str | None = 
 
 
 def _register(run_id: str, request: _Request, progress):
-    """The registration of ``request`` under run ``run_id``, which the store holds: checks, then the version."""
     _check_alias(request.alias)
     request = replace(request, name=_check_name(request.name))
     name, alias = request.name, request.alias
@@ -81,7 +72,6 @@ def _register(run_id: str, request: _Request, progress):
 
 @dataclass(frozen=True)
 class _Request:
-    """One registration: the version's model name, alias and tags, the checkpoint as the caller named it."""
 
     name: str
     alias: str | None
@@ -91,8 +81,7 @@ class _Request:
 
 
 def _log_and_register(client, run_id: str, loaded: tuple, located, request: _Request, stage: Path, progress):
-    """The pt2 model with the checkpoint files under the run, its version, the alias; ``(version, moved_from)``.
-    ``loaded``: ``(model, info, spec)`` as :func:`vitreg.checkpoint.format.load_model` rebuilt them."""
+    """The pt2 model with the checkpoint files under the run, its version, the alias; ``(version, moved_from)``."""
     import mlflow.pytorch  # the flavor module (imports torch.export machinery): only when registering
     import numpy as np
 
@@ -134,9 +123,8 @@ _RUN_CHECKPOINT_RE = re.compile(r"^runs:/([0-9a-fA-F]+)/(checkpoints/[\w.\-]+)/?
 
 
 def register_run_checkpoint(uri: str, name: str, alias: str | None = "latest", progress=progress):
-    """Register a checkpoint that a run logged (``runs:/<run_id>/checkpoints/last`` or ``.../step-<N>``)
-    after the fact: the model is logged under that run and the version linked to it, exactly as
-    ``train -P register_as=NAME`` does at the end of training. Returns the ModelVersion."""
+    """Register a checkpoint that a run logged (``runs:/<run_id>/checkpoints/last`` or ``.../step-<N>``) after
+    the fact, under that run, exactly as ``train -P register_as=NAME`` does at the end of training."""
     match = _RUN_CHECKPOINT_RE.match(str(uri).strip())
     if not match:
         raise VitregError(f"{uri} is not a run's checkpoint: pass runs:/<run_id>/checkpoints/last "
@@ -152,9 +140,8 @@ def register_run_checkpoint(uri: str, name: str, alias: str | None = "latest", p
 
 
 def check_registration(name: str, alias: str | None, arch: str) -> None:
-    """The registration checks that need no checkpoint: a usable name and alias, and a registered
-    model ``name`` that holds no other architecture. ``train`` runs them before training, so a bad
-    ``register_as`` fails in seconds rather than after the whole training."""
+    """The registration checks that need no checkpoint, which ``train`` runs first: a bad ``register_as`` fails in
+    seconds rather than after the whole training."""
     _check_alias(alias)
     _check_owner(mlflow.MlflowClient(), _check_name(name), arch)
 
@@ -202,8 +189,8 @@ def _pip_requirements() -> list[str]:
 
 
 def _shared_folder(client, run_id: str, located) -> str | None:
-    """The ``checkpoints/step-<N>`` folder of run ``run_id`` that holds these very weights (same sha256), for
-    the version to share; None when the run logged no such folder (the version then holds a copy)."""
+    """The ``checkpoints/step-<N>`` folder of run ``run_id`` with these very weights (same sha256), for the
+    version to share; None: the version holds a copy."""
     checkpoint = located.checkpoint
     if located.run_folder and located.run_id == run_id:
         folder = located.run_folder
