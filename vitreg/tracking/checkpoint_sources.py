@@ -262,7 +262,6 @@ def _find_checkpoint(root: Path, label: str) -> Path:
     raise VitregError(f"{label} holds several checkpoints ({rel}): pull one of them")
 
 
-
 def shared_weights_text(run_id: str, folder: str) -> str:
     """The ``shared_weights.json`` of a version whose weights are those of run ``run_id``'s ``folder``."""
     return json.dumps({"format": SHARED_FORMAT, "run_id": run_id, "checkpoint": folder}, indent=2)
@@ -299,7 +298,6 @@ def _fetch_shared_weights(client, directory: Path, label: str, progress) -> Path
 
 @dataclass
 class PullResult:
-
     uri: str
     model: object
     info: object  # vitreg.models.factory.ModelInfo
@@ -384,7 +382,6 @@ def forward_check(model, info, batch: int = 2) -> tuple:
             raise VitregError(f"pulled {info.name} returns non-finite outputs: the weights are broken (NaN/inf); "
                               f"pull another version")
     return tuple(outputs[0].shape)
-
 
 
 def link_infer_run(result: PullResult, run_id: str, metrics: dict, gpu: str | None = None) -> None:

@@ -137,12 +137,10 @@ class Delivery:
         self._run_record = spool.run_record
         self._seq_tag = seq_tag(self._run_record["spool_id"])
 
-    # ----------------------------------------------------------------- the server's run
-
     def connect(self) -> str:
         """Find (or create) this spool's run on the server and read how far it got. Idempotent."""
         if self.run_id is None:
-            run = self._known_run() or self._tagged_run() or self._create_run()
+            run = self._known_run() or self._tagged_or_new_run()
             self.run_id = run.info.run_id
             self.delivered_seq = int(run.data.tags.get(self._seq_tag, -1))
             self._server_params = dict(run.data.params)
@@ -160,25 +158,15 @@ class Delivery:
                 return None  # another store than the one it was made in: find or create it by spool id
             raise
 
-    def _experiment_id(self) -> str:
-        return experiment_id_for(self.client, self._run_record.get("experiment_name") or "Default")
-
-    def _tagged_run(self):
-        spool_id = self._run_record["spool_id"]
-        experiment_id = self._experiment_id()
-        found = self.client.search_runs([experiment_id], filter_string=f"tags.{SPOOL_ID_TAG} = '{spool_id}'",
-                                        max_results=1)
-        return found[0] if found else None
-
-    def _create_run(self):
+    def _tagged_or_new_run(self):
+        """The run tagged with this spool's id (made before a crash), else a new one (the store names it)."""
         record = self._run_record
-        tags = {SPOOL_ID_TAG: record["spool_id"]}
-        if record.get("run_name"):
-            tags[mlflow.utils.mlflow_tags.MLFLOW_RUN_NAME] = record["run_name"]
-        return self.client.create_run(self._experiment_id(), start_time=record["start_time"], tags=tags,
-                                      run_name=record.get("run_name"))
-
-    # ----------------------------------------------------------------- sending
+        experiment_id = experiment_id_for(self.client, record.get("experiment_name") or "Default")
+        found = self.client.search_runs([experiment_id], f"tags.{SPOOL_ID_TAG} = '{record['spool_id']}'",
+                                        max_results=1)
+        return found[0] if found else self.client.create_run(
+            experiment_id, start_time=record["start_time"], tags={SPOOL_ID_TAG: record["spool_id"]},
+            run_name=record.get("run_name"))
 
     def push(self, records: list[dict]) -> int:
         """Deliver those of ``records`` the server does not hold yet, in order; returns the last seq delivered.
@@ -305,9 +293,8 @@ class SpoolingTracker:
 
     thread_safe = True
 
-    def __init__(self, spool: Spool, offline: bool | None = None, client: mlflow.MlflowClient | None = None,
-                 existing_params: dict | None = None, experiment_id: str | None = None,
-                 heartbeat_s: float | None = None):
+    def __init__(self, spool: Spool, offline: bool | None = None, existing_params: dict | None = None,
+                 experiment_id: str | None = None, heartbeat_s: float | None = None):
         self.spool = spool
         self.offline = offline_mode(offline)
         self.experiment_id = experiment_id
@@ -323,7 +310,6 @@ class SpoolingTracker:
         self._delivery = None
         self._thread = None
         if not self.offline:
-            self._client = client
             self._heartbeat_s = heartbeat_s or heartbeat_period_s()
             self._thread = threading.Thread(target=self._deliver_loop, name="vitreg-spool", daemon=True)
             self._wake.set()  # create the run on the server (and its first heartbeat) right away
@@ -342,8 +328,6 @@ class SpoolingTracker:
         delivered = self._delivery.run_id if self._delivery else None
         return delivered or self._recorded_run_id
 
-    # ----------------------------------------------------------------- the Tracker calls
-
     def _journal(self, records: list[dict]) -> None:
         if self.offline or self.spool.lost:
             return
@@ -355,13 +339,9 @@ class SpoolingTracker:
 
     def log_params(self, params: dict) -> dict[str, str]:
         """Journal params the run does not hold yet; returns ``{key: held_value}`` of those it holds otherwise."""
-        fresh, skipped = {}, {}
-        for key, value in params.items():
-            key, value = str(key), str(value)
-            if key in self._params and self._params[key] != value:
-                skipped[key] = self._params[key]
-            elif key not in self._params:
-                fresh[key] = value
+        params = {str(k): str(v) for k, v in params.items()}
+        skipped = {k: self._params[k] for k, v in params.items() if self._params.get(k, v) != v}
+        fresh = {k: v for k, v in params.items() if k not in self._params}
         self._params.update(fresh)
         if fresh:
             self._journal(self.spool.append_params(fresh))
@@ -425,8 +405,6 @@ class SpoolingTracker:
                               f"{self.spool.path}`, then `vitreg register {self.artifact_uri('checkpoints/last')} "
                               f"--name {name}`")
 
-    # ----------------------------------------------------------------- the end
-
     def close(self, status: str = "FINISHED", timeout_s: float | None = None) -> bool:
         """Journal the final status; wait up to ``timeout_s`` for delivery. True when the server has it all;
         otherwise the spool stays and one line says how to deliver it."""
@@ -480,27 +458,19 @@ class SpoolingTracker:
         self._wake.set()
         if self._thread is not None:
             self._thread.join(http_timeout_s() + 1)
-        ended = False
+        where = "nothing of it reached the tracking server"
         if not self.offline and self.run_id:
             try:
                 with short_http_requests():
-                    client = self._client or mlflow.MlflowClient(tracking_uri=self._uri)
-                    end_with_reason(client, self.run_id, "FAILED", self.spool.lost)
-                ended = True
+                    end_with_reason(mlflow.MlflowClient(tracking_uri=self._uri), self.run_id, "FAILED", self.spool.lost)
+                where = f"run {self.run_id} is marked FAILED on the tracking server"
             except Exception as exc:  # noqa: BLE001 - the server is down too: the run is left to `runs --stale`
                 self._last_error = first_line(exc)
-        if ended:
-            where = f"run {self.run_id} is marked FAILED on the tracking server"
-        elif self.offline or not self.run_id:
-            where = "nothing of it reached the tracking server"
-        else:
-            where = (f"run {self.run_id} could not be ended on the tracking server ({self._last_error}): "
-                     f"`vitreg runs --stale --fix` ends it later")
+                where = (f"run {self.run_id} could not be ended on the tracking server ({self._last_error}): "
+                         f"`vitreg runs --stale --fix` ends it later")
         progress(f"{self.spool.lost}; {where}")
         self.spool.release()
         return False
-
-    # ----------------------------------------------------------------- the delivery thread
 
     def _deliver_loop(self) -> None:
         # short_http_requests around each round, not the whole loop: its settings are asserted afresh each time,
@@ -508,8 +478,7 @@ class SpoolingTracker:
         retry_at, backoff, next_beat = 0.0, _BACKOFF_FIRST_S, 0.0
         try:
             with short_http_requests():  # for a sqlite store the client creates (or migrates) the database here
-                client = self._client or mlflow.MlflowClient(tracking_uri=self._uri)
-                self._delivery = Delivery(self.spool, client, heartbeat=True)
+                self._delivery = Delivery(self.spool, mlflow.MlflowClient(tracking_uri=self._uri), heartbeat=True)
             while not self._stopped.is_set() and not self._done.is_set():
                 now = time.monotonic()
                 self._wake.wait(retry_at - now if retry_at > now else _DELIVERY_INTERVAL_S)

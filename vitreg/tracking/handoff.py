@@ -43,7 +43,6 @@ def _copy(src: Path, dst: Path) -> None:
 
 
 class HandoffTracker(Tracker):
-
     thread_safe = True  # one lock orders the lines
 
     def __init__(self, directory):
@@ -95,8 +94,7 @@ class HandoffTracker(Tracker):
     def log_artifact(self, path, artifact_path=None):
         self._write("log_artifact", path=self._keep(path), artifact_path=artifact_path)
 
-    def log_artifacts(self, path, artifact_path=None):
-        self._write("log_artifacts", path=self._keep(path), artifact_path=artifact_path)
+    log_artifacts = log_artifact  # a file or a folder alike: the launcher's tracker copies either
 
     def delete_artifacts(self, artifact_path):
         self._write("delete_artifacts", artifact_path=artifact_path)
@@ -104,12 +102,10 @@ class HandoffTracker(Tracker):
     def hand_back_registration(self, checkpoint_dir, name, alias, tags):
         """Registration is the launcher's, after the replay (the version reads the run's figures)."""
         self._write("register_checkpoint", path=self._keep(checkpoint_dir), name=name, alias=alias, tags=tags)
-        return None
 
 
 @dataclass(frozen=True)
 class Handoff:
-
     directory: Path
     calls: tuple
 

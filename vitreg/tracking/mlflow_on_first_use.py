@@ -11,7 +11,6 @@ import importlib
 
 
 class _LazyModule:
-
     def __init__(self, name: str):
         self._name = name
 

@@ -32,7 +32,6 @@ _NAME_RE = re.compile(r"^[\w.\-]+$")
 _VERSION_ALIAS_RE = re.compile(r"^[vV]\d+$")
 
 
-
 def register_checkpoint(tracker, checkpoint_dir, name: str, alias: str | None = "latest", tags: dict | None = None,
                         input_example_size: int | None = None, progress=progress):
     """Register a vitreg checkpoint (a local folder or a ``runs:/`` URI) as a new version of ``name`` under
@@ -72,7 +71,6 @@ def _register(run_id: str, request: _Request, progress):
 
 @dataclass(frozen=True)
 class _Request:
-
     name: str
     alias: str | None
     tags: dict | None

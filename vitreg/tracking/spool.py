@@ -21,6 +21,7 @@ import math
 import os
 import re
 import shutil
+import tempfile
 import threading
 import time
 import uuid
@@ -140,12 +141,10 @@ def check_spool_root(root: Path) -> None:
     root = Path(root)
     try:
         root.mkdir(parents=True, exist_ok=True)
-        probe = root / f".probe-{uuid.uuid4().hex}"
-        with open(probe, "w") as fh:
-            fh.write("{}\n")  # a byte on disk, not only an inode: a full disk fails here
-            fh.flush()
-            os.fsync(fh.fileno())
-        probe.unlink()
+        with tempfile.TemporaryFile(dir=root) as probe:
+            probe.write(b"{}\n")  # a byte on disk, not only an inode: a full disk fails here
+            probe.flush()
+            os.fsync(probe.fileno())
     except OSError as exc:
         raise SpoolUnusable(unusable_reason(root, exc)) from None
 
@@ -273,8 +272,6 @@ class Spool:
         self._next_seq = None
         self.lost: str | None = None  # why this spool can no longer keep the run (set at the first failed write)
 
-    # ----------------------------------------------------------------- creating and opening
-
     @classmethod
     def create(cls, experiment_name: str, run_name: str | None = None, run_id: str | None = None,
                tracking_uri: str | None = None, root: Path | None = None) -> "Spool":
@@ -346,8 +343,6 @@ class Spool:
         self.release()
         shutil.rmtree(self.path, ignore_errors=True)
 
-    # ----------------------------------------------------------------- reading
-
     def records(self) -> list[dict]:
         """Every record, in order, each checked; :class:`SpoolDamaged` names the line of the first that is not
         as vitreg writes it. A last line torn by a crash is dropped."""
@@ -384,8 +379,6 @@ class Spool:
     @property
     def run_record(self) -> dict:
         return self.records()[0]
-
-    # ----------------------------------------------------------------- appending
 
     def _append(self, record: dict) -> dict:
         if self.lost:

@@ -84,7 +84,7 @@ def _cached_store_with_root(absolute: str):
 
 
 def create_experiment(client, name: str) -> str:
-    """Create experiment ``name`` in ``client``'s store and return its id; a sqlite store's under :func:`artifact_root`."""
+    """Create experiment ``name`` and return its id; a sqlite store's under :func:`artifact_root`."""
     if artifact_root(client.tracking_uri) is None:
         return client.create_experiment(name)
     # by absolute URI: a relative path names another file once the process changes folder
