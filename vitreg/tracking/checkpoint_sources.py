@@ -39,8 +39,6 @@ SOURCES = "models:/NAME@ALIAS, models:/NAME/VERSION, runs:/RUN_ID/checkpoints/la
 
 @dataclass(frozen=True)
 class Located:
-    """A verified checkpoint and where it came from."""
-
     checkpoint: ckpt.VerifiedCheckpoint
     name: str | None = None  # the registered model, when the source named a version
     version: str | None = None
@@ -220,7 +218,6 @@ def _is_last_file(client, run_id: str, path: str) -> bool:
 
 
 def _download_source(source: str, dst: Path, what: str, progress) -> tuple[Path, dict]:
-    """(folder, what it came from)."""
     client = mlflow.MlflowClient()
     if source.startswith("models:/"):
         return _download_model_version(client, source, dst, what, progress)
@@ -250,7 +247,6 @@ def _download(artifact_uri: str, dst: Path, progress, label: str | None = None) 
 
 
 def _find_checkpoint(root: Path, label: str) -> Path:
-    """The one folder under ``root`` that holds manifest.json + spec.json."""
     root = Path(root)
     found = sorted({p.parent for p in root.rglob("manifest.json") if (p.parent / "spec.json").is_file()})
     if len(found) == 1:
@@ -360,7 +356,6 @@ def pull(uri: str, out_dir=None, dst=None, progress=progress) -> PullResult:
 
 
 def load_model(uri: str, device: str = "cpu"):
-    """``(model, ModelInfo, spec_json)`` of a registered model or checkpoint URI."""
     with tempfile.TemporaryDirectory(prefix="vitreg-pull-") as tmp:
         result = pull(uri, dst=tmp, progress=lambda message: None)
     return result.model.to(device), result.info, result.spec

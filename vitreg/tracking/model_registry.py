@@ -33,17 +33,16 @@ _VERSION_ALIAS_RE = re.compile(r"^[vV]\d+$")
 
 
 def register_checkpoint(tracker, checkpoint_dir, name: str, alias: str | None = "latest", tags: dict | None = None,
-                        input_example_size: int | None = None, progress=progress):
+                        progress=progress):
     """Register a vitreg checkpoint (a local folder or a ``runs:/`` URI) as a new version of ``name`` under
     ``tracker``'s run; returns the ModelVersion (None for a rank that does not log). ``alias`` moves to the new
-    version; ``"latest"`` sets nothing (MLflow resolves ``@latest`` itself). ``input_example_size``: the pt2
-    example's side (default: the checkpoint's ``img_size``)."""
+    version; ``"latest"`` sets nothing (MLflow resolves ``@latest`` itself)."""
     check_on_server = getattr(tracker, "check_on_server", None)  # a spooling tracker may hold the run locally
     if check_on_server is not None:
         check_on_server(name)
     if not tracker.run_id:  # a rank that does not log (NullTracker)
         return None
-    return _register(tracker.run_id, _Request(name, alias, tags, str(checkpoint_dir), input_example_size), progress)
+    return _register(tracker.run_id, _Request(name, alias, tags, str(checkpoint_dir)), progress)
 
 
 def _register(run_id: str, request: _Request, progress):
@@ -75,7 +74,6 @@ class _Request:
     alias: str | None
     tags: dict | None
     source: str
-    input_example_size: int | None
 
 
 def _log_and_register(client, run_id: str, loaded: tuple, located, request: _Request, stage: Path, progress):
@@ -90,11 +88,10 @@ def _log_and_register(client, run_id: str, loaded: tuple, located, request: _Req
     if shared:
         (stage / SHARED_WEIGHTS).write_text(shared_weights_text(run_id, shared))
         staged.append(stage / SHARED_WEIGHTS)
-    side = int(request.input_example_size or info.img_size)
     # Zeros: torch.export reads the example's shape and dtype, not its values, and MLflow keeps it twice as
     # JSON text (input_example.json, serving_input_example.json), where a random float32 takes ~20
     # characters and 0.0 three: 15.5 MB against ~2 MB for a 224 px batch of 2.
-    example = np.zeros((EXAMPLE_BATCH, 3, side, side), dtype=np.float32)
+    example = np.zeros((EXAMPLE_BATCH, 3, info.img_size, info.img_size), dtype=np.float32)
     progress(f"logging {spec['model']} ({info.params_m:.1f} M params) as an MLflow pytorch model (pt2) "
              f"under run {run_id} ...")
     logged = mlflow.pytorch.log_model(
@@ -134,7 +131,7 @@ def register_run_checkpoint(uri: str, name: str, alias: str | None = "latest", p
     except mlflow.exceptions.MlflowException:
         raise VitregError(f"no run {run_id} at {tracking_uri()}: check the run id and MLFLOW_TRACKING_URI") \
             from None
-    return _register(run.info.run_id, _Request(name, alias, None, f"runs:/{run_id}/{match.group(2)}", None), progress)
+    return _register(run.info.run_id, _Request(name, alias, None, f"runs:/{run_id}/{match.group(2)}"), progress)
 
 
 def check_registration(name: str, alias: str | None, arch: str) -> None:

@@ -56,9 +56,8 @@ def run_list(raw: pd.DataFrame) -> pd.DataFrame:
                         "gpu": [gpu_text(g, r if m else None) for g, r, m in zip(base["gpu"], base["ran_on"],
                                                                                  base["mismatch"])]})
     flags: list[list[str]] = [[] for _ in df.index]
-    task_param = _coalesce(df, "params.task").str.lower()
     for task in TASKS:
-        part = _task_rows(df, base, task, task_param)
+        part = _task_rows(df, base, task)
         if part is None:
             continue
         out[f"{task}_img_per_s"] = part["throughput_img_per_s"]  # aligned on the run's row; NaN where not run
@@ -96,8 +95,7 @@ def tidy(runs_df: pd.DataFrame, axes: tuple[str, ...] = ()) -> pd.DataFrame:
     carried = [a for a in dict.fromkeys(axes) if a not in id_columns()]
     for axis in carried:
         base[axis] = _coalesce(df, f"tags.{axis}", f"params.{axis}")
-    task_param = _coalesce(df, "params.task").str.lower()
-    parts = [p for p in (_task_rows(df, base, task, task_param) for task in TASKS) if p is not None]
+    parts = [p for p in (_task_rows(df, base, task) for task in TASKS) if p is not None]
     if not parts:
         raise CompareError(
             f"the {len(df)} finished runs carry no metrics.infer_* or metrics.train_* values; "
@@ -256,11 +254,12 @@ def _hardware(df: pd.DataFrame, gpu: pd.Series) -> tuple[pd.Series, pd.Series]:
     return mismatch.astype(bool), ran_on.astype(object).where(ran_on.notna(), np.nan)
 
 
-def _task_rows(df: pd.DataFrame, base: pd.DataFrame, task: str, task_param: pd.Series) -> pd.DataFrame | None:
+def _task_rows(df: pd.DataFrame, base: pd.DataFrame, task: str) -> pd.DataFrame | None:
     prefix = f"metrics.{task}_"
     values = {c[len(prefix):]: pd.to_numeric(df[c], errors="coerce") for c in df.columns if c.startswith(prefix)}
     recorded = pd.DataFrame(values, index=df.index).notna().any(axis=1)
     # The task param is authoritative; without it (hand-made frames) trust the metrics.
+    task_param = _coalesce(df, "params.task").str.lower()
     wanted = task_param.isin([task, "both"]).fillna(False) | (task_param.isna() & recorded)
     wanted &= recorded  # a task that logged nothing has nothing to compare
     if not wanted.any():

@@ -41,7 +41,6 @@ MAX_METRICS, MAX_PARAMS, MAX_TAGS = 1000, 100, 98
 
 
 def spool_root(env: dict | None = None) -> Path:
-    """Where spools live: ``$VITREG_SPOOL_DIR``, else the user's data dir (``~/.local/share/vitreg/spool``)."""
     env = os.environ if env is None else env
     if env.get("VITREG_SPOOL_DIR"):
         return Path(env["VITREG_SPOOL_DIR"]).expanduser()
@@ -215,7 +214,6 @@ def _inside_problem(spool_dir: Path, record: dict) -> str | None:
 
 
 def record_problem(spool_dir: Path, record, seq: int) -> str | None:
-    """What is wrong with journal record number ``seq`` of the spool at ``spool_dir`` (None: nothing)."""
     if not isinstance(record, dict):
         return "not a record"
     kind = record.get("kind")
@@ -359,10 +357,8 @@ class Spool:
         torn = lines.pop()  # after the last line end: b"" unless a write was cut short
         records = [self._parsed(journal, number, line) for number, line in enumerate(lines, 1)]
         if torn:
-            try:
+            with contextlib.suppress(FileFault):
                 records.append(parse_json(torn))
-            except FileFault:
-                pass
         for seq, record in enumerate(records):
             problem = record_problem(self.path, record, seq)
             if problem:
@@ -455,8 +451,8 @@ class Spool:
     def append_delete(self, artifact_path: str) -> dict:
         return self._append({"kind": "delete", "artifact_path": str(artifact_path)})
 
-    def append_end(self, status: str, end_time_ms: int | None = None) -> dict:
-        return self._append({"kind": "end", "status": status, "end_time": end_time_ms or now_ms()})
+    def append_end(self, status: str) -> dict:
+        return self._append({"kind": "end", "status": status, "end_time": now_ms()})
 
 
 class Contents:

@@ -53,7 +53,6 @@ _saved_http_settings: dict[str, str | None] = {}
 
 
 def sqlite_path(uri: str) -> Path | None:
-    """The database file of a ``sqlite:///`` URI (None for any other store, or an in-memory one)."""
     if not uri.startswith("sqlite:///") or uri.endswith(":memory:"):
         return None
     return Path(uri[len("sqlite:///"):].split("?", 1)[0])
@@ -233,7 +232,6 @@ def store_fault(exc: BaseException, uri: str, doing: str = "") -> VitregError:
 
 
 def _opens(path: Path) -> bool:
-    """Whether the sqlite file ``path`` opens, read-only, as an MLflow store."""
     import sqlite3
 
     try:

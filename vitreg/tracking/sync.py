@@ -19,7 +19,7 @@ from vitreg.tracking.uris import redact
 
 
 class SyncError(VitregError):
-    """The tracking store did not take a spool; the message says what is still spooled."""
+    """The tracking store did not take a spool."""
 
 
 @dataclasses.dataclass(frozen=True)

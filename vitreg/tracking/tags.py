@@ -15,7 +15,6 @@ from vitreg.tracking.runs import note_skipped_params
 
 
 def log_setup(run, params: dict, env, progress) -> None:
-    """Params, then environment.json and pip_freeze.txt."""
     note_skipped_params(run.log_params(params), progress)
     run.log_text(env.to_json(), "environment.json")
     run.log_text(pip_freeze(), "pip_freeze.txt")
