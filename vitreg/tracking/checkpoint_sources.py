@@ -175,8 +175,7 @@ def _download_run_path(client, uri: str, dst: Path, what: str, progress) -> tupl
     except mlflow.exceptions.MlflowException as exc:  # the store answered: it is this path that is bad
         raise CheckpointError(f"{what}={uri} cannot be read ({first_line(exc)}): it is no folder or file vitreg "
                               f"wrote; point at one of the run's checkpoints/step-<N> folders instead") from None
-    names = {Path(e.path).name: e for e in entries}
-    if "manifest.json" not in names:
+    if not any(Path(e.path).name == "manifest.json" for e in entries):
         subdirs = [e.path for e in entries if e.is_dir and any(
             Path(x.path).name == "manifest.json" for x in client.list_artifacts(run_id, e.path))]
         if subdirs:

@@ -26,8 +26,7 @@ from vitreg.tracking.uris import absolute_uri, redact, scrub
 _BUSY = re.compile(r"database is locked|database is busy|SQLITE_BUSY", re.IGNORECASE)
 _CORRUPT = re.compile(r"database disk image is malformed|malformed database schema|"
                       r"database or disk is full|unsupported file format", re.IGNORECASE)
-_READ_ONLY = re.compile(r"readonly database|read-only file system", re.IGNORECASE)
-_CANNOT_OPEN = re.compile(r"unable to open database file", re.IGNORECASE)
+_CANNOT_OPEN = re.compile(r"readonly database|read-only file system|unable to open database file", re.IGNORECASE)
 _REFUSED = re.compile(r"connection refused|could not connect|Can't connect to|Name or service not known|"
                       r"could not translate host name", re.IGNORECASE)
 _NOT_HTTP = re.compile(r"BadStatusLine|RemoteDisconnected|Connection aborted|InvalidChunkLength|"
@@ -209,7 +208,7 @@ def store_fault(exc: BaseException, uri: str, doing: str = "") -> VitregError:
     if path and _CORRUPT.search(text):
         return StoreError(f"{where} is damaged ({reason}): restore it from a backup, or move it away (a new "
                           f"one is created; the runs in it are lost) or point MLFLOW_TRACKING_URI elsewhere")
-    if path and (_READ_ONLY.search(text) or _CANNOT_OPEN.search(text)):
+    if path and _CANNOT_OPEN.search(text):
         return StoreError(_local_reason(path, reason) or f"{where} cannot be opened ({reason}): check its file "
                                                          f"and folder, or MLFLOW_TRACKING_URI")
     if path and _opens(path):  # "move it away" only for a store that does not open, never from a failed call
