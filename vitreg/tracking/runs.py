@@ -111,10 +111,9 @@ def without_requested_run(env: dict) -> dict:
 
 def _experiment_name(experiment: str | None) -> str:
     """The experiment a new run goes to: the one asked for, else MLflow's own environment choice, else Default."""
-    if experiment:
-        return experiment
-    if os.environ.get("MLFLOW_EXPERIMENT_NAME"):
-        return os.environ["MLFLOW_EXPERIMENT_NAME"]
+    name = experiment or os.environ.get("MLFLOW_EXPERIMENT_NAME")
+    if name:
+        return name
     if os.environ.get("MLFLOW_EXPERIMENT_ID"):
         with short_http_requests(), store_errors(mlflow.get_tracking_uri(), "reading the experiment"):
             return mlflow.MlflowClient().get_experiment(os.environ["MLFLOW_EXPERIMENT_ID"]).name
