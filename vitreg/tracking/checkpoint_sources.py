@@ -1,13 +1,8 @@
-"""Checkpoints in the tracking store: resolve a models:/, runs:/ or local source into one verified
-checkpoint, pull it back as a real timm model, export it.
-
-:func:`resolve_checkpoint` is the one resolver (``train``'s resume= and teacher=, ``pull``, ``infer``,
-registration); it takes :data:`SOURCES`, a logged model (``models:/m-<id>``) or another artifact URI
-(``s3://...``), follows a run's ``checkpoints/last`` pointer to its ``step-<N>`` folder, verifies the
-checkpoint once and hands it on as a :class:`~vitreg.checkpoint.format.VerifiedCheckpoint`. A registered
-version's files are in its logged model's ``extra_files/``; one that shares its run's weights
-(``shared_weights.json``) gets them from the run (:func:`_fetch_shared_weights`), verified against the
-version's own manifest either way. Nothing is unpickled, and the pt2 graph is never loaded.
+"""Checkpoints in the tracking store: :func:`resolve_checkpoint`, the one resolver (``train``'s resume= and
+teacher=, ``pull``, ``infer``, registration), turns :data:`SOURCES`, a logged model (``models:/m-<id>``) or an
+artifact URI into one verified checkpoint, following a run's ``checkpoints/last`` pointer; :func:`pull` rebuilds
+it as a timm model. A registered version's files are in its logged model's ``extra_files/``, its weights there
+or, shared, in its run (``shared_weights.json``). Nothing is unpickled, and the pt2 graph is never loaded.
 """
 
 from __future__ import annotations
@@ -44,8 +39,6 @@ SOURCES = "models:/NAME@ALIAS, models:/NAME/VERSION, runs:/RUN_ID/checkpoints/la
 
 @dataclass(frozen=True)
 class Located:
-    """A verified checkpoint and where it came from."""
-
     checkpoint: ckpt.VerifiedCheckpoint
     name: str | None = None  # the registered model, when the source named a version
     version: str | None = None
@@ -56,8 +49,7 @@ class Located:
 
 def resolve_checkpoint(source: str, dst=None, what: str = "model_uri", progress=progress) -> Located:
     """The one checkpoint ``source`` names, verified; a remote one downloaded into ``dst`` (default: a new
-    temporary folder, the caller's to remove; removed here when it raises). ``what``: the option that holds
-    ``source``, which error messages name, with what exists (models, aliases, versions, run paths)."""
+    temporary folder, the caller's to remove). ``what``: the option that holds ``source``, for messages."""
     source = str(source).strip()
     if source.startswith(("models:/", "runs:/")) or "://" in source:
         own_dst = dst is None
@@ -183,8 +175,7 @@ def _download_run_path(client, uri: str, dst: Path, what: str, progress) -> tupl
     except mlflow.exceptions.MlflowException as exc:  # the store answered: it is this path that is bad
         raise CheckpointError(f"{what}={uri} cannot be read ({first_line(exc)}): it is no folder or file vitreg "
                               f"wrote; point at one of the run's checkpoints/step-<N> folders instead") from None
-    names = {Path(e.path).name: e for e in entries}
-    if "manifest.json" not in names:
+    if not any(Path(e.path).name == "manifest.json" for e in entries):
         subdirs = [e.path for e in entries if e.is_dir and any(
             Path(x.path).name == "manifest.json" for x in client.list_artifacts(run_id, e.path))]
         if subdirs:
@@ -204,7 +195,7 @@ def _download_run_path(client, uri: str, dst: Path, what: str, progress) -> tupl
 
 
 def _listed(client, run_id: str, path: str, uri: str, dst: Path, progress) -> tuple[str, list]:
-    """``path`` in the run's artifacts and what it holds; a ``last`` file is followed to the folder it names."""
+    """``path`` in the run's artifacts and what it holds, a ``last`` file followed to the folder it names."""
     entries = client.list_artifacts(run_id, path or None)
     if not entries and _is_last_file(client, run_id, path):
         pointer = Path(_download(f"runs:/{run_id}/{path}", dst / ".last", progress))
@@ -216,19 +207,16 @@ def _listed(client, run_id: str, path: str, uri: str, dst: Path, progress) -> tu
 
 
 def _pointer_text(local: Path, uri: str) -> str:
-    """The text of a downloaded ``last`` file, read as every small file is (named by the URI it came from)."""
     return read_text(local, ckpt.LAST_FIX, CheckpointError, where=uri, limit=ckpt.LAST_BYTES)
 
 
 def _is_last_file(client, run_id: str, path: str) -> bool:
-    """Whether ``path`` is a ``last`` file of the run (a pointer, not a folder; a folder lists its files)."""
     parent, _, name = path.rpartition("/")
     return name == ckpt.LAST and any(e.path == path and not e.is_dir
                                      for e in client.list_artifacts(run_id, parent or None))
 
 
 def _download_source(source: str, dst: Path, what: str, progress) -> tuple[Path, dict]:
-    """A remote ``source`` (models:/, runs:/ or an artifact URI) into ``dst``: (folder, what it came from)."""
     client = mlflow.MlflowClient()
     if source.startswith("models:/"):
         return _download_model_version(client, source, dst, what, progress)
@@ -258,7 +246,6 @@ def _download(artifact_uri: str, dst: Path, progress, label: str | None = None) 
 
 
 def _find_checkpoint(root: Path, label: str) -> Path:
-    """The one folder under ``root`` that holds manifest.json + spec.json."""
     root = Path(root)
     found = sorted({p.parent for p in root.rglob("manifest.json") if (p.parent / "spec.json").is_file()})
     if len(found) == 1:
@@ -270,15 +257,13 @@ def _find_checkpoint(root: Path, label: str) -> Path:
     raise VitregError(f"{label} holds several checkpoints ({rel}): pull one of them")
 
 
-
 def shared_weights_text(run_id: str, folder: str) -> str:
     """The ``shared_weights.json`` of a version whose weights are those of run ``run_id``'s ``folder``."""
     return json.dumps({"format": SHARED_FORMAT, "run_id": run_id, "checkpoint": folder}, indent=2)
 
 
 def _fetch_shared_weights(client, directory: Path, label: str, progress) -> Path:
-    """``directory`` with its weights: a version that shares them with its run gets them from there (then
-    verified against the version's own manifest, as a copy would be)."""
+    """``directory`` with its weights: a version that shares them with its run gets them from there."""
     pointer = directory / SHARED_WEIGHTS
     if (directory / ckpt.WEIGHTS).exists() or not pointer.is_file():
         return directory
@@ -308,8 +293,6 @@ def _fetch_shared_weights(client, directory: Path, label: str, progress) -> Path
 
 @dataclass
 class PullResult:
-    """A pulled model: the rebuilt timm model, where its files are, and where it came from."""
-
     uri: str
     model: object
     info: object  # vitreg.models.factory.ModelInfo
@@ -345,9 +328,8 @@ class PullResult:
 
 
 def pull(uri: str, out_dir=None, dst=None, progress=progress) -> PullResult:
-    """Download, verify (sha256), rebuild and smoke-test a registered model; optionally export it.
-    ``dst``: where the downloaded files go (default: a new temporary folder, kept and printed); ``out_dir``:
-    a self-contained copy besides (:func:`vitreg.checkpoint.export.export_folder`)."""
+    """Download, verify (sha256), rebuild and smoke-test a registered model. ``dst``: where the files go
+    (default: a new temporary folder, kept and printed); ``out_dir``: a self-contained copy besides."""
     uri = str(uri).strip()
     own_dst = dst is None  # a folder we create: removed on failure, and when --out holds the files
     dst = Path(tempfile.mkdtemp(prefix="vitreg-pull-")) if own_dst else Path(dst)
@@ -373,7 +355,6 @@ def pull(uri: str, out_dir=None, dst=None, progress=progress) -> PullResult:
 
 
 def load_model(uri: str, device: str = "cpu"):
-    """``(model, ModelInfo, spec_json)`` of a registered model or checkpoint URI (see :func:`pull`)."""
     with tempfile.TemporaryDirectory(prefix="vitreg-pull-") as tmp:
         result = pull(uri, dst=tmp, progress=lambda message: None)
     return result.model.to(device), result.info, result.spec
@@ -397,11 +378,7 @@ def forward_check(model, info, batch: int = 2) -> tuple:
     return tuple(outputs[0].shape)
 
 
-# --------------------------------------------------------------------------- infer linkage
-
-
 def link_infer_run(result: PullResult, run_id: str, metrics: dict, gpu: str | None = None) -> None:
-    """Tag the model version (when the URI named one) with the infer run that benchmarked it."""
     if not result.version_uri:
         return
     client = mlflow.MlflowClient()

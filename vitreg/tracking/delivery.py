@@ -1,19 +1,15 @@
-"""A spooled run reaches the tracking store exactly once, in order: live from a background thread while
-the work goes on (:class:`SpoolingTracker`, what every run logs through), or later with ``vitreg sync``
-(:func:`vitreg.tracking.sync.sync`: to the URI given, else the one it was logged against, else the current one).
+"""A spooled run reaches the tracking store exactly once, in order: live, from a background thread while the
+work goes on (:class:`SpoolingTracker`, what every run logs through), or later with ``vitreg sync``.
 
-Live: every tracker call appends to the run's :class:`~vitreg.tracking.spool.Spool` and returns. A thread
-delivers what is pending about once a second (sooner when much piles up) in ``log_batch`` calls, with a
-heartbeat tag (``vitreg_heartbeat``, every ``VITREG_HEARTBEAT_S`` s: what tells a live run from a stale one,
-:func:`vitreg.tracking.runs.find_stale`), backing off 0.5 s doubling to 8 s while the server fails.
-:meth:`SpoolingTracker.close` waits at most ``VITREG_FLUSH_TIMEOUT_S`` (30 s) for the rest; what is left stays
-in the spool, and one line says ``vitreg sync``. An artifact's copy leaves the spool once the server holds it.
+Live: each call appends to the run's spool and returns; a thread sends what is pending about once a second in
+``log_batch`` calls, with a heartbeat tag (what tells a live run from a stale one), backing off 0.5 s doubling
+to 8 s while the server fails. :meth:`SpoolingTracker.close` waits ``VITREG_FLUSH_TIMEOUT_S`` for the rest.
 
 Exactly once: every batch carries the tag ``vitreg_spool_seq.<spool id>`` = the last journal record it covers,
 so a delivery that starts again skips what the run holds. MLflow's SQL store writes a batch's tags last: a
 batch cut short is sent again whole, which MLflow absorbs (an identical metric point is stored once, an
-identical param accepted); an artifact is uploaded again to the same path. A new run is created with the tag
-``vitreg_spool_id`` and looked up by it first: a crash right after creating it makes no second run.
+identical param accepted). A new run is tagged ``vitreg_spool_id`` and looked up by it first: a crash right
+after creating it makes no second run.
 """
 
 from __future__ import annotations
@@ -58,16 +54,14 @@ def requested_run_id() -> str | None:
 
 
 def end_with_reason(client: mlflow.MlflowClient, run_id: str, status: str, reason: str) -> None:
-    """End run ``run_id`` of the store with ``status`` (FAILED, KILLED) and the one-line reason in
-    ``vitreg_error``, masked: for a run no tracker of this process holds any more."""
+    """End run ``run_id`` with ``status`` and the reason in ``vitreg_error``: a run no tracker here holds."""
     client.set_tag(run_id, ERROR_TAG, scrub(reason)[:4000])
     client.set_terminated(run_id, status)
 
 
 def delete_run_artifacts(client: mlflow.MlflowClient, run_id: str, artifact_path: str) -> None:
-    """Remove ``artifact_path`` from the run's artifacts (through MLflow's artifact repository: its client has
-    no such call). A store that cannot or may not delete (a 4xx answer) keeps the files: the run is then
-    larger, not wrong, and delivery goes on. A server error or a lost connection is raised, and retried."""
+    """Remove ``artifact_path`` from the run's artifacts (MLflow's client has no such call). A store that cannot
+    or may not delete (a 4xx answer) keeps the files: the run is larger, not wrong. Anything else is retried."""
     from mlflow.store.artifact.artifact_repository_registry import get_artifact_repository
 
     repo = get_artifact_repository(client.get_run(run_id).info.artifact_uri, tracking_uri=client.tracking_uri)
@@ -84,8 +78,8 @@ def delete_run_artifacts(client: mlflow.MlflowClient, run_id: str, artifact_path
 
 
 def seq_tag(spool_id: str) -> str:
-    """The tag holding how far one spool got on its run: per spool, as two processes may log to one run
-    (a launcher and its rank 0 under ``mlflow run``'s run id), each with its own journal."""
+    """How far one spool got on its run: per spool, as two processes may log to one run (a launcher and its
+    rank 0 under ``mlflow run``), each with its own journal."""
     return f"vitreg_spool_seq.{spool_id}"
 
 
@@ -143,12 +137,10 @@ class Delivery:
         self._run_record = spool.run_record
         self._seq_tag = seq_tag(self._run_record["spool_id"])
 
-    # ----------------------------------------------------------------- the server's run
-
     def connect(self) -> str:
         """Find (or create) this spool's run on the server and read how far it got. Idempotent."""
         if self.run_id is None:
-            run = self._known_run() or self._tagged_run() or self._create_run()
+            run = self._known_run() or self._tagged_or_new_run()
             self.run_id = run.info.run_id
             self.delivered_seq = int(run.data.tags.get(self._seq_tag, -1))
             self._server_params = dict(run.data.params)
@@ -166,30 +158,19 @@ class Delivery:
                 return None  # another store than the one it was made in: find or create it by spool id
             raise
 
-    def _experiment_id(self) -> str:
-        return experiment_id_for(self.client, self._run_record.get("experiment_name") or "Default")
-
-    def _tagged_run(self):
-        spool_id = self._run_record["spool_id"]
-        experiment_id = self._experiment_id()
-        found = self.client.search_runs([experiment_id], filter_string=f"tags.{SPOOL_ID_TAG} = '{spool_id}'",
-                                        max_results=1)
-        return found[0] if found else None
-
-    def _create_run(self):
+    def _tagged_or_new_run(self):
+        """The run tagged with this spool's id (made before a crash), else a new one (the store names it)."""
         record = self._run_record
-        tags = {SPOOL_ID_TAG: record["spool_id"]}
-        if record.get("run_name"):
-            tags[mlflow.utils.mlflow_tags.MLFLOW_RUN_NAME] = record["run_name"]
-        return self.client.create_run(self._experiment_id(), start_time=record["start_time"], tags=tags,
-                                      run_name=record.get("run_name"))
-
-    # ----------------------------------------------------------------- sending
+        experiment_id = experiment_id_for(self.client, record.get("experiment_name") or "Default")
+        found = self.client.search_runs([experiment_id], f"tags.{SPOOL_ID_TAG} = '{record['spool_id']}'",
+                                        max_results=1)
+        return found[0] if found else self.client.create_run(
+            experiment_id, start_time=record["start_time"], tags={SPOOL_ID_TAG: record["spool_id"]},
+            run_name=record.get("run_name"))
 
     def push(self, records: list[dict]) -> int:
-        """Deliver ``records`` (in order) that the server does not hold yet; returns the last seq delivered.
-        A store failure is raised; what was delivered before it is recorded on the server: a later call resumes.
-        """
+        """Deliver those of ``records`` the server does not hold yet, in order; returns the last seq delivered.
+        A failure is raised; a later call resumes after what the server holds."""
         self.connect()
         batch = _Batch()
         for record in records:
@@ -210,8 +191,8 @@ class Delivery:
         return self.delivered_seq
 
     def shortfall(self, records: list[dict]) -> str | None:
-        """What the server's run lacks of ``records``, counted: params and tags by name, metric points per
-        name, artifact files by path, the final status. None when it holds them all: only then may the spool go."""
+        """What the server's run lacks of ``records``, counted (:class:`~vitreg.tracking.spool.Contents`); None
+        when it holds them all: only then may the spool go."""
         expected = Contents(records, Path(self.spool.path))
         run = self.client.get_run(self.connect())
         lacking = [f"param {k}" for k in sorted(expected.params - run.data.params.keys())]
@@ -240,19 +221,17 @@ class Delivery:
         return missing
 
     def beat(self) -> None:
-        """A heartbeat alone (nothing else to send)."""
         self.connect()
         self.client.set_tag(self.run_id, HEARTBEAT_TAG, heartbeat_value())
 
     def _release(self, record: dict) -> None:
-        """Free the spool's copy of an artifact once the server's sequence tag covers it (no delivery reads a
-        covered record again): else the spool kept every checkpoint a training logged until the run ended."""
+        """Free the spool's copy of an artifact the server's sequence tag covers: else the spool kept every
+        checkpoint a training logged until the run ended."""
         if record["kind"] == "artifact":
             copy = Path(self.spool.path) / record["path"]
             shutil.rmtree(copy if record["is_dir"] else copy.parent, ignore_errors=True)
 
     def _apply(self, record: dict) -> None:
-        """The records that are not log_batch calls: an artifact upload, the final status."""
         if record["kind"] == "artifact":
             local = str(Path(self.spool.path) / record["path"])
             if not os.path.exists(local):
@@ -267,9 +246,8 @@ class Delivery:
             self.client.set_terminated(self.run_id, record["status"], end_time=record["end_time"])
 
     def tidy_up(self) -> None:
-        """Take the heartbeat off an ended, delivered run: MLflow's UI lists it beside the tags people filter by,
-        and only :func:`vitreg.tracking.runs.find_stale` reads it, on RUNNING runs. The sequence tag and the
-        spool id stay (a second delivery of the same journal adds nothing). Best effort."""
+        """Take the heartbeat off an ended, delivered run (only ``find_stale`` reads it, on RUNNING runs; the UI
+        lists it beside the tags people filter by). Best effort."""
         if self.run_id is None:
             return
         try:
@@ -280,7 +258,6 @@ class Delivery:
             pass
 
     def _send(self, batch: _Batch) -> None:
-        """One log_batch with the batch's records and the sequence tag (nothing for an empty batch)."""
         if batch.last_seq is None:
             return
         # A param MLflow already holds with another value is the `mlflow run -P` request: params are
@@ -304,23 +281,20 @@ class Delivery:
 
 
 def sync_hint(spool: Spool) -> str:
-    """Where an undelivered run waits and the command that delivers it: the progress line of an
-    undelivered close and the job's last line (``where_logged``) say the same thing; a lost spool says so."""
+    """Where an undelivered run waits and the command that delivers it (or why its spool was lost)."""
     if spool.lost:
         return spool.lost
     return f"the run is kept in {spool.path}: deliver it with `vitreg sync --spool {spool.path}`"
 
 
 class SpoolingTracker:
-    """The :class:`~vitreg.tracking.runs.Tracker` of every run :func:`~vitreg.tracking.runs.tracked_run`
-    opens: its calls are journaled and delivered in the background; it ends with :meth:`close`.
-    ``existing_params``: what the server run already holds (``mlflow run``'s ``-P`` values)."""
+    """The :class:`~vitreg.tracking.runs.Tracker` of every run: its calls are journaled and delivered in the
+    background; it ends with :meth:`close`. ``existing_params``: ``mlflow run``'s ``-P`` values."""
 
     thread_safe = True
 
-    def __init__(self, spool: Spool, offline: bool | None = None, client: mlflow.MlflowClient | None = None,
-                 existing_params: dict | None = None, experiment_id: str | None = None,
-                 heartbeat_s: float | None = None):
+    def __init__(self, spool: Spool, offline: bool | None = None, existing_params: dict | None = None,
+                 experiment_id: str | None = None, heartbeat_s: float | None = None):
         self.spool = spool
         self.offline = offline_mode(offline)
         self.experiment_id = experiment_id
@@ -332,11 +306,10 @@ class SpoolingTracker:
         self._pending_lock = threading.Lock()
         self._wake, self._stopped, self._done = threading.Event(), threading.Event(), threading.Event()
         self._last_error = ""
-        self._closed: bool | None = None
+        self.delivered: bool | None = None  # after close: whether the store has all of the run
         self._delivery = None
         self._thread = None
         if not self.offline:
-            self._client = client
             self._heartbeat_s = heartbeat_s or heartbeat_period_s()
             self._thread = threading.Thread(target=self._deliver_loop, name="vitreg-spool", daemon=True)
             self._wake.set()  # create the run on the server (and its first heartbeat) right away
@@ -345,18 +318,15 @@ class SpoolingTracker:
     @classmethod
     def open(cls, experiment_name: str, run_name: str | None = None, run_id: str | None = None,
              tracking_uri: str | None = None, root=None, **kwargs) -> "SpoolingTracker":
-        """A new spool for one run (``run_id``: the server run it continues, if any) and its tracker."""
         spool = Spool.create(experiment_name, run_name=run_name, run_id=run_id, tracking_uri=tracking_uri,
                              root=root)
         return cls(spool, **kwargs)
 
     @property
     def run_id(self) -> str | None:
-        """The server's run id: known once the run exists there (None for a new run not delivered yet)."""
+        """None for a new run not delivered yet."""
         delivered = self._delivery.run_id if self._delivery else None
         return delivered or self._recorded_run_id
-
-    # ----------------------------------------------------------------- the Tracker calls
 
     def _journal(self, records: list[dict]) -> None:
         if self.offline or self.spool.lost:
@@ -369,13 +339,9 @@ class SpoolingTracker:
 
     def log_params(self, params: dict) -> dict[str, str]:
         """Journal params the run does not hold yet; returns ``{key: held_value}`` of those it holds otherwise."""
-        fresh, skipped = {}, {}
-        for key, value in params.items():
-            key, value = str(key), str(value)
-            if key in self._params and self._params[key] != value:
-                skipped[key] = self._params[key]
-            elif key not in self._params:
-                fresh[key] = value
+        params = {str(k): str(v) for k, v in params.items()}
+        skipped = {k: self._params[k] for k, v in params.items() if self._params.get(k, v) != v}
+        fresh = {k: v for k, v in params.items() if k not in self._params}
         self._params.update(fresh)
         if fresh:
             self._journal(self.spool.append_params(fresh))
@@ -390,11 +356,10 @@ class SpoolingTracker:
             self._journal(self.spool.append_tags(clean))
 
     def log_metrics(self, metrics: dict, step: int | None = None, synchronous: bool = True) -> None:
-        """Journal the points (stamped now, with ``step``); never waits, whatever ``synchronous`` says."""
+        """Never waits, whatever ``synchronous`` says."""
         self._journal(self.spool.append_metrics(metrics, step=step))
 
     def flush(self) -> None:
-        """Make what was logged durable on local disk (delivery itself never blocks the caller)."""
         self.spool.fsync()
 
     def log_text(self, text: str, artifact_file: str) -> None:
@@ -416,12 +381,10 @@ class SpoolingTracker:
         return f"{base}/{path}" if path else base
 
     def set_note(self, text: str) -> None:
-        """The run's description in the MLflow UI (MLflow's own ``mlflow.note.content`` tag)."""
         self._journal(self.spool.append_tags({mlflow.utils.mlflow_tags.MLFLOW_RUN_NOTE: text}))
 
     def wait_delivered(self, timeout_s: float) -> bool:
-        """Wake the delivery thread; True once everything journaled so far is on the server (False offline,
-        or when ``timeout_s`` passes first)."""
+        """True once everything journaled so far is on the server (False offline, or after ``timeout_s``)."""
         if self.offline:
             return False
         deadline = time.monotonic() + timeout_s
@@ -435,28 +398,19 @@ class SpoolingTracker:
             time.sleep(0.05)
 
     def check_on_server(self, name: str) -> None:
-        """Before registering ``name`` from this run: wait until the run's files are on the server; else one
-        line says how to register it after ``vitreg sync``."""
+        """Before registering ``name`` from this run: wait until the run is on the server, else say how."""
         if not self.wait_delivered(flush_timeout_s(None)):
             raise VitregError(f"cannot register {name!r} yet: the run is not on the tracking server "
                               f"({self._last_error or 'offline'}); deliver it with `vitreg sync --spool "
                               f"{self.spool.path}`, then `vitreg register {self.artifact_uri('checkpoints/last')} "
                               f"--name {name}`")
 
-    # ----------------------------------------------------------------- the end
-
-    @property
-    def delivered(self) -> bool | None:
-        """None while the run is open; after :meth:`close`, whether the store has all of it."""
-        return self._closed
-
     def close(self, status: str = "FINISHED", timeout_s: float | None = None) -> bool:
         """Journal the final status; wait up to ``timeout_s`` for delivery. True when the server has it all;
-        otherwise the spool stays and one line says where it is and how to deliver it."""
-        if self._closed is not None:
-            return self._closed  # one end per run: a second close (an error path after the first) is a no-op
-        self._closed = self._close(status, flush_timeout_s(timeout_s))
-        return self._closed
+        otherwise the spool stays and one line says how to deliver it."""
+        if self.delivered is None:  # one end per run: a second close (an error path after the first) is a no-op
+            self.delivered = self._close(status, flush_timeout_s(timeout_s))
+        return self.delivered
 
     def _close(self, status: str, timeout: float) -> bool:
         if not self.spool.lost:
@@ -491,8 +445,7 @@ class SpoolingTracker:
         return False
 
     def _lacking(self) -> str | None:
-        """What the server's run lacks of this spool (:meth:`Delivery.shortfall`), or the failure that kept
-        it from saying: the spool goes only once the store is seen to hold all of it."""
+        """What the server's run lacks of this spool, or the failure that kept it from saying."""
         try:
             with short_http_requests():
                 return self._delivery.shortfall(self.spool.records())
@@ -500,33 +453,24 @@ class SpoolingTracker:
             return f"a count of what it holds ({first_line(exc)})"
 
     def _close_lost(self) -> bool:
-        """The spool can no longer keep the run: stop delivering, end the server run FAILED with the reason
-        (when the server answers), and say so in one line."""
+        """The spool can no longer keep the run: stop delivering, end the server run FAILED, say so."""
         self._stopped.set()
         self._wake.set()
         if self._thread is not None:
             self._thread.join(http_timeout_s() + 1)
-        ended = False
+        where = "nothing of it reached the tracking server"
         if not self.offline and self.run_id:
             try:
                 with short_http_requests():
-                    client = self._client or mlflow.MlflowClient(tracking_uri=self._uri)
-                    end_with_reason(client, self.run_id, "FAILED", self.spool.lost)
-                ended = True
+                    end_with_reason(mlflow.MlflowClient(tracking_uri=self._uri), self.run_id, "FAILED", self.spool.lost)
+                where = f"run {self.run_id} is marked FAILED on the tracking server"
             except Exception as exc:  # noqa: BLE001 - the server is down too: the run is left to `runs --stale`
                 self._last_error = first_line(exc)
-        if ended:
-            where = f"run {self.run_id} is marked FAILED on the tracking server"
-        elif self.offline or not self.run_id:
-            where = "nothing of it reached the tracking server"
-        else:
-            where = (f"run {self.run_id} could not be ended on the tracking server ({self._last_error}): "
-                     f"`vitreg runs --stale --fix` ends it later")
+                where = (f"run {self.run_id} could not be ended on the tracking server ({self._last_error}): "
+                         f"`vitreg runs --stale --fix` ends it later")
         progress(f"{self.spool.lost}; {where}")
         self.spool.release()
         return False
-
-    # ----------------------------------------------------------------- the delivery thread
 
     def _deliver_loop(self) -> None:
         # short_http_requests around each round, not the whole loop: its settings are asserted afresh each time,
@@ -534,8 +478,7 @@ class SpoolingTracker:
         retry_at, backoff, next_beat = 0.0, _BACKOFF_FIRST_S, 0.0
         try:
             with short_http_requests():  # for a sqlite store the client creates (or migrates) the database here
-                client = self._client or mlflow.MlflowClient(tracking_uri=self._uri)
-                self._delivery = Delivery(self.spool, client, heartbeat=True)
+                self._delivery = Delivery(self.spool, mlflow.MlflowClient(tracking_uri=self._uri), heartbeat=True)
             while not self._stopped.is_set() and not self._done.is_set():
                 now = time.monotonic()
                 self._wake.wait(retry_at - now if retry_at > now else _DELIVERY_INTERVAL_S)
@@ -578,11 +521,8 @@ class SpoolingTracker:
 
 def open_run(experiment_name: str = "Default", run_name: str | None = None, tags: dict | None = None,
              offline=None, root=None) -> SpoolingTracker:
-    """Start (or, under ``mlflow run``, continue) a run the spooled way and return its tracker.
-
-    Online this costs one short request, which creates the run (or reads ``mlflow run``'s for its experiment
-    and ``-P`` params), so the run id is known from the start. Offline ``vitreg sync`` creates it later.
-    """
+    """Start (or, under ``mlflow run``, continue) a run the spooled way and return its tracker. Online one short
+    request creates (or reads) the run, so its id is known from the start; offline ``vitreg sync`` creates it."""
     offline = offline_mode(offline)
     uri = mlflow.get_tracking_uri()
     root = Path(root or spool_root())

@@ -1,11 +1,7 @@
-"""Rank 0 -> launcher: what a rank would log, written down for the launcher to log.
-
-Under a vitreg launcher no rank talks to MLflow. Rank 0 gets a :class:`HandoffTracker` on a folder the
-launcher gave it (``run.json``, written first, names the run): every tracker call becomes one JSON line of
-``calls.jsonl`` and every file or folder to log is copied (hard-linked where it can be) under ``files/``.
-While torchrun runs, and once more at its end, the launcher reads the new lines (:class:`HandoffReader`) and
-replays them into its run (:func:`replay`); the figures it relates to a baseline come from the same
-:class:`Handoff`, not from the store.
+"""Rank 0 -> launcher: under a vitreg launcher no rank talks to MLflow. Rank 0's :class:`HandoffTracker` writes
+every call as a JSON line of ``calls.jsonl`` in a folder the launcher gave it (``run.json`` names the run), and
+every file to log under ``files/`` (hard-linked where it can be); the launcher reads the new lines while torchrun
+runs (:class:`HandoffReader`) and replays them into its run (:func:`replay`).
 """
 
 from __future__ import annotations
@@ -26,7 +22,6 @@ FILES = "files"
 
 
 def announce_run(directory, run_id: str, experiment_id: str) -> None:
-    """The launcher's side, before torchrun: which run rank 0's calls are for ("" for none)."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     (directory / RUN).write_text(json.dumps({"run_id": run_id, "experiment_id": experiment_id}))
@@ -48,8 +43,6 @@ def _copy(src: Path, dst: Path) -> None:
 
 
 class HandoffTracker(Tracker):
-    """Rank 0's tracker under a vitreg launcher: writes every call down (see the module docstring)."""
-
     thread_safe = True  # one lock orders the lines
 
     def __init__(self, directory):
@@ -64,8 +57,8 @@ class HandoffTracker(Tracker):
             out.write(json.dumps({"call": call, **fields}, default=str) + "\n")
 
     def _keep(self, path) -> str:
-        """A copy of ``path`` under files/ that outlives the rank's own temporary folders. The parent
-        folder's name is kept: the registry names ``checkpoints/<name>`` folders as run artifacts."""
+        """A copy of ``path`` under files/ that outlives the rank's temporary folders, its parent folder's name
+        kept: the registry names ``checkpoints/<name>`` folders as run artifacts."""
         path = Path(path)
         with self._lock:
             self._files += 1
@@ -101,8 +94,7 @@ class HandoffTracker(Tracker):
     def log_artifact(self, path, artifact_path=None):
         self._write("log_artifact", path=self._keep(path), artifact_path=artifact_path)
 
-    def log_artifacts(self, path, artifact_path=None):
-        self._write("log_artifacts", path=self._keep(path), artifact_path=artifact_path)
+    log_artifacts = log_artifact  # a file or a folder alike: the launcher's tracker copies either
 
     def delete_artifacts(self, artifact_path):
         self._write("delete_artifacts", artifact_path=artifact_path)
@@ -110,19 +102,16 @@ class HandoffTracker(Tracker):
     def hand_back_registration(self, checkpoint_dir, name, alias, tags):
         """Registration is the launcher's, after the replay (the version reads the run's figures)."""
         self._write("register_checkpoint", path=self._keep(checkpoint_dir), name=name, alias=alias, tags=tags)
-        return None
 
 
 @dataclass(frozen=True)
 class Handoff:
-    """What rank 0 handed back: its calls, in order, and where its files are."""
-
     directory: Path
     calls: tuple
 
     @property
     def metrics(self) -> dict[str, float]:
-        """The summary metrics (logged without a step): the job's results."""
+        """The summary metrics (logged without a step)."""
         return {k: v for c in self.calls if c["call"] == "log_metrics" and c["step"] is None
                 for k, v in c["metrics"].items()}
 
@@ -138,10 +127,8 @@ class Handoff:
 
 
 class HandoffReader:
-    """Reads rank 0's calls as they are written: each :meth:`read_new` returns the complete lines
-    added since the last one (a line still being written waits for the next read; one cut short
-    by a rank killed while writing it is never read). No file yet: no calls (rank 0 failed first,
-    or this node holds no rank 0)."""
+    """Reads rank 0's calls as they are written: each :meth:`read_new` returns the complete lines added since the
+    last (one cut short by a rank killed while writing it is never read). No file yet: no calls."""
 
     def __init__(self, directory):
         self.directory = Path(directory)
@@ -173,7 +160,6 @@ REPLAYED = ("log_params", "set_name", "set_tags", "log_metrics", "log_text", "se
 
 
 def replay(directory, calls: list[dict], tracker: Tracker, progress) -> None:
-    """Log rank 0's ``calls`` (from the hand-off in ``directory``) into ``tracker``'s run, in order."""
     for c in calls:
         if c["call"] not in REPLAYED:
             continue

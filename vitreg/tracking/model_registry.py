@@ -1,12 +1,8 @@
-"""The MLflow Model Registry side of vitreg: register a checkpoint as a model version.
-
-A version holds MLflow's ``pytorch`` flavor (pt2, ``torch.export``: the UI, ``mlflow models serve`` and
-pyfunc work as usual) and the vitreg checkpoint in the logged model's ``extra_files/``, which
-:func:`vitreg.tracking.checkpoint_sources.pull` reads back. A checkpoint its registering run logged itself is
-not copied a second time: ``extra_files/`` holds its spec, manifest and ``shared_weights.json``, naming the
-run's ``checkpoints/step-<N>`` folder whose weights have the manifest's sha256 (checked here and by every
-pull); deleting the run (``mlflow gc``) leaves such a version unpullable. ``pull`` and ``load_model`` are
-importable from here too, as the README shows.
+"""Register a checkpoint as a model version: MLflow's ``pytorch`` flavor (pt2: the UI, ``mlflow models serve``
+and pyfunc work as usual) and the vitreg checkpoint in the logged model's ``extra_files/``. A checkpoint its
+registering run logged itself is not copied a second time: ``shared_weights.json`` names the run's
+``checkpoints/step-<N>`` folder whose weights have the manifest's sha256; deleting the run (``mlflow gc``)
+leaves such a version unpullable.
 """
 
 from __future__ import annotations
@@ -36,27 +32,20 @@ _NAME_RE = re.compile(r"^[\w.\-]+$")
 _VERSION_ALIAS_RE = re.compile(r"^[vV]\d+$")
 
 
-# --------------------------------------------------------------------------- register
-
-
 def register_checkpoint(tracker, checkpoint_dir, name: str, alias: str | None = "latest", tags: dict | None = None,
-                        input_example_size: int | None = None, progress=progress):
+                        progress=progress):
     """Register a vitreg checkpoint (a local folder or a ``runs:/`` URI) as a new version of ``name`` under
     ``tracker``'s run; returns the ModelVersion (None for a rank that does not log). ``alias`` moves to the new
-    version; ``"latest"`` sets nothing (MLflow resolves ``@latest`` itself). ``input_example_size``: the pt2
-    example's side (default: the checkpoint's ``img_size``). Refuses (VitregError) an invalid alias, a
-    tampered checkpoint, and a ``name`` whose versions are another architecture.
-    """
+    version; ``"latest"`` sets nothing (MLflow resolves ``@latest`` itself)."""
     check_on_server = getattr(tracker, "check_on_server", None)  # a spooling tracker may hold the run locally
     if check_on_server is not None:
         check_on_server(name)
     if not tracker.run_id:  # a rank that does not log (NullTracker)
         return None
-    return _register(tracker.run_id, _Request(name, alias, tags, str(checkpoint_dir), input_example_size), progress)
+    return _register(tracker.run_id, _Request(name, alias, tags, str(checkpoint_dir)), progress)
 
 
 def _register(run_id: str, request: _Request, progress):
-    """The registration of ``request`` under run ``run_id``, which the store holds: checks, then the version."""
     _check_alias(request.alias)
     request = replace(request, name=_check_name(request.name))
     name, alias = request.name, request.alias
@@ -81,18 +70,14 @@ def _register(run_id: str, request: _Request, progress):
 
 @dataclass(frozen=True)
 class _Request:
-    """One registration: the version's model name, alias and tags, the checkpoint as the caller named it."""
-
     name: str
     alias: str | None
     tags: dict | None
     source: str
-    input_example_size: int | None
 
 
 def _log_and_register(client, run_id: str, loaded: tuple, located, request: _Request, stage: Path, progress):
-    """The pt2 model with the checkpoint files under the run, its version, the alias; ``(version, moved_from)``.
-    ``loaded``: ``(model, info, spec)`` as :func:`vitreg.checkpoint.format.load_model` rebuilt them."""
+    """The pt2 model with the checkpoint files under the run, its version, the alias; ``(version, moved_from)``."""
     import mlflow.pytorch  # the flavor module (imports torch.export machinery): only when registering
     import numpy as np
 
@@ -103,11 +88,10 @@ def _log_and_register(client, run_id: str, loaded: tuple, located, request: _Req
     if shared:
         (stage / SHARED_WEIGHTS).write_text(shared_weights_text(run_id, shared))
         staged.append(stage / SHARED_WEIGHTS)
-    side = int(request.input_example_size or info.img_size)
     # Zeros: torch.export reads the example's shape and dtype, not its values, and MLflow keeps it twice as
     # JSON text (input_example.json, serving_input_example.json), where a random float32 takes ~20
     # characters and 0.0 three: 15.5 MB against ~2 MB for a 224 px batch of 2.
-    example = np.zeros((EXAMPLE_BATCH, 3, side, side), dtype=np.float32)
+    example = np.zeros((EXAMPLE_BATCH, 3, info.img_size, info.img_size), dtype=np.float32)
     progress(f"logging {spec['model']} ({info.params_m:.1f} M params) as an MLflow pytorch model (pt2) "
              f"under run {run_id} ...")
     logged = mlflow.pytorch.log_model(
@@ -134,9 +118,8 @@ _RUN_CHECKPOINT_RE = re.compile(r"^runs:/([0-9a-fA-F]+)/(checkpoints/[\w.\-]+)/?
 
 
 def register_run_checkpoint(uri: str, name: str, alias: str | None = "latest", progress=progress):
-    """Register a checkpoint that a run logged (``runs:/<run_id>/checkpoints/last`` or ``.../step-<N>``)
-    after the fact: the model is logged under that run and the version linked to it, exactly as
-    ``train -P register_as=NAME`` does at the end of training. Returns the ModelVersion."""
+    """Register a checkpoint that a run logged (``runs:/<run_id>/checkpoints/last`` or ``.../step-<N>``) after
+    the fact, under that run, exactly as ``train -P register_as=NAME`` does at the end of training."""
     match = _RUN_CHECKPOINT_RE.match(str(uri).strip())
     if not match:
         raise VitregError(f"{uri} is not a run's checkpoint: pass runs:/<run_id>/checkpoints/last "
@@ -148,13 +131,12 @@ def register_run_checkpoint(uri: str, name: str, alias: str | None = "latest", p
     except mlflow.exceptions.MlflowException:
         raise VitregError(f"no run {run_id} at {tracking_uri()}: check the run id and MLFLOW_TRACKING_URI") \
             from None
-    return _register(run.info.run_id, _Request(name, alias, None, f"runs:/{run_id}/{match.group(2)}", None), progress)
+    return _register(run.info.run_id, _Request(name, alias, None, f"runs:/{run_id}/{match.group(2)}"), progress)
 
 
 def check_registration(name: str, alias: str | None, arch: str) -> None:
-    """The registration checks that need no checkpoint: a usable name and alias, and a registered
-    model ``name`` that holds no other architecture. ``train`` runs them before training, so a bad
-    ``register_as`` fails in seconds rather than after the whole training."""
+    """The registration checks that need no checkpoint, which ``train`` runs first: a bad ``register_as`` fails in
+    seconds rather than after the whole training."""
     _check_alias(alias)
     _check_owner(mlflow.MlflowClient(), _check_name(name), arch)
 
@@ -202,8 +184,8 @@ def _pip_requirements() -> list[str]:
 
 
 def _shared_folder(client, run_id: str, located) -> str | None:
-    """The ``checkpoints/step-<N>`` folder of run ``run_id`` that holds these very weights (same sha256), for
-    the version to share; None when the run logged no such folder (the version then holds a copy)."""
+    """The ``checkpoints/step-<N>`` folder of run ``run_id`` with these very weights (same sha256), for the
+    version to share; None: the version holds a copy."""
     checkpoint = located.checkpoint
     if located.run_folder and located.run_id == run_id:
         folder = located.run_folder

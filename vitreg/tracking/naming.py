@@ -1,10 +1,8 @@
 """How a run reads in the MLflow UI without any set-up: its name and its note (the run's description).
 
-The runs list shows a run's name, cut to what fits its column (146 px in MLflow 3.17: 20-24
-characters, measured in Chromium), and no params or metrics until someone picks columns. So a name
-starts with what tells one workload from another, the model and its image size (a 32-px run is not
-slower hardware), then the GPU label, then (once the run has it) the figure with its unit and the rest
-of the configuration; the GPU is what the runs list groups by (Group by -> gpu), the figure a column::
+The runs list shows a name cut to its column (146 px in MLflow 3.17: 20-24 characters, measured in
+Chromium), and no params or metrics until someone picks columns. So a name starts with what tells one
+workload from another (the model and its image size), then the GPU label, then the figure and the rest::
 
     vit_b16 img224 · h200 · bf16 · bs256 · compile                              while it runs
     vit_b16 img224 · h200 · infer 8,635 img/s · bf16 · bs256 · compile          when it has finished
@@ -32,31 +30,29 @@ _SIZE_PATCH = re.compile(r"_(" + "|".join(_SIZES) + r")_patch(\d+)")
 
 
 def short_model(model: str) -> str:
-    """``vit_base_patch16_224`` -> ``vit_b16``, ``deit3_small_patch16_384`` -> ``deit3_s16_384``: size and
-    patch as the papers write them, the usual 224 px left out; other names unchanged."""
+    """``vit_base_patch16_224`` -> ``vit_b16``, ``deit3_small_patch16_384`` -> ``deit3_s16_384``."""
     short = _SIZE_PATCH.sub(lambda m: f"_{_SIZES[m.group(1)]}{m.group(2)}", model)
     return short[: -len("_224")] if short != model and short.endswith("_224") else short
 
 
 def rate(value: float) -> str:
-    """An img/s figure as a name shows it: ``8,635``, ``12.9``, ``6.07`` (three digits at least)."""
+    """``8,635``, ``12.9``, ``6.07``: three digits at least."""
     return f"{value:,.0f}" if abs(value) >= 100 else f"{value:.3g}"
 
 
 def throughput_text(task: str, value: float) -> str:
-    """``("infer", 8635.2)`` -> ``infer 8,635 img/s``: the figure with its task and unit."""
+    """``("infer", 8635.2)`` -> ``infer 8,635 img/s``."""
     return f"{task} {rate(value)} img/s"
 
 
 def gpu_text(gpu: str, ran_on: str | None = None) -> str:
-    """``a100``; a run filed under a GPU that did not run it: ``a100≠cpu`` (what it was filed as, what ran)."""
+    """``a100``; a run filed under a GPU that did not run it: ``a100≠cpu``."""
     return f"{gpu}≠{ran_on}" if ran_on and ran_on != gpu else gpu
 
 
 @dataclass(frozen=True)
 class RunTitle:
-    """What a run's name says of the run besides its batch and figures (``ran_on``: the hardware that really
-    ran it; ``job`` is said while there is no figure yet, the figure's task says it after)."""
+    """What a run's name says besides its batch and figures (``job``: said while there is no figure yet)."""
 
     gpu: str
     model: str
@@ -69,11 +65,9 @@ class RunTitle:
     img_size: int | None = None
 
     def workload(self) -> str:
-        """``vit_b16 img224``: the model as the papers write it and the image side it ran at."""
         return short_model(self.model) + (f" img{self.img_size}" if self.img_size else "")
 
     def name(self, batch_size, throughputs: dict[str, float] | None = None) -> str:
-        """The run's name, what tells runs apart first (the module docstring): ``throughputs`` once measured."""
         figures = [throughput_text(task, value) for task, value in (throughputs or {}).items()]
         parts = [self.workload(), gpu_text(self.gpu, self.ran_on)]
         parts += figures or ([self.job] if self.job else [])
@@ -96,8 +90,6 @@ _SEPARATOR_CELL = re.compile(r"\s*:?-+:?\s*")
 
 
 def spaced_cells(table: str) -> str:
-    """A markdown table with a no-break space each side of every cell's text (:data:`NBSP`), its header
-    separator (``|:---|``) left as it is."""
     lines = []
     for line in table.splitlines():
         cells = _CELL_EDGE.split(line)[1:-1]
@@ -108,8 +100,7 @@ def spaced_cells(table: str) -> str:
 
 
 def results_markdown(result: dict, mfu: bool = True) -> str:
-    """The results table of a bench result (``BenchResult.to_dict()``, results.json) as markdown;
-    ``mfu=False`` leaves MFU blank (a mislabelled run's was taken against another GPU's peak)."""
+    """The results table of a bench result (results.json) as markdown; ``mfu=False`` leaves MFU blank."""
     import pandas as pd
 
     tasks = result["tasks"] if mfu else [
@@ -118,8 +109,7 @@ def results_markdown(result: dict, mfu: bool = True) -> str:
 
 
 def run_note(result: dict, ran_on: str | None = None) -> str:
-    """The run's description: what ran, the results table, and where the rest is. ``ran_on``: the
-    hardware that really ran a run filed under another GPU label (allow_gpu_mismatch), said first."""
+    """The run's description: what ran, the results table, and where the rest is; a mislabelled run says so."""
     model = result["model"]["name"] if isinstance(result.get("model"), dict) else result.get("model", "?")
     speeds = "; ".join(f"{t['task']} **{rate(t['metrics'][t['task'] + '_throughput_img_per_s'])} img/s**"
                        for t in result["tasks"])
@@ -133,8 +123,7 @@ def run_note(result: dict, ran_on: str | None = None) -> str:
 
 
 def compare_run_name(experiment: str, summary: dict) -> str:
-    """A compare run's name, what is compared first: ``compare gpu vs a100 · laptop · 6 runs`` (``by`` and
-    the baseline, the experiment compared, how many runs; ``· 1 mislabelled`` when some are)."""
+    """``compare gpu vs a100 · laptop · 6 runs`` (``· 1 mislabelled`` when some are)."""
     axis = f"compare {summary['by']}" + (f" vs {summary['baseline']}" if summary.get("baseline") else "")
     parts = [axis, experiment, plural(summary["n_runs"], "run")]
     if summary.get("n_mislabelled_runs"):
@@ -143,8 +132,7 @@ def compare_run_name(experiment: str, summary: dict) -> str:
 
 
 def sweep_run_name(axes: dict[str, list], common: dict, n_children: int) -> str:
-    """A sweep parent's name: ``sweep deit_ti16 img224 · amp×batch_size · 4 runs`` (or ``3 models``); set by
-    the job itself, as ``mlflow run`` gives the parent a random name."""
+    """``sweep deit_ti16 img224 · amp×batch_size · 4 runs`` (or ``3 models``): ``mlflow run``'s name is random."""
     models = axes.get("model") or [common.get("model") or "?"]
     sizes = axes.get("img_size") or [common.get("img_size") or 0]
     what = (RunTitle("", str(models[0]), "", img_size=int(sizes[0]) or None).workload() if len(models) == 1
@@ -161,24 +149,21 @@ CLASSIC_LAYOUT = "workflowType=machine_learning"
 
 
 def runs_page(experiment_id: str, run_id: str | None = None) -> str:
-    """The UI's path (after the server's URL) of an experiment's runs list, or of one run's page, in the
-    "Model training" layout whatever the browser chose before: ``#/experiments/1/runs?workflowType=...``."""
+    """The UI's path of an experiment's runs list, or of one run's page, in the "Model training" layout."""
     return f"#/experiments/{experiment_id}/runs" + (f"/{run_id}" if run_id else "") + f"?{CLASSIC_LAYOUT}"
 
 
 def analysis_experiment(experiment: str) -> str:
-    """Where compare and check file their runs unless told otherwise: ``laptop/analysis`` beside ``laptop``,
-    so the benchmarks' runs list stays the benchmarks with no filter typed (MLflow's keeps none)."""
+    """Where compare and check file their runs: ``laptop/analysis``, so ``laptop``'s list stays the benchmarks."""
     return f"{experiment}/analysis"
 
 
 def check_run_name(experiment: str, verdict: str) -> str:
-    """A check run's name: ``check · ci · regressed`` (the experiment checked, the outcome)."""
+    """``check · ci · regressed``."""
     return SEP.join(["check", experiment, verdict])
 
 
 def compare_note(experiment: str, summary: dict, table: str, max_lines: int = 40) -> str:
-    """A compare run's description: what was compared along what, against what, and the table as printed."""
     baseline = f", against `{summary['baseline']}`" if summary.get("baseline") else ""
     verdicts = ", ".join(f"{n} {verdict}" for verdict, n in (summary.get("verdicts") or {}).items())
     lines = table.splitlines()

@@ -1,16 +1,12 @@
-"""A run's life: opened by :func:`tracked_run`, logged through a :class:`Tracker`, ended with a true status,
-and ended KILLED when no process is left to end it; child runs of a sweep; reading runs back.
+"""A run's life: opened by :func:`tracked_run`, logged through a :class:`Tracker`, ended with a true status
+(FAILED with the reason in ``vitreg_error``, never left RUNNING; KILLED once its process is gone: a stale
+heartbeat, :func:`find_stale`, or a run resuming its checkpoint, :func:`close_resumed`); a sweep's child runs;
+reading runs back.
 
-Conventions:
-- ``mlflow run`` creates the run, logs every ``-P`` value as a param and passes ``MLFLOW_RUN_ID``;
-  :func:`tracked_run` resumes that run. MLflow params are immutable, so a resolved value that differs
-  from what the user typed (``gpu=auto`` -> ``h200``) is always set as a tag of the same name, and as a
-  param wherever MLflow has not already logged the request. Group and compare by the tags.
-- Under torchrun only rank 0 logs; under a vitreg launcher rank 0 hands its calls to the launcher
-  (:mod:`vitreg.tracking.handoff`). Which process is rank 0 is the caller's to say: tracking sits below ddp.
-- A run that fails ends FAILED with the one-line reason in the ``vitreg_error`` tag; never RUNNING. A run
-  whose process is gone is ended KILLED later: by its stale heartbeat (:func:`find_stale`,
-  ``vitreg runs --stale --fix``) or by the run that resumes its checkpoint (:func:`close_resumed`).
+``mlflow run`` creates the run, logs every ``-P`` value as a param and passes ``MLFLOW_RUN_ID``, which
+:func:`tracked_run` resumes. Params are immutable, so a resolved value (``gpu=auto`` -> ``h200``) is always a
+tag of the same name: group and compare by the tags. Under torchrun only rank 0 logs (the caller says which
+rank it is: tracking sits below ddp; under a vitreg launcher rank 0 hands its calls over, :mod:`.handoff`).
 """
 
 from __future__ import annotations
@@ -47,7 +43,7 @@ DEFAULT_STALE_AFTER_S = 600.0
 class Tracker(Protocol):
     """What a job logs through: the calls against one run, each a batch (never one call per value): a
     :class:`~vitreg.tracking.delivery.SpoolingTracker` (every run :func:`tracked_run` opens), a
-    :class:`NullTracker` (ranks that do not log) or a :class:`~vitreg.tracking.handoff.HandoffTracker`."""
+    :class:`NullTracker` or a :class:`~vitreg.tracking.handoff.HandoffTracker`."""
 
     run_id: str
     experiment_id: str
@@ -98,7 +94,6 @@ class NullTracker(Tracker):
 
 
 def note_skipped_params(skipped: dict, progress) -> None:
-    """Say which params ``mlflow run`` had already logged as typed (the resolved values are tags)."""
     if skipped:
         progress("kept the params mlflow run logged as typed (" +
                  ", ".join(f"{k}={v}" for k, v in skipped.items()) + "); the resolved values are tags")
@@ -110,18 +105,15 @@ def env_for_run(env: dict, run_id: str, experiment_id: str) -> dict:
 
 
 def without_requested_run(env: dict) -> dict:
-    """``env`` without the variables through which ``mlflow run`` hands a process its run: for child
-    processes that must not log into (or end) this process's run."""
+    """``env`` for a child process that must not log into (or end) this process's run."""
     return {k: v for k, v in env.items() if k not in ("MLFLOW_RUN_ID", "MLFLOW_EXPERIMENT_ID")}
 
 
 def _experiment_name(experiment: str | None) -> str:
-    """The experiment a new run goes to: the one asked for, else MLflow's own environment choice, else Default.
-    (Under ``mlflow run`` the run exists already and names its experiment.)"""
-    if experiment:
-        return experiment
-    if os.environ.get("MLFLOW_EXPERIMENT_NAME"):
-        return os.environ["MLFLOW_EXPERIMENT_NAME"]
+    """The experiment a new run goes to: the one asked for, else MLflow's own environment choice, else Default."""
+    name = experiment or os.environ.get("MLFLOW_EXPERIMENT_NAME")
+    if name:
+        return name
     if os.environ.get("MLFLOW_EXPERIMENT_ID"):
         with short_http_requests(), store_errors(mlflow.get_tracking_uri(), "reading the experiment"):
             return mlflow.MlflowClient().get_experiment(os.environ["MLFLOW_EXPERIMENT_ID"]).name
@@ -129,8 +121,8 @@ def _experiment_name(experiment: str | None) -> str:
 
 
 def check_settings() -> None:
-    """Every ``VITREG_*`` setting the run's tracking reads, parsed before the run opens (one line naming the bad
-    one): read first where it is used, a bad value ended a whole benchmark in an error and its run unended."""
+    """Every ``VITREG_*`` setting tracking reads, parsed before the run opens: read first where it is used, a bad
+    value ended a whole benchmark in an error and its run unended."""
     flush_timeout_s(), heartbeat_period_s(), http_timeout_s(), busy_wait_s()
 
 
@@ -138,11 +130,9 @@ def check_settings() -> None:
 def tracked_run(run_name: str | None = None, experiment: str | None = None, system_metrics: bool = True,
                 tags: dict | None = None, offline: bool | None = None):
     """Start (or resume, under ``mlflow run``) a run and yield its
-    :class:`~vitreg.tracking.delivery.SpoolingTracker`: the work never waits on the server, and what it
-    logs stays in the local spool while the server is away. The run always ends with a true status:
-    FINISHED; FAILED on an exception (a :class:`VitregError`'s message in ``vitreg_error``, its class in
-    ``vitreg_error_kind``); KILLED on Ctrl-C, SIGTERM or SIGHUP.
-    """
+    :class:`~vitreg.tracking.delivery.SpoolingTracker`. It always ends with a true status: FINISHED; FAILED
+    on an exception (the reason in ``vitreg_error``, a VitregError's class in ``vitreg_error_kind``); KILLED
+    on Ctrl-C, SIGTERM or SIGHUP."""
     check_settings()
     uri = mlflow.get_tracking_uri()
     prepare_store(uri)  # a fresh sqlite file: created once, under a lock, even with several processes at once
@@ -177,10 +167,8 @@ def tracked_run(run_name: str | None = None, experiment: str | None = None, syst
 
 @contextlib.contextmanager
 def reopened_run(run_id: str):
-    """Run ``run_id`` (ended) open again, RUNNING, tracked as :func:`tracked_run` tracks a new run, so that it
-    ends with a true status again (a sweep's parent while its failed children are re-run). It is handed over as
-    ``mlflow run`` hands its run to a process (``MLFLOW_RUN_ID``), only while the run is opened: the
-    processes the body starts get their own."""
+    """Ended run ``run_id`` RUNNING again under :func:`tracked_run` (a sweep's parent while its failed children
+    are re-run). ``MLFLOW_RUN_ID`` names it only while it opens: the processes the body starts get their own."""
     handed = os.environ.get("MLFLOW_RUN_ID")
 
     def give_back():
@@ -208,8 +196,7 @@ def reopen(run_id: str, tags: dict | None = None) -> None:
 
 
 def _system_metrics(tracker):
-    """GPU utilisation, memory and power curves (psutil + nvidia-ml-py), sampled every 2 s in a thread
-    that logs them itself; none offline (nothing reaches the server then)."""
+    """MLflow's GPU and host curves, sampled every 2 s by a thread that logs them itself; none offline."""
     if not tracker.run_id or tracker.offline:
         return None
     from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
@@ -222,8 +209,7 @@ def _system_metrics(tracker):
 
 
 def _end(tracker, monitor, status: str, message: str | None = None, kind: str | None = None) -> None:
-    """End the run with ``status``, the stop signals held meanwhile (:func:`vitreg.signals.run_ending`), and
-    note the one line that says where it ended (the CLI's last line on a stop)."""
+    """End the run with ``status``, the stop signals held meanwhile, and note where it ended (the CLI's last line)."""
     with signals.run_ending(lambda: _end_kept(tracker, status)):
         try:
             if monitor is not None:
@@ -250,17 +236,15 @@ def _end_kept(tracker, status: str) -> str | None:
     try:
         with open(tracker.spool.path / JOURNAL, "rb") as journal:
             journal.seek(max(0, journal.seek(0, os.SEEK_END) - 4096))
-            last = journal.read().splitlines()[-1]
-        if json.loads(last).get("kind") != "end":
-            return None
+            ended = json.loads(journal.read().splitlines()[-1]).get("kind") == "end"
     except (OSError, ValueError, IndexError, AttributeError):
         return None
-    return f"run {tracker.run_id or '(not on the server yet)'} ended {status}; {sync_hint(tracker.spool)}"
+    return _where_ended(tracker, status, False) if ended else None
 
 
 def fail_requested_run(message: str) -> None:
     """Mark the run that ``mlflow run`` created FAILED when we fail before :func:`tracked_run` opened it.
-    Under torchrun every rank sees that run's id: only rank 0 may call this (the caller knows the rank)."""
+    Under torchrun every rank sees that run's id: only rank 0 may call this."""
     run_id = requested_run_id()
     if not run_id:
         return
@@ -296,7 +280,8 @@ class StaleRun:
         return f"stale: {what} {since}; the process that ran it is gone"
 
 
-def _experiments(client: mlflow.MlflowClient, experiment: str | None) -> list:
+def _experiments(experiment: str | None) -> list:
+    client = mlflow.MlflowClient()
     if experiment is None:
         return client.search_experiments(view_type=mlflow.entities.ViewType.ACTIVE_ONLY)
     found = client.get_experiment_by_name(experiment)
@@ -306,12 +291,9 @@ def _experiments(client: mlflow.MlflowClient, experiment: str | None) -> list:
     return [found]
 
 
-def _all_runs(client: mlflow.MlflowClient, experiment_id: str, filter_string: str) -> list:
-    """Every run of the experiment that ``filter_string`` matches, page after page."""
-    from mlflow.utils import get_results_from_paginated_fn
-
-    return get_results_from_paginated_fn(lambda size, token: client.search_runs(
-        [experiment_id], filter_string, max_results=size, page_token=token), 1000)
+def _all_runs(experiment_id: str, filter_string: str) -> list:
+    """Every run of the experiment that ``filter_string`` matches (MLflow reads page after page)."""
+    return mlflow.search_runs([experiment_id], filter_string, output_format="list")
 
 
 def _last_seen(run) -> tuple[float, bool]:
@@ -323,25 +305,23 @@ def _last_seen(run) -> tuple[float, bool]:
 
 
 def find_stale(older_than_s: float = DEFAULT_STALE_AFTER_S, experiment: str | None = None,
-               client: mlflow.MlflowClient | None = None, now: float | None = None) -> list[StaleRun]:
+               now: float | None = None) -> list[StaleRun]:
     """RUNNING runs (of ``experiment``, or of every experiment) not seen alive for ``older_than_s`` seconds."""
-    if client is None:
-        check_server()  # a store URI that names no store is said, not searched and found empty
-        client = mlflow.MlflowClient()
+    check_server()  # a store URI that names no store is said, not searched and found empty
     now = time.time() if now is None else now
     stale = []
-    with short_http_requests(), store_errors(client.tracking_uri, "searching for RUNNING runs"):
-        for exp in _experiments(client, experiment):
-            for run in _all_runs(client, exp.experiment_id, "attributes.status = 'RUNNING'"):
+    with short_http_requests(), store_errors(mlflow.get_tracking_uri(), "searching for RUNNING runs"):
+        for exp in _experiments(experiment):
+            for run in _all_runs(exp.experiment_id, "attributes.status = 'RUNNING'"):
                 last_seen, heartbeat = _last_seen(run)
                 if now - last_seen > older_than_s:
                     stale.append(StaleRun(run.info.run_id, exp.name, run.info.run_name or "", last_seen, heartbeat))
     return sorted(stale, key=lambda r: r.last_seen)
 
 
-def mark_killed(runs: list[StaleRun], client: mlflow.MlflowClient | None = None) -> int:
+def mark_killed(runs: list[StaleRun]) -> int:
     """End each run KILLED with its reason in ``vitreg_error``; returns how many were still RUNNING."""
-    client = client or mlflow.MlflowClient()
+    client = mlflow.MlflowClient()
     ended = 0
     in_a_spool = _ended_in_a_spool()
     with short_http_requests(), store_errors(client.tracking_uri, "marking stale runs KILLED"):
@@ -399,8 +379,7 @@ def close_resumed(old_run_id: str, new_run_id: str, progress=lambda message: Non
 
 def check_server(timeout: float = 5.0, uri: str | None = None) -> None:
     """Fail fast, in one line, when the tracking URI (``uri``, else MLflow's) is a server that does not answer
-    (MLflow's client retries for minutes), or a sqlite URI that names no database file. A URI's credentials
-    go as a header, and are shown masked."""
+    (MLflow's client retries for minutes), or a sqlite URI that names no database file."""
     uri = current_uri() if uri is None else uri  # mlflow is not imported for it: a dead server is said sooner
     check_sqlite_uri(uri)
     check_sql_server(uri, timeout)
@@ -435,12 +414,10 @@ SQL_SERVER_PORTS = {"postgresql": 5432, "postgres": 5432, "mysql": 3306, "mariad
 
 
 def check_sql_server(uri: str, timeout: float = 5.0) -> None:
-    """Fail fast, in one line, when the tracking URI is a SQL server (PostgreSQL, MySQL) whose host
-    does not take a TCP connection: said before mlflow, SQLAlchemy and the driver are imported (~3 s of CPU,
-    a job's torch too), and without MLflow's engine attempts. A server that takes the connection goes on to
-    MLflow as before, however slow it then is; a URI with no TCP host in its address (a local socket: no host,
-    ``?host=``, ``?unix_socket=``, MySQL's ``localhost``; hosts in ``?host=``) is left to the driver. A port that
-    is no number (``host1:5432,host2:5432``) is refused."""
+    """Fail fast, in one line, when the tracking URI is a SQL server (PostgreSQL, MySQL) whose host does not take
+    a TCP connection: before mlflow, SQLAlchemy and the driver are imported (~3 s of CPU) and MLflow's engine
+    attempts. A URI with no TCP host (a local socket: no host, ``?host=``, ``?unix_socket=``, MySQL's
+    ``localhost``) is left to the driver; a port that is no number (``host1:5432,host2:5432``) is refused."""
     parts = urllib.parse.urlsplit(uri)
     dialect = parts.scheme.partition("+")[0].lower()
     default = SQL_SERVER_PORTS.get(dialect)
@@ -471,8 +448,8 @@ def still_spooled(tracker) -> bool:
 
 
 def where_logged(tracker) -> str:
-    """The line that says where a job's run is: its page on a server, locally the UI command that opens its
-    store (:func:`~vitreg.tracking.store.ui_command`); for a run still in the local spool, how to deliver it."""
+    """Where a job's run is: its page on a server, locally the UI command that opens its store; for a run still
+    in the local spool, how to deliver it."""
     if still_spooled(tracker):
         return sync_hint(tracker.spool)
     uri = tracking_uri()  # masked; from the environment in a rank, which never imports mlflow
@@ -512,10 +489,9 @@ CHILD_LOG = "logs/child.log"
 
 def finish_child_run(run_id: str, returncode: int, stderr: str, stopped: bool = False,
                      tags: dict | None = None, log: str = "") -> str:
-    """After the child process: its error reason ('' on success); a child that died without ending its
-    run (killed, crashed) is ended FAILED here with the last line it printed, KILLED when ``stopped`` (its
-    parent stopped it). ``tags``: more tags for the child run (where and beside whom it ran); ``log``: its
-    output, kept as the run's :data:`CHILD_LOG` (credentials in it scrubbed)."""
+    """After the child process: its error reason ('' on success); a child that died without ending its run is
+    ended here, FAILED with the last line it printed, KILLED when ``stopped`` (by its parent). ``tags``: more
+    tags for the child run; ``log``: its output, kept as the run's :data:`CHILD_LOG` (scrubbed)."""
     client = mlflow.MlflowClient()
     run = client.get_run(run_id)
     set_run_tags(run_id, tags or {})
@@ -537,8 +513,8 @@ def set_child_status(run_id: str, status: str) -> None:
 
 
 def remote_child_env(run_id: str, experiment_id: str) -> dict:
-    """The variables a child on another host needs to log into run ``run_id``: the tracking URI (a server's,
-    with any credentials MLflow reads from the environment) and the run (as ``mlflow run`` hands it)."""
+    """The variables a child on another host needs to log into run ``run_id``: the tracking URI, the
+    credentials MLflow reads from the environment, and the run (as ``mlflow run`` hands it)."""
     keep = (*SENT_CREDENTIALS, "MLFLOW_TRACKING_INSECURE_TLS", "MLFLOW_TRACKING_SERVER_CERT_PATH")
     env = {k: os.environ[k] for k in keep if k in os.environ}
     return env_for_run({**env, "MLFLOW_TRACKING_URI": mlflow.get_tracking_uri()}, run_id, experiment_id)
@@ -556,8 +532,7 @@ def child_runs(parent: Tracker):
 
 
 def run_and_children(parent_run_id: str):
-    """Run ``parent_run_id`` and all its child runs (every page): what ``vitreg sweep --rerun-failed`` reads.
-    A run the store does not have is one line naming the fix."""
+    """Run ``parent_run_id`` and all its child runs: what ``vitreg sweep --rerun-failed`` reads."""
     client = mlflow.MlflowClient()
     with store_errors(tracking_uri(), "reading the sweep's runs"):  # a store that is down: one line, never "no run"
         try:
@@ -567,20 +542,20 @@ def run_and_children(parent_run_id: str):
                 raise
             raise VitregError(f"no run {parent_run_id!r} at {tracking_uri()}: pass the run id of a sweep's parent "
                               f"run (its `sweep RUN_ID:` line), or set MLFLOW_TRACKING_URI to its store") from None
-        return parent, _all_runs(client, parent.info.experiment_id, f"tags.mlflow.parentRunId = '{parent_run_id}'")
+        return parent, _all_runs(parent.info.experiment_id, f"tags.mlflow.parentRunId = '{parent_run_id}'")
 
 
 def search_runs(experiment: str, filter_string: str = ""):
     """All runs of an experiment (by name) as a pandas DataFrame, MLflow's ``search_runs`` columns."""
-    exp = _experiments(mlflow.MlflowClient(), experiment)[0]
+    exp = _experiments(experiment)[0]
     return mlflow.search_runs(experiment_ids=[exp.experiment_id], filter_string=filter_string,
                               output_format="pandas")
 
 
 def newest_runs(limit: int | None, experiment: str | None = None, status: str | None = None):
-    """The ``limit`` newest runs (None: all) of ``experiment`` (None: every active one), newest first, as
-    MLflow's ``search_runs`` frame plus ``experiment`` (its name); ``status``: only the runs in it. A sqlite
-    store that does not exist yet has no runs, and a listing does not create it (MLflow would, in the cwd)."""
+    """The ``limit`` newest runs (None: all) of ``experiment`` (None: every active one) in ``status`` (None: any),
+    newest first, as MLflow's ``search_runs`` frame plus ``experiment`` (its name). A sqlite store that does
+    not exist yet has no runs, and a listing does not create it (MLflow would, in the cwd)."""
     store = sqlite_path(mlflow.get_tracking_uri())
     if store is not None and not store.exists():
         import pandas as pd
@@ -588,7 +563,7 @@ def newest_runs(limit: int | None, experiment: str | None = None, status: str | 
         return pd.DataFrame()
     client = mlflow.MlflowClient()
     with store_errors(client.tracking_uri, "listing runs"):
-        names = {exp.experiment_id: exp.name for exp in _experiments(client, experiment)}
+        names = {exp.experiment_id: exp.name for exp in _experiments(experiment)}
         found = mlflow.search_runs(experiment_ids=list(names), output_format="pandas",
                                    filter_string=f"attributes.status = '{status}'" if status else "",
                                    order_by=["attributes.start_time DESC"],
@@ -615,10 +590,8 @@ def get_run(run_id: str):
 
 
 def set_run_tags(run_id: str, tags: dict) -> None:
-    """Tags on a run that another process made or ended (a sweep's child it superseded)."""
-    client = mlflow.MlflowClient()
-    for key, value in tags.items():
-        client.set_tag(run_id, key, str(value))
+    """Tags on a run that another process made or ended (a sweep's child it superseded), in one request."""
+    mlflow.MlflowClient().log_batch(run_id, tags=[mlflow.entities.RunTag(k, str(v)) for k, v in tags.items()])
 
 
 def load_run_dict(run_id: str, artifact_file: str) -> dict | None:

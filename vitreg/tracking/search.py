@@ -1,9 +1,6 @@
-"""Runs out of the tracking store, as the tidy frame :mod:`vitreg.analysis` works on.
-
-This is the one place that knows MLflow's ``search_runs()`` column names (``run_id``, ``status``,
-``params.*``, ``tags.*``, ``metrics.<task>_*``) and vitreg's params and tags in them
-(``tags.nccl_env``, ``params.nnodes``, ...): :func:`tidy` turns them into one row per (run, task)
-with plain columns (:mod:`vitreg.analysis.frame`).
+"""Runs out of the tracking store as the tidy frame :mod:`vitreg.analysis` works on: the one place that knows
+MLflow's ``search_runs()`` column names (``params.*``, ``tags.*``, ``metrics.<task>_*``) and vitreg's params
+and tags in them; :func:`tidy` makes one row per (run, task) with plain columns.
 """
 
 from __future__ import annotations
@@ -25,8 +22,7 @@ from vitreg.tracking.naming import gpu_text, runs_page
 
 
 def benchmark_runs(experiment: str) -> pd.DataFrame:
-    """The experiment's benchmark runs (bench, infer, train, timm imports), not its compare/check/sweep runs
-    nor a sweep's child a re-run replaced (its figures, if any, are the same work measured again)."""
+    """The experiment's benchmark runs: not its compare/check/sweep runs, nor a sweep's child a re-run replaced."""
     from vitreg.tracking import runs as tracking
 
     runs = benchmarks_only(tracking.search_runs(experiment))
@@ -36,7 +32,6 @@ def benchmark_runs(experiment: str) -> pd.DataFrame:
 
 
 def benchmarks_only(runs: pd.DataFrame) -> pd.DataFrame:
-    """The benchmark runs of a ``search_runs()`` frame: its compare, check and sweep-parent runs left out."""
     if "tags.vitreg_job" in runs:
         runs = runs[~runs["tags.vitreg_job"].isin(["compare", "sweep", "check"])]
     return runs
@@ -47,9 +42,8 @@ RUN_LIST_COLUMNS = ("run_id", "experiment", "name", "status", "start_time", "gpu
 
 
 def run_list(raw: pd.DataFrame) -> pd.DataFrame:
-    """One row per run of ``raw`` (:func:`vitreg.tracking.runs.newest_runs`' frame), as ``vitreg runs`` lists
-    them: :data:`RUN_LIST_COLUMNS`, each task's ``<task>_img_per_s`` (NaN: not measured) and ``flags``
-    (:func:`vitreg.analysis.comparison.suspect_masks` on :func:`tidy`'s columns: the list and compare flag alike)."""
+    """One row per run of ``raw`` (``newest_runs``' frame), as ``vitreg runs`` lists them: :data:`RUN_LIST_COLUMNS`,
+    each task's ``<task>_img_per_s`` and ``flags`` (compare's ``suspect_masks``: the list and compare flag alike)."""
     from vitreg.analysis.comparison import suspect_masks
 
     if not len(raw):
@@ -62,9 +56,8 @@ def run_list(raw: pd.DataFrame) -> pd.DataFrame:
                         "gpu": [gpu_text(g, r if m else None) for g, r, m in zip(base["gpu"], base["ran_on"],
                                                                                  base["mismatch"])]})
     flags: list[list[str]] = [[] for _ in df.index]
-    task_param = _coalesce(df, "params.task").str.lower()
     for task in TASKS:
-        part = _task_rows(df, base, task, task_param)
+        part = _task_rows(df, base, task)
         if part is None:
             continue
         out[f"{task}_img_per_s"] = part["throughput_img_per_s"]  # aligned on the run's row; NaN where not run
@@ -76,9 +69,8 @@ def run_list(raw: pd.DataFrame) -> pd.DataFrame:
 
 
 def runs_frame(records) -> pd.DataFrame:
-    """Records with ``params`` / ``tags`` / ``metrics`` dicts (such as timm imports) as a
-    ``search_runs()``-shaped frame (status FINISHED, synthetic run ids): compare an imported CSV
-    without a tracking server, and build realistic frames in tests."""
+    """Records with ``params`` / ``tags`` / ``metrics`` dicts (timm imports) as a ``search_runs()``-shaped frame:
+    compare an imported CSV without a tracking server."""
     rows = []
     for i, r in enumerate(records):
         row = {"run_id": f"timm-{i:05d}", "status": "FINISHED", "start_time": pd.NaT}
@@ -90,28 +82,12 @@ def runs_frame(records) -> pd.DataFrame:
 
 
 def tidy(runs_df: pd.DataFrame, axes: tuple[str, ...] = ()) -> pd.DataFrame:
-    """Reshape ``mlflow.search_runs()`` output into one row per (run, task).
-
-    Keeps FINISHED runs and runs imported from timm (``tags.source == "timm"``); everything else
-    (FAILED, RUNNING, KILLED) is dropped because its numbers are partial or absent.
-
-    Columns of the result: ``run_id, start_time, source, gpu`` and the configuration columns
-    (:func:`~vitreg.analysis.frame.config_columns`: runs that differ in any are never pooled; ``task`` is the
-    row's own, a ``task=both`` run yields one row of each), then the task's metrics without their ``infer_`` /
-    ``train_`` prefix (all of ``ALL_METRICS``, NaN where not recorded, and any other the runs carry).
-    ``gpu``, ``amp`` and ``img_size`` prefer the resolved tag to the param; ``nproc`` counts the job's
-    processes (:func:`_nproc`); ``batch_size``, ``img_size`` and ``nproc`` are nullable integers.
-
-    ``mismatch`` is true for a mislabelled run: tagged ``gpu_mismatch=true``, or its ``detected_gpu``
-    tag is not its ``gpu``, or it ran on the CPU (``device=cpu``, ``gpu_name=none``) under a GPU label;
-    ``ran_on`` is the hardware it ran on where that is known (else NaN). A mislabelled run's ``mfu`` is NaN: it
-    was computed against the peak of hardware that did not run it.
-
-    ``axes``: more columns to carry, each the run's tag of that name, else its param (``torch_version``,
-    ``timm_version``, ``vitreg_git_sha``, ...), NaN where the run has neither; compare goes along them.
-
-    Raises :class:`CompareError` when the frame is empty or holds no finished run with metrics.
-    """
+    """``mlflow.search_runs()`` output as one row per (run, task) of its FINISHED runs and timm imports (others'
+    numbers are partial or absent): ``run_id, start_time, source, gpu``, the configuration columns (runs that
+    differ in any are never pooled; a ``task=both`` run yields a row of each), ``mismatch`` and ``ran_on`` (a
+    mislabelled run: its ``mfu`` is NaN, taken against a peak of hardware that did not run it), then the task's
+    metrics without their ``infer_`` / ``train_`` prefix. ``axes``: more columns to carry, each the run's tag
+    of that name, else its param (``torch_version``, ...). :class:`CompareError` when nothing is left."""
     if runs_df is None or len(runs_df) == 0:
         raise CompareError(NO_RUNS)
     df, source = _finished(runs_df.reset_index(drop=True))
@@ -119,8 +95,7 @@ def tidy(runs_df: pd.DataFrame, axes: tuple[str, ...] = ()) -> pd.DataFrame:
     carried = [a for a in dict.fromkeys(axes) if a not in id_columns()]
     for axis in carried:
         base[axis] = _coalesce(df, f"tags.{axis}", f"params.{axis}")
-    task_param = _coalesce(df, "params.task").str.lower()
-    parts = [p for p in (_task_rows(df, base, task, task_param) for task in TASKS) if p is not None]
+    parts = [p for p in (_task_rows(df, base, task) for task in TASKS) if p is not None]
     if not parts:
         raise CompareError(
             f"the {len(df)} finished runs carry no metrics.infer_* or metrics.train_* values; "
@@ -137,13 +112,11 @@ def tidy(runs_df: pd.DataFrame, axes: tuple[str, ...] = ()) -> pd.DataFrame:
 
 
 def _finished(df: pd.DataFrame) -> tuple[pd.DataFrame, pd.Series]:
-    """The rows worth comparing (FINISHED, or imported from timm) and their ``source``."""
     status = _text(df, "status")
     if status is None:
         # A frame built by hand (or by runs_frame) may omit status; such rows are results, not in-flight runs.
         status = pd.Series("FINISHED", index=df.index, dtype=object)
-    source = _text(df, "tags.source")
-    source = source.fillna("vitreg") if source is not None else pd.Series("vitreg", index=df.index)
+    source = _coalesce(df, "tags.source").fillna("vitreg")
     keep = (status.str.upper() == "FINISHED") | (source == "timm")
     if not keep.any():
         counts = status.fillna("UNKNOWN").value_counts()
@@ -157,8 +130,7 @@ def _finished(df: pd.DataFrame) -> tuple[pd.DataFrame, pd.Series]:
 
 def _configurations(df: pd.DataFrame, source: pd.Series) -> pd.DataFrame:
     """The identifying columns of each run (all but ``task``, which is each row's own): the GPU, then every
-    configuration column (:func:`~vitreg.analysis.frame.config_columns`, from the option table), each
-    built by its entry in :data:`_BUILDERS` or, for a plain identity option, by :func:`_option_column`."""
+    configuration column, built by its entry in :data:`_BUILDERS` or, for a plain option, :func:`_option_column`."""
     base = pd.DataFrame(index=df.index)
     base["run_id"] = _text(df, "run_id") if "run_id" in df else df.index.astype(str)
     base["start_time"] = df["start_time"] if "start_time" in df else pd.NaT
@@ -184,16 +156,15 @@ def _configurations(df: pd.DataFrame, source: pd.Series) -> pd.DataFrame:
 
 
 def _jobs(df: pd.DataFrame, source: pd.Series) -> list[str]:
-    """The command that logged each run (its ``vitreg_job`` tag): the one whose option defaults fill the
-    params it lacks. timm imports and runs that predate the tag are bench-shaped: ``bench``."""
+    """The command whose option defaults fill the params each run lacks (its ``vitreg_job`` tag; else ``bench``)."""
     tag = _coalesce(df, "tags.vitreg_job").str.lower()
     return [job if job in RUN_COMMANDS and src != "timm" else "bench" for job, src in zip(tag, source)]
 
 
 def _option_column(df: pd.DataFrame, name: str, jobs: list[str]) -> pd.Series:
-    """An identity option as a configuration column: the run's param (else its tag), as the option parses it
-    (``0`` and ``0.0`` alike), so equal settings compare equal. A run that lacks it predates the option (it
-    gets its command's default, what it ran at) or ran a command without it (:data:`NOT_APPLICABLE`)."""
+    """An identity option as a configuration column: the run's param (else its tag) as the option parses it, so
+    equal settings compare equal. A run that lacks it predates the option (its command's default, what it ran
+    at) or ran a command without it (:data:`NOT_APPLICABLE`)."""
     taken = {job: [o for o in options_of(job) if o.name == name] for job in set(jobs)}
     out = []
     for param, tag, job in zip(_coalesce(df, f"params.{name}"), _coalesce(df, f"tags.{name}"), jobs):
@@ -209,9 +180,8 @@ def _option_column(df: pd.DataFrame, name: str, jobs: list[str]) -> pd.Series:
 
 
 def _resolved(option, param, tag):
-    """What a run ran with for ``option``: its param, unless that is missing or the option's default, which
-    may be a request resolved later (``num_classes=0``); then the run's tag, the resolved value. So ``mlflow
-    run``'s typed ``0`` and ``vitreg train``'s resolved ``1000`` are one configuration."""
+    """A run's param, unless missing or the option's default, which may be a request resolved later
+    (``num_classes=0``): then its tag, the resolved value. ``mlflow run``'s ``0`` and a resolved ``1000`` are one."""
     if not isinstance(tag, str):
         return param
     if not isinstance(param, str) or _canonical(option, param) == param_text(option.default):
@@ -224,7 +194,6 @@ def _any_option(name: str):
 
 
 def _canonical(option, value: str) -> str:
-    """``value`` as ``option`` parses it, in the text a param holds; a value it refuses stays as logged."""
     try:
         return param_text(option.parse(value))
     except VitregError:
@@ -232,8 +201,7 @@ def _canonical(option, value: str) -> str:
 
 
 def _compile(df: pd.DataFrame, base: pd.DataFrame) -> pd.Series:
-    """``compile`` with its backend (``default@eager``; the default backend, and any with ``compile=off``, adds
-    nothing: runs that predate the option used it) and ``+cudagraph`` for ``cuda_graph=true`` runs."""
+    """``compile`` with a backend other than the default (``default@eager``) and ``+cudagraph``."""
     mode = _coalesce(df, "params.compile", "tags.compile").fillna(MISSING)
     default = param_text(_any_option("compile_backend").default)
     backend = _coalesce(df, "params.compile_backend", "tags.compile_backend").fillna(default).str.lower()
@@ -274,9 +242,8 @@ _BUILDERS = {
 
 
 def _hardware(df: pd.DataFrame, gpu: pd.Series) -> tuple[pd.Series, pd.Series]:
-    """(mislabelled?, the hardware it ran on) per run, from what the run says of its hardware: the
-    ``gpu_mismatch`` tag vitreg sets when a label is forced, the detected profile (``detected_gpu``), and
-    the device or GPU name (a CPU run under a GPU label, from runs that predate the other tags)."""
+    """(mislabelled?, the hardware it ran on) per run: the ``gpu_mismatch`` tag, the detected profile, and the
+    device or GPU name (a CPU run under a GPU label, from runs that predate the other tags)."""
     label = gpu.astype(str).str.lower()
     flagged = _coalesce(df, "tags.gpu_mismatch").map(_is_true).astype(bool)
     detected = _coalesce(df, "tags.detected_gpu").str.lower()
@@ -287,12 +254,12 @@ def _hardware(df: pd.DataFrame, gpu: pd.Series) -> tuple[pd.Series, pd.Series]:
     return mismatch.astype(bool), ran_on.astype(object).where(ran_on.notna(), np.nan)
 
 
-def _task_rows(df: pd.DataFrame, base: pd.DataFrame, task: str, task_param: pd.Series) -> pd.DataFrame | None:
-    """One row per run that ran ``task`` and recorded something for it; None when none did."""
+def _task_rows(df: pd.DataFrame, base: pd.DataFrame, task: str) -> pd.DataFrame | None:
     prefix = f"metrics.{task}_"
     values = {c[len(prefix):]: pd.to_numeric(df[c], errors="coerce") for c in df.columns if c.startswith(prefix)}
     recorded = pd.DataFrame(values, index=df.index).notna().any(axis=1)
     # The task param is authoritative; without it (hand-made frames) trust the metrics.
+    task_param = _coalesce(df, "params.task").str.lower()
     wanted = task_param.isin([task, "both"]).fillna(False) | (task_param.isna() & recorded)
     wanted &= recorded  # a task that logged nothing has nothing to compare
     if not wanted.any():
@@ -315,8 +282,7 @@ def _task_rows(df: pd.DataFrame, base: pd.DataFrame, task: str, task_param: pd.S
 
 
 def _text(df: pd.DataFrame, col: str) -> pd.Series | None:
-    """The column as object-dtype strings, with NaN/None/'' all meaning missing; a param as the value it
-    stands for (:func:`_unquoted`)."""
+    """The column as object-dtype strings, NaN/None/'' all None; a param as the value it stands for."""
     if col not in df:
         return None
     s = df[col].astype(object)
@@ -327,9 +293,8 @@ def _text(df: pd.DataFrame, col: str) -> pd.Series | None:
 
 
 def _unquoted(value):
-    """``mlflow run`` logs an entry point's params shell-quoted, as it writes them into the command
-    (``shlex.quote`` in MLflow's ``EntryPoint._sanitize_value_dict``): an empty value as ``''`` (shown as a
-    lone ``"`` in a proportional font), ``a b`` as ``'a b'``. The value it stands for; any other text as is."""
+    """``mlflow run`` logs an entry point's params shell-quoted (``shlex.quote`` in MLflow's
+    ``EntryPoint._sanitize_value_dict``): ``''`` for an empty value, ``'a b'``. The value it stands for."""
     if not isinstance(value, str) or value[:1] != "'":
         return value
     try:
@@ -340,7 +305,6 @@ def _unquoted(value):
 
 
 def _coalesce(df: pd.DataFrame, *cols: str) -> pd.Series:
-    """First non-missing value across ``cols``, row by row (missing stays NaN)."""
     out = pd.Series([None] * len(df), index=df.index, dtype=object)
     for col in cols:
         s = _text(df, col)
@@ -350,15 +314,12 @@ def _coalesce(df: pd.DataFrame, *cols: str) -> pd.Series:
 
 
 def _is_true(value) -> bool:
-    """A logged boolean param ('true', 'True', '1', ...) as the spec parsed it; missing is false."""
     return isinstance(value, str) and value.strip().lower() in _TRUE
 
 
 def _ddp_setting(df: pd.DataFrame, nproc: pd.Series) -> pd.Series:
-    """The DDP settings as one configuration string: ``-`` for single-process runs, else ``bucket<MB>`` plus
-    ``+static``, ``+bf16`` / ``+fp16`` (the comm hook) and ``+NAME=VALUE`` for each NCCL variable of the
-    ``nccl_env`` tag not set alike in every multi-process run compared. Runs without the params get torch's
-    defaults, what they ran with."""
+    """The DDP settings as one string: ``-`` for one process, else ``bucket<MB>``, ``+static``, the comm hook and
+    ``+NAME=VALUE`` for each NCCL variable not set alike in every multi-process run compared (``nccl_env``)."""
     bucket = pd.to_numeric(df["params.ddp_bucket_mb"], errors="coerce") if "params.ddp_bucket_mb" in df else None
     static = _text(df, "params.ddp_static_graph")
     hook = _text(df, "params.ddp_comm_hook")
@@ -376,8 +337,8 @@ def _ddp_setting(df: pd.DataFrame, nproc: pd.Series) -> pd.Series:
 
 
 def _nccl_differences(tags: pd.Series | None, rows: list[int]) -> dict[int, list[tuple[str, str]]]:
-    """For each of ``rows``: the ``(name, value)`` pairs of its ``nccl_env`` tag (``"K=V;K=V"``)
-    whose variable is not set to one same value in all of ``rows``, sorted by name."""
+    """For each of ``rows``: the ``(name, value)`` pairs of its ``nccl_env`` tag (``"K=V;K=V"``) not set alike
+    in all of ``rows``, sorted."""
     texts = {i: (tags.iloc[i] if tags is not None else None) or "" for i in rows}
     env = {i: dict(kv.split("=", 1) for kv in text.split(";") if "=" in kv) for i, text in texts.items()}
     varying = {k for k in set().union(*env.values()) if len({e.get(k) for e in env.values()}) > 1}
@@ -385,17 +346,13 @@ def _nccl_differences(tags: pd.Series | None, rows: list[int]) -> dict[int, list
 
 
 def _integer(df: pd.DataFrame, col: str) -> pd.Series:
-    """A param column ('64', '64.0', NaN) as a nullable integer."""
     if col not in df:
         return pd.Series(pd.NA, index=df.index, dtype="Int64")
-    num = pd.to_numeric(df[col], errors="coerce")
-    return num.round().astype("Int64")
+    return pd.to_numeric(df[col], errors="coerce").round().astype("Int64")
 
 
 def experiment_links(store_uri: str, ui_url: str) -> list[str]:
-    """``NAME (N runs): URL`` (``1 run``) for each experiment of ``store_uri`` that has runs, URL being its runs list
-    in the MLflow UI at ``ui_url`` (MLflow 3's UI opens an experiment on its GenAI overview;
-    :func:`~vitreg.tracking.naming.runs_page` opens the runs). Nothing when the store holds no runs yet."""
+    """``NAME (N runs): URL`` for each experiment of ``store_uri`` with runs, URL its runs list in the UI."""
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(tracking_uri=store_uri)
@@ -408,7 +365,6 @@ def experiment_links(store_uri: str, ui_url: str) -> list[str]:
 
 
 def print_experiment_links(store_uri: str, ui_url: str) -> None:
-    """What ``make ui`` says before the UI starts: where each experiment's runs are."""
     links = experiment_links(store_uri, ui_url)
     print(f"MLflow UI on {ui_url} (store {store_uri}); the runs of each experiment:" if links else
           f"MLflow UI on {ui_url}: no runs in {store_uri} yet (make bench logs one); experiments: "

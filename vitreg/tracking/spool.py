@@ -1,23 +1,14 @@
 """A durable local journal of one run: everything it logs, written before any of it goes to a server.
 
-A spool is a folder ``<root>/<spool id>/`` holding
+A spool is a folder ``<root>/<spool id>/``: ``journal.jsonl``, one JSON record a line numbered by ``seq``
+(``run`` first, then ``params``, ``tags``, ``metrics``, ``artifact``: a copy under ``artifacts/``, ``delete``: an
+artifact path to remove, ``end``), and ``lock``, held (``flock``) by the one process that writes or delivers it.
+Appending is a write and flush (no fsync: :meth:`Spool.fsync` at batch boundaries); a last line torn by a crash
+is ignored. A spool is data from outside (`vitreg sync` may be given one somebody else wrote): every record is
+checked (:func:`record_problem`) before any of it is delivered.
 
-- ``journal.jsonl``: one JSON record a line, each with a sequence number ``seq`` (0, 1, 2, ...):
-  ``run`` (seq 0: experiment, run name, start time, the server's run id when known), ``params``,
-  ``tags``, ``metrics`` (``[key, value, timestamp_ms, step]`` points), ``artifact`` (a file or folder
-  copied into ``artifacts/<seq>/``), ``delete`` (an artifact path of the run to remove: a checkpoint
-  beyond ``keep_checkpoints``) and ``end`` (final status and end time);
-- ``lock``: held (``flock``) by the one process that writes or delivers this spool.
-
-Appending is a local write and flush (no network, no fsync); :meth:`Spool.fsync` makes the journal
-durable and is called at batch boundaries (before each delivery attempt and at the end). A line torn by
-a crash is the last one and is ignored on reading. Delivery (live, or later with ``vitreg sync``) sends
-records in order (:mod:`vitreg.tracking.delivery`); a spool is removed only once the store's run is counted
-to hold all of it. Every record is checked (:func:`record_problem`) before any of it is delivered.
-
-Settings (environment): ``VITREG_SPOOL_DIR`` (the root; default ``$XDG_DATA_HOME/vitreg/spool``, i.e.
-``~/.local/share/vitreg/spool``), ``VITREG_OFFLINE`` (true: write the spool only, deliver later),
-``VITREG_FLUSH_TIMEOUT_S`` (how long a finished run waits for delivery; default 30).
+Settings: ``VITREG_SPOOL_DIR`` (default ``~/.local/share/vitreg/spool``), ``VITREG_OFFLINE`` (write the spool
+only, deliver later), ``VITREG_FLUSH_TIMEOUT_S`` (how long a finished run waits for delivery; default 30).
 """
 
 from __future__ import annotations
@@ -30,6 +21,7 @@ import math
 import os
 import re
 import shutil
+import tempfile
 import threading
 import time
 import uuid
@@ -49,7 +41,6 @@ MAX_METRICS, MAX_PARAMS, MAX_TAGS = 1000, 100, 98
 
 
 def spool_root(env: dict | None = None) -> Path:
-    """Where spools live: ``$VITREG_SPOOL_DIR``, else the user's data dir (``~/.local/share/vitreg/spool``)."""
     env = os.environ if env is None else env
     if env.get("VITREG_SPOOL_DIR"):
         return Path(env["VITREG_SPOOL_DIR"]).expanduser()
@@ -58,14 +49,13 @@ def spool_root(env: dict | None = None) -> Path:
 
 
 def offline_mode(value=None) -> bool:
-    """``offline=true`` (the option) or ``VITREG_OFFLINE=1``, either one (``mlflow run`` passes every param's
-    default, ``false``, which must not undo the variable): log to the spool only."""
+    """``offline=true`` or ``VITREG_OFFLINE=1``, either one (``mlflow run`` passes every param's default,
+    ``false``, which must not undo the variable)."""
     option = parse_bool(value, "offline") if value is not None else False
     return option or parse_bool(os.environ.get("VITREG_OFFLINE") or "false", "VITREG_OFFLINE")
 
 
 def flush_timeout_s(value=None) -> float:
-    """Seconds a finished run waits for its delivery: the argument, ``VITREG_FLUSH_TIMEOUT_S``, or 30."""
     if value is None:
         value = os.environ.get("VITREG_FLUSH_TIMEOUT_S") or DEFAULT_FLUSH_TIMEOUT_S
     return parse_float(value, "VITREG_FLUSH_TIMEOUT_S", minimum=0)
@@ -85,7 +75,6 @@ def clean_metrics(metrics: dict) -> dict[str, float]:
 
 
 def dict_text(data: dict) -> str:
-    """A dict artifact's text (``default=str``: paths and other values a result holds)."""
     return json.dumps(data, indent=2, sort_keys=True, default=str)
 
 
@@ -102,12 +91,11 @@ class SpoolLost(VitregError):
 
 
 class SpoolUnusable(VitregError):
-    """The spool folder cannot be made or written (read-only, a file, a symlink loop, no permission, full)."""
+    """The spool folder cannot be made or written."""
 
 
 class SpoolDamaged(VitregError):
-    """A journal that does not read as vitreg writes one (garbled, not UTF-8, unreadable, a record naming a file
-    outside its spool): nothing of that spool is delivered, and it is not removed."""
+    """A journal that does not read as vitreg writes one: nothing of that spool is delivered, nor removed."""
 
 
 def mount_point(path: Path) -> Path:
@@ -122,8 +110,8 @@ def mount_point(path: Path) -> Path:
 
 
 def os_reason(exc: OSError) -> tuple[int | None, str]:
-    """An OSError's errno and its words; for a tree copy's ``shutil.Error`` (a list of reasons, one per file,
-    thousands of characters) the first reason, or one that says the disk is full."""
+    """An OSError's errno and its words; for a tree copy's ``shutil.Error`` (thousands of characters, a reason
+    per file) the first reason, or one that says the disk is full."""
     if isinstance(exc, shutil.Error) and exc.args and isinstance(exc.args[0], list) and exc.args[0]:
         reasons = [str(entry[-1]) for entry in exc.args[0] if isinstance(entry, (tuple, list)) and entry]
         full = next((r for r in reasons if f"[Errno {errno.ENOSPC}]" in r or f"[Errno {errno.EDQUOT}]" in r), None)
@@ -139,7 +127,6 @@ def disk_full_reason(path: Path, consequence: str = "") -> str:
 
 
 def lost_reason(spool_path: Path, exc: OSError) -> str:
-    """One line saying why the spool cannot keep the run: the local disk (named) or the removed folder."""
     number, words = os_reason(exc)
     lost = "what the run measures from now on cannot be kept"
     if number in (errno.ENOSPC, errno.EDQUOT):
@@ -148,17 +135,15 @@ def lost_reason(spool_path: Path, exc: OSError) -> str:
 
 
 def check_spool_root(root: Path) -> None:
-    """Make sure spools can be written under ``root`` (made if missing) before a run exists anywhere: else one
-    :class:`SpoolUnusable` line naming the fix, and no run is left RUNNING on the server for it."""
+    """Spools can be written under ``root`` (made if missing), checked before a run exists anywhere: no run is
+    left RUNNING on the server for a spool that cannot keep it."""
     root = Path(root)
     try:
         root.mkdir(parents=True, exist_ok=True)
-        probe = root / f".probe-{uuid.uuid4().hex}"
-        with open(probe, "w") as fh:
-            fh.write("{}\n")  # a byte on disk, not only an inode: a full disk fails here
-            fh.flush()
-            os.fsync(fh.fileno())
-        probe.unlink()
+        with tempfile.TemporaryFile(dir=root) as probe:
+            probe.write(b"{}\n")  # a byte on disk, not only an inode: a full disk fails here
+            probe.flush()
+            os.fsync(probe.fileno())
     except OSError as exc:
         raise SpoolUnusable(unusable_reason(root, exc)) from None
 
@@ -172,8 +157,6 @@ def unusable_reason(root: Path, exc: OSError) -> str:
 
 
 # --------------------------------------------------------------------------- what a journal may hold
-# A spool is data from outside (`vitreg sync` may be pointed at one somebody else wrote): an artifact names a
-# file inside its own spool, a tag is never delivery's own, every value has the type MLflow is sent.
 
 RESERVED_TAG_PREFIX = "vitreg_spool_"  # delivery's own tags (the spool id, how far it got): never from a record
 STATUSES = ("FINISHED", "FAILED", "KILLED")
@@ -212,7 +195,7 @@ def _artifact_path_problem(artifact_path) -> str | None:
 
 
 def _inside_problem(spool_dir: Path, record: dict) -> str | None:
-    """Where an artifact record's file is: inside ``spool_dir/artifacts`` once resolved, no link anywhere in it."""
+    """An artifact record's file is inside ``spool_dir/artifacts`` once resolved, with no link in it."""
     relative = record.get("path")
     if not isinstance(relative, str) or not isinstance(record.get("is_dir"), bool):
         return "an artifact record without a path"
@@ -231,7 +214,6 @@ def _inside_problem(spool_dir: Path, record: dict) -> str | None:
 
 
 def record_problem(spool_dir: Path, record, seq: int) -> str | None:
-    """What is wrong with journal record number ``seq`` of the spool at ``spool_dir`` (None: nothing)."""
     if not isinstance(record, dict):
         return "not a record"
     kind = record.get("kind")
@@ -288,12 +270,9 @@ class Spool:
         self._next_seq = None
         self.lost: str | None = None  # why this spool can no longer keep the run (set at the first failed write)
 
-    # ----------------------------------------------------------------- creating and opening
-
     @classmethod
     def create(cls, experiment_name: str, run_name: str | None = None, run_id: str | None = None,
                tracking_uri: str | None = None, root: Path | None = None) -> "Spool":
-        """A new spool (locked by this process) whose first record describes the run."""
         spool_id = uuid.uuid4().hex
         root = Path(root or spool_root())
         spool = cls(root / spool_id)
@@ -336,7 +315,6 @@ class Spool:
                                 f"the user who wrote them, or fix that folder's permissions") from None
 
     def lock(self) -> None:
-        """Hold this spool for this process (released on :meth:`release` or when the process dies)."""
         try:
             fh = open(self.path / "lock", "a")
         except OSError as exc:
@@ -360,15 +338,12 @@ class Spool:
             self._lock_fh = None
 
     def remove(self) -> None:
-        """Delete the spool (everything in it has been delivered)."""
         self.release()
         shutil.rmtree(self.path, ignore_errors=True)
 
-    # ----------------------------------------------------------------- reading
-
     def records(self) -> list[dict]:
-        """Every record, in order, each checked (:func:`record_problem`); raises :class:`SpoolDamaged` naming
-        the file and line of the first that is not as vitreg writes it. A last line torn by a crash is dropped."""
+        """Every record, in order, each checked; :class:`SpoolDamaged` names the line of the first that is not
+        as vitreg writes it. A last line torn by a crash is dropped."""
         journal = self.path / JOURNAL
         if not journal.is_file():
             raise SpoolDamaged(f"the spool journal {journal} is not a file (a folder, or a link to nothing): "
@@ -382,10 +357,8 @@ class Spool:
         torn = lines.pop()  # after the last line end: b"" unless a write was cut short
         records = [self._parsed(journal, number, line) for number, line in enumerate(lines, 1)]
         if torn:
-            try:
+            with contextlib.suppress(FileFault):
                 records.append(parse_json(torn))
-            except FileFault:
-                pass
         for seq, record in enumerate(records):
             problem = record_problem(self.path, record, seq)
             if problem:
@@ -402,8 +375,6 @@ class Spool:
     @property
     def run_record(self) -> dict:
         return self.records()[0]
-
-    # ----------------------------------------------------------------- appending
 
     def _append(self, record: dict) -> dict:
         if self.lost:
@@ -424,8 +395,7 @@ class Spool:
 
     @contextlib.contextmanager
     def _kept(self):
-        """A write inside that fails (``OSError``) means the spool can no longer keep the run: the first reason
-        is kept in :attr:`lost` and raised as :class:`SpoolLost`."""
+        """A write inside that fails means the spool can no longer keep the run: :attr:`lost`, :class:`SpoolLost`."""
         try:
             yield
         except OSError as exc:
@@ -433,7 +403,7 @@ class Spool:
             raise SpoolLost(self.lost) from None
 
     def fsync(self) -> None:
-        """Make what was appended durable (survives a power cut); cheap enough per batch, not per call."""
+        """Cheap enough per batch, not per call."""
         with self._write_lock:
             if self._fh is not None:
                 with self._kept():
@@ -453,7 +423,7 @@ class Spool:
         return [self._append({"kind": "metrics", "metrics": part}) for part in _chunks(points, MAX_METRICS)]
 
     def append_artifact(self, local_path, artifact_path: str | None = None) -> dict:
-        """Copy a file or folder into the spool (the original may be deleted at once) and journal it."""
+        """A copy in the spool: the original may be deleted at once."""
         source = Path(local_path)
         if not source.exists():
             raise VitregError(f"artifact {source} does not exist: nothing to log")
@@ -463,14 +433,12 @@ class Spool:
         return self._append_copy(source.name, lambda slot: shutil.copy2(source, slot / source.name), artifact_path)
 
     def append_text(self, text: str, artifact_file: str) -> dict:
-        """``log_text``: the text as a file at ``artifact_file`` (``dir/name.ext``) of the run."""
         directory, _, name = artifact_file.rpartition("/")
         return self._append_copy(name, lambda slot: (slot / name).write_text(scrub(text), encoding="utf-8"),
                                  directory or None)
 
     def _append_copy(self, name: str, write, artifact_path: str | None) -> dict:
-        """Journal an artifact that ``write(slot)`` puts into a new slot folder: the file ``name``, or the
-        folder itself for no name. Nothing is copied once the spool is lost."""
+        """Journal what ``write(slot)`` puts into a new slot folder: the file ``name``, or the folder for no name."""
         if self.lost:
             return {"kind": "artifact"}
         slot = f"artifacts/{uuid.uuid4().hex[:12]}"
@@ -481,16 +449,15 @@ class Spool:
                              "artifact_path": artifact_path})
 
     def append_delete(self, artifact_path: str) -> dict:
-        """``delete_artifacts``: remove what the run holds at ``artifact_path``, once what came before is delivered."""
         return self._append({"kind": "delete", "artifact_path": str(artifact_path)})
 
-    def append_end(self, status: str, end_time_ms: int | None = None) -> dict:
-        return self._append({"kind": "end", "status": status, "end_time": end_time_ms or now_ms()})
+    def append_end(self, status: str) -> dict:
+        return self._append({"kind": "end", "status": status, "end_time": now_ms()})
 
 
 class Contents:
-    """What a spool's records put on a run, as counts: param and tag names, distinct points per metric
-    (a point sent twice is stored once), artifact file paths, the final status."""
+    """What a spool's records put on a run: param and tag names, distinct points per metric (MLflow stores a
+    point sent twice once), artifact file paths, the final status."""
 
     def __init__(self, records: list[dict], spool_dir: Path):
         self.params: set[str] = set()
@@ -514,7 +481,6 @@ class Contents:
 
 
 def artifact_files(spool_dir: Path, record: dict) -> list[str]:
-    """The run's artifact paths an artifact record puts there (``artifact_path/name``)."""
     local = spool_dir / record["path"]
     prefix = f"{record['artifact_path'].strip('/')}/" if record.get("artifact_path") else ""
     if not record["is_dir"]:

@@ -1,7 +1,6 @@
-"""The tracking store as this process reaches it: made ready once (:func:`prepare_store`, a sqlite store's
-artifacts beside its file: :func:`artifact_root`), asked within bounded time (:func:`short_http_requests`,
-:func:`bound_http_requests`), its failures told in one line naming it, masked (:func:`store_errors`,
-:func:`store_fault`), MLflow's own prints off (:func:`quiet_artifact_downloads`, :func:`quiet_mlflow_info`).
+"""The tracking store as this process reaches it: made ready once (:func:`prepare_store`), asked within bounded
+time (:func:`short_http_requests`), its failures told in one masked line naming it (:func:`store_fault`),
+MLflow's own prints off.
 """
 
 from __future__ import annotations
@@ -27,8 +26,7 @@ from vitreg.tracking.uris import absolute_uri, redact, scrub
 _BUSY = re.compile(r"database is locked|database is busy|SQLITE_BUSY", re.IGNORECASE)
 _CORRUPT = re.compile(r"database disk image is malformed|malformed database schema|"
                       r"database or disk is full|unsupported file format", re.IGNORECASE)
-_READ_ONLY = re.compile(r"readonly database|read-only file system", re.IGNORECASE)
-_CANNOT_OPEN = re.compile(r"unable to open database file", re.IGNORECASE)
+_CANNOT_OPEN = re.compile(r"readonly database|read-only file system|unable to open database file", re.IGNORECASE)
 _REFUSED = re.compile(r"connection refused|could not connect|Can't connect to|Name or service not known|"
                       r"could not translate host name", re.IGNORECASE)
 _NOT_HTTP = re.compile(r"BadStatusLine|RemoteDisconnected|Connection aborted|InvalidChunkLength|"
@@ -36,13 +34,11 @@ _NOT_HTTP = re.compile(r"BadStatusLine|RemoteDisconnected|Connection aborted|Inv
 #: MLflow's answers to a request it understood and refused (from a server or a local store alike); not
 #: ENDPOINT_NOT_FOUND, also a 404, which a URI pointing at something that is no MLflow server gets
 _REFUSED_REQUEST = {"INVALID_PARAMETER_VALUE", "RESOURCE_DOES_NOT_EXIST", "BAD_REQUEST", "RESOURCE_ALREADY_EXISTS"}
-#: MLflow's SQL store tries to build its engine 10 times, sleeping 0.1 * (2**n - 1) s between (~100 s against a
-#: database that is down) and reads no setting for it: a CLI command tries twice (0.1 s of sleep; a sqlite file
-#: another process holds locked costs sqlite's 5 s busy timeout an attempt)
+#: MLflow's SQL store tries to build its engine 10 times (~100 s against a database that is down) and reads no
+#: setting for it: a CLI command tries twice (a sqlite file held locked costs sqlite's 5 s busy timeout each)
 SQL_ENGINE_ATTEMPTS = 2
-#: libpq's wait for a PostgreSQL that takes the TCP connection and then says nothing (a hung server, a port
-#: forwarded to nothing): psycopg's default is 130 s, one wait for each of MLflow's engine attempts, so a CLI
-#: command waited 260 s; 5 s each is 10 s. PGCONNECT_TIMEOUT or ``?connect_timeout=`` set by the user win.
+#: libpq's wait for a PostgreSQL that takes the TCP connection and then says nothing: psycopg's default is 130 s
+#: for each engine attempt; the user's PGCONNECT_TIMEOUT or ``?connect_timeout=`` win.
 SQL_CONNECT_TIMEOUT_S = 5
 PROGRESS_BAR_VARIABLE = "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR"
 RUN_LINKS_VARIABLE = "MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT"
@@ -56,16 +52,15 @@ _saved_http_settings: dict[str, str | None] = {}
 
 
 def sqlite_path(uri: str) -> Path | None:
-    """The database file of a ``sqlite:///`` URI (None for any other store, or an in-memory one)."""
     if not uri.startswith("sqlite:///") or uri.endswith(":memory:"):
         return None
     return Path(uri[len("sqlite:///"):].split("?", 1)[0])
 
 
 def artifact_root(uri: str) -> Path | None:
-    """Where the experiments of the sqlite store at ``uri`` keep their artifacts (``<root>/<experiment id>/``):
-    ``mlruns`` beside ``mlflow.db``, ``<name>-mlruns`` beside any other ``<name>.db``, from whatever folder
-    (MLflow's ``./mlruns`` of the current folder let two stores share ``./mlruns/1/``). None for other stores."""
+    """Where the experiments of the sqlite store at ``uri`` keep their artifacts: ``mlruns`` beside ``mlflow.db``,
+    ``<name>-mlruns`` beside any other ``<name>.db`` (MLflow's ``./mlruns`` of the current folder let two stores
+    share ``./mlruns/1/``). None for other stores."""
     path = sqlite_path(uri)
     if path is None:
         return None
@@ -74,8 +69,8 @@ def artifact_root(uri: str) -> Path | None:
 
 
 def store_with_root(uri: str):
-    """MLflow's own sqlite store for ``uri``, built with :func:`artifact_root` as its artifact root (MLflow's
-    client offers no other root than ``./mlruns``); on a new file it makes the schema and the Default experiment."""
+    """MLflow's sqlite store for ``uri`` with :func:`artifact_root` as its root (its client offers only ``./mlruns``);
+    on a new file it makes the schema and the Default experiment."""
     from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
 
     return SqlAlchemyStore(uri, str(artifact_root(uri)))
@@ -87,8 +82,7 @@ def _cached_store_with_root(absolute: str):
 
 
 def create_experiment(client, name: str) -> str:
-    """Create experiment ``name`` in ``client``'s store and return its id; in a sqlite store its artifacts
-    go under :func:`artifact_root` (``<root>/<id>/``), as MLflow's layout has them."""
+    """Create experiment ``name`` and return its id; a sqlite store's under :func:`artifact_root`."""
     if artifact_root(client.tracking_uri) is None:
         return client.create_experiment(name)
     # by absolute URI: a relative path names another file once the process changes folder
@@ -96,8 +90,7 @@ def create_experiment(client, name: str) -> str:
 
 
 def ui_command(uri: str) -> str:
-    """The command that opens the MLflow UI on the store at ``uri`` from where the process stands: ``make ui``
-    (``UI_STORE=...`` for another store than ``mlflow.db``) in the checkout, else ``mlflow ui --backend-store-uri``."""
+    """The command that opens the MLflow UI on the store at ``uri``: ``make ui`` in the checkout, else ``mlflow ui``."""
     store = absolute_uri(uri)
     makefile = Path("Makefile")
     in_checkout = makefile.is_file() and re.search(r"^ui:", makefile.read_text(errors="replace"), re.M) is not None
@@ -111,10 +104,8 @@ def ui_command(uri: str) -> str:
 def prepare_store(uri: str) -> None:
     """Create (or open) the sqlite store at ``uri`` under a file lock beside it; nothing for other stores.
     MLflow migrates a fresh schema in every process that opens it, unlocked: processes starting together on a
-    new file raced (``_alembic_tmp_tags already exists``) and could break it. MLflow's routine INFO lines are
-    off from here on (:func:`quiet_mlflow_info`). Raises :class:`StoreError`, naming the file, when it cannot be
-    created or is not a usable store; one another process holds locked is waited for, then called busy.
-    """
+    new file raced (``_alembic_tmp_tags already exists``) and could break it. A store another process holds
+    locked is waited for, then called busy."""
     quiet_mlflow_info()  # every run opens its store here, the CLI's and the Python API's alike
     path = sqlite_path(uri)
     if path is None:
@@ -141,9 +132,8 @@ def prepare_store(uri: str) -> None:
 
 
 def check_sqlite_uri(uri: str) -> None:
-    """Refuse a sqlite URI that names no database file: a folder (``sqlite:///`` is the current one: a typo,
-    not a store), or a file whose name would carry the URI's fragment (sqlite keeps ``#token=...`` in the
-    name of the file it creates, a secret left on disk)."""
+    """Refuse a sqlite URI that names a folder (``sqlite:///``: a typo, not a store), or a fragment, which sqlite
+    keeps in the name of the file it creates (``#token=...``: a secret left on disk)."""
     path = sqlite_path(uri)
     if path is None:
         return
@@ -175,7 +165,6 @@ def _build(uri: str, path: Path) -> None:
 
 
 def new_store_line(uri: str) -> str:
-    """What vitreg says when it creates a store: which file, where its artifacts go, and why there."""
     line = f"created a new tracking store {os.path.abspath(sqlite_path(uri))} (artifacts in {artifact_root(uri)}/)"
     if not os.environ.get("MLFLOW_TRACKING_URI"):
         line += ": MLflow's default in the current folder, as MLFLOW_TRACKING_URI is not set"
@@ -183,8 +172,7 @@ def new_store_line(uri: str) -> str:
 
 
 def _local_reason(path: Path, reason: str) -> str | None:
-    """Why the sqlite file ``path`` cannot be opened, from what is on disk (as this user sees it): the store
-    or its folder missing, unreadable, or read-only. None when the disk shows nothing wrong."""
+    """Why the sqlite file ``path`` cannot be opened, from what is on disk; None when the disk shows nothing wrong."""
     folder = path.parent
     if not folder.is_dir():
         return (f"the folder {folder} of the tracking store {path} does not exist or is not a folder ({reason}): "
@@ -204,9 +192,8 @@ def _local_reason(path: Path, reason: str) -> str | None:
 
 
 def store_fault(exc: BaseException, uri: str, doing: str = "") -> VitregError:
-    """The one line for a failure of the tracking store at ``uri``, with the advice for its cause (busy,
-    damaged, read-only, missing, a server that does not answer or not in HTTP); a request the store refused
-    is no store failure: a plain :class:`VitregError` naming the value."""
+    """The one line for a failure of the tracking store at ``uri``, with the advice for its cause; a request the
+    store refused is no store failure: a plain :class:`VitregError`."""
     text, reason = str(exc), first_line(exc)
     path = sqlite_path(uri)
     where = f"the tracking store {path}" if path else f"the tracking store at {redact(uri)}"
@@ -221,7 +208,7 @@ def store_fault(exc: BaseException, uri: str, doing: str = "") -> VitregError:
     if path and _CORRUPT.search(text):
         return StoreError(f"{where} is damaged ({reason}): restore it from a backup, or move it away (a new "
                           f"one is created; the runs in it are lost) or point MLFLOW_TRACKING_URI elsewhere")
-    if path and (_READ_ONLY.search(text) or _CANNOT_OPEN.search(text)):
+    if path and _CANNOT_OPEN.search(text):
         return StoreError(_local_reason(path, reason) or f"{where} cannot be opened ({reason}): check its file "
                                                          f"and folder, or MLFLOW_TRACKING_URI")
     if path and _opens(path):  # "move it away" only for a store that does not open, never from a failed call
@@ -244,7 +231,6 @@ def store_fault(exc: BaseException, uri: str, doing: str = "") -> VitregError:
 
 
 def _opens(path: Path) -> bool:
-    """Whether the sqlite file ``path`` opens, read-only, as an MLflow store: before vitreg calls one unusable."""
     import sqlite3
 
     try:
@@ -256,7 +242,6 @@ def _opens(path: Path) -> bool:
 
 
 def busy_wait_s() -> float:
-    """``VITREG_STORE_BUSY_S`` (default 30): how long a locked sqlite store is waited for before "busy"."""
     return parse_float(os.environ.get("VITREG_STORE_BUSY_S") or 30, "VITREG_STORE_BUSY_S", minimum=0)
 
 
@@ -267,26 +252,21 @@ DEFAULT_HTTP_TIMEOUT_S = 10
 
 
 def http_timeout_s() -> int:
-    """``VITREG_HTTP_TIMEOUT_S`` (default 10): the most one request to the server may take during delivery."""
     return int(parse_float(os.environ.get("VITREG_HTTP_TIMEOUT_S") or DEFAULT_HTTP_TIMEOUT_S, "VITREG_HTTP_TIMEOUT_S",
                            minimum=1))
 
 
 @contextlib.contextmanager
 def short_http_requests():
-    """While inside, MLflow HTTP requests of this process make one attempt of at most ``http_timeout_s()``.
-
-    The caller owns the back-off: a dead server then costs seconds, not MLflow's minutes of retries.
-    MLflow reads these variables at every request and has no per-client setting, so they are set for
-    the whole process while any delivery round or sync runs, and restored when the last one ends.
-    """
+    """While inside, MLflow HTTP requests of this process make one attempt of at most ``http_timeout_s()``: the
+    caller owns the back-off. MLflow reads these variables at every request and has no per-client setting, so
+    they are set for the whole process while any user is inside, and restored when the last one leaves."""
     global _short_http_users
     with _short_http_lock:
         settings = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": str(http_timeout_s())}
         if _short_http_users == 0:
             _saved_http_settings.update({name: os.environ.get(name) for name in settings})
-        # set at every entry, not only the first: whatever changed the variables while another delivery ran (a
-        # caller's own settings, a test's monkeypatch undone) must not give this one MLflow's minutes of retries
+        # set at every entry: a change while another user was inside must not give this one MLflow's retries
         os.environ.update(settings)
         _short_http_users += 1
     try:
@@ -303,8 +283,8 @@ def short_http_requests():
 
 
 def bound_http_requests() -> None:
-    """Every MLflow HTTP request of this process (a CLI command) ends within a bounded time: two retries a
-    second apart instead of MLflow's seven with doubling back-off (90-200 s against a 503). The user's own win."""
+    """Every MLflow HTTP request of this CLI command ends within bounded time: two retries a second apart, not
+    MLflow's seven with doubling back-off (90-200 s against a 503). The user's own settings win."""
     try:
         timeout = http_timeout_s()
     except VitregError:  # the CLI's group calls this before any one-line handler: the command says it
@@ -317,8 +297,8 @@ def bound_http_requests() -> None:
 
 
 class _SqlEngineAttempts(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """Sets :data:`SQL_ENGINE_ATTEMPTS` on MLflow's ``mlflow.store.db.utils`` when MLflow imports it: that
-    module costs seconds to import (sqlalchemy), and only a process that opens a SQL store needs it."""
+    """Bounds ``mlflow.store.db.utils`` when MLflow imports it: a module that costs seconds to import
+    (sqlalchemy), which only a process that opens a SQL store needs."""
 
     name = "mlflow.store.db.utils"
 
@@ -350,9 +330,7 @@ def _bound(module) -> None:
 
 
 def bound_sql_engine_attempts() -> None:
-    """A SQL store that is down (PostgreSQL refusing connections) costs a CLI command a second, not MLflow's
-    ~100 s of engine retries (:data:`SQL_ENGINE_ATTEMPTS`); one that takes the connection and never answers,
-    seconds (:data:`SQL_CONNECT_TIMEOUT_S`), not minutes."""
+    """A SQL store that is down, or takes the connection and never answers, costs a CLI command seconds."""
     os.environ.setdefault("PGCONNECT_TIMEOUT", str(SQL_CONNECT_TIMEOUT_S))
     module = sys.modules.get(_SqlEngineAttempts.name)
     if module is not None:
@@ -366,7 +344,6 @@ def bound_sql_engine_attempts() -> None:
 
 @contextlib.contextmanager
 def store_errors(uri: str, doing: str):
-    """Any failure of the tracking store inside becomes one :class:`StoreError` line naming it."""
     try:
         yield
     except VitregError:
@@ -381,8 +358,7 @@ STORE_LIBRARIES = {"mlflow", "requests", "urllib3", "http", "sqlalchemy", "sqlit
 
 
 def store_error_for(exc: BaseException) -> VitregError | None:
-    """The one line (:func:`store_fault`) for an MLflow, HTTP or SQL error that reached the CLI unconverted;
-    None for any other exception."""
+    """The one line for an MLflow, HTTP or SQL error that reached the CLI unconverted; None for another."""
     names = {cls.__module__.split(".")[0] for cls in type(exc).__mro__}
     if not names & STORE_LIBRARIES:
         return None
@@ -411,25 +387,22 @@ def _reason(exc: BaseException) -> str:
 
 
 def quiet_artifact_downloads() -> None:
-    """No tqdm bars of MLflow's between vitreg's progress lines (which say what is downloaded where) in this
-    process and its children, unless MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR asks; never MLflow's run links."""
+    """No MLflow tqdm bars between vitreg's progress lines unless asked for; never MLflow's run links."""
     os.environ.setdefault(PROGRESS_BAR_VARIABLE, "false")
     quiet_run_links()
 
 
 def quiet_run_links() -> None:
-    """No "View run ... at" line from MLflow (it would print the tracking URI's credentials): forced, not a
-    default, since vitreg prints the link itself."""
+    """No "View run ... at" line from MLflow (it would print the URI's credentials): vitreg prints the link."""
     os.environ[RUN_LINKS_VARIABLE] = "true"
 
 
 #: the loggers of MLflow's INFO lines a successful run does not need (the system-metrics monitor's start and
-#: stop, "Creating initial MLflow database tables"); their WARNING and ERROR records still show
+#: stop, "Creating initial MLflow database tables")
 QUIET_MLFLOW_LOGGERS = ("mlflow.system_metrics", "mlflow.store.db.utils")
 
 
 def quiet_mlflow_info() -> None:
-    """MLflow's routine INFO lines off (WARNING and above kept), unless MLFLOW_LOGGING_LEVEL asks for more."""
     import logging
 
     if os.environ.get("MLFLOW_LOGGING_LEVEL", "").upper() in ("DEBUG", "INFO"):

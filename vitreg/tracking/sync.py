@@ -1,7 +1,5 @@
-"""`vitreg sync`: spools whose run ended without the store holding all of it (server down, offline=true,
-a process killed), delivered later over :mod:`vitreg.tracking.delivery`, exactly once: every record checked
-before the first is sent, the store's run counted after, the spool removed only when nothing is lacking and
-the run has ended (a spool without its end is kept, and said, until ``runs --stale --fix`` ends the run).
+"""`vitreg sync`: spools whose run ended without the store holding all of it, delivered later, exactly once;
+a spool is removed only when the store's run, counted after, lacks nothing and has ended.
 """
 
 from __future__ import annotations
@@ -21,7 +19,7 @@ from vitreg.tracking.uris import redact
 
 
 class SyncError(VitregError):
-    """The tracking store did not take a spool; the message says what is still spooled."""
+    """The tracking store did not take a spool."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,11 +44,9 @@ SENT_CREDENTIALS = ("MLFLOW_TRACKING_TOKEN", "MLFLOW_TRACKING_PASSWORD", "MLFLOW
 
 
 def _target_uri(spool: Spool, tracking_uri: str | None) -> str:
-    """Where a spool goes: ``--tracking-uri``, else the server it was logged against, else the current one.
-
-    A spool is data from disk: its recorded server must not receive this user's credentials unless it is the
-    server they are for. With a token or password in the environment, a spool naming another http(s) host
-    than MLFLOW_TRACKING_URI is refused (one line) until ``--tracking-uri`` says where it goes."""
+    """Where a spool goes: ``--tracking-uri``, else the server it was logged against, else the current one. A
+    spool is data from disk: with credentials in the environment, one naming another http(s) host than
+    MLFLOW_TRACKING_URI is refused until ``--tracking-uri`` says where it goes."""
     if tracking_uri:
         return tracking_uri
     current = mlflow.get_tracking_uri()
@@ -66,15 +62,13 @@ def _target_uri(spool: Spool, tracking_uri: str | None) -> str:
 
 
 def _host(uri: str) -> str | None:
-    """An http(s) URI's host and port (None for a local store: no credentials go there)."""
     parts = urllib.parse.urlsplit(uri)
     return parts.netloc.rpartition("@")[2].lower() if parts.scheme in ("http", "https") else None
 
 
 def sync_one(spool: Spool, tracking_uri: str | None = None) -> Synced:
-    """Deliver one spool (locking it); raises :class:`SpoolBusy` when a running process holds it,
-    :class:`SpoolDamaged` (before sending anything) when a record is not as vitreg writes it, and
-    :class:`SyncError` when the store's run, counted after, lacks anything the spool held (kept then)."""
+    """Deliver one spool (locking it): :class:`SpoolBusy`, :class:`SpoolDamaged` (before sending anything), or
+    :class:`SyncError` when the store's run, counted after, lacks anything the spool held."""
     spool.lock()
     try:
         records = spool.records()  # every record checked before the first is sent
@@ -104,7 +98,6 @@ def sync_one(spool: Spool, tracking_uri: str | None = None) -> Synced:
 
 
 def pending(spool_dir: Path | None = None) -> list[Spool]:
-    """The spools waiting under ``spool_dir`` (default: :func:`~vitreg.tracking.spool.spool_root`)."""
     return Spool.find(Path(spool_dir) if spool_dir else spool_root())
 
 
@@ -119,11 +112,8 @@ def _left(spool_dir: Path | None) -> str:
 
 
 def sync(spool_dir: Path | None = None, tracking_uri: str | None = None) -> list[Synced]:
-    """Deliver every spool under ``spool_dir`` (a spool folder, or a folder of them).
-
-    Raises :class:`SyncError` (one line: the store, the reason, what is still spooled) at the first spool
-    the store does not take; spools delivered before it stay delivered.
-    """
+    """Deliver every spool under ``spool_dir`` (a spool folder, or a folder of them); :class:`SyncError` at the
+    first the store does not take (those delivered before it stay delivered)."""
     if spool_dir is not None and not Path(spool_dir).is_dir():
         raise SyncError(f"there is no spool at {spool_dir} (no such folder): what it held is lost, or the path is "
                         f"wrong; `vitreg sync` without --spool delivers every spool under {spool_root()}")

@@ -15,29 +15,25 @@ from vitreg.tracking.runs import note_skipped_params
 
 
 def log_setup(run, params: dict, env, progress) -> None:
-    """Params (MLflow keeps what `mlflow run` logged as typed; resolved values are tags), then
-    environment.json and pip_freeze.txt."""
     note_skipped_params(run.log_params(params), progress)
     run.log_text(env.to_json(), "environment.json")
     run.log_text(pip_freeze(), "pip_freeze.txt")
 
 
 def _graph_tag(cuda_graph: bool | None) -> dict:
-    """``{"cuda_graph": "true"/"false"}`` for the jobs that can capture; nothing for the others (None)."""
     return {} if cuda_graph is None else {"cuda_graph": str(cuda_graph).lower()}
 
 
 def identity_tags(spec) -> dict:
-    """The spec's value of every identity option (:func:`vitreg.config.options.identity_names`) as tags, what
-    the runs list groups by; the DDP settings are :func:`world_tags`'s, where a model was wrapped."""
+    """The spec's value of every identity option as tags, what the runs list groups by (the DDP settings are
+    :func:`world_tags`'s)."""
     names = {name for command in RUN_COMMANDS for name in identity_names(command)} - set(options_shown_in("ddp"))
     values = {f.name: param_text(getattr(spec, f.name)) for f in fields(spec) if f.name in names}
     return {name: value for name, value in values.items() if value != ""}  # teacher="": no teacher, no tag
 
 
 def resolved_tags(spec, hw, runtime, img_size: int, *, task: str, cuda_graph: bool | None = None) -> dict:
-    """What actually ran, under the names people group by (see tracking's note on params vs tags): the
-    :func:`identity_tags`, with the resolved values where a request was resolved (amp=auto -> bf16)."""
+    """What actually ran: the :func:`identity_tags`, resolved where a request was (amp=auto -> bf16)."""
     tags = {
         **identity_tags(spec),
         "gpu": hw.label,
@@ -53,9 +49,8 @@ def resolved_tags(spec, hw, runtime, img_size: int, *, task: str, cuda_graph: bo
 
 
 def label_launcher_run(run, spec, job: str, *, task: str, cuda_graph: bool | None = None) -> None:
-    """Params and the configuration tags on a DDP job's run before torchrun starts, so that a job
-    whose ranks never get to log (a crash at start-up) is still found by model, task, batch and job
-    in the UI. Rank 0's hand-off later adds the resolved tags (gpu, amp, ...) and the environment."""
+    """Params and the configuration tags on a DDP job's run before torchrun starts: a job whose ranks never get
+    to log (a crash at start-up) is still found by model, task, batch and job in the UI."""
     if run is None:
         return
     run.log_params(spec.to_params())
@@ -63,8 +58,8 @@ def label_launcher_run(run, spec, job: str, *, task: str, cuda_graph: bool | Non
 
 
 def world_tags(world, runtime, env, ddp_spec=None) -> dict:
-    """Tags of a DDP run; none for a single process (its tags stay as they were). ``ddp_spec``: the
-    spec whose DDP settings wrapped a model (None when nothing was wrapped: inference only)."""
+    """Tags of a DDP run; none for a single process. ``ddp_spec``: the spec whose DDP settings wrapped a model
+    (None for inference)."""
     if not world.distributed:
         return {}
     tags = {"world_size": world.world_size, "nnodes": world.nnodes, "dist_backend": world.backend,
@@ -78,9 +73,8 @@ def world_tags(world, runtime, env, ddp_spec=None) -> dict:
 
 
 def log_what_ran(run, result) -> None:
-    """What a bench result says actually ran (precision, SDPA backend, compile cache, the batch chosen
-    by batch_size=auto) as tags, the batch probes as a series (step = the batch probed), the profiler's
-    trace as artifacts."""
+    """What a bench result says actually ran as tags, the batch probes as a series (step = the batch probed),
+    the profiler's trace as artifacts."""
     run.set_tags(result.tags())
     for step, values in result.series():
         run.log_metrics(values, step=step)
