@@ -120,7 +120,7 @@ class MaskedStream:
 
 
 def _mask_streams() -> dict:
-    """``sys.stdout`` and ``sys.stderr`` made :class:`MaskedStream`; ``{name: (bare, masked)}`` of those that were not."""
+    """``sys.stdout`` and ``sys.stderr`` made :class:`MaskedStream`: ``{name: (bare, masked)}`` of those swapped."""
     swapped = {}
     for name in ("stdout", "stderr"):
         bare = getattr(sys, name)

@@ -117,8 +117,9 @@ def capture_environment() -> EnvInfo:
         with contextlib.suppress(Exception):  # NCCL missing from this build
             nccl = ".".join(str(v) for v in torch.cuda.nccl.version()) if torch.distributed.is_available() else None
     cudnn = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
+    driver = nvml_ask(lambda nv: nvml_text(nv.nvmlSystemGetDriverVersion()))
     # by name: a field out of place would label a run with another field's value, and nothing would fail
-    return EnvInfo(**gpu, driver_version=nvml_ask(lambda nv: nvml_text(nv.nvmlSystemGetDriverVersion())), cuda_version=torch.version.cuda,
+    return EnvInfo(**gpu, driver_version=driver, cuda_version=torch.version.cuda,
                    cudnn_version=str(cudnn) if cudnn else None, nccl_version=nccl, torch_version=torch.__version__,
                    torchvision_version=_version("torchvision"), timm_version=_version("timm"),
                    mlflow_version=_version("mlflow"), python_version=platform.python_version(), os=platform.platform(),
