@@ -35,7 +35,7 @@ from vitreg.hardware.runtime import Runtime, run_context
 from vitreg.config.parse import AUTO_BATCH
 from vitreg.config.spec import BenchSpec
 
-from vitreg.measure.timing import (MIN_WINDOWS, PHASES, STOP_MAX_TIME, STOP_MAX_WINDOWS, StopRule,
+from vitreg.measure.timing import (MAX_WINDOWS, MIN_WINDOWS, PHASES, STOP_MAX_TIME, STOP_MAX_WINDOWS, StopRule,
                                    median_halfwidth_pct, steps_for_window, synchronize, time_window, wall_seconds)
 from vitreg.train.losses import loss_of
 
@@ -175,9 +175,9 @@ def _timed_windows(step, bench: _Bench, task: str, batch_size: int, warm_iter_s:
 
 
 def _lengthen(rates: list, rule: StopRule, elapsed_s: float, longer_s: float) -> bool:
-    """The first ``min_windows`` windows miss the target, and as many twice as long still fit in the time cap."""
-    return (len(rates) == rule.min_windows and median_halfwidth_pct(rates) > rule.precision_pct
-            and elapsed_s + rule.min_windows * longer_s <= rule.max_time_s)
+    """The first :data:`MIN_WINDOWS` windows miss the target, and as many twice as long still fit in the time cap."""
+    return (len(rates) == MIN_WINDOWS and median_halfwidth_pct(rates) > rule.precision_pct
+            and elapsed_s + MIN_WINDOWS * longer_s <= rule.max_time_s)
 
 
 def _say_window(say, task: str, rates: list, win, mark, rule: StopRule) -> None:
@@ -194,7 +194,7 @@ def missed_target_text(rates, rule: StopRule, stop: str) -> str:
     halfwidth = median_halfwidth_pct(rates)
     reached = f"+-{halfwidth:.2f} %" if halfwidth is not None else f"no 95 % interval (under {MIN_WINDOWS} windows)"
     limit = (f"max_time_s={rule.max_time_s:g} s of timing" if stop == STOP_MAX_TIME
-             else f"the most windows a task times ({rule.max_windows})")
+             else f"the most windows a task times ({MAX_WINDOWS})")
     return (f"precision target {rule.precision_pct:g} % not reached: {reached} after {len(rates)} window(s), "
             f"stopped by {limit}; the windows scatter (a busy host, throttling): rerun on a quiet machine or raise "
             f"max_time_s")

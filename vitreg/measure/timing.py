@@ -58,9 +58,9 @@ WINDOW_MARGIN = 1.1
 STOP_PRECISION, STOP_MAX_WINDOWS, STOP_MAX_TIME, STOP_FIXED = "precision_met", "max_windows", "max_time", "fixed"
 
 
-def median_interval(values, confidence: float = 0.95) -> tuple[float, float] | None:
-    """The median's distribution-free interval ``[x(k), x(n+1-k)]``: the largest ``k`` whose coverage
-    ``1 - 2 P(Binomial(n, 1/2) < k)`` is at least ``confidence`` (None: too few values). Not a bootstrap: exact for
+def median_interval(values) -> tuple[float, float] | None:
+    """The median's distribution-free 95 % interval ``[x(k), x(n+1-k)]``: the largest ``k`` whose coverage
+    ``1 - 2 P(Binomial(n, 1/2) < k)`` is at least 95 % (None: too few values). Not a bootstrap: exact for
     any continuous distribution (a throttled window is an outlier, not a Gaussian tail), it exists from six values,
     where a bootstrap covers too little, and costs a sort between windows."""
     data = sorted(float(v) for v in values)
@@ -72,15 +72,15 @@ def median_interval(values, confidence: float = 0.95) -> tuple[float, float] | N
     log_all = math.lgamma(n + 1) - n * math.log(2)
     for k in range(1, n // 2 + 1):
         below += math.exp(log_all - math.lgamma(k) - math.lgamma(n - k + 2))
-        if 1 - 2 * below < confidence:
+        if 1 - 2 * below < 0.95:
             break
         best = k
     return None if best is None else (data[best - 1], data[n - best])
 
 
-def median_halfwidth_pct(values, confidence: float = 0.95) -> float | None:
-    """The interval's farther end from the median, in % of the median."""
-    interval = median_interval(values, confidence)
+def median_halfwidth_pct(values) -> float | None:
+    """The 95 % interval's farther end from the median, in % of the median."""
+    interval = median_interval(values)
     if interval is None:
         return None
     median = statistics.median(values)
@@ -90,22 +90,20 @@ def median_halfwidth_pct(values, confidence: float = 0.95) -> float | None:
 @dataclass(frozen=True)
 class StopRule:
     """When a task's timed windows stop: after ``repeats`` (> 0), else once the median's 95 % half-width is at most
-    ``precision_pct``, at ``max_windows``, or before a window that would end past ``max_time_s``."""
+    ``precision_pct``, at :data:`MAX_WINDOWS`, or before a window that would end past ``max_time_s``."""
 
     precision_pct: float
     max_time_s: float
     repeats: int = 0
-    min_windows: int = MIN_WINDOWS
-    max_windows: int = MAX_WINDOWS
 
     def reason(self, rates, elapsed_s: float, next_window_s: float) -> str | None:
         """Why to stop after the windows of ``rates`` (img/s each); None: time another."""
         if self.repeats:
             return STOP_FIXED if len(rates) >= self.repeats else None
-        halfwidth = median_halfwidth_pct(rates) if len(rates) >= self.min_windows else None
+        halfwidth = median_halfwidth_pct(rates) if len(rates) >= MIN_WINDOWS else None
         if halfwidth is not None and halfwidth <= self.precision_pct:
             return STOP_PRECISION
-        if len(rates) >= self.max_windows:
+        if len(rates) >= MAX_WINDOWS:
             return STOP_MAX_WINDOWS
         if elapsed_s + next_window_s > self.max_time_s:
             return STOP_MAX_TIME
