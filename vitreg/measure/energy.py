@@ -130,6 +130,9 @@ class NvmlSource:
             raise
         self._pid = os.getpid()
         self.name = f"NVML {uuid or f'GPU {index}'}"
+        # nvidia-ml-py renamed the throttle reasons the clock-event reasons; older ones have the old name only
+        self._read_reasons = (getattr(pynvml, "nvmlDeviceGetCurrentClocksEventReasons", None)
+                              or pynvml.nvmlDeviceGetCurrentClocksThrottleReasons)
 
     def _find(self, uuid: str | None, index: int):
         nv = self._nvml
@@ -149,11 +152,6 @@ class NvmlSource:
         except self._nvml.NVMLError:
             return None
 
-    def _reasons(self):
-        nv = self._nvml
-        read = getattr(nv, "nvmlDeviceGetCurrentClocksEventReasons", None) or nv.nvmlDeviceGetCurrentClocksThrottleReasons
-        return self._try(read)
-
     def _others(self):
         procs = self._try(self._nvml.nvmlDeviceGetComputeRunningProcesses)
         if procs is None:
@@ -168,7 +166,7 @@ class NvmlSource:
         reading = Reading(time.monotonic(), edge, power_w=power / 1e3 if power is not None else None,
                           sm_mhz=self._try(nv.nvmlDeviceGetClockInfo, nv.NVML_CLOCK_SM),
                           temp_c=self._try(nv.nvmlDeviceGetTemperature, nv.NVML_TEMPERATURE_GPU),
-                          reasons=self._reasons())
+                          reasons=self._try(self._read_reasons))
         if edge:
             reading = replace(reading, energy_mj=self._try(nv.nvmlDeviceGetTotalEnergyConsumption),
                               other_procs=self._others(), **_host_cpu())
@@ -216,7 +214,6 @@ class WindowMark:
     reasons: frozenset  # every clock-event reason seen in the window (NOT_THROTTLE ones left out)
     power_capped: tuple  # per sample: was the software power cap holding the clocks
     sm_mhz: tuple  # per sample
-    temp_c_max: float | None
     other_procs: int | None  # the most other processes seen on the GPU at either edge
     host_others_cpus: float | None  # CPUs' worth of work by other processes during the window
     host_cpus: int | None = None
@@ -224,10 +221,6 @@ class WindowMark:
     @property
     def power_w(self) -> float | None:
         return self.energy_j / self.seconds if self.energy_j is not None and self.seconds > 0 else None
-
-    @property
-    def throttled(self) -> bool:
-        return bool(self.reasons)
 
 
 def _energy(start: Reading, samples: list, end: Reading, seconds: float) -> tuple:
@@ -252,13 +245,11 @@ def mark_window(readings: list, seconds: float, images: int) -> WindowMark:
     samples = readings[1:-1] or [end]
     energy_j, source = _energy(start, readings[1:-1], end, seconds)
     reasons = frozenset().union(*(r.reason_names() for r in samples)) - frozenset(NOT_THROTTLE)
-    temps = [r.temp_c for r in samples if r.temp_c is not None]
     procs = [r.other_procs for r in (start, end) if r.other_procs is not None]
     return WindowMark(seconds, images, energy_j, source, reasons,
                       tuple(POWER_CAP in r.reason_names() for r in samples if r.reasons is not None),
                       tuple(float(r.sm_mhz) for r in samples if r.sm_mhz is not None),
-                      max(temps) if temps else None, max(procs) if procs else None, _others_cpus(start, end),
-                      end.host_cpus)
+                      max(procs) if procs else None, _others_cpus(start, end), end.host_cpus)
 
 
 class WindowMeter:
@@ -387,7 +378,7 @@ class TaskMarks:
         if any(m.power_capped or m.sm_mhz for m in self.marks):  # a GPU answered
             reasons = sorted(frozenset().union(*(m.reasons for m in self.marks)))
             tags["throttle"] = ",".join(reasons) or "none"
-            tags["throttled_windows"] = f"{sum(m.throttled for m in self.marks)}/{len(self.marks)}"
+            tags["throttled_windows"] = f"{sum(bool(m.reasons) for m in self.marks)}/{len(self.marks)}"
         sources = {m.energy_source for m in self.marks if m.energy_source}
         if sources:
             tags["energy_source"] = ("NVML energy counter at window edges" if sources == {"counter"}
