@@ -360,29 +360,24 @@ def _job_figures(figures: Figures, bench: _Bench, flops_per_img: int) -> Figures
     return figures.summarized().completed(Work.of(bench.runtime, bench.hardware, world_size))
 
 
-def _train_flops(model, info: ModelInfo, runtime: Runtime, attention: bool = False) -> int:
-    import torch
-
-    criterion = torch.nn.CrossEntropyLoss()
-    return train_flops_per_image(model, info.img_size, runtime.torch_device, lambda out, y: loss_of(out, y, criterion),
-                                 attention=attention)
-
-
-def _attention_flops(model, info: ModelInfo, runtime: Runtime, tasks) -> dict:
-    """profile=true: each task's attention FLOPs per image, for the anatomy, counted and kept like the totals."""
-    counts = {"infer": lambda: forward_flops_per_image(model, info.img_size, runtime.torch_device, attention=True),
-              "train": lambda: _train_flops(model, info, runtime, attention=True)}
-    return {task: batch_cache.counted_flops(_flops_key(info, f"{task} attention"), counts[task]) for task in tasks}
-
-
-def _flops_key(info: ModelInfo, what: str) -> dict:
-    """What a FLOP count depends on: the model's build, the libraries that define and count it, ``what``."""
+def _flops(model, info: ModelInfo, runtime: Runtime, task: str, attention: bool = False) -> int:
+    """FLOPs per image of ``task``'s step (``attention``: its attention's alone, for the anatomy), counted once and
+    kept under what the count depends on: the model's build and the libraries that define and count it."""
     import torch
     from importlib import metadata
 
-    return {"model": info.name, "source": info.source, "img_size": info.img_size, "num_classes": info.num_classes,
-            "distilled": info.distilled, "params_m": round(info.params_m, 6), "torch": torch.__version__,
-            "library": metadata.version(info.source), "count": what}
+    def count():
+        if task == "infer":
+            return forward_flops_per_image(model, info.img_size, runtime.torch_device, attention=attention)
+        criterion = torch.nn.CrossEntropyLoss()
+        return train_flops_per_image(model, info.img_size, runtime.torch_device,
+                                     lambda out, y: loss_of(out, y, criterion), attention=attention)
+
+    what = f"{task} attention" if attention else {"infer": "forward", "train": "train"}[task]
+    key = {"model": info.name, "source": info.source, "img_size": info.img_size, "num_classes": info.num_classes,
+           "distilled": info.distilled, "params_m": round(info.params_m, 6), "torch": torch.__version__,
+           "library": metadata.version(info.source), "count": what}
+    return batch_cache.counted_flops(key, count)
 
 
 def run_benchmark(spec: BenchSpec, hardware: ResolvedHardware, runtime: Runtime, progress=progress,
@@ -403,11 +398,10 @@ def run_benchmark(spec: BenchSpec, hardware: ResolvedHardware, runtime: Runtime,
     model = model.to(runtime.torch_device)
     # Counted in fp32 before the run's SDPA restriction: sdpa=flash has no fp32 kernel on a GPU, so a
     # count inside it failed with "No available kernel" (the count is the same whichever backend runs).
-    fwd_flops = batch_cache.counted_flops(_flops_key(info, "forward"),
-                                          lambda: forward_flops_per_image(model, info.img_size, runtime.torch_device))
-    train_flops = batch_cache.counted_flops(_flops_key(info, "train"), lambda: _train_flops(model, info, runtime)) \
-        if "train" in spec.tasks else 0
-    attention_flops = _attention_flops(model, info, runtime, spec.tasks) if spec.profile else {}
+    fwd_flops = _flops(model, info, runtime, "infer")
+    train_flops = _flops(model, info, runtime, "train") if "train" in spec.tasks else 0
+    attention_flops = {task: _flops(model, info, runtime, task, attention=True) for task in spec.tasks} \
+        if spec.profile else {}
     # amp=fp8*: a bf16 copy first, to say how far the quantized model's logits land from it
     reference = copy.deepcopy(model).to(torch.bfloat16) if precision.fp8 else None
     model = prepare_model(model, precision)
