@@ -236,6 +236,7 @@ def _launch_bench(run, spec: BenchSpec, job: launch.JobLaunch, baseline_run: str
 def _world_size(metrics: dict) -> int:
     return int(metrics.get("train_world_size") or metrics.get("infer_world_size") or 0)
 
+
 # Resolved values (tags) that must agree for two runs to measure the same work per process: every identity
 # option of bench but the task (a task=both baseline scales a train run) and what scaling goes along (nproc,
 # nnodes, the DDP settings), and the hardware.

@@ -134,6 +134,7 @@ def say_if_long(work: WorkAhead, device: str, progress, compiling: bool = False,
         progress(line)
     return line
 
+
 #: The work of one probe call: on a GPU enough to hide the kernel launches (~30 ms of bf16 math on an
 #: H200, where ViT-B's eager forward at batch 1 is launch-bound), on a CPU a fraction of a second.
 PROBE_FLOPS = {"cuda": 2e13, "cpu": 1e9}

@@ -45,6 +45,7 @@ def summarize(values) -> Stats:
                  statistics.pstdev(data) if len(data) > 1 else 0.0, min(data), max(data), p10, p90, p99,
                  median_halfwidth_pct(data))
 
+
 #: The fewest windows whose median has a 95 % interval from order statistics: [x(1), x(6)] holds the
 #: median with probability 1 - 2 / 2**6 = 96.9 %; five windows' [x(1), x(5)] only 93.8 %.
 MIN_WINDOWS = 6
