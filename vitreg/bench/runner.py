@@ -57,6 +57,12 @@ class _Bench:
     attention_flops: dict = field(default_factory=dict)  # profile=true: per task, attention's FLOPs per image
 
 
+def _reset_memory(device: str) -> None:
+    """Before a task (and after its batch search): its peak memory figures are its own (a CPU has none to reset)."""
+    if device == "cuda":
+        release_memory(device, reset_peak=True)
+
+
 def _measure(step, bench: _Bench, task: str, batch_size: int, graph_eager_steps: int = 0):
     """First call timed apart (``graph_eager_steps`` > 0: eager steps, a capture and a replay), warm-up, the timed
     windows; returns this rank's :class:`Figures`, the step the windows ran, the compile cache state and the
@@ -207,7 +213,7 @@ def _choose_batch(make_step, task: str, bench: _Bench):
         return spec.batch_size, None
     choice = search_batch(make_step, task, runtime.device, runtime.torch_device, bench.reducer is not None,
                           bench.progress, key=batch_cache.key_for(spec, runtime, task))
-    release_memory(runtime.device, reset_peak=True)  # the peak memory figures are the timed batch's, not a probe's
+    _reset_memory(runtime.device)  # the timed batch's peak, not a probe's
     return choice.batch, choice
 
 
@@ -259,7 +265,7 @@ def _infer_steps(net, info: ModelInfo, runtime: Runtime, cache: bool):
 def run_inference(model, bench: _Bench, fwd_flops: int) -> TaskResult:
     """Forward passes on a synthetic batch; under DDP each rank runs its own unwrapped copy (throughputs add)."""
     runtime, info = bench.runtime, bench.info
-    release_memory(runtime.device, reset_peak=True)
+    _reset_memory(runtime.device)
     model.eval()
     cache = not bench.spec.cuda_graph
     bs, choice = _choose_batch(_infer_steps(model, info, runtime, cache), "infer", bench)
@@ -315,7 +321,7 @@ def run_train_step(model, bench: _Bench, train_flops: int) -> TaskResult:
     import torch
 
     runtime, info, spec = bench.runtime, bench.info, bench.spec
-    release_memory(runtime.device, reset_peak=True)
+    _reset_memory(runtime.device)
     model.train()
     if info.distilled and hasattr(model, "set_distilled_training"):
         model.set_distilled_training(True)  # DeiT recipe: train both heads
