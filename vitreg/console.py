@@ -1,12 +1,8 @@
-"""What vitreg prints on the terminal: progress messages with one prefix, on stderr (stdout carries the
-results table), a heartbeat while a long call runs, and the libraries' own console lines that a successful
-run does not need, silenced where they come from.
-
-Every line goes through :func:`scrub`: each URI in it :func:`redact`-ed (the whole userinfo, every query
-value, every ``name=value`` of the fragment: a name says nothing reliable about its value), and the literal
-credentials of this process's tracking URI masked wherever they appear (an MLflow error may quote them out of
-their URI). :func:`mask_console` routes everything the CLI prints through it, :func:`masked_output` what is
-printed during a Python API call; the tracking layer stores tags and params through the same functions.
+"""What vitreg prints: progress lines on stderr (stdout carries the results table), a heartbeat while a long call
+runs, the libraries' needless lines silenced. Every line goes through :func:`scrub`: each URI :func:`redact`-ed
+(a name says nothing reliable about its value, so every value goes) and this process's tracking credentials
+masked wherever they appear (an MLflow error may quote them out of their URI); the tracking layer stores tags and
+params through the same functions.
 """
 
 from __future__ import annotations
@@ -29,23 +25,10 @@ _URI_IN_TEXT = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^\s'\"<>`]*[^\s'\"<>`.,;:
 _VALUE = re.compile(r"=[^&;#]+")
 
 
-def _mask_query(query: str) -> str:
-    """Every value of a query string masked, whatever its name; a value with no name (``?TOKEN``) whole."""
-    return "&".join(_VALUE.sub(f"={MASK}", item) if "=" in item else (MASK if item else item)
-                    for item in query.split("&"))
-
-
-def _mask_fragment(fragment: str) -> str:
-    """Every ``name=value`` value of a fragment masked (an OAuth ``#access_token=``); a page's route (``#/...``, the
-    MLflow UI's links) kept."""
-    if fragment.startswith("/"):
-        return fragment
-    return _VALUE.sub(f"={MASK}", fragment)
-
-
 def redact(uri: str) -> str:
     """A URI as vitreg may print or store it: the whole userinfo masked (``user:pw@``, ``TOKEN@`` and ``TOKEN:@``
-    all show ``***@``: which part holds the secret depends on the server), the query and fragment values too."""
+    all show ``***@``: which part holds the secret depends on the server), every query value (a nameless one,
+    ``?TOKEN``, whole) and every fragment value (an OAuth ``#access_token=``; a UI route ``#/...`` kept)."""
     try:
         parts = urllib.parse.urlsplit(uri)
     except ValueError:  # an unparseable URI is shown as its scheme only, if it could hold anything
@@ -53,13 +36,16 @@ def redact(uri: str) -> str:
     netloc = parts.netloc
     if "@" in netloc:
         netloc = f"{MASK}@{netloc.rpartition('@')[2]}"
-    masked = parts._replace(netloc=netloc, query=_mask_query(parts.query), fragment=_mask_fragment(parts.fragment))
+    query = "&".join(_VALUE.sub(f"={MASK}", item) if "=" in item else (MASK if item else item)
+                     for item in parts.query.split("&"))
+    fragment = parts.fragment if parts.fragment.startswith("/") else _VALUE.sub(f"={MASK}", parts.fragment)
+    masked = parts._replace(netloc=netloc, query=query, fragment=fragment)
     return uri if masked == parts else urllib.parse.urlunsplit(masked)
 
 
 def _secrets_of(uri: str) -> set[str]:
-    """The literal credentials a URI carries (the password, or a token alone, the query and fragment values), raw
-    and percent-decoded, of 4 characters or more (shorter ones would mask common words)."""
+    """The literal credentials a URI carries, raw and percent-decoded, of 4 characters or more (shorter ones would
+    mask common words)."""
     try:
         parts = urllib.parse.urlsplit(uri)
     except ValueError:
@@ -102,8 +88,8 @@ def scrub(text: str) -> str:
 
 
 class MaskedStream:
-    """``sys.stdout`` or ``sys.stderr`` with every write scrubbed (its ``.buffer`` too), whoever writes. A write is
-    scrubbed whole: print, logging, warnings and tracebacks each write a message in one call."""
+    """A stream with every write scrubbed (its ``.buffer`` too), whoever writes: print, logging, warnings and
+    tracebacks each write a message in one call."""
 
     def __init__(self, stream, encoding: str | None = None):
         self.stream = stream
@@ -133,15 +119,21 @@ class MaskedStream:
         return getattr(self.stream, name)
 
 
-def mask_console() -> None:
-    """Route everything this process prints through :func:`scrub`: ``sys.stdout`` and ``sys.stderr`` become
-    :class:`MaskedStream`, and logging handlers made earlier with the bare stream write to the masked one."""
+def _mask_streams() -> dict:
+    """``sys.stdout`` and ``sys.stderr`` made :class:`MaskedStream`: ``{name: (bare, masked)}`` of those swapped."""
+    swapped = {}
     for name in ("stdout", "stderr"):
         bare = getattr(sys, name)
-        if bare is None or isinstance(bare, MaskedStream):
-            continue
-        masked = MaskedStream(bare)
-        setattr(sys, name, masked)
+        if bare is not None and not isinstance(bare, MaskedStream):
+            swapped[name] = (bare, MaskedStream(bare))
+            setattr(sys, name, swapped[name][1])
+    return swapped
+
+
+def mask_console() -> None:
+    """Route everything this process prints through :func:`scrub`, logging handlers made earlier with a bare
+    stream included."""
+    for bare, masked in _mask_streams().values():
         loggers = [logging.getLogger(), *logging.Logger.manager.loggerDict.values()]
         for handler in (h for logger in loggers for h in getattr(logger, "handlers", ())):
             if isinstance(handler, logging.StreamHandler) and handler.stream is bare:
@@ -155,21 +147,14 @@ _saved_printers: dict = {}
 
 @contextlib.contextmanager
 def masked_output():
-    """For the length of a Python API call, what the libraries print is scrubbed as the CLI's is, without taking
-    over the caller's process for good: ``sys.stdout`` and ``sys.stderr`` are :class:`MaskedStream` (print,
-    warnings, MLflow's log handler, which writes to the ``sys.stderr`` of the moment) and every logging record is
-    made scrubbed (:func:`_scrubbing`: whatever handler the caller configured, with whatever stream, and the
-    records a handler keeps). The last call out puts back the streams and record factory it found, unless the
-    caller replaced them meanwhile (theirs are kept)."""
+    """For the length of a Python API call, what is printed is scrubbed as the CLI's is: the streams masked and every
+    logging record made scrubbed (:func:`_scrubbing`: whatever handler or stream the caller configured). The last
+    call out puts back the streams and record factory it found, unless the caller replaced them meanwhile."""
     global _masked_calls
     with _masked_lock:
         if _masked_calls == 0:
             _saved_printers.clear()
-            for name in ("stdout", "stderr"):
-                bare = getattr(sys, name)
-                if bare is not None and not isinstance(bare, MaskedStream):  # the CLI's own are masked already
-                    _saved_printers[name] = (bare, MaskedStream(bare))
-                    setattr(sys, name, _saved_printers[name][1])
+            _saved_printers.update(_mask_streams())
             factory = logging.getLogRecordFactory()
             _saved_printers["records"] = (factory, _scrubbing(factory))
             logging.setLogRecordFactory(_saved_printers["records"][1])
@@ -190,9 +175,8 @@ def masked_output():
 
 
 def _scrubbing(factory):
-    """A log record factory that makes ``factory``'s records with their message, traceback and stack scrubbed:
-    formatted at once (a record is only made once its level passes), so a handler holding the bare stream, a
-    formatter of its own or a list of records never sees a credential."""
+    """A log record factory whose records have their message, traceback and stack scrubbed, formatted at once (a
+    record is only made once its level passes), so no handler, formatter or kept record sees a credential."""
 
     def make(*args, **kwargs):
         record = factory(*args, **kwargs)
@@ -216,17 +200,6 @@ def _scrubbing(factory):
 KINETO_QUIET = "6"
 
 
-class _DropMessage(logging.Filter):
-    """Drops the records whose message starts with ``prefix`` (only those: the logger's others pass)."""
-
-    def __init__(self, prefix: str):
-        super().__init__()
-        self.prefix = prefix
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not str(record.msg).startswith(self.prefix)
-
-
 #: torch.profiler's warning at a second profile: vitreg runs each profile for one cycle and reads it whole.
 _PROFILER_CYCLE_WARNING = "Warning: Profiler clears events at the end of each cycle"
 
@@ -240,8 +213,9 @@ def quiet_profiler():
         yield
 
 
-#: timm's CosineLRScheduler warns of a one-step cosine, which vitreg makes on purpose for the shortest runs.
-_SHORT_COSINE = _DropMessage("Cosine annealing scheduler will have no effect")
+def _short_cosine(record: logging.LogRecord) -> bool:
+    """False for timm's warning of a one-step cosine, which vitreg makes on purpose for the shortest runs."""
+    return not str(record.msg).startswith("Cosine annealing scheduler will have no effect")
 
 
 def quiet_libraries() -> None:
@@ -250,8 +224,8 @@ def quiet_libraries() -> None:
     os.environ.setdefault("KINETO_LOG_LEVEL", KINETO_QUIET)  # inherited by the torchrun ranks
     warnings.showwarning = _warning_to_log
     cosine = logging.getLogger("timm.scheduler.cosine_lr")
-    if _SHORT_COSINE not in cosine.filters:
-        cosine.addFilter(_SHORT_COSINE)
+    if _short_cosine not in cosine.filters:
+        cosine.addFilter(_short_cosine)
 
 
 def plural(n: int, word: str) -> str:
@@ -283,8 +257,7 @@ def quiet(message: str) -> None:
 
 
 def detail(message: str, say=progress) -> None:
-    """A line for the run's log (:func:`take_console`), printed through ``say`` with ``-v`` only; a rank that says
-    nothing (:func:`quiet`) keeps nothing."""
+    """A line for the run's log, printed through ``say`` with ``-v`` only; a :func:`quiet` rank keeps nothing."""
     if say is quiet:
         return
     if verbose():
@@ -294,8 +267,7 @@ def detail(message: str, say=progress) -> None:
 
 
 def take_console() -> str:
-    """This process's progress and detail lines since the last call (the run's :data:`CONSOLE_LOG`): taken, so a
-    second run in the same process logs its own."""
+    """This process's lines since the last call (the run's :data:`CONSOLE_LOG`): a second run logs its own."""
     text = "\n".join(_LOG) + "\n"
     _LOG.clear()
     return text

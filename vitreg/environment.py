@@ -1,6 +1,5 @@
-"""The environment a number was measured in: GPU, driver, CUDA stack, library versions, host
-(:func:`capture_environment`, when asked); and the user's cache folder (:func:`user_cache_dir`). It imports no
-other vitreg module, so every layer may read it; package versions come from their installed metadata.
+"""The environment a number was measured in (GPU, driver, CUDA stack, versions, host) and the user's cache folder.
+It imports no other vitreg module, so every layer may read it.
 """
 
 from __future__ import annotations
@@ -16,7 +15,6 @@ from dataclasses import asdict, dataclass
 from importlib import metadata
 from pathlib import Path
 
-PROJECT_ROOT = Path(__file__).resolve().parents[1]
 #: the commit of a vitreg shipped to a Ray node (vitreg.fleet.ray_engine.shipped_env), whose copy is in no git tree
 GIT_SHA_VAR = "VITREG_GIT_SHA"
 
@@ -38,11 +36,12 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
-def git_sha(path: Path = PROJECT_ROOT) -> str:
+def git_sha() -> str:
     """The project's commit (with ``-dirty`` when the tree has changes), or ``unknown`` outside git; a shipped
     copy's (:data:`GIT_SHA_VAR`) is its submitter's."""
-    if path == PROJECT_ROOT and os.environ.get(GIT_SHA_VAR):
+    if os.environ.get(GIT_SHA_VAR):
         return os.environ[GIT_SHA_VAR]
+    path = Path(__file__).resolve().parents[1]
     try:
         sha = subprocess.run(["git", "-C", str(path), "rev-parse", "HEAD"], capture_output=True, text=True,
                              timeout=10, check=True).stdout.strip()
@@ -76,10 +75,6 @@ def nvml_ask(question, no_driver=None):
 
 def nvml_text(value) -> str:
     return value.decode() if isinstance(value, bytes) else value  # older nvidia-ml-py answers bytes
-
-
-def _nvml_driver() -> str | None:
-    return nvml_ask(lambda nvml: nvml_text(nvml.nvmlSystemGetDriverVersion()))
 
 
 @dataclass(frozen=True)
@@ -129,8 +124,9 @@ def capture_environment() -> EnvInfo:
         with contextlib.suppress(Exception):  # NCCL missing from this build
             nccl = ".".join(str(v) for v in torch.cuda.nccl.version()) if torch.distributed.is_available() else None
     cudnn = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
+    driver = nvml_ask(lambda nv: nvml_text(nv.nvmlSystemGetDriverVersion()))
     # by name: a field out of place would label a run with another field's value, and nothing would fail
-    return EnvInfo(**gpu, driver_version=_nvml_driver(), cuda_version=torch.version.cuda,
+    return EnvInfo(**gpu, driver_version=driver, cuda_version=torch.version.cuda,
                    cudnn_version=str(cudnn) if cudnn else None, nccl_version=nccl, torch_version=torch.__version__,
                    torchvision_version=_version("torchvision"), timm_version=_version("timm"),
                    mlflow_version=_version("mlflow"), python_version=platform.python_version(), os=platform.platform(),
@@ -140,16 +136,15 @@ def capture_environment() -> EnvInfo:
 
 
 def user_cache_dir() -> Path:
-    """vitreg's folder in the user's cache (``$XDG_CACHE_HOME/vitreg``, else ``~/.cache/vitreg``):
-    what a later process may reuse, and what may be deleted at any time."""
+    """vitreg's folder in the user's cache: what a later process may reuse, and what may be deleted at any time."""
     base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
     return Path(base) / "vitreg"
 
 
 @contextlib.contextmanager
 def environ_restored(*names: str):
-    """The variables ``names`` put back as they were (their value, or no variable) when the block ends, so an
-    in-process command (CliRunner, the Python API) leaves its caller's environment as it found it."""
+    """The variables ``names`` put back as they were (or unset) when the block ends: an in-process command (the
+    Python API) leaves its caller's environment as it found it."""
     saved = {name: os.environ.get(name) for name in names}
     try:
         yield
@@ -168,8 +163,8 @@ def nccl_env(environ=None) -> str:
 
 
 def _name_and_version(dist) -> tuple[str, str]:
-    """A distribution's Name and Version from the header block of its METADATA (PKG-INFO for an egg):
-    ``dist.metadata`` parses the long description too, 0.5 s per pip_freeze for this environment."""
+    """A distribution's Name and Version from its METADATA's headers: ``dist.metadata`` parses the long
+    description too, 0.5 s per pip_freeze for this environment."""
     text = dist.read_text("METADATA") or dist.read_text("PKG-INFO") or ""
     fields = {}
     for line in text.split("\n\n", 1)[0].splitlines():  # the headers end at the first blank line

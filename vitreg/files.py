@@ -1,8 +1,6 @@
-"""The one reader of every small file vitreg parses (a checkpoint's pointer, spec.json and manifest.json, a
-spool journal's lines, a ``--prices`` table). They come from outside, so each is read as hostile: at most
-:data:`MAX_BYTES` of a regular file (a fifo could block), strict UTF-8 without NUL (nor ``\\u0000`` in JSON),
-nested at most :data:`MAX_DEPTH` deep (the parsers recurse per level). A fault is :class:`FileFault` (a
-ValueError); :func:`read_json`, :func:`read_toml` and :func:`read_text` make it one line naming the file and the fix.
+"""The one reader of every small file vitreg parses (a checkpoint's files, a spool journal, a ``--prices`` table),
+each read as hostile: a regular file (a fifo could block) of at most :data:`MAX_BYTES`, strict UTF-8 without NUL,
+nested at most :data:`MAX_DEPTH` deep (the parsers recurse per level); a fault is one line naming file and fix.
 """
 
 from __future__ import annotations
@@ -32,7 +30,7 @@ class FileFault(ValueError):
 
 
 def decoded(data: bytes) -> str:
-    """``data`` as text: strict UTF-8, no NUL (which no text vitreg reads holds, and C code cuts at)."""
+    """``data`` as strict UTF-8 without NUL (which no text vitreg reads holds, and C code cuts at)."""
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -54,7 +52,7 @@ def check_depth(text: str, strings: re.Pattern = _JSON_STRINGS) -> str:
 
 
 def parse_json(data: bytes | str):
-    """One JSON value from ``data``, checked as the module docstring says; FileFault for anything else."""
+    """One JSON value from ``data``, checked; FileFault for anything else."""
     import json
 
     text = check_depth(decoded(data) if isinstance(data, bytes) else data)
@@ -70,7 +68,7 @@ def parse_json(data: bytes | str):
 
 
 def _holds_nul(value) -> bool:
-    """Whether a string anywhere in ``value`` (a parsed JSON value, at most MAX_DEPTH deep) holds a NUL."""
+    """Whether a string anywhere in the parsed JSON ``value`` holds a NUL."""
     if isinstance(value, str):
         return "\0" in value
     if isinstance(value, dict):
@@ -79,8 +77,8 @@ def _holds_nul(value) -> bool:
 
 
 def read_bytes(path, limit: int = MAX_BYTES) -> bytes:
-    """At most ``limit`` bytes of the regular file ``path`` (links followed; opened without blocking, so a fifo is
-    refused, not waited on); FileFault for a larger file or anything else."""
+    """At most ``limit`` bytes of the regular file ``path`` (opened without blocking: a fifo is refused, not waited
+    on); FileFault for a larger file or anything else."""
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
     with os.fdopen(fd, "rb") as fh:
         if not stat.S_ISREG(os.fstat(fd).st_mode):

@@ -1,22 +1,17 @@
 """SIGTERM, SIGHUP and SIGQUIT end a vitreg process the way Ctrl-C does: with a true status and clean-up.
 
-Python's default for these is to die on the spot, leaving the MLflow run RUNNING and temporary folders
-behind. :func:`install` turns the first one into :class:`Terminated`, a ``KeyboardInterrupt``, so every
-clean-up path written for Ctrl-C (the run ending KILLED, torchrun stopped, ``finally`` blocks) runs for it
-too. SIGKILL cannot be caught: such a run is found by its heartbeat (``vitreg runs --stale``).
-
-A second signal means the user insists: it cuts the clean-up short (the run still ends KILLED), or, inside
-a block that must not be cut (:func:`update_is_atomic`, :func:`run_ending`), exits as soon as the run's end
-is kept. A SIGTERM after a Ctrl-C is the same stop relayed (:func:`_take`). Python runs a handler only
-between bytecodes of the main thread, so a watchdog thread, woken by the signal's wake-up pipe, ends a main
-thread that has not acted within ``VITREG_STOP_GRACE_S`` (default 60 s): the run ended KILLED by its last
-words (:func:`on_forced_exit`), exit 128 + N.
+Python's default is to die on the spot, the MLflow run left RUNNING. :func:`install` turns the first one into
+:class:`Terminated`, a ``KeyboardInterrupt``, so every clean-up written for Ctrl-C runs for it too. A second
+signal means the user insists: it cuts the clean-up short, or, in a block that must not be cut, exits once the
+run's end is kept. Python runs a handler only between bytecodes of the main thread, so a watchdog thread ends a
+main thread that has not acted within ``VITREG_STOP_GRACE_S`` (default 60 s), the run ended KILLED first.
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
+import functools
 import gc
 import os
 import signal
@@ -55,9 +50,8 @@ def stop_grace_s() -> float:
 
 
 def _take(signum: int) -> str:
-    """Note a stop signal and say what it is: ``"first"``, ``"relayed"`` or ``"again"``. A SIGTERM after a SIGINT
-    is the same stop relayed (``mlflow run`` and torchrun pass a Ctrl-C on to their child as SIGTERM); any other
-    second signal is the user insisting."""
+    """Note a stop signal: ``"first"``, ``"relayed"`` (a SIGTERM after a SIGINT: ``mlflow run`` and torchrun pass a
+    Ctrl-C on as SIGTERM) or ``"again"`` (the user insisting)."""
     relayed = bool(_received) and signum == signal.SIGTERM and set(_received) == {signal.SIGINT}
     first = not _received
     _received.append(signum)
@@ -82,8 +76,8 @@ def _stop(signum, _frame):
 
 
 def _insist(signum: int):
-    """A second stop outside any hold: with a run open, a new :class:`Terminated` cuts its clean-up short (the
-    run still ends KILLED: :func:`run_ending`); with none, exit at once."""
+    """A second stop outside any hold: with a run open, a new :class:`Terminated` cuts its clean-up short (it
+    still ends KILLED); with none, exit at once."""
     if _last_words:
         raise Terminated(signum)
     _say(f"stopped by {signal.Signals(signum).name} again: exiting at once")
@@ -164,8 +158,7 @@ def _start_watchdog() -> None:
 
 
 def install() -> None:
-    """Route SIGTERM/SIGHUP/SIGQUIT through :class:`Terminated` and start the watchdog that bounds how long
-    any stop signal (Ctrl-C too) waits for the main thread (main thread only; a no-op elsewhere)."""
+    """Route SIGTERM/SIGHUP/SIGQUIT through :class:`Terminated` and start the watchdog (main thread only)."""
     if threading.current_thread() is not threading.main_thread():
         return
     for sig in STOP_SIGNALS:
@@ -188,8 +181,8 @@ def interrupted_reason(exc: KeyboardInterrupt) -> str:
 
 @contextlib.contextmanager
 def held(insist, takes_up: bool = False):
-    """Hold the stop signals inside the block; deliver the first one after it. A second one that insists calls
-    ``insist(signum)``. ``takes_up``: the block is the process's answer to a stop (a run's end): not timed."""
+    """Hold the stop signals inside the block, deliver the first after it; one that insists calls ``insist(signum)``.
+    ``takes_up``: the block is the process's answer to a stop (a run's end): the watchdog does not time it."""
     if threading.current_thread() is not threading.main_thread():
         yield  # signals reach the main thread only
         return
@@ -220,8 +213,8 @@ def _exits_now(what: str):
 
 
 def update_is_atomic():
-    """Hold the stop signals inside one optimizer update; a second one exits at once, the open run ended KILLED
-    first (as the watchdog does after ``VITREG_STOP_GRACE_S``: a collective whose peer died never ends)."""
+    """Hold the stop signals inside one optimizer update; a second one exits at once, the run ended KILLED first
+    (a collective whose peer died never ends)."""
     return held(_exits_now("inside an optimizer update: no checkpoint of it was written"))
 
 
@@ -232,8 +225,8 @@ def starting_a_process():
 
 @contextlib.contextmanager
 def run_ending(kept_line):
-    """Hold the stop signals while a run's end is written, so that none leaves the run RUNNING with no end in its
-    spool; one that insists exits as soon as ``kept_line()`` says where the end is kept (milliseconds)."""
+    """Hold the stop signals while a run's end is written (none may leave it RUNNING with no end in its spool); one
+    that insists exits as soon as ``kept_line()`` says where the end is kept."""
     def insist(signum):
         line = kept_line()
         if line:
@@ -255,17 +248,9 @@ def _deliver(signum: int, handler) -> None:
         os.kill(os.getpid(), signum)
 
 
-_freeze_registered = False
-
-
+@functools.cache
 def freeze_at_exit() -> None:
-    """Skip interpreter shutdown's garbage collections (once; called by the CLI and the torchrun worker shim).
-
-    Shutdown's collections walk the millions of objects torch, timm and mlflow make: 1.5-1.7 s after the last
-    line of work, in every vitreg process; frozen, 0.2 s. Registered before those imports, this runs after
-    their exit handlers, which all still run; the OS reclaims the skipped garbage a moment later anyway.
-    """
-    global _freeze_registered
-    if not _freeze_registered:
-        atexit.register(gc.freeze)
-        _freeze_registered = True
+    """Skip interpreter shutdown's garbage collections, which walk the millions of objects torch, timm and mlflow
+    make: 1.5-1.7 s after the last line of work, frozen 0.2 s. Registered before those imports, this runs after
+    their exit handlers, which all still run; the OS reclaims the garbage anyway."""
+    atexit.register(gc.freeze)

@@ -1,12 +1,7 @@
-"""The ``bench`` job and the ``infer`` job, which runs bench's body on a registered model's real weights.
-
-Each job resolves, once, at its top, everything its later steps read into one frozen :class:`BenchPlan`
-(:func:`plan_bench`, :func:`plan_infer`); the body (:func:`benchmark_in_run`: runner -> tracking) takes the plan
-and nothing else. A process is the *launcher* of a DDP job (``nproc > 1`` or several hosts:
-:func:`_launch_bench`: the one MLflow run, the checks that need no GPU, torchrun, what the ranks hand back), a
-*rank* of one (figures reduced over the ranks, rank 0 hands them back), or a plain process. Which process
-relates the figures to ``baseline_run`` is decided in one place, :func:`scaling_baseline`. ``infer`` links the
-run and the model version both ways (``model_uri`` and ``registered_model_*`` tags; ``last_infer_run_id``).
+"""The ``bench`` job and the ``infer`` job (bench's body on a registered model's weights, linked to its version
+both ways). Each resolves at its top one frozen :class:`BenchPlan`, which the body (:func:`benchmark_in_run`)
+takes and nothing else. A process is a DDP job's launcher (:func:`_launch_bench`), one of its ranks, or a plain
+process; which one relates the figures to ``baseline_run`` is decided in :func:`scaling_baseline`.
 """
 
 from __future__ import annotations
@@ -41,9 +36,8 @@ from vitreg.tracking.tags import log_setup, log_what_ran, resolved_tags, world_t
 def bench(options: dict, experiment: str | None = None, run_name: str | None = None, progress=progress,
           command: str | None = None, *, placement: launch.Placement | None = None,
           baseline_run: str | None = None) -> BenchResult | None:
-    """Run one benchmark as one MLflow run (VitregError on bad input: the run ends FAILED). ``nproc > 1`` or a
-    ``placement`` over several hosts launches torchrun and returns None here. ``baseline_run``: a 1-process run
-    of the same config, for ``<task>_scaling_efficiency`` = throughput_N / (N * throughput_1)."""
+    """Run one benchmark as one MLflow run; a DDP job's launcher returns None. ``baseline_run``: a 1-process run of
+    the same config, for ``<task>_scaling_efficiency``."""
     PHASES.begin()  # from the process's start: what a command costs before its first timed step
     command = launch.typed_command(command)
     placement = placement or launch.Placement()
@@ -98,9 +92,8 @@ def infer(model_uri: str, options: dict, experiment: str | None = None, run_name
 
 
 def _print_end(run, result: BenchResult | None) -> None:
-    """The run's last lines: where its data is and, when a figure is less sure than it reads, one warning. The
-    warning is the last line (a figure less sure than its digits is what a user must not miss), except for a
-    run still in the local spool: there the `vitreg sync` that delivers it comes last, or the data is lost."""
+    """The run's last lines: where its data is and the warning, last (what a user must not miss), unless the run is
+    still in the local spool: there the `vitreg sync` that delivers it comes last, or the data is lost."""
     warning = [said] if (said := run_warning(result)) else []
     where = tracking.where_logged(run)
     print("\n".join([*warning, where] if tracking.still_spooled(run) else [where, *warning]))
@@ -110,14 +103,9 @@ def _print_end(run, result: BenchResult | None) -> None:
 FROM_CHECKPOINT = ("model", "img_size")
 
 
-# --------------------------------------------------------------------------------------------
-# the plan: everything one process of a job reads, resolved once
-
-
 @dataclass(frozen=True)
 class BenchPlan:
-    """One process of a bench or infer job, resolved at its top; the later steps read this and never
-    go back to the options, the model factory or the registry."""
+    """One process of a bench or infer job, resolved at its top: nothing later goes back to the options."""
 
     context: JobContext  # spec, detected and resolved hardware, runtime, DDP world (wrap, reducer), run, progress
     model: object  # the model to benchmark, on the CPU: built (bench) or pulled (infer)
@@ -134,9 +122,8 @@ class BenchPlan:
 
 def plan_bench(run, spec: BenchSpec, run_name: str | None, command: str, baseline_run: str | None,
                progress) -> BenchPlan:
-    """A plain process's or a rank's bench: the model name checked before any device work, the world
-    joined, the hardware and runtime resolved, the baseline read before the GPU time, the model built on
-    the CPU (which checks img_size before GPU work)."""
+    """A plain process's or a rank's bench: the model name checked before any device work, the world joined, the
+    baseline read before the GPU time, the model built on the CPU."""
     check_model_name(spec.model)  # cheap, and before any device work
     ctx = job_context(run, spec, progress, distributed.ResultReducer, cuda_graph=spec.cuda_graph)
     world, hw = ctx.world, ctx.hardware
@@ -152,8 +139,7 @@ def plan_bench(run, spec: BenchSpec, run_name: str | None, command: str, baselin
 
 
 def plan_infer(run, model_uri: str, options: dict, run_name: str | None, command: str, progress) -> BenchPlan:
-    """infer's one process: the cheap checks first (option values, GPU label), then the download; the
-    registered model in the run's name, ``model_uri`` as a param."""
+    """infer's one process: the cheap checks first (option values, GPU label), then the download."""
     ctx = job_context(run, BenchSpec.from_options({**options, "model": "pending"}), progress)
     with tempfile.TemporaryDirectory(prefix="vitreg-infer-") as tmp:
         pulled = checkpoint_sources.pull(model_uri, dst=tmp, progress=progress)
@@ -168,14 +154,8 @@ def plan_infer(run, model_uri: str, options: dict, run_name: str | None, command
                      params={"model_uri": model_uri})
 
 
-# --------------------------------------------------------------------------------------------
-# the body bench and infer share
-
-
 def benchmark_in_run(plan: BenchPlan) -> BenchResult:
-    """The run's name, tags, params and environment; the benchmark; its metrics, what ran, results.json,
-    the ranks' figures, the scaling efficiency or the links to the registered model, report.md; the run
-    renamed with its throughput, its note."""
+    """The run's name, tags and params; the benchmark; what it measured logged; the run renamed with its figure."""
     ctx, info = plan.context, plan.info
     run, spec, hw, runtime = ctx.run, ctx.spec, ctx.hardware, ctx.runtime
     env = capture_environment()
@@ -217,8 +197,7 @@ def benchmark_in_run(plan: BenchPlan) -> BenchResult:
 
 
 def _log_overhead(run, progress) -> None:
-    """The command's time outside its timed windows, by phase (``overhead_<phase>_s``), up to here: the run's
-    end and the process's exit come after (the console's last lines, the spool's delivery)."""
+    """The command's time outside its timed windows by phase, up to here (the run's end and exit come after)."""
     PHASES.mark("report")
     overhead = job_metrics(PHASES.overhead_s())
     run.log_metrics(overhead)
@@ -227,7 +206,6 @@ def _log_overhead(run, progress) -> None:
 
 
 def link_tags(pulled: checkpoint_sources.PullResult) -> dict:
-    """infer's run tags that point at what was benchmarked."""
     tags = {"vitreg_job": "infer", "model_uri": pulled.uri, "source_run_id": pulled.run_id,
             "checkpoint_step": pulled.spec.get("step")}
     if pulled.version_uri:
@@ -237,14 +215,9 @@ def link_tags(pulled: checkpoint_sources.PullResult) -> dict:
     return tags
 
 
-# --------------------------------------------------------------------------------------------
-# the launcher of a DDP bench
-
-
 def _launch_bench(run, spec: BenchSpec, job: launch.JobLaunch, baseline_run: str | None, progress) -> None:
-    """The launcher (``run`` is None on a node other than 0): the checks that need no GPU work (the
-    launcher's, then bench's: the model name, every rank's host memory, CUDA for cuda_graph, the
-    baseline), torchrun, then the scaling efficiency of what rank 0 handed back."""
+    """The launcher (``run`` is None on a node other than 0): the checks that need no GPU, torchrun, then the
+    scaling efficiency of what rank 0 handed back."""
     gpus = launch.check(spec, job.placement)
     check_model_name(spec.model)  # fail here, once, rather than in every rank
     # host memory for every rank, before any is started: past it the OOM killer takes the launcher
@@ -256,14 +229,13 @@ def _launch_bench(run, spec: BenchSpec, job: launch.JobLaunch, baseline_run: str
                                 progress=progress)
     with launch.launch_job(run, spec, job, progress) as handoff:
         if baseline is not None:
-            metrics = handoff.metrics
-            world_size = int(metrics.get("train_world_size") or metrics.get("infer_world_size")
-                             or spec.nproc * job.placement.nnodes)
-            log_scaling_efficiency(run, baseline, metrics, world_size, handoff.tags, progress)
+            world_size = _world_size(handoff.metrics) or spec.nproc * job.placement.nnodes
+            log_scaling_efficiency(run, baseline, handoff.metrics, world_size, handoff.tags, progress)
 
 
-# --------------------------------------------------------------------------------------------
-# scaling efficiency against a 1-process baseline run
+def _world_size(metrics: dict) -> int:
+    return int(metrics.get("train_world_size") or metrics.get("infer_world_size") or 0)
+
 
 # Resolved values (tags) that must agree for two runs to measure the same work per process: every identity
 # option of bench but the task (a task=both baseline scales a train run) and what scaling goes along (nproc,
@@ -274,10 +246,8 @@ SCALING_CONFIG_TAGS = tuple(n for n in identity_names("bench") if n != "task"
 
 def scaling_baseline(baseline_run: str | None, spec: BenchSpec, *, scaled: bool, speaks: bool,
                      progress) -> Baseline | None:
-    """The one place that decides whether this process relates its figures to ``baseline_run``: read
-    and checked (:func:`read_baseline`) by the process that ``speaks`` for a ``scaled`` job (the
-    launcher of node 0; rank 0 of a torchrun the user started), before any GPU time; a job of one
-    process says it ignores it."""
+    """Whether this process relates its figures to ``baseline_run``: read and checked by the process that
+    ``speaks`` for a ``scaled`` job, before any GPU time; a job of one process says it ignores it."""
     if not baseline_run:
         return None
     if not scaled:
@@ -303,7 +273,7 @@ def read_baseline(run_id: str, spec: BenchSpec) -> Baseline:
     metrics, tags, params = dict(base.data.metrics), dict(base.data.tags), dict(base.data.params)
     if base.info.status != "FINISHED":
         raise VitregError(f"baseline_run={run_id} is {base.info.status}, not FINISHED: pass a finished nproc=1 run")
-    ranks = int(metrics.get("train_world_size") or metrics.get("infer_world_size") or 1)
+    ranks = _world_size(metrics) or 1
     if ranks != 1 or params.get("nproc", "1") != "1":
         raise VitregError(f"baseline_run={run_id} ran {max(ranks, int(params.get('nproc', '1') or 1))} processes: "
                           f"the baseline must be a 1-process (nproc=1) run of the same config")
@@ -323,7 +293,7 @@ def read_baseline(run_id: str, spec: BenchSpec) -> Baseline:
 
 
 def scaling_efficiency(baseline_metrics: dict, metrics: dict, world_size: int) -> dict[str, float]:
-    """``{task}_scaling_efficiency = throughput_N / (N * throughput_1)`` for each task both runs timed."""
+    """``{task}_scaling_efficiency = throughput_N / (N * throughput_1)``, each task both runs timed."""
     out = {}
     for task in ("infer", "train"):
         one, many = baseline_metrics.get(f"{task}_throughput_img_per_s"), metrics.get(f"{task}_throughput_img_per_s")

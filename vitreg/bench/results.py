@@ -1,8 +1,5 @@
-"""What a benchmark measured, as typed values and as text: one :class:`TaskResult` per task, one
-:class:`BenchResult` per run; the terminal table (:func:`results_table`) and report.md
-(:func:`report_markdown`: environment block, configuration, results table). Metric names and their
-columns come from the metric table (:mod:`vitreg.measure.metrics`); what ran (precision, SDPA backend,
-compile cache, the batch ``auto`` chose) travels with them, for the job to log in one call."""
+"""What a benchmark measured, as typed values (a :class:`TaskResult` per task, a :class:`BenchResult` per run) and
+as text: the terminal table (:func:`results_table`) and report.md (:func:`report_markdown`)."""
 
 from __future__ import annotations
 
@@ -24,15 +21,13 @@ from vitreg.measure.graphs import EAGER_STEPS_BEFORE_CAPTURE
 from vitreg.measure.metrics import job_metrics, task_metrics
 from vitreg.models.factory import ModelInfo
 
-#: eager forward passes before an inference capture (no DDP there: a few to settle the allocator); the
-#: runner runs them, report.md says so
+#: eager forward passes before an inference capture (no DDP there: a few to settle the allocator)
 INFER_EAGER_STEPS_BEFORE_CAPTURE = 3
 
 
 @dataclass(frozen=True)
 class TaskResult:
-    """One task: what ran (batch, SDPA backend, compile cache) and its :class:`Figures`, the one
-    record of what it measured (throughput per window, ms per iteration, their statistics, ...)."""
+    """One task: what ran (batch, SDPA backend, compile cache) and its :class:`Figures`."""
 
     task: str  # "infer" or "train"
     batch_size: int
@@ -52,11 +47,11 @@ class TaskResult:
 
     @property
     def flags(self) -> list[str]:
-        """What makes this figure suspect (:func:`vitreg.measure.energy.suspect_flags` of its tags)."""
+        """What makes this figure suspect, from its tags."""
         return suspect_flags(self.window_tags)
 
     def tags(self) -> dict[str, str]:
-        """What this task ran, as run tags prefixed by the task (the chosen batch, the SDPA backend, ...)."""
+        """What this task ran, as run tags prefixed by the task."""
         tags = {"sdpa_backend": self.sdpa_backend, "compile_cache": self.compile_cache}
         if self.batch_choice is not None:
             tags.update(batch_size_chosen=self.batch_size, batch_probes=self.batch_choice.summary(),
@@ -70,7 +65,6 @@ class TaskResult:
         return [(batch, task_metrics(self.task, {"batch_probe_img_per_s": rate})) for batch, rate in probes]
 
     def metrics(self) -> dict[str, float]:
-        """MLflow metrics, units in the names, prefixed by the task (named in :mod:`vitreg.measure.metrics`)."""
         return self.figures.metrics()
 
     def to_dict(self) -> dict:
@@ -110,8 +104,7 @@ class BenchResult:
         return out
 
     def tags(self) -> dict[str, str]:
-        """What ran, as run tags: precision, SDPA asked for and (per task, and overall where the tasks
-        agree) found, compile cache, the batch each task chose under batch_size=auto."""
+        """What ran, as run tags: precision, SDPA asked for and found (overall where the tasks agree), per task."""
         tags = {"precision": self.precision, "sdpa": self.sdpa}
         backends = {t.sdpa_backend for t in self.tasks if t.sdpa_backend}
         if len(backends) == 1:
@@ -123,16 +116,14 @@ class BenchResult:
         return tags
 
     def series(self) -> list[tuple[int, dict[str, float]]]:
-        """Every task's :meth:`TaskResult.series`: log each ``(step, metrics)`` with that step."""
         return [point for task in self.tasks for point in task.series()]
 
     @property
     def flags(self) -> list[str]:
-        """Every task's :attr:`TaskResult.flags`, once each, in order: what the run's name carries."""
+        """Every task's flags, once each, in order: what the run's name carries."""
         return list(dict.fromkeys(flag for task in self.tasks for flag in task.flags))
 
     def summary_line(self) -> str:
-        """One line for the terminal above the results table: precision and SDPA backend(s)."""
         ran = ", ".join(f"{t.task} {t.sdpa_backend}" for t in self.tasks if t.sdpa_backend) or "-"
         return f"precision {self.precision}; sdpa={self.sdpa} (ran: {ran})"
 
@@ -140,10 +131,6 @@ class BenchResult:
         return {"spec": self.spec.to_params(), "gpu": self.gpu, "amp": self.amp, "device": self.device,
                 "model": asdict(self.model), "fwd_gflops_per_img": self.fwd_gflops_per_img,
                 "tasks": [t.to_dict() for t in self.tasks], "precision": self.precision, "tags": self.tags()}
-
-
-# --------------------------------------------------------------------------------------------
-# as text: the terminal table and report.md
 
 
 def _rows(result: BenchResult) -> list[list[str]]:
@@ -155,25 +142,22 @@ NO_VALUE = "-"
 
 
 def _carried(rows: list[list[str]]) -> list[list[str]]:
-    """The header row and the rows, less the columns no row has a value in: the device measures no such
-    figure (a CPU has no compile time, CUDA allocator, datasheet peak, energy counter or SM clock), and five
-    columns of ``-`` hid the ones it has."""
+    """The rows less the columns no row has a value in (a CPU has no compile time, CUDA allocator, datasheet peak,
+    energy counter or SM clock: five columns of ``-`` hid the ones it has)."""
     keep = [i for i in range(len(rows[0])) if any(row[i] != NO_VALUE for row in rows[1:])]
     return [[row[i] for i in keep] for row in rows]
 
 
 def results_table(result: BenchResult) -> str:
-    """Fixed-width table for the terminal: only the columns that carry a value on this device, and a figure
-    that is suspect flagged on its row (issue 38: a 3.5x slower figure was printed without a word)."""
+    """The terminal's table, a suspect figure flagged on its row (issue 38: a 3.5x slower figure was printed
+    without a word)."""
     flags = [", ".join(task.flags) or NO_VALUE for task in result.tasks]
     rows = _carried([HEADERS + ["flags"]] + [row + [flag] for row, flag in zip(_rows(result), flags)])
     return "\n".join([result.summary_line(), fixed_width(rows[0], rows[1:], [False] * len(rows[0]))])
 
 
 def spread_warning(result: BenchResult) -> str | None:
-    """The run's last line when a task's window spread is over :data:`SPREAD_LIMIT` (its
-    ``<task>_spread_over_target`` tag): the median is less sure than the table's digits suggest, so a
-    comparison with it may see noise as a change. None when every task met the target."""
+    """A warning when a task's window spread is over :data:`SPREAD_LIMIT`: a comparison may see noise as a change."""
     missed = [t.task for t in result.tasks if t.window_tags.get("spread_over_target") == "true"]
     if not missed:
         return None
@@ -183,9 +167,7 @@ def spread_warning(result: BenchResult) -> str | None:
 
 
 def precision_warning(result: BenchResult) -> str | None:
-    """The run's last line when a task stopped timing before its median was as sure as ``precision_pct`` asked
-    (its ``<task>_timing_stop`` tag: ``max_time`` or ``max_windows``). None when every task met it or ran
-    fixed counts."""
+    """A warning when a task stopped timing before its median was as sure as ``precision_pct`` asked."""
     missed = [t for t in result.tasks if "precision missed" in t.flags]
     if not missed:
         return None
@@ -198,8 +180,7 @@ def precision_warning(result: BenchResult) -> str | None:
 
 
 def run_warning(result: BenchResult | None) -> str | None:
-    """The run's one warning line (issue 38: one line of warnings), the window spread's and the precision
-    target's together; None when neither has anything to say (or no result: a launcher's run)."""
+    """The run's one warning line (issue 38), the spread's and the precision target's together."""
     if result is None:
         return None
     said = [w for w in (spread_warning(result), precision_warning(result)) if w]
@@ -221,8 +202,7 @@ def cudnn_text(raw: str | None) -> str | None:
 
 
 def _cuda_rows(result: BenchResult, env: EnvInfo) -> list[list[str]]:
-    """The GPU software stack. torch reports the CUDA, cuDNN and NCCL it was built with, also on a host
-    without a GPU: where no GPU ran they are shown as the build's (or not at all for a CPU-only build)."""
+    """The GPU software stack; torch reports its build's also where no GPU ran (then shown as the build's)."""
     stack = f"{env.cuda_version or '-'} / {cudnn_text(env.cudnn_version) or '-'} / {env.nccl_version or '-'}"
     if result.device == "cuda":
         return [["driver / CUDA / cuDNN / NCCL", f"{env.driver_version or '-'} / {stack}"]]
@@ -239,15 +219,13 @@ def _gpu_text(result: BenchResult, env: EnvInfo) -> str:
     return gpus if result.device == "cuda" else f"{gpus}, not used: the run was on {result.device}"
 
 
-# The identity options the Configuration table's own rows show (model, image size, precision / attention,
-# compile, CUDA graph); every other identity option of bench gets a row `name | value`, so two reports of
-# different configurations differ in this table, and an option added to the table appears here unasked.
+# The identity options the Configuration table's own rows show; every other gets a row `name | value`, so two
+# reports of different configurations differ here, and an option added to the table appears unasked.
 _NAMED_ROWS = ("model", "img_size", "amp", "sdpa", "compile", "compile_backend", "cuda_graph")
 
 
 def _identity_rows(result: BenchResult) -> list[list[str]]:
-    """``[name, value]`` of each identity option of bench that no named row shows; the DDP settings only
-    where several processes ran (in one they do nothing)."""
+    """``[name, value]`` of the other identity options; the DDP settings only where several processes ran."""
     spec = result.spec
     several = max((t.figures.get("world_size") or 1 for t in result.tasks), default=1) > 1
     names = [n for n in identity_names("bench") if n not in _NAMED_ROWS and hasattr(spec, n)]

@@ -1,10 +1,6 @@
-"""The benchmark itself: inference and training-step throughput, timed honestly.
-
-Per task: the batch (``batch_size=auto``: searched, :mod:`vitreg.measure.autobatch`), synthetic inputs made on
-the device outside any timing, the first call timed apart (compilation, lazy initialisation), the warm-up, then
-timed windows of CUDA events (:mod:`vitreg.measure.timing`): nothing logged, printed or synchronised inside one.
-After the windows, untimed: the SDPA backend that ran, and the ``profile=true`` trace. Results are typed values
-(:class:`vitreg.bench.results.BenchResult`) that :mod:`vitreg.tracking.runs` logs.
+"""The benchmark itself: per task the batch, synthetic inputs made outside any timing, the first call timed apart
+(compilation), the warm-up, the timed windows (nothing logged, printed or synchronised inside one), then untimed
+the SDPA backend and the ``profile=true`` trace; the result is a :class:`vitreg.bench.results.BenchResult`.
 """
 
 from __future__ import annotations
@@ -24,7 +20,7 @@ from vitreg.hardware.compile_cache import CacheProbe
 from vitreg.hardware.precision import EAGER_FP8_NOTE, fp8_agreement, input_dtype, prepare_model
 from vitreg.hardware.sdpa import detect_backend
 from vitreg.measure import batch_cache
-from vitreg.measure.autobatch import search_batch
+from vitreg.measure.autobatch import release_memory, search_batch
 from vitreg.measure.figures import Figures, Work
 from vitreg.measure.metrics import ITERATION_TIME
 from vitreg.measure.estimate import BenchAhead, estimated_batch, step_seconds
@@ -39,31 +35,11 @@ from vitreg.hardware.runtime import Runtime, run_context
 from vitreg.config.parse import AUTO_BATCH
 from vitreg.config.spec import BenchSpec
 
-from vitreg.measure.timing import (MIN_WINDOWS, PHASES, STOP_MAX_TIME, STOP_MAX_WINDOWS, StopRule,
+from vitreg.measure.timing import (MAX_WINDOWS, MIN_WINDOWS, PHASES, STOP_MAX_TIME, STOP_MAX_WINDOWS, StopRule,
                                    median_halfwidth_pct, steps_for_window, synchronize, time_window, wall_seconds)
 from vitreg.train.losses import loss_of
 
 PROFILE_TRACE_STEPS = 5  # steady-state steps that profile=true traces per task (after one untraced step)
-
-
-def _memory_mb(device_type: str):
-    if device_type != "cuda":
-        return None, None  # the CPU has no allocator statistics comparable to CUDA's
-    import torch
-
-    mib = 1024 * 1024
-    return torch.cuda.max_memory_allocated() / mib, torch.cuda.max_memory_reserved() / mib
-
-
-def _reset_memory(device_type: str) -> None:
-    if device_type == "cuda":
-        import gc
-
-        import torch
-
-        gc.collect()
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
 
 
 @dataclass(frozen=True)
@@ -81,13 +57,16 @@ class _Bench:
     attention_flops: dict = field(default_factory=dict)  # profile=true: per task, attention's FLOPs per image
 
 
+def _reset_memory(device: str) -> None:
+    """Before a task (and after its batch search): its peak memory figures are its own (a CPU has none to reset)."""
+    if device == "cuda":
+        release_memory(device, reset_peak=True)
+
+
 def _measure(step, bench: _Bench, task: str, batch_size: int, graph_eager_steps: int = 0):
-    """First call timed apart, warm-up, then the timed windows; returns this rank's :class:`Figures`, the step
-    the windows ran (a graph replay under cuda_graph=true), the first call's compile cache state (None: not
-    compiling) and the windows' tags. ``graph_eager_steps`` > 0: the first call is that many eager steps, the
-    capture of one more and a replay (:func:`vitreg.measure.graphs.capture`). A compiling first call runs with a
-    ticker (a long compile must not look hung); under DDP a barrier after the warm-up starts the ranks' windows
-    together."""
+    """First call timed apart (``graph_eager_steps`` > 0: eager steps, a capture and a replay), warm-up, the timed
+    windows; returns this rank's :class:`Figures`, the step the windows ran, the compile cache state and the
+    windows' tags. A compile runs with a ticker (it must not look hung); under DDP a barrier starts the windows."""
     PHASES.mark("task_setup")  # the batch search, the optimizer and the step, since the last phase
     spec, runtime, say = bench.spec, bench.runtime, bench.progress
     dev = runtime.device
@@ -117,7 +96,11 @@ def _measure(step, bench: _Bench, task: str, batch_size: int, graph_eager_steps:
     warm_iter_s = warm_s / (spec.warmup - 1) if spec.warmup > 1 else first_s  # the first call overstates it
     windows, marks, stop = _timed_windows(step, bench, task, batch_size, warm_iter_s)
     PHASES.mark("timed")
-    alloc, reserved = _memory_mb(dev)
+    alloc = reserved = None  # the CPU has no allocator statistics comparable to CUDA's
+    if dev == "cuda":
+        import torch
+
+        alloc, reserved = torch.cuda.max_memory_allocated() / 2**20, torch.cuda.max_memory_reserved() / 2**20
     figures = Figures(task, {
         "window_img_per_s": marks.rates,
         ITERATION_TIME[task]: tuple(ms for w in windows for ms in w.iter_ms),
@@ -129,8 +112,7 @@ def _measure(step, bench: _Bench, task: str, batch_size: int, graph_eager_steps:
 
 
 def _rank0(bench: _Bench, value):
-    """Under DDP every rank times the same windows of the same steps: rank 0's ``value`` (a collective,
-    between windows, never inside one); ``value`` itself in a process of its own."""
+    """Rank 0's ``value`` under DDP (a collective, between windows), so every rank times the same windows."""
     if bench.reducer is None:
         return value
     from vitreg.ddp.world import gather_objects
@@ -148,12 +130,9 @@ _LONGER_WINDOWS = 2
 
 
 def _timed_windows(step, bench: _Bench, task: str, batch_size: int, warm_iter_s: float):
-    """The timed windows, each between two reads of the energy meter (:mod:`vitreg.measure.energy`: the reads
-    and its sampler thread stay outside the CUDA-event timing), until the spec's :class:`StopRule` says stop;
-    returns ``(windows, task_marks, stop reason)``.
-
-    ``steps=0``: each window's steps come from the warm-up's step time; a window that still ends shorter than
-    ``window_min_s`` is not a sample: the steps are recomputed from it and it is timed again."""
+    """The timed windows, each between two reads of the energy meter (outside the CUDA-event timing), until the
+    :class:`StopRule` says stop; returns ``(windows, task_marks, stop reason)``. ``steps=0``: the steps come from the
+    warm-up's step time, and a window shorter than ``window_min_s`` is not a sample: it recalibrates the steps."""
     from vitreg.measure.energy import TaskMarks, open_meter, steps_for_energy
 
     spec, dev, say = bench.spec, bench.runtime.device, bench.progress
@@ -202,15 +181,13 @@ def _timed_windows(step, bench: _Bench, task: str, batch_size: int, warm_iter_s:
 
 
 def _lengthen(rates: list, rule: StopRule, elapsed_s: float, longer_s: float) -> bool:
-    """After the first :data:`MIN_WINDOWS` windows of a length, short of the target: start again with longer
-    windows (:data:`_LONGER_WINDOWS`), where as many of them still fit in the time cap."""
-    return (len(rates) == rule.min_windows and median_halfwidth_pct(rates) > rule.precision_pct
-            and elapsed_s + rule.min_windows * longer_s <= rule.max_time_s)
+    """The first :data:`MIN_WINDOWS` windows miss the target, and as many twice as long still fit in the time cap."""
+    return (len(rates) == MIN_WINDOWS and median_halfwidth_pct(rates) > rule.precision_pct
+            and elapsed_s + MIN_WINDOWS * longer_s <= rule.max_time_s)
 
 
 def _say_window(say, task: str, rates: list, win, mark, rule: StopRule) -> None:
-    """One progress line per window: its rate and step time (power, where read); with repeats=0 the
-    median's 95 % half-width so far."""
+    """One progress line per window: rate, step time, power where read, the median's half-width so far."""
     power = f", {mark.power_w:,.0f} W, {mark.energy_j / mark.images:.4g} J/img" if mark.power_w else ""
     count = f"{len(rates)}/{rule.repeats}" if rule.repeats else f"{len(rates)}"
     halfwidth = median_halfwidth_pct(rates) if not rule.repeats else None
@@ -223,33 +200,26 @@ def missed_target_text(rates, rule: StopRule, stop: str) -> str:
     halfwidth = median_halfwidth_pct(rates)
     reached = f"+-{halfwidth:.2f} %" if halfwidth is not None else f"no 95 % interval (under {MIN_WINDOWS} windows)"
     limit = (f"max_time_s={rule.max_time_s:g} s of timing" if stop == STOP_MAX_TIME
-             else f"the most windows a task times ({rule.max_windows})")
+             else f"the most windows a task times ({MAX_WINDOWS})")
     return (f"precision target {rule.precision_pct:g} % not reached: {reached} after {len(rates)} window(s), "
             f"stopped by {limit}; the windows scatter (a busy host, throttling): rerun on a quiet machine or raise "
             f"max_time_s")
 
 
 def _choose_batch(make_step, task: str, bench: _Bench):
-    """``(batch, BatchChoice or None)``: the spec's batch, or under ``batch_size=auto`` the searched one
-    (:func:`vitreg.measure.autobatch.search_batch`: eager probes; under DDP the ranks' smallest), or
-    one an earlier run of the same work kept in the user's cache (:mod:`vitreg.measure.batch_cache`)."""
+    """``(batch, BatchChoice or None)``: the spec's, or batch_size=auto's (searched, or kept by an earlier run)."""
     spec, runtime = bench.spec, bench.runtime
     if not spec.auto_batch:
         return spec.batch_size, None
     choice = search_batch(make_step, task, runtime.device, runtime.torch_device, bench.reducer is not None,
                           bench.progress, key=batch_cache.key_for(spec, runtime, task))
-    _reset_memory(runtime.device)  # the peak memory figures are the timed batch's, not a probe's
+    _reset_memory(runtime.device)  # the timed batch's peak, not a probe's
     return choice.batch, choice
 
 
 def _after_windows(task: str, timed_step, eager_step, bench: _Bench, batch: int, flops_per_img: int):
-    """Untimed work after the windows: the profile=true trace and the step's anatomy, then the SDPA backend that
-    ran; returns ``(backend, anatomy figures)`` (no figures without profile=true).
-
-    The backend is read from an eager-launched step: a whole-step CUDA graph replay hides every op
-    (the eager step before capture stands in for it), and a replay of inductor's own CUDA graphs
-    shows no SDPA op either (then ``unknown`` rather than a wrong ``unfused``).
-    """
+    """Untimed, after the windows: the profile=true trace and anatomy, the SDPA backend; ``(backend, figures)``.
+    The backend is read from an eager-launched step: a CUDA graph replay hides every op (inductor's: ``unknown``)."""
     runtime, anatomy = bench.runtime, {}
     if bench.profile_dir is not None:
         bench.progress(f"{task}: profile=true: {PROFILE_TRACE_STEPS} step(s) under torch.profiler (not timed)")
@@ -261,8 +231,8 @@ def _after_windows(task: str, timed_step, eager_step, bench: _Bench, batch: int,
 
 
 def _anatomy(task: str, files, bench: _Bench, batch: int, flops_per_img: int) -> dict:
-    """The traced steps per kernel class (:class:`Anatomy`): its table and chart beside the trace, its one
-    console line, and its figures. The matmuls' FLOPs are the task's count less attention's."""
+    """The traced steps per kernel class: table and chart beside the trace, one console line, the figures. The
+    matmuls' FLOPs are the task's count less attention's."""
     from vitreg.analysis.plots import plot_anatomy
 
     attention = bench.attention_flops.get(task, 0)
@@ -276,7 +246,6 @@ def _anatomy(task: str, files, bench: _Bench, batch: int, flops_per_img: int) ->
 
 
 def _infer_steps(net, info: ModelInfo, runtime: Runtime, cache: bool):
-    """``make_step(batch)``: a forward pass in eval mode under inference_mode, on a batch made once."""
     import torch
 
     def make_step(batch: int):
@@ -294,8 +263,7 @@ def _infer_steps(net, info: ModelInfo, runtime: Runtime, cache: bool):
 
 
 def run_inference(model, bench: _Bench, fwd_flops: int) -> TaskResult:
-    """Forward passes in eval mode under inference_mode and the precision on a synthetic batch; under DDP each
-    rank runs its own unwrapped copy and the job's throughput is the ranks' sum."""
+    """Forward passes on a synthetic batch; under DDP each rank runs its own unwrapped copy (throughputs add)."""
     runtime, info = bench.runtime, bench.info
     _reset_memory(runtime.device)
     model.eval()
@@ -307,9 +275,7 @@ def run_inference(model, bench: _Bench, fwd_flops: int) -> TaskResult:
 
 
 def _timed_task(task: str, step, bench: _Bench, batch_size: int, choice, flops_per_img: int) -> TaskResult:
-    """``step`` timed (:func:`_measure`; an out-of-memory error names the batch), then the untimed work after
-    its windows (train: the profiled communication time; profile=true: the step's anatomy), the figures made
-    the job's."""
+    """``step`` timed (an out-of-memory error names the batch), the untimed work after it, the job's figures."""
     eager = 0
     if bench.spec.cuda_graph:
         eager = INFER_EAGER_STEPS_BEFORE_CAPTURE if task == "infer" else EAGER_STEPS_BEFORE_CAPTURE
@@ -327,7 +293,6 @@ def _timed_task(task: str, step, bench: _Bench, batch_size: int, choice, flops_p
 
 
 def _train_steps(net, opt, scaler, info: ModelInfo, runtime: Runtime, cache: bool):
-    """``make_step(batch)``: forward, loss, backward, (scaled) optimizer step on a batch made once."""
     import torch
 
     criterion = torch.nn.CrossEntropyLoss()
@@ -351,8 +316,8 @@ def _train_steps(net, opt, scaler, info: ModelInfo, runtime: Runtime, cache: boo
 
 
 def run_train_step(model, bench: _Bench, train_flops: int) -> TaskResult:
-    """Full training steps (forward, loss, backward, (scaled) AdamW step) on a fixed synthetic batch; under DDP
-    ``bench.wrap`` wraps the model after a batch search (the probes run it unwrapped), before compile."""
+    """Full training steps on a fixed synthetic batch; under DDP ``bench.wrap`` wraps the model after the batch
+    search (the probes run it unwrapped), before compile."""
     import torch
 
     runtime, info, spec = bench.runtime, bench.info, bench.spec
@@ -378,8 +343,7 @@ def run_train_step(model, bench: _Bench, train_flops: int) -> TaskResult:
 
 
 def _comm_figures(timed_step, bench: _Bench) -> dict:
-    """profile_steps > 0: all-reduce and busy time per step from torch.profiler, after the windows (not
-    timed; the slowest rank's under DDP). The figures' names are CommProfile's fields."""
+    """profile_steps > 0: all-reduce and busy time per step from torch.profiler (the slowest rank's under DDP)."""
     if not bench.spec.profile_steps:
         return {}
     from vitreg.measure.traces import profile_comm
@@ -393,8 +357,7 @@ def _comm_figures(timed_step, bench: _Bench) -> dict:
 
 
 def _job_figures(figures: Figures, bench: _Bench, flops_per_img: int) -> Figures:
-    """This rank's figures -> the job's: reduced over the ranks under DDP (a collective: every rank gets
-    here once per task, after its windows), summarized, then the job-level rows (TFLOP/s, MFU, ...)."""
+    """This rank's figures -> the job's: reduced over the ranks (a collective), summarized, the job-level rows."""
     figures = figures.with_values(gflops_per_img=flops_per_img / 1e9)
     world_size = 1
     if bench.reducer is not None:
@@ -403,39 +366,31 @@ def _job_figures(figures: Figures, bench: _Bench, flops_per_img: int) -> Figures
     return figures.summarized().completed(Work.of(bench.runtime, bench.hardware, world_size))
 
 
-def _train_flops(model, info: ModelInfo, runtime: Runtime, attention: bool = False) -> int:
-    import torch
-
-    criterion = torch.nn.CrossEntropyLoss()
-    return train_flops_per_image(model, info.img_size, runtime.torch_device, lambda out, y: loss_of(out, y, criterion),
-                                 attention=attention)
-
-
-def _attention_flops(model, info: ModelInfo, runtime: Runtime, tasks) -> dict:
-    """profile=true: each task's attention FLOPs per image, for the anatomy (the rest of its count is the
-    matmuls'), counted in fp32 like the totals and kept like them."""
-    counts = {"infer": lambda: forward_flops_per_image(model, info.img_size, runtime.torch_device, attention=True),
-              "train": lambda: _train_flops(model, info, runtime, attention=True)}
-    return {task: batch_cache.counted_flops(_flops_key(info, f"{task} attention"), counts[task]) for task in tasks}
-
-
-def _flops_key(info: ModelInfo, what: str) -> dict:
-    """What a FLOP count depends on: the model's build (name, size, classes, distillation, parameters), the
-    libraries that define it and count it, forward or training step."""
+def _flops(model, info: ModelInfo, runtime: Runtime, task: str, attention: bool = False) -> int:
+    """FLOPs per image of ``task``'s step (``attention``: its attention's alone, for the anatomy), counted once and
+    kept under what the count depends on: the model's build and the libraries that define and count it."""
     import torch
     from importlib import metadata
 
-    return {"model": info.name, "source": info.source, "img_size": info.img_size, "num_classes": info.num_classes,
-            "distilled": info.distilled, "params_m": round(info.params_m, 6), "torch": torch.__version__,
-            "library": metadata.version(info.source), "count": what}
+    def count():
+        if task == "infer":
+            return forward_flops_per_image(model, info.img_size, runtime.torch_device, attention=attention)
+        criterion = torch.nn.CrossEntropyLoss()
+        return train_flops_per_image(model, info.img_size, runtime.torch_device,
+                                     lambda out, y: loss_of(out, y, criterion), attention=attention)
+
+    what = f"{task} attention" if attention else {"infer": "forward", "train": "train"}[task]
+    key = {"model": info.name, "source": info.source, "img_size": info.img_size, "num_classes": info.num_classes,
+           "distilled": info.distilled, "params_m": round(info.params_m, 6), "torch": torch.__version__,
+           "library": metadata.version(info.source), "count": what}
+    return batch_cache.counted_flops(key, count)
 
 
 def run_benchmark(spec: BenchSpec, hardware: ResolvedHardware, runtime: Runtime, progress=progress,
                   model_factory=None, wrap=None, reducer=None, command: str = "") -> BenchResult:
-    """Build the model (or ``model_factory()``: a registered model's weights), count its FLOPs, run each task of
-    the spec. ``command``: what the user typed (the estimate's advice takes its spelling). Under DDP ``wrap`` wraps
-    the training model and ``reducer`` turns each rank's figures into the job's (every rank calls this with the
-    same spec). The precision's weight cast comes after the FLOP count and before any compile."""
+    """Build the model (or ``model_factory()``), count its FLOPs, run each task of the spec. Under DDP ``wrap`` wraps
+    the training model and ``reducer`` makes the ranks' figures the job's. The weight cast comes after the FLOP
+    count and before any compile."""
     import torch
 
     require_cuda(spec.cuda_graph, runtime.device, runtime.amp)
@@ -449,11 +404,10 @@ def run_benchmark(spec: BenchSpec, hardware: ResolvedHardware, runtime: Runtime,
     model = model.to(runtime.torch_device)
     # Counted in fp32 before the run's SDPA restriction: sdpa=flash has no fp32 kernel on a GPU, so a
     # count inside it failed with "No available kernel" (the count is the same whichever backend runs).
-    fwd_flops = batch_cache.counted_flops(_flops_key(info, "forward"),
-                                          lambda: forward_flops_per_image(model, info.img_size, runtime.torch_device))
-    train_flops = batch_cache.counted_flops(_flops_key(info, "train"), lambda: _train_flops(model, info, runtime)) \
-        if "train" in spec.tasks else 0
-    attention_flops = _attention_flops(model, info, runtime, spec.tasks) if spec.profile else {}
+    fwd_flops = _flops(model, info, runtime, "infer")
+    train_flops = _flops(model, info, runtime, "train") if "train" in spec.tasks else 0
+    attention_flops = {task: _flops(model, info, runtime, task, attention=True) for task in spec.tasks} \
+        if spec.profile else {}
     # amp=fp8*: a bf16 copy first, to say how far the quantized model's logits land from it
     reference = copy.deepcopy(model).to(torch.bfloat16) if precision.fp8 else None
     model = prepare_model(model, precision)
@@ -486,9 +440,8 @@ def run_benchmark(spec: BenchSpec, hardware: ResolvedHardware, runtime: Runtime,
 
 
 def _estimate(model, bench: _Bench, fwd_flops: int, train_flops: int, cache_dir, command: str) -> BenchAhead:
-    """The work ahead (:class:`vitreg.measure.estimate.BenchAhead`), from each task's step timed at a probe
-    batch in the run's precision and math mode (inside the run's context), said when it is long. The train
-    probe's optimizer has a learning rate of 0: its steps leave the weights as they were."""
+    """The work ahead from each task's step timed at a probe batch in the run's context, said when it is long. The
+    train probe's optimizer has a learning rate of 0: its steps leave the weights as they were."""
     import torch
 
     spec, runtime, info = bench.spec, bench.runtime, bench.info

@@ -1,7 +1,5 @@
-"""The ``sweep`` job: every combination of its axes (models x amp x compile x batch size, and any bench option
-through ``--axis``), each a child run of one parent run, each in its own ``vitreg bench`` process; on this host
-(``engine=local``: one child per GPU at once) or on a Ray cluster (``engine=ray``). The parent logs the comparison
-of its children."""
+"""The ``sweep`` job: every combination of its axes, each a child run of one parent run in its own ``vitreg bench``
+process, on this host's GPUs, a Ray cluster or SLURM; the parent logs the comparison of its children."""
 
 from __future__ import annotations
 
@@ -39,8 +37,6 @@ COMBINATIONS_FILE = "sweep_combinations.json"
 
 @dataclass(frozen=True)
 class SweepSettings:
-    """The sweep's own options, parsed."""
-
     engine: str
     ray_address: str
     max_parallel: int
@@ -52,8 +48,8 @@ class SweepSettings:
     own: dict = field(default_factory=dict, compare=False)  # all of them, as given (engine=slurm reads its own)
 
     def given(self) -> dict:
-        """The engine's options given other than their defaults (click fills those in): what the parent records
-        and what a re-run's command line changes of it; not the combinations' axes nor the run to re-run."""
+        """The engine's options given other than their defaults (click fills those in): what the parent records and
+        a re-run's command line changes."""
         skip = ("rerun_failed", "experiment", "axes", *SWEEP_LISTS)
         return {k: v for k, v in self.own.items() if k not in skip and v not in (None, option("sweep", k).default,
                                                                                  option("sweep", k).default_text)}
@@ -69,10 +65,8 @@ class SweepSettings:
 
 
 def run_sweep(own: dict, common: dict | None = None, max_oom_retries: int = 3, progress=progress) -> dict:
-    """Run every combination as a child run of one parent run, each in its own process, everything checked
-    before a child starts (each combination as a BenchSpec, the size, the engine). A failed child is recorded
-    FAILED and the sweep goes on; one out of GPU memory is retried with a smaller batch
-    (:func:`vitreg.fleet.children.decay_batch`). SIGINT/SIGTERM ends the children KILLED, and the parent."""
+    """Run every combination as a child run, everything checked before a child starts. A failed child is recorded
+    FAILED and the sweep goes on; one out of GPU memory is retried with a smaller batch."""
     common = dict(common or {})
     settings = SweepSettings.parse(own)
     if settings.rerun_failed:
@@ -101,10 +95,8 @@ def run_sweep(own: dict, common: dict | None = None, max_oom_retries: int = 3, p
 
 
 def check_options(own: dict, common: dict) -> None:
-    """What :func:`run_sweep` checks before its engine starts (torch, a Ray cluster, SLURM) and its parent run
-    exists, checked first so a typo costs no engine and no run: the settings, the size (``gpu=all`` counted as
-    one type: a lower bound), every combination as a BenchSpec and its model (timm is not imported), and on
-    this host (engine=local) each GPU label."""
+    """What :func:`run_sweep` checks before its engine starts and its parent run exists, so a typo costs neither:
+    the settings, the size (``gpu=all`` as one type: a lower bound), every combination, each GPU label here."""
     from vitreg.hardware.profiles import check_label_here
 
     settings = SweepSettings.parse(own)
@@ -161,8 +153,7 @@ def _run_parent(settings, axes, combos, common, engine, max_oom_retries, progres
 
 
 def _conclude(parent, last_ok: dict, progress) -> None:
-    """The parent's counts and comparison; it ends FAILED (one line: how many, and how to re-run them) when the
-    last attempt of any combination did not finish (a child retried after running out of memory counts once)."""
+    """The parent's counts and comparison; it ends FAILED when any combination's last attempt did not finish."""
     failed = sorted(index for index, ok in last_ok.items() if not ok)
     parent.log_metrics({"n_finished": len(last_ok) - len(failed), "n_failed": len(failed)})
     if len(failed) < len(last_ok):
@@ -175,12 +166,9 @@ def _conclude(parent, last_ok: dict, progress) -> None:
 
 
 def rerun_failed(settings: SweepSettings, max_oom_retries: int = 3, progress=progress) -> dict:
-    """``--rerun-failed PARENT``: each combination of that sweep with no FINISHED child (its last one FAILED or
-    KILLED, or none: the sweep was stopped before it started) runs again as a new child of the same parent, with
-    its options (:data:`COMBINATIONS_FILE`, or its child's :data:`OPTIONS_TAG`), on the parent's engine with
-    the parent's engine options (:data:`SETTINGS_TAG`; those given now win); the child it replaces is tagged
-    ``sweep_superseded_by``. FINISHED children stay as they are. The parent is open again meanwhile and ends
-    with the status of all of its combinations (FAILED while any has no FINISHED child)."""
+    """``--rerun-failed PARENT``: each combination of that sweep with no FINISHED child runs again as a new child of
+    the same parent, with its options, on the parent's engine and engine options (those given now win); the child
+    it replaces is tagged ``sweep_superseded_by``. The parent ends with the status of all its combinations."""
     parent_run, runs = tracking.run_and_children(settings.rerun_failed)
     latest = _latest_child_per_combination(parent_run, runs)
     common, again = _unfinished(parent_run, latest)
@@ -209,7 +197,7 @@ def rerun_failed(settings: SweepSettings, max_oom_retries: int = 3, progress=pro
 
 
 def _latest_child_per_combination(parent_run, runs: list) -> dict:
-    """sweep_index -> the child run started last for it (its out-of-memory retries and re-runs came later)."""
+    """sweep_index -> the child run started last for it (retries and re-runs come later)."""
     if parent_run.data.tags.get("vitreg_job") != "sweep":
         raise VitregError(f"run {parent_run.info.run_id} is not a sweep's parent run: pass the id the sweep printed "
                           f"(`sweep RUN_ID: ...`)")
@@ -224,15 +212,14 @@ def _latest_child_per_combination(parent_run, runs: list) -> dict:
 
 
 def _settings_of(parent_run, settings: SweepSettings) -> SweepSettings:
-    """The re-run's settings: the parent's (its engine tag alone, from an older vitreg), those given now over them."""
+    """The parent's settings (an older vitreg's: its engine tag), those given now over them."""
     saved = parent_run.data.tags.get(SETTINGS_TAG)
     recorded = json.loads(saved) if saved else {"engine": parent_run.data.tags.get("sweep_engine", "local")}
     return SweepSettings.parse({**recorded, **settings.given(), "rerun_failed": settings.rerun_failed})
 
 
 def _unfinished(parent_run, latest: dict) -> tuple[dict, dict]:
-    """(the common options, sweep_index -> combination) of the combinations with no FINISHED child, from the
-    parent's record of them all (:data:`COMBINATIONS_FILE`)."""
+    """(the common options, sweep_index -> combination) of the combinations with no FINISHED child."""
     def unfinished(index: int) -> bool:
         return index not in latest or latest[index].info.status != "FINISHED"
 
@@ -260,7 +247,7 @@ def _combinations_of(child_runs) -> tuple[dict, list[Combination]]:
 
 @dataclass
 class _Context:
-    """What every child of one sweep shares: the parent run, the common options, the outcome, the live line."""
+    """What every child of one sweep shares."""
 
     parent: object
     common: dict
@@ -295,8 +282,8 @@ class _Context:
 
 
 class LocalEngine:
-    """``engine=local``: this host's GPUs, one child per ``nproc`` of them at once; on CPU one at a time. Each
-    child runs in the warm worker of its GPUs (``isolate=worker``) or in a process of its own."""
+    """``engine=local``: this host's GPUs, one child per ``nproc`` of them at once (CPU: one at a time), in the
+    warm worker of its GPUs (``isolate=worker``) or a process of its own."""
 
     def __init__(self, max_parallel: int, device: str, isolate: str = "worker"):
         from vitreg.fleet.local import HostPool, host_gpus

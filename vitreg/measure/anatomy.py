@@ -1,21 +1,9 @@
-"""A step's anatomy: where the profiled steps' time goes, per kernel class (``profile=true``).
+"""A step's anatomy (``profile=true``): the profiled steps' time per kernel class, named from the kernel's (on a
+CPU, the aten op's) name alone, with ``idle`` the span's time in no kernel (launch gaps, host syncs); as ms per
+image, share of the step and, for matmul and attention, TFLOP/s against the GPU's dense datasheet peak.
 
-:func:`kernel_class` names the class of a CUDA kernel (or, on a CPU, an aten op) from its name alone:
-matmul, attention, norm/pointwise, quantize/cast, memory copy, other. On a GPU (:func:`device_times`)
-each class's time is the summed duration of its kernels, and ``idle`` is the device time within the
-profiled steps' span (first kernel's start to last kernel's end) in which no kernel ran: launch gaps,
-host syncs. On a CPU there are no device kernels (:func:`host_times`): each class is the ops' self
-CPU time and ``idle`` the host time outside any op (Python, dispatch), so the table says host time.
-
-:class:`Anatomy` turns the times into ms per image and a share of the step, and, for matmul and
-attention, the achieved TFLOP/s from the model's counted FLOPs against the GPU's dense datasheet
-peak (:mod:`vitreg.models.flops`, :mod:`vitreg.hardware.profiles`); ``unknown`` where there is no
-such count or peak (the bandwidth-bound classes, a CPU, an unknown GPU).
-
-Names only: a kernel's name does not always say what it did. ``direct_copy_kernel`` is a dtype cast
-or a layout copy (counted as cast); an eager fp8 scale's amax is a generic max reduction (counted as
-pointwise), while its ``|x|`` (``AbsFunctor``) and clamp kernels count as quantize (a ViT step has none
-otherwise). The classes are what the names make sure of; the trace (Perfetto) has the rest.
+Names only: ``direct_copy_kernel`` is a cast or a layout copy (counted as cast); an eager fp8 scale's amax is a
+generic max reduction (counted as pointwise), its ``|x|`` and clamp kernels as quantize. The trace has the rest.
 """
 
 from __future__ import annotations
@@ -67,8 +55,7 @@ def _matches(name: str, word: str) -> bool:
 
 
 def _fused_class(ops: str) -> str:
-    """The class of an inductor kernel fusing ``ops``: a norm, the fp8 scale and quantize steps, a cast or copy
-    alone (nothing left but layout ops), else pointwise."""
+    """The class of an inductor kernel fusing ``ops``: a norm, fp8 scaling, a cast or copy alone, else pointwise."""
     if "norm" in ops or "var_mean" in ops:
         return "norm_pointwise"
     if any(w in ops for w in _FP8_OPS):
@@ -94,8 +81,8 @@ def kernel_class(name: str) -> str:
 
 
 def device_times(kernels) -> dict[str, float]:
-    """``(name, start_us, end_us)`` of every kernel (and memcpy/memset) of the profiled steps -> µs per class,
-    ``idle`` the span's µs covered by no kernel (kernels on several streams may overlap: counted once there)."""
+    """``(name, start_us, end_us)`` of every kernel -> µs per class, ``idle`` the span's µs covered by no kernel
+    (kernels on several streams may overlap: counted once there)."""
     out = dict.fromkeys(CLASSES, 0.0)
     spans = sorted((start, end) for _, start, end in kernels)
     for name, start, end in kernels:
@@ -111,8 +98,8 @@ def device_times(kernels) -> dict[str, float]:
 
 
 def host_times(ops, span_us: float) -> dict[str, float]:
-    """``(name, self_us)`` of every CPU op of the profiled steps and their wall span -> µs per class, ``idle``
-    the span's time in no op (Python, dispatch; never below 0: intra-op threads may add up past the span)."""
+    """``(name, self_us)`` of every CPU op and their span -> µs per class, ``idle`` the span's time in no op
+    (Python, dispatch; never below 0: intra-op threads may add up past the span)."""
     out = dict.fromkeys(CLASSES, 0.0)
     for name, self_us in ops:
         out[kernel_class(name)] += self_us
@@ -121,10 +108,8 @@ def host_times(ops, span_us: float) -> dict[str, float]:
 
 
 def ceilings(precision, hardware) -> dict:
-    """The dense datasheet peak (TFLOP/s) each FLOP class runs against: the matmuls' that of the precision's
-    units (fp8 where torchao quantized the Linear layers), attention's the same but bf16 under fp8 (torchao
-    leaves SDPA in bf16). None where the profile has no peak (CPU, an unknown GPU); none at all for a
-    mislabelled run (its label's peak is not its hardware's), as for MFU."""
+    """The dense datasheet peak (TFLOP/s) each FLOP class runs against: the precision's, but bf16 for attention
+    under fp8 (torchao leaves SDPA in bf16); none for a mislabelled run (its label's peak is not its hardware's)."""
     if hardware.mismatch:
         return {}
     peaks = hardware.profile.peak_tflops
@@ -134,8 +119,7 @@ def ceilings(precision, hardware) -> dict:
 
 @dataclass(frozen=True)
 class Anatomy:
-    """Per class µs over ``steps`` profiled steps of ``batch`` images; ``host``: CPU op time, not GPU kernels.
-    ``flops_per_img`` and ``ceiling_tflops``: per class of :data:`FLOP_CLASSES` where known (else absent/None)."""
+    """Per class µs over ``steps`` profiled steps of ``batch`` images; ``host``: CPU op time, not GPU kernels."""
 
     times_us: dict
     steps: int
@@ -148,7 +132,7 @@ class Anatomy:
         return self.times_us[cls] / 1e3 / self.steps / self.batch
 
     def pct(self, cls: str) -> float:
-        """Share of the summed time (every class and the idle gaps: the step when no kernels overlap), in %."""
+        """Share of the summed time (the step, when no kernels overlap), in %."""
         total = sum(self.times_us.values())
         return 100 * self.times_us[cls] / total if total else 0.0
 
@@ -157,7 +141,7 @@ class Anatomy:
         return flops / (ms / 1e3) / 1e12 if flops and ms > 0 else None
 
     def figures(self) -> dict[str, float]:
-        """The metric rows (:mod:`vitreg.measure.metrics`, ``anatomy_<class>_...``) this anatomy has values for."""
+        """The ``anatomy_<class>_...`` metric rows."""
         out = {}
         for cls in CLASSES:
             out[f"anatomy_{cls}_ms_per_img"] = self.ms_per_img(cls)
@@ -170,7 +154,7 @@ class Anatomy:
         return sorted(CLASSES, key=lambda c: -self.times_us[c])[:n]
 
     def table(self, task: str) -> str:
-        """anatomy.txt: one row per class, fixed width; ``unknown`` where no FLOPs or peak are known."""
+        """anatomy.txt: one row per class; ``unknown`` where no FLOPs or peak are known."""
         what = "host (CPU op self time; no device kernels)" if self.host else "GPU kernel time"
         heads = ["class", "ms/img", "share %", "TFLOP/s", "ceiling TFLOP/s", "of ceiling %"]
         rows = [heads] + [self._row(cls) for cls in CLASSES]

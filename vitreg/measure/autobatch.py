@@ -1,11 +1,9 @@
 """``batch_size=auto``: the batch with the best throughput that fits, found by short probes.
 
-:func:`find_batch` knows nothing of models: ``probe(batch)`` returns img/s or raises out of memory. It doubles
-the batch while throughput still improves by ``min_gain`` and the batch fits; after an out-of-memory it steps
-back down a grid of powers of two and their midpoints (2048 -> 1536 -> 1024, as timm's batch decay does). Probes
-and their time are bounded (:data:`SEARCH_LIMITS`, per device). The choice is the smallest batch within
-``min_gain`` of the fastest probe: a larger one not clearly faster costs memory and latency, and would not
-repeat from run to run.
+:func:`find_batch` doubles the batch while throughput improves by ``min_gain`` and it fits; after an out-of-memory
+it steps back down a grid of powers of two and their midpoints (2048 -> 1536 -> 1024, as timm's batch decay does).
+The choice is the smallest batch within ``min_gain`` of the fastest probe: a larger one not clearly faster costs
+memory and latency, and would not repeat from run to run.
 """
 
 from __future__ import annotations
@@ -16,6 +14,7 @@ from dataclasses import dataclass, replace
 
 from vitreg.errors import VitregError
 from vitreg.measure import batch_cache
+from vitreg.measure.timing import wall_seconds
 
 
 @dataclass(frozen=True)
@@ -87,7 +86,7 @@ class _Budget(Exception):
 
 
 def find_batch(probe, limits: SearchLimits, clock=time.monotonic) -> BatchChoice:
-    """Search as the module docstring says; raises VitregError if no probed batch fits."""
+    """``probe(batch)`` returns img/s or raises out of memory; VitregError if no probed batch fits."""
     probes: list[Probe] = []
     t0 = clock()
 
@@ -127,52 +126,39 @@ def _search(run, limits: SearchLimits) -> str:
         current = run(batch)
     while current.batch * 2 <= limits.limit:
         bigger = run(current.batch * 2)
-        if not bigger.fits:
-            return _back_off(run, current.batch, bigger.batch)
+        if not bigger.fits:  # try the grid points between the two, largest first
+            batch = decay_step(bigger.batch)
+            while batch > current.batch and not run(batch).fits:
+                batch = decay_step(batch)
+            return "oom"
         if bigger.img_per_s < current.img_per_s * (1 + limits.min_gain):
             return "plateau"
         current = bigger
     return "limit"
 
 
-def _back_off(run, fits: int, too_big: int) -> str:
-    """After ``too_big`` ran out of memory, try the grid points between it and ``fits``, largest first."""
-    batch = decay_step(too_big)
-    while batch > fits and not run(batch).fits:
-        batch = decay_step(batch)
-    return "oom"
-
-
 def timed_probe(make_step, device: str, steps: int = 3, warmup: int = 2):
-    """A probe for :func:`find_batch` over ``make_step(batch)``: ``warmup`` untimed steps, then the img/s of
-    ``steps`` timed between two synchronizes; the step dropped and the allocator's cache emptied after each probe,
-    so one probe's memory does not make the next run out."""
-    from vitreg.measure.timing import synchronize
+    """A probe for :func:`find_batch`: ``warmup`` untimed steps of ``make_step(batch)``, then the img/s of ``steps``
+    between two synchronizes; the step dropped and the allocator's cache emptied after it, for the next probe."""
 
     def probe(batch: int) -> float:
         step = make_step(batch)
         try:
             for _ in range(warmup):
                 step()
-            synchronize(device)
-            start = time.perf_counter()
-            for _ in range(steps):
-                step()
-            synchronize(device)
-            return batch * steps / (time.perf_counter() - start)
+            return batch * steps / wall_seconds(lambda: [step() for _ in range(steps)], device)
         finally:
             del step
-            _release_memory(device)
+            release_memory(device)
 
     return probe
 
 
 def search_batch(make_step, task: str, device: str, torch_device, distributed: bool, progress,
                  key=None) -> BatchChoice:
-    """The runner's search: :func:`find_batch` over :func:`timed_probe` of ``make_step`` (the eager model: a
-    compiled probe compiles once per batch, then turns to dynamic shapes) within :data:`SEARCH_LIMITS`; under DDP
-    (``distributed``) the ranks' smallest choice. ``key`` (not under DDP): a batch an earlier run kept for it
-    is checked by one probe and reused (``source="cache"``); what a search finds is kept."""
+    """The runner's search over the eager ``make_step`` (a compiled probe recompiles per batch) within
+    :data:`SEARCH_LIMITS`; under DDP the ranks' smallest choice. ``key`` (not under DDP): a batch an earlier run
+    kept is checked by one probe and reused; what a search finds is kept."""
     limits = SEARCH_LIMITS[device]
     probe = timed_probe(make_step, device, limits.probe_steps, limits.probe_warmup)
     key = None if distributed else key
@@ -223,9 +209,12 @@ def smallest_over_ranks(batch: int, torch_device) -> int:
     return int(value.item())
 
 
-def _release_memory(device: str) -> None:
+def release_memory(device: str, reset_peak: bool = False) -> None:
+    """Garbage collected and the CUDA allocator's cache emptied (``reset_peak``: its peak statistics too)."""
     gc.collect()
     if device == "cuda":
         import torch
 
         torch.cuda.empty_cache()
+        if reset_peak:
+            torch.cuda.reset_peak_memory_stats()

@@ -1,11 +1,7 @@
-"""What earlier runs measured, kept in the user's cache so a later run of the same work skips it.
-
-``autobatch.json`` (under :func:`vitreg.environment.user_cache_dir`, or ``$VITREG_BATCH_CACHE``): the batch
-``batch_size=auto`` chose, keyed by the machine, model, image size, precision, compile mode, SDPA, torch and task
-(the probes cost ~60 s on an H200, issue 23). A run that finds its key checks the kept batch with one probe; one
-that runs out of memory is dropped and the search runs again. Beside it ``flops.json`` keeps FLOP counts
-(:func:`counted_flops`) and ``compile.json`` each graph's last compile time, cold and warm (:func:`compile_seconds`,
-what the estimate counts). A file that cannot be read is said in one line and rewritten; delete it to forget.
+"""What earlier runs measured, kept in the user's cache so a later run of the same work skips it: the batch
+``batch_size=auto`` chose (``autobatch.json``, or ``$VITREG_BATCH_CACHE``: the probes cost ~60 s on an H200, issue
+23; checked by one probe when reused), FLOP counts (``flops.json``) and each graph's last compile time, cold and
+warm (``compile.json``, what the estimate counts). A file that cannot be read is said and rewritten.
 """
 
 from __future__ import annotations
@@ -23,8 +19,6 @@ MAX_ENTRIES = 256  # the most recent kept: a sweep over sizes does not grow the 
 
 @dataclass(frozen=True)
 class CacheKey:
-    """The work and the machine a kept batch was measured for."""
-
     machine: str  # the GPU's name as the driver reports it, or the CPU model
     model: str
     img_size: int  # 0: the model's default
@@ -39,7 +33,6 @@ class CacheKey:
 
 
 def key_for(spec, runtime, task: str) -> CacheKey:
-    """The key of a bench spec's task under a resolved :class:`vitreg.hardware.runtime.Runtime`."""
     import torch
 
     if runtime.device == "cuda":
@@ -92,10 +85,6 @@ def forget(key: CacheKey) -> None:
         _write(entries, cache_file())
 
 
-def _kept(name: str, text: str):
-    return _read(cache_file().with_name(name))[0].get(text)
-
-
 def _keep(path: Path, text: str, value) -> None:
     """``value`` under ``text`` in the file at ``path``, newest last, the :data:`MAX_ENTRIES` newest kept."""
     entries, _ = _read(path)
@@ -120,34 +109,30 @@ def _write(entries: dict, path: Path) -> None:
 
 
 def counted_flops(key: dict, count) -> int:
-    """The FLOPs ``count()`` gives for the work ``key`` names (the model, its size, classes and distillation,
-    its parameters, the library versions, forward or training step), counted once and read back after."""
-    kept = _kept("flops.json", json.dumps(key, sort_keys=True))
+    """The FLOPs ``count()`` gives for the work ``key`` names, counted once and read back after."""
+    path, text = cache_file().with_name("flops.json"), json.dumps(key, sort_keys=True)
+    kept = _read(path)[0].get(text)
     if type(kept) is int and kept > 0:
         return kept
     flops = int(count())
-    _keep(cache_file().with_name("flops.json"), json.dumps(key, sort_keys=True), flops)
+    _keep(path, text, flops)
     return flops
-
-
-# --------------------------------------------------------------------------------------------
-# compile times: what the estimate counts for a compile, once one of the same graph was timed
 
 
 def compile_seconds(key: CacheKey, warm: bool) -> float | None:
     """The last compile (with its first call) of ``key``'s graph timed with the compile cache ``warm`` or cold;
     None before one was. The batch is not in the key: a ViT's graph compiles in about the same time at any."""
-    kept = _kept("compile.json", key.text())
+    kept = _read(cache_file().with_name("compile.json"))[0].get(key.text())
     value = kept.get("warm" if warm else "cold") if isinstance(kept, dict) else None
     return float(value) if isinstance(value, (int, float)) and value >= 0 else None
 
 
 def keep_compile_seconds(key: CacheKey, state: str | None, seconds: float) -> None:
-    """Keep a compile's time under the cache state it met (:class:`vitreg.hardware.compile_cache.CacheProbe`:
-    ``warm``, ``cold``; a ``partial`` one counts as cold, an ``unused`` one is not a compile of this cache)."""
+    """Keep a compile's time under the cache state it met: ``partial`` counts as cold, ``unused`` not at all."""
     if state not in ("warm", "cold", "partial"):
         return
-    kept = _kept("compile.json", key.text())
+    path = cache_file().with_name("compile.json")
+    kept = _read(path)[0].get(key.text())
     kept = {**(kept if isinstance(kept, dict) else {}), "warm" if state == "warm" else "cold": round(seconds, 2)}
-    _keep(cache_file().with_name("compile.json"), key.text(), kept)
+    _keep(path, key.text(), kept)
 

@@ -1,15 +1,10 @@
-"""Energy, throttling and contention over exactly the timed windows.
+"""Energy, throttling and contention over exactly the timed windows (read at their edges, never inside).
 
-Energy is NVML's total-energy counter read at each window's edges; it refreshes every 20-100 ms, so a window
-shorter than :data:`MIN_ENERGY_WINDOW_S` (an error over 10 %) gives no energy figure, and a GPU without the
-counter falls back to power samples. Between the edges a background thread samples (every :data:`SAMPLE_S`) the
-clock-event (throttle) reasons, SM clock, power and temperature; the edges also count other processes on the GPU
-and the host's CPU time beside this process's (``/proc/stat``). Each window gets a :class:`WindowMark`; a task's
-marks become figures and tags (:class:`TaskMarks`). On the CPU the energy figures are absent, never zero.
-
-:class:`WindowMeter` reads through a :class:`ReadingSource`: :class:`NvmlSource`, :class:`HostSource` or
-:class:`ReplaySource` (a trace recorded with ``VITREG_ENERGY_TRACE=path``, one JSON object a line: tests replay a
-real H200's readings through this code). Nothing here runs inside a timed loop.
+Energy is NVML's total-energy counter at each window's edges (power samples without one); between them a thread
+samples the throttle reasons, SM clock, power and temperature; the edges also count other GPU processes and the
+host's CPU time beside this process's. :class:`WindowMeter` reads through a :class:`ReadingSource`: NVML, the host
+alone, or a trace recorded with ``VITREG_ENERGY_TRACE=path`` (tests replay a real H200's readings). On the CPU the
+energy figures are absent, never zero.
 """
 
 from __future__ import annotations
@@ -24,6 +19,7 @@ from typing import Iterator, Protocol
 
 import psutil
 
+from vitreg.environment import nvml_text
 from vitreg.measure.timing import STOP_MAX_TIME, STOP_MAX_WINDOWS
 
 TRACE_ENV = "VITREG_ENERGY_TRACE"
@@ -44,10 +40,9 @@ NOT_THROTTLE = ("gpu_idle", "app_clocks", "sync_boost", "display_clock")
 # CPUs' worth of work by other processes during a window that makes a host busy: half a core, or a tenth
 # of the host's cores on a big one (a loaded 2-core box gave the same configuration 3.5, 400 and 32 img/s)
 BUSY_CPUS, BUSY_SHARE = 0.5, 0.1
-# The window spread, the windows' throughput CV, a run should stay within: an H200 run's is 0.1 %, a run on a
-# loaded 2-core host's 46-91 %. A run over it says so in its tags (``spread_over_target``, a name kept for the
-# stored runs), its log and its last line. Not the precision target (``precision_pct``: the median's 95 %
-# interval): the two read as a contradiction when both were called a target (issue 38).
+# The windows' throughput CV a run should stay within: an H200 run's is 0.1 %, a loaded 2-core host's 46-91 %.
+# Over it, the tags (``spread_over_target``: a stored name), the log and the last line say so. Not called a target:
+# beside ``precision_pct`` (the median's 95 % interval) the two read as a contradiction (issue 38).
 SPREAD_LIMIT = 0.05
 
 
@@ -61,10 +56,8 @@ def slowed(throttle: str) -> bool:
 
 
 def suspect_flags(tags: dict) -> list[str]:
-    """What makes a task's figure suspect, from its tags (no task prefix; missing ones unknown): measured beside
-    other load, throttled by heat or a hardware brake (not the power cap: heavy work's normal state), a window
-    spread over :data:`SPREAD_LIMIT`, timing stopped short of the precision target (``precision_pct``), or fp8
-    run eagerly (about half of bf16's speed: :data:`vitreg.hardware.precision.EAGER_FP8_NOTE`)."""
+    """What makes a task's figure suspect (:data:`FLAGS`), from its tags without the task prefix; the power cap is
+    heavy work's normal state, not a flag."""
     found = (tags.get("busy_host") == "true", slowed(tags.get("throttle") or "none"),
              tags.get("spread_over_target") == "true", tags.get("timing_stop") in (STOP_MAX_TIME, STOP_MAX_WINDOWS),
              tags.get("eager_fp8") == "true")
@@ -122,9 +115,8 @@ class HostSource:
 
 
 class NvmlSource:
-    """One GPU through NVML (nvidia-ml-py's ``pynvml``), found by its UUID so CUDA_VISIBLE_DEVICES cannot
-    make it read another GPU (by index only where no CUDA_VISIBLE_DEVICES renumbers them). Each call the
-    device does not support reads None."""
+    """One GPU through NVML, found by its UUID so CUDA_VISIBLE_DEVICES cannot make it read another (by index only
+    where none renumbers them). Each call the device does not support reads None."""
 
     def __init__(self, uuid: str | None, index: int = 0):
         import pynvml
@@ -138,6 +130,9 @@ class NvmlSource:
             raise
         self._pid = os.getpid()
         self.name = f"NVML {uuid or f'GPU {index}'}"
+        # nvidia-ml-py renamed the throttle reasons the clock-event reasons; older ones have the old name only
+        self._read_reasons = (getattr(pynvml, "nvmlDeviceGetCurrentClocksEventReasons", None)
+                              or pynvml.nvmlDeviceGetCurrentClocksThrottleReasons)
 
     def _find(self, uuid: str | None, index: int):
         nv = self._nvml
@@ -145,9 +140,7 @@ class NvmlSource:
             want = uuid.lower().removeprefix("gpu-")
             for i in range(nv.nvmlDeviceGetCount()):
                 handle = nv.nvmlDeviceGetHandleByIndex(i)
-                found = nv.nvmlDeviceGetUUID(handle)
-                found = found.decode() if isinstance(found, bytes) else found
-                if found.lower().removeprefix("gpu-") == want:
+                if nvml_text(nv.nvmlDeviceGetUUID(handle)).lower().removeprefix("gpu-") == want:
                     return handle
         if os.environ.get("CUDA_VISIBLE_DEVICES") is None:
             return nv.nvmlDeviceGetHandleByIndex(index)
@@ -158,11 +151,6 @@ class NvmlSource:
             return call(self._handle, *args)
         except self._nvml.NVMLError:
             return None
-
-    def _reasons(self):
-        nv = self._nvml
-        read = getattr(nv, "nvmlDeviceGetCurrentClocksEventReasons", None) or nv.nvmlDeviceGetCurrentClocksThrottleReasons
-        return self._try(read)
 
     def _others(self):
         procs = self._try(self._nvml.nvmlDeviceGetComputeRunningProcesses)
@@ -178,7 +166,7 @@ class NvmlSource:
         reading = Reading(time.monotonic(), edge, power_w=power / 1e3 if power is not None else None,
                           sm_mhz=self._try(nv.nvmlDeviceGetClockInfo, nv.NVML_CLOCK_SM),
                           temp_c=self._try(nv.nvmlDeviceGetTemperature, nv.NVML_TEMPERATURE_GPU),
-                          reasons=self._reasons())
+                          reasons=self._try(self._read_reasons))
         if edge:
             reading = replace(reading, energy_mj=self._try(nv.nvmlDeviceGetTotalEnergyConsumption),
                               other_procs=self._others(), **_host_cpu())
@@ -226,7 +214,6 @@ class WindowMark:
     reasons: frozenset  # every clock-event reason seen in the window (NOT_THROTTLE ones left out)
     power_capped: tuple  # per sample: was the software power cap holding the clocks
     sm_mhz: tuple  # per sample
-    temp_c_max: float | None
     other_procs: int | None  # the most other processes seen on the GPU at either edge
     host_others_cpus: float | None  # CPUs' worth of work by other processes during the window
     host_cpus: int | None = None
@@ -234,10 +221,6 @@ class WindowMark:
     @property
     def power_w(self) -> float | None:
         return self.energy_j / self.seconds if self.energy_j is not None and self.seconds > 0 else None
-
-    @property
-    def throttled(self) -> bool:
-        return bool(self.reasons)
 
 
 def _energy(start: Reading, samples: list, end: Reading, seconds: float) -> tuple:
@@ -256,28 +239,22 @@ def _others_cpus(start: Reading, end: Reading):
 
 
 def mark_window(readings: list, seconds: float, images: int) -> WindowMark:
-    """The mark of one window from its readings: the start edge, the thread's samples, the end edge.
-
-    The throttle state and clocks are the thread's samples' (else the end edge's): the start edge follows a
-    synchronize, when the GPU may already idle at lower clocks and no cap holds."""
+    """The mark of one window from its readings (start edge, samples, end edge). Throttle state and clocks are the
+    samples' (else the end edge's): the start edge follows a synchronize, when the GPU may idle at lower clocks."""
     start, end = readings[0], readings[-1]
     samples = readings[1:-1] or [end]
     energy_j, source = _energy(start, readings[1:-1], end, seconds)
     reasons = frozenset().union(*(r.reason_names() for r in samples)) - frozenset(NOT_THROTTLE)
-    temps = [r.temp_c for r in samples if r.temp_c is not None]
     procs = [r.other_procs for r in (start, end) if r.other_procs is not None]
     return WindowMark(seconds, images, energy_j, source, reasons,
                       tuple(POWER_CAP in r.reason_names() for r in samples if r.reasons is not None),
                       tuple(float(r.sm_mhz) for r in samples if r.sm_mhz is not None),
-                      max(temps) if temps else None, max(procs) if procs else None, _others_cpus(start, end),
-                      end.host_cpus)
+                      max(procs) if procs else None, _others_cpus(start, end), end.host_cpus)
 
 
 class WindowMeter:
-    """Reads the source at a window's edges and, in between, from a sampler thread every ``sample_s``.
-
-    ``meter.start()`` just before the window's first CUDA event, ``meter.stop(seconds, images)`` just after
-    its synchronize; ``sample_s=None`` samples nowhere but the edges (tests call :meth:`sample`)."""
+    """Reads the source at a window's edges (:meth:`start` before its first CUDA event, :meth:`stop` after its
+    synchronize) and in between every ``sample_s`` from a thread (None: edges only; tests call :meth:`sample`)."""
 
     def __init__(self, source: ReadingSource, sample_s: float | None = SAMPLE_S, trace=None):
         self.source, self.sample_s, self._trace = source, sample_s, trace
@@ -322,8 +299,7 @@ class WindowMeter:
 
 
 def trace_windows(path) -> list[tuple[str, WindowMark]]:
-    """``(label, mark)`` of each window of a recorded trace: its readings since the last window record,
-    marked by :func:`mark_window` as the run marked them."""
+    """``(label, mark)`` of each window of a recorded trace, marked as the run marked them."""
     out, readings = [], []
     for line in trace_lines(path):
         if "reading" in line:
@@ -335,21 +311,16 @@ def trace_windows(path) -> list[tuple[str, WindowMark]]:
     return out
 
 
-def _cuda_uuid(index: int) -> str | None:
-    import torch
-
-    uuid = getattr(torch.cuda.get_device_properties(index), "uuid", None)
-    return str(uuid) if uuid else None
-
-
 def open_meter(device: str, index: int = 0) -> WindowMeter:
-    """The meter of a run on ``device`` (on "cuda", the GPU of torch's ``index`` through NVML where
-    nvidia-ml-py and the driver answer, else the host alone); with ``VITREG_ENERGY_TRACE`` set, every
-    reading and window also goes to that file."""
+    """The meter of a run on ``device`` (on "cuda", torch's GPU ``index`` through NVML where it answers, else the
+    host alone); with ``VITREG_ENERGY_TRACE`` set, every reading and window also goes to that file."""
     source: ReadingSource = HostSource()
     if device == "cuda":
         try:
-            source = NvmlSource(_cuda_uuid(index), index)
+            import torch
+
+            uuid = getattr(torch.cuda.get_device_properties(index), "uuid", None)
+            source = NvmlSource(str(uuid) if uuid else None, index)
         except Exception as e:  # noqa: BLE001 - no pynvml, no driver library, an unknown UUID: no GPU readings
             source.name = f"host load only (NVML: {type(e).__name__}: {e})"
     path = os.environ.get(TRACE_ENV)
@@ -372,7 +343,7 @@ class TaskMarks:
         return statistics.pstdev(self.rates) / statistics.fmean(self.rates)
 
     def spread_note(self) -> str | None:
-        """A line when the spread is over :data:`SPREAD_LIMIT`, naming what the windows met (None: it is not)."""
+        """A line when the spread is over :data:`SPREAD_LIMIT`, naming what the windows met."""
         if self.spread is None or self.spread <= SPREAD_LIMIT:
             return None
         tags = self.tags()
@@ -383,8 +354,8 @@ class TaskMarks:
                 + (f" ({'; '.join(met)})" if met else ""))
 
     def figures(self) -> dict:
-        """``window_power_w`` (every window's, or none when one has no energy), ``sm_clock_mhz`` (median of
-        the samples) and ``power_capped_frac`` (share of the samples) where the device gave them."""
+        """``window_power_w`` (none when a window has no energy), ``sm_clock_mhz`` (median of the samples) and
+        ``power_capped_frac`` (share of the samples) where the device gave them."""
         out = {}
         powers = [m.power_w for m in self.marks]
         if self.marks and None not in powers:
@@ -398,8 +369,7 @@ class TaskMarks:
         return out
 
     def tags(self) -> dict[str, str]:
-        """``throttle`` (reasons seen, or none), ``throttled_windows`` (k/n), ``energy_source``, the most other
-        GPU processes, the host's load beside the run and ``busy_host``; nothing the device could not read."""
+        """Throttle reasons and windows, energy source, other GPU processes, host load: what the device could read."""
         if not self.marks:
             return {}
         tags = {}
@@ -408,7 +378,7 @@ class TaskMarks:
         if any(m.power_capped or m.sm_mhz for m in self.marks):  # a GPU answered
             reasons = sorted(frozenset().union(*(m.reasons for m in self.marks)))
             tags["throttle"] = ",".join(reasons) or "none"
-            tags["throttled_windows"] = f"{sum(m.throttled for m in self.marks)}/{len(self.marks)}"
+            tags["throttled_windows"] = f"{sum(bool(m.reasons) for m in self.marks)}/{len(self.marks)}"
         sources = {m.energy_source for m in self.marks if m.energy_source}
         if sources:
             tags["energy_source"] = ("NVML energy counter at window edges" if sources == {"counter"}
@@ -434,6 +404,5 @@ def busy(others_cpus: float, cpus: int) -> bool:
 
 
 def steps_for_energy(window_s: float, steps: int) -> int:
-    """The ``steps`` that make a window of ``window_s`` seconds at ``steps`` iterations last
-    :data:`MIN_ENERGY_WINDOW_S` (a quarter more, for the window-to-window scatter)."""
+    """The steps that make a window of ``window_s`` s at ``steps`` last :data:`MIN_ENERGY_WINDOW_S` (and a quarter)."""
     return max(steps + 1, int(steps * MIN_ENERGY_WINDOW_S * 1.25 / max(window_s, 1e-9)) + 1)

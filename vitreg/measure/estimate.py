@@ -1,10 +1,8 @@
-"""Before long work, one line saying how long it will take here and how to make it short.
+"""Before long work, one line saying how long it will take here and how to make it short; work past a year refused.
 
-bench's estimate (:class:`BenchAhead`) times the model's own steps in the run's precision on the run's device at a
-small probe batch, scaled to the batch, then counts what the run will do: warm-up, windows (``repeats=0``: the
-target assumed met at :data:`vitreg.measure.timing.MIN_WINDOWS` windows, capped by ``max_time_s``), compilation
-(the last one timed for this graph, else :data:`COMPILE_S`) and a batch search. train's estimate is its FLOPs over
-a measured matrix product (:func:`measured_flops_per_s`). Quick work says nothing; work past a year is refused.
+bench's estimate (:class:`BenchAhead`) times the model's own steps at a small probe batch, scaled to the batch, and
+counts what the run will do (compilation, warm-up, windows, a batch search); train's is its FLOPs over a measured
+matrix product (:func:`measured_flops_per_s`).
 """
 
 from __future__ import annotations
@@ -27,8 +25,7 @@ ENDLESS_S = 365 * 24 * 3600.0
 
 
 def measured_flops_per_s(device: str = "cpu", n: int | None = None, dtype=None) -> float:
-    """FLOP/s of a square matrix product in ``dtype`` (default fp32) on ``device`` (best of four), with the
-    threads this process has: what a ViT's matrix products can reach here at most."""
+    """FLOP/s of a square matrix product on ``device`` (best of four): what a ViT's matrix products reach at most."""
     import torch
 
     n = n or (4096 if device == "cuda" else 384)
@@ -42,7 +39,6 @@ def _where(device: str) -> str:
 
 
 def _refuse_if_endless(what: str, seconds: float, device: str, basis: str, shorter: dict, command: str) -> None:
-    """One line, before the work starts, when it cannot finish here (longer than :data:`ENDLESS_S`)."""
     if seconds > ENDLESS_S:
         raise VitregError(f"{what} would take at least {duration_text(seconds)} on {_where(device)} ({basis}), more "
                           f"than a year: it cannot finish; for a short run: {spelled(shorter, command)}")
@@ -50,8 +46,6 @@ def _refuse_if_endless(what: str, seconds: float, device: str, basis: str, short
 
 @dataclass(frozen=True)
 class WorkAhead:
-    """What a command will do: images through the model, each costing ``flops_per_img``."""
-
     what: str  # "bench", "train"
     flops_per_img: float
     images: int
@@ -71,8 +65,7 @@ COUNTS_ZERO_IS_OPEN = ("steps", "repeats")
 
 
 def not_in_use(short: dict, current: dict) -> dict:
-    """The options of ``short`` that would change the run ``current`` describes: a count only where it is
-    lower than the one in use, another model where it is another; never one the command already has."""
+    """The options of ``short`` that would shorten the run ``current`` describes: a lower count, another model."""
     def shortens(name, value) -> bool:
         now = current.get(name)
         if isinstance(value, int) and isinstance(now, int):
@@ -89,9 +82,8 @@ def train_work(batch_size: int, total_steps: int, train_flops: float, model: str
 
 
 def spelled(options: dict, command: str = "") -> str:
-    """``options`` as the command that was typed spells them: ``-P name=value`` under ``mlflow run``,
-    ``name=value`` in a ``vitreg.api`` call, ``--name value`` on the command line (``--batch-size`` for
-    ``batch_size``, the option table's rule)."""
+    """``options`` as the command typed spells them: ``-P name=value`` under ``mlflow run``, ``name=value`` in a
+    ``vitreg.api`` call, ``--name value`` on the command line."""
     if command.startswith("mlflow run"):
         return " ".join(f"-P {name}={value}" for name, value in options.items())
     if command.startswith("vitreg.api."):
@@ -111,8 +103,7 @@ def duration_text(seconds: float) -> str:
 
 def estimate_line(work: WorkAhead, flops_per_s: float, device: str, compiling: bool = False,
                   command: str = "") -> str | None:
-    """The line to say before ``work`` (None when it is quick): the estimate, its sum, how to make it short
-    (in ``command``'s spelling; see :func:`spelled`)."""
+    """The line to say before ``work`` (None when it is quick): the estimate, its sum, how to make it short."""
     return _estimate_line(work.what, "at least", work.seconds(flops_per_s), device,
                           f"{work.flops_per_img / 1e9:.3g} GFLOP/img x {work.images:,} images at a measured "
                           f"{flops_per_s / 1e9:.0f} GFLOP/s{'; compiling comes on top' if compiling else ''}",
@@ -133,9 +124,7 @@ def refuse_if_endless(work: WorkAhead, flops_per_s: float, device: str, command:
 
 
 def say_if_long(work: WorkAhead, device: str, progress, compiling: bool = False, command: str = "") -> str | None:
-    """Measure this machine, and say the estimate when the work is long; returns the line said. ``command``:
-    what the user typed (the advice takes its spelling). Work that cannot finish is refused
-    (:func:`refuse_if_endless`)."""
+    """Measure this machine, refuse endless work, say the estimate when the work is long; returns the line said."""
     if work.flops_per_img <= 0 or work.images <= 0:
         return None
     flops_per_s = measured_flops_per_s(device)
@@ -145,9 +134,6 @@ def say_if_long(work: WorkAhead, device: str, progress, compiling: bool = False,
         progress(line)
     return line
 
-
-# --------------------------------------------------------------------------------------------
-# bench: the model's own steps, timed at a probe batch
 
 #: The work of one probe call: on a GPU enough to hide the kernel launches (~30 ms of bf16 math on an
 #: H200, where ViT-B's eager forward at batch 1 is launch-bound), on a CPU a fraction of a second.
@@ -163,7 +149,7 @@ AFTER_WINDOWS_STEPS = 2
 
 
 def estimated_batch(spec, device: str) -> int:
-    """The spec's batch; batch_size=auto: the largest the search tries first (the CPU's top, the GPU's start)."""
+    """The spec's batch; batch_size=auto: the largest the search tries first."""
     if not spec.auto_batch:
         return int(spec.batch_size)
     return SEARCH_LIMITS["cuda"].start if device == "cuda" else SEARCH_LIMITS["cpu"].limit
@@ -175,10 +161,9 @@ def probe_batch(batch: int, flops_per_img: float, device: str) -> int:
 
 
 def step_seconds(make_step, batch: int, flops_per_img: float, device: str) -> float:
-    """Seconds one step of ``make_step`` (a factory of steps by batch, in the run's precision) takes at
-    ``batch``: the median of up to three calls at :func:`probe_batch` (fewer past :data:`PROBE_S`) after an
-    untimed one, scaled by the batch.
-    The random state is put back after it, so the run's inputs are those it makes without the probe."""
+    """Seconds one step of ``make_step`` takes at ``batch``: the median of up to three calls at a batch of
+    :func:`probe_batch` (fewer past :data:`PROBE_S`) after an untimed one, scaled. The random state is put back
+    after it, so the run's inputs are those it makes without the probe."""
     import torch
 
     small = probe_batch(batch, flops_per_img, device)
@@ -198,7 +183,7 @@ def step_seconds(make_step, batch: int, flops_per_img: float, device: str) -> fl
 
 @dataclass(frozen=True)
 class BenchAhead:
-    """What bench will do, per task: its step's seconds at the run's batch, and the spec's counts."""
+    """What bench will do: per task its step's seconds at the run's batch, the spec's counts."""
 
     spec: object  # vitreg.config.spec.BenchSpec
     step_s: dict = field(default_factory=dict)  # task -> seconds per step at the batch
@@ -220,30 +205,24 @@ class BenchAhead:
         return compile_s + (spec.warmup + AFTER_WINDOWS_STEPS) * step + timed + self._search_s(step)
 
     def _search_s(self, step: float) -> float:
-        """batch_size=auto: the search's probes, at the batches it doubles through (on a GPU the first
-        three: it stops once a doubling gains under 1 %)."""
+        """batch_size=auto: the search's probes (on a GPU the first three: it stops once a doubling gains under 1 %)."""
         if not self.spec.auto_batch:
             return 0.0
-        limits, batch = SEARCH_LIMITS[self.device], self._batch
+        limits, batch = SEARCH_LIMITS[self.device], estimated_batch(self.spec, self.device)
         batches, b = [], limits.start
         while b <= limits.limit and len(batches) < (3 if self.device == "cuda" else limits.max_probes):
             batches.append(b)
             b *= 2
         return sum((limits.probe_steps + limits.probe_warmup) * step * b / batch for b in batches)
 
-    @property
-    def _batch(self) -> int:
-        return estimated_batch(self.spec, self.device)
-
     def seconds(self) -> float:
         return sum(self.task_seconds(t) for t in self.step_s)
 
     @property
     def shorter(self) -> dict:
-        """The short run's options this command does not already have (counts: only lower ones)."""
         spec = self.spec
-        current = {"model": spec.model, "batch_size": self._batch, "warmup": spec.warmup, "steps": spec.steps,
-                   "repeats": spec.repeats}
+        current = {"model": spec.model, "batch_size": estimated_batch(spec, self.device), "warmup": spec.warmup,
+                   "steps": spec.steps, "repeats": spec.repeats}
         return not_in_use(SHORT_BENCH, current)
 
     def _steps_text(self) -> str:
@@ -254,7 +233,6 @@ class BenchAhead:
                            self.command)
 
     def line(self) -> str | None:
-        """The line to say before the work (None when it is quick): the estimate, its parts, how to make it short."""
         spec = self.spec
         timing = (f"{spec.repeats} windows" if spec.repeats else
                   f"{MIN_WINDOWS}+ windows of >= {spec.window_min_s:g} s (at most {spec.max_time_s:g} s)")

@@ -1,10 +1,6 @@
-"""One record of figures, keyed by metric name: what a task measured, from the timing to what is logged.
-
-A :class:`Figures` holds one task's values under their names in :data:`vitreg.measure.metrics.METRICS` (checked
-there): samples, figures a rank measured, figures computed from the others. The runner or the training loop
-records it; under DDP the reducer combines the ranks' records by each row's rule
-(:func:`vitreg.ddp.world.reduce_figures`); :meth:`Figures.summarized` takes the statistics of the samples,
-:meth:`Figures.completed` the job-level rows (:data:`DERIVED`), :meth:`Figures.metrics` names them for MLflow.
+"""One record of figures keyed by metric name, what a task measured from the timing to what is logged: recorded by
+the runner or the training loop, combined over DDP ranks, then :meth:`Figures.summarized` (the samples'
+statistics), :meth:`Figures.completed` (the job-level rows, :data:`DERIVED`) and :meth:`Figures.metrics`.
 """
 
 from __future__ import annotations
@@ -18,8 +14,7 @@ from vitreg.measure.timing import summarize
 
 @dataclass(frozen=True)
 class Work:
-    """What the job-level rows are computed from besides the figures: the job's size, whether it
-    compiled, and the precision and GPU profile whose dense peak MFU is taken against."""
+    """What the job-level rows are computed from besides the figures (the precision and profile: MFU's peak)."""
 
     world_size: int = 1
     compiled: bool = False
@@ -28,16 +23,14 @@ class Work:
 
     @classmethod
     def of(cls, runtime, hardware, world_size: int = 1) -> Work:
-        """The work of a job that ran under ``runtime`` (a Runtime) on ``hardware`` (a ResolvedHardware).
-        A mislabelled run (``hardware.mismatch``) gets no MFU: its label's peak is not its hardware's."""
+        """A mislabelled run (``hardware.mismatch``) gets no MFU: its label's peak is not its hardware's."""
         precision = None if hardware.mismatch else runtime.precision
         return cls(world_size, runtime.compile != "off", precision, hardware.profile)
 
 
 @dataclass(frozen=True)
 class Figures:
-    """One task's figures by metric name (without the task prefix). A value is a float, a tuple (a
-    sample: one value per window or per iteration) or None (not measured)."""
+    """One task's figures by metric name: a float, a tuple (a sample) or None (not measured)."""
 
     task: str
     values: dict = field(default_factory=dict)
@@ -59,7 +52,7 @@ class Figures:
         return self.values.get(name, default)
 
     def with_values(self, **values) -> Figures:
-        """This record with ``values`` added or replaced (checked against the table like the rest)."""
+        """This record with ``values`` added or replaced."""
         return Figures(self.task, {**self.values, **values})
 
     def summarized(self) -> Figures:
@@ -80,8 +73,7 @@ class Figures:
         return Figures(self.task, out)
 
     def metrics(self) -> dict[str, float]:
-        """What MLflow logs, in table order: ``<task>_<name>`` (job-level rows as they are), samples and
-        unmeasured figures left out."""
+        """What MLflow logs, in table order, samples and unmeasured figures left out."""
         out = {}
         for m in table.METRICS:
             value = self.values.get(m.name)

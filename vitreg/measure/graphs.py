@@ -1,12 +1,8 @@
-"""Whole-step CUDA graphs (``cuda_graph=true``): capture one step, replay it.
-
-A small model's training step launches hundreds of microsecond kernels faster than Python can queue them; a
-CUDA graph records the step once (forward, loss, backward with DDP's all-reduce, AdamW) and replays it with one
-launch. PyTorch's recipe ("CUDA Graphs" in the CUDA semantics notes): a capturable optimizer, autocast without
-its weight-cast cache, gradients set to None before the capture, warm-up on a side stream; under DDP the wrap
-built on a side stream, :data:`EAGER_STEPS_BEFORE_CAPTURE` eager steps, and NCCL's asynchronous error handling
-off (:func:`prepare_process_group`). Only GPU work replays (fixed synthetic batch, constant learning rate, no
-loss read): a bench option, not a train one. :func:`check_cuda_graph` refuses what cannot be captured.
+"""Whole-step CUDA graphs (``cuda_graph=true``): a small model's step launches hundreds of microsecond kernels
+faster than Python can queue them; a graph records the whole step once and replays it with one launch. PyTorch's
+recipe ("CUDA Graphs" in the CUDA semantics notes): a capturable optimizer, autocast without its cast cache,
+gradients None before the capture, warm-up and the DDP wrap on a side stream. Only GPU work replays (fixed batch,
+constant learning rate, no loss read): a bench option, not a train one.
 """
 
 from __future__ import annotations
@@ -23,8 +19,8 @@ EAGER_STEPS_BEFORE_CAPTURE = 11
 
 def check_cuda_graph(amp: str, compile: str = "off", compile_backend: str = "inductor",
                      device_type: str | None = None, amp_resolved: bool = False) -> None:
-    """Refuse what a whole-step CUDA graph cannot capture: the spec checks the options as asked, the runner again
-    once the hardware is known (``device_type``, and the ``amp`` that ``auto`` resolved to: ``amp_resolved``)."""
+    """Refuse what a whole-step CUDA graph cannot capture: the options as asked, and again once the hardware is
+    known (``device_type``, the ``amp`` that ``auto`` resolved to: ``amp_resolved``)."""
     if device_type is not None and device_type != "cuda":
         raise VitregError(f"cuda_graph=true needs a CUDA GPU and this run is on {device_type}: "
                           f"pass cuda_graph=false (or run it on a GPU)")
@@ -41,22 +37,20 @@ def check_cuda_graph(amp: str, compile: str = "off", compile_backend: str = "ind
 
 
 def require_cuda(cuda_graph: bool, device_type: str, amp: str = "off") -> None:
-    """Refuse ``cuda_graph=true`` on a device without CUDA graphs (the CPU), and with fp16 that
-    ``amp=auto`` resolved to (an explicit ``amp=fp16`` is refused by the spec already)."""
+    """Refuse ``cuda_graph=true`` on the CPU, and with the fp16 that ``amp=auto`` resolved to."""
     if cuda_graph:
         check_cuda_graph(amp, device_type=device_type, amp_resolved=True)
 
 
 def prepare_process_group() -> None:
-    """Before ``init_process_group`` in a DDP job whose steps are captured: NCCL's asynchronous
-    error handling (the watchdog aborting communicators) does not mix with captured collectives."""
+    """Before ``init_process_group`` of a captured DDP job: NCCL's asynchronous error handling (the watchdog
+    aborting communicators) does not mix with captured collectives."""
     os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "0"
 
 
 @contextlib.contextmanager
 def side_stream(enabled: bool):
-    """Run the block on a fresh CUDA stream (DDP must be built on one before a full-backward
-    capture); the current stream waits for it afterwards. A no-op context when not ``enabled``."""
+    """Run the block on a fresh CUDA stream (DDP must be built on one before a full-backward capture)."""
     if not enabled:
         yield
         return
@@ -71,9 +65,8 @@ def side_stream(enabled: bool):
 
 
 def capture(step, eager_steps: int = EAGER_STEPS_BEFORE_CAPTURE):
-    """``step()`` ``eager_steps`` times on a side stream, one more call captured into a CUDA graph and replayed
-    once; returns the graph's ``replay``. ``step`` must do only GPU work on tensors that outlive the graph and set
-    gradients to None before its backward."""
+    """``step()`` ``eager_steps`` times on a side stream, one more captured and replayed once; returns the graph's
+    ``replay``. ``step`` must do only GPU work on tensors that outlive the graph, gradients set to None first."""
     import torch
 
     with side_stream(True):

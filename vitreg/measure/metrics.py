@@ -1,14 +1,7 @@
-"""Every benchmark metric, declared once: name, unit, which way is better, how DDP ranks combine it.
-
-The runner names its results from this table (:func:`task_metrics`), the DDP reducers take their rules from it
-(:func:`combine`), the bench report lays out :data:`REPORT_COLUMNS`, compare takes its columns and "better" from
-it. MLflow sees ``<task>_<name>`` for a per-task metric, the name alone for a job-level one: add, don't rename.
-
-How the ranks' own figures combine (``ranks``): ``sum`` (rates add up; per window for a sample), ``max`` (the
-slowest rank sets a synchronous job's pace; memory, one-off times), ``min`` (the rank that got least far),
-``same`` / ``main`` (rank 0's), and, computed after the reduction from the job's figures, ``per_gpu``, ``world``
-and ``job``. A row with ``of=(sample, stat)`` is a statistic of a sample row (``logged=False``), taken after
-the ranks' samples combine element by element (:meth:`vitreg.measure.figures.Figures.summarized`).
+"""Every benchmark metric, declared once: name, unit, which way is better, how DDP ranks combine it; the runner,
+the DDP reducers, the bench report and compare all read it. MLflow sees ``<task>_<name>`` (a job-level metric: the
+name alone): add, don't rename. Ranks combine by ``sum`` (rates), ``max`` (the slowest rank sets a synchronous
+job's pace), ``min``, ``same`` / ``main`` (rank 0's); ``per_gpu``, ``world`` and ``job`` are computed after.
 """
 
 from __future__ import annotations
@@ -49,10 +42,6 @@ def _iteration(stat: str, task: str, compared: bool, doc: str) -> Metric:
                   of=(ITERATION_TIME[task], "median" if stat == "p50" else stat))
 
 
-def _window(stat: str) -> dict:
-    return {"of": ("window_img_per_s", stat)}
-
-
 _ITERATION_DOC = "ms per iteration (one batch), over every timed iteration; the slowest rank per iteration"
 
 METRICS: tuple[Metric, ...] = (
@@ -61,11 +50,11 @@ METRICS: tuple[Metric, ...] = (
     *(Metric(ITERATION_TIME[t], "ms", LOWER, "max", ".2f", (t,), logged=False,
              doc="ms of each timed iteration, in order; the slowest rank per iteration") for t in TASKS),
     Metric("throughput_img_per_s", "img/s", HIGHER, "sum", ",.1f", compared=TASKS, speed=True,
-           doc="images per second over a whole timed window, median of the windows", **_window("median")),
+           doc="images per second over a whole timed window, median of the windows", of=("window_img_per_s", "median")),
     Metric("throughput_img_per_s_min", "img/s", HIGHER, "sum", ",.1f", speed=True, doc="slowest window",
-           **_window("min")),
+           of=("window_img_per_s", "min")),
     Metric("throughput_img_per_s_max", "img/s", HIGHER, "sum", ",.1f", speed=True, doc="fastest window",
-           **_window("max")),
+           of=("window_img_per_s", "max")),
     *(_iteration(s, "infer", s != "mean", _ITERATION_DOC) for s in ("p50", "p90", "p99", "mean")),
     *(_iteration(s, "train", s == "p50", _ITERATION_DOC) for s in ("p50", "p90", "p99", "mean")),
     Metric("peak_mem_allocated_mb", "MiB", LOWER, "max", ",.0f", compared=TASKS,
@@ -74,10 +63,10 @@ METRICS: tuple[Metric, ...] = (
     Metric("mfu", "", HIGHER, "job", ".1%", compared=TASKS,
            doc="achieved FLOP/s per GPU over the GPU's dense datasheet peak for the precision"),
     Metric("throughput_cv", "", LOWER, "sum", ".1%", compared=TASKS, doc="std/mean of the window throughputs",
-           **_window("cv")),
+           of=("window_img_per_s", "cv")),
     Metric("throughput_ci95_halfwidth_pct", "%", LOWER, "sum", ".2f",
            doc="half-width of the median window throughput's 95 % interval (order statistics, distribution-free), "
-               "% of the median; absent under 6 windows", **_window("median_ci95_halfwidth_pct")),
+               "% of the median; absent under 6 windows", of=("window_img_per_s", "median_ci95_halfwidth_pct")),
     Metric("timed_windows", "", NEITHER, "same", "d", doc="timed windows taken (repeats=0: until the precision "
            "target or a limit; the reason is the <task>_timing_stop tag)"),
     Metric("steps_per_window", "", NEITHER, "same", "d", doc="iterations per timed window (steps=0: as many as "
@@ -171,9 +160,7 @@ def metric(name: str) -> Metric:
 
 
 def task_metrics(task: str, values: dict) -> dict[str, float]:
-    """``{"<task>_<name>": value}`` for each of ``values`` that is not None (not measured): every
-    name must be declared, and declared for ``task`` where it has a value, so a result cannot log a
-    metric the table does not know."""
+    """``{"<task>_<name>": value}`` for each of ``values`` that is not None, each declared (for ``task``)."""
     out = {}
     for name, value in values.items():
         declared = metric(name).tasks
@@ -203,13 +190,9 @@ def compared_job_metrics() -> tuple[str, ...]:
 
 
 def combine(name: str, per_rank: list):
-    """The job's value of metric ``name`` from every rank's (by its ``ranks`` rule).
-
-    Tuples (one value per window or per iteration) combine element by element. A None is a figure
-    a rank could not measure: a sum with one is None (a partial sum would understate the job); max
-    and min leave it out (CUDA memory on the CPU: all None gives None). ``same`` and ``main`` take
-    rank 0's value. The rules computed after the reduction (``world``, ``per_gpu``, ``job``) raise.
-    """
+    """The job's value of metric ``name`` from every rank's by its ``ranks`` rule; tuples (samples) element by
+    element. A None (not measured) makes a sum None (a partial sum would understate the job); max and min leave it
+    out. The rules computed after the reduction raise."""
     rule = metric(name).ranks
     if rule in ("same", "main"):
         return per_rank[0] if per_rank else None
@@ -224,16 +207,10 @@ def combine(name: str, per_rank: list):
     return reducers[rule](present)
 
 
-# --------------------------------------------------------------------------------------------
-# how the bench report shows them (terminal table and report.md)
-
-
 @dataclass(frozen=True)
 class Column:
-    """One column of the bench report. ``cell`` is a str.format template over the task's
-    metrics without prefix; ``{iter_p50}`` stands for the task's iteration time (latency_ms_p50 or
-    step_ms_p50). An empty ``{name}`` field takes the metric's own ``fmt``. A cell whose metrics
-    the task did not record shows ``-``."""
+    """One column of the bench report: ``cell`` formats the task's metrics in their own ``fmt`` (``{iter_p50}``:
+    latency_ms_p50 or step_ms_p50); a cell with a metric the task did not record shows ``-``."""
 
     header: str
     cell: str

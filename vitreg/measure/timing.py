@@ -1,14 +1,6 @@
-"""Timers and statistics.
-
-GPU work is asynchronous: a host clock read after launching kernels measures how fast Python queued them, not
-how long the GPU took. :func:`time_window` therefore records a CUDA event between iterations and reads them all
-after one synchronize at the window's end: per-iteration times without a host sync inside the timed region. On
-the CPU, work is synchronous and ``perf_counter`` is exact enough.
-
-How long to time (:class:`StopRule`): each window lasts at least ``window_min_s``, and windows go on until the
-median window's 95 % interval is within the precision target, between :data:`MIN_WINDOWS` and
-:data:`MAX_WINDOWS` windows and under a time cap (nvbench's ``stdrel`` criterion, pyperf's ``min_time``);
-explicit ``steps``/``repeats`` keep fixed counts (to reproduce a run).
+"""Timers and statistics: timed windows (CUDA events, one synchronize after the window: a host clock would time
+how fast Python queued the kernels), the median's interval and when to stop timing (:class:`StopRule`, nvbench's
+``stdrel``, pyperf's ``min_time``), and the command's phases outside the windows (:data:`PHASES`).
 """
 
 from __future__ import annotations
@@ -54,9 +46,6 @@ def summarize(values) -> Stats:
                  median_halfwidth_pct(data))
 
 
-# --------------------------------------------------------------------------------------------
-# the median's 95 % interval, and when to stop timing
-
 #: The fewest windows whose median has a 95 % interval from order statistics: [x(1), x(6)] holds the
 #: median with probability 1 - 2 / 2**6 = 96.9 %; five windows' [x(1), x(5)] only 93.8 %.
 MIN_WINDOWS = 6
@@ -70,14 +59,11 @@ WINDOW_MARGIN = 1.1
 STOP_PRECISION, STOP_MAX_WINDOWS, STOP_MAX_TIME, STOP_FIXED = "precision_met", "max_windows", "max_time", "fixed"
 
 
-def median_interval(values, confidence: float = 0.95) -> tuple[float, float] | None:
-    """A distribution-free interval of the population median: ``[x(k), x(n+1-k)]`` of the sorted values,
-    with the largest ``k`` whose coverage ``1 - 2 P(Binomial(n, 1/2) < k)`` is at least ``confidence``.
-
-    Why order statistics and not a bootstrap: the coverage is exact for any continuous distribution of
-    independent windows (a throttled or contended window is an outlier, not a Gaussian tail), it exists from
-    six values on, where a bootstrap of six values is known to cover too little, and it costs a sort between
-    windows instead of thousands of resamples. None when there are too few values for one."""
+def median_interval(values) -> tuple[float, float] | None:
+    """The median's distribution-free 95 % interval ``[x(k), x(n+1-k)]``: the largest ``k`` whose coverage
+    ``1 - 2 P(Binomial(n, 1/2) < k)`` is at least 95 % (None: too few values). Not a bootstrap: exact for
+    any continuous distribution (a throttled window is an outlier, not a Gaussian tail), it exists from six values,
+    where a bootstrap covers too little, and costs a sort between windows."""
     data = sorted(float(v) for v in values)
     n = len(data)
     below = 0.0  # P(B < k), B ~ Binomial(n, 1/2): the chance that fewer than k values lie below the median
@@ -87,15 +73,15 @@ def median_interval(values, confidence: float = 0.95) -> tuple[float, float] | N
     log_all = math.lgamma(n + 1) - n * math.log(2)
     for k in range(1, n // 2 + 1):
         below += math.exp(log_all - math.lgamma(k) - math.lgamma(n - k + 2))
-        if 1 - 2 * below < confidence:
+        if 1 - 2 * below < 0.95:
             break
         best = k
     return None if best is None else (data[best - 1], data[n - best])
 
 
-def median_halfwidth_pct(values, confidence: float = 0.95) -> float | None:
-    """The interval's farther end from the median, in % of the median (the half-width of a symmetric one)."""
-    interval = median_interval(values, confidence)
+def median_halfwidth_pct(values) -> float | None:
+    """The 95 % interval's farther end from the median, in % of the median."""
+    interval = median_interval(values)
     if interval is None:
         return None
     median = statistics.median(values)
@@ -104,25 +90,21 @@ def median_halfwidth_pct(values, confidence: float = 0.95) -> float | None:
 
 @dataclass(frozen=True)
 class StopRule:
-    """When a task's timed windows stop. ``repeats`` > 0: after that many (fixed mode, today's). Otherwise
-    when the median's 95 % half-width is at most ``precision_pct`` (from :data:`MIN_WINDOWS` windows on),
-    or at :data:`MAX_WINDOWS`, or before a window that would end past ``max_time_s`` of timing."""
+    """When a task's timed windows stop: after ``repeats`` (> 0), else once the median's 95 % half-width is at most
+    ``precision_pct``, at :data:`MAX_WINDOWS`, or before a window that would end past ``max_time_s``."""
 
     precision_pct: float
     max_time_s: float
     repeats: int = 0
-    min_windows: int = MIN_WINDOWS
-    max_windows: int = MAX_WINDOWS
 
     def reason(self, rates, elapsed_s: float, next_window_s: float) -> str | None:
-        """Why to stop after the windows of ``rates`` (img/s each), ``elapsed_s`` into the timing, when the
-        next window would take ``next_window_s``; None: time another."""
+        """Why to stop after the windows of ``rates`` (img/s each); None: time another."""
         if self.repeats:
             return STOP_FIXED if len(rates) >= self.repeats else None
-        halfwidth = median_halfwidth_pct(rates) if len(rates) >= self.min_windows else None
+        halfwidth = median_halfwidth_pct(rates) if len(rates) >= MIN_WINDOWS else None
         if halfwidth is not None and halfwidth <= self.precision_pct:
             return STOP_PRECISION
-        if len(rates) >= self.max_windows:
+        if len(rates) >= MAX_WINDOWS:
             return STOP_MAX_WINDOWS
         if elapsed_s + next_window_s > self.max_time_s:
             return STOP_MAX_TIME
@@ -130,8 +112,7 @@ class StopRule:
 
 
 def steps_for_window(window_min_s: float, iter_s: float | None) -> int:
-    """Whole steps that make a window last at least ``window_min_s`` (with :data:`WINDOW_MARGIN`) at
-    ``iter_s`` seconds per step; 1 when the step time is not known yet."""
+    """Whole steps for a window of ``window_min_s`` (with :data:`WINDOW_MARGIN`); 1 while the step time is unknown."""
     if not iter_s or iter_s <= 0:
         return 1
     return max(1, math.ceil(window_min_s * WINDOW_MARGIN / iter_s))
@@ -139,8 +120,6 @@ def steps_for_window(window_min_s: float, iter_s: float | None) -> int:
 
 @dataclass(frozen=True)
 class Window:
-    """One timed window: ``iters`` back-to-back calls, their per-call times and the total."""
-
     iter_ms: tuple
     total_ms: float
 
@@ -153,13 +132,8 @@ class Window:
 
 
 def time_window(fn, iters: int, device_type: str, clock=time.perf_counter) -> Window:
-    """Call ``fn`` ``iters`` times back to back and time each call.
-
-    CUDA: ``iters + 1`` events recorded on the current stream, one before the first call and one
-    after each; the only synchronize is after the last event, outside the region. Event records cost
-    a few microseconds of launch time and no GPU time, so the loop stays as tight as a bare one.
-    CPU: ``clock`` (``perf_counter``; a test passes its own) before and after each call.
-    """
+    """Call ``fn`` ``iters`` times back to back and time each call: on CUDA an event before the first call and after
+    each (a few microseconds of launch, no GPU time), one synchronize after the last; on a CPU ``clock``."""
     if iters < 1:
         raise ValueError("iters must be >= 1")
     if device_type == "cuda":
@@ -198,15 +172,9 @@ def wall_seconds(fn, device_type: str, clock=time.perf_counter) -> float:
     return clock() - start
 
 
-# --------------------------------------------------------------------------------------------
-# where a command's time goes outside its timed windows
-
-
 def process_age_s() -> float:
-    """Seconds since this process started, so that the first phase holds the interpreter's start and every
-    import. On Linux from the kernel's own record, on the clock it keeps it on: ``/proc/self/stat``'s start
-    time (clock ticks since boot) against ``CLOCK_BOOTTIME``, which no wall-clock adjustment moves. Elsewhere
-    psutil's start time, which is only given on the wall clock; 0 where neither can tell."""
+    """Seconds since this process started (the interpreter and imports): on Linux ``/proc/self/stat``'s start time
+    against ``CLOCK_BOOTTIME``, which no wall-clock adjustment moves; elsewhere psutil's (wall clock); else 0."""
     try:
         with open("/proc/self/stat") as stat:
             fields = stat.read().rpartition(")")[2].split()  # fields 3 on; the name before ")" may hold spaces
@@ -223,20 +191,16 @@ def process_age_s() -> float:
 
 @dataclass
 class PhaseClock:
-    """Wall seconds of a command by phase: each :meth:`mark` ends the phase it names (a phase marked again,
-    as a second task's warm-up, adds up). ``timed`` is the timed windows; every other phase is overhead.
-
-    One clock per process (:data:`PHASES`), because the phases run through the CLI, the job and the runner:
-    a parameter through each of them would be one more on functions at their limit. Marks before
-    :meth:`begin` (a runner called on its own) are not recorded."""
+    """Wall seconds of a command by phase: each :meth:`mark` ends the phase it names (marked again, it adds up);
+    ``timed`` is the windows, every other phase overhead. One per process (:data:`PHASES`): the phases run through
+    the CLI, the job and the runner. Marks before :meth:`begin` are not recorded."""
 
     last_s: float | None = None
     phases: dict = field(default_factory=dict)
     began: bool = False  # a command already began in this process: the next one's "import" is 0
 
     def begin(self) -> None:
-        """A command starts: the first in this process counts from the process's start (interpreter and
-        imports: the ``import`` phase), a later one (the Python API, tests) from now."""
+        """A command starts: the first in this process counts its ``import`` phase from the process's start."""
         self.phases = {"import": 0.0 if self.began else process_age_s()}
         self.began = True
         self.last_s = time.perf_counter()

@@ -1,18 +1,6 @@
-"""Where a step's time goes, from torch.profiler: run after the timed windows, never inside them.
-
-:func:`trace_steps` (``profile=true``) records a few steady-state steps and writes a Chrome trace
-(open it in Perfetto or chrome://tracing) and a table of the 20 ops with the most self time, for
-the job to log as artifacts, and the same steps' time per kernel class (:mod:`vitreg.measure.anatomy`)
-for the runner to make the step's anatomy of.
-
-:func:`profile_comm` runs ``steps`` more training steps under the profiler and returns, per step,
-the time spent in gradient all-reduce and, on a GPU, the time the GPU spent in kernels at all.
-On CUDA both are kernel times on the device (NCCL kernels are those whose name holds ``nccl``;
-the CPU ops that launched the kernels are not counted again). An NCCL kernel runs from the moment
-both ranks' kernels start until the data is through, so a long all-reduce next to a small
-gradient means the ranks wait for each other (a straggler or a host-bound step), not a slow link.
-On CPU (gloo) the all-reduce figure is the CPU time of gloo's all_reduce operations, and there is
-no device figure. Never part of the timed windows: the profiler slows the steps it records.
+"""Where a step's time goes, from torch.profiler, after the timed windows (the profiler slows what it records):
+``profile=true``'s Chrome trace, top-ops table and time per kernel class (:func:`trace_steps`), and
+``profile_steps``' all-reduce and device-busy time per step (:func:`profile_comm`).
 """
 
 from __future__ import annotations
@@ -36,22 +24,30 @@ class CommProfile:
     device_busy_ms_per_step: float | None  # None on CPU
 
 
-def profile_comm(step, steps: int, device: str) -> CommProfile:
-    """Run ``step()`` ``steps`` times under torch.profiler; see the module docstring."""
+def _profiled(step, steps: int, cuda: bool):
+    """The profile of ``steps`` calls of ``step`` (CUDA too on a GPU), synchronized at both ends."""
     import torch
-    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
-    cuda = device == "cuda"
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     if cuda:
         torch.cuda.synchronize()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with quiet_profiler(), profile(activities=activities) as prof:
         for _ in range(steps):
             step()
         if cuda:
             torch.cuda.synchronize()
-    events = prof.key_averages()
+    return prof
+
+
+def profile_comm(step, steps: int, device: str) -> CommProfile:
+    """Per step: all-reduce time and, on a GPU, kernel-busy time. On CUDA both are device kernel times (NCCL's
+    kernels hold ``nccl``): an NCCL kernel runs from both ranks' start until the data is through, so a long
+    all-reduce beside a small gradient means a straggler, not a slow link. On CPU, gloo's all_reduce CPU time."""
+    from torch.autograd import DeviceType
+
+    cuda = device == "cuda"
+    events = _profiled(step, steps, cuda).key_averages()
     if cuda:
         def device_us(e) -> float:
             return float(getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0) or 0)
@@ -83,27 +79,14 @@ def check_profile_request(profile: bool, cuda_graph: bool) -> None:
 
 
 def trace_steps(step, steps: int, device: str, out_dir, warmup: int = 1) -> TraceFiles:
-    """Run ``warmup`` untraced steps, then ``steps`` under torch.profiler; write both files to ``out_dir``.
-
-    The warm-up step keeps one-off work (allocator growth, lazy initialisation, a recompile) out of
-    the trace, so it shows the steady state that the timed windows measured.
-    """
-    import torch
-    from torch.profiler import ProfilerActivity, profile
-
+    """``warmup`` untraced steps (one-off work: allocator growth, a recompile), then ``steps`` under torch.profiler:
+    the trace and the top-ops table in ``out_dir``, for Perfetto, and the time per kernel class."""
     cuda = device == "cuda"
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     for _ in range(warmup):
         step()
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    if cuda:
-        torch.cuda.synchronize()
-    with quiet_profiler(), profile(activities=activities, record_shapes=False) as prof:
-        for _ in range(steps):
-            step()
-        if cuda:
-            torch.cuda.synchronize()
+    prof = _profiled(step, steps, cuda)
     files = TraceFiles(out / TRACE_FILE, out / OPS_TABLE_FILE, steps, _class_us(prof.events(), cuda), not cuda)
     prof.export_chrome_trace(str(files.trace))
     sort_by = "self_cuda_time_total" if cuda else "self_cpu_time_total"
@@ -112,10 +95,8 @@ def trace_steps(step, steps: int, device: str, out_dir, warmup: int = 1) -> Trac
 
 
 def _class_us(events, cuda: bool) -> dict:
-    """The profiled steps' µs per kernel class: the device's kernels, memcpys and memsets on a GPU (not the
-    ranges record_function draws on the device's timeline over them, e.g. inductor's ``CompiledFunction``: torch's
-    own tables leave them out too); on a CPU each op's self time, and the span from the first op's start to the last
-    op's end."""
+    """The profiled steps' µs per kernel class: on a GPU its kernels, memcpys and memsets (not the ranges
+    record_function draws over them, e.g. inductor's ``CompiledFunction``), on a CPU each op's self time."""
     from torch.autograd import DeviceType
 
     if cuda:
