@@ -1,16 +1,11 @@
-"""The comparison for people: a fixed-width terminal table, markdown and HTML tables, cell formats;
-and the rows of a bench result's table.
-
-Pure formatting over frames (:class:`vitreg.analysis.comparison.Comparison` and the bench report's
-rows); the CSV keeps full precision, these show each column with one precision.
-"""
+"""The comparison for people: a fixed-width terminal table, markdown and HTML tables, cell formats; and the rows of
+a bench result's table. The CSV keeps full precision; these show each column with one precision."""
 
 from __future__ import annotations
 
 import html
 import math
 import re
-from typing import NamedTuple
 
 import numpy as np
 import pandas as pd
@@ -24,13 +19,8 @@ RESULT_HEADERS = ["task", "batch"] + [col.header for col in REPORT_COLUMNS]
 
 
 def format_table(comparison) -> str:
-    """The comparison as fixed-width, aligned text for a terminal.
-
-    One table per task (:func:`by_task`): configuration keys that are the same on every row of it move to
-    a header line, so a table only shows what varies within its task (an inference table has no training
-    column); exact values are in the CSV written by :func:`vitreg.analysis.report.write_report`.
-    Mislabelled runs get a "ran on" column and a warning line that says what was done with them.
-    """
+    """The comparison as aligned text for a terminal: one table per task (:func:`by_task`), the configuration
+    every row of it shares on a line above it, so a table shows only what varies within its task."""
     m = comparison.metric
     direction = "higher is better" if comparison.higher_is_better else "lower is better"
     lines = [f"metric: {m} (median over runs, {direction})"]
@@ -43,14 +33,13 @@ def format_table(comparison) -> str:
     for n, block in enumerate(by_task(comparison.table, comparison.by)):
         lines += ([""] if n else []) + _task_table(comparison, block)
     if not comparison.scaling.empty:
-        lines += ["", "scaling (train, weak scaling vs nproc=1):", _scaling_table(comparison.scaling, _HEADS)]
+        lines += ["", "scaling (train, weak scaling vs nproc=1):", _scaling_table(comparison.scaling)]
     return "\n".join(lines)
 
 
 def by_task(t: pd.DataFrame, axis: str = DEFAULT_AXIS) -> list[pd.DataFrame]:
-    """The rows of ``t`` one task at a time (infer, then train), each block in its own order: a task's
-    configuration columns are its own (``clip_grad`` is a training option), so each gets its own table.
-    All rows at once when the comparison goes along ``task`` itself (``axis``)."""
+    """The rows of ``t`` one task at a time (a task's configuration columns are its own: ``clip_grad`` is a
+    training option); all rows at once when the comparison goes along ``task`` itself."""
     if axis == "task" or "task" not in t or t["task"].nunique(dropna=False) < 2:
         return [t]
     return [t[t["task"] == task] for task in sorted(t["task"].unique())]
@@ -102,9 +91,8 @@ NAME_WIDTH = 34  # a run's name is long (its figures, precision, batch...): the 
 
 
 def runs_table(runs: pd.DataFrame) -> str:
-    """``vitreg runs``' table of :func:`vitreg.tracking.search.run_list`'s rows: id, start, the experiment (when
-    the rows are of several), name (cut at :data:`NAME_WIDTH`), status, GPU, each task's img/s that some row
-    measured, and the flags of a suspect figure on the row that prints it."""
+    """``vitreg runs``' table of :func:`vitreg.tracking.search.run_list`'s rows (the experiment only when they are
+    of several, each task's img/s only where some row measured it)."""
     cols = ["run_id", "start_time"] + (["experiment"] if runs["experiment"].nunique() > 1 else [])
     cols += ["name", "status", "gpu"] + [c for c in runs if c.endswith("_img_per_s") and runs[c].notna().any()]
     cols += ["flags"] if (runs["flags"] != "").any() else []
@@ -115,8 +103,8 @@ def runs_table(runs: pd.DataFrame) -> str:
 
 
 def caveats(comparison) -> list[str]:
-    """How to read the rows beyond metric and baseline: the axis when it is not the GPU, and what was
-    done with mislabelled runs (the terminal's header lines; the reports' list items)."""
+    """How to read the rows beyond metric and baseline: the axis when it is not the GPU, and what was done with
+    mislabelled runs."""
     c = comparison
     lines = []
     if c.by != DEFAULT_AXIS:
@@ -132,19 +120,15 @@ def caveats(comparison) -> list[str]:
     return lines
 
 
-def _scaling_table(s: pd.DataFrame, heads: dict) -> str:
-    scols = split_constant(s, [k for k in shown_keys(s, "gpu") if k not in ("task", *SCALED_COLUMNS)])[1]
-    scols += ["gpu"] + (["mismatch"] if s["mismatch"].any() else [])
-    scols += ["nproc", "ddp", "n_runs", s.columns[-3], "speedup_vs_1", "efficiency"]
-    return fixed_width(
-        [heads.get(c, c if c != s.columns[-3] else "median") for c in scols],
-        _rows(s, scols),
-        [c not in (*_text_keys(), "gpu", "ddp", "mismatch") for c in scols],
-    )
+def _scaling_table(s: pd.DataFrame) -> str:
+    cols = split_constant(s, [k for k in shown_keys(s, "gpu") if k not in ("task", *SCALED_COLUMNS)])[1]
+    cols += ["gpu"] + (["mismatch"] if s["mismatch"].any() else [])
+    cols += ["nproc", "ddp", "n_runs", s.columns[-3], "speedup_vs_1", "efficiency"]
+    return fixed_width([_HEADS.get(c, c if c != s.columns[-3] else "median") for c in cols], _rows(s, cols),
+                       [c not in (*_text_keys(), "gpu", "ddp", "mismatch") for c in cols])
 
 
 def _rows(df: pd.DataFrame, cols: list[str]) -> list[list[str]]:
-    """Formatted cells of ``df[cols]``, row-major."""
     formatted = [format_column(c, df[c].astype(object)) for c in cols]
     return [list(r) for r in zip(*formatted)] if formatted else []
 
@@ -155,17 +139,15 @@ def _text_keys() -> tuple[str, ...]:
 
 
 def shown_keys(t: pd.DataFrame, by: str) -> list[str]:
-    """The keys a comparison's rows ``t`` are told apart by (:func:`~vitreg.analysis.frame.group_columns`), less a
-    grant no row recorded (runs that predate ``cpus_granted``: their tables read as before)."""
+    """The keys the rows ``t`` are told apart by, less a grant no row recorded (runs that predate ``cpus_granted``:
+    their tables read as before)."""
     return [k for k in group_columns(by) if k not in GRANT_COLUMNS or t[k].notna().any()]
 
 
 def split_constant(t: pd.DataFrame, keys, min_rows: int = 2) -> tuple[dict, list[str]]:
-    """``keys`` split into those with one value on every row of ``t`` (``{key: value}``, shown once above
-    a table) and those that vary (its columns); ``model`` always stays a column. A key that no row's
-    command takes (all :data:`~vitreg.analysis.frame.NOT_APPLICABLE`: ``clip_grad`` of bench runs) is in
-    neither, so the many configuration columns of the option table cost a reader nothing where unused.
-    ``t`` with fewer than ``min_rows`` rows has every key as a column (one row: nothing to fold out)."""
+    """``keys`` split into those with one value on every row of ``t`` (``{key: value}``, shown once above a table,
+    never ``model``; none under ``min_rows`` rows) and those that vary (its columns). A key no row's command takes
+    (all :data:`~vitreg.analysis.frame.NOT_APPLICABLE`) is in neither: unused options cost a reader nothing."""
     fixed, varying = {}, []
     for k in keys:
         vals = t[k].astype(object).where(t[k].notna(), None).unique() if len(t) else []
@@ -221,7 +203,6 @@ _COUNT_COLUMNS = ("n_runs", "n_base", "n_new", "nproc", "batch_size", "img_size"
 
 
 def format_value(col: str, v) -> str:
-    """Human formatting of one cell; the CSV keeps full precision."""
     if v is None or v is pd.NA or (isinstance(v, (float, np.floating)) and math.isnan(v)):
         return "-"
     if col == "mismatch":  # the mark of a mislabelled run; honest rows stay quiet
@@ -246,7 +227,6 @@ def _format_ci(lo, hi) -> str:
 
 
 def display(df: pd.DataFrame) -> pd.DataFrame:
-    """A string copy of ``df`` with every cell formatted for humans (markdown, HTML)."""
     return pd.DataFrame({c: format_column(c, df[c].astype(object)) for c in df.columns}, index=df.index)
 
 
@@ -262,11 +242,10 @@ _NUMBERED = re.compile(r"^(\d+)([.)])(?=\s|$)")  # a numbered list item
 
 
 def inert(text, to: str = "markdown") -> str:
-    """``text`` (a run name, model, GPU label, tag value: anything a user typed) shown as written and doing
-    nothing where it goes: ``to="markdown"`` (a heading or list item), ``"cell"`` (a markdown table cell,
-    never at a line's start) or ``"html"``. One line (a newline could open a fence, a heading or a list); in
-    markdown ``&<>`` become entities (no tag, no autolink) and the punctuation that opens code, emphasis,
-    links or cells is backslash-escaped, and at a line's start what would open a block."""
+    """``text`` (anything a user typed) shown as written and doing nothing where it goes: ``to="markdown"`` (a
+    heading or list item), ``"cell"`` (a markdown table cell) or ``"html"``. One line (a newline could open a
+    fence, a heading or a list); in markdown ``&<>`` become entities and what opens code, emphasis, links, cells
+    or, at a line's start, a block is backslash-escaped."""
     line = " ".join(str(text).splitlines()).strip()
     if to == "html":
         return html.escape(line)
@@ -286,9 +265,8 @@ def code_block(text: str) -> str:
 
 
 def markdown_table(df: pd.DataFrame, right: list[bool] | None = None) -> str:
-    """``df``'s cells as a GitHub-flavoured markdown table (``DataFrame.to_markdown``); ``right``
-    right-aligns those columns. Every cell and header goes through :func:`inert`: a cell stays one cell
-    and shows its text, whatever it holds."""
+    """``df``'s cells as a GitHub-flavoured markdown table, every cell and header through :func:`inert`;
+    ``right`` right-aligns those columns."""
     shown = pd.DataFrame([[inert(v, "cell") for v in r] for r in df.itertuples(index=False)],
                          columns=[inert(c, "cell") for c in df.columns])
     align = None if right is None else ["right" if r else "left" for r in right]
@@ -309,24 +287,10 @@ def frame_html(df: pd.DataFrame) -> str:
     return display(readable(df)).to_html(index=False, escape=True, border=0, na_rep="-")
 
 
-class View(NamedTuple):
-    """A comparison as comparison.md / .html show it (:func:`comparison_view`)."""
-
-    fixed: dict  # {configuration column: value} shared by every row
-    table: pd.DataFrame  # formatted text, headers for people
-    right: list[bool]  # per column of table: right-aligned (figures and counts)
-
-
-def comparison_views(c) -> list[View]:
-    """:func:`comparison_view` of each task's rows (:func:`by_task`): the tables comparison.md / .html show."""
-    return [comparison_view(c, block) for block in by_task(c.table, c.by)]
-
-
-def comparison_view(c, t: pd.DataFrame) -> View:
+def comparison_view(c, t: pd.DataFrame) -> tuple[dict, pd.DataFrame, list[bool]]:
     """The rows ``t`` of comparison ``c`` as comparison.md / .html show them: the configuration every row shares
-    apart (``fixed``); the table leads with the axis value, the median (its unit in the header), the ratio to the
-    baseline and the verdict, then the interval, the configuration that varies, the runs and their spread (and,
-    where any, the hardware of mislabelled runs and the batches batch_size=auto chose)."""
+    (``{column: value}``), the table as text (the axis value, the median, the ratio and the verdict lead: the
+    MLflow UI's preview shows a table's first columns) and which of its columns are right-aligned."""
     m = c.metric
     fixed, varying = split_constant(t, shown_keys(t, c.by), min_rows=1)
     cols = [c.by, f"{m}_median"] + (["speedup", "verdict"] if c.baseline else [])
@@ -342,12 +306,12 @@ def comparison_view(c, t: pd.DataFrame) -> View:
     heads = {**_HEADS, f"{m}_median": f"{m} median" + (f" ({unit})" if unit else ""), "n_runs": "runs",
              f"{m}_cv": "cv", "speedup": f"vs {c.baseline_label}", "ci": f"{c.confidence:.0%} CI"}
     right = [col not in (*_text_keys(), "gpu", "verdict", "ran_on", c.by) for col in view.columns]
-    return View(fixed, view.rename(columns=heads).reset_index(drop=True), right)
+    return fixed, view.rename(columns=heads).reset_index(drop=True), right
 
 
 def result_rows(tasks) -> list[list[str]]:
-    """The cells of :data:`RESULT_HEADERS`, one row per task of a bench result. ``tasks``: dicts with
-    ``task``, ``batch_size`` and ``metrics`` (``<task>_``-prefixed names), as results.json holds them."""
+    """The cells of :data:`RESULT_HEADERS`, one row per task of a bench result (``tasks`` as results.json holds
+    them)."""
     rows = []
     for t in tasks:
         prefix = f"{t['task']}_"

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
+from vitreg.analysis.plots import figure
 from vitreg.analysis.render import frame_html, frame_markdown
 from vitreg.history.series import MISSING
 from vitreg.history.verdict import CONFIDENCE, NOISE_FLOOR, REGRESSED, segment_medians
@@ -71,15 +72,11 @@ def _shown(result):
 def plot_series(result, index: int, path: Path) -> Path:
     """The chart of series ``index``: every run's value in run order, the candidate in red, its history
     shaded, each segment between change points at its median (dashed), short git shas on the x axis."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
     s, points, row = result.series[index], result.changes[index], result.table.iloc[index]
     values = s.runs["value"].to_numpy()
     x = np.arange(len(values))
-    fig = Figure(figsize=(8, 3.6), dpi=DPI)  # fixed margins: a constrained layout draws every chart twice
+    fig = figure(8, 3.6, DPI, layout=None)
     fig.subplots_adjust(left=0.1, right=0.98, bottom=0.2, top=0.9)
-    FigureCanvasAgg(fig)
     ax = fig.add_subplot()
     if len(s.history):
         ax.axvspan(s.history.index.min() - 0.5, s.history.index.max() + 0.5, color="0.9", label="history")
