@@ -1,9 +1,9 @@
 """``vitreg check`` on a tidy runs frame: per configuration x GPU, the candidate against its history, the
-likely cause of a change and the change points of the series. Pure: the job reads the frame and logs."""
+likely cause of a change and the change points of the series."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 import numpy as np
 import pandas as pd
@@ -50,7 +50,7 @@ class CheckResult:
         return {v: int((self.table["verdict"] == v).sum()) for v in VERDICTS}
 
     def run_ids(self) -> list[str]:
-        """Every run the check read (candidates and histories), oldest first."""
+        """Every run the check read (candidates and histories)."""
         ids = [i for s in self.series for i in (*s.history["run_id"], *s.candidate["run_id"])]
         return list(dict.fromkeys(ids))
 
@@ -60,13 +60,11 @@ class CheckResult:
         return self.table.iloc[np.argsort(order.to_numpy(), kind="stable")]
 
     def lines(self) -> list[str]:
-        """One line per series, regressions first: verdict, configuration, GPU, ratio and interval, runs, cause."""
         return [verdict_line(r) for _, r in self.ordered().iterrows()]
 
 
 def check_runs(frame: pd.DataFrame, metric: str = "throughput_img_per_s", selection: Selection = Selection(),
                seed: int = 0) -> CheckResult:
-    """Check every configuration x GPU of the tidy ``frame`` (with :func:`~vitreg.history.series.carried_columns`)."""
     higher = _higher(metric, frame)
     require_tags(honest(frame), selection)
     series = series_of(frame, metric, selection)
@@ -79,7 +77,7 @@ def check_runs(frame: pd.DataFrame, metric: str = "throughput_img_per_s", select
                         run_cvs=pd.concat([s.history["cv"], s.candidate["cv"]]).tolist(), seed=seed)
         points = change_points(s.runs["value"].to_numpy())
         changes.append(points)
-        rows.append({"series": label, **s.key, **verdict.to_dict(), "needs": needs(verdict),
+        rows.append({"series": label, **s.key, **asdict(verdict), "needs": needs(verdict),
                      "cause": likely_cause(s.history, s.candidate), "conditions": conditions(s.history, s.candidate),
                      "candidate_runs": ",".join(s.candidate["run_id"]), "history_runs": ",".join(s.history["run_id"]),
                      "change_points": ",".join(s.runs["run_id"].iloc[p] for p in points)})
@@ -92,12 +90,9 @@ def likely_cause(history: pd.DataFrame, candidate: pd.DataFrame) -> str:
     the history's last run's."""
     if history.empty:
         return ""
-    before, now = history.iloc[-1], candidate.iloc[-1]
-    changed = []
-    for col in CAUSES:
-        if col in history and cell_text(before[col]) != cell_text(now[col]):
-            changed.append(f"{col} {cell_text(before[col])} -> {cell_text(now[col])}")
-    return "; ".join(changed)
+    before, now = history.iloc[-1].map(cell_text), candidate.iloc[-1].map(cell_text)
+    changed = [col for col in CAUSES if col in history and before[col] != now[col]]
+    return "; ".join(f"{col} {before[col]} -> {now[col]}" for col in changed)
 
 
 def conditions(history: pd.DataFrame, candidate: pd.DataFrame) -> str:

@@ -37,7 +37,7 @@ def write_check(result, out_dir) -> list[Path]:
 
 
 def about(result) -> list[str]:
-    """What was compared and how, in a few lines (the head of the summary, and the run's note)."""
+    """What was compared and how (the head of the summary, and the run's note)."""
     c = result.counts()
     return [f"metric `{result.metric}` ({'higher' if result.higher else 'lower'} is better); "
             f"{result.selection.describe()}.",
@@ -70,8 +70,8 @@ def _shown(result):
 
 
 def plot_series(result, index: int, path: Path) -> Path:
-    """The chart of series ``index``: every run's value in run order, the candidate in red, its history
-    shaded, each segment between change points at its median (dashed), short git shas on the x axis."""
+    """The chart of series ``index``: every run's value in run order, the candidate marked, its history shaded,
+    each segment between change points at its median, short git shas on the x axis."""
     s, points, row = result.series[index], result.changes[index], result.table.iloc[index]
     values = s.runs["value"].to_numpy()
     x = np.arange(len(values))

@@ -1,8 +1,5 @@
-"""The series of a check: the runs of each configuration x GPU in run order, and which are the candidate and
-which its history. A configuration is the identity options of the option table; the hardware the GPU label
-and the GPU model (``gpu_name``), and the CPUs and threads a run was granted. Mislabelled runs (the tidy
-frame's ``mismatch``) never enter a series.
-"""
+"""The series of a check: the runs of each configuration x GPU (label and model) x CPU grant in run order, and
+which are the candidate and which its history. Mislabelled runs never enter a series."""
 
 from __future__ import annotations
 
@@ -11,11 +8,9 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
-from vitreg.analysis.frame import GRANT_COLUMNS
-from vitreg.config.options import identity_names
+from vitreg.analysis.frame import GRANT_COLUMNS, identity_options
 from vitreg.errors import VitregError
 
-RUN_COMMANDS = ("bench", "infer", "train")  # the commands whose runs a history holds
 HARDWARE = ("gpu", "gpu_name")
 # The environment fingerprint (tags every run carries) that can explain a change, then the batch that
 # batch_size=auto chose (the tidy frame's batch_chosen, from the <task>_batch_size_chosen tag).
@@ -29,11 +24,6 @@ MISSING = "-"  # a key nobody recorded (a run that predates the option)
 
 class CheckError(VitregError):
     """The check cannot be made as asked; the one-line message names the fix."""
-
-
-def configuration_names() -> tuple[str, ...]:
-    """What makes two runs one configuration: the identity options of every command that logs runs."""
-    return tuple(dict.fromkeys(n for command in RUN_COMMANDS for n in identity_names(command)))
 
 
 @dataclass(frozen=True)
@@ -66,7 +56,6 @@ class Selection:
 
 
 def parse_tag(text: str | None, flag: str) -> tuple[str, str] | None:
-    """``"release=2.4"`` -> ``("release", "2.4")``; empty -> None."""
     text = (text or "").strip()
     if not text:
         return None
@@ -78,7 +67,7 @@ def parse_tag(text: str | None, flag: str) -> tuple[str, str] | None:
 
 def carried_columns(selection: Selection) -> tuple[str, ...]:
     """The tags/params the tidy frame must carry for a check (``tidy(..., axes=...)``)."""
-    return tuple(dict.fromkeys(configuration_names() + HARDWARE + ENVIRONMENT + selection.tag_keys))
+    return tuple(dict.fromkeys(identity_options() + HARDWARE + ENVIRONMENT + selection.tag_keys))
 
 
 @dataclass(frozen=True)
@@ -93,9 +82,8 @@ class Series:
 
 
 def key_columns(frame: pd.DataFrame) -> list[str]:
-    """The columns that tell series apart: the identity options the frame carries, then the hardware and the CPUs
-    and threads the runs were granted (runs that predate those tags share one value, <NA>)."""
-    return [n for n in configuration_names() + HARDWARE + GRANT_COLUMNS if n in frame]
+    """The columns that tell series apart (runs that predate a tag share one value, <NA>)."""
+    return [n for n in identity_options() + HARDWARE + GRANT_COLUMNS if n in frame]
 
 
 def honest(frame: pd.DataFrame) -> pd.DataFrame:
@@ -104,7 +92,6 @@ def honest(frame: pd.DataFrame) -> pd.DataFrame:
 
 
 def require_tags(frame: pd.DataFrame, selection: Selection) -> None:
-    """CheckError naming the tags the runs do carry when no run carries a tag the selection asks for."""
     for flag, tag in (("--candidate-tag", selection.candidate_tag), ("--baseline-tag", selection.baseline_tag)):
         if tag and not (frame.get(tag[0], pd.Series(dtype=object)).astype(str) == tag[1]).any():
             seen = sorted({str(v) for v in frame.get(tag[0], pd.Series(dtype=object)).dropna()})[:8]
