@@ -54,35 +54,29 @@ def _task_table(comparison, t: pd.DataFrame) -> list[str]:
     """The terminal lines of one task's rows: the configuration they share, then the table of the rest."""
     m, by = comparison.metric, comparison.by
     fixed, varying = split_constant(t, shown_keys(t, by))
-    lines = []
-    if fixed:
-        lines.append("fixed: " + " ".join(f"{k}={cell(v)}" for k, v in fixed.items()))
-    marked = bool(t["mismatch"].any())
-    cols = varying + [by] + (["ran_on"] if marked else [])
+    cols = varying + [by] + (["ran_on"] if t["mismatch"].any() else [])
     cols += ["batch_chosen"] if t["batch_chosen"].notna().any() else []  # batch_size=auto runs
     cols += ["shared_host"] if "shared_host" in t and (t["shared_host"] > 1).any() else []  # sweep children at once
     cols += ["shared_node"] if "shared_node" in t and t["shared_node"].notna().any() else []  # share_node=true
     cols += ["n_runs", f"{m}_median", f"{m}_min", f"{m}_max", f"{m}_cv"]
-    heads = {f"{m}_median": "median", f"{m}_min": "min", f"{m}_max": "max", f"{m}_cv": "cv", **_HEADS}
-    body = _rows(t, cols)
-    if marked:  # the hardware of honest rows is their label: leave the cell blank, flag the others
-        for row, mismatch in zip(body, t["mismatch"]):
-            row[cols.index("ran_on")] = f"{row[cols.index('ran_on')]} (!)" if mismatch else ""
-    header = [heads.get(c, c) for c in cols]
-    right = [c not in (*_text_keys(), "gpu", "ran_on", by) for c in cols]
-    if comparison.baseline:
-        header += ["speedup", f"{comparison.confidence:.0%} CI", "verdict"]
-        right += [True, True, False]
-        for row, (_, r) in zip(body, t.iterrows()):
-            row += [format_value("speedup", r["speedup"]), _format_ci(r["ci_low"], r["ci_high"]),
-                    str(r["verdict"])]
-    if "flags" in t and t["flags"].notna().any():  # a suspect figure flagged on the row that prints it (issue 38)
-        header.append("flags")
-        right.append(False)
-        for row, flags in zip(body, t["flags"]):
-            row.append(cell(flags))
-    lines.append(fixed_width(header, body, right))
-    return lines
+    cols += ["speedup", "ci", "verdict"] if comparison.baseline else []
+    cols += ["flags"] if "flags" in t and t["flags"].notna().any() else []  # on the row that prints it (issue 38)
+    heads = {f"{m}_median": "median", f"{m}_min": "min", f"{m}_max": "max", f"{m}_cv": "cv",
+             "ci": f"{comparison.confidence:.0%} CI", **_HEADS}
+    right = [c not in (*_text_keys(), "gpu", "ran_on", "verdict", "flags", by) for c in cols]
+    table = fixed_width([heads.get(c, c) for c in cols], _cells(t, cols, "(!)").values.tolist(), right)
+    return (["fixed: " + " ".join(f"{k}={cell(v)}" for k, v in fixed.items())] if fixed else []) + [table]
+
+
+def _cells(t: pd.DataFrame, cols: list[str], mark: str) -> pd.DataFrame:
+    """``t[cols]`` as text (``ci``: the interval), ``ran_on`` blank on honest rows (their hardware is their label)
+    and ``mark``-ed on mislabelled ones."""
+    if "ci" in cols:
+        t = t.assign(ci=[_format_ci(lo, hi) for lo, hi in zip(t["ci_low"], t["ci_high"])])
+    view = display(t[cols])
+    if "ran_on" in view:
+        view["ran_on"] = [f"{r} {mark}" if bad else "" for r, bad in zip(view["ran_on"], t["mismatch"])]
+    return view
 
 
 _RUN_HEADS = {"run_id": "id", "start_time": "started (UTC)", "infer_img_per_s": "infer img/s",
@@ -98,7 +92,7 @@ def runs_table(runs: pd.DataFrame) -> str:
     cols += ["flags"] if (runs["flags"] != "").any() else []
     started = pd.to_datetime(runs["start_time"], utc=True, errors="coerce").dt.strftime("%Y-%m-%d %H:%M")
     names = runs["name"].map(lambda n: n if len(n) <= NAME_WIDTH else n[:NAME_WIDTH - 1] + "…")
-    body = _rows(runs.assign(start_time=started, name=names), cols)
+    body = display(runs.assign(start_time=started, name=names)[cols]).values.tolist()
     return fixed_width([_RUN_HEADS.get(c, c) for c in cols], body, [c.endswith("_img_per_s") for c in cols])
 
 
@@ -124,13 +118,9 @@ def _scaling_table(s: pd.DataFrame) -> str:
     cols = split_constant(s, [k for k in shown_keys(s, "gpu") if k not in ("task", *SCALED_COLUMNS)])[1]
     cols += ["gpu"] + (["mismatch"] if s["mismatch"].any() else [])
     cols += ["nproc", "ddp", "n_runs", s.columns[-3], "speedup_vs_1", "efficiency"]
-    return fixed_width([_HEADS.get(c, c if c != s.columns[-3] else "median") for c in cols], _rows(s, cols),
+    heads = [_HEADS.get(c, c if c != s.columns[-3] else "median") for c in cols]
+    return fixed_width(heads, display(s[cols]).values.tolist(),
                        [c not in (*_text_keys(), "gpu", "ddp", "mismatch") for c in cols])
-
-
-def _rows(df: pd.DataFrame, cols: list[str]) -> list[list[str]]:
-    formatted = [format_column(c, df[c].astype(object)) for c in cols]
-    return [list(r) for r in zip(*formatted)] if formatted else []
 
 
 def _text_keys() -> tuple[str, ...]:
@@ -293,15 +283,11 @@ def comparison_view(c, t: pd.DataFrame) -> tuple[dict, pd.DataFrame, list[bool]]
     MLflow UI's preview shows a table's first columns) and which of its columns are right-aligned."""
     m = c.metric
     fixed, varying = split_constant(t, shown_keys(t, c.by), min_rows=1)
-    cols = [c.by, f"{m}_median"] + (["speedup", "verdict"] if c.baseline else [])
-    tail = varying + ["n_runs", f"{m}_cv"] + (["ran_on"] if t["mismatch"].any() else [])
-    tail += ["batch_chosen"] if t["batch_chosen"].notna().any() else []
-    tail += ["flags"] if "flags" in t and t["flags"].notna().any() else []
-    view = display(t[cols + tail])
-    if c.baseline:
-        view.insert(len(cols), "ci", [_format_ci(lo, hi) for lo, hi in zip(t["ci_low"], t["ci_high"])])
-    if "ran_on" in view:  # the hardware of honest rows is their label: blank; mislabelled ones flagged
-        view["ran_on"] = [f"{r} (MISLABELLED)" if bad else "" for r, bad in zip(view["ran_on"], t["mismatch"])]
+    cols = [c.by, f"{m}_median"] + (["speedup", "verdict", "ci"] if c.baseline else [])
+    cols += varying + ["n_runs", f"{m}_cv"] + (["ran_on"] if t["mismatch"].any() else [])
+    cols += ["batch_chosen"] if t["batch_chosen"].notna().any() else []
+    cols += ["flags"] if "flags" in t and t["flags"].notna().any() else []
+    view = _cells(t, cols, "(MISLABELLED)")
     unit = BY_NAME[m].unit if m in BY_NAME else ""
     heads = {**_HEADS, f"{m}_median": f"{m} median" + (f" ({unit})" if unit else ""), "n_runs": "runs",
              f"{m}_cv": "cv", "speedup": f"vs {c.baseline_label}", "ci": f"{c.confidence:.0%} CI"}
