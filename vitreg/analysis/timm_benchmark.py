@@ -217,11 +217,7 @@ def _torch_version(digits: str) -> str:
     if major == "1" and len(rest) == 2 and rest[0] == "1":
         # timm published 1.10-1.13 as pt110..pt113; torch 1.1.x predates these result files.
         return f"1.{rest}"
-    if len(rest) == 3:
-        return f"{major}.{rest[:2]}.{rest[2]}"
-    if len(rest) == 2:
-        return f"{major}.{rest[0]}.{rest[1]}"
-    return f"{major}.{rest}"
+    return f"{major}.{rest[:-1]}.{rest[-1]}" if len(rest) >= 2 else f"{major}.{rest}"
 
 
 def _cuda_version(digits: str) -> str:

@@ -296,7 +296,3 @@ def infer(**values):
     with offline_if_asked("infer", own):
         run_infer(own["model_uri"], options, experiment=own["experiment"], run_name=own["run_name"],
                   command=command_line(click.get_current_context()))
-
-
-if __name__ == "__main__":  # pragma: no cover
-    main()
