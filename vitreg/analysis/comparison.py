@@ -156,8 +156,8 @@ def _block(config: dict, cfg_runs: pd.DataFrame, ask: _Question) -> list[dict]:
     rows = []
     for key in order:
         row = _summary_row({**config, ask.by: key[0]}, groups[key], ask)
+        rows.append(row)
         if ask.baseline is None:
-            rows.append(row)
             continue
         if key[1] and not ask.include_mismatch:
             row.update(speedup=np.nan, ci_low=np.nan, ci_high=np.nan, verdict=MISLABELLED)
@@ -165,10 +165,8 @@ def _block(config: dict, cfg_runs: pd.DataFrame, ask: _Question) -> list[dict]:
             vals = groups[key][ask.metric].to_numpy(float)
             row.update(versus(vals, base_vals, key == base_key, ask.higher, ask.speed, ask.n_boot, ask.rng,
                               ask.confidence))
-            if key[1]:
-                row["verdict"] += f" ({MISLABELLED})"
+            row["verdict"] += f" ({MISLABELLED})" if key[1] else ""
         row["baseline"] = ask.baseline
-        rows.append(row)
     return rows
 
 
@@ -180,9 +178,7 @@ def _along(measured: pd.DataFrame, by: str) -> pd.DataFrame:
             f"no run records {by!r} (as a tag or param); compare --by gpu (the default) or another tag or "
             "param the runs carry: torch_version, timm_version, vitreg_git_sha, compile, amp, batch_size"
         )
-    out = measured.copy()
-    out[by] = [MISSING if v is None or v is pd.NA or v != v else str(v) for v in out[by].astype(object)]
-    return out
+    return measured.assign(**{by: measured[by].astype(str).where(measured[by].notna(), MISSING)})
 
 
 def _measured(runs: pd.DataFrame, metric: str) -> pd.DataFrame:
