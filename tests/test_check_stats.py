@@ -7,9 +7,8 @@ import pandas as pd
 import pytest
 
 from vitreg.history.verdict import change_points
-from vitreg.history.check import check_runs, likely_cause
 from vitreg.analysis.frame import identity_options
-from vitreg.history.series import CheckError, Selection, carried_columns, parse_tag
+from vitreg.history.check import CheckError, Selection, carried_columns, check_runs, likely_cause, parse_tag
 from vitreg.history.verdict import (IMPROVED, NOISE_FLOOR, NOT_ENOUGH, REGRESSED, WITHIN_NOISE, judge,
                                     threshold_of)
 from vitreg.config.options import identity_names

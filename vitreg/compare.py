@@ -11,7 +11,7 @@ from pathlib import Path
 
 from vitreg.config.options import option
 from vitreg.console import progress
-from vitreg.history.series import CheckError, Selection
+from vitreg.history.check import CheckError, Selection, parse_tag
 from vitreg.tracking import naming, runs as tracking
 
 TAG_LIMIT = 5000  # characters of a tag value (MLflow stores up to 8,000); the full lists are in runs_read.json
@@ -123,16 +123,13 @@ def import_timm(path: str, gpu: str | None = None, amp: str | None = None, exper
 # ---------------------------------------------------------------- check
 
 def selection_of(window, candidate, candidate_tag, baseline_tag) -> Selection:
-    from vitreg.history.series import parse_tag
-
     return Selection(window=option("check", "window").parse(window), candidate=(candidate or "").strip() or None,
                      candidate_tag=parse_tag(candidate_tag, "--candidate-tag"),
                      baseline_tag=parse_tag(baseline_tag, "--baseline-tag"))
 
 
 def check(experiment: str, metric: str = "throughput_img_per_s", selection: Selection = Selection(), seed: int = 0):
-    from vitreg.history.check import check_runs
-    from vitreg.history.series import carried_columns
+    from vitreg.history.check import carried_columns, check_runs
     from vitreg.tracking.search import benchmark_runs, tidy
 
     tracking.check_server()

@@ -11,7 +11,7 @@ import numpy as np
 
 from vitreg.analysis.plots import figure
 from vitreg.analysis.render import frame_html, frame_markdown
-from vitreg.history.series import MISSING
+from vitreg.history.check import MISSING
 from vitreg.history.verdict import CONFIDENCE, NOISE_FLOOR, REGRESSED, segment_medians
 
 DPI = 80
