@@ -38,7 +38,10 @@ def run_compare(experiment: str, baseline: str | None = None, metric: str = "thr
     comparison = compare_runs(runs, baseline=baseline or None, metric=metric, by=by,
                               include_mismatch=include_mismatch)
     extra = energy_and_cost(runs, price_table, comparison.baseline, by, include_mismatch)
-    table = "\n".join([format_table(comparison), "", *_energy_and_cost_text(extra)])
+    # under the main table: each energy and cost comparison's table, then what to say of them
+    lines = [format_table(comparison), ""] + (["energy and cost (vitreg.analysis.cost):"] if extra.comparisons else [])
+    lines += [line for each in extra.comparisons.values() for line in (format_table(each), "")]
+    table = "\n".join(lines + [f"- {line}" for line in extra.lines])
     with tempfile.TemporaryDirectory(prefix="vitreg-compare-") as tmp:
         files = write_report(comparison, tmp) + _extra_reports(extra, Path(tmp), write_report)
         filed = log_experiment or naming.analysis_experiment(experiment)
@@ -55,15 +58,6 @@ def run_compare(experiment: str, baseline: str | None = None, metric: str = "thr
              f"({', '.join(Path(f).name for f in files)})")
     progress(tracking.where_logged(run))  # its page in the UI
     return comparison
-
-
-def _energy_and_cost_text(extra) -> list[str]:
-    from vitreg.analysis.render import format_table
-
-    lines = ["energy and cost (vitreg.analysis.cost):"] if extra.comparisons else []
-    for comparison in extra.comparisons.values():
-        lines += [format_table(comparison), ""]
-    return lines + [f"- {line}" for line in extra.lines]
 
 
 def _extra_reports(extra, tmp: Path, write_report) -> list[Path]:

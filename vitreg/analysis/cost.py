@@ -90,12 +90,10 @@ def price_text(prices: dict[str, float]) -> str:
 
 def with_costs(runs: pd.DataFrame, prices: dict[str, float]) -> pd.DataFrame:
     """The tidy frame with ``usd_per_1m_img`` for every run whose GPU label has a price (NaN elsewhere)."""
-    out = runs.copy()
-    price = out["gpu"].astype(str).str.lower().map(prices).astype(float)
-    gpus = pd.to_numeric(out["nproc"], errors="coerce").fillna(1).astype(float)
-    rate = pd.to_numeric(out["throughput_img_per_s"], errors="coerce").where(lambda r: r > 0)
-    out[COST] = price * gpus / 3600 / rate * 1e6
-    return out
+    price = runs["gpu"].astype(str).str.lower().map(prices).astype(float)
+    gpus = pd.to_numeric(runs["nproc"], errors="coerce").fillna(1).astype(float)
+    rate = pd.to_numeric(runs["throughput_img_per_s"], errors="coerce").where(lambda r: r > 0)
+    return runs.assign(**{COST: price * gpus / 3600 / rate * 1e6})
 
 
 @dataclass
