@@ -12,7 +12,7 @@ import pandas as pd
 from vitreg.analysis.frame import (CHOSEN_COLUMNS, CONDITION_COLUMNS, DEFAULT_AXIS, GRANT_COLUMNS, HARDWARE_COLUMNS,
                                    MISSING, SCALED_COLUMNS, SHARED_METRICS, CompareError, config_columns, group_columns,
                                    id_columns, require_tidy)
-from vitreg.analysis.stats import MISLABELLED, cv, geomean, improvement, spread, versus
+from vitreg.analysis.stats import MISLABELLED, cv, improvement, spread, versus
 from vitreg.measure.energy import FLAGS, suspect_flags
 from vitreg.measure.metrics import BY_NAME, HIGHER, LOWER
 
@@ -64,11 +64,12 @@ class Comparison:
 
     def geomean_speedup(self) -> dict[str, float]:
         """Per non-baseline axis value, the geometric mean speedup over configurations both ran."""
+        from scipy.stats import gmean
+
         if self.baseline is None:
             return {}
-        rows = self.table[(self.table[self.by] != self.baseline) & self.table["speedup"].notna()]
-        means = {str(value): geomean(g["speedup"]) for value, g in rows.groupby(self.by, sort=True)}
-        return {value: m for value, m in means.items() if m is not None}
+        rows = self.table[(self.table[self.by] != self.baseline) & (self.table["speedup"] > 0)]
+        return {str(value): float(gmean(g["speedup"])) for value, g in rows.groupby(self.by, sort=True)}
 
     def summary(self) -> dict:
         """Flat facts about the comparison, for MLflow params/metrics or JSON."""

@@ -86,10 +86,3 @@ def versus(vals, base_vals, is_baseline: bool, higher: bool, speed: bool, n_boot
     else:
         verdict = WITHIN_NOISE
     return dict(speedup=speedup, ci_low=lo, ci_high=hi, verdict=verdict)
-
-
-def geomean(values) -> float | None:
-    """Geometric mean of the positive values; None when there are none."""
-    v = np.asarray(list(values), float)
-    v = v[v > 0]
-    return float(np.exp(np.mean(np.log(v)))) if len(v) else None
