@@ -211,9 +211,7 @@ def format_value(col: str, v) -> str:
 
 
 def _format_ci(lo, hi) -> str:
-    if lo is None or hi is None or pd.isna(lo) or pd.isna(hi):
-        return "-"
-    return f"[{lo:.2f}, {hi:.2f}]"
+    return "-" if pd.isna(lo) or pd.isna(hi) else f"[{lo:.2f}, {hi:.2f}]"
 
 
 def display(df: pd.DataFrame) -> pd.DataFrame:
@@ -222,7 +220,7 @@ def display(df: pd.DataFrame) -> pd.DataFrame:
 
 def readable(df: pd.DataFrame) -> pd.DataFrame:
     """``df`` without columns nobody recorded (all NaN); the CSV keeps the full schema."""
-    return df.loc[:, [c for c in df.columns if not df[c].isna().all()]] if len(df) else df
+    return df.dropna(axis=1, how="all") if len(df) else df
 
 
 _MARKDOWN_PUNCTUATION = re.compile(r"([\\`*\[\]|~])")  # code spans, emphasis, links, table cells, strikeouts

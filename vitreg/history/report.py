@@ -49,7 +49,7 @@ def about(result) -> list[str]:
 
 def summary_markdown(result, charts: list[str]) -> str:
     lines = ["# vitreg check", "", *about(result), "", *[f"- {line}" for line in result.lines()], "",
-             frame_markdown(_shown(result)), ""]
+             frame_markdown(result.table.filter(items=_SHOWN)), ""]
     for label, chart in zip(result.labels, charts):
         lines += [f"## {label}", "", f"![{label}]({chart})", ""]
     return "\n".join(lines)
@@ -58,15 +58,11 @@ def summary_markdown(result, charts: list[str]) -> str:
 def _summary_html(result, charts: list[str]) -> str:
     body = "".join(f"<p>{html.escape(line)}</p>" for line in about(result))
     body += "<ul>" + "".join(f"<li>{html.escape(line)}</li>" for line in result.lines()) + "</ul>"
-    body += frame_html(_shown(result))
+    body += frame_html(result.table.filter(items=_SHOWN))
     body += "".join(f"<h2>{html.escape(label)}</h2><img src='{chart}' alt='{html.escape(label)}'>"
                     for label, chart in zip(result.labels, charts))
     head = "<head><meta charset='utf-8'><title>vitreg check</title></head>"
     return f"<!doctype html><html>{head}<body>{body}</body></html>"
-
-
-def _shown(result):
-    return result.table[[c for c in _SHOWN if c in result.table]]
 
 
 def plot_series(result, index: int, path: Path) -> Path:
