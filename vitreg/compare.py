@@ -150,7 +150,7 @@ def collector_paused():
 def run_check(experiment: str, metric: str = "throughput_img_per_s", selection: Selection = Selection(),
               log_experiment: str | None = None, run_name: str | None = None, progress=progress):
     """Check the experiment's runs, print one line per series (regressions first), log the check run."""
-    from vitreg.history.report import about, write_check
+    from vitreg.history.check import about, write_check
 
     result, raw = check(experiment, metric, selection)
     experiment_id = str(raw["experiment_id"].iloc[0])
