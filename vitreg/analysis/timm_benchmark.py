@@ -57,7 +57,7 @@ def parse_timm_filename(name) -> dict:
     if tokens[0] != "benchmark":
         return out
     out["compile"] = "off"
-    device, after_cpu = [], False
+    device = []
     for tok in tokens[1:]:
         if tok in _TASKS and out["task"] is None:
             out["task"] = _TASKS[tok]
@@ -68,14 +68,14 @@ def parse_timm_filename(name) -> dict:
         elif re.fullmatch(r"pt\d{2,4}", tok):
             out["torch_version"] = _torch_version(tok[2:])
         elif re.fullmatch(r"cu\d{2,4}", tok):
-            out["cuda"] = _cuda_version(tok[2:])
+            out["cuda"] = f"{tok[2:-1]}.{tok[-1]}"  # cu124 -> 12.4, cu92 -> 9.2
         elif tok == "cpu":
-            out["gpu"], after_cpu = "cpu", True
+            out["gpu"] = "cpu"
         elif tok in _COMPILE_TOKENS:
             out["compile"] = "default"
         elif tok:
             device.append(tok)
-    if after_cpu:
+    if out["gpu"] == "cpu":
         out["cpu"] = "-".join(device) or None
     elif device:
         out["gpu"] = _gpu_label("-".join(device))
@@ -218,11 +218,6 @@ def _torch_version(digits: str) -> str:
         # timm published 1.10-1.13 as pt110..pt113; torch 1.1.x predates these result files.
         return f"1.{rest}"
     return f"{major}.{rest[:-1]}.{rest[-1]}" if len(rest) >= 2 else f"{major}.{rest}"
-
-
-def _cuda_version(digits: str) -> str:
-    """``124`` -> ``12.4``, ``130`` -> ``13.0``, ``92`` -> ``9.2``."""
-    return f"{digits[:-1]}.{digits[-1]}"
 
 
 def _gpu_label(text: str) -> str:
