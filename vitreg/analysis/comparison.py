@@ -96,10 +96,6 @@ class _Question:
     rng: np.random.Generator
     companions: tuple[str, ...]
 
-    @property
-    def speed(self) -> bool:
-        return BY_NAME[self.metric].speed
-
 
 def compare_runs(
     runs: pd.DataFrame,
@@ -164,8 +160,8 @@ def _block(config: dict, cfg_runs: pd.DataFrame, ask: _Question) -> list[dict]:
             row.update(speedup=np.nan, ci_low=np.nan, ci_high=np.nan, verdict=MISLABELLED)
         else:
             vals = groups[key][ask.metric].to_numpy(float)
-            row.update(versus(vals, base_vals, key == base_key, ask.higher, ask.speed, ask.n_boot, ask.rng,
-                              ask.confidence))
+            row.update(versus(vals, base_vals, key == base_key, ask.higher, BY_NAME[ask.metric].speed, ask.n_boot,
+                              ask.rng, ask.confidence))
             row["verdict"] += f" ({MISLABELLED})" if key[1] else ""
         row["baseline"] = ask.baseline
     return rows
