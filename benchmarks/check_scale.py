@@ -46,8 +46,7 @@ def _make(client, exp: str, keys: list[dict], start: int, stop: int, rng) -> Non
 
 def _timed_phases(experiment: str) -> dict[str, float]:
     from vitreg.compare import run_check
-    from vitreg.history.check import check_runs
-    from vitreg.history.series import Selection, carried_columns
+    from vitreg.history.check import Selection, carried_columns, check_runs
     from vitreg.tracking.search import benchmark_runs, tidy
 
     t0 = time.perf_counter()

@@ -7,8 +7,8 @@ import pandas as pd
 import pytest
 
 from vitreg.history.verdict import change_points
-from vitreg.history.check import check_runs, likely_cause
-from vitreg.history.series import CheckError, Selection, carried_columns, configuration_names, parse_tag
+from vitreg.analysis.frame import identity_options
+from vitreg.history.check import CheckError, Selection, carried_columns, check_runs, likely_cause, parse_tag
 from vitreg.history.verdict import (IMPROVED, NOISE_FLOOR, NOT_ENOUGH, REGRESSED, WITHIN_NOISE, judge,
                                     threshold_of)
 from vitreg.config.options import identity_names
@@ -67,7 +67,7 @@ def test_change_points_find_the_step_and_not_the_noise():
 
 
 def test_the_configuration_is_the_option_tables_identity():
-    names = configuration_names()
+    names = identity_options()
     assert set(identity_names("bench")) <= set(names) and "sdpa" in names and "seed" not in names
     assert set(names) <= set(carried_columns(Selection()))
 

@@ -1,9 +1,6 @@
-"""vitreg from Python: :func:`bench`, :func:`compare`, :func:`check` and :func:`runs` (``vitreg.api.bench(...)``).
-
-Each takes the options of the command of the same name (typed values or strings) and returns what the command
-computed; bad input raises :class:`~vitreg.errors.VitregError` with the CLI's one-line message. The heavy
-imports happen inside the calls, so ``import vitreg`` stays cheap. During a call, what the libraries print or log
-is masked as the CLI's output is (:func:`_masked`); the caller's streams and logging are theirs again after it.
+"""vitreg from Python: :func:`bench`, :func:`compare`, :func:`check` and :func:`runs`, each taking the options of
+the command of the same name and returning what it computed; bad input raises the CLI's one-line
+:class:`~vitreg.errors.VitregError`. Heavy imports happen inside the calls, so ``import vitreg`` stays cheap.
 
 Kept apart: a boundary, the names and signatures users' code calls.
 """
@@ -13,23 +10,21 @@ from __future__ import annotations
 import functools
 
 from vitreg.console import masked_output
+from vitreg.errors import VitregError
 
 
 def _masked(fn):
     """``fn`` with no credential of the tracking URI in anything printed or logged while it runs (MLflow's warnings
-    quote the URI with its password: :func:`vitreg.console.masked_output`), nor in what it raises: a store failure
-    no layer turned into one line becomes the CLI's one-line :class:`~vitreg.errors.VitregError`."""
+    quote the URI with its password), nor in what it raises (a store failure becomes the CLI's one line)."""
 
     @functools.wraps(fn)
     def call(*args, **kwargs):
         with masked_output():
             try:
                 return fn(*args, **kwargs)
+            except VitregError:
+                raise
             except Exception as exc:
-                from vitreg.errors import VitregError
-
-                if isinstance(exc, VitregError):
-                    raise
                 from vitreg.tracking.store import store_error_for
 
                 error = store_error_for(exc)
@@ -45,11 +40,8 @@ _BENCH_LAUNCHER = ("nnodes", "node_rank", "rdzv_endpoint", "baseline_run")  # be
 
 @_masked
 def bench(*, experiment: str | None = None, run_name: str | None = None, **options):
-    """Run one benchmark and log it as one MLflow run, as ``vitreg bench`` does; returns its BenchResult
-    (None in the launching process of an ``nproc > 1`` job: its ranks log).
-
-    ``vitreg.api.bench(model="deit_tiny_patch16_224", batch_size=8, task="infer", experiment="laptop")``
-    """
+    """Run one benchmark and log it as one MLflow run, as ``vitreg bench`` does; returns its BenchResult (None in
+    the launching process of an ``nproc > 1`` job: its ranks log)."""
     from vitreg.bench.job import bench as run_bench
     from vitreg.cli.common import check_first, launcher_options
     from vitreg.config.options import option
@@ -90,8 +82,7 @@ def check(experiment: str, metric: str = "throughput_img_per_s", window: int = 1
 
 @_masked
 def runs(experiment: str):
-    """The experiment's finished benchmark runs, one row per (run, task), metrics without their task prefix: the
-    frame ``vitreg runs --experiment NAME --csv`` writes."""
+    """The experiment's tidy frame, as ``vitreg runs --experiment NAME --csv`` writes it."""
     from vitreg.tracking.runs import check_server
     from vitreg.tracking.search import benchmark_runs, tidy
 
@@ -100,5 +91,4 @@ def runs(experiment: str):
 
 
 def _call_text(command: str, options: dict) -> str:
-    """``vitreg.api.bench(model='test_vit', batch_size=2)``: the call, as report.md's command block shows it."""
     return f"vitreg.api.{command}({', '.join(f'{k}={v!r}' for k, v in options.items())})"

@@ -1,7 +1,5 @@
-"""The jobs that read an experiment's runs back and log what they found beside them: ``compare``, ``check``,
-and ``import-timm`` (timm's published numbers as runs to compare with). Runs are read through
-:mod:`vitreg.tracking.search` and written through :mod:`vitreg.tracking.runs`; the statistics are
-:mod:`vitreg.analysis`'s and :mod:`vitreg.history`'s. Every input is checked before a run is opened.
+"""The jobs that read an experiment's runs back and log what they found beside them: ``compare``, ``check``, and
+``import-timm`` (timm's published numbers as runs to compare with). Every input is checked before a run is opened.
 """
 
 from __future__ import annotations
@@ -13,11 +11,11 @@ from pathlib import Path
 
 from vitreg.config.options import option
 from vitreg.console import progress
-from vitreg.errors import VitregError
-from vitreg.history.series import CheckError, Selection
+from vitreg.history.check import CheckError, Selection, parse_tag
 from vitreg.tracking import naming, runs as tracking
 
 TAG_LIMIT = 5000  # characters of a tag value (MLflow stores up to 8,000); the full lists are in runs_read.json
+PRICES_TAG = "vitreg_prices"  # the experiment's price table, LABEL=USD_PER_GPU_HOUR pairs: shared by the team
 
 
 # ---------------------------------------------------------------- compare
@@ -26,8 +24,8 @@ def run_compare(experiment: str, baseline: str | None = None, metric: str = "thr
                 run_name: str | None = None, log_experiment: str | None = None, by: str = "gpu",
                 include_mismatch: bool = False, prices: str = ""):
     """Compare the experiment's runs along ``by``; log the table and plots as artifacts of a compare run in
-    ``<experiment>/analysis`` (or ``log_experiment``). ``prices`` (:mod:`vitreg.analysis.cost`) adds the cost
-    per image and is kept in the experiment's ``vitreg_prices`` tag; left empty, that tag's are used."""
+    ``<experiment>/analysis`` (or ``log_experiment``). ``prices`` is kept in the experiment's tag for the next
+    compare; left empty, that tag's are used."""
     from vitreg.analysis.comparison import compare_runs
     from vitreg.analysis.cost import energy_and_cost, parse_prices, price_text, with_costs
     from vitreg.analysis.render import format_table
@@ -40,7 +38,10 @@ def run_compare(experiment: str, baseline: str | None = None, metric: str = "thr
     comparison = compare_runs(runs, baseline=baseline or None, metric=metric, by=by,
                               include_mismatch=include_mismatch)
     extra = energy_and_cost(runs, price_table, comparison.baseline, by, include_mismatch)
-    table = "\n".join([format_table(comparison), "", *_energy_and_cost_text(extra)])
+    # under the main table: each energy and cost comparison's table, then what to say of them
+    lines = [format_table(comparison), ""] + (["energy and cost (vitreg.analysis.cost):"] if extra.comparisons else [])
+    lines += [line for each in extra.comparisons.values() for line in (format_table(each), "")]
+    table = "\n".join(lines + [f"- {line}" for line in extra.lines])
     with tempfile.TemporaryDirectory(prefix="vitreg-compare-") as tmp:
         files = write_report(comparison, tmp) + _extra_reports(extra, Path(tmp), write_report)
         filed = log_experiment or naming.analysis_experiment(experiment)
@@ -59,21 +60,8 @@ def run_compare(experiment: str, baseline: str | None = None, metric: str = "thr
     return comparison
 
 
-PRICES_TAG = "vitreg_prices"  # the experiment's price table, LABEL=USD_PER_GPU_HOUR pairs: shared by the team
-
-
-def _energy_and_cost_text(extra) -> list[str]:
-    """The energy and cost block under the main table: the conditions, each comparison's table, its sentences."""
-    from vitreg.analysis.render import format_table
-
-    lines = ["energy and cost (vitreg.analysis.cost):"] if extra.comparisons else []
-    for comparison in extra.comparisons.values():
-        lines += [format_table(comparison), ""]
-    return lines + [f"- {line}" for line in extra.lines]
-
-
 def _extra_reports(extra, tmp: Path, write_report) -> list[Path]:
-    """Each energy or cost comparison's report under energy_and_cost/<metric>/, and the sentences in its summary.md."""
+    """Each energy or cost comparison's report under energy_and_cost/<metric>/, the sentences in its summary.md."""
     files = []
     for metric, comparison in extra.comparisons.items():
         files += write_report(comparison, tmp / "energy_and_cost" / metric)
@@ -111,8 +99,6 @@ def import_timm(path: str, gpu: str | None = None, amp: str | None = None, exper
     """Log each row of a timm ``benchmark.py`` CSV as a run tagged ``source=timm``; returns the run ids."""
     from vitreg.analysis.timm_benchmark import read_timm_csv
 
-    if not Path(path).is_file():
-        raise VitregError(f"{path}: no such file: pass the path of a timm benchmark.py results CSV")
     records = read_timm_csv(path, gpu, amp=amp)  # parsed and checked in full before anything is logged
     tracking.check_server()
     ids, experiment_name = [], experiment
@@ -131,18 +117,13 @@ def import_timm(path: str, gpu: str | None = None, amp: str | None = None, exper
 # ---------------------------------------------------------------- check
 
 def selection_of(window, candidate, candidate_tag, baseline_tag) -> Selection:
-    """The check's :class:`~vitreg.history.series.Selection` from the command's text values."""
-    from vitreg.history.series import parse_tag
-
     return Selection(window=option("check", "window").parse(window), candidate=(candidate or "").strip() or None,
                      candidate_tag=parse_tag(candidate_tag, "--candidate-tag"),
                      baseline_tag=parse_tag(baseline_tag, "--baseline-tag"))
 
 
 def check(experiment: str, metric: str = "throughput_img_per_s", selection: Selection = Selection(), seed: int = 0):
-    """The :class:`~vitreg.history.check.CheckResult` of the experiment's runs, logging nothing."""
-    from vitreg.history.check import check_runs
-    from vitreg.history.series import carried_columns
+    from vitreg.history.check import carried_columns, check_runs
     from vitreg.tracking.search import benchmark_runs, tidy
 
     tracking.check_server()
@@ -168,9 +149,8 @@ def collector_paused():
 
 def run_check(experiment: str, metric: str = "throughput_img_per_s", selection: Selection = Selection(),
               log_experiment: str | None = None, run_name: str | None = None, progress=progress):
-    """Check the experiment's runs, print one line per series (regressions first), log the check run; returns
-    the result (its ``exit_code``: 0 nothing regressed, 1 something did, 3 some series could not be judged)."""
-    from vitreg.history.report import about, write_check
+    """Check the experiment's runs, print one line per series (regressions first), log the check run."""
+    from vitreg.history.check import about, write_check
 
     result, raw = check(experiment, metric, selection)
     experiment_id = str(raw["experiment_id"].iloc[0])
@@ -213,12 +193,10 @@ def _log_check(run, result, experiment: str, files: list[Path]) -> None:
 
 
 def _outcome(result) -> str:
-    """The check's outcome in a word: ``ok``, ``regressed`` or ``cannot judge`` (its exit code 0, 1, 3)."""
     return {1: "regressed", 3: "cannot judge"}.get(result.exit_code, "ok")
 
 
 def _require_finished(raw, run_id: str, experiment: str) -> None:
-    """CheckError unless ``run_id`` is a FINISHED benchmark run of the experiment."""
     match = raw[raw["run_id"] == run_id] if "run_id" in raw else raw.iloc[0:0]
     if match.empty:
         raise CheckError(f"--candidate {run_id}: no such benchmark run in experiment {experiment!r}: pass the "
@@ -230,7 +208,7 @@ def _require_finished(raw, run_id: str, experiment: str) -> None:
 
 
 def _linked(row, experiment_id: str) -> str:
-    """A verdict line with a link to its candidate run in the MLflow UI (the note is rendered as markdown)."""
+    """A verdict line with a link to its candidate run in the MLflow UI (the note is markdown)."""
     from vitreg.history.check import verdict_line
 
     run_id = row["candidate_runs"].split(",")[0]

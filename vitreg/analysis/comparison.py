@@ -1,9 +1,6 @@
-"""Compare recorded benchmark runs along one axis (the GPU by default; or torch versions, compile modes, ...),
-configuration by configuration: speedups against a baseline value, multi-process scaling, what torch.compile /
-AMP buy. Mislabelled runs (filed under a GPU that did not run them) are shown, marked, and kept out of speedups
-and verdicts unless asked for. Pure functions over the tidy runs frame (:mod:`vitreg.analysis.frame`); whether a
-difference is real is :mod:`vitreg.analysis.stats`' call, the rendering :mod:`vitreg.analysis.render`'s.
-"""
+"""Compare recorded runs along one axis (the GPU by default), configuration by configuration: speedups against a
+baseline value, multi-process scaling, what torch.compile / AMP buy. Mislabelled runs are shown, marked, and kept
+out of speedups and verdicts unless asked for. Pure functions over the tidy runs frame."""
 
 from __future__ import annotations
 
@@ -15,7 +12,7 @@ import pandas as pd
 from vitreg.analysis.frame import (CHOSEN_COLUMNS, CONDITION_COLUMNS, DEFAULT_AXIS, GRANT_COLUMNS, HARDWARE_COLUMNS,
                                    MISSING, SCALED_COLUMNS, SHARED_METRICS, CompareError, config_columns, group_columns,
                                    id_columns, require_tidy)
-from vitreg.analysis.stats import MISLABELLED, cv, geomean, improvement, spread, versus
+from vitreg.analysis.stats import MISLABELLED, cv, improvement, spread, versus
 from vitreg.measure.energy import FLAGS, suspect_flags
 from vitreg.measure.metrics import BY_NAME, HIGHER, LOWER
 
@@ -28,12 +25,8 @@ COMPANIONS = ("throughput_img_per_s", "latency_ms_p50", "step_ms_p50", "peak_mem
 
 @dataclass
 class Comparison:
-    """The result of :func:`compare_runs`. ``table``: one row per (configuration, axis value, mislabelled or
-    not): the configuration columns, ``gpu``, the axis, ``n_runs``, ``sources``, :data:`HARDWARE_COLUMNS`,
-    ``flags`` (what makes its runs' figures suspect; NaN: nothing), ``<metric>_median/_min/_max/_cv/_spread``,
-    the companions' medians and, against a baseline, ``baseline``, ``speedup`` (>1 is better, whichever way the
-    metric goes), ``ci_low``, ``ci_high`` and ``verdict``.
-    ``values``: the axis values, the baseline first; ``gpus``: the runs' GPU labels; ``runs``: the tidy rows."""
+    """The result of :func:`compare_runs`: ``table`` has one row per (configuration, axis value, mislabelled or
+    not); ``speedup`` > 1 is better whichever way the metric goes. ``values``: the axis values, the baseline first."""
 
     table: pd.DataFrame
     metric: str
@@ -70,18 +63,16 @@ class Comparison:
         return self.table[self.table["mismatch"]]
 
     def geomean_speedup(self) -> dict[str, float]:
-        """Per non-baseline axis value, the geometric mean speedup over configurations both ran.
+        """Per non-baseline axis value, the geometric mean speedup over configurations both ran."""
+        from scipy.stats import gmean
 
-        A one-number summary for tags/metrics; the per-configuration rows stay the real answer.
-        """
         if self.baseline is None:
             return {}
-        rows = self.table[(self.table[self.by] != self.baseline) & self.table["speedup"].notna()]
-        means = {str(value): geomean(g["speedup"]) for value, g in rows.groupby(self.by, sort=True)}
-        return {value: m for value, m in means.items() if m is not None}
+        rows = self.table[(self.table[self.by] != self.baseline) & (self.table["speedup"] > 0)]
+        return {str(value): float(gmean(g["speedup"])) for value, g in rows.groupby(self.by, sort=True)}
 
     def summary(self) -> dict:
-        """Flat facts about the comparison, convenient for MLflow params/metrics or JSON."""
+        """Flat facts about the comparison, for MLflow params/metrics or JSON."""
         cfg = self.table[list(config_columns())].drop_duplicates()
         return {"metric": self.metric, "by": self.by, "baseline": self.baseline, "values": list(self.values),
                 "gpus": list(self.gpus), "n_runs": int(self.runs["run_id"].nunique()),
@@ -105,10 +96,6 @@ class _Question:
     rng: np.random.Generator
     companions: tuple[str, ...]
 
-    @property
-    def speed(self) -> bool:
-        return BY_NAME[self.metric].speed
-
 
 def compare_runs(
     runs: pd.DataFrame,
@@ -120,14 +107,11 @@ def compare_runs(
     by: str = DEFAULT_AXIS,
     include_mismatch: bool = False,
 ) -> Comparison:
-    """Compare the tidy frame's ``runs`` along ``by`` (the GPU, or any column it carries: ``torch_version``,
-    ``compile``, ...): grouped by every configuration column, ``gpu`` and the grant (:data:`GRANT_COLUMNS`) but
-    ``by``, each (group, axis value) summarised by the median of ``metric`` and its spread, and with
-    ``baseline`` (an axis value, matched case-blind) a speedup against its runs of the same configuration, with
-    a bootstrap interval and a verdict (:func:`vitreg.analysis.stats.versus`: ``n_boot`` resamples, ``seed``,
-    ``confidence``). Mislabelled runs are
-    rows of their own with no speedup (verdict "mislabelled") and no baseline, unless ``include_mismatch``.
-    :class:`CompareError` names the fix for an empty frame, an unknown metric, axis or baseline."""
+    """Compare the tidy frame's ``runs`` along ``by`` (the GPU, or any column it carries), grouped by
+    :func:`~vitreg.analysis.frame.group_columns`: each group's median of ``metric`` and its spread, and with
+    ``baseline`` (an axis value, matched case-blind) a speedup with a bootstrap interval and a verdict
+    (:func:`vitreg.analysis.stats.versus`). Mislabelled runs are rows of their own with no speedup (verdict
+    "mislabelled"), unless ``include_mismatch``."""
     if n_boot < 100:
         raise CompareError(f"n_boot={n_boot} is too few bootstrap resamples; use at least 100 (default 2000)")
     if not 0.5 <= confidence < 1:
@@ -164,23 +148,22 @@ def _block(config: dict, cfg_runs: pd.DataFrame, ask: _Question) -> list[dict]:
                      if k in groups and (ask.include_mismatch or not k[1])), None)
     base_vals = groups[base_key][ask.metric].to_numpy(float) if base_key else None
     # Baseline first, then honest rows best-first, then mislabelled ones, so each block reads top-down.
-    order = sorted(groups, key=lambda k: (k != base_key, k[1], _sort_value(groups[k][ask.metric], ask.higher)))
+    sign = -1 if ask.higher else 1
+    order = sorted(groups, key=lambda k: (k != base_key, k[1], sign * float(groups[k][ask.metric].median())))
     rows = []
     for key in order:
         row = _summary_row({**config, ask.by: key[0]}, groups[key], ask)
+        rows.append(row)
         if ask.baseline is None:
-            rows.append(row)
             continue
         if key[1] and not ask.include_mismatch:
             row.update(speedup=np.nan, ci_low=np.nan, ci_high=np.nan, verdict=MISLABELLED)
         else:
             vals = groups[key][ask.metric].to_numpy(float)
-            row.update(versus(vals, base_vals, key == base_key, ask.higher, ask.speed, ask.n_boot, ask.rng,
-                              ask.confidence))
-            if key[1]:
-                row["verdict"] += f" ({MISLABELLED})"
+            row.update(versus(vals, base_vals, key == base_key, ask.higher, BY_NAME[ask.metric].speed, ask.n_boot,
+                              ask.rng, ask.confidence))
+            row["verdict"] += f" ({MISLABELLED})" if key[1] else ""
         row["baseline"] = ask.baseline
-        rows.append(row)
     return rows
 
 
@@ -192,19 +175,15 @@ def _along(measured: pd.DataFrame, by: str) -> pd.DataFrame:
             f"no run records {by!r} (as a tag or param); compare --by gpu (the default) or another tag or "
             "param the runs carry: torch_version, timm_version, vitreg_git_sha, compile, amp, batch_size"
         )
-    out = measured.copy()
-    out[by] = [MISSING if v is None or v is pd.NA or v != v else str(v) for v in out[by].astype(object)]
-    return out
+    return measured.assign(**{by: measured[by].astype(str).where(measured[by].notna(), MISSING)})
 
 
 def _measured(runs: pd.DataFrame, metric: str) -> pd.DataFrame:
     measured = runs[runs[metric].notna()]
     if measured.empty:
-        have = sorted(runs["task"].unique())
         raise CompareError(
-            f"no finished run recorded {metric} (runs have task {', '.join(have)}); pick a metric "
-            f"of those tasks, e.g. {'latency_ms_p50' if (runs['task'] == 'infer').any() else 'step_ms_p50'}"
-        )
+            f"no finished run recorded {metric} (runs have task {', '.join(sorted(runs['task'].unique()))}); pick a "
+            f"metric of those tasks, e.g. {'latency_ms_p50' if (runs['task'] == 'infer').any() else 'step_ms_p50'}")
     return measured
 
 
@@ -222,29 +201,18 @@ def _baseline(baseline: str | None, values: list[str], metric: str, by: str) -> 
 
 def _summary_row(row: dict, grp: pd.DataFrame, ask: _Question) -> dict:
     """One (configuration, axis value) group: its runs' median and spread of the metric, companions' medians."""
-    metric = ask.metric
-    vals = grp[metric].to_numpy(float)
-    row = dict(row)
-    row.update(
-        n_runs=int(len(vals)),
-        sources="+".join(sorted(grp["source"].astype(str).unique())),
-        mismatch=bool(grp["mismatch"].any()),
-        ran_on="+".join(sorted(grp["ran_on"].dropna().astype(str).unique())) or np.nan,
-        shared_host=_most(grp.get("children_on_host")),  # the most sweep children that shared a run's host
-        shared_node=_share(grp.get("on_shared_node")),
-        batch_chosen="/".join(sorted(grp["batch_chosen"].dropna().astype(str).unique(), key=int)) or np.nan,
-        flags=_flags(grp),
-        **{
-            f"{metric}_median": float(np.median(vals)),
-            f"{metric}_min": float(vals.min()),
-            f"{metric}_max": float(vals.max()),
-            f"{metric}_cv": cv(vals),
-            f"{metric}_spread": spread(vals),
-        },
-    )
-    for m in ask.companions:
-        row[m] = float(grp[m].median()) if grp[m].notna().any() else np.nan
-    return row
+    m, vals = ask.metric, grp[ask.metric].to_numpy(float)
+    # sweep children: the most that shared a run's host; with share_node=true, how many runs may have shared it
+    shared = pd.Series(grp.get("on_shared_node", []), dtype=object) == "true"
+    return {**row, "n_runs": len(vals), "sources": "+".join(sorted(grp["source"].astype(str).unique())),
+            "mismatch": bool(grp["mismatch"].any()),
+            "ran_on": "+".join(sorted(grp["ran_on"].dropna().astype(str).unique())) or np.nan,
+            "shared_host": grp.get("children_on_host", pd.Series(dtype=float)).astype(float).max(),
+            "shared_node": np.nan if not shared.any() else "yes" if shared.all() else f"{shared.sum()}/{len(shared)}",
+            "batch_chosen": "/".join(sorted(grp["batch_chosen"].dropna().astype(str).unique(), key=int)) or np.nan,
+            "flags": _flags(grp), f"{m}_median": float(np.median(vals)), f"{m}_min": float(vals.min()),
+            f"{m}_max": float(vals.max()), f"{m}_cv": cv(vals), f"{m}_spread": spread(vals),
+            **{c: float(grp[c].median()) if grp[c].notna().any() else np.nan for c in ask.companions}}
 
 
 def _flags(grp: pd.DataFrame) -> str | float:
@@ -266,18 +234,6 @@ def suspect_masks(runs: pd.DataFrame) -> dict[str, pd.Series]:
     return {word: pd.Series([word in f for f in flags], index=runs.index, dtype=bool) for word in FLAGS}
 
 
-def _share(on_shared) -> str | float:
-    """``yes`` when every run of the group may have shared its node with other sweep children (its
-    ``sweep_shared_node`` tag is true: share_node=true), ``K/N`` when K of them; NaN when none."""
-    on = pd.Series([] if on_shared is None else on_shared, dtype=object) == "true"
-    return np.nan if not on.any() else "yes" if on.all() else f"{int(on.sum())}/{len(on)}"
-
-
-def _most(values) -> float:
-    values = pd.Series([] if values is None else values).dropna()
-    return float(values.max()) if len(values) else np.nan
-
-
 def _table(rows: list[dict], ask: _Question) -> pd.DataFrame:
     table = pd.DataFrame(rows)
     identity = list(dict.fromkeys([*group_columns(), ask.by]))
@@ -290,11 +246,6 @@ def _table(rows: list[dict], ask: _Question) -> pd.DataFrame:
         if key != ask.by:  # the axis stays as the strings the baseline was matched against
             table[key] = table[key].astype("Int64")
     return table.reset_index(drop=True)
-
-
-def _sort_value(s: pd.Series, higher: bool) -> float:
-    med = float(s.median())
-    return -med if higher else med
 
 
 def _polarity(metric: str, runs: pd.DataFrame) -> bool:
@@ -312,74 +263,59 @@ def _polarity(metric: str, runs: pd.DataFrame) -> bool:
     return declared.better == HIGHER
 
 
-# --------------------------------------------------------------------------------------------
-# scaling and compile/amp gains
+# ---------------------------------------------------------------- scaling and compile/amp gains
+
+def _paired(runs: pd.DataFrame, metric: str, include_mismatch: bool, along: tuple[str, ...]):
+    """``(keys, groups)``: the runs with ``metric`` grouped by configuration and GPU but the columns ``along``, and
+    by ``mismatch``: mislabelled runs are left out unless ``include_mismatch`` (then paired among themselves)."""
+    keys = [k for k in group_columns() if k not in along] + ["mismatch"]
+    runs = runs[runs[metric].notna() & (include_mismatch | ~runs["mismatch"])]
+    return keys, runs.groupby(keys, dropna=False, sort=True)
 
 
-def _honest(runs: pd.DataFrame, include_mismatch: bool) -> pd.DataFrame:
-    """The runs whose hardware is their label (all runs with ``include_mismatch``)."""
-    return runs if include_mismatch else runs[~runs["mismatch"]]
+def _frame(rows: list[dict], columns: list[str]) -> pd.DataFrame:
+    return pd.DataFrame(rows, columns=columns).astype({"nproc": "Int64", "batch_size": "Int64", "img_size": "Int64"})
 
 
 def scaling_efficiency(runs: pd.DataFrame, metric: str = "throughput_img_per_s",
                        include_mismatch: bool = False) -> pd.DataFrame:
-    """Weak scaling of train runs: grouped by configuration but :data:`SCALED_COLUMNS` and GPU, for every
-    ``nproc`` N of a group with some N > 1, ``speedup_vs_1 = median(N) / median(1)`` and ``efficiency =
-    speedup_vs_1 / N`` (NaN without a single-process run). Mislabelled runs left out (``include_mismatch``:
-    they scale among themselves, marked)."""
-    keys = [k for k in group_columns() if k not in SCALED_COLUMNS] + ["mismatch"]
-    columns = keys + ["nproc", "ddp", "n_runs", f"{metric}_median", "speedup_vs_1", "efficiency"]
+    """Weak scaling of train runs: per configuration but :data:`SCALED_COLUMNS` with some ``nproc`` N > 1,
+    ``speedup_vs_1 = median(N) / median(1)`` and ``efficiency = speedup_vs_1 / N`` (NaN without a single-process
+    run)."""
     require_tidy(runs)
-    train = _honest(runs, include_mismatch)
-    train = train[(train["task"] == "train") & train[metric].notna()]
+    keys, groups = _paired(runs[runs["task"] == "train"], metric, include_mismatch, SCALED_COLUMNS)
     rows = []
-    for key, grp in train.groupby(keys, dropna=False, sort=True):
+    for key, grp in groups:
         if not (grp["nproc"] > 1).any():
             continue
         # every DDP setting (ddp column) of N > 1 scales from the same single-process runs
         stats = grp.groupby(["nproc", "ddp"])[metric].agg(["median", "count"]).sort_index()
-        ones = grp.loc[grp["nproc"] == 1, metric]
-        one = float(ones.median()) if len(ones) else np.nan
+        one = float(grp.loc[grp["nproc"] == 1, metric].median())  # NaN without one
         for (n, ddp), (med, count) in stats.iterrows():
-            rows.append(dict(zip(keys, key), nproc=int(n), ddp=ddp, n_runs=int(count),
-                             **{f"{metric}_median": float(med)}, speedup_vs_1=float(med / one) if one == one else np.nan,
-                             efficiency=float(med / (n * one)) if one == one else np.nan))
-    out = pd.DataFrame(rows, columns=columns)
-    return out.astype({"nproc": "Int64", "batch_size": "Int64", "img_size": "Int64"})
+            rows.append(dict(zip(keys, key), nproc=int(n), ddp=ddp, n_runs=int(count), **{f"{metric}_median": med},
+                             speedup_vs_1=med / one, efficiency=med / (n * one)))
+    return _frame(rows, keys + ["nproc", "ddp", "n_runs", f"{metric}_median", "speedup_vs_1", "efficiency"])
 
 
 def compile_amp_gains(runs: pd.DataFrame, metric: str = "throughput_img_per_s",
                       include_mismatch: bool = False) -> pd.DataFrame:
-    """What ``torch.compile`` and mixed precision buy, per configuration (but ``amp`` and ``compile``) and GPU:
-    medians of ``metric`` paired where both sides exist, ``change="compile=<mode>"`` (``held="amp=<x>"``) against
-    compile off, ``"amp=<dtype>"`` against amp off, ``"amp=<dtype>+compile=<mode>"`` against neither; ``speedup``
-    > 1 means the change helped. Mislabelled runs left out (``include_mismatch``: paired among themselves)."""
-    keys = [k for k in group_columns() if k not in GAINED_COLUMNS] + ["mismatch"]
-    columns = keys + ["change", "held", "base_median", "new_median", "speedup", "n_base", "n_new"]
+    """What ``torch.compile`` and mixed precision buy, per configuration but ``amp`` and ``compile``: medians of
+    ``metric`` paired where both sides exist, ``change="compile=<mode>"`` (``held="amp=<x>"``) against compile
+    off, ``"amp=<dtype>"`` against amp off, ``"amp=<dtype>+compile=<mode>"`` against neither; ``speedup`` > 1:
+    the change helped."""
     require_tidy(runs)
     higher = _polarity(metric, runs)
-    runs = _honest(runs, include_mismatch)
-    runs = runs[runs[metric].notna()]
+    keys, groups = _paired(runs, metric, include_mismatch, GAINED_COLUMNS)
     rows = []
-    for key, grp in runs.groupby(keys, dropna=False, sort=True):
-        stats = grp.groupby(["amp", "compile"])[metric].agg(["median", "count"])
-        cells = {idx: (float(r["median"]), int(r["count"])) for idx, r in stats.iterrows()}
-
-        def add(change, held, base_idx, new_idx):
-            if base_idx in cells and new_idx in cells:
-                (bm, bn), (nm, nn) = cells[base_idx], cells[new_idx]
-                rows.append(dict(zip(keys, key), change=change, held=held, base_median=bm,
-                                 new_median=nm, speedup=improvement(nm, bm, higher),
-                                 n_base=bn, n_new=nn))
-
-        for amp, comp in sorted(cells):
-            if comp != "off":
-                add(f"compile={comp}", f"amp={amp}", (amp, "off"), (amp, comp))
-        for amp, comp in sorted(cells):
-            if amp != "off":
-                add(f"amp={amp}", f"compile={comp}", ("off", comp), (amp, comp))
-        for amp, comp in sorted(cells):
-            if amp != "off" and comp != "off":
-                add(f"amp={amp}+compile={comp}", "-", ("off", "off"), (amp, comp))
-    out = pd.DataFrame(rows, columns=columns)
-    return out.astype({"nproc": "Int64", "batch_size": "Int64", "img_size": "Int64"})
+    for key, grp in groups:
+        cells = grp.groupby(["amp", "compile"])[metric].agg(["median", "count"]).sort_index()
+        pairs = [(f"compile={c}", f"amp={a}", (a, "off"), (a, c)) for a, c in cells.index if c != "off"]
+        pairs += [(f"amp={a}", f"compile={c}", ("off", c), (a, c)) for a, c in cells.index if a != "off"]
+        pairs += [(f"amp={a}+compile={c}", "-", ("off", "off"), (a, c)) for a, c in cells.index
+                  if a != "off" and c != "off"]
+        for change, held, base, new in pairs:
+            if base in cells.index:
+                (bm, bn), (nm, nn) = cells.loc[base], cells.loc[new]
+                rows.append(dict(zip(keys, key), change=change, held=held, base_median=bm, new_median=nm,
+                                 speedup=improvement(nm, bm, higher), n_base=int(bn), n_new=int(nn)))
+    return _frame(rows, keys + ["change", "held", "base_median", "new_median", "speedup", "n_base", "n_new"])

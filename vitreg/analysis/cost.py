@@ -1,10 +1,8 @@
 """Which GPU is cheapest per image, and which gives the most images per joule, with compare's verdicts.
 
-Prices per GPU-hour come from the user (vitreg ships none): ``--prices h200=3.50,l4=0.80`` or a CSV
-(``gpu,usd_per_hour``) or TOML file. A run's ``usd_per_1m_img`` = price x GPUs / 3600 / img/s x 1e6; it and
-``img_per_j`` are compared as any metric (:func:`vitreg.analysis.comparison.compare_runs`) and said in a sentence
-per GPU. What the runs' windows met (throttling, a busy host) is said once where all share it, marked where they
-differ (:func:`condition_lines`). Pure: no MLflow here.
+Prices per GPU-hour come from the user (vitreg ships none): ``--prices h200=3.50,l4=0.80`` or a CSV or TOML
+file. A run's ``usd_per_1m_img`` = price x GPUs / 3600 / img/s x 1e6; it and ``img_per_j`` are compared as any
+metric and said in a sentence per GPU, with what the runs' timed windows met (:func:`condition_lines`).
 """
 
 from __future__ import annotations
@@ -92,18 +90,14 @@ def price_text(prices: dict[str, float]) -> str:
 
 def with_costs(runs: pd.DataFrame, prices: dict[str, float]) -> pd.DataFrame:
     """The tidy frame with ``usd_per_1m_img`` for every run whose GPU label has a price (NaN elsewhere)."""
-    out = runs.copy()
-    price = out["gpu"].astype(str).str.lower().map(prices).astype(float)
-    gpus = pd.to_numeric(out["nproc"], errors="coerce").fillna(1).astype(float)
-    rate = pd.to_numeric(out["throughput_img_per_s"], errors="coerce").where(lambda r: r > 0)
-    out[COST] = price * gpus / 3600 / rate * 1e6
-    return out
+    price = runs["gpu"].astype(str).str.lower().map(prices).astype(float)
+    gpus = pd.to_numeric(runs["nproc"], errors="coerce").fillna(1).astype(float)
+    rate = pd.to_numeric(runs["throughput_img_per_s"], errors="coerce").where(lambda r: r > 0)
+    return runs.assign(**{COST: price * gpus / 3600 / rate * 1e6})
 
 
 @dataclass
 class EnergyAndCost:
-    """The comparisons of ``img_per_j`` and ``usd_per_1m_img`` that the runs allow, and what to say of them."""
-
     comparisons: dict = field(default_factory=dict)  # metric -> Comparison
     lines: list = field(default_factory=list)
 
@@ -111,7 +105,7 @@ class EnergyAndCost:
 def energy_and_cost(runs: pd.DataFrame, prices: dict[str, float], baseline: str | None, by: str = DEFAULT_AXIS,
                     include_mismatch: bool = False) -> EnergyAndCost:
     """Compare images per joule (where runs logged it) and, with ``prices``, USD per million images, against
-    ``baseline`` where it has such runs; sentences with the ratios, intervals and verdicts."""
+    ``baseline`` where it has such runs."""
     out = EnergyAndCost(lines=condition_lines(runs))
     frames = {ENERGY: runs}
     if prices:
@@ -139,9 +133,9 @@ _VERDICT = {COST: {BETTER: "cheaper", WORSE: "dearer"}, ENERGY: {BETTER: "more e
 
 
 def sentences(c: Comparison) -> list[str]:
-    """One sentence per (configuration, GPU) compared with the baseline: the factor, interval and verdict, e.g.
-    "on vit_base_patch16_224 infer (batch 256), the l4 is 2.30x cheaper per image than the h200 ($ 0.04 per 1M
-    images), 95 % interval [2.10, 2.52]x: cheaper". The interval is of the factor as said (cheaper or dearer)."""
+    """One sentence per (configuration, GPU) compared with the baseline: "on vit_base_patch16_224 infer (batch
+    256), the l4 is 2.30x cheaper per image than the h200 ($ 0.04 per 1M images), 95 % interval [2.10, 2.52]x:
+    cheaper". The interval is of the factor as said (cheaper or dearer)."""
     metric, lines = c.metric, []
     said, value = _SAY[metric]
     for _, r in c.table.iterrows():
@@ -161,8 +155,7 @@ def sentences(c: Comparison) -> list[str]:
 
 def condition_lines(runs: pd.DataFrame) -> list[str]:
     """What the runs' timed windows met: a throttle state all share said once (the software power cap is heavy
-    work's normal state on an H200), one that differs between GPUs marked, heat or hardware brakes always
-    flagged, runs taken on a busy host named, and runs of eager fp8 (its known slow path)."""
+    work's normal state on an H200), one that differs between GPUs marked, the runs of every suspect flag named."""
     lines = []
     seen = runs.dropna(subset=["throttle"]) if "throttle" in runs else runs.iloc[0:0]
     states = sorted(set(seen["throttle"].astype(str)))
@@ -177,25 +170,21 @@ def condition_lines(runs: pd.DataFrame) -> list[str]:
     if len(hot):
         lines.append(f"THROTTLED by heat or a hardware brake: {len(hot)} run(s): "
                      + ", ".join(f"{r.run_id} ({r.gpu}: {r.throttle})" for r in hot.itertuples()))
-    busy = runs[suspect["busy host"]]
-    if len(busy):
-        lines.append(f"BUSY HOST: {busy['run_id'].nunique()} run(s) measured while other processes loaded the host "
-                     f"(their figures may be low): " + ", ".join(sorted(set(busy["run_id"]))))
-    wide = runs[suspect["wide spread"]]
-    if len(wide):
-        lines.append(f"SPREAD: {wide['run_id'].nunique()} run(s) whose window spread was over {SPREAD_LIMIT:.0%} "
-                     f"(the windows' CV): " + ", ".join(sorted(set(wide["run_id"]))))
-    eager = runs[suspect["eager fp8"]]
-    if len(eager):
-        lines.append(f"EAGER FP8: {eager['run_id'].nunique()} run(s) ran fp8 without compile, about half of bf16's "
-                     f"speed on an H200 (--compile default fuses the quantize steps): "
-                     + ", ".join(sorted(set(eager["run_id"]))))
+    for flag, said in (("busy host", "BUSY HOST: {} run(s) measured while other processes loaded the host (their "
+                                      "figures may be low)"),
+                       ("wide spread", f"SPREAD: {{}} run(s) whose window spread was over {SPREAD_LIMIT:.0%} (the "
+                                       "windows' CV)"),
+                       ("eager fp8", "EAGER FP8: {} run(s) ran fp8 without compile, about half of bf16's speed on an "
+                                     "H200 (--compile default fuses the quantize steps)")):
+        ids = sorted(set(runs.loc[suspect[flag], "run_id"]))
+        if ids:
+            lines.append(said.format(len(ids)) + ": " + ", ".join(ids))
     return lines + grant_lines(runs)
 
 
 def grant_lines(runs: pd.DataFrame) -> list[str]:
     """One line when the runs compared were granted different CPUs or torch threads (their rows are kept apart:
-    a CPU figure moves 20-90x with them): each grant and how many runs had it; none when all had one grant."""
+    a CPU figure moves 20-90x with them): each grant and how many runs had it."""
     if any(c not in runs for c in GRANT_COLUMNS):
         return []
     grants = runs.drop_duplicates("run_id")[list(GRANT_COLUMNS)].astype(object)

@@ -1,12 +1,6 @@
 """The comparison's charts: the metric along the compared axis per configuration, and what compile / AMP buy;
-and one run's step anatomy (``profile=true``: where a step's time goes per kernel class).
-
-Matplotlib's object API with an explicit Agg canvas: no pyplot global state and no GUI backend,
-so this works headless and does not change the caller's matplotlib backend. Every chart is meant
-to be read at a glance: constrained layout keeps the title, labels and legend inside the figure,
-the axis says its unit, ticks are plain numbers, every bar carries its value, and mislabelled runs
-are hatched and named as such in the legend.
-"""
+and one run's step anatomy (``profile=true``). Matplotlib's object API with an explicit Agg canvas: no pyplot
+global state, no GUI backend, the caller's matplotlib backend unchanged."""
 
 from __future__ import annotations
 
@@ -29,11 +23,13 @@ LOG_AXIS_RATIO = 30
 MISLABELLED_HATCH = "//"
 
 
-def _figure(width: float, height: float):
+def figure(width: float, height: float, dpi: int = DPI, layout: str | None = "constrained"):
+    """A figure on its own Agg canvas (``layout=None``: fixed margins, drawn once where a constrained one is drawn
+    twice)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(width, height), dpi=DPI, layout="constrained")
+    fig = Figure(figsize=(width, height), dpi=dpi, layout=layout)
     FigureCanvasAgg(fig)
     return fig
 
@@ -56,7 +52,7 @@ _SHORT = {"batch_size": "bs", "img_size": "img", "nproc": "x"}  # bs64, img224, 
 
 def _varying(t: pd.DataFrame, keys: list[str]) -> dict[str, list[str]]:
     """Per task, the keys (but the model) whose values differ between its rows, and ``task`` where the rows'
-    tasks differ: what a label names. A training option is no key of an inference label."""
+    tasks differ: what a label names."""
     blocks = by_task(t)
     tasks = ["task"] if len(blocks) > 1 else []
     return {str(b["task"].iloc[0]) if "task" in b and len(b) else "": tasks + [
@@ -70,8 +66,8 @@ def _label_bit(key: str, value) -> str:
 
 
 def _config_labels(t: pd.DataFrame, keys: list[str]) -> list[str]:
-    """Short labels for configurations, naming only the keys that vary between those of its task and the task
-    where there are several; a value that does not apply to the row (``-``) or was not recorded is left out."""
+    """Short labels for configurations: the keys that vary within its task, less a value that does not apply to
+    the row (``-``) or was not recorded, and the task where there are several."""
     varying = _varying(t, keys)
     single_model = t["model"].nunique() == 1
     labels = []
@@ -89,7 +85,6 @@ _KNOWN = tuple(PROFILES)
 
 
 def gpu_colour(label: str):
-    """The colour of ``label``'s bars (an RGB tuple), the same in every chart."""
     from matplotlib import colormaps
 
     key = str(label).lower()
@@ -124,7 +119,7 @@ def _bar_label(c, m: str, r) -> str:
 
 def plot_by_gpu(c, path: Path):
     """Grouped bars of the metric's median per configuration and axis value (whiskers: the runs' min..max),
-    saved to ``path``; returns the figure (tests read its layout)."""
+    saved to ``path``; returns the figure."""
     t = c.table.reset_index(drop=True)
     m = c.metric
     keys = group_columns(c.by)
@@ -135,7 +130,7 @@ def plot_by_gpu(c, path: Path):
     series = _series(t, c)
     n_cfg, n_bar = len(configs), max(1, len(series))
     width_in = min(40.0, max(7.0, 2.5 + n_cfg * (0.8 + 0.5 * n_bar)))
-    fig = _figure(width_in, 5.5)
+    fig = figure(width_in, 5.5)
     ax = fig.add_subplot(1, 1, 1)
     width = 0.8 / n_bar
     pos = {k: i for i, k in enumerate(configs)}
@@ -200,13 +195,12 @@ def _value_axis(ax, t: pd.DataFrame, m: str) -> None:
 
 
 def plot_gains(c, path: Path):
-    """Horizontal bars of what compile / AMP changed (speedup of the median), saved to ``path``;
-    returns the figure."""
+    """Horizontal bars of what compile / AMP changed (speedup of the median), saved to ``path``."""
     g = c.gains.reset_index(drop=True)
     labels = [f"{r.model} {r.task} {r.gpu} bs{cell(r.batch_size)}: {r.change}"
               + ("" if r.held == "-" else f" ({r.held})") + (" [MISLABELLED]" if r.mismatch else "")
               for r in g.itertuples(index=False)]
-    fig = _figure(10.0, min(40.0, max(3.0, 1.4 + 0.34 * len(g))))
+    fig = figure(10.0, min(40.0, max(3.0, 1.4 + 0.34 * len(g))))
     ax = fig.add_subplot(1, 1, 1)
     y = np.arange(len(g))[::-1]
     s = g["speedup"].to_numpy(float)
@@ -225,8 +219,7 @@ def plot_gains(c, path: Path):
     for yy, v, one in zip(y, s, single):
         if np.isfinite(v):
             ax.annotate(f"{v:.2f}x" + (" (single run)" if one else ""), (v, yy), xytext=(3, 0),
-                        textcoords="offset points",
-                        va="center", fontsize=7)
+                        textcoords="offset points", va="center", fontsize=7)
     fig.savefig(path, dpi=DPI)
     return fig
 
@@ -235,7 +228,7 @@ def plot_anatomy(anatomy, task: str, path: Path):
     """A step's anatomy (:class:`vitreg.measure.anatomy.Anatomy`): a bar of ms per image per kernel class, each
     labelled with its share and, for matmul and attention, the TFLOP/s reached; saved to ``path``."""
     ms = [anatomy.ms_per_img(c) for c in CLASSES]
-    fig = _figure(8.0, 3.8)
+    fig = figure(8.0, 3.8)
     ax = fig.add_subplot(1, 1, 1)
     y = np.arange(len(CLASSES))[::-1]  # the table's order, top down
     ax.barh(y, ms, color=["tab:gray" if c == "idle" else "tab:blue" for c in CLASSES])

@@ -1,16 +1,11 @@
-"""The comparison for people: a fixed-width terminal table, markdown and HTML tables, cell formats;
-and the rows of a bench result's table.
-
-Pure formatting over frames (:class:`vitreg.analysis.comparison.Comparison` and the bench report's
-rows); the CSV keeps full precision, these show each column with one precision.
-"""
+"""The comparison for people: a fixed-width terminal table, markdown and HTML tables, cell formats; and the rows of
+a bench result's table. The CSV keeps full precision; these show each column with one precision."""
 
 from __future__ import annotations
 
 import html
 import math
 import re
-from typing import NamedTuple
 
 import numpy as np
 import pandas as pd
@@ -24,13 +19,8 @@ RESULT_HEADERS = ["task", "batch"] + [col.header for col in REPORT_COLUMNS]
 
 
 def format_table(comparison) -> str:
-    """The comparison as fixed-width, aligned text for a terminal.
-
-    One table per task (:func:`by_task`): configuration keys that are the same on every row of it move to
-    a header line, so a table only shows what varies within its task (an inference table has no training
-    column); exact values are in the CSV written by :func:`vitreg.analysis.report.write_report`.
-    Mislabelled runs get a "ran on" column and a warning line that says what was done with them.
-    """
+    """The comparison as aligned text for a terminal: one table per task (:func:`by_task`), the configuration
+    every row of it shares on a line above it, so a table shows only what varies within its task."""
     m = comparison.metric
     direction = "higher is better" if comparison.higher_is_better else "lower is better"
     lines = [f"metric: {m} (median over runs, {direction})"]
@@ -43,14 +33,13 @@ def format_table(comparison) -> str:
     for n, block in enumerate(by_task(comparison.table, comparison.by)):
         lines += ([""] if n else []) + _task_table(comparison, block)
     if not comparison.scaling.empty:
-        lines += ["", "scaling (train, weak scaling vs nproc=1):", _scaling_table(comparison.scaling, _HEADS)]
+        lines += ["", "scaling (train, weak scaling vs nproc=1):", _scaling_table(comparison.scaling)]
     return "\n".join(lines)
 
 
 def by_task(t: pd.DataFrame, axis: str = DEFAULT_AXIS) -> list[pd.DataFrame]:
-    """The rows of ``t`` one task at a time (infer, then train), each block in its own order: a task's
-    configuration columns are its own (``clip_grad`` is a training option), so each gets its own table.
-    All rows at once when the comparison goes along ``task`` itself (``axis``)."""
+    """The rows of ``t`` one task at a time (a task's configuration columns are its own: ``clip_grad`` is a
+    training option); all rows at once when the comparison goes along ``task`` itself."""
     if axis == "task" or "task" not in t or t["task"].nunique(dropna=False) < 2:
         return [t]
     return [t[t["task"] == task] for task in sorted(t["task"].unique())]
@@ -65,35 +54,29 @@ def _task_table(comparison, t: pd.DataFrame) -> list[str]:
     """The terminal lines of one task's rows: the configuration they share, then the table of the rest."""
     m, by = comparison.metric, comparison.by
     fixed, varying = split_constant(t, shown_keys(t, by))
-    lines = []
-    if fixed:
-        lines.append("fixed: " + " ".join(f"{k}={cell(v)}" for k, v in fixed.items()))
-    marked = bool(t["mismatch"].any())
-    cols = varying + [by] + (["ran_on"] if marked else [])
+    cols = varying + [by] + (["ran_on"] if t["mismatch"].any() else [])
     cols += ["batch_chosen"] if t["batch_chosen"].notna().any() else []  # batch_size=auto runs
     cols += ["shared_host"] if "shared_host" in t and (t["shared_host"] > 1).any() else []  # sweep children at once
     cols += ["shared_node"] if "shared_node" in t and t["shared_node"].notna().any() else []  # share_node=true
     cols += ["n_runs", f"{m}_median", f"{m}_min", f"{m}_max", f"{m}_cv"]
-    heads = {f"{m}_median": "median", f"{m}_min": "min", f"{m}_max": "max", f"{m}_cv": "cv", **_HEADS}
-    body = _rows(t, cols)
-    if marked:  # the hardware of honest rows is their label: leave the cell blank, flag the others
-        for row, mismatch in zip(body, t["mismatch"]):
-            row[cols.index("ran_on")] = f"{row[cols.index('ran_on')]} (!)" if mismatch else ""
-    header = [heads.get(c, c) for c in cols]
-    right = [c not in (*_text_keys(), "gpu", "ran_on", by) for c in cols]
-    if comparison.baseline:
-        header += ["speedup", f"{comparison.confidence:.0%} CI", "verdict"]
-        right += [True, True, False]
-        for row, (_, r) in zip(body, t.iterrows()):
-            row += [format_value("speedup", r["speedup"]), _format_ci(r["ci_low"], r["ci_high"]),
-                    str(r["verdict"])]
-    if "flags" in t and t["flags"].notna().any():  # a suspect figure flagged on the row that prints it (issue 38)
-        header.append("flags")
-        right.append(False)
-        for row, flags in zip(body, t["flags"]):
-            row.append(cell(flags))
-    lines.append(fixed_width(header, body, right))
-    return lines
+    cols += ["speedup", "ci", "verdict"] if comparison.baseline else []
+    cols += ["flags"] if "flags" in t and t["flags"].notna().any() else []  # on the row that prints it (issue 38)
+    heads = {f"{m}_median": "median", f"{m}_min": "min", f"{m}_max": "max", f"{m}_cv": "cv",
+             "ci": f"{comparison.confidence:.0%} CI", **_HEADS}
+    right = [c not in (*_text_keys(), "gpu", "ran_on", "verdict", "flags", by) for c in cols]
+    table = fixed_width([heads.get(c, c) for c in cols], _cells(t, cols, "(!)").values.tolist(), right)
+    return (["fixed: " + " ".join(f"{k}={cell(v)}" for k, v in fixed.items())] if fixed else []) + [table]
+
+
+def _cells(t: pd.DataFrame, cols: list[str], mark: str) -> pd.DataFrame:
+    """``t[cols]`` as text (``ci``: the interval), ``ran_on`` blank on honest rows (their hardware is their label)
+    and ``mark``-ed on mislabelled ones."""
+    if "ci" in cols:
+        t = t.assign(ci=[_format_ci(lo, hi) for lo, hi in zip(t["ci_low"], t["ci_high"])])
+    view = display(t[cols])
+    if "ran_on" in view:
+        view["ran_on"] = [f"{r} {mark}" if bad else "" for r, bad in zip(view["ran_on"], t["mismatch"])]
+    return view
 
 
 _RUN_HEADS = {"run_id": "id", "start_time": "started (UTC)", "infer_img_per_s": "infer img/s",
@@ -102,21 +85,20 @@ NAME_WIDTH = 34  # a run's name is long (its figures, precision, batch...): the 
 
 
 def runs_table(runs: pd.DataFrame) -> str:
-    """``vitreg runs``' table of :func:`vitreg.tracking.search.run_list`'s rows: id, start, the experiment (when
-    the rows are of several), name (cut at :data:`NAME_WIDTH`), status, GPU, each task's img/s that some row
-    measured, and the flags of a suspect figure on the row that prints it."""
+    """``vitreg runs``' table of :func:`vitreg.tracking.search.run_list`'s rows (the experiment only when they are
+    of several, each task's img/s only where some row measured it)."""
     cols = ["run_id", "start_time"] + (["experiment"] if runs["experiment"].nunique() > 1 else [])
     cols += ["name", "status", "gpu"] + [c for c in runs if c.endswith("_img_per_s") and runs[c].notna().any()]
     cols += ["flags"] if (runs["flags"] != "").any() else []
     started = pd.to_datetime(runs["start_time"], utc=True, errors="coerce").dt.strftime("%Y-%m-%d %H:%M")
     names = runs["name"].map(lambda n: n if len(n) <= NAME_WIDTH else n[:NAME_WIDTH - 1] + "…")
-    body = _rows(runs.assign(start_time=started, name=names), cols)
+    body = display(runs.assign(start_time=started, name=names)[cols]).values.tolist()
     return fixed_width([_RUN_HEADS.get(c, c) for c in cols], body, [c.endswith("_img_per_s") for c in cols])
 
 
 def caveats(comparison) -> list[str]:
-    """How to read the rows beyond metric and baseline: the axis when it is not the GPU, and what was
-    done with mislabelled runs (the terminal's header lines; the reports' list items)."""
+    """How to read the rows beyond metric and baseline: the axis when it is not the GPU, and what was done with
+    mislabelled runs."""
     c = comparison
     lines = []
     if c.by != DEFAULT_AXIS:
@@ -132,21 +114,13 @@ def caveats(comparison) -> list[str]:
     return lines
 
 
-def _scaling_table(s: pd.DataFrame, heads: dict) -> str:
-    scols = split_constant(s, [k for k in shown_keys(s, "gpu") if k not in ("task", *SCALED_COLUMNS)])[1]
-    scols += ["gpu"] + (["mismatch"] if s["mismatch"].any() else [])
-    scols += ["nproc", "ddp", "n_runs", s.columns[-3], "speedup_vs_1", "efficiency"]
-    return fixed_width(
-        [heads.get(c, c if c != s.columns[-3] else "median") for c in scols],
-        _rows(s, scols),
-        [c not in (*_text_keys(), "gpu", "ddp", "mismatch") for c in scols],
-    )
-
-
-def _rows(df: pd.DataFrame, cols: list[str]) -> list[list[str]]:
-    """Formatted cells of ``df[cols]``, row-major."""
-    formatted = [format_column(c, df[c].astype(object)) for c in cols]
-    return [list(r) for r in zip(*formatted)] if formatted else []
+def _scaling_table(s: pd.DataFrame) -> str:
+    cols = split_constant(s, [k for k in shown_keys(s, "gpu") if k not in ("task", *SCALED_COLUMNS)])[1]
+    cols += ["gpu"] + (["mismatch"] if s["mismatch"].any() else [])
+    cols += ["nproc", "ddp", "n_runs", s.columns[-3], "speedup_vs_1", "efficiency"]
+    heads = [_HEADS.get(c, c if c != s.columns[-3] else "median") for c in cols]
+    return fixed_width(heads, display(s[cols]).values.tolist(),
+                       [c not in (*_text_keys(), "gpu", "ddp", "mismatch") for c in cols])
 
 
 def _text_keys() -> tuple[str, ...]:
@@ -155,17 +129,15 @@ def _text_keys() -> tuple[str, ...]:
 
 
 def shown_keys(t: pd.DataFrame, by: str) -> list[str]:
-    """The keys a comparison's rows ``t`` are told apart by (:func:`~vitreg.analysis.frame.group_columns`), less a
-    grant no row recorded (runs that predate ``cpus_granted``: their tables read as before)."""
+    """The keys the rows ``t`` are told apart by, less a grant no row recorded (runs that predate ``cpus_granted``:
+    their tables read as before)."""
     return [k for k in group_columns(by) if k not in GRANT_COLUMNS or t[k].notna().any()]
 
 
 def split_constant(t: pd.DataFrame, keys, min_rows: int = 2) -> tuple[dict, list[str]]:
-    """``keys`` split into those with one value on every row of ``t`` (``{key: value}``, shown once above
-    a table) and those that vary (its columns); ``model`` always stays a column. A key that no row's
-    command takes (all :data:`~vitreg.analysis.frame.NOT_APPLICABLE`: ``clip_grad`` of bench runs) is in
-    neither, so the many configuration columns of the option table cost a reader nothing where unused.
-    ``t`` with fewer than ``min_rows`` rows has every key as a column (one row: nothing to fold out)."""
+    """``keys`` split into those with one value on every row of ``t`` (``{key: value}``, shown once above a table,
+    never ``model``; none under ``min_rows`` rows) and those that vary (its columns). A key no row's command takes
+    (all :data:`~vitreg.analysis.frame.NOT_APPLICABLE`) is in neither: unused options cost a reader nothing."""
     fixed, varying = {}, []
     for k in keys:
         vals = t[k].astype(object).where(t[k].notna(), None).unique() if len(t) else []
@@ -221,7 +193,6 @@ _COUNT_COLUMNS = ("n_runs", "n_base", "n_new", "nproc", "batch_size", "img_size"
 
 
 def format_value(col: str, v) -> str:
-    """Human formatting of one cell; the CSV keeps full precision."""
     if v is None or v is pd.NA or (isinstance(v, (float, np.floating)) and math.isnan(v)):
         return "-"
     if col == "mismatch":  # the mark of a mislabelled run; honest rows stay quiet
@@ -240,19 +211,16 @@ def format_value(col: str, v) -> str:
 
 
 def _format_ci(lo, hi) -> str:
-    if lo is None or hi is None or pd.isna(lo) or pd.isna(hi):
-        return "-"
-    return f"[{lo:.2f}, {hi:.2f}]"
+    return "-" if pd.isna(lo) or pd.isna(hi) else f"[{lo:.2f}, {hi:.2f}]"
 
 
 def display(df: pd.DataFrame) -> pd.DataFrame:
-    """A string copy of ``df`` with every cell formatted for humans (markdown, HTML)."""
     return pd.DataFrame({c: format_column(c, df[c].astype(object)) for c in df.columns}, index=df.index)
 
 
 def readable(df: pd.DataFrame) -> pd.DataFrame:
     """``df`` without columns nobody recorded (all NaN); the CSV keeps the full schema."""
-    return df.loc[:, [c for c in df.columns if not df[c].isna().all()]] if len(df) else df
+    return df.dropna(axis=1, how="all") if len(df) else df
 
 
 _MARKDOWN_PUNCTUATION = re.compile(r"([\\`*\[\]|~])")  # code spans, emphasis, links, table cells, strikeouts
@@ -262,11 +230,10 @@ _NUMBERED = re.compile(r"^(\d+)([.)])(?=\s|$)")  # a numbered list item
 
 
 def inert(text, to: str = "markdown") -> str:
-    """``text`` (a run name, model, GPU label, tag value: anything a user typed) shown as written and doing
-    nothing where it goes: ``to="markdown"`` (a heading or list item), ``"cell"`` (a markdown table cell,
-    never at a line's start) or ``"html"``. One line (a newline could open a fence, a heading or a list); in
-    markdown ``&<>`` become entities (no tag, no autolink) and the punctuation that opens code, emphasis,
-    links or cells is backslash-escaped, and at a line's start what would open a block."""
+    """``text`` (anything a user typed) shown as written and doing nothing where it goes: ``to="markdown"`` (a
+    heading or list item), ``"cell"`` (a markdown table cell) or ``"html"``. One line (a newline could open a
+    fence, a heading or a list); in markdown ``&<>`` become entities and what opens code, emphasis, links, cells
+    or, at a line's start, a block is backslash-escaped."""
     line = " ".join(str(text).splitlines()).strip()
     if to == "html":
         return html.escape(line)
@@ -286,9 +253,8 @@ def code_block(text: str) -> str:
 
 
 def markdown_table(df: pd.DataFrame, right: list[bool] | None = None) -> str:
-    """``df``'s cells as a GitHub-flavoured markdown table (``DataFrame.to_markdown``); ``right``
-    right-aligns those columns. Every cell and header goes through :func:`inert`: a cell stays one cell
-    and shows its text, whatever it holds."""
+    """``df``'s cells as a GitHub-flavoured markdown table, every cell and header through :func:`inert`;
+    ``right`` right-aligns those columns."""
     shown = pd.DataFrame([[inert(v, "cell") for v in r] for r in df.itertuples(index=False)],
                          columns=[inert(c, "cell") for c in df.columns])
     align = None if right is None else ["right" if r else "left" for r in right]
@@ -309,45 +275,27 @@ def frame_html(df: pd.DataFrame) -> str:
     return display(readable(df)).to_html(index=False, escape=True, border=0, na_rep="-")
 
 
-class View(NamedTuple):
-    """A comparison as comparison.md / .html show it (:func:`comparison_view`)."""
-
-    fixed: dict  # {configuration column: value} shared by every row
-    table: pd.DataFrame  # formatted text, headers for people
-    right: list[bool]  # per column of table: right-aligned (figures and counts)
-
-
-def comparison_views(c) -> list[View]:
-    """:func:`comparison_view` of each task's rows (:func:`by_task`): the tables comparison.md / .html show."""
-    return [comparison_view(c, block) for block in by_task(c.table, c.by)]
-
-
-def comparison_view(c, t: pd.DataFrame) -> View:
+def comparison_view(c, t: pd.DataFrame) -> tuple[dict, pd.DataFrame, list[bool]]:
     """The rows ``t`` of comparison ``c`` as comparison.md / .html show them: the configuration every row shares
-    apart (``fixed``); the table leads with the axis value, the median (its unit in the header), the ratio to the
-    baseline and the verdict, then the interval, the configuration that varies, the runs and their spread (and,
-    where any, the hardware of mislabelled runs and the batches batch_size=auto chose)."""
+    (``{column: value}``), the table as text (the axis value, the median, the ratio and the verdict lead: the
+    MLflow UI's preview shows a table's first columns) and which of its columns are right-aligned."""
     m = c.metric
     fixed, varying = split_constant(t, shown_keys(t, c.by), min_rows=1)
-    cols = [c.by, f"{m}_median"] + (["speedup", "verdict"] if c.baseline else [])
-    tail = varying + ["n_runs", f"{m}_cv"] + (["ran_on"] if t["mismatch"].any() else [])
-    tail += ["batch_chosen"] if t["batch_chosen"].notna().any() else []
-    tail += ["flags"] if "flags" in t and t["flags"].notna().any() else []
-    view = display(t[cols + tail])
-    if c.baseline:
-        view.insert(len(cols), "ci", [_format_ci(lo, hi) for lo, hi in zip(t["ci_low"], t["ci_high"])])
-    if "ran_on" in view:  # the hardware of honest rows is their label: blank; mislabelled ones flagged
-        view["ran_on"] = [f"{r} (MISLABELLED)" if bad else "" for r, bad in zip(view["ran_on"], t["mismatch"])]
+    cols = [c.by, f"{m}_median"] + (["speedup", "verdict", "ci"] if c.baseline else [])
+    cols += varying + ["n_runs", f"{m}_cv"] + (["ran_on"] if t["mismatch"].any() else [])
+    cols += ["batch_chosen"] if t["batch_chosen"].notna().any() else []
+    cols += ["flags"] if "flags" in t and t["flags"].notna().any() else []
+    view = _cells(t, cols, "(MISLABELLED)")
     unit = BY_NAME[m].unit if m in BY_NAME else ""
     heads = {**_HEADS, f"{m}_median": f"{m} median" + (f" ({unit})" if unit else ""), "n_runs": "runs",
              f"{m}_cv": "cv", "speedup": f"vs {c.baseline_label}", "ci": f"{c.confidence:.0%} CI"}
     right = [col not in (*_text_keys(), "gpu", "verdict", "ran_on", c.by) for col in view.columns]
-    return View(fixed, view.rename(columns=heads).reset_index(drop=True), right)
+    return fixed, view.rename(columns=heads).reset_index(drop=True), right
 
 
 def result_rows(tasks) -> list[list[str]]:
-    """The cells of :data:`RESULT_HEADERS`, one row per task of a bench result. ``tasks``: dicts with
-    ``task``, ``batch_size`` and ``metrics`` (``<task>_``-prefixed names), as results.json holds them."""
+    """The cells of :data:`RESULT_HEADERS`, one row per task of a bench result (``tasks`` as results.json holds
+    them)."""
     rows = []
     for t in tasks:
         prefix = f"{t['task']}_"

@@ -12,14 +12,15 @@ import pandas as pd
 from vitreg.analysis import plots
 from vitreg.analysis.comparison import Comparison
 from vitreg.analysis.frame import DEFAULT_AXIS
-from vitreg.analysis.render import caveats, cell, comparison_views, frame_html, frame_markdown, inert, markdown_table
+from vitreg.analysis.render import (by_task, caveats, cell, comparison_view, frame_html, frame_markdown, inert,
+                                    markdown_table)
+
+_CHART = "throughput_by_gpu.png"
 
 
 def write_report(comparison: Comparison, out_dir) -> list[Path]:
-    """The comparison as files in ``out_dir`` (returns their paths): comparison.md, .csv (exactly its table),
-    .html, throughput_by_gpu.png; compile_amp_gains.png / .csv and scaling.csv where there are any. All are
-    rendered in a hidden folder inside ``out_dir`` and moved into place only when every one succeeded: a failure
-    replaces no file and removes the folders this call created."""
+    """The comparison as files in ``out_dir`` (returns their paths), rendered in a hidden folder there and moved
+    into place only when every one succeeded: a failure replaces no file and removes the folders this call made."""
     out_dir = Path(out_dir)
     missing = [p for p in (out_dir, *out_dir.parents) if not p.exists()]
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -46,11 +47,9 @@ def write_report(comparison: Comparison, out_dir) -> list[Path]:
 
 
 def _render(c: Comparison, d: Path) -> list[str]:
-    names = []
     c.table.to_csv(d / "comparison.csv", index=False)
-    names.append("comparison.csv")
-    plots.plot_by_gpu(c, d / "throughput_by_gpu.png")
-    names.append("throughput_by_gpu.png")
+    plots.plot_by_gpu(c, d / _CHART)
+    names = ["comparison.csv", _CHART]
     if not c.gains.empty:
         c.gains.to_csv(d / "compile_amp_gains.csv", index=False)
         plots.plot_gains(c, d / "compile_amp_gains.png")
@@ -68,29 +67,18 @@ def _axis(c: Comparison) -> str:
 
 
 def _about(c: Comparison) -> list[str]:
-    """The lines above the table, as plain text (each goes out through :func:`inert`)."""
+    """The lines above the table, as plain text."""
     direction = "higher is better" if c.higher_is_better else "lower is better"
     s = c.summary()
-    lines = [
-        f"metric: {c.metric} (median over repeated runs, {direction})",
-        f"runs: {s['n_runs']} finished runs, {s['n_configurations']} configurations, "
-        f"GPUs: {', '.join(c.gpus)}" + ("" if c.by == DEFAULT_AXIS else f", {c.by}: {', '.join(c.values)}"),
-        *caveats(c),
-    ]
+    lines = [f"metric: {c.metric} (median over repeated runs, {direction})",
+             f"runs: {s['n_runs']} finished runs, {s['n_configurations']} configurations, GPUs: {', '.join(c.gpus)}"
+             + ("" if c.by == DEFAULT_AXIS else f", {c.by}: {', '.join(c.values)}"), *caveats(c)]
     if c.baseline:
-        lines += [
-            f"baseline: {c.baseline_label}; speedup > 1 means better than the baseline on the same "
-            "configuration",
-            f"verdict: faster/slower only when the {c.confidence:.0%} bootstrap interval of the "
-            f"ratio of medians ({c.n_boot} resamples, seed {c.seed}) excludes 1 and the change "
-            "exceeds both sides' run-to-run spread; 'single run' when either side ran once",
-        ]
+        lines += [f"baseline: {c.baseline_label}; speedup > 1 means better than the baseline on the same configuration",
+                  f"verdict: faster/slower only when the {c.confidence:.0%} bootstrap interval of the ratio of medians "
+                  f"({c.n_boot} resamples, seed {c.seed}) excludes 1 and the change exceeds both sides' run-to-run "
+                  "spread; 'single run' when either side ran once"]
     return lines
-
-
-def _same_everywhere(fixed: dict) -> str:
-    """The configuration every row shares, as one line above the table."""
-    return "every row: " + ", ".join(f"{k}={cell(v)}" for k, v in fixed.items()) if fixed else ""
 
 
 def _geomeans(c: Comparison) -> pd.DataFrame:
@@ -103,18 +91,14 @@ def _geomeans(c: Comparison) -> pd.DataFrame:
                          "mismatch": [v in marked for v in geo]})
 
 
-_CHART = "throughput_by_gpu.png"
-
-
 def _blocks(c: Comparison, names: list[str]) -> list[tuple[str, object]]:
-    """What comparison.md and .html show, in order, as ``(kind, content)``: the GPU, the figure with its unit, the
-    ratio and the verdict lead the first table (the MLflow UI's preview shows a table's first columns); one table
-    per task, the configuration every row of it shares a line above it, not columns."""
+    """What comparison.md and .html show, in order, as ``(kind, content)``: one table per task, the configuration
+    every row of it shares on a line above it."""
     axis = _axis(c)
     out = [("h1", f"vitreg {axis} comparison"), ("ul", [line for line in _about(c) if line]),
            ("h2", f"Per configuration and {axis}")]
-    for fixed, view, right in comparison_views(c):
-        out += [("fixed", _same_everywhere(fixed))] if fixed else []
+    for fixed, view, right in (comparison_view(c, block) for block in by_task(c.table, c.by)):
+        out += [("fixed", "every row: " + ", ".join(f"{k}={cell(v)}" for k, v in fixed.items()))] if fixed else []
         out.append(("view", (view, right)))
     geo = _geomeans(c)
     out += [("h2", "Geometric-mean speedup vs baseline"), ("frame", geo)] if not geo.empty else []
@@ -127,7 +111,6 @@ def _blocks(c: Comparison, names: list[str]) -> list[tuple[str, object]]:
 
 
 def _report_markdown(c: Comparison, names: list[str]) -> str:
-    """comparison.md; every user string goes out through :func:`inert`."""
     def lines(kind: str, x) -> list[str]:
         if kind == "chart":
             return [f"Chart: `{_CHART}` (median per configuration and {inert(x)}, whiskers: the runs' min..max), in "
@@ -142,8 +125,6 @@ def _report_markdown(c: Comparison, names: list[str]) -> str:
 
 
 def _report_html(c: Comparison, names: list[str]) -> str:
-    """comparison.html, laid out like comparison.md: the shared configuration above a table of the varying
-    columns only, so the table stays narrow (GPU, figure, ratio and verdict in view without scrolling)."""
     def html(kind: str, x) -> list[str]:
         return {"h1": lambda: [f"<h1>{inert(x, 'html')}</h1>"], "h2": lambda: [f"<h2>{inert(x, 'html')}</h2>"],
                 "ul": lambda: ["<ul>", *(f"<li>{inert(line, 'html')}</li>" for line in x), "</ul>"],

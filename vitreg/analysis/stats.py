@@ -1,11 +1,7 @@
-"""When is a difference between two groups of benchmark runs real?
-
-The statistics are deliberately modest. Benchmarks repeat a handful of times, so every group is
-summarised by its median and range, and a GPU is only called "faster" or "slower" than the
-baseline when a bootstrap interval of the ratio of medians excludes 1 *and* the change is larger
-than either side's own run-to-run spread. With one run on either side there is no way to tell
-noise from signal, and the verdict says so ("single run") instead of guessing.
-"""
+"""When is a difference between two groups of benchmark runs real? Deliberately modest: benchmarks repeat a
+handful of times, so a group is its median and range, and "faster" or "slower" needs a bootstrap interval of the
+ratio of medians that excludes 1 *and* a change larger than either side's run-to-run spread. With one run on
+either side the verdict says "single run" instead of guessing."""
 
 from __future__ import annotations
 
@@ -13,7 +9,6 @@ import math
 
 import numpy as np
 
-# Verdict vocabulary, kept in one place so the CLI and tests can refer to it.
 FASTER, SLOWER, BETTER, WORSE = "faster", "slower", "better", "worse"
 WITHIN_NOISE, SINGLE_RUN = "within noise", "single run"
 BASELINE, NO_BASELINE = "baseline", "no baseline"
@@ -41,12 +36,9 @@ def spread(vals: np.ndarray) -> float:
 
 
 def bootstrap_ci(vals, base_vals, higher: bool, n_boot: int, rng, confidence: float) -> tuple[float, float]:
-    """Percentile bootstrap interval of the improvement factor (ratio of medians), resampling each
-    side's runs independently (``scipy.stats.bootstrap``, ``n_boot`` resamples drawn from ``rng``).
-
-    A side of one run has nothing to resample: it stays fixed and only the other side is resampled (the
-    interval then holds the other side's uncertainty alone; :mod:`vitreg.history.verdict` adds the lone
-    run's own noise to its threshold). NaN, NaN when neither side has two runs."""
+    """Percentile bootstrap interval of the improvement factor (ratio of medians), each side resampled apart. A
+    side of one run stays fixed (the interval then holds the other side's uncertainty alone;
+    :mod:`vitreg.history.verdict` adds the lone run's own noise to its threshold); NaN, NaN when neither has two."""
     from scipy.stats import bootstrap
 
     vals, base_vals = np.asarray(vals, float), np.asarray(base_vals, float)
@@ -73,11 +65,8 @@ def bootstrap_ci(vals, base_vals, higher: bool, n_boot: int, rng, confidence: fl
 
 def versus(vals, base_vals, is_baseline: bool, higher: bool, speed: bool, n_boot: int, rng,
            confidence: float) -> dict:
-    """Speedup, interval and verdict of one group of runs against the baseline group.
-
-    ``speed``: the metric is a rate or a time, so a change is "faster"/"slower" rather than
-    "better"/"worse".
-    """
+    """Speedup, interval and verdict of one group of runs against the baseline group; ``speed``: a rate or a time,
+    "faster"/"slower" rather than "better"/"worse"."""
     if is_baseline:
         return dict(speedup=1.0, ci_low=np.nan, ci_high=np.nan, verdict=BASELINE)
     if base_vals is None:
@@ -97,10 +86,3 @@ def versus(vals, base_vals, is_baseline: bool, higher: bool, speed: bool, n_boot
     else:
         verdict = WITHIN_NOISE
     return dict(speedup=speedup, ci_low=lo, ci_high=hi, verdict=verdict)
-
-
-def geomean(values) -> float | None:
-    """Geometric mean of the positive values; None when there are none."""
-    v = np.asarray(list(values), float)
-    v = v[v > 0]
-    return float(np.exp(np.mean(np.log(v)))) if len(v) else None

@@ -1,14 +1,9 @@
 """timm ``benchmark.py`` result CSVs read as vitreg runs, so published numbers sit next to ours.
 
 timm writes one row per model: ``model, param_count`` and, per task, ``<task>_samples_per_sec``, ``_step_time``
-(the *mean* ms per batch), ``_batch_size``, ``_img_size`` (and ``infer_gmacs``: GMACs of one image, with a FLOP
-counter; ``train_fwd/bwd/opt_time`` with ``--detail``). Its published files name their setup::
-
-    benchmark-{infer|train}-{precision}-{nchw|nhwc}-pt{torch}-{cu<ver>|cpu}-{device}[-dynamo].csv
-    e.g. benchmark-infer-amp_bf16-nchw-pt291-cu130-pro6000maxq-dynamo.csv
-
-``amp``: autocast in float16, ``amp_bf16`` in bfloat16, ``bf16``/``fp16`` the model cast, ``-dynamo`` compiled.
-No MLflow here: :func:`read_timm_csv` returns :class:`ImportedRun` records the tracking layer logs (``source=timm``).
+(the *mean* ms per batch), ``_batch_size``, ``_img_size`` (``infer_gmacs``: GMACs of one image). Its published
+files name their setup: ``benchmark-{infer|train}-{precision}-{nchw|nhwc}-pt{torch}-{cu<ver>|cpu}-{device}
+[-dynamo].csv``, e.g. ``benchmark-infer-amp_bf16-nchw-pt291-cu130-pro6000maxq-dynamo.csv``.
 """
 
 from __future__ import annotations
@@ -28,7 +23,7 @@ class TimmImportError(VitregError):
 
 @dataclass
 class ImportedRun:
-    """One model (and task) from a timm CSV in vitreg's names: params and tags as strings, metrics as floats."""
+    """One model (and task) from a timm CSV in vitreg's names."""
 
     params: dict[str, str]
     tags: dict[str, str]
@@ -36,7 +31,6 @@ class ImportedRun:
 
     @property
     def run_name(self) -> str:
-        """A readable MLflow run name, e.g. ``timm-deit_small_patch16_224-infer-rtx4090``."""
         return f"timm-{self.params['model']}-{self.params['task']}-{self.params['gpu']}"
 
 
@@ -56,16 +50,14 @@ _KNOWN_PLAIN = ("model", "param_count", "error")
 
 
 def parse_timm_filename(name) -> dict:
-    """The setup a timm result file's name says: ``task``, ``amp`` (vitreg's), ``precision`` (timm's token),
-    ``layout``, ``torch_version``, ``cuda``, ``gpu`` (vitreg's label, or ``cpu``), ``cpu`` (its model) and
-    ``compile``; None where it says nothing (all of them for a name not ``benchmark-...``: the CSV may still
-    import with an explicit GPU and precision)."""
+    """The setup a timm result file's name says, in vitreg's terms (``amp``, ``gpu``) and timm's (``precision``);
+    None where it says nothing (all of them for a name not ``benchmark-...``)."""
     tokens = re.sub(r"\.csv$", "", Path(str(name)).name, flags=re.IGNORECASE).lower().split("-")
     out = dict.fromkeys(("task", "amp", "precision", "layout", "torch_version", "cuda", "gpu", "cpu", "compile"))
     if tokens[0] != "benchmark":
         return out
     out["compile"] = "off"
-    device, after_cpu = [], False
+    device = []
     for tok in tokens[1:]:
         if tok in _TASKS and out["task"] is None:
             out["task"] = _TASKS[tok]
@@ -76,14 +68,14 @@ def parse_timm_filename(name) -> dict:
         elif re.fullmatch(r"pt\d{2,4}", tok):
             out["torch_version"] = _torch_version(tok[2:])
         elif re.fullmatch(r"cu\d{2,4}", tok):
-            out["cuda"] = _cuda_version(tok[2:])
+            out["cuda"] = f"{tok[2:-1]}.{tok[-1]}"  # cu124 -> 12.4, cu92 -> 9.2
         elif tok == "cpu":
-            out["gpu"], after_cpu = "cpu", True
+            out["gpu"] = "cpu"
         elif tok in _COMPILE_TOKENS:
             out["compile"] = "default"
         elif tok:
             device.append(tok)
-    if after_cpu:
+    if out["gpu"] == "cpu":
         out["cpu"] = "-".join(device) or None
     elif device:
         out["gpu"] = _gpu_label("-".join(device))
@@ -92,11 +84,8 @@ def parse_timm_filename(name) -> dict:
 
 def read_timm_csv(path, gpu: str | None = None, *, amp: str | None = None) -> list[ImportedRun]:
     """One :class:`ImportedRun` per model row (a ``both`` row: one ``task=both`` run, or two when timm's
-    out-of-memory retry shrank one half's batch). ``gpu`` (else the file name's, which it must agree with)
-    and ``amp`` (else the file name's) in vitreg's labels; rows with an error or no throughput are skipped.
-    ``samples_per_sec`` -> ``throughput_img_per_s``, ``step_time`` -> ``latency_ms_p50`` / ``step_ms_p50`` (a
-    mean: the ``timm_step_time`` tag says so), ``infer_gmacs`` x2 -> ``fwd_gflops_per_img``.
-    :class:`TimmImportError` names the fix for any file it cannot read."""
+    out-of-memory retry shrank one half's batch); rows with an error or no throughput are skipped. ``gpu`` and
+    ``amp`` default to the file name's (a given GPU must agree with it)."""
     path = Path(path)
     if not path.is_file():
         raise TimmImportError(f"timm CSV not found: {path}; pass the path of a benchmark-*.csv file")
@@ -110,11 +99,9 @@ def read_timm_csv(path, gpu: str | None = None, *, amp: str | None = None) -> li
         raise TimmImportError(f"{path.name} is not a readable CSV ({first_line(e)}); pass a timm benchmark.py results "
                               "file") from None
     df.columns = [str(c).strip() for c in df.columns]
-
     tasks = _check_columns(df, path.name, info["task"])
     label = _resolve_gpu(gpu, info, path.name)
     amp_value = _resolve_amp(amp, info, path.name)
-
     runs = []
     for i, row in df.iterrows():
         line, model = i + 2, row["model"].strip()  # the header is line 1
@@ -133,9 +120,6 @@ def read_timm_csv(path, gpu: str | None = None, *, amp: str | None = None) -> li
         raise TimmImportError(f"{path.name} has no importable rows (all rows errored or lack a throughput); "
                               "check that timm's benchmark.py finished")
     return runs
-
-
-# --------------------------------------------------------------------------------------------
 
 
 def _check_columns(df: pd.DataFrame, name: str, file_task: str | None) -> tuple[str, ...]:
@@ -233,22 +217,12 @@ def _torch_version(digits: str) -> str:
     if major == "1" and len(rest) == 2 and rest[0] == "1":
         # timm published 1.10-1.13 as pt110..pt113; torch 1.1.x predates these result files.
         return f"1.{rest}"
-    if len(rest) == 3:
-        return f"{major}.{rest[:2]}.{rest[2]}"
-    if len(rest) == 2:
-        return f"{major}.{rest[0]}.{rest[1]}"
-    return f"{major}.{rest}"
-
-
-def _cuda_version(digits: str) -> str:
-    """``124`` -> ``12.4``, ``130`` -> ``13.0``, ``92`` -> ``9.2``."""
-    return f"{digits[:-1]}.{digits[-1]}"
+    return f"{major}.{rest[:-1]}.{rest[-1]}" if len(rest) >= 2 else f"{major}.{rest}"
 
 
 def _gpu_label(text: str) -> str:
-    """The vitreg label (``vitreg.hardware.profiles``) for a GPU name as timm files and people spell it
-    (``4090``, ``NVIDIA GeForce RTX 4090`` -> ``rtx4090``), so imported runs group with tracked ones; a card with
-    no profile keeps a compact slug (``pro6000maxq``)."""
+    """The vitreg label for a GPU name as timm files and people spell it (``4090``, ``NVIDIA GeForce RTX 4090``
+    -> ``rtx4090``), so imported runs group with tracked ones; a card with no profile keeps a compact slug."""
     from vitreg.hardware.profiles import PROFILES, match_profile, normalize_label
 
     label = normalize_label(str(text))

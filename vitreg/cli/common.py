@@ -1,7 +1,5 @@
-"""What the ``vitreg`` commands (:mod:`vitreg.cli.main`) and the Python API (:mod:`vitreg.api`) share: the
-click options from the option table, one-line user errors, the launcher's own options of the DDP jobs
-(bench, train), and the command a user typed to start a job, as report.md shows it (:func:`command_line`).
-"""
+"""What the ``vitreg`` commands and the Python API share: the click options from the option table, one-line
+user errors, the launcher's own options of the DDP jobs, and the command a user typed, as report.md shows it."""
 
 from __future__ import annotations
 
@@ -106,12 +104,8 @@ def sentence(text: str) -> str:
 
 
 def command_options(command: str):
-    """Decorator: every option of ``command`` in :data:`vitreg.config.options.OPTIONS`, as click options.
-
-    Values stay strings, parsed by the spec, so ``--flag false`` and ``-P flag=false`` mean the same thing (the
-    click types, :mod:`vitreg.cli.param_types`, only show and complete). A boolean's value may be left out
-    (``--allow-gpu-mismatch`` alone is ``true``).
-    """
+    """Decorator: every option of ``command`` in the option table, as click options. Values stay strings, parsed
+    by the spec, so ``--flag false`` and ``-P flag=false`` mean the same; a boolean's value may be left out."""
 
     def decorate(fn):
         for opt in reversed(options_of(command)):
@@ -141,9 +135,7 @@ def split_options(command: str, values: dict) -> tuple[dict, dict]:
 
 def check_first(command: str, values: dict) -> None:
     """Refuse a bad option value of a job before any heavy import (torch, timm, mlflow: 5-10 s) and before any
-    run exists: every value by its option, the spec's checks, the launcher's, the model's name (without timm)
-    and the GPU label against this host (without torch). What needs the model built or the device stays the
-    job's check, inside its run."""
+    run exists. What needs the model built or the device stays the job's check, inside its run."""
     from vitreg.hardware.profiles import check_label_here
     from vitreg.models.families import check_name
 
@@ -195,14 +187,12 @@ def store_first(source: str) -> None:
         tracking.check_sql_server(current_uri())
 
 
-#: Each DDP job's own keyword arguments besides the placement, each one of the command's own options
-#: (not a spec field: the launcher uses it and does not forward it to the ranks); "" means none.
+#: Each DDP job's own keyword arguments besides the placement: options the launcher uses and does not forward
 JOB_OPTIONS = {"bench": ("baseline_run",), "train": ()}
 
 
 def launcher_options(command: str, own: dict) -> dict:
-    """The launcher's own options of a DDP job, parsed, as keyword arguments of ``bench()`` and
-    ``train()``: ``placement`` (``nnodes``, ``node_rank``, ``rdzv_endpoint``) and :data:`JOB_OPTIONS`."""
+    """The launcher's own options of a DDP job, parsed, as keyword arguments of ``bench()`` and ``train()``."""
     from vitreg.ddp.launcher import Placement, check_nodes
 
     placement = Placement(*(_own_value(command, own, name) for name in ("nnodes", "node_rank", "rdzv_endpoint")))
@@ -211,14 +201,11 @@ def launcher_options(command: str, own: dict) -> dict:
 
 
 def _own_value(command: str, own: dict, name: str):
-    """One of the command's own options, parsed (None: not given, or empty text)."""
     value = option(command, name).parse(own[name]) if own.get(name) is not None else None
     return value.strip() or None if isinstance(value, str) else value
 
 
 def run_ddp_job(command: str, job, values: dict) -> None:
-    """The body of the DDP job commands (``bench``, ``train``): ``job`` with the spec's fields, the run's experiment
-    and name, the launcher's options and the command line typed."""
     options, own = split_options(command, values)
     with offline_if_asked(command, own):
         job(options, experiment=own["experiment"], run_name=own["run_name"],
@@ -227,8 +214,8 @@ def run_ddp_job(command: str, job, values: dict) -> None:
 
 @contextlib.contextmanager
 def offline_if_asked(command: str, own: dict):
-    """``offline=true`` and ``verbose=true`` for the length of the command, as ``VITREG_OFFLINE=1`` and
-    ``VITREG_VERBOSE=1`` (the torchrun ranks inherit them); restored after, for an in-process caller."""
+    """``offline=true`` and ``verbose=true`` as ``VITREG_OFFLINE=1`` and ``VITREG_VERBOSE=1`` (the torchrun ranks
+    inherit them) for the length of the command."""
     asked = {env: "1" for env, name in (("VITREG_OFFLINE", "offline"), (VERBOSE_ENV, "verbose"))
              if option(command, name).parse(own[name])}
     with environ_restored(*asked):
@@ -284,7 +271,6 @@ def stopped(exc: KeyboardInterrupt) -> None:
 
 
 def _entry_point(ctx: click.Context) -> str | None:
-    """The MLproject entry point this command runs as (``entry_points/bench.py``: ``bench``), else None."""
     prog = PurePath(ctx.find_root().info_name or "vitreg")
     return prog.stem if prog.parent.name == ENTRY_POINTS_DIR else None
 
@@ -296,11 +282,7 @@ ENTRY_POINTS_DIR = "entry_points"  # the MLproject scripts call the CLI with pro
 
 def command_line(ctx: click.Context) -> str:
     """``mlflow run . -e bench -P model=deit_tiny_patch16_224`` or ``vitreg bench --model deit_tiny_patch16_224``.
-
-    Under ``mlflow run`` the process sees only the MLproject command line (every param, defaults included), so
-    the command is rebuilt from the params that differ from their defaults, with ``--env-manager local`` where
-    no environment of ``mlflow run``'s runs it; a ``vitreg`` command from the options given on its command line
-    or in the environment, in the option table's order."""
+    Under ``mlflow run`` the process sees every param, defaults included: only those that differ are said."""
     command = ctx.info_name
     if _entry_point(ctx):
         return _mlflow_run(_entry_point(ctx), ctx.params)

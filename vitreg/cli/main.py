@@ -1,5 +1,4 @@
-"""The ``vitreg`` command (click): the group and every subcommand, each a thin shell over a library call.
-Errors the user can fix (:class:`VitregError`) print one line, ``error: ...``, and exit 2."""
+"""The ``vitreg`` command (click): the group and every subcommand, each a thin shell over a library call."""
 
 from __future__ import annotations
 
@@ -197,7 +196,6 @@ def _count(text: str) -> int:
 
 
 def _list_runs(limit: int, experiment: str | None, status: str | None) -> None:
-    """The ``limit`` newest runs as :func:`vitreg.analysis.render.runs_table` draws them."""
     from vitreg.analysis.render import runs_table
     from vitreg.tracking import runs as tracking
     from vitreg.tracking.search import run_list
@@ -213,7 +211,6 @@ def _list_runs(limit: int, experiment: str | None, status: str | None) -> None:
 
 
 def _list_stale(stale: bool, fix: bool, experiment: str | None, seconds: float) -> None:
-    """``--stale``: RUNNING runs silent for ``seconds``, listed; with ``--fix`` ended KILLED."""
     if not stale:
         raise VitregError("--fix ends runs left RUNNING by a process that is gone: pass --stale --fix")
     from vitreg.tracking.runs import find_stale, mark_killed
@@ -232,7 +229,6 @@ def _list_stale(stale: bool, fix: bool, experiment: str | None, seconds: float) 
 
 
 def _write_frame(flag: str, stale: bool, experiment: str | None, limit: int | None, status: str | None) -> None:
-    """The tidy frame of the experiment's ``limit`` newest finished benchmark runs, as CSV or JSON records."""
     if stale:
         raise VitregError(f"{flag} writes finished runs and --stale lists unfinished ones: pass one of them")
     if not experiment:
@@ -247,7 +243,8 @@ def _write_frame(flag: str, stale: bool, experiment: str | None, limit: int | No
 
 @main.command()
 @click.argument("checkpoint_uri")
-@click.option("--name", required=True, help="Registered model name (created if new; its versions must be the same architecture).")
+@click.option("--name", required=True,
+              help="Registered model name (created if new; its versions must be the same architecture).")
 @click.option("--alias", default="latest", show_default=True,
               help="Alias to move to the new version (latest: none set; MLflow resolves @latest to the newest).")
 @user_errors
@@ -299,7 +296,3 @@ def infer(**values):
     with offline_if_asked("infer", own):
         run_infer(own["model_uri"], options, experiment=own["experiment"], run_name=own["run_name"],
                   command=command_line(click.get_current_context()))
-
-
-if __name__ == "__main__":  # pragma: no cover
-    main()

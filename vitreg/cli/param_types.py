@@ -1,8 +1,7 @@
-"""The click type of each option in the option table: what ``--help`` shows and what shell completion
-offers, never what is accepted. Each hands the text on as typed (:class:`_AsTyped`) for the spec to parse,
-so a bad value is vitreg's one-line ``error: ...`` (and under ``mlflow run`` the run marked FAILED) wherever it
-came from; click's own checks would print a multi-line usage error and leave the MLflow run RUNNING.
-"""
+"""The click type of each option in the option table: what ``--help`` shows and what shell completion offers,
+never what is accepted. Each hands the text on as typed for the spec to parse, so a bad value is vitreg's
+one-line ``error: ...`` (and under ``mlflow run`` the run marked FAILED); click's own checks would leave the
+MLflow run RUNNING."""
 
 from __future__ import annotations
 
@@ -32,8 +31,6 @@ _SHOWN_MAXIMUM = 2**31
 
 
 class IntText(_AsTyped, click.IntRange):
-    """``INTEGER RANGE`` and ``[x>=1]`` in --help."""
-
     def _describe_range(self) -> str:
         if self.max is not None and self.max >= _SHOWN_MAXIMUM:
             return f"x>={self.min}" if self.min is not None else ""
@@ -71,8 +68,6 @@ class BoolText(_AsTyped, click.types.BoolParamType):
 
 
 class GpuLabel(_AsTyped, click.types.StringParamType):
-    """``GPU`` in --help; completes the GPU profiles' labels and ``auto``."""
-
     name = "gpu"
 
     def shell_complete(self, ctx, param, incomplete):
@@ -100,7 +95,6 @@ class Text(_AsTyped, click.types.StringParamType):
 
 
 def param_type(opt: Option) -> click.ParamType:
-    """The click type that shows ``opt``'s kind, choices and bounds (and completes its values)."""
     if opt.kind == "choice":
         return ChoiceText(opt.choices, case_sensitive=False)
     if opt.kind == "bool":

@@ -1,6 +1,6 @@
-"""The warm worker's own loop (:mod:`vitreg.fleet.worker` says what a worker is and what a child keeps and
-loses in it): the heavy imports once, then each child read from stdin, run as the ``vitreg`` command it is, its
-end written on stderr. Here, in the CLI's layer, because a child is a CLI command."""
+"""The warm worker's own loop (:mod:`vitreg.fleet.worker` says what a child keeps and loses in it): the heavy
+imports once, then each child from stdin run as the ``vitreg`` command it is. In the CLI's layer: a child is a
+CLI command."""
 
 from __future__ import annotations
 
@@ -20,8 +20,8 @@ from vitreg.signals import ALL_STOP_SIGNALS
 
 
 def serve() -> int:
-    """The worker's loop: the heavy imports once, then each child from stdin until it closes; a child
-    stopped by a signal stops the worker too (its sweep is stopping)."""
+    """The worker's loop until stdin closes; a child stopped by a signal stops the worker too (its sweep is
+    stopping)."""
     from vitreg.cli.main import main
     from vitreg.bench import job  # noqa: F401  torch, timm and the job, before the first child's clock starts
     from vitreg.tracking import runs  # noqa: F401  and MLflow

@@ -1,21 +1,16 @@
-"""Did a candidate run get slower than its history? The verdict on one configuration x GPU.
+"""Did a candidate run get slower than its history? The verdict on one configuration x GPU, and change points.
 
-The ratio of medians (candidate / history, oriented so that > 1 is better) gets a percentile bootstrap
-interval, and the verdict is "regressed" or "improved" only when that interval excludes 1 *and* the change
-exceeds a noise threshold from the configuration's own spread (the history's scatter, or the runs' own
-``throughput_cv`` where larger), scaled by Student's t for the number of history runs, never below
+"regressed" or "improved" needs the bootstrap interval of the ratio of medians (> 1 is better) to exclude 1
+*and* the change to exceed a threshold from the configuration's own spread, scaled by Student's t, never below
 :data:`NOISE_FLOOR`. tests/test_check_stats.py: a 5 % step after 10 runs at 1 % noise is flagged in >= 95 of
-100 seeds, pure noise at 1-3 % CV in <= 5 of 100.
-
-Change points come from ``ruptures`` (``KernelCPD``, linear kernel: PELT in C, 0.5 ms on 500 runs), on the
-series made relative and divided by its robust run-to-run noise, with a BIC-like penalty of :data:`PENALTY` x
-log(n); a shift much smaller than :data:`NOISE_FLOOR` is never one.
+100 seeds, pure noise at 1-3 % CV in <= 5 of 100. Change points: ``ruptures`` (``KernelCPD``, linear kernel:
+PELT in C, 0.5 ms on 500 runs) on the series relative to its robust run-to-run noise.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -48,8 +43,6 @@ N_BOOT = 2000
 
 @dataclass(frozen=True)
 class Verdict:
-    """The verdict on one candidate against its history, and the figures it rests on."""
-
     verdict: str  # one of VERDICTS
     ratio: float  # median(candidate) / median(history); for a lower-is-better metric inverted: > 1 is better
     ci_low: float  # bootstrap interval of ratio (NaN without enough history)
@@ -59,23 +52,16 @@ class Verdict:
     n_history: int
     n_candidate: int
 
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-
-def relative_scatter(values) -> float:
-    """Sample standard deviation over the median: the spread of one run, relative (NaN under two runs)."""
-    v = np.asarray(values, float)
-    med = np.median(v) if len(v) else np.nan
-    return float(np.std(v, ddof=1) / abs(med)) if len(v) >= 2 and med else np.nan
-
 
 def noise_of(history, run_cvs=()) -> float:
-    """The relative spread of one run of this configuration: the history's scatter, or the median of the
-    runs' own ``throughput_cv`` where that is larger (a short history can look quieter than it is)."""
+    """The relative spread of one run of this configuration: the history's scatter (sample standard deviation over
+    the median), or the median of the runs' own ``throughput_cv`` where that is larger (a short history can look
+    quieter than it is)."""
     cvs = np.asarray([c for c in run_cvs if c is not None and math.isfinite(c)], float)
     own = float(np.median(cvs)) if len(cvs) else 0.0
-    scatter = relative_scatter(history)
+    v = np.asarray(history, float)
+    med = np.median(v) if len(v) else 0.0
+    scatter = float(np.std(v, ddof=1) / abs(med)) if len(v) >= 2 and med else 0.0
     return max(own, scatter if math.isfinite(scatter) else 0.0)
 
 
@@ -88,8 +74,8 @@ def threshold_of(noise: float, n_history: int, n_candidate: int) -> float:
 
 
 def judge(candidate, history, higher: bool = True, run_cvs=(), seed: int = 0, n_boot: int = N_BOOT) -> Verdict:
-    """The verdict on ``candidate`` (values of the candidate runs) against ``history`` (earlier runs'
-    values). ``higher``: a larger value is better (throughput); ``run_cvs``: the runs' own ``throughput_cv``."""
+    """The verdict on the candidate runs' values against the earlier runs' ``history``; ``run_cvs``: the runs' own
+    ``throughput_cv``."""
     cand, hist = np.asarray(candidate, float), np.asarray(history, float)
     med_c, med_h = float(np.median(cand)), (float(np.median(hist)) if len(hist) else np.nan)
     ratio = (med_c / med_h if higher else med_h / med_c) if len(hist) and med_h and med_c else np.nan
@@ -162,7 +148,6 @@ def change_points(values) -> list[int]:
 
 
 def segment_medians(values, points: list[int]) -> list[tuple[int, int, float]]:
-    """``(start, end, median)`` of each segment between change points (end exclusive)."""
     v = np.asarray(values, float)
     bounds = [0, *points, len(v)]
     return [(a, b, float(np.median(v[a:b]))) for a, b in zip(bounds, bounds[1:])]
