@@ -948,6 +948,8 @@ def test_compare_names_the_folder_of_its_files_and_the_run_s_page_in_the_ui(sqli
     line = next(line for line in out.splitlines() if line.startswith(f"[vitreg] compare run {run.info.run_id}"))
     folder = Path(line.split(" files in ")[1].split(" (")[0])
     assert folder.is_absolute() and folder.name == "comparison" and (folder / "comparison.md").is_file()
+    named = line.split(" (")[-1].rstrip(")").split(", ")  # each file by its path under the folder, found there
+    assert "comparison.md" in named and all((folder / name).is_file() for name in named), line
     assert f"http://127.0.0.1:5000/{runs_page(analysis, run.info.run_id)}" in out  # the page, once `mlflow ui` runs
 
 

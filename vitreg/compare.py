@@ -44,6 +44,7 @@ def run_compare(experiment: str, baseline: str | None = None, metric: str = "thr
     table = "\n".join(lines + [f"- {line}" for line in extra.lines])
     with tempfile.TemporaryDirectory(prefix="vitreg-compare-") as tmp:
         files = write_report(comparison, tmp) + _extra_reports(extra, Path(tmp), write_report)
+        names = [str(Path(f).relative_to(tmp)) for f in files]  # energy_and_cost/<metric>/ holds the same names
         filed = log_experiment or naming.analysis_experiment(experiment)
         with tracking.tracked_run(run_name=run_name, experiment=filed, system_metrics=False) as run:
             # named and described here, also under `mlflow run`, whose run arrives with a random name
@@ -55,7 +56,7 @@ def run_compare(experiment: str, baseline: str | None = None, metric: str = "thr
     print(table)
     progress(f"compare run {run.run_id} (experiment {logged_into(run, filed)!r}, id {run.experiment_id}): "
              f"{len(files)} files in {tracking.artifacts_at(run, 'comparison')} "
-             f"({', '.join(Path(f).name for f in files)})")
+             f"({', '.join(names)})")
     progress(tracking.where_logged(run))  # its page in the UI
     return comparison
 
