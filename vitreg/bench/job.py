@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import functools
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from vitreg.analysis.frame import FOLDED_INTO, SCALED_COLUMNS
 from vitreg.bench.results import BenchResult, report_markdown, results_table, run_warning
@@ -144,7 +144,7 @@ def plan_infer(run, model_uri: str, options: dict, run_name: str | None, command
     with tempfile.TemporaryDirectory(prefix="vitreg-infer-") as tmp:
         pulled = checkpoint_sources.pull(model_uri, dst=tmp, progress=progress)
     info = pulled.info
-    ctx = ctx.with_spec(BenchSpec.from_options({**options, "model": info.name, "img_size": info.img_size}))
+    ctx = replace(ctx, spec=BenchSpec.from_options({**options, "model": info.name, "img_size": info.img_size}))
     spec, hw = ctx.spec, ctx.hardware
     what = (f"{pulled.registered_model_name}-v{pulled.registered_model_version}" if pulled.version_uri
             else f"{info.name}-run-{(pulled.run_id or 'local')[:8]}")
