@@ -129,8 +129,10 @@ class FolderData:
         self.device = torch.device(device)
         self.batch_size = batch_size
         pin = self.device.type == "cuda"
+        # workers from a forkserver, not forked from this process: its threads (MLflow's, torch's) may hold a heap
+        # lock or be mid-update at a fork; a forked worker then died of "double free or corruption" (stop 44's suite)
         loader_kw = dict(num_workers=num_workers, pin_memory=pin, persistent_workers=num_workers > 0,
-                         **({"prefetch_factor": 4} if num_workers > 0 else {}))
+                         **({"prefetch_factor": 4, "multiprocessing_context": "forkserver"} if num_workers > 0 else {}))
         self.sampler = epoch_sampler(self.train_set, seed, rank, world_size)
         # drop_last: every step has the same shape (no recompile, honest per-step timing)
         self.loader = torch.utils.data.DataLoader(self.train_set, batch_size=batch_size, sampler=self.sampler,
@@ -144,7 +146,7 @@ class FolderData:
                 raise VitregError(f"data={root}: val/ and train/ have different class folders (e.g. {missing}): "
                                   f"make val/ hold the same class names as train/")
             self.val = torch.utils.data.DataLoader(val_set, batch_size=batch_size, shuffle=False, drop_last=False,
-                                                   num_workers=num_workers, pin_memory=pin)
+                                                   **{**loader_kw, "persistent_workers": False})
 
     def batches(self, epoch: int, start: int = 0):
         self.sampler.set_epoch(epoch)
