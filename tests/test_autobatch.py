@@ -52,6 +52,15 @@ def test_a_midpoint_that_fits_is_taken_when_it_is_clearly_faster():
     assert slower.batch == 512 and slower.probes[-1].batch == 768
 
 
+def test_a_doubling_counts_only_where_its_gain_is_clear_of_the_probes_spread():
+    noisy = {256: (2690.0, 0.4), 512: (2819.0, 0.6), 1024: (2848.0, 0.6), 2048: (2872.0, 0.5)}  # H200 train's rates
+    choice = find_batch(lambda b: noisy[b], SearchLimits(256, 4096, 10, 1e9, min_gain=0.01))
+    assert (choice.batch, choice.stopped) == (512, "plateau")  # +1.0 % to 1024 is inside 0.6 + 0.6 % of spread
+    assert [p.batch for p in choice.probes] == [256, 512, 1024] and choice.probes[1].spread_pct == 0.6
+    quiet = {b: (rate, 0.1) for b, (rate, _) in noisy.items()}  # the same rates, measured tighter
+    assert find_batch(lambda b: quiet[b], SearchLimits(256, 4096, 10, 1e9, min_gain=0.01)).batch == 1024
+
+
 def test_stops_doubling_when_throughput_no_longer_improves():
     flat = fake_probe(10_000, rate=lambda b: min(b, 256) * 10.0 + b * 0.001)
     choice = find_batch(flat, GPU)
@@ -147,27 +156,46 @@ def search(steps, key=KEY, distributed=False):
     return choice, said
 
 
-def test_a_second_run_reuses_the_kept_batch_with_one_probe_and_says_so(user_cache):
+def test_a_second_run_reuses_the_kept_batch_without_a_probe_and_says_so(user_cache):
     first, _ = search(Steps())
     assert first.source == "probe" and len(first.probes) > 1 and user_cache.exists()
     steps = Steps()
     second, said = search(steps)
     assert (second.batch, second.source, second.stopped) == (first.batch, "cache", "cache")
-    assert steps.asked == [first.batch] and len(second.probes) == 1 and second.probes[0].fits  # one probe only
-    assert any("reusing batch" in line and str(user_cache) in line for line in said)
+    assert steps.asked == [] and second.probes == ()  # the task's warm-up is its check
+    assert second.summary() == f"{first.summary()} ({user_cache})"  # the probes that chose it, and where
+    assert any(f"batch {first.batch}, kept in {user_cache}" in line for line in said)
     other, _ = search(Steps(), key=dataclasses.replace(KEY, precision="bf16"))  # other work: searched anew
     assert other.source == "probe"
 
 
-def test_a_kept_batch_that_no_longer_fits_is_dropped_and_searched_again_in_one_line(user_cache):
-    batch_cache.keep(KEY, 16, "16:100")
-    steps = Steps(fits_up_to=8)  # another process holds memory now
-    choice, said = search(steps)
-    assert steps.asked[0] == 16 and choice.source == "probe" and choice.batch == 8
-    assert [line for line in said if "no longer fits" in line] == [
-        "infer: batch_size=auto: the cached batch 16 no longer fits (out of memory: another process may hold "
-        "memory): probing again"]
-    assert batch_cache.lookup(KEY) == (choice.batch, None)  # the new choice replaced it
+MISSION_H100 = CacheKey(machine="NVIDIA H100 80GB HBM3", torch="2.14.1", task="train", **batch_cache.MISSION)
+
+
+def test_a_fresh_machine_takes_the_measured_batch_of_its_gpu_for_the_mission_and_searches_anything_else(user_cache):
+    batch, probes, source = batch_cache.MEASURED[("NVIDIA H100 80GB HBM3", "train")]
+    steps = Steps()
+    choice, said = search(steps, key=MISSION_H100)  # another torch than the measurement's: the warm-up checks it
+    assert (choice.batch, choice.source, steps.asked) == (batch, "measured", [])
+    assert choice.summary() == f"{probes} (measured on {source})"
+    assert any(f"batch {batch}, measured on {source}" in line for line in said)
+    for other in (dataclasses.replace(MISSION_H100, machine="NVIDIA A100-SXM4-80GB"),  # a GPU never measured
+                  dataclasses.replace(MISSION_H100, compile="default"), dataclasses.replace(MISSION_H100, img_size=224)):
+        assert batch_cache.lookup(other) == (None, None)
+    batch_cache.keep(MISSION_H100, 512, "512:2700")  # a batch searched on this machine wins
+    assert batch_cache.lookup(MISSION_H100)[0].batch == 512
+
+
+def test_a_kept_batch_that_ran_out_of_memory_is_forgotten_also_where_a_measured_one_stands(user_cache):
+    from vitreg.measure.autobatch import forget_kept
+
+    said = []
+    forget_kept(MISSION_H100, "train", 1024, said.append)
+    assert said == ["train: batch_size=auto: the kept batch 1024 no longer fits (out of memory: another process may "
+                    "hold memory): probing again"]
+    assert batch_cache.lookup(MISSION_H100) == (None, None)
+    batch_cache.keep(MISSION_H100, 512, "512:2700")
+    assert batch_cache.lookup(MISSION_H100)[0].img_per_s == 2700.0
 
 
 @pytest.mark.parametrize("text", ["{not json", "[1, 2]", "\x00\xff"])
@@ -178,7 +206,7 @@ def test_a_corrupt_cache_file_is_one_line_then_a_search_and_a_good_file(user_cac
     notes = [line for line in said if "batch cache" in line]
     assert len(notes) == 1 and "\n" not in notes[0] and "probing, then rewriting it" in notes[0]
     assert choice.source == "probe" and json.loads(user_cache.read_text())  # rewritten, readable
-    assert batch_cache.lookup(KEY) == (choice.batch, None)
+    assert batch_cache.lookup(KEY)[0].batch == choice.batch
 
 
 @pytest.mark.parametrize("entry", [{"batch": "64"}, {"batch": -1}, {"batch": True}, [64], None])
@@ -192,7 +220,7 @@ def test_an_entry_of_the_wrong_shape_counts_as_missing(user_cache, entry):
 def test_ddp_never_reads_or_writes_the_cache(user_cache):
     batch_cache.keep(KEY, 8, "8:1")
     choice, _ = search(Steps(), distributed=True)  # ranks must agree: each searches, the smallest wins
-    assert choice.source == "probe" and batch_cache.lookup(KEY) == (8, None)
+    assert choice.source == "probe" and batch_cache.lookup(KEY)[0].batch == 8
 
 
 def test_the_key_names_the_machine_the_work_and_torch():

@@ -57,14 +57,19 @@ def test_the_work_of_a_bench_is_its_steps_counted_as_the_run_will_take_them():
         16.2 + 9.9)
     # batch_size=auto on the CPU: the steps at 64 (the search's top) and the probes at 8, 16, 32, 64 (5 steps each)
     auto = BenchSpec(model="test_vit", task="infer", warmup=10, steps=30, repeats=5)
-    assert BenchAhead(auto, {"infer": 0.64}).task_seconds("infer") == pytest.approx(
+    assert BenchAhead(auto, {"infer": 0.64}, searched=("infer",)).task_seconds("infer") == pytest.approx(
         162 * 0.64 + 5 * 0.01 * (8 + 16 + 32 + 64))
+    assert BenchAhead(auto, {"infer": 0.64}).task_seconds("infer") == pytest.approx(162 * 0.64)  # a kept batch
+    # on a GPU three windows carry the target; an fp8 graph compiles longer
+    gpu = BenchAhead(adaptive.replace(compile="default"), {"infer": 0.045}, device="cuda", fp8=True)
+    assert gpu.task_seconds("infer") == pytest.approx((12 + 3 * 25) * 0.045 + 40.0 * estimate.FP8_COMPILE)
     assert train_work(64, 100, 3e9).images == 6400
 
 
 def test_the_step_is_timed_at_a_probe_batch_and_scaled_to_the_run_s(monkeypatch):
-    """A probe costs about PROBE_FLOPS (a fraction of a second on a CPU): 1e9 FLOP here is 4 images of 0.25 GFLOP;
-    the median of three timed calls after an untimed one, scaled from 4 to 64 images."""
+    """On a CPU the probe's batch is what the measured matmul rate does in PROBE_S at CPU_STEP_EFFICIENCY: 16 GFLOP/s
+    x 0.5 s x 0.5 = 4 GFLOP, 16 images of 0.25 GFLOP; the median of three timed calls after an untimed one, scaled
+    from 16 to 64 images. A step too long to time (one image over 4 x PROBE_S) comes from its FLOPs, untimed."""
     made, timed = [], iter([0.02, 0.01, 0.05])
     monkeypatch.setattr(estimate, "wall_seconds", lambda fn, device: fn() or next(timed))
 
@@ -72,12 +77,15 @@ def test_the_step_is_timed_at_a_probe_batch_and_scaled_to_the_run_s(monkeypatch)
         made.append(batch)
         return lambda: None
 
-    assert estimate.step_seconds(make_step, 64, 0.25e9, "cpu") == pytest.approx(0.02 * 64 / 4)
-    assert made == [4]
-    long_step = iter([0.8])  # a GPU-sized step on a CPU: one timed call is enough (and costly)
+    assert estimate.step_seconds(make_step, 64, 0.25e9, "cpu", 16e9) == pytest.approx(0.02 * 64 / 16)
+    assert made == [16]
+    long_step = iter([0.8])  # 4 GFLOP in the probe's time: one 3.5 GFLOP image, one timed call (and costly)
     monkeypatch.setattr(estimate, "wall_seconds", lambda fn, device: fn() or next(long_step))
-    assert estimate.step_seconds(make_step, 64, 35e9, "cpu") == pytest.approx(0.8 * 64)
-    assert estimate.probe_batch(8, 35e9, "cpu") == 1 and estimate.probe_batch(256, 35e9, "cuda") == 256
+    assert estimate.step_seconds(make_step, 64, 3.5e9, "cpu", 16e9) == pytest.approx(0.8 * 64)
+    made.clear()  # ViT-B's train step, 52.8 GFLOP an image, on a CPU doing 16 GFLOP/s: its FLOPs, no step run
+    assert estimate.step_seconds(make_step, 256, 52.8e9, "cpu", 16e9) == pytest.approx(52.8e9 * 256 / 8e9)
+    assert made == [] and estimate.probe_batch(8, 52.8e9, "cpu", 16e9) == 0
+    assert estimate.probe_batch(256, 35e9, "cuda") == 256 and estimate.probe_batch(8, 0.25e9, "cpu", 16e9) == 8
 
 
 def test_long_work_gets_the_estimate_and_the_short_options_and_quick_work_nothing():
@@ -88,7 +96,8 @@ def test_long_work_gets_the_estimate_and_the_short_options_and_quick_work_nothin
                            "30,000.0 ms/step, measured in the run's precision; 10 warm-up steps, 6+ windows"), line
     assert "compiling ~40 s a task" in line and "for a short run: --model deit_tiny_patch16_224 --batch-size 8" in line
     small = BenchSpec(model="deit_tiny_patch16_224", batch_size=8, warmup=3, steps=5, repeats=3)
-    assert BenchAhead(small, {"infer": 0.05, "train": 0.15}).line() is None
+    assert BenchAhead(small, {"infer": 0.05, "train": 0.15}).line() is None  # 20 steps of each: 4 s
+    assert BenchAhead(small, {"infer": 0.25, "train": 0.75}).line().startswith("estimate: bench will take about 20 s")
     assert [duration_text(s) for s in (45, 600, 5 * 3600)] == ["45 s", "10 min", "5.0 h"]
     line = estimate_line(train_work(256, 1000, 105e9), flops_per_s=50e9, device="cpu")  # train's, as before
     assert line.startswith("estimate: train will take at least 149 h on this CPU"), line

@@ -227,12 +227,12 @@ def test_by_default_windows_last_window_min_s_and_stop_at_the_precision_target(m
     monkeypatch.setattr(runner, "wall_seconds", lambda fn, device_type: fn() or 0.1)
     result, messages = _run(task="infer", warmup=1, steps=0, repeats=0, window_min_s=0.5, precision_pct=1.0)
     task, m = result.tasks[0], result.metrics()
-    assert calls == [6] + [55] * 6  # one short window, then six of 55 steps
+    assert calls == [6] + [55] * 3  # one short window, then three of 55 steps: their t interval is +-0.5 %
     assert any("not a sample; 55 steps per window" in msg for msg in messages)
-    assert (m["infer_timed_windows"], m["infer_steps_per_window"]) == (6, 55) == (task.repeats, task.steps)
+    assert (m["infer_timed_windows"], m["infer_steps_per_window"]) == (3, 55) == (task.repeats, task.steps)
     assert result.tags()["infer_timing_stop"] == "precision_met"
     assert m["infer_throughput_ci95_halfwidth_pct"] <= 1.0
-    assert len(task.figures["latency_ms"]) == 6 * 55  # the short window is no sample
+    assert len(task.figures["latency_ms"]) == 3 * 55  # the short window is no sample
 
 
 def test_windows_that_spread_too_wide_are_timed_again_twice_as_long(monkeypatch):
@@ -252,10 +252,10 @@ def test_windows_that_spread_too_wide_are_timed_again_twice_as_long(monkeypatch)
     monkeypatch.setattr(runner, "time_window", fake)
     monkeypatch.setattr(runner, "wall_seconds", lambda fn, device_type: fn() or 0.1)
     result, messages = _run(task="infer", warmup=1, steps=0, repeats=0, window_min_s=0.5, precision_pct=1.0)
-    assert calls == [6] + [55] * 6 + [110] * 6
+    assert calls == [6] + [55] * 6 + [110] * 3
     assert any("timing again with windows of 110 steps" in msg for msg in messages)
     m = result.metrics()
-    assert (m["infer_timed_windows"], m["infer_steps_per_window"]) == (6, 110)
+    assert (m["infer_timed_windows"], m["infer_steps_per_window"]) == (3, 110)
     assert result.tags()["infer_timing_stop"] == "precision_met"
 
 
@@ -366,3 +366,33 @@ def test_the_run_s_warnings_are_one_line():
     assert warning.count("warning:") == 1 and "\n" not in warning
     assert "window spread over 5%" in warning and "the precision target 1 % was not reached" in warning
     assert run_warning(dataclasses.replace(result, tasks=(dataclasses.replace(task, window_tags={}),))) is None
+
+
+def test_a_kept_batch_is_checked_by_its_warm_up_and_one_that_runs_out_of_memory_is_searched_again(monkeypatch):
+    """Issue 44: a kept batch (this machine's cache, or the package's measurement) costs no probe: the task's own
+    first call and warm-up check it. One that runs out of memory there is forgotten, said, and searched again."""
+    import torch
+
+    from vitreg.bench import runner
+    from vitreg.measure import batch_cache
+    from vitreg.measure.autobatch import SearchLimits
+
+    monkeypatch.setitem(runner.search_batch.__globals__["SEARCH_LIMITS"], "cpu",
+                        SearchLimits(start=2, limit=4, max_probes=2, max_seconds=60.0, probe_steps=1, probe_warmup=1))
+    spec = BenchSpec(model="test_vit", img_size=32, batch_size="auto", task="infer")
+    rt = resolve_runtime("auto", "off", "inductor", CPU)
+    batch_cache.keep(batch_cache.key_for(spec, rt, "infer"), 16, "8:100,16:120")
+    timed = runner._timed_task
+
+    def out_of_memory_at_16(task, step, bench, batch_size, choice, flops):
+        if batch_size == 16:
+            raise torch.OutOfMemoryError("CUDA out of memory (test)")
+        return timed(task, step, bench, batch_size, choice, flops)
+
+    monkeypatch.setattr(runner, "_timed_task", out_of_memory_at_16)
+    result, messages = _run(batch_size="auto", task="infer")
+    task = result.tasks[0]
+    assert task.batch_size in (2, 4) and task.batch_choice.source == "probe"
+    assert any("batch 16, kept in" in m and "the warm-up checks it" in m for m in messages)
+    assert any("the kept batch 16 no longer fits" in m for m in messages)
+    assert batch_cache.lookup(batch_cache.key_for(spec, rt, "infer"))[0].batch == task.batch_size  # kept anew

@@ -77,8 +77,16 @@ def test_the_median_interval_is_the_order_statistics_with_95_percent_coverage():
     assert median_interval(range(1, 21)) == (6, 15)
     # the farther end from the median, in % of it: median 12.5, ends 10 and 15
     assert median_halfwidth_pct([15, 10, 11, 12, 13, 14]) == pytest.approx(2.5 / 12.5 * 100)
-    assert median_halfwidth_pct([1, 2, 3]) is None
+    assert median_halfwidth_pct([1, 2]) is None
 
+
+def test_three_to_five_values_read_students_t_interval_which_one_outlier_widens():
+    from vitreg.measure.timing import median_halfwidth_pct
+
+    # mean 1000, sample std 2: t(2) = 4.303 -> 4.303 * 2 / sqrt(3) = 4.97 img/s, 0.497 % of the median
+    assert median_halfwidth_pct([998.0, 1000.0, 1002.0]) == pytest.approx(4.303 * 2 / 3 ** 0.5 / 1000 * 100)
+    assert median_halfwidth_pct([1000.0, 1001.0, 999.0, 1000.5, 999.5]) < 0.1
+    assert median_halfwidth_pct([1000.0, 1001.0, 999.0, 1000.5, 900.0]) > 5  # a throttled window: no early stop
 
 
 def test_the_median_interval_of_thousands_of_step_times_is_exact_and_quick():
@@ -112,13 +120,16 @@ def test_the_median_interval_of_thousands_of_step_times_is_exact_and_quick():
 
     assert seconds(7000) < 40 * seconds(700) + 0.01  # linear: ~10x; the integer sums were ~1,000x
 
-def test_adaptive_windows_stop_at_the_target_from_six_windows_on():
+def test_adaptive_windows_stop_at_the_target_from_three_windows_on():
     from vitreg.measure.timing import STOP_PRECISION, StopRule
 
     rule = StopRule(precision_pct=1.0, max_time_s=60.0)
-    tight = [1000.0, 1002.0, 998.0, 1001.0, 999.0, 1000.5]
-    assert [rule.reason(tight[:n], elapsed_s=n, next_window_s=1.0) for n in range(1, 6)] == [None] * 5
-    assert rule.reason(tight, elapsed_s=6, next_window_s=1.0) == STOP_PRECISION
+    tight = [1000.0, 1002.0, 998.0, 1001.0, 999.0, 1000.5]  # an H100's bs512 windows agree to ~0.2 %
+    assert [rule.reason(tight[:n], elapsed_s=n, next_window_s=1.0) for n in range(1, 3)] == [None] * 2
+    assert rule.reason(tight[:3], elapsed_s=3, next_window_s=1.0) == STOP_PRECISION
+    wide = [1000.0, 1015.0, 985.0, 1008.0, 992.0, 1001.0, 999.0, 1000.0, 1003.0]  # +-1.5 %: three are not sure
+    assert [rule.reason(wide[:n], elapsed_s=n, next_window_s=1.0) for n in range(1, 9)] == [None] * 8
+    assert rule.reason(wide, elapsed_s=9, next_window_s=1.0) == STOP_PRECISION
     noisy = tight[:5] + [1200.0, 800.0]  # +-20 %: time another window
     assert rule.reason(noisy, elapsed_s=7, next_window_s=1.0) is None
 

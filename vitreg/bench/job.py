@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import tempfile
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 
 from vitreg.analysis.frame import FOLDED_INTO, SCALED_COLUMNS
@@ -51,6 +52,7 @@ def bench(options: dict, experiment: str | None = None, run_name: str | None = N
             if not launch.launched_by_vitreg():
                 _print_end(run, result)
         return result
+    built = _build_ahead(options, placement)
     with launch.launcher_run(run_name, experiment, placement.run_node) as run:
         spec = BenchSpec.from_options(options)  # the one parse of the options in this process
         if launch.needs_torchrun(spec.nproc, placement.nnodes):
@@ -58,7 +60,7 @@ def bench(options: dict, experiment: str | None = None, run_name: str | None = N
             _launch_bench(run, spec, job, baseline_run, progress)
             result = None
         else:
-            plan = plan_bench(run, spec, run_name, command, baseline_run, progress)
+            plan = plan_bench(run, spec, run_name, command, baseline_run, progress, built)
             result = benchmark_in_run(plan)
             print(results_table(result))
     if run is not None:
@@ -120,10 +122,27 @@ class BenchPlan:
     params: dict = field(default_factory=dict)  # params besides the spec's and the resolved ones
 
 
+def _build_ahead(options: dict, placement: launch.Placement) -> Future | None:
+    """A plain process's model, built on a thread while its run opens and the hardware is read (MLflow's import
+    and the store take seconds of the mission's command, ViT-B's weights one more): the same model, sooner. None
+    where torchrun's ranks build it, or where the options do not parse (the run then says why)."""
+    try:
+        spec = BenchSpec.from_options(options)
+    except VitregError:
+        return None
+    if launch.needs_torchrun(spec.nproc, placement.nnodes):
+        return None
+    pool = ThreadPoolExecutor(1, thread_name_prefix="vitreg-model")
+    try:
+        return pool.submit(create_model, spec.model, spec.img_size)
+    finally:
+        pool.shutdown(wait=False)  # no wait here: its thread ends with the build
+
+
 def plan_bench(run, spec: BenchSpec, run_name: str | None, command: str, baseline_run: str | None,
-               progress) -> BenchPlan:
+               progress, built: Future | None = None) -> BenchPlan:
     """A plain process's or a rank's bench: the model name checked before any device work, the world joined, the
-    baseline read before the GPU time, the model built on the CPU."""
+    baseline read before the GPU time, the model built on the CPU (``built``: on a thread, since the start)."""
     check_model_name(spec.model)  # cheap, and before any device work
     ctx = job_context(run, spec, progress, distributed.ResultReducer, cuda_graph=spec.cuda_graph)
     world, hw = ctx.world, ctx.hardware
@@ -131,7 +150,7 @@ def plan_bench(run, spec: BenchSpec, run_name: str | None, command: str, baselin
     # started: rank 0 reads it now
     baseline = scaling_baseline(baseline_run, spec, scaled=world.distributed,
                                 speaks=world.is_main and not launch.launched_by_vitreg(), progress=ctx.progress)
-    model, info = create_model(spec.model, spec.img_size)
+    model, info = built.result() if built is not None else create_model(spec.model, spec.img_size)
     title = naming.RunTitle(hw.label, spec.model, ctx.runtime.amp, spec.compile, world.world_size, spec.cuda_graph,
                             ran_on=hw.detected.profile.label if hw.mismatch else None, img_size=info.img_size)
     return BenchPlan(ctx, model, info, title, run_name, command, baseline,

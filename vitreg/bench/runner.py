@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -17,13 +18,13 @@ from vitreg.bench.results import INFER_EAGER_STEPS_BEFORE_CAPTURE, BenchResult, 
 from vitreg.console import detail, progress, ticking
 from vitreg.errors import out_of_memory_as_error
 from vitreg.hardware.compile_cache import CacheProbe
-from vitreg.hardware.precision import EAGER_FP8_NOTE, fp8_agreement, input_dtype, prepare_model
+from vitreg.hardware.precision import EAGER_FP8_NOTE, fp8_agreement, input_dtype, prepare_model, torch_dtype
 from vitreg.hardware.sdpa import detect_backend
 from vitreg.measure import batch_cache
-from vitreg.measure.autobatch import release_memory, search_batch
+from vitreg.measure.autobatch import forget_kept, is_out_of_memory, release_memory, search_batch
 from vitreg.measure.figures import Figures, Work
 from vitreg.measure.metrics import ITERATION_TIME
-from vitreg.measure.estimate import BenchAhead, estimated_batch, step_seconds
+from vitreg.measure.estimate import BenchAhead, estimated_batch, measured_flops_per_s, step_seconds
 from vitreg.measure.graphs import EAGER_STEPS_BEFORE_CAPTURE, capture, require_cuda, side_stream
 from vitreg.hardware.profiles import ResolvedHardware
 from vitreg.measure.anatomy import CHART_FILE, TABLE_FILE, Anatomy, ceilings
@@ -35,7 +36,7 @@ from vitreg.hardware.runtime import Runtime, run_context
 from vitreg.config.parse import AUTO_BATCH
 from vitreg.config.spec import BenchSpec
 
-from vitreg.measure.timing import (MAX_WINDOWS, MIN_WINDOWS, PHASES, STOP_MAX_TIME, STOP_MAX_WINDOWS, StopRule,
+from vitreg.measure.timing import (FEWEST_JUDGED, MAX_WINDOWS, MIN_WINDOWS, PHASES, STOP_MAX_TIME, STOP_MAX_WINDOWS, StopRule,
                                    median_halfwidth_pct, steps_for_window, synchronize, time_window, wall_seconds)
 from vitreg.train.losses import loss_of
 
@@ -198,7 +199,7 @@ def _say_window(say, task: str, rates: list, win, mark, rule: StopRule) -> None:
 def missed_target_text(rates, rule: StopRule, stop: str) -> str:
     """Why a task's median is less sure than asked: the half-width reached, the limit that stopped it."""
     halfwidth = median_halfwidth_pct(rates)
-    reached = f"+-{halfwidth:.2f} %" if halfwidth is not None else f"no 95 % interval (under {MIN_WINDOWS} windows)"
+    reached = f"+-{halfwidth:.2f} %" if halfwidth is not None else f"no 95 % interval (under {FEWEST_JUDGED} windows)"
     limit = (f"max_time_s={rule.max_time_s:g} s of timing" if stop == STOP_MAX_TIME
              else f"the most windows a task times ({MAX_WINDOWS})")
     return (f"precision target {rule.precision_pct:g} % not reached: {reached} after {len(rates)} window(s), "
@@ -268,10 +269,24 @@ def run_inference(model, bench: _Bench, fwd_flops: int) -> TaskResult:
     _reset_memory(runtime.device)
     model.eval()
     cache = not bench.spec.cuda_graph
-    bs, choice = _choose_batch(_infer_steps(model, info, runtime, cache), "infer", bench)
     compiled = runtime.compile_model(model)
-    step = _infer_steps(compiled, info, runtime, cache)(bs)  # the batch is made once, before any timing
-    return _timed_task("infer", step, bench, bs, choice, fwd_flops)
+    return _at_chosen_batch("infer", _infer_steps(model, info, runtime, cache),
+                            lambda bs: _infer_steps(compiled, info, runtime, cache)(bs), bench, fwd_flops)
+
+
+def _at_chosen_batch(task: str, probe_steps, timed_step, bench: _Bench, flops_per_img: int) -> TaskResult:
+    """``task`` timed at its batch (``timed_step(batch)``: the batch is made once, before any timing). A kept batch
+    is checked by its own warm-up: one that runs out of memory is forgotten and the batch searched again."""
+    bs, choice = _choose_batch(probe_steps, task, bench)
+    try:
+        return _timed_task(task, timed_step(bs), bench, bs, choice, flops_per_img)
+    except Exception as exc:
+        if choice is None or choice.source == "probe" or not is_out_of_memory(exc):
+            raise
+    forget_kept(batch_cache.key_for(bench.spec, bench.runtime, task), task, bs, bench.progress)
+    _reset_memory(bench.runtime.device)
+    bs, choice = _choose_batch(probe_steps, task, bench)
+    return _timed_task(task, timed_step(bs), bench, bs, choice, flops_per_img)
 
 
 def _timed_task(task: str, step, bench: _Bench, batch_size: int, choice, flops_per_img: int) -> TaskResult:
@@ -331,12 +346,15 @@ def run_train_step(model, bench: _Bench, train_flops: int) -> TaskResult:
     # its step count lives on the GPU, so a CUDA graph replay advances it.
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=runtime.device == "cuda", capturable=graphed)
     scaler = runtime.grad_scaler()
-    try:
-        bs, choice = _choose_batch(_train_steps(model, opt, scaler, info, runtime, not graphed), "train", bench)
+    make_step = functools.partial(_train_steps, opt=opt, scaler=scaler, info=info, runtime=runtime, cache=not graphed)
+
+    def timed_step(batch: int):
         with side_stream(graphed and bench.wrap is not None):  # DDP is built on a side stream before a capture
             net = bench.wrap(model) if bench.wrap else model
-        step = _train_steps(runtime.compile_model(net), opt, scaler, info, runtime, not graphed)(bs)
-        return _timed_task("train", step, bench, bs, choice, train_flops)
+        return make_step(runtime.compile_model(net))(batch)
+
+    try:
+        return _at_chosen_batch("train", make_step(model), timed_step, bench, train_flops)
     finally:
         if info.distilled and hasattr(model, "set_distilled_training"):
             model.set_distilled_training(False)
@@ -440,27 +458,39 @@ def run_benchmark(spec: BenchSpec, hardware: ResolvedHardware, runtime: Runtime,
 
 
 def _estimate(model, bench: _Bench, fwd_flops: int, train_flops: int, cache_dir, command: str) -> BenchAhead:
-    """The work ahead from each task's step timed at a probe batch in the run's context, said when it is long. The
-    train probe's optimizer has a learning rate of 0: its steps leave the weights as they were."""
+    """The work ahead, said when it is long: each task's step from its kept batch's probe where batch_size=auto
+    has one (nothing run), else timed at a probe batch in the run's context. The train probe's optimizer has a
+    learning rate of 0: its steps leave the weights as they were."""
     import torch
 
-    spec, runtime, info = bench.spec, bench.runtime, bench.info
-    batch, dev, step_s = estimated_batch(spec, runtime.device), runtime.device, {}
-    if "infer" in spec.tasks:
-        model.eval()
-        step_s["infer"] = step_seconds(_infer_steps(model, info, runtime, True), batch, fwd_flops, dev)
-    if "train" in spec.tasks:
-        model.train()
-        opt = torch.optim.AdamW(model.parameters(), lr=0.0)
-        step_s["train"] = step_seconds(_train_steps(model, opt, runtime.grad_scaler(), info, runtime, True), batch,
-                                       train_flops, dev)
-        del opt
-        model.zero_grad(set_to_none=True)
+    spec, runtime, info, dev = bench.spec, bench.runtime, bench.info, bench.runtime.device
+    step_s, searched = {}, []
+    # a CPU's matmul rate in the run's dtype sizes the probe (bf16 on a CPU without bf16 units is slow)
+    rate = measured_flops_per_s("cpu", dtype=torch_dtype(runtime.precision.autocast_dtype or
+                                                         runtime.precision.weights_dtype)) if dev == "cpu" else 0.0
+    for task in spec.tasks:
+        kept = batch_cache.lookup(batch_cache.key_for(spec, runtime, task))[0] \
+            if spec.auto_batch and bench.reducer is None else None
+        if kept is not None and kept.img_per_s:
+            step_s[task] = kept.batch / kept.img_per_s
+            continue
+        batch = kept.batch if kept is not None else estimated_batch(spec, dev)
+        searched += [task] if spec.auto_batch and kept is None else []
+        if task == "infer":
+            model.eval()
+            step_s[task] = step_seconds(_infer_steps(model, info, runtime, True), batch, fwd_flops, dev, rate)
+        else:
+            model.train()
+            opt = torch.optim.AdamW(model.parameters(), lr=0.0)
+            step_s[task] = step_seconds(_train_steps(model, opt, runtime.grad_scaler(), info, runtime, True), batch,
+                                        train_flops, dev, rate)
+            del opt
+            model.zero_grad(set_to_none=True)
     cached = cache_dir is not None and Path(cache_dir).is_dir() and any(Path(cache_dir).iterdir())
     learned = {task: batch_cache.compile_seconds(batch_cache.key_for(spec, runtime, task), warm=cached)
                for task in step_s if runtime.compile != "off"}
-    ahead = BenchAhead(spec, step_s, dev, cached, command,
-                       compile_s={task: s for task, s in learned.items() if s is not None})
+    ahead = BenchAhead(spec, step_s, dev, cached, command, compile_s={t: s for t, s in learned.items() if s is not None},
+                       searched=tuple(searched), fp8=runtime.precision.fp8)
     ahead.refuse_if_endless()
     line = ahead.line()
     if line:

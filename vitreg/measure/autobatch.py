@@ -1,9 +1,10 @@
 """``batch_size=auto``: the batch with the best throughput that fits, found by short probes.
 
-:func:`find_batch` doubles the batch while throughput improves by ``min_gain`` and it fits; after an out-of-memory
-it steps back down a grid of powers of two and their midpoints (2048 -> 1536 -> 1024, as timm's batch decay does).
-The choice is the smallest batch within ``min_gain`` of the fastest probe: a larger one not clearly faster costs
-memory and latency, and would not repeat from run to run.
+:func:`find_batch` doubles the batch while throughput improves clearly and it fits; after an out-of-memory it steps
+back down a grid of powers of two and their midpoints (2048 -> 1536 -> 1024, as timm's batch decay does). A gain
+is clear when it passes both ``min_gain`` and the two probes' own spread (their median's interval): a doubling that
+noise could give is no gain. The choice is the smallest batch not clearly slower than the fastest probe: a larger
+one costs memory and latency, and would not repeat from run to run.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from dataclasses import dataclass, replace
 
 from vitreg.errors import VitregError
 from vitreg.measure import batch_cache
-from vitreg.measure.timing import wall_seconds
+from vitreg.measure.timing import median_halfwidth_pct, time_window
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,7 @@ SEARCH_LIMITS = {"cuda": SearchLimits(start=256, limit=4096, max_probes=10, max_
 class Probe:
     batch: int
     img_per_s: float | None  # None: out of memory
+    spread_pct: float | None = None  # the half-width of its steps' median interval, % (None: too few steps)
 
     @property
     def fits(self) -> bool:
@@ -53,15 +55,16 @@ class BatchChoice:
     batch: int
     probes: tuple[Probe, ...]  # in the order they ran
     stopped: str  # why the search ended: "plateau", "oom", "limit", "budget", or "cache" (no search)
-    source: str = "probe"  # "probe": searched now; "cache": a batch kept by an earlier run, checked by one probe
+    source: str = "probe"  # "probe": searched now; "cache": kept here by an earlier run; "measured": MEASURED
+    kept: str = ""  # a batch not searched now: the probes that chose it, and where they ran
 
     def series(self) -> list[tuple[int, float]]:
         """``(batch, img/s)`` of the probes that fit, for a metric logged with step=batch."""
         return [(p.batch, p.img_per_s) for p in self.probes if p.fits]
 
     def summary(self) -> str:
-        """One line for a tag: ``64:8100,128:9050,256:oom``."""
-        return ",".join(f"{p.batch}:{p.img_per_s:.0f}" if p.fits else f"{p.batch}:oom" for p in self.probes)
+        """One line for a tag: ``64:8100,128:9050,256:oom`` (a kept batch: its probes, and where they ran)."""
+        return self.kept or ",".join(f"{p.batch}:{p.img_per_s:.0f}" if p.fits else f"{p.batch}:oom" for p in self.probes)
 
 
 def is_out_of_memory(exc: BaseException) -> bool:
@@ -85,8 +88,15 @@ class _Budget(Exception):
     """The probe count or time bound was reached."""
 
 
+def clearly_faster(fast: Probe, slow: Probe, min_gain: float) -> bool:
+    """``fast`` beats ``slow`` by more than ``min_gain`` and more than the two probes' spreads together."""
+    noise = ((fast.spread_pct or 0.0) + (slow.spread_pct or 0.0)) / 100
+    return fast.img_per_s > slow.img_per_s * (1 + max(min_gain, noise))
+
+
 def find_batch(probe, limits: SearchLimits, clock=time.monotonic) -> BatchChoice:
-    """``probe(batch)`` returns img/s or raises out of memory; VitregError if no probed batch fits."""
+    """``probe(batch)`` returns img/s, or ``(img/s, spread %)``, or raises out of memory; VitregError if no probed
+    batch fits."""
     probes: list[Probe] = []
     t0 = clock()
 
@@ -94,7 +104,8 @@ def find_batch(probe, limits: SearchLimits, clock=time.monotonic) -> BatchChoice
         if len(probes) >= limits.max_probes or clock() - t0 > limits.max_seconds:
             raise _Budget
         try:
-            result = Probe(batch, float(probe(batch)))
+            rate = probe(batch)
+            result = Probe(batch, *(rate if isinstance(rate, tuple) else (float(rate),)))
         except Exception as exc:
             if not is_out_of_memory(exc):
                 raise
@@ -111,8 +122,8 @@ def find_batch(probe, limits: SearchLimits, clock=time.monotonic) -> BatchChoice
         tried = ", ".join(str(p.batch) for p in probes)
         raise VitregError(f"batch_size=auto found no batch that fits (tried {tried}): "
                           f"use a smaller model or img_size, or give batch_size=<n>")
-    fastest = max(p.img_per_s for p in fitting)
-    chosen = min(p.batch for p in fitting if p.img_per_s * (1 + limits.min_gain) >= fastest)
+    fastest = max(fitting, key=lambda p: p.img_per_s)
+    chosen = min(p.batch for p in fitting if not clearly_faster(fastest, p, limits.min_gain))
     return BatchChoice(chosen, tuple(probes), stopped)
 
 
@@ -131,7 +142,7 @@ def _search(run, limits: SearchLimits) -> str:
             while batch > current.batch and not run(batch).fits:
                 batch = decay_step(batch)
             return "oom"
-        if bigger.img_per_s < current.img_per_s * (1 + limits.min_gain):
+        if not clearly_faster(bigger, current, limits.min_gain):
             return "plateau"
         current = bigger
     return "limit"
@@ -139,14 +150,16 @@ def _search(run, limits: SearchLimits) -> str:
 
 def timed_probe(make_step, device: str, steps: int = 3, warmup: int = 2):
     """A probe for :func:`find_batch`: ``warmup`` untimed steps of ``make_step(batch)``, then the img/s of ``steps``
-    between two synchronizes; the step dropped and the allocator's cache emptied after it, for the next probe."""
+    in one timed window and the spread of its steps; the step dropped and the allocator's cache emptied after it,
+    for the next probe."""
 
-    def probe(batch: int) -> float:
+    def probe(batch: int) -> tuple[float, float | None]:
         step = make_step(batch)
         try:
             for _ in range(warmup):
                 step()
-            return batch * steps / wall_seconds(lambda: [step() for _ in range(steps)], device)
+            window = time_window(step, steps, device)
+            return window.img_per_s(batch), median_halfwidth_pct([batch / ms for ms in window.iter_ms])
         finally:
             del step
             release_memory(device)
@@ -157,12 +170,13 @@ def timed_probe(make_step, device: str, steps: int = 3, warmup: int = 2):
 def search_batch(make_step, task: str, device: str, torch_device, distributed: bool, progress,
                  key=None) -> BatchChoice:
     """The runner's search over the eager ``make_step`` (a compiled probe recompiles per batch) within
-    :data:`SEARCH_LIMITS`; under DDP the ranks' smallest choice. ``key`` (not under DDP): a batch an earlier run
-    kept is checked by one probe and reused; what a search finds is kept."""
+    :data:`SEARCH_LIMITS`; under DDP the ranks' smallest choice. ``key`` (not under DDP): a batch kept for it is
+    reused without a probe (the task's warm-up checks it: the runner forgets it on an out-of-memory and searches
+    again); what a search finds is kept."""
     limits = SEARCH_LIMITS[device]
     probe = timed_probe(make_step, device, limits.probe_steps, limits.probe_warmup)
     key = None if distributed else key
-    reused = _reuse(probe, key, task, progress) if key is not None else None
+    reused = _reuse(key, task, progress) if key is not None else None
     if reused is not None:
         return reused
     progress(f"{task}: batch_size=auto: probing batches {limits.start} to {limits.limit} on {device}")
@@ -176,25 +190,25 @@ def search_batch(make_step, task: str, device: str, torch_device, distributed: b
     return choice
 
 
-def _reuse(probe, key, task: str, progress) -> BatchChoice | None:
-    """The kept batch for ``key``, timed by one probe; None (after one line saying why) to search instead."""
-    batch, note = batch_cache.lookup(key)
+def _reuse(key, task: str, progress) -> BatchChoice | None:
+    """The batch kept for ``key`` (None: search), said with where it comes from and its probes."""
+    kept, note = batch_cache.lookup(key)
     if note:
         progress(f"{task}: batch_size=auto: {note}")
-    if batch is None:
+    if kept is None:
         return None
-    try:
-        rate = float(probe(batch))
-    except Exception as exc:
-        if not is_out_of_memory(exc):
-            raise
-        batch_cache.forget(key)
-        progress(f"{task}: batch_size=auto: the cached batch {batch} no longer fits (out of memory: another "
-                 f"process may hold memory): probing again")
-        return None
-    progress(f"{task}: batch_size=auto: reusing batch {batch} from the cache ({rate:,.0f} img/s in one probe; "
-             f"delete {batch_cache.cache_file()} to search again)")
-    return BatchChoice(batch, (Probe(batch, rate),), "cache", source="cache")
+    source = "cache" if kept.origin == str(batch_cache.cache_file()) else "measured"
+    progress(f"{task}: batch_size=auto: batch {kept.batch}, {'kept in ' if source == 'cache' else ''}{kept.origin} "
+             f"(img/s per probe {kept.probes}); the warm-up checks it (delete {batch_cache.cache_file()} or pass a "
+             f"batch size to search again)")
+    return BatchChoice(kept.batch, (), "cache", source=source, kept=f"{kept.probes} ({kept.origin})")
+
+
+def forget_kept(key, task: str, batch: int, progress) -> None:
+    """A kept batch ran out of memory in its warm-up: forgotten (the next search keeps its own), and said."""
+    batch_cache.forget(key)
+    progress(f"{task}: batch_size=auto: the kept batch {batch} no longer fits (out of memory: another process may "
+             f"hold memory): probing again")
 
 
 def smallest_over_ranks(batch: int, torch_device) -> int:

@@ -1,7 +1,8 @@
 """What earlier runs measured, kept in the user's cache so a later run of the same work skips it: the batch
-``batch_size=auto`` chose (``autobatch.json``, or ``$VITREG_BATCH_CACHE``: the probes cost ~60 s on an H200, issue
-23; checked by one probe when reused), FLOP counts (``flops.json``) and each graph's last compile time, cold and
-warm (``compile.json``, what the estimate counts). A file that cannot be read is said and rewritten.
+``batch_size=auto`` chose (``autobatch.json``, or ``$VITREG_BATCH_CACHE``: the probes cost 15-60 s on a GPU; a
+kept batch is checked by the task's own warm-up, and on the GPUs vitreg has run on the mission's batches come
+measured with the package, :data:`MEASURED`), FLOP counts (``flops.json``) and each graph's last compile time,
+cold and warm (``compile.json``, what the estimate counts). A file that cannot be read is said and rewritten.
 """
 
 from __future__ import annotations
@@ -66,12 +67,51 @@ def _read(path: Path | None = None) -> tuple[dict, str | None]:
     return data, None
 
 
-def lookup(key: CacheKey) -> tuple[int | None, str | None]:
-    """``(kept batch or None, note or None)``."""
+@dataclass(frozen=True)
+class Kept:
+    """A batch kept for a key: by this machine's cache, or :data:`MEASURED` with the package."""
+
+    batch: int
+    probes: str  # the search's summary, ``256:8952,512:9061,1024:oom``
+    origin: str  # where it comes from, for the run's line: the cache file, or the measurement's source
+
+    @property
+    def img_per_s(self) -> float | None:
+        """The probe's img/s at the kept batch, when the summary has it."""
+        rates = dict(part.split(":", 1) for part in self.probes.split(",") if ":" in part)
+        try:
+            return float(rates[str(self.batch)])
+        except (KeyError, ValueError):
+            return None
+
+
+#: The mission's defaults (ViT-B/16 as ``mlflow run . -e bench`` runs it), whose batches :data:`MEASURED` holds.
+MISSION = {"model": "vit_base_patch16_224", "img_size": 0, "precision": "bf16", "compile": "off", "sdpa": "auto"}
+#: What batch_size=auto chose for :data:`MISSION` on each GPU vitreg has run on, with every probe's img/s, read as a
+#: fresh machine's cache entries (a batch searched on this machine wins): (device name, task) -> (batch, probes,
+#: source). Measured, never guessed: the run each comes from, its commit and versions; a new GPU searches.
+MEASURED = {
+    ("NVIDIA H200", "infer"): (512, "256:8952,512:9061,1024:8853", "H200, 2026-12-03, be996c6, torch 2.11.0, "
+                               "timm 1.0.29: benchmarks/results/h200-2026-12-03-stop44/call1"),
+    ("NVIDIA H200", "train"): (1024, "256:2690,512:2819,1024:2848,2048:2872", "H200, 2026-12-03, be996c6, torch "
+                               "2.11.0, timm 1.0.29: benchmarks/results/h200-2026-12-03-stop44/call1"),
+    ("NVIDIA H100 80GB HBM3", "train"): (1024, "256:2578,512:2704,1024:2751,2048:oom,1536:oom", "H100 80GB HBM3, "
+                                         "8b9dd89, torch 2.11, timm 1.0.29: the device call issue 44 quotes"),
+}
+
+
+def lookup(key: CacheKey) -> tuple[Kept | None, str | None]:
+    """``(kept batch or None, note or None)``: this machine's entry for ``key``, else a measured one."""
     entries, note = _read()
     entry = entries.get(key.text())
-    batch = entry.get("batch") if isinstance(entry, dict) else None
-    return (batch if type(batch) is int and batch > 0 else None), note
+    if isinstance(entry, dict):  # a forgotten entry ({"batch": null}) hides a measured one
+        batch = entry.get("batch")
+        good = type(batch) is int and batch > 0
+        return (Kept(batch, str(entry.get("probes", "")), str(cache_file())) if good else None), note
+    measured = MEASURED.get((key.machine, key.task))
+    if measured and {name: getattr(key, name) for name in MISSION} == MISSION:
+        return Kept(measured[0], measured[1], f"measured on {measured[2]}"), note
+    return None, note
 
 
 def keep(key: CacheKey, batch: int, probes: str) -> None:
@@ -80,9 +120,8 @@ def keep(key: CacheKey, batch: int, probes: str) -> None:
 
 
 def forget(key: CacheKey) -> None:
-    entries, _ = _read()
-    if entries.pop(key.text(), None) is not None:
-        _write(entries, cache_file())
+    """The kept batch no longer fits: searched the next time, also where :data:`MEASURED` holds one."""
+    _keep(cache_file(), key.text(), {"batch": None, "probes": "forgotten: out of memory"})
 
 
 def _keep(path: Path, text: str, value) -> None:

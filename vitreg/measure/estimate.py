@@ -14,10 +14,10 @@ from dataclasses import dataclass, field
 
 from vitreg.errors import VitregError
 from vitreg.measure.autobatch import SEARCH_LIMITS
-from vitreg.measure.timing import MIN_WINDOWS, steps_for_window, wall_seconds
+from vitreg.measure.timing import FEWEST_JUDGED, MIN_WINDOWS, steps_for_window, wall_seconds
 
-#: Work estimated to take longer than this gets the line.
-LONG_S = 60.0
+#: Work estimated to take longer than this gets the line: any run a user waits on says how long first.
+LONG_S = 10.0
 #: Work estimated to take longer than this is refused: a year is beyond any job one machine is meant to run,
 #: and the estimate errs short, so what is refused would take longer still (`--warmup 10**30` on a CPU was
 #: accepted after an estimate of 4.8e24 hours, and ran until killed).
@@ -135,15 +135,21 @@ def say_if_long(work: WorkAhead, device: str, progress, compiling: bool = False,
     return line
 
 
-#: The work of one probe call: on a GPU enough to hide the kernel launches (~30 ms of bf16 math on an
-#: H200, where ViT-B's eager forward at batch 1 is launch-bound), on a CPU a fraction of a second.
-PROBE_FLOPS = {"cuda": 2e13, "cpu": 1e9}
+#: The work of one probe call on a GPU: enough to hide the kernel launches (~30 ms of bf16 math on an H200,
+#: where ViT-B's eager forward at batch 1 is launch-bound).
+PROBE_FLOPS_CUDA = 2e13
 #: The timed probe calls stop once they add up to this (after the first), so a probe costs at most about
-#: 2 x this plus one step.
+#: 2 x this plus one step; on a CPU the probe's batch is sized from the measured matmul rate to take about this.
 PROBE_S = 0.5
+#: A ViT step's FLOP rate against a square matmul's of the same dtype on a CPU: the probe's batch is sized with it,
+#: and a step too long to time (a GPU-sized model on a CPU: one image's step over 4 x PROBE_S) is estimated with
+#: it, from the model's FLOPs, in seconds rather than minutes inside that step.
+CPU_STEP_EFFICIENCY = 0.5
 #: Seconds torch.compile takes per task with a cold cache (a warm one takes about a quarter): typical
 #: ViT figures (ViT-B/16 on an H200, benchmarks/results/h200-*/), since nothing can time a compile before it runs.
 COMPILE_S = {"off": 0.0, "default": 40.0, "reduce-overhead": 60.0, "max-autotune": 300.0}
+#: An fp8 graph (torchao's scaled matmuls) compiles this much longer: ViT-B/16, cold, 93 s against ~40 s (issue 46).
+FP8_COMPILE = 2.3
 #: Untimed steps after the windows (the SDPA backend read under the profiler: one step, and its start).
 AFTER_WINDOWS_STEPS = 2
 
@@ -155,25 +161,32 @@ def estimated_batch(spec, device: str) -> int:
     return SEARCH_LIMITS["cuda"].start if device == "cuda" else SEARCH_LIMITS["cpu"].limit
 
 
-def probe_batch(batch: int, flops_per_img: float, device: str) -> int:
-    """The probe's batch: :data:`PROBE_FLOPS` of work, at most the run's batch."""
-    return min(batch, max(1, math.ceil(PROBE_FLOPS[device] / max(flops_per_img, 1.0))))
+def probe_batch(batch: int, flops_per_img: float, device: str, matmul_flops_per_s: float = 0.0) -> int:
+    """The probe's batch, at most the run's: on a GPU :data:`PROBE_FLOPS_CUDA` of work; on a CPU what the measured
+    matmul rate does in :data:`PROBE_S`, or 0 where one image's step would take over four times that."""
+    if device == "cuda":
+        return min(batch, max(1, math.ceil(PROBE_FLOPS_CUDA / max(flops_per_img, 1.0))))
+    images = PROBE_S * matmul_flops_per_s * CPU_STEP_EFFICIENCY / max(flops_per_img, 1.0)
+    return 0 if images < 0.25 else min(batch, max(1, int(images)))
 
 
-def step_seconds(make_step, batch: int, flops_per_img: float, device: str) -> float:
+def step_seconds(make_step, batch: int, flops_per_img: float, device: str, matmul_flops_per_s: float = 0.0) -> float:
     """Seconds one step of ``make_step`` takes at ``batch``: the median of up to three calls at a batch of
-    :func:`probe_batch` (fewer past :data:`PROBE_S`) after an untimed one, scaled. The random state is put back
-    after it, so the run's inputs are those it makes without the probe."""
+    :func:`probe_batch` (fewer past :data:`PROBE_S`) after an untimed one, scaled; on a CPU, a step too long to
+    time comes from its FLOPs at ``matmul_flops_per_s``. The random state is put back after it, so the run's inputs
+    are those it makes without the probe."""
     import torch
 
-    small = probe_batch(batch, flops_per_img, device)
+    small = probe_batch(batch, flops_per_img, device, matmul_flops_per_s)
+    if not small:
+        return flops_per_img * batch / (matmul_flops_per_s * CPU_STEP_EFFICIENCY)
     devices = [torch.cuda.current_device()] if device == "cuda" else []
     with torch.random.fork_rng(devices=devices):
         step = make_step(small)
         step()  # lazy initialisation, the autotuner's trials
         # the median of up to three: what a step typically takes (the fastest of a few calls is a quiet
-        # moment's time, and a run's steps meet the machine as it is); fewer when a step is long (a GPU-sized
-        # model on a CPU), where one call is both enough and costly
+        # moment's time, and a run's steps meet the machine as it is); fewer when a step is long, where one
+        # call is both enough and costly
         times = [wall_seconds(step, device)]
         while len(times) < 3 and sum(times) < PROBE_S:
             times.append(wall_seconds(step, device))
@@ -191,23 +204,33 @@ class BenchAhead:
     compile_cached: bool = False  # the compile cache folder already holds entries
     command: str = ""  # what the user typed: the advice takes its spelling (see :func:`spelled`)
     compile_s: dict = field(default_factory=dict)  # task -> the last timed compile of its graph (batch_cache)
+    searched: tuple = ()  # the tasks whose batch batch_size=auto searches (none kept): their step is at the start's
+    fp8: bool = False  # an fp8 precision: its graphs compile longer (FP8_COMPILE)
 
     def task_seconds(self, task: str) -> float:
         """First call (with compilation), warm-up, the timed windows, the untimed steps after them."""
         spec, step = self.spec, self.step_s[task]
         window = (spec.steps or steps_for_window(spec.window_min_s, step)) * step
-        timed = (spec.repeats or MIN_WINDOWS) * window
+        timed = (spec.repeats or self._windows) * window
         if not spec.repeats:  # the stop rule starts no window that would end past max_time_s
             timed = max(window, min(timed, spec.max_time_s))
         compile_s = self.compile_s.get(task)
         if compile_s is None:  # no compile of this graph timed yet: a typical one
-            compile_s = COMPILE_S[spec.compile] * (0.25 if self.compile_cached else 1.0)
-        return compile_s + (spec.warmup + AFTER_WINDOWS_STEPS) * step + timed + self._search_s(step)
+            compile_s = self._typical_compile_s()
+        return compile_s + (spec.warmup + AFTER_WINDOWS_STEPS) * step + timed + \
+            (self._search_s(step) if task in self.searched else 0.0)
+
+    @property
+    def _windows(self) -> int:
+        """The windows the precision target typically takes: a GPU's agree to a fraction of a percent, and three
+        carry it; a CPU's scatter more."""
+        return FEWEST_JUDGED if self.device == "cuda" else MIN_WINDOWS
+
+    def _typical_compile_s(self) -> float:
+        return COMPILE_S[self.spec.compile] * (0.25 if self.compile_cached else 1.0) * (FP8_COMPILE if self.fp8 else 1)
 
     def _search_s(self, step: float) -> float:
-        """batch_size=auto: the search's probes (on a GPU the first three: it stops once a doubling gains under 1 %)."""
-        if not self.spec.auto_batch:
-            return 0.0
+        """batch_size=auto's probes (on a GPU the first three: it stops once a doubling gains under 1 %)."""
         limits, batch = SEARCH_LIMITS[self.device], estimated_batch(self.spec, self.device)
         batches, b = [], limits.start
         while b <= limits.limit and len(batches) < (3 if self.device == "cuda" else limits.max_probes):
@@ -235,8 +258,8 @@ class BenchAhead:
     def line(self) -> str | None:
         spec = self.spec
         timing = (f"{spec.repeats} windows" if spec.repeats else
-                  f"{MIN_WINDOWS}+ windows of >= {spec.window_min_s:g} s (at most {spec.max_time_s:g} s)")
-        compiling = f"; compiling ~{COMPILE_S[spec.compile]:.0f} s a task (cold cache)" if spec.compile != "off" else ""
+                  f"{self._windows}+ windows of >= {spec.window_min_s:g} s (at most {spec.max_time_s:g} s)")
+        compiling = f"; compiling ~{self._typical_compile_s():.0f} s a task" if spec.compile != "off" else ""
         return _estimate_line("bench", "about", self.seconds(), self.device, f"{self._steps_text()}, measured in the "
                               f"run's precision; {spec.warmup} warm-up steps, {timing} per task{compiling}",
                               self.shorter, self.command)
