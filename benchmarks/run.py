@@ -30,20 +30,33 @@ import time
 from pathlib import Path
 
 PY = sys.executable
+
+
+def _lent_gpu() -> str:
+    """The lent card's label for the commands' gpu option (a run is filed under the GPU it ran on): h100 or h200."""
+    try:
+        name = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                              text=True, timeout=30).stdout.lower()
+    except (OSError, subprocess.TimeoutExpired):
+        name = ""
+    return "h100" if "h100" in name else "h200"
+
+
+GPU = os.environ.get("GPU_LABEL") or _lent_gpu()
 VITREG = [PY, "-m", "vitreg.cli"]
-BENCH = [*VITREG, "bench", "--gpu", "h200"]
+BENCH = [*VITREG, "bench", "--gpu", GPU]
 CHECK = [PY, "benchmarks/independent_check.py"]
-MISSION = ["mlflow", "run", ".", "-e", "bench", "--env-manager", "local", "-P", "gpu=h200"]
+MISSION = ["mlflow", "run", ".", "-e", "bench", "--env-manager", "local", "-P", f"gpu={GPU}"]
 TIMM = [PY, "benchmarks/timm_benchmark.py", "--model", "vit_base_patch16_224"]
-SWEEP_FP8 = [*VITREG, "sweep", "--gpu", "h200", "--models", "vit_base_patch16_224", "--task", "infer", "--amp",
+SWEEP_FP8 = [*VITREG, "sweep", "--gpu", GPU, "--models", "vit_base_patch16_224", "--task", "infer", "--amp",
              "bf16,fp8", "--compile", "off,default", "--batch-size", "256,1024"]
-SWEEP_TF32 = [*VITREG, "sweep", "--gpu", "h200", "--models", "vit_base_patch16_224", "--task", "infer", "--amp",
+SWEEP_TF32 = [*VITREG, "sweep", "--gpu", GPU, "--models", "vit_base_patch16_224", "--task", "infer", "--amp",
               "tf32,bf16", "--compile", "off,default", "--batch-size", "32,256"]
 ALONE = [*BENCH, "--model", "vit_base_patch16_224", "--task", "infer", "--batch-size", "256"]
 CPU_CHILD = ["--device", "cpu", "--amp", "off", "--compile", "off", "--warmup", "1", "--steps", "3", "--repeats", "2"]
 CPU_SWEEP = [*VITREG, "sweep", "--models", "deit_tiny_patch16_224", *CPU_CHILD, "--batch-size", "4,8", "--axis",
              "img_size=32,48"]
-DDP = [*VITREG, "bench", "--task", "train", "--amp", "bf16", "--batch-size", "128", "--gpu", "h200", "--cuda-graph",
+DDP = [*VITREG, "bench", "--task", "train", "--amp", "bf16", "--batch-size", "128", "--gpu", GPU, "--cuda-graph",
        "true", "--experiment", "ddp"]
 TORCHRUN = [PY, "-m", "torch.distributed.run", "--standalone"]
 E2E = ["--device", "cpu", "--batch-size", "8", "--warmup", "2", "--steps", "5", "--repeats", "2"]
@@ -77,6 +90,13 @@ SUITES = {
         ("timm_train", 120, [*TIMM, "--bench", "train"]),
         ("mission1", 200, MISSION),
         ("mission2", 200, MISSION),
+        # the mission's infer search (img_size=224 is the default's size, another cache key: no kept batch)
+        ("search_infer", 150, [*BENCH, "--task", "infer", "--img-size", "224", "--experiment", "search"]),
+        ("profile", 150, [PY, "-m", "cProfile", "-o", "{out}/bench.prof", "-m", "vitreg.cli", "bench", "--gpu", GPU,
+                          "--experiment", "profile"]),
+        ("profile_stats", 60, [PY, "-c", "import pstats, sys; pstats.Stats(sys.argv[1]).sort_stats('cumulative')"
+                               ".print_stats(r'vitreg/|mlflow/(store|tracking)|torch/cuda|timm/models', 80)",
+                               "{out}/bench.prof"]),
         ("sweep_tf32", 240, [*SWEEP_TF32, "--experiment", "sweep-tf32"]),
         ("sweep_fp8", 330, [*SWEEP_FP8, "--experiment", "sweep-fp8"]),
     ]),
