@@ -218,7 +218,7 @@ def _windows_of(iter_ms_by_window):
 def test_by_default_windows_last_window_min_s_and_stop_at_the_precision_target(monkeypatch):
     """warmup=1: the steps come from the first call, said to take 100 ms (6 steps), while a step takes 10 ms in
     the windows: the first window is short, is not a sample, and the steps are recomputed from it:
-    0.5 s x 1.1 / 10 ms = 55."""
+    0.5 s x 1.03 / 10 ms = 51.5 -> 52."""
     from vitreg.bench import runner
 
     jitter = (1.0, 1.002, 0.998, 1.001, 0.999, 1.0005, 1.0, 1.0)
@@ -227,12 +227,12 @@ def test_by_default_windows_last_window_min_s_and_stop_at_the_precision_target(m
     monkeypatch.setattr(runner, "wall_seconds", lambda fn, device_type: fn() or 0.1)
     result, messages = _run(task="infer", warmup=1, steps=0, repeats=0, window_min_s=0.5, precision_pct=1.0)
     task, m = result.tasks[0], result.metrics()
-    assert calls == [6] + [55] * 3  # one short window, then three of 55 steps: their t interval is +-0.5 %
-    assert any("not a sample; 55 steps per window" in msg for msg in messages)
-    assert (m["infer_timed_windows"], m["infer_steps_per_window"]) == (3, 55) == (task.repeats, task.steps)
+    assert calls == [6] + [52] * 3  # one short window, then three of 52 steps: their t interval is +-0.5 %
+    assert any("not a sample; 52 steps per window" in msg for msg in messages)
+    assert (m["infer_timed_windows"], m["infer_steps_per_window"]) == (3, 52) == (task.repeats, task.steps)
     assert result.tags()["infer_timing_stop"] == "precision_met"
     assert m["infer_throughput_ci95_halfwidth_pct"] <= 1.0
-    assert len(task.figures["latency_ms"]) == 3 * 55  # the short window is no sample
+    assert len(task.figures["latency_ms"]) == 3 * 52  # the short window is no sample
 
 
 def test_windows_that_spread_too_wide_are_timed_again_twice_as_long(monkeypatch):
@@ -244,18 +244,18 @@ def test_windows_that_spread_too_wide_are_timed_again_twice_as_long(monkeypatch)
 
     calls = []
 
-    def fake(fn, iters, device_type):  # every other window slower: of 55 steps by 10 %, of 110 by 0.2 %
+    def fake(fn, iters, device_type):  # every other window slower: of 52 steps by 10 %, of 104 by 0.2 %
         calls.append(iters)
-        ms = 10.0 * (1 + (0.002 if iters >= 110 else 0.1) * ((len(calls) + 1) % 2))
+        ms = 10.0 * (1 + (0.002 if iters >= 104 else 0.1) * ((len(calls) + 1) % 2))
         return Window((ms,) * iters, ms * iters)
 
     monkeypatch.setattr(runner, "time_window", fake)
     monkeypatch.setattr(runner, "wall_seconds", lambda fn, device_type: fn() or 0.1)
     result, messages = _run(task="infer", warmup=1, steps=0, repeats=0, window_min_s=0.5, precision_pct=1.0)
-    assert calls == [6] + [55] * 6 + [110] * 3
-    assert any("timing again with windows of 110 steps" in msg for msg in messages)
+    assert calls == [6] + [52] * 6 + [104] * 3
+    assert any("timing again with windows of 104 steps" in msg for msg in messages)
     m = result.metrics()
-    assert (m["infer_timed_windows"], m["infer_steps_per_window"]) == (3, 110)
+    assert (m["infer_timed_windows"], m["infer_steps_per_window"]) == (3, 104)
     assert result.tags()["infer_timing_stop"] == "precision_met"
 
 

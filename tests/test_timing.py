@@ -154,7 +154,7 @@ def test_a_run_that_cannot_reach_its_target_stops_at_a_limit_and_says_which():
 def test_a_window_lasts_at_least_the_minimum_in_whole_steps():
     from vitreg.measure.timing import steps_for_window
 
-    assert steps_for_window(1.0, 0.045) == 25  # 1.1 s / 45 ms = 24.4 -> 25 whole steps
+    assert steps_for_window(1.0, 0.045) == 23  # 1.03 s / 45 ms = 22.9 -> 23 whole steps
     assert steps_for_window(1.0, 3.0) == 1  # one step longer than the window
     assert steps_for_window(1.0, None) == 1  # step time unknown: one, then recalibrated from the window
 
