@@ -228,8 +228,11 @@ OPTIONS: tuple[Option, ...] = (
     Option("batch_size", "batch", AUTO_BATCH, "images per step per process, or auto: the fastest batch that fits, "
            "searched per task before timing (GPU: from 256 up; CPU: 8 to 64).", ("bench", "infer"),
            doc="images per iteration (per GPU with `nproc` > 1), or `auto` (the default): before timing, each task "
-               "probes batches (GPU: 256, doubling while throughput gains 3 %, backing off after an out-of-memory; "
-               "CPU: 8 to 64) and takes the smallest within 3 % of the fastest. Logged as the "
+               "probes batches (GPU: 256, doubling while throughput gains 1 % and more than the probes' own spread, "
+               "backing off after an out-of-memory; CPU: 8 to 64) and takes the smallest not clearly slower than the "
+               "fastest. A batch found once is kept in `~/.cache/vitreg/autobatch.json` and the mission's on the GPUs "
+               "vitreg was measured on (H100, H200) ships with it: no probe, the task's warm-up checks it "
+               "(`<task>_batch_size_source`: `probe`, `cache`, `measured`). Logged as the "
                "`<task>_batch_probe_img_per_s` series (step = batch) and the `<task>_batch_size_chosen` tag; the "
                "`batch_size` tag stays `auto`. With `nproc` > 1 every rank probes alone and all take the smallest "
                "choice", identity=True),
@@ -279,13 +282,14 @@ OPTIONS: tuple[Option, ...] = (
            doc="iterations per timed window; `0`: as many as last `window_min_s` (a number reproduces a run's "
                "`<task>_steps_per_window`)", same_work="the length of a timed window: more samples of the same work"),
     Option("repeats", "int", 0, "timed windows; 0 = until the median is within precision_pct.", _TIMED, minimum=0, maximum=COUNT_MAX,
-           doc="timed windows (median and spread over them); `0`: from 6 windows on, until the median's 95 % interval "
+           doc="timed windows (median and spread over them); `0`: from 3 windows on, until the median's 95 % interval "
                "is within `precision_pct` (at most 60 windows and `max_time_s`; the reason is tagged "
                "`<task>_timing_stop`)", same_work="the number of timed windows: more samples of the same work"),
     Option("precision_pct", "float", 1.0, "repeats=0: the precision target: stop when the median's 95 % interval is within this % of it "
            "(the window spread, the windows' CV, is a check apart: over 5% is flagged).",
            _TIMED, minimum=0.01, doc="with `repeats=0`, the precision target: windows stop once the half-width of the median's 95 % "
-           "interval (order statistics, distribution-free) is at most this % of the median; logged as "
+           "interval (from six windows order statistics, distribution-free; from three to five Student's t, which one "
+           "outlying window widens) is at most this % of the median; logged as "
            "`<task>_throughput_ci95_halfwidth_pct` (the window spread, their CV, is checked apart against 5 %)",
            same_work="how long the same work is timed: a bound on the median's uncertainty"),
     Option("window_min_s", "float", 1.0, "steps=0: each timed window lasts at least this many seconds (whole steps).",
