@@ -93,7 +93,7 @@ def test_long_work_gets_the_estimate_and_the_short_options_and_quick_work_nothin
     line = BenchAhead(spec, {"infer": 10.0, "train": 30.0}).line()
     # per task: compiling 40 s, 12 untimed steps, six one-step windows capped at max_time_s=60: 220 s + 460 s
     assert line.startswith("estimate: bench will take about 11 min on this CPU (infer 10,000.0 ms/step, train "
-                           "30,000.0 ms/step, measured in the run's precision; 10 warm-up steps, 6+ windows"), line
+                           "30,000.0 ms/step in the run's precision, timed here or from the kept batch's probe; 10 warm-up steps, 6+ windows"), line
     assert "compiling ~40 s a task" in line and "for a short run: --model deit_tiny_patch16_224 --batch-size 8" in line
     small = BenchSpec(model="deit_tiny_patch16_224", batch_size=8, warmup=3, steps=5, repeats=3)
     assert BenchAhead(small, {"infer": 0.05, "train": 0.15}).line() is None  # 20 steps of each: 4 s

@@ -260,6 +260,6 @@ class BenchAhead:
         timing = (f"{spec.repeats} windows" if spec.repeats else
                   f"{self._windows}+ windows of >= {spec.window_min_s:g} s (at most {spec.max_time_s:g} s)")
         compiling = f"; compiling ~{self._typical_compile_s():.0f} s a task" if spec.compile != "off" else ""
-        return _estimate_line("bench", "about", self.seconds(), self.device, f"{self._steps_text()}, measured in the "
-                              f"run's precision; {spec.warmup} warm-up steps, {timing} per task{compiling}",
+        return _estimate_line("bench", "about", self.seconds(), self.device, f"{self._steps_text()} in the run's "
+                              f"precision, timed here or from the kept batch's probe; {spec.warmup} warm-up steps, {timing} per task{compiling}",
                               self.shorter, self.command)
