@@ -253,3 +253,38 @@ def test_a_timed_compile_is_what_the_next_estimate_of_its_graph_counts():
     assert (batch_cache.compile_seconds(key, warm=True), batch_cache.compile_seconds(key, warm=False)) == (2.5, 9.9)
     other = batch_cache.CacheKey(*[*key.__dict__.values()][:-1], "train")
     assert batch_cache.compile_seconds(other, warm=False) is None
+
+
+@pytest.mark.slow
+def test_the_readme_s_gpu_example_on_a_cpu_says_its_estimate_in_seconds_not_minutes(tmp_path):
+    """Issues 44 and 47: the README's GPU example run on a CPU (ViT-B/16, batch 256, bf16, compiled) printed nothing
+    past its model line for 4 min 17 s, inside the estimate's own measured step. Now a step too long to time here
+    comes from its FLOPs at the measured matmul rate: the line follows the model line within the time the process
+    took to get there (imports, the run, the model: the baseline) plus 30 s, before any step of the work."""
+    import signal
+    import subprocess
+    import sys
+
+    from conftest import migrated_store, subprocess_env
+
+    command = [sys.executable, "-m", "vitreg.cli", "bench", "--gpu", "auto", "--model", "vit_base_patch16_224",
+               "--batch-size", "256", "--amp", "bf16", "--compile", "default"]
+    started = time.monotonic()
+    proc = subprocess.Popen(command, env=subprocess_env(migrated_store(tmp_path)), cwd=tmp_path, text=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    seen, model_s = [], None
+    try:
+        for line in proc.stderr:
+            seen.append(line)
+            if line.startswith("[vitreg] model vit_base_patch16_224"):
+                model_s = time.monotonic() - started
+            if "estimate:" in line or "first call" in line:
+                break
+        estimate_s = time.monotonic() - started
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=120)
+    said = "".join(seen)
+    assert model_s is not None and "estimate: bench will take" in seen[-1], said[-2000:]
+    assert "for a short run: --model deit_tiny_patch16_224" in seen[-1]
+    assert estimate_s - model_s < model_s + 30, (model_s, estimate_s)
