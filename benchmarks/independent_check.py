@@ -115,7 +115,13 @@ def main():
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--activation-budget", type=float, default=1.0,
+                    help="torch._functorch.config.activation_memory_budget for a compiled train step: below 1, "
+                         "AOTAutograd's partitioner recomputes activations in the backward to save memory")
     args = ap.parse_args()
+    import torch._functorch.config as functorch_config
+
+    functorch_config.activation_memory_budget = args.activation_budget
 
     dev = torch.device(args.device)
     cuda = args.device == "cuda"
@@ -169,7 +175,8 @@ def main():
                       "amp": args.amp, "compile": args.compile, "img_per_s_median": statistics.median(rates),
                       "img_per_s_min": min(rates), "img_per_s_max": max(rates), "first_call_s": first_s,
                       "gpu": torch.cuda.get_device_name(0) if cuda else "cpu", "torch": torch.__version__,
-                      "sdpa": args.sdpa,
+                      "sdpa": args.sdpa, "activation_budget": args.activation_budget,
+                      "peak_mem_allocated_mb": torch.cuda.max_memory_allocated() / 2**20 if cuda else None,
                       **({"fp8_recipe": args.fp8_recipe} if args.amp == "fp8" and args.task == "train" else {})}),
           flush=True)
 

@@ -82,8 +82,51 @@ def trio(model: str, task: str, batch: int, compile_mode: str) -> list:
             (f"vitreg_{name}", 200, [*BENCH, *opts, "--experiment", "vs-timm"])]
 
 
+def peak() -> list:
+    """Issue 46 in one call (H100 or H200: ``--gpu auto``), the most important first: ViT-B/16 bf16 compiled train at
+    bs1536 in timm's benchmark.py (``--no-retry``: its retry would report bs1024's rate under the 1536 asked for) and
+    in vitreg, plain and with AOTAutograd's activation budget 0.7 / 0.85 (benchmarks/with_budget.py: recompute in
+    the backward to fit); the peak allocated at bs256 in timm and vitreg (both read torch.cuda.max_memory_allocated); DeiT-S infer
+    bs1024 against timm; short screens of levers on ViT-B/16 infer bs1024 (CUDA graphs, fp8 per row / per tensor,
+    cuDNN attention, max-autotune last)."""
+    vit, deit = "vit_base_patch16_224", "deit_small_patch16_224"
+    bench = ["bench", "--gpu", "auto", "--experiment", "peak"]
+    timm = [PY, "benchmarks/timm_peak.py", "--amp", "--amp-dtype", "bfloat16", "--torchcompile", "inductor",
+            "--no-retry"]
+    bf16 = ["--amp", "bf16", "--compile", "default"]
+    train = ["bench", "--gpu", "auto", "--model", vit, "--task", "train", *bf16, "--warmup", "5", "--steps", "10",
+             "--repeats", "2", "--batch-size"]
+    infer = [*VITREG, *bench, "--model", vit, "--task", "infer", "--batch-size", "1024", "--warmup", "10", "--steps",
+             "20", "--repeats", "3"]
+    budget = [PY, "benchmarks/with_budget.py"]
+    return [
+        ("timm_train_bs1536", 130, [*timm, "--model", vit, "--bench", "train", "--opt", "adamw", "-b", "1536",
+                                    "--num-warm-iter", "5", "--num-bench-iter", "20"]),
+        ("vitreg_train_bs1536_budget0.7", 150, [*budget, "0.7", "vitreg.cli", *train, "1536",
+                                                "--experiment", "peak-budget0.7"]),
+        ("vitreg_train_bs1536", 120, [*VITREG, *train, "1536", "--experiment", "peak"]),
+        ("timm_train_bs256", 90, [*timm, "--model", vit, "--bench", "train", "--opt", "adamw", "-b", "256",
+                                  "--num-warm-iter", "5", "--num-bench-iter", "40"]),
+        ("vitreg_train_bs256", 90, [*VITREG, *train, "256", "--experiment", "peak"]),
+        ("timm_deit_s_infer_bs1024", 80, [*timm, "--model", deit, "--bench", "inference", "-b", "1024",
+                                          "--num-warm-iter", "10", "--num-bench-iter", "100"]),
+        ("vitreg_deit_s_infer_bs1024", 80, [*VITREG, *bench, *bf16, "--model", deit, "--task", "infer",
+                                            "--batch-size", "1024", "--warmup", "10", "--steps", "25", "--repeats",
+                                            "4"]),
+        ("vitreg_train_bs1536_budget0.85", 150, [*budget, "0.85", "vitreg.cli", *train, "1536",
+                                                 "--experiment", "peak-budget0.85"]),
+        ("vitreg_infer_cuda_graph", 80, [*infer, *bf16, "--cuda-graph", "true"]),
+        ("vitreg_infer_fp8_rowwise", 90, [*infer, "--amp", "fp8-rowwise", "--compile", "default"]),
+        ("vitreg_infer_fp8_tensorwise", 90, [*infer, "--amp", "fp8-tensorwise", "--compile", "default"]),
+        ("vitreg_infer_sdpa_cudnn", 80, [*infer, *bf16, "--sdpa", "cudnn"]),
+        ("vitreg_infer_max_autotune", 150, [*infer, "--amp", "bf16", "--compile", "max-autotune"]),
+    ]
+
+
 #: suite -> (the machine it needs, [(name, timeout s, command)] run in this order)
 SUITES = {
+    # issue 46: memory at the peak batch against timm's benchmark.py, then the levers (``--deadline 420``)
+    "peak": ("nvidia-h100-x1", peak()),
     # the mission's command on a fresh machine and again, beside timm's defaults; the sweeps
     "time-to-answer": ("nvidia-h200", [
         ("timm_infer", 120, [*TIMM, "--bench", "inference"]),
@@ -253,7 +296,7 @@ def _runs(since_ms: int) -> list[dict]:
             keep = {k: round(v, 4) for k, v in run.data.metrics.items() if k.startswith("overhead_") or k in (
                 "work_s", "estimated_work_s") or k.endswith(("throughput_img_per_s", "_timed_windows", "_compile_time_s",
                                                                "ci95_halfwidth_pct", "energy_j_per_img",
-                                                               "scaling_efficiency", "final_loss"))}
+                                                               "scaling_efficiency", "final_loss", "_mb"))}
             if keep:
                 rows.append({"experiment": exp.name, "name": run.info.run_name, "status": run.info.status,
                              "parent": run.data.tags.get("mlflow.parentRunId"), **keep})

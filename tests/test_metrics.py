@@ -42,7 +42,8 @@ ANATOMY_NAMES = [f"anatomy_{c}_{unit}" for c in CLASSES for unit in ("ms_per_img
 
 def _task(task: str, compiled: bool = True, **values) -> TaskResult:
     """A task result with every optional figure measured (a compiled DDP job on CUDA, profiled)."""
-    profiled = {"allreduce_ms_per_step": 1.5, "device_busy_ms_per_step": 2.5} if task == "train" else {}
+    profiled = {"allreduce_ms_per_step": 1.5, "device_busy_ms_per_step": 2.5, "peak_mem_forward_mb": 9000.0,
+                "peak_mem_backward_mb": 9100.0, "peak_mem_optimizer_mb": 2000.0} if task == "train" else {}
     profiled.update(_ANATOMY.figures())  # profile=true
     figures = Figures(task, {"window_img_per_s": (1200.0, 1234.5, 1250.0),
                              metrics.ITERATION_TIME[task]: (3.0, 3.0, 4.0, 5.0, 5.0), "first_call_s": 12.5,
@@ -89,7 +90,8 @@ def test_logged_names_are_the_ones_mlflow_always_had():
                        + [f"infer_{k}" for k in stats + ["latency_ms_p50", "latency_ms_p90", "latency_ms_p99",
                                                         "latency_ms_mean"] + tail + ddp + energy]
                        + [f"train_{k}" for k in stats + ["step_ms_p50", "step_ms_p90", "step_ms_p99", "step_ms_mean"]
-                          + tail + ["allreduce_ms_per_step", "device_busy_ms_per_step"] + ddp + energy]
+                          + tail + ["allreduce_ms_per_step", "device_busy_ms_per_step"] + ddp + energy
+                          + [f"peak_mem_{phase}_mb" for phase in ("forward", "backward", "optimizer")]]
                        + [f"{t}_{k}" for t in ("infer", "train") for k in ANATOMY_NAMES])
     assert m["infer_throughput_img_per_s_per_gpu"] == 1234.5 / 2 and m["infer_compile_time_s"] == 12.5
     # the median window's joules per image: of (690/1200, 700/1234.5, 710/1250) = (0.575, 0.567, 0.568), 0.568

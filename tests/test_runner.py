@@ -396,3 +396,75 @@ def test_a_kept_batch_is_checked_by_its_warm_up_and_one_that_runs_out_of_memory_
     assert any("batch 16, kept in" in m and "the warm-up checks it" in m for m in messages)
     assert any("the kept batch 16 no longer fits" in m for m in messages)
     assert batch_cache.lookup(batch_cache.key_for(spec, rt, "infer"))[0].batch == task.batch_size  # kept anew
+
+
+def _train_step(amp: str, batch: int = 2):
+    """vitreg's training step as run_train_step builds it, on test_vit at 32 px, with what it trains."""
+    import torch
+
+    from vitreg.bench.runner import _train_steps
+    from vitreg.hardware.runtime import Runtime
+    from vitreg.models.factory import create_model
+
+    torch.manual_seed(0)
+    model, info = create_model("test_vit", 32)
+    runtime = Runtime("cpu", amp, "off")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    return model.train(), opt, _train_steps(model, opt, runtime.grad_scaler(), info, runtime, True)(batch)
+
+
+def test_the_train_step_marks_its_forward_backward_and_optimizer_phases_in_order():
+    """Where a GPU run reads each phase's peak memory (train_peak_mem_<phase>_mb): after the forward no gradient is
+    held (set to None at the step's start, as timm's benchmark.py), after the backward each weight has one, and only
+    the optimizer phase moves the weights."""
+    model, _, step = _train_step("off")
+    step()  # gradients of a first step, which the next step drops before its forward
+    weights = [p.detach().clone() for p in model.parameters()]
+    seen = []
+
+    def mark(phase):
+        moved = any(not w.equal(p) for w, p in zip(weights, model.parameters()))
+        seen.append((phase, sum(p.grad is not None for p in model.parameters()), moved))
+
+    step(mark)
+    n = len(weights)
+    assert seen == [("forward", 0, False), ("backward", n, False), ("optimizer", n, True)]
+
+
+def test_the_train_step_holds_what_a_plain_timm_loop_holds():
+    """Memory parity on the CPU (issue 46): under bf16 autocast vitreg's step saves for its backward the same
+    tensors, byte for byte, as timm benchmark.py's step (zero_grad, forward and loss under autocast, backward,
+    AdamW), and keeps neither the model's output nor the loss once it returns."""
+    import gc
+    import weakref
+
+    import torch
+
+    def saved_bytes(run):
+        storages = {}
+
+        def pack(t):
+            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            run()
+        return sum(storages.values())
+
+    model, opt, step = _train_step("bf16", batch=8)
+    outputs = []
+    model.register_forward_hook(lambda _m, _i, out: outputs.append(weakref.ref(out)))
+    vitreg = saved_bytes(step)
+    gc.collect()
+    assert outputs and outputs[-1]() is None  # the output (and the loss made of it) went with the step
+
+    x, target = torch.randn(8, 3, 32, 32), torch.randint(0, 1000, (8,))
+
+    def timm_step():  # timm's TrainBenchmarkRunner._step, as written there
+        opt.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            output = model(x)
+            torch.nn.CrossEntropyLoss()(output, target).backward()
+        opt.step()
+
+    assert vitreg == saved_bytes(timm_step) > 0

@@ -204,13 +204,23 @@ KINETO_QUIET = "6"
 _PROFILER_CYCLE_WARNING = "Warning: Profiler clears events at the end of each cycle"
 
 
-@contextlib.contextmanager
-def quiet_profiler():
-    """Around a torch.profiler profile: kineto's lines (:data:`KINETO_QUIET`) and torch's cycle warning off."""
+def profiled(step, steps: int, cuda: bool):
+    """torch.profiler's profile of ``steps`` calls of ``step`` (CUDA too on a GPU), synchronized at both ends, with
+    kineto's lines (:data:`KINETO_QUIET`) and torch's cycle warning off."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    if cuda:
+        torch.cuda.synchronize()
     os.environ.setdefault("KINETO_LOG_LEVEL", KINETO_QUIET)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=re.escape(_PROFILER_CYCLE_WARNING), category=UserWarning)
-        yield
+        with profile(activities=[ProfilerActivity.CPU, *[ProfilerActivity.CUDA] * cuda]) as prof:
+            for _ in range(steps):
+                step()
+            if cuda:
+                torch.cuda.synchronize()
+    return prof
 
 
 def _short_cosine(record: logging.LogRecord) -> bool:

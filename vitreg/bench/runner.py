@@ -58,12 +58,6 @@ class _Bench:
     attention_flops: dict = field(default_factory=dict)  # profile=true: per task, attention's FLOPs per image
 
 
-def _reset_memory(device: str) -> None:
-    """Before a task (and after its batch search): its peak memory figures are its own (a CPU has none to reset)."""
-    if device == "cuda":
-        release_memory(device, reset_peak=True)
-
-
 def _measure(step, bench: _Bench, task: str, batch_size: int, graph_eager_steps: int = 0):
     """First call timed apart (``graph_eager_steps`` > 0: eager steps, a capture and a replay), warm-up, the timed
     windows; returns this rank's :class:`Figures`, the step the windows ran, the compile cache state and the
@@ -76,7 +70,7 @@ def _measure(step, bench: _Bench, task: str, batch_size: int, graph_eager_steps:
     if graph_eager_steps:
         what = what.replace("first call", f"{graph_eager_steps} eager steps + CUDA graph capture")
     say(f"{task}: {what} ...")
-    cache = CacheProbe().start() if compiling else None
+    cache, eager = CacheProbe().start() if compiling else None, step
     with ticking(f"{task}: {what}", say=say) if compiling else contextlib.nullcontext():
         if graph_eager_steps:
             replays = []
@@ -97,19 +91,33 @@ def _measure(step, bench: _Bench, task: str, batch_size: int, graph_eager_steps:
     warm_iter_s = warm_s / (spec.warmup - 1) if spec.warmup > 1 else first_s  # the first call overstates it
     windows, marks, stop = _timed_windows(step, bench, task, batch_size, warm_iter_s)
     PHASES.mark("timed")
-    alloc = reserved = None  # the CPU has no allocator statistics comparable to CUDA's
-    if dev == "cuda":
-        import torch
-
-        alloc, reserved = torch.cuda.max_memory_allocated() / 2**20, torch.cuda.max_memory_reserved() / 2**20
     figures = Figures(task, {
         "window_img_per_s": marks.rates,
         ITERATION_TIME[task]: tuple(ms for w in windows for ms in w.iter_ms),
         "first_call_s": first_s, "warmup_s": warm_s, "timed_windows": len(windows),
-        "steps_per_window": windows[-1].iters,
-        "peak_mem_allocated_mb": alloc, "peak_mem_reserved_mb": reserved, **marks.figures(),
+        "steps_per_window": windows[-1].iters, **marks.figures(), **_memory(eager, task, dev),
     })
     return figures, step, state, {**marks.tags(), "timing_stop": stop}
+
+
+def _memory(step, task: str, device: str) -> dict:
+    """CUDA's allocator statistics (a CPU has none comparable): the task's peak allocated and reserved MiB; for train
+    then one more step, untimed and launched eagerly, with the peak allocated within each of its phases."""
+    if device != "cuda":
+        return {}
+    import torch
+
+    peaks = {"peak_mem_allocated_mb": torch.cuda.max_memory_allocated() / 2**20,
+             "peak_mem_reserved_mb": torch.cuda.max_memory_reserved() / 2**20}
+
+    def mark(phase):  # a phase's peak counts from what is allocated at its start
+        peaks[f"peak_mem_{phase}_mb"] = torch.cuda.max_memory_allocated() / 2**20
+        torch.cuda.reset_peak_memory_stats()
+
+    if task == "train":
+        torch.cuda.reset_peak_memory_stats()
+        step(mark)
+    return peaks
 
 
 def _rank0(bench: _Bench, value):
@@ -214,7 +222,7 @@ def _choose_batch(make_step, task: str, bench: _Bench):
         return spec.batch_size, None
     choice = search_batch(make_step, task, runtime.device, runtime.torch_device, bench.reducer is not None,
                           bench.progress, key=batch_cache.key_for(spec, runtime, task))
-    _reset_memory(runtime.device)  # the timed batch's peak, not a probe's
+    release_memory(runtime.device, reset_peak=True)  # the timed batch's peak, not a probe's
     return choice.batch, choice
 
 
@@ -266,7 +274,7 @@ def _infer_steps(net, info: ModelInfo, runtime: Runtime, cache: bool):
 def run_inference(model, bench: _Bench, fwd_flops: int) -> TaskResult:
     """Forward passes on a synthetic batch; under DDP each rank runs its own unwrapped copy (throughputs add)."""
     runtime, info = bench.runtime, bench.info
-    _reset_memory(runtime.device)
+    release_memory(runtime.device, reset_peak=True)  # the task's peak memory figures are its own
     model.eval()
     cache = not bench.spec.cuda_graph
     compiled = runtime.compile_model(model)
@@ -284,7 +292,7 @@ def _at_chosen_batch(task: str, probe_steps, timed_step, bench: _Bench, flops_pe
         if choice is None or choice.source == "probe" or not is_out_of_memory(exc):
             raise
     forget_kept(batch_cache.key_for(bench.spec, bench.runtime, task), task, bs, bench.progress)
-    _reset_memory(bench.runtime.device)
+    release_memory(bench.runtime.device)
     bs, choice = _choose_batch(probe_steps, task, bench)
     return _timed_task(task, timed_step(bs), bench, bs, choice, flops_per_img)
 
@@ -316,14 +324,17 @@ def _train_steps(net, opt, scaler, info: ModelInfo, runtime: Runtime, cache: boo
         x = torch.randn(batch, 3, info.img_size, info.img_size, device=runtime.torch_device)
         y = torch.randint(0, info.num_classes, (batch,), device=runtime.torch_device)
 
-        def step():
+        def step(mark=lambda phase: None):  # mark: _memory reads the allocator after each phase
             runtime.mark_step()
             opt.zero_grad(set_to_none=True)  # under a capture: the backward writes fresh grads on every replay
             with runtime.autocast(cache=cache):
                 loss = loss_of(net(x), y, criterion)
+            mark("forward")
             scaler.scale(loss).backward()
+            mark("backward")
             scaler.step(opt)
             scaler.update()
+            mark("optimizer")
 
         return step
 
@@ -336,7 +347,7 @@ def run_train_step(model, bench: _Bench, train_flops: int) -> TaskResult:
     import torch
 
     runtime, info, spec = bench.runtime, bench.info, bench.spec
-    _reset_memory(runtime.device)
+    release_memory(runtime.device, reset_peak=True)  # the task's peak memory figures are its own
     model.train()
     if info.distilled and hasattr(model, "set_distilled_training"):
         model.set_distilled_training(True)  # DeiT recipe: train both heads

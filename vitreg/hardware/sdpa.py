@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import warnings
 
-from vitreg.console import quiet_profiler
+from vitreg.console import profiled
 from vitreg.errors import VitregError
 
 SDPA_CHOICES = ("auto", "flash", "cudnn", "efficient", "math")
@@ -96,14 +96,5 @@ UNKNOWN = "unknown"  # the step replays inductor's CUDA graphs: no op is recorde
 def detect_backend(step, device: str, replays_graphs: bool = False) -> str:
     """:func:`backends_in` of one ``step()`` under torch.profiler, outside the timed windows. ``replays_graphs``:
     inductor's CUDA graphs hide the ops, so finding none means :data:`UNKNOWN`."""
-    import torch
-    from torch.profiler import ProfilerActivity, profile
-
-    cuda = device == "cuda"
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    with quiet_profiler(), profile(activities=activities) as prof:
-        step()
-        if cuda:
-            torch.cuda.synchronize()
-    found = backends_in(e.name for e in prof.events())
+    found = backends_in(e.name for e in profiled(step, 1, device == "cuda").events())
     return UNKNOWN if found == NO_SDPA and replays_graphs else found

@@ -60,6 +60,9 @@ METRICS: tuple[Metric, ...] = (
     Metric("peak_mem_allocated_mb", "MiB", LOWER, "max", ",.0f", compared=TASKS,
            doc="torch.cuda.max_memory_allocated (CUDA only)"),
     Metric("peak_mem_reserved_mb", "MiB", LOWER, "max", ",.0f", doc="torch.cuda.max_memory_reserved (CUDA only)"),
+    *(Metric(f"peak_mem_{phase}_mb", "MiB", LOWER, "max", ",.0f", ("train",), doc=f"torch.cuda.max_memory_allocated "
+             f"within the {phase} of one more step after the windows (CUDA only)")
+      for phase in ("forward", "backward", "optimizer")),
     Metric("mfu", "", HIGHER, "job", ".1%", compared=TASKS,
            doc="achieved FLOP/s per GPU over the GPU's dense datasheet peak for the precision"),
     Metric("throughput_cv", "", LOWER, "sum", ".1%", compared=TASKS, doc="std/mean of the window throughputs",

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from vitreg.console import quiet_profiler
+from vitreg.console import profiled
 from vitreg.measure.anatomy import device_times, host_times
 from vitreg.errors import VitregError
 
@@ -24,22 +24,6 @@ class CommProfile:
     device_busy_ms_per_step: float | None  # None on CPU
 
 
-def _profiled(step, steps: int, cuda: bool):
-    """The profile of ``steps`` calls of ``step`` (CUDA too on a GPU), synchronized at both ends."""
-    import torch
-    from torch.profiler import ProfilerActivity, profile
-
-    if cuda:
-        torch.cuda.synchronize()
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    with quiet_profiler(), profile(activities=activities) as prof:
-        for _ in range(steps):
-            step()
-        if cuda:
-            torch.cuda.synchronize()
-    return prof
-
-
 def profile_comm(step, steps: int, device: str) -> CommProfile:
     """Per step: all-reduce time and, on a GPU, kernel-busy time. On CUDA both are device kernel times (NCCL's
     kernels hold ``nccl``): an NCCL kernel runs from both ranks' start until the data is through, so a long
@@ -47,7 +31,7 @@ def profile_comm(step, steps: int, device: str) -> CommProfile:
     from torch.autograd import DeviceType
 
     cuda = device == "cuda"
-    events = _profiled(step, steps, cuda).key_averages()
+    events = profiled(step, steps, cuda).key_averages()
     if cuda:
         def device_us(e) -> float:
             return float(getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0) or 0)
@@ -86,7 +70,7 @@ def trace_steps(step, steps: int, device: str, out_dir, warmup: int = 1) -> Trac
     out.mkdir(parents=True, exist_ok=True)
     for _ in range(warmup):
         step()
-    prof = _profiled(step, steps, cuda)
+    prof = profiled(step, steps, cuda)
     files = TraceFiles(out / TRACE_FILE, out / OPS_TABLE_FILE, steps, _class_us(prof.events(), cuda), not cuda)
     prof.export_chrome_trace(str(files.trace))
     sort_by = "self_cuda_time_total" if cuda else "self_cpu_time_total"
