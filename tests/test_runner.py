@@ -468,3 +468,66 @@ def test_the_train_step_holds_what_a_plain_timm_loop_holds():
         opt.step()
 
     assert vitreg == saved_bytes(timm_step) > 0
+
+
+class _FakeGpu:
+    """A GPU that runs queued work on a thread: ``launch(host_s, gpu_s)`` spends ``host_s`` on the host and queues
+    ``gpu_s`` of device time; ``synchronize`` waits for the queue, as torch.cuda.synchronize does."""
+
+    def __init__(self):
+        import queue
+        import threading
+
+        self.work, self.idle = queue.Queue(), threading.Event()
+        self.idle.set()
+        threading.Thread(target=self._run, daemon=True).start()
+
+    def _run(self):
+        import time
+
+        while True:
+            gpu_s = self.work.get()
+            time.sleep(gpu_s)
+            if self.work.empty():
+                self.idle.set()
+
+    def launch(self, host_s, gpu_s):
+        import time
+
+        time.sleep(host_s)
+        self.idle.clear()
+        self.work.put(gpu_s)
+
+    def synchronize(self, device="cuda"):
+        self.idle.wait()
+
+
+def test_a_step_whose_launches_take_its_time_is_launch_bound_and_one_the_gpu_carries_is_not(monkeypatch):
+    """Issue 44: bs32 bf16 eager ViT-B on an H100 scattered +-26 % over 60 s of 1-4 s windows: the GPU waited on
+    Python's kernel launches, and the host's speed moved the figure. The check times one step's launches from an
+    idle GPU against the whole step."""
+    from vitreg.bench import runner
+
+    gpu = _FakeGpu()
+    monkeypatch.setattr(runner, "synchronize", gpu.synchronize)
+    assert runner._launch_bound(lambda: gpu.launch(0.006, 0.0005), 0.0065, "cuda")  # launches are the step
+    assert not runner._launch_bound(lambda: gpu.launch(0.001, 0.02), 0.021, "cuda")  # the GPU's work is
+    assert not runner._launch_bound(lambda: gpu.launch(0.006, 0.0005), 0.2, "cuda")  # too long to be: unchecked
+    assert not runner._launch_bound(lambda: None, 0.001, "cpu")
+
+
+def test_a_launch_bound_task_stops_at_six_windows_says_why_and_is_flagged(monkeypatch):
+    from vitreg.bench import runner
+    from vitreg.bench.results import precision_warning
+
+    scatter = (1.0, 1.3, 0.8, 1.2, 0.7, 1.25, 0.9, 1.1)  # +-25 %: no window length averages the host away
+    fake, calls = _windows_of(lambda i: 10.0 * scatter[i % len(scatter)])
+    monkeypatch.setattr(runner, "time_window", fake)
+    monkeypatch.setattr(runner, "_launch_bound", lambda step, iter_s, device: True)
+    result, messages = _run(task="infer", warmup=2, steps=0, repeats=0, window_min_s=0.05)
+    task = result.tasks[0]
+    assert len(calls) - sum(1 for m in messages if "not a sample" in m) == 6  # no longer windows timed again
+    assert task.window_tags["timing_stop"] == "launch_bound" and task.repeats == 6
+    assert {"launch-bound", "precision missed"} <= set(task.flags)
+    assert any(m.startswith("infer: launch-bound: the GPU waits on the host's kernel launches") for m in messages)
+    assert "cuda_graph=true times the GPU alone" in precision_warning(result)

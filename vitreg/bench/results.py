@@ -172,11 +172,13 @@ def precision_warning(result: BenchResult) -> str | None:
     if not missed:
         return None
     halfwidth = {t.task: t.figures.get("throughput_ci95_halfwidth_pct") for t in missed}
-    said = "; ".join(f"{t.task}: " + ("no 95 % interval (under 6 windows)" if halfwidth[t.task] is None else
+    said = "; ".join(f"{t.task}: " + ("no 95 % interval (under 3 windows)" if halfwidth[t.task] is None else
                                       f"+-{halfwidth[t.task]:.2f} %") + " after "
                      f"{t.repeats} windows (tag {t.task}_timing_stop={t.window_tags['timing_stop']})" for t in missed)
-    return (f"warning: the precision target {result.spec.precision_pct:g} % was not reached ({said}): rerun on a "
-            f"quiet machine or with a larger max_time_s before comparing")
+    fix = ("cuda_graph=true times the GPU alone" if any("launch-bound" in t.flags for t in missed) else
+           "rerun on a quiet machine or with a larger max_time_s")
+    return (f"warning: the precision target {result.spec.precision_pct:g} % was not reached ({said}): {fix} before "
+            f"comparing")
 
 
 def run_warning(result: BenchResult | None) -> str | None:

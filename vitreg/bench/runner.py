@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import statistics
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -36,8 +37,9 @@ from vitreg.hardware.runtime import Runtime, run_context
 from vitreg.config.parse import AUTO_BATCH
 from vitreg.config.spec import BenchSpec
 
-from vitreg.measure.timing import (FEWEST_JUDGED, MAX_WINDOWS, MIN_WINDOWS, PHASES, STOP_MAX_TIME, STOP_MAX_WINDOWS, StopRule,
-                                   median_halfwidth_pct, steps_for_window, synchronize, time_window, wall_seconds)
+from vitreg.measure.timing import (FEWEST_JUDGED, MAX_WINDOWS, MIN_WINDOWS, PHASES, STOP_LAUNCH_BOUND, STOP_MAX_TIME,
+                                   STOP_MAX_WINDOWS, STOPS_MISSED, StopRule, median_halfwidth_pct, steps_for_window,
+                                   synchronize, time_window, wall_seconds)
 from vitreg.train.losses import loss_of
 
 PROFILE_TRACE_STEPS = 5  # steady-state steps that profile=true traces per task (after one untraced step)
@@ -89,7 +91,12 @@ def _measure(step, bench: _Bench, task: str, batch_size: int, graph_eager_steps:
         bench.reducer.align()  # outside any timed region
     PHASES.mark("warmup")
     warm_iter_s = warm_s / (spec.warmup - 1) if spec.warmup > 1 else first_s  # the first call overstates it
-    windows, marks, stop = _timed_windows(step, bench, task, batch_size, warm_iter_s)
+    bound = _rank0(bench, not graph_eager_steps and _launch_bound(step, warm_iter_s, dev))
+    if bound:
+        say(f"{task}: launch-bound: the GPU waits on the host's kernel launches, so the figure moves with the "
+            f"host's speed; timed in {MIN_WINDOWS} windows, the target met or not (cuda_graph=true times the GPU "
+            "alone)")
+    windows, marks, stop = _timed_windows(step, bench, task, batch_size, warm_iter_s, bound)
     PHASES.mark("timed")
     figures = Figures(task, {
         "window_img_per_s": marks.rates,
@@ -98,6 +105,29 @@ def _measure(step, bench: _Bench, task: str, batch_size: int, graph_eager_steps:
         "steps_per_window": windows[-1].iters, **marks.figures(), **_memory(eager, task, dev),
     })
     return figures, step, state, {**marks.tags(), "timing_stop": stop}
+
+
+#: A step this short may be launch-bound (ViT-B's eager forward launches ~200 kernels: ~5 ms of host time); a longer
+#: one is not checked, which would cost its steps.
+LAUNCH_CHECKED_S = 0.05
+#: Launch-bound: the host still launching when this share of the step's time has passed (an idle GPU first).
+LAUNCH_BOUND_SHARE = 0.8
+
+
+def _launch_bound(step, iter_s: float, device: str) -> bool:
+    """Whether the GPU waits on the host: three steps each launched on an idle GPU, the median share of the step's
+    time the launches took (a launch returns once queued; a GPU-bound step's queue then runs on without the host)."""
+    if device != "cuda" or iter_s > LAUNCH_CHECKED_S:
+        return False
+    shares = []
+    for _ in range(3):
+        synchronize(device)
+        start = time.perf_counter()
+        step()
+        queued = time.perf_counter() - start
+        synchronize(device)
+        shares.append(queued / max(time.perf_counter() - start, 1e-9))
+    return statistics.median(shares) >= LAUNCH_BOUND_SHARE
 
 
 def _memory(step, task: str, device: str) -> dict:
@@ -138,10 +168,11 @@ _RECALIBRATIONS = 3
 _LONGER_WINDOWS = 2
 
 
-def _timed_windows(step, bench: _Bench, task: str, batch_size: int, warm_iter_s: float):
+def _timed_windows(step, bench: _Bench, task: str, batch_size: int, warm_iter_s: float, launch_bound: bool = False):
     """The timed windows, each between two reads of the energy meter (outside the CUDA-event timing), until the
-    :class:`StopRule` says stop; returns ``(windows, task_marks, stop reason)``. ``steps=0``: the steps come from the
-    warm-up's step time, and a window shorter than ``window_min_s`` is not a sample: it recalibrates the steps."""
+    :class:`StopRule` says stop (a ``launch_bound`` step at :data:`MIN_WINDOWS`); returns ``(windows, task_marks,
+    stop reason)``. ``steps=0``: the steps come from the warm-up's step time, and a window shorter than
+    ``window_min_s`` is not a sample: it recalibrates the steps."""
     from vitreg.measure.energy import TaskMarks, open_meter, steps_for_energy
 
     spec, dev, say = bench.spec, bench.runtime.device, bench.progress
@@ -167,10 +198,12 @@ def _timed_windows(step, bench: _Bench, task: str, batch_size: int, warm_iter_s:
             marks.append(mark)
             rates = [w.img_per_s(batch_size) for w in windows]
             stop = rule.reason(rates, time.perf_counter() - started, win.total_ms / 1e3)
+            if stop is None and launch_bound and not rule.repeats and len(rates) >= MIN_WINDOWS:
+                stop = STOP_LAUNCH_BOUND
             if not rule.repeats:  # fixed counts stop alike on every rank without a word between them
                 stop = _rank0(bench, stop)
             _say_window(say, task, rates, win, mark, rule)
-            if stop is None and not spec.steps and lengthened < _LONGER_WINDOWS and _rank0(
+            if stop is None and not spec.steps and not launch_bound and lengthened < _LONGER_WINDOWS and _rank0(
                     bench, _lengthen(rates, rule, time.perf_counter() - started, 2 * win.total_ms / 1e3)):
                 lengthened, steps, windows, marks = lengthened + 1, 2 * steps, [], []
                 say(f"{task}: the median's interval is still wider than the precision target: timing again with windows of {steps} steps "
@@ -184,7 +217,7 @@ def _timed_windows(step, bench: _Bench, task: str, batch_size: int, warm_iter_s:
         say(f"{task}: no energy figure: windows of {windows[0].total_ms / 1e3:.2f} s are too short for the energy "
             f"counter (it refreshes every 20-100 ms); steps={steps_for_energy(windows[0].total_ms / 1e3, steps)} "
             "would give one")
-    if stop in (STOP_MAX_WINDOWS, STOP_MAX_TIME):
+    if stop in STOPS_MISSED:
         say(f"{task}: {missed_target_text(task_marks.rates, rule, stop)}")
     return windows, task_marks, stop
 
@@ -208,11 +241,12 @@ def missed_target_text(rates, rule: StopRule, stop: str) -> str:
     """Why a task's median is less sure than asked: the half-width reached, the limit that stopped it."""
     halfwidth = median_halfwidth_pct(rates)
     reached = f"+-{halfwidth:.2f} %" if halfwidth is not None else f"no 95 % interval (under {FEWEST_JUDGED} windows)"
-    limit = (f"max_time_s={rule.max_time_s:g} s of timing" if stop == STOP_MAX_TIME
-             else f"the most windows a task times ({MAX_WINDOWS})")
+    limit = {STOP_MAX_TIME: f"max_time_s={rule.max_time_s:g} s of timing", STOP_MAX_WINDOWS: f"the most windows a "
+             f"task times ({MAX_WINDOWS})", STOP_LAUNCH_BOUND: "a launch-bound step's windows"}[stop]
+    fix = ("the host's speed moves it: cuda_graph=true times the GPU alone" if stop == STOP_LAUNCH_BOUND else
+           "the windows scatter (a busy host, throttling): rerun on a quiet machine or raise max_time_s")
     return (f"precision target {rule.precision_pct:g} % not reached: {reached} after {len(rates)} window(s), "
-            f"stopped by {limit}; the windows scatter (a busy host, throttling): rerun on a quiet machine or raise "
-            f"max_time_s")
+            f"stopped by {limit}; {fix}")
 
 
 def _choose_batch(make_step, task: str, bench: _Bench):

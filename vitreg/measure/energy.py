@@ -20,7 +20,7 @@ from typing import Iterator, Protocol
 import psutil
 
 from vitreg.environment import nvml_text
-from vitreg.measure.timing import STOP_MAX_TIME, STOP_MAX_WINDOWS
+from vitreg.measure.timing import STOP_LAUNCH_BOUND, STOPS_MISSED
 
 TRACE_ENV = "VITREG_ENERGY_TRACE"
 SAMPLE_S = 0.05  # the sampler's period: a few samples in the shortest trusted window, light on the GIL
@@ -47,7 +47,7 @@ SPREAD_LIMIT = 0.05
 
 
 #: What makes a figure suspect (:func:`suspect_flags`), in the words a run's name, `vitreg runs` and compare use.
-FLAGS = ("busy host", "throttled", "wide spread", "precision missed", "eager fp8")
+FLAGS = ("busy host", "throttled", "wide spread", "precision missed", "eager fp8", "launch-bound")
 
 
 def slowed(throttle: str) -> bool:
@@ -59,8 +59,8 @@ def suspect_flags(tags: dict) -> list[str]:
     """What makes a task's figure suspect (:data:`FLAGS`), from its tags without the task prefix; the power cap is
     heavy work's normal state, not a flag."""
     found = (tags.get("busy_host") == "true", slowed(tags.get("throttle") or "none"),
-             tags.get("spread_over_target") == "true", tags.get("timing_stop") in (STOP_MAX_TIME, STOP_MAX_WINDOWS),
-             tags.get("eager_fp8") == "true")
+             tags.get("spread_over_target") == "true", tags.get("timing_stop") in STOPS_MISSED,
+             tags.get("eager_fp8") == "true", tags.get("timing_stop") == STOP_LAUNCH_BOUND)
     return [flag for flag, on in zip(FLAGS, found) if on]
 
 
