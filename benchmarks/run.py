@@ -133,16 +133,13 @@ SUITES = {
         ("timm_train", 120, [*TIMM, "--bench", "train"]),
         ("mission1", 200, MISSION),
         ("mission2", 200, MISSION),
-        # the mission's infer search (img_size=224 is the default's size, another cache key: no kept batch)
-        ("search_infer", 150, [*BENCH, "--task", "infer", "--img-size", "224", "--experiment", "search"]),
-        ("profile", 150, [PY, "-m", "cProfile", "-o", "{out}/bench.prof", "-m", "vitreg.cli", "bench", "--gpu", GPU,
-                          "--experiment", "profile"]),
-        ("profile_stats", 60, [PY, "-c", "import pstats, sys; pstats.Stats(sys.argv[1]).sort_stats('cumulative')"
-                               ".print_stats(r'vitreg/|mlflow/(store|tracking)|torch/cuda|timm/models', 80)",
-                               "{out}/bench.prof"]),
         ("sweep_tf32", 240, [*SWEEP_TF32, "--experiment", "sweep-tf32"]),
         ("sweep_fp8", 330, [*SWEEP_FP8, "--experiment", "sweep-fp8"]),
     ]),
+    # a GPU's measured batches (batch_cache.MEASURED): the mission's search (img_size=224 is the default's size,
+    # another cache key: no kept batch), one task each
+    "search": ("nvidia-h200", [(f"search_{task}", 150, [*BENCH, "--task", task, "--img-size", "224", "--experiment",
+                                                        "search"]) for task in ("infer", "train")]),
     # a child in the warm worker against the same configurations in fresh processes (within 1 %: compare with
     # the children of time-to-answer's sweep_tf32), where a process's set-up goes (a profile), the fp8 sweep
     "sweep-isolation": ("nvidia-h200", [
