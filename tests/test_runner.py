@@ -235,30 +235,6 @@ def test_by_default_windows_last_window_min_s_and_stop_at_the_precision_target(m
     assert len(task.figures["latency_ms"]) == 3 * 52  # the short window is no sample
 
 
-def test_windows_that_spread_too_wide_are_timed_again_twice_as_long(monkeypatch):
-    """Issue 35: a host-bound step whose one-second windows each catch another share of what disturbs it (a bs32
-    eager ViT-B: +-13.7 % after 44 windows, 71 s on the H200) is timed again with windows twice as long, which
-    average it; the sample is those windows alone."""
-    from vitreg.bench import runner
-    from vitreg.measure.timing import Window
-
-    calls = []
-
-    def fake(fn, iters, device_type):  # every other window slower: of 52 steps by 10 %, of 104 by 0.2 %
-        calls.append(iters)
-        ms = 10.0 * (1 + (0.002 if iters >= 104 else 0.1) * ((len(calls) + 1) % 2))
-        return Window((ms,) * iters, ms * iters)
-
-    monkeypatch.setattr(runner, "time_window", fake)
-    monkeypatch.setattr(runner, "wall_seconds", lambda fn, device_type: fn() or 0.1)
-    result, messages = _run(task="infer", warmup=1, steps=0, repeats=0, window_min_s=0.5, precision_pct=1.0)
-    assert calls == [6] + [52] * 6 + [104] * 3
-    assert any("timing again with windows of 104 steps" in msg for msg in messages)
-    m = result.metrics()
-    assert (m["infer_timed_windows"], m["infer_steps_per_window"]) == (3, 104)
-    assert result.tags()["infer_timing_stop"] == "precision_met"
-
-
 def test_a_task_that_misses_its_target_stops_at_a_limit_says_so_and_tags_why(monkeypatch):
     from vitreg.bench import runner
     from vitreg.bench.results import precision_warning

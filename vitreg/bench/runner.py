@@ -161,11 +161,6 @@ def _rank0(bench: _Bench, value):
 
 #: Short windows re-measured at most this often per task before a short one is kept as a sample.
 _RECALIBRATIONS = 3
-#: How often a task whose first :data:`MIN_WINDOWS` windows miss the precision target starts its sample again with
-#: windows twice as long. A host-bound step (a small batch, eager) is disturbed by whatever else runs, and
-#: one-second windows each catch a different share of it: 44 windows of a bs32 bf16 eager ViT-B on the H200 still
-#: spread +-13.7 % after 71 s. Longer windows average the disturbance inside each window instead.
-_LONGER_WINDOWS = 2
 
 
 def _timed_windows(step, bench: _Bench, task: str, batch_size: int, warm_iter_s: float, launch_bound: bool = False):
@@ -178,7 +173,7 @@ def _timed_windows(step, bench: _Bench, task: str, batch_size: int, warm_iter_s:
     spec, dev, say = bench.spec, bench.runtime.device, bench.progress
     rule = spec.stop_rule()
     steps = spec.steps or _rank0(bench, steps_for_window(spec.window_min_s, warm_iter_s))
-    windows, marks, stop, recalibrated, lengthened = [], [], None, 0, 0
+    windows, marks, stop, recalibrated = [], [], None, 0
     meter = open_meter(dev, bench.runtime.device_index)
     detail(f"{task}: energy and throttle state at the window edges: {meter.source.name}", say)
     started = time.perf_counter()
@@ -203,11 +198,6 @@ def _timed_windows(step, bench: _Bench, task: str, batch_size: int, warm_iter_s:
             if not rule.repeats:  # fixed counts stop alike on every rank without a word between them
                 stop = _rank0(bench, stop)
             _say_window(say, task, rates, win, mark, rule)
-            if stop is None and not spec.steps and not launch_bound and lengthened < _LONGER_WINDOWS and _rank0(
-                    bench, _lengthen(rates, rule, time.perf_counter() - started, 2 * win.total_ms / 1e3)):
-                lengthened, steps, windows, marks = lengthened + 1, 2 * steps, [], []
-                say(f"{task}: the median's interval is still wider than the precision target: timing again with windows of {steps} steps "
-                    f"(~{2 * win.total_ms / 1e3:.1f} s), which average more of what disturbs them")
     finally:
         meter.close()
     task_marks = TaskMarks(tuple(marks), tuple(w.img_per_s(batch_size) for w in windows))
@@ -220,12 +210,6 @@ def _timed_windows(step, bench: _Bench, task: str, batch_size: int, warm_iter_s:
     if stop in STOPS_MISSED:
         say(f"{task}: {missed_target_text(task_marks.rates, rule, stop)}")
     return windows, task_marks, stop
-
-
-def _lengthen(rates: list, rule: StopRule, elapsed_s: float, longer_s: float) -> bool:
-    """The first :data:`MIN_WINDOWS` windows miss the target, and as many twice as long still fit in the time cap."""
-    return (len(rates) == MIN_WINDOWS and median_halfwidth_pct(rates) > rule.precision_pct
-            and elapsed_s + MIN_WINDOWS * longer_s <= rule.max_time_s)
 
 
 def _say_window(say, task: str, rates: list, win, mark, rule: StopRule) -> None:
