@@ -60,9 +60,14 @@ def test_the_work_of_a_bench_is_its_steps_counted_as_the_run_will_take_them():
     assert BenchAhead(auto, {"infer": 0.64}, searched=("infer",)).task_seconds("infer") == pytest.approx(
         162 * 0.64 + 5 * 0.01 * (8 + 16 + 32 + 64))
     assert BenchAhead(auto, {"infer": 0.64}).task_seconds("infer") == pytest.approx(162 * 0.64)  # a kept batch
-    # on a GPU three windows carry the target; an fp8 graph compiles longer
+    # on a GPU three windows carry the target (a launch-bound step's windows stop at six), an fp8 graph compiles
+    # longer, and a task costs GPU_TASK_S beyond its steps
     gpu = BenchAhead(adaptive.replace(compile="default"), {"infer": 0.045}, device="cuda", fp8=True)
-    assert gpu.task_seconds("infer") == pytest.approx((12 + 3 * 23) * 0.045 + 40.0 * estimate.FP8_COMPILE)
+    compiling = estimate.COMPILE_S["default"] * estimate.FP8_COMPILE + estimate.GPU_TASK_S
+    assert gpu.task_seconds("infer") == pytest.approx((12 + 3 * 23) * 0.045 + compiling)
+    bound = BenchAhead(adaptive.replace(compile="default"), {"infer": 0.045}, device="cuda", fp8=True,
+                       launch_bound=("infer",))
+    assert bound.task_seconds("infer") == pytest.approx((12 + 6 * 23) * 0.045 + compiling)
     assert train_work(64, 100, 3e9).images == 6400
 
 
@@ -91,10 +96,10 @@ def test_the_step_is_timed_at_a_probe_batch_and_scaled_to_the_run_s(monkeypatch)
 def test_long_work_gets_the_estimate_and_the_short_options_and_quick_work_nothing():
     spec = BenchSpec(model="vit_base_patch16_224", batch_size=256, task="both", compile="default")
     line = BenchAhead(spec, {"infer": 10.0, "train": 30.0}).line()
-    # per task: compiling 40 s, 12 untimed steps, six one-step windows capped at max_time_s=60: 220 s + 460 s
-    assert line.startswith("estimate: bench will take about 11 min on this CPU (infer 10,000.0 ms/step, train "
+    # per task: compiling 15 s, 12 untimed steps, six one-step windows capped at max_time_s=60: 195 s + 435 s
+    assert line.startswith("estimate: bench will take about 10 min on this CPU (infer 10,000.0 ms/step, train "
                            "30,000.0 ms/step in the run's precision, timed here or from the kept batch's probe; 10 warm-up steps, 6+ windows"), line
-    assert "compiling ~40 s a task" in line and "for a short run: --model deit_tiny_patch16_224 --batch-size 8" in line
+    assert "compiling ~15 s a task" in line and "for a short run: --model deit_tiny_patch16_224 --batch-size 8" in line
     small = BenchSpec(model="deit_tiny_patch16_224", batch_size=8, warmup=3, steps=5, repeats=3)
     assert BenchAhead(small, {"infer": 0.05, "train": 0.15}).line() is None  # 20 steps of each: 4 s
     assert BenchAhead(small, {"infer": 0.25, "train": 0.75}).line().startswith("estimate: bench will take about 20 s")

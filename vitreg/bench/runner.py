@@ -486,17 +486,34 @@ def run_benchmark(spec: BenchSpec, hardware: ResolvedHardware, runtime: Runtime,
                        work_s=work_s)
 
 
-def _estimate(model, bench: _Bench, fwd_flops: int, train_flops: int, cache_dir, command: str) -> BenchAhead:
-    """The work ahead, said when it is long: each task's step from its kept batch's probe where batch_size=auto
-    has one (nothing run), else timed at a probe batch in the run's context. The train probe's optimizer has a
+def _probe_step(task: str, model, bench: _Bench, flops_per_img: int, batch: int, matmul_rate: float):
+    """``(seconds a step of task takes at batch, whether it is launch-bound)``, timed at a probe batch; the random
+    state put back, so the run's inputs are those it makes without the probe. The train probe's optimizer has a
     learning rate of 0: its steps leave the weights as they were."""
     import torch
 
-    spec, runtime, info, dev = bench.spec, bench.runtime, bench.info, bench.runtime.device
+    runtime, info, dev = bench.runtime, bench.info, bench.runtime.device
+    model.train(task == "train")
+    opt = torch.optim.AdamW(model.parameters(), lr=0.0) if task == "train" else None
+    make = (_infer_steps(model, info, runtime, True) if opt is None else
+            _train_steps(model, opt, runtime.grad_scaler(), info, runtime, True))
+    try:
+        seconds = step_seconds(make, batch, flops_per_img, dev, matmul_rate)
+        with torch.random.fork_rng(devices=[torch.cuda.current_device()] if dev == "cuda" else []):
+            return seconds, seconds <= LAUNCH_CHECKED_S and _launch_bound(make(batch), seconds, dev)
+    finally:
+        model.zero_grad(set_to_none=True)
+
+
+def _estimate(model, bench: _Bench, fwd_flops: int, train_flops: int, cache_dir, command: str) -> BenchAhead:
+    """The work ahead, said when it is long: each task's step from its kept batch's probe where batch_size=auto
+    has one (nothing run), else timed at a probe batch in the run's context (:func:`_probe_step`)."""
+    spec, runtime, dev = bench.spec, bench.runtime, bench.runtime.device
     step_s, searched = {}, []
     # a CPU's matmul rate in the run's dtype sizes the probe (bf16 on a CPU without bf16 units is slow)
     rate = measured_flops_per_s("cpu", dtype=torch_dtype(runtime.precision.autocast_dtype or
                                                          runtime.precision.weights_dtype)) if dev == "cpu" else 0.0
+    launch_bound = []
     for task in spec.tasks:
         kept = batch_cache.lookup(batch_cache.key_for(spec, runtime, task))[0] \
             if spec.auto_batch and bench.reducer is None else None
@@ -505,21 +522,14 @@ def _estimate(model, bench: _Bench, fwd_flops: int, train_flops: int, cache_dir,
             continue
         batch = kept.batch if kept is not None else estimated_batch(spec, dev)
         searched += [task] if spec.auto_batch and kept is None else []
-        if task == "infer":
-            model.eval()
-            step_s[task] = step_seconds(_infer_steps(model, info, runtime, True), batch, fwd_flops, dev, rate)
-        else:
-            model.train()
-            opt = torch.optim.AdamW(model.parameters(), lr=0.0)
-            step_s[task] = step_seconds(_train_steps(model, opt, runtime.grad_scaler(), info, runtime, True), batch,
-                                        train_flops, dev, rate)
-            del opt
-            model.zero_grad(set_to_none=True)
+        step_s[task], bound = _probe_step(task, model, bench, fwd_flops if task == "infer" else train_flops, batch,
+                                          rate)
+        launch_bound += [task] if bound else []
     cached = cache_dir is not None and Path(cache_dir).is_dir() and any(Path(cache_dir).iterdir())
     learned = {task: batch_cache.compile_seconds(batch_cache.key_for(spec, runtime, task), warm=cached)
                for task in step_s if runtime.compile != "off"}
     ahead = BenchAhead(spec, step_s, dev, cached, command, compile_s={t: s for t, s in learned.items() if s is not None},
-                       searched=tuple(searched), fp8=runtime.precision.fp8)
+                       searched=tuple(searched), fp8=runtime.precision.fp8, launch_bound=tuple(launch_bound))
     ahead.refuse_if_endless()
     line = ahead.line()
     if line:

@@ -145,11 +145,15 @@ PROBE_S = 0.5
 #: and a step too long to time (a GPU-sized model on a CPU: one image's step over 4 x PROBE_S) is estimated with
 #: it, from the model's FLOPs, in seconds rather than minutes inside that step.
 CPU_STEP_EFFICIENCY = 0.5
-#: Seconds torch.compile takes per task with a cold cache (a warm one takes about a quarter): typical
-#: ViT figures (ViT-B/16 on an H200, benchmarks/results/h200-*/), since nothing can time a compile before it runs.
-COMPILE_S = {"off": 0.0, "default": 40.0, "reduce-overhead": 60.0, "max-autotune": 300.0}
-#: An fp8 graph (torchao's scaled matmuls) compiles this much longer: ViT-B/16, cold, 93 s against ~40 s (issue 46).
-FP8_COMPILE = 2.3
+#: Seconds torch.compile takes per task with a cold cache (a warm one takes about a quarter): typical ViT
+#: figures, since nothing can time a compile before it runs (ViT-B/16 infer, cold, on an H100: 9.5 s, a train
+#: graph more: benchmarks/results/h100-2026-12-06-tta; the modes beyond default: H200 runs, h200-*/).
+COMPILE_S = {"off": 0.0, "default": 15.0, "reduce-overhead": 60.0, "max-autotune": 300.0}
+#: An fp8 graph (torchao's scaled matmuls) compiles this much longer: ViT-B/16, cold, 93 s against ~15 s (issue 46).
+FP8_COMPILE = 6.0
+#: A GPU task's time beyond its steps: the first call's autotuning, the allocator emptied between tasks, the SDPA
+#: backend read (0.75-1.5 s a task on an H100: benchmarks/results/h100-2026-12-06-tta).
+GPU_TASK_S = 0.75
 #: Untimed steps after the windows (the SDPA backend read under the profiler: one step, and its start).
 AFTER_WINDOWS_STEPS = 2
 
@@ -206,19 +210,20 @@ class BenchAhead:
     compile_s: dict = field(default_factory=dict)  # task -> the last timed compile of its graph (batch_cache)
     searched: tuple = ()  # the tasks whose batch batch_size=auto searches (none kept): their step is at the start's
     fp8: bool = False  # an fp8 precision: its graphs compile longer (FP8_COMPILE)
+    launch_bound: tuple = ()  # the tasks whose step waits on its launches: timed in MIN_WINDOWS windows
 
     def task_seconds(self, task: str) -> float:
         """First call (with compilation), warm-up, the timed windows, the untimed steps after them."""
         spec, step = self.spec, self.step_s[task]
         window = (spec.steps or steps_for_window(spec.window_min_s, step)) * step
-        timed = (spec.repeats or self._windows) * window
+        timed = (spec.repeats or (MIN_WINDOWS if task in self.launch_bound else self._windows)) * window
         if not spec.repeats:  # the stop rule starts no window that would end past max_time_s
             timed = max(window, min(timed, spec.max_time_s))
         compile_s = self.compile_s.get(task)
         if compile_s is None:  # no compile of this graph timed yet: a typical one
             compile_s = self._typical_compile_s()
         return compile_s + (spec.warmup + AFTER_WINDOWS_STEPS) * step + timed + \
-            (self._search_s(step) if task in self.searched else 0.0)
+            (self._search_s(step) if task in self.searched else 0.0) + (GPU_TASK_S if self.device == "cuda" else 0.0)
 
     @property
     def _windows(self) -> int:
