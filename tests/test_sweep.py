@@ -447,3 +447,10 @@ def test_bad_days_v_case5_runtime_env_is_checked_on_every_engine_and_a_typo_is_n
     assert _runs("sw") == []
     result = _ray_sweep("--ray-runtime-env", '{"env_var": {"A": "b"}}')
     assert "has a field Ray does not know, 'env_var' (did you mean 'env_vars'?)" in result.output, result.output
+
+
+def test_bad_days_v_case7_a_blank_rerun_failed_is_refused(sqlite_store):
+    """`--rerun-failed '   '` started a brand-new sweep."""
+    result = CliRunner().invoke(main, [*BASE, "--rerun-failed", "   "])
+    assert "rerun_failed=' ' is blank" in _error_line(result)
+    assert _runs("sw") == []

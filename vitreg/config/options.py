@@ -104,6 +104,8 @@ class Option:
         if self.kind == "runtime_env":  # a dict: Ray's runtime_env, its env_vars values secrets
             return parse_runtime_env(value, self.name)
         text = str(value if value is not None else "").strip()
+        if not text and str(value or ""):  # '   ': given, yet nothing (an empty one is the default)
+            raise VitregError(f"{self.name}={value!r} is blank: pass a value, or leave {self.flags[0]} out")
         return (text.lower() if self.lowercase else text) or self.default
 
 

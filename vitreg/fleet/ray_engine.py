@@ -161,6 +161,7 @@ class RayEngine(ClusterChecks):
 
     def _join(self, address: str, max_parallel: int, progress, device: str, runtime_env: dict | None) -> None:
         self.ray = connect(address, runtime_env)
+        self.builds = sorted({"pip", "conda", "uv", "container", "image_uri"} & set(runtime_env or {}))
         self.address = address
         self.max_parallel = max_parallel
         self.progress = progress

@@ -123,7 +123,7 @@ def _experiment_name(experiment: str | None) -> str:
 def check_settings() -> None:
     """Every ``VITREG_*`` setting tracking reads, parsed before the run opens: read first where it is used, a bad
     value ended a whole benchmark in an error and its run unended."""
-    flush_timeout_s(), heartbeat_period_s(), http_timeout_s(), busy_wait_s()
+    flush_timeout_s(), heartbeat_period_s(), http_timeout_s(), busy_wait_s(), signals.stop_grace_s()
 
 
 @contextlib.contextmanager
