@@ -282,3 +282,29 @@ def test_bad_days_v_case9_a_stop_a_library_swallows_still_ends_the_run_killed_wi
     assert "did not end within 3 s (VITREG_STOP_GRACE_S)" in done.stderr and "Traceback" not in done.stderr
     (run,) = _runs(uri)
     assert run.info.status == "KILLED", run.info.status
+
+
+@pytest.mark.slow
+def test_bad_days_v_case9_ctrl_c_to_a_bench_a_shell_started_in_the_background_stops_it(tmp_path):
+    """A shell starts a background job (`vitreg bench ... &`) with SIGINT ignored, and Python keeps it ignored:
+    `kill -INT` did nothing at all (the issue's Ctrl-C that did not stop it). vitreg takes SIGINT as a stop
+    either way."""
+    import time
+
+    uri = migrated_store(tmp_path)
+    env = subprocess_env(uri, PYTHONPATH=str(REPO), VITREG_SPOOL_DIR=tmp_path / "spool")
+    proc = subprocess.Popen([sys.executable, *LONG_BENCH], env=env, cwd=tmp_path, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    try:
+        _wait_for(proc, "window 1/")
+        proc.send_signal(signal.SIGINT)
+        sent = time.monotonic()
+        _, err = proc.communicate(timeout=60)
+        took = time.monotonic() - sent
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 130 and took < 20 and "Traceback" not in err, (took, err[-2000:])
+    (run,) = _runs(uri, "signals")
+    assert run.info.status == "KILLED"

@@ -172,7 +172,8 @@ def install() -> None:
         return
     for sig in STOP_SIGNALS:
         signal.signal(sig, _stop)
-    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+    # ignored too: a shell starts a background job so (`vitreg bench &`), and `kill -INT` then did nothing at all
+    if signal.getsignal(signal.SIGINT) in (signal.default_int_handler, signal.SIG_IGN):
         signal.signal(signal.SIGINT, _stop)
     _start_watchdog()
 

@@ -140,7 +140,7 @@ def _run_parent(settings, axes, combos, common, engine, max_oom_retries, progres
     with tracking.tracked_run(run_name=parent_name, experiment=settings.experiment, system_metrics=False) as parent:
         parent.set_name(parent_name)  # under mlflow run the parent arrives with a random name
         parent.set_tags({"vitreg_job": "sweep", "sweep_engine": settings.engine,
-                         SETTINGS_TAG: json.dumps(_recorded(settings.given()), default=str)})
+                         SETTINGS_TAG: json.dumps(masked_runtime_env(settings.given()), default=str)})
         parent.log_dict({"common": common, "combinations": [{"label": c.label, "options": dict(c.options)}
                                                             for c in combos]}, COMBINATIONS_FILE)
         parent.log_params({**{f"axis_{name}": ",".join(map(str, values))[:500] for name, values in axes.items()},
@@ -152,13 +152,6 @@ def _run_parent(settings, axes, combos, common, engine, max_oom_retries, progres
         engine.run(context, combos)
         _conclude(parent, context.last_ok, progress)
     return outcome
-
-
-def _recorded(given: dict) -> dict:
-    """The settings as the parent records them: a runtime_env's env_vars values masked (a re-run reads them from
-    its environment)."""
-    env = given.get("ray_runtime_env")
-    return {**given, **({"ray_runtime_env": masked_runtime_env(env)} if env else {})}
 
 
 def _conclude(parent, last_ok: dict, progress) -> None:

@@ -94,12 +94,6 @@ class Text(_AsTyped, click.types.StringParamType):
     """``TEXT``: free text, completed by nothing."""
 
 
-class Json(Text):
-    """``JSON``: a JSON object (a Ray runtime_env)."""
-
-    name = "json"
-
-
 def param_type(opt: Option) -> click.ParamType:
     if opt.kind == "choice":
         return ChoiceText(opt.choices, case_sensitive=False)
@@ -107,8 +101,6 @@ def param_type(opt: Option) -> click.ParamType:
         return BoolText()
     if opt.kind in ("int", "float"):
         return _number_type(opt)
-    if opt.kind == "runtime_env":
-        return Json()
     if opt.kind == "batch":
         return BatchText(min=opt.minimum if opt.minimum is not None else 1)
     if opt.name == "gpu":

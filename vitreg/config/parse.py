@@ -112,6 +112,7 @@ def options_to_args(options: dict) -> list[str]:
 
 
 
+
 #: Ray's runtime_env fields (ray.runtime_env.RuntimeEnv.known_fields; a plugin may add more: warned, not refused)
 RAY_ENV_FIELDS = ("conda", "config", "container", "env_vars", "excludes", "image_uri", "java_jars", "pip",
                   "py_executable", "py_modules", "uv", "worker_process_setup_hook", "working_dir")
@@ -120,10 +121,11 @@ _warned: set = set()
 
 
 def parse_runtime_env(text, name: str = "ray_runtime_env") -> dict:
-    """A Ray runtime_env from its JSON, quoted in no message: its ``env_vars`` values are secrets, masked in
-    every line and record from here on (:func:`vitreg.console.add_secrets`, :func:`masked_runtime_env`); a value
-    recorded masked is taken from this process's environment variable of that name, or refused."""
+    """A Ray runtime_env from its JSON, quoted in no message: its ``env_vars`` values are secrets, masked in every
+    line and record from here on (:func:`vitreg.console.add_secrets`); one recorded masked (:func:`masked_runtime_env`)
+    is taken from this process's environment variable of that name, or refused."""
     from vitreg.console import MASK, add_secrets, progress
+    from vitreg.files import parse_json
 
     text = str(text or "").strip()
     fix = f"pass a JSON object of Ray's runtime_env fields, e.g. {name}='{{\"pip\": [\"timm\"]}}'"
@@ -131,9 +133,9 @@ def parse_runtime_env(text, name: str = "ray_runtime_env") -> dict:
         raise VitregError(f"{name} is {len(text):,} characters, over {RUNTIME_ENV_MAX:,} (the sweep records it): "
                           f"list the packages in a requirements file and pass {{\"pip\": \"/path/requirements.txt\"}}")
     try:
-        env = json.loads(text or "{}")
-    except ValueError as exc:
-        raise VitregError(f"{name} is not JSON ({exc.msg} at character {exc.pos}): {fix}") from None
+        env = parse_json(text or "{}")
+    except ValueError as exc:  # FileFault: not JSON, too deep, a NUL; its words quote none of the text
+        raise VitregError(f"{name} is {exc}: {fix}") from None
     env_vars = env.get("env_vars", {}) if isinstance(env, dict) else None
     if not isinstance(env_vars, dict) or not all(isinstance(v, str) for v in env_vars.values()):
         raise VitregError(f"{name} must be a JSON object whose env_vars (if any) maps names to strings: {fix}")
@@ -147,17 +149,13 @@ def parse_runtime_env(text, name: str = "ray_runtime_env") -> dict:
         add_secrets(env["env_vars"].values())
     for field in sorted(set(env) - set(RAY_ENV_FIELDS) - _warned):
         _warned.add(field)
-        close = close_names(field, RAY_ENV_FIELDS)
-        progress(f"warning: {name} has a field Ray does not know, {field!r}"
-                 + (f" (did you mean {close[0]!r}?)" if close else ""))
+        close = [f" (did you mean {c!r}?)" for c in close_names(field, RAY_ENV_FIELDS)]
+        progress(f"warning: {name} has a field Ray does not know, {field!r}{''.join(close)}")
     return env
 
 
-def masked_runtime_env(text) -> str:
-    """A runtime_env's JSON as a sweep records it: each ``env_vars`` value masked."""
-    from vitreg.console import MASK
-
-    env = json.loads(str(text or "").strip() or "{}")
-    if env.get("env_vars"):
-        env["env_vars"] = dict.fromkeys(env["env_vars"], MASK)
-    return json.dumps(env, separators=(",", ":"))
+def masked_runtime_env(settings: dict) -> dict:
+    """A sweep's settings as its parent records them: each ``env_vars`` value of ``ray_runtime_env`` masked."""
+    env = json.loads(str(settings.get("ray_runtime_env") or "").strip() or "{}")
+    env.update({"env_vars": dict.fromkeys(env["env_vars"], "***")} if env.get("env_vars") else {})
+    return {**settings, **({"ray_runtime_env": json.dumps(env, separators=(",", ":"))} if env else {})}
