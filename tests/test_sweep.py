@@ -28,6 +28,7 @@ def _runs(name):
     (["--axis", "sdpa=auto,nope"], "sdpa='nope' is not one of"),
     (["--axis", "nproc=1,zero"], "nproc='zero' is not an integer"),
     (["--axis", "sdpa"], "is not NAME=V1,V2"),
+    (["--models", "test_vit,,test_vit"], "models lists 'test_vit' twice"),  # issue 45's trial
     (["--max-parallel", "0"], "max_parallel=0 must be >= 1"),
     (["--gpu", "h100,a100"], "use engine=ray on a cluster that has them"),
     (["--axis", "amp=off,bf16", "--amp", "off"], "amp is given twice"),
@@ -98,7 +99,7 @@ def test_a_ray_sweep_ships_vitreg_with_its_commit_and_adds_ray_runtime_env_or_re
     assert env["env_vars"] == {"A": "1", "VITREG_GIT_SHA": git_sha()} and "__pycache__" in env["excludes"]
     joined = []
     monkeypatch.setattr(ray, "init", lambda *args, **kwargs: joined.append(kwargs))
-    for bad, needle in [("{pip: timm}", "is not valid JSON"), ('["timm"]', "must be a JSON object"),
+    for bad, needle in [("{pip: timm}", "ray_runtime_env: not valid JSON"), ('["timm"]', "must be a JSON object"),
                         ('{"pip": 3}', "is not a runtime_env Ray takes"), ('{"py_modules": "/"}', "Ray takes"),
                         ('{"py_modules": ["/no/such"]}', "is not a runtime_env Ray takes")]:
         result = CliRunner().invoke(main, [*BASE, "--engine", "ray", "--ray-address", f"127.0.0.1:{free_port()}",
@@ -443,7 +444,7 @@ def test_bad_days_v_case5_runtime_env_is_checked_on_every_engine_and_a_typo_is_n
 
     monkeypatch.setattr(ray, "init", lambda *args, **kwargs: None)
     result = CliRunner().invoke(main, [*BASE, "--engine", "local", "--ray-runtime-env", "not json at all"])
-    assert "ray_runtime_env is not valid JSON" in _error_line(result)
+    assert "ray_runtime_env: not valid JSON" in _error_line(result)
     assert _runs("sw") == []
     result = _ray_sweep("--ray-runtime-env", '{"env_var": {"A": "b"}}')
     assert "has a field Ray does not know, 'env_var' (did you mean 'env_vars'?)" in result.output, result.output

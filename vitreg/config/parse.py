@@ -135,7 +135,7 @@ def parse_runtime_env(text, name: str = "ray_runtime_env") -> dict:
     try:
         env = parse_json(text or "{}")
     except ValueError as exc:  # FileFault: not JSON, too deep, a NUL; its words quote none of the text
-        raise VitregError(f"{name} is {exc}: {fix}") from None
+        raise VitregError(f"{name}: {exc}: {fix}") from None
     env_vars = env.get("env_vars", {}) if isinstance(env, dict) else None
     if not isinstance(env_vars, dict) or not all(isinstance(v, str) for v in env_vars.values()):
         raise VitregError(f"{name} must be a JSON object whose env_vars (if any) maps names to strings: {fix}")
