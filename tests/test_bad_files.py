@@ -461,3 +461,8 @@ def test_bad_days_v_case13_a_huge_journal_line_is_skipped_or_refused_by_its_size
         fh.write(b'{"seq": 99, "kind": "tags", "tags": {"x": "' + b"y" * (MAX_LINE + 10) + b'"}}\n')
     one_error(CliRunner().invoke(main, ["sync", "--spool", str(tmp_path / "spool2")]), "journal.jsonl",
               "a line over 4,194,304 bytes")
+
+
+def test_bad_days_v_trial_a_run_name_too_long_to_keep_is_refused(sqlite_store):
+    """Issue 45's trial: `bench --run-name` of 10,000 characters ran, the name cut at 8,000 without a word."""
+    one_error(CliRunner().invoke(main, [*TINY_BENCH, "--run-name", "n" * 10_000]), "run_name is 10,000 characters")

@@ -106,6 +106,8 @@ class Option:
         text = str(value if value is not None else "").strip()
         if not text and str(value or ""):  # '   ': given, yet nothing (an empty one is the default)
             raise VitregError(f"{self.name}={value!r} is blank: pass a value, or leave {self.flags[0]} out")
+        if self.maximum is not None and len(text) > self.maximum:  # a text's maximum is its length
+            raise VitregError(f"{self.name} is {len(text):,} characters, over {self.maximum:,.0f}: pass a shorter one")
         return (text.lower() if self.lowercase else text) or self.default
 
 
@@ -447,7 +449,7 @@ OPTIONS: tuple[Option, ...] = (
            spec_field=False, mlproject=False, envvar="MLFLOW_EXPERIMENT_NAME", aliases=("--experiment-name",),
            same_work="where the run is filed, not what it measures"),
     Option("run_name", "str", None, "MLflow run name (default: made of the model, GPU, amp, compile and batch size).",
-           ("bench", "infer", "train"), spec_field=False, mlproject=False,
+           ("bench", "infer", "train"), spec_field=False, mlproject=False, maximum=1000,  # MLflow cut 10,000 at 8,000
            same_work="what the run is called, not what it measures"),
     # not an MLproject param: the README's tables stay the work's options; `mlflow run` takes VITREG_VERBOSE=1
     Option("verbose", "bool", False, "also print what only the run's console.log keeps (overhead by phase, energy "
