@@ -139,6 +139,7 @@ def ray_cluster():
         # a driver that took the host's own address would wait forever for a node of that address
         mp.setenv(ray_constants.ENABLE_RAY_CLUSTERS_ENV_VAR, "0")
         mp.setattr(ray_constants, "ENABLE_RAY_CLUSTER", False)
+        mp.setenv("PIP_NO_INDEX", "1")  # a cluster without a package index: a runtime_env's pip never reaches one
         _Running.cluster = cluster = Cluster()  # its reaper process ends the nodes if this worker is killed
         try:  # the first node added is the head
             head = cluster.add_node(**small, include_dashboard=False, resources={"accelerator_type:H100": 1})

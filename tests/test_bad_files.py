@@ -394,3 +394,75 @@ def test_brackets_inside_strings_and_comments_are_not_nesting(tmp_path, spool_st
     assert result.exit_code == 0 and "delivered" in result.output, result.output
     (run,) = MlflowClient().search_runs([MlflowClient().get_experiment_by_name("hostile").experiment_id])
     assert run.data.tags["note"] == deep
+
+
+# ------------------------------------------------------------------------------------------------- issue 45
+TINY_BENCH = ["bench", "--model", "test_vit", "--img-size", "32", "--batch-size", "2", "--device", "cpu", "--warmup",
+              "1", "--steps", "2", "--repeats", "1", "--task", "infer"]
+
+
+def test_bad_days_v_case10_a_bad_stop_grace_is_refused_before_the_run_opens(tmp_path, spool_store, monkeypatch):
+    """`VITREG_STOP_GRACE_S=abc` ran (every other VITREG_* setting is refused up front), and on SIGTERM the
+    watchdog thread died of it with a traceback."""
+    from vitreg import signals
+
+    test_a_bad_tracking_setting_is_refused_before_the_run_opens(tmp_path, spool_store, monkeypatch,
+                                                                "VITREG_STOP_GRACE_S")
+    monkeypatch.setenv("VITREG_STOP_GRACE_S", "abc")
+    assert signals.watchdog_grace_s() == signals.DEFAULT_STOP_GRACE_S  # the watchdog's own read never raises
+
+
+def test_bad_days_v_case11_a_run_continued_through_mlflow_run_id_drops_the_earlier_error(sqlite_store, monkeypatch):
+    """`MLFLOW_RUN_ID=<a KILLED run> vitreg bench` ended FINISHED still carrying vitreg_error=interrupted (Ctrl-C)."""
+    client = MlflowClient()
+    run_id = client.create_run(client.create_experiment("again")).info.run_id
+    client.set_tag(run_id, "vitreg_error", "interrupted (Ctrl-C)")
+    client.set_terminated(run_id, "KILLED")
+    monkeypatch.setenv("MLFLOW_RUN_ID", run_id)
+    result = CliRunner().invoke(main, TINY_BENCH)
+    assert result.exit_code == 0, result.output
+    run = client.get_run(run_id)
+    assert run.info.status == "FINISHED" and "vitreg_error" not in run.data.tags, run.data.tags.get("vitreg_error")
+
+
+def test_bad_days_v_case12_an_energy_trace_in_no_folder_is_one_line_naming_it(tmp_path, sqlite_store, monkeypatch):
+    """`VITREG_ENERGY_TRACE=/nonexistent/dir/trace.jsonl vitreg bench` was a FileNotFoundError traceback."""
+    monkeypatch.setenv("VITREG_ENERGY_TRACE", str(tmp_path / "no" / "trace.jsonl"))
+    one_error(CliRunner().invoke(main, [*TINY_BENCH, "--experiment", "trace"]), "VITREG_ENERGY_TRACE", "unset")
+    (run,) = MlflowClient().search_runs([MlflowClient().get_experiment_by_name("trace").experiment_id])
+    assert run.info.status == "FAILED" and "VITREG_ENERGY_TRACE" in run.data.tags["vitreg_error"]
+
+
+def test_bad_days_v_case13_a_huge_journal_line_is_skipped_or_refused_by_its_size_never_read_whole(tmp_path,
+                                                                                                spool_store):
+    """`vitreg sync` of a spool whose journal ends in a 300 MB torn line took 110 s and 1.4 GB. A torn line over
+    the limit is dropped as a torn line is, a whole one refused by its size, neither held in memory (here 40 MB:
+    the peak stays a few MiB)."""
+    import tracemalloc
+
+    MAX_LINE = 4 << 20  # vitreg.tracking.spool.MAX_LINE
+
+    spool = offline_run(tmp_path / "spool", tmp_path, steps=2)
+    journal = spool.path / JOURNAL
+    whole = journal.read_bytes()
+    with open(journal, "ab") as fh:
+        fh.write(b'{"seq": 99, "kind": "tags", "tags": {"x": "' + b"y" * (40 << 20))  # torn: no line end
+    tracemalloc.start()
+    try:
+        records = spool.records()
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 3 * MAX_LINE and len(records) == whole.count(b"\n"), peak
+    result = CliRunner().invoke(main, ["sync", "--spool", str(tmp_path / "spool")])
+    assert result.exit_code == 0 and "delivered" in result.output, result.output
+    spool = offline_run(tmp_path / "spool2", tmp_path, steps=2)
+    with open(spool.path / JOURNAL, "ab") as fh:
+        fh.write(b'{"seq": 99, "kind": "tags", "tags": {"x": "' + b"y" * (MAX_LINE + 10) + b'"}}\n')
+    one_error(CliRunner().invoke(main, ["sync", "--spool", str(tmp_path / "spool2")]), "journal.jsonl",
+              "a line over 4,194,304 bytes")
+
+
+def test_bad_days_v_trial_a_run_name_too_long_to_keep_is_refused(sqlite_store):
+    """Issue 45's trial: `bench --run-name` of 10,000 characters ran, the name cut at 8,000 without a word."""
+    one_error(CliRunner().invoke(main, [*TINY_BENCH, "--run-name", "n" * 10_000]), "run_name is 10,000 characters")

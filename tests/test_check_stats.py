@@ -132,3 +132,15 @@ def test_tags_are_key_value():
     assert parse_tag(" release = 2.4 ", "--baseline-tag") == ("release", "2.4") and parse_tag("", "--x") is None
     with pytest.raises(CheckError, match="--baseline-tag 'release' is not KEY=VALUE"):
         parse_tag("release", "--baseline-tag")
+
+
+def test_bad_days_v_case14_an_interval_wholly_below_the_catch_is_a_regression_however_noisy():
+    """A history measured on a loaded host (window spread 33-97 %) and a newest run at 30 % of its throughput was
+    "TOO NOISY: 0.189x [0.136, 0.300] ... sees only changes over 117.5 %", exit 3. An interval wholly past the
+    15 % the check must see is a change, however noisy; "too noisy" is for one that straddles it."""
+    history = np.random.default_rng(45).normal(1.0, 0.15, 10) * 1000
+    cvs = np.linspace(0.33, 0.97, 10)
+    slow = judge([300.0], history, run_cvs=cvs)
+    assert slow.threshold > 1 and slow.ci_high < 0.85 and slow.verdict == REGRESSED, slow
+    assert judge([3000.0], history, run_cvs=cvs).verdict == IMPROVED
+    assert judge([900.0], history, run_cvs=cvs).verdict == "too noisy"  # its interval straddles 0.85

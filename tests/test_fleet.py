@@ -421,3 +421,40 @@ def test_a_node_killed_mid_sweep_fails_its_children_and_the_sweep_goes_on(server
     assert {c.info.status for c in by_gpu["h100"]} == {"FINISHED"} and len(by_gpu["h100"]) == 2
     assert len(by_gpu["a100"]) == 2 and {c.info.status for c in by_gpu["a100"]} <= {"FAILED", "KILLED"}
     assert all(c.data.tags.get("vitreg_error") for c in by_gpu["a100"]), [c.data.tags for c in by_gpu["a100"]]
+
+
+def test_bad_days_v_case6_a_runtime_env_that_cannot_be_built_says_why_and_sigterm_ends_the_sweep(server, ray_cluster,
+                                                                                                 tmp_path):
+    """A pip runtime_env that cannot be built on a cluster without a package index (the nodes' PIP_NO_INDEX) sat
+    at "0 done, 0 running, 1 queued" for minutes with no word, and after SIGTERM did not exit in 5 s. Now the
+    wait is said, the build's failure fails the children with Ray's reason as soon as pip gave up (Ray's own
+    three attempts take minutes more), and SIGTERM ends the sweep promptly, its children KILLED."""
+    client = MlflowClient(server)
+    unbuildable = ["--ray-runtime-env", '{"pip": ["nonexistent-zzz-pkg==9.9.9"]}', "--gpu", "h100", *CHILD[2:],
+                   "--models", "test_vit", *SHORT]
+    before = {c.info.run_id for c in _children(client)}
+    started = time.monotonic()
+    sweep = _start(server, tmp_path, "--engine", "ray", "--ray-address", ray_cluster.address, *unbuildable)
+    try:
+        _, err = sweep.communicate(timeout=240)
+    finally:
+        _end(sweep)
+    took = time.monotonic() - started
+    assert sweep.returncode == 2 and "Traceback" not in err, err[-3000:]
+    assert "Ray is building the runtime_env's pip" in err and "No matching distribution found for nonexistent-zzz" \
+        in err, err[-3000:]
+    (child,) = [c for c in _children(client) if c.info.run_id not in before]
+    assert child.info.status == "FAILED" and "nonexistent-zzz-pkg" in child.data.tags["vitreg_error"], took
+    before.add(child.info.run_id)
+    sweep = _start(server, tmp_path, "--engine", "ray", "--ray-address", ray_cluster.address, *unbuildable)
+    try:
+        _wait(lambda: _children(client) and len(_children(client)) > len(before), 120, "the child run")
+        time.sleep(3)  # the build under way
+        sweep.send_signal(signal.SIGTERM)
+        stopped = time.monotonic()
+        _, err = sweep.communicate(timeout=60)
+        took = time.monotonic() - stopped
+    finally:
+        _end(sweep)
+    assert sweep.returncode == 128 + signal.SIGTERM and took < 10, (took, err[-3000:])
+    assert {c.info.status for c in _children(client) if c.info.run_id not in before} == {"KILLED"}

@@ -28,6 +28,7 @@ def _runs(name):
     (["--axis", "sdpa=auto,nope"], "sdpa='nope' is not one of"),
     (["--axis", "nproc=1,zero"], "nproc='zero' is not an integer"),
     (["--axis", "sdpa"], "is not NAME=V1,V2"),
+    (["--models", "test_vit,,test_vit"], "models lists 'test_vit' twice"),  # issue 45's trial
     (["--max-parallel", "0"], "max_parallel=0 must be >= 1"),
     (["--gpu", "h100,a100"], "use engine=ray on a cluster that has them"),
     (["--axis", "amp=off,bf16", "--amp", "off"], "amp is given twice"),
@@ -93,16 +94,18 @@ def test_a_ray_sweep_ships_vitreg_with_its_commit_and_adds_ray_runtime_env_or_re
     from vitreg.environment import git_sha
     from vitreg.fleet.ray_engine import shipped_env
 
-    env = shipped_env(json.dumps({"pip": ["timm"], "py_modules": [str(tmp_path)], "env_vars": {"A": "1"}}))
+    env = shipped_env({"pip": ["timm"], "py_modules": [str(tmp_path)], "env_vars": {"A": "1"}})
     assert env["py_modules"] == [str(tmp_path), str(Path(vitreg.__file__).resolve().parent)] and env["pip"] == ["timm"]
     assert env["env_vars"] == {"A": "1", "VITREG_GIT_SHA": git_sha()} and "__pycache__" in env["excludes"]
     joined = []
     monkeypatch.setattr(ray, "init", lambda *args, **kwargs: joined.append(kwargs))
-    for bad in ("{pip: timm}", '["timm"]', '{"pip": 3}', '{"py_modules": "/"}', '{"py_modules": ["/no/such"]}'):
+    for bad, needle in [("{pip: timm}", "ray_runtime_env: not valid JSON"), ('["timm"]', "must be a JSON object"),
+                        ('{"pip": 3}', "is not a runtime_env Ray takes"), ('{"py_modules": "/"}', "Ray takes"),
+                        ('{"py_modules": ["/no/such"]}', "is not a runtime_env Ray takes")]:
         result = CliRunner().invoke(main, [*BASE, "--engine", "ray", "--ray-address", f"127.0.0.1:{free_port()}",
                                            "--ray-runtime-env", bad])
         errors = [line for line in result.output.splitlines() if line.startswith("error:")]
-        assert result.exit_code == 2 and len(errors) == 1 and "is not a runtime_env Ray takes" in errors[0], result.output
+        assert result.exit_code == 2 and len(errors) == 1 and needle in errors[0], result.output
     assert joined == []
 
 
@@ -301,3 +304,154 @@ def test_the_sweeps_table_flags_the_row_of_a_child_measured_on_a_busy_host(sqlit
     assert rows["4"].endswith("busy host") and "2.73" in rows["4"], rows
     assert rows["8"].endswith("busy host 1/3"), rows
     assert rows["2"].endswith("-") and "busy" not in rows["2"], rows
+
+
+# ----------------------------------------------------------------- issue 45: --ray-runtime-env's secrets and sizes
+SECRET_ENV = {"HF_TOKEN": "hf_SUPERSECRET1234", "AWS_SECRET_ACCESS_KEY": "aws/SECRET+key9"}
+
+
+def _ray_sweep(*args, address=None):
+    return CliRunner().invoke(main, [*BASE, "--engine", "ray", "--ray-address", address or f"127.0.0.1:{free_port()}",
+                                     *args])
+
+
+def _error_line(result) -> str:
+    errors = [line for line in result.output.splitlines() if line.startswith("error:")]
+    assert result.exit_code == 2 and len(errors) == 1 and "Traceback" not in result.output, result.output
+    return errors[0]
+
+
+def test_bad_days_v_case1_a_runtime_env_ray_refuses_is_one_line_without_its_secrets(sqlite_store, monkeypatch):
+    """`{"env_vars": {"HF_TOKEN": ...}, "pip": 5}` was refused with the whole JSON, token included, echoed."""
+    import json
+
+    import ray
+
+    monkeypatch.setattr(ray, "init", lambda *args, **kwargs: None)
+    for bad in (json.dumps({"env_vars": SECRET_ENV, "pip": 5}), json.dumps({"env_vars": SECRET_ENV}) + "}"):
+        result = _ray_sweep("--ray-runtime-env", bad)
+        line = _error_line(result)
+        assert "ray_runtime_env" in line and not any(v in result.output for v in SECRET_ENV.values()), result.output
+    assert _runs("sw") == []
+
+
+class _RecordingRay:
+    """RayEngine's stand-in: it keeps the runtime_env it was given and runs no child."""
+
+    given: list = []
+    slots, where = 1, "a stand-in cluster"
+
+    def __init__(self, address, max_parallel, progress, share_node=False, device="auto", runtime_env=None):
+        self.given.append(runtime_env)
+
+    def expand_gpus(self, axes):
+        pass
+
+    def check(self, combos, common):
+        pass
+
+    def run(self, ctx, combos):
+        pass
+
+    def close(self):
+        pass
+
+
+def _every_record(run_id) -> str:
+    """Every tag, param and artifact of a run, as one text."""
+    from pathlib import Path
+
+    from mlflow.tracking import MlflowClient
+
+    run = MlflowClient().get_run(run_id)
+    folder = Path(MlflowClient().download_artifacts(run_id, ""))
+    files = [p.read_text(errors="replace") for p in folder.rglob("*") if p.is_file()]
+    return "\n".join([*map(str, run.data.tags.values()), *map(str, run.data.params.values()), *files])
+
+
+def test_bad_days_v_case2_runtime_env_secrets_are_never_stored_and_a_rerun_reads_them_here(sqlite_store,
+                                                                                          monkeypatch):
+    """The parent's sweep_settings tag held env_vars values in clear text. They are masked in every record; a
+    re-run takes each from this process's environment, or refuses in one line naming it."""
+    import json
+
+    from mlflow.tracking import MlflowClient
+
+    from vitreg.bench.sweep import SETTINGS_TAG
+    from vitreg.fleet import ray_engine
+
+    monkeypatch.setattr(ray_engine, "RayEngine", _RecordingRay)
+    _RecordingRay.given.clear()
+    env = json.dumps({"env_vars": SECRET_ENV, "pip": ["timm"]})
+    result = _ray_sweep("--ray-runtime-env", env)
+    assert result.exit_code == 0 and not any(v in result.output for v in SECRET_ENV.values()), result.output
+    assert _RecordingRay.given[-1]["env_vars"] == SECRET_ENV  # Ray itself gets them
+    (parent,) = _runs("sw")
+    records = _every_record(parent.info.run_id)
+    assert not any(v in records for v in SECRET_ENV.values())
+    recorded = json.loads(json.loads(parent.data.tags[SETTINGS_TAG])["ray_runtime_env"])
+    assert recorded == {"env_vars": dict.fromkeys(SECRET_ENV, "***"), "pip": ["timm"]}
+    for name in SECRET_ENV:
+        monkeypatch.delenv(name, raising=False)
+    again = CliRunner().invoke(main, ["sweep", "--rerun-failed", parent.info.run_id])
+    assert "export HF_TOKEN=" in _error_line(again) and "hf_SUPER" not in again.output
+    for name, value in SECRET_ENV.items():
+        monkeypatch.setenv(name, value)
+    again = CliRunner().invoke(main, ["sweep", "--rerun-failed", parent.info.run_id])
+    assert _RecordingRay.given[-1] == {"env_vars": SECRET_ENV, "pip": ["timm"]}, again.output
+    assert MlflowClient().get_run(parent.info.run_id).data.tags[SETTINGS_TAG] == parent.data.tags[SETTINGS_TAG]
+
+
+def test_bad_days_v_case3_a_huge_malformed_runtime_env_is_refused_in_a_short_line(sqlite_store):
+    """A malformed 125 KB JSON made a 125,149-byte "one-line" error. Any value is quoted at most in part."""
+    from vitreg.errors import VitregError
+
+    result = _ray_sweep("--ray-runtime-env", '{"pip": [' + '"timm", ' * 15_000)
+    assert len(_error_line(result)) < 400
+    assert len(str(VitregError("batch_size=" + "9" * 125_000 + " is not an integer"))) < 200
+
+
+def test_bad_days_v_case4_a_runtime_env_too_long_to_record_is_refused_up_front(sqlite_store, monkeypatch):
+    """A valid 18.5 KB runtime_env was cut in the sweep_settings tag, and `--rerun-failed` then died of a
+    JSONDecodeError. It is refused before anything runs, naming the limit; a parent whose tag an older vitreg cut
+    is refused in one line."""
+    import json
+
+    from mlflow.tracking import MlflowClient
+
+    from vitreg.bench.sweep import OPTIONS_TAG, SETTINGS_TAG
+
+    packages = [f"package-number-{i}==1.0.{i}" for i in range(700)]
+    result = _ray_sweep("--ray-runtime-env", json.dumps({"pip": packages}))
+    assert "over 2,000" in _error_line(result) and "requirements" in result.output
+    assert _runs("sw") == []
+    client = MlflowClient()
+    exp = client.create_experiment("sw")
+    cut = json.dumps({"engine": "ray", "ray_runtime_env": json.dumps({"pip": packages})})[:8000]
+    parent = client.create_run(exp, tags={"vitreg_job": "sweep", SETTINGS_TAG: cut}).info.run_id
+    options = {"common": {"device": "cpu"}, "combination": {"model": "test_vit"}}
+    child = client.create_run(exp, tags={"mlflow.parentRunId": parent, "sweep_index": "1",
+                                         OPTIONS_TAG: json.dumps(options)}).info.run_id
+    for run_id in (child, parent):
+        client.set_terminated(run_id, "FAILED")
+    assert "is cut short" in _error_line(CliRunner().invoke(main, ["sweep", "--rerun-failed", parent]))
+
+
+def test_bad_days_v_case5_runtime_env_is_checked_on_every_engine_and_a_typo_is_named(sqlite_store, monkeypatch):
+    """`--engine local --ray-runtime-env 'not json at all'` ran, storing the value for a later Ray re-run; a field
+    Ray does not know (`env_var`) passed without a word."""
+    import ray
+
+    monkeypatch.setattr(ray, "init", lambda *args, **kwargs: None)
+    result = CliRunner().invoke(main, [*BASE, "--engine", "local", "--ray-runtime-env", "not json at all"])
+    assert "ray_runtime_env: not valid JSON" in _error_line(result)
+    assert _runs("sw") == []
+    result = _ray_sweep("--ray-runtime-env", '{"env_var": {"A": "b"}}')
+    assert "has a field Ray does not know, 'env_var' (did you mean 'env_vars'?)" in result.output, result.output
+
+
+def test_bad_days_v_case7_a_blank_rerun_failed_is_refused(sqlite_store):
+    """`--rerun-failed '   '` started a brand-new sweep."""
+    result = CliRunner().invoke(main, [*BASE, "--rerun-failed", "   "])
+    assert "rerun_failed=' ' is blank" in _error_line(result)
+    assert _runs("sw") == []

@@ -65,10 +65,18 @@ def _secrets_of(uri: str) -> set[str]:
 CREDENTIAL_VARIABLES = (("MLFLOW_TRACKING_URI", "MLFLOW_REGISTRY_URI"), ("MLFLOW_TRACKING_PASSWORD", "MLFLOW_TRACKING_TOKEN"))
 
 
+_GIVEN: set[str] = set()  # more secrets this process was given (a Ray runtime_env's env_vars values)
+
+
+def add_secrets(values) -> None:
+    """Mask ``values`` too, wherever this process prints or stores them, from now on."""
+    _GIVEN.update(v for v in values if len(v) >= 4)
+
+
 def known_secrets() -> set[str]:
-    """The credentials of this process's tracking and registry URIs, from the environment."""
+    """The credentials of this process's tracking and registry URIs, from the environment, and those given."""
     uris, secrets = CREDENTIAL_VARIABLES
-    found = set()
+    found = set(_GIVEN)
     for name in uris:
         found |= _secrets_of(os.environ.get(name, ""))
     for name in secrets:

@@ -18,7 +18,9 @@ class VitregError(ValueError):
 
     def __init__(self, message: str):
         # One line, always: the message ends up in a terminal, a tag and a table cell.
-        super().__init__(" ".join(str(message).split()))
+        # a value quoted whole is cut (a 125 KB JSON echoed was the whole "line")
+        super().__init__(" ".join(w if len(w) <= 300 else f"{w[:60]}...({len(w):,} characters)"
+                                  for w in str(message).split()))
 
 
 class StoreError(VitregError):

@@ -49,6 +49,14 @@ def stop_grace_s() -> float:
                        minimum=0.1)
 
 
+def watchdog_grace_s() -> float:
+    """:func:`stop_grace_s`, its default where the value is bad (a run refuses it before it opens)."""
+    try:
+        return stop_grace_s()
+    except ValueError:
+        return DEFAULT_STOP_GRACE_S
+
+
 def _take(signum: int) -> str:
     """Note a stop signal: ``"first"``, ``"relayed"`` (a SIGTERM after a SIGINT: ``mlflow run`` and torchrun pass a
     Ctrl-C on as SIGTERM) or ``"again"`` (the user insisting)."""
@@ -59,8 +67,9 @@ def _take(signum: int) -> str:
 
 
 def _raise_stop(signum: int):
-    """Raise what a stop signal raises in the main thread: Ctrl-C's ``KeyboardInterrupt``, else :class:`Terminated`."""
-    _acted.set()
+    """Raise what a stop signal raises in the main thread: Ctrl-C's ``KeyboardInterrupt``, else :class:`Terminated`.
+    Raised is not taken up: a library may swallow it (torch.compile did, compiling on and on); the clean-up
+    that gets it says so (:func:`interrupted_reason`), or the watchdog ends the process."""
     if signum == signal.SIGINT:
         raise KeyboardInterrupt
     raise Terminated(signum)
@@ -131,7 +140,7 @@ def _watch(read_fd: int) -> None:
         stops = [b for b in data if b in ALL_STOP_SIGNALS]
         if not stops:
             continue
-        grace = stop_grace_s()
+        grace = watchdog_grace_s()
         if not _acted.wait(grace):
             _exit_now(stops[0], f"stopped by {signal.Signals(stops[0]).name}: the step in progress did not end "
                                 f"within {grace:g} s (VITREG_STOP_GRACE_S), so no checkpoint of it was written")
@@ -163,7 +172,8 @@ def install() -> None:
         return
     for sig in STOP_SIGNALS:
         signal.signal(sig, _stop)
-    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+    # ignored too: a shell starts a background job so (`vitreg bench &`), and `kill -INT` then did nothing at all
+    if signal.getsignal(signal.SIGINT) in (signal.default_int_handler, signal.SIG_IGN):
         signal.signal(signal.SIGINT, _stop)
     _start_watchdog()
 

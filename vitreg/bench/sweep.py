@@ -10,6 +10,7 @@ import threading
 from dataclasses import dataclass, field
 
 from vitreg.config.options import option
+from vitreg.config.parse import masked_runtime_env
 from vitreg.console import progress
 from vitreg.errors import VitregError
 from vitreg.fleet import children
@@ -126,7 +127,8 @@ def _engine(settings: SweepSettings, common: dict, progress):
         from vitreg.fleet.ray_engine import RayEngine
 
         return RayEngine(settings.ray_address, settings.max_parallel, progress, settings.share_node,
-                         str(common.get("device") or "auto"), str(settings.own.get("ray_runtime_env") or ""))
+                         str(common.get("device") or "auto"),
+                         option("sweep", "ray_runtime_env").parse(settings.own.get("ray_runtime_env")))
     return LocalEngine(settings.max_parallel, str(common.get("device") or "auto"), settings.isolate)
 
 
@@ -138,7 +140,7 @@ def _run_parent(settings, axes, combos, common, engine, max_oom_retries, progres
     with tracking.tracked_run(run_name=parent_name, experiment=settings.experiment, system_metrics=False) as parent:
         parent.set_name(parent_name)  # under mlflow run the parent arrives with a random name
         parent.set_tags({"vitreg_job": "sweep", "sweep_engine": settings.engine,
-                         SETTINGS_TAG: json.dumps(settings.given(), default=str)})
+                         SETTINGS_TAG: json.dumps(masked_runtime_env(settings.given()), default=str)})
         parent.log_dict({"common": common, "combinations": [{"label": c.label, "options": dict(c.options)}
                                                             for c in combos]}, COMBINATIONS_FILE)
         parent.log_params({**{f"axis_{name}": ",".join(map(str, values))[:500] for name, values in axes.items()},
@@ -214,7 +216,11 @@ def _latest_child_per_combination(parent_run, runs: list) -> dict:
 def _settings_of(parent_run, settings: SweepSettings) -> SweepSettings:
     """The parent's settings (an older vitreg's: its engine tag), those given now over them."""
     saved = parent_run.data.tags.get(SETTINGS_TAG)
-    recorded = json.loads(saved) if saved else {"engine": parent_run.data.tags.get("sweep_engine", "local")}
+    try:
+        recorded = json.loads(saved) if saved else {"engine": parent_run.data.tags.get("sweep_engine", "local")}
+    except ValueError:  # cut at MLflow's 8,000 characters by an older vitreg
+        raise VitregError(f"sweep {parent_run.info.run_id}'s {SETTINGS_TAG} tag is cut short ({len(saved):,} "
+                          f"characters): run that sweep again") from None
     return SweepSettings.parse({**recorded, **settings.given(), "rerun_failed": settings.rerun_failed})
 
 

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from vitreg.config.parse import AUTO_BATCH, param_text, parse_batch, parse_bool, parse_choice, parse_float, parse_int
+from vitreg.config.parse import (AUTO_BATCH, param_text, parse_batch, parse_bool, parse_choice, parse_float, parse_int,
+                                 parse_runtime_env)
 from vitreg.errors import VitregError
 from vitreg.hardware.precision import INFERENCE_ONLY, PRECISION_CHOICES
 from vitreg.hardware.profiles import label_list  # the GPU labels of the help and docs: one table, PROFILES
@@ -22,7 +23,7 @@ from vitreg.hardware.sdpa import SDPA_CHOICES
 from vitreg.models.families import names_text
 
 COMMANDS = ("bench", "infer", "sweep", "train", "compare", "check")
-KINDS = ("str", "int", "float", "bool", "choice", "batch")  # batch: an int >= 1 or "auto"
+KINDS = ("str", "int", "float", "bool", "choice", "batch", "runtime_env")  # batch: an int >= 1 or "auto"
 
 TASKS = ("infer", "train", "both")
 AMP_CHOICES = ("auto", *PRECISION_CHOICES)  # bench and infer
@@ -100,7 +101,13 @@ class Option:
             return parse_choice(value, self.name, self.choices)
         if self.kind == "batch":
             return parse_batch(value, self.name)
+        if self.kind == "runtime_env":  # a dict: Ray's runtime_env, its env_vars values secrets
+            return parse_runtime_env(value, self.name)
         text = str(value if value is not None else "").strip()
+        if not text and str(value or ""):  # '   ': given, yet nothing (an empty one is the default)
+            raise VitregError(f"{self.name}={value!r} is blank: pass a value, or leave {self.flags[0]} out")
+        if self.maximum is not None and len(text) > self.maximum:  # a text's maximum is its length
+            raise VitregError(f"{self.name} is {len(text):,} characters, over {self.maximum:,.0f}: pass a shorter one")
         return (text.lower() if self.lowercase else text) or self.default
 
 
@@ -164,7 +171,7 @@ OPTIONS: tuple[Option, ...] = (
            doc="`engine=ray`: `auto` (the cluster this host belongs to), `ray://HOST:PORT` (Ray Client), "
                "`HOST:PORT` (the head's GCS) or `local` (start a one-node cluster here for the sweep)",
            same_work=_WHERE),
-    Option("ray_runtime_env", "str", "", "engine=ray: more of Ray's runtime_env for the tasks, JSON (e.g. "
+    Option("ray_runtime_env", "runtime_env", "", "engine=ray: more of Ray's runtime_env for the tasks, JSON (e.g. "
            "'{\"pip\": [\"timm\"]}' for nodes without timm); vitreg itself is always shipped.", ("sweep",),
            spec_field=False, same_work="what the nodes' Python has; each run records its libraries' versions"),
     Option("slurm_partition", "str", "", "engine=slurm: the partition (empty: the cluster's default).", ("sweep",),
@@ -446,7 +453,7 @@ OPTIONS: tuple[Option, ...] = (
            spec_field=False, mlproject=False, envvar="MLFLOW_EXPERIMENT_NAME", aliases=("--experiment-name",),
            same_work="where the run is filed, not what it measures"),
     Option("run_name", "str", None, "MLflow run name (default: made of the model, GPU, amp, compile and batch size).",
-           ("bench", "infer", "train"), spec_field=False, mlproject=False,
+           ("bench", "infer", "train"), spec_field=False, mlproject=False, maximum=1000,  # MLflow cut 10,000 at 8,000
            same_work="what the run is called, not what it measures"),
     # not an MLproject param: the README's tables stay the work's options; `mlflow run` takes VITREG_VERBOSE=1
     Option("verbose", "bool", False, "also print what only the run's console.log keeps (overhead by phase, energy "

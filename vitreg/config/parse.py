@@ -6,6 +6,8 @@ parsed from its text, never its truthiness (``bool("false")`` is True); ``error`
 from __future__ import annotations
 
 import difflib
+import json
+import os
 
 from vitreg.errors import VitregError
 
@@ -107,3 +109,53 @@ def options_to_args(options: dict) -> list[str]:
         if value is not None:
             args += [f"--{key.replace('_', '-')}", param_text(value)]
     return args
+
+
+
+
+#: Ray's runtime_env fields (ray.runtime_env.RuntimeEnv.known_fields; a plugin may add more: warned, not refused)
+RAY_ENV_FIELDS = ("conda", "config", "container", "env_vars", "excludes", "image_uri", "java_jars", "pip",
+                  "py_executable", "py_modules", "uv", "worker_process_setup_hook", "working_dir")
+RUNTIME_ENV_MAX = 2000  # characters: a sweep's parent records it whole in a tag (8,000) beside its other settings
+_warned: set = set()
+
+
+def parse_runtime_env(text, name: str = "ray_runtime_env") -> dict:
+    """A Ray runtime_env from its JSON, quoted in no message: its ``env_vars`` values are secrets, masked in every
+    line and record from here on (:func:`vitreg.console.add_secrets`); one recorded masked (:func:`masked_runtime_env`)
+    is taken from this process's environment variable of that name, or refused."""
+    from vitreg.console import MASK, add_secrets, progress
+    from vitreg.files import parse_json
+
+    text = str(text or "").strip()
+    fix = f"pass a JSON object of Ray's runtime_env fields, e.g. {name}='{{\"pip\": [\"timm\"]}}'"
+    if len(text) > RUNTIME_ENV_MAX:
+        raise VitregError(f"{name} is {len(text):,} characters, over {RUNTIME_ENV_MAX:,} (the sweep records it): "
+                          f"list the packages in a requirements file and pass {{\"pip\": \"/path/requirements.txt\"}}")
+    try:
+        env = parse_json(text or "{}")
+    except ValueError as exc:  # FileFault: not JSON, too deep, a NUL; its words quote none of the text
+        raise VitregError(f"{name}: {exc}: {fix}") from None
+    env_vars = env.get("env_vars", {}) if isinstance(env, dict) else None
+    if not isinstance(env_vars, dict) or not all(isinstance(v, str) for v in env_vars.values()):
+        raise VitregError(f"{name} must be a JSON object whose env_vars (if any) maps names to strings: {fix}")
+    add_secrets(env_vars.values())
+    missing = [key for key, value in env_vars.items() if value == MASK and not os.environ.get(key)]
+    if missing:
+        raise VitregError(f"{name}'s env_vars {', '.join(missing)} were not recorded (secrets): export "
+                          f"{missing[0]}=... here, or pass {name} again in full")
+    if env_vars:
+        env["env_vars"] = {key: os.environ[key] if value == MASK else value for key, value in env_vars.items()}
+        add_secrets(env["env_vars"].values())
+    for field in sorted(set(env) - set(RAY_ENV_FIELDS) - _warned):
+        _warned.add(field)
+        close = [f" (did you mean {c!r}?)" for c in close_names(field, RAY_ENV_FIELDS)]
+        progress(f"warning: {name} has a field Ray does not know, {field!r}{''.join(close)}")
+    return env
+
+
+def masked_runtime_env(settings: dict) -> dict:
+    """A sweep's settings as its parent records them: each ``env_vars`` value of ``ray_runtime_env`` masked."""
+    env = json.loads(str(settings.get("ray_runtime_env") or "").strip() or "{}")
+    env.update({"env_vars": dict.fromkeys(env["env_vars"], "***")} if env.get("env_vars") else {})
+    return {**settings, **({"ray_runtime_env": json.dumps(env, separators=(",", ":"))} if env else {})}

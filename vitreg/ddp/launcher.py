@@ -226,8 +226,11 @@ def receive(torchrun: subprocess.Popen, reader, run, progress) -> int:
             except subprocess.TimeoutExpired:
                 _replay_new(reader, run, progress)
     except BaseException as exc:
+        from vitreg.signals import interrupted_reason
+
+        stopped = isinstance(exc, KeyboardInterrupt) and interrupted_reason(exc)  # taken up: torchrun's stop answers it
         _stop_torchrun(torchrun)
-        if isinstance(exc, KeyboardInterrupt):
+        if stopped:
             _replay_new(reader, run, progress)
         raise
     torchrun.forwarder.join(5)  # the last of its stderr

@@ -54,6 +54,9 @@ def split_values(value: str, name: str) -> list[str]:
     if not items:
         example = _EXAMPLES.get(name, "V1,V2")
         raise VitregError(f"{name} is empty: pass a comma-separated list, e.g. {name}={example}")
+    twice = [v for i, v in enumerate(items) if v in items[:i]]
+    if twice:  # `test_vit,,test_vit` ran one child under a name counting two
+        raise VitregError(f"{name} lists {twice[0]!r} twice: give each value once")
     return items
 
 

@@ -12,7 +12,6 @@ sweep's console.
 from __future__ import annotations
 
 import io
-import json
 import logging
 import os
 import socket
@@ -99,30 +98,28 @@ def _writes_to_fd2(stream) -> bool:
         return False
 
 
-def shipped_env(more: str = "") -> dict:
+def shipped_env(env: dict | None = None) -> dict:
     """The sweep's Ray job's ``runtime_env``: this vitreg package itself (``py_modules``: Ray zips the folder,
     uploads it once by its content's hash and puts it first on every task's PYTHONPATH, so a child's own
     process imports it too), so that a node whose Python has torch, timm and mlflow but not vitreg runs the
     children, and one with another vitreg installed runs the submitter's code, not its own; and this
     vitreg's commit (``VITREG_GIT_SHA``: the shipped copy is in no git tree), which a child's run records.
-    ``more`` (the ``ray_runtime_env`` option, JSON) adds to it: ``pip`` for nodes without timm, ``env_vars``..."""
+    ``env`` (the ``ray_runtime_env`` option, parsed) adds to it: ``pip`` for nodes without timm, ``env_vars``..."""
     from ray.runtime_env import RuntimeEnv
 
+    env = dict(env or {})
     try:
-        env = json.loads(more or "{}")
-        if not isinstance(env, dict):
-            raise TypeError(f"a JSON object, not {type(env).__name__}")
         RuntimeEnv(**env)  # Ray's own check of each field (the lists below are lists)
-    except (TypeError, ValueError) as exc:  # json's JSONDecodeError is a ValueError
-        raise VitregError(f"ray_runtime_env={more!r} is not a runtime_env Ray takes ({first_line(exc, 200)}): "
-                          f"pass a JSON object of its fields, e.g. '{{\"pip\": [\"timm\"]}}'") from None
+    except (TypeError, ValueError) as exc:
+        raise VitregError(f"ray_runtime_env is not a runtime_env Ray takes ({first_line(exc, 200)}): pass a JSON "
+                          f"object of its fields, e.g. '{{\"pip\": [\"timm\"]}}'") from None
     package = str(Path(__file__).resolve().parents[1])
     return {**env, "py_modules": [*env.get("py_modules", []), package],
             "excludes": [*env.get("excludes", []), "__pycache__"],
             "env_vars": {**env.get("env_vars", {}), GIT_SHA_VAR: git_sha()}}
 
 
-def connect(address: str, runtime_env: str = ""):
+def connect(address: str, runtime_env: dict | None = None):
     """``ray.init`` against ``address`` (``local``: a cluster of this host alone). In the main thread (Ray sets
     its signal handlers there) with :func:`shipped_env`; an address that does not answer was refused by
     :func:`_check_answers` first."""
@@ -151,7 +148,7 @@ class RayEngine(ClusterChecks):
     no_gpus_fix = "join nodes with GPUs, or pass device=cpu"
 
     def __init__(self, address: str, max_parallel: int, progress, share_node: bool = False, device: str = "auto",
-                 runtime_env: str = ""):
+                 runtime_env: dict | None = None):
         self.ray_log = RayLogAside()
         self.ray_log.open()
         progress(f"sweep: Ray's own log lines go to {self.ray_log.path}")
@@ -162,8 +159,9 @@ class RayEngine(ClusterChecks):
             self.close()
             raise
 
-    def _join(self, address: str, max_parallel: int, progress, device: str, runtime_env: str) -> None:
+    def _join(self, address: str, max_parallel: int, progress, device: str, runtime_env: dict | None) -> None:
         self.ray = connect(address, runtime_env)
+        self.builds = sorted({"pip", "conda", "uv", "container", "image_uri"} & set(runtime_env or {}))
         self.address = address
         self.max_parallel = max_parallel
         self.progress = progress

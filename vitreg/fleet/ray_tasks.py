@@ -3,8 +3,10 @@ say they started, and :class:`Follower`, the parent's loop that submits the task
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
+from pathlib import Path
 
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -42,6 +44,20 @@ def run_child(child_id: str, argv: list[str], env: dict, tally) -> tuple[int, st
     return returncode, tail, node_id, log
 
 
+def _build_failure() -> str | None:
+    """The error of a failed runtime_env build in this host's Ray log of the job (its last 64 KB), if any."""
+    try:
+        path = Path(ray._private.worker.global_worker.node.get_logs_dir_path()) / \
+            f"runtime_env_setup-{ray.get_runtime_context().get_job_id()}.log"
+        with open(path, "rb") as log:
+            log.seek(max(0, path.stat().st_size - 65536))
+            lines = log.read().decode(errors="replace").splitlines()
+    except (AttributeError, OSError):  # a Ray client, or no build on this host
+        return None
+    errors = [line.strip() for line in lines if line.strip().startswith("ERROR: ")]
+    return first_line(Exception(errors[-1]), 300) if errors else None
+
+
 class Follower(children.Follower):
     """Submits a sweep's tasks (at most ``max_parallel`` in flight) and ends each child run with its outcome."""
 
@@ -53,6 +69,9 @@ class Follower(children.Follower):
         here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
         self.tally = Tally.options(scheduling_strategy=here).remote()
         self.reasons: dict[str, str] = {}  # child run id -> why the parent cancelled it (its GPU type is gone)
+        self.seen: dict[str, str] = {}  # child run id -> node, as the tally last said
+        self.reading = None  # the tally's answer on its way: never waited for (its actor waits for the runtime_env)
+        self.since, self.said = time.monotonic(), False
 
     def _submit(self, child, argv: list[str], env: dict, need: int, wanted: str | None):
         options = self.engine.task_options(child.combo, self.ctx.common)
@@ -62,11 +81,34 @@ class Follower(children.Follower):
         ready, _ = ray.wait(list(self.pending), num_returns=1, timeout=1.0)
         for ref in ready:
             self._settle(ref, self.pending.pop(ref))
-        started = ray.get(self.tally.read.remote())
+        self.reading = self.reading or self.tally.read.remote()
+        if ray.wait([self.reading], timeout=0)[0]:
+            with contextlib.suppress(ray.exceptions.RayError):  # its actor never started: the tasks say why
+                self.seen = ray.get(self.reading)
+            self.reading = None
         for child in self.pending.values():
-            if child.run_id in started and not child.started:
+            if child.run_id in self.seen and not child.started:
                 self._started(child)
         self._cancel_unplaceable()
+        self._follow_build()
+
+    def _follow_build(self) -> None:
+        """While the runtime_env's packages are built (before any child starts), a word after 10 s; the build's
+        failure, where its log is on this host, fails the children at once with Ray's reason (Ray itself retries
+        it three times first: minutes)."""
+        if not self.engine.builds or any(child.started for child in self.pending.values()):
+            return
+        waited = time.monotonic() - self.since
+        if waited > 10 and not self.said:
+            self.said = True
+            self.ctx.progress(f"sweep: Ray is building the runtime_env's {', '.join(self.engine.builds)} on the "
+                              f"nodes before a child starts ({waited:.0f} s so far; its log on each node: "
+                              f"runtime_env_setup-{ray.get_runtime_context().get_job_id()}.log)")
+        reason = _build_failure()
+        for ref, child in self.pending.items() if reason else ():
+            if child.run_id not in self.reasons:
+                self.reasons[child.run_id] = f"Ray could not build the runtime_env: {reason}"
+                ray.cancel(ref)
 
     def _settle(self, ref, child) -> None:
         stopped, log = False, ""

@@ -84,9 +84,10 @@ def judge(candidate, history, higher: bool = True, run_cvs=(), seed: int = 0, n_
     noise = noise_of(hist, run_cvs)
     threshold = threshold_of(noise, len(hist), len(cand))
     lo, hi = bootstrap_ci(cand, hist, higher, n_boot, np.random.default_rng(seed), CONFIDENCE)
-    if hi < 1 and 1 - ratio > threshold:
+    # an interval wholly past CATCH is a change whatever the noise: "too noisy" is for one that straddles it
+    if hi < 1 and (1 - ratio > threshold or hi < 1 - CATCH):
         verdict = REGRESSED
-    elif lo > 1 and ratio - 1 > threshold:
+    elif lo > 1 and (ratio - 1 > threshold or lo > 1 + CATCH):
         verdict = IMPROVED
     elif threshold > CATCH:
         verdict = TOO_NOISY

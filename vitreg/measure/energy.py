@@ -20,6 +20,7 @@ from typing import Iterator, Protocol
 import psutil
 
 from vitreg.environment import nvml_text
+from vitreg.errors import VitregError
 from vitreg.measure.timing import STOP_LAUNCH_BOUND, STOPS_MISSED
 
 TRACE_ENV = "VITREG_ENERGY_TRACE"
@@ -324,8 +325,12 @@ def open_meter(device: str, index: int = 0) -> WindowMeter:
         except Exception as e:  # noqa: BLE001 - no pynvml, no driver library, an unknown UUID: no GPU readings
             source.name = f"host load only (NVML: {type(e).__name__}: {e})"
     path = os.environ.get(TRACE_ENV)
-    return WindowMeter(source, SAMPLE_S if isinstance(source, NvmlSource) else None,
-                       open(path, "a") if path else None)
+    try:
+        trace = open(path, "a") if path else None
+    except OSError as exc:
+        raise VitregError(f"{TRACE_ENV}={path!r} cannot be written ({exc.strerror}): name a file in a folder "
+                          f"that exists, or unset {TRACE_ENV}") from None
+    return WindowMeter(source, SAMPLE_S if isinstance(source, NvmlSource) else None, trace)
 
 
 @dataclass(frozen=True)

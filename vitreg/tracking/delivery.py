@@ -534,6 +534,8 @@ def open_run(experiment_name: str = "Default", run_name: str | None = None, tags
             if run_id:
                 run = client.get_run(run_id)
                 experiment_name = client.get_experiment(run.info.experiment_id).name
+                for stale in {ERROR_TAG, ERROR_KIND_TAG} & set(run.data.tags):  # an earlier attempt's, untrue now
+                    client.delete_tag(run_id, stale)
             else:
                 run = client.create_run(experiment_id_for(client, experiment_name), run_name=run_name)
                 created = True

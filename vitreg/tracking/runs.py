@@ -123,7 +123,7 @@ def _experiment_name(experiment: str | None) -> str:
 def check_settings() -> None:
     """Every ``VITREG_*`` setting tracking reads, parsed before the run opens: read first where it is used, a bad
     value ended a whole benchmark in an error and its run unended."""
-    flush_timeout_s(), heartbeat_period_s(), http_timeout_s(), busy_wait_s()
+    flush_timeout_s(), heartbeat_period_s(), http_timeout_s(), busy_wait_s(), signals.stop_grace_s()
 
 
 @contextlib.contextmanager
@@ -186,12 +186,9 @@ def reopened_run(run_id: str):
 
 
 def reopen(run_id: str, tags: dict | None = None) -> None:
-    """Run ``run_id`` RUNNING again, without the reason it ended with (no longer true while it runs again), with
-    ``tags``: a sweep's parent re-running its failed children, a SLURM child whose job was requeued."""
-    client = mlflow.MlflowClient()
-    client.update_run(run_id, status="RUNNING")
-    for stale in {ERROR_TAG, ERROR_KIND_TAG} & set(client.get_run(run_id).data.tags):
-        client.delete_tag(run_id, stale)
+    """Run ``run_id`` RUNNING again with ``tags``: a sweep's parent re-running its failed children, a SLURM child
+    whose job was requeued (the process that continues it drops the reason it ended with: ``open_run``)."""
+    mlflow.MlflowClient().update_run(run_id, status="RUNNING")
     set_run_tags(run_id, tags or {})
 
 

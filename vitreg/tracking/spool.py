@@ -29,7 +29,7 @@ from pathlib import Path
 
 from vitreg.config.parse import parse_bool, parse_float
 from vitreg.errors import VitregError
-from vitreg.files import FileFault, inside, parse_json
+from vitreg.files import FileFault, bounded_lines, inside, parse_json
 from vitreg.tracking.uris import has_credentials, scrub
 
 JOURNAL = "journal.jsonl"
@@ -38,6 +38,7 @@ DEFAULT_FLUSH_TIMEOUT_S = 30.0
 # MLflow's log_batch limits are 1000 metrics, 100 params and 100 tags a call; a record never holds more
 # than one call may take, leaving two tags for delivery's own (sequence number, heartbeat).
 MAX_METRICS, MAX_PARAMS, MAX_TAGS = 1000, 100, 98
+MAX_LINE = 4 << 20  # bytes of one journal line: a record of 98 tags of 8,000 characters, escaped, fits
 
 
 def spool_root(env: dict | None = None) -> Path:
@@ -350,15 +351,18 @@ class Spool:
                                f"nothing of that spool was delivered; remove the spool {self.path} if it holds "
                                f"no run of yours")
         try:
-            lines = journal.read_bytes().split(b"\n")
+            with open(journal, "rb") as fh:
+                lines = list(bounded_lines(fh, MAX_LINE))
         except OSError as exc:
             raise SpoolDamaged(f"the spool journal {journal} cannot be read ({exc.strerror or exc}): nothing of "
                                f"that spool was delivered; run `vitreg sync` as the user who wrote it") from None
-        torn = lines.pop()  # after the last line end: b"" unless a write was cut short
-        records = [self._parsed(journal, number, line) for number, line in enumerate(lines, 1)]
-        if torn:
-            with contextlib.suppress(FileFault):
-                records.append(parse_json(torn))
+        records = []
+        for number, (line, ended) in enumerate(lines, 1):
+            if ended:
+                records.append(self._parsed(journal, number, line))
+            elif line:  # the last line, torn by a crash (or over MAX_LINE: None): dropped unless it parses
+                with contextlib.suppress(FileFault):
+                    records.append(parse_json(line))
         for seq, record in enumerate(records):
             problem = record_problem(self.path, record, seq)
             if problem:
@@ -366,7 +370,9 @@ class Spool:
         return records
 
     @staticmethod
-    def _parsed(journal: Path, number: int, line: bytes):
+    def _parsed(journal: Path, number: int, line: bytes | None):
+        if line is None:
+            raise damaged(journal, number, f"a line over {MAX_LINE:,} bytes, more than vitreg writes in a record")
         try:
             return parse_json(line)
         except FileFault as exc:  # not UTF-8, a NUL, nested too deep, not JSON: said as it is
