@@ -105,6 +105,9 @@ def test_compare_runs_are_named_by_what_they_compare_and_described():
     note = compare_note("laptop", summary, "gpu  img/s\na100  10\nh200  20")
     assert note.startswith("**throughput_img_per_s** of experiment **laptop** along **gpu**, against `a100`: 6 runs")
     assert "1 mislabelled" in note and "faster" in note and "h200  20" in note and "comparison.md" in note
+    # first what answers the question: an experiment's description shows one line until opened (issue 47)
+    best = compare_note("laptop", {**summary, "best": {"h200": 1}, "geomean_speedup": {"h200": 2.0}}, "t")
+    assert best.startswith("best gpu: **h200** in 1 of 1 configuration; geomean **h200** 2.00x **a100**.\n\n**thr")
 
 
 def test_one_run_is_one_run_not_1_runs(sqlite_store):

@@ -167,7 +167,13 @@ def compare_note(experiment: str, summary: dict, table: str, max_lines: int = 40
     verdicts = ", ".join(f"{n} {verdict}" for verdict, n in (summary.get("verdicts") or {}).items())
     lines = table.splitlines()
     shown = lines[:max_lines] + ([f"... ({len(lines) - max_lines} more lines)"] if len(lines) > max_lines else [])
-    return "\n".join([
+    # first, what answers the question: MLflow shows an experiment's description one line high until opened
+    best = ", ".join(f"**{value}** in {n}" for value, n in (summary.get("best") or {}).items())
+    gains = ", ".join(f"**{value}** {gain:.2f}x **{summary['baseline']}**"
+                      for value, gain in (summary.get("geomean_speedup") or {}).items())
+    headline = [f"best {summary['by']}: {best} of {plural(summary['n_configurations'], 'configuration')}"
+                + (f"; geomean {gains}" if gains else "") + ".", ""] if best else []
+    return "\n".join([*headline,
         f"**{summary['metric']}** of experiment **{experiment}** along **{summary['by']}**{baseline}: "
         f"{plural(summary['n_runs'], 'run')}, {plural(summary['n_configurations'], 'configuration')}"
         + (f", {summary['n_mislabelled_runs']} mislabelled" if summary.get("n_mislabelled_runs") else "")
