@@ -163,3 +163,28 @@ def test_runs_lists_without_importing_mlflow(tmp_path, with_runs):
     imported = {line.split("|")[-1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")}
     assert not {name.split(".")[0] for name in imported} & {"mlflow", "sqlalchemy"}
     assert list((tmp_path / "here").iterdir()) == []
+
+
+def test_a_running_run_vitreg_never_started_is_shown_as_such_with_the_command_that_ends_it(runs):
+    """`mlflow run . -e bench` without conda: MLflow makes the run, then fails before the entry point; the run stays
+    RUNNING for good, with no heartbeat and no vitreg tag (issue 47). A run two minutes old or less may be a vitreg
+    process still starting: not flagged yet."""
+    import shlex
+
+    client = MlflowClient()
+    other = client.get_experiment_by_name("other").experiment_id
+    orphan = client.create_run(other, start_time=int((time.time() - 900) * 1000), run_name="learned-cow-402",
+                               tags={"mlflow.project.entryPoint": "bench"}).info.run_id
+    client.log_param(orphan, "gpu", "h100")
+    young = client.create_run(other, start_time=int((time.time() - 20) * 1000), run_name="starting").info.run_id
+    result = CliRunner().invoke(main, ["runs"])
+    rows = {row.split()[0]: row for row in _rows(result.output.rsplit("\n", 2)[0] + "\n")}
+    assert "RUNNING, not vitreg's" in rows[orphan] and "not vitreg" not in rows[young], result.output
+    assert "not vitreg" not in rows[runs["running"]]  # vitreg's own (its vitreg_job tag)
+    last = result.output.splitlines()[-1]
+    assert last.startswith("1 run RUNNING that vitreg never started"), result.output
+    command = shlex.split(last.rsplit("end them KILLED with: ", 1)[1])
+    assert command[:4] == ["vitreg", "runs", "--stale", "--fix"], command
+    ended = CliRunner().invoke(main, command[1:])
+    assert ended.exit_code == 0, ended.output
+    assert client.get_run(orphan).info.status == "KILLED" and client.get_run(young).info.status == "RUNNING"
