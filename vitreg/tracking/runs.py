@@ -586,26 +586,24 @@ def _sqlite_runs(store: Path, limit: int | None, experiment: str | None, status:
 
     if not store.exists():
         return pd.DataFrame()
-    where = " AND ".join(["r.lifecycle_stage = 'active' AND e.lifecycle_stage = 'active'"]
-                         + ["e.name = :experiment"] * bool(experiment) + ["r.status = :status"] * bool(status))
+    where = "".join([" AND e.name = :experiment"] * bool(experiment) + [" AND r.status = :status"] * bool(status))
     runs = (f"SELECT r.run_uuid AS run_id, e.name AS experiment, r.experiment_id, r.status, r.start_time, r.end_time,"
-            f" r.artifact_uri FROM runs r JOIN experiments e USING (experiment_id) WHERE {where}"
-            f" ORDER BY r.start_time DESC, r.run_uuid" + (f" LIMIT {int(limit)}" if limit else ""))
+            f" r.artifact_uri FROM runs r JOIN experiments e USING (experiment_id) WHERE r.lifecycle_stage = 'active'"
+            f" AND e.lifecycle_stage = 'active'{where} ORDER BY r.start_time DESC, r.run_uuid LIMIT {int(limit or -1)}")
     asked = {"experiment": experiment, "status": status}
     with contextlib.closing(sqlite3.connect(f"{store.absolute().as_uri()}?mode=ro", uri=True,
                                             timeout=busy_wait_s())) as db:
         if experiment and not db.execute("SELECT 1 FROM experiments WHERE name = ?", [experiment]).fetchone():
             raise _no_such(experiment)
         found = pd.read_sql_query(runs, db, params=asked)
-        for table, value in (("params", "value"), ("tags", "value"),
-                             ("latest_metrics", "CASE WHEN is_nan THEN NULL ELSE value END")):
+        for table, prefix, value in (("params", "params", "value"), ("tags", "tags", "value"),
+                                     ("latest_metrics", "metrics", "CASE WHEN is_nan THEN NULL ELSE value END")):
             long = pd.read_sql_query(f"SELECT run_uuid AS run_id, key, {value} AS value FROM {table} WHERE run_uuid"
                                      f" IN (SELECT run_id FROM ({runs}))", db, params=asked)
-            wide = long.pivot(index="run_id", columns="key", values="value")
-            found = found.join(wide.add_prefix(f"{'metrics' if table == 'latest_metrics' else table}."), on="run_id")
-    for column in ("start_time", "end_time"):
-        found[column] = pd.to_datetime(found[column], unit="ms", utc=True)
-    return found.astype({"experiment_id": str})
+            found = found.join(long.pivot(index="run_id", columns="key", values="value").add_prefix(f"{prefix}."),
+                               on="run_id")
+    return found.astype({"experiment_id": str}).assign(**{c: pd.to_datetime(found[c], unit="ms", utc=True)
+                                                          for c in ("start_time", "end_time")})
 
 
 def experiment_tag(experiment: str, key: str) -> str | None:
