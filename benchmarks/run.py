@@ -205,6 +205,8 @@ SUITES = {
     # vitreg check over 5,000 client-made runs: the CLI and its phases, in steps
     "check-scale": ("cpu", [("check_scale", 600, [PY, "benchmarks/check_scale.py", "--runs", "5000", "--series",
                                                   "50"])]),
+    # `vitreg runs` as a user runs it: in a folder with no store (bound: 1 s of CPU), over 1,000 runs (bound: 3 s)
+    "runs-list": ("cpu", [("runs_scale", 300, [PY, "benchmarks/runs_scale.py", "--runs", "1000"])]),
     # train (registering models:/tiny-e2e@champion) -> pull -> infer on the CPU, tiny model
     "train-register-infer": ("cpu", [
         ("train", 300, [*VITREG, "train", "--model", "test_vit", "--img-size", "32", "--num-classes", "10",

@@ -42,12 +42,12 @@ def test_mlflow_run_bench_logs_one_complete_finished_run(tmp_path):
     client, run = only_run(uri)
     assert run.info.status == "FINISHED"
     p, t, m = run.data.params, run.data.tags, run.data.metrics
-    # the runs list reads without set-up: model and image size first, the GPU, then the figures (issues 14,
-    # 32); the page's note, its table's cells spaced for MLflow's renderer
-    # test_vit img32 · cpu · infer N img/s · train N img/s · fp32 · bs2, then any flag a loaded host earns
+    # the runs list reads without set-up: the GPU and the figures first, then model and image size (issues 14,
+    # 32, 47); the page's note, its table's cells spaced for MLflow's renderer
+    # cpu · N img/s infer · N img/s train · test_vit img32 · fp32 · bs2, then any flag a loaded host earns
     words = [w for w in run.info.run_name.split(" · ") if w not in FLAGS]
-    assert words[:2] == ["test_vit img32", "cpu"] and words[4:] == ["fp32", "bs2"], words
-    assert re.fullmatch(r"infer [\d.,]+ img/s", words[2]) and re.fullmatch(r"train [\d.,]+ img/s", words[3]), words
+    assert words[0] == "cpu" and words[3:] == ["test_vit img32", "fp32", "bs2"], words
+    assert re.fullmatch(r"[\d.,]+ img/s infer", words[1]) and re.fullmatch(r"[\d.,]+ img/s train", words[2]), words
     assert "img/s" in t["mlflow.note.content"] and "| \u00a0infer\u00a0 |" in t["mlflow.note.content"]
     page = f"#/experiments/{run.info.experiment_id}/runs/{run.info.run_id}?workflowType=machine_learning"
     assert f"logged run {run.info.run_id}" in proc.stdout and page in proc.stdout  # where to open it

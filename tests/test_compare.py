@@ -883,6 +883,30 @@ def test_compare_command_keeps_cpu_runs_filed_as_gpus_out_of_verdicts(sqlite_sto
     assert "6.71x" in out and "faster (mislabelled)" in out  # the compare run of the first call was not compared
 
 
+def test_compare_keeps_the_experiment_s_description_current_and_its_run_lists_its_gpus(sqlite_store):
+    """Issue 47: the experiment's page answers "which GPU?" on first load: its description (MLflow's
+    ``mlflow.note.content``, what the UI shows as the experiment's description) is the latest cross-GPU table;
+    `vitreg runs` shows the GPUs a compare run compared, not ``unknown``."""
+    from click.testing import CliRunner
+    from mlflow.tracking import MlflowClient
+
+    from vitreg.cli.main import main
+
+    client = MlflowClient()
+    exp = client.create_experiment("which")
+    _log_bench_like(client, exp, "a100", [100, 101, 99])
+    _log_bench_like(client, exp, "h200", [201, 203, 199])
+    _compare_cli("--experiment", "which", "--baseline", "a100")
+    note = client.get_experiment(exp).tags["mlflow.note.content"]
+    (run,) = [r for r in client.search_runs([client.get_experiment_by_name("which/analysis").experiment_id])]
+    assert "2.01x" in note and "faster" in note and "h200" in note and "a100" in note and run.info.run_id in note
+    _log_bench_like(client, exp, "h200", [300, 301, 302])  # a new run, then compare again: the page follows
+    _compare_cli("--experiment", "which", "--baseline", "a100")
+    assert "2.01x" not in client.get_experiment(exp).tags["mlflow.note.content"]
+    listed = CliRunner().invoke(main, ["runs", "--experiment", "which/analysis"]).output
+    assert "a100,h200" in listed and "unknown" not in listed, listed
+
+
 def test_compare_command_by_torch_version(sqlite_store):
     from mlflow.tracking import MlflowClient
 

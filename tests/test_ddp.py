@@ -151,7 +151,7 @@ def test_two_hosts_of_two_processes_make_one_run_logged_by_node_0(tmp_path):
     assert run.data.params["nproc"] == "2" and tags["world_size"] == "4" and tags["nnodes"] == "2"
     assert tags["dist_backend"] == "gloo"
     name = " · ".join(w for w in run.info.run_name.split(" · ") if w not in FLAGS)  # the flags a loaded host earns
-    assert name.startswith("test_vit img32 · cpu · ") and name.endswith(" · x4")  # workload first
+    assert name.startswith("cpu · ") and " · test_vit img32 · " in name and name.endswith(" · x4")  # the GPU first
     assert f"logged run {run.info.run_id}" in outs[0][0] and "logged run" not in outs[1][0]
     assert_rank0_only_logging(client, run)
     assert_reduced(client, run, tmp_path, 4)

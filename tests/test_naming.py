@@ -14,7 +14,7 @@ from vitreg.measure.figures import Figures, Work
 from vitreg.measure.metrics import ITERATION_TIME
 from vitreg.models.factory import ModelInfo
 from vitreg.tracking.naming import (NBSP, NOTE_TAG, RunTitle, analysis_experiment, check_run_name, compare_note,
-                                   compare_run_name, results_markdown, run_note, runs_page, short_model,
+                                   compare_run_name, rate, results_markdown, run_note, runs_page, short_model,
                                    spaced_cells, sweep_run_name)
 
 
@@ -44,37 +44,40 @@ def test_short_model_names(model, short):
     assert short_model(model) == short
 
 
-def test_run_name_puts_the_model_and_image_size_first_then_the_gpu_then_the_figure_with_its_unit():
+def test_run_name_puts_the_gpu_and_the_figure_with_its_unit_first_then_the_workload():
     vit_b16 = RunTitle("h200", "vit_base_patch16_224", "bf16", "default", img_size=224)
-    assert vit_b16.name(256) == "vit_b16 img224 · h200 · bf16 · bs256 · compile"
+    assert vit_b16.name(256) == "h200 · vit_b16 img224 · bf16 · bs256 · compile"
     assert (vit_b16.name(256, throughputs={"infer": 8635.4})
-            == "vit_b16 img224 · h200 · infer 8,635 img/s · bf16 · bs256 · compile")
+            == "h200 · 8,635 img/s infer · vit_b16 img224 · bf16 · bs256 · compile")
     assert (RunTitle("a100", "deit_small_patch16_224", "off", "max-autotune", nproc=2, cuda_graph=True, img_size=384)
             .name(64, throughputs={"infer": 3000.0, "train": 1000.4})
-            == "deit_s16 img384 · a100 · infer 3,000 img/s · train 1,000 img/s · fp32 · bs64 · max-autotune"
+            == "a100 · 3,000 img/s infer · 1,000 img/s train · deit_s16 img384 · fp32 · bs64 · max-autotune"
                " · cudagraph · x2")
     assert (RunTitle("cpu", "test_vit", "off", img_size=32).name(2, throughputs={"infer": 6.0708})
-            == "test_vit img32 · cpu · infer 6.07 img/s · fp32 · bs2")
-    assert RunTitle("cpu", "test_vit", "off").name(2) == "test_vit · cpu · fp32 · bs2"  # size not known yet
+            == "cpu · 6.07 img/s infer · test_vit img32 · fp32 · bs2")
+    assert RunTitle("cpu", "test_vit", "off").name(2) == "cpu · test_vit · fp32 · bs2"  # size not known yet
 
 
 def test_a_train_run_carries_its_throughput_and_a_mislabelled_run_says_what_ran_it():
     assert (RunTitle("cpu", "deit_tiny_patch16_224", "off", job="train", img_size=224).name(64)
-            == "deit_ti16 img224 · cpu · train · fp32 · bs64")
+            == "cpu · train · deit_ti16 img224 · fp32 · bs64")
     mislabelled = RunTitle("a100", "deit_tiny_patch16_224", "off", job="train", ran_on="cpu", img_size=224)
     assert (mislabelled.name(64, throughputs={"train": 25.23})
-            == "deit_ti16 img224 · a100≠cpu · train 25.2 img/s · fp32 · bs64")
-    assert RunTitle("a100", "test_vit", "off", ran_on="a100").name(2) == "test_vit · a100 · fp32 · bs2"  # no mismatch
+            == "a100≠cpu · 25.2 img/s train · deit_ti16 img224 · fp32 · bs64")
+    assert RunTitle("a100", "test_vit", "off", ran_on="a100").name(2) == "a100 · test_vit · fp32 · bs2"  # no mismatch
 
 
-# The runs list of MLflow 3.17 cuts a name to its 146-px column: 22 to 24 characters of these names were
-# shown in full in Chromium (tests/test_ui.py checks it on screen); the workload must sit within 20.
-@pytest.mark.parametrize("model,img_size", [("vit_base_patch16_224", 224), ("deit_tiny_patch16_224", 224),
-                                            ("deit_small_patch16_224", 32), ("vit_large_patch14_clip_224", 224)])
-def test_the_first_20_characters_hold_the_model_and_its_image_size(model, img_size):
-    for throughputs in ({"infer": 8635.4}, {"infer": 3.58, "train": 1.3}, {"train": 25.2}, None):
-        shown = RunTitle("h200", model, "bf16", img_size=img_size).name(256, throughputs=throughputs)[:20]
-        assert shown.startswith(f"{short_model(model)} img{img_size}"), shown
+# The runs list of MLflow 3.17 cuts a name to its 146-px column: 20-24 characters of these names are shown
+# (tests/test_ui.py checks it on screen in Chromium). What answers "which GPU, how fast" must sit within 20
+# (issue 47: `deit_ti16 img224 · cpu · i...` cut the figure, the one thing the name is for).
+@pytest.mark.parametrize("gpu", ["h200", "a100≠cpu", "rtx4090"])
+def test_the_first_20_characters_hold_the_gpu_and_the_figure(gpu):
+    label, _, ran_on = gpu.partition("≠")
+    for throughputs in ({"infer": 8635.4}, {"infer": 3.58, "train": 1.3}, {"train": 25.2}):
+        shown = RunTitle(label, "vit_large_patch14_clip_224", "bf16", ran_on=ran_on or None,
+                         img_size=224).name(256, throughputs=throughputs)[:20]
+        figure = rate(next(iter(throughputs.values())))
+        assert shown.startswith(f"{gpu} · {figure} img"), shown
 
 
 def test_sweep_parents_and_check_runs_are_named_by_what_they_did():
@@ -102,6 +105,9 @@ def test_compare_runs_are_named_by_what_they_compare_and_described():
     note = compare_note("laptop", summary, "gpu  img/s\na100  10\nh200  20")
     assert note.startswith("**throughput_img_per_s** of experiment **laptop** along **gpu**, against `a100`: 6 runs")
     assert "1 mislabelled" in note and "faster" in note and "h200  20" in note and "comparison.md" in note
+    # first what answers the question: an experiment's description shows one line until opened (issue 47)
+    best = compare_note("laptop", {**summary, "best": {"h200": 1}, "geomean_speedup": {"h200": 2.0}}, "t")
+    assert best.startswith("best gpu: **h200** in 1 of 1 configuration; geomean **h200** 2.00x **a100**.\n\n**thr")
 
 
 def test_one_run_is_one_run_not_1_runs(sqlite_store):
@@ -165,7 +171,7 @@ def test_the_notes_table_keeps_its_cells_apart_where_mlflow_renders_it():
 
 def test_a_run_measured_beside_other_load_says_so_in_its_name(sqlite_store, monkeypatch):
     """Issue 38: a figure measured on a busy host is flagged where it is read, the run's name too (after the
-    figures: the model and GPU still lead the runs list's ~22 characters)."""
+    figures: the GPU and the figure still lead the runs list's ~20 characters)."""
     import mlflow
 
     from vitreg.bench.job import bench
@@ -176,4 +182,4 @@ def test_a_run_measured_beside_other_load_says_so_in_its_name(sqlite_store, monk
     bench(dict(model="test_vit", img_size=32, task="infer", batch_size=2, warmup=1, steps=2, repeats=2,
                device="cpu"), experiment="flags")
     (name,) = mlflow.search_runs(experiment_names=["flags"])["tags.mlflow.runName"]
-    assert name.startswith("test_vit img32 · cpu · infer ") and "img/s" in name and " · busy host" in name
+    assert re.match(r"cpu · [\d.,]+ img/s infer · test_vit img32 · ", name) and " · busy host" in name, name

@@ -207,3 +207,16 @@ def test_the_checkout_guard_names_what_a_test_wrote_there(tmp_path):
     (tmp_path / "mlruns" / "0" / "0123abcd").mkdir()
     (tmp_path / "mlflow.db.lock").touch()
     assert checkout_entries(tmp_path) - before == {"mlruns/0/0123abcd", "mlflow.db.lock"}
+
+
+def test_the_checkout_guard_leaves_the_user_s_own_store_alone(tmp_path):
+    """A user's store in the checkout (`make bench`'s ./mlflow.db) written while a test runs (`make ui`, a
+    benchmark beside `make test-fast`) gets its journal: not the test's doing (issue 47: 15 errors). A new store's
+    journal still counts."""
+    from conftest import checkout_entries, new_in_checkout
+
+    (tmp_path / "mlflow.db").touch()
+    before = checkout_entries(tmp_path)
+    for name in ("mlflow.db-journal", "mlflow.db-wal", "ci.db-journal"):
+        (tmp_path / name).touch()
+    assert new_in_checkout(before, tmp_path) == ["ci.db-journal"]

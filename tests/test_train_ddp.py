@@ -75,7 +75,7 @@ def test_two_hosts_make_one_run_rank0_logs_checkpoints_and_registers(tmp_path):
     assert len(runs) == 1, [(r.info.run_id, r.info.status) for r in runs]  # ranks resumed node 0's run
     run = runs[0]
     rid, m, tags = run.info.run_id, run.data.metrics, run.data.tags
-    assert run.info.status == "FINISHED" and re.fullmatch(r"test_vit img32 · cpu · train [\d.,]+ img/s · fp32 · bs8 · x2",
+    assert run.info.status == "FINISHED" and re.fullmatch(r"cpu · [\d.,]+ img/s train · test_vit img32 · fp32 · bs8 · x2",
                                                           run.info.run_name), run.info.run_name  # with its figure
     assert run.data.params["nproc"] == "1"
     assert tags["world_size"] == "2" and tags["nnodes"] == "2"

@@ -79,15 +79,15 @@ def test_a_gpu_label_is_checked_against_the_host_without_torch(monkeypatch, gpus
 
 
 TYPOS = [
-    (["bench", "--amp", "bf61"], "did you mean amp=bf16?"),
+    (["bench", "--amp", "bf61"], "did you mean --amp bf16?"),
     (["bench", "--model", "deit_tiny"], "did you mean deit_tiny_patch16_224?"),
     (["bench", "--gpu", "a1000"], "did you mean a100?"),
-    (["bench", "--allow-gpu-mismatch", "--gpu", "a100", "--amp", "bf61"], "did you mean amp=bf16?"),
+    (["bench", "--allow-gpu-mismatch", "--gpu", "a100", "--amp", "bf61"], "did you mean --amp bf16?"),
     (["train", "--model", "deit_tiny"], "did you mean deit_tiny_patch16_224?"),
     (["train", "--node-rank", "3"], "node_rank=3 must be in 0..0"),
     (["sweep", "--models", "deit_tiny"], "did you mean deit_tiny_patch16_224?"),
     (["sweep", "--models", "test_vit", "--gpu", "a1000"], "did you mean a100?"),
-    (["infer", "--model-uri", "models:/x@champion", "--amp", "bf61"], "did you mean amp=bf16?"),
+    (["infer", "--model-uri", "models:/x@champion", "--amp", "bf61"], "did you mean --amp bf16?"),
 ]
 
 
@@ -209,3 +209,15 @@ def test_the_dependencies_an_entry_point_checks_are_pyproject_s_and_importable_h
     names = interpreter.dependencies()
     assert {"torch", "mlflow", "pandas", "nvidia-ml-py", "click"} <= set(names)
     assert interpreter.missing_modules() == []  # each name maps to a module this (complete) venv finds
+
+
+@pytest.mark.parametrize("prog,advice", [
+    ("vitreg", "pass e.g. --batch-size 1"),  # as a CLI user types it next (issue 47)
+    ("entry_points/bench.py", "pass e.g. batch_size=1"),  # `mlflow run -P batch_size=1`
+])
+def test_the_advice_is_spelt_as_the_command_was_typed(sqlite_store, prog, advice):
+    from vitreg.cli.main import main
+
+    result = CliRunner().invoke(main, ["bench", "--batch-size", "0"], prog_name=prog)
+    assert result.exit_code == 2 and result.output.count("error: ") == 1, result.output
+    assert result.output.rstrip().endswith(advice), result.output

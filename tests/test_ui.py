@@ -117,7 +117,8 @@ def _busy_host():
 
 
 # Whether ``needle``'s characters inside the element are on screen: not cut off by an ancestor that
-# clips (the runs list cuts long names with an ellipsis, which takes about the last 12 px of a text that overflows).
+# clips (the runs list cuts long names with an ellipsis, which takes about the last 12 px of a text that overflows;
+# a collapsed description shows its first line), nor outside the window.
 _SHOWN_IN_FULL = """(el, needle) => {
     const walker = document.createTreeWalker(el, NodeFilter.SHOW_TEXT);
     for (let node = walker.nextNode(); node; node = walker.nextNode()) {
@@ -127,16 +128,20 @@ _SHOWN_IN_FULL = """(el, needle) => {
         range.setStart(node, at);
         range.setEnd(node, at + needle.length);
         const box = range.getBoundingClientRect();
-        let right = window.innerWidth, left = 0;
+        let right = window.innerWidth, left = 0, top = 0, bottom = window.innerHeight;
         for (let up = node.parentElement; up; up = up.parentElement) {
             const style = getComputedStyle(up);
+            const r = up.getBoundingClientRect();
             if (style.overflowX !== 'visible' || style.textOverflow === 'ellipsis') {
-                const r = up.getBoundingClientRect();
                 right = Math.min(right, r.right - (style.textOverflow === 'ellipsis' && up.scrollWidth > up.clientWidth ? 12 : 0));
                 left = Math.max(left, r.left);
             }
+            if (style.overflowY !== 'visible') {
+                top = Math.max(top, r.top);
+                bottom = Math.min(bottom, r.bottom);
+            }
         }
-        return box.width > 0 && box.left >= left && box.right <= right;
+        return box.width > 0 && box.left >= left && box.right <= right && box.top >= top - 1 && box.bottom <= bottom + 1;
     }
     return false;
 }"""
@@ -263,20 +268,21 @@ def test_group_by_gpu_and_compare(tracking_server, shots, monkeypatch):
     experiment_id, run_names = _runs_by_gpu(base)
 
     def steps(page) -> None:
-        # 1. The experiment's runs table: each run's model, image size and GPU in view before any click.
+        # 1. The experiment's runs table: each run's GPU and img/s in view before any click, then the workload.
         page.goto(f"{base}/{runs_page(experiment_id)}")
         for gpu, name in run_names.items():
             expect(page.get_by_text(name, exact=True)).to_be_visible()
-            assert re.match(rf"test_vit img32 · {gpu}(≠\S+)? · ", name), name  # ≠cpu: filed under a GPU, ran on the CPU
-            assert _shown_in_full(page.get_by_text(name, exact=True), f"test_vit img32 · {gpu}"), name
-        # 1a. The run measured beside other jobs is flagged in the runs table: its row found by workload and GPU, the
-        # flag read from the text the browser drew there (not from the store, nor from the name asked for above)
-        busy_row = page.get_by_role("row").filter(has_text=f"test_vit img32 · {BUSY}")
+            shown = re.match(rf"{gpu}(≠\S+)? · [\d.,]+ img/s", name)  # ≠cpu: filed under a GPU, ran on the CPU
+            assert shown and " · test_vit img32 · " in name, name
+            assert _shown_in_full(page.get_by_text(name, exact=True), shown.group(0)), name
+        # 1a. The run measured beside other jobs is flagged in the runs table: its row found by GPU, the flag read
+        # from the text the browser drew there (not from the store, nor from the name asked for above)
+        busy_row = page.get_by_role("row").filter(has_text=f"{BUSY}").filter(has_text=" img/s infer · test_vit img32")
         expect(busy_row).to_have_count(1)
-        busy_name = next(line for line in busy_row.inner_text().splitlines() if line.startswith("test_vit img32 · "))
+        busy_name = next(line for line in busy_row.inner_text().splitlines() if line.startswith(BUSY))
         assert "busy host" in busy_name.split(" · "), busy_name
         page.screenshot(path=shots / "mlflow-ui-runs-list.png")
-        # As it opens the list cuts the name before its flags (the workload and GPU lead): double-click the Run Name
+        # As it opens the list cuts the name before its flags (the GPU and the figure lead): double-click the Run Name
         # column's edge, as a reader would, and the column fits the names, flag on screen
         page.get_by_role("columnheader").filter(has_text="Run Name").locator(".ag-header-cell-resize").dblclick()
         busy_cell = busy_row.get_by_text(busy_name, exact=True)
@@ -404,9 +410,14 @@ def _wait_for(url: str, proc, timeout: float = 120) -> None:
 
 
 def test_make_ui_prints_links_that_open_the_runs(tmp_path, shots, monkeypatch):
-    """`make ui` says where each experiment's runs are, and that link opens them with GPU and throughput in view."""
+    """`make ui` says where each experiment's runs are, and that link opens them, with no browser state set before,
+    answering "which GPU?": each run's GPU and img/s in its name's first characters, the cross-GPU table `vitreg
+    compare` keeps in the experiment's description (issue 47)."""
+    import mlflow.tracking._tracking_service.utils as tracking_utils
     from mlflow.tracking import MlflowClient
     from playwright.sync_api import expect, sync_playwright
+
+    from vitreg.compare import run_compare
 
     for name in list(os.environ):
         if name.startswith("MLFLOW_"):
@@ -415,22 +426,29 @@ def test_make_ui_prints_links_that_open_the_runs(tmp_path, shots, monkeypatch):
     client = MlflowClient(store)
     exp = client.create_experiment("make-ui", artifact_location=str(tmp_path / "artifacts"))
     names = {}
-    for gpu, value in (("a100", 4321.0), ("h200", 8635.2)):
-        names[gpu] = RunTitle(gpu, "vit_base_patch16_224", "bf16", "default", img_size=224).name(
-            256, throughputs={"infer": value})
-        rid = client.create_run(exp, run_name=names[gpu]).info.run_id
-        client.log_param(rid, "gpu", gpu)
-        client.log_metric(rid, METRIC, value)
-        client.set_terminated(rid, "FINISHED")
+    for gpu, values in (("a100", (4321.0, 4310.5, 4330.2)), ("h200", (8635.2, 8640.1, 8620.7))):
+        for value in values:
+            names[gpu] = RunTitle(gpu, "vit_base_patch16_224", "bf16", "default", img_size=224).name(
+                256, throughputs={"infer": value})
+            rid = client.create_run(exp, run_name=names[gpu], tags={"gpu": gpu, "vitreg_job": "bench"}).info.run_id
+            for key, param in {"gpu": gpu, "model": "vit_base_patch16_224", "task": "infer", "amp": "bf16",
+                               "compile": "default", "batch_size": "256"}.items():
+                client.log_param(rid, key, param)
+            client.log_metric(rid, METRIC, value)
+            client.set_terminated(rid, "FINISHED")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", store)
+    monkeypatch.setattr(tracking_utils, "_tracking_uri", store)  # this process's MLflow: theirs again after
+    run_compare("make-ui", baseline="a100")  # what `vitreg compare --experiment make-ui --baseline a100` does
+    monkeypatch.delenv("MLFLOW_TRACKING_URI")
     port = _free_port()
     proc = subprocess.Popen(["make", "-s", "-C", str(REPO), "ui", f"VENV={_fake_venv(tmp_path / 'venv')}",
                              f"UI_STORE={store}", f"UI_PORT={port}"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True, env={**os.environ, "MLFLOW_DISABLE_TELEMETRY": "true"})
     try:
-        lines = [proc.stdout.readline() for _ in range(2)]
+        lines = [proc.stdout.readline() for _ in range(3)]  # the UI, then a line per experiment
         assert lines[0].startswith(f"MLflow UI on http://127.0.0.1:{port} (store {store})"), lines
         link = f"http://127.0.0.1:{port}/{runs_page(exp)}"
-        assert lines[1].strip() == f"make-ui (2 runs): {link}", lines
+        assert f"make-ui (6 runs): {link}" in [line.strip() for line in lines[1:]], lines
         _wait_for(f"http://127.0.0.1:{port}", proc)
 
         def steps(page) -> None:
@@ -440,9 +458,18 @@ def test_make_ui_prints_links_that_open_the_runs(tmp_path, shots, monkeypatch):
             expect(page.get_by_text("Evaluation runs", exact=True)).to_have_count(0)
             for gpu, name in names.items():
                 expect(page.get_by_text(name, exact=True)).to_be_visible()
-                assert _shown_in_full(page.get_by_text(name, exact=True), f"vit_b16 img224 · {gpu}"), name
-                # the check can fail: the end of a long name is cut off (why the workload comes first)
+                figure = name.split(" · ")[1].split()[0]  # `8,635`: the run's img/s
+                assert _shown_in_full(page.get_by_text(name, exact=True), f"{gpu} · {figure} img/s"), name
+                # the check can fail: the end of a long name is cut off (why the GPU and the figure come first)
                 assert not _shown_in_full(page.get_by_text(name, exact=True), "bs256 · compile"), name
+            # the experiment's description, on screen as the page opens (one line until opened): which GPU is
+            # best and by how much, from the cross-GPU comparison `vitreg compare` keeps there
+            headline = page.get_by_text(re.compile(r"^best gpu: h200 in 1 of 1 configuration; geomean h200 2\.00x a100"))
+            expect(headline).to_be_visible()
+            for words in ("best gpu", "h200", "in 1 of 1 configuration; geomean", "2.00x", "a100"):  # text nodes
+                assert _shown_in_full(headline, words), words
+            # the check can fail: the table below the headline waits for a click on the description
+            assert not _shown_in_full(page.get_by_text(re.compile(r"\bfaster\b")).first, "faster")
             page.screenshot(path=shots / "make-ui-runs.png")
 
         with sync_playwright() as pw:

@@ -49,8 +49,11 @@ def run_compare(experiment: str, baseline: str | None = None, metric: str = "thr
         with tracking.tracked_run(run_name=run_name, experiment=filed, system_metrics=False) as run:
             # named and described here, also under `mlflow run`, whose run arrives with a random name
             run.set_name(run_name or naming.compare_run_name(experiment, comparison.summary()))
-            run.set_note(naming.compare_note(experiment, comparison.summary(), table))
+            run.set_note(note := naming.compare_note(experiment, comparison.summary(), table))
             _log_comparison(run, comparison, experiment, files, Path(tmp))
+        # the experiment's description, what its page shows first: the UI answers "which GPU?" with no set-up
+        tracking.set_experiment_tag(experiment, naming.NOTE_TAG, f"{note}\n\nAs of compare run {run.run_id} "
+                                    f"(experiment `{logged_into(run, filed)}`); `vitreg compare` renews it.")
         if prices:
             tracking.set_experiment_tag(experiment, PRICES_TAG, price_text(price_table))
     print(table)
@@ -80,7 +83,8 @@ def logged_into(run, asked: str) -> str:
 
 
 def _log_comparison(run, comparison, experiment: str, files, root: Path) -> None:
-    run.set_tags({"vitreg_job": "compare", "compared_experiment": experiment, "compared_by": comparison.by})
+    run.set_tags({"vitreg_job": "compare", "compared_experiment": experiment, "compared_by": comparison.by,
+                  "gpu": ",".join(comparison.gpus)})  # the GPUs compared, as `vitreg runs` shows them
     run.log_params({"experiment": experiment, "baseline": comparison.baseline or "", "metric": comparison.metric,
                     "by": comparison.by, "include_mismatch": str(comparison.include_mismatch).lower()})
     summary = comparison.summary()

@@ -71,6 +71,17 @@ class Comparison:
         rows = self.table[(self.table[self.by] != self.baseline) & (self.table["speedup"] > 0)]
         return {str(value): float(gmean(g["speedup"])) for value, g in rows.groupby(self.by, sort=True)}
 
+    def best(self) -> dict[str, int]:
+        """Per axis value, in how many configurations its median is the best (mislabelled rows left out unless
+        included): what a reader asks first."""
+        t = self.table if self.include_mismatch else self.table[~self.table["mismatch"]]
+        keys = [c for c in config_columns() if c in t and c != self.by]
+        if t.empty or not keys:
+            return {}
+        medians = t.groupby(keys, dropna=False)[f"{self.metric}_median"]
+        winners = t.loc[medians.idxmax() if self.higher_is_better else medians.idxmin(), self.by]
+        return {str(value): int(n) for value, n in winners.value_counts().items()}
+
     def summary(self) -> dict:
         """Flat facts about the comparison, for MLflow params/metrics or JSON."""
         cfg = self.table[list(config_columns())].drop_duplicates()
@@ -79,7 +90,7 @@ class Comparison:
                 "n_mislabelled_runs": int(self.runs.loc[self.runs["mismatch"], "run_id"].nunique()),
                 "include_mismatch": self.include_mismatch, "n_configurations": int(len(cfg)),
                 "n_rows": int(len(self.table)), "verdicts": self.verdict_counts,
-                "geomean_speedup": self.geomean_speedup()}
+                "geomean_speedup": self.geomean_speedup(), "best": self.best()}
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import re
 import shlex
 import signal
 import sys
@@ -238,7 +239,7 @@ def user_errors(fn):
             if is_main_process():  # under torchrun every rank sees mlflow run's run id: rank 0 ends it
                 tracking.fail_requested_run(str(exc))
             record_error(str(exc), exc.exit_code)  # in a torchrun worker: the launcher's root cause
-            click.echo(f"error: {scrub(str(exc))}", err=True)
+            click.echo(f"error: {scrub(as_typed(str(exc)))}", err=True)
             sys.exit(exc.exit_code)
         except KeyboardInterrupt as exc:  # a stop signal: the run, if one was open, has ended (tracked_run)
             stopped(exc)
@@ -252,6 +253,22 @@ def user_errors(fn):
             sys.exit(error.exit_code)
 
     return wrapper
+
+
+_ADVICE = re.compile(r"(?:e\.g\.|did you mean) ")
+_SETTING = re.compile(r"\b([a-z][a-z0-9_]*)=('[^']*'|[^\s,;)?]*[^\s,;)?.:])")
+
+
+def as_typed(message: str) -> str:
+    """A fix a message advises (after ``e.g.``, ``did you mean``) in the spelling typed: ``--batch-size 1`` on the
+    command line; ``batch_size=1`` (``-P``'s, the API's) elsewhere. The option's flag is the one --help shows."""
+    ctx = click.get_current_context(silent=True)
+    advice = _ADVICE.search(message)
+    if ctx is None or advice is None or _entry_point(ctx):
+        return message
+    flags = {o.name: o.help_flag or o.flags[0] for o in options_of(ctx.info_name)}
+    spelled = _SETTING.sub(lambda m: f"{flags[m[1]]} {m[2]}" if m[1] in flags else m[0], message[advice.end():])
+    return message[:advice.end()] + spelled
 
 
 def stopped(exc: KeyboardInterrupt) -> None:

@@ -196,18 +196,26 @@ def _count(text: str) -> int:
 
 
 def _list_runs(limit: int, experiment: str | None, status: str | None) -> None:
-    from vitreg.analysis.render import runs_table
     from vitreg.tracking import runs as tracking
-    from vitreg.tracking.search import run_list
 
-    listed = run_list(tracking.newest_runs(limit, experiment, status))
+    found = tracking.newest_runs(limit, experiment, status)
     where = (f" in experiment {experiment!r}" if experiment else "") + (f" with status {status}" if status else "")
-    if not len(listed):
+    if not len(found):
         click.echo(f"no runs{where} at {tracking.tracking_uri()}; `vitreg bench` logs one")
         return
+    from vitreg.analysis.render import runs_table
+    from vitreg.tracking.search import NOT_VITREG, run_list
+
+    listed = run_list(found)
     click.echo(runs_table(listed))
     more = f"; more: vitreg runs -n {limit * 2}" if len(listed) == limit else ""
     click.echo(f"{plural(len(listed), 'run')}{where}, newest first{more}")
+    orphans = listed["start_time"][listed["status"] == NOT_VITREG]
+    if len(orphans):  # no process of vitreg's will end them: say how
+        age = int(time.time() - orphans.max().timestamp())
+        click.echo(f"{plural(len(orphans), 'run')} RUNNING that vitreg never started (no heartbeat, no vitreg tag; "
+                   "`mlflow run` failing before its entry point leaves one): end them KILLED with: vitreg runs --stale "
+                   "--fix" + (f" --older-than {age}" if age < float(_STALE_AFTER_S) else ""))
 
 
 def _list_stale(stale: bool, fix: bool, experiment: str | None, seconds: float) -> None:

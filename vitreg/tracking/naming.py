@@ -1,13 +1,13 @@
 """How a run reads in the MLflow UI without any set-up: its name and its note (the run's description).
 
 The runs list shows a name cut to its column (146 px in MLflow 3.17: 20-24 characters, measured in
-Chromium), and no params or metrics until someone picks columns. So a name starts with what tells one
-workload from another (the model and its image size), then the GPU label, then the figure and the rest::
+Chromium), and no params or metrics until someone picks columns. So a name starts with what answers "which
+GPU, how fast": the GPU label and the figure, then the workload (the model and its image size) and the rest::
 
-    vit_b16 img224 · h200 · bf16 · bs256 · compile                              while it runs
-    vit_b16 img224 · h200 · infer 8,635 img/s · bf16 · bs256 · compile          when it has finished
-    vit_b16 img224 · h200 · infer 8,635 img/s · train 2,101 img/s · bf16 · ...  task=both
-    deit_ti16 img224 · a100≠cpu · train 25.2 img/s · fp32 · bs64                filed as a100, ran on a CPU
+    h200 · vit_b16 img224 · bf16 · bs256 · compile                              while it runs
+    h200 · 8,635 img/s infer · vit_b16 img224 · bf16 · bs256 · compile          when it has finished
+    h200 · 8,635 img/s infer · 2,101 img/s train · vit_b16 img224 · bf16 · ...  task=both
+    a100≠cpu · 25.2 img/s train · deit_ti16 img224 · fp32 · bs64                filed as a100, ran on a CPU
 
 The note (the run page's description) holds report.md's results table: the page answers "how fast".
 """
@@ -41,8 +41,8 @@ def rate(value: float) -> str:
 
 
 def throughput_text(task: str, value: float) -> str:
-    """``("infer", 8635.2)`` -> ``infer 8,635 img/s``."""
-    return f"{task} {rate(value)} img/s"
+    """``("infer", 8635.2)`` -> ``8,635 img/s infer``: the figure first, within a cut column's 20 characters."""
+    return f"{rate(value)} img/s {task}"
 
 
 def gpu_text(gpu: str, ran_on: str | None = None) -> str:
@@ -69,8 +69,7 @@ class RunTitle:
 
     def name(self, batch_size, throughputs: dict[str, float] | None = None) -> str:
         figures = [throughput_text(task, value) for task, value in (throughputs or {}).items()]
-        parts = [self.workload(), gpu_text(self.gpu, self.ran_on)]
-        parts += figures or ([self.job] if self.job else [])
+        parts = [gpu_text(self.gpu, self.ran_on), *(figures or ([self.job] if self.job else [])), self.workload()]
         parts += ["fp32" if self.amp == "off" else self.amp, f"bs{batch_size}"]
         if self.compile != "off":
             parts.append("compile" if self.compile == "default" else self.compile)
@@ -168,7 +167,13 @@ def compare_note(experiment: str, summary: dict, table: str, max_lines: int = 40
     verdicts = ", ".join(f"{n} {verdict}" for verdict, n in (summary.get("verdicts") or {}).items())
     lines = table.splitlines()
     shown = lines[:max_lines] + ([f"... ({len(lines) - max_lines} more lines)"] if len(lines) > max_lines else [])
-    return "\n".join([
+    # first, what answers the question: MLflow shows an experiment's description one line high until opened
+    best = ", ".join(f"**{value}** in {n}" for value, n in (summary.get("best") or {}).items())
+    gains = ", ".join(f"**{value}** {gain:.2f}x **{summary['baseline']}**"
+                      for value, gain in (summary.get("geomean_speedup") or {}).items())
+    headline = [f"best {summary['by']}: {best} of {plural(summary['n_configurations'], 'configuration')}"
+                + (f"; geomean {gains}" if gains else "") + ".", ""] if best else []
+    return "\n".join([*headline,
         f"**{summary['metric']}** of experiment **{experiment}** along **{summary['by']}**{baseline}: "
         f"{plural(summary['n_runs'], 'run')}, {plural(summary['n_configurations'], 'configuration')}"
         + (f", {summary['n_mislabelled_runs']} mislabelled" if summary.get("n_mislabelled_runs") else "")

@@ -18,6 +18,7 @@ from vitreg.config.parse import param_text
 from vitreg.config.spec import _TRUE, DDP_BUCKET_MB
 from vitreg.errors import VitregError
 from vitreg.measure.metrics import TASKS
+from vitreg.tracking.delivery import HEARTBEAT_TAG
 from vitreg.tracking.naming import gpu_text, runs_page
 
 
@@ -39,6 +40,9 @@ def benchmarks_only(runs: pd.DataFrame) -> pd.DataFrame:
 
 #: the columns of :func:`run_list`, before each task's ``<task>_img_per_s``
 RUN_LIST_COLUMNS = ("run_id", "experiment", "name", "status", "start_time", "gpu")
+#: the status :func:`run_list` gives a RUNNING run no vitreg process ever reported on (no heartbeat, no vitreg
+#: tag) two minutes after its start: `mlflow run` failing before the entry point leaves one RUNNING for good
+NOT_VITREG = "RUNNING, not vitreg's"
 
 
 def run_list(raw: pd.DataFrame) -> pd.DataFrame:
@@ -50,8 +54,12 @@ def run_list(raw: pd.DataFrame) -> pd.DataFrame:
         return pd.DataFrame(columns=[*RUN_LIST_COLUMNS, "flags"])
     df = raw.reset_index(drop=True)
     base = _configurations(df, _coalesce(df, "tags.source").fillna("vitreg"))
+    status = _text(df, "status")
+    orphan = ((status == "RUNNING") & _coalesce(df, f"tags.{HEARTBEAT_TAG}", "tags.vitreg_job").isna()
+              & (pd.Timestamp.now(tz="UTC") - pd.to_datetime(base["start_time"], utc=True) > pd.Timedelta("120s")))
+    status = status.mask(orphan, NOT_VITREG)
     out = pd.DataFrame({"run_id": base["run_id"], "experiment": _coalesce(df, "experiment"),
-                        "name": _coalesce(df, "tags.mlflow.runName").fillna(""), "status": _text(df, "status"),
+                        "name": _coalesce(df, "tags.mlflow.runName").fillna(""), "status": status,
                         "start_time": base["start_time"],
                         "gpu": [gpu_text(g, r if m else None) for g, r, m in zip(base["gpu"], base["ran_on"],
                                                                                  base["mismatch"])]})

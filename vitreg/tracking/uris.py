@@ -19,9 +19,10 @@ def tracking_uri() -> str:
 
 def current_uri() -> str:
     """MLflow's current tracking URI, credentials kept (for a request, never for a message). Before mlflow is
-    imported nothing can have called ``mlflow.set_tracking_uri``: a DDP rank reads it without importing mlflow."""
-    if "mlflow" not in sys.modules and os.environ.get("MLFLOW_TRACKING_URI"):
-        return os.environ["MLFLOW_TRACKING_URI"]
+    imported nothing can have called ``mlflow.set_tracking_uri``: a DDP rank, `vitreg runs`, read it without importing
+    mlflow (unset: MLflow's default, ./mlflow.db, where no ./mlruns may hold a store of files)."""
+    if "mlflow" not in sys.modules and (os.environ.get("MLFLOW_TRACKING_URI") or not os.path.exists("mlruns")):
+        return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{os.path.abspath('mlflow.db')}"
     from vitreg.tracking.mlflow_on_first_use import mlflow
 
     return mlflow.get_tracking_uri()
