@@ -49,7 +49,7 @@ def test_empty_models_suggests_models(sqlite_store):
     """Issue 20: `sweep models=''` suggested `models=off,bf16` (amp's example)."""
     result = CliRunner().invoke(main, ["sweep", "--models", "", "--experiment", "sw"])
     assert result.exit_code == 2
-    assert "models=deit_tiny_patch16_224," in result.output and "off,bf16" not in result.output
+    assert "--models deit_tiny_patch16_224," in result.output and "off,bf16" not in result.output
 
 
 def test_a_ray_address_that_does_not_answer_is_refused_after_one_connect(sqlite_store, monkeypatch, ports_tried):
