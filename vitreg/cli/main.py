@@ -198,9 +198,9 @@ def _count(text: str) -> int:
 def _list_runs(limit: int, experiment: str | None, status: str | None) -> None:
     from vitreg.analysis.render import runs_table
     from vitreg.tracking import runs as tracking
-    from vitreg.tracking.search import run_list
+    from vitreg.tracking.search import newest_runs, run_list
 
-    listed = run_list(tracking.newest_runs(limit, experiment, status))
+    listed = run_list(newest_runs(limit, experiment, status))
     where = (f" in experiment {experiment!r}" if experiment else "") + (f" with status {status}" if status else "")
     if not len(listed):
         click.echo(f"no runs{where} at {tracking.tracking_uri()}; `vitreg bench` logs one")
@@ -233,10 +233,9 @@ def _write_frame(flag: str, stale: bool, experiment: str | None, limit: int | No
         raise VitregError(f"{flag} writes finished runs and --stale lists unfinished ones: pass one of them")
     if not experiment:
         raise VitregError(f"{flag} needs the experiment: pass --experiment NAME")
-    from vitreg.tracking import runs as tracking
-    from vitreg.tracking.search import benchmarks_only, tidy
+    from vitreg.tracking.search import benchmarks_only, newest_runs, tidy
 
-    frame = tidy(benchmarks_only(tracking.newest_runs(limit, experiment, status)))
+    frame = tidy(benchmarks_only(newest_runs(limit, experiment, status)))
     click.echo(frame.to_csv(index=False) if flag == "--csv" else
                frame.to_json(orient="records", date_format="iso", indent=1) + "\n", nl=False)
 

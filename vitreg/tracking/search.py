@@ -18,16 +18,17 @@ from vitreg.config.parse import param_text
 from vitreg.config.spec import _TRUE, DDP_BUCKET_MB
 from vitreg.errors import VitregError
 from vitreg.measure.metrics import TASKS
+from vitreg.tracking.mlflow_on_first_use import mlflow
 from vitreg.tracking.naming import gpu_text, runs_page
+from vitreg.tracking.runs import SUPERSEDED_TAG, _experiments
+from vitreg.tracking.store import sqlite_path, store_errors
 
 
 def benchmark_runs(experiment: str) -> pd.DataFrame:
     """The experiment's benchmark runs: not its compare/check/sweep runs, nor a sweep's child a re-run replaced."""
-    from vitreg.tracking import runs as tracking
-
-    runs = benchmarks_only(tracking.search_runs(experiment))
-    if f"tags.{tracking.SUPERSEDED_TAG}" in runs:
-        runs = runs[runs[f"tags.{tracking.SUPERSEDED_TAG}"].isna()]
+    runs = benchmarks_only(search_runs(experiment))
+    if f"tags.{SUPERSEDED_TAG}" in runs:
+        runs = runs[runs[f"tags.{SUPERSEDED_TAG}"].isna()]
     return runs
 
 
@@ -371,3 +372,43 @@ def print_experiment_links(store_uri: str, ui_url: str) -> None:
           f"{ui_url}/#/experiments")
     for line in links:
         print(f"  {line}")
+
+
+def search_runs(experiment: str, filter_string: str = ""):
+    """All runs of an experiment (by name) as a pandas DataFrame, MLflow's ``search_runs`` columns."""
+    exp = _experiments(experiment)[0]
+    return mlflow.search_runs(experiment_ids=[exp.experiment_id], filter_string=filter_string,
+                              output_format="pandas")
+
+
+def newest_runs(limit: int | None, experiment: str | None = None, status: str | None = None):
+    """The ``limit`` newest runs (None: all) of ``experiment`` (None: every active one) in ``status`` (None: any),
+    newest first, as MLflow's ``search_runs`` frame plus ``experiment`` (its name). A sqlite store that does
+    not exist yet has no runs, and a listing does not create it (MLflow would, in the cwd)."""
+    store = sqlite_path(mlflow.get_tracking_uri())
+    if store is not None and not store.exists():
+        import pandas as pd
+
+        return pd.DataFrame()
+    client = mlflow.MlflowClient()
+    with store_errors(client.tracking_uri, "listing runs"):
+        names = {exp.experiment_id: exp.name for exp in _experiments(experiment)}
+        found = mlflow.search_runs(experiment_ids=list(names), output_format="pandas",
+                                   filter_string=f"attributes.status = '{status}'" if status else "",
+                                   order_by=["attributes.start_time DESC"],
+                                   **({"max_results": limit} if limit else {}))
+    if len(found):
+        found.insert(1, "experiment", found["experiment_id"].map(names))
+    return found
+
+
+def experiment_tag(experiment: str, key: str) -> str | None:
+    """The experiment's tag ``key`` (None: no such experiment or tag), e.g. the team's price table."""
+    exp = mlflow.MlflowClient().get_experiment_by_name(experiment)
+    return None if exp is None else exp.tags.get(key)
+
+
+def set_experiment_tag(experiment: str, key: str, value: str) -> None:
+    """Keep ``value`` under ``key`` on the (existing) experiment, for everyone who reads it."""
+    client = mlflow.MlflowClient()
+    client.set_experiment_tag(client.get_experiment_by_name(experiment).experiment_id, key, value)
