@@ -4,8 +4,10 @@ A pytest plugin (named in tests/conftest.py's ``pytest_plugins``). Two things co
 they start, so the whole test run starts each once (pytest's session scope):
 
 - ``ray_cluster``: a real two-node Ray cluster on this machine, nodes on 127.0.0.1 (tests/test_fleet.py);
-- ``readme_run``: every example of the README run once, in order, as printed; the tests that check what
-  the examples printed or left read this one result (tests/test_readme.py).
+- ``readme_run`` and ``readme_model_run``: the README's examples run once, as printed, in two halves that the two
+  workers run at once (tests/test_readme.py, tests/test_readme_model.py), each in the README's order in a fresh
+  copy of the repository on a fresh default store; the tests that check what the examples printed or left read
+  these results.
 
 Under pytest-xdist a session fixture lives in one worker process. ``make test`` runs ``--dist loadfile`` (a
 file's tests go to one worker, so a module's servers stay in one worker), so each such fixture is used by one
@@ -32,12 +34,13 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 VENV_BIN = Path(sys.executable).parent
 
-SHARED = {"readme_run": "test_readme", "ray_cluster": "test_fleet"}  # session fixture -> the one file using it
+SHARED = {"readme_run": "test_readme", "readme_model_run": "test_readme_model",  # session fixture -> the one file
+          "ray_cluster": "test_fleet"}  # using it
 
 # The files whose CPU time is longest, longest first (each file's slow tests with `-n 0`, 2026-12-02,
 # docs/benchmarks.md); the rest, under half a minute each, follow in collection order. xdist hands a worker
 # its next file when it asks, so a long file handed out last would run alone at the end.
-LONGEST_FIRST = ("test_readme", "test_fleet", "test_signals_ddp", "test_ddp", "test_train_ddp", "test_outage",
+LONGEST_FIRST = ("test_readme", "test_readme_model", "test_fleet", "test_signals_ddp", "test_ddp", "test_train_ddp", "test_outage",
                  "test_server", "test_signals_train", "test_fleet_local", "test_slurm", "test_train_e2e", "test_check_e2e",
                  "test_signals", "test_bench_e2e", "test_compile_cache", "test_ui", "test_spool", "test_registry")
 
@@ -195,8 +198,24 @@ def examples(text: str = README) -> list[Example]:
     return found
 
 
-def runnable(text: str = README) -> list[Example]:
-    return [e for e in examples(text) if e.lang in RUNS and not e.not_run]
+#: The README's sections whose examples make the second half of the README run: a model's life (train, register,
+#: pull, serve, benchmark it) and the CI gate; the first half is the rest (bench, Python, compare, sweep). No
+#: example of one half reads what the other's left (the CI gate has its own store, ci.db); each half takes about
+#: half the run's CPU (2026-12-06: 195 s and 182 s of the 377 s).
+MODEL_HALF = ("## Train, register, pull", "## Gate a change on its benchmark")
+
+
+def runnable(text: str = README, half: int | None = None) -> list[Example]:
+    """The examples run as printed, in order: all, or those of ``half`` (1 or 2, :data:`MODEL_HALF`)."""
+    found = [e for e in examples(text) if e.lang in RUNS and not e.not_run]
+    if half is None:
+        return found
+    return [e for e in found if (_section(text, e.line) in MODEL_HALF) == (half == 2)]
+
+
+def _section(text: str, line: int) -> str:
+    """The ``## `` heading the README's 1-based ``line`` is under."""
+    return next((x for x in reversed(text.splitlines()[:line]) if x.startswith("## ")), "")
 
 
 def repository_copy(dst: Path) -> Path:
@@ -242,6 +261,12 @@ class ReadmeRun:
     clone: Path
     ran: list  # [(Example, subprocess.CompletedProcess)], in the README's order
 
+    def assert_ran_as_printed(self, half: int) -> None:
+        """Every example of ``half`` ran, in the README's order, and passed."""
+        for example, done in self.ran:
+            assert done.returncode == 0, f"README line {example.line}:\n{example.code}\n{done.stdout[-4000:]}"
+        assert [example for example, _ in self.ran] == runnable(half=half)
+
     def of(self, code: str) -> subprocess.CompletedProcess:
         """What the example whose code is ``code`` did; fails the asking test if the run never reached it."""
         for example, done in self.ran:
@@ -251,14 +276,24 @@ class ReadmeRun:
         pytest.fail(f"the README run stopped (at the example of line {last}) before this example", pytrace=False)
 
 
-@pytest.fixture(scope="session")
-def readme_run(tmp_path_factory) -> ReadmeRun:
-    clone = repository_copy(tmp_path_factory.mktemp("readme") / "vitreg")
+def run_half(half: int, folder: Path) -> ReadmeRun:
+    """The examples of ``half`` in order, in a fresh copy of the repository under ``folder``."""
+    clone = repository_copy(folder / "vitreg")
     env = user_env(clone)
     ran = []
-    for example in runnable():
+    for example in runnable(half=half):
         done = run_example(example, clone, env)
         ran.append((example, done))
         if done.returncode != 0:
             break
     return ReadmeRun(clone, ran)
+
+
+@pytest.fixture(scope="session")
+def readme_run(tmp_path_factory) -> ReadmeRun:
+    return run_half(1, tmp_path_factory.mktemp("readme"))
+
+
+@pytest.fixture(scope="session")
+def readme_model_run(tmp_path_factory) -> ReadmeRun:
+    return run_half(2, tmp_path_factory.mktemp("readme-model"))

@@ -6,8 +6,10 @@ import contextlib
 import fcntl
 import functools
 import gc
+import json
 import os
 import shutil
+import signal
 import socket
 import sys
 import tempfile
@@ -183,6 +185,7 @@ def pytest_configure(config):
     else:  # the controller (or a run without xdist) makes it, and removes it when the run ends
         _RUN_FOLDER.append(Path(tempfile.mkdtemp(prefix="vitreg-test-run-")))
         atexit.register(shutil.rmtree, _RUN_FOLDER[0], True)
+        atexit.register(_stop_shared_server)  # first (last in, first out): before its folder goes
 
 
 @pytest.hookimpl(optionalhook=True)
@@ -258,6 +261,61 @@ def premigrated(data_dir: Path) -> Path:
     Path(data_dir).mkdir(parents=True, exist_ok=True)
     migrated_store(data_dir)
     return Path(data_dir)
+
+# ---------------------------------------------------------------- one mlflow server per test run
+# A real `mlflow server` costs seconds of CPU to start; the tests that only log to one and read back their own
+# experiments share this one, whichever worker they run in.
+
+@pytest.fixture(scope="session")
+def mlflow_server():
+    """One real ``mlflow server`` (no auth, a sqlite store) per test run: its ``ServerConfig``. Started by the first
+    worker that asks (:func:`built_once`), in its own process group, with no VITREG_/MLFLOW_ setting of the
+    developer's shell; every worker uses it; the run's controller stops it by PID as the run ends. A test using it
+    logs under experiments and model names of its own: tests in the other worker log there at the same time."""
+    from vitreg.deploy.server import ServerConfig
+
+    started = json.loads((built_once("mlflow-server", _start_shared_server) / "server.json").read_text())
+    return ServerConfig(port=started["port"], data_dir=started["data_dir"])
+
+
+def _start_shared_server(folder: Path) -> None:
+    import psutil
+
+    from vitreg.deploy import server
+    from vitreg.deploy.server import ServerConfig
+
+    cfg = ServerConfig(port=free_port(), data_dir=premigrated(folder / "data"))
+    with pytest.MonkeyPatch.context() as mp:
+        for name in [n for n in os.environ if n.startswith(("VITREG_", "MLFLOW_")) and n != "VITREG_SPOOL_DIR"]:
+            mp.delenv(name)
+        mp.setenv("MLFLOW_DISABLE_TELEMETRY", "true")
+        proc = server.start(cfg, timeout=120, quiet=True)
+    (folder / "server.json").write_text(json.dumps({"port": cfg.port, "data_dir": str(cfg.data_dir), "pid": proc.pid,
+                                                    "created": psutil.Process(proc.pid).create_time()}))
+
+
+def _stop_shared_server() -> None:
+    """SIGTERM, then SIGKILL, to the shared server's processes, if one was started: by its PID and start time (a PID
+    the OS has since given to another process is left alone)."""
+    import psutil
+
+    info = _RUN_FOLDER[0] / "mlflow-server" / "server.json"
+    if not info.exists():
+        return
+    started = json.loads(info.read_text())
+    try:
+        leader = psutil.Process(started["pid"])
+        if leader.create_time() != started["created"]:
+            return
+        procs = [leader, *leader.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for proc in procs:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                proc.send_signal(sig)
+        procs = psutil.wait_procs(procs, timeout=15)[1]
+
 
 def wait_until(condition, timeout_s: float = 30.0, what: str = "the condition") -> None:
     """Return as soon as ``condition()`` holds (checked every 20 ms); fail after ``timeout_s``. A test waits on

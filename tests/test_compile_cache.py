@@ -14,15 +14,17 @@ from vitreg.hardware.compile_cache import CacheProbe, default_cache_dir, use_com
 from vitreg.console import ticking
 
 COMPILE_ONCE = """
-import json, sys, time
+import json, sys
+from pathlib import Path
 from vitreg.hardware.compile_cache import CacheProbe, use_compile_cache
-use_compile_cache(sys.argv[1])
+folder = use_compile_cache(sys.argv[1])
+before = set(folder.rglob("*"))
 import torch
 model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 4))
 compiled, x = torch.compile(model), torch.randn(8, 16)
-probe, start = CacheProbe().start(), time.perf_counter()
+probe = CacheProbe().start()
 compiled(x).sum().backward()  # a training graph: forward and backward through AOTAutograd and inductor
-print(json.dumps({"state": probe.state(), "seconds": time.perf_counter() - start}))
+print(json.dumps({"state": probe.state(), "new": sorted(p.name for p in set(folder.rglob("*")) - before)}))
 """
 
 
@@ -59,7 +61,9 @@ def test_no_compile_means_the_cache_was_unused():
 
 
 @pytest.mark.slow
-def test_a_second_process_finds_the_graphs_warm_and_compiles_faster(tmp_path):
+def test_a_second_process_finds_the_graphs_warm_and_compiles_nothing(tmp_path):
+    """What makes the second process faster, counted rather than timed: it builds no kernel (no new file in the
+    cache: the cold one wrote its C++ kernels' shared objects there)."""
     def compile_once():
         done = subprocess.run([sys.executable, "-c", COMPILE_ONCE, str(tmp_path / "cache")], capture_output=True,
                               text=True, timeout=600, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
@@ -68,7 +72,7 @@ def test_a_second_process_finds_the_graphs_warm_and_compiles_faster(tmp_path):
 
     cold, warm = compile_once(), compile_once()
     assert (cold["state"], warm["state"]) == ("cold", "warm")
-    assert warm["seconds"] < cold["seconds"] / 2, (cold, warm)
+    assert any(name.endswith(".so") for name in cold["new"]) and warm["new"] == [], (cold, warm)
 
 
 class Said(list):

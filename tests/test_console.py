@@ -11,17 +11,17 @@ import sys
 
 import pytest
 
+from _warm import WarmVitreg
 from conftest import REPO, subprocess_env
 
 TINY = ["--model", "test_vit", "--img-size", "32", "--batch-size", "4", "--device", "cpu"]
 
 
-def vitreg_stderr(tmp_path, *args: str) -> subprocess.CompletedProcess:
+def fresh_store_env(tmp_path) -> dict:
     # a new sqlite file: MLflow's "Creating initial MLflow database tables" would show here
     env = subprocess_env(f"sqlite:///{tmp_path / 'fresh.db'}", PYTHONPATH=str(REPO))
     env.pop("KINETO_LOG_LEVEL", None)
-    return subprocess.run([sys.executable, "-m", "vitreg", *args], cwd=tmp_path, env=env, capture_output=True,
-                          text=True, timeout=300)
+    return env
 
 
 def foreign_lines(stderr: str) -> list[str]:
@@ -30,22 +30,32 @@ def foreign_lines(stderr: str) -> list[str]:
 
 @pytest.mark.slow
 def test_a_cpu_bench_and_a_short_train_print_vitreg_s_lines_only(tmp_path):
-    bench = vitreg_stderr(tmp_path, "bench", *TINY, "--task", "both", "--warmup", "1", "--steps", "2",
-                          "--repeats", "2")
-    assert bench.returncode == 0, bench.stderr[-2000:]
-    assert "[vitreg] infer: window" in bench.stderr and "[vitreg] train: window" in bench.stderr  # it profiled
-    assert foreign_lines(bench.stderr) == [], bench.stderr
-    # 4 updates, 2 of them warm-up: a cosine of one step, which timm warns about
-    train = vitreg_stderr(tmp_path, "train", *TINY, "--steps", "3", "--warmup-steps", "2", "--log-every", "1",
-                          "--num-classes", "10", "--num-workers", "0", "--checkpoint-every", "0")
-    assert train.returncode == 0, train.stderr[-2000:]
-    assert foreign_lines(train.stderr) == [], train.stderr
+    """Both in one warm vitreg worker (tests/_warm.py): each command's fds 1 and 2 as a process of its own would
+    print them, what the worker prints as it starts counted as the bench's and as it ends checked too."""
+    warm = WarmVitreg(tmp_path, fresh_store_env(tmp_path), tmp_path / "warm-stdout")
+    try:
+        bench = warm.run("bench", *TINY, "--task", "both", "--warmup", "1", "--steps", "2", "--repeats", "2")
+        assert bench.returncode == 0, bench.stderr[-2000:]
+        assert "[vitreg] infer: window" in bench.stderr and "[vitreg] train: window" in bench.stderr  # it profiled
+        assert foreign_lines(bench.stderr) == [], bench.stderr
+        # 4 updates, 2 of them warm-up: a cosine of one step, which timm warns about
+        train = warm.run("train", *TINY, "--steps", "3", "--warmup-steps", "2", "--log-every", "1",
+                         "--num-classes", "10", "--num-workers", "0", "--checkpoint-every", "0")
+        assert train.returncode == 0, train.stderr[-2000:]
+        assert foreign_lines(train.stderr) == [], train.stderr
+    finally:
+        ended = warm.close()
+    assert ended.returncode == 0 and foreign_lines(ended.stderr) == [], ended.stderr[-2000:]
 
 
-@pytest.mark.slow
 def test_a_failing_run_still_says_its_error(tmp_path):
-    failed = vitreg_stderr(tmp_path, "bench", *TINY[2:], "--model", "vit_nonexistent_patch16_224")
-    assert failed.returncode == 2 and [line for line in failed.stderr.splitlines() if line.startswith("error:")]
+    from click.testing import CliRunner
+
+    from vitreg.cli.main import main
+
+    failed = CliRunner().invoke(main, ["bench", *TINY[2:], "--model", "vit_nonexistent_patch16_224"])
+    assert failed.exit_code == 2 and [line for line in failed.stderr.splitlines() if line.startswith("error:")]
+    assert not (tmp_path / "store").exists()  # refused before any store was made
 
 
 @pytest.mark.slow

@@ -18,7 +18,7 @@ import psutil
 import pytest
 from mlflow.tracking import MlflowClient
 
-from conftest import free_port, migrated_store, premigrated, subprocess_env
+from conftest import migrated_store, subprocess_env
 from vitreg.fleet import children as child_commands
 
 pytestmark = pytest.mark.slow
@@ -148,18 +148,10 @@ def _parent(client: MlflowClient, experiment: str = "fleet"):
     return parent
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    from vitreg.deploy import server as servers
-    from vitreg.deploy.server import ServerConfig
-
-    cfg = ServerConfig(port=free_port(), data_dir=premigrated(tmp_path_factory.mktemp("fleet-server")))
-    proc = servers.start(cfg, timeout=120, quiet=True)
-    try:
-        yield cfg.url
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=30)
+@pytest.fixture
+def server(mlflow_server):
+    """The run's shared ``mlflow server`` (tests/conftest.py), its URL: this file's experiments are fleet*."""
+    return mlflow_server.url
 
 
 def test_gpu_all_places_each_child_on_a_node_of_its_type_and_keeps_its_output(server, ray_cluster, tmp_path):

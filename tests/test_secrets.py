@@ -31,25 +31,6 @@ INFER = ["--batch-size", "2", "--device", "cpu", "--warmup", "1", "--steps", "1"
 BENCH = ["bench", "--model", "test_vit", *TINY, "--task", "infer", "--warmup", "1", "--steps", "2", "--repeats", "2"]
 
 
-@pytest.fixture(scope="module")
-def mlflow_server(tmp_path_factory):
-    from vitreg.deploy import server
-    from vitreg.deploy.server import ServerConfig
-
-    root = tmp_path_factory.mktemp("secret-server")
-    with pytest.MonkeyPatch.context() as mp:
-        for name in list(os.environ):
-            if name.startswith(("VITREG_", "MLFLOW_")) and name != "VITREG_SPOOL_DIR":
-                mp.delenv(name)
-        mp.setenv("MLFLOW_DISABLE_TELEMETRY", "true")
-        cfg = ServerConfig(port=free_port(), data_dir=premigrated(root / "data"))
-        proc = server.start(cfg, timeout=120)
-    try:
-        yield cfg
-    finally:
-        server.stop(proc)
-
-
 class Box:
     """Where a user's commands run: one folder, one spool folder, one secret URI; every output kept."""
 

@@ -436,10 +436,3 @@ def test_bench_run_with_credentials_lands_in_the_artifact_destination(tmp_path, 
     stored = list(Path(cfg.artifacts_destination).glob(f"*/{run_id}/artifacts/results.json"))
     assert len(stored) == 1 and json.loads(stored[0].read_text())["tasks"][0]["task"] == "infer"
     assert sorted(p.name for p in box.iterdir()) == [], "the bench wrote into the client's folder"
-
-
-@pytest.mark.slow
-def test_bench_against_a_dead_server_is_one_line(tmp_path):
-    proc = _vitreg_bench(f"http://127.0.0.1:{free_port()}", tmp_path, "dead")
-    assert proc.returncode == 2
-    assert proc.stderr.strip().splitlines()[-1].startswith("error: the MLflow tracking server at http://127.0.0.1:")

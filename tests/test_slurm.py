@@ -5,7 +5,6 @@ Children are real ``vitreg bench`` processes of tiny timm models on the CPU, fil
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
@@ -14,7 +13,7 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
-from conftest import free_port, migrated_store, premigrated, subprocess_env
+from conftest import migrated_store, subprocess_env
 from test_fleet import (CHILD, LONG, SHORT, _bench_processes, _children, _end, _failing_children, _parent,
                         _sweep_in_process, _wait, assert_output_kept, child_log)
 
@@ -23,8 +22,8 @@ SWEEP = [sys.executable, "-m", "vitreg.cli", "sweep", "--engine", "slurm"]
 NODE_OF = {"h100": "gpu-h100", "a100": "gpu-a100"}
 
 
-def _start(cluster, uri: str, tmp_path, *args, sweep=SWEEP) -> subprocess.Popen:
-    return subprocess.Popen([*sweep, *args, "--slurm-folder", str(tmp_path / "shared"), "--experiment", "fleet"],
+def _start(cluster, uri: str, tmp_path, *args, sweep=SWEEP, experiment="fleet") -> subprocess.Popen:
+    return subprocess.Popen([*sweep, *args, "--slurm-folder", str(tmp_path / "shared"), "--experiment", experiment],
                             cwd=tmp_path, env=subprocess_env(uri, **cluster.env), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
 
@@ -163,28 +162,16 @@ def test_a_node_killed_mid_sweep_fails_its_children_with_slurms_reason_and_the_r
     assert "2 finished, 2 failed" in line and f"--rerun-failed {parent_id}" in line, line
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    from vitreg.deploy import server as servers
-    from vitreg.deploy.server import ServerConfig
-
-    cfg = ServerConfig(port=free_port(), data_dir=premigrated(tmp_path_factory.mktemp("slurm-server")))
-    proc = servers.start(cfg, timeout=120, quiet=True)
-    try:
-        yield cfg.url
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=30)
-
-
-def test_children_without_a_route_to_the_server_spool_and_the_parent_syncs_each_once(slurm_cluster, server,
+def test_children_without_a_route_to_the_server_spool_and_the_parent_syncs_each_once(slurm_cluster, mlflow_server,
                                                                                     tmp_path):
+    """On the run's shared server (tests/conftest.py), in an experiment of its own."""
     from vitreg.tracking.sync import pending
 
+    server = mlflow_server.url
     slurm_cluster.cut_off("gpu-a100")
     try:
         sweep = _start(slurm_cluster, server, tmp_path, "--gpu", "h100,a100", *CHILD[2:], "--models", "test_vit",
-                       *SHORT)
+                       *SHORT, experiment="slurm-spooled")
         try:
             _, err = sweep.communicate(timeout=600)
         finally:
@@ -193,7 +180,7 @@ def test_children_without_a_route_to_the_server_spool_and_the_parent_syncs_each_
         slurm_cluster.cut_off(None)
     assert sweep.returncode == 0, err[-3000:]
     client = MlflowClient(server)
-    children = {c.data.tags["slurm_gpu_type"]: c for c in _children(client)}
+    children = {c.data.tags["slurm_gpu_type"]: c for c in _children(client, "slurm-spooled")}
     assert {gpu: c.info.status for gpu, c in children.items()} == {"h100": "FINISHED", "a100": "FINISHED"}
     assert children["a100"].data.tags["slurm_spooled"] == "True" and children["h100"].data.tags[
         "slurm_spooled"] == "False"

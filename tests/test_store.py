@@ -175,7 +175,7 @@ def test_a_server_that_is_down_gets_the_offline_way_too(monkeypatch):
     import mlflow
 
     from conftest import free_port
-    from vitreg.tracking.runs import check_server
+    from vitreg.tracking.store import check_server
 
     monkeypatch.setattr(mlflow, "get_tracking_uri", lambda: f"http://127.0.0.1:{free_port()}")
     with pytest.raises(StoreError) as raised:

@@ -113,7 +113,7 @@ def test_a_dead_server_is_said_before_the_job_s_heavy_imports(monkeypatch, ports
 def test_a_server_uri_is_checked_whatever_the_case_of_its_scheme(ports_tried):
     """``HTTP://`` names a server as ``http://`` does: it was not checked, and a dead one was found only as the
     run started (after the job's imports), in other words."""
-    from vitreg.tracking.runs import check_server
+    from vitreg.tracking.store import check_server
 
     dead_port = free_port()
     with pytest.raises(StoreError) as caught:
@@ -387,7 +387,7 @@ def test_a_postgresql_that_takes_the_connection_and_never_answers_is_one_line_wi
     "databricks",
 ])
 def test_a_uri_with_no_single_tcp_host_is_left_to_the_driver(uri, ports_tried):
-    from vitreg.tracking.runs import check_sql_server
+    from vitreg.tracking.store import check_sql_server
 
     check_sql_server(uri, timeout=1)
     assert ports_tried == []
@@ -396,7 +396,7 @@ def test_a_uri_with_no_single_tcp_host_is_left_to_the_driver(uri, ports_tried):
 @pytest.mark.parametrize("netloc", ["u:pw@127.0.0.1:5432,127.0.0.1:5433", "u:pw@db:port"])
 def test_a_sql_uri_whose_port_is_no_number_is_one_line_naming_the_form(netloc, ports_tried):
     """Several hosts in the address (libpq's own form) were a ValueError traceback from MLflow's URI parsing."""
-    from vitreg.tracking.runs import check_sql_server
+    from vitreg.tracking.store import check_sql_server
 
     with pytest.raises(VitregError) as caught:
         check_sql_server(f"postgresql://{netloc}/vitreg")
@@ -409,7 +409,7 @@ def test_a_sql_uri_whose_port_is_no_number_is_one_line_naming_the_form(netloc, p
 def test_a_sql_server_that_takes_the_connection_goes_on_to_mlflow(ssh_banner, ports_tried):
     """The probe only says a host that refuses (or does not answer) the TCP connection: a server that takes it,
     however it then answers, is MLflow's and the driver's to judge."""
-    from vitreg.tracking.runs import check_sql_server
+    from vitreg.tracking.store import check_sql_server
 
     port = int(ssh_banner.rsplit(":", 1)[1])
     check_sql_server(f"mysql+pymysql://u:pw@127.0.0.1:{port}/db", timeout=5)

@@ -35,10 +35,12 @@ def test_trace_and_table_of_the_steps_after_warmup(tmp_path):
     assert "Self CPU" in table[1]
     rows = [line for line in table[3:] if line.strip() and not line.startswith(("-", "Self CPU time total"))]
     assert 0 < len(rows) <= TOP_OPS
-    # the same steps per kernel class: CPU op self time (no device kernels), the linears' addmm the largest op class
+    # the same steps per kernel class: CPU op self time (no device kernels); which class is the largest depends
+    # on the host's load (a loaded host read "other"), so each class the model's ops fall in holds time
     assert files.host and set(files.class_us) == set(CLASSES)
-    ops = {c: us for c, us in files.class_us.items() if c != "idle"}  # a 32-px model's step is mostly Python
-    assert max(ops, key=ops.get) == "matmul" and ops["attention"] > 0 and files.class_us["idle"] > 0
+    assert {kernel_class(n) for n in ("aten::addmm", "aten::_scaled_dot_product_flash_attention_for_cpu",
+                                      "aten::native_layer_norm")} == {"matmul", "attention", "norm_pointwise"}
+    assert all(files.class_us[c] > 0 for c in ("matmul", "attention", "norm_pointwise", "idle")), files.class_us
 
 
 def test_profile_with_cuda_graph_is_refused_in_one_line():

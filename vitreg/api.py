@@ -61,7 +61,7 @@ def compare(experiment: str, baseline: str | None = None, metric: str = "through
     ("h200=3.50,l4=0.80" or a price file) gives every run its ``usd_per_1m_img``."""
     from vitreg.analysis.comparison import compare_runs
     from vitreg.analysis.cost import parse_prices, with_costs
-    from vitreg.tracking.runs import check_server
+    from vitreg.tracking.store import check_server
     from vitreg.tracking.search import benchmark_runs, tidy
 
     check_server()  # as `vitreg compare`: a store that does not answer is said at once, not after MLflow's retries
@@ -83,7 +83,7 @@ def check(experiment: str, metric: str = "throughput_img_per_s", window: int = 1
 @_masked
 def runs(experiment: str):
     """The experiment's tidy frame, as ``vitreg runs --experiment NAME --csv`` writes it."""
-    from vitreg.tracking.runs import check_server
+    from vitreg.tracking.store import check_server
     from vitreg.tracking.search import benchmark_runs, tidy
 
     check_server()  # a store that does not answer is said at once, not after MLflow's retries (100 s for a SQL one)

@@ -30,10 +30,10 @@ def run_compare(experiment: str, baseline: str | None = None, metric: str = "thr
     from vitreg.analysis.cost import energy_and_cost, parse_prices, price_text, with_costs
     from vitreg.analysis.render import format_table
     from vitreg.analysis.report import write_report
-    from vitreg.tracking.search import benchmark_runs, tidy
+    from vitreg.tracking.search import benchmark_runs, experiment_tag, set_experiment_tag, tidy
 
     tracking.check_server()
-    price_table = parse_prices(prices or tracking.experiment_tag(experiment, PRICES_TAG) or "")
+    price_table = parse_prices(prices or experiment_tag(experiment, PRICES_TAG) or "")
     runs = with_costs(tidy(benchmark_runs(experiment), axes=(by,)), price_table)
     comparison = compare_runs(runs, baseline=baseline or None, metric=metric, by=by,
                               include_mismatch=include_mismatch)
@@ -52,10 +52,10 @@ def run_compare(experiment: str, baseline: str | None = None, metric: str = "thr
             run.set_note(note := naming.compare_note(experiment, comparison.summary(), table))
             _log_comparison(run, comparison, experiment, files, Path(tmp))
         # the experiment's description, what its page shows first: the UI answers "which GPU?" with no set-up
-        tracking.set_experiment_tag(experiment, naming.NOTE_TAG, f"{note}\n\nAs of compare run {run.run_id} "
-                                    f"(experiment `{logged_into(run, filed)}`); `vitreg compare` renews it.")
+        set_experiment_tag(experiment, naming.NOTE_TAG, f"{note}\n\nAs of compare run {run.run_id} "
+                           f"(experiment `{logged_into(run, filed)}`); `vitreg compare` renews it.")
         if prices:
-            tracking.set_experiment_tag(experiment, PRICES_TAG, price_text(price_table))
+            set_experiment_tag(experiment, PRICES_TAG, price_text(price_table))
     print(table)
     progress(f"compare run {run.run_id} (experiment {logged_into(run, filed)!r}, id {run.experiment_id}): "
              f"{len(files)} files in {tracking.artifacts_at(run, 'comparison')} "

@@ -60,7 +60,7 @@ def _task_table(comparison, t: pd.DataFrame) -> list[str]:
     cols += ["shared_node"] if "shared_node" in t and t["shared_node"].notna().any() else []  # share_node=true
     cols += ["n_runs", f"{m}_median", f"{m}_min", f"{m}_max", f"{m}_cv"]
     cols += ["speedup", "ci", "verdict"] if comparison.baseline else []
-    cols += ["flags"] if "flags" in t and t["flags"].notna().any() else []  # on the row that prints it (issue 38)
+    cols += ["flags"] if "flags" in t and t["flags"].notna().any() else []  # on the row that prints it
     heads = {f"{m}_median": "median", f"{m}_min": "min", f"{m}_max": "max", f"{m}_cv": "cv",
              "ci": f"{comparison.confidence:.0%} CI", **_HEADS}
     right = [c not in (*_text_keys(), "gpu", "ran_on", "verdict", "flags", by) for c in cols]

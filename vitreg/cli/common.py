@@ -164,17 +164,17 @@ def check_first(command: str, values: dict) -> None:
 
 def server_first(command: str, own: dict) -> None:
     """A tracking server that does not answer is said before the job's heavy imports, in the run's own words
-    (:func:`vitreg.tracking.runs.check_server`); only in the process that opens the run (not offline, not a
+    (:func:`vitreg.tracking.store.check_server`); only in the process that opens the run (not offline, not a
     torchrun rank, not a node other than the first)."""
     from vitreg.ddp.world import inside_torchrun
 
     if inside_torchrun() or _own_value(command, own, "node_rank"):
         return
-    from vitreg.tracking import runs as tracking
     from vitreg.tracking.spool import offline_mode
+    from vitreg.tracking.store import check_server
 
     if not offline_mode(_own_value(command, own, "offline")):  # the option or VITREG_OFFLINE=1
-        tracking.check_server()  # it reads the URI without importing mlflow (~2 s of CPU) where nothing has
+        check_server()  # it reads the URI without importing mlflow (~2 s of CPU) where nothing has
 
 
 def store_first(source: str) -> None:
@@ -182,10 +182,10 @@ def store_first(source: str) -> None:
     refuses connections is said before the command's heavy imports (mlflow, SQLAlchemy, torch); an HTTP server's
     failure is said as the download meets it (check_server's advice to log offline is a job's, not a pull's)."""
     if str(source).strip().startswith(("models:/", "runs:/")):
-        from vitreg.tracking import runs as tracking
+        from vitreg.tracking.store import check_sql_server
         from vitreg.tracking.uris import current_uri
 
-        tracking.check_sql_server(current_uri())
+        check_sql_server(current_uri())
 
 
 #: Each DDP job's own keyword arguments besides the placement: options the launcher uses and does not forward

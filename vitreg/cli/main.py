@@ -241,10 +241,10 @@ def _write_frame(flag: str, stale: bool, experiment: str | None, limit: int | No
         raise VitregError(f"{flag} writes finished runs and --stale lists unfinished ones: pass one of them")
     if not experiment:
         raise VitregError(f"{flag} needs the experiment: pass --experiment NAME")
-    from vitreg.tracking import runs as tracking
+    from vitreg.tracking.runs import newest_runs
     from vitreg.tracking.search import benchmarks_only, tidy
 
-    frame = tidy(benchmarks_only(tracking.newest_runs(limit, experiment, status)))
+    frame = tidy(benchmarks_only(newest_runs(limit, experiment, status)))
     click.echo(frame.to_csv(index=False) if flag == "--csv" else
                frame.to_json(orient="records", date_format="iso", indent=1) + "\n", nl=False)
 

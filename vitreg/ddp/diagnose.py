@@ -184,8 +184,8 @@ def diagnose(returncode: int, log_dir: Path, nproc: int, node_rank: int = 0, tor
 
 def _first_stop(outcome: LaunchOutcome, errors: list, torchrun_text: str) -> LaunchOutcome:
     """No rank failed on its own: a rank without an error file whose stderr ends with an error; the first rank
-    recorded as stopped; a rank the summary shows ended by a stop signal before it wrote one (CI once: rank 0
-    stopped, its peer's "closed by peer" recorded first); last a rank that only lost its peer."""
+    recorded as stopped; a rank the summary shows ended by a stop signal before it wrote one (rank 0
+    stopped while its peer's "closed by peer" was recorded first); last a rank that only lost its peer."""
     with_file = {d for d, _ in errors}
     rank_dirs = sorted({p.parent for p in outcome.log_dir.glob("*/attempt_*/*/stderr.log")}, key=lambda d: int(d.name))
     for rank_dir in rank_dirs:

@@ -37,8 +37,8 @@ def run_child(child_id: str, argv: list[str], env: dict, tally) -> tuple[int, st
     node id, its stdout and stderr: the parent keeps them in its run, a node's worker log being out of reach).
     Cancelled (SIGINT/SIGTERM to the sweep): the child gets SIGTERM and ends its run KILLED."""
     node_id = ray.get_runtime_context().get_node_id()
-    # not waited for: a task blocked in ray.get lends its CPUs back meanwhile, and Ray started another child on
-    # them beside this one (issue 40: it reserves its node's every CPU so that none can)
+    # not waited for: a task blocked in ray.get lends its CPUs back meanwhile, and Ray would start another child
+    # on them beside this one (it reserves its node's every CPU so that none can)
     tally.start.remote(child_id, node_id)
     returncode, tail, log = run_remote_child(argv, {**os.environ, **env})
     return returncode, tail, node_id, log

@@ -2,7 +2,7 @@
 children given that GPU one after another, in-process, each as the ``vitreg bench`` command it would be alone.
 
 Why: a child in a fresh process paid its interpreter, the imports, the store's set-up, the CUDA context and a
-cold compile before its first timed step (10-16 s a child on an H200, benchmarks/results/h200-2026-12-03-tta/);
+cold compile before its first timed step (10-16 s a child on an H200);
 the worker pays them once per GPU.
 
 What a child keeps, against a process of its own (``--isolate process``): its own MLflow run (handed to it as

@@ -31,8 +31,7 @@ CATCH = 0.15
 MIN_HISTORY = 3
 
 # The smallest change ever called a regression: runs on separate machine starts differ more than the windows
-# inside a run (the same ViT-B DDP control: 5,104 and 5,010 img/s on two starts of the H200 pair, -1.8 %:
-# benchmarks/results/h200x2-2026-11-30-s4/).
+# inside a run (the same ViT-B DDP control moved 1.8 % between two starts of the same pair of GPUs).
 NOISE_FLOOR = 0.02
 
 # Two-sided, for the interval and the threshold's t quantile: in 300 simulated seeds pure noise crossed either

@@ -22,17 +22,17 @@ import urllib.parse
 from pathlib import Path
 from typing import Protocol
 
-from vitreg.errors import StoreError, VitregError
+from vitreg.errors import VitregError
 from vitreg import signals
 from vitreg.signals import interrupted_reason
 from vitreg.tracking.delivery import (ERROR_KIND_TAG, ERROR_TAG, HEARTBEAT_TAG, SPOOL_ID_TAG, end_with_reason,
                                       heartbeat_period_s, open_run, requested_run_id, sync_hint)
 from vitreg.tracking.mlflow_on_first_use import mlflow
 from vitreg.tracking.spool import JOURNAL, flush_timeout_s, offline_mode
-from vitreg.tracking.store import (busy_wait_s, check_sqlite_uri, first_line, http_timeout_s, prepare_store,
-                                   short_http_requests, sqlite_path, store_errors, ui_command)
+from vitreg.tracking.store import (busy_wait_s, check_server, first_line, http_timeout_s, prepare_store,
+                                   short_http_requests, store_errors, ui_command)
 from vitreg.tracking.sync import SENT_CREDENTIALS, pending
-from vitreg.tracking.uris import current_uri, redact, scrub, tracking_uri, without_credentials
+from vitreg.tracking.uris import redact, scrub, tracking_uri, without_credentials
 
 RESUMED_FROM_TAG = "vitreg_resumed_from"  # on the new run: the run id of the checkpoint it continues
 RESUMED_BY_TAG = "vitreg_resumed_by"  # on the old run: the newest run that resumed it
@@ -378,71 +378,6 @@ def close_resumed(old_run_id: str, new_run_id: str, progress=lambda message: Non
     return True
 
 
-def check_server(timeout: float = 5.0, uri: str | None = None) -> None:
-    """Fail fast, in one line, when the tracking URI (``uri``, else MLflow's) is a server that does not answer
-    (MLflow's client retries for minutes), or a sqlite URI that names no database file."""
-    uri = current_uri() if uri is None else uri  # mlflow is not imported for it: a dead server is said sooner
-    check_sqlite_uri(uri)
-    check_sql_server(uri, timeout)
-    if not uri.lower().startswith(("http://", "https://")):  # a scheme is any case: HTTP:// is a server too
-        return
-    import http.client
-    import urllib.error
-    import urllib.request
-
-    base, headers = without_credentials(uri)
-    try:
-        with urllib.request.urlopen(urllib.request.Request(base.rstrip("/") + "/health", headers=headers),
-                                    timeout=timeout) as resp:
-            resp.read()
-    except urllib.error.HTTPError:
-        return  # it answers (an auth wall answers 401): the server is there
-    except http.client.HTTPException as exc:  # something answers there, not in HTTP (an SSH banner)
-        raise StoreError(f"the tracking URI {redact(uri)} answers, but not as an MLflow server speaks "
-                         f"({type(exc).__name__}: {first_line(exc)}): is MLFLOW_TRACKING_URI the server's address "
-                         f"and port?") from None
-    except (urllib.error.URLError, OSError, ValueError) as exc:
-        reason = getattr(exc, "reason", exc)
-        raise StoreError(f"the MLflow tracking server at {redact(uri)} does not answer ({reason}): start it with "
-                         f"`make server`, or log offline (--offline true, -P offline=true or VITREG_OFFLINE=1: the "
-                         f"run waits in the local spool for `vitreg sync`), or fix/unset MLFLOW_TRACKING_URI") \
-            from None
-
-
-#: the SQL stores whose URI's host is reached over TCP (``dialect+driver://``), each with its default port; not
-#: SQL Server (``mssql+pyodbc://user:pw@DSN`` names an ODBC data source, not a host)
-SQL_SERVER_PORTS = {"postgresql": 5432, "postgres": 5432, "mysql": 3306, "mariadb": 3306}
-
-
-def check_sql_server(uri: str, timeout: float = 5.0) -> None:
-    """Fail fast, in one line, when the tracking URI is a SQL server (PostgreSQL, MySQL) whose host does not take
-    a TCP connection: before mlflow, SQLAlchemy and the driver are imported (~3 s of CPU) and MLflow's engine
-    attempts. A URI with no TCP host (a local socket: no host, ``?host=``, ``?unix_socket=``, MySQL's
-    ``localhost``) is left to the driver; a port that is no number (``host1:5432,host2:5432``) is refused."""
-    parts = urllib.parse.urlsplit(uri)
-    dialect = parts.scheme.partition("+")[0].lower()
-    default = SQL_SERVER_PORTS.get(dialect)
-    query = {key.lower() for key in urllib.parse.parse_qs(parts.query, keep_blank_values=True)}
-    if default is None or not parts.hostname or query & {"host", "unix_socket"}:
-        return
-    if default == 3306 and parts.hostname == "localhost":  # MySQL's client takes "localhost" for its local socket
-        return
-    try:
-        port = parts.port or default
-    except ValueError:  # MLflow's URI parsing raised it as a traceback
-        raise VitregError(f"the tracking URI {redact(uri)} has a port that is not a number: write "
-                          f"{dialect}://user:password@host:{default}/db (several hosts go in the query: "
-                          f"?host=host1:{default}&host=host2:{default})") from None
-    import socket
-
-    try:
-        socket.create_connection((parts.hostname, port), timeout=timeout).close()
-    except OSError as exc:
-        reason = "no answer in %g s" % timeout if isinstance(exc, TimeoutError) else (exc.strerror or str(exc))
-        raise StoreError(f"the tracking store at {redact(uri)} does not answer ({reason}): start it, or fix "
-                         f"MLFLOW_TRACKING_URI") from None
-
-
 def still_spooled(tracker) -> bool:
     """Whether the run is still only in the local spool (offline, or a store that did not take it)."""
     return bool(tracker.offline or tracker.delivered is False)
@@ -546,13 +481,6 @@ def run_and_children(parent_run_id: str):
         return parent, _all_runs(parent.info.experiment_id, f"tags.mlflow.parentRunId = '{parent_run_id}'")
 
 
-def search_runs(experiment: str, filter_string: str = ""):
-    """All runs of an experiment (by name) as a pandas DataFrame, MLflow's ``search_runs`` columns."""
-    exp = _experiments(experiment)[0]
-    return mlflow.search_runs(experiment_ids=[exp.experiment_id], filter_string=filter_string,
-                              output_format="pandas")
-
-
 def newest_runs(limit: int | None, experiment: str | None = None, status: str | None = None):
     """The ``limit`` newest runs (None: all) of ``experiment`` (None: every active one) in ``status`` (None: any),
     newest first, as MLflow's ``search_runs`` frame plus ``experiment`` (its name). A sqlite store that does
@@ -601,18 +529,6 @@ def _sqlite_runs(store: Path, limit: int | None, experiment: str | None, status:
                                on="run_id")
     return found.astype({"experiment_id": str}).assign(**{c: pd.to_datetime(found[c], unit="ms", utc=True)
                                                           for c in ("start_time", "end_time")})
-
-
-def experiment_tag(experiment: str, key: str) -> str | None:
-    """The experiment's tag ``key`` (None: no such experiment or tag), e.g. the team's price table."""
-    exp = mlflow.MlflowClient().get_experiment_by_name(experiment)
-    return None if exp is None else exp.tags.get(key)
-
-
-def set_experiment_tag(experiment: str, key: str, value: str) -> None:
-    """Keep ``value`` under ``key`` on the (existing) experiment, for everyone who reads it."""
-    client = mlflow.MlflowClient()
-    client.set_experiment_tag(client.get_experiment_by_name(experiment).experiment_id, key, value)
 
 
 def get_run(run_id: str):

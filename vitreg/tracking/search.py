@@ -19,16 +19,17 @@ from vitreg.config.spec import _TRUE, DDP_BUCKET_MB
 from vitreg.errors import VitregError
 from vitreg.measure.metrics import TASKS
 from vitreg.tracking.delivery import HEARTBEAT_TAG
+from vitreg.tracking.mlflow_on_first_use import mlflow
 from vitreg.tracking.naming import gpu_text, runs_page
+from vitreg.tracking.runs import SUPERSEDED_TAG, _experiments
+from vitreg.tracking.store import sqlite_path, store_errors
 
 
 def benchmark_runs(experiment: str) -> pd.DataFrame:
     """The experiment's benchmark runs: not its compare/check/sweep runs, nor a sweep's child a re-run replaced."""
-    from vitreg.tracking import runs as tracking
-
-    runs = benchmarks_only(tracking.search_runs(experiment))
-    if f"tags.{tracking.SUPERSEDED_TAG}" in runs:
-        runs = runs[runs[f"tags.{tracking.SUPERSEDED_TAG}"].isna()]
+    runs = benchmarks_only(search_runs(experiment))
+    if f"tags.{SUPERSEDED_TAG}" in runs:
+        runs = runs[runs[f"tags.{SUPERSEDED_TAG}"].isna()]
     return runs
 
 
@@ -379,3 +380,22 @@ def print_experiment_links(store_uri: str, ui_url: str) -> None:
           f"{ui_url}/#/experiments")
     for line in links:
         print(f"  {line}")
+
+
+def search_runs(experiment: str, filter_string: str = ""):
+    """All runs of an experiment (by name) as a pandas DataFrame, MLflow's ``search_runs`` columns."""
+    exp = _experiments(experiment)[0]
+    return mlflow.search_runs(experiment_ids=[exp.experiment_id], filter_string=filter_string,
+                              output_format="pandas")
+
+
+def experiment_tag(experiment: str, key: str) -> str | None:
+    """The experiment's tag ``key`` (None: no such experiment or tag), e.g. the team's price table."""
+    exp = mlflow.MlflowClient().get_experiment_by_name(experiment)
+    return None if exp is None else exp.tags.get(key)
+
+
+def set_experiment_tag(experiment: str, key: str, value: str) -> None:
+    """Keep ``value`` under ``key`` on the (existing) experiment, for everyone who reads it."""
+    client = mlflow.MlflowClient()
+    client.set_experiment_tag(client.get_experiment_by_name(experiment).experiment_id, key, value)

@@ -14,6 +14,7 @@ import re
 import sys
 import threading
 import time
+import urllib.parse
 from pathlib import Path
 
 from vitreg import errors
@@ -21,7 +22,7 @@ from vitreg.config.parse import parse_float
 from vitreg.console import progress
 from vitreg.errors import StoreError, VitregError
 from vitreg.tracking.mlflow_on_first_use import mlflow
-from vitreg.tracking.uris import absolute_uri, redact, scrub
+from vitreg.tracking.uris import absolute_uri, current_uri, redact, scrub, without_credentials
 
 _BUSY = re.compile(r"database is locked|database is busy|SQLITE_BUSY", re.IGNORECASE)
 _CORRUPT = re.compile(r"database disk image is malformed|malformed database schema|"
@@ -409,3 +410,68 @@ def quiet_mlflow_info() -> None:
         return
     for name in QUIET_MLFLOW_LOGGERS:
         logging.getLogger(name).setLevel(logging.WARNING)
+
+
+def check_server(timeout: float = 5.0, uri: str | None = None) -> None:
+    """Fail fast, in one line, when the tracking URI (``uri``, else MLflow's) is a server that does not answer
+    (MLflow's client retries for minutes), or a sqlite URI that names no database file."""
+    uri = current_uri() if uri is None else uri  # mlflow is not imported for it: a dead server is said sooner
+    check_sqlite_uri(uri)
+    check_sql_server(uri, timeout)
+    if not uri.lower().startswith(("http://", "https://")):  # a scheme is any case: HTTP:// is a server too
+        return
+    import http.client
+    import urllib.error
+    import urllib.request
+
+    base, headers = without_credentials(uri)
+    try:
+        with urllib.request.urlopen(urllib.request.Request(base.rstrip("/") + "/health", headers=headers),
+                                    timeout=timeout) as resp:
+            resp.read()
+    except urllib.error.HTTPError:
+        return  # it answers (an auth wall answers 401): the server is there
+    except http.client.HTTPException as exc:  # something answers there, not in HTTP (an SSH banner)
+        raise StoreError(f"the tracking URI {redact(uri)} answers, but not as an MLflow server speaks "
+                         f"({type(exc).__name__}: {first_line(exc)}): is MLFLOW_TRACKING_URI the server's address "
+                         f"and port?") from None
+    except (urllib.error.URLError, OSError, ValueError) as exc:
+        reason = getattr(exc, "reason", exc)
+        raise StoreError(f"the MLflow tracking server at {redact(uri)} does not answer ({reason}): start it with "
+                         f"`make server`, or log offline (--offline true, -P offline=true or VITREG_OFFLINE=1: the "
+                         f"run waits in the local spool for `vitreg sync`), or fix/unset MLFLOW_TRACKING_URI") \
+            from None
+
+
+#: the SQL stores whose URI's host is reached over TCP (``dialect+driver://``), each with its default port; not
+#: SQL Server (``mssql+pyodbc://user:pw@DSN`` names an ODBC data source, not a host)
+SQL_SERVER_PORTS = {"postgresql": 5432, "postgres": 5432, "mysql": 3306, "mariadb": 3306}
+
+
+def check_sql_server(uri: str, timeout: float = 5.0) -> None:
+    """Fail fast, in one line, when the tracking URI is a SQL server (PostgreSQL, MySQL) whose host does not take
+    a TCP connection: before mlflow, SQLAlchemy and the driver are imported (~3 s of CPU) and MLflow's engine
+    attempts. A URI with no TCP host (a local socket: no host, ``?host=``, ``?unix_socket=``, MySQL's
+    ``localhost``) is left to the driver; a port that is no number (``host1:5432,host2:5432``) is refused."""
+    parts = urllib.parse.urlsplit(uri)
+    dialect = parts.scheme.partition("+")[0].lower()
+    default = SQL_SERVER_PORTS.get(dialect)
+    query = {key.lower() for key in urllib.parse.parse_qs(parts.query, keep_blank_values=True)}
+    if default is None or not parts.hostname or query & {"host", "unix_socket"}:
+        return
+    if default == 3306 and parts.hostname == "localhost":  # MySQL's client takes "localhost" for its local socket
+        return
+    try:
+        port = parts.port or default
+    except ValueError:  # MLflow's URI parsing raised it as a traceback
+        raise VitregError(f"the tracking URI {redact(uri)} has a port that is not a number: write "
+                          f"{dialect}://user:password@host:{default}/db (several hosts go in the query: "
+                          f"?host=host1:{default}&host=host2:{default})") from None
+    import socket
+
+    try:
+        socket.create_connection((parts.hostname, port), timeout=timeout).close()
+    except OSError as exc:
+        reason = "no answer in %g s" % timeout if isinstance(exc, TimeoutError) else (exc.strerror or str(exc))
+        raise StoreError(f"the tracking store at {redact(uri)} does not answer ({reason}): start it, or fix "
+                         f"MLFLOW_TRACKING_URI") from None

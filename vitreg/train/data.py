@@ -130,7 +130,7 @@ class FolderData:
         self.batch_size = batch_size
         pin = self.device.type == "cuda"
         # workers from a forkserver, not forked from this process: its threads (MLflow's, torch's) may hold a heap
-        # lock or be mid-update at a fork; a forked worker then died of "double free or corruption" (stop 44's suite)
+        # lock or be mid-update at a fork, and a forked worker can then die of "double free or corruption"
         loader_kw = dict(num_workers=num_workers, pin_memory=pin, persistent_workers=num_workers > 0,
                          **({"prefetch_factor": 4, "multiprocessing_context": "forkserver"} if num_workers > 0 else {}))
         self.sampler = epoch_sampler(self.train_set, seed, rank, world_size)
