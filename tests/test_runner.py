@@ -486,9 +486,10 @@ def test_a_step_whose_launches_take_its_time_is_launch_bound_and_one_the_gpu_car
 
     gpu = _FakeGpu()
     monkeypatch.setattr(runner, "synchronize", gpu.synchronize)
-    assert runner._launch_bound(lambda: gpu.launch(0.006, 0.0005), 0.0065, "cuda")  # launches are the step
-    assert not runner._launch_bound(lambda: gpu.launch(0.001, 0.02), 0.021, "cuda")  # the GPU's work is
-    assert not runner._launch_bound(lambda: gpu.launch(0.006, 0.0005), 0.2, "cuda")  # too long to be: unchecked
+    # (the host's part long against a thread's wake-up on a loaded machine)
+    assert runner._launch_bound(lambda: gpu.launch(0.04, 0.0005), 0.04, "cuda")  # launches are the step
+    assert not runner._launch_bound(lambda: gpu.launch(0.001, 0.04), 0.041, "cuda")  # the GPU's work is
+    assert not runner._launch_bound(lambda: gpu.launch(0.04, 0.0005), 0.2, "cuda")  # too long to be: unchecked
     assert not runner._launch_bound(lambda: None, 0.001, "cpu")
 
 

@@ -30,9 +30,9 @@ from vitreg.tracking.delivery import (ERROR_KIND_TAG, ERROR_TAG, HEARTBEAT_TAG, 
 from vitreg.tracking.mlflow_on_first_use import mlflow
 from vitreg.tracking.spool import JOURNAL, flush_timeout_s, offline_mode
 from vitreg.tracking.store import (busy_wait_s, check_server, first_line, http_timeout_s, prepare_store,
-                                   short_http_requests, store_errors, ui_command)
+                                   short_http_requests, sqlite_path, store_errors, ui_command)
 from vitreg.tracking.sync import SENT_CREDENTIALS, pending
-from vitreg.tracking.uris import redact, scrub, tracking_uri, without_credentials
+from vitreg.tracking.uris import current_uri, scrub, tracking_uri, without_credentials
 
 RESUMED_FROM_TAG = "vitreg_resumed_from"  # on the new run: the run id of the checkpoint it continues
 RESUMED_BY_TAG = "vitreg_resumed_by"  # on the old run: the newest run that resumed it

@@ -22,7 +22,6 @@ from vitreg.tracking.delivery import HEARTBEAT_TAG
 from vitreg.tracking.mlflow_on_first_use import mlflow
 from vitreg.tracking.naming import gpu_text, runs_page
 from vitreg.tracking.runs import SUPERSEDED_TAG, _experiments
-from vitreg.tracking.store import sqlite_path, store_errors
 
 
 def benchmark_runs(experiment: str) -> pd.DataFrame:

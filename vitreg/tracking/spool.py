@@ -17,7 +17,6 @@ import contextlib
 import errno
 import fcntl
 import json
-import math
 import os
 import re
 import shutil
