@@ -421,3 +421,44 @@ def test_a_node_killed_mid_sweep_fails_its_children_and_the_sweep_goes_on(server
     assert {c.info.status for c in by_gpu["h100"]} == {"FINISHED"} and len(by_gpu["h100"]) == 2
     assert len(by_gpu["a100"]) == 2 and {c.info.status for c in by_gpu["a100"]} <= {"FAILED", "KILLED"}
     assert all(c.data.tags.get("vitreg_error") for c in by_gpu["a100"]), [c.data.tags for c in by_gpu["a100"]]
+
+
+def test_fleet_iv_3_a_ray_cluster_that_refuses_the_token_is_named_with_ray_s_reason_and_the_fix(tmp_path):
+    """Issue 48, point 3: a head started with token authentication (`RAY_AUTH_MODE=token`, Ray 2.60) and a sweep
+    without its token: exit 2 after ~21 s with "could not join ... start it (`ray start --head`)", the cause only
+    in Ray's log file. The line names Ray's reason and its fix. A head of its own (`ray start --head --block`),
+    ended by SIGTERM and then by the PIDs of what it started."""
+    import shutil
+    import socket
+    import tempfile
+
+    from _sessions import _end_by_pid
+
+    port, temp = free_port(), tempfile.mkdtemp(prefix="ray-", dir="/tmp")  # Ray's socket paths must stay short
+    alone = {"HOME": str(tmp_path), "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}  # no ~/.ray/auth_token; 127.0.0.1
+    head = subprocess.Popen([str(Path(sys.executable).parent / "ray"), "start", "--head", "--block", f"--port={port}",
+                             "--num-cpus=1", "--include-dashboard=false", "--node-ip-address=127.0.0.1",
+                             f"--temp-dir={temp}"], env={**os.environ, **alone, "RAY_AUTH_MODE": "token",
+                                                         "RAY_AUTH_TOKEN": "f" * 32},
+                            stdout=subprocess.DEVNULL, stderr=(tmp_path / "head.log").open("w"), start_new_session=True)
+    try:
+        def answers():
+            with socket.socket() as sock:
+                return head.poll() is None and sock.connect_ex(("127.0.0.1", port)) == 0
+
+        _wait(answers, 120, f"the head to listen; its log: {(tmp_path / 'head.log').read_text()[-2000:]}")
+        env = {k: v for k, v in subprocess_env(migrated_store(tmp_path), **alone).items() if not k.startswith("RAY_AUTH")}
+        sweep = subprocess.run([*SWEEP, "--engine", "ray", "--ray-address", f"127.0.0.1:{port}", *CHILD, *SHORT],
+                               cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180)
+    finally:
+        started = [psutil.Process(head.pid), *psutil.Process(head.pid).children(recursive=True)]
+        head.terminate()
+        try:
+            head.wait(timeout=30)
+        finally:
+            _end_by_pid(started)
+            shutil.rmtree(temp, ignore_errors=True)
+    (line,) = [x for x in sweep.stderr.splitlines() if x.startswith("error:")]
+    assert sweep.returncode == 2 and "start it" not in line, sweep.stderr[-3000:]
+    assert "refused this sweep (InvalidAuthToken: Authentication token is missing or incorrect)" in line, line
+    assert "set RAY_AUTH_MODE=token and RAY_AUTH_TOKEN to the cluster's token" in line, line

@@ -15,6 +15,7 @@ import io
 import json
 import logging
 import os
+import re
 import socket
 import sys
 import tempfile
@@ -122,10 +123,11 @@ def shipped_env(more: str = "") -> dict:
             "env_vars": {**env.get("env_vars", {}), GIT_SHA_VAR: git_sha()}}
 
 
-def connect(address: str, runtime_env: str = ""):
+def connect(address: str, runtime_env: str = "", ray_log: Path | None = None):
     """``ray.init`` against ``address`` (``local``: a cluster of this host alone). In the main thread (Ray sets
     its signal handlers there) with :func:`shipped_env`; an address that does not answer was refused by
-    :func:`_check_answers` first."""
+    :func:`_check_answers` first, a cluster that refuses this driver's token is named with Ray's reason (which
+    only Ray's own log lines, ``ray_log``, hold)."""
     ray = _ray()
     shipped = shipped_env(runtime_env)
     _check_answers(address)
@@ -136,8 +138,15 @@ def connect(address: str, runtime_env: str = ""):
         ray.init(address=address, runtime_env=shipped, log_to_driver=False, include_dashboard=False,
                  logging_level=logging.WARNING, **here)
         signals.install()  # ray.init set its own SIGTERM handler (exit 1 at once): SIGTERM must cancel the tasks
-    except (ConnectionError, RuntimeError, ValueError) as exc:  # nothing there, or not a Ray cluster
+    except (ConnectionError, RuntimeError, ValueError, ray.exceptions.RayError) as exc:  # not a Ray cluster...
         reason = (str(exc).splitlines() or [type(exc).__name__])[0][:200]
+        said = ray_log.read_text(errors="replace") if ray_log and ray_log.exists() else ""
+        token = re.search(r"InvalidAuthToken: [^\n]*|Token authentication is enabled[^.]*", f"{said}\n{exc}")
+        if token:
+            raise VitregError(f"the Ray cluster at {address} refused this sweep ({token[0].strip()}): set "
+                              f"RAY_AUTH_MODE=token and RAY_AUTH_TOKEN to the cluster's token (`ray get-auth-token` "
+                              f"on its head prints it; or RAY_AUTH_TOKEN_PATH, its file), or start the cluster with "
+                              f"RAY_AUTH_MODE=disabled") from None
         raise VitregError(f"could not join the Ray cluster at {address} ({reason}): start it (`ray start --head`), "
                           f"or pass ray_address=local to start one here") from None
     return ray
@@ -163,7 +172,7 @@ class RayEngine(ClusterChecks):
             raise
 
     def _join(self, address: str, max_parallel: int, progress, device: str, runtime_env: str) -> None:
-        self.ray = connect(address, runtime_env)
+        self.ray = connect(address, runtime_env, self.ray_log.path)
         self.address = address
         self.max_parallel = max_parallel
         self.progress = progress
