@@ -35,12 +35,13 @@ def _submitit():
 
 @dataclass(frozen=True)
 class Node:
-    """One node as ``sinfo -N`` shows it: its state, the GPU types of its gres, its features."""
+    """One node as ``sinfo -N`` shows it: its state, the GPU types of its gres, its features, its machine."""
 
     name: str
     state: str
     gpus: dict  # gres type -> count ("" for untyped GPUs)
     features: frozenset
+    host: str = ""  # its NodeHostname: several nodes may be one machine
 
     @property
     def in_service(self) -> bool:
@@ -61,12 +62,12 @@ def _gres_gpus(gres: str) -> dict:
 
 def cluster_nodes(partition: str = "") -> list[Node]:
     """The partition's nodes (every node when none is named)."""
-    args = ["sinfo", "-h", "-N", "-o", "%N|%T|%G|%f"] + (["-p", partition] if partition else [])
+    args = ["sinfo", "-h", "-N", "-o", "%N|%T|%G|%f|%n"] + (["-p", partition] if partition else [])
     nodes = {}
     for line in slurm(*args).splitlines():
-        name, state, gres, features = (line.split("|") + ["", "", ""])[:4]
+        name, state, gres, features, host = (line.split("|") + ["", "", "", ""])[:5]
         feature_set = frozenset(f for f in features.split(",") if f and f != "(null)")
-        nodes[name] = Node(name, state, _gres_gpus(gres), feature_set)
+        nodes[name] = Node(name, state, _gres_gpus(gres), feature_set, host)
     return list(nodes.values())
 
 
