@@ -1,5 +1,6 @@
 """The SLURM side of ``engine=slurm``: :func:`run_child`, the job's function on its node, and :class:`Follower`,
-the parent's loop that submits the jobs (submitit) and follows them (``squeue``) to their end."""
+the parent's loop that submits the jobs (submitit) and follows them (``squeue``: ``sacct`` is often off) to their
+end."""
 
 from __future__ import annotations
 
