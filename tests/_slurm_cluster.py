@@ -146,7 +146,7 @@ def _wait(ready, what: str, cluster: Cluster) -> None:
     raise RuntimeError(f"the test SLURM cluster: {what} did not happen in {START_TIMEOUT_S:.0f} s\n{cluster.logs()}")
 
 
-def _slurm_conf(root: Path, ports: dict) -> str:
+def _slurm_conf(root: Path, ports: dict, task_plugin: str) -> str:
     host = socket.gethostname()
     nodes = "\n".join(f"NodeName={node} NodeHostname={host} NodeAddr=127.0.0.1 Port={ports[node]} CPUs=1 "
                       f"Gres=gpu:{gpu}:1 Features={gpu} State=UNKNOWN" for node, gpu in NODES.items())
@@ -166,7 +166,7 @@ SlurmdPidFile={root}/slurmd.%n.pid
 SlurmctldLogFile={root}/slurmctld.log
 SlurmdLogFile={root}/slurmd.%n.log
 ProctrackType=proctrack/linuxproc
-TaskPlugin=task/none
+TaskPlugin={task_plugin}
 SelectType=select/cons_tres
 SelectTypeParameters=CR_Core
 GresTypes=gpu
@@ -190,14 +190,16 @@ PartitionName=gpu Nodes=ALL Default=YES MaxTime=INFINITE State=UP
 """
 
 
-def start(root: Path) -> Cluster:
-    """munged, slurmctld and the two slurmd nodes, waited for until both nodes are IDLE."""
+def start(root: Path, task_plugin: str = "task/none") -> Cluster:
+    """munged, slurmctld and the two slurmd nodes, waited for until both nodes are IDLE. ``task_plugin``:
+    ``task/none`` binds a job's processes to no CPU (their affinity mask is the host's), ``task/affinity`` to the
+    CPUs the job was granted."""
     root.mkdir(parents=True, exist_ok=True)
     os.chmod(root, 0o700)
     for sub in ("ctld", *(f"spool/{node}" for node in NODES)):
         (root / sub).mkdir(parents=True, exist_ok=True)
     ports = {"ctld": _free_port(), **{node: _free_port() for node in NODES}}
-    (root / "slurm.conf").write_text(_slurm_conf(root, ports))
+    (root / "slurm.conf").write_text(_slurm_conf(root, ports, task_plugin))
     (root / "no_route").write_text("")
     (root / "task_prolog.sh").write_text(TASK_PROLOG.format(root=root))
     os.chmod(root / "task_prolog.sh", 0o755)

@@ -268,9 +268,12 @@ def test_a_ray_child_out_of_memory_is_retried_with_a_smaller_batch(sqlite_store,
     assert by_status["FINISHED"].data.tags["requested_batch_size"] == "3"
 
 
-def test_rerun_failed_on_ray_completes_the_parent(sqlite_store, server, ray_cluster, monkeypatch, tmp_path):
+def test_fleet_iv_4_rerun_failed_on_ray_refuses_new_options_then_completes_the_parent(sqlite_store, server,
+                                                                                     ray_cluster, monkeypatch,
+                                                                                     tmp_path):
     """engine=ray: a child refused at run time fails (the parent FAILED); `--rerun-failed` on the same cluster runs
-    only it again, under the same parent, and the parent ends FINISHED. The first sweep lets its CPU children share
+    only it again, under the same parent, and the parent ends FINISHED. Issue 48, point 4: given `--repeats 2`, the
+    re-run's children logged the parent's repeats and took minutes, no word: the option is refused by name. The first sweep lets its CPU children share
     a node (`--share-node`, as they did before issue 40): the console says so, every child run is tagged so, and
     the re-run keeps it (the parent's settings)."""
     import tempfile
@@ -288,6 +291,9 @@ def test_rerun_failed_on_ray_completes_the_parent(sqlite_store, server, ray_clus
     assert "4 at once on a Ray cluster of 2 nodes, CPU children sharing a node (share_node=true)" in first.output
     parent_id = _parent(client, "fleet-rerun").info.run_id
     flag.unlink()
+    told = _sweep_in_process(*ray, "--rerun-failed", parent_id, "--repeats", "2")
+    assert told.exit_code == 2 and "so --repeats would not apply" in told.output, told.output[-3000:]
+    assert len(_children(client, "fleet-rerun")) == 2
     again = _sweep_in_process(*ray, "--rerun-failed", parent_id)
     assert again.exit_code == 0 and f"sweep {parent_id}: 2 finished, 0 failed" in again.output, again.output[-3000:]
     assert client.get_run(parent_id).info.status == "FINISHED"
@@ -295,6 +301,31 @@ def test_rerun_failed_on_ray_completes_the_parent(sqlite_store, server, ray_clus
     assert sorted((c.data.tags["sweep_label"], c.info.status) for c in children) == [
         ("test_vit", "FINISHED"), ("test_vit2", "FAILED"), ("test_vit2", "FINISHED")]
     assert all(c.data.tags["sweep_engine"] == "ray" and c.data.tags["sweep_shared_node"] == "true" for c in children)
+
+
+def test_fleet_iv_1_2_shared_ray_children_run_on_their_grant_and_say_they_shared_the_host(server, ray_cluster,
+                                                                                         tmp_path):
+    """Issue 48, points 1 and 2, on a cluster that pins no CPU (Ray): a 1-CPU task recorded cpus_granted=2 (the
+    affinity mask, the host's), and two children at once on one host were not said to. With `--share-node`, both
+    children of the head node (two CPUs) run at once, each on its task's one CPU: torch and OpenMP take it, the run
+    records it and where it came from, is tagged with the two children on its host, and the table flags both."""
+    client = MlflowClient(server)
+    before = {c.info.run_id for c in _children(client)}
+    sweep = _start(server, tmp_path, "--engine", "ray", "--ray-address", ray_cluster.address, "--gpu", "h100",
+                   "--share-node", *CHILD, *SHORT)
+    try:
+        out, err = sweep.communicate(timeout=480)
+    finally:
+        _end(sweep)
+    assert sweep.returncode == 0, err[-3000:]
+    mine = [c for c in _children(client) if c.info.run_id not in before]
+    for child in mine:
+        tags = child.data.tags
+        assert tuple(tags.get(name) for name in ("cpus_granted", "cpus_granted_from", "torch_threads", "omp_threads",
+                                                 "sweep_children_on_host")) == (
+            "1", "VITREG_RAY_TASK_CPUS", "1", "1", "2"), tags
+    rows = [line for line in out.splitlines() if line.startswith("test_vit")]
+    assert len(mine) == len(rows) == 2 and all("shared host" in row.split("  ")[-1] for row in rows), out
 
 
 def _bare_python(folder: Path) -> Path:
@@ -450,3 +481,44 @@ def test_bad_days_v_case6_a_runtime_env_that_cannot_be_built_says_why_and_sigter
         _end(sweep)
     assert sweep.returncode == 128 + signal.SIGTERM and took < 10, (took, err[-3000:])
     assert {c.info.status for c in _children(client) if c.info.run_id not in before} == {"KILLED"}
+
+
+def test_fleet_iv_3_a_ray_cluster_that_refuses_the_token_is_named_with_ray_s_reason_and_the_fix(tmp_path):
+    """Issue 48, point 3: a head started with token authentication (`RAY_AUTH_MODE=token`, Ray 2.60) and a sweep
+    without its token: exit 2 after ~21 s with "could not join ... start it (`ray start --head`)", the cause only
+    in Ray's log file. The line names Ray's reason and its fix. A head of its own (`ray start --head --block`),
+    ended by SIGTERM and then by the PIDs of what it started."""
+    import shutil
+    import socket
+    import tempfile
+
+    from _sessions import _end_by_pid
+
+    port, temp = free_port(), tempfile.mkdtemp(prefix="ray-", dir="/tmp")  # Ray's socket paths must stay short
+    alone = {"HOME": str(tmp_path), "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}  # no ~/.ray/auth_token; 127.0.0.1
+    head = subprocess.Popen([str(Path(sys.executable).parent / "ray"), "start", "--head", "--block", f"--port={port}",
+                             "--num-cpus=1", "--include-dashboard=false", "--node-ip-address=127.0.0.1",
+                             f"--temp-dir={temp}"], env={**os.environ, **alone, "RAY_AUTH_MODE": "token",
+                                                         "RAY_AUTH_TOKEN": "f" * 32},
+                            stdout=subprocess.DEVNULL, stderr=(tmp_path / "head.log").open("w"), start_new_session=True)
+    try:
+        def answers():
+            with socket.socket() as sock:
+                return head.poll() is None and sock.connect_ex(("127.0.0.1", port)) == 0
+
+        _wait(answers, 120, f"the head to listen; its log: {(tmp_path / 'head.log').read_text()[-2000:]}")
+        env = {k: v for k, v in subprocess_env(migrated_store(tmp_path), **alone).items() if not k.startswith("RAY_AUTH")}
+        sweep = subprocess.run([*SWEEP, "--engine", "ray", "--ray-address", f"127.0.0.1:{port}", *CHILD, *SHORT],
+                               cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180)
+    finally:
+        started = [psutil.Process(head.pid), *psutil.Process(head.pid).children(recursive=True)]
+        head.terminate()
+        try:
+            head.wait(timeout=30)
+        finally:
+            _end_by_pid(started)
+            shutil.rmtree(temp, ignore_errors=True)
+    (line,) = [x for x in sweep.stderr.splitlines() if x.startswith("error:")]
+    assert sweep.returncode == 2 and "start it" not in line, sweep.stderr[-3000:]
+    assert "refused this sweep (InvalidAuthToken: Authentication token is missing or incorrect)" in line, line
+    assert "set RAY_AUTH_MODE=token and RAY_AUTH_TOKEN to the cluster's token" in line, line

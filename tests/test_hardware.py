@@ -123,5 +123,26 @@ def test_the_cpus_granted_and_torch_threads_are_recorded(monkeypatch):
 
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0})
     monkeypatch.setattr(torch, "get_num_threads", lambda: 3)
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
     tags = capture_environment().to_tags()
-    assert (tags["cpus_granted"], tags["torch_threads"]) == ("1", "3")
+    assert (tags["cpus_granted"], tags["cpus_granted_from"], tags["torch_threads"], tags["omp_threads"]) == (
+        "1", "affinity", "3", "3")
+
+
+@pytest.mark.parametrize("variables, mask, grant", [
+    ({}, 4, (4, "affinity")),  # no scheduler: the mask
+    ({"SLURM_CPUS_PER_TASK": "1", "SLURM_JOB_CPUS_PER_NODE": "2"}, 4, (1, "SLURM_CPUS_PER_TASK")),  # task/none
+    ({"SLURM_JOB_CPUS_PER_NODE": "2(x3)"}, 4, (2, "SLURM_JOB_CPUS_PER_NODE")),  # --exclusive: no cpus-per-task
+    ({"VITREG_RAY_TASK_CPUS": "1"}, 2, (1, "VITREG_RAY_TASK_CPUS")),  # Ray pins nothing
+    ({"VITREG_RAY_TASK_CPUS": "8"}, 2, (2, "affinity")),  # the mask is narrower (a container, taskset)
+    ({"SLURM_CPUS_PER_TASK": "1"}, 1, (1, "SLURM_CPUS_PER_TASK")),  # task/affinity: both agree
+    ({"SLURM_CPUS_PER_TASK": "junk"}, 2, (2, "affinity")),
+])
+def test_fleet_iv_1_the_cpu_grant_is_the_schedulers_unless_the_affinity_mask_is_narrower(monkeypatch, variables,
+                                                                                       mask, grant):
+    """Issue 48, point 1: a SLURM child in a 1-CPU job recorded cpus_granted=2 (the affinity mask, which a
+    scheduler without CPU binding leaves the host's). The real-cluster checks: tests/test_slurm.py, test_fleet.py."""
+    from vitreg.environment import cpu_grant
+
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(mask)))
+    assert cpu_grant(variables) == grant

@@ -268,3 +268,83 @@ def test_a_requeued_child_resumes_into_its_run_and_is_logged_once(slurm_cluster,
         assert len(steps) == len(set(steps)) and (key.startswith("system/") or len(steps) == 1), (key, steps)
     parent = client.get_run(run.data.tags["mlflow.parentRunId"])
     assert parent.info.status == "FINISHED" and parent.data.metrics["n_finished"] == 1
+
+
+def _grant(child) -> tuple:
+    tags = child.data.tags
+    return tuple(tags.get(name) for name in ("cpus_granted", "cpus_granted_from", "torch_threads", "omp_threads"))
+
+
+def test_fleet_iv_1_2_shared_children_run_on_their_grant_and_say_they_shared_the_host(slurm_cluster, uri, tmp_path):
+    """Issue 48, points 1 and 2, on a cluster that pins no CPU (`task/none`): with `--share-node`, a child in a
+    1-CPU job ran with torch_threads=2 and recorded cpus_granted=2 (the affinity mask, the host's), and two
+    children that ran at once on the one host (its two nodes) were not said to. Each child now takes its job's
+    grant (SLURM_CPUS_PER_TASK) for torch and OpenMP, records it and where it came from, is tagged with the two
+    children on its host, and the sweep's table flags both rows. No OMP_NUM_THREADS from the submitting host
+    (sbatch passes the submitter's variables on)."""
+    sweep = subprocess.Popen([*SWEEP, *CHILD, *SHORT, "--share-node", "--slurm-folder", str(tmp_path / "shared"),
+                              "--experiment", "fleet"], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True, env={k: v for k, v in subprocess_env(uri, **slurm_cluster.env).items()
+                                             if k != "OMP_NUM_THREADS"})
+    try:
+        out, err = sweep.communicate(timeout=600)
+    finally:
+        _end(sweep)
+    assert sweep.returncode == 0, err[-3000:]
+    children = _children(MlflowClient(uri))
+    assert len({c.data.tags["slurm_node"] for c in children}) == 2, err[-3000:]  # the two nodes of one host
+    for child in children:
+        assert _grant(child) == ("1", "SLURM_CPUS_PER_TASK", "1", "1"), child.data.tags
+        assert child.data.tags["sweep_children_on_host"] == "2", child.data.tags
+    rows = [line for line in out.splitlines() if line.startswith("test_vit")]
+    assert len(rows) == 2 and all(row.rstrip().endswith("shared host") or "shared host," in row for row in rows), out
+
+
+@pytest.fixture(scope="module")
+def pinning_cluster(tmp_path_factory):
+    """A second cluster, whose slurmd binds each job to the CPUs it was granted (`TaskPlugin=task/affinity`)."""
+    from _slurm_cluster import installed, start
+
+    if not installed():
+        pytest.skip("SLURM is not installed here")
+    cluster = start(tmp_path_factory.mktemp("slurm-pinning"), task_plugin="task/affinity")
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+def test_fleet_iv_1_on_a_cluster_that_pins_cpus_a_child_runs_on_its_grant(pinning_cluster, tmp_path):
+    """Issue 48, point 1, on a cluster that pins CPUs: the job's affinity mask is its grant (one CPU of the
+    host's two), and the child runs on it and records it as its scheduler's."""
+    mask = "import os; print(len(os.sched_getaffinity(0)))"
+    assert pinning_cluster.run("srun", "-n1", "--cpus-per-task=1", sys.executable, "-c", mask).strip() == "1"
+    uri = migrated_store(tmp_path)
+    sweep = _start(pinning_cluster, uri, tmp_path, *CHILD[2:], "--models", "test_vit", *SHORT, "--share-node")
+    try:
+        _, err = sweep.communicate(timeout=600)
+    finally:
+        _end(sweep)
+    assert sweep.returncode == 0, err[-3000:]
+    (child,) = _children(MlflowClient(uri))
+    assert _grant(child) == ("1", "SLURM_CPUS_PER_TASK", "1", "1"), child.data.tags
+    assert child.data.tags["sweep_children_on_host"] == "1"
+    assert _queue_is_empty(pinning_cluster), pinning_cluster.queue()
+
+
+def test_fleet_iv_5_a_child_stopped_by_sigterm_keeps_its_job_and_node_tags(slurm_cluster, uri, tmp_path):
+    """Issue 48, point 5: a child stopped by SIGTERM to its sweep had no slurm_job_id / slurm_node tags (one
+    stopped by scancel has them)."""
+    client = MlflowClient(uri)
+    sweep = _start(slurm_cluster, uri, tmp_path, "--gpu", "a100", *CHILD[2:], "--models", "test_vit", *LONG)
+    try:
+        (child,) = _wait(lambda: [c for c in _children(client) if c.info.status == "RUNNING"
+                                  and _bench_processes({c.info.run_id})], 300, "a running child")
+        (job_id,) = slurm_cluster.run("squeue", "-h", "-o", "%i").split()
+        sweep.send_signal(signal.SIGTERM)
+        _, err = sweep.communicate(timeout=180)
+    finally:
+        _end(sweep)
+    run = client.get_run(child.info.run_id)
+    assert sweep.returncode == 128 + signal.SIGTERM and run.info.status == "KILLED", err[-3000:]
+    assert (run.data.tags.get("slurm_job_id"), run.data.tags.get("slurm_node")) == (job_id, "gpu-a100"), run.data.tags

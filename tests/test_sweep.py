@@ -224,6 +224,32 @@ def test_rerun_failed_of_a_run_that_is_no_ended_sweep_is_one_line(sqlite_store):
     assert len(_runs("sw")) == 2
 
 
+def test_bad_days_v_case_8_rerun_failed_refuses_new_work_options_by_name(sqlite_store):
+    """Issue 45, case 8: `--rerun-failed <id> --batch-size 64 --models vit_huge_patch14_224` (and `--repeats 2`)
+    re-ran with the parent's options and said nothing. A re-run runs each combination as it was started: an axis
+    or bench option given with it is refused by its flag (the engine's options still win), and nothing runs."""
+    import json
+
+    from mlflow.tracking import MlflowClient
+
+    from vitreg.bench.sweep import COMBINATIONS_FILE
+
+    client = MlflowClient()
+    exp = client.create_experiment("sw")
+    parent = client.create_run(exp, tags={"vitreg_job": "sweep", "sweep_engine": "local"}).info.run_id
+    client.log_text(parent, json.dumps({"common": {"device": "cpu"}, "combinations": [
+        {"label": "test_vit", "options": {"model": "test_vit", "batch_size": 2}}]}), COMBINATIONS_FILE)
+    client.set_terminated(parent, "FAILED")  # its one combination never got a child
+    for given, flags in [(["--batch-size", "64", "--models", "vit_huge_patch14_224"], "--models, --batch-size"),
+                         (["--repeats", "2"], "--repeats"), (["--axis", "sdpa=math", "--img-size", "64"],
+                                                             "--axes, --img-size")]:
+        result = CliRunner().invoke(main, ["sweep", "--rerun-failed", parent, *given])
+        errors = [line for line in result.output.splitlines() if line.startswith("error:")]
+        assert result.exit_code == 2 and len(errors) == 1, result.output
+        assert f"so {flags} would not apply: leave" in errors[0] and "start a new sweep" in errors[0], errors
+    assert len(_runs("sw")) == 1
+
+
 def test_the_time_left_counts_the_typical_child_not_the_first_ones_wait_for_its_worker():
     """Issue 35: "about 3 min left" after the first child, then six more minutes. A GPU's first child also waits
     for its warm worker's imports; the later ones are what the rest will take."""
@@ -281,6 +307,7 @@ def test_the_sweeps_table_flags_the_row_of_a_child_measured_on_a_busy_host(sqlit
     from mlflow.tracking import MlflowClient
 
     from vitreg.bench import sweep
+    from vitreg.fleet import children
     from vitreg.tracking import runs as tracking
 
     client = MlflowClient()
@@ -290,7 +317,7 @@ def test_the_sweeps_table_flags_the_row_of_a_child_measured_on_a_busy_host(sqlit
                                                (8, 3.0, "true"), (8, 9.3, "false")]):
             child = tracking.create_child_run(parent, f"batch_size={bs}", {
                 "gpu": "cpu", "amp": "off", "img_size": "32", "infer_busy_host": busy,
-                "infer_host_load_beside_run": "1.65" if busy == "true" else "0.02", sweep.HOST_SHARE_TAG: "1"})
+                "infer_host_load_beside_run": "1.65" if busy == "true" else "0.02", children.HOST_SHARE_TAG: "1"})
             for key, value in {"model": "test_vit", "task": "infer", "batch_size": bs, "amp": "off",
                                "compile": "off", "gpu": "cpu", "img_size": 32}.items():
                 client.log_param(child, key, value)

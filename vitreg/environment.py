@@ -9,6 +9,7 @@ import functools
 import json
 import os
 import platform
+import re
 import socket
 import subprocess
 from dataclasses import asdict, dataclass
@@ -17,6 +18,10 @@ from pathlib import Path
 
 #: the commit of a vitreg shipped to a Ray node (vitreg.fleet.ray_engine.shipped_env), whose copy is in no git tree
 GIT_SHA_VAR = "VITREG_GIT_SHA"
+#: where a cluster's child reads its CPU grant, first found wins: SLURM's CPUs for the job's task, for the job on
+#: this node, and the CPUs its Ray task reserved (the task passes them: vitreg.fleet.ray_tasks)
+RAY_CPUS_VAR = "VITREG_RAY_TASK_CPUS"
+GRANT_VARIABLES = ("SLURM_CPUS_PER_TASK", "SLURM_JOB_CPUS_PER_NODE", RAY_CPUS_VAR)
 
 
 def _version(dist: str) -> str:
@@ -101,8 +106,10 @@ class EnvInfo:
     vitreg_git_sha: str
     #: NCCL_* and TORCH_NCCL_* variables set in the process (they change DDP figures), "K=V;K=V" sorted
     nccl_env: str = ""
-    cpus_granted: int = 0  # the CPUs this process may run on (a SLURM job's or a container's grant), of cpu_count
+    cpus_granted: int = 0  # the CPUs this process was granted (cpu_grant), of cpu_count
+    cpus_granted_from: str = ""  # where cpus_granted was read: a GRANT_VARIABLES name, or "affinity"
     torch_threads: int = 0  # torch's intra-op threads: with cpus_granted, what a CPU figure or a host-bound step had
+    omp_threads: str = ""  # OMP_NUM_THREADS as the process had it ("": unset)
 
     def to_tags(self) -> dict[str, str]:
         return {k: ("" if v is None else str(v)) for k, v in asdict(self).items()}
@@ -125,14 +132,25 @@ def capture_environment() -> EnvInfo:
             nccl = ".".join(str(v) for v in torch.cuda.nccl.version()) if torch.distributed.is_available() else None
     cudnn = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
     driver = nvml_ask(lambda nv: nvml_text(nv.nvmlSystemGetDriverVersion()))
+    granted, source = cpu_grant(os.environ)
     # by name: a field out of place would label a run with another field's value, and nothing would fail
     return EnvInfo(**gpu, driver_version=driver, cuda_version=torch.version.cuda,
                    cudnn_version=str(cudnn) if cudnn else None, nccl_version=nccl, torch_version=torch.__version__,
                    torchvision_version=_version("torchvision"), timm_version=_version("timm"),
                    mlflow_version=_version("mlflow"), python_version=platform.python_version(), os=platform.platform(),
                    cpu_model=cpu_model(), cpu_count=os.cpu_count() or 0, hostname=socket.gethostname(),
-                   vitreg_git_sha=git_sha(), nccl_env=nccl_env(), cpus_granted=len(os.sched_getaffinity(0)),
-                   torch_threads=torch.get_num_threads())
+                   vitreg_git_sha=git_sha(), nccl_env=nccl_env(), cpus_granted=granted,
+                   cpus_granted_from=source, torch_threads=torch.get_num_threads(),
+                   omp_threads=os.environ.get("OMP_NUM_THREADS", ""))
+
+
+def cpu_grant(environ) -> tuple[int, str]:
+    """(the CPUs a process was granted, where that was read): its scheduler's word (:data:`GRANT_VARIABLES`: a
+    scheduler that does not pin CPUs leaves the affinity mask the host's), or the affinity mask where that is
+    narrower (a pinning scheduler, a container, ``taskset``) or no scheduler said."""
+    mask = len(os.sched_getaffinity(0))
+    said = [(int(m[0]), name) for name in GRANT_VARIABLES if (m := re.match(r"\d+", environ.get(name, "")))]
+    return said[0] if said and 0 < said[0][0] <= mask else (mask, "affinity")
 
 
 def user_cache_dir() -> Path:

@@ -16,6 +16,8 @@ from vitreg.analysis.stats import MISLABELLED, cv, improvement, spread, versus
 from vitreg.measure.energy import FLAGS, suspect_flags
 from vitreg.measure.metrics import BY_NAME, HIGHER, LOWER
 
+SHARED_HOST = "shared host"  # the flag of a figure timed while other children of its sweep ran on its host
+
 #: what compile_amp_gains pairs runs along (the rest of the configuration must agree)
 GAINED_COLUMNS = ("amp", "compile")
 #: the metrics every comparison row carries (medians) besides the one compared
@@ -236,13 +238,14 @@ def _flags(grp: pd.DataFrame) -> str | float:
 
 def suspect_masks(runs: pd.DataFrame) -> dict[str, pd.Series]:
     """Each word ``vitreg runs`` flags a suspect figure with (:func:`vitreg.measure.energy.suspect_flags`: busy
-    host, throttled, wide spread, precision missed, eager fp8) as a mask over the rows of the tidy frame ``runs``,
-    from its condition columns (NaN for runs that predate them): the runs list, compare and a sweep's table flag
-    alike."""
+    host, throttled, wide spread, precision missed, eager fp8; and ``shared host``: a sweep's child that ran beside
+    others on its host, whatever its engine) as a mask over the rows of the tidy frame ``runs``, from its condition
+    columns (NaN for runs that predate them): the runs list, compare and a sweep's table flag alike."""
     present = [c for c in CONDITION_COLUMNS if c in runs]
     flags = [suspect_flags({k: v for k, v in zip(present, row) if isinstance(v, str)})
              for row in runs[present].itertuples(index=False)]
-    return {word: pd.Series([word in f for f in flags], index=runs.index, dtype=bool) for word in FLAGS}
+    masks = {word: pd.Series([word in f for f in flags], index=runs.index, dtype=bool) for word in FLAGS}
+    return {**masks, SHARED_HOST: runs.get("children_on_host", pd.Series(index=runs.index)).astype(float) > 1}
 
 
 def _table(rows: list[dict], ask: _Question) -> pd.DataFrame:

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from vitreg.analysis.comparison import Comparison, compare_runs, suspect_masks
+from vitreg.analysis.comparison import SHARED_HOST, Comparison, compare_runs, suspect_masks
 from vitreg.analysis.frame import DEFAULT_AXIS, GRANT_COLUMNS, CompareError
 from vitreg.analysis.render import cell
 from vitreg.analysis.stats import BETTER, WORSE
@@ -172,6 +172,8 @@ def condition_lines(runs: pd.DataFrame) -> list[str]:
                      + ", ".join(f"{r.run_id} ({r.gpu}: {r.throttle})" for r in hot.itertuples()))
     for flag, said in (("busy host", "BUSY HOST: {} run(s) measured while other processes loaded the host (their "
                                       "figures may be low)"),
+                       (SHARED_HOST, "SHARED HOST: {} run(s) timed while other children of their sweep ran on "
+                                     "their host (sweep_children_on_host; their figures may be low)"),
                        ("wide spread", f"SPREAD: {{}} run(s) whose window spread was over {SPREAD_LIMIT:.0%} (the "
                                        "windows' CV)"),
                        ("eager fp8", "EAGER FP8: {} run(s) ran fp8 without compile, about half of bf16's speed on an "

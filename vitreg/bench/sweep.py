@@ -26,7 +26,6 @@ CHILD_START_S = 23.0
 #: a later child's in a warm worker (its run, model, logging: 1-4 s on the H200, ~1.5 s on a 2-core CPU,
 #: benchmarks/results/h200-2026-12-03-tta/)
 WARM_CHILD_S = 2.0
-HOST_SHARE_TAG = "sweep_children_on_host"  # how many children shared the child's host while it ran
 #: on each child run: its combination's options and the sweep's common ones (JSON), what --rerun-failed runs again
 OPTIONS_TAG = "sweep_child_options"
 #: on the parent: the sweep's own options as given (its engine, Ray address, SLURM partition...), JSON: a re-run's
@@ -102,6 +101,7 @@ def check_options(own: dict, common: dict) -> None:
 
     settings = SweepSettings.parse(own)
     if settings.rerun_failed:  # the combinations are the failed children's own, read from their runs
+        _refuse_new_work(own, common)
         return
     common = dict(common)
     axes = _axes(own, common)
@@ -111,6 +111,18 @@ def check_options(own: dict, common: dict) -> None:
         for combo in combos:
             check_label_here(str(combo.get("gpu", common.get("gpu") or "auto")), str(common.get("device") or "auto"),
                              option("bench", "allow_gpu_mismatch").parse(common.get("allow_gpu_mismatch", False)))
+
+
+def _refuse_new_work(own: dict, common: dict) -> None:
+    """A re-run runs each combination with the options it was started with: an axis or a bench option given with
+    it (other than its default) is refused by name, never dropped in silence."""
+    work = {**{name: own.get(name) for name in (*SWEEP_LISTS, "axes")}, **common}
+    given = [option("sweep", k).flags[0] for k, v in work.items()
+             if v and v not in (option("sweep", k).default, option("sweep", k).default_text)]
+    if given:
+        raise VitregError(f"--rerun-failed re-runs each combination with the options it was started with, so "
+                          f"{', '.join(given)} would not apply: leave {'them' if len(given) > 1 else 'it'} out (only "
+                          f"the engine's options may change), or start a new sweep with them")
 
 
 def _axes(own: dict, common: dict) -> dict:
@@ -169,7 +181,7 @@ def _conclude(parent, last_ok: dict, progress) -> None:
 
 def rerun_failed(settings: SweepSettings, max_oom_retries: int = 3, progress=progress) -> dict:
     """``--rerun-failed PARENT``: each combination of that sweep with no FINISHED child runs again as a new child of
-    the same parent, with its options, on the parent's engine and engine options (those given now win); the child
+    the same parent, with its options, on the parent's engine and engine options (those given now win: :func:`_refuse_new_work`); the child
     it replaces is tagged ``sweep_superseded_by``. The parent ends with the status of all its combinations."""
     parent_run, runs = tracking.run_and_children(settings.rerun_failed)
     latest = _latest_child_per_combination(parent_run, runs)
@@ -330,7 +342,7 @@ class LocalEngine:
             returncode, tail, shared, log = self.pool.launch(children.child_command(combo, bs, ctx.common), run_env,
                                                              gpus, lambda line: ctx.progress(f"{label}: {line}"))
             reason = tracking.finish_child_run(child_id, returncode, tail, stopped=bool(self.pool.stopping),
-                                               tags={HOST_SHARE_TAG: shared}, log=log)
+                                               tags={children.HOST_SHARE_TAG: shared}, log=log)
             ctx.record(child_id, returncode == 0)
             ctx.board.ended("local", returncode == 0, clock.seconds())
             if returncode == 0 or self.pool.stopping:

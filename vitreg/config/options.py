@@ -209,7 +209,7 @@ OPTIONS: tuple[Option, ...] = (
            same_work="which process runs a child; each child's work, seed and graph are its own"),
     Option("rerun_failed", "str", "", "a sweep's parent run id: re-run under it every combination with no "
            "FINISHED child (failed, killed, or never started), each with its options, on the parent's engine and "
-           "engine options (those given now win; the FINISHED ones stay, a replaced child is tagged "
+           "engine options (those given now win; an axis or bench option given is refused; the FINISHED ones stay, a replaced child is tagged "
            "sweep_superseded_by).", ("sweep",), spec_field=False,
            mlproject=False, same_work="which children run again; each one's work is the one it was started with"),
     Option("max_combinations", "int", 256, "refuse a sweep of more combinations than this, before any child starts "

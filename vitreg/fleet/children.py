@@ -20,6 +20,8 @@ from vitreg.tracking import runs as tracking
 
 #: on a CPU child run of a cluster sweep given share_node=true: other children may have run beside it on its node
 SHARED_NODE_TAG = "sweep_shared_node"
+#: on every engine's child run: the most children that ran at once on its host (the machine) while it ran
+HOST_SHARE_TAG = "sweep_children_on_host"
 #: what a cluster engine's ``where`` (the console's "N at once on ...") adds when children may share a node
 SHARING_SAID = ", CPU children sharing a node (share_node=true)"
 
@@ -137,6 +139,8 @@ class RemoteChild:
     clock: Clock | None = None
     started: bool = False
     node: str = ""
+    host: str = ""  # the machine it runs on (two nodes of one machine are one host)
+    peers: int = 0  # the most children at once on its host while it ran (HOST_SHARE_TAG)
     job: object = None
     unseen_polls: int = 0  # polls in a row that squeue did not show the job
 
@@ -178,10 +182,18 @@ class Follower:
             self._cancel_all(signals.interrupted_reason(stop))
             raise stop from None
 
-    def _started(self, child: RemoteChild, node: str = "") -> None:
-        child.started, child.node = True, node or child.node
+    def _started(self, child: RemoteChild, node: str = "", host: str = "") -> None:
+        child.started, child.node, child.host = True, node or child.node, host or node
+        on_host = [c for c in self.pending.values() if c.started and c.host == child.host]
+        for c in on_host:
+            c.peers = max(c.peers, len(on_host))
         tracking.set_child_status(child.run_id, "RUNNING")
         self.ctx.board.started(child.key)
+
+    @staticmethod
+    def _placed(child: RemoteChild) -> dict:
+        """The child run's tag of the most children at once on its host (none for one that never started)."""
+        return {HOST_SHARE_TAG: child.peers} if child.started else {}
 
     def _ended(self, child: RemoteChild, ok: bool, reason: str, retry: bool = True) -> None:
         """The sweep's count and board; a failure said, and an out-of-memory child queued again with a smaller

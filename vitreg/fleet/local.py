@@ -19,6 +19,7 @@ import sys
 import threading
 
 from vitreg.ddp.launcher import die_with_parent, stop_child
+from vitreg.environment import cpu_grant
 from vitreg.errors import VitregError
 from vitreg.fleet.worker import DONE, cli_args, python_command
 from vitreg.signals import interrupted_reason
@@ -238,8 +239,10 @@ class ChildLog:
 def run_remote_child(argv: list[str], env: dict, cwd: str | None = None) -> tuple[int, str, str]:
     """A cluster's child on its node (a Ray task's, a SLURM job's): ``python argv...`` with ``env``, to its end:
     (exit status, stderr tail, its stdout and stderr as they came: :class:`ChildLog`, also written to this
-    process's). Stopped with SIGTERM (its run ends KILLED) when this process is stopped (``ray.cancel``,
-    ``scancel``) or dies."""
+    process's). Its torch and OpenMP threads are its scheduler's grant (:func:`vitreg.environment.cpu_grant`),
+    not the host's CPUs, nor an ``OMP_NUM_THREADS`` the submitting host passed on. Stopped with SIGTERM (its run
+    ends KILLED) when this process is stopped (``ray.cancel``, ``scancel``) or dies."""
+    env = {**env, "OMP_NUM_THREADS": str(cpu_grant(env)[0])}
     proc = subprocess.Popen([sys.executable, *argv], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, cwd=cwd, preexec_fn=die_with_parent)
     log = ChildLog()

@@ -14,6 +14,7 @@ from __future__ import annotations
 import io
 import logging
 import os
+import re
 import socket
 import sys
 import tempfile
@@ -119,10 +120,11 @@ def shipped_env(env: dict | None = None) -> dict:
             "env_vars": {**env.get("env_vars", {}), GIT_SHA_VAR: git_sha()}}
 
 
-def connect(address: str, runtime_env: dict | None = None):
+def connect(address: str, runtime_env: dict | None = None, ray_log: Path | None = None):
     """``ray.init`` against ``address`` (``local``: a cluster of this host alone). In the main thread (Ray sets
     its signal handlers there) with :func:`shipped_env`; an address that does not answer was refused by
-    :func:`_check_answers` first."""
+    :func:`_check_answers` first, a cluster that refuses this driver's token is named with Ray's reason (which
+    only Ray's own log lines, ``ray_log``, hold)."""
     ray = _ray()
     shipped = shipped_env(runtime_env)
     _check_answers(address)
@@ -133,8 +135,15 @@ def connect(address: str, runtime_env: dict | None = None):
         ray.init(address=address, runtime_env=shipped, log_to_driver=False, include_dashboard=False,
                  logging_level=logging.WARNING, **here)
         signals.install()  # ray.init set its own SIGTERM handler (exit 1 at once): SIGTERM must cancel the tasks
-    except (ConnectionError, RuntimeError, ValueError) as exc:  # nothing there, or not a Ray cluster
+    except (ConnectionError, RuntimeError, ValueError, ray.exceptions.RayError) as exc:  # not a Ray cluster...
         reason = (str(exc).splitlines() or [type(exc).__name__])[0][:200]
+        said = ray_log.read_text(errors="replace") if ray_log and ray_log.exists() else ""
+        token = re.search(r"InvalidAuthToken: [^\n]*|Token authentication is enabled[^.]*", f"{said}\n{exc}")
+        if token:
+            raise VitregError(f"the Ray cluster at {address} refused this sweep ({token[0].strip()}): set "
+                              f"RAY_AUTH_MODE=token and RAY_AUTH_TOKEN to the cluster's token (`ray get-auth-token` "
+                              f"on its head prints it; or RAY_AUTH_TOKEN_PATH, its file), or start the cluster with "
+                              f"RAY_AUTH_MODE=disabled") from None
         raise VitregError(f"could not join the Ray cluster at {address} ({reason}): start it (`ray start --head`), "
                           f"or pass ray_address=local to start one here") from None
     return ray
@@ -160,7 +169,7 @@ class RayEngine(ClusterChecks):
             raise
 
     def _join(self, address: str, max_parallel: int, progress, device: str, runtime_env: dict | None) -> None:
-        self.ray = connect(address, runtime_env)
+        self.ray = connect(address, runtime_env, self.ray_log.path)
         self.builds = sorted({"pip", "conda", "uv", "container", "image_uri"} & set(runtime_env or {}))
         self.address = address
         self.max_parallel = max_parallel

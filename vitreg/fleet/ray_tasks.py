@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import contextlib
 import os
+import socket
 import time
 from pathlib import Path
 
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from vitreg.environment import RAY_CPUS_VAR
 from vitreg.errors import first_line
 from vitreg.fleet import children
 from vitreg.fleet.local import STOP_GRACE_S, run_remote_child
@@ -19,13 +21,13 @@ from vitreg.tracking import runs as tracking
 
 @ray.remote(num_cpus=0)
 class Tally:
-    """Which children have started (a task says so before it starts its process): queued vs running."""
+    """Which children have started, on which host (a task says so before it starts its process)."""
 
     def __init__(self):
         self.started: dict[str, str] = {}
 
-    def start(self, child_id: str, node_id: str) -> None:
-        self.started[child_id] = node_id
+    def start(self, child_id: str, host: str) -> None:
+        self.started[child_id] = host
 
     def read(self) -> dict[str, str]:
         return dict(self.started)
@@ -39,8 +41,9 @@ def run_child(child_id: str, argv: list[str], env: dict, tally) -> tuple[int, st
     node_id = ray.get_runtime_context().get_node_id()
     # not waited for: a task blocked in ray.get lends its CPUs back meanwhile, and Ray would start another child
     # on them beside this one (it reserves its node's every CPU so that none can)
-    tally.start.remote(child_id, node_id)
-    returncode, tail, log = run_remote_child(argv, {**os.environ, **env})
+    tally.start.remote(child_id, socket.gethostname())
+    cpus = ray.get_runtime_context().get_assigned_resources().get("CPU", 0)  # its grant, which Ray does not pin
+    returncode, tail, log = run_remote_child(argv, {**os.environ, **env, RAY_CPUS_VAR: str(int(cpus))})
     return returncode, tail, node_id, log
 
 
@@ -69,7 +72,7 @@ class Follower(children.Follower):
         here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
         self.tally = Tally.options(scheduling_strategy=here).remote()
         self.reasons: dict[str, str] = {}  # child run id -> why the parent cancelled it (its GPU type is gone)
-        self.seen: dict[str, str] = {}  # child run id -> node, as the tally last said
+        self.seen: dict[str, str] = {}  # child run id -> host, as the tally last said
         self.reading = None  # the tally's answer on its way: never waited for (its actor waits for the runtime_env)
         self.since, self.said = time.monotonic(), False
 
@@ -88,7 +91,7 @@ class Follower(children.Follower):
             self.reading = None
         for child in self.pending.values():
             if child.run_id in self.seen and not child.started:
-                self._started(child)
+                self._started(child, host=self.seen[child.run_id])
         self._cancel_unplaceable()
         self._follow_build()
 
@@ -114,7 +117,7 @@ class Follower(children.Follower):
         stopped, log = False, ""
         try:
             returncode, tail, node_id, log = ray.get(ref)
-            tags = {"ray_node_id": node_id}
+            tags = {"ray_node_id": node_id, **self._placed(child)}
         except ray.exceptions.TaskCancelledError:
             returncode, tail, tags = -15, self.reasons.get(child.run_id, "cancelled"), {}
             stopped = child.run_id not in self.reasons
@@ -142,7 +145,8 @@ class Follower(children.Follower):
             ready, _ = ray.wait(list(self.pending), num_returns=len(self.pending), timeout=1.0)
             for ref in ready:
                 child = self.pending.pop(ref)
-                tracking.finish_child_run(child.run_id, -15, f"its sweep was {reason}", stopped=True)
+                tracking.finish_child_run(child.run_id, -15, f"its sweep was {reason}", stopped=True,
+                                          tags=self._placed(child))
         for ref, child in self.pending.items():
             ray.cancel(ref, force=True)
             tracking.finish_child_run(child.run_id, -9, f"its sweep was {reason}; its task did not stop in time",

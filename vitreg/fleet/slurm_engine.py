@@ -2,13 +2,8 @@
 
 A child filed under a GPU label asks for that type: ``--gres=gpu:TYPE:N`` (``slurm_gpu_by=gres``, N = ``nproc``,
 one on CPU so the node's GPU is held) or ``--constraint=TYPE`` (``slurm_gpu_by=constraint``), TYPE from
-:data:`vitreg.hardware.profiles.SLURM_GPU_TYPES`. Each job is one task (torchrun starts the ranks) with
-``nproc`` CPUs (a CPU child: ``--exclusive``, its node alone, unless ``share_node``), running
-:func:`vitreg.fleet.slurm_jobs.run_child` on its node; a node that cannot reach the tracking server
-(``offline=auto``) spools into the shared ``slurm_folder``, and the parent delivers the spool once the job ended,
-exactly once. The parent follows its jobs with ``squeue`` (``sacct`` is often off): a job
-the cluster ended, or a pending one whose GPU type no node in service has any more, ends its child FAILED with
-SLURM's reason; SIGINT/SIGTERM cancels every job (``scancel``) and ends every child run KILLED.
+:data:`vitreg.hardware.profiles.SLURM_GPU_TYPES`; what else a job asks: :meth:`SlurmEngine.job_parameters`. What
+the job runs and how the parent follows it: :mod:`vitreg.fleet.slurm_jobs`.
 """
 
 from __future__ import annotations
@@ -35,12 +30,13 @@ def _submitit():
 
 @dataclass(frozen=True)
 class Node:
-    """One node as ``sinfo -N`` shows it: its state, the GPU types of its gres, its features."""
+    """One node as ``sinfo -N`` shows it: its state, the GPU types of its gres, its features, its machine."""
 
     name: str
     state: str
     gpus: dict  # gres type -> count ("" for untyped GPUs)
     features: frozenset
+    host: str = ""  # its NodeHostname: several nodes may be one machine
 
     @property
     def in_service(self) -> bool:
@@ -61,12 +57,12 @@ def _gres_gpus(gres: str) -> dict:
 
 def cluster_nodes(partition: str = "") -> list[Node]:
     """The partition's nodes (every node when none is named)."""
-    args = ["sinfo", "-h", "-N", "-o", "%N|%T|%G|%f"] + (["-p", partition] if partition else [])
+    args = ["sinfo", "-h", "-N", "-o", "%N|%T|%G|%f|%n"] + (["-p", partition] if partition else [])
     nodes = {}
     for line in slurm(*args).splitlines():
-        name, state, gres, features = (line.split("|") + ["", "", ""])[:4]
+        name, state, gres, features, host = (line.split("|") + ["", "", "", ""])[:5]
         feature_set = frozenset(f for f in features.split(",") if f and f != "(null)")
-        nodes[name] = Node(name, state, _gres_gpus(gres), feature_set)
+        nodes[name] = Node(name, state, _gres_gpus(gres), feature_set, host)
     return list(nodes.values())
 
 

@@ -1,5 +1,6 @@
 """The SLURM side of ``engine=slurm``: :func:`run_child`, the job's function on its node, and :class:`Follower`,
-the parent's loop that submits the jobs (submitit) and follows them (``squeue``) to their end."""
+the parent's loop that submits the jobs (submitit) and follows them (``squeue``: ``sacct`` is often off) to their
+end."""
 
 from __future__ import annotations
 
@@ -144,7 +145,7 @@ class Follower(children.Follower):
                 continue
             child.unseen_polls = 0
             if now is not None and now.state == "RUNNING" and not child.started:
-                self._started(child, now.node)
+                self._started(child, now.node, {n.name: n.host for n in self.engine._nodes()}.get(now.node, ""))
             if now is None or now.state in ENDED:
                 self._settle(self.pending.pop(job_id), now or _JobState("COMPLETED", "", child.node))
         self._cancel_unplaceable(states)
@@ -154,7 +155,7 @@ class Follower(children.Follower):
         returncode, tail, spooled = self._outcome(child, now)
         if spooled:
             self._deliver(child)
-        tags = {"slurm_job_id": child.job.job_id, "slurm_state": now.state, "slurm_node": now.node or child.node,
+        tags = {**self._job_tags(child, now.node), "slurm_state": now.state,
                 "slurm_spooled": spooled}  # true: the node could not reach the server; the parent delivered it
         if now.state != "COMPLETED":  # the cluster ended it (cancelled, node failure, time limit): FAILED
             tags[tracking.ERROR_TAG] = tail
@@ -221,5 +222,10 @@ class Follower(children.Follower):
         for child in self.pending.values():
             self._deliver(child)
             tracking.finish_child_run(child.run_id, -15, f"its sweep was {reason}", stopped=True,
-                                      log=job_log(child.job))
+                                      tags=self._job_tags(child), log=job_log(child.job))
+
+    def _job_tags(self, child: RemoteChild, node: str = "") -> dict:
+        """Its job, the node it ran on (where it started) and how many children shared its host."""
+        node = node or child.node
+        return {"slurm_job_id": child.job.job_id, **({"slurm_node": node} if node else {}), **self._placed(child)}
 
