@@ -290,7 +290,8 @@ OPTIONS: tuple[Option, ...] = (
                "`<task>_steps_per_window`)", same_work="the length of a timed window: more samples of the same work"),
     Option("repeats", "int", 0, "timed windows; 0 = until the median is within precision_pct.", _TIMED, minimum=0, maximum=COUNT_MAX,
            doc="timed windows (median and spread over them); `0`: from 3 windows on, until the median's 95 % interval "
-               "is within `precision_pct` (at most 60 windows and `max_time_s`; the reason is tagged "
+               "is within `precision_pct` (at most 60 windows and `max_time_s`; a launch-bound step, whose GPU waits on "
+               "its kernel launches, stops at 6 and is flagged `launch-bound`; the reason is tagged "
                "`<task>_timing_stop`)", same_work="the number of timed windows: more samples of the same work"),
     Option("precision_pct", "float", 1.0, "repeats=0: the precision target: stop when the median's 95 % interval is within this % of it "
            "(the window spread, the windows' CV, is a check apart: over 5% is flagged).",
