@@ -91,7 +91,9 @@ def _measure(step, bench: _Bench, task: str, batch_size: int, graph_eager_steps:
         bench.reducer.align()  # outside any timed region
     PHASES.mark("warmup")
     warm_iter_s = warm_s / (spec.warmup - 1) if spec.warmup > 1 else first_s  # the first call overstates it
-    bound = _rank0(bench, not graph_eager_steps and _launch_bound(step, warm_iter_s, dev))
+    # every rank checks or none (a DDP train step is a collective): rank 0's step time decides
+    bound = not graph_eager_steps and _rank0(bench, warm_iter_s <= LAUNCH_CHECKED_S) and \
+        _rank0(bench, _launch_bound(step, dev))
     if bound:
         say(f"{task}: launch-bound: the GPU waits on the host's kernel launches, so the figure moves with the "
             f"host's speed; timed in {MIN_WINDOWS} windows, the target met or not (cuda_graph=true times the GPU "
@@ -114,10 +116,11 @@ LAUNCH_CHECKED_S = 0.05
 LAUNCH_BOUND_SHARE = 0.8
 
 
-def _launch_bound(step, iter_s: float, device: str) -> bool:
+def _launch_bound(step, device: str) -> bool:
     """Whether the GPU waits on the host: three steps each launched on an idle GPU, the median share of the step's
-    time the launches took (a launch returns once queued; a GPU-bound step's queue then runs on without the host)."""
-    if device != "cuda" or iter_s > LAUNCH_CHECKED_S:
+    time the launches took (a launch returns once queued; a GPU-bound step's queue then runs on without the host).
+    Asked of steps under :data:`LAUNCH_CHECKED_S` alone."""
+    if device != "cuda":
         return False
     shares = []
     for _ in range(3):
@@ -500,7 +503,7 @@ def _probe_step(task: str, model, bench: _Bench, flops_per_img: int, batch: int,
     try:
         seconds = step_seconds(make, batch, flops_per_img, dev, matmul_rate)
         with torch.random.fork_rng(devices=[torch.cuda.current_device()] if dev == "cuda" else []):
-            return seconds, seconds <= LAUNCH_CHECKED_S and _launch_bound(make(batch), seconds, dev)
+            return seconds, seconds <= LAUNCH_CHECKED_S and _launch_bound(make(batch), dev)
     finally:
         model.zero_grad(set_to_none=True)
 
