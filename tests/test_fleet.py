@@ -18,7 +18,7 @@ import psutil
 import pytest
 from mlflow.tracking import MlflowClient
 
-from conftest import migrated_store, subprocess_env
+from conftest import free_port, migrated_store, subprocess_env
 from vitreg.fleet import children as child_commands
 
 pytestmark = pytest.mark.slow

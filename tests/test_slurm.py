@@ -248,7 +248,8 @@ def test_a_requeued_child_resumes_into_its_run_and_is_logged_once(slurm_cluster,
     twice, ends FINISHED and says it was requeued; the parent counts the child once."""
     client = MlflowClient(uri)
     sweep = _start(slurm_cluster, uri, tmp_path, "--gpu", "a100", *CHILD[2:], "--models", "test_vit",
-                   "--repeats", "300")  # seconds of timing: still running after its first system-metric sample
+                   "--repeats", "1500")  # ~10 s of timing: still running when requeued after its first system sample
+                                         # (300 windows, ~2.4 s, ended before the requeue once windows got cheaper)
     try:
         _wait(lambda: [c for c in _children(client) if c.info.status == "RUNNING" and _bench_processes(
             {c.info.run_id}) and any(k.startswith("system/") for k in c.data.metrics)], 300, "a child logging")
