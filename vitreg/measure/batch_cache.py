@@ -97,8 +97,9 @@ MEASURED = {
                                "2.11.0, timm 1.0.29: benchmarks/results/h200-2026-12-03-stop44/call1"),
     ("NVIDIA H100 80GB HBM3", "infer"): (512, "256:8608,512:8758,1024:8640", "H100 80GB HBM3, 2026-12-06, "
                                          "1ae7e00, torch 2.11, timm 1.0.29: benchmarks/results/h100-2026-12-06-tta"),
-    ("NVIDIA H100 80GB HBM3", "train"): (1024, "256:2578,512:2704,1024:2751,2048:oom,1536:oom", "H100 80GB HBM3, "
-                                         "8b9dd89, torch 2.11, timm 1.0.29: the device call issue 44 quotes"),
+    ("NVIDIA H100 80GB HBM3", "train"): (1024, "256:2529,512:2657,1024:2694,2048:oom,1536:oom", "H100 80GB HBM3, "
+                                         "2026-12-06, 8b9dd89, torch 2.11, timm 1.0.29: benchmarks/results/"
+                                         "h100-2026-12-06-tta/call2"),
 }
 
 
