@@ -74,7 +74,7 @@ def test_the_work_of_a_bench_is_its_steps_counted_as_the_run_will_take_them():
 def test_the_step_is_timed_at_a_probe_batch_and_scaled_to_the_run_s(monkeypatch):
     """On a CPU the probe's batch is what the measured matmul rate does in PROBE_S at CPU_STEP_EFFICIENCY: 16 GFLOP/s
     x 0.5 s x 0.5 = 4 GFLOP, 16 images of 0.25 GFLOP; the median of three timed calls after an untimed one, scaled
-    from 16 to 64 images. A step too long to time (one image over PROBE_S) comes from its FLOPs, untimed."""
+    from 16 to 64 images. A step too long to time (one image over 4 x PROBE_S) comes from its FLOPs, untimed."""
     made, timed = [], iter([0.02, 0.01, 0.05])
     monkeypatch.setattr(estimate, "wall_seconds", lambda fn, device: fn() or next(timed))
 

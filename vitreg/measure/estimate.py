@@ -142,8 +142,9 @@ PROBE_FLOPS_CUDA = 2e13
 #: 2 x this plus one step; on a CPU the probe's batch is sized from the measured matmul rate to take about this.
 PROBE_S = 0.5
 #: A ViT step's FLOP rate against a square matmul's of the same dtype on a CPU: the probe's batch is sized with it,
-#: and a step too long to time (a GPU-sized model on a CPU: one image's step over PROBE_S) is estimated with it,
-#: from the model's FLOPs, in seconds rather than minutes inside that step.
+#: and a step too long to time (a GPU-sized model on a CPU: one image's step over 4 x PROBE_S) is estimated with
+#: it, from the model's FLOPs, in seconds rather than minutes inside that step (a timed image is nearer the truth:
+#: ViT-B's bf16 forward on this project's CPU timed 35 s a 256-batch, where its FLOPs said 186 s).
 CPU_STEP_EFFICIENCY = 0.5
 #: Seconds torch.compile takes per task with a cold cache (a warm one takes about a quarter): typical ViT
 #: figures, since nothing can time a compile before it runs (ViT-B/16 infer, cold, on an H100: 9.5 s, a train
@@ -167,10 +168,11 @@ def estimated_batch(spec, device: str) -> int:
 
 def probe_batch(batch: int, flops_per_img: float, device: str, matmul_flops_per_s: float = 0.0) -> int:
     """The probe's batch, at most the run's: on a GPU :data:`PROBE_FLOPS_CUDA` of work; on a CPU what the measured
-    matmul rate does in :data:`PROBE_S`, or 0 where not one image's step fits in it."""
+    matmul rate does in :data:`PROBE_S`, or 0 where one image's step would take over four times that."""
     if device == "cuda":
         return min(batch, max(1, math.ceil(PROBE_FLOPS_CUDA / max(flops_per_img, 1.0))))
-    return min(batch, int(PROBE_S * matmul_flops_per_s * CPU_STEP_EFFICIENCY / max(flops_per_img, 1.0)))
+    images = PROBE_S * matmul_flops_per_s * CPU_STEP_EFFICIENCY / max(flops_per_img, 1.0)
+    return 0 if images < 0.25 else min(batch, max(1, int(images)))
 
 
 def step_seconds(make_step, batch: int, flops_per_img: float, device: str, matmul_flops_per_s: float = 0.0) -> float:
