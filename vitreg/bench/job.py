@@ -52,9 +52,9 @@ def bench(options: dict, experiment: str | None = None, run_name: str | None = N
             if not launch.launched_by_vitreg():
                 _print_end(run, result)
         return result
-    built = _build_ahead(options, placement)
+    spec, built = _build_ahead(options, placement)
     with launch.launcher_run(run_name, experiment, placement.run_node) as run:
-        spec = BenchSpec.from_options(options)  # the one parse of the options in this process
+        spec = spec or BenchSpec.from_options(options)  # options that did not parse fail here, inside the run
         if launch.needs_torchrun(spec.nproc, placement.nnodes):
             job = launch.JobLaunch("bench", options, run_name, placement, command, spec.task, spec.cuda_graph)
             _launch_bench(run, spec, job, baseline_run, progress)
@@ -122,19 +122,20 @@ class BenchPlan:
     params: dict = field(default_factory=dict)  # params besides the spec's and the resolved ones
 
 
-def _build_ahead(options: dict, placement: launch.Placement) -> Future | None:
-    """A plain process's model, built on a thread while its run opens and the hardware is read (MLflow's import
-    and the store take seconds of the mission's command, ViT-B's weights one more): the same model, sooner. None
-    where torchrun's ranks build it, or where the options do not parse (the run then says why)."""
+def _build_ahead(options: dict, placement: launch.Placement) -> tuple[BenchSpec | None, Future | None]:
+    """The one parse of the options in this process and a plain process's model, built on a thread while its run
+    opens and the hardware is read (MLflow's import and the store take seconds of the mission's command, ViT-B's
+    weights one more): the same model, sooner. No model where torchrun's ranks build it; neither where the options
+    do not parse (the run then says why)."""
     try:
         spec = BenchSpec.from_options(options)
     except VitregError:
-        return None
+        return None, None
     if launch.needs_torchrun(spec.nproc, placement.nnodes):
-        return None
+        return spec, None
     pool = ThreadPoolExecutor(1, thread_name_prefix="vitreg-model")
     try:
-        return pool.submit(create_model, spec.model, spec.img_size)
+        return spec, pool.submit(create_model, spec.model, spec.img_size)
     finally:
         pool.shutdown(wait=False)  # no wait here: its thread ends with the build
 
