@@ -111,8 +111,6 @@ def options_to_args(options: dict) -> list[str]:
     return args
 
 
-
-
 #: Ray's runtime_env fields (ray.runtime_env.RuntimeEnv.known_fields; a plugin may add more: warned, not refused)
 RAY_ENV_FIELDS = ("conda", "config", "container", "env_vars", "excludes", "image_uri", "java_jars", "pip",
                   "py_executable", "py_modules", "uv", "worker_process_setup_hook", "working_dir")
@@ -155,7 +153,10 @@ def parse_runtime_env(text, name: str = "ray_runtime_env") -> dict:
 
 
 def masked_runtime_env(settings: dict) -> dict:
-    """A sweep's settings as its parent records them: each ``env_vars`` value of ``ray_runtime_env`` masked."""
+    """A sweep's settings as its parent records them: each ``env_vars`` value of ``ray_runtime_env`` masked, as
+    :func:`parse_runtime_env` reads it back."""
+    from vitreg.console import MASK
+
     env = json.loads(str(settings.get("ray_runtime_env") or "").strip() or "{}")
-    env.update({"env_vars": dict.fromkeys(env["env_vars"], "***")} if env.get("env_vars") else {})
+    env.update({"env_vars": dict.fromkeys(env["env_vars"], MASK)} if env.get("env_vars") else {})
     return {**settings, **({"ray_runtime_env": json.dumps(env, separators=(",", ":"))} if env else {})}
