@@ -197,11 +197,10 @@ def _reuse(key, task: str, progress) -> BatchChoice | None:
         progress(f"{task}: batch_size=auto: {note}")
     if kept is None:
         return None
-    source = "cache" if kept.origin == str(batch_cache.cache_file()) else "measured"
-    progress(f"{task}: batch_size=auto: batch {kept.batch}, {'kept in ' if source == 'cache' else ''}{kept.origin} "
+    progress(f"{task}: batch_size=auto: batch {kept.batch}, {'kept in ' if kept.source == 'cache' else ''}{kept.origin} "
              f"(img/s per probe {kept.probes}); the warm-up checks it (delete {batch_cache.cache_file()} or pass a "
              f"batch size to search again)")
-    return BatchChoice(kept.batch, (), "cache", source=source, kept=f"{kept.probes} ({kept.origin})")
+    return BatchChoice(kept.batch, (), "cache", source=kept.source, kept=f"{kept.probes} ({kept.origin})")
 
 
 def forget_kept(key, task: str, batch: int, progress) -> None:

@@ -74,6 +74,7 @@ class Kept:
     batch: int
     probes: str  # the search's summary, ``256:8952,512:9061,1024:oom``
     origin: str  # where it comes from, for the run's line: the cache file, or the measurement's source
+    source: str = "cache"  # "cache": this machine's file; "measured": MEASURED (the BatchChoice's source)
 
     @property
     def img_per_s(self) -> float | None:
@@ -113,7 +114,7 @@ def lookup(key: CacheKey) -> tuple[Kept | None, str | None]:
         return (Kept(batch, str(entry.get("probes", "")), str(cache_file())) if good else None), note
     measured = MEASURED.get((key.machine, key.task))
     if measured and {name: getattr(key, name) for name in MISSION} == MISSION:
-        return Kept(measured[0], measured[1], f"measured on {measured[2]}"), note
+        return Kept(measured[0], measured[1], f"measured on {measured[2]}", "measured"), note
     return None, note
 
 
